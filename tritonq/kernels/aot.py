@@ -1,0 +1,84 @@
+"""Ahead-of-time compile a @triton.jit kernel for a GPU we do not have.
+
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs the whole NVIDIA
+pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin via the bundled ptxas) on a CPU-only
+machine. This catches what the interpreter forgives (dtype mixes, unsupported ops, shared
+memory overflow) and shows whether sm_90 picked wgmma. Used by tests and `tune --aot`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Max dynamic shared memory per block (bytes) by compute capability.
+SHARED_MEMORY_LIMIT = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    cc: int
+    shared_bytes: int
+    registers: int | None
+    spills: int | None
+    uses_wgmma: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.shared_bytes <= SHARED_MEMORY_LIMIT.get(self.cc, 49152)
+
+
+def aot_compile(kernel, signature: dict, constexprs: dict, cc: int, num_warps: int = 4,
+                num_stages: int = 3) -> CompileReport:
+    """Compile `kernel` for sm_`cc`.
+
+    signature: {arg_name: type string}, e.g. {"x_ptr": "*fp16", "M": "i32"}; constexpr args
+    are given in `constexprs` ({name: value}) and are typed "constexpr" automatically.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernel
+    while not hasattr(fn, "arg_names"):  # unwrap @triton.autotune / @triton.heuristics
+        fn = fn.fn
+    sig = dict(signature)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = compiled.asm.get("ptx", "")
+    registers = spills = None
+    n_regs = getattr(compiled, "n_regs", None)
+    n_spills = getattr(compiled, "n_spills", None)
+    if isinstance(n_regs, int) and n_regs > 0:
+        registers, spills = n_regs, n_spills
+    else:  # metadata is filled on first GPU load; read ptxas' own report from the cubin instead
+        registers, spills = _ptxas_usage(ptx, cc)
+    return CompileReport(cc=cc, shared_bytes=int(compiled.metadata.shared),
+                         registers=registers, spills=spills,
+                         uses_wgmma=bool(re.search(r"\bwgmma\.", ptx)))
+
+
+def _ptxas_usage(ptx: str, cc: int) -> tuple[int | None, int | None]:
+    """Run the ptxas bundled with triton with -v to read registers and spill bytes."""
+    import os
+    import subprocess
+    import tempfile
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = get_ptxas(cc).path
+    except Exception:
+        return None, None
+    arch = f"sm_{cc}a" if cc == 90 else f"sm_{cc}"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.findall(r"(\d+) bytes spill stores", text)
+    return (int(regs.group(1)) if regs else None, sum(map(int, spill)) if spill else 0)
