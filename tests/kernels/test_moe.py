@@ -1,0 +1,212 @@
+"""MoE routing, token alignment and the fused expert GEMM against independent references.
+
+Tolerances (stated once): fp32 activations -> the kernel and the float32 loop reference differ
+only in summation order: rtol/atol 1e-4. fp16 activations -> the kernel rounds x, the dequantized
+weights and the SiLU-and-mul hidden to fp16 (11-bit mantissa) before each GEMM: 2e-2.
+Routing is compared exactly (same fp32 scores, deterministic tie rule).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight
+from tritonq.formats.packing import pack_int32
+from tritonq.kernels.aot import aot_compile
+from tritonq.kernels.moe import (_moe_gemm_kernel, fused_moe, fused_moe_reference, grouped_topk,
+                                 grouped_topk_reference, moe_align_block_size)
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
+
+
+# ------------------------------------------------------------------ routing
+
+def _logits(T, E, n_group, kind):
+    if kind == "random":
+        return torch.randn(T, E)
+    if kind == "ties":  # few distinct values: many experts tie within and across groups
+        return torch.randint(0, 3, (T, E)).float()
+    # every group a copy of the first: all group scores equal
+    return torch.randn(T, E // n_group).repeat(1, n_group)
+
+
+ROUTING_CASES = [  # (E, top_k, n_group, topk_group, scoring, with_bias, renormalize, rsf)
+    (8, 2, 1, 1, "softmax", False, False, 1.0),        # Mixtral-like greedy
+    (64, 6, 1, 1, "softmax", False, False, 1.0),       # DeepSeek-V2-Lite greedy
+    (64, 6, 4, 2, "sigmoid", True, True, 2.5),         # noaux_tc, 4 groups
+    (160, 6, 8, 3, "softmax", False, False, 16.0),     # DeepSeek-V2 group_limited_greedy
+    (160, 8, 8, 4, "sigmoid", True, True, 2.5),        # DeepSeek-V3-like noaux_tc
+    (8, 3, 8, 4, "softmax", False, True, 1.0),         # one expert per group
+]
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "equal_groups"])
+@pytest.mark.parametrize("E,top_k,n_group,topk_group,scoring,with_bias,renormalize,rsf", ROUTING_CASES)
+def test_grouped_topk_matches_reference(kind, E, top_k, n_group, topk_group, scoring, with_bias, renormalize, rsf):
+    logits = _logits(17, E, n_group, kind)
+    bias = torch.randint(0, 4, (E,)).float() * 0.25 if with_bias else None  # coarse: keeps ties
+    args = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, scoring=scoring,
+                correction_bias=bias, renormalize=renormalize, routed_scaling_factor=rsf)
+    weights, ids = grouped_topk(logits, **args)
+    ref_weights, ref_ids = grouped_topk_reference(logits, **args)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    assert torch.equal(weights, ref_weights)
+
+
+def test_grouped_topk_ties_pick_lowest_index():
+    logits = torch.zeros(2, 8)
+    _, ids = grouped_topk(logits, top_k=2)
+    assert ids.tolist() == [[0, 1], [0, 1]]
+    # 4 groups of 2, all equal: groups 0 and 1 are kept, then experts 0..3 in order
+    _, ids = grouped_topk(logits, top_k=3, n_group=4, topk_group=2)
+    assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_grouped_topk_bias_selects_but_does_not_weight():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    bias = torch.tensor([10.0, 0.0, 0.0, 0.0])
+    weights, ids = grouped_topk(logits, top_k=2, scoring="sigmoid", correction_bias=bias)
+    assert ids.tolist() == [[0, 3]]
+    torch.testing.assert_close(weights, torch.sigmoid(torch.tensor([[0.0, 3.0]])))
+
+
+def test_grouped_topk_rejects_bad_groups():
+    with pytest.raises(ValueError, match="n_group"):
+        grouped_topk(torch.randn(2, 10), top_k=2, n_group=4, topk_group=1)
+    with pytest.raises(ValueError, match="top_k"):
+        grouped_topk(torch.randn(2, 8), top_k=3, n_group=4, topk_group=1)
+
+
+# ------------------------------------------------------------------ alignment
+
+def test_align_groups_pairs_by_expert_and_pads_runs():
+    E, block_m = 6, 4
+    ids = torch.tensor([[0, 2], [2, 5], [0, 2], [5, 0], [2, 2]], dtype=torch.int32)  # experts 1, 3, 4 empty
+    sorted_ids, expert_ids, post_padded = moe_align_block_size(ids, block_m, E)
+    numel = ids.numel()
+    n_used = int(post_padded)
+    assert n_used == 4 + 8 + 4  # expert 0: 3 pairs, expert 2: 5 pairs, expert 5: 2 pairs
+    used = sorted_ids[:n_used].view(-1, block_m)
+    flat = ids.flatten()
+    for block, expert in zip(used, expert_ids[:n_used // block_m]):
+        real = block[block < numel]
+        assert len(real) > 0 and bool((flat[real.long()] == expert).all())
+    real = sorted_ids[sorted_ids < numel]
+    assert sorted(real.tolist()) == list(range(numel))
+    assert bool((sorted_ids[n_used:] == numel).all())
+
+
+# ------------------------------------------------------------------ fused MoE
+
+def _stacked(kind, E, N, K):
+    """(stacked typed weight, its dense fp32 [E, N, K] built straight from the generated values)."""
+    if kind == "dense":
+        w = torch.randn(E, N, K) / K ** 0.5
+        return DenseWeight(w), w
+    if kind in ("int4", "int4_sym"):
+        group_size = 16
+        G = -(-K // group_size)
+        q = torch.randint(0, 16, (E, K, N), dtype=torch.int32)
+        scales = (torch.rand(E, G, N) * 0.02 + 0.01).half()
+        zeros = None if kind == "int4_sym" else torch.randint(0, 16, (E, G, N)).half()
+        group = torch.arange(K) // group_size
+        z = 8.0 if zeros is None else zeros.float()[:, group]
+        dense = ((q.float() - z) * scales.float()[:, group]).transpose(1, 2)
+        return Int4Weight(pack_int32(q, 4, dim=1), scales, zeros, None, group_size, 4), dense
+    w8 = (torch.randn(E, N, K) * 2).to(torch.float8_e4m3fn)
+    if kind == "fp8_tensor":
+        s = torch.rand(E) * 0.1 + 0.05
+        return FP8Weight(w8, s), w8.float() * s[:, None, None]
+    bn, bk = 16, 32
+    s = torch.rand(E, -(-N // bn), -(-K // bk)) * 0.1 + 0.05
+    full = s.repeat_interleave(bn, 1)[:, :N].repeat_interleave(bk, 2)[:, :, :K]
+    return FP8Weight(w8, s, block_size=(bn, bk)), w8.float() * full
+
+
+def _per_token_moe(x, gate_up, down, weights, ids):
+    """Independent dense reference: one token and one slot at a time."""
+    inter = down.shape[2]
+    out = torch.zeros(x.shape[0], down.shape[1])
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            h = gate_up[e] @ x[t].float()
+            out[t] += w * (down[e] @ (F.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+def _routing(T, E, top_k):
+    # experts E-2 and E-1 never chosen: experts with zero tokens
+    logits = torch.randn(T, E)
+    logits[:, -2:] = -1e4
+    return grouped_topk(logits, top_k=top_k, renormalize=True)
+
+
+D, INTER, E_TEST = 40, 24, 8  # D, I not multiples of BLOCK_K / BLOCK_N
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "int4_sym", "fp8_tensor", "fp8_block"])
+def test_reference_matches_per_token_dense(kind):
+    gate_up, gate_up_dense = _stacked(kind, E_TEST, 2 * INTER, D)
+    down, down_dense = _stacked(kind, E_TEST, D, INTER)
+    x = torch.randn(5, D)
+    weights, ids = _routing(5, E_TEST, 2)
+    expected = _per_token_moe(x, gate_up_dense, down_dense, weights, ids)
+    torch.testing.assert_close(fused_moe_reference(x, gate_up, down, weights, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,T,top_k,dtype", [
+    ("dense", 1, 1, torch.float32),
+    ("dense", 3, 2, torch.float16),
+    ("dense", 33, 6, torch.float32),
+    ("int4", 3, 6, torch.float32),
+    ("int4_sym", 33, 2, torch.float16),
+    ("fp8_tensor", 3, 2, torch.float32),
+    ("fp8_block", 33, 6, torch.float16),
+])
+def test_fused_moe_matches_loop_reference(kind, T, top_k, dtype):
+    gate_up, _ = _stacked(kind, E_TEST, 2 * INTER, D)
+    down, _ = _stacked(kind, E_TEST, D, INTER)
+    if kind == "dense":
+        gate_up, down = DenseWeight(gate_up.weight.to(dtype)), DenseWeight(down.weight.to(dtype))
+    x = torch.randn(T, D).to(dtype)
+    weights, ids = _routing(T, E_TEST, top_k)
+    out = fused_moe(x, gate_up, down, weights, ids)
+    assert out.dtype == dtype and out.shape == (T, D)
+    ref = fused_moe_reference(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_fused_moe_rejects_unstacked_weight():
+    w = DenseWeight(torch.randn(2 * INTER, D))
+    weights, ids = _routing(2, E_TEST, 2)
+    with pytest.raises(ValueError, match="stacked"):
+        fused_moe(torch.randn(2, D), w, w, weights, ids)
+
+
+# ------------------------------------------------------------------ AOT
+
+COMMON_SIG = {"a_ptr": "*bf16", "out_ptr": "*bf16", "routing_weight_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+              "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32", "num_valid": "i32", "N": "i32",
+              "K": "i32", "up_offset": "i32", "a_row_divisor": "i32", "stride_am": "i32", "stride_om": "i32",
+              "stride_we": "i32", "stride_wn": "i32", "stride_wk": "i32", "stride_se": "i32",
+              "stride_sn": "i32", "stride_sk": "i32", "group_size": "i32"}
+WEIGHT_SIG = {  # kind -> (pointer types of w, scale, zero, g_idx; KIND, HAS_ZEROS, SCALE_BN, SCALE_BK)
+    "dense": (("*bf16", "*bf16", "*bf16", "*bf16"), 0, False, 1, 1),
+    "int4": (("*i32", "*bf16", "*bf16", "*i32"), 1, True, 1, 1),
+    "fp8_block": (("*fp8e4nv", "*fp32", "*fp32", "*fp32"), 2, False, 128, 128),
+}
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("kind", list(WEIGHT_SIG))
+@pytest.mark.parametrize("gate_up", [True, False])
+def test_moe_gemm_aot_compiles(cc, kind, gate_up):
+    ptrs, kind_id, has_zeros, sbn, sbk = WEIGHT_SIG[kind]
+    sig = dict(COMMON_SIG, **dict(zip(("w_ptr", "scale_ptr", "zero_ptr", "g_idx_ptr"), ptrs)))
+    report = aot_compile(_moe_gemm_kernel, sig, dict(
+        GATE_UP=gate_up, KIND=kind_id, BITS=4, HAS_ZEROS=has_zeros, HAS_G_IDX=False, SCALE_BN=sbn,
+        SCALE_BK=sbk, BLOCK_M=64, BLOCK_N=128 if not gate_up else 64, BLOCK_K=64), cc=cc, num_warps=8 if cc == 90 else 4, num_stages=3)
+    print(f"moe {kind} gate_up={gate_up} sm_{cc}: shared={report.shared_bytes} regs={report.registers} "
+          f"spills={report.spills} wgmma={report.uses_wgmma}")
+    assert report.fits
+    assert report.spills in (0, None)

@@ -1,0 +1,408 @@
+"""Mixture of experts: grouped top-k routing, token alignment, fused expert GEMM.
+
+Routing `grouped_topk(router_logits [T, E])` -> (topk_weights [T, k] fp32, topk_ids [T, k] int32)
+covers DeepSeek-V2 `greedy` / `group_limited_greedy` (softmax, group score = max in group) and
+DeepSeek-V3 `noaux_tc` (sigmoid, correction bias for selection only, group score = sum of the
+top-2 in group). Ties: the lower expert (or group) index wins, via a stable descending sort.
+Routing is a handful of vectorised torch ops on a [T, E] fp32 tensor (E <= 256): a Triton
+kernel would save a few microseconds of launches per layer and is not worth a second
+implementation; `grouped_topk_reference` is an independent per-token loop.
+
+Expert MLP `fused_moe(x [T, D], gate_up [E, 2I, D], down [E, D, I], topk_weights, topk_ids)`
+-> [T, D] in x.dtype = sum_k w_k * down_e(silu(gate_e x) * up_e x), gate rows first in gate_up.
+Weights are stacked typed weights (formats/base.py with a leading expert dim E):
+  DenseWeight weight [E, N, K]; Int4Weight qweight [E, K*bits/32, N], scales/zeros [E, G, N],
+  g_idx [E, K] or None; FP8Weight weight [E, N, K] fp8 with weight_scale [E] (per tensor),
+  [E, N, 1] (per channel) or [E, ceil(N/bn), ceil(K/bk)] (block_size (bn, bk)).
+Pipeline: `moe_align_block_size` sorts the T*k (token, slot) pairs by expert and pads each
+expert's run to BLOCK_M, so each M block of rows belongs to one expert; `_moe_gemm_kernel`
+then runs once for gate/up (two accumulators, SiLU-and-mul fused in the epilogue) and once
+for down (routing weight multiplied in), each launch covering all experts; a sum over the
+k slots puts the result back in token order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
+from tritonq.kernels import use_triton
+from tritonq.kernels.configs import lookup
+
+DENSE, INT4, FP8 = 0, 1, 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing
+# ----------------------------------------------------------------------------------------------
+
+def _check_routing(router_logits, top_k, n_group, topk_group, scoring, correction_bias):
+    if router_logits.dim() != 2:
+        raise ValueError(f"grouped_topk: router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
+    E = router_logits.shape[1]
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"grouped_topk: scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"grouped_topk: {E} experts cannot be split into n_group={n_group} equal groups")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"grouped_topk: topk_group={topk_group} must be in [1, n_group={n_group}]")
+    if not 1 <= top_k <= topk_group * (E // n_group):
+        raise ValueError(f"grouped_topk: top_k={top_k} must be in [1, {topk_group * (E // n_group)}] "
+                         f"(experts in the {topk_group} kept groups of {E // n_group})")
+    if correction_bias is not None and correction_bias.shape != (E,):
+        raise ValueError(f"grouped_topk: correction_bias must be [{E}], got {tuple(correction_bias.shape)}")
+    if correction_bias is not None and E // n_group < 2:
+        raise ValueError("grouped_topk: a correction bias scores groups by their top-2, groups need >= 2 experts")
+
+
+def _stable_topk(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim; equal values: lower index first."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def grouped_topk(router_logits: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1,
+                 scoring: str = "softmax", correction_bias: torch.Tensor | None = None,
+                 renormalize: bool = False, routed_scaling_factor: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, top_k] fp32, topk_ids [T, top_k] int32).
+
+    Weights are the un-biased scores of the chosen experts, divided by their sum (+1e-20, so
+    underflowed sigmoid scores give 0, not NaN) if renormalize, times routed_scaling_factor.
+    """
+    _check_routing(router_logits, top_k, n_group, topk_group, scoring, correction_bias)
+    T, E = router_logits.shape
+    logits = router_logits.float()
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if n_group > 1:
+        grouped = choice.view(T, n_group, E // n_group)
+        if correction_bias is None:
+            group_scores = grouped.max(-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # a sum of values: ties do not matter
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, _stable_topk(group_scores, topk_group), True)
+        choice = choice.masked_fill(~kept.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = _stable_topk(choice, top_k)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def grouped_topk_reference(router_logits: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1,
+                           scoring: str = "softmax", correction_bias: torch.Tensor | None = None,
+                           renormalize: bool = False, routed_scaling_factor: float = 1.0
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same routing written per token with Python sorting (key: score desc, then index asc)."""
+    _check_routing(router_logits, top_k, n_group, topk_group, scoring, correction_bias)
+    T, E = router_logits.shape
+    per_group = E // n_group
+    all_weights, all_ids = [], []
+    for t in range(T):
+        logits = router_logits[t].float()
+        scores = (logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()).tolist()
+        choice = scores if correction_bias is None else (torch.tensor(scores) + correction_bias.float().cpu()).tolist()
+        group_score = []
+        for g in range(n_group):
+            members = sorted(choice[g * per_group:(g + 1) * per_group], reverse=True)
+            group_score.append(members[0] if correction_bias is None else
+                               float(torch.tensor(members[0], dtype=torch.float32) + members[1]))
+        groups = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+        candidates = [e for e in range(E) if e // per_group in groups]
+        ids = sorted(candidates, key=lambda e: (-choice[e], e))[:top_k]
+        w = torch.tensor([scores[e] for e in ids], dtype=torch.float32)
+        if renormalize:
+            w = w / (w.sum() + 1e-20)
+        all_weights.append(w * routed_scaling_factor)
+        all_ids.append(torch.tensor(ids, dtype=torch.int32))
+    return torch.stack(all_weights).to(router_logits.device), torch.stack(all_ids).to(router_logits.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Token alignment
+# ----------------------------------------------------------------------------------------------
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_ids, expert_ids, num_tokens_post_padded [1] int32).
+
+    sorted_ids [max_blocks * block_m] int32: flat (token * k + slot) indices grouped by expert,
+      each expert's run padded to a multiple of block_m with the sentinel T * k.
+    expert_ids [max_blocks] int32: the expert of each block of block_m rows.
+    max_blocks = min(T*k, ceil(T*k / block_m) + E) bounds the blocks without a host sync; blocks
+    at or past num_tokens_post_padded are unused (the kernel exits on them).
+    Vectorised torch (a stable sort and a few scans) rather than a kernel: it is O(T*k).
+    """
+    flat = topk_ids.flatten().long()
+    numel = flat.numel()
+    device = flat.device
+    order = torch.sort(flat, stable=True).indices             # pairs grouped by expert, token order kept
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    unpadded_start = counts.cumsum(0) - counts
+    expert_of_sorted = flat[order]
+    rank_in_expert = torch.arange(numel, device=device) - unpadded_start[expert_of_sorted]
+    max_blocks = min(numel, triton.cdiv(numel, block_m) + num_experts)
+    sorted_ids = torch.full((max_blocks * block_m,), numel, dtype=torch.int32, device=device)
+    sorted_ids[padded_start[expert_of_sorted] + rank_in_expert] = order.to(torch.int32)
+    block_start = torch.arange(max_blocks, device=device) * block_m
+    expert_ids = torch.searchsorted(padded_end, block_start, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused expert GEMM
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
+                      stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                      group_size, KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      HAS_G_IDX: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                      COMPUTE: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N)."""
+    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    if KIND == 0:  # dense [E, N, K]
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=mask, other=0.0)
+        w = w.to(COMPUTE)
+    elif KIND == 1:  # int: qweight [E, K*BITS/32, N], packed along K (stride_wk is the packed-row stride)
+        PACK: tl.constexpr = 32 // BITS
+        packed = tl.load(w_base + (offs_k[:, None] // PACK) * stride_wk + offs_n[None, :] * stride_wn,
+                         mask=mask, other=0)
+        q = (packed >> ((offs_k[:, None] % PACK) * BITS)) & ((1 << BITS) - 1)
+        if HAS_G_IDX:
+            group = tl.load(g_idx_ptr + expert.to(tl.int64) * K + offs_k, mask=offs_k < K, other=0)
+        else:
+            group = offs_k // group_size
+        s_off = expert.to(tl.int64) * stride_se + group[:, None] * stride_sk + offs_n[None, :] * stride_sn
+        scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            q = q.to(tl.float32) - tl.load(zero_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+        else:  # symmetric: zero = 2^(bits-1)
+            q = (q - (1 << (BITS - 1))).to(tl.float32)
+        w = (q * scale).to(COMPUTE)
+    else:  # fp8 [E, N, K]; scale index (n // SCALE_BN, k // SCALE_BK), strides 0 where constant
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=mask, other=0.0)
+        s_off = (expert.to(tl.int64) * stride_se + (offs_n[None, :] // SCALE_BN) * stride_sn
+                 + (offs_k[:, None] // SCALE_BK) * stride_sk)
+        scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
+        w = (w.to(tl.float32) * scale).to(COMPUTE)
+    return w
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, routing_weight_ptr,
+                     sorted_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+                     num_valid, N, K, up_offset, a_row_divisor,
+                     stride_am, stride_om,
+                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
+                     GATE_UP: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                     HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
+
+    A row of sorted row r is sorted_ids[r] // a_row_divisor (the token for gate/up, the
+    (token, slot) row itself for down); the output row is sorted_ids[r].
+    GATE_UP: out[:, n] = silu(A @ W[n]) * (A @ W[n + up_offset]); else out = w_route * (A @ W^T).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return  # past the last padded expert run: max_blocks is only an upper bound
+    expert = tl.load(expert_ids_ptr + pid_m)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = rows < num_valid  # padding slots hold the sentinel num_valid
+    a_rows = (rows // a_row_divisor).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    COMPUTE = a_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+                    mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        w = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
+                              stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
+                              KIND, BITS, HAS_ZEROS, HAS_G_IDX, SCALE_BN, SCALE_BK, COMPUTE)
+        acc = tl.dot(a, w, acc)
+        if GATE_UP:
+            w_up = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k,
+                                     offs_n + up_offset, K, N + up_offset,
+                                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                                     group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, SCALE_BN, SCALE_BK,
+                                     COMPUTE)
+            acc_up = tl.dot(a, w_up, acc_up)
+    if GATE_UP:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
+    else:
+        acc = acc * tl.load(routing_weight_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    out_mask = row_ok[:, None] & (offs_n[None, :] < N)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+
+
+def _config(tokens: int, top_k: int, num_experts: int, N: int, K: int) -> dict:
+    """Tuned config for this shape bucket, else a default with BLOCK_M grown with tokens/expert."""
+    bucket = f"M{triton.next_power_of_2(tokens)}_E{num_experts}_N{N}_K{K}"
+    tuned = lookup("moe", bucket)
+    if tuned is not None:
+        return tuned
+    config = dict(DEFAULT_CONFIG)
+    per_expert = tokens * top_k / num_experts
+    if per_expert >= 64:
+        config.update(BLOCK_M=64, BLOCK_N=128, num_warps=8)
+    elif per_expert >= 16:
+        config.update(BLOCK_M=32, BLOCK_N=64)
+    return config
+
+
+def _weight_args(w: Weight) -> dict:
+    """Kernel arguments describing a stacked weight whose per-expert matrix is W [N, K]."""
+    if isinstance(w, DenseWeight):
+        t = w.weight
+        return dict(w_ptr=t, scale_ptr=t, zero_ptr=t, g_idx_ptr=t, stride_we=t.stride(0), stride_wn=t.stride(1),
+                    stride_wk=t.stride(2), stride_se=0, stride_sn=0, stride_sk=0, group_size=1,
+                    KIND=DENSE, BITS=4, HAS_ZEROS=False, HAS_G_IDX=False, SCALE_BN=1, SCALE_BK=1)
+    if isinstance(w, Int4Weight):
+        q, s = w.qweight, w.scales
+        return dict(w_ptr=q, scale_ptr=s, zero_ptr=s if w.zeros is None else w.zeros,
+                    g_idx_ptr=q if w.g_idx is None else w.g_idx,
+                    stride_we=q.stride(0), stride_wn=q.stride(2), stride_wk=q.stride(1),
+                    stride_se=s.stride(0), stride_sn=s.stride(2), stride_sk=s.stride(1), group_size=w.group_size,
+                    KIND=INT4, BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
+                    SCALE_BN=1, SCALE_BK=1)
+    t, s = w.weight, w.weight_scale.float()
+    if w.block_size is not None:
+        scale_bn, scale_bk = w.block_size
+        strides = (s.stride(0), s.stride(1), s.stride(2))
+    elif s.dim() == 1:  # per tensor: one scale per expert
+        scale_bn, scale_bk, strides = 1, 1, (s.stride(0), 0, 0)
+    else:  # per channel [E, N, 1]
+        scale_bn, scale_bk, strides = 1, 1, (s.stride(0), s.stride(1), 0)
+    return dict(w_ptr=t, scale_ptr=s, zero_ptr=s, g_idx_ptr=s, stride_we=t.stride(0), stride_wn=t.stride(1),
+                stride_wk=t.stride(2), stride_se=strides[0], stride_sn=strides[1], stride_sk=strides[2],
+                group_size=1, KIND=FP8, BITS=4, HAS_ZEROS=False, HAS_G_IDX=False,
+                SCALE_BN=scale_bn, SCALE_BK=scale_bk)
+
+
+def _stacked_shape(w: Weight, name: str) -> tuple[int, int, int]:
+    """(E, N, K) of a stacked weight, validating its fields have the leading expert dim."""
+    if isinstance(w, DenseWeight) and w.weight.dim() == 3:
+        return tuple(w.weight.shape)
+    if isinstance(w, FP8Weight) and w.weight.dim() == 3:
+        E, N, K = w.weight.shape
+        s = w.weight_scale
+        ok = (s.shape == (E, triton.cdiv(N, w.block_size[0]), triton.cdiv(K, w.block_size[1]))
+              if w.block_size is not None else s.shape in ((E,), (E, N, 1)))
+        if not ok:
+            raise ValueError(f"fused_moe: {name} FP8 weight_scale shape {tuple(s.shape)} does not match weight "
+                             f"[{E}, {N}, {K}] with block_size {w.block_size}; expected [E], [E, N, 1] or "
+                             f"[E, ceil(N/bn), ceil(K/bk)]")
+        return E, N, K
+    if isinstance(w, Int4Weight) and w.qweight.dim() == 3:
+        E, packed_k, N = w.qweight.shape
+        K = packed_k * 32 // w.bits
+        if w.scales.dim() != 3 or w.scales.shape[0] != E or w.scales.shape[2] != N:
+            raise ValueError(f"fused_moe: {name} Int4 scales shape {tuple(w.scales.shape)} must be [E={E}, G, N={N}]")
+        if w.g_idx is not None and w.g_idx.shape != (E, K):
+            raise ValueError(f"fused_moe: {name} g_idx shape {tuple(w.g_idx.shape)} must be [E={E}, K={K}]")
+        return E, N, K
+    raise ValueError(f"fused_moe: {name} must be a stacked DenseWeight/Int4Weight/FP8Weight with a leading expert "
+                     f"dim (loader.get_stacked), got {type(w).__name__}")
+
+
+def _check_moe(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]:
+    if x.dim() != 2:
+        raise ValueError(f"fused_moe: x must be [T, D], got shape {tuple(x.shape)}")
+    T, D = x.shape
+    E, two_i, gu_k = _stacked_shape(gate_up, "gate_up")
+    E2, down_n, inter = _stacked_shape(down, "down")
+    if gu_k != D or two_i != 2 * inter or down_n != D or E2 != E:
+        raise ValueError(f"fused_moe: expected gate_up [E, 2I, D] and down [E, D, I] for x [T, D={D}], got "
+                         f"gate_up [{E}, {two_i}, {gu_k}] and down [{E2}, {down_n}, {inter}]")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"fused_moe: topk_weights and topk_ids must both be [T={T}, k], got "
+                         f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+    return E, inter, D
+
+
+def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, D] -> [T, D] in x.dtype: sum_k topk_weights[:, k] * down_e(silu(gate_e x) * up_e x)."""
+    E, inter, D = _check_moe(x, gate_up, down, topk_weights, topk_ids)
+    if not use_triton(x):
+        return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids)
+    T, top_k = topk_ids.shape
+    if T == 0:
+        return x.new_zeros(T, D)
+    x = x.contiguous()
+    numel = T * top_k
+    cfg1 = _config(T, top_k, E, inter, D)
+    cfg2 = _config(T, top_k, E, D, inter)
+    # Both GEMMs share one alignment, so they use the smaller BLOCK_M of the two configs.
+    block_m = min(cfg1["BLOCK_M"], cfg2["BLOCK_M"])
+    sorted_ids, expert_ids, post_padded = moe_align_block_size(topk_ids, block_m, E)
+    n_blocks = expert_ids.numel()
+    routing = topk_weights.float().contiguous().flatten()
+    hidden = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(numel, D, dtype=x.dtype, device=x.device)
+    for a, dst, weight, N, K, cfg, gate in ((x, hidden, gate_up, inter, D, cfg1, True),
+                                            (hidden, out, down, D, inter, cfg2, False)):
+        grid = (n_blocks, triton.cdiv(N, cfg["BLOCK_N"]))
+        _moe_gemm_kernel[grid](
+            a, dst, routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
+            num_tokens_post_padded_ptr=post_padded, num_valid=numel, N=N, K=K, up_offset=inter,
+            a_row_divisor=top_k if gate else 1, stride_am=a.stride(0), stride_om=dst.stride(0),
+            GATE_UP=gate, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_weight_args(weight))
+    return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+
+def _expert_matrix(w: Weight, e: int) -> torch.Tensor:
+    """Expert e's dense float32 W [N, K] from a stacked weight."""
+    if isinstance(w, DenseWeight):
+        return w.weight[e].float()
+    if isinstance(w, Int4Weight):
+        from tritonq.formats.packing import unpack_int32
+        q = unpack_int32(w.qweight[e], w.bits, dim=0).float()  # [K, N]
+        K = q.shape[0]
+        group = (w.g_idx[e].long() if w.g_idx is not None
+                 else torch.arange(K, device=q.device) // w.group_size)
+        scales = w.scales[e].float()[group]
+        zeros = w.zeros[e].float()[group] if w.zeros is not None else 2.0 ** (w.bits - 1)
+        return ((q - zeros) * scales).t()
+    weight = w.weight[e].float()
+    scale = w.weight_scale[e].float()
+    if w.block_size is not None:
+        bn, bk = w.block_size
+        scale = scale.repeat_interleave(bn, 0)[:weight.shape[0]].repeat_interleave(bk, 1)[:, :weight.shape[1]]
+    return weight * scale
+
+
+def fused_moe_reference(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """Loop over experts in float32: each expert runs its MLP on the tokens routed to it."""
+    E, inter, D = _check_moe(x, gate_up, down, topk_weights, topk_ids)
+    xf = x.float()
+    out = torch.zeros(x.shape[0], D, dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        gate, up = (xf[token] @ _expert_matrix(gate_up, e).t()).split(inter, dim=1)
+        y = (F.silu(gate) * up) @ _expert_matrix(down, e).t()
+        out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
+    return out.to(x.dtype)
