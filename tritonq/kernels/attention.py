@@ -1,0 +1,415 @@
+"""Attention: causal prefill (flash-attention 2) and split-KV decode (flash-decoding), with GQA.
+
+Shapes (B batch, S tokens, H query heads, Hkv key/value heads, H % Hkv == 0):
+  prefill_attention(q [B,S,H,Dqk], k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv], seq_lens [B] int32, scale,
+                    causal=True) -> [B,S,H,Dv]
+      Sequences are right-padded: valid tokens of sequence b are 0..seq_lens[b]-1. Padded output
+      rows are zero; key blocks beyond seq_lens[b] (and above the diagonal) are never loaded.
+  decode_attention(q [B,H,Dqk], k_cache [B,Smax,Hkv,Dqk], v_cache [B,Smax,Hkv,Dv],
+                   cache_lens [B] int32 (>= 1), scale) -> [B,H,Dv]
+      One query per sequence against cache positions 0..cache_lens[b]-1 (the new token's k/v are
+      already written).
+  write_kv_cache(k_cache, v_cache, k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv], start [B] int32)
+      Writes k/v in place at cache positions start[b]..start[b]+S-1 (one small kernel for both).
+dtypes: fp16, bf16 or fp32 (all inputs the same); accumulation and softmax are fp32; outputs are
+in q's dtype. KV cache layout [B, Smax, Hkv, D]: contiguous per-sequence (not paged — a paged
+cache with a block table is not implemented).
+
+Head dims need not be powers of two and Dqk may differ from Dv (DeepSeek-V2: 192 / 128). Each
+head dim is held in one power-of-two register block (next_pow2(D)) with masked loads, so tensors
+are never padded in memory. Cost: the masked lanes still take part in the tensor-core dots, so
+QK^T does next_pow2(Dqk)/Dqk times the useful FLOPs and the q/k tiles take that much more shared
+memory and registers: 192 -> 256 is 33% extra QK work (25% of the QK dot wasted), 96 -> 128 the
+same; 64 and 128 cost nothing. Memory traffic is unaffected (masked lanes are not loaded).
+
+On CPU tensors the torch references run instead (float32 compute), unless TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tritonq.kernels import use_triton
+from tritonq.kernels.configs import lookup
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_lens_ptr,
+                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                    stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+                    S, H, D_QK, D_V, qk_scale,
+                    GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One program: BLOCK_M query rows of one (sequence, query head). qk_scale includes log2(e)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    kv_h = h // GROUP
+    seq_len = tl.load(seq_lens_ptr + b)
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < D_QK), other=0.0)
+    k_base = k_ptr + b * stride_kb + kv_h * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_h * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # Keys past the sequence end (and, if causal, past this block's last row) are skipped;
+    # a block made only of padding rows loads nothing and just writes zeros.
+    hi = seq_len
+    if CAUSAL:
+        hi = tl.minimum(hi, start_m + BLOCK_M)
+    hi = tl.where(start_m < seq_len, hi, 0)
+    for start_n in range(0, hi, BLOCK_N):
+        n = start_n + offs_n
+        k = tl.load(k_base + n[None, :] * stride_ks + offs_d[:, None],
+                    mask=(n[None, :] < seq_len) & (offs_d[:, None] < D_QK), other=0.0)
+        s = tl.dot(q, k) * qk_scale
+        valid = n[None, :] < seq_len
+        if CAUSAL:
+            valid = valid & (n[None, :] <= offs_m[:, None])
+        # Key 0 is valid for every row, so m_new is finite from the first block on: no NaNs.
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(v_base + n[:, None] * stride_vs + offs_dv[None, :],
+                    mask=(n[:, None] < seq_len) & (offs_dv[None, :] < D_V), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = tl.where(offs_m[:, None] < seq_len, out, 0.0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < S) & (offs_dv[None, :] < D_V))
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, part_o_ptr, part_lse_ptr,
+                         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
+                         stride_vb, stride_vs, stride_vh, H, D_QK, D_V, qk_scale,
+                         GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Stage 1. One program: one KV split of one (sequence, kv head, block of its query heads).
+
+    All query heads sharing a kv head are one tl.dot operand, so each K/V tile is read once per
+    kv head (GQA costs no extra bandwidth). Writes the split's normalized output to
+    part_o [B, H, NUM_SPLITS, D_V] fp32 and its log2-sum-exp to part_lse [B, H, NUM_SPLITS].
+    """
+    b = tl.program_id(0)
+    head_blocks = tl.cdiv(GROUP, BLOCK_H)
+    kv_h = tl.program_id(1) // head_blocks
+    group_offs = (tl.program_id(1) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = kv_h * GROUP + group_offs
+    head_mask = group_offs < GROUP
+    split = tl.program_id(2)
+    cache_len = tl.load(cache_lens_ptr + b)
+    # Split boundaries are BLOCK_N-aligned; trailing splits of a short sequence are empty.
+    split_len = tl.cdiv(tl.cdiv(cache_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, cache_len)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=head_mask[:, None] & (offs_d[None, :] < D_QK), other=0.0)
+    k_base = k_ptr + b * stride_kb + kv_h * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_h * stride_vh
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        n = start_n + offs_n
+        k = tl.load(k_base + n[None, :] * stride_ks + offs_d[:, None],
+                    mask=(n[None, :] < hi) & (offs_d[:, None] < D_QK), other=0.0)
+        s = tl.dot(q, k) * qk_scale
+        s = tl.where(n[None, :] < hi, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(v_base + n[:, None] * stride_vs + offs_dv[None, :],
+                    mask=(n[:, None] < hi) & (offs_dv[None, :] < D_V), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    # An empty split stores lse = -inf and a zero output; the merge gives it weight 0.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    row = (b * H + heads) * NUM_SPLITS + split
+    tl.store(part_o_ptr + row[:, None] * D_V + offs_dv[None, :], out,
+             mask=head_mask[:, None] & (offs_dv[None, :] < D_V))
+    tl.store(part_lse_ptr + row, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, H, D_V,
+                         NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                         BLOCK_DV: tl.constexpr):
+    """Stage 2. One program per (sequence, query head): log-sum-exp weighted sum of the splits."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row = (b * H + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    part = tl.load(part_o_ptr + row[:, None] * D_V + offs_dv[None, :],
+                   mask=(offs_s[:, None] < NUM_SPLITS) & (offs_dv[None, :] < D_V), other=0.0)
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_dv, out.to(o_ptr.dtype.element_ty),
+             mask=offs_dv < D_V)
+
+
+@triton.jit
+def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, start_ptr,
+                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                     S, S_MAX, D_QK, D_V, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One program copies the k and v rows of one (sequence, token, kv head) into the cache."""
+    b = tl.program_id(0) // S
+    s = tl.program_id(0) % S
+    h = tl.program_id(1)
+    pos = tl.load(start_ptr + b) + s
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    # pos < S_MAX only fails inside CUDA-graph capture, where the host cannot check. pos is
+    # broadcast to a vector first because the interpreter rejects scalar & vector masks.
+    k = tl.load(k_ptr + b * stride_kb + s * stride_ks + h * stride_kh + offs_d, mask=offs_d < D_QK)
+    tl.store(k_cache_ptr + b * stride_kcb + pos * stride_kcs + h * stride_kch + offs_d, k,
+             mask=(offs_d < D_QK) & (pos + 0 * offs_d < S_MAX))
+    v = tl.load(v_ptr + b * stride_vb + s * stride_vs + h * stride_vh + offs_dv, mask=offs_dv < D_V)
+    tl.store(v_cache_ptr + b * stride_vcb + pos * stride_vcs + h * stride_vch + offs_dv, v,
+             mask=(offs_dv < D_V) & (pos + 0 * offs_dv < S_MAX))
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(block_d: int, block_dv: int, on_gpu: bool = True) -> PrefillConfig:
+    """Tuned config for these padded head dims on this GPU, else the default in code.
+
+    The interpreter gets 16x16 tiles so that small test shapes still span several blocks and tails.
+    """
+    if not on_gpu:
+        return PrefillConfig(16, 16, 1, 1)
+    tuned = lookup("attention_prefill", f"D{block_d}_DV{block_dv}")
+    if tuned:
+        return PrefillConfig(tuned["BLOCK_M"], tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"])
+    if max(block_d, block_dv) <= 64:
+        return PrefillConfig(128, 64, 4, 3)
+    if max(block_d, block_dv) <= 128:
+        return PrefillConfig(128, 64, 8, 3)
+    return PrefillConfig(64, 64, 4, 2)  # 256-wide q/k tiles: halve BLOCK_M to fit registers
+
+
+def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int,
+                  on_gpu: bool = True) -> DecodeConfig:
+    """Splits so that batch x kv_heads x splits programs fill about two waves of SMs.
+
+    Chosen from the cache capacity (not cache_lens, which live on the device) so the launch needs
+    no host sync and stays CUDA-graph friendly; each split keeps at least 4 key blocks.
+    """
+    if not on_gpu:
+        return DecodeConfig(16, min(4, triton.cdiv(max_len, 16)), 1, 1)
+    tuned = lookup("attention_decode", f"D{block_d}")
+    block_n, num_warps, num_stages = ((tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"])
+                                      if tuned else (64 if block_d <= 128 else 32, 4, 2))
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    wanted = triton.cdiv(2 * sms, batch * kv_heads)
+    num_splits = max(1, min(wanted, triton.cdiv(max_len, 4 * block_n), 64))
+    return DecodeConfig(block_n, num_splits, num_warps, num_stages)
+
+
+def _check_lens(name: str, lens: torch.Tensor, batch: int, device: torch.device) -> None:
+    if lens.dtype != torch.int32 or lens.shape != (batch,) or lens.device != device:
+        raise ValueError(f"{name} must be an int32 tensor of shape [{batch}] on {device}; got "
+                         f"{lens.dtype} {tuple(lens.shape)} on {lens.device}. "
+                         f"Use torch.tensor(lengths, dtype=torch.int32, device=q.device).")
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}. Cast them (or the KV cache) to the model dtype.")
+    H, Hkv = q.shape[-2], k.shape[2]
+    if k.shape[2] != v.shape[2] or H % Hkv:
+        raise ValueError(f"query heads ({H}) must be a multiple of kv heads, and k and v must have the "
+                         f"same kv heads; got k {tuple(k.shape)}, v {tuple(v.shape)} ({what}).")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)} ({what}).")
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
+                      scale: float, causal: bool = True) -> torch.Tensor:
+    """softmax(q k^T * scale) v over each right-padded sequence; see the module docstring."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"expected q [B,S,H,Dqk], k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv] with equal B and S; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
+    _check_heads(q, k, v, "prefill")
+    B, S, H, D_QK = q.shape
+    _check_lens("seq_lens", seq_lens, B, q.device)
+    if not use_triton(q):
+        return prefill_attention_reference(q, k, v, seq_lens, scale, causal)
+
+    q, k, v = map(_last_dim_contiguous, (q, k, v))
+    D_V = v.shape[-1]
+    block_d, block_dv = max(16, triton.next_power_of_2(D_QK)), max(16, triton.next_power_of_2(D_V))
+    cfg = prefill_config(block_d, block_dv, q.is_cuda)
+    out = torch.empty(B, S, H, D_V, dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(S, cfg.block_m), B * H)
+    _prefill_kernel[grid](q, k, v, out, seq_lens,
+                          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                          v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                          S, H, D_QK, D_V, scale * LOG2E,
+                          GROUP=H // k.shape[2], CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                          BLOCK_D=block_d, BLOCK_DV=block_dv,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence against its KV cache; see the module docstring."""
+    if (q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:2] != v_cache.shape[:2]
+            or q.shape[0] != k_cache.shape[0]):
+        raise ValueError(f"expected q [B,H,Dqk], k_cache [B,Smax,Hkv,Dqk], v_cache [B,Smax,Hkv,Dv]; got "
+                         f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}.")
+    _check_heads(q, k_cache, v_cache, "decode")
+    B, H, D_QK = q.shape
+    _check_lens("cache_lens", cache_lens, B, q.device)
+    if not use_triton(q):
+        return decode_attention_reference(q, k_cache, v_cache, cache_lens, scale)
+
+    q, k_cache, v_cache = map(_last_dim_contiguous, (q, k_cache, v_cache))
+    S_max, H_kv, D_V = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
+    group = H // H_kv
+    block_d, block_dv = max(16, triton.next_power_of_2(D_QK)), max(16, triton.next_power_of_2(D_V))
+    block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
+    cfg = decode_config(B, H_kv, S_max, block_d, q.is_cuda)
+    part_o = torch.empty(B, H, cfg.num_splits, D_V, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H, cfg.num_splits, dtype=torch.float32, device=q.device)
+    grid = (B, H_kv * triton.cdiv(group, block_h), cfg.num_splits)
+    _decode_split_kernel[grid](q, k_cache, v_cache, cache_lens, part_o, part_lse,
+                               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                               k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                               H, D_QK, D_V, scale * LOG2E,
+                               GROUP=group, NUM_SPLITS=cfg.num_splits, BLOCK_H=block_h,
+                               BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
+    _decode_merge_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, D_V,
+                                 NUM_SPLITS=cfg.num_splits,
+                                 BLOCK_SPLITS=triton.next_power_of_2(cfg.num_splits), BLOCK_DV=block_dv)
+    return out
+
+
+def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   start: torch.Tensor) -> None:
+    """k_cache[b, start[b] + s] = k[b, s] (same for v), in place, for every s < S."""
+    if (k.dim() != 4 or v.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4
+            or k.shape[:3] != v.shape[:3] or k_cache.shape[0] != k.shape[0]
+            or k_cache.shape[2:] != k.shape[2:] or v_cache.shape[2:] != v.shape[2:]
+            or k_cache.shape[:3] != v_cache.shape[:3]):
+        raise ValueError(f"expected k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv] matching k_cache [B,Smax,Hkv,Dqk], "
+                         f"v_cache [B,Smax,Hkv,Dv]; got k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}.")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError(f"k/v dtypes {k.dtype}/{v.dtype} differ from the cache's "
+                         f"{k_cache.dtype}/{v_cache.dtype}; cast k and v to the cache dtype first.")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must be contiguous in the head dim (they are written in place).")
+    B, S = k.shape[:2]
+    S_max = k_cache.shape[1]
+    _check_lens("start", start, B, k.device)
+    # Bounds need the values of start: checked except inside CUDA-graph capture, where the
+    # kernel's mask (positions >= Smax are not written) is the only guard.
+    if not (start.is_cuda and torch.cuda.is_current_stream_capturing()):
+        lo, hi = int(start.min()), int(start.max())
+        if lo < 0 or hi + S > S_max:
+            raise ValueError(f"write_kv_cache: positions start[b]..start[b]+{S - 1} must lie in "
+                             f"[0, {S_max}); got start in [{lo}, {hi}]. Allocate a longer cache.")
+    if not use_triton(k_cache):
+        return write_kv_cache_reference(k_cache, v_cache, k, v, start)
+
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    D_QK, D_V = k.shape[-1], v.shape[-1]
+    _write_kv_kernel[(B * S, k.shape[2])](
+        k_cache, v_cache, k, v, start,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        S, S_max, D_QK, D_V, BLOCK_D=triton.next_power_of_2(D_QK), BLOCK_DV=triton.next_power_of_2(D_V))
+
+
+def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, S, Hkv, D] -> [B, Hkv*group, S, D] float32 (query head h uses kv head h // group)."""
+    return x.float().transpose(1, 2).repeat_interleave(group, dim=1)
+
+
+def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
+                                scale: float, causal: bool = True) -> torch.Tensor:
+    """Plain torch, float32: masked softmax over the full [S, S] score matrix per head."""
+    B, S, H, _ = q.shape
+    group = H // k.shape[2]
+    scores = q.float().transpose(1, 2) @ _repeat_kv(k, group).transpose(-1, -2) * scale  # [B,H,S,S]
+    pos = torch.arange(S, device=q.device)
+    key_valid = pos[None, None, :] < seq_lens[:, None, None].to(pos)  # [B, 1, S]
+    if causal:
+        key_valid = key_valid & (pos[None, None, :] <= pos[None, :, None])  # [B, S, S]
+    scores = scores.masked_fill(~key_valid[:, None], float("-inf"))
+    out = (torch.softmax(scores, dim=-1) @ _repeat_kv(v, group)).transpose(1, 2)  # [B,S,H,Dv]
+    row_valid = pos[None, :] < seq_lens[:, None].to(pos)
+    return torch.where(row_valid[:, :, None, None], out, 0.0).to(q.dtype)
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               cache_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain torch, float32: masked softmax over all Smax cache positions."""
+    H = q.shape[1]
+    group = H // k_cache.shape[2]
+    scores = (q.float()[:, :, None, :] @ _repeat_kv(k_cache, group).transpose(-1, -2)).squeeze(2) * scale
+    pos = torch.arange(k_cache.shape[1], device=q.device)
+    valid = pos[None, :] < cache_lens[:, None].to(pos)  # [B, Smax]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    out = (torch.softmax(scores, dim=-1)[:, :, None, :] @ _repeat_kv(v_cache, group)).squeeze(2)
+    return out.to(q.dtype)
+
+
+def write_kv_cache_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             start: torch.Tensor) -> None:
+    """Slice assignment per sequence (start is read on the host)."""
+    S = k.shape[1]
+    for b, pos in enumerate(start.tolist()):
+        k_cache[b, pos:pos + S] = k[b]
+        v_cache[b, pos:pos + S] = v[b]
