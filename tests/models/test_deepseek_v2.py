@@ -1,0 +1,122 @@
+"""DeepSeek-V2 end to end against transformers' DeepseekV2ForCausalLM on tiny random checkpoints.
+
+Everything runs in float32 through the torch references (TRITONQ_BACKEND=torch), so ours and
+transformers differ only in summation order: logits agree to TOL (|logits| ~ 1 here).
+"""
+import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM as HFDeepseekV2
+
+from tritonq.formats.registry import get_loader
+from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM, kv_bytes_per_token
+
+TOL = dict(atol=2e-4, rtol=1e-4)  # fp32, summation order only
+MODES = ("expanded", "latent")
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
+              num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+              max_position_embeddings=256, initializer_range=0.1, first_k_dense_replace=1, n_shared_experts=2,
+              bos_token_id=None, eos_token_id=None, pad_token_id=0)
+CONFIGS = {
+    # V2-Lite style: one q_proj, greedy routing over all experts, default rope.
+    "lite": dict(q_lora_rank=None, n_routed_experts=6, num_experts_per_tok=2, topk_method="greedy"),
+    # V2 style: q LoRA, group-limited routing, scaled expert weights, yarn with mscale_all_dim.
+    "v2": dict(q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=3, topk_method="group_limited_greedy",
+               n_group=4, topk_group=2, routed_scaling_factor=2.5,
+               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                    original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
+                                    mscale=1.0, mscale_all_dim=0.8)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend(monkeypatch):
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """(folder, transformers model) for a tiny random DeepSeek-V2 saved to disk."""
+    torch.manual_seed(0)
+    hf = HFDeepseekV2(DeepseekV2Config(**COMMON, **CONFIGS[request.param])).eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    return folder, hf
+
+
+def load(folder, hf, mode):
+    return DeepseekV2ForCausalLM(hf.config, get_loader(folder, torch.float32, "cpu"), torch.float32, "cpu",
+                                 attention_mode=mode)
+
+
+PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [12, 7, 33, 2, 70]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefill_and_decode_logits_match_transformers(checkpoint, mode):
+    """Right-padded batch of two prompts, then 4 decode steps at unequal positions."""
+    folder, hf = checkpoint
+    model = load(folder, hf, mode)
+    steps = [[30, 31, 32, 33], [50, 51, 52, 53]]
+    cache = model.new_cache(2, 16)
+    lens = torch.tensor([len(p) for p in PROMPTS], dtype=torch.int32)
+    ids = torch.zeros(2, max(lens), dtype=torch.long)
+    for b, p in enumerate(PROMPTS):
+        ids[b, :len(p)] = torch.tensor(p)
+    ours = [[row[:n]] for row, n in zip(model(ids, lens, cache, 0), lens)]
+    for i in range(len(steps[0])):
+        step = torch.tensor([[s[i]] for s in steps])
+        logits = model(step, torch.ones(2, dtype=torch.int32), cache, lens + i)
+        for b in range(2):
+            ours[b].append(logits[b])
+    for b in range(2):
+        with torch.no_grad():
+            expected = hf(torch.tensor([PROMPTS[b] + steps[b]])).logits[0]
+        torch.testing.assert_close(torch.cat(ours[b]), expected, **TOL)
+
+
+def greedy(model, prompt, n_tokens):
+    cache = model.new_cache(1, len(prompt) + n_tokens)
+    logits = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), cache, 0)
+    tokens = [int(logits[0, -1].argmax())]
+    for i in range(n_tokens - 1):
+        logits = model(torch.tensor([[tokens[-1]]]), torch.ones(1, dtype=torch.int32), cache, len(prompt) + i)
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_20_tokens_identical_to_transformers(checkpoint, mode):
+    folder, hf = checkpoint
+    prompt = PROMPTS[0]
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+    assert greedy(load(folder, hf, mode), prompt, 20) == expected
+
+
+def test_attention_modes_agree(checkpoint):
+    """Latent cache with absorbed kv_b_proj gives the logits of the expanded K/V cache."""
+    folder, hf = checkpoint
+    logits = {}
+    for mode in MODES:
+        model = load(folder, hf, mode)
+        cache = model.new_cache(1, 12)
+        prompt = torch.tensor([PROMPTS[1]])
+        steps = [model(prompt, torch.tensor([5], dtype=torch.int32), cache, 0)[0, -1]]
+        for i, token in enumerate([4, 8, 15, 16, 23]):
+            steps.append(model(torch.tensor([[token]]), torch.ones(1, dtype=torch.int32), cache, 5 + i)[0, -1])
+        logits[mode] = torch.stack(steps)
+    torch.testing.assert_close(logits["latent"], logits["expanded"], **TOL)
+
+
+def test_kv_bytes_per_token_deepseek_v2_lite():
+    """Real DeepSeek-V2-Lite: 27 layers, 16 heads, kv_lora_rank 512, rope 64, nope 128, v 128, bf16."""
+    lite = DeepseekV2Config(num_hidden_layers=27, num_attention_heads=16, kv_lora_rank=512, q_lora_rank=None,
+                            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, hidden_size=2048)
+    assert kv_bytes_per_token(lite, "latent") == 27 * (512 + 64) * 2  # 31,104
+    assert kv_bytes_per_token(lite, "expanded") == 27 * 16 * (192 + 128) * 2  # 276,480
+
+
+def test_bad_inputs_raise():
+    lite = DeepseekV2Config(**COMMON, **CONFIGS["lite"])
+    with pytest.raises(ValueError, match="attention_mode"):
+        kv_bytes_per_token(lite, "paged")
