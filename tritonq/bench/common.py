@@ -61,3 +61,108 @@ def write_json(path: str | Path, name: str, rows: list[dict], **meta) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({"benchmark": name, "device": device, **meta, "rows": rows}, indent=1))
     print(f"wrote {path}")
+
+
+# ---- GEMM benchmarks (shared by int4_gemm.py and fp8.py) ------------------------------------
+
+GEMM_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+CPU_GEMM_M = (1, 4, 16, 64)  # CPU runs the torch references: small shapes only
+
+# Public configs of the two reference models (only the fields GEMM shapes depend on).
+LLAMA_2_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+              "num_attention_heads": 32, "num_key_value_heads": 32}
+DEEPSEEK_V2_LITE = {"model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944,
+                    "num_attention_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                    "moe_intermediate_size": 1408}
+MODELS = {"llama-2-7b": LLAMA_2_7B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
+
+
+def model_gemm_shapes(config: dict) -> list[tuple[str, int, int]]:
+    """(layer name, N, K) of every distinct linear layer of a decoder block, from a config.json dict.
+
+    Fused projections are listed as the runtime runs them (qkv_proj, gate_up_proj).
+    """
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads") if k not in config]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}: GEMM shapes need hidden_size, intermediate_size "
+                         "and num_attention_heads (a Llama- or DeepSeek-V2-style decoder config)")
+    D, inter, H = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    shapes = []
+    if config.get("kv_lora_rank"):  # DeepSeek-V2 multi-head latent attention
+        qk = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+        rank, q_rank = config["kv_lora_rank"], config.get("q_lora_rank")
+        if q_rank:
+            shapes += [("q_a_proj", q_rank, D), ("q_b_proj", H * qk, q_rank)]
+        else:
+            shapes += [("q_proj", H * qk, D)]
+        shapes += [("kv_a_proj_with_mqa", rank + config["qk_rope_head_dim"], D),
+                   ("kv_b_proj", H * (config["qk_nope_head_dim"] + config["v_head_dim"]), rank),
+                   ("o_proj", D, H * config["v_head_dim"])]
+    else:
+        head_dim = config.get("head_dim") or D // H
+        kv = config.get("num_key_value_heads") or H
+        shapes += [("qkv_proj", (H + 2 * kv) * head_dim, D), ("o_proj", D, H * head_dim)]
+    shapes += [("gate_up_proj", 2 * inter, D), ("down_proj", D, inter)]
+    if config.get("moe_intermediate_size"):
+        moe = config["moe_intermediate_size"]
+        shapes += [("expert_gate_up", 2 * moe, D), ("expert_down", D, moe)]
+    return shapes
+
+
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """"16x4096x4096,1x4096x11008" -> [(16, 4096, 4096), (1, 4096, 11008)]."""
+    try:
+        return [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",") if s]
+    except ValueError:
+        raise ValueError(f"bad --shapes {text!r}: expected comma-separated MxNxK, e.g. 16x4096x4096") from None
+
+
+def gemm_row(label: str, M: int, N: int, K: int, ours_ms: float, baseline_ms: float,
+             bytes_moved: int, fp8: bool = False) -> dict:
+    """One result row: time, achieved GB/s and TFLOP/s, % of the device roofline, speedup.
+
+    label names the weight (e.g. "llama-2-7b.o_proj"); rows with one label form one plot line.
+    bytes_moved: weight bytes as stored + activations in + output out.
+    roofline_pct: the roofline time max(bytes / peak BW, flops / peak compute) over the measured time.
+    """
+    _, (peak_gbs, peak_tflops, peak_fp8) = device_peaks()
+    peak = peak_fp8 if fp8 and peak_fp8 else peak_tflops
+    flops = 2 * M * N * K
+    gbs = bytes_moved / ours_ms / 1e6
+    tflops = flops / ours_ms / 1e9
+    roofline_ms = max(bytes_moved / peak_gbs / 1e6, flops / peak / 1e9)
+    return {"shape": label, "M": M, "N": N, "K": K, "ms": ours_ms, "baseline_ms": baseline_ms,
+            "speedup": baseline_ms / ours_ms, "GB/s": gbs, "TFLOP/s": tflops,
+            "bw_pct": 100 * gbs / peak_gbs, "roofline_pct": 100 * roofline_ms / ours_ms}
+
+
+def plot_gemm(json_path: str | Path, png_path: str | Path) -> None:
+    """Speedup over the baseline and % of roofline against M, one line per weight shape, from a bench JSON."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(json_path).read_text())
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[str, list[dict]] = {}
+    for row in data["rows"]:
+        series.setdefault(row["shape"], []).append(row)
+    for label, rows in series.items():
+        rows.sort(key=lambda r: r["M"])
+        ms = [r["M"] for r in rows]
+        axes[0].plot(ms, [r["speedup"] for r in rows], marker="o", label=label)
+        axes[1].plot(ms, [r["roofline_pct"] for r in rows], marker="o", label=label)
+    for ax, title in zip(axes, (f"speedup over {data.get('baseline', 'baseline')}", "% of roofline")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("M (tokens)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"{data['benchmark']} on {data['device']} ({data.get('backend', '')})")
+    fig.tight_layout()
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {png_path}")

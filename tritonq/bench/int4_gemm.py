@@ -1,0 +1,95 @@
+"""int4 GEMM benchmark: `python -m tritonq.bench int4_gemm [--dtype fp16] [--plot out.png]`.
+
+For each weight shape (N=K=4096 and the Llama-2-7B / DeepSeek-V2-Lite linear layers) and each
+M, times int4_gemm against a dense matmul of the same shape in the same run and reports time,
+GB/s on the bytes actually moved (packed int4 + scales + zeros + activations + output),
+TFLOP/s, % of the device roofline and the speedup. On CUDA the baseline is torch fp16/bf16
+matmul. On CPU int4_gemm runs its torch reference, compared with a float32 matmul: small shapes
+only, and the figures describe the reference, not the kernel (the "backend" column says so).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, gemm_row, model_gemm_shapes, plot_gemm,
+                                  print_table, time_ms, write_json)
+from tritonq.formats.base import Int4Weight
+from tritonq.formats.packing import pack_int32
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def random_int4_weight(N: int, K: int, dtype: torch.dtype, device, group_size: int = 128) -> Int4Weight:
+    """Asymmetric int4 weight with random codes, scales and zeros in tritonq's Int4Weight layout."""
+    if K % group_size:
+        raise ValueError(f"K={K} is not a multiple of group_size={group_size}")
+    q = torch.randint(0, 16, (K, N), dtype=torch.int32)
+    groups = K // group_size
+    scales = (torch.rand(groups, N) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (groups, N)).to(dtype)
+    return Int4Weight(qweight=pack_int32(q, 4, dim=0).to(device), scales=scales.to(device),
+                      zeros=zeros.to(device), g_idx=None, group_size=group_size, bits=4)
+
+
+def int4_bytes(w: Int4Weight) -> int:
+    """Bytes of the weight as the kernel reads it."""
+    return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros) if t is not None)
+
+
+def weight_shapes(models: list[str], square: int) -> list[tuple[str, int, int]]:
+    shapes = [(f"N=K={square}", square, square)]
+    for name in models:
+        shapes += [(f"{name}.{layer}", N, K) for layer, N, K in model_gemm_shapes(MODELS[name])]
+    return shapes
+
+
+def run(ms: list[int], shapes: list[tuple[str, int, int]], dtype: torch.dtype, device: str) -> list[dict]:
+    from tritonq.kernels import use_triton
+    from tritonq.kernels.int4_gemm import int4_gemm
+
+    rows = []
+    for label, N, K in shapes:
+        w = random_int4_weight(N, K, dtype, device, group_size=128 if K % 128 == 0 else 64)
+        dense = w.dequantize().to(dtype)  # [N, K]: the baseline multiplies the same weight dense
+        for M in ms:
+            x = torch.randn(M, K, dtype=dtype, device=device)
+            ours = time_ms(lambda: int4_gemm(x, w))
+            base = time_ms(lambda: x @ dense.T)
+            moved = int4_bytes(w) + x.numel() * x.element_size() + M * N * x.element_size()
+            rows.append(gemm_row(label, M, N, K, ours, base, moved))
+        del dense
+    backend = "triton" if use_triton(torch.empty(0, device=device)) else "torch reference"
+    for r in rows:
+        r["backend"] = backend
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    on_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m tritonq.bench int4_gemm", description=__doc__.split("\n")[0])
+    p.add_argument("--m", default=",".join(map(str, GEMM_M if on_gpu else CPU_GEMM_M)),
+                   help="comma-separated M values")
+    p.add_argument("--square", type=int, default=4096 if on_gpu else 512, help="N=K of the square shape")
+    p.add_argument("--models", default=",".join(MODELS) if on_gpu else "",
+                   help=f"comma-separated subset of {list(MODELS)} (default: all on GPU, none on CPU)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp16",
+                   help="activation/scale dtype on GPU (CPU always computes in float32)")
+    p.add_argument("--json", default="bench/results/int4_gemm.json")
+    p.add_argument("--plot", default=None, help="also write a PNG plot here")
+    args = p.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = set(models) - set(MODELS)
+    if unknown:
+        p.error(f"unknown --models {sorted(unknown)}; choose from {list(MODELS)}")
+    dtype = DTYPES[args.dtype] if on_gpu else torch.float32
+    device = "cuda" if on_gpu else "cpu"
+    baseline = f"torch {args.dtype} matmul" if on_gpu else "torch float32 matmul (CPU)"
+    rows = run([int(m) for m in args.m.split(",")], weight_shapes(models, args.square), dtype, device)
+    print(f"int4_gemm vs {baseline}; backend: {rows[0]['backend'] if rows else '-'}")
+    print_table(rows)
+    write_json(args.json, "int4_gemm", rows, baseline=baseline, dtype=str(dtype),
+               backend=rows[0]["backend"] if rows else "", command=f"python -m tritonq.bench int4_gemm {' '.join(argv)}")
+    if args.plot:
+        plot_gemm(args.json, args.plot)

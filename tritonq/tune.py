@@ -1,0 +1,226 @@
+"""Launch-config tuner: `python -m tritonq.tune --kernel int4_gemm --shapes 16x4096x4096,...`.
+
+For each shape, every candidate config of the kernel's declared search space is first checked
+against the torch reference, then timed (triton.testing.do_bench); the fastest correct one is
+written to tritonq/kernels/configs/<kernel>/<gpu-name>.json under the kernel's shape bucket,
+where the launcher's `lookup` finds it at run time. Without a GPU:
+  --dry-run   runs every candidate in the Triton interpreter on small shapes and checks it
+              (the first correct candidate per bucket is written, to show the file round-trips);
+  --aot sm_90 compiles every candidate for that GPU and prints shared memory, registers,
+              spills and whether wgmma was used, rejecting candidates that spill or overflow.
+--model PATH takes the GEMM shapes (N, K of every linear layer) from the model's config.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tritonq.bench.common import model_gemm_shapes, parse_shapes, print_table
+from tritonq.kernels import configs
+
+MODEL_M = (1, 16, 64, 256)  # decode, small batch, the int4/fp16 crossover, prefill
+
+
+@dataclass(frozen=True)
+class TuneTarget:
+    """What the tuner needs from a kernel family.
+
+    space: candidate launch configs ({"BLOCK_M": .., "num_warps": .., ...}).
+    make_inputs(shape, device) -> inputs; run(inputs, config) -> output; reference(inputs) -> output.
+    bucket(shape) -> the key the launcher looks its config up under.
+    aot(config, shape, cc) -> tritonq.kernels.aot.CompileReport.
+    atol, rtol: output tolerance against the reference (set by the kernel's compute dtype).
+    dry_run_shapes: small shapes for --dry-run in the interpreter.
+    """
+    name: str
+    space: tuple[dict, ...]
+    make_inputs: Callable
+    run: Callable
+    reference: Callable
+    bucket: Callable[[tuple[int, ...]], str]
+    aot: Callable
+    atol: float
+    rtol: float
+    dry_run_shapes: tuple[tuple[int, ...], ...]
+
+
+def _int4_gemm_target() -> TuneTarget:
+    from tritonq.bench.int4_gemm import random_int4_weight
+    from tritonq.kernels import int4_gemm as k
+
+    def make_inputs(shape, device):
+        M, N, K = shape
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        group = 128 if K % 128 == 0 else 32
+        return torch.randn(M, K, dtype=dtype, device=device), random_int4_weight(N, K, dtype, device, group)
+
+    return TuneTarget(
+        name="int4_gemm", space=tuple(k.CONFIG_SPACE),
+        make_inputs=make_inputs,
+        run=lambda inputs, config: k.int4_gemm(*inputs, config=config),
+        reference=lambda inputs: k.int4_gemm_reference(*inputs),
+        bucket=lambda shape: k.config_bucket(*shape),
+        aot=lambda config, shape, cc: k.aot_report(config, shape, cc),
+        atol=2e-2, rtol=2e-2,  # fp16 inputs with fp32 accumulation; the reference accumulates in fp32
+        dry_run_shapes=((1, 64, 128), (17, 96, 256)))
+
+
+# Kernel families whose file declares a config space; others are added as their files expose one.
+TARGETS: dict[str, Callable[[], TuneTarget]] = {"int4_gemm": _int4_gemm_target}
+
+
+def check_candidate(target: TuneTarget, inputs, config: dict) -> str | None:
+    """None if the candidate's output matches the reference, else why not."""
+    try:
+        out = target.run(inputs, config)
+    except Exception as e:  # a candidate the kernel rejects (e.g. BLOCK_K > group size) is skipped
+        return f"{type(e).__name__}: {e}"
+    ref = target.reference(inputs)
+    if out.shape != ref.shape:
+        return f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    err = (out.float() - ref.float()).abs().max().item()
+    if not torch.allclose(out.float(), ref.float(), atol=target.atol, rtol=target.rtol):
+        return f"max abs error {err:.3g} over atol={target.atol}, rtol={target.rtol}"
+    return None
+
+
+def tune(target: TuneTarget, shapes: list[tuple[int, ...]], device: torch.device, timed: bool,
+         progress: bool = True) -> dict[str, dict]:
+    """{bucket: winning config} over `shapes`; candidates failing the reference check are dropped.
+
+    timed=False (dry run) keeps the first correct candidate of each bucket, in declared order.
+    """
+    from tqdm import tqdm
+
+    winners: dict[str, tuple[float, dict]] = {}
+    bar = tqdm(total=len(shapes) * len(target.space), desc=target.name, disable=not progress)
+    for shape in shapes:
+        inputs = target.make_inputs(shape, device)
+        bucket = target.bucket(shape)
+        for config in target.space:
+            bar.update()
+            failure = check_candidate(target, inputs, config)
+            if failure:
+                bar.write(f"{shape} {config}: rejected ({failure})")
+                continue
+            if not timed:
+                winners.setdefault(bucket, (0.0, config))
+                continue
+            import triton.testing
+            ms = triton.testing.do_bench(lambda: target.run(inputs, config), warmup=25, rep=100)
+            if bucket not in winners or ms < winners[bucket][0]:
+                winners[bucket] = (ms, config)
+    bar.close()
+    missing = {target.bucket(s) for s in shapes} - set(winners)
+    if missing:
+        raise RuntimeError(f"no candidate of {target.name} passed the reference check for buckets {sorted(missing)}")
+    return {bucket: config for bucket, (_, config) in winners.items()}
+
+
+def write_configs(kernel: str, gpu: str, winners: dict[str, dict], config_dir: Path) -> Path:
+    """Merge winners into config_dir/<kernel>/<gpu>.json (other buckets are kept)."""
+    path = config_dir / kernel / f"{gpu}.json"
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table.update(winners)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+    configs.load_configs.cache_clear()  # the runtime sees the new file in this process too
+    return path
+
+
+def aot_table(target: TuneTarget, shape: tuple[int, ...], cc: int) -> list[dict]:
+    """One row per candidate: config, shared memory, registers, spills, wgmma, verdict."""
+    rows = []
+    for config in target.space:
+        try:
+            r = target.aot(config, shape, cc)
+        except Exception as e:
+            rows.append({"config": _config_text(config), "verdict": f"rejected: {type(e).__name__}: {e}"[:100]})
+            continue
+        verdict = ("rejected: shared memory overflow" if not r.fits else
+                   "rejected: register spills" if r.spills else "ok")
+        rows.append({"config": _config_text(config), "shared_bytes": r.shared_bytes,
+                     "registers": r.registers, "spills": r.spills, "wgmma": r.uses_wgmma, "verdict": verdict})
+    return rows
+
+
+def _config_text(config: dict) -> str:
+    short = {"BLOCK_M": "BM", "BLOCK_N": "BN", "BLOCK_K": "BK", "SPLIT_K": "SK", "num_warps": "w", "num_stages": "s"}
+    return " ".join(f"{short.get(k, k)}{v}" for k, v in config.items())
+
+
+def model_shapes(path: str | Path, ms: tuple[int, ...] = MODEL_M) -> list[tuple[int, int, int]]:
+    """(M, N, K) for every linear layer of the model at `path` (folder or config.json) and M in ms."""
+    path = Path(path)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.exists():
+        raise ValueError(f"--model {path}: no config.json found; pass a model folder or its config.json")
+    layers = model_gemm_shapes(json.loads(config_path.read_text()))
+    return sorted({(M, N, K) for M in ms for _, N, K in layers})
+
+
+def _reexec_with_interpreter(interpret: bool, argv: list[str]) -> None:
+    """The interpreter is chosen when @triton.jit runs (at import), so switch it by restarting."""
+    if (os.environ.get("TRITON_INTERPRET") == "1") == interpret:
+        return
+    env = dict(os.environ)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    os.execve(sys.executable, [sys.executable, "-m", "tritonq.tune", *argv], env)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m tritonq.tune", description=__doc__.split("\n")[0])
+    p.add_argument("--kernel", required=True, choices=sorted(TARGETS))
+    p.add_argument("--shapes", default=None, help="comma-separated MxNxK (GEMMs)")
+    p.add_argument("--model", default=None, help="model folder or config.json: tune its GEMM shapes")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="check every candidate in the Triton interpreter")
+    mode.add_argument("--aot", default=None, metavar="sm_XX", help="compile every candidate for this GPU")
+    p.add_argument("--config-dir", default=str(configs.CONFIG_DIR), help="where <kernel>/<gpu>.json goes")
+    args = p.parse_args(argv)
+
+    if args.aot:
+        cc_text = args.aot.removeprefix("sm_").rstrip("a")
+        if not cc_text.isdigit():
+            p.error(f"--aot {args.aot!r}: expected a compute capability like sm_90 or sm_80")
+        _reexec_with_interpreter(False, argv)
+    if args.dry_run:
+        _reexec_with_interpreter(True, argv)
+    if not (args.dry_run or args.aot) and not torch.cuda.is_available():
+        p.error("timing needs a CUDA GPU; without one use --dry-run (interpreter check) or --aot sm_90")
+
+    shapes = parse_shapes(args.shapes) if args.shapes else []
+    if args.model:
+        shapes += model_shapes(args.model)
+    target = TARGETS[args.kernel]()
+    if not shapes:
+        if not (args.dry_run or args.aot):
+            p.error("give --shapes MxNxK,... or --model PATH")
+        shapes = list(target.dry_run_shapes)
+
+    if args.aot:
+        for shape in shapes:
+            print(f"{target.name} {'x'.join(map(str, shape))} on {args.aot}:")
+            print_table(aot_table(target, shape, int(cc_text)))
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    winners = tune(target, shapes, device, timed=not args.dry_run)
+    gpu = "cpu" if device.type == "cpu" else configs.gpu_name()
+    path = write_configs(target.name, gpu, winners, Path(args.config_dir))
+    print_table([{"bucket": b, "config": _config_text(c)} for b, c in sorted(winners.items())])
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
