@@ -1,0 +1,146 @@
+"""RMSNorm and rotary position embeddings (rotate-half convention, as in HF Llama).
+
+rms_norm(x [..., D] fp16/bf16/fp32, weight [D], eps) -> [..., D] in x.dtype:
+    y = x / sqrt(mean(x^2) + eps) * weight, statistics in float32.
+rope_cos_sin(head_dim, base, num_positions, rope_scaling, max_position_embeddings)
+    -> (cos, sin) tables [num_positions, head_dim] float32 for rope types
+    default / linear / dynamic / llama3 / yarn (yarn's attention factor is folded into the tables).
+apply_rope(x [B, S, H, D], cos, sin, positions [B, S] int64) -> [B, S, H, D] in x.dtype:
+    x * cos[p] + rotate_half(x) * sin[p], rotate_half(x) = cat(-x[D/2:], x[:D/2]).
+RMSNorm has a Triton kernel (one program per row); the rope tables are tiny and built in torch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tritonq.kernels import use_triton
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps, BLOCK_D: tl.constexpr):
+    """One program normalizes one row; the whole row fits in one block (D <= 16384)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * rstd * w
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim; see the module docstring."""
+    if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
+        raise ValueError(f"rms_norm: weight must be [D] with D = x.shape[-1]; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}.")
+    if not use_triton(x):
+        return rms_norm_reference(x, weight, eps)
+    D = x.shape[-1]
+    if D > 16384:
+        raise ValueError(f"rms_norm: hidden size {D} exceeds the one-block kernel's limit of 16384.")
+    rows = x.reshape(-1, D)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty_like(rows)
+    block = triton.next_power_of_2(D)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, y, rows.stride(0), y.stride(0), D, eps,
+                                       BLOCK_D=block, num_warps=min(max(block // 256, 1), 16))
+    return y.view(x.shape)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain torch; the weight multiplies after casting back to x.dtype, as HF Llama does."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies by `factor`, keep high ones, linear ramp between."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations):  # the dim index whose wavelength makes `rotations` turns
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate (divided by factor)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention_factor)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by factor, short kept, smooth blend in between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_cos_sin(head_dim: int, base: float, num_positions: int, rope_scaling: dict | None = None,
+                 max_position_embeddings: int = 2048, device: torch.device | str | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [num_positions, head_dim] float32 (see the module docstring).
+
+    rope_scaling is the config's dict (`rope_type` or legacy `type`: default|linear|dynamic|llama3|yarn).
+    Dynamic NTK depends on the sequence length: call with num_positions = the longest position + 1,
+    as transformers does per forward.
+    """
+    scaling = dict(rope_scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    attention_factor = 1.0
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "dynamic":
+        original = scaling.get("original_max_position_embeddings", max_position_embeddings)
+        if num_positions > original:
+            factor = scaling["factor"]
+            base = base * ((factor * num_positions / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+            inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    elif kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq, attention_factor = _yarn_inv_freq(inv_freq, head_dim, base, scaling)
+    elif kind != "default":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; expected one of "
+                         "default, linear, dynamic, llama3, yarn.")
+    angles = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return ((angles.cos() * attention_factor).to(device), (angles.sin() * attention_factor).to(device))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, S, H, D] by the table rows at positions [B, S]; see the module docstring."""
+    if positions.shape != x.shape[:2] or cos.shape[-1] != x.shape[-1]:
+        raise ValueError(f"apply_rope: expected x [B,S,H,D], positions [B,S], cos/sin [P,D]; got x "
+                         f"{tuple(x.shape)}, positions {tuple(positions.shape)}, cos {tuple(cos.shape)}.")
+    c = cos[positions].unsqueeze(2).to(x.dtype)
+    s = sin[positions].unsqueeze(2).to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * c + rotated * s

@@ -1,0 +1,55 @@
+"""Model building blocks. Linear is the one place that branches on the weight's format."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
+from tritonq.kernels.norm_rope import rms_norm
+
+
+class Linear(nn.Module):
+    """y = x @ W^T (+ bias) for x [..., K] -> [..., N], with the kernel picked by the weight's type."""
+
+    def __init__(self, weight: Weight):
+        super().__init__()
+        if not isinstance(weight, (DenseWeight, Int4Weight, FP8Weight)):
+            raise TypeError(f"Linear needs a DenseWeight, Int4Weight or FP8Weight; got {type(weight).__name__}.")
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if isinstance(w, DenseWeight):
+            return F.linear(x, w.weight, w.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if isinstance(w, Int4Weight):
+            from tritonq.kernels.int4_gemm import int4_gemm
+            y = int4_gemm(rows, w)
+        else:
+            from tritonq.kernels.fp8_gemm import fp8_gemm
+            y = fp8_gemm(rows, w)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Embedding(nn.Module):
+    """token ids [...] int64 -> [..., D] rows of weight [V, D]."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """x [..., D] -> normalized x * weight [D]."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
