@@ -26,7 +26,7 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...]
     v = v.reshape(*v.shape[:-1], -1, per)
     if order is not None:
         v = v[..., list(order)]
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=v.device) * bits
     packed = (v << shifts).sum(-1)
     packed = packed - (packed >= 2**31).to(torch.int64) * 2**32  # uint32 bit pattern -> int32
     return packed.to(torch.int32).movedim(-1, dim).contiguous()
@@ -39,7 +39,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
     """
     per = 32 // bits
     p = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=p.device) * bits
     fields = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     if order is not None:
         inverse = [0] * per
