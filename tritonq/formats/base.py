@@ -6,9 +6,12 @@ The safetensors access class `Weights` and the `WeightsLoader` interface live he
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 
 @dataclass(frozen=True)
@@ -79,3 +82,192 @@ class FP8Weight:
 
 
 Weight = DenseWeight | Int4Weight | FP8Weight
+
+
+def concat_outputs(parts: list[Weight]) -> Weight:
+    """Fuse linears that share their input (q/k/v, gate/up) by concatenating along N."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot fuse linears of different types {sorted(k.__name__ for k in kinds)}; "
+                         "a fused group must be all dense or all quantized the same way")
+    first = parts[0]
+    bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+    if isinstance(first, DenseWeight):
+        return DenseWeight(torch.cat([p.weight for p in parts]), bias)
+    if isinstance(first, Int4Weight):
+        keys = {(p.bits, p.group_size, p.zeros is None) for p in parts}
+        if len(keys) != 1 or any(not _same(p.g_idx, first.g_idx) for p in parts):
+            raise ValueError("cannot fuse int4 linears with different bits / group_size / symmetry / g_idx: "
+                             f"found (bits, group_size, symmetric) {sorted(keys)}")
+        return Int4Weight(torch.cat([p.qweight for p in parts], dim=-1), torch.cat([p.scales for p in parts], dim=-1),
+                          None if first.zeros is None else torch.cat([p.zeros for p in parts], dim=-1),
+                          first.g_idx, first.group_size, first.bits, bias)
+    if len({p.block_size for p in parts}) != 1 or len({p.input_scale is None for p in parts}) != 1:
+        raise ValueError("cannot fuse fp8 linears with different block sizes or static/dynamic activation scales")
+    if first.block_size is not None:
+        if any(p.weight.shape[0] % first.block_size[0] for p in parts[:-1]):
+            raise ValueError(f"cannot fuse block-fp8 linears whose N {[p.weight.shape[0] for p in parts]} "
+                             f"are not multiples of the block {first.block_size[0]}")
+        scale = torch.cat([p.weight_scale for p in parts])
+    elif all(p.weight_scale.numel() == 1 for p in parts) and len({float(p.weight_scale) for p in parts}) == 1:
+        scale = first.weight_scale
+    else:  # different per-tensor scales become exact per-channel scales of the fused weight
+        scale = torch.cat([p.weight_scale.reshape(-1, 1).expand(p.weight.shape[0], 1) for p in parts])
+    # One static input scale for the fused input: the largest keeps every part in range (as vLLM does).
+    input_scale = None if first.input_scale is None else torch.stack([p.input_scale.reshape(()) for p in parts]).max()
+    return FP8Weight(torch.cat([p.weight for p in parts]), scale, first.block_size, input_scale, bias)
+
+
+def stack_experts(parts: list[Weight]) -> Weight:
+    """Stack per-expert weights of one type into the same type with a leading expert dim E."""
+    if len({type(p) for p in parts}) != 1:
+        raise ValueError("experts of one MoE layer must all have the same weight type")
+    first = parts[0]
+    stack = lambda field: None if getattr(first, field) is None else torch.stack([getattr(p, field) for p in parts])  # noqa: E731
+    if isinstance(first, DenseWeight):
+        return DenseWeight(stack("weight"), stack("bias"))
+    if isinstance(first, Int4Weight):
+        if len({(p.bits, p.group_size, p.zeros is None, p.g_idx is None) for p in parts}) != 1:
+            raise ValueError("experts of one MoE layer must share bits, group_size, symmetry and act-order")
+        return Int4Weight(stack("qweight"), stack("scales"), stack("zeros"), stack("g_idx"),
+                          first.group_size, first.bits, stack("bias"))
+    if len({p.block_size for p in parts}) != 1 or len({p.weight_scale.shape for p in parts}) != 1:
+        raise ValueError("experts of one MoE layer must share the fp8 scale layout")
+    return FP8Weight(stack("weight"), stack("weight_scale"), first.block_size, stack("input_scale"), stack("bias"))
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+class Weights:
+    """Memory-mapped tensors of one checkpoint folder: model.safetensors, or the index + its shards.
+
+    Tensors are read one at a time from the mapped files (no full copy of the checkpoint).
+    Every error names the file and the tensor, and says what was expected.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index}: not a safetensors index (expected JSON with a 'weight_map'): {e}") from e
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (self.folder / f).exists()]
+            if missing:
+                raise FileNotFoundError(f"{index} names shard(s) {missing} that are not in {self.folder}; "
+                                        "download the missing files or fix the index")
+        else:
+            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or *.safetensors "
+                                        f"in {self.folder}; tritonq reads safetensors checkpoints only")
+            weight_map = None
+        self._handles = {f: self._open(self.folder / f) for f in files}
+        self._file_of = weight_map or {name: f for f, h in self._handles.items() for name in h.keys()}
+        for name, f in self._file_of.items():
+            if name not in self._handles[f].keys():
+                raise ValueError(f"{index}: tensor {name!r} is mapped to {f}, which does not contain it")
+
+    @staticmethod
+    def _open(path: Path):
+        size = path.stat().st_size
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own SafetensorError for bad headers
+            raise ValueError(f"{path}: corrupt or truncated safetensors file ({e}); re-download it") from e
+        with open(path, "rb") as f:  # the header's data offsets must fit in the file
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        end = 8 + header_len + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if end > size:
+            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, its header needs {end}); re-download it")
+        return handle
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._file_of
+
+    def _handle(self, name: str):
+        if name not in self._file_of:
+            raise KeyError(f"tensor {name!r} not found in checkpoint {self.folder}")
+        return self._handles[self._file_of[name]]
+
+    def get_tensor(self, name: str, dtype: torch.dtype | None = None, shape: tuple | None = None) -> torch.Tensor:
+        """The tensor as stored; with dtype/shape given, a mismatch raises naming file and tensor."""
+        tensor = self._handle(name).get_tensor(name)
+        self._check(name, tensor.dtype, tuple(tensor.shape), dtype, shape)
+        return tensor
+
+    def get_sharded(self, name: str, dim: int, rank: int, world: int) -> torch.Tensor:
+        """Slice `rank` of `world` equal parts along `dim`, reading only that slice from disk."""
+        view = self._handle(name).get_slice(name)
+        shape = view.get_shape()
+        if shape[dim] % world:
+            raise ValueError(f"{self._file_of[name]}: tensor {name!r} has size {shape[dim]} along dim {dim}, "
+                             f"not divisible by world size {world}")
+        part = shape[dim] // world
+        index = [slice(None)] * len(shape)
+        index[dim] = slice(rank * part, (rank + 1) * part)
+        return view[tuple(index)]
+
+    def _check(self, name, found_dtype, found_shape, dtype, shape):
+        where = f"{self.folder / self._file_of[name]}: tensor {name!r}"
+        if dtype is not None and found_dtype != dtype:
+            raise ValueError(f"{where} has dtype {found_dtype}, expected {dtype}")
+        if shape is not None and found_shape != tuple(shape):
+            raise ValueError(f"{where} has shape {list(found_shape)}, expected {list(shape)}")
+
+
+class WeightsLoader:
+    """Typed weights of one checkpoint format; the model asks for layers by HF prefix.
+
+    A subclass implements `quantized_linear(prefix)` (and `is_quantized(prefix)` if presence of
+    its tensors is not enough). Modules named in the ignore list, or stored only as a dense
+    `.weight` (e.g. lm_head of an AWQ model), come back as DenseWeight.
+    """
+    marker = ""  # tensor suffix that marks a quantized module, e.g. "qweight"
+
+    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, ignore: list[str] | None = None):
+        self.weights, self.config, self.dtype, self.device = weights, config, dtype, torch.device(device)
+        self.ignore = list(ignore or [])
+
+    def is_ignored(self, prefix: str) -> bool:
+        # vLLM / AutoAWQ semantics: an entry matches any module whose name contains it.
+        return any(entry in prefix for entry in self.ignore)
+
+    def is_quantized(self, prefix: str) -> bool:
+        return not self.is_ignored(prefix) and self.weights.has_tensor(f"{prefix}.{self.marker}")
+
+    def get_linear(self, prefix: str, bias: bool = False) -> Weight:
+        if self.is_quantized(prefix):
+            w = self.quantized_linear(prefix)
+        else:
+            w = DenseWeight(self.get_tensor(f"{prefix}.weight"))
+        if bias:
+            w = replace(w, bias=self.get_tensor(f"{prefix}.bias"))
+        return w
+
+    def get_fused_linear(self, prefixes: list[str], bias: bool = False) -> Weight:
+        return concat_outputs([self.get_linear(p, bias) for p in prefixes])
+
+    def get_stacked(self, prefixes: list[str]) -> Weight:
+        return stack_experts([self.get_linear(p) for p in prefixes])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        tensor = self.weights.get_tensor(name)
+        if not tensor.is_floating_point():
+            raise ValueError(f"tensor {name!r} in {self.weights.folder} has dtype {tensor.dtype}, expected a float "
+                             "tensor (a quantized module listed as dense?)")
+        return tensor.to(device=self.device, dtype=self.dtype)
+
+    def has_tensor(self, name: str) -> bool:
+        return self.weights.has_tensor(name)
+
+    def quantized_linear(self, prefix: str) -> Weight:
+        raise NotImplementedError

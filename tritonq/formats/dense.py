@@ -1,0 +1,41 @@
+"""Dense fp16 / bf16 / fp32 checkpoints, optionally round-to-nearest quantized on load.
+
+quantize: None (dense), "fp8" (every linear, per-channel scales, dynamic activations),
+"fp8-mlp" (MLP linears only, as TGI does for FP8 Llama), "int4" (every linear, asymmetric,
+`group_size` rows per group). Embeddings, lm_head and MoE routers always stay dense.
+"""
+from __future__ import annotations
+
+import torch
+
+from tritonq.formats.base import Weight, Weights, WeightsLoader
+from tritonq.quantize import always_dense, quantize_fp8, quantize_int4
+
+QUANTIZE_ON_LOAD = (None, "fp8", "fp8-mlp", "int4")
+
+
+class DenseLoader(WeightsLoader):
+    marker = "weight"
+
+    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, quantize: str | None = None,
+                 group_size: int = 128):
+        if quantize not in QUANTIZE_ON_LOAD:
+            raise ValueError(f"quantize={quantize!r} is not supported (supported: {QUANTIZE_ON_LOAD})")
+        self.quantize, self.group_size = quantize, group_size
+        super().__init__(weights, config, dtype, device)
+
+    def is_quantized(self, prefix: str) -> bool:
+        if self.quantize is None or always_dense(prefix):
+            return False
+        return self.quantize != "fp8-mlp" or ".mlp." in prefix
+
+    def quantized_linear(self, prefix: str) -> Weight:
+        w = self.weights.get_tensor(f"{prefix}.weight")
+        if not w.is_floating_point() or w.ndim != 2:
+            raise ValueError(f"{prefix}.weight in {self.weights.folder}: expected a float [N, K] matrix, "
+                             f"got {w.dtype} {list(w.shape)}")
+        w = w.to(self.device)
+        if self.quantize == "int4":
+            return quantize_int4(w, self.group_size, scale_dtype=self.dtype)
+        return quantize_fp8(w, "channel")
+

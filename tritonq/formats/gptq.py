@@ -1,0 +1,82 @@
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel) -> Int4Weight (bits 4 or 8).
+
+config.json: quantization_config {quant_method: gptq, bits, group_size, desc_act, sym,
+checkpoint_format: gptq (v1: zeros stored minus one) | gptq_v2}. A missing `sym` means
+asymmetric (older tools wrote asymmetric weights without the key). Per linear P:
+P.qweight int32 [K*b/32, N] packed along K (already the internal layout), P.qzeros int32
+[G, N*b/32] packed along N, P.scales fp16 [G, N], P.g_idx int32 [K] (kept only for act-order).
+GPTQModel `dynamic` overrides: a key "-:<regex>" leaves matching modules dense; "+:<regex>"
+(or a bare regex) overrides bits / group_size / sym for matching modules.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from tritonq.formats.base import Int4Weight, Weights, WeightsLoader
+from tritonq.formats.packing import gptq_to_int4
+
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)
+SUPPORTED_FORMATS = ("gptq", "gptq_v2")
+
+
+class GPTQLoader(WeightsLoader):
+    marker = "qweight"
+
+    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device):
+        q = config["quantization_config"]
+        self.format = q.get("checkpoint_format", "gptq")
+        if self.format not in SUPPORTED_FORMATS:
+            raise ValueError(f"GPTQ checkpoint_format={self.format!r} is not supported (supported: {SUPPORTED_FORMATS})")
+        self.defaults = {"bits": q.get("bits"), "group_size": q.get("group_size"), "sym": bool(q.get("sym", False))}
+        self.dynamic = q.get("dynamic") or {}
+        self._params(self.defaults, "quantization_config")
+        for key, override in self.dynamic.items():
+            if not key.startswith("-:"):
+                self._params({**self.defaults, **override}, f"dynamic[{key!r}]")
+        super().__init__(weights, config, dtype, device, q.get("modules_to_not_convert"))
+
+    @staticmethod
+    def _params(p: dict, where: str) -> dict:
+        if p["bits"] not in SUPPORTED_BITS:
+            raise ValueError(f"GPTQ {where}: bits={p['bits']} is not supported (supported: {SUPPORTED_BITS})")
+        if p["group_size"] not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"GPTQ {where}: group_size={p['group_size']} is not supported "
+                             f"(supported: {SUPPORTED_GROUP_SIZES})")
+        return p
+
+    def _module_params(self, prefix: str) -> dict | None:
+        """Quantization args for one module, or None if a `dynamic` rule leaves it dense."""
+        for key, override in self.dynamic.items():
+            negative = key.startswith("-:")
+            pattern = key[2:] if key[:2] in ("-:", "+:") else key
+            if re.match(pattern, prefix):
+                return None if negative else {**self.defaults, **override}
+        return self.defaults
+
+    def is_quantized(self, prefix: str) -> bool:
+        return super().is_quantized(prefix) and self._module_params(prefix) is not None
+
+    def quantized_linear(self, prefix: str) -> Int4Weight:
+        p = self._module_params(prefix)
+        bits, per = p["bits"], 32 // p["bits"]
+        qweight = self.weights.get_tensor(f"{prefix}.qweight", dtype=torch.int32)
+        K, N = qweight.shape[0] * per, qweight.shape[1]
+        group_size = K if p["group_size"] == -1 else p["group_size"]
+        if K % group_size or N % per:
+            raise ValueError(f"{prefix}.qweight: K={K}, N={N} do not fit group_size={group_size}, bits={bits}")
+        G = K // group_size
+        scales = self.weights.get_tensor(f"{prefix}.scales", dtype=torch.float16, shape=(G, N))
+        qzeros = None if p["sym"] else self.weights.get_tensor(f"{prefix}.qzeros", dtype=torch.int32, shape=(G, N // per))
+        g_idx = None
+        if self.weights.has_tensor(f"{prefix}.g_idx"):
+            g_idx = self.weights.get_tensor(f"{prefix}.g_idx", dtype=torch.int32, shape=(K,))
+            if g_idx.min() < 0 or g_idx.max() >= G:
+                raise ValueError(f"{prefix}.g_idx: groups must lie in [0, {G}), found [{g_idx.min()}, {g_idx.max()}]")
+        to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        w = gptq_to_int4(to(qweight), to(qzeros), to(scales), to(g_idx), bits, group_size, p["sym"],
+                         zero_offset=1 if self.format == "gptq" else 0)
+        return Int4Weight(w.qweight, w.scales.to(self.dtype), None if w.zeros is None else w.zeros.to(self.dtype),
+                          w.g_idx, w.group_size, bits)

@@ -1,0 +1,45 @@
+"""config.json -> the loader for its checkpoint format: the one place that dispatches on format."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tritonq.formats.awq import AWQLoader
+from tritonq.formats.base import Weights, WeightsLoader
+from tritonq.formats.compressed_tensors import CompressedTensorsLoader
+from tritonq.formats.dense import DenseLoader
+from tritonq.formats.fp8 import FP8Loader
+from tritonq.formats.gptq import GPTQLoader
+
+LOADERS = {
+    "awq": AWQLoader,
+    "gptq": GPTQLoader,
+    "fp8": FP8Loader,
+    "fbgemm_fp8": FP8Loader,
+    "compressed-tensors": CompressedTensorsLoader,
+}
+
+
+def get_loader(folder: str | Path, dtype: torch.dtype, device, quantize: str | None = None,
+               group_size: int = 128) -> WeightsLoader:
+    """The loader for the checkpoint in `folder`, picked from its config.json alone.
+
+    quantize ("fp8", "fp8-mlp", "int4"; group_size for int4) quantizes a dense checkpoint on load.
+    """
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: a checkpoint folder needs the config.json written by transformers")
+    config = json.loads(path.read_text())
+    q = config.get("quantization_config")
+    if q is None:
+        return DenseLoader(Weights(folder), config, dtype, device, quantize, group_size)
+    method = q.get("quant_method")
+    if method not in LOADERS:
+        raise ValueError(f"{path}: quant_method={method!r} is not supported (supported: {sorted(LOADERS)}, "
+                         "or no quantization_config for a dense checkpoint)")
+    if quantize is not None:
+        raise ValueError(f"quantize={quantize!r} needs a dense checkpoint, but {path} is already {method}-quantized")
+    return LOADERS[method](Weights(folder), config, dtype, device)

@@ -1,0 +1,35 @@
+"""Resolve a model name to a local checkpoint folder: a local path, or a Hugging Face hub id.
+
+Hub ids go through huggingface_hub.snapshot_download, so the local cache and HF_HUB_OFFLINE=1
+work as usual. Only the files tritonq reads are downloaded (configs, safetensors, tokenizer).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def resolve(name_or_path: str | Path, revision: str | None = None, cache_dir: str | Path | None = None) -> Path:
+    """Local folder for `name_or_path` (an existing directory, or "org/name" on the hub)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    name = str(name_or_path)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"{name!r} is not a checkpoint folder (expected a directory with config.json, "
+                                "or a hub id like 'org/name')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+    try:
+        return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, allow_patterns=ALLOW_PATTERNS))
+    except RepositoryNotFoundError as e:
+        raise FileNotFoundError(f"model {name!r} not found on the Hugging Face hub (check the name, or log in "
+                                "with `hf auth login` for a gated/private model)") from e
+    except RevisionNotFoundError as e:
+        raise FileNotFoundError(f"model {name!r} has no revision {revision!r} on the hub") from e
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(f"model {name!r} (revision {revision or 'main'}) is not in the local cache and the "
+                                "hub cannot be reached (offline or HF_HUB_OFFLINE=1); download it once online, "
+                                "or pass a local folder") from e

@@ -1,0 +1,218 @@
+"""Round-to-nearest quantizers and the quantized-checkpoint writer.
+
+    python -m tritonq.quantize SRC DST --format awq|gptq|fp8 [--group-size 128] [--sym|--asym]
+        [--act-order] [--bits 4|8] [--checkpoint-format gptq|gptq_v2] [--fp8-scheme tensor|channel|block]
+        [--modules-to-not-convert lm_head ...]
+
+SRC is a dense folder written by transformers' save_pretrained. DST gets the exact on-disk format
+AutoAWQ / GPTQModel / vLLM read (see docs/formats.md): quantized linears, every other tensor
+copied unchanged (embeddings, norms, lm_head, routers), config.json with quantization_config,
+and all other files (tokenizer, generation config) copied.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tritonq.formats.base import FP8Weight, Int4Weight, Weights
+from tritonq.formats.packing import int4_to_awq, pack_int32
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Layers that stay dense whatever the format: embeddings, output head, MoE routers (name endings).
+ALWAYS_DENSE = ("embed_tokens", "lm_head", "mlp.gate")
+
+
+def always_dense(prefix: str) -> bool:
+    return prefix.endswith(ALWAYS_DENSE)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 128, sym: bool = False, bits: int = 4, act_order: bool = False,
+                  *, min_zero: int = 0, scale_dtype: torch.dtype = torch.float16) -> Int4Weight:
+    """RTN-quantize w [N, K] float into an Int4Weight (bits 4 or 8) with scales in scale_dtype.
+
+    Asymmetric: scale = (max(w, 0) - min(w, 0)) / (2^b - 1), zero = round(-min / scale) clamped to
+    [min_zero, 2^b - 1] (GPTQ v1 files cannot store zero 0: use min_zero=1). Symmetric (GPTQ):
+    scale = 2 * amax / (2^b - 1), zero = 2^(b-1). Codes are rounded against the scale as stored.
+    act_order: RTN has no activation statistics to order rows by, so row k joins group k % G;
+    this writes a valid desc_act checkpoint (g_idx) with plain-RTN quality.
+    """
+    if w.ndim != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_int4 expects a float [N, K] weight, got {w.dtype} {list(w.shape)}")
+    if bits not in (4, 8):
+        raise ValueError(f"quantize_int4: bits={bits} is not supported (supported: 4, 8)")
+    N, K = w.shape
+    g = K if group_size == -1 else group_size
+    if g <= 0 or K % g or K % (32 // bits):
+        raise ValueError(f"quantize_int4: K={K} must be a multiple of group_size={group_size} and of {32 // bits}; "
+                         "pick a group size that divides K (or -1 for one group), or leave the layer dense")
+    G, maxq = K // g, 2**bits - 1
+    group_of_row = torch.arange(K) % G if act_order else torch.arange(K) // g
+    rows = torch.argsort(group_of_row, stable=True)          # rows of group 0, then group 1, ...
+    wg = w.float()[:, rows].reshape(N, G, g)
+    if sym:
+        scale = 2 * wg.abs().amax(-1) / maxq
+    else:
+        low, high = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        scale = (high - low) / maxq
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale).to(scale_dtype).float()
+    if sym:
+        zero = torch.full_like(scale, 2 ** (bits - 1))
+    else:
+        zero = (-low / scale).round().clamp(min_zero, maxq)
+    codes = ((wg / scale[..., None]).round() + zero[..., None]).clamp(0, maxq).reshape(N, K)
+    q = torch.empty_like(codes)
+    q[:, rows] = codes
+    return Int4Weight(qweight=pack_int32(q.T.to(torch.int32), bits, dim=0), scales=scale.T.to(scale_dtype).contiguous(),
+                      zeros=None if sym else zero.T.to(scale_dtype).contiguous(),
+                      g_idx=group_of_row.to(torch.int32) if act_order else None, group_size=g, bits=bits)
+
+
+def quantize_fp8(w: torch.Tensor, scheme: str = "tensor", block_size: tuple[int, int] = (128, 128)) -> FP8Weight:
+    """Quantize w [N, K] float to float8_e4m3fn with scale = amax / 448 per tensor, output row or block."""
+    if w.ndim != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_fp8 expects a float [N, K] weight, got {w.dtype} {list(w.shape)}")
+    w = w.float()
+    N, K = w.shape
+    if scheme == "tensor":
+        scale = w.abs().amax() / FP8_MAX
+        full = scale
+    elif scheme == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        full = scale
+    elif scheme == "block":
+        bn, bk = block_size
+        padded = torch.nn.functional.pad(w.abs(), (0, -K % bk, 0, -N % bn))
+        scale = padded.reshape(math.ceil(N / bn), bn, math.ceil(K / bk), bk).amax(dim=(1, 3)) / FP8_MAX
+        full = scale.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+    else:
+        raise ValueError(f"quantize_fp8: scheme={scheme!r} is not supported (supported: tensor, channel, block)")
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    full = torch.where(full == 0, torch.ones_like(full), full)
+    weight = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return FP8Weight(weight, scale.contiguous(), tuple(block_size) if scheme == "block" else None)
+
+
+def quantization_config(fmt: str, bits: int = 4, group_size: int = 128, sym: bool = False, act_order: bool = False,
+                        checkpoint_format: str = "gptq", fp8_scheme: str = "tensor",
+                        modules_to_not_convert: list[str] | None = None) -> dict:
+    """The config.json `quantization_config` that AutoAWQ / GPTQModel / vLLM expect for `fmt`."""
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+                "modules_to_not_convert": modules_to_not_convert}
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": sym,
+                "static_groups": False, "true_sequential": True, "lm_head": False,
+                "checkpoint_format": checkpoint_format, "modules_to_not_convert": modules_to_not_convert,
+                "meta": {"quantizer": ["tritonq:0.1.0"], "method": "rtn"}}
+    if fmt == "fp8" and fp8_scheme == "channel":  # the per-channel fp8 format vLLM/transformers read
+        return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                "modules_to_not_convert": modules_to_not_convert or []}
+    if fmt == "fp8":
+        config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "modules_to_not_convert": modules_to_not_convert}
+        if fp8_scheme == "block":
+            config["weight_block_size"] = [128, 128]
+        return config
+    raise ValueError(f"unknown format {fmt!r} (supported: awq, gptq, fp8)")
+
+
+def quantized_tensors(prefix: str, w: torch.Tensor, q: dict, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """On-disk tensors of one quantized linear `prefix` (dense weight w [N, K]) for config q."""
+    method = q["quant_method"]
+    out = {} if bias is None else {f"{prefix}.bias": bias.to(torch.float16 if method in ("awq", "gptq") else bias.dtype)}
+    if method == "awq":
+        qweight, qzeros, scales = int4_to_awq(quantize_int4(w, q["group_size"], sym=False, bits=4))
+        out |= {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
+    elif method == "gptq":
+        v1 = q["checkpoint_format"] == "gptq"
+        iw = quantize_int4(w, q["group_size"], q["sym"], q["bits"], q["desc_act"], min_zero=1 if v1 else 0)
+        K = w.shape[1]
+        zeros = torch.full_like(iw.scales, 2 ** (iw.bits - 1)) if iw.zeros is None else iw.zeros
+        g_idx = iw.g_idx if iw.g_idx is not None else (torch.arange(K) // iw.group_size).to(torch.int32)
+        out |= {f"{prefix}.qweight": iw.qweight, f"{prefix}.scales": iw.scales, f"{prefix}.g_idx": g_idx,
+                f"{prefix}.qzeros": pack_int32(zeros.to(torch.int32) - int(v1), iw.bits, dim=1)}
+    elif method in ("fp8", "fbgemm_fp8"):
+        block = q.get("weight_block_size")
+        scheme = "channel" if method == "fbgemm_fp8" else "block" if block else "tensor"
+        fw = quantize_fp8(w, scheme, tuple(block or (128, 128)))
+        out |= {f"{prefix}.weight": fw.weight, f"{prefix}.weight_scale_inv" if block else f"{prefix}.weight_scale": fw.weight_scale}
+    return out
+
+
+def converted_modules(weights: Weights, ignore: list[str]) -> set[str]:
+    """Linear layers the writer quantizes: 2-D float `.weight`s not dense by rule or by the ignore list."""
+    prefixes = set()
+    for name in weights.names():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "weight" and not always_dense(prefix) and not any(entry in prefix for entry in ignore):
+            tensor = weights.get_tensor(name)
+            if tensor.ndim == 2 and tensor.is_floating_point():
+                prefixes.add(prefix)
+    return prefixes
+
+
+def write_quantized(src: str | Path, dst: str | Path, fmt: str, **options) -> Path:
+    """Quantize the dense checkpoint folder src into dst (options: see quantization_config)."""
+    src, dst = Path(src), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    if "quantization_config" in config:
+        raise ValueError(f"{src}/config.json already has a quantization_config "
+                         f"({config['quantization_config'].get('quant_method')}); the writer needs a dense checkpoint")
+    q = quantization_config(fmt, **options)
+    weights = Weights(src)
+    converted = converted_modules(weights, q.get("modules_to_not_convert") or [])
+    tensors = {}
+    for name in weights.names():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix not in converted:
+            tensors[name] = weights.get_tensor(name)
+        elif leaf == "weight":
+            bias = weights.get_tensor(f"{prefix}.bias") if weights.has_tensor(f"{prefix}.bias") else None
+            try:
+                tensors |= quantized_tensors(prefix, weights.get_tensor(name), q, bias)
+            except ValueError as e:
+                raise ValueError(f"{src}: cannot quantize {name}: {e}") from e
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():  # tokenizer, generation config, chat template, ...
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, dst / f.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = q
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dst
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tritonq.quantize", description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", help="dense checkpoint folder (transformers save_pretrained)")
+    parser.add_argument("dst", help="output folder")
+    parser.add_argument("--format", required=True, choices=["awq", "gptq", "fp8"])
+    parser.add_argument("--group-size", type=int, default=128, help="rows per group along K (-1: one group)")
+    parser.add_argument("--sym", dest="sym", action="store_true", help="symmetric (GPTQ only; default for GPTQ)")
+    parser.add_argument("--asym", dest="sym", action="store_false", help="asymmetric zero points")
+    parser.set_defaults(sym=None)
+    parser.add_argument("--act-order", action="store_true", help="GPTQ desc_act with a g_idx")
+    parser.add_argument("--bits", type=int, default=4, choices=[4, 8], help="GPTQ bits")
+    parser.add_argument("--checkpoint-format", default="gptq", choices=["gptq", "gptq_v2"])
+    parser.add_argument("--fp8-scheme", default="tensor", choices=["tensor", "channel", "block"])
+    parser.add_argument("--modules-to-not-convert", nargs="*", default=None, help="name substrings left dense")
+    a = parser.parse_args(argv)
+    if a.format == "awq" and a.sym:
+        parser.error("AWQ GEMM checkpoints are asymmetric (zero_point: true); drop --sym")
+    options = {"group_size": a.group_size, "modules_to_not_convert": a.modules_to_not_convert}
+    if a.format == "gptq":
+        options |= {"bits": a.bits, "sym": True if a.sym is None else a.sym, "act_order": a.act_order,
+                    "checkpoint_format": a.checkpoint_format}
+    if a.format == "fp8":
+        options = {"fp8_scheme": a.fp8_scheme, "modules_to_not_convert": a.modules_to_not_convert}
+    print(f"wrote {write_quantized(a.src, a.dst, a.format, **options)}")
+
+
+if __name__ == "__main__":
+    main()
