@@ -1,0 +1,76 @@
+"""python -m tritonq.demo: build a tiny Llama, quantize it to AWQ, load it with tritonq and generate.
+
+Needs no download: the checkpoint is random but deterministic (seeded) and its tokenizer is a
+byte-level tokenizer (256 byte tokens + <s>, </s>) built here with a chat template. The text
+is therefore gibberish; the point is that the whole path (writer -> loader -> int4 kernels ->
+generate) runs on a fresh machine.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def byte_tokenizer():
+    """A PreTrainedTokenizerFast over the 256 byte-level symbols plus <s> (256) and </s> (257)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    vocab.update({"<s>": len(vocab), "</s>": len(vocab) + 1})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def write_tiny_llama(folder: str | Path, hidden_size: int = 128, num_layers: int = 2, seed: int = 0) -> Path:
+    """Save a seeded random LlamaForCausalLM (GQA, tied embeddings) and the byte tokenizer to folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tritonq
+    from tritonq.quantize import write_quantized
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", default="Hello, tritonq!")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        dense = write_tiny_llama(Path(tmp) / "dense")
+        awq = write_quantized(dense, Path(tmp) / "awq", "awq", group_size=64)
+        model = tritonq.load(awq)
+        print(f"tiny random Llama, AWQ int4, on {model.model.device}; prompt: {args.prompt!r}")
+        print(args.prompt, end="", flush=True)
+        for piece in model.generate(args.prompt, max_new_tokens=args.max_new_tokens, stream=True,
+                                    temperature=0.8, top_k=50, seed=0):
+            print(piece, end="", flush=True)
+        print()
+        reply = model.chat([{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens,
+                           return_dict=True)
+        print(f"chat reply: {reply.text[0]!r} ({reply.decode_tokens_per_s:.0f} decode tokens/s)")
+
+
+if __name__ == "__main__":
+    main()
