@@ -223,27 +223,26 @@ def prefill_config(block_d: int, block_dv: int, on_gpu: bool = True) -> PrefillC
     tuned = lookup("attention_prefill", f"D{block_d}_DV{block_dv}")
     if tuned:
         return PrefillConfig(tuned["BLOCK_M"], tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"])
-    if max(block_d, block_dv) <= 64:
-        return PrefillConfig(128, 64, 4, 3)
     if max(block_d, block_dv) <= 128:
         return PrefillConfig(128, 64, 8, 3)
-    return PrefillConfig(64, 64, 4, 2)  # 256-wide q/k tiles: halve BLOCK_M to fit registers
+    return PrefillConfig(64, 64, 8, 2)  # 256-wide q/k tiles: halve BLOCK_M so nothing spills
 
 
 def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int,
-                  on_gpu: bool = True) -> DecodeConfig:
-    """Splits so that batch x kv_heads x splits programs fill about two waves of SMs.
+                  sm_count: int | None) -> DecodeConfig:
+    """Splits so that batch x kv_heads x splits programs fill about two waves of sm_count SMs.
 
     Chosen from the cache capacity (not cache_lens, which live on the device) so the launch needs
     no host sync and stays CUDA-graph friendly; each split keeps at least 4 key blocks.
+    sm_count None means the interpreter: 16-token blocks and up to 4 splits, so that small test
+    caches span several blocks, several splits and empty splits.
     """
-    if not on_gpu:
+    if sm_count is None:
         return DecodeConfig(16, min(4, triton.cdiv(max_len, 16)), 1, 1)
     tuned = lookup("attention_decode", f"D{block_d}")
     block_n, num_warps, num_stages = ((tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"])
                                       if tuned else (64 if block_d <= 128 else 32, 4, 2))
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    wanted = triton.cdiv(2 * sms, batch * kv_heads)
+    wanted = triton.cdiv(2 * sm_count, batch * kv_heads)
     num_splits = max(1, min(wanted, triton.cdiv(max_len, 4 * block_n), 64))
     return DecodeConfig(block_n, num_splits, num_warps, num_stages)
 
@@ -317,7 +316,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = H // H_kv
     block_d, block_dv = max(16, triton.next_power_of_2(D_QK)), max(16, triton.next_power_of_2(D_V))
     block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
-    cfg = decode_config(B, H_kv, S_max, block_d, q.is_cuda)
+    sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
+    cfg = decode_config(B, H_kv, S_max, block_d, sm_count)
     part_o = torch.empty(B, H, cfg.num_splits, D_V, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H, cfg.num_splits, dtype=torch.float32, device=q.device)
     grid = (B, H_kv * triton.cdiv(group, block_h), cfg.num_splits)

@@ -1,0 +1,197 @@
+"""Attention kernels (run by the Triton interpreter) against torch SDPA and our torch references.
+
+The independent reference is torch.nn.functional.scaled_dot_product_attention in float32, run on
+each sequence's valid tokens alone, so padding, per-sequence lengths and GQA are checked against
+code we did not write. Shapes are small (few heads) but odd: lengths {1, 7, 33} and cache lengths
+{1, 65, 300} cover partial blocks, one-token sequences and empty decode splits.
+"""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tritonq.kernels.aot import aot_compile
+from tritonq.kernels.attention import (
+    _decode_merge_kernel, _decode_split_kernel, _prefill_kernel, _write_kv_kernel, decode_attention,
+    decode_attention_reference, decode_config, prefill_attention, prefill_attention_reference,
+    prefill_config, write_kv_cache, write_kv_cache_reference)
+
+# Inputs are N(0, 1) and outputs are averages of v rows (|o| < ~3). fp32 differs only by summation
+# order and exp2 vs exp. In fp16/bf16 the probabilities are rounded to the input dtype before the
+# PV dot (as every flash kernel does), and the output is rounded once: a few ulps of that dtype.
+# bf16 is not run here: triton 3.9's interpreter does bf16 arithmetic on the raw bits (a bf16
+# tile times 1.0 comes back as ~1e32, and so does a bf16 tl.dot), so bf16 is covered by the AOT
+# compile test below and by the GPU benchmark, which checks against SDPA in bf16.
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3}
+
+# (Dqk, Dv, H, Hkv): head dims 64, 128, 96 and DeepSeek-V2's 192/128; GQA ratios 1, 4, 8.
+HEADS = [(64, 64, 2, 2), (128, 128, 4, 1), (192, 128, 2, 2), (96, 96, 8, 1)]
+SEQ_LENS = [1, 7, 33]
+CACHE_LENS = [1, 65, 300]
+S_MAX = 301  # not a multiple of any block size
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sdpa(q, k, v, scale, causal):
+    """q [L,H,Dqk], k [L',Hkv,Dqk], v [L',Hkv,Dv] -> [L,H,Dv] in float32 via torch SDPA."""
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.float().transpose(0, 1),
+                                         v.float().transpose(0, 1), is_causal=causal, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def lens(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def assert_close(actual, expected, dtype):
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prefill_matches_sdpa_per_sequence(d_qk, d_v, h, h_kv, dtype):
+    B, S = len(SEQ_LENS), max(SEQ_LENS)
+    q = torch.randn(B, S, h, d_qk).to(dtype)
+    k = torch.randn(B, S, h_kv, d_qk).to(dtype)
+    v = torch.randn(B, S, h_kv, d_v).to(dtype)
+    scale = 0.7 / d_qk ** 0.5  # not the default, so a dropped scale would show
+    out = prefill_attention(q, k, v, lens(SEQ_LENS), scale)
+    ref = prefill_attention_reference(q, k, v, lens(SEQ_LENS), scale)
+    assert out.shape == (B, S, h, d_v) and out.dtype == dtype
+    for b, n in enumerate(SEQ_LENS):
+        expected = sdpa(q[b, :n], k[b, :n], v[b, :n], scale, causal=True)
+        assert_close(out[b, :n], expected, dtype)
+        assert_close(ref[b, :n], expected, dtype)
+        assert torch.all(out[b, n:] == 0) and torch.all(ref[b, n:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prefill_non_causal_matches_sdpa(dtype):
+    B, S, h, h_kv, d = 3, 33, 4, 1, 80
+    q, k, v = (torch.randn(B, S, n, d).to(dtype) for n in (h, h_kv, h_kv))
+    out = prefill_attention(q, k, v, lens(SEQ_LENS), 0.1, causal=False)
+    for b, n in enumerate(SEQ_LENS):
+        assert_close(out[b, :n], sdpa(q[b, :n], k[b, :n], v[b, :n], 0.1, causal=False), dtype)
+        assert torch.all(out[b, n:] == 0)
+
+
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS + [(32, 32, 80, 1)])  # 80 heads: 2 head blocks
+def test_decode_matches_sdpa_over_cache(d_qk, d_v, h, h_kv):
+    dtype = torch.float16
+    B = len(CACHE_LENS)
+    q = torch.randn(B, h, d_qk).to(dtype)
+    k_cache = torch.randn(B, S_MAX, h_kv, d_qk).to(dtype)
+    v_cache = torch.randn(B, S_MAX, h_kv, d_v).to(dtype)
+    scale = 1.3 / d_qk ** 0.5
+    out = decode_attention(q, k_cache, v_cache, lens(CACHE_LENS), scale)
+    ref = decode_attention_reference(q, k_cache, v_cache, lens(CACHE_LENS), scale)
+    assert out.shape == (B, h, d_v) and out.dtype == dtype
+    for b, n in enumerate(CACHE_LENS):
+        expected = sdpa(q[b, None], k_cache[b, :n], v_cache[b, :n], scale, causal=False)[0]
+        assert_close(out[b], expected, dtype)
+        assert_close(ref[b], expected, dtype)
+
+
+def test_write_kv_cache_matches_reference_and_leaves_the_rest():
+    B, S, h_kv, d_qk, d_v = 3, 5, 2, 24, 40
+    k_cache, v_cache = torch.randn(B, 16, h_kv, d_qk), torch.randn(B, 16, h_kv, d_v)
+    k, v = torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
+    start = lens([0, 3, 11])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_cache(k_cache, v_cache, k, v, start)
+    write_kv_cache_reference(k_ref, v_ref, k, v, start)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(k_cache[1, 3:8], k[1]) and torch.equal(v_cache[2, 11:16], v[2])
+
+
+def test_prefill_then_decode_through_cache_equals_longer_prefill():
+    """Prefill writes the cache, one decode step reads it: same as prefilling one more token."""
+    B, h, h_kv, d_qk, d_v, scale = 3, 4, 1, 192, 128, 0.1
+    n = torch.tensor(SEQ_LENS)
+    S = int(n.max()) + 1
+    q, k, v = torch.randn(B, S, h, d_qk), torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
+    full = prefill_attention(q, k, v, lens((n + 1).tolist()), scale)
+    k_cache, v_cache = torch.zeros(B, 40, h_kv, d_qk), torch.zeros(B, 40, h_kv, d_v)
+    write_kv_cache(k_cache, v_cache, k[:, :S - 1], v[:, :S - 1], lens([0] * B))
+    idx = torch.arange(B)
+    write_kv_cache(k_cache, v_cache, k[idx, n, None], v[idx, n, None], lens(n.tolist()))  # the new token
+    out = decode_attention(q[idx, n], k_cache, v_cache, lens((n + 1).tolist()), scale)
+    assert_close(out, full[idx, n], torch.float32)
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        prefill_attention(q, k, v, lens([4]), 0.25)
+    with pytest.raises(ValueError, match="int32"):
+        prefill_attention(q, k[:, :, :1], v[:, :, :1], torch.tensor([4]), 0.25)
+    with pytest.raises(ValueError, match="same dtype|one dtype"):
+        decode_attention(q[:, 0].half(), k, v, lens([4]), 0.25)
+    with pytest.raises(ValueError, match="longer cache"):
+        write_kv_cache(torch.zeros(1, 6, 2, 16), torch.zeros(1, 6, 2, 16), k, v, lens([3]))
+
+
+# Every config the launchers ship for a GPU: padded head dims (64, 64), (128, 128), (256, 128).
+SHIPPED_DIMS = [(64, 64), (128, 128), (256, 128)]
+
+
+def _signature(kernel, pointers, floats=()):
+    """All non-constexpr args: the given pointer types, fp32 for `floats`, i32 for the rest."""
+    return {name: pointers.get(name, "fp32" if name in floats else "i32")
+            for name, param in zip(kernel.arg_names, kernel.params) if not param.is_constexpr}
+
+
+def compile_shipped_configs(cc: int) -> dict:
+    """{kernel and dims: CompileReport fields} for every shipped config, compiled for sm_`cc`."""
+    bf16 = "*bf16"
+    reports = {}
+    for block_d, block_dv in SHIPPED_DIMS:
+        cfg = prefill_config(block_d, block_dv)
+        reports[f"prefill D{block_d} DV{block_dv} {cfg}"] = aot_compile(
+            _prefill_kernel,
+            _signature(_prefill_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16,
+                                         "seq_lens_ptr": "*i32"}, floats={"qk_scale"}),
+            dict(GROUP=4, CAUSAL=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                 BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
+        cfg = decode_config(1, 8, 32768, block_d, sm_count=132)
+        reports[f"decode D{block_d} DV{block_dv} {cfg}"] = aot_compile(
+            _decode_split_kernel,
+            _signature(_decode_split_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16,
+                                              "cache_lens_ptr": "*i32", "part_o_ptr": "*fp32",
+                                              "part_lse_ptr": "*fp32"}, floats={"qk_scale"}),
+            dict(GROUP=4, NUM_SPLITS=cfg.num_splits, BLOCK_H=16, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                 BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
+    reports["decode merge DV128"] = aot_compile(
+        _decode_merge_kernel,
+        _signature(_decode_merge_kernel, {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "o_ptr": bf16}),
+        dict(NUM_SPLITS=33, BLOCK_SPLITS=64, BLOCK_DV=128), cc, 4, 1)
+    reports["write_kv D256 DV128"] = aot_compile(
+        _write_kv_kernel,
+        _signature(_write_kv_kernel, {name: bf16 for name in ("k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr")}
+                   | {"start_ptr": "*i32"}),
+        dict(BLOCK_D=256, BLOCK_DV=128), cc, 4, 1)
+    return {name: dataclasses.asdict(r) | {"fits": r.fits} for name, r in reports.items()}
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_shipped_configs_compile_within_shared_memory(cc):
+    # Compiling needs real @triton.jit functions, so it runs in a process without TRITON_INTERPRET.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    script = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+              f"import test_attention; print(json.dumps(test_attention.compile_shipped_configs({cc})))")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = json.loads(done.stdout.splitlines()[-1])
+    for name, report in reports.items():
+        print(f"sm_{cc} {name}: {report}")
+        assert report["fits"] and report["spills"] in (0, None), (name, report)
+        if name.startswith("prefill"):  # decode has 16-row tiles, below wgmma's 64: mma.sync
+            assert report["uses_wgmma"] == (cc == 90), (name, report)
