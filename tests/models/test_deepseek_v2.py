@@ -58,12 +58,12 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint, mode):
     folder, hf = checkpoint
     model = load(folder, hf, mode)
     steps = [[30, 31, 32, 33], [50, 51, 52, 53]]
-    cache = model.new_cache(2, 16)
+    cache = model.allocate_cache(2, 16)
     lens = torch.tensor([len(p) for p in PROMPTS], dtype=torch.int32)
     ids = torch.zeros(2, max(lens), dtype=torch.long)
     for b, p in enumerate(PROMPTS):
         ids[b, :len(p)] = torch.tensor(p)
-    ours = [[row[:n]] for row, n in zip(model(ids, lens, cache, 0), lens)]
+    ours = [[row[:n]] for row, n in zip(model(ids, lens, cache, torch.zeros(2, dtype=torch.int32)), lens)]
     for i in range(len(steps[0])):
         step = torch.tensor([[s[i]] for s in steps])
         logits = model(step, torch.ones(2, dtype=torch.int32), cache, lens + i)
@@ -75,12 +75,16 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint, mode):
         torch.testing.assert_close(torch.cat(ours[b]), expected, **TOL)
 
 
+def at(position):
+    return torch.tensor([position], dtype=torch.int32)
+
+
 def greedy(model, prompt, n_tokens):
-    cache = model.new_cache(1, len(prompt) + n_tokens)
-    logits = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), cache, 0)
+    cache = model.allocate_cache(1, len(prompt) + n_tokens)
+    logits = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), cache, at(0))
     tokens = [int(logits[0, -1].argmax())]
     for i in range(n_tokens - 1):
-        logits = model(torch.tensor([[tokens[-1]]]), torch.ones(1, dtype=torch.int32), cache, len(prompt) + i)
+        logits = model(torch.tensor([[tokens[-1]]]), torch.ones(1, dtype=torch.int32), cache, at(len(prompt) + i))
         tokens.append(int(logits[0, -1].argmax()))
     return tokens
 
@@ -99,11 +103,11 @@ def test_attention_modes_agree(checkpoint):
     logits = {}
     for mode in MODES:
         model = load(folder, hf, mode)
-        cache = model.new_cache(1, 12)
+        cache = model.allocate_cache(1, 12)
         prompt = torch.tensor([PROMPTS[1]])
-        steps = [model(prompt, torch.tensor([5], dtype=torch.int32), cache, 0)[0, -1]]
+        steps = [model(prompt, torch.tensor([5], dtype=torch.int32), cache, at(0))[0, -1]]
         for i, token in enumerate([4, 8, 15, 16, 23]):
-            steps.append(model(torch.tensor([[token]]), torch.ones(1, dtype=torch.int32), cache, 5 + i)[0, -1])
+            steps.append(model(torch.tensor([[token]]), torch.ones(1, dtype=torch.int32), cache, at(5 + i))[0, -1])
         logits[mode] = torch.stack(steps)
     torch.testing.assert_close(logits["latent"], logits["expanded"], **TOL)
 
