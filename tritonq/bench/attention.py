@@ -1,0 +1,103 @@
+"""Attention benchmark: `python -m tritonq.bench attention [--dtype bf16] [--json PATH]`.
+
+On CUDA, in one run, times prefill_attention against torch SDPA (causal, same q/k/v, SDPA picks
+its backend: flash for bf16/fp16 head dim 128) and reports TFLOP/s counting only real FLOPs
+(causal half, real head dims: 2*S^2/2*(Dqk+Dv) per head), and times decode_attention against SDPA
+on a contiguous [B, Hkv, L, D] cache (enable_gqa) and reports GB/s of K/V read and the fraction
+of the device's HBM bandwidth. Every row also gives the max |ours - SDPA|.
+On CPU it reports correctness only (the launchers run their torch references there; run with
+TRITON_INTERPRET=1 to check the Triton kernels themselves): max error vs SDPA on small shapes.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from tritonq.bench.common import device_peaks, print_table, time_ms, write_json
+from tritonq.kernels import use_triton
+from tritonq.kernels.attention import decode_attention, prefill_attention
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# (label, B, S, H, Hkv, Dqk, Dv)
+PREFILL_GPU = [("llama-8b", 1, 4096, 32, 8, 128, 128), ("llama-8b", 4, 2048, 32, 8, 128, 128),
+               ("mha-d128", 2, 8192, 16, 16, 128, 128), ("mha-d64", 2, 8192, 16, 16, 64, 64),
+               ("deepseek-v2-lite", 1, 4096, 16, 16, 192, 128)]
+PREFILL_CPU = [("gqa-4", 2, 33, 4, 1, 128, 128), ("deepseek-192/128", 2, 33, 2, 2, 192, 128)]
+# (label, B, L, H, Hkv, Dqk, Dv): L = cache length of every sequence
+DECODE_GPU = [("llama-8b", 1, 8192, 32, 8, 128, 128), ("llama-8b", 1, 32768, 32, 8, 128, 128),
+              ("llama-8b", 32, 4096, 32, 8, 128, 128), ("llama-8b", 128, 1024, 32, 8, 128, 128),
+              ("deepseek-v2-lite", 8, 4096, 16, 16, 192, 128)]
+DECODE_CPU = [("gqa-4", 2, 300, 4, 1, 128, 128), ("deepseek-192/128", 2, 65, 2, 2, 192, 128)]
+
+
+def sdpa_bhsd(q, k, v, scale, causal):
+    """SDPA on [B, H, S, D] tensors (its native layout), GQA through enable_gqa."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+
+
+def bench_prefill(shapes, dtype, device, on_gpu) -> list[dict]:
+    rows = []
+    for label, B, S, H, Hkv, Dqk, Dv in shapes:
+        q = torch.randn(B, S, H, Dqk, dtype=dtype, device=device)
+        k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device=device)
+        v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device=device)
+        seq_lens = torch.full((B,), S, dtype=torch.int32, device=device)
+        scale = Dqk ** -0.5
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # SDPA gets its own layout
+        ours = prefill_attention(q, k, v, seq_lens, scale)
+        base = sdpa_bhsd(qt, kt, vt, scale, True).transpose(1, 2)
+        row = dict(kind="prefill", shape=label, B=B, S=S, H=H, Hkv=Hkv, Dqk=Dqk, Dv=Dv,
+                   max_err=(ours.float() - base.float()).abs().max().item())
+        if on_gpu:
+            flops = 2 * B * H * S * S / 2 * (Dqk + Dv)
+            t_ours = time_ms(lambda: prefill_attention(q, k, v, seq_lens, scale))
+            t_base = time_ms(lambda: sdpa_bhsd(qt, kt, vt, scale, True))
+            row |= dict(ms=t_ours, TFLOPs=flops / t_ours / 1e9, sdpa_ms=t_base,
+                        sdpa_TFLOPs=flops / t_base / 1e9, ratio=t_base / t_ours)
+        rows.append(row)
+    return rows
+
+
+def bench_decode(shapes, dtype, device, on_gpu) -> list[dict]:
+    rows = []
+    hbm_gbs = device_peaks()[1][0]
+    for label, B, L, H, Hkv, Dqk, Dv in shapes:
+        q = torch.randn(B, H, Dqk, dtype=dtype, device=device)
+        k_cache = torch.randn(B, L, Hkv, Dqk, dtype=dtype, device=device)
+        v_cache = torch.randn(B, L, Hkv, Dv, dtype=dtype, device=device)
+        cache_lens = torch.full((B,), L, dtype=torch.int32, device=device)
+        scale = Dqk ** -0.5
+        qt, kt, vt = q[:, :, None], k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
+        ours = decode_attention(q, k_cache, v_cache, cache_lens, scale)
+        base = sdpa_bhsd(qt, kt, vt, scale, False)[:, :, 0]
+        row = dict(kind="decode", shape=label, B=B, S=L, H=H, Hkv=Hkv, Dqk=Dqk, Dv=Dv,
+                   max_err=(ours.float() - base.float()).abs().max().item())
+        if on_gpu:
+            kv_bytes = B * L * Hkv * (Dqk + Dv) * k_cache.element_size()
+            t_ours = time_ms(lambda: decode_attention(q, k_cache, v_cache, cache_lens, scale))
+            t_base = time_ms(lambda: sdpa_bhsd(qt, kt, vt, scale, False))
+            row |= dict(ms=t_ours, GBs=kv_bytes / t_ours / 1e6, hbm_frac=kv_bytes / t_ours / 1e6 / hbm_gbs,
+                        sdpa_ms=t_base, sdpa_GBs=kv_bytes / t_base / 1e6, ratio=t_base / t_ours)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    on_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m tritonq.bench attention", description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype on GPU (CPU uses float32)")
+    p.add_argument("--json", default="bench/results/attention.json")
+    args = p.parse_args(argv)
+    dtype, device = (DTYPES[args.dtype], "cuda") if on_gpu else (torch.float32, "cpu")
+    backend = "triton" if use_triton(torch.empty(0, device=device)) else "torch reference"
+    prefill = bench_prefill(PREFILL_GPU if on_gpu else PREFILL_CPU, dtype, device, on_gpu)
+    decode = bench_decode(DECODE_GPU if on_gpu else DECODE_CPU, dtype, device, on_gpu)
+    print(f"attention vs torch SDPA; backend: {backend}; dtype: {dtype}"
+          + ("" if on_gpu else " (CPU: correctness only, no timings)"))
+    print_table(prefill)
+    print_table(decode)
+    rows = prefill + decode
+    write_json(args.json, "attention", rows, baseline="torch.nn.functional.scaled_dot_product_attention",
+               dtype=str(dtype), backend=backend, command=f"python -m tritonq.bench attention {' '.join(argv)}")
