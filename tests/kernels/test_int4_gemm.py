@@ -1,0 +1,167 @@
+"""int4_gemm (Triton, via the interpreter) against int4_gemm_reference, and the reference against
+a dense matrix unpacked by hand from raw AWQ / GPTQ tensors.
+
+Tolerance, relative to max |reference|, one per activation dtype: both sides accumulate in fp32
+over weights rounded to the same 16-bit dtype, so they differ by at most one rounding of the
+output to x.dtype (eps of that dtype). fp32 x: the kernel keeps weights in fp32 while the
+reference rounds them to the fp16 scales dtype, a relative 2^-11 per weight.
+"""
+import numpy as np
+import pytest
+import torch
+
+from tritonq.formats.base import Int4Weight
+from tritonq.formats.packing import AWQ_ORDER, awq_to_int4, gptq_to_int4
+from tritonq.kernels.int4_gemm import (CONFIG_SPACE, Int4GemmConfig, dequantize_int4, int4_gemm,
+                                       int4_gemm_reference)
+
+TOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 2**-11}
+
+
+def assert_close(y, ref):
+    tol = TOL[y.dtype]
+    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+
+
+def random_int32(*shape):
+    """Arbitrary 32-bit patterns as int32 (what a checkpoint's packed tensors hold)."""
+    return (torch.randint(0, 2**32, shape, dtype=torch.int64) - 2**31).to(torch.int32)
+
+
+def random_scales(G, N, dtype):
+    return (torch.rand(G, N) * 0.02 + 0.002).to(dtype)
+
+
+def fields(packed, bits):
+    """Hand unpack, independent of formats.packing: list of uint arrays, field f = bits [f*b, (f+1)*b)."""
+    u = packed.numpy().view(np.uint32).astype(np.int64)
+    return [(u >> (bits * f)) & ((1 << bits) - 1) for f in range(32 // bits)]
+
+
+def awq_case(K, N, group_size, dtype):
+    """Raw AWQ tensors, the Int4Weight repacked from them, and the dense W [N, K] by hand (float64)."""
+    gs = K if group_size == -1 else group_size
+    qweight, qzeros, scales = random_int32(K, N // 8), random_int32(K // gs, N // 8), random_scales(K // gs, N, dtype)
+    q, z = np.zeros((K, N)), np.zeros((K // gs, N))
+    for f, (qf, zf) in enumerate(zip(fields(qweight, 4), fields(qzeros, 4))):
+        q[:, AWQ_ORDER[f]::8], z[:, AWQ_ORDER[f]::8] = qf, zf  # field f holds column 8j + AWQ_ORDER[f]
+    g = np.arange(K) // gs
+    dense = ((q - z[g]) * scales.double().numpy()[g]).T
+    return awq_to_int4(qweight, qzeros, scales, group_size), torch.from_numpy(dense)
+
+
+def gptq_case(K, N, bits, group_size, dtype, sym, act_order, zero_offset=1):
+    """Raw GPTQ tensors (v1 if zero_offset=1) -> Int4Weight, and the dense W [N, K] by hand (float64)."""
+    gs = K if group_size == -1 else group_size
+    per = 32 // bits
+    G = K // gs
+    qweight, qzeros, scales = random_int32(K // per, N), random_int32(G, N // per), random_scales(G, N, dtype)
+    g_idx = (torch.randperm(K) // gs).to(torch.int32) if act_order else torch.arange(K, dtype=torch.int32) // gs
+    q, z = np.zeros((K, N)), np.zeros((G, N))
+    for f, (qf, zf) in enumerate(zip(fields(qweight, bits), fields(qzeros, bits))):
+        q[f::per], z[:, f::per] = qf, zf + zero_offset  # sequential: field f is row / column per*j + f
+    if sym:
+        z[:] = 2 ** (bits - 1)
+    g = g_idx.long().numpy()
+    dense = ((q - z[g]) * scales.double().numpy()[g]).T
+    w = gptq_to_int4(qweight, None if sym else qzeros, scales, g_idx, bits, group_size, sym, zero_offset)
+    return w, torch.from_numpy(dense)
+
+
+def with_bias(w, dtype):
+    return Int4Weight(w.qweight, w.scales, w.zeros, w.g_idx, w.group_size, w.bits, torch.randn(w.shape[0], dtype=dtype))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: awq_case(128, 72, 32, torch.float16),
+    lambda: awq_case(384, 40, -1, torch.bfloat16),
+    lambda: gptq_case(384, 72, 4, 128, torch.float16, sym=False, act_order=True),
+    lambda: gptq_case(128, 40, 8, 32, torch.bfloat16, sym=False, act_order=False, zero_offset=0),
+    lambda: gptq_case(384, 40, 4, 64, torch.float16, sym=True, act_order=True),
+], ids=["awq-g32", "awq-per-channel", "gptq-v1-act-order", "gptq-v2-8bit", "gptq-sym-act-order"])
+def test_dequantize_matches_hand_unpacked_checkpoint(make):
+    w, dense = make()
+    assert torch.equal(dequantize_int4(w), dense.to(w.scales.dtype))  # (q - z) * s is exact in fp32
+    x = torch.randn(5, w.shape[1], dtype=w.scales.dtype)
+    assert_close(int4_gemm_reference(x, w), x.double() @ dense.T)
+
+
+# (M, case, x dtype): every M in {1, 3, 17, 64} meets both layouts, sym and asym, each group size,
+# act-order, 4 and 8 bits, fp16 and bf16; N (40, 72, 200) is never a multiple of BLOCK_N.
+KERNEL_CASES = [
+    (1, lambda d: awq_case(128, 72, 32, d), torch.float16),
+    (1, lambda d: gptq_case(384, 40, 4, 128, d, sym=False, act_order=True), torch.bfloat16),
+    (1, lambda d: gptq_case(128, 40, 8, 32, d, sym=True, act_order=False), torch.bfloat16),
+    (3, lambda d: awq_case(384, 200, 128, d), torch.bfloat16),
+    (3, lambda d: gptq_case(128, 72, 4, 32, d, sym=True, act_order=False), torch.float16),
+    (3, lambda d: gptq_case(384, 72, 4, 128, d, sym=False, act_order=False, zero_offset=0), torch.float32),
+    (17, lambda d: with_bias(awq_case(384, 40, -1, d)[0], d), torch.float16),
+    (17, lambda d: gptq_case(384, 72, 4, 64, d, sym=True, act_order=True), torch.float16),
+    (17, lambda d: gptq_case(384, 72, 8, 128, d, sym=False, act_order=True), torch.bfloat16),
+    (64, lambda d: awq_case(128, 72, 64, d), torch.bfloat16),
+    (64, lambda d: with_bias(gptq_case(384, 200, 4, -1, d, sym=False, act_order=False, zero_offset=0)[0], d),
+     torch.float16),
+    (64, lambda d: gptq_case(128, 40, 8, -1, d, sym=True, act_order=False), torch.bfloat16),
+    (80, lambda d: gptq_case(384, 72, 4, 64, d, sym=False, act_order=True), torch.float16),  # M > 64 tiles
+]
+
+
+@pytest.mark.parametrize("M, make, dtype", KERNEL_CASES, ids=[f"case{i}-M{c[0]}" for i, c in enumerate(KERNEL_CASES)])
+def test_kernel_matches_reference(M, make, dtype):
+    made = make(torch.float16 if dtype == torch.float32 else dtype)
+    w = made[0] if isinstance(made, tuple) else made
+    x = torch.randn(M, w.shape[1], dtype=dtype)
+    y = int4_gemm(x, w)
+    assert y.dtype == dtype and y.shape == (M, w.shape[0])
+    assert_close(y, int4_gemm_reference(x, w))
+
+
+@pytest.mark.parametrize("M, config", [
+    (3, Int4GemmConfig(16, 32, 32, SPLIT_K=4)),   # split-K partials summed by the launcher
+    (3, Int4GemmConfig(16, 64, 128, SPLIT_K=2)),  # BLOCK_K 128 > group 32: launcher shrinks it
+    (17, Int4GemmConfig(64, 128, 64, SPLIT_K=1, num_warps=8)),
+])
+def test_explicit_configs_match_reference(M, config):
+    assert {config.BLOCK_M, config.BLOCK_N, config.BLOCK_K} <= set(sum(CONFIG_SPACE.values(), []))
+    w, _ = gptq_case(384, 72, 4, 32, torch.float16, sym=False, act_order=False)
+    x = torch.randn(384, M, dtype=torch.float16).t()  # non-contiguous activations
+    assert_close(int4_gemm(x, w, config=config), int4_gemm_reference(x, w))
+
+
+def test_torch_backend_is_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    w, _ = awq_case(128, 40, 32, torch.float16)
+    x = torch.randn(3, 128, dtype=torch.float16)
+    assert torch.equal(int4_gemm(x, w), int4_gemm_reference(x, w))
+
+
+def _replace(w, **changes):
+    fields_ = dict(qweight=w.qweight, scales=w.scales, zeros=w.zeros, g_idx=w.g_idx,
+                   group_size=w.group_size, bits=w.bits, bias=w.bias)
+    return Int4Weight(**{**fields_, **changes})
+
+
+@pytest.mark.parametrize("change, x_shape, x_dtype, message", [
+    (dict(qweight_dtype=torch.int64), (2, 128), torch.float16, "qweight is torch.int64"),
+    (dict(group_size=48), (2, 128), torch.float16, "group_size is 48"),
+    (dict(bits=3), (2, 128), torch.float16, "bits is 3"),
+    (dict(scales_rows=3), (2, 128), torch.float16, r"scales is of shape \(3, 40\)"),
+    (dict(g_idx_bad=True), (2, 128), torch.float16, r"g_idx is in range \[0, 9\]"),
+    ({}, (2, 96), torch.float16, r"x is torch.float16 of shape \(2, 96\), expected fp16/bf16/fp32 \[M, 128\]"),
+    ({}, (2, 128), torch.int32, "x is torch.int32"),
+])
+def test_bad_input_raises_value_error(change, x_shape, x_dtype, message):
+    w, _ = awq_case(128, 40, 32, torch.float16)
+    if "qweight_dtype" in change:
+        w = _replace(w, qweight=w.qweight.to(change["qweight_dtype"]))
+    if "group_size" in change:
+        w = _replace(w, group_size=change["group_size"])
+    if "bits" in change:
+        w = _replace(w, bits=change["bits"])
+    if "scales_rows" in change:
+        w = _replace(w, scales=w.scales[:change["scales_rows"]], zeros=w.zeros[:change["scales_rows"]])
+    if "g_idx_bad" in change:
+        w = _replace(w, g_idx=torch.arange(128, dtype=torch.int32) // 14)  # groups 0..9, only 4 exist
+    x = torch.ones(x_shape, dtype=x_dtype)
+    with pytest.raises(ValueError, match=message):
+        int4_gemm(x, w)
