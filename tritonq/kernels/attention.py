@@ -187,8 +187,9 @@ def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, start_ptr,
     pos = tl.load(start_ptr + b) + s
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    # pos < S_MAX only fails inside CUDA-graph capture, where the host cannot check. pos is
-    # broadcast to a vector first because the interpreter rejects scalar & vector masks.
+    # The launcher asserts pos < S_MAX; the mask keeps a bad start from writing out of bounds even
+    # before the asynchronous assert fires. pos is broadcast to a vector first because the
+    # interpreter rejects scalar & vector masks.
     k = tl.load(k_ptr + b * stride_kb + s * stride_ks + h * stride_kh + offs_d, mask=offs_d < D_QK)
     tl.store(k_cache_ptr + b * stride_kcb + pos * stride_kcs + h * stride_kch + offs_d, k,
              mask=(offs_d < D_QK) & (pos + 0 * offs_d < S_MAX))
@@ -353,13 +354,14 @@ def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
     B, S = k.shape[:2]
     S_max = k_cache.shape[1]
     _check_lens("start", start, B, k.device)
-    # Bounds need the values of start: checked except inside CUDA-graph capture, where the
-    # kernel's mask (positions >= Smax are not written) is the only guard.
-    if not (start.is_cuda and torch.cuda.is_current_stream_capturing()):
+    expected = f"write_kv_cache: positions start[b]..start[b]+{S - 1} must lie in [0, {S_max})"
+    if start.is_cuda:  # checked on the device: a host check would sync the GPU in every layer
+        torch._assert_async((start.min() >= 0) & (start.max() + S <= S_max),
+                            f"{expected}. Allocate a longer cache.")
+    else:
         lo, hi = int(start.min()), int(start.max())
         if lo < 0 or hi + S > S_max:
-            raise ValueError(f"write_kv_cache: positions start[b]..start[b]+{S - 1} must lie in "
-                             f"[0, {S_max}); got start in [{lo}, {hi}]. Allocate a longer cache.")
+            raise ValueError(f"{expected}; got start in [{lo}, {hi}]. Allocate a longer cache.")
     if not use_triton(k_cache):
         return write_kv_cache_reference(k_cache, v_cache, k, v, start)
 
