@@ -1,0 +1,135 @@
+"""Weights (safetensors access over a folder) and the error paths of loading: every bad input
+raises an error that names the file and/or tensor, before anything is handed to the model."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from formats.helpers import GROUP_SIZE
+from tritonq.formats.base import Weights
+from tritonq.formats.registry import get_loader
+from tritonq.hub import resolve
+from tritonq.quantize import write_quantized
+
+TENSORS = {"a.weight": torch.arange(24, dtype=torch.float16).reshape(6, 4), "b.qweight": torch.arange(8, dtype=torch.int32)}
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    save_file({"a.weight": TENSORS["a.weight"]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b.qweight": TENSORS["b.qweight"]}, tmp_path / "model-00002-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                                            "b.qweight": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tmp_path
+
+
+def test_sharded_folder_reads_every_tensor_and_slices(sharded):
+    w = Weights(sharded)
+    assert sorted(w.names()) == sorted(TENSORS)
+    for name, t in TENSORS.items():
+        assert torch.equal(w.get_tensor(name), t)
+    assert torch.equal(w.get_sharded("a.weight", dim=0, rank=1, world=3), TENSORS["a.weight"][2:4])
+    assert torch.equal(w.get_sharded("a.weight", dim=1, rank=0, world=2), TENSORS["a.weight"][:, :2])
+    with pytest.raises(ValueError, match=r"'a.weight' has size 4 along dim 1, not divisible by world size 3"):
+        w.get_sharded("a.weight", dim=1, rank=0, world=3)
+
+
+def test_dtype_shape_and_missing_tensor_errors_name_file_and_tensor(sharded):
+    w = Weights(sharded)
+    with pytest.raises(ValueError, match=r"model-00001-of-00002.safetensors: tensor 'a.weight' has dtype torch.float16, "
+                                         r"expected torch.int32"):
+        w.get_tensor("a.weight", dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"tensor 'a.weight' has shape \[6, 4\], expected \[4, 6\]"):
+        w.get_tensor("a.weight", shape=(4, 6))
+    with pytest.raises(KeyError, match="'c.weight' not found in checkpoint"):
+        w.get_tensor("c.weight")
+
+
+def test_index_pointing_at_missing_shard(sharded):
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"names shard\(s\) \['model-00002-of-00002.safetensors'\]"):
+        Weights(sharded)
+
+
+def test_index_mapping_a_tensor_to_the_wrong_shard(sharded):
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    index["weight_map"]["b.qweight"] = "model-00001-of-00002.safetensors"
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="'b.qweight' is mapped to model-00001-of-00002.safetensors, which does not"):
+        Weights(sharded)
+
+
+def test_truncated_and_corrupt_files(tmp_path):
+    save_file(TENSORS, tmp_path / "model.safetensors")
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-10])
+    with pytest.raises(ValueError, match=r"model.safetensors: (corrupt or )?truncated"):
+        Weights(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + data[24:])
+    with pytest.raises(ValueError, match="model.safetensors: corrupt or truncated"):
+        Weights(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        Weights(tmp_path)
+
+
+@pytest.fixture
+def awq(tiny_llama, tmp_path):
+    return write_quantized(tiny_llama, tmp_path / "awq", "awq", group_size=GROUP_SIZE)
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] |= changes
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"quant_method": "bitsandbytes"}, r"quant_method='bitsandbytes' is not supported \(supported: \['awq', "),
+    ({"version": "gemv"}, r"AWQ version 'gemv' is not supported \(supported: 'gemm'\)"),
+    ({"bits": 3}, r"AWQ bits=3 is not supported \(supported: 4\)"),
+    ({"group_size": 48}, r"AWQ group_size=48 is not supported \(supported: \(-1, 32, 64, 128, 256\)\)"),
+    ({"quant_method": "gptq", "bits": 2}, r"GPTQ quantization_config: bits=2 is not supported \(supported: \(4, 8\)\)"),
+    ({"quant_method": "gptq", "checkpoint_format": "marlin"}, r"checkpoint_format='marlin' is not supported"),
+    ({"quant_method": "fp8", "activation_scheme": "weird"}, r"activation_scheme='weird' is not supported"),
+])
+def test_unsupported_quantization_config(awq, changes, message):
+    edit_config(awq, **changes)
+    with pytest.raises(ValueError, match=message):
+        get_loader(awq, torch.float16, "cpu")
+
+
+def test_quantize_on_load_needs_a_dense_checkpoint(awq, tiny_llama):
+    with pytest.raises(ValueError, match="needs a dense checkpoint, but .* is already awq-quantized"):
+        get_loader(awq, torch.float16, "cpu", quantize="fp8")
+    with pytest.raises(ValueError, match=r"quantize='int3' is not supported"):
+        get_loader(tiny_llama, torch.float16, "cpu", quantize="int3")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("model.layers.0.self_attn.q_proj.scales"), "'model.layers.0.self_attn.q_proj.scales' not found"),
+    (lambda t: t.update({"model.layers.0.self_attn.q_proj.scales": torch.ones(3, 64, dtype=torch.float16)}),
+     r"'model.layers.0.self_attn.q_proj.scales' has shape \[3, 64\], expected \[2, 64\]"),
+    (lambda t: t.update({"model.layers.0.self_attn.q_proj.qzeros":
+                         t["model.layers.0.self_attn.q_proj.qzeros"].to(torch.int16)}),
+     r"'model.layers.0.self_attn.q_proj.qzeros' has dtype torch.int16, expected torch.int32"),
+])
+def test_bad_quantized_tensors_name_the_tensor(awq, edit, message):
+    tensors = load_file(awq / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, awq / "model.safetensors")
+    loader = get_loader(awq, torch.float16, "cpu")
+    with pytest.raises((KeyError, ValueError), match=message):
+        loader.get_linear("model.layers.0.self_attn.q_proj")
+
+
+def test_hub_resolve(tiny_llama, tmp_path, monkeypatch):
+    assert resolve(str(tiny_llama)) == tiny_llama
+    with pytest.raises(FileNotFoundError, match="is not a checkpoint folder"):
+        resolve(str(tmp_path / "nowhere"))
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="'tritonq-test/no-such-model' .* is not in the local cache"):
+        resolve("tritonq-test/no-such-model", cache_dir=tmp_path / "cache")
