@@ -28,11 +28,13 @@ class CompileReport:
 
 
 def aot_compile(kernel, signature: dict, constexprs: dict, cc: int, num_warps: int = 4,
-                num_stages: int = 3) -> CompileReport:
+                num_stages: int = 3, divisible_by_16: tuple[str, ...] = ()) -> CompileReport:
     """Compile `kernel` for sm_`cc`.
 
     signature: {arg_name: type string}, e.g. {"x_ptr": "*fp16", "M": "i32"}; constexpr args
     are given in `constexprs` ({name: value}) and are typed "constexpr" automatically.
+    divisible_by_16: pointer/int args to mark 16-divisible, as the runtime launcher does for
+    such values; without it loads are not vectorized and cp.async pipelining is skipped.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -44,7 +46,9 @@ def aot_compile(kernel, signature: dict, constexprs: dict, cc: int, num_warps: i
     sig = dict(signature)
     for name in constexprs:
         sig[name] = "constexpr"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible_by_16}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = compiled.asm.get("ptx", "")
