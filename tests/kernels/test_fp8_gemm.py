@@ -1,0 +1,242 @@
+"""fp8_gemm and quantize_activation_fp8 (Triton interpreter) against the torch references.
+
+Tolerances, stated once:
+* Activation quantization: exact. Kernel and reference do the same fp32 division and the
+  same round-to-nearest-even into e4m3.
+* Kernel vs the emulated reference (same quantized operands): products of e4m3 values are
+  exact in fp32, so the two differ only in fp32 summation order, which can move a result
+  across one rounding boundary of the output dtype: 1 ulp of x.dtype (rtol = eps), plus an
+  atol of eps * max|y| for outputs that cancel to near zero. (The interpreter's fp32 -> bf16
+  cast truncates instead of rounding to nearest: also within 1 ulp.)
+* Kernel vs the plain matmul with the dequantized weight and the unquantized x: e4m3 rounds
+  each activation with relative error <= 2^-4, and these errors are independent, so the error
+  of y relative to its norm stays below 2^-4.
+The interpreter's bf16 tl.dot is broken (triton 3.9 returns garbage even for bf16 x bf16), so
+the weight-only path, whose dot runs in x.dtype, is run with fp16 here; its bf16 variant is
+the same code and is compiled for sm_80 below. The fp8 path's dot is e4m3 x e4m3 for every
+x.dtype and is tested with bf16 and fp16 outputs.
+"""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tritonq.formats.base import FP8Weight
+from tritonq.kernels import fp8_gemm as fp8
+from tritonq.kernels.fp8_gemm import (dequantize_fp8, fp8_gemm, fp8_gemm_reference, quantize_activation_fp8,
+                                      quantize_activation_fp8_reference)
+
+N, K = 200, 300  # neither a multiple of the 128 x 128 scale block nor of the kernel tiles
+
+
+def make_weight(scheme: str, n: int = N, k: int = K, bias: bool = False) -> FP8Weight:
+    """Random e4m3 weight with random positive scales of the given granularity."""
+    codes = (torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if scheme == "tensor":
+        scale, block = torch.tensor(0.01), None
+    elif scheme == "channel":
+        scale, block = torch.rand(n, 1) * 0.02 + 0.001, None
+    else:
+        scale, block = torch.rand(-(-n // 128), -(-k // 128)) * 0.02 + 0.001, (128, 128)
+    return FP8Weight(codes, scale, block_size=block, bias=torch.randn(n, dtype=torch.bfloat16) if bias else None)
+
+
+def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
+    eps = torch.finfo(out.dtype).eps
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=eps, atol=eps * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("M", [1, 5, 64, 130])
+def test_fp8_gemm_matches_reference(scheme, M):
+    w = make_weight(scheme, bias=M == 5)
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    out = fp8_gemm(x, w, weight_only=False)
+    assert out.shape == (M, N)
+    assert_matches_reference(out, fp8_gemm_reference(x, w))
+    dense = x.float() @ dequantize_fp8(w).T + (w.bias if w.bias is not None else 0)
+    assert (out.float() - dense).norm() / dense.norm() < 2 ** -4
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("M", [1, 64])
+def test_weight_only_matches_reference(scheme, M):
+    w = make_weight(scheme, bias=True)
+    x = torch.randn(M, K, dtype=torch.float16)
+    out = fp8_gemm(x, w, weight_only=True)
+    assert_matches_reference(out, fp8_gemm_reference(x, w, weight_only=True))
+
+
+def test_fp16_output_and_leading_dims():
+    w = make_weight("channel")
+    x = torch.randn(2, 3, K, dtype=torch.float16)
+    out = fp8_gemm(x, w)
+    assert out.shape == (2, 3, N) and out.dtype == torch.float16
+    assert_matches_reference(out.reshape(6, N), fp8_gemm_reference(x.reshape(6, K), w))
+
+
+@pytest.mark.parametrize("group_size", [None, 128])
+def test_activation_quantization_matches_reference(group_size):
+    x = torch.randn(17, K, dtype=torch.bfloat16) * torch.logspace(-3, 2, 17)[:, None]
+    x[3] = 0  # an all-zero row: finite scale, zero codes
+    q, scales = quantize_activation_fp8(x, group_size)
+    q_ref, scales_ref = quantize_activation_fp8_reference(x, group_size)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == ((17, 1) if group_size is None else (17, 3))
+    assert torch.equal(scales, scales_ref)
+    assert torch.equal(q.float(), q_ref.float())
+    assert q[3].float().abs().max() == 0 and torch.isfinite(scales).all()
+    # absmax scaling: each row's (group's) largest value maps to exactly +-448
+    assert q.float().abs().amax(dim=1)[torch.arange(17) != 3].eq(448).all()
+
+
+def test_activation_rounding_is_nearest_even_on_every_e4m3_interval():
+    """Midpoints between neighbouring e4m3 values (ties, incl. carries into the next binade and
+    the subnormal range) and points just beside them, quantized with a static scale of 1."""
+    values = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mid = (values[1:] + values[:-1]) / 2
+    x = torch.cat([mid, mid * (1 + 2 ** -20), mid * (1 - 2 ** -20), -mid, values]).reshape(1, -1)
+    one = torch.tensor(1.0)
+    q, _ = quantize_activation_fp8(x, input_scale=one)
+    q_ref, _ = quantize_activation_fp8_reference(x, input_scale=one)
+    assert torch.equal(q.float(), q_ref.float())
+    # independent oracle for the ties: the neighbour whose code (mantissa lsb) is even
+    lower = torch.arange(len(mid))
+    even = values[torch.where(lower % 2 == 0, lower, lower + 1)]
+    assert torch.equal(q.float()[0, :len(mid)], even)
+
+
+def test_static_input_scale_saturates_at_448():
+    """x / input_scale beyond +-448 saturates (no NaN from e4m3fn's overflow); weights at +-448."""
+    w = make_weight("channel")
+    codes = w.weight.float()
+    codes[:, :4] = torch.tensor([448.0, -448.0, 448.0, -448.0])
+    w = FP8Weight(codes.to(torch.float8_e4m3fn), w.weight_scale, input_scale=torch.tensor(0.01))
+    x = torch.randn(5, K, dtype=torch.bfloat16) * 2
+    x[:, 0], x[:, 1] = 100.0, -100.0  # 100 / 0.01 = 10^4, far past 448
+    q, scale = quantize_activation_fp8(x, input_scale=w.input_scale)
+    assert q.float()[:, 0].eq(448).all() and q.float()[:, 1].eq(-448).all() and scale.item() == pytest.approx(0.01)
+    out = fp8_gemm(x, w)
+    assert torch.isfinite(out.float()).all()
+    assert_matches_reference(out, fp8_gemm_reference(x, w))
+
+
+def test_zero_rows_give_bias():
+    w = make_weight("block", bias=True)
+    x = torch.randn(5, K, dtype=torch.bfloat16)
+    x[[0, 3]] = 0
+    out = fp8_gemm(x, w)
+    assert torch.equal(out[[0, 3]], w.bias.expand(2, N))
+    assert_matches_reference(out, fp8_gemm_reference(x, w))
+
+
+def test_cpu_backend_runs_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    w = make_weight("block")
+    x = torch.randn(3, K, dtype=torch.float32)
+    assert torch.equal(fp8_gemm(x, w), fp8_gemm_reference(x, w))
+
+
+def test_weight_only_choice_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")
+    fp8._lacks_fp8_tensor_cores.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=fp8.__name__):
+            assert fp8._lacks_fp8_tensor_cores(torch.device("cuda", 0))
+            assert fp8._lacks_fp8_tensor_cores(torch.device("cuda", 0))
+        assert len(caplog.records) == 1 and "weight-only" in caplog.records[0].getMessage()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+        assert not fp8._lacks_fp8_tensor_cores(torch.device("cuda", 1))
+    finally:
+        fp8._lacks_fp8_tensor_cores.cache_clear()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda w: FP8Weight(w.weight.to(torch.float16), w.weight_scale), "float8_e4m3fn"),
+    (lambda w: FP8Weight(w.weight, torch.ones(2, 2), block_size=(128, 128)), r"expected \(2, 3\)"),
+    (lambda w: FP8Weight(w.weight, torch.ones(7, 1)), "per channel"),
+    (lambda w: FP8Weight(w.weight, w.weight_scale, input_scale=torch.ones(3)), "one value"),
+])
+def test_bad_weights_are_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        fp8_gemm(torch.randn(2, K), bad(make_weight("tensor")))
+
+
+def test_wrong_k_is_rejected():
+    with pytest.raises(ValueError, match="K=299"):
+        fp8_gemm(torch.randn(2, K - 1), make_weight("tensor"))
+
+
+# ---- AOT: the real NVIDIA pipeline, no GPU -----------------------------------------------------
+# conftest turns @triton.jit into interpreter objects, which triton.compile cannot take, so the
+# compiles run once in a subprocess without TRITON_INTERPRET and report back as JSON.
+
+AOT_SCRIPT = r"""
+import json, sys
+from tritonq.kernels.aot import aot_compile
+from tritonq.kernels.fp8_gemm import _fp8_gemm_kernel, _quantize_activation_kernel
+
+def gemm(a, w, y, weight_only, block, BLOCK_M, BLOCK_N, cc, num_warps, num_stages):
+    sig = {"a_ptr": a, "a_scale_ptr": "*fp32", "w_ptr": w, "w_scale_ptr": "*fp32", "bias_ptr": y, "y_ptr": y}
+    sig.update({n: "i32" for n in ("M", "N", "K", "stride_am", "stride_wn", "stride_ym", "stride_asm",
+                                  "stride_asg", "stride_wsn", "stride_wsk")})
+    return aot_compile(_fp8_gemm_kernel, sig, dict(
+        A_GROUP=128, W_SCALE_BN=128 if block else 1, W_SCALE_BK=128, SCALE_PER_TILE=block,
+        WEIGHT_ONLY=weight_only, HAS_BIAS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=128, GROUP_M=8),
+        cc=cc, num_warps=num_warps, num_stages=num_stages,
+        divisible_by_16=("a_ptr", "w_ptr", "y_ptr", "K", "stride_am", "stride_wn", "stride_ym"))
+
+reports = {}
+for block in (False, True):
+    for name, BLOCK_M, BLOCK_N, warps, stages in (("decode", 16, 64, 4, 4), ("prefill", 128, 128, 8, 3)):
+        for cc in (89, 90):
+            reports[f"fp8 block={block} {name} sm_{cc}"] = gemm("*fp8e4nv", "*fp8e4nv", "*bf16", False, block,
+                                                               BLOCK_M, BLOCK_N, cc, warps, stages)
+    for dtype in ("fp16", "bf16"):
+        reports[f"weight-only {dtype} block={block} sm_80"] = gemm(f"*{dtype}", "*u8", f"*{dtype}", True, block,
+                                                                 64, 64, 80, 4, 4)
+reports["quantize sm_90"] = aot_compile(
+    _quantize_activation_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+    "static_scale_ptr": "*fp32", "K": "i32", "stride_xm": "i32", "stride_qm": "i32", "stride_sm": "i32"},
+    dict(GROUP=128, BLOCK=128, STATIC=False), cc=90, num_warps=1)
+json.dump({k: dict(shared=r.shared_bytes, regs=r.registers, spills=r.spills, wgmma=r.uses_wgmma, fits=r.fits)
+           for k, r in reports.items()}, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def aot_reports():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("tile", ["decode", "prefill"])
+def test_fp8_dot_compiles_for_sm89_and_to_wgmma_on_sm90(aot_reports, block, tile):
+    sm90, sm89 = aot_reports[f"fp8 block={block} {tile} sm_90"], aot_reports[f"fp8 block={block} {tile} sm_89"]
+    print(sm90, sm89)
+    assert sm90["fits"] and sm90["spills"] == 0 and sm89["fits"] and sm89["spills"] == 0
+    if tile == "prefill":  # wgmma needs M tiles of 64 rows per warp group; 16-row decode tiles use mma
+        assert sm90["wgmma"]
+
+
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_weight_only_compiles_for_sm80(aot_reports, dtype, block):
+    report = aot_reports[f"weight-only {dtype} block={block} sm_80"]
+    print(report)
+    assert report["fits"] and report["spills"] == 0 and not report["wgmma"]
+
+
+def test_activation_quantization_compiles_for_sm90(aot_reports):
+    report = aot_reports["quantize sm_90"]
+    assert report["fits"] and report["spills"] == 0, report

@@ -1,0 +1,362 @@
+"""FP8 GEMM: y [M, N] = x [M, K] @ W^T for float8_e4m3fn weights W [N, K] with fp32 scales.
+
+Weight scales (FP8Weight.weight_scale, W = weight * scale):
+  per tensor  []                                  one scale
+  per channel [N, 1]                              one scale per output row
+  block       [ceil(N/bn), ceil(K/bk)], block_size=(bn, bk) (DeepSeek-V3 `weight_scale_inv`)
+Activations are quantized to e4m3 by `quantize_activation_fp8` (a Triton kernel): dynamically
+per token (one scale per row of x), per 1 x bk group for block weights, or statically with
+FP8Weight.input_scale. Scale = absmax / 448, values clamped to +-448 before the cast.
+
+Two kernel paths, one @triton.jit kernel:
+  fp8 x fp8 (sm_89+): tl.dot on e4m3 operands, fp32 accumulator; block-scaled weights apply
+      a_scale * w_scale after every K tile (the tile never straddles a scale block), per-tensor
+      and per-channel weights apply them once in the epilogue.
+  weight-only (below sm_89, where Triton has no e4m3): x stays fp16/bf16 and the weight bytes
+      are turned into fp16 with integer ops (exact, see `_e4m3_bits_to_fp16`), then tl.dot.
+fp32 accumulation throughout; output in x.dtype, plus bias. CPU tensors use the torch
+references below (float32 compute), which emulate the same activation quantization.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from tritonq.formats.base import FP8Weight
+from tritonq.kernels import use_triton
+from tritonq.kernels.configs import lookup
+
+log = logging.getLogger(__name__)
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_EPS = 1e-10  # floor on absmax so all-zero rows get a finite scale (and quantize to 0)
+# 2^8: the exponent-bias difference between fp16 (15) and e4m3 (7), see _e4m3_bits_to_fp16.
+E4M3_TO_FP16_BIAS = 256.0
+_FP8_MAX = tl.constexpr(FP8_MAX)  # the same numbers as seen from inside @triton.jit
+_SCALE_EPS = tl.constexpr(SCALE_EPS)
+_E4M3_TO_FP16_BIAS = tl.constexpr(E4M3_TO_FP16_BIAS)
+
+
+@triton.jit
+def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride_xm, stride_qm,
+                                stride_sm, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                                STATIC: tl.constexpr):
+    """One program per (row, group of GROUP columns): absmax -> scale -> clamp -> e4m3."""
+    row = tl.program_id(0)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, BLOCK)
+    mask = (offs < K) & (tl.arange(0, BLOCK) < GROUP)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    if STATIC:
+        scale = tl.load(static_scale_ptr)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), _SCALE_EPS) / _FP8_MAX
+        tl.store(s_ptr + row * stride_sm + group, scale)
+    # div_rn: IEEE division, so the GPU rounds exactly like the torch reference (plain `/` is
+    # an approximate division on NVIDIA); the clamp makes out-of-range values saturate.
+    q = tl.clamp(tl.math.div_rn(x, tl.zeros([BLOCK], tl.float32) + scale), -_FP8_MAX, _FP8_MAX)
+    tl.store(q_ptr + row * stride_qm + offs, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """Round fp32 v (|v| <= 448) to the nearest e4m3 value, ties to even, still as fp32.
+
+    The cast that follows is then exact everywhere; Triton's interpreter rounds wrongly when
+    the mantissa carries into the exponent (124.3 -> 64), the GPU's cvt.rn would agree.
+    Normals keep 3 of fp32's 23 mantissa bits (add half an ulp minus one plus the kept lsb,
+    truncate); below 2^-6 e4m3 is subnormal with a fixed step 2^-9, and adding and removing
+    1.5 * 2^14 (whose fp32 ulp is 2^-9) rounds to that step.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (v + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _e4m3_bits_to_fp16(u):
+    """uint8 e4m3 bit patterns -> fp16 value / 2^8, exactly (also for subnormals).
+
+    Moving the 7 exponent+mantissa bits up by 7 puts e4m3's 4-bit exponent and 3-bit mantissa
+    into fp16's fields; fp16's exponent bias is 8 larger, so the result is the value * 2^-8.
+    """
+    u = u.to(tl.uint16)
+    return (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
+                     stride_am, stride_wn, stride_ym, stride_asm, stride_asg, stride_wsn, stride_wsk,
+                     A_GROUP: tl.constexpr, W_SCALE_BN: tl.constexpr, W_SCALE_BK: tl.constexpr,
+                     SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """y[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias).
+
+    a: e4m3 [M, K] with a_scale [M, K/A_GROUP] fp32 (strides 0 where a scale is shared), or
+    with WEIGHT_ONLY the fp16/bf16 activations themselves (a_scale unused). w: [N, K] e4m3, or
+    its uint8 bytes with WEIGHT_ONLY. w_scale[n // W_SCALE_BN, k // W_SCALE_BK].
+    """
+    # Grouped ordering: GROUP_M row-blocks share each weight column-block while it is in L2.
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * grid_n)) * GROUP_M
+    group_rows = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_rows
+    pid_n = (pid % (GROUP_M * grid_n)) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N], K-major
+    a_scale_ptrs = a_scale_ptr + offs_m * stride_asm
+    w_scale_ptrs = w_scale_ptr + (offs_n // W_SCALE_BN) * stride_wsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if WEIGHT_ONLY:
+            # via fp32: exact, and the interpreter's direct fp16 -> bf16 cast is wrong
+            w = _e4m3_bits_to_fp16(w).to(tl.float32).to(a.dtype)
+        partial = tl.dot(a, w, out_dtype=tl.float32)
+        if SCALE_PER_TILE:  # block scales: BLOCK_K divides W_SCALE_BK and A_GROUP
+            w_scale = tl.load(w_scale_ptrs + (k0 // W_SCALE_BK) * stride_wsk, mask=mask_n, other=0.0)
+            if WEIGHT_ONLY:
+                acc += partial * w_scale[None, :]
+            else:
+                a_scale = tl.load(a_scale_ptrs + (k0 // A_GROUP) * stride_asg, mask=mask_m, other=0.0)
+                acc += partial * a_scale[:, None] * w_scale[None, :]
+        else:
+            acc += partial
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if not SCALE_PER_TILE:  # per-tensor / per-channel: scales are constant along K
+        acc *= tl.load(w_scale_ptrs, mask=mask_n, other=0.0)[None, :]
+        if not WEIGHT_ONLY:
+            acc *= tl.load(a_scale_ptrs, mask=mask_m, other=0.0)[:, None]
+    if WEIGHT_ONLY:
+        acc *= _E4M3_TO_FP16_BIAS
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def quantize_activation_fp8(x: torch.Tensor, group_size: int | None = None,
+                            input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp16/bf16/fp32 -> (x_fp8 [M, K] float8_e4m3fn, scales fp32), x ~= x_fp8 * scales.
+
+    Dynamic per token (group_size None): scales [M, 1]; per 1 x group_size group: scales
+    [M, ceil(K / group_size)]; static (input_scale, a one-element tensor): scales = input_scale.
+    """
+    _check_activation(x, group_size, input_scale)
+    if not use_triton(x):
+        return quantize_activation_fp8_reference(x, group_size, input_scale)
+    x = x.contiguous()
+    M, K = x.shape
+    group = K if group_size is None or input_scale is not None else group_size
+    n_groups = triton.cdiv(K, group)
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    if input_scale is not None:
+        scales = input_scale.reshape(()).to(device=x.device, dtype=torch.float32)
+    else:
+        scales = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(group)
+    _quantize_activation_kernel[(M, n_groups)](
+        x, q, scales, scales, K, x.stride(0), q.stride(0), scales.stride(0) if scales.dim() else 0,
+        GROUP=group, BLOCK=block, STATIC=input_scale is not None,
+        num_warps=max(1, min(8, block // 256)))
+    return q, scales
+
+
+def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None) -> torch.Tensor:
+    """x [..., K] fp16/bf16/fp32 @ w [N, K] fp8 -> [..., N] in x.dtype (+ w.bias).
+
+    weight_only None picks by device: fp8 tensor cores on sm_89+, the weight-only path below
+    (logged once); True/False force a path (tests, benchmarks).
+    """
+    _check_weight(w)
+    N, K = w.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"fp8_gemm: x has K={x.shape[-1]} columns but the weight is [N={N}, K={K}]; "
+                         "pass activations whose last dim equals the weight's input size")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"fp8_gemm: x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
+    if x.device != w.weight.device:
+        raise ValueError(f"fp8_gemm: x is on {x.device} but the weight is on {w.weight.device}; move one of them")
+    if weight_only is None:
+        weight_only = _lacks_fp8_tensor_cores(x.device)
+    lead = x.shape[:-1]
+    x = x.reshape(-1, K)
+    if not use_triton(x):
+        return fp8_gemm_reference(x, w, weight_only).reshape(*lead, N)
+    y = _launch(x, w, weight_only)
+    return y.reshape(*lead, N)
+
+
+def _launch(x: torch.Tensor, w: FP8Weight, weight_only: bool) -> torch.Tensor:
+    M, K = x.shape
+    N = w.shape[0]
+    x = x.contiguous()
+    weight = w.weight.contiguous()
+    stride_wsn, stride_wsk, scale_bn, scale_bk = _weight_scale_layout(w)
+    w_scale = w.weight_scale.to(torch.float32)
+    block_k = min(128, scale_bk) if w.block_size is not None else 128
+    if weight_only:
+        a, a_scale, a_group, stride_asm, stride_asg = x, w_scale, K, 0, 0  # a_scale unused
+        weight = weight.view(torch.uint8)  # decoded with integer ops, no fp8 type needed
+    else:
+        a_group = scale_bk if w.block_size is not None else None
+        a, a_scale = quantize_activation_fp8(x, a_group, w.input_scale)
+        if a_scale.dim() == 0:  # static scale: shared by every row and group
+            stride_asm = stride_asg = 0
+        else:
+            stride_asm, stride_asg = a_scale.stride()
+        a_group = a_group or K
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    cfg = _config(M, N, K, weight_only, block_k)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _fp8_gemm_kernel[grid](
+        a, a_scale, weight, w_scale, w.bias if w.bias is not None else y, y, M, N, K,
+        a.stride(0), weight.stride(0), y.stride(0), stride_asm, stride_asg, stride_wsn, stride_wsk,
+        A_GROUP=a_group, W_SCALE_BN=scale_bn, W_SCALE_BK=scale_bk,
+        SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only, HAS_BIAS=w.bias is not None,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y
+
+
+def _config(M: int, N: int, K: int, weight_only: bool, block_k: int) -> dict:
+    """Tuned config for this shape bucket if stored, else defaults: small tiles for decode."""
+    m_bucket = min(triton.next_power_of_2(M), 4096)
+    kernel = "fp8_gemm_weight_only" if weight_only else "fp8_gemm"
+    tuned = lookup(kernel, f"M{m_bucket}_N{N}_K{K}")
+    if tuned is not None:
+        return {**tuned, "BLOCK_K": min(tuned["BLOCK_K"], block_k)}
+    if M <= 16:  # memory-bound: narrow N tiles so that enough programs stream the weight
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=4)
+    if M <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+@functools.cache
+def _lacks_fp8_tensor_cores(device: torch.device) -> bool:
+    """True on CUDA GPUs below sm_89 (Triton has no e4m3 there); says so once in the log."""
+    if device.type != "cuda":
+        return False  # CPU reference and the interpreter both emulate e4m3
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (8, 9):
+        return False
+    log.warning("fp8_gemm: %s is sm_%d%d, below sm_89 (no fp8 tensor cores); using the weight-only "
+                "path (fp8 weights dequantized to fp16/bf16 in the kernel, activations unquantized)",
+                torch.cuda.get_device_name(device), major, minor)
+    return True
+
+
+def _weight_scale_layout(w: FP8Weight) -> tuple[int, int, int, int]:
+    """(stride along N, stride along K, rows per scale, columns per scale) of w.weight_scale."""
+    N, K = w.shape
+    s = w.weight_scale
+    if w.block_size is not None:
+        return s.stride(0), s.stride(1), w.block_size[0], w.block_size[1]
+    if s.numel() == 1:
+        return 0, 0, 1, K
+    return s.stride(0), 0, 1, K  # per channel
+
+
+def _check_weight(w: FP8Weight) -> None:
+    if not isinstance(w, FP8Weight):
+        raise ValueError(f"fp8_gemm expects an FP8Weight, got {type(w).__name__}")
+    if w.weight.dtype != torch.float8_e4m3fn or w.weight.dim() != 2:
+        raise ValueError(f"FP8Weight.weight must be a 2-D float8_e4m3fn [N, K] tensor, got {w.weight.dtype} "
+                         f"{tuple(w.weight.shape)}; convert e5m2/fnuz checkpoints to e4m3fn when loading")
+    N, K = w.shape
+    s = w.weight_scale
+    if s.dtype != torch.float32:
+        raise ValueError(f"FP8Weight.weight_scale must be float32, got {s.dtype}")
+    if w.block_size is not None:
+        bn, bk = w.block_size
+        if bk < 16 or bk & (bk - 1):
+            raise ValueError(f"FP8Weight.block_size {w.block_size}: the K block must be a power of two >= 16")
+        expected = (triton.cdiv(N, bn), triton.cdiv(K, bk))
+        if tuple(s.shape) != expected:
+            raise ValueError(f"block weight_scale has shape {tuple(s.shape)}, expected {expected} "
+                             f"= (ceil(N/{bn}), ceil(K/{bk})) for weight [{N}, {K}]")
+    elif s.numel() != 1 and tuple(s.shape) not in ((N, 1), (N,)):
+        raise ValueError(f"weight_scale has shape {tuple(s.shape)}; expected [] (per tensor) or [{N}, 1] "
+                         "(per channel), or set block_size for block scales")
+    if w.input_scale is not None and w.input_scale.numel() != 1:
+        raise ValueError(f"FP8Weight.input_scale must hold one value (static per-tensor activation scale), "
+                         f"got shape {tuple(w.input_scale.shape)}")
+    if w.bias is not None and tuple(w.bias.shape) != (N,):
+        raise ValueError(f"FP8Weight.bias has shape {tuple(w.bias.shape)}, expected [{N}]")
+
+
+def _check_activation(x: torch.Tensor, group_size: int | None, input_scale: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"quantize_activation_fp8 expects x [M, K] fp16/bf16/fp32, got {x.dtype} {tuple(x.shape)}")
+    if group_size is not None and (group_size < 1 or group_size & (group_size - 1)):
+        raise ValueError(f"group_size must be a power of two or None (per token), got {group_size}")
+    if input_scale is not None and input_scale.numel() != 1:
+        raise ValueError(f"input_scale must hold one value, got shape {tuple(input_scale.shape)}")
+
+
+def quantize_activation_fp8_reference(x: torch.Tensor, group_size: int | None = None,
+                                      input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch version of `quantize_activation_fp8` (same arithmetic, float32)."""
+    xf = x.float()
+    M, K = xf.shape
+    if input_scale is not None:
+        scales = input_scale.reshape(()).to(device=x.device, dtype=torch.float32)
+        expanded = scales
+    else:
+        group = K if group_size is None else group_size
+        n_groups = -(-K // group)
+        padded = torch.nn.functional.pad(xf, (0, n_groups * group - K)).view(M, n_groups, group)
+        scales = padded.abs().amax(dim=2).clamp(min=SCALE_EPS) / FP8_MAX
+        expanded = scales.repeat_interleave(group, dim=1)[:, :K]
+    q = (xf / expanded).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def dequantize_fp8(w: FP8Weight) -> torch.Tensor:
+    """W [N, K] float32 = weight * weight_scale (broadcast per tensor / channel / block)."""
+    N, K = w.shape
+    s = w.weight_scale.float()
+    if w.block_size is not None:
+        bn, bk = w.block_size
+        s = s.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:N, :K]
+    elif s.numel() != 1:
+        s = s.reshape(N, 1)
+    return w.weight.float() * s
+
+
+def fp8_gemm_reference(x: torch.Tensor, w: FP8Weight, weight_only: bool = False) -> torch.Tensor:
+    """Torch version of `fp8_gemm` for x [M, K] (float32 compute): quantizes x exactly like the
+    kernel (or not, with weight_only), multiplies by the dequantized weight, adds bias."""
+    N, K = w.shape
+    if weight_only:
+        xd = x.float()
+    else:
+        group = w.block_size[1] if w.block_size is not None else None
+        q, scales = quantize_activation_fp8_reference(x, group, w.input_scale)
+        if scales.dim() == 2:
+            scales = scales.repeat_interleave(group or K, dim=1)[:, :K]
+        xd = q.float() * scales
+    y = xd @ dequantize_fp8(w).T
+    if w.bias is not None:
+        y = y + w.bias.float()
+    return y.to(x.dtype)
