@@ -160,11 +160,23 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
+def _e4m3_bits_to_float(b):
+    """float8_e4m3fn bit patterns (uint8) -> fp32, for GPUs without fp8 types (below sm_89)."""
+    b = b.to(tl.int32)
+    exponent = (b >> 3) & 0xF
+    mantissa = b & 0x7
+    # normal: rebias the exponent (7 -> 127) and move the 3 mantissa bits to the top of fp32's 23
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
+    return tl.where((b & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
 def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
                       stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                       group_size, KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       HAS_G_IDX: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                      COMPUTE: tl.constexpr):
+                      FP8_AS_BITS: tl.constexpr, COMPUTE: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N)."""
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -188,7 +200,11 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
             q = (q - (1 << (BITS - 1))).to(tl.float32)
         w = (q * scale).to(COMPUTE)
     else:  # fp8 [E, N, K]; scale index (n // SCALE_BN, k // SCALE_BK), strides 0 where constant
-        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=mask, other=0.0)
+        w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        if FP8_AS_BITS:
+            w = _e4m3_bits_to_float(tl.load(w_ptrs, mask=mask, other=0))
+        else:
+            w = tl.load(w_ptrs, mask=mask, other=0.0)
         s_off = (expert.to(tl.int64) * stride_se + (offs_n[None, :] // SCALE_BN) * stride_sn
                  + (offs_k[:, None] // SCALE_BK) * stride_sk)
         scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
@@ -204,7 +220,7 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
                      GATE_UP: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                      HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
-                     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
 
@@ -231,14 +247,14 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                     mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         w = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
                               stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
-                              KIND, BITS, HAS_ZEROS, HAS_G_IDX, SCALE_BN, SCALE_BK, COMPUTE)
+                              KIND, BITS, HAS_ZEROS, HAS_G_IDX, SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE)
         acc = tl.dot(a, w, acc)
         if GATE_UP:
             w_up = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k,
                                      offs_n + up_offset, K, N + up_offset,
                                      stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                                      group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, SCALE_BN, SCALE_BK,
-                                     COMPUTE)
+                                     FP8_AS_BITS, COMPUTE)
             acc_up = tl.dot(a, w_up, acc_up)
     if GATE_UP:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
@@ -249,31 +265,36 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
              acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+# Defaults by tokens per expert (T * k / E), checked by AOT to compile without register spills
+# on sm_90 for dense, int4 and fp8 weights; tuned files under configs/moe/ override them.
+DEFAULT_CONFIGS = (  # (min tokens per expert, config)
+    (0, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}),
+    (16, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+    (64, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+)
 
 
 def _config(tokens: int, top_k: int, num_experts: int, N: int, K: int) -> dict:
-    """Tuned config for this shape bucket, else a default with BLOCK_M grown with tokens/expert."""
-    bucket = f"M{triton.next_power_of_2(tokens)}_E{num_experts}_N{N}_K{K}"
-    tuned = lookup("moe", bucket)
+    """Tuned config for this shape bucket, else the default for its tokens per expert."""
+    tuned = lookup("moe", f"M{triton.next_power_of_2(tokens)}_E{num_experts}_N{N}_K{K}")
     if tuned is not None:
         return tuned
-    config = dict(DEFAULT_CONFIG)
     per_expert = tokens * top_k / num_experts
-    if per_expert >= 64:
-        config.update(BLOCK_M=64, BLOCK_N=128, num_warps=8)
-    elif per_expert >= 16:
-        config.update(BLOCK_M=32, BLOCK_N=64)
-    return config
+    return [config for threshold, config in DEFAULT_CONFIGS if per_expert >= threshold][-1]
 
 
-def _weight_args(w: Weight) -> dict:
+def _has_fp8_types(x: torch.Tensor) -> bool:
+    """Triton's float8e4nv exists from sm_89; elsewhere (older GPUs, CPU) fp8 is decoded from bits."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def _weight_args(w: Weight, native_fp8: bool) -> dict:
     """Kernel arguments describing a stacked weight whose per-expert matrix is W [N, K]."""
     if isinstance(w, DenseWeight):
         t = w.weight
         return dict(w_ptr=t, scale_ptr=t, zero_ptr=t, g_idx_ptr=t, stride_we=t.stride(0), stride_wn=t.stride(1),
                     stride_wk=t.stride(2), stride_se=0, stride_sn=0, stride_sk=0, group_size=1,
-                    KIND=DENSE, BITS=4, HAS_ZEROS=False, HAS_G_IDX=False, SCALE_BN=1, SCALE_BK=1)
+                    KIND=DENSE, BITS=4, HAS_ZEROS=False, HAS_G_IDX=False, SCALE_BN=1, SCALE_BK=1, FP8_AS_BITS=False)
     if isinstance(w, Int4Weight):
         q, s = w.qweight, w.scales
         return dict(w_ptr=q, scale_ptr=s, zero_ptr=s if w.zeros is None else w.zeros,
@@ -281,7 +302,7 @@ def _weight_args(w: Weight) -> dict:
                     stride_we=q.stride(0), stride_wn=q.stride(2), stride_wk=q.stride(1),
                     stride_se=s.stride(0), stride_sn=s.stride(2), stride_sk=s.stride(1), group_size=w.group_size,
                     KIND=INT4, BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
-                    SCALE_BN=1, SCALE_BK=1)
+                    SCALE_BN=1, SCALE_BK=1, FP8_AS_BITS=False)
     t, s = w.weight, w.weight_scale.float()
     if w.block_size is not None:
         scale_bn, scale_bk = w.block_size
@@ -290,10 +311,10 @@ def _weight_args(w: Weight) -> dict:
         scale_bn, scale_bk, strides = 1, 1, (s.stride(0), 0, 0)
     else:  # per channel [E, N, 1]
         scale_bn, scale_bk, strides = 1, 1, (s.stride(0), s.stride(1), 0)
-    return dict(w_ptr=t, scale_ptr=s, zero_ptr=s, g_idx_ptr=s, stride_we=t.stride(0), stride_wn=t.stride(1),
+    return dict(w_ptr=t if native_fp8 else t.view(torch.uint8), scale_ptr=s, zero_ptr=s, g_idx_ptr=s, stride_we=t.stride(0), stride_wn=t.stride(1),
                 stride_wk=t.stride(2), stride_se=strides[0], stride_sn=strides[1], stride_sk=strides[2],
                 group_size=1, KIND=FP8, BITS=4, HAS_ZEROS=False, HAS_G_IDX=False,
-                SCALE_BN=scale_bn, SCALE_BK=scale_bk)
+                SCALE_BN=scale_bn, SCALE_BK=scale_bk, FP8_AS_BITS=not native_fp8)
 
 
 def _stacked_shape(w: Weight, name: str) -> tuple[int, int, int]:
@@ -355,6 +376,7 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
     sorted_ids, expert_ids, post_padded = moe_align_block_size(topk_ids, block_m, E)
     n_blocks = expert_ids.numel()
     routing = topk_weights.float().contiguous().flatten()
+    native_fp8 = _has_fp8_types(x)
     hidden = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(numel, D, dtype=x.dtype, device=x.device)
     for a, dst, weight, N, K, cfg, gate in ((x, hidden, gate_up, inter, D, cfg1, True),
@@ -365,7 +387,7 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
             num_tokens_post_padded_ptr=post_padded, num_valid=numel, N=N, K=K, up_offset=inter,
             a_row_divisor=top_k if gate else 1, stride_am=a.stride(0), stride_om=dst.stride(0),
             GATE_UP=gate, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_weight_args(weight))
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_weight_args(weight, native_fp8))
     return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
 
 
