@@ -13,6 +13,7 @@ where the launcher's `lookup` finds it at run time. Without a GPU:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -32,43 +33,85 @@ MODEL_M = (1, 16, 64, 256)  # decode, small batch, the int4/fp16 crossover, pref
 class TuneTarget:
     """What the tuner needs from a kernel family.
 
-    space: candidate launch configs ({"BLOCK_M": .., "num_warps": .., ...}).
+    space(shape) -> the candidate launch configs legal for that shape ({"BLOCK_M": .., ...}).
     make_inputs(shape, device) -> inputs; run(inputs, config) -> output; reference(inputs) -> output.
-    bucket(shape) -> the key the launcher looks its config up under.
+    bucket(inputs) -> the key the launcher looks its config up under.
     aot(config, shape, cc) -> tritonq.kernels.aot.CompileReport.
     atol, rtol: output tolerance against the reference (set by the kernel's compute dtype).
     dry_run_shapes: small shapes for --dry-run in the interpreter.
+    launch_only: config keys that change how a kernel compiles, not what it computes
+    (num_warps, num_stages): the interpreter ignores them, so a dry run checks one per tile.
     """
     name: str
-    space: tuple[dict, ...]
+    space: Callable[[tuple[int, ...]], list[dict]]
     make_inputs: Callable
     run: Callable
     reference: Callable
-    bucket: Callable[[tuple[int, ...]], str]
+    bucket: Callable
     aot: Callable
     atol: float
     rtol: float
     dry_run_shapes: tuple[tuple[int, ...], ...]
+    launch_only: tuple[str, ...] = ("num_warps", "num_stages")
+
+
+def _int4_group_size(K: int) -> int:
+    return 128 if K % 128 == 0 else 32
 
 
 def _int4_gemm_target() -> TuneTarget:
     from tritonq.bench.int4_gemm import random_int4_weight
     from tritonq.kernels import int4_gemm as k
+    from tritonq.kernels.aot import aot_compile
+
+    def space(shape):
+        """CONFIG_SPACE restricted to what is legal and useful for this shape: the decode path
+        (M <= SPLIT_K_MAX_M) uses BLOCK_M 16 with split-K, larger M no split-K and BLOCK_M <= M;
+        BLOCK_K divides the group size (else the launcher shrinks it) and fits K with its split."""
+        M, N, K = shape
+        s = k.CONFIG_SPACE
+        small = M <= k.SPLIT_K_MAX_M
+        out = []
+        for bm, bn, bk, sk, warps, stages in itertools.product(
+                s["BLOCK_M"], s["BLOCK_N"], s["BLOCK_K"], s["SPLIT_K"], s["num_warps"], s["num_stages"]):
+            if (bm != 16 if small else (sk != 1 or bm > max(16, k._next_pow2(M)))):
+                continue
+            if _int4_group_size(K) % bk or bk * sk > K or bn > max(32, k._next_pow2(N)):
+                continue
+            out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=warps, num_stages=stages))
+        return out
 
     def make_inputs(shape, device):
         M, N, K = shape
         dtype = torch.float16 if device.type == "cuda" else torch.float32
-        group = 128 if K % 128 == 0 else 32
-        return torch.randn(M, K, dtype=dtype, device=device), random_int4_weight(N, K, dtype, device, group)
+        return torch.randn(M, K, dtype=dtype, device=device), random_int4_weight(N, K, dtype, device,
+                                                                                  _int4_group_size(K))
+
+    def aot(config, shape, cc):
+        """The fp16, asymmetric, no-act-order, no-bias variant that AWQ/GPTQ checkpoints run."""
+        kernel = k._int4_gemm_kernel
+        pointers = {"x_ptr": "*fp16", "qweight_ptr": "*i32", "scales_ptr": "*fp16", "zeros_ptr": "*fp16",
+                    "g_idx_ptr": "*i32", "bias_ptr": "*fp16", "out_ptr": "*fp32" if config["SPLIT_K"] > 1 else "*fp16"}
+        flags = {"BITS": 4, "HAS_ZEROS": True, "HAS_G_IDX": False, "TILE_GROUPS": True, "HAS_BIAS": False,
+                 "UPCAST_DOT": False, **{key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")}}
+        params = [(p.name, p.is_constexpr) for p in kernel.params]
+        unknown = [name for name, is_constexpr in params if is_constexpr and name not in flags]
+        if unknown:
+            raise ValueError(f"int4 kernel has constexpr args {unknown} that tune's AOT variant does not set")
+        signature = {name: pointers.get(name, "i32") for name, is_constexpr in params if not is_constexpr}
+        constexprs = {name: flags[name] for name, is_constexpr in params if is_constexpr}
+        return aot_compile(kernel, signature, constexprs, cc,
+                           num_warps=config["num_warps"], num_stages=config["num_stages"])
 
     return TuneTarget(
-        name="int4_gemm", space=tuple(k.CONFIG_SPACE),
-        make_inputs=make_inputs,
-        run=lambda inputs, config: k.int4_gemm(*inputs, config=config),
+        name="int4_gemm", space=space, make_inputs=make_inputs,
+        run=lambda inputs, config: k.int4_gemm(*inputs, config=k.Int4GemmConfig(**config)),
         reference=lambda inputs: k.int4_gemm_reference(*inputs),
-        bucket=lambda shape: k.config_bucket(*shape),
-        aot=lambda config, shape, cc: k.aot_report(config, shape, cc),
-        atol=2e-2, rtol=2e-2,  # fp16 inputs with fp32 accumulation; the reference accumulates in fp32
+        bucket=lambda inputs: k.config_bucket(inputs[0].shape[0], *inputs[1].shape, inputs[1]),
+        aot=aot,
+        # fp16 products summed in fp32 vs the fp32 reference: K * eps_fp16 * |x||w| stays well under this
+        # at the |y| ~ 1 these inputs give; fp32 inputs (CPU dry run) are far tighter.
+        atol=2e-2, rtol=2e-2,
         dry_run_shapes=((1, 64, 128), (17, 96, 256)))
 
 
@@ -91,8 +134,19 @@ def check_candidate(target: TuneTarget, inputs, config: dict) -> str | None:
     return None
 
 
+def candidates(target: TuneTarget, shape: tuple[int, ...], timed: bool, where: dict | None = None) -> list[dict]:
+    """The configs to try for `shape`: those matching `where`; untimed, one per distinct tile."""
+    space = [c for c in target.space(shape) if all(c.get(k) == v for k, v in (where or {}).items())]
+    if timed:
+        return space
+    tiles = {}
+    for c in space:
+        tiles.setdefault(tuple((k, v) for k, v in c.items() if k not in target.launch_only), c)
+    return list(tiles.values())
+
+
 def tune(target: TuneTarget, shapes: list[tuple[int, ...]], device: torch.device, timed: bool,
-         progress: bool = True) -> dict[str, dict]:
+         where: dict | None = None, progress: bool = True) -> dict[str, dict]:
     """{bucket: winning config} over `shapes`; candidates failing the reference check are dropped.
 
     timed=False (dry run) keeps the first correct candidate of each bucket, in declared order.
@@ -100,11 +154,14 @@ def tune(target: TuneTarget, shapes: list[tuple[int, ...]], device: torch.device
     from tqdm import tqdm
 
     winners: dict[str, tuple[float, dict]] = {}
-    bar = tqdm(total=len(shapes) * len(target.space), desc=target.name, disable=not progress)
-    for shape in shapes:
+    spaces = [candidates(target, shape, timed, where) for shape in shapes]
+    bar = tqdm(total=sum(map(len, spaces)), desc=target.name, disable=not progress)
+    buckets = set()
+    for shape, space in zip(shapes, spaces):
         inputs = target.make_inputs(shape, device)
-        bucket = target.bucket(shape)
-        for config in target.space:
+        bucket = target.bucket(inputs)
+        buckets.add(bucket)
+        for config in space:
             bar.update()
             failure = check_candidate(target, inputs, config)
             if failure:
@@ -118,7 +175,7 @@ def tune(target: TuneTarget, shapes: list[tuple[int, ...]], device: torch.device
             if bucket not in winners or ms < winners[bucket][0]:
                 winners[bucket] = (ms, config)
     bar.close()
-    missing = {target.bucket(s) for s in shapes} - set(winners)
+    missing = buckets - set(winners)
     if missing:
         raise RuntimeError(f"no candidate of {target.name} passed the reference check for buckets {sorted(missing)}")
     return {bucket: config for bucket, (_, config) in winners.items()}
@@ -135,10 +192,10 @@ def write_configs(kernel: str, gpu: str, winners: dict[str, dict], config_dir: P
     return path
 
 
-def aot_table(target: TuneTarget, shape: tuple[int, ...], cc: int) -> list[dict]:
+def aot_table(target: TuneTarget, shape: tuple[int, ...], cc: int, where: dict | None = None) -> list[dict]:
     """One row per candidate: config, shared memory, registers, spills, wgmma, verdict."""
     rows = []
-    for config in target.space:
+    for config in candidates(target, shape, timed=True, where=where):
         try:
             r = target.aot(config, shape, cc)
         except Exception as e:
@@ -166,6 +223,16 @@ def model_shapes(path: str | Path, ms: tuple[int, ...] = MODEL_M) -> list[tuple[
     return sorted({(M, N, K) for M in ms for _, N, K in layers})
 
 
+def _parse_where(text: str) -> dict:
+    where = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if not value.lstrip("-").isdigit():
+            raise ValueError(f"bad --where item {item!r}: expected KEY=INT, e.g. BLOCK_M=16")
+        where[key] = int(value)
+    return where
+
+
 def _reexec_with_interpreter(interpret: bool, argv: list[str]) -> None:
     """The interpreter is chosen when @triton.jit runs (at import), so switch it by restarting."""
     if (os.environ.get("TRITON_INTERPRET") == "1") == interpret:
@@ -187,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="check every candidate in the Triton interpreter")
     mode.add_argument("--aot", default=None, metavar="sm_XX", help="compile every candidate for this GPU")
+    p.add_argument("--where", default="", metavar="KEY=V,...",
+                   help="sweep only candidates with these values, e.g. BLOCK_M=16,num_warps=4")
     p.add_argument("--config-dir", default=str(configs.CONFIG_DIR), help="where <kernel>/<gpu>.json goes")
     args = p.parse_args(argv)
 
@@ -200,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.dry_run or args.aot) and not torch.cuda.is_available():
         p.error("timing needs a CUDA GPU; without one use --dry-run (interpreter check) or --aot sm_90")
 
+    where = _parse_where(args.where)
     shapes = parse_shapes(args.shapes) if args.shapes else []
     if args.model:
         shapes += model_shapes(args.model)
@@ -212,10 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.aot:
         for shape in shapes:
             print(f"{target.name} {'x'.join(map(str, shape))} on {args.aot}:")
-            print_table(aot_table(target, shape, int(cc_text)))
+            print_table(aot_table(target, shape, int(cc_text), where))
         return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
-    winners = tune(target, shapes, device, timed=not args.dry_run)
+    winners = tune(target, shapes, device, timed=not args.dry_run, where=where)
     gpu = "cpu" if device.type == "cpu" else configs.gpu_name()
     path = write_configs(target.name, gpu, winners, Path(args.config_dir))
     print_table([{"bucket": b, "config": _config_text(c)} for b, c in sorted(winners.items())])

@@ -1,0 +1,153 @@
+"""tritonq.tune: candidates are checked against the reference, winners round-trip through the
+config store the launchers read, and the AOT table reports and rejects per candidate.
+
+The int4_gemm target is exercised end to end (dry run in the interpreter, AOT for sm_90); a toy
+Triton kernel stands in where a test needs a candidate that is wrong on purpose.
+"""
+import json
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from tritonq import tune
+from tritonq.kernels import configs
+from tritonq.kernels.aot import CompileReport, aot_compile
+
+
+@triton.jit
+def _scale_rows_kernel(x_ptr, y_ptr, N, factor, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_N)
+    for start in range(0, N, BLOCK_N):
+        mask = start + offs < N
+        v = tl.load(x_ptr + row * N + start + offs, mask=mask)
+        tl.store(y_ptr + row * N + start + offs, v * factor, mask=mask)
+
+
+def _toy_target(aot=None) -> tune.TuneTarget:
+    """y = 2 x, tiled by BLOCK_N; the "WRONG" candidate multiplies by 3 and must be rejected."""
+    def run(x, config):
+        if config["BLOCK_N"] > 1024:
+            raise ValueError("BLOCK_N too large")
+        y = torch.empty_like(x)
+        factor = 3.0 if config.get("WRONG") else 2.0
+        _scale_rows_kernel[(x.shape[0],)](x, y, x.shape[1], factor, BLOCK_N=config["BLOCK_N"],
+                                          num_warps=config["num_warps"])
+        return y
+
+    space = ({"BLOCK_N": 32, "num_warps": 1, "WRONG": True}, {"BLOCK_N": 4096, "num_warps": 4},
+             {"BLOCK_N": 64, "num_warps": 2}, {"BLOCK_N": 128, "num_warps": 4})
+    return tune.TuneTarget(
+        name="toy", space=lambda shape: list(space), make_inputs=lambda shape, device: torch.randn(*shape, device=device),
+        run=run, reference=lambda x: 2 * x, bucket=lambda x: f"M{x.shape[0]}_N{x.shape[1]}",
+        aot=aot, atol=0.0, rtol=0.0, dry_run_shapes=((3, 100),))
+
+
+def test_wrong_and_failing_candidates_are_rejected_first_correct_one_wins():
+    winners = tune.tune(_toy_target(), [(3, 100), (1, 17)], torch.device("cpu"), timed=False, progress=False)
+    assert winners == {"M3_N100": {"BLOCK_N": 64, "num_warps": 2}, "M1_N17": {"BLOCK_N": 64, "num_warps": 2}}
+
+
+def test_no_correct_candidate_is_an_error():
+    target = _toy_target()
+    broken = tune.TuneTarget(**{**target.__dict__, "space": lambda shape: target.space(shape)[:2]})
+    with pytest.raises(RuntimeError, match="no candidate of toy passed"):
+        tune.tune(broken, [(3, 100)], torch.device("cpu"), timed=False, progress=False)
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    configs.load_configs.cache_clear()
+    yield tmp_path
+    configs.load_configs.cache_clear()
+
+
+def test_dry_run_cli_writes_configs_that_lookup_reads_back(config_dir, monkeypatch, capsys):
+    monkeypatch.setitem(tune.TARGETS, "toy", _toy_target)
+    (config_dir / "toy").mkdir()
+    (config_dir / "toy" / "cpu.json").write_text(json.dumps({"M9_N9": {"BLOCK_N": 16, "num_warps": 1}}))
+    tune.main(["--kernel", "toy", "--dry-run", "--shapes", "3x100", "--config-dir", str(config_dir)])
+    assert configs.lookup("toy", "M3_N100") == {"BLOCK_N": 64, "num_warps": 2}
+    assert configs.lookup("toy", "M9_N9") == {"BLOCK_N": 16, "num_warps": 1}  # earlier buckets are kept
+    assert "rejected" in capsys.readouterr().out
+
+
+def test_int4_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
+    from tritonq.kernels.int4_gemm import Int4GemmConfig, config_bucket, int4_gemm, int4_gemm_reference
+    tune.main(["--kernel", "int4_gemm", "--dry-run", "--shapes", "3x40x256", "--config-dir", str(config_dir),
+               "--where", "BLOCK_N=64"])
+    table = json.loads((config_dir / "int4_gemm" / "cpu.json").read_text())
+    target = tune.TARGETS["int4_gemm"]()
+    x, w = target.make_inputs((3, 40, 256), torch.device("cpu"))
+    bucket = config_bucket(3, 40, 256, w)  # the key the launcher looks up
+    assert set(table) == {bucket}
+    assert table[bucket] in target.space((3, 40, 256))
+    tuned = configs.lookup("int4_gemm", bucket)
+    assert tuned == table[bucket]
+    torch.testing.assert_close(int4_gemm(x, w, config=Int4GemmConfig(**tuned)), int4_gemm_reference(x, w),
+                               atol=target.atol, rtol=target.rtol)
+
+
+def test_aot_verdicts_reject_spills_and_shared_memory_overflow():
+    reports = iter([CompileReport(90, 32768, 96, 0, True), CompileReport(90, 300_000, 128, 0, True),
+                    CompileReport(90, 16384, 255, 64, False)])
+    target = _toy_target(aot=lambda config, shape, cc: next(reports))
+    target = tune.TuneTarget(**{**target.__dict__, "space": lambda shape: _toy_target().space(shape)[1:]})
+    rows = tune.aot_table(target, (3, 100), 90)
+    assert [r["verdict"] for r in rows] == ["ok", "rejected: shared memory overflow", "rejected: register spills"]
+    assert rows[0]["config"] == "BN4096 w4" and rows[0]["shared_bytes"] == 32768 and rows[0]["wgmma"] is True
+
+
+def test_aot_table_compiles_a_real_kernel_for_sm90():
+    from triton.runtime.jit import JITFunction
+
+    def aot(config, shape, cc):  # the interpreter wraps @triton.jit under pytest: compile the function
+        return aot_compile(JITFunction(_scale_rows_kernel.fn), {"x_ptr": "*fp16", "y_ptr": "*fp16", "N": "i32",
+                           "factor": "fp32"}, {"BLOCK_N": config["BLOCK_N"]}, cc, num_warps=config["num_warps"])
+    target = _toy_target(aot=aot)
+    target = tune.TuneTarget(**{**target.__dict__, "space": lambda shape: _toy_target().space(shape)[2:3]})
+    (row,) = tune.aot_table(target, (3, 100), 90)
+    assert row["verdict"] == "ok" and row["registers"] > 0 and row["spills"] == 0 and row["wgmma"] is False
+
+
+def test_model_shapes_come_from_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2}))
+    shapes = tune.model_shapes(tmp_path, ms=(1, 16))
+    # head_dim 16: qkv N = (4 + 2*2) * 16 = 128; o 64x64; gate_up 320x64; down 64x160
+    assert shapes == sorted((M, N, K) for M in (1, 16) for N, K in ((128, 64), (64, 64), (320, 64), (64, 160)))
+    with pytest.raises(ValueError, match="no config.json"):
+        tune.model_shapes(tmp_path / "missing")
+
+
+def test_bad_arguments_are_clear_errors(capsys):
+    with pytest.raises(SystemExit):
+        tune.main(["--kernel", "int4_gemm", "--aot", "hopper"])
+    assert "expected a compute capability" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="expected comma-separated MxNxK"):
+        tune.main(["--kernel", "int4_gemm", "--dry-run", "--shapes", "16by4096"])
+
+
+def test_int4_gemm_aot_cli_prints_one_row_per_candidate_for_sm90():
+    """Runs as `python -m tritonq.tune` (AOT needs the real compiler, not pytest's interpreter)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "tritonq.tune", "--kernel", "int4_gemm", "--aot", "sm_90",
+                          "--shapes", "1x4096x4096", "--where", "BLOCK_N=128,BLOCK_K=32,SPLIT_K=4,num_warps=4"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith("BM16")]
+    # num_stages is the only free key left: one row per value in the kernel's CONFIG_SPACE
+    from tritonq.kernels.int4_gemm import CONFIG_SPACE
+    assert [r[5] for r in rows] == [f"s{s}" for s in CONFIG_SPACE["num_stages"]]
+    for r in rows:
+        shared, registers, spills = int(r[6]), int(r[7]), int(r[8])
+        assert 0 < shared <= 232448 and 0 < registers <= 255
+        assert r[-1] == ("ok" if spills == 0 else "spills")  # "rejected: register spills" ends in "spills"
