@@ -1,0 +1,70 @@
+"""AOT compile of the int4 kernels for GPUs we do not have (T4 sm_75, A100 sm_80, H100/H200 sm_90).
+
+Compiles the GEMV/split-K (decode) and tiled GEMM default configs through the whole NVIDIA
+pipeline with the bundled ptxas and checks what the interpreter cannot: the kernel lowers for
+each target, shared memory fits the target's limit, and on sm_90 the M >= 64 tiles use wgmma.
+Run with -s to see the table (shared bytes, registers, spills, wgmma) per config. The compiles
+run once, in a subprocess without TRITON_INTERPRET (under it @triton.jit gives interpreted
+functions that cannot be compiled), and report back as JSON.
+"""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, aot_compile
+from tritonq.kernels.int4_gemm import _int4_gemm_kernel, default_config
+
+# (name, config): the defaults int4_gemm picks for a 4096 x 4096 layer at decode and prefill M.
+CONFIGS = {"gemv-splitk M<=16": default_config(1, 4096, 4096),
+           "gemm M<=64": default_config(64, 4096, 4096),
+           "gemm M>64": default_config(256, 4096, 4096)}
+# Flags of the variants: AWQ/GPTQ asymmetric fp16 everywhere; sym act-order bf16 (the gather path) on sm_90.
+VARIANTS = {"fp16-asym": dict(dtype="fp16", BITS=4, HAS_ZEROS=True, HAS_G_IDX=False, TILE_GROUPS=True),
+            "bf16-sym-g_idx": dict(dtype="bf16", BITS=4, HAS_ZEROS=False, HAS_G_IDX=True, TILE_GROUPS=False)}
+CASES = ([(cc, name, "fp16-asym") for cc in (75, 80, 90) for name in CONFIGS]
+         + [(90, name, "bf16-sym-g_idx") for name in ("gemv-splitk M<=16", "gemm M>64")])
+
+
+def compile_int4(config, variant, cc):
+    flags = dict(VARIANTS[variant])
+    dtype = "*" + flags.pop("dtype")
+    out = "*fp32" if config.SPLIT_K > 1 else dtype
+    pointers = {"x_ptr": dtype, "qweight_ptr": "*i32", "scales_ptr": dtype, "zeros_ptr": dtype,
+                "g_idx_ptr": "*i32", "bias_ptr": dtype, "out_ptr": out}
+    constexprs = dict(flags, HAS_BIAS=False, UPCAST_DOT=False, BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N,
+                      BLOCK_K=config.BLOCK_K, SPLIT_K=config.SPLIT_K)
+    params = _int4_gemm_kernel.params
+    assert {p.name for p in params if p.is_constexpr} == set(constexprs)
+    signature = {p.name: pointers.get(p.name, "i32") for p in params if not p.is_constexpr}
+    return aot_compile(_int4_gemm_kernel, signature, constexprs, cc, config.num_warps, config.num_stages)
+
+
+@pytest.fixture(scope="module")
+def reports():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {tuple(case): report for case, report in json.loads(out.stdout.splitlines()[-1])}
+
+
+@pytest.mark.parametrize("cc, name, variant", CASES, ids=[f"sm{c}-{n.split()[0]}{n.split()[1]}-{v}" for c, n, v in CASES])
+def test_int4_kernel_compiles_within_shared_memory(reports, cc, name, variant):
+    config, report = CONFIGS[name], reports[(cc, name, variant)]
+    print(f"\nsm_{cc} {name:18s} {variant:15s} {config.BLOCK_M}x{config.BLOCK_N}x{config.BLOCK_K} "
+          f"split{config.SPLIT_K} w{config.num_warps} s{config.num_stages}: shared {report['shared_bytes']} B "
+          f"(limit {SHARED_MEMORY_LIMIT[cc]}), registers {report['registers']}, spills {report['spills']} B, "
+          f"wgmma {report['uses_wgmma']}")
+    assert report["shared_bytes"] <= SHARED_MEMORY_LIMIT[cc]
+    if cc == 90 and config.BLOCK_M >= 64:
+        assert report["uses_wgmma"], "sm_90 fell back from wgmma to mma for a 64-row tile"
+
+
+if __name__ == "__main__":  # the subprocess: compile every case, print [[case, report], ...]
+    print(json.dumps([[case, dataclasses.asdict(compile_int4(CONFIGS[case[1]], case[2], case[0]))]
+                      for case in CASES]))
