@@ -1,0 +1,103 @@
+"""FP8 GEMM benchmark: `python -m tritonq.bench fp8 [--scheme block,channel] [--weight-only] [--plot out.png]`.
+
+For N=K=4096 and the DeepSeek-V3 shapes (N=7168, K=2048 and N=2048, K=7168), each M and each
+weight-scale scheme, times fp8_gemm (activation quantization included) against bf16
+`torch.matmul` with the same (dequantized) weight in the same run, and reports time, GB/s on
+the bytes moved (fp8 weight + scales + bf16 activations in + output out), TFLOP/s, % of the
+device roofline (fp8 peak) and the speedup. Per-channel rows also time torch._scaled_mm
+(cuBLASLt, row-wise scales) on the same quantized operands, column `scaled_mm_ms` (M % 16 == 0).
+On CPU fp8_gemm runs its torch reference against a float32 matmul: small shapes only, and
+the figures describe the reference, not the kernel (the "backend" column says so).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from tritonq.bench.common import gemm_row, plot_gemm, print_table, time_ms, write_json
+from tritonq.formats.base import FP8Weight
+
+GPU_M = (1, 16, 128, 1024, 4096)
+CPU_M = (1, 16, 64)
+GPU_SHAPES = (("N=K=4096", 4096, 4096), ("dsv3 N=7168,K=2048", 7168, 2048), ("dsv3 N=2048,K=7168", 2048, 7168))
+CPU_SHAPES = (("N=K=512", 512, 512),)
+
+
+def random_fp8_weight(N: int, K: int, scheme: str, device) -> FP8Weight:
+    """Random e4m3 codes with positive scales of the given granularity ("tensor", "channel", "block")."""
+    codes = (torch.randn(N, K, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if scheme == "tensor":
+        return FP8Weight(codes, torch.tensor(1e-3, device=device))
+    if scheme == "channel":
+        return FP8Weight(codes, torch.rand(N, 1, device=device) * 1e-3 + 1e-4)
+    if scheme == "block":
+        return FP8Weight(codes, torch.rand(-(-N // 128), -(-K // 128), device=device) * 1e-3 + 1e-4,
+                         block_size=(128, 128))
+    raise ValueError(f"unknown scheme {scheme!r}; choose tensor, channel or block")
+
+
+def fp8_bytes(w: FP8Weight) -> int:
+    return w.weight.numel() + w.weight_scale.numel() * 4
+
+
+def scaled_mm_ms(x: torch.Tensor, w: FP8Weight) -> float:
+    """cuBLASLt fp8 GEMM with row-wise scales on our quantized activations (matmul only)."""
+    from tritonq.kernels.fp8_gemm import quantize_activation_fp8
+    xq, xs = quantize_activation_fp8(x)
+    w_t, ws = w.weight.T, w.weight_scale.reshape(1, -1)
+    return time_ms(lambda: torch._scaled_mm(xq, w_t, scale_a=xs, scale_b=ws, out_dtype=x.dtype))
+
+
+def run(ms: list[int], shapes, schemes: list[str], weight_only: bool, dtype: torch.dtype, device: str) -> list[dict]:
+    from tritonq.kernels import use_triton
+    from tritonq.kernels.fp8_gemm import fp8_gemm
+
+    on_gpu = device == "cuda"
+    rows = []
+    for label, N, K in shapes:
+        for scheme in schemes:
+            w = random_fp8_weight(N, K, scheme, device)
+            dense = w.dequantize().to(dtype)  # the baseline multiplies the same weight dense
+            for M in ms:
+                x = torch.randn(M, K, dtype=dtype, device=device)
+                ours = time_ms(lambda: fp8_gemm(x, w, weight_only=weight_only))
+                base = time_ms(lambda: x @ dense.T)
+                moved = fp8_bytes(w) + x.numel() * x.element_size() + M * N * x.element_size()
+                row = gemm_row(f"{label} {scheme}", M, N, K, ours, base, moved, fp8=not weight_only)
+                if on_gpu and scheme == "channel" and not weight_only and M % 16 == 0:  # cuBLASLt fp8 needs M % 16 == 0
+                    row["scaled_mm_ms"] = scaled_mm_ms(x, w)
+                rows.append(row)
+            del dense
+    backend = "triton" if use_triton(torch.empty(0, device=device)) else "torch reference"
+    backend += " weight-only" if weight_only else " fp8 x fp8"
+    for r in rows:
+        r["backend"] = backend
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    on_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m tritonq.bench fp8", description=__doc__.split("\n")[0])
+    p.add_argument("--m", default=",".join(map(str, GPU_M if on_gpu else CPU_M)), help="comma-separated M values")
+    p.add_argument("--scheme", default="block,channel", help="comma-separated subset of tensor,channel,block")
+    p.add_argument("--weight-only", action="store_true",
+                   help="time the weight-only path (what GPUs below sm_89 run) instead of fp8 x fp8")
+    p.add_argument("--json", default="bench/results/fp8.json")
+    p.add_argument("--plot", default=None, help="also write a PNG plot here")
+    args = p.parse_args(argv)
+    schemes = [s for s in args.scheme.split(",") if s]
+    unknown = set(schemes) - {"tensor", "channel", "block"}
+    if unknown:
+        p.error(f"unknown --scheme {sorted(unknown)}; choose from tensor, channel, block")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    device = "cuda" if on_gpu else "cpu"
+    baseline = "torch bf16 matmul" if on_gpu else "torch float32 matmul (CPU)"
+    rows = run([int(m) for m in args.m.split(",")], GPU_SHAPES if on_gpu else CPU_SHAPES, schemes,
+               args.weight_only, dtype, device)
+    print(f"fp8_gemm vs {baseline}; backend: {rows[0]['backend'] if rows else '-'}")
+    print_table(rows)
+    write_json(args.json, "fp8", rows, baseline=baseline, dtype=str(dtype),
+               backend=rows[0]["backend"] if rows else "", command=f"python -m tritonq.bench fp8 {' '.join(argv)}")
+    if args.plot:
+        plot_gemm(args.json, args.plot)
