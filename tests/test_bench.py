@@ -1,0 +1,49 @@
+"""tritonq.bench: the GEMM row arithmetic, the model shape tables, and the int4_gemm CLI on CPU."""
+import json
+
+import pytest
+
+from tritonq.bench import common
+from tritonq.bench import int4_gemm as bench_int4
+
+
+def test_gemm_row_figures_against_h200_peaks(monkeypatch):
+    monkeypatch.setattr(common, "device_peaks", lambda: ("NVIDIA H200", common.DEVICE_PEAKS["H200"]))
+    # 4.8 MB in 1 us is exactly H200's 4800 GB/s; 2*1*4096*4096 FLOP in 1 us is 33.6 TFLOP/s.
+    row = common.gemm_row("sq", 1, 4096, 4096, ours_ms=1e-3, baseline_ms=4e-3, bytes_moved=4_800_000)
+    assert row["GB/s"] == pytest.approx(4800) and row["bw_pct"] == pytest.approx(100)
+    assert row["TFLOP/s"] == pytest.approx(33.554432) and row["speedup"] == pytest.approx(4)
+    assert row["roofline_pct"] == pytest.approx(100)  # memory-bound: the roofline is the bandwidth
+    # Compute-bound: M=4096 square, 1 ms -> 137.4 TFLOP/s of 989: roofline 13.9 %.
+    row = common.gemm_row("sq", 4096, 4096, 4096, ours_ms=1.0, baseline_ms=1.0, bytes_moved=75_497_472)
+    assert row["roofline_pct"] == pytest.approx(100 * 137.438953472 / 989)
+
+
+def test_model_shapes_match_the_published_configs():
+    assert common.model_gemm_shapes(common.LLAMA_2_7B) == [
+        ("qkv_proj", 12288, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 22016, 4096), ("down_proj", 4096, 11008)]
+    # DeepSeek-V2-Lite: no q LoRA, 16 heads of 128+64, kv rank 512, 10944 dense / 1408 expert MLP.
+    assert common.model_gemm_shapes(common.DEEPSEEK_V2_LITE) == [
+        ("q_proj", 3072, 2048), ("kv_a_proj_with_mqa", 576, 2048), ("kv_b_proj", 4096, 512),
+        ("o_proj", 2048, 2048), ("gate_up_proj", 21888, 2048), ("down_proj", 2048, 10944),
+        ("expert_gate_up", 2816, 2048), ("expert_down", 2048, 1408)]
+    with pytest.raises(ValueError, match="lacks"):
+        common.model_gemm_shapes({"hidden_size": 8})
+
+
+def test_int4_bench_cli_on_cpu_writes_json_and_plot(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU bench measures the torch reference path
+    out = tmp_path / "int4.json"
+    bench_int4.main(["--m", "1,3", "--square", "256", "--json", str(out), "--plot", str(tmp_path / "int4.png")])
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "int4_gemm" and data["baseline"] == "torch float32 matmul (CPU)"
+    assert [(r["M"], r["N"], r["K"]) for r in data["rows"]] == [(1, 256, 256), (3, 256, 256)]
+    for r in data["rows"]:
+        assert r["backend"] == "torch reference"
+        assert r["ms"] > 0 and r["speedup"] == pytest.approx(r["baseline_ms"] / r["ms"])
+    assert (tmp_path / "int4.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_int4_bench_rejects_unknown_models():
+    with pytest.raises(SystemExit):
+        bench_int4.main(["--models", "gpt-5"])
