@@ -73,3 +73,10 @@ def test_int4_to_awq_rejects_act_order():
                      4, 32, sym=True, zero_offset=1)
     with pytest.raises(ValueError, match="g_idx=True"):
         int4_to_awq(w)
+
+
+def test_gptq_to_int4_rejects_g_idx_beyond_scales():
+    q = pack_int32(torch.zeros(64, 8, dtype=torch.int32), 4, dim=0)
+    g_idx = torch.arange(64, dtype=torch.int32).flip(0) // 16  # groups 0..3, but scales has 2 rows
+    with pytest.raises(ValueError, match=r"values in \[0, 3\], expected \[64\] in \[0, 2\)"):
+        gptq_to_int4(q, None, torch.ones(2, 8, dtype=torch.float16), g_idx, 4, 32, sym=True, zero_offset=1)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import triton
@@ -160,7 +161,7 @@ def config_bucket(M: int, N: int, K: int, w: Int4Weight) -> str:
     return f"M{_next_pow2(M)}_N{N}_K{K}_G{w.group_size}_B{w.bits}"
 
 
-def _fail(name: str, found, expected: str, fix: str) -> None:
+def _fail(name: str, found, expected: str, fix: str) -> NoReturn:
     raise ValueError(f"int4_gemm: {name} is {found}, expected {expected}; {fix}")
 
 
@@ -196,7 +197,8 @@ def _check_weight(w: Int4Weight) -> tuple[int, int]:
 
 
 def check_g_idx(w: Int4Weight) -> None:
-    """Full check that every g_idx entry names an existing group (a device sync: call at load)."""
+    """Check that every g_idx entry names a row of scales. It syncs the device, so CUDA launches skip
+    it; gptq_to_int4 checks at load time."""
     if w.g_idx is not None:
         lo, hi = int(w.g_idx.min()), int(w.g_idx.max())
         if lo < 0 or hi >= w.scales.shape[0]:
@@ -209,9 +211,11 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
     if x.dim() != 2 or x.shape[1] != K or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         _fail("x", f"{x.dtype} of shape {tuple(x.shape)}", f"fp16/bf16/fp32 [M, {K}]",
               "flatten leading dims to M first")
+    if x.device != w.qweight.device:
+        _fail("x", f"on {x.device}", f"on the weight's device {w.qweight.device}", "move x or the weight")
     if not use_triton(x):
         return int4_gemm_reference(x, w)
-    if not x.is_cuda:  # interpreter; on CUDA the loader calls check_g_idx once (it syncs)
+    if not x.is_cuda:  # interpreter; CUDA relies on the load-time check in gptq_to_int4 (no sync)
         check_g_idx(w)
     M = x.shape[0]
     if config is None:
