@@ -3,7 +3,8 @@
 Routing `grouped_topk(router_logits [T, E])` -> (topk_weights [T, k] fp32, topk_ids [T, k] int32)
 covers DeepSeek-V2 `greedy` / `group_limited_greedy` (softmax, group score = max in group) and
 DeepSeek-V3 `noaux_tc` (sigmoid, correction bias for selection only, group score = sum of the
-top-2 in group). Ties: the lower expert (or group) index wins, via a stable descending sort.
+top-2 in group). Ties: the lower expert (or group) index wins, via a stable descending sort (torch.topk does
+not promise this: on CPU, zeros(1, 8).topk(2) returns indices [6, 5]).
 Routing is a handful of vectorised torch ops on a [T, E] fp32 tensor (E <= 256): a Triton
 kernel would save a few microseconds of launches per layer and is not worth a second
 implementation; `grouped_topk_reference` is an independent per-token loop.
@@ -134,13 +135,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
     expert_ids [max_blocks] int32: the expert of each block of block_m rows.
     max_blocks = min(T*k, ceil(T*k / block_m) + E) bounds the blocks without a host sync; blocks
     at or past num_tokens_post_padded are unused (the kernel exits on them).
-    Vectorised torch (a stable sort and a few scans) rather than a kernel: it is O(T*k).
+    Vectorised torch (a stable sort and a few scans) rather than a kernel: it is O(T*k), and
+    has no host sync (scatter_add, not bincount), so a decode step can be CUDA-graph captured.
     """
     flat = topk_ids.flatten().long()
     numel = flat.numel()
     device = flat.device
     order = torch.sort(flat, stable=True).indices             # pairs grouped by expert, token order kept
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
