@@ -100,8 +100,13 @@ def _int4_gemm_target() -> TuneTarget:
             raise ValueError(f"int4 kernel has constexpr args {unknown} that tune's AOT variant does not set")
         signature = {name: pointers.get(name, "i32") for name, is_constexpr in params if not is_constexpr}
         constexprs = {name: flags[name] for name, is_constexpr in params if is_constexpr}
-        return aot_compile(kernel, signature, constexprs, cc,
-                           num_warps=config["num_warps"], num_stages=config["num_stages"])
+        # As the launcher specializes at run time: pointers and 16-divisible ints get the hint.
+        _, N, K = shape
+        ints = {"N": N, "K": K, "group_size": _int4_group_size(K), "stride_xm": K}
+        aligned = tuple(pointers) + tuple(name for name, v in ints.items() if v % 16 == 0)
+        return aot_compile(kernel, signature, constexprs, cc, num_warps=config["num_warps"],
+                           num_stages=config["num_stages"],
+                           divisible_by_16=tuple(name for name in aligned if name in signature))
 
     return TuneTarget(
         name="int4_gemm", space=space, make_inputs=make_inputs,
