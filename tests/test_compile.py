@@ -53,7 +53,8 @@ def reports():
     return {tuple(case): report for case, report in json.loads(out.stdout.splitlines()[-1])}
 
 
-@pytest.mark.parametrize("cc, name, variant", CASES, ids=[f"sm{c}-{n.split()[0]}{n.split()[1]}-{v}" for c, n, v in CASES])
+@pytest.mark.parametrize("cc, name, variant", CASES,
+                         ids=[f"sm{c}-{n.split()[0]}{n.split()[1]}-{v}" for c, n, v in CASES])
 def test_int4_kernel_compiles_within_shared_memory(reports, cc, name, variant):
     config, report = CONFIGS[name], reports[(cc, name, variant)]
     print(f"\nsm_{cc} {name:18s} {variant:15s} {config.BLOCK_M}x{config.BLOCK_N}x{config.BLOCK_K} "

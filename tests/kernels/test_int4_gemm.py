@@ -6,11 +6,12 @@ over weights rounded to the same 16-bit dtype, so they differ by at most one rou
 output to x.dtype (eps of that dtype). fp32 x: the kernel keeps weights in fp32 while the
 reference rounds them to the fp16 scales dtype, a relative 2^-11 per weight.
 """
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
-from tritonq.formats.base import Int4Weight
 from tritonq.formats.packing import AWQ_ORDER, awq_to_int4, gptq_to_int4
 from tritonq.kernels.int4_gemm import (CONFIG_SPACE, Int4GemmConfig, dequantize_int4, int4_gemm,
                                        int4_gemm_reference)
@@ -68,8 +69,16 @@ def gptq_case(K, N, bits, group_size, dtype, sym, act_order, zero_offset=1):
     return w, torch.from_numpy(dense)
 
 
+def awq_weight(*args):
+    return awq_case(*args)[0]
+
+
+def gptq_weight(*args, **kwargs):
+    return gptq_case(*args, **kwargs)[0]
+
+
 def with_bias(w, dtype):
-    return Int4Weight(w.qweight, w.scales, w.zeros, w.g_idx, w.group_size, w.bits, torch.randn(w.shape[0], dtype=dtype))
+    return replace(w, bias=torch.randn(w.shape[0], dtype=dtype))
 
 
 @pytest.mark.parametrize("make", [
@@ -89,27 +98,28 @@ def test_dequantize_matches_hand_unpacked_checkpoint(make):
 # (M, case, x dtype): every M in {1, 3, 17, 64} meets both layouts, sym and asym, each group size,
 # act-order, 4 and 8 bits, fp16 and bf16; N (40, 72, 200) is never a multiple of BLOCK_N.
 KERNEL_CASES = [
-    (1, lambda d: awq_case(128, 72, 32, d), torch.float16),
-    (1, lambda d: gptq_case(384, 40, 4, 128, d, sym=False, act_order=True), torch.bfloat16),
-    (1, lambda d: gptq_case(128, 40, 8, 32, d, sym=True, act_order=False), torch.bfloat16),
-    (3, lambda d: awq_case(384, 200, 128, d), torch.bfloat16),
-    (3, lambda d: gptq_case(128, 72, 4, 32, d, sym=True, act_order=False), torch.float16),
-    (3, lambda d: gptq_case(384, 72, 4, 128, d, sym=False, act_order=False, zero_offset=0), torch.float32),
-    (17, lambda d: with_bias(awq_case(384, 40, -1, d)[0], d), torch.float16),
-    (17, lambda d: gptq_case(384, 72, 4, 64, d, sym=True, act_order=True), torch.float16),
-    (17, lambda d: gptq_case(384, 72, 8, 128, d, sym=False, act_order=True), torch.bfloat16),
-    (64, lambda d: awq_case(128, 72, 64, d), torch.bfloat16),
-    (64, lambda d: with_bias(gptq_case(384, 200, 4, -1, d, sym=False, act_order=False, zero_offset=0)[0], d),
+    (1, lambda d: awq_weight(128, 72, 32, d), torch.float16),
+    (1, lambda d: gptq_weight(384, 40, 4, 128, d, sym=False, act_order=True), torch.bfloat16),
+    (1, lambda d: gptq_weight(128, 40, 8, 32, d, sym=True, act_order=False), torch.bfloat16),
+    (3, lambda d: awq_weight(384, 200, 128, d), torch.bfloat16),
+    (3, lambda d: gptq_weight(128, 72, 4, 32, d, sym=True, act_order=False), torch.float16),
+    (3, lambda d: gptq_weight(384, 72, 4, 128, d, sym=False, act_order=False, zero_offset=0), torch.float32),
+    (3, lambda d: gptq_weight(200, 40, 4, -1, d, sym=False, act_order=False), torch.float16),  # K % 16 != 0:
+    # no BLOCK_K divides the group, so scales are gathered per row, and the last K tile is partial
+    (17, lambda d: with_bias(awq_weight(384, 40, -1, d), d), torch.float16),
+    (17, lambda d: gptq_weight(384, 72, 4, 64, d, sym=True, act_order=True), torch.float16),
+    (17, lambda d: gptq_weight(384, 72, 8, 128, d, sym=False, act_order=True), torch.bfloat16),
+    (64, lambda d: awq_weight(128, 72, 64, d), torch.bfloat16),
+    (64, lambda d: with_bias(gptq_weight(384, 200, 4, -1, d, sym=False, act_order=False, zero_offset=0), d),
      torch.float16),
-    (64, lambda d: gptq_case(128, 40, 8, -1, d, sym=True, act_order=False), torch.bfloat16),
-    (80, lambda d: gptq_case(384, 72, 4, 64, d, sym=False, act_order=True), torch.float16),  # M > 64 tiles
+    (64, lambda d: gptq_weight(128, 40, 8, -1, d, sym=True, act_order=False), torch.bfloat16),
+    (80, lambda d: gptq_weight(384, 72, 4, 64, d, sym=False, act_order=True), torch.float16),  # M > 64 tiles
 ]
 
 
 @pytest.mark.parametrize("M, make, dtype", KERNEL_CASES, ids=[f"case{i}-M{c[0]}" for i, c in enumerate(KERNEL_CASES)])
 def test_kernel_matches_reference(M, make, dtype):
-    made = make(torch.float16 if dtype == torch.float32 else dtype)
-    w = made[0] if isinstance(made, tuple) else made
+    w = make(torch.float16 if dtype == torch.float32 else dtype)  # fp32 x: fp16 scales
     x = torch.randn(M, w.shape[1], dtype=dtype)
     y = int4_gemm(x, w)
     assert y.dtype == dtype and y.shape == (M, w.shape[0])
@@ -135,12 +145,6 @@ def test_torch_backend_is_the_reference(monkeypatch):
     assert torch.equal(int4_gemm(x, w), int4_gemm_reference(x, w))
 
 
-def _replace(w, **changes):
-    fields_ = dict(qweight=w.qweight, scales=w.scales, zeros=w.zeros, g_idx=w.g_idx,
-                   group_size=w.group_size, bits=w.bits, bias=w.bias)
-    return Int4Weight(**{**fields_, **changes})
-
-
 @pytest.mark.parametrize("change, x_shape, x_dtype, message", [
     (dict(qweight_dtype=torch.int64), (2, 128), torch.float16, "qweight is torch.int64"),
     (dict(group_size=48), (2, 128), torch.float16, "group_size is 48"),
@@ -154,15 +158,15 @@ def _replace(w, **changes):
 def test_bad_input_raises_value_error(change, x_shape, x_dtype, message):
     w, _ = awq_case(128, 40, 32, torch.float16)
     if "qweight_dtype" in change:
-        w = _replace(w, qweight=w.qweight.to(change["qweight_dtype"]))
+        w = replace(w, qweight=w.qweight.to(change["qweight_dtype"]))
     if "group_size" in change:
-        w = _replace(w, group_size=change["group_size"])
+        w = replace(w, group_size=change["group_size"])
     if "bits" in change:
-        w = _replace(w, bits=change["bits"])
+        w = replace(w, bits=change["bits"])
     if "scales_rows" in change:
-        w = _replace(w, scales=w.scales[:change["scales_rows"]], zeros=w.zeros[:change["scales_rows"]])
+        w = replace(w, scales=w.scales[:change["scales_rows"]], zeros=w.zeros[:change["scales_rows"]])
     if "g_idx_bad" in change:
-        w = _replace(w, g_idx=torch.arange(128, dtype=torch.int32) // 14)  # groups 0..9, only 4 exist
+        w = replace(w, g_idx=torch.arange(128, dtype=torch.int32) // 14)  # groups 0..9, only 4 exist
     x = torch.ones(x_shape, dtype=x_dtype, device=change.get("x_device", "cpu"))
     with pytest.raises(ValueError, match=message):
         int4_gemm(x, w)

@@ -79,7 +79,8 @@ def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: tor
         zeros = (unpack_int32(qzeros, bits, dim=1) + zero_offset).to(scales.dtype)
     if g_idx is not None and _trivial_g_idx(g_idx, group_size):
         g_idx = None
-    if g_idx is not None and (tuple(g_idx.shape) != (K,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[0]):
+    if g_idx is not None and (tuple(g_idx.shape) != (K,)
+                              or int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[0]):
         raise ValueError(f"gptq_to_int4: g_idx of shape {tuple(g_idx.shape)} with values in [{int(g_idx.min())}, "
                          f"{int(g_idx.max())}], expected [{K}] in [0, {scales.shape[0]}) (one group per scales row); "
                          "the checkpoint's g_idx does not match its scales")
