@@ -226,8 +226,9 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
         # A tile must not straddle two groups for TILE_GROUPS; shrink BLOCK_K to fit if it can.
         block_k = max(math.gcd(block_k, w.group_size), 16)
     tile_groups = w.g_idx is None and w.group_size % block_k == 0
-    # Triton 3.9's interpreter multiplies bf16 tl.dot operands as raw bits, so on CPU the bf16
-    # dot runs in fp32 on the same bf16-rounded values; fp32 x uses an exact (non-tf32) dot.
+    # Triton's interpreter multiplies bf16 tl.dot operands as raw bits (triton-lang/triton#11584,
+    # unsupported upstream), so on CPU the bf16 dot runs in fp32 on the same bf16-rounded values.
+    # fp32 x uses an exact (ieee, not tf32) dot.
     upcast_dot = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not x.is_cuda)
     split_k = config.SPLIT_K
     if split_k > 1:
