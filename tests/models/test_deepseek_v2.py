@@ -3,25 +3,30 @@
 Everything runs in float32 through the torch references (TRITONQ_BACKEND=torch), so ours and
 transformers differ only in summation order: logits agree to TOL (|logits| ~ 1 here).
 """
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM as HFDeepseekV2
 
+from tritonq.formats.base import FP8Weight, Int4Weight, Weights
 from tritonq.formats.registry import get_loader
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM, kv_bytes_per_token
+from tritonq.quantize import write_quantized
 
 TOL = dict(atol=2e-4, rtol=1e-4)  # fp32, summation order only
 MODES = ("expanded", "latent")
 
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
-              num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
               max_position_embeddings=256, initializer_range=0.1, first_k_dense_replace=1, n_shared_experts=2,
               bos_token_id=None, eos_token_id=None, pad_token_id=0)
 CONFIGS = {
     # V2-Lite style: one q_proj, greedy routing over all experts, default rope.
     "lite": dict(q_lora_rank=None, n_routed_experts=6, num_experts_per_tok=2, topk_method="greedy"),
     # V2 style: q LoRA, group-limited routing, scaled expert weights, yarn with mscale_all_dim.
-    "v2": dict(q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=3, topk_method="group_limited_greedy",
+    "v2": dict(q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=3, topk_method="group_limited_greedy",
                n_group=4, topk_group=2, routed_scaling_factor=2.5,
                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                     original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
@@ -115,7 +120,7 @@ def test_attention_modes_agree(checkpoint):
 def test_kv_bytes_per_token_deepseek_v2_lite():
     """Real DeepSeek-V2-Lite: 27 layers, 16 heads, kv_lora_rank 512, rope 64, nope 128, v 128, bf16."""
     lite = DeepseekV2Config(num_hidden_layers=27, num_attention_heads=16, kv_lora_rank=512, q_lora_rank=None,
-                            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, hidden_size=2048)
+                            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=168, hidden_size=2048)
     assert kv_bytes_per_token(lite, "latent") == 27 * (512 + 64) * 2  # 31,104
     assert kv_bytes_per_token(lite, "expanded") == 27 * 16 * (192 + 128) * 2  # 276,480
 
@@ -124,3 +129,57 @@ def test_bad_inputs_raise():
     lite = DeepseekV2Config(**COMMON, **CONFIGS["lite"])
     with pytest.raises(ValueError, match="attention_mode"):
         kv_bytes_per_token(lite, "paged")
+
+
+def dequantized_reference(dense_folder, quantized_folder, out_folder):
+    """transformers model whose every linear is the dequantized weight stored in quantized_folder."""
+    loader = get_loader(quantized_folder, torch.float32, "cpu")
+    dense = Weights(dense_folder)
+    tensors = {}
+    for name in dense.names():
+        tensor = dense.get_tensor(name)
+        prefix = name.removesuffix(".weight")
+        if tensor.ndim == 2 and name != "model.embed_tokens.weight":
+            tensor = loader.get_linear(prefix).dequantize().float().contiguous()
+        tensors[name] = tensor
+    save_file(tensors, str(out_folder / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(dense_folder / "config.json", out_folder / "config.json")
+    return HFDeepseekV2.from_pretrained(out_folder).eval()
+
+
+def quantize_linear_inputs_fp8(hf, monkeypatch):
+    """Make transformers quantize each dense linear's input per token to e4m3 (scale = absmax /
+    448), as fp8 checkpoints with activation_scheme "dynamic" are run. lm_head stays dense and the
+    MoE router and experts are not nn.Linear (our fused_moe runs fp8 experts weight-only)."""
+    quantized = {m.weight.data_ptr() for name, m in hf.named_modules() if isinstance(m, torch.nn.Linear)
+                 and name != "lm_head"}
+    linear = torch.nn.functional.linear
+
+    def linear_with_fp8_input(x, weight, bias=None):
+        if weight.data_ptr() in quantized:
+            scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448
+            x = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+        return linear(x, weight, bias)
+    monkeypatch.setattr(torch.nn.functional, "linear", linear_with_fp8_input)
+
+
+QUANTIZED = {"awq": dict(group_size=32), "gptq": dict(group_size=32, sym=True, act_order=True),
+             "fp8": dict(fp8_scheme="tensor")}
+
+
+@pytest.mark.parametrize("fmt", sorted(QUANTIZED))
+def test_quantized_matches_transformers_on_dequantized_weights(checkpoint, fmt, tmp_path, monkeypatch):
+    folder, hf = checkpoint
+    quantized = write_quantized(folder, tmp_path / fmt, fmt, **QUANTIZED[fmt])
+    (tmp_path / "ref").mkdir()
+    reference = dequantized_reference(folder, quantized, tmp_path / "ref")
+    model = DeepseekV2ForCausalLM(hf.config, get_loader(quantized, torch.float32, "cpu"), torch.float32, "cpu")
+    assert isinstance(model.layers[1].mlp.down, FP8Weight if fmt == "fp8" else Int4Weight)  # experts quantized
+    prompt = PROMPTS[0]
+    ours = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32),
+                 model.allocate_cache(1, 8), at(0))[0]
+    if fmt == "fp8":
+        quantize_linear_inputs_fp8(reference, monkeypatch)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, expected, **TOL)
