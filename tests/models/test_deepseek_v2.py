@@ -120,7 +120,7 @@ def test_attention_modes_agree(checkpoint):
 def test_kv_bytes_per_token_deepseek_v2_lite():
     """Real DeepSeek-V2-Lite: 27 layers, 16 heads, kv_lora_rank 512, rope 64, nope 128, v 128, bf16."""
     lite = DeepseekV2Config(num_hidden_layers=27, num_attention_heads=16, kv_lora_rank=512, q_lora_rank=None,
-                            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=168, hidden_size=2048)
+                            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, hidden_size=2048)
     assert kv_bytes_per_token(lite, "latent") == 27 * (512 + 64) * 2  # 31,104
     assert kv_bytes_per_token(lite, "expanded") == 27 * 16 * (192 + 128) * 2  # 276,480
 
