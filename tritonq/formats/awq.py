@@ -3,14 +3,15 @@
 config.json: quantization_config {quant_method: awq, bits: 4, group_size, zero_point: true,
 version: gemm, modules_to_not_convert}. Per linear P: P.qweight int32 [K, N/8] and P.qzeros
 int32 [G, N/8] packed along N in AWQ order, P.scales fp16 [G, N]. Repacked on load into the
-internal layout (packed along K) with packing.awq_to_int4.
+internal layout (packed along K) by `repack_awq_qweight`, an in-register-width int32 repack that keeps
+loading close to raw read speed (the generic packing helpers go through int64 per value).
 """
 from __future__ import annotations
 
 import torch
 
 from tritonq.formats.base import Int4Weight, Weights, WeightsLoader
-from tritonq.formats.packing import awq_to_int4
+from tritonq.formats.packing import AWQ_REVERSE_ORDER
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)
 
@@ -43,5 +44,32 @@ class AWQLoader(WeightsLoader):
         G = K // group_size
         scales = self.weights.get_tensor(f"{prefix}.scales", dtype=torch.float16, shape=(G, N))
         qzeros = self.weights.get_tensor(f"{prefix}.qzeros", dtype=torch.int32, shape=(G, n_packed))
-        w = awq_to_int4(qweight.to(self.device), qzeros.to(self.device), scales.to(self.device), group_size)
-        return Int4Weight(w.qweight, w.scales.to(self.dtype), w.zeros.to(self.dtype), None, w.group_size, 4)
+        zeros = unpack_awq_zeros(qzeros.to(self.device))
+        return Int4Weight(repack_awq_qweight(qweight.to(self.device)), scales.to(device=self.device, dtype=self.dtype),
+                          zeros.to(self.dtype), None, group_size, 4)
+
+
+def repack_awq_qweight(qweight: torch.Tensor) -> torch.Tensor:
+    """AWQ qweight [K, N/8] (packed along N, AWQ order) -> internal [K/8, N] (packed along K, sequential).
+
+    Each 8 rows x 1 pack block is an 8x8 nibble matrix (row k, field f); the repack is its transpose,
+    done in int32 with three rounds of masked swaps (4x4, 2x2, 1x1 nibble blocks), then the AWQ
+    field order is undone by picking the output words in column order.
+    """
+    K, n_packed = qweight.shape
+    if K % 8:
+        raise ValueError(f"AWQ qweight has K={K} rows, expected a multiple of 8")
+    words = qweight.reshape(K // 8, 8, n_packed).clone()
+    for shift, mask, rows in ((16, 0x0000FFFF, (0, 1, 2, 3)), (8, 0x00FF00FF, (0, 1, 4, 5)), (4, 0x0F0F0F0F, (0, 2, 4, 6))):
+        for row in rows:  # swap the high part of `low` with the low part of `high`
+            low, high = words[:, row], words[:, row + shift // 4]
+            swap = ((low >> shift) ^ high) & mask
+            high ^= swap
+            low ^= swap << shift
+    return torch.stack([words[:, field] for field in AWQ_REVERSE_ORDER], dim=-1).reshape(K // 8, n_packed * 8)
+
+
+def unpack_awq_zeros(qzeros: torch.Tensor) -> torch.Tensor:
+    """AWQ qzeros [G, N/8] -> int32 [G, N]."""
+    fields = [(qzeros >> (4 * field)) & 0xF for field in AWQ_REVERSE_ORDER]
+    return torch.stack(fields, dim=-1).reshape(qzeros.shape[0], -1)
