@@ -177,8 +177,8 @@ def _e4m3_bits_to_float(b):
 def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
                       stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                       group_size, KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                      HAS_G_IDX: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                      FP8_AS_BITS: tl.constexpr, COMPUTE: tl.constexpr):
+                      HAS_G_IDX: tl.constexpr, GROUP_ALIGNED: tl.constexpr, SCALE_BN: tl.constexpr,
+                      SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr, COMPUTE: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N)."""
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -190,14 +190,20 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         packed = tl.load(w_base + (offs_k[:, None] // PACK) * stride_wk + offs_n[None, :] * stride_wn,
                          mask=mask, other=0)
         q = (packed >> ((offs_k[:, None] % PACK) * BITS)) & ((1 << BITS) - 1)
-        if HAS_G_IDX:
-            group = tl.load(g_idx_ptr + expert.to(tl.int64) * K + offs_k, mask=offs_k < K, other=0)
+        if GROUP_ALIGNED:  # the whole K tile is in one group: one [1, BLOCK_N] row of scales/zeros
+            s_off = (expert.to(tl.int64) * stride_se + (tl.min(offs_k, axis=0) // group_size) * stride_sk
+                     + offs_n[None, :] * stride_sn)
+            s_mask = offs_n[None, :] < N
         else:
-            group = offs_k // group_size
-        s_off = expert.to(tl.int64) * stride_se + group[:, None] * stride_sk + offs_n[None, :] * stride_sn
-        scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+            if HAS_G_IDX:
+                group = tl.load(g_idx_ptr + expert.to(tl.int64) * K + offs_k, mask=offs_k < K, other=0)
+            else:
+                group = offs_k // group_size
+            s_off = expert.to(tl.int64) * stride_se + group[:, None] * stride_sk + offs_n[None, :] * stride_sn
+            s_mask = mask
+        scale = tl.load(scale_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            q = q.to(tl.float32) - tl.load(zero_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+            q = q.to(tl.float32) - tl.load(zero_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
         else:  # symmetric: zero = 2^(bits-1)
             q = (q - (1 << (BITS - 1))).to(tl.float32)
         w = (q * scale).to(COMPUTE)
@@ -221,7 +227,7 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      stride_am, stride_om,
                      stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
                      GATE_UP: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-                     HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                     HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
@@ -249,14 +255,15 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                     mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         w = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
                               stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
-                              KIND, BITS, HAS_ZEROS, HAS_G_IDX, SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE)
+                              KIND, BITS, HAS_ZEROS, HAS_G_IDX, GROUP_ALIGNED, SCALE_BN, SCALE_BK, FP8_AS_BITS,
+                              COMPUTE)
         acc = tl.dot(a, w, acc)
         if GATE_UP:
             w_up = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k,
                                      offs_n + up_offset, K, N + up_offset,
                                      stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                                     group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, SCALE_BN, SCALE_BK,
-                                     FP8_AS_BITS, COMPUTE)
+                                     group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, GROUP_ALIGNED,
+                                     SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE)
             acc_up = tl.dot(a, w_up, acc_up)
     if GATE_UP:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
@@ -283,6 +290,11 @@ def _config(tokens: int, top_k: int, num_experts: int, N: int, K: int) -> dict:
         return tuned
     per_expert = tokens * top_k / num_experts
     return [config for threshold, config in DEFAULT_CONFIGS if per_expert >= threshold][-1]
+
+
+def _group_aligned(w: Weight, block_k: int) -> bool:
+    """True if every BLOCK_K tile of K lies in one int4 group, so scales load as one row per tile."""
+    return isinstance(w, Int4Weight) and w.g_idx is None and w.group_size % block_k == 0
 
 
 def _has_fp8_types(x: torch.Tensor) -> bool:
@@ -388,7 +400,7 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
             a, dst, routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
             num_tokens_post_padded_ptr=post_padded, num_valid=numel, N=N, K=K, up_offset=inter,
             a_row_divisor=top_k if gate else 1, stride_am=a.stride(0), stride_om=dst.stride(0),
-            GATE_UP=gate, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            GATE_UP=gate, GROUP_ALIGNED=_group_aligned(weight, cfg["BLOCK_K"]), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_weight_args(weight, native_fp8))
     return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
 
