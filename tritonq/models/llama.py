@@ -132,9 +132,10 @@ class LlamaForCausalLM(nn.Module):
             return rope_cos_sin(self.head_dim, self.rope_theta, num_positions, self.rope_scaling,
                                 self.config.max_position_embeddings, self.device)
         if self._rope_tables is None or self._rope_tables[0] < num_positions:
-            cos, sin = rope_cos_sin(self.head_dim, self.rope_theta, num_positions, self.rope_scaling,
+            size = max(num_positions, 2 * self._rope_tables[0] if self._rope_tables else 256)  # grow rarely
+            cos, sin = rope_cos_sin(self.head_dim, self.rope_theta, size, self.rope_scaling,
                                     self.config.max_position_embeddings, self.device)
-            self._rope_tables = (num_positions, cos, sin)
+            self._rope_tables = (size, cos, sin)
         return self._rope_tables[1], self._rope_tables[2]
 
     @torch.inference_mode()
