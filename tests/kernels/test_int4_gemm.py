@@ -153,6 +153,7 @@ def test_torch_backend_is_the_reference(monkeypatch):
     (dict(g_idx_bad=True), (2, 128), torch.float16, r"g_idx is in range \[0, 9\]"),
     ({}, (2, 96), torch.float16, r"x is torch.float16 of shape \(2, 96\), expected fp16/bf16/fp32 \[M, 128\]"),
     ({}, (2, 128), torch.int32, "x is torch.int32"),
+    (dict(scales_view=True), (2, 128), torch.float16, "scales is non-contiguous"),
     (dict(x_device="meta"), (2, 128), torch.float16, "x is on meta, expected on the weight's device cpu"),
 ])
 def test_bad_input_raises_value_error(change, x_shape, x_dtype, message):
@@ -165,6 +166,8 @@ def test_bad_input_raises_value_error(change, x_shape, x_dtype, message):
         w = replace(w, bits=change["bits"])
     if "scales_rows" in change:
         w = replace(w, scales=w.scales[:change["scales_rows"]], zeros=w.zeros[:change["scales_rows"]])
+    if "scales_view" in change:
+        w = replace(w, scales=w.scales.t().contiguous().t())
     if "g_idx_bad" in change:
         w = replace(w, g_idx=torch.arange(128, dtype=torch.int32) // 14)  # groups 0..9, only 4 exist
     x = torch.ones(x_shape, dtype=x_dtype, device=change.get("x_device", "cpu"))

@@ -193,6 +193,10 @@ def _check_weight(w: Int4Weight) -> tuple[int, int]:
               "g_idx holds the group of each input row")
     if w.bias is not None and tuple(w.bias.shape) != (N,):
         _fail("bias", f"of shape {tuple(w.bias.shape)}", f"[{N}]", "one bias per output")
+    for name in ("qweight", "scales", "zeros", "g_idx", "bias"):  # the kernel indexes them densely
+        t = getattr(w, name)
+        if t is not None and not t.is_contiguous():
+            _fail(name, f"non-contiguous with strides {t.stride()}", "a contiguous tensor", "call .contiguous() at load")
     return N, K
 
 
