@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from tritonq.kernels.aot import aot_compile
 from tritonq.kernels.attention import (
     _decode_merge_kernel, _decode_split_kernel, _prefill_kernel, _write_kv_kernel, decode_attention,
     decode_attention_reference, decode_config, prefill_attention, prefill_attention_reference,
-    prefill_config, write_kv_cache, write_kv_cache_reference)
+    prefill_config, qk_blocks, write_kv_cache, write_kv_cache_reference)
 
 # Inputs are N(0, 1) and outputs are averages of v rows (|o| < ~3). fp32 differs only by summation
 # order and exp2 vs exp. In fp16/bf16 the probabilities are rounded to the input dtype before the
@@ -82,7 +83,9 @@ def test_prefill_non_causal_matches_sdpa(dtype):
         assert torch.all(out[b, n:] == 0)
 
 
-@pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS + [(32, 32, 80, 1)])  # 80 heads: 2 head blocks
+# 80 heads on one kv head: two query-head blocks, the second partly masked; 72 = 64 + ragged tail;
+# 576 / 512: DeepSeek-V2's absorbed-MLA decode (16 heads on one latent kv head).
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS + [(72, 40, 80, 1), (576, 512, 16, 1)])
 def test_decode_matches_sdpa_over_cache(d_qk, d_v, h, h_kv):
     dtype = torch.float16
     B = len(CACHE_LENS)
@@ -138,8 +141,10 @@ def test_bad_inputs_raise_clear_errors():
         write_kv_cache(torch.zeros(1, 6, 2, 16), torch.zeros(1, 6, 2, 16), k, v, lens([3]))
 
 
-# Every config the launchers ship for a GPU: padded head dims (64, 64), (128, 128), (256, 128).
-SHIPPED_DIMS = [(64, 64), (128, 128), (256, 128)]
+# Every config the launchers ship for a GPU, by real (Dqk, Dv): Llama 64/128, 96 (64 + 32 tail),
+# DeepSeek-V2 192/128 and, decode only, its absorbed-MLA latent 576/512.
+SHIPPED_PREFILL = [(64, 64), (96, 96), (128, 128), (192, 128)]
+SHIPPED_DECODE = SHIPPED_PREFILL + [(576, 512)]
 
 
 def _signature(kernel, pointers, floats=()):
@@ -152,31 +157,34 @@ def compile_shipped_configs(cc: int) -> dict:
     """{kernel and dims: CompileReport fields} for every shipped config, compiled for sm_`cc`."""
     bf16 = "*bf16"
     reports = {}
-    for block_d, block_dv in SHIPPED_DIMS:
-        cfg = prefill_config(block_d, block_dv)
-        reports[f"prefill D{block_d} DV{block_dv} {cfg}"] = aot_compile(
+    for d_qk, d_v in SHIPPED_PREFILL:
+        (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
+        cfg = prefill_config(block_d, block_dr, block_dv)
+        reports[f"prefill Dqk{d_qk} Dv{d_v} {cfg}"] = aot_compile(
             _prefill_kernel,
             _signature(_prefill_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16,
                                          "seq_lens_ptr": "*i32"}, floats={"qk_scale"}),
             dict(GROUP=4, CAUSAL=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-                 BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
-        cfg = decode_config(1, 8, 32768, block_d, sm_count=132)
-        reports[f"decode D{block_d} DV{block_dv} {cfg}"] = aot_compile(
+                 BLOCK_DR=block_dr, BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
+    for d_qk, d_v in SHIPPED_DECODE:
+        (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
+        cfg = decode_config(1, 8, 32768, block_d, block_dr, block_dv, sm_count=132)
+        reports[f"decode Dqk{d_qk} Dv{d_v} {cfg}"] = aot_compile(
             _decode_split_kernel,
             _signature(_decode_split_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16,
                                               "cache_lens_ptr": "*i32", "part_o_ptr": "*fp32",
                                               "part_lse_ptr": "*fp32"}, floats={"qk_scale"}),
             dict(GROUP=4, NUM_SPLITS=cfg.num_splits, BLOCK_H=16, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-                 BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
-    reports["decode merge DV128"] = aot_compile(
+                 BLOCK_DR=block_dr, BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
+    reports["decode merge Dv512"] = aot_compile(
         _decode_merge_kernel,
         _signature(_decode_merge_kernel, {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "o_ptr": bf16}),
-        dict(NUM_SPLITS=33, BLOCK_SPLITS=64, BLOCK_DV=128), cc, 4, 1)
-    reports["write_kv D256 DV128"] = aot_compile(
+        dict(NUM_SPLITS=33, BLOCK_SPLITS=64, BLOCK_DV=512), cc, 4, 1)
+    reports["write_kv Dqk576 Dv512"] = aot_compile(
         _write_kv_kernel,
         _signature(_write_kv_kernel, {name: bf16 for name in ("k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr")}
                    | {"start_ptr": "*i32"}),
-        dict(BLOCK_D=256, BLOCK_DV=128), cc, 4, 1)
+        dict(BLOCK_D=1024, BLOCK_DV=512), cc, 4, 1)
     return {name: dataclasses.asdict(r) | {"fits": r.fits} for name, r in reports.items()}
 
 

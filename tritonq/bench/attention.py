@@ -28,7 +28,7 @@ PREFILL_CPU = [("gqa-4", 2, 33, 4, 1, 128, 128), ("deepseek-192/128", 2, 33, 2, 
 # (label, B, L, H, Hkv, Dqk, Dv): L = cache length of every sequence
 DECODE_GPU = [("llama-8b", 1, 8192, 32, 8, 128, 128), ("llama-8b", 1, 32768, 32, 8, 128, 128),
               ("llama-8b", 32, 4096, 32, 8, 128, 128), ("llama-8b", 128, 1024, 32, 8, 128, 128),
-              ("deepseek-v2-lite", 8, 4096, 16, 16, 192, 128)]
+              ("deepseek-v2-lite", 8, 4096, 16, 16, 192, 128), ("v2-lite-mla-latent", 8, 4096, 16, 1, 576, 512)]
 DECODE_CPU = [("gqa-4", 2, 300, 4, 1, 128, 128), ("deepseek-192/128", 2, 65, 2, 2, 192, 128)]
 
 

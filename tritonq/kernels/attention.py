@@ -15,12 +15,15 @@ dtypes: fp16, bf16 or fp32 (all inputs the same); accumulation and softmax are f
 in q's dtype. KV cache layout [B, Smax, Hkv, D]: contiguous per-sequence (not paged — a paged
 cache with a block table is not implemented).
 
-Head dims need not be powers of two and Dqk may differ from Dv (DeepSeek-V2: 192 / 128). Each
-head dim is held in one power-of-two register block (next_pow2(D)) with masked loads, so tensors
-are never padded in memory. Cost: the masked lanes still take part in the tensor-core dots, so
-QK^T does next_pow2(Dqk)/Dqk times the useful FLOPs and the q/k tiles take that much more shared
-memory and registers: 192 -> 256 is 33% extra QK work (25% of the QK dot wasted), 96 -> 128 the
-same; 64 and 128 cost nothing. Memory traffic is unaffected (masked lanes are not loaded).
+Head dims need not be powers of two and Dqk may differ from Dv (DeepSeek-V2: 192 / 128; its
+absorbed-MLA decode: 576 / 512). Tensors are never padded in memory: the kernels hold each head
+dim in power-of-two register blocks and mask the lanes past D (masked lanes are not loaded, so
+memory traffic is unaffected). The qk dim is split into the largest power of two plus a
+power-of-two tail, accumulated by two tl.dots into one score tile (`qk_blocks`): 192 = 128 + 64,
+96 = 64 + 32 and 576 = 512 + 64 waste nothing; a ragged tail such as 72 = 64 + (8 -> 16) runs
+its masked lanes through the dot. Dv is one block of next_pow2(Dv): 128 and 512 cost nothing,
+while e.g. Dv = 96 pads to 128, i.e. 33% extra PV FLOPs, accumulator registers and V tile
+shared memory.
 
 On CPU tensors the torch references run instead (float32 compute), unless TRITON_INTERPRET=1.
 """
@@ -44,8 +47,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_lens_ptr,
                     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                     S, H, D_QK, D_V, qk_scale,
                     GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One program: BLOCK_M query rows of one (sequence, query head). qk_scale includes log2(e)."""
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
+    """One program: BLOCK_M query rows of one (sequence, query head). qk_scale includes log2(e).
+
+    The qk head dim is a BLOCK_D block plus, if BLOCK_DR > 0, a tail block at offset BLOCK_D.
+    """
     start_m = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
@@ -56,8 +63,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_lens_ptr,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < D_QK), other=0.0)
+    q_rows = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
+    q = tl.load(q_rows + offs_d[None, :], mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < D_QK), other=0.0)
+    if BLOCK_DR > 0:
+        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
+        q_tail = tl.load(q_rows + offs_dr[None, :], mask=(offs_m[:, None] < seq_len) & (offs_dr[None, :] < D_QK),
+                         other=0.0)
     k_base = k_ptr + b * stride_kb + kv_h * stride_kh
     v_base = v_ptr + b * stride_vb + kv_h * stride_vh
 
@@ -74,7 +85,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_lens_ptr,
         n = start_n + offs_n
         k = tl.load(k_base + n[None, :] * stride_ks + offs_d[:, None],
                     mask=(n[None, :] < seq_len) & (offs_d[:, None] < D_QK), other=0.0)
-        s = tl.dot(q, k) * qk_scale
+        s = tl.dot(q, k)
+        if BLOCK_DR > 0:
+            k_tail = tl.load(k_base + n[None, :] * stride_ks + offs_dr[:, None],
+                             mask=(n[None, :] < seq_len) & (offs_dr[:, None] < D_QK), other=0.0)
+            s = tl.dot(q_tail, k_tail, s)
+        s = s * qk_scale
         valid = n[None, :] < seq_len
         if CAUSAL:
             valid = valid & (n[None, :] <= offs_m[:, None])
@@ -100,7 +116,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, part_o_ptr, part_l
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
                          stride_vb, stride_vs, stride_vh, H, D_QK, D_V, qk_scale,
                          GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
+                         BLOCK_DV: tl.constexpr):
     """Stage 1. One program: one KV split of one (sequence, kv head, block of its query heads).
 
     All query heads sharing a kv head are one tl.dot operand, so each K/V tile is read once per
@@ -123,8 +140,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, part_o_ptr, part_l
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=head_mask[:, None] & (offs_d[None, :] < D_QK), other=0.0)
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=head_mask[:, None] & (offs_d[None, :] < D_QK), other=0.0)
+    if BLOCK_DR > 0:  # qk tail block, as in the prefill kernel
+        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
+        q_tail = tl.load(q_rows + offs_dr[None, :], mask=head_mask[:, None] & (offs_dr[None, :] < D_QK), other=0.0)
     k_base = k_ptr + b * stride_kb + kv_h * stride_kh
     v_base = v_ptr + b * stride_vb + kv_h * stride_vh
 
@@ -135,7 +155,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, part_o_ptr, part_l
         n = start_n + offs_n
         k = tl.load(k_base + n[None, :] * stride_ks + offs_d[:, None],
                     mask=(n[None, :] < hi) & (offs_d[:, None] < D_QK), other=0.0)
-        s = tl.dot(q, k) * qk_scale
+        s = tl.dot(q, k)
+        if BLOCK_DR > 0:
+            k_tail = tl.load(k_base + n[None, :] * stride_ks + offs_dr[:, None],
+                             mask=(n[None, :] < hi) & (offs_dr[:, None] < D_QK), other=0.0)
+            s = tl.dot(q_tail, k_tail, s)
+        s = s * qk_scale
         s = tl.where(n[None, :] < hi, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -214,22 +239,30 @@ class DecodeConfig:
     num_stages: int
 
 
-def prefill_config(block_d: int, block_dv: int, on_gpu: bool = True) -> PrefillConfig:
-    """Tuned config for these padded head dims on this GPU, else the default in code.
+def qk_blocks(d_qk: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_DR): the largest power of two <= d_qk plus a power-of-two tail block (0 if
+    none). 192 = 128 + 64, 96 = 64 + 32, 576 = 512 + 64 waste nothing; 72 = 64 + 16 masks 8 lanes.
+    Blocks are at least 16 wide, the smallest tl.dot operand."""
+    main = max(16, 1 << (d_qk.bit_length() - 1))
+    return main, (max(16, triton.next_power_of_2(d_qk - main)) if d_qk > main else 0)
+
+
+def prefill_config(block_d: int, block_dr: int, block_dv: int, on_gpu: bool = True) -> PrefillConfig:
+    """Tuned config for these head-dim blocks on this GPU, else the default in code.
 
     The interpreter gets 16x16 tiles so that small test shapes still span several blocks and tails.
     """
     if not on_gpu:
         return PrefillConfig(16, 16, 1, 1)
-    tuned = lookup("attention_prefill", f"D{block_d}_DV{block_dv}")
+    tuned = lookup("attention_prefill", f"D{block_d}+{block_dr}_DV{block_dv}")
     if tuned:
         return PrefillConfig(tuned["BLOCK_M"], tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"])
-    if max(block_d, block_dv) <= 128:
+    if block_d + block_dr <= 192 and block_dv <= 128:  # up to DeepSeek's 128 + 64: no spills (AOT)
         return PrefillConfig(128, 64, 8, 3)
-    return PrefillConfig(64, 64, 8, 2)  # 256-wide q/k tiles: halve BLOCK_M so nothing spills
+    return PrefillConfig(64, 32, 4, 2)  # wider heads: smaller tiles to stay in registers
 
 
-def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int,
+def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int, block_dr: int, block_dv: int,
                   sm_count: int | None) -> DecodeConfig:
     """Splits so that batch x kv_heads x splits programs fill about two waves of sm_count SMs.
 
@@ -240,9 +273,13 @@ def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int,
     """
     if sm_count is None:
         return DecodeConfig(16, min(4, triton.cdiv(max_len, 16)), 1, 1)
-    tuned = lookup("attention_decode", f"D{block_d}")
-    block_n, num_warps, num_stages = ((tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"])
-                                      if tuned else (64 if block_d <= 128 else 32, 4, 2))
+    tuned = lookup("attention_decode", f"D{block_d}+{block_dr}_DV{block_dv}")
+    if tuned:
+        block_n, num_warps, num_stages = tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"]
+    elif block_dv > 128:  # MLA latent (576 / 512): a [16, 512] fp32 accumulator needs 8 warps not to spill
+        block_n, num_warps, num_stages = 32, 8, 2
+    else:  # wider qk tiles (192) halve the key block to keep K/V tiles small
+        block_n, num_warps, num_stages = (64 if block_d + block_dr <= 128 else 32), 4, 2
     wanted = triton.cdiv(2 * sm_count, batch * kv_heads)
     num_splits = max(1, min(wanted, triton.cdiv(max_len, 4 * block_n), 64))
     return DecodeConfig(block_n, num_splits, num_warps, num_stages)
@@ -285,8 +322,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
 
     q, k, v = map(_last_dim_contiguous, (q, k, v))
     D_V = v.shape[-1]
-    block_d, block_dv = max(16, triton.next_power_of_2(D_QK)), max(16, triton.next_power_of_2(D_V))
-    cfg = prefill_config(block_d, block_dv, q.is_cuda)
+    (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
+    cfg = prefill_config(block_d, block_dr, block_dv, q.is_cuda)
     out = torch.empty(B, S, H, D_V, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(S, cfg.block_m), B * H)
     _prefill_kernel[grid](q, k, v, out, seq_lens,
@@ -294,7 +331,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
                           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                           S, H, D_QK, D_V, scale * LOG2E,
                           GROUP=H // k.shape[2], CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                          BLOCK_D=block_d, BLOCK_DV=block_dv,
+                          BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -315,10 +352,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q, k_cache, v_cache = map(_last_dim_contiguous, (q, k_cache, v_cache))
     S_max, H_kv, D_V = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     group = H // H_kv
-    block_d, block_dv = max(16, triton.next_power_of_2(D_QK)), max(16, triton.next_power_of_2(D_V))
+    (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
     block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
-    cfg = decode_config(B, H_kv, S_max, block_d, sm_count)
+    cfg = decode_config(B, H_kv, S_max, block_d, block_dr, block_dv, sm_count)
     part_o = torch.empty(B, H, cfg.num_splits, D_V, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H, cfg.num_splits, dtype=torch.float32, device=q.device)
     grid = (B, H_kv * triton.cdiv(group, block_h), cfg.num_splits)
@@ -327,7 +364,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                                H, D_QK, D_V, scale * LOG2E,
                                GROUP=group, NUM_SPLITS=cfg.num_splits, BLOCK_H=block_h,
-                               BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                               BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, D_V,
