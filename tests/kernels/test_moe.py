@@ -216,11 +216,18 @@ def test_e4m3_bit_decoding_covers_all_patterns():
     assert torch.equal(out, codes.view(torch.float8_e4m3fn).float())
 
 
-def test_fused_moe_rejects_unstacked_weight():
-    w = DenseWeight(torch.randn(2 * INTER, D))
+def test_fused_moe_rejects_bad_inputs():
+    gate_up, down = DenseWeight(torch.randn(E_TEST, 2 * INTER, D)), DenseWeight(torch.randn(E_TEST, D, INTER))
     weights, ids = _routing(2, E_TEST, 2)
+    x = torch.randn(2, D)
     with pytest.raises(ValueError, match="stacked"):
-        fused_moe(torch.randn(2, D), w, w, weights, ids)
+        fused_moe(x, DenseWeight(gate_up.weight[0]), down, weights, ids)
+    with pytest.raises(ValueError, match="gate_up"):
+        fused_moe(x, down, down, weights, ids)
+    with pytest.raises(ValueError, match="fp16/bf16/fp32"):
+        fused_moe(x.double(), gate_up, down, weights, ids)
+    with pytest.raises(ValueError, match=r"\[T=2, k\]"):
+        fused_moe(x, gate_up, down, weights[:, :1], ids)
 
 
 # ------------------------------------------------------------------ AOT

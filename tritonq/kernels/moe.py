@@ -15,6 +15,8 @@ Weights are stacked typed weights (formats/base.py with a leading expert dim E):
   DenseWeight weight [E, N, K]; Int4Weight qweight [E, K*bits/32, N], scales/zeros [E, G, N],
   g_idx [E, K] or None; FP8Weight weight [E, N, K] fp8 with weight_scale [E] (per tensor),
   [E, N, 1] (per channel) or [E, ceil(N/bn), ceil(K/bk)] (block_size (bn, bk)).
+Shared experts are not part of this: the model runs them as an ordinary MLP and adds them.
+FP8 experts are weight-only here (dequantized to x.dtype in-kernel); input_scale is not used.
 Pipeline: `moe_align_block_size` sorts the T*k (token, slot) pairs by expert and pads each
 expert's run to BLOCK_M, so each M block of rows belongs to one expert; `_moe_gemm_kernel`
 then runs once for gate/up (two accumulators, SiLU-and-mul fused in the epilogue) and once
@@ -346,6 +348,8 @@ def _stacked_shape(w: Weight, name: str) -> tuple[int, int, int]:
                              f"[E, ceil(N/bn), ceil(K/bk)]")
         return E, N, K
     if isinstance(w, Int4Weight) and w.qweight.dim() == 3:
+        if w.bits not in (4, 8):
+            raise ValueError(f"fused_moe: {name} has bits={w.bits}; the expert kernel unpacks 4- or 8-bit weights")
         E, packed_k, N = w.qweight.shape
         K = packed_k * 32 // w.bits
         if w.scales.dim() != 3 or w.scales.shape[0] != E or w.scales.shape[2] != N:
@@ -358,14 +362,18 @@ def _stacked_shape(w: Weight, name: str) -> tuple[int, int, int]:
 
 
 def _check_moe(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]:
-    if x.dim() != 2:
-        raise ValueError(f"fused_moe: x must be [T, D], got shape {tuple(x.shape)}")
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"fused_moe: x must be [T, D] fp16/bf16/fp32, got {tuple(x.shape)} {x.dtype}")
     T, D = x.shape
     E, two_i, gu_k = _stacked_shape(gate_up, "gate_up")
     E2, down_n, inter = _stacked_shape(down, "down")
     if gu_k != D or two_i != 2 * inter or down_n != D or E2 != E:
         raise ValueError(f"fused_moe: expected gate_up [E, 2I, D] and down [E, D, I] for x [T, D={D}], got "
                          f"gate_up [{E}, {two_i}, {gu_k}] and down [{E2}, {down_n}, {inter}]")
+    devices = {t.device for t in (x, topk_weights, topk_ids, *(v for w in (gate_up, down) for v in vars(w).values()
+                                                                  if isinstance(v, torch.Tensor)))}
+    if len(devices) > 1:
+        raise ValueError(f"fused_moe: x, routing and expert weights must be on one device, found {sorted(map(str, devices))}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"fused_moe: topk_weights and topk_ids must both be [T={T}, k], got "
                          f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
