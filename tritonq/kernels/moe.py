@@ -335,6 +335,8 @@ def _weight_args(w: Weight, native_fp8: bool) -> dict:
 
 def _stacked_shape(w: Weight, name: str) -> tuple[int, int, int]:
     """(E, N, K) of a stacked weight, validating its fields have the leading expert dim."""
+    if getattr(w, "bias", None) is not None:
+        raise ValueError(f"fused_moe: {name} has a bias; expert biases are not supported (MoE experts have none)")
     if isinstance(w, DenseWeight) and w.weight.dim() == 3:
         return tuple(w.weight.shape)
     if isinstance(w, FP8Weight) and w.weight.dim() == 3:
