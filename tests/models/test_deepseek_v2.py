@@ -34,6 +34,15 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """These tensors are tiny: torch's thread pool only adds sync overhead (25x on a busy 2-core CI)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _torch_backend(monkeypatch):
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")
