@@ -63,9 +63,9 @@ class LlamaAttention(nn.Module):
         q = apply_rope(q.view(B, S, self.num_heads, self.head_dim), cos, sin, positions)
         k = apply_rope(k.view(B, S, self.num_kv_heads, self.head_dim), cos, sin, positions)
         v = v.reshape(B, S, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k_cache[:B], v_cache[:B], k, v, start_pos)
+        write_kv_cache(k_cache, v_cache, k, v, start_pos)
         if S == 1:
-            out = decode_attention(q[:, 0], k_cache[:B], v_cache[:B], start_pos + 1, self.scale)[:, None]
+            out = decode_attention(q[:, 0], k_cache, v_cache, start_pos + 1, self.scale)[:, None]
         else:
             out = prefill_attention(q, k, v, seq_lens, self.scale, causal=True)
         return self.o_proj(out.reshape(B, S, q_size))
@@ -150,9 +150,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("a multi-token (prefill) step must start at position 0; chunked prefill is not supported.")
         positions = start_pos[:, None].long() + torch.arange(S, device=input_ids.device)
         cos, sin = self._cos_sin(int(positions.max()) + 1)
+        # Attention sees only the cache rows in use, so a long max_seq_len costs nothing on CPU.
+        used = (slice(0, B), slice(0, int(start_pos.max()) + S))
         x = self.embed_tokens(input_ids)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            x = layer(x, cos, sin, positions, seq_lens, k_cache, v_cache, start_pos)
+            x = layer(x, cos, sin, positions, seq_lens, k_cache[used], v_cache[used], start_pos)
         if last_only:
             x = x[torch.arange(B, device=x.device), (seq_lens.long() - 1).clamp(min=0)]
         return self.lm_head(self.norm(x))
