@@ -48,8 +48,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | None = None, device: 
     config = AutoConfig.from_pretrained(folder)
     if dtype is None:
         stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        dtype = torch.float32 if device.type == "cpu" else (torch.float16 if stored == torch.float16
-                                                             else torch.bfloat16)
+        stored_fp16 = str(stored).removeprefix("torch.") == "float16"  # a dtype or a string, by version
+        dtype = torch.float32 if device.type == "cpu" else torch.float16 if stored_fp16 else torch.bfloat16
     loader = get_loader(folder, dtype, device, quantize)
     model = model_class(config.model_type)(config, loader, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(folder)
