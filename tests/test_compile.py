@@ -22,11 +22,14 @@ from tritonq.kernels.int4_gemm import _int4_gemm_kernel, default_config
 CONFIGS = {"gemv-splitk M<=16": default_config(1, 4096, 4096),
            "gemm M<=64": default_config(64, 4096, 4096),
            "gemm M>64": default_config(256, 4096, 4096)}
-# Flags of the variants: AWQ/GPTQ asymmetric fp16 everywhere; sym act-order bf16 (the gather path) on sm_90.
+# Flags of the variants: AWQ/GPTQ asymmetric fp16 everywhere; on sm_90 also sym act-order bf16 (the
+# per-row gather path) and GPTQ 8-bit.
 VARIANTS = {"fp16-asym": dict(dtype="fp16", BITS=4, HAS_ZEROS=True, HAS_G_IDX=False, TILE_GROUPS=True),
-            "bf16-sym-g_idx": dict(dtype="bf16", BITS=4, HAS_ZEROS=False, HAS_G_IDX=True, TILE_GROUPS=False)}
+            "bf16-sym-g_idx": dict(dtype="bf16", BITS=4, HAS_ZEROS=False, HAS_G_IDX=True, TILE_GROUPS=False),
+            "fp16-8bit-asym": dict(dtype="fp16", BITS=8, HAS_ZEROS=True, HAS_G_IDX=False, TILE_GROUPS=True)}
 CASES = ([(cc, name, "fp16-asym") for cc in (75, 80, 90) for name in CONFIGS]
-         + [(90, name, "bf16-sym-g_idx") for name in ("gemv-splitk M<=16", "gemm M>64")])
+         + [(90, name, variant) for name in ("gemv-splitk M<=16", "gemm M>64")
+            for variant in ("bf16-sym-g_idx", "fp16-8bit-asym")])
 
 
 def compile_int4(config, variant, cc):
