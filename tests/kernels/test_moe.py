@@ -99,6 +99,20 @@ def test_align_groups_pairs_by_expert_and_pads_runs():
     assert bool((sorted_ids[n_used:] == numel).all())
 
 
+@pytest.mark.parametrize("T,top_k,E,block_m", [(1, 6, 64, 16), (33, 6, 64, 16), (200, 2, 8, 32)])
+def test_align_random_routing_covers_every_pair_once(T, top_k, E, block_m):
+    ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)
+    sorted_ids, expert_ids, post_padded = moe_align_block_size(ids, block_m, E)
+    counts = torch.bincount(ids.flatten().long(), minlength=E)
+    assert int(post_padded) == int(((counts + block_m - 1) // block_m * block_m).sum())
+    used = sorted_ids[:int(post_padded)].view(-1, block_m)
+    flat = ids.flatten()
+    for block, expert in zip(used, expert_ids):
+        real = block[block < ids.numel()].long()
+        assert bool((flat[real] == expert).all())
+    assert sorted(sorted_ids[sorted_ids < ids.numel()].tolist()) == list(range(ids.numel()))
+
+
 # ------------------------------------------------------------------ fused MoE
 
 def _stacked(kind, E, N, K):

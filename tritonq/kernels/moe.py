@@ -3,8 +3,8 @@
 Routing `grouped_topk(router_logits [T, E])` -> (topk_weights [T, k] fp32, topk_ids [T, k] int32)
 covers DeepSeek-V2 `greedy` / `group_limited_greedy` (softmax, group score = max in group) and
 DeepSeek-V3 `noaux_tc` (sigmoid, correction bias for selection only, group score = sum of the
-top-2 in group). Ties: the lower expert (or group) index wins, via a stable descending sort (torch.topk does
-not promise this: on CPU, zeros(1, 8).topk(2) returns indices [6, 5]).
+top-2 in group). Ties: the lower expert (or group) index wins, via a stable descending sort
+(torch.topk does not promise this: on CPU, zeros(1, 8).topk(2) returns indices [6, 5]).
 Routing is a handful of vectorised torch ops on a [T, E] fp32 tensor (E <= 256): a Triton
 kernel would save a few microseconds of launches per layer and is not worth a second
 implementation; `grouped_topk_reference` is an independent per-token loop.
@@ -277,7 +277,8 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
 
 
 # Defaults by tokens per expert (T * k / E), checked by AOT to compile without register spills
-# on sm_90 for dense, int4 and fp8 weights; tuned files under configs/moe/ override them.
+# on sm_80 and sm_90 for dense, int4 and fp8 weights. Tuned configs/moe/<gpu>.json files, keyed
+# "M{next_pow2(T)}_E{E}_N{N}_K{K}", override them (BLOCK_M: the smaller of the two GEMMs').
 DEFAULT_CONFIGS = (  # (min tokens per expert, config)
     (0, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}),
     (16, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
