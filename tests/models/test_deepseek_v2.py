@@ -111,6 +111,24 @@ def test_greedy_20_tokens_identical_to_transformers(checkpoint, mode):
     assert greedy(load(folder, hf, mode), prompt, 20) == expected
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_kernels_match_transformers(mode, tmp_path, monkeypatch):
+    """The same prefill + 2 decode steps through the real Triton kernels (interpreter on CPU):
+    attention on the 24/16 head dims, the latent cache's strided value view, fused MoE."""
+    monkeypatch.setenv("TRITONQ_BACKEND", "triton")
+    hf = HFDeepseekV2(DeepseekV2Config(**dict(COMMON, num_hidden_layers=2), **CONFIGS["v2"])).eval()
+    hf.save_pretrained(tmp_path)
+    model = load(tmp_path, hf, mode)
+    cache = model.allocate_cache(1, 8)
+    prompt, steps = PROMPTS[1], [3, 4]
+    logits = [model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), cache, at(0))[0]]
+    for i, token in enumerate(steps):
+        logits.append(model(torch.tensor([[token]]), torch.ones(1, dtype=torch.int32), cache, at(len(prompt) + i))[0])
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt + steps])).logits[0]
+    torch.testing.assert_close(torch.cat(logits), expected, **TOL)
+
+
 def test_attention_modes_agree(checkpoint):
     """Latent cache with absorbed kv_b_proj gives the logits of the expanded K/V cache."""
     folder, hf = checkpoint
