@@ -27,7 +27,7 @@ import torch
 
 from tritonq.formats.base import FP8Weight
 from tritonq.kernels import fp8_gemm as fp8
-from tritonq.kernels.fp8_gemm import (dequantize_fp8, fp8_gemm, fp8_gemm_reference, quantize_activation_fp8,
+from tritonq.kernels.fp8_gemm import (FP8GemmConfig, dequantize_fp8, fp8_gemm, fp8_gemm_reference, quantize_activation_fp8,
                                       quantize_activation_fp8_reference)
 
 N, K = 200, 300  # neither a multiple of the 128 x 128 scale block nor of the kernel tiles
@@ -70,6 +70,23 @@ def test_weight_only_matches_reference(scheme, M):
     x = torch.randn(M, K, dtype=torch.float16)
     out = fp8_gemm(x, w, weight_only=True)
     assert_matches_reference(out, fp8_gemm_reference(x, w, weight_only=True))
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("weight_only", [False, True])
+def test_split_k_matches_reference(scheme, weight_only):
+    """K=300 in three slices of two 64-wide tiles (the last one ragged), bias added once."""
+    w = make_weight(scheme, bias=True)
+    x = torch.randn(3, K, dtype=torch.float16)
+    config = FP8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=3)
+    out = fp8_gemm(x, w, weight_only=weight_only, config=config)
+    assert_matches_reference(out, fp8_gemm_reference(x, w, weight_only=weight_only))
+
+
+def test_default_decode_config_splits_k():
+    assert fp8.default_config(1, 4096, 4096).SPLIT_K == 4  # 64 N tiles x 4 splits = 256 programs
+    assert fp8.default_config(1, 2048, 7168).SPLIT_K == 8
+    assert fp8.default_config(1, N, K).SPLIT_K == 1 and fp8.default_config(256, 4096, 4096).SPLIT_K == 1
 
 
 def test_fp16_output_and_leading_dims():
@@ -167,6 +184,11 @@ def test_bad_weights_are_rejected(bad, match):
         fp8_gemm(torch.randn(2, K), bad(make_weight("tensor")))
 
 
+def test_block_k_straddling_a_scale_block_is_rejected():
+    with pytest.raises(ValueError, match="BLOCK_K=256"):
+        fp8_gemm(torch.randn(2, K), make_weight("block"), config=FP8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256))
+
+
 def test_wrong_k_is_rejected():
     with pytest.raises(ValueError, match="K=299"):
         fp8_gemm(torch.randn(2, K - 1), make_weight("tensor"))
@@ -181,13 +203,14 @@ import json, sys
 from tritonq.kernels.aot import aot_compile
 from tritonq.kernels.fp8_gemm import _fp8_gemm_kernel, _quantize_activation_kernel
 
-def gemm(a, w, y, weight_only, block, BLOCK_M, BLOCK_N, cc, num_warps, num_stages):
+def gemm(a, w, y, weight_only, block, BLOCK_M, BLOCK_N, cc, num_warps, num_stages, SPLIT_K=1):
     sig = {"a_ptr": a, "a_scale_ptr": "*fp32", "w_ptr": w, "w_scale_ptr": "*fp32", "bias_ptr": y, "y_ptr": y}
     sig.update({n: "i32" for n in ("M", "N", "K", "stride_am", "stride_wn", "stride_ym", "stride_asm",
                                   "stride_asg", "stride_wsn", "stride_wsk")})
     return aot_compile(_fp8_gemm_kernel, sig, dict(
         A_GROUP=128, W_SCALE_BN=128 if block else 1, W_SCALE_BK=128, SCALE_PER_TILE=block,
-        WEIGHT_ONLY=weight_only, HAS_BIAS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=128, GROUP_M=8),
+        WEIGHT_ONLY=weight_only, HAS_BIAS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=128, GROUP_M=8,
+        SPLIT_K=SPLIT_K),
         cc=cc, num_warps=num_warps, num_stages=num_stages,
         divisible_by_16=("a_ptr", "w_ptr", "y_ptr", "K", "stride_am", "stride_wn", "stride_ym"))
 
@@ -195,8 +218,9 @@ reports = {}
 for block in (False, True):
     for name, BLOCK_M, BLOCK_N, warps, stages in (("decode", 16, 64, 4, 4), ("prefill", 128, 128, 8, 3)):
         for cc in (89, 90):
-            reports[f"fp8 block={block} {name} sm_{cc}"] = gemm("*fp8e4nv", "*fp8e4nv", "*bf16", False, block,
-                                                               BLOCK_M, BLOCK_N, cc, warps, stages)
+            split_k = 4 if name == "decode" else 1  # decode splits K, adding fp32 partials atomically
+            reports[f"fp8 block={block} {name} sm_{cc}"] = gemm("*fp8e4nv", "*fp8e4nv", "*fp32" if split_k > 1 else "*bf16",
+                                                               False, block, BLOCK_M, BLOCK_N, cc, warps, stages, split_k)
     for dtype in ("fp16", "bf16"):
         reports[f"weight-only {dtype} block={block} sm_80"] = gemm(f"*{dtype}", "*u8", f"*{dtype}", True, block,
                                                                  64, 64, 80, 4, 4)

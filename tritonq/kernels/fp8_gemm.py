@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,6 +32,18 @@ from tritonq.kernels import use_triton
 from tritonq.kernels.configs import lookup
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FP8GemmConfig:
+    """Launch config of _fp8_gemm_kernel. With block scales BLOCK_K must divide the K block."""
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int = 128
+    GROUP_M: int = 8
+    SPLIT_K: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_EPS = 1e-10  # floor on absmax so all-zero rows get a finite scale (and quantize to 0)
@@ -95,12 +108,14 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
                      A_GROUP: tl.constexpr, W_SCALE_BN: tl.constexpr, W_SCALE_BK: tl.constexpr,
                      SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """y[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias).
 
     a: e4m3 [M, K] with a_scale [M, K/A_GROUP] fp32 (strides 0 where a scale is shared), or
     with WEIGHT_ONLY the fp16/bf16 activations themselves (a_scale unused). w: [N, K] e4m3, or
     its uint8 bytes with WEIGHT_ONLY. w_scale[n // W_SCALE_BN, k // W_SCALE_BK].
+    SPLIT_K > 1 (decode): program_id(1) takes one K slice and atomically adds its scaled partial
+    sum into y, which must then be a zeroed fp32 buffer.
     """
     # Grouped ordering: GROUP_M row-blocks share each weight column-block while it is in L2.
     pid = tl.program_id(0)
@@ -116,14 +131,21 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N], K-major
+    # K slice of this program: whole BLOCK_K tiles, so tiles never straddle a scale block
+    k_start = 0
+    k_end = K
+    if SPLIT_K > 1:
+        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_start = tl.program_id(1) * k_per_split
+        k_end = min(k_start + k_per_split, K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_start + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N], K-major
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm
     w_scale_ptrs = w_scale_ptr + (offs_n // W_SCALE_BN) * stride_wsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
+    for k0 in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k < k_end - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if WEIGHT_ONLY:
@@ -148,10 +170,14 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
             acc *= tl.load(a_scale_ptrs, mask=mask_m, other=0.0)[:, None]
     if WEIGHT_ONLY:
         acc *= _E4M3_TO_FP16_BIAS
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:  # added by the first K slice only
+        first_slice = (tl.zeros([BLOCK_N], tl.int32) + tl.program_id(1)) == 0
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n & first_slice, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    if SPLIT_K > 1:
+        tl.atomic_add(y_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def quantize_activation_fp8(x: torch.Tensor, group_size: int | None = None,
@@ -181,11 +207,13 @@ def quantize_activation_fp8(x: torch.Tensor, group_size: int | None = None,
     return q, scales
 
 
-def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None) -> torch.Tensor:
+def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
+             config: FP8GemmConfig | None = None) -> torch.Tensor:
     """x [..., K] fp16/bf16/fp32 @ w [N, K] fp8 -> [..., N] in x.dtype (+ w.bias).
 
     weight_only None picks by device: fp8 tensor cores on sm_89+, the weight-only path below
-    (logged once); True/False force a path (tests, benchmarks).
+    (logged once); True/False force a path (tests, benchmarks). config None: the tuned config
+    for this shape if stored, else the defaults in `default_config`.
     """
     _check_weight(w)
     N, K = w.shape
@@ -202,11 +230,11 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None) -> 
     x = x.reshape(-1, K)
     if not use_triton(x):
         return fp8_gemm_reference(x, w, weight_only).reshape(*lead, N)
-    y = _launch(x, w, weight_only)
+    y = _launch(x, w, weight_only, config)
     return y.reshape(*lead, N)
 
 
-def _launch(x: torch.Tensor, w: FP8Weight, weight_only: bool) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: FP8Weight, weight_only: bool, config: FP8GemmConfig | None) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0]
     x = x.contiguous()
@@ -225,31 +253,46 @@ def _launch(x: torch.Tensor, w: FP8Weight, weight_only: bool) -> torch.Tensor:
         else:
             stride_asm, stride_asg = a_scale.stride()
         a_group = a_group or K
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    cfg = _config(M, N, K, weight_only, block_k)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    cfg = config or tuned_config(M, N, K, weight_only) or default_config(M, N, K, block_k)
+    if w.block_size is not None and scale_bk % cfg.BLOCK_K:
+        raise ValueError(f"fp8_gemm: BLOCK_K={cfg.BLOCK_K} does not divide the weight's K block {scale_bk}; "
+                         "a K tile must lie inside one scale block")
+    if cfg.SPLIT_K > 1:  # partial sums are atomically added in fp32
+        y = torch.zeros((M, N), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     _fp8_gemm_kernel[grid](
         a, a_scale, weight, w_scale, w.bias if w.bias is not None else y, y, M, N, K,
         a.stride(0), weight.stride(0), y.stride(0), stride_asm, stride_asg, stride_wsn, stride_wsk,
         A_GROUP=a_group, W_SCALE_BN=scale_bn, W_SCALE_BK=scale_bk,
         SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only, HAS_BIAS=w.bias is not None,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return y
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SPLIT_K=cfg.SPLIT_K,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.to(x.dtype)
 
 
-def _config(M: int, N: int, K: int, weight_only: bool, block_k: int) -> dict:
-    """Tuned config for this shape bucket if stored, else defaults: small tiles for decode."""
-    m_bucket = min(triton.next_power_of_2(M), 4096)
-    kernel = "fp8_gemm_weight_only" if weight_only else "fp8_gemm"
-    tuned = lookup(kernel, f"M{m_bucket}_N{N}_K{K}")
-    if tuned is not None:
-        return {**tuned, "BLOCK_K": min(tuned["BLOCK_K"], block_k)}
-    if M <= 16:  # memory-bound: narrow N tiles so that enough programs stream the weight
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=4)
+def config_bucket(M: int, N: int, K: int) -> str:
+    """Key of a tuned config: M rounded up to a power of two (capped at 4096), exact N and K."""
+    return f"M{min(triton.next_power_of_2(M), 4096)}_N{N}_K{K}"
+
+
+def tuned_config(M: int, N: int, K: int, weight_only: bool) -> FP8GemmConfig | None:
+    tuned = lookup("fp8_gemm_weight_only" if weight_only else "fp8_gemm", config_bucket(M, N, K))
+    return FP8GemmConfig(**tuned) if tuned is not None else None
+
+
+def default_config(M: int, N: int, K: int, block_k: int = 128) -> FP8GemmConfig:
+    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight."""
+    if M <= 16:
+        k_tiles = triton.cdiv(K, block_k)
+        n_tiles = triton.cdiv(N, 64)
+        split_k = max(1, min(k_tiles // 4, 256 // n_tiles))  # >= 4 K tiles per split to pipeline
+        return FP8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=split_k,
+                             num_warps=4, num_stages=4)
     if M <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8, num_warps=8, num_stages=3)
+        return FP8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4)
+    return FP8GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3)
 
 
 @functools.cache
