@@ -59,13 +59,13 @@ def repack_awq_qweight(qweight: torch.Tensor) -> torch.Tensor:
     K, n_packed = qweight.shape
     if K % 8:
         raise ValueError(f"AWQ qweight has K={K} rows, expected a multiple of 8")
-    words = qweight.reshape(K // 8, 8, n_packed).clone()
-    for shift, mask, rows in ((16, 0x0000FFFF, (0, 1, 2, 3)), (8, 0x00FF00FF, (0, 1, 4, 5)), (4, 0x0F0F0F0F, (0, 2, 4, 6))):
-        for row in rows:  # swap the high part of `low` with the low part of `high`
-            low, high = words[:, row], words[:, row + shift // 4]
-            swap = ((low >> shift) ^ high) & mask
-            high ^= swap
-            low ^= swap << shift
+    words = qweight.reshape(K // 8, 2, 2, 2, n_packed).clone()  # row k = 4a + 2b + c within the block
+    for dim, shift, mask in ((1, 16, 0x0000FFFF), (2, 8, 0x00FF00FF), (3, 4, 0x0F0F0F0F)):
+        low, high = words.select(dim, 0), words.select(dim, 1)  # rows paired across a, then b, then c
+        swap = ((low >> shift) ^ high) & mask  # swap the high part of `low` with the low part of `high`
+        high ^= swap
+        low ^= swap << shift
+    words = words.reshape(K // 8, 8, n_packed)
     return torch.stack([words[:, field] for field in AWQ_REVERSE_ORDER], dim=-1).reshape(K // 8, n_packed * 8)
 
 
