@@ -60,7 +60,8 @@ def run(ms: list[int], shapes: list[tuple[str, int, int]], dtype: torch.dtype, d
             moved = int4_bytes(w) + x.numel() * x.element_size() + M * N * x.element_size()
             rows.append(gemm_row(label, M, N, K, ours, base, moved))
         del dense
-    backend = "triton" if use_triton(torch.empty(0, device=device)) else "torch reference"
+    on_triton = use_triton(torch.empty(0, device=device))
+    backend = "torch reference" if not on_triton else "triton" if device == "cuda" else "triton interpreter"
     for r in rows:
         r["backend"] = backend
     return rows
