@@ -14,6 +14,8 @@ Two kernel paths, one @triton.jit kernel:
       and per-channel weights apply them once in the epilogue.
   weight-only (below sm_89, where Triton has no e4m3): x stays fp16/bf16 and the weight bytes
       are turned into fp16 with integer ops (exact, see `_e4m3_bits_to_fp16`), then tl.dot.
+Decode-sized M splits K across programs (SPLIT_K, fp32 atomic adds) so that enough programs
+stream the weight; launch configs come from kernels/configs/fp8_gemm*/<gpu>.json when tuned.
 fp32 accumulation throughout; output in x.dtype, plus bias. CPU tensors use the torch
 references below (float32 compute), which emulate the same activation quantization.
 """
