@@ -144,6 +144,28 @@ def test_attention_modes_agree(checkpoint):
     torch.testing.assert_close(logits["latent"], logits["expanded"], **TOL)
 
 
+def test_norm_topk_prob_renormalizes_like_deepseek(tmp_path):
+    """DeepSeek's code divides the top-k weights by their sum (and then skips routed_scaling_factor);
+    transformers 5 ignores norm_topk_prob, so its router output is renormalized here by hand."""
+    config = DeepseekV2Config(**dict(COMMON, num_hidden_layers=2), **dict(CONFIGS["v2"], norm_topk_prob=True))
+    hf = HFDeepseekV2(config).eval()
+    hf.save_pretrained(tmp_path)
+    gate = hf.model.layers[1].mlp.gate
+    route = gate.forward
+
+    def renormalized(hidden_states):
+        logits, weights, ids = route(hidden_states)
+        return logits, weights / weights.sum(-1, keepdim=True), ids
+    gate.forward = renormalized
+    prompt = PROMPTS[0]
+    model = load(tmp_path, hf, "latent")
+    ours = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), model.allocate_cache(1, 8),
+                 at(0))[0]
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, expected, **TOL)
+
+
 def test_kv_bytes_per_token_deepseek_v2_lite():
     """Real DeepSeek-V2-Lite: 27 layers, 16 heads, kv_lora_rank 512, rope 64, nope 128, v 128, bf16."""
     lite = DeepseekV2Config(num_hidden_layers=27, num_attention_heads=16, kv_lora_rank=512, q_lora_rank=None,
