@@ -188,3 +188,9 @@ def test_tuned_config_from_json_store_is_used(monkeypatch):
     x = torch.randn(3, 128, dtype=torch.float16)
     assert_close(int4_gemm(x, w), int4_gemm_reference(x, w))
     assert asked == [("int4_gemm", "M4_N40_K128_G64_B4")]
+
+
+def test_bad_config_raises_value_error():
+    w, _ = awq_case(128, 40, 32, torch.float16)
+    with pytest.raises(ValueError, match=r"config.BLOCK_N is 24, expected a power of two >= 16"):
+        int4_gemm(torch.ones(2, 128, dtype=torch.float16), w, config=Int4GemmConfig(16, 24, 32))

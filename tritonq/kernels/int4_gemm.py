@@ -3,7 +3,7 @@
 Shapes and dtypes:
     x       [M, K] fp16 / bf16 / fp32
     w       Int4Weight (tritonq.formats.base): qweight [K*bits/32, N] int32 packed along K in
-            sequential order, scales [G, N] fp16/bf16, zeros [G, N] (same dtype) or None for
+            sequential order, scales [G, N] fp16/bf16/fp32, zeros [G, N] (same dtype) or None for
             symmetric weights (zero = 2^(bits-1)), g_idx [K] int32 or None.
     y       [M, N] in x.dtype; accumulation in fp32.
 
@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from tritonq.formats.base import Int4Weight
+from tritonq.formats.packing import unpack_int32
 from tritonq.kernels import use_triton
 from tritonq.kernels.configs import lookup
 
@@ -157,7 +158,7 @@ def default_config(M: int, N: int, K: int) -> Int4GemmConfig:
 
 
 def config_bucket(M: int, N: int, K: int, w: Int4Weight) -> str:
-    """Key of the tuned-config JSON: M rounded up to a power of two, exact N and K."""
+    """Key of the tuned-config JSON: M rounded up to a power of two; exact N, K, group size, bits."""
     return f"M{_next_pow2(M)}_N{N}_K{K}_G{w.group_size}_B{w.bits}"
 
 
@@ -196,8 +197,19 @@ def _check_weight(w: Int4Weight) -> tuple[int, int]:
     for name in ("qweight", "scales", "zeros", "g_idx", "bias"):  # the kernel indexes them densely
         t = getattr(w, name)
         if t is not None and not t.is_contiguous():
-            _fail(name, f"non-contiguous with strides {t.stride()}", "a contiguous tensor", "call .contiguous() at load")
+            _fail(name, f"non-contiguous with strides {t.stride()}", "a contiguous tensor",
+                  "call .contiguous() at load")
     return N, K
+
+
+def _check_config(config: Int4GemmConfig) -> None:
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        value = getattr(config, name)
+        if value < 16 or value & (value - 1):
+            _fail(f"config.{name}", value, "a power of two >= 16 (tl.dot's minimum tile)",
+                  f"pick from {CONFIG_SPACE[name]}")
+    if config.SPLIT_K < 1:
+        _fail("config.SPLIT_K", config.SPLIT_K, ">= 1", "use 1 for no split")
 
 
 def check_g_idx(w: Int4Weight) -> None:
@@ -225,6 +237,7 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
     if config is None:
         tuned = lookup("int4_gemm", config_bucket(M, N, K, w))
         config = Int4GemmConfig(**tuned) if tuned else default_config(M, N, K)
+    _check_config(config)
     block_k = config.BLOCK_K
     if w.g_idx is None and w.group_size % block_k:
         # A tile must not straddle two groups for TILE_GROUPS; shrink BLOCK_K to fit if it can.
@@ -254,8 +267,6 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
 
 def dequantize_int4(w: Int4Weight) -> torch.Tensor:
     """Dense W [N, K] in w.scales.dtype: W[n, k] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]."""
-    from tritonq.formats.packing import unpack_int32
-
     _check_weight(w)
     check_g_idx(w)
     N, K = w.shape
