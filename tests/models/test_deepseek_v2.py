@@ -78,6 +78,8 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint, mode):
     for b, p in enumerate(PROMPTS):
         ids[b, :len(p)] = torch.tensor(p)
     ours = [[row[:n]] for row, n in zip(model(ids, lens, cache, torch.zeros(2, dtype=torch.int32)), lens)]
+    last = model(ids, lens, model.allocate_cache(2, 16), torch.zeros(2, dtype=torch.int32), last_only=True)
+    torch.testing.assert_close(last, torch.stack([rows[0][-1] for rows in ours]), **TOL)
     for i in range(len(steps[0])):
         step = torch.tensor([[s[i]] for s in steps])
         logits = model(step, torch.ones(2, dtype=torch.int32), cache, lens + i)

@@ -263,7 +263,8 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, cache: MLACache,
-                start_pos: torch.Tensor) -> torch.Tensor:
+                start_pos: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Logits [B, S, V]; with last_only, [B, V] at each row's last valid token (position seq_lens-1)."""
         B, S = input_ids.shape
         if cache.attention_mode != self.attention_mode:
             raise ValueError(f"cache is {cache.attention_mode!r} but the model runs {self.attention_mode!r}; "
@@ -279,4 +280,6 @@ class DeepseekV2ForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
             x = layer(x, self.cos, self.sin, positions, seq_lens, k_cache, v_cache, start_pos)
+        if last_only:
+            x = x[torch.arange(B, device=x.device), (seq_lens.long() - 1).clamp(min=0)]
         return self.lm_head(self.norm(x))
