@@ -189,9 +189,14 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         w = w.to(COMPUTE)
     elif KIND == 1:  # int: qweight [E, K*BITS/32, N], packed along K (stride_wk is the packed-row stride)
         PACK: tl.constexpr = 32 // BITS
-        packed = tl.load(w_base + (offs_k[:, None] // PACK) * stride_wk + offs_n[None, :] * stride_wn,
-                         mask=mask, other=0)
-        q = (packed >> ((offs_k[:, None] % PACK) * BITS)) & ((1 << BITS) - 1)
+        # Load each packed word once ([BLOCK_K / PACK, BLOCK_N]) and unpack in registers: field i
+        # of word r is row r * PACK + i, so the reshape keeps rows in K order.
+        BLOCK_K: tl.constexpr = offs_k.shape[0]
+        offs_word = tl.min(offs_k, axis=0) // PACK + tl.arange(0, BLOCK_K // PACK)
+        words = tl.load(w_base + offs_word[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                        mask=(offs_word < K // PACK)[:, None] & (offs_n[None, :] < N), other=0)
+        fields = (words[:, None, :] >> (tl.arange(0, PACK) * BITS)[None, :, None]) & ((1 << BITS) - 1)
+        q = tl.reshape(fields, (BLOCK_K, offs_n.shape[0]))
         if GROUP_ALIGNED:  # the whole K tile is in one group: one [1, BLOCK_N] row of scales/zeros
             s_off = (expert.to(tl.int64) * stride_se + (tl.min(offs_k, axis=0) // group_size) * stride_sk
                      + offs_n[None, :] * stride_sn)
@@ -220,6 +225,13 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
         w = (w.to(tl.float32) * scale).to(COMPUTE)
     return w
+
+
+@triton.jit
+def _dot(a, b, acc):
+    if a.dtype == tl.float32:  # fp32 activations: an exact fp32 product, not tf32
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -259,14 +271,14 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                               stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
                               KIND, BITS, HAS_ZEROS, HAS_G_IDX, GROUP_ALIGNED, SCALE_BN, SCALE_BK, FP8_AS_BITS,
                               COMPUTE)
-        acc = tl.dot(a, w, acc)
+        acc = _dot(a, w, acc)
         if GATE_UP:
             w_up = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k,
                                      offs_n + up_offset, K, N + up_offset,
                                      stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                                      group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, GROUP_ALIGNED,
                                      SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE)
-            acc_up = tl.dot(a, w_up, acc_up)
+            acc_up = _dot(a, w_up, acc_up)
     if GATE_UP:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
     else:
