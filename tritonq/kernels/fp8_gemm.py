@@ -36,6 +36,19 @@ from tritonq.kernels.configs import lookup
 log = logging.getLogger(__name__)
 
 
+# Values a tuner may sweep (the fields of FP8GemmConfig); with block scales BLOCK_K must divide
+# the K block, which the launcher checks.
+CONFIG_SPACE = {
+    "BLOCK_M": [16, 32, 64, 128],
+    "BLOCK_N": [32, 64, 128, 256],
+    "BLOCK_K": [64, 128],
+    "GROUP_M": [1, 8],
+    "SPLIT_K": [1, 2, 4, 8],
+    "num_warps": [4, 8],
+    "num_stages": [2, 3, 4, 5],
+}
+
+
 @dataclass(frozen=True)
 class FP8GemmConfig:
     """Launch config of _fp8_gemm_kernel. With block scales BLOCK_K must divide the K block."""
