@@ -72,13 +72,13 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint, mode):
     folder, hf = checkpoint
     model = load(folder, hf, mode)
     steps = [[30, 31, 32, 33], [50, 51, 52, 53]]
-    cache = model.allocate_cache(2, 16)
+    cache = model.new_cache(2, 16)
     lens = torch.tensor([len(p) for p in PROMPTS], dtype=torch.int32)
     ids = torch.zeros(2, max(lens), dtype=torch.long)
     for b, p in enumerate(PROMPTS):
         ids[b, :len(p)] = torch.tensor(p)
     ours = [[row[:n]] for row, n in zip(model(ids, lens, cache, torch.zeros(2, dtype=torch.int32)), lens)]
-    last = model(ids, lens, model.allocate_cache(2, 16), torch.zeros(2, dtype=torch.int32), last_only=True)
+    last = model(ids, lens, model.new_cache(2, 16), torch.zeros(2, dtype=torch.int32), last_only=True)
     torch.testing.assert_close(last, torch.stack([rows[0][-1] for rows in ours]), **TOL)
     for i in range(len(steps[0])):
         step = torch.tensor([[s[i]] for s in steps])
@@ -96,7 +96,7 @@ def at(position):
 
 
 def greedy(model, prompt, n_tokens):
-    cache = model.allocate_cache(1, len(prompt) + n_tokens)
+    cache = model.new_cache(1, len(prompt) + n_tokens)
     logits = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), cache, at(0))
     tokens = [int(logits[0, -1].argmax())]
     for i in range(n_tokens - 1):
@@ -121,7 +121,7 @@ def test_triton_kernels_match_transformers(mode, tmp_path, monkeypatch):
     hf = HFDeepseekV2(DeepseekV2Config(**dict(COMMON, num_hidden_layers=2), **CONFIGS["v2"])).eval()
     hf.save_pretrained(tmp_path)
     model = load(tmp_path, hf, mode)
-    cache = model.allocate_cache(1, 8)
+    cache = model.new_cache(1, 8)
     prompt, steps = PROMPTS[1], [3, 4]
     logits = [model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), cache, at(0))[0]]
     for i, token in enumerate(steps):
@@ -137,7 +137,7 @@ def test_attention_modes_agree(checkpoint):
     logits = {}
     for mode in MODES:
         model = load(folder, hf, mode)
-        cache = model.allocate_cache(1, 12)
+        cache = model.new_cache(1, 12)
         prompt = torch.tensor([PROMPTS[1]])
         steps = [model(prompt, torch.tensor([5], dtype=torch.int32), cache, at(0))[0, -1]]
         for i, token in enumerate([4, 8, 15, 16, 23]):
@@ -161,7 +161,7 @@ def test_norm_topk_prob_renormalizes_like_deepseek(tmp_path):
     gate.forward = renormalized
     prompt = PROMPTS[0]
     model = load(tmp_path, hf, "latent")
-    ours = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), model.allocate_cache(1, 8),
+    ours = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), model.new_cache(1, 8),
                  at(0))[0]
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0]
@@ -228,7 +228,7 @@ def test_quantized_matches_transformers_on_dequantized_weights(checkpoint, fmt, 
     assert isinstance(model.layers[1].mlp.down, FP8Weight if fmt == "fp8" else Int4Weight)  # experts quantized
     prompt = PROMPTS[0]
     ours = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32),
-                 model.allocate_cache(1, 8), at(0))[0]
+                 model.new_cache(1, 8), at(0))[0]
     if fmt == "fp8":
         quantize_linear_inputs_fp8(reference, monkeypatch)
     with torch.no_grad():

@@ -176,7 +176,6 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)[:, :, None]  # [B, S, 1, R]
         q_rope = apply_rope(_deinterleave(q_rope), cos, sin, positions)
         k_rope = apply_rope(_deinterleave(k_rope)[:, :, None], cos, sin, positions)  # [B, S, 1, Dr]
-        k_cache, v_cache = k_cache[:B], v_cache[:B]
 
         if self.attention_mode == "latent":
             write_kv_cache(k_cache, v_cache, torch.cat([latent, k_rope], dim=-1), latent, start_pos)
@@ -244,13 +243,15 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.lm_head = Linear(DenseWeight(self.embed_tokens.weight))
         else:
             self.lm_head = Linear(loader.get_linear("lm_head"))
-        rope = dict(config.rope_parameters or {})
-        # Rotary acts on the Dr rope dims only; yarn's cos/sin include its attention factor.
-        self.cos, self.sin = rope_cos_sin(config.qk_rope_head_dim, rope.get("rope_theta", 10000.0),
-                                          config.max_position_embeddings, rope, config.max_position_embeddings,
-                                          self.device)
+        self.cos, self.sin = self._rope_tables(min(4096, config.max_position_embeddings))
 
-    def allocate_cache(self, max_batch: int, max_seq_len: int) -> MLACache:
+    def _rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_positions, Dr] for the rope dims only (yarn's include its attention factor)."""
+        rope = dict(self.config.rope_parameters or {})
+        return rope_cos_sin(self.config.qk_rope_head_dim, rope.get("rope_theta", 10000.0), num_positions, rope,
+                            self.config.max_position_embeddings, self.device)
+
+    def new_cache(self, max_batch: int, max_seq_len: int) -> MLACache:
         """The static cache for this model's attention mode (size: kv_bytes_per_token)."""
         c, n = self.config, len(self.layers)
         new = lambda *shape: torch.zeros(max_batch, max_seq_len, *shape, dtype=self.dtype, device=self.device)  # noqa: E731
@@ -268,7 +269,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         B, S = input_ids.shape
         if cache.attention_mode != self.attention_mode:
             raise ValueError(f"cache is {cache.attention_mode!r} but the model runs {self.attention_mode!r}; "
-                             "allocate it with model.allocate_cache()")
+                             "allocate it with model.new_cache()")
         if B > cache.max_batch:
             raise ValueError(f"batch of {B} exceeds the cache's max_batch={cache.max_batch}; allocate a larger cache")
         if S > 1 and bool((start_pos != 0).any()):
@@ -277,9 +278,13 @@ class DeepseekV2ForCausalLM(nn.Module):
         if int(positions.max()) >= min(cache.max_seq_len, self.config.max_position_embeddings):
             raise ValueError(f"position {int(positions.max())} is past the cache ({cache.max_seq_len}) or "
                              f"max_position_embeddings ({self.config.max_position_embeddings})")
+        if int(positions.max()) >= self.cos.shape[0]:  # grow by doubling, not per step
+            self.cos, self.sin = self._rope_tables(min(max(2 * self.cos.shape[0], int(positions.max()) + 1),
+                                                       self.config.max_position_embeddings))
+        used = (slice(0, B), slice(0, int(start_pos.max()) + S))  # attention reads only the rows in use
         x = self.embed_tokens(input_ids)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            x = layer(x, self.cos, self.sin, positions, seq_lens, k_cache, v_cache, start_pos)
+            x = layer(x, self.cos, self.sin, positions, seq_lens, k_cache[used], v_cache[used], start_pos)
         if last_only:
             x = x[torch.arange(B, device=x.device), (seq_lens.long() - 1).clamp(min=0)]
         return self.lm_head(self.norm(x))
