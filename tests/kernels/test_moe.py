@@ -121,7 +121,7 @@ def _stacked(kind, E, N, K):
         w = torch.randn(E, N, K) / K ** 0.5
         return DenseWeight(w), w
     if kind.startswith("int"):
-        # int4: group 16 (several groups per K tile); int4_sym: group 64 = BLOCK_K (the tile-aligned path);
+        # int4: group 16 (several groups per K tile); int4_sym: group 64 = BLOCK_K (one scale row per K tile);
         # int4_act_order: a shuffled g_idx per expert; int8: bits 8, group 8
         bits = 8 if kind == "int8" else 4
         group_size = {"int4_sym": 64, "int8": 8}.get(kind, 16)
@@ -142,7 +142,11 @@ def _stacked(kind, E, N, K):
     if kind == "fp8_tensor":
         s = torch.rand(E) * 0.1 + 0.05
         return FP8Weight(w8, s), w8.float() * s[:, None, None]
-    bn, bk = 16, 32
+    if kind == "fp8_channel":
+        s = torch.rand(E, N, 1) * 0.1 + 0.05
+        return FP8Weight(w8, s), w8.float() * s
+    # fp8_block: blocks narrower than BLOCK_K (scale gathered per element); fp8_block64: one per tile
+    bn, bk = (16, 32) if kind == "fp8_block" else (16, 64)
     s = torch.rand(E, -(-N // bn), -(-K // bk)) * 0.1 + 0.05
     full = s.repeat_interleave(bn, 1)[:, :N].repeat_interleave(bk, 2)[:, :, :K]
     return FP8Weight(w8, s, block_size=(bn, bk)), w8.float() * full
@@ -169,7 +173,8 @@ def _routing(T, E, top_k):
 D, INTER, E_TEST = 40, 24, 8  # D, I not multiples of BLOCK_K / BLOCK_N
 
 
-@pytest.mark.parametrize("kind", ["dense", "int4", "int4_sym", "int4_act_order", "int8", "fp8_tensor", "fp8_block"])
+@pytest.mark.parametrize("kind", ["dense", "int4", "int4_sym", "int4_act_order", "int8", "fp8_tensor", "fp8_channel",
+                                  "fp8_block", "fp8_block64"])
 def test_reference_matches_per_token_dense(kind):
     gate_up, gate_up_dense = _stacked(kind, E_TEST, 2 * INTER, D)
     down, down_dense = _stacked(kind, E_TEST, D, INTER)
@@ -188,7 +193,9 @@ def test_reference_matches_per_token_dense(kind):
     ("int4_act_order", 3, 2, torch.float32),
     ("int8", 3, 2, torch.float32),
     ("fp8_tensor", 3, 2, torch.float32),
+    ("fp8_channel", 3, 6, torch.float32),
     ("fp8_block", 33, 6, torch.float16),
+    ("fp8_block64", 17, 2, torch.float32),
 ])
 def test_fused_moe_matches_loop_reference(kind, T, top_k, dtype):
     gate_up, _ = _stacked(kind, E_TEST, 2 * INTER, D)
@@ -277,7 +284,7 @@ for cc in (80, 90):
             sig = dict(common, **dict(zip(("w_ptr", "scale_ptr", "zero_ptr", "g_idx_ptr"), ptrs)))
             r = aot_compile(_moe_gemm_kernel, sig, dict(
                 GATE_UP=True, KIND=kind_id, BITS=4, HAS_ZEROS=has_zeros, HAS_G_IDX=False,
-                GROUP_ALIGNED=kind == "int4", SCALE_BN=sbn, SCALE_BK=sbk, FP8_AS_BITS=as_bits,
+                TILE_SCALE_ROW=kind_id != 0, SCALE_BN=sbn, SCALE_BK=sbk, FP8_AS_BITS=as_bits,
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"]),
                 cc=cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=aligned)
             reports[f"{kind.replace('_bits', '')}-M{cfg['BLOCK_M']}-sm_{cc}"] = dict(

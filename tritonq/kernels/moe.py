@@ -179,7 +179,7 @@ def _e4m3_bits_to_float(b):
 def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
                       stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                       group_size, KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                      HAS_G_IDX: tl.constexpr, GROUP_ALIGNED: tl.constexpr, SCALE_BN: tl.constexpr,
+                      HAS_G_IDX: tl.constexpr, TILE_SCALE_ROW: tl.constexpr, SCALE_BN: tl.constexpr,
                       SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr, COMPUTE: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N)."""
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
@@ -197,7 +197,7 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
                         mask=(offs_word < K // PACK)[:, None] & (offs_n[None, :] < N), other=0)
         fields = (words[:, None, :] >> (tl.arange(0, PACK) * BITS)[None, :, None]) & ((1 << BITS) - 1)
         q = tl.reshape(fields, (BLOCK_K, offs_n.shape[0]))
-        if GROUP_ALIGNED:  # the whole K tile is in one group: one [1, BLOCK_N] row of scales/zeros
+        if TILE_SCALE_ROW:  # the whole K tile is in one group: one [1, BLOCK_N] row of scales/zeros
             s_off = (expert.to(tl.int64) * stride_se + (tl.min(offs_k, axis=0) // group_size) * stride_sk
                      + offs_n[None, :] * stride_sn)
             s_mask = offs_n[None, :] < N
@@ -220,9 +220,14 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
             w = _e4m3_bits_to_float(tl.load(w_ptrs, mask=mask, other=0))
         else:
             w = tl.load(w_ptrs, mask=mask, other=0.0)
-        s_off = (expert.to(tl.int64) * stride_se + (offs_n[None, :] // SCALE_BN) * stride_sn
-                 + (offs_k[:, None] // SCALE_BK) * stride_sk)
-        scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
+        if TILE_SCALE_ROW:  # scales do not vary along K inside the tile: one [1, BLOCK_N] row
+            s_off = (expert.to(tl.int64) * stride_se + (offs_n[None, :] // SCALE_BN) * stride_sn
+                     + (tl.min(offs_k, axis=0) // SCALE_BK) * stride_sk)
+            scale = tl.load(scale_ptr + s_off, mask=offs_n[None, :] < N, other=0.0)
+        else:
+            s_off = (expert.to(tl.int64) * stride_se + (offs_n[None, :] // SCALE_BN) * stride_sn
+                     + (offs_k[:, None] // SCALE_BK) * stride_sk)
+            scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
         w = (w.to(tl.float32) * scale).to(COMPUTE)
     return w
 
@@ -241,7 +246,7 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      stride_am, stride_om,
                      stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
                      GATE_UP: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-                     HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
+                     HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, TILE_SCALE_ROW: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
@@ -269,14 +274,14 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                     mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         w = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
                               stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
-                              KIND, BITS, HAS_ZEROS, HAS_G_IDX, GROUP_ALIGNED, SCALE_BN, SCALE_BK, FP8_AS_BITS,
+                              KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW, SCALE_BN, SCALE_BK, FP8_AS_BITS,
                               COMPUTE)
         acc = _dot(a, w, acc)
         if GATE_UP:
             w_up = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k,
                                      offs_n + up_offset, K, N + up_offset,
                                      stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                                     group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, GROUP_ALIGNED,
+                                     group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW,
                                      SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE)
             acc_up = _dot(a, w_up, acc_up)
     if GATE_UP:
@@ -307,9 +312,14 @@ def _config(tokens: int, top_k: int, num_experts: int, N: int, K: int) -> dict:
     return [config for threshold, config in DEFAULT_CONFIGS if per_expert >= threshold][-1]
 
 
-def _group_aligned(w: Weight, block_k: int) -> bool:
-    """True if every BLOCK_K tile of K lies in one int4 group, so scales load as one row per tile."""
-    return isinstance(w, Int4Weight) and w.g_idx is None and w.group_size % block_k == 0
+def _tile_scale_row(w: Weight, block_k: int) -> bool:
+    """True if scales are constant along K inside each BLOCK_K tile (an int4 group or fp8 scale
+    block spans it), so the kernel loads one row of scales per tile instead of a full tile."""
+    if isinstance(w, Int4Weight):
+        return w.g_idx is None and w.group_size % block_k == 0
+    if isinstance(w, FP8Weight):
+        return w.block_size is None or w.block_size[1] % block_k == 0
+    return False
 
 
 def _has_fp8_types(x: torch.Tensor) -> bool:
@@ -423,7 +433,8 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
             a, dst, routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
             num_tokens_post_padded_ptr=post_padded, num_valid=numel, N=N, K=K, up_offset=inter,
             a_row_divisor=top_k if gate else 1, stride_am=a.stride(0), stride_om=dst.stride(0),
-            GATE_UP=gate, GROUP_ALIGNED=_group_aligned(weight, cfg["BLOCK_K"]), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            GATE_UP=gate, TILE_SCALE_ROW=_tile_scale_row(weight, cfg["BLOCK_K"]),
+            BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_weight_args(weight, native_fp8))
     return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
 
