@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM as HFDeepseekV2
 
+import tritonq
+from tritonq.demo import byte_tokenizer
 from tritonq.formats.base import FP8Weight, Int4Weight, Weights
 from tritonq.formats.registry import get_loader
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM, kv_bytes_per_token
@@ -129,6 +131,24 @@ def test_triton_kernels_match_transformers(mode, tmp_path, monkeypatch):
     with torch.no_grad():
         expected = hf(torch.tensor([prompt + steps])).logits[0]
     torch.testing.assert_close(torch.cat(logits), expected, **TOL)
+
+
+def test_load_and_generate_end_to_end(tmp_path):
+    """tritonq.load (registry -> AWQ loader -> model) + Model.generate on a batch of two prompts give
+    transformers' greedy tokens on the dequantized weights."""
+    tokenizer = byte_tokenizer()
+    config = DeepseekV2Config(**dict(COMMON, num_hidden_layers=2, vocab_size=len(tokenizer)), **CONFIGS["v2"])
+    HFDeepseekV2(config).save_pretrained(tmp_path / "dense")
+    tokenizer.save_pretrained(tmp_path / "dense")
+    quantized = write_quantized(tmp_path / "dense", tmp_path / "awq", "awq", group_size=32)
+    (tmp_path / "ref").mkdir()
+    reference = dequantized_reference(tmp_path / "dense", quantized, tmp_path / "ref")
+    model = tritonq.load(quantized, device="cpu", max_batch=2, max_seq_len=32)
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    ours = model.generate(prompts, max_new_tokens=10, return_dict=True).token_ids
+    for prompt, tokens in zip(prompts, ours):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):]
+        assert tokens == expected.tolist()
 
 
 def test_attention_modes_agree(checkpoint):
