@@ -35,6 +35,13 @@ from tritonq.kernels.configs import lookup
 
 log = logging.getLogger(__name__)
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_EPS = 1e-10  # floor on absmax so all-zero rows get a finite scale (and quantize to 0)
+# 2^8: the exponent-bias difference between fp16 (15) and e4m3 (7), see _e4m3_bits_to_fp16.
+E4M3_TO_FP16_BIAS = 256.0
+_FP8_MAX = tl.constexpr(FP8_MAX)  # the same numbers as seen from inside @triton.jit
+_SCALE_EPS = tl.constexpr(SCALE_EPS)
+_E4M3_TO_FP16_BIAS = tl.constexpr(E4M3_TO_FP16_BIAS)
 
 # Values a tuner may sweep (the fields of FP8GemmConfig); with block scales BLOCK_K must divide
 # the K block, which the launcher checks.
@@ -60,14 +67,6 @@ class FP8GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-SCALE_EPS = 1e-10  # floor on absmax so all-zero rows get a finite scale (and quantize to 0)
-# 2^8: the exponent-bias difference between fp16 (15) and e4m3 (7), see _e4m3_bits_to_fp16.
-E4M3_TO_FP16_BIAS = 256.0
-_FP8_MAX = tl.constexpr(FP8_MAX)  # the same numbers as seen from inside @triton.jit
-_SCALE_EPS = tl.constexpr(SCALE_EPS)
-_E4M3_TO_FP16_BIAS = tl.constexpr(E4M3_TO_FP16_BIAS)
-
 
 @triton.jit
 def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride_xm, stride_qm,
@@ -82,7 +81,8 @@ def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride
     if STATIC:
         scale = tl.load(static_scale_ptr)
     else:
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), _SCALE_EPS) / _FP8_MAX
+        absmax = tl.maximum(tl.max(tl.abs(x), axis=0), _SCALE_EPS)
+        scale = tl.math.div_rn(absmax, tl.zeros_like(absmax) + _FP8_MAX)
         tl.store(s_ptr + row * stride_sm + group, scale)
     # div_rn: IEEE division, so the GPU rounds exactly like the torch reference (plain `/` is
     # an approximate division on NVIDIA); the clamp makes out-of-range values saturate.
