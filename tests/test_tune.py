@@ -91,6 +91,20 @@ def test_int4_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
                                atol=target.atol, rtol=target.rtol)
 
 
+def test_fp8_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
+    from tritonq.kernels.fp8_gemm import FP8GemmConfig, fp8_gemm, fp8_gemm_reference, tuned_config
+    tune.main(["--kernel", "fp8_gemm", "--dry-run", "--shapes", "3x40x256", "--config-dir", str(config_dir),
+               "--where", "BLOCK_N=32,num_warps=4,num_stages=2"])
+    table = json.loads((config_dir / "fp8_gemm" / "cpu.json").read_text())
+    target = tune.TARGETS["fp8_gemm"]()
+    assert len(table) == 1 and next(iter(table.values())) in target.space((3, 40, 256))
+    tuned = tuned_config(3, 40, 256, weight_only=False)  # what the launcher picks for this shape
+    assert tuned == FP8GemmConfig(**next(iter(table.values())))
+    x, w = target.make_inputs((3, 40, 256), torch.device("cpu"))
+    torch.testing.assert_close(fp8_gemm(x, w, weight_only=False), fp8_gemm_reference(x, w),
+                               atol=target.atol, rtol=target.rtol)
+
+
 def test_aot_verdicts_reject_spills_and_shared_memory_overflow():
     reports = iter([CompileReport(90, 32768, 96, 0, True), CompileReport(90, 300_000, 128, 0, True),
                     CompileReport(90, 16384, 255, 64, False)])
@@ -128,6 +142,9 @@ def test_bad_arguments_are_clear_errors(capsys):
     with pytest.raises(SystemExit):
         tune.main(["--kernel", "int4_gemm", "--aot", "hopper"])
     assert "expected a compute capability" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--kernel", "moe", "--dry-run"])
+    assert "takes no config= argument yet" in capsys.readouterr().err
     with pytest.raises(ValueError, match="expected comma-separated MxNxK"):
         tune.main(["--kernel", "int4_gemm", "--dry-run", "--shapes", "16by4096"])
 
