@@ -280,14 +280,15 @@ for cc in (80, 90):
     for kind, (ptrs, kind_id, has_zeros, sbn, sbk, as_bits) in weights.items():
         if kind_id == 2 and as_bits != (cc < 89):  # float8e4nv exists from sm_89; older GPUs decode the bits
             continue
-        for threshold, cfg in DEFAULT_CONFIGS:
+        # gate/up (two accumulators) at every default config; down at the largest
+        for gate_up, (threshold, cfg) in [(True, c) for c in DEFAULT_CONFIGS] + [(False, DEFAULT_CONFIGS[-1])]:
             sig = dict(common, **dict(zip(("w_ptr", "scale_ptr", "zero_ptr", "g_idx_ptr"), ptrs)))
             r = aot_compile(_moe_gemm_kernel, sig, dict(
-                GATE_UP=True, KIND=kind_id, BITS=4, HAS_ZEROS=has_zeros, HAS_G_IDX=False,
+                GATE_UP=gate_up, KIND=kind_id, BITS=4, HAS_ZEROS=has_zeros, HAS_G_IDX=False,
                 TILE_SCALE_ROW=kind_id != 0, SCALE_BN=sbn, SCALE_BK=sbk, FP8_AS_BITS=as_bits,
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"]),
                 cc=cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=aligned)
-            reports[f"{kind.replace('_bits', '')}-M{cfg['BLOCK_M']}-sm_{cc}"] = dict(
+            reports[f"{'gate_up' if gate_up else 'down'}-{kind.replace('_bits', '')}-M{cfg['BLOCK_M']}-sm_{cc}"] = dict(
                 shared=r.shared_bytes, regs=r.registers, spills=r.spills, wgmma=r.uses_wgmma, fits=r.fits)
 json.dump(reports, sys.stdout)
 """
@@ -309,10 +310,11 @@ def aot_reports():
 
 @pytest.mark.parametrize("cc", [80, 90])
 @pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
-@pytest.mark.parametrize("block_m", [16, 32, 64])
-def test_moe_gate_up_kernel_aot_compiles(aot_reports, cc, kind, block_m):
-    """The heavier gate/up variant (two accumulators) at each default config fits without spills."""
-    report = aot_reports[f"{kind}-M{block_m}-sm_{cc}"]
-    print(f"moe gate_up {kind} BLOCK_M={block_m} sm_{cc}: {report}")
+@pytest.mark.parametrize("variant", ["gate_up-M16", "gate_up-M32", "gate_up-M64", "down-M64"])
+def test_moe_gemm_kernel_aot_compiles(aot_reports, cc, kind, variant):
+    """Each default config fits without spills; sm_90 64-row tiles use wgmma."""
+    stage, block_m = variant.split("-")
+    report = aot_reports[f"{stage}-{kind}-{block_m}-sm_{cc}"]
+    print(f"moe {stage} {kind} BLOCK_{block_m} sm_{cc}: {report}")
     assert report["fits"] and report["spills"] == 0, report
-    assert report["wgmma"] == (cc == 90 and block_m == 64), report  # wgmma needs 64-row warpgroup tiles
+    assert report["wgmma"] == (cc == 90 and block_m == "M64"), report  # wgmma needs 64-row warpgroup tiles
