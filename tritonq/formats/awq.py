@@ -62,9 +62,12 @@ def repack_awq_qweight(qweight: torch.Tensor) -> torch.Tensor:
     words = qweight.reshape(K // 8, 2, 2, 2, n_packed).clone()  # row k = 4a + 2b + c within the block
     for dim, shift, mask in ((1, 16, 0x0000FFFF), (2, 8, 0x00FF00FF), (3, 4, 0x0F0F0F0F)):
         low, high = words.select(dim, 0), words.select(dim, 1)  # rows paired across a, then b, then c
-        swap = ((low >> shift) ^ high) & mask  # swap the high part of `low` with the low part of `high`
+        swap = low >> shift  # swap the high part of `low` with the low part of `high`; in place: no page faults
+        swap ^= high
+        swap &= mask
         high ^= swap
-        low ^= swap << shift
+        swap <<= shift
+        low ^= swap
     words = words.reshape(K // 8, 8, n_packed)
     return torch.stack([words[:, field] for field in AWQ_REVERSE_ORDER], dim=-1).reshape(K // 8, n_packed * 8)
 
