@@ -145,6 +145,8 @@ def test_bad_arguments_are_clear_errors(capsys):
     with pytest.raises(SystemExit):
         tune.main(["--kernel", "moe", "--dry-run"])
     assert "takes no config= argument yet" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not int4_gemm config fields"):
+        tune.main(["--kernel", "int4_gemm", "--dry-run", "--where", "BLOCKM=16"])
     with pytest.raises(ValueError, match="expected comma-separated MxNxK"):
         tune.main(["--kernel", "int4_gemm", "--dry-run", "--shapes", "16by4096"])
 

@@ -8,7 +8,8 @@ where the launcher's `lookup` finds it at run time. Without a GPU:
               (the first correct candidate per bucket is written, to show the file round-trips);
   --aot sm_90 compiles every candidate for that GPU and prints shared memory, registers,
               spills and whether wgmma was used, rejecting candidates that spill or overflow.
---model PATH takes the GEMM shapes (N, K of every linear layer) from the model's config.json.
+--model PATH takes the GEMM shapes (N, K of every linear layer) from the model's config.json;
+--where BLOCK_M=16,num_warps=4 narrows a sweep to the candidates with those values.
 """
 from __future__ import annotations
 
@@ -192,7 +193,7 @@ def _aot_with_flags(kernel, pointers: dict, flags: dict, ints: dict, config: dic
                        num_stages=config["num_stages"], divisible_by_16=tuple(n for n in aligned if n in signature))
 
 
-# Kernel families whose file declares a config space; others are added as their files expose one.
+# Kernel families whose launcher takes a config; others are added as their launchers do.
 TARGETS: dict[str, Callable[[], TuneTarget]] = {"int4_gemm": _int4_gemm_target, "fp8_gemm": _fp8_gemm_target}
 # Their launchers read tuned JSON but take no config= argument yet, so candidates cannot be run.
 NOT_YET_TUNABLE = ("moe", "attention")
@@ -215,7 +216,12 @@ def check_candidate(target: TuneTarget, inputs, config: dict) -> str | None:
 
 def candidates(target: TuneTarget, shape: tuple[int, ...], timed: bool, where: dict | None = None) -> list[dict]:
     """The configs to try for `shape`: those matching `where`; untimed, one per distinct tile."""
-    space = [c for c in target.space(shape) if all(c.get(k) == v for k, v in (where or {}).items())]
+    space = target.space(shape)
+    unknown = set(where or {}) - {key for c in space for key in c}
+    if unknown:
+        raise ValueError(f"--where keys {sorted(unknown)} are not {target.name} config fields; "
+                         f"fields: {sorted({key for c in space for key in c})}")
+    space = [c for c in space if all(c.get(k) == v for k, v in (where or {}).items())]
     if timed:
         return space
     tiles = {}
