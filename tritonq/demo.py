@@ -2,7 +2,7 @@
 
 Needs no download: the checkpoint is random but deterministic (seeded) and its tokenizer is a
 byte-level tokenizer (256 byte tokens + <s>, </s>) built here with a chat template. The text
-is therefore gibberish; the point is that the whole path (writer -> loader -> int4 kernels ->
+is therefore gibberish (printable ASCII); the point is that the whole path (writer -> loader -> int4 kernels ->
 generate) runs on a fresh machine.
 """
 from __future__ import annotations
@@ -44,7 +44,14 @@ def write_tiny_llama(folder: str | Path, hidden_size: int = 128, num_layers: int
                          max_position_embeddings=512, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    model = LlamaForCausalLM(config)
+    # Zero embedding rows (tied: also lm_head rows) of non-printable tokens: their logit is then 0, below
+    # the top 20 printable ones, so the random model writes printable ASCII instead of broken UTF-8.
+    printable = torch.tensor([len(t) == 1 and t.isprintable() and t.isascii()
+                              for t in (tokenizer.decode([i]) for i in range(len(tokenizer)))])
+    with torch.no_grad():
+        model.model.embed_tokens.weight[~printable] = 0
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -64,11 +71,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tiny random Llama, AWQ int4, on {model.model.device}; prompt: {args.prompt!r}")
         print(args.prompt, end="", flush=True)
         for piece in model.generate(args.prompt, max_new_tokens=args.max_new_tokens, stream=True,
-                                    temperature=0.8, top_k=50, seed=0):
+                                    temperature=0.8, top_k=20, seed=0):
             print(piece, end="", flush=True)
         print()
         reply = model.chat([{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens,
-                           return_dict=True)
+                           temperature=0.8, top_k=20, seed=0, return_dict=True)
         print(f"chat reply: {reply.text[0]!r} ({reply.decode_tokens_per_s:.0f} decode tokens/s)")
 
 
