@@ -2,7 +2,8 @@
 
 Tolerances (stated once): fp32 activations -> the kernel and the float32 loop reference differ
 only in summation order: rtol/atol 1e-4. fp16 activations -> the kernel rounds x, the dequantized
-weights and the SiLU-and-mul hidden to fp16 (11-bit mantissa) before each GEMM: 2e-2.
+weights and the SiLU-and-mul hidden to fp16 (11-bit mantissa) before each GEMM: 2e-2; bf16
+(8-bit mantissa, 8x coarser than fp16): 5e-2.
 Routing is compared exactly (same fp32 scores, deterministic tie rule).
 """
 import pytest
@@ -18,7 +19,7 @@ from tritonq.kernels import moe
 from tritonq.kernels.moe import (fused_moe, fused_moe_reference, grouped_topk,
                                  grouped_topk_reference, moe_align_block_size)
 
-TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
 # ------------------------------------------------------------------ routing
@@ -188,7 +189,9 @@ def test_reference_matches_per_token_dense(kind):
     ("dense", 1, 1, torch.float32),
     ("dense", 3, 2, torch.float16),
     ("dense", 33, 6, torch.float32),
+    ("dense", 17, 2, torch.bfloat16),
     ("int4", 3, 6, torch.float32),
+    ("int4", 5, 2, torch.bfloat16),
     ("int4_sym", 33, 2, torch.float16),
     ("int4_act_order", 3, 2, torch.float32),
     ("int8", 3, 2, torch.float32),
@@ -285,7 +288,7 @@ for cc in (80, 90):
             sig = dict(common, **dict(zip(("w_ptr", "scale_ptr", "zero_ptr", "g_idx_ptr"), ptrs)))
             r = aot_compile(_moe_gemm_kernel, sig, dict(
                 GATE_UP=gate_up, KIND=kind_id, BITS=4, HAS_ZEROS=has_zeros, HAS_G_IDX=False,
-                TILE_SCALE_ROW=kind_id != 0, SCALE_BN=sbn, SCALE_BK=sbk, FP8_AS_BITS=as_bits,
+                TILE_SCALE_ROW=kind_id != 0, UPCAST_DOT=False, SCALE_BN=sbn, SCALE_BK=sbk, FP8_AS_BITS=as_bits,
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"]),
                 cc=cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=aligned)
             reports[f"{'gate_up' if gate_up else 'down'}-{kind.replace('_bits', '')}-M{cfg['BLOCK_M']}-sm_{cc}"] = dict(

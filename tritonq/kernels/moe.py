@@ -233,9 +233,9 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
 
 
 @triton.jit
-def _dot(a, b, acc):
-    if a.dtype == tl.float32:  # fp32 activations: an exact fp32 product, not tf32
-        return tl.dot(a, b, acc, input_precision="ieee")
+def _dot(a, b, acc, UPCAST_DOT: tl.constexpr):
+    if UPCAST_DOT:  # fp32 activations (exact, not tf32), or bf16 under the interpreter (see launcher)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
 
@@ -248,7 +248,7 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      GATE_UP: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                      HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, TILE_SCALE_ROW: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
 
     A row of sorted row r is sorted_ids[r] // a_row_divisor (the token for gate/up, the
@@ -276,14 +276,14 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                               stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
                               KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW, SCALE_BN, SCALE_BK, FP8_AS_BITS,
                               COMPUTE)
-        acc = _dot(a, w, acc)
+        acc = _dot(a, w, acc, UPCAST_DOT)
         if GATE_UP:
             w_up = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k,
                                      offs_n + up_offset, K, N + up_offset,
                                      stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                                      group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW,
                                      SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE)
-            acc_up = _dot(a, w_up, acc_up)
+            acc_up = _dot(a, w_up, acc_up, UPCAST_DOT)
     if GATE_UP:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
     else:
@@ -424,6 +424,9 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
     n_blocks = expert_ids.numel()
     routing = topk_weights.float().contiguous().flatten()
     native_fp8 = _has_fp8_types(x)
+    # Triton's interpreter multiplies bf16 tl.dot operands as raw bits (triton-lang/triton#11584):
+    # on CPU, bf16 tiles are upcast to fp32 for the dot, as fp32 activations always are.
+    upcast_dot = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not x.is_cuda)
     hidden = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(numel, D, dtype=x.dtype, device=x.device)
     for a, dst, weight, N, K, cfg, gate in ((x, hidden, gate_up, inter, D, cfg1, True),
@@ -433,7 +436,7 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
             a, dst, routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
             num_tokens_post_padded_ptr=post_padded, num_valid=numel, N=N, K=K, up_offset=inter,
             a_row_divisor=top_k if gate else 1, stride_am=a.stride(0), stride_om=dst.stride(0),
-            GATE_UP=gate, TILE_SCALE_ROW=_tile_scale_row(weight, cfg["BLOCK_K"]),
+            GATE_UP=gate, TILE_SCALE_ROW=_tile_scale_row(weight, cfg["BLOCK_K"]), UPCAST_DOT=upcast_dot,
             BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_weight_args(weight, native_fp8))
     return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
