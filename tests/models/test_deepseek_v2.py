@@ -3,6 +3,7 @@
 Everything runs in float32 through the torch references (TRITONQ_BACKEND=torch), so ours and
 transformers differ only in summation order: logits agree to TOL (|logits| ~ 1 here).
 """
+import copy
 import shutil
 
 import pytest
@@ -196,10 +197,26 @@ def test_kv_bytes_per_token_deepseek_v2_lite():
     assert kv_bytes_per_token(lite, "expanded") == 27 * 16 * (192 + 128) * 2  # 276,480
 
 
-def test_bad_inputs_raise():
-    lite = DeepseekV2Config(**COMMON, **CONFIGS["lite"])
+def test_bad_inputs_raise(checkpoint):
+    folder, hf = checkpoint
     with pytest.raises(ValueError, match="attention_mode"):
-        kv_bytes_per_token(lite, "paged")
+        kv_bytes_per_token(hf.config, "paged")
+    with pytest.raises(ValueError, match="attention_mode"):
+        load(folder, hf, "paged")
+    model = load(folder, hf, "latent")
+    one, ids = torch.ones(1, dtype=torch.int32), torch.tensor([[1, 2]])
+    with pytest.raises(ValueError, match="must start at position 0"):
+        model(ids, 2 * one, model.new_cache(1, 8), at(3))
+    with pytest.raises(ValueError, match="max_batch"):
+        model(ids.expand(2, 2), 2 * one.expand(2), model.new_cache(1, 8), at(0).expand(2))
+    with pytest.raises(ValueError, match="past the cache"):
+        model(ids[:, :1], one, model.new_cache(1, 8), at(8))
+    with pytest.raises(ValueError, match="'expanded'"):
+        model(ids, 2 * one, load(folder, hf, "expanded").new_cache(1, 8), at(0))
+    v3_routing = copy.deepcopy(hf.config)
+    v3_routing.topk_method = "noaux_tc"
+    with pytest.raises(ValueError, match="topk_method"):
+        DeepseekV2ForCausalLM(v3_routing, get_loader(folder, torch.float32, "cpu"), torch.float32, "cpu")
 
 
 def dequantized_reference(dense_folder, quantized_folder, out_folder):

@@ -56,11 +56,18 @@ def kv_bytes_per_token(config, attention_mode: str, dtype: torch.dtype = torch.b
     return per_layer * config.num_hidden_layers * element_size
 
 
+def _rope_parameters(config) -> dict:
+    """The rope dict whichever transformers version wrote the config (rope_parameters or rope_scaling)."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return rope
+
+
 def softmax_scale(config) -> float:
     """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under yarn with mscale_all_dim set
     (DeepSeek's long-context correction; the cos/sin carry the matching attention factor)."""
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-    rope = config.rope_parameters or {}
+    rope = _rope_parameters(config)
     if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
         factor = rope["factor"]
         scale *= (0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
@@ -247,8 +254,8 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def _rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [num_positions, Dr] for the rope dims only (yarn's include its attention factor)."""
-        rope = dict(self.config.rope_parameters or {})
-        return rope_cos_sin(self.config.qk_rope_head_dim, rope.get("rope_theta", 10000.0), num_positions, rope,
+        rope = _rope_parameters(self.config)
+        return rope_cos_sin(self.config.qk_rope_head_dim, rope["rope_theta"], num_positions, rope,
                             self.config.max_position_embeddings, self.device)
 
     def new_cache(self, max_batch: int, max_seq_len: int) -> MLACache:
