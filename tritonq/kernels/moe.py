@@ -71,9 +71,9 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, n_group: int = 1, topk
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights [T, top_k] fp32, topk_ids [T, top_k] int32).
 
-    Experts outside the kept groups are masked to -inf (as DeepSeek's own inference code and
-    vLLM; transformers' V3 fills 0.0, which lets a masked expert beat a kept one whose biased
-    score is negative). Weights are the un-biased scores of the chosen experts, divided by their
+    Experts outside the kept groups are masked to -inf (as vLLM and transformers' DeepSeek-V3;
+    transformers' V2 fills 0.0, the same choice since softmax scores are positive and top_k
+    never exceeds the kept experts). Weights are the un-biased scores of the chosen experts, divided by their
     sum (+1e-20, so underflowed sigmoid scores give 0, not NaN) if renormalize, times
     routed_scaling_factor.
     """
