@@ -102,6 +102,22 @@ def test_decode_matches_sdpa_over_cache(d_qk, d_v, h, h_kv):
         assert_close(ref[b], expected, dtype)
 
 
+def test_cpu_runtime_path_handles_bf16_in_float32(monkeypatch):
+    """The runtime's CPU path (torch references) takes bf16 inputs and computes in float32."""
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    B, S, h, h_kv, d_qk, d_v = 3, 33, 4, 1, 192, 128
+    q, k = torch.randn(B, S, h, d_qk).bfloat16(), torch.randn(B, S, h_kv, d_qk).bfloat16()
+    v = torch.randn(B, S, h_kv, d_v).bfloat16()
+    out = prefill_attention(q, k, v, lens(SEQ_LENS), 0.1)
+    step = decode_attention(q[:, -1], k, v, lens(SEQ_LENS), 0.1)
+    assert out.dtype == step.dtype == torch.bfloat16
+    for b, n in enumerate(SEQ_LENS):  # only the final rounding to bf16 differs: half a bf16 ulp
+        expected = sdpa(q[b, :n], k[b, :n], v[b, :n], 0.1, causal=True)
+        torch.testing.assert_close(out[b, :n].float(), expected, atol=1e-2, rtol=1e-2)
+        expected = sdpa(q[b, -1:], k[b, :n], v[b, :n], 0.1, causal=False)[0]
+        torch.testing.assert_close(step[b].float(), expected, atol=1e-2, rtol=1e-2)
+
+
 def test_write_kv_cache_matches_reference_and_leaves_the_rest():
     B, S, h_kv, d_qk, d_v = 3, 5, 2, 24, 40
     k_cache, v_cache = torch.randn(B, 16, h_kv, d_qk), torch.randn(B, 16, h_kv, d_v)

@@ -12,7 +12,7 @@ Shapes (B batch, S tokens, H query heads, Hkv key/value heads, H % Hkv == 0):
   write_kv_cache(k_cache, v_cache, k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv], start [B] int32)
       Writes k/v in place at cache positions start[b]..start[b]+S-1 (one small kernel for both).
 dtypes: fp16, bf16 or fp32 (all inputs the same); accumulation and softmax are fp32; outputs are
-in q's dtype. KV cache layout [B, Smax, Hkv, D]: contiguous per-sequence (not paged — a paged
+in q's dtype (fp32 inputs use TF32 tensor-core dots on GPUs). KV cache layout [B, Smax, Hkv, D]: contiguous per-sequence (not paged — a paged
 cache with a block table is not implemented).
 
 Head dims need not be powers of two and Dqk may differ from Dv (DeepSeek-V2: 192 / 128; its
