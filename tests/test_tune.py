@@ -50,6 +50,30 @@ def test_wrong_and_failing_candidates_are_rejected_first_correct_one_wins():
     assert winners == {"M3_N100": {"BLOCK_N": 64, "num_warps": 2}, "M1_N17": {"BLOCK_N": 64, "num_warps": 2}}
 
 
+def test_timed_sweep_keeps_the_fastest_correct_candidate(monkeypatch):
+    """do_bench needs CUDA: a stand-in times each config by BLOCK_N; the wrong config would be fastest."""
+    import triton.testing
+    timed = []
+
+    def fake_do_bench(fn, warmup, rep):
+        fn()
+        timed.append(fn)
+        return {32: 0.1, 64: 2.0, 128: 1.0}[last_config["BLOCK_N"]]
+
+    target = _toy_target()
+    last_config = {}
+
+    def run(x, config):
+        last_config.clear()
+        last_config.update(config)
+        return target.run(x, config)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    winners = tune.tune(tune.TuneTarget(**{**target.__dict__, "run": run}), [(3, 100)], torch.device("cpu"),
+                        timed=True, progress=False)
+    assert winners == {"M3_N100": {"BLOCK_N": 128, "num_warps": 4}}
+    assert len(timed) == 2  # only the two candidates that matched the reference were timed
+
+
 def test_no_correct_candidate_is_an_error():
     target = _toy_target()
     broken = tune.TuneTarget(**{**target.__dict__, "space": lambda shape: target.space(shape)[:2]})
