@@ -57,6 +57,35 @@ def test_grouped_topk_matches_reference(kind, E, top_k, n_group, topk_group, sco
     assert torch.equal(weights, ref_weights)
 
 
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])
+def test_grouped_topk_matches_transformers_router(method):
+    """Tie-free random logits: the same experts and weights as transformers' DeepSeek routers."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    E, hidden, top_k, n_group, topk_group = 64, 16, 6, 8, 3
+    common = dict(hidden_size=hidden, n_routed_experts=E, num_experts_per_tok=top_k, n_group=n_group,
+                  topk_group=topk_group, routed_scaling_factor=2.5, num_attention_heads=2,
+                  num_key_value_heads=2)
+    if method == "noaux_tc":
+        router = DeepseekV3TopkRouter(DeepseekV3Config(norm_topk_prob=True, **common))
+        router.e_score_correction_bias.copy_(torch.randn(E) * 0.1)
+        args = dict(n_group=n_group, topk_group=topk_group, scoring="sigmoid",
+                    correction_bias=router.e_score_correction_bias, renormalize=True)
+    else:
+        router = DeepseekV2TopkRouter(DeepseekV2Config(topk_method=method, **common))
+        args = dict(n_group=n_group, topk_group=topk_group) if method == "group_limited_greedy" else {}
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, hidden))
+        x = torch.randn(17, hidden)
+        logits, hf_weights, hf_ids = router(x)
+    weights, ids = grouped_topk(logits, top_k, routed_scaling_factor=2.5, **args)
+    hf_order = hf_ids.sort(-1).indices  # transformers returns its top-k unsorted
+    ours_order = ids.long().sort(-1).indices
+    assert torch.equal(ids.long().gather(1, ours_order), hf_ids.gather(1, hf_order))
+    torch.testing.assert_close(weights.gather(1, ours_order), hf_weights.gather(1, hf_order))
+
+
 def test_grouped_topk_ties_pick_lowest_index():
     logits = torch.zeros(2, 8)
     _, ids = grouped_topk(logits, top_k=2)
