@@ -113,5 +113,7 @@ def test_bad_options_raise(model):
         model.generate("a", top_p=0.0)
     with pytest.raises(ValueError, match="stream=True takes a single prompt"):
         model.generate(["a", "b"], stream=True)
+    with pytest.raises(ValueError, match="cannot also return_dict"):
+        model.generate("a", stream=True, return_dict=True)
     with pytest.raises(TypeError, match="prompts must be"):
         model.generate(3.5)

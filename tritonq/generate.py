@@ -172,6 +172,8 @@ class Model:
         config = replace(config or GenerationConfig(), **options)
         encoded, single = self._encode(prompts)
         if stream:
+            if return_dict:
+                raise ValueError("stream=True yields text pieces; it cannot also return_dict. Use one of them.")
             if len(encoded) != 1:
                 raise ValueError(f"stream=True takes a single prompt; got {len(encoded)}.")
             self._check_fits(encoded, config)
