@@ -28,8 +28,8 @@ COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermedi
 CONFIGS = {
     # V2-Lite style: one q_proj, greedy routing over all experts, default rope.
     "lite": dict(q_lora_rank=None, n_routed_experts=6, num_experts_per_tok=2, topk_method="greedy"),
-    # V2 style: q LoRA, group-limited routing, scaled expert weights, yarn with mscale_all_dim.
-    "v2": dict(q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=3, topk_method="group_limited_greedy",
+    # V2 style: q LoRA, attention biases, group-limited routing, scaled expert weights, yarn with mscale_all_dim.
+    "v2": dict(q_lora_rank=32, attention_bias=True, n_routed_experts=8, num_experts_per_tok=3, topk_method="group_limited_greedy",
                n_group=4, topk_group=2, routed_scaling_factor=2.5,
                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                     original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
@@ -56,6 +56,10 @@ def checkpoint(request, tmp_path_factory):
     """(folder, transformers model) for a tiny random DeepSeek-V2 saved to disk."""
     torch.manual_seed(0)
     hf = HFDeepseekV2(DeepseekV2Config(**COMMON, **CONFIGS[request.param])).eval()
+    with torch.no_grad():  # transformers initializes biases to zero, which would test nothing
+        for name, param in hf.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.1)
     folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
     return folder, hf
@@ -229,6 +233,8 @@ def dequantized_reference(dense_folder, quantized_folder, out_folder):
         prefix = name.removesuffix(".weight")
         if tensor.ndim == 2 and name != "model.embed_tokens.weight":
             tensor = loader.get_linear(prefix).dequantize().float().contiguous()
+        elif name.endswith(".bias"):  # AWQ/GPTQ store biases in fp16
+            tensor = loader.get_linear(name.removesuffix(".bias"), bias=True).bias.float()
         tensors[name] = tensor
     save_file(tensors, str(out_folder / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(dense_folder / "config.json", out_folder / "config.json")
