@@ -158,8 +158,8 @@ def test_bad_inputs_raise_clear_errors():
 
 
 # Every config the launchers ship for a GPU, by real (Dqk, Dv): Llama 64/128, 96 (64 + 32 tail),
-# DeepSeek-V2 192/128 and, decode only, its absorbed-MLA latent 576/512.
-SHIPPED_PREFILL = [(64, 64), (96, 96), (128, 128), (192, 128)]
+# DeepSeek-V2 192/128, 256 (the wide-head default) and, decode only, the MLA latent 576/512.
+SHIPPED_PREFILL = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 SHIPPED_DECODE = SHIPPED_PREFILL + [(576, 512)]
 
 

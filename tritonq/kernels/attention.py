@@ -259,7 +259,7 @@ def prefill_config(block_d: int, block_dr: int, block_dv: int, on_gpu: bool = Tr
         return PrefillConfig(tuned["BLOCK_M"], tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"])
     if block_d + block_dr <= 192 and block_dv <= 128:  # up to DeepSeek's 128 + 64: no spills (AOT)
         return PrefillConfig(128, 64, 8, 3)
-    return PrefillConfig(64, 32, 4, 2)  # wider heads: smaller tiles to stay in registers
+    return PrefillConfig(64, 64, 8, 2)  # wider heads (256): half the query rows, no spills (AOT)
 
 
 def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int, block_dr: int, block_dv: int,
@@ -276,7 +276,7 @@ def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int, block_d
     tuned = lookup("attention_decode", f"D{block_d}+{block_dr}_DV{block_dv}")
     if tuned:
         block_n, num_warps, num_stages = tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"]
-    elif block_dv > 128:  # MLA latent (576 / 512): a [16, 512] fp32 accumulator needs 8 warps not to spill
+    elif block_dv > 128:  # 256, MLA latent 576 / 512: a [16, 512] fp32 accumulator needs 8 warps
         block_n, num_warps, num_stages = 32, 8, 2
     else:  # wider qk tiles (192) halve the key block to keep K/V tiles small
         block_n, num_warps, num_stages = (64 if block_d + block_dr <= 128 else 32), 4, 2
