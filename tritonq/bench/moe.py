@@ -13,7 +13,6 @@ import torch
 
 from tritonq.bench.common import device_peaks, print_table, time_ms, write_json
 from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight
-from tritonq.formats.packing import pack_int32
 from tritonq.kernels.moe import fused_moe, fused_moe_reference, grouped_topk
 
 
@@ -25,10 +24,11 @@ def _stacked_weight(kind: str, E: int, N: int, K: int, device) -> tuple:
     if kind == "int4":
         group_size = 128
         G = K // group_size
-        q = torch.randint(0, 16, (E, K, N), dtype=torch.int32, device=device)
+        # random int32 words are random nibbles: no need to pack [E, K, N] values
+        qweight = torch.randint(-2**31, 2**31 - 1, (E, K // 8, N), dtype=torch.int32, device=device)
         scales = (torch.rand(E, G, N, device=device) * 0.02).to(torch.bfloat16)
         zeros = torch.full((E, G, N), 8.0, device=device, dtype=torch.bfloat16)
-        return Int4Weight(pack_int32(q.cpu(), 4, dim=1).to(device), scales, zeros, None, group_size, 4), dense
+        return Int4Weight(qweight, scales, zeros, None, group_size, 4), dense
     scale = torch.rand(E, -(-N // 128), -(-K // 128), device=device) * 0.01
     return FP8Weight((dense.float() * 8).to(torch.float8_e4m3fn), scale, block_size=(128, 128)), dense
 
