@@ -29,8 +29,8 @@ CONFIGS = {
     # V2-Lite style: one q_proj, greedy routing over all experts, default rope.
     "lite": dict(q_lora_rank=None, n_routed_experts=6, num_experts_per_tok=2, topk_method="greedy"),
     # V2 style: q LoRA, attention biases, group-limited routing, scaled expert weights, yarn with mscale_all_dim.
-    "v2": dict(q_lora_rank=32, attention_bias=True, n_routed_experts=8, num_experts_per_tok=3, topk_method="group_limited_greedy",
-               n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    "v2": dict(q_lora_rank=32, attention_bias=True, n_routed_experts=8, num_experts_per_tok=3,
+               topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.5,
                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                     original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
                                     mscale=1.0, mscale_all_dim=0.8)),

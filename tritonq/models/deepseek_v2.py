@@ -261,13 +261,15 @@ class DeepseekV2ForCausalLM(nn.Module):
     def new_cache(self, max_batch: int, max_seq_len: int) -> MLACache:
         """The static cache for this model's attention mode (size: kv_bytes_per_token)."""
         c, n = self.config, len(self.layers)
-        new = lambda *shape: torch.zeros(max_batch, max_seq_len, *shape, dtype=self.dtype, device=self.device)  # noqa: E731
+
+        def zeros(heads, dim):
+            return torch.zeros(max_batch, max_seq_len, heads, dim, dtype=self.dtype, device=self.device)
         if self.attention_mode == "latent":
-            k = tuple(new(1, c.kv_lora_rank + c.qk_rope_head_dim) for _ in range(n))
+            k = tuple(zeros(1, c.kv_lora_rank + c.qk_rope_head_dim) for _ in range(n))
             return MLACache("latent", k, tuple(t[..., :c.kv_lora_rank] for t in k))
         H = c.num_attention_heads
-        return MLACache("expanded", tuple(new(H, c.qk_nope_head_dim + c.qk_rope_head_dim) for _ in range(n)),
-                        tuple(new(H, c.v_head_dim) for _ in range(n)))
+        return MLACache("expanded", tuple(zeros(H, c.qk_nope_head_dim + c.qk_rope_head_dim) for _ in range(n)),
+                        tuple(zeros(H, c.v_head_dim) for _ in range(n)))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, cache: MLACache,
