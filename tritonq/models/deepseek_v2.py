@@ -18,11 +18,12 @@ Two attention modes (`attention_mode`):
               Decode absorbs kv_b_proj: q_latent = q_nope @ W_uk (per head, [Dn] -> [R]), attention
               against the cache with v = its first R dims, then o = out @ W_uv^T ([R] -> [Dv]).
               Prefill expands K/V (cheaper for many query tokens) and writes the latent.
-See `kv_bytes_per_token`.
+DeepSeek-V2-Lite in bf16 (`kv_bytes_per_token`): latent 31,104 B/token, expanded 276,480 (8.9x).
 
-Behaviour follows transformers' DeepseekV2 where the two agree; where transformers differs from
-DeepSeek's original modeling code we follow the original for config fields transformers ignores
-(moe_layer_freq, norm_topk_prob) — see `_is_moe_layer` and `DeepseekV2MoE`.
+Behaviour follows transformers' DeepseekV2 where it agrees with DeepSeek's original modeling
+code; for the config fields transformers ignores we follow the original: moe_layer_freq (see
+`_is_moe_layer`) and norm_topk_prob (see `DeepseekV2MoE`). Yarn's attention factor follows
+transformers (the original differs only when just one of mscale / mscale_all_dim is set).
 """
 from __future__ import annotations
 
