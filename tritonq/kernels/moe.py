@@ -34,7 +34,7 @@ from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
 from tritonq.kernels import use_triton
 from tritonq.kernels.configs import lookup
 
-DENSE, INT4, FP8 = 0, 1, 2
+DENSE, INT4, FP8 = 0, 1, 2  # the kernel's KIND: how the weight tile is loaded
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,7 +353,8 @@ def _weight_args(w: Weight, native_fp8: bool) -> dict:
         scale_bn, scale_bk, strides = 1, 1, (s.stride(0), 0, 0)
     else:  # per channel [E, N, 1]
         scale_bn, scale_bk, strides = 1, 1, (s.stride(0), s.stride(1), 0)
-    return dict(w_ptr=t if native_fp8 else t.view(torch.uint8), scale_ptr=s, zero_ptr=s, g_idx_ptr=s, stride_we=t.stride(0), stride_wn=t.stride(1),
+    return dict(w_ptr=t if native_fp8 else t.view(torch.uint8), scale_ptr=s, zero_ptr=s, g_idx_ptr=s,
+                stride_we=t.stride(0), stride_wn=t.stride(1),
                 stride_wk=t.stride(2), stride_se=strides[0], stride_sn=strides[1], stride_sk=strides[2],
                 group_size=1, KIND=FP8, BITS=4, HAS_ZEROS=False, HAS_G_IDX=False,
                 SCALE_BN=scale_bn, SCALE_BK=scale_bk, FP8_AS_BITS=not native_fp8)
@@ -382,8 +383,9 @@ def _stacked_shape(w: Weight, name: str) -> tuple[int, int, int]:
         K = packed_k * 32 // w.bits
         if w.scales.dim() != 3 or w.scales.shape[0] != E or w.scales.shape[2] != N:
             raise ValueError(f"fused_moe: {name} Int4 scales shape {tuple(w.scales.shape)} must be [E={E}, G, N={N}]")
-        if w.g_idx is not None and w.g_idx.shape != (E, K):
-            raise ValueError(f"fused_moe: {name} g_idx shape {tuple(w.g_idx.shape)} must be [E={E}, K={K}]")
+        if w.g_idx is not None and (w.g_idx.shape != (E, K) or not w.g_idx.is_contiguous()):
+            raise ValueError(f"fused_moe: {name} g_idx shape {tuple(w.g_idx.shape)} must be a contiguous "
+                             f"[E={E}, K={K}] (the kernel indexes it as expert * K + k)")
         return E, N, K
     raise ValueError(f"fused_moe: {name} must be a stacked DenseWeight/Int4Weight/FP8Weight with a leading expert "
                      f"dim (loader.get_stacked), got {type(w).__name__}")
@@ -401,7 +403,8 @@ def _check_moe(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]
     devices = {t.device for t in (x, topk_weights, topk_ids, *(v for w in (gate_up, down) for v in vars(w).values()
                                                                   if isinstance(v, torch.Tensor)))}
     if len(devices) > 1:
-        raise ValueError(f"fused_moe: x, routing and expert weights must be on one device, found {sorted(map(str, devices))}")
+        raise ValueError("fused_moe: x, routing and expert weights must be on one device, "
+                         f"found {sorted(map(str, devices))}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"fused_moe: topk_weights and topk_ids must both be [T={T}, k], got "
                          f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
