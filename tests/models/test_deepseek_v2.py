@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM as HFDeepseekV2
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MLP
 
 import tritonq
 from tritonq.demo import byte_tokenizer
@@ -186,6 +187,23 @@ def test_norm_topk_prob_renormalizes_like_deepseek(tmp_path):
     gate.forward = renormalized
     prompt = PROMPTS[0]
     model = load(tmp_path, hf, "latent")
+    ours = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), model.new_cache(1, 8),
+                 at(0))[0]
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, expected, **TOL)
+
+
+def test_moe_layer_freq_puts_dense_mlps_between_moe_layers(tmp_path):
+    """DeepSeek's rule: layer i is MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0.
+    transformers ignores moe_layer_freq, so its layer 1 is swapped for a dense MLP by hand."""
+    config = DeepseekV2Config(**dict(COMMON, first_k_dense_replace=0, moe_layer_freq=2), **CONFIGS["lite"])
+    hf = HFDeepseekV2(config).eval()
+    hf.model.layers[1].mlp = DeepseekV2MLP(config)
+    hf.save_pretrained(tmp_path)
+    model = load(tmp_path, hf, "latent")
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["DeepseekV2MoE", "MLP", "DeepseekV2MoE"]
+    prompt = PROMPTS[0]
     ours = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), model.new_cache(1, 8),
                  at(0))[0]
     with torch.no_grad():
