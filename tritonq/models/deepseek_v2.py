@@ -185,7 +185,7 @@ class MLAttention(nn.Module):
         q_rope = apply_rope(_deinterleave(q_rope), cos, sin, positions)
         k_rope = apply_rope(_deinterleave(k_rope)[:, :, None], cos, sin, positions)  # [B, S, 1, Dr]
 
-        if self.attention_mode == "latent":
+        if self.attention_mode == "latent":  # v_cache views k_cache[..., :R]: both writes store the latent
             write_kv_cache(k_cache, v_cache, torch.cat([latent, k_rope], dim=-1), latent, start_pos)
         if S > 1 or self.attention_mode == "expanded":
             k_nope, v = self.kv_b_proj(latent[:, :, 0]).view(B, S, H, Dn + Dv).split([Dn, Dv], dim=-1)
