@@ -1,7 +1,9 @@
 """DeepSeek-V2 end to end against transformers' DeepseekV2ForCausalLM on tiny random checkpoints.
 
-Everything runs in float32 through the torch references (TRITONQ_BACKEND=torch), so ours and
-transformers differ only in summation order: logits agree to TOL (|logits| ~ 1 here).
+Everything runs in float32, through the torch references (TRITONQ_BACKEND=torch) or, in one
+test, the Triton kernels under the interpreter, so ours and transformers differ only in summation
+order: logits agree to TOL (|logits| ~ 1 here). Quantized checkpoints are compared with
+transformers on the dequantized weights (and, for fp8, the same per-token e4m3 activations).
 """
 import copy
 import shutil
