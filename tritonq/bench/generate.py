@@ -32,8 +32,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (on a busy machine 1 avoids thread-pool stalls on small ops)")
     parser.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     import tritonq
     from transformers import LlamaConfig, LlamaForCausalLM
