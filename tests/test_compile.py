@@ -9,11 +9,9 @@ functions that cannot be compiled), and report back as JSON.
 """
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from child_process import json_from_child
 
 from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, aot_compile
 from tritonq.kernels.int4_gemm import _int4_gemm_kernel, default_config
@@ -48,12 +46,7 @@ def compile_int4(config, variant, cc):
 
 @pytest.fixture(scope="module")
 def reports():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {tuple(case): report for case, report in json.loads(out.stdout.splitlines()[-1])}
+    return {tuple(case): report for case, report in json_from_child([__file__])}
 
 
 @pytest.mark.parametrize("cc, name, variant", CASES,

@@ -4,7 +4,6 @@ The token-level match with transformers is in tests/models/test_llama.py; here t
 is the greedy output of the same model, against which each option's effect is checked.
 """
 import pytest
-import torch
 
 import tritonq
 from tritonq.demo import write_tiny_llama

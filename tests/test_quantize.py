@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
+from formats.helpers import GROUP_SIZE, LINEARS, dequantize, save_tiny_llama
 from safetensors.torch import load_file
 
-from formats.helpers import GROUP_SIZE, LINEARS, dequantize, save_tiny_llama
 from tritonq.quantize import main, quantize_fp8, quantize_int4
 
 

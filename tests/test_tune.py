@@ -5,11 +5,13 @@ The int4_gemm target is exercised end to end (dry run in the interpreter, AOT fo
 Triton kernel stands in where a test needs a candidate that is wrong on purpose.
 """
 import json
+import os
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from child_process import json_from_child, run_without_interpreter
 
 from tritonq import tune
 from tritonq.kernels import configs
@@ -100,7 +102,12 @@ def test_dry_run_cli_writes_configs_that_lookup_reads_back(config_dir, monkeypat
 
 
 def test_int4_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
-    from tritonq.kernels.int4_gemm import Int4GemmConfig, config_bucket, int4_gemm, int4_gemm_reference
+    from tritonq.kernels.int4_gemm import (
+        Int4GemmConfig,
+        config_bucket,
+        int4_gemm,
+        int4_gemm_reference,
+    )
     tune.main(["--kernel", "int4_gemm", "--dry-run", "--shapes", "3x40x256", "--config-dir", str(config_dir),
                "--where", "BLOCK_N=64"])
     table = json.loads((config_dir / "int4_gemm" / "cpu.json").read_text())
@@ -116,7 +123,12 @@ def test_int4_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
 
 
 def test_fp8_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
-    from tritonq.kernels.fp8_gemm import FP8GemmConfig, fp8_gemm, fp8_gemm_reference, tuned_config
+    from tritonq.kernels.fp8_gemm import (
+        FP8GemmConfig,
+        fp8_gemm,
+        fp8_gemm_reference,
+        tuned_config,
+    )
     tune.main(["--kernel", "fp8_gemm", "--dry-run", "--shapes", "3x40x256", "--config-dir", str(config_dir),
                "--where", "BLOCK_N=32,num_warps=4,num_stages=2"])
     table = json.loads((config_dir / "fp8_gemm" / "cpu.json").read_text())
@@ -139,15 +151,22 @@ def test_aot_verdicts_reject_spills_and_shared_memory_overflow():
     assert rows[0]["config"] == "BN4096 w4" and rows[0]["shared_bytes"] == 32768 and rows[0]["wgmma"] is True
 
 
-def test_aot_table_compiles_a_real_kernel_for_sm90():
-    from triton.runtime.jit import JITFunction
-
-    def aot(config, shape, cc):  # the interpreter wraps @triton.jit under pytest: compile the function
-        return aot_compile(JITFunction(_scale_rows_kernel.fn), {"x_ptr": "*fp16", "y_ptr": "*fp16", "N": "i32",
-                           "factor": "fp32"}, {"BLOCK_N": config["BLOCK_N"]}, cc, num_warps=config["num_warps"])
+def _real_kernel_aot_row() -> dict:
+    """aot_table over one candidate of the toy target, compiling _scale_rows_kernel for sm_90."""
+    def aot(config, shape, cc):
+        return aot_compile(_scale_rows_kernel, {"x_ptr": "*fp16", "y_ptr": "*fp16", "N": "i32", "factor": "fp32"},
+                           {"BLOCK_N": config["BLOCK_N"]}, cc, num_warps=config["num_warps"])
     target = _toy_target(aot=aot)
     target = tune.TuneTarget(**{**target.__dict__, "space": lambda shape: _toy_target().space(shape)[2:3]})
     (row,) = tune.aot_table(target, (3, 100), 90)
+    return row
+
+
+def test_aot_table_compiles_a_real_kernel_for_sm90():
+    # In a child process: compiling in-process under the interpreter depends on what earlier tests left patched.
+    script = ("import json, sys; sys.path.insert(0, %r); import test_tune; "
+              "print(json.dumps(test_tune._real_kernel_aot_row()))" % os.path.dirname(os.path.abspath(__file__)))
+    row = json_from_child(["-c", script])
     assert row["verdict"] == "ok" and row["registers"] > 0 and row["spills"] == 0 and row["wgmma"] is False
 
 
@@ -177,16 +196,10 @@ def test_bad_arguments_are_clear_errors(capsys):
 
 def test_int4_gemm_aot_cli_prints_one_row_per_candidate_for_sm90():
     """Runs as `python -m tritonq.tune` (AOT needs the real compiler, not pytest's interpreter)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "tritonq.tune", "--kernel", "int4_gemm", "--aot", "sm_90",
-                          "--shapes", "1x4096x4096", "--where", "BLOCK_N=128,BLOCK_K=32,SPLIT_K=4,num_warps=4"],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith("BM16")]
+    stdout = run_without_interpreter(["-m", "tritonq.tune", "--kernel", "int4_gemm", "--aot", "sm_90",
+                                      "--shapes", "1x4096x4096", "--where", "BLOCK_N=128,BLOCK_K=32,SPLIT_K=4,num_warps=4"],
+                                     timeout=300)
+    rows = [line.split() for line in stdout.splitlines() if line.strip().startswith("BM16")]
     # num_stages is the only free key left: one row per value in the kernel's CONFIG_SPACE
     from tritonq.kernels.int4_gemm import CONFIG_SPACE
     assert [r[5] for r in rows] == [f"s{s}" for s in CONFIG_SPACE["num_stages"]]

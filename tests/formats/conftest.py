@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from formats.helpers import save_tiny_llama
 
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
+from formats.helpers import GROUP_SIZE, LINEARS, dequantize
 from safetensors.torch import load_file, save_file
 
-from formats.helpers import GROUP_SIZE, LINEARS, dequantize
 from tritonq.formats.awq import AWQLoader
 from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight
 from tritonq.formats.compressed_tensors import CompressedTensorsLoader

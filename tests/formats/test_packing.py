@@ -5,8 +5,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tritonq.formats.packing import (AWQ_ORDER, AWQ_REVERSE_ORDER, awq_to_int4, gptq_to_int4, int4_to_awq,
-                                     pack_int32, unpack_int32)
+from tritonq.formats.packing import (
+    AWQ_ORDER,
+    AWQ_REVERSE_ORDER,
+    awq_to_int4,
+    gptq_to_int4,
+    int4_to_awq,
+    pack_int32,
+    unpack_int32,
+)
 from tritonq.kernels.int4_gemm import dequantize_int4
 
 SETTINGS = settings(max_examples=40, deadline=None)

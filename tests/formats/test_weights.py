@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+from formats.helpers import GROUP_SIZE
 from safetensors.torch import load_file, save_file
 
-from formats.helpers import GROUP_SIZE
 from tritonq.formats.base import Weights
 from tritonq.formats.registry import get_loader
 from tritonq.hub import resolve

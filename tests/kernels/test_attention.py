@@ -6,22 +6,30 @@ code we did not write. Shapes are small (few heads) but odd: lengths {1, 7, 33} 
 {1, 65, 300} cover partial blocks, one-token sequences and empty decode splits.
 """
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import triton
+from child_process import json_from_child
 
 from tritonq.kernels.aot import aot_compile
 from tritonq.kernels.attention import (
-    _decode_merge_kernel, _decode_split_kernel, _prefill_kernel, _write_kv_kernel, decode_attention,
-    decode_attention_reference, decode_config, prefill_attention, prefill_attention_reference,
-    prefill_config, qk_blocks, write_kv_cache, write_kv_cache_reference)
+    _decode_merge_kernel,
+    _decode_split_kernel,
+    _prefill_kernel,
+    _write_kv_kernel,
+    decode_attention,
+    decode_attention_reference,
+    decode_config,
+    prefill_attention,
+    prefill_attention_reference,
+    prefill_config,
+    qk_blocks,
+    write_kv_cache,
+    write_kv_cache_reference,
+)
 
 # Inputs are N(0, 1) and outputs are averages of v rows (|o| < ~3). fp32 differs only by summation
 # order and exp2 vs exp. In fp16/bf16 the probabilities are rounded to the input dtype before the
@@ -207,13 +215,9 @@ def compile_shipped_configs(cc: int) -> dict:
 @pytest.mark.parametrize("cc", [80, 90])
 def test_shipped_configs_compile_within_shared_memory(cc):
     # Compiling needs real @triton.jit functions, so it runs in a process without TRITON_INTERPRET.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     script = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
               f"import test_attention; print(json.dumps(test_attention.compile_shipped_configs({cc})))")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    reports = json.loads(done.stdout.splitlines()[-1])
+    reports = json_from_child(["-c", script])
     for name, report in reports.items():
         print(f"sm_{cc} {name}: {report}")
         assert report["fits"] and report["spills"] in (0, None), (name, report)

@@ -18,19 +18,22 @@ the weight-only path, whose dot runs in x.dtype, is run with fp16 here; its bf16
 the same code and is compiled for sm_80 below. The fp8 path's dot is e4m3 x e4m3 for every
 x.dtype and is tested with bf16 and fp16 outputs.
 """
-import json
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from child_process import json_from_child
 
 from tritonq.formats.base import FP8Weight
 from tritonq.kernels import fp8_gemm as fp8
-from tritonq.kernels.fp8_gemm import (FP8GemmConfig, dequantize_fp8, fp8_gemm, fp8_gemm_reference, quantize_activation_fp8,
-                                      quantize_activation_fp8_reference)
+from tritonq.kernels.fp8_gemm import (
+    FP8GemmConfig,
+    dequantize_fp8,
+    fp8_gemm,
+    fp8_gemm_reference,
+    quantize_activation_fp8,
+    quantize_activation_fp8_reference,
+)
 
 N, K = 200, 300  # neither a multiple of the 128 x 128 scale block nor of the kernel tiles
 
@@ -238,12 +241,7 @@ json.dump({k: dict(shared=r.shared_bytes, regs=r.registers, spills=r.spills, wgm
 
 @pytest.fixture(scope="module")
 def aot_reports():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return json_from_child(["-c", AOT_SCRIPT])
 
 
 @pytest.mark.parametrize("block", [False, True])

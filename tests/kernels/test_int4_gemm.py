@@ -13,8 +13,13 @@ import pytest
 import torch
 
 from tritonq.formats.packing import AWQ_ORDER, awq_to_int4, gptq_to_int4
-from tritonq.kernels.int4_gemm import (CONFIG_SPACE, Int4GemmConfig, dequantize_int4, int4_gemm,
-                                       int4_gemm_reference)
+from tritonq.kernels.int4_gemm import (
+    CONFIG_SPACE,
+    Int4GemmConfig,
+    dequantize_int4,
+    int4_gemm,
+    int4_gemm_reference,
+)
 
 TOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 2**-11}
 

@@ -9,15 +9,20 @@ Routing is compared exactly (same fp32 scores, deterministic tie rule).
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+from child_process import json_from_child
 
 from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight
 from tritonq.formats.packing import pack_int32
-import triton
-import triton.language as tl
-
 from tritonq.kernels import moe
-from tritonq.kernels.moe import (fused_moe, fused_moe_reference, grouped_topk,
-                                 grouped_topk_reference, moe_align_block_size)
+from tritonq.kernels.moe import (
+    fused_moe,
+    fused_moe_reference,
+    grouped_topk,
+    grouped_topk_reference,
+    moe_align_block_size,
+)
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
@@ -61,8 +66,12 @@ def test_grouped_topk_matches_reference(kind, E, top_k, n_group, topk_group, sco
 def test_grouped_topk_matches_transformers_router(method):
     """Tie-free random logits: the same experts and weights as transformers' DeepSeek routers."""
     from transformers import DeepseekV2Config, DeepseekV3Config
-    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
+        DeepseekV2TopkRouter,
+    )
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3TopkRouter,
+    )
     E, hidden, top_k, n_group, topk_group = 64, 16, 6, 8, 3
     common = dict(hidden_size=hidden, n_routed_experts=E, num_experts_per_tok=top_k, n_group=n_group,
                   topk_group=topk_group, routed_scaling_factor=2.5, num_attention_heads=2,
@@ -328,16 +337,7 @@ json.dump(reports, sys.stdout)
 
 @pytest.fixture(scope="module")
 def aot_reports():
-    import json
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return json_from_child(["-c", AOT_SCRIPT])
 
 
 @pytest.mark.parametrize("cc", [80, 90])

@@ -4,13 +4,10 @@ Tolerances: float32 rows: 1e-5 (one reduction of <= 1000 terms); float16: 1e-3 a
 outputs (one fp16 rounding of the result, 2^-11 relative). Rope tables are compared with
 transformers' own rope init functions in float32: 1e-5.
 """
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from child_process import json_from_child
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -90,9 +87,6 @@ print(json.dumps(dict(dataclasses.asdict(report), fits=report.fits)))
 def test_rms_norm_kernel_compiles_without_spills(cc):
     """The block for hidden sizes 4097..8192 (Llama-70B: 8192) lowers without register spills.
     Runs in a subprocess without TRITON_INTERPRET, under which @triton.jit functions cannot be compiled."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(cc)], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = json_from_child(["-c", AOT_SCRIPT, str(cc)])
     print(f"rms_norm sm_{cc} BLOCK_D=8192 num_warps=16: {report}")
     assert report["fits"] and not report["spills"]

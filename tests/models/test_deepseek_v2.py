@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM as HFDeepseekV2
+from transformers import DeepseekV2Config
+from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MLP
 
 import tritonq

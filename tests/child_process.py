@@ -1,0 +1,23 @@
+"""AOT compiling needs real @triton.jit functions, which TRITON_INTERPRET=1 (set by conftest)
+replaces with interpreted ones, so compile tests run their script in a child process without it."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_without_interpreter(args: list[str], timeout: int = 600) -> str:
+    """Run `python *args` with the repo importable and TRITON_INTERPRET unset; return its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def json_from_child(args: list[str], timeout: int = 600):
+    """run_without_interpreter, reading the JSON report the child prints on its last line."""
+    return json.loads(run_without_interpreter(args, timeout).strip().splitlines()[-1])
