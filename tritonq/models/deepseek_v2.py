@@ -39,6 +39,7 @@ from tritonq.kernels.attention import decode_attention, prefill_attention, write
 from tritonq.kernels.moe import fused_moe, grouped_topk
 from tritonq.kernels.norm_rope import apply_rope, rope_cos_sin
 from tritonq.layers import Embedding, Linear, RMSNorm
+from tritonq.models.llama import KVCache
 
 ATTENTION_MODES = ("expanded", "latent")
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -81,21 +82,11 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class MLACache:
+class MLACache(KVCache):
     """Static cache allocated once per layer. expanded: k [B_max, S_max, H, Dn + Dr] and
     v [B_max, S_max, H, Dv]; latent: k [B_max, S_max, 1, R + Dr] holding [latent | k_rope] and
     v = k[..., :R], a view (the latent is stored once and serves as key prefix and value)."""
-    attention_mode: str
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
-
-    @property
-    def max_batch(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.k[0].shape[1]
+    attention_mode: str = "latent"
 
 
 class MLP(nn.Module):
@@ -267,10 +258,10 @@ class DeepseekV2ForCausalLM(nn.Module):
             return torch.zeros(max_batch, max_seq_len, heads, dim, dtype=self.dtype, device=self.device)
         if self.attention_mode == "latent":
             k = tuple(zeros(1, c.kv_lora_rank + c.qk_rope_head_dim) for _ in range(n))
-            return MLACache("latent", k, tuple(t[..., :c.kv_lora_rank] for t in k))
+            return MLACache(k=k, v=tuple(t[..., :c.kv_lora_rank] for t in k), attention_mode="latent")
         H = c.num_attention_heads
-        return MLACache("expanded", tuple(zeros(H, c.qk_nope_head_dim + c.qk_rope_head_dim) for _ in range(n)),
-                        tuple(zeros(H, c.v_head_dim) for _ in range(n)))
+        return MLACache(k=tuple(zeros(H, c.qk_nope_head_dim + c.qk_rope_head_dim) for _ in range(n)),
+                        v=tuple(zeros(H, c.v_head_dim) for _ in range(n)), attention_mode="expanded")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, cache: MLACache,
