@@ -15,8 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from tritonq.bench.common import device_peaks, print_table, time_ms, write_json
-from tritonq.kernels import use_triton
+from tritonq.bench.common import backend_label, device_peaks, print_table, time_ms, write_json
 from tritonq.kernels.attention import decode_attention, prefill_attention
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -91,7 +90,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--json", default="bench/results/attention.json")
     args = p.parse_args(argv)
     dtype, device = (DTYPES[args.dtype], "cuda") if on_gpu else (torch.float32, "cpu")
-    backend = "triton" if use_triton(torch.empty(0, device=device)) else "torch reference"
+    backend = backend_label(device)
     prefill = bench_prefill(PREFILL_GPU if on_gpu else PREFILL_CPU, dtype, device, on_gpu)
     decode = bench_decode(DECODE_GPU if on_gpu else DECODE_CPU, dtype, device, on_gpu)
     print(f"attention vs torch SDPA; backend: {backend}; dtype: {dtype}"

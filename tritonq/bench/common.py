@@ -30,6 +30,14 @@ def device_peaks() -> tuple[str, tuple]:
     return name, FALLBACK_PEAK
 
 
+def backend_label(device: str) -> str:
+    """What a benchmark on `device` times: Triton on a GPU, the interpreter or the torch reference on CPU."""
+    from tritonq.kernels import use_triton
+    if not use_triton(torch.empty(0, device=device)):
+        return "torch reference"
+    return "triton" if device == "cuda" else "triton interpreter"
+
+
 def time_ms(fn, warmup: int = 3, rep: int = 10) -> float:
     """Median milliseconds per call: triton.testing.do_bench on CUDA, perf_counter on CPU."""
     if torch.cuda.is_available():

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from tritonq.bench.common import gemm_row, plot_gemm, print_table, time_ms, write_json
+from tritonq.bench.common import backend_label, gemm_row, plot_gemm, print_table, time_ms, write_json
 from tritonq.formats.base import FP8Weight
 
 GPU_M = (1, 16, 128, 1024, 4096)
@@ -50,7 +50,6 @@ def scaled_mm_ms(x: torch.Tensor, w: FP8Weight) -> float:
 
 
 def run(ms: list[int], shapes, schemes: list[str], weight_only: bool, dtype: torch.dtype, device: str) -> list[dict]:
-    from tritonq.kernels import use_triton
     from tritonq.kernels.fp8_gemm import fp8_gemm
 
     on_gpu = device == "cuda"
@@ -69,7 +68,7 @@ def run(ms: list[int], shapes, schemes: list[str], weight_only: bool, dtype: tor
                     row["scaled_mm_ms"] = scaled_mm_ms(x, w)
                 rows.append(row)
             del dense
-    backend = "triton" if use_triton(torch.empty(0, device=device)) else "torch reference"
+    backend = backend_label(device)
     backend += " weight-only" if weight_only else " fp8 x fp8"
     for r in rows:
         r["backend"] = backend

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, gemm_row, model_gemm_shapes, plot_gemm,
+from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, backend_label, gemm_row, model_gemm_shapes, plot_gemm,
                                   print_table, time_ms, write_json)
 from tritonq.formats.base import Int4Weight
 from tritonq.formats.packing import pack_int32
@@ -46,7 +46,6 @@ def weight_shapes(models: list[str], square: int) -> list[tuple[str, int, int]]:
 
 
 def run(ms: list[int], shapes: list[tuple[str, int, int]], dtype: torch.dtype, device: str) -> list[dict]:
-    from tritonq.kernels import use_triton
     from tritonq.kernels.int4_gemm import int4_gemm
 
     rows = []
@@ -60,8 +59,7 @@ def run(ms: list[int], shapes: list[tuple[str, int, int]], dtype: torch.dtype, d
             moved = int4_bytes(w) + x.numel() * x.element_size() + M * N * x.element_size()
             rows.append(gemm_row(label, M, N, K, ours, base, moved))
         del dense
-    on_triton = use_triton(torch.empty(0, device=device))
-    backend = "torch reference" if not on_triton else "triton" if device == "cuda" else "triton interpreter"
+    backend = backend_label(device)
     for r in rows:
         r["backend"] = backend
     return rows
