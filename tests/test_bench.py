@@ -47,3 +47,13 @@ def test_int4_bench_cli_on_cpu_writes_json_and_plot(tmp_path, monkeypatch):
 def test_int4_bench_rejects_unknown_models():
     with pytest.raises(SystemExit):
         bench_int4.main(["--models", "gpt-5"])
+
+
+def test_load_bench_reports_warm_and_cold_loads_of_the_same_checkpoint(tmp_path):
+    from tritonq.bench import load as bench_load
+    out = tmp_path / "load.json"
+    bench_load.main(["--gb", "0.01", "--repeats", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["page_cache"] for r in rows] == ["warm", "cold"]
+    for r in rows:
+        assert r["linears"] == 7 and r["ratio"] == pytest.approx(r["tritonq_s"] / r["safe_open_s"])
