@@ -153,6 +153,63 @@ def test_prefill_then_decode_through_cache_equals_longer_prefill():
     assert_close(out, full[idx, n], torch.float32)
 
 
+def scatter_into_pages(k, v, page_size, num_pages, generator):
+    """Contiguous per-sequence k [B, S, Hkv, D], v -> shuffled pages + block table [B, ceil(S/page)]."""
+    B, S = k.shape[:2]
+    per_seq = -(-S // page_size)
+    order = torch.randperm(num_pages, generator=generator)[:B * per_seq]  # pages in no particular order
+    table = order.view(B, per_seq).to(torch.int32)
+    k_pages = torch.randn(num_pages, page_size, *k.shape[2:], generator=generator).to(k.dtype)  # garbage elsewhere
+    v_pages = torch.randn(num_pages, page_size, *v.shape[2:], generator=generator).to(v.dtype)
+    pad = per_seq * page_size - S
+    k_padded = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(B * per_seq, page_size, *k.shape[2:])
+    v_padded = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(B * per_seq, page_size, *v.shape[2:])
+    k_pages[table.flatten().long()], v_pages[table.flatten().long()] = k_padded, v_padded
+    return k_pages, v_pages, table
+
+
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv", [(128, 128, 4, 1), (192, 128, 2, 2), (576, 512, 16, 1)])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_decode_matches_sdpa_over_each_sequence(d_qk, d_v, h, h_kv, page_size):
+    """Pages in shuffled order with garbage in unused pages: only the block table locates a sequence."""
+    g = torch.Generator().manual_seed(1)
+    B, dtype = len(CACHE_LENS), torch.float16
+    k = torch.randn(B, S_MAX, h_kv, d_qk, generator=g).to(dtype)
+    v = torch.randn(B, S_MAX, h_kv, d_v, generator=g).to(dtype)
+    q = torch.randn(B, h, d_qk, generator=g).to(dtype)
+    k_pages, v_pages, table = scatter_into_pages(k, v, page_size, 80, g)
+    scale = 0.9 / d_qk ** 0.5
+    out = decode_attention(q, k_pages, v_pages, lens(CACHE_LENS), scale, block_table=table)
+    ref = decode_attention_reference(q, k_pages, v_pages, lens(CACHE_LENS), scale, block_table=table)
+    for b, n in enumerate(CACHE_LENS):
+        expected = sdpa(q[b, None], k[b, :n], v[b, :n], scale, causal=False)[0]
+        assert_close(out[b], expected, dtype)
+        assert_close(ref[b], expected, dtype)
+
+
+def test_paged_write_lands_in_the_table_pages_and_nowhere_else():
+    page_size, B, S, h_kv, d_qk, d_v = 16, 3, 20, 2, 24, 40  # 20 tokens straddle a page boundary
+    g = torch.Generator().manual_seed(2)
+    table = torch.randperm(12, generator=g)[:9].view(B, 3).to(torch.int32)
+    k_pages, v_pages = torch.randn(12, page_size, h_kv, d_qk), torch.randn(12, page_size, h_kv, d_v)
+    k, v = torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
+    start = lens([0, 9, 28])
+    k_ref, v_ref, k_before = k_pages.clone(), v_pages.clone(), k_pages.clone()
+    write_kv_cache(k_pages, v_pages, k, v, start, block_table=table)
+    write_kv_cache_reference(k_ref, v_ref, k, v, start, block_table=table)
+    assert torch.equal(k_pages, k_ref) and torch.equal(v_pages, v_ref)
+    for b in range(B):  # independent check: sequence b read back through its pages
+        tokens = k_pages[table[b].long()].flatten(0, 1)[start[b]:start[b] + S]
+        assert torch.equal(tokens, k[b])
+    untouched = sorted(set(range(12)) - set(table.flatten().tolist()))  # pages of no sequence
+    assert torch.equal(k_pages[untouched], k_before[untouched])
+    with pytest.raises(ValueError, match="power of two"):
+        write_kv_cache(torch.zeros(4, 12, h_kv, d_qk), torch.zeros(4, 12, h_kv, d_v), k[:, :1], v[:, :1],
+                       lens([0] * B), block_table=table)
+    with pytest.raises(ValueError, match="longer cache"):
+        write_kv_cache(k_pages, v_pages, k, v, lens([0, 0, 29]), block_table=table)
+
+
 def test_bad_inputs_raise_clear_errors():
     q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16)
     with pytest.raises(ValueError, match="multiple of kv heads"):
@@ -190,25 +247,28 @@ def compile_shipped_configs(cc: int) -> dict:
                                          "seq_lens_ptr": "*i32"}, floats={"qk_scale"}),
             dict(GROUP=4, CAUSAL=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
                  BLOCK_DR=block_dr, BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
-    for d_qk, d_v in SHIPPED_DECODE:
+    # Decode: the contiguous cache, and a paged one with 16-token pages (vLLM's default page size).
+    for (d_qk, d_v), page_size in [(dims, 0) for dims in SHIPPED_DECODE] + [((128, 128), 16), ((576, 512), 16)]:
         (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
         cfg = decode_config(1, 8, 32768, block_d, block_dr, block_dv, sm_count=132)
-        reports[f"decode Dqk{d_qk} Dv{d_v} {cfg}"] = aot_compile(
+        block_n = min(cfg.block_n, page_size) if page_size else cfg.block_n
+        reports[f"decode Dqk{d_qk} Dv{d_v} page{page_size} {cfg}"] = aot_compile(
             _decode_split_kernel,
             _signature(_decode_split_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16,
-                                              "cache_lens_ptr": "*i32", "part_o_ptr": "*fp32",
-                                              "part_lse_ptr": "*fp32"}, floats={"qk_scale"}),
-            dict(GROUP=4, NUM_SPLITS=cfg.num_splits, BLOCK_H=16, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-                 BLOCK_DR=block_dr, BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
+                                              "cache_lens_ptr": "*i32", "block_table_ptr": "*i32",
+                                              "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}, floats={"qk_scale"}),
+            dict(GROUP=4, NUM_SPLITS=cfg.num_splits, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=block_d,
+                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size), cc, cfg.num_warps, cfg.num_stages)
     reports["decode merge Dv512"] = aot_compile(
         _decode_merge_kernel,
         _signature(_decode_merge_kernel, {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "o_ptr": bf16}),
         dict(NUM_SPLITS=33, BLOCK_SPLITS=64, BLOCK_DV=512), cc, 4, 1)
-    reports["write_kv Dqk576 Dv512"] = aot_compile(
-        _write_kv_kernel,
-        _signature(_write_kv_kernel, {name: bf16 for name in ("k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr")}
-                   | {"start_ptr": "*i32"}),
-        dict(BLOCK_D=1024, BLOCK_DV=512), cc, 4, 1)
+    for page_size in (0, 16):
+        reports[f"write_kv Dqk576 Dv512 page{page_size}"] = aot_compile(
+            _write_kv_kernel,
+            _signature(_write_kv_kernel, {name: bf16 for name in ("k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr")}
+                       | {"start_ptr": "*i32", "block_table_ptr": "*i32"}),
+            dict(BLOCK_D=1024, BLOCK_DV=512, PAGE_SIZE=page_size), cc, 4, 1)
     return {name: dataclasses.asdict(r) | {"fits": r.fits} for name, r in reports.items()}
 
 

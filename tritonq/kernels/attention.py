@@ -12,8 +12,11 @@ Shapes (B batch, S tokens, H query heads, Hkv key/value heads, H % Hkv == 0):
   write_kv_cache(k_cache, v_cache, k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv], start [B] int32)
       Writes k/v in place at cache positions start[b]..start[b]+S-1 (one small kernel for both).
 dtypes: fp16, bf16 or fp32 (all inputs the same); accumulation and softmax are fp32; outputs are
-in q's dtype (fp32 inputs use TF32 tensor-core dots on GPUs). KV cache layout [B, Smax, Hkv, D]: contiguous per-sequence (not paged — a paged
-cache with a block table is not implemented).
+in q's dtype (fp32 inputs use TF32 tensor-core dots on GPUs).
+KV cache layout [B, Smax, Hkv, D]: contiguous per sequence (what the models allocate), or paged
+with block_table= (decode_attention, write_kv_cache): pages [P, page_size, Hkv, D] shared by all
+sequences and a block table [B, max_pages] int32 mapping each sequence's n // page_size to a page,
+as vLLM's PagedAttention. page_size is a power of two >= 16 so a key tile never spans two pages.
 
 Head dims need not be powers of two and Dqk may differ from Dv (DeepSeek-V2: 192 / 128; its
 absorbed-MLA decode: 576 / 512). Tensors are never padded in memory: the kernels hold each head
@@ -112,17 +115,20 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_lens_ptr,
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, part_o_ptr, part_lse_ptr,
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, part_o_ptr, part_lse_ptr,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
-                         stride_vb, stride_vs, stride_vh, H, D_QK, D_V, qk_scale,
+                         stride_vb, stride_vs, stride_vh, stride_bt, H, D_QK, D_V, qk_scale,
                          GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
-                         BLOCK_DV: tl.constexpr):
+                         BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Stage 1. One program: one KV split of one (sequence, kv head, block of its query heads).
 
     All query heads sharing a kv head are one tl.dot operand, so each K/V tile is read once per
     kv head (GQA costs no extra bandwidth). Writes the split's normalized output to
     part_o [B, H, NUM_SPLITS, D_V] fp32 and its log2-sum-exp to part_lse [B, H, NUM_SPLITS].
+    PAGE_SIZE 0: k/v are [B, Smax, Hkv, D]. PAGE_SIZE > 0 (a multiple of BLOCK_N): k/v are pages
+    [P, PAGE_SIZE, Hkv, D] and position n of sequence b lives in page block_table[b, n // PAGE_SIZE];
+    a key tile never straddles two pages, so paging costs one scalar load per tile.
     """
     b = tl.program_id(0)
     head_blocks = tl.cdiv(GROUP, BLOCK_H)
@@ -153,11 +159,17 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, part_o_ptr, part_l
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         n = start_n + offs_n
-        k = tl.load(k_base + n[None, :] * stride_ks + offs_d[:, None],
+        k_tile, v_tile, rows = k_base, v_base, n  # the tile's base pointers and row indices in it
+        if PAGE_SIZE > 0:
+            page = tl.load(block_table_ptr + b * stride_bt + start_n // PAGE_SIZE).to(tl.int64)
+            k_tile = k_ptr + page * stride_kb + kv_h * stride_kh
+            v_tile = v_ptr + page * stride_vb + kv_h * stride_vh
+            rows = start_n % PAGE_SIZE + offs_n
+        k = tl.load(k_tile + rows[None, :] * stride_ks + offs_d[:, None],
                     mask=(n[None, :] < hi) & (offs_d[:, None] < D_QK), other=0.0)
         s = tl.dot(q, k)
         if BLOCK_DR > 0:
-            k_tail = tl.load(k_base + n[None, :] * stride_ks + offs_dr[:, None],
+            k_tail = tl.load(k_tile + rows[None, :] * stride_ks + offs_dr[:, None],
                              mask=(n[None, :] < hi) & (offs_dr[:, None] < D_QK), other=0.0)
             s = tl.dot(q_tail, k_tail, s)
         s = s * qk_scale
@@ -165,7 +177,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, part_o_ptr, part_l
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        v = tl.load(v_base + n[:, None] * stride_vs + offs_dv[None, :],
+        v = tl.load(v_tile + rows[:, None] * stride_vs + offs_dv[None, :],
                     mask=(n[:, None] < hi) & (offs_dv[None, :] < D_V), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -201,25 +213,33 @@ def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, 
 
 
 @triton.jit
-def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, start_ptr,
+def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, start_ptr, block_table_ptr,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                     S, S_MAX, D_QK, D_V, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One program copies the k and v rows of one (sequence, token, kv head) into the cache."""
+                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                     S, S_MAX, D_QK, D_V, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     PAGE_SIZE: tl.constexpr):
+    """One program copies the k and v rows of one (sequence, token, kv head) into the cache.
+
+    PAGE_SIZE > 0: the cache is pages [P, PAGE_SIZE, Hkv, D]; S_MAX is the table's capacity.
+    """
     b = tl.program_id(0) // S
     s = tl.program_id(0) % S
     h = tl.program_id(1)
     pos = tl.load(start_ptr + b) + s
+    row, slot = b, pos
+    if PAGE_SIZE > 0:
+        row = tl.load(block_table_ptr + b * stride_bt + pos // PAGE_SIZE).to(tl.int64)
+        slot = pos % PAGE_SIZE
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     # The launcher asserts pos < S_MAX; the mask keeps a bad start from writing out of bounds even
     # before the asynchronous assert fires. pos is broadcast to a vector first because the
     # interpreter rejects scalar & vector masks.
     k = tl.load(k_ptr + b * stride_kb + s * stride_ks + h * stride_kh + offs_d, mask=offs_d < D_QK)
-    tl.store(k_cache_ptr + b * stride_kcb + pos * stride_kcs + h * stride_kch + offs_d, k,
+    tl.store(k_cache_ptr + row * stride_kcb + slot * stride_kcs + h * stride_kch + offs_d, k,
              mask=(offs_d < D_QK) & (pos + 0 * offs_d < S_MAX))
     v = tl.load(v_ptr + b * stride_vb + s * stride_vs + h * stride_vh + offs_dv, mask=offs_dv < D_V)
-    tl.store(v_cache_ptr + b * stride_vcb + pos * stride_vcs + h * stride_vch + offs_dv, v,
+    tl.store(v_cache_ptr + row * stride_vcb + slot * stride_vcs + h * stride_vch + offs_dv, v,
              mask=(offs_dv < D_V) & (pos + 0 * offs_dv < S_MAX))
 
 
@@ -292,6 +312,22 @@ def _check_lens(name: str, lens: torch.Tensor, batch: int, device: torch.device)
                          f"Use torch.tensor(lengths, dtype=torch.int32, device=q.device).")
 
 
+def _check_block_table(block_table: torch.Tensor | None, k_cache: torch.Tensor, batch: int,
+                       device: torch.device) -> int:
+    """The page size of a paged cache (k_cache [P, page_size, Hkv, D]), or 0 without a block table."""
+    if block_table is None:
+        return 0
+    page_size = k_cache.shape[1]
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch \
+            or block_table.device != device:
+        raise ValueError(f"block_table must be an int32 tensor [{batch}, max_pages] on {device}; got "
+                         f"{block_table.dtype} {tuple(block_table.shape)} on {block_table.device}.")
+    if page_size < 16 or page_size & (page_size - 1):
+        raise ValueError(f"paged KV cache: page_size (k_cache.shape[1]) = {page_size}; expected a power of two "
+                         ">= 16 (a key tile must fit in one page). vLLM's default is 16.")
+    return page_size
+
+
 def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, "
@@ -337,35 +373,44 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cache_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence against its KV cache; see the module docstring."""
+                     cache_lens: torch.Tensor, scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence against its KV cache; see the module docstring.
+
+    block_table [B, max_pages] int32: the cache is paged, k_cache [P, page_size, Hkv, Dqk] and
+    v_cache [P, page_size, Hkv, Dv]; position n of sequence b is in page block_table[b, n // page_size].
+    """
     if (q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:2] != v_cache.shape[:2]
-            or q.shape[0] != k_cache.shape[0]):
-        raise ValueError(f"expected q [B,H,Dqk], k_cache [B,Smax,Hkv,Dqk], v_cache [B,Smax,Hkv,Dv]; got "
-                         f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}.")
+            or (block_table is None and q.shape[0] != k_cache.shape[0])):
+        raise ValueError(f"expected q [B,H,Dqk], k_cache [B,Smax,Hkv,Dqk], v_cache [B,Smax,Hkv,Dv] (or pages "
+                         f"[P,page_size,Hkv,D] with a block_table); got q {tuple(q.shape)}, "
+                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}.")
     _check_heads(q, k_cache, v_cache, "decode")
     B, H, D_QK = q.shape
     _check_lens("cache_lens", cache_lens, B, q.device)
+    page_size = _check_block_table(block_table, k_cache, B, q.device)
     if not use_triton(q):
-        return decode_attention_reference(q, k_cache, v_cache, cache_lens, scale)
+        return decode_attention_reference(q, k_cache, v_cache, cache_lens, scale, block_table)
 
     q, k_cache, v_cache = map(_last_dim_contiguous, (q, k_cache, v_cache))
-    S_max, H_kv, D_V = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
+    H_kv, D_V = k_cache.shape[2], v_cache.shape[-1]
+    S_max = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
     group = H // H_kv
     (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
     block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
     cfg = decode_config(B, H_kv, S_max, block_d, block_dr, block_dv, sm_count)
+    block_n = min(cfg.block_n, page_size) if page_size else cfg.block_n  # a key tile within one page
     part_o = torch.empty(B, H, cfg.num_splits, D_V, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H, cfg.num_splits, dtype=torch.float32, device=q.device)
     grid = (B, H_kv * triton.cdiv(group, block_h), cfg.num_splits)
-    _decode_split_kernel[grid](q, k_cache, v_cache, cache_lens, part_o, part_lse,
+    table = block_table if block_table is not None else cache_lens  # unused pointer when not paged
+    _decode_split_kernel[grid](q, k_cache, v_cache, cache_lens, table, part_o, part_lse,
                                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                               H, D_QK, D_V, scale * LOG2E,
+                               table.stride(0), H, D_QK, D_V, scale * LOG2E,
                                GROUP=group, NUM_SPLITS=cfg.num_splits, BLOCK_H=block_h,
-                               BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
-                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                               BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
+                               PAGE_SIZE=page_size, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, D_V,
                                  NUM_SPLITS=cfg.num_splits,
@@ -374,10 +419,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   start: torch.Tensor) -> None:
-    """k_cache[b, start[b] + s] = k[b, s] (same for v), in place, for every s < S."""
+                   start: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
+    """k_cache[b, start[b] + s] = k[b, s] (same for v), in place, for every s < S.
+
+    With block_table [B, max_pages] int32 the cache is paged (see decode_attention): position p of
+    sequence b goes to page block_table[b, p // page_size], slot p % page_size.
+    """
     if (k.dim() != 4 or v.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4
-            or k.shape[:3] != v.shape[:3] or k_cache.shape[0] != k.shape[0]
+            or k.shape[:3] != v.shape[:3] or (block_table is None and k_cache.shape[0] != k.shape[0])
             or k_cache.shape[2:] != k.shape[2:] or v_cache.shape[2:] != v.shape[2:]
             or k_cache.shape[:3] != v_cache.shape[:3]):
         raise ValueError(f"expected k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv] matching k_cache [B,Smax,Hkv,Dqk], "
@@ -389,7 +438,8 @@ def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must be contiguous in the head dim (they are written in place).")
     B, S = k.shape[:2]
-    S_max = k_cache.shape[1]
+    page_size = _check_block_table(block_table, k_cache, B, k.device)
+    S_max = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
     _check_lens("start", start, B, k.device)
     expected = f"write_kv_cache: positions start[b]..start[b]+{S - 1} must lie in [0, {S_max})"
     if start.is_cuda:  # checked on the device: a host check would sync the GPU in every layer
@@ -400,15 +450,17 @@ def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
         if lo < 0 or hi + S > S_max:
             raise ValueError(f"{expected}; got start in [{lo}, {hi}]. Allocate a longer cache.")
     if not use_triton(k_cache):
-        return write_kv_cache_reference(k_cache, v_cache, k, v, start)
+        return write_kv_cache_reference(k_cache, v_cache, k, v, start, block_table)
 
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     D_QK, D_V = k.shape[-1], v.shape[-1]
+    table = block_table if block_table is not None else start  # unused pointer when not paged
     _write_kv_kernel[(B * S, k.shape[2])](
-        k_cache, v_cache, k, v, start,
+        k_cache, v_cache, k, v, start, table,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        S, S_max, D_QK, D_V, BLOCK_D=triton.next_power_of_2(D_QK), BLOCK_DV=triton.next_power_of_2(D_V))
+        table.stride(0), S, S_max, D_QK, D_V, BLOCK_D=triton.next_power_of_2(D_QK),
+        BLOCK_DV=triton.next_power_of_2(D_V), PAGE_SIZE=page_size)
 
 
 def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -432,9 +484,18 @@ def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return torch.where(row_valid[:, :, None, None], out, 0.0).to(q.dtype)
 
 
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Pages [P, page_size, Hkv, D] -> per-sequence [B, max_pages * page_size, Hkv, D] (a copy)."""
+    pages = cache[block_table.long().clamp(0, cache.shape[0] - 1)]  # entries past a sequence are never read
+    return pages.flatten(1, 2)
+
+
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               cache_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain torch, float32: masked softmax over all Smax cache positions."""
+                               cache_lens: torch.Tensor, scale: float,
+                               block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch, float32: masked softmax over all Smax cache positions (pages gathered first)."""
+    if block_table is not None:
+        k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
     H = q.shape[1]
     group = H // k_cache.shape[2]
     scores = (q.float()[:, :, None, :] @ _repeat_kv(k_cache, group).transpose(-1, -2)).squeeze(2) * scale
@@ -446,9 +507,16 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def write_kv_cache_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             start: torch.Tensor) -> None:
-    """Slice assignment per sequence (start is read on the host)."""
+                             start: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
+    """Slice assignment per sequence (start is read on the host); paged: index_put at (page, slot)."""
     S = k.shape[1]
+    if block_table is not None:
+        pos = start.long()[:, None] + torch.arange(S, device=start.device)  # [B, S]
+        page_size = k_cache.shape[1]
+        pages = block_table.long().gather(1, pos // page_size)
+        k_cache[pages, pos % page_size] = k
+        v_cache[pages, pos % page_size] = v
+        return
     for b, pos in enumerate(start.tolist()):
         k_cache[b, pos:pos + S] = k[b]
         v_cache[b, pos:pos + S] = v[b]
