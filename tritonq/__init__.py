@@ -29,29 +29,37 @@ def _eos_token_ids(folder: Path, config, tokenizer) -> set[int]:
 
 def load(name_or_path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
          revision: str | None = None, quantize: str | None = None, max_batch: int = 8,
-         max_seq_len: int | None = None) -> Model:
+         max_seq_len: int | None = None, tensor_parallel: int | None = None) -> Model:
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
 
     device defaults to CUDA when available, else CPU. dtype defaults to float32 on CPU (CPU half
     matmuls are slow) and to the checkpoint's fp16/bf16 on CUDA. quantize ("int4", "fp8", ...)
     quantizes a dense checkpoint while loading. The KV cache for max_batch sequences of
     max_seq_len tokens (default: min(max_position_embeddings, 4096)) is allocated here, once.
+    tensor_parallel=N splits the model over N processes started by `torchrun --nproc-per-node N`
+    (each reads only its shard, on GPU LOCAL_RANK); None follows the launcher, 1 opts out.
     """
     from transformers import AutoConfig, AutoTokenizer
 
+    from tritonq import distributed
     from tritonq.formats.registry import get_loader
     from tritonq.hub import resolve
     from tritonq.models import model_class
 
     folder = resolve(name_or_path, revision=revision)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else distributed.default_device()
+    rank, world = distributed.init_tensor_parallel(tensor_parallel, device)
     config = AutoConfig.from_pretrained(folder)
+    cls = model_class(config.model_type)
+    if world > 1 and not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(f"model_type {config.model_type!r} does not support tensor parallelism yet; "
+                         "load it with tensor_parallel=1")
     if dtype is None:
         stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         stored_fp16 = str(stored).removeprefix("torch.") == "float16"  # a dtype or a string, by version
         dtype = torch.float32 if device.type == "cpu" else torch.float16 if stored_fp16 else torch.bfloat16
-    loader = get_loader(folder, dtype, device, quantize)
-    model = model_class(config.model_type)(config, loader, dtype, device)
+    loader = get_loader(folder, dtype, device, quantize, rank=rank, world=world)
+    model = cls(config, loader, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)
-    return Model(model, tokenizer, max_batch, max_seq_len, _eos_token_ids(folder, config, tokenizer))
+    return Model(model, tokenizer, max_batch, max_seq_len, _eos_token_ids(folder, config, tokenizer), rank, world)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tritonq.distributed import broadcast_from_rank0
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -70,10 +72,12 @@ def sample(logits: torch.Tensor, seen: torch.Tensor, config: GenerationConfig,
 
 
 def generate_tokens(model, cache, prompts: list[list[int]], config: GenerationConfig, eos_ids: set[int],
-                    is_stopped=None) -> Iterator[list[tuple[int, float] | None]]:
+                    is_stopped=None, world: int = 1) -> Iterator[list[tuple[int, float] | None]]:
     """Yields one list per step: (token, logprob) for each sequence still running, None for finished ones.
 
     is_stopped(b, generated_ids) -> bool is asked after each token (stop strings); EOS ends a sequence too.
+    world > 1 (tensor parallel): every rank runs this loop; rank 0's sampled tokens are broadcast, so all
+    ranks feed the same tokens and stop at the same step even if sampling differed.
     """
     if config.max_new_tokens == 0:
         return
@@ -95,6 +99,8 @@ def generate_tokens(model, cache, prompts: list[list[int]], config: GenerationCo
     for step_index in range(config.max_new_tokens):
         logits = logits.float()
         tokens = sample(logits, seen, config, generator)
+        if world > 1:
+            tokens = broadcast_from_rank0(tokens)
         logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
         seen.scatter_(1, tokens[:, None], True)
         step = []
@@ -114,11 +120,18 @@ def generate_tokens(model, cache, prompts: list[list[int]], config: GenerationCo
 
 
 class Model:
-    """A loaded model with its tokenizer and its static KV cache; built by tritonq.load()."""
+    """A loaded model with its tokenizer and its static KV cache; built by tritonq.load().
 
-    def __init__(self, model, tokenizer, max_batch: int, max_seq_len: int, eos_token_ids: set[int]):
+    Tensor parallel (world > 1): every rank must call generate / chat with the same arguments (they run
+    in lockstep); only rank 0 returns the result, the others return None (stream=True: they run the
+    whole generation inside the call and return an empty iterator).
+    """
+
+    def __init__(self, model, tokenizer, max_batch: int, max_seq_len: int, eos_token_ids: set[int],
+                 rank: int = 0, world: int = 1):
         self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, set(eos_token_ids)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.rank, self.world = rank, world
         self.cache = model.new_cache(max_batch, max_seq_len)
 
     def _encode(self, prompts) -> tuple[list[list[int]], bool]:
@@ -165,7 +178,7 @@ class Model:
         options are GenerationConfig fields (max_new_tokens, temperature, top_k, top_p,
         repetition_penalty, stop, seed). Returns the text (a str for a single prompt, a list for a
         batch), a GenerationOutput with return_dict=True, or with stream=True an iterator of text
-        pieces (single prompt only) as they are decoded.
+        pieces (single prompt only) as they are decoded. Tensor parallel: None on ranks other than 0.
         """
         if "stop" in options:
             options["stop"] = (options["stop"],) if isinstance(options["stop"], str) else tuple(options["stop"])
@@ -177,11 +190,17 @@ class Model:
             if len(encoded) != 1:
                 raise ValueError(f"stream=True takes a single prompt; got {len(encoded)}.")
             self._check_fits(encoded, config)
+            if self.rank != 0:  # keep step with rank 0, which streams lazily: collectives pair up step by step
+                for _ in self._stream(encoded[0], config):
+                    pass
+                return iter(())
             return self._stream(encoded[0], config)
         if not encoded:
             return GenerationOutput([], [], [], 0.0, 0.0) if return_dict else []
         self._check_fits(encoded, config)
         out = self._run(encoded, config)
+        if self.rank != 0:
+            return None
         if return_dict:
             return out
         return out.text[0] if single else out.text
@@ -197,7 +216,7 @@ class Model:
         start = time.perf_counter()
         prefill_s, steps = 0.0, 0
         for step in generate_tokens(self.model, self.cache, prompts, config, self.eos_token_ids,
-                                    self._stopper(config)):
+                                    self._stopper(config), self.world):
             if steps == 0:
                 prefill_s = time.perf_counter() - start
             steps += 1
@@ -214,7 +233,7 @@ class Model:
     def _stream(self, prompt: list[int], config: GenerationConfig) -> Iterator[str]:
         ids, emitted = [], ""
         for step in generate_tokens(self.model, self.cache, [prompt], config, self.eos_token_ids,
-                                    self._stopper(config)):
+                                    self._stopper(config), self.world):
             ids.append(step[0][0])
             text = self._text(ids, config)
             if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token

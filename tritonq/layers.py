@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tritonq.distributed import all_gather_last_dim, all_reduce
 from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
 from tritonq.kernels.norm_rope import rms_norm
 
@@ -33,15 +34,51 @@ class Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class Embedding(nn.Module):
-    """token ids [...] int64 -> [..., D] rows of weight [V, D]."""
+class RowParallelLinear(Linear):
+    """Linear over this rank's K/world inputs: partial outputs [..., N] are summed across ranks
+    (the bias lives on rank 0 only, see WeightsLoader). world 1 is a plain Linear."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: Weight, world: int = 1):
+        super().__init__(weight)
+        self.world = world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return all_reduce(y) if self.world > 1 else y
+
+
+class ParallelLMHead(Linear):
+    """Output head over this rank's V/world vocabulary rows: logits [..., V/world] are gathered
+    to [..., V] on every rank (rank r's rows come r-th). world 1 is a plain Linear."""
+
+    def __init__(self, weight: Weight, world: int = 1):
+        super().__init__(weight)
+        self.world = world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return all_gather_last_dim(y) if self.world > 1 else y
+
+
+class Embedding(nn.Module):
+    """token ids [...] int64 -> [..., D] rows of weight [V, D].
+
+    Vocab-parallel when world > 1: weight holds rows [rank * V/world, (rank + 1) * V/world) of the
+    full table; ids outside them give zeros here, and the sum over ranks is the full lookup.
+    """
+
+    def __init__(self, weight: torch.Tensor, rank: int = 0, world: int = 1):
         super().__init__()
-        self.weight = weight
+        self.weight, self.world = weight, world
+        self.vocab_start = rank * weight.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.world == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return all_reduce(rows * inside[..., None])
 
 
 class RMSNorm(nn.Module):

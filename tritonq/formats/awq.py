@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonq.formats.base import Int4Weight, Weights, WeightsLoader
+from tritonq.formats.base import Int4Weight, Shard, Weights, WeightsLoader
 from tritonq.formats.packing import AWQ_REVERSE_ORDER
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)
@@ -19,7 +19,7 @@ SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)
 class AWQLoader(WeightsLoader):
     marker = "qweight"
 
-    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device):
+    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, *, rank: int = 0, world: int = 1):
         q = config["quantization_config"]
         version = str(q.get("version", "gemm")).lower()
         if version != "gemm":
@@ -32,18 +32,28 @@ class AWQLoader(WeightsLoader):
             raise ValueError(f"AWQ group_size={self.group_size} is not supported (supported: {SUPPORTED_GROUP_SIZES})")
         if not q.get("zero_point", True):
             raise ValueError("AWQ zero_point=false is not supported (supported: true, the AutoAWQ GEMM default)")
-        super().__init__(weights, config, dtype, device, q.get("modules_to_not_convert"))
+        super().__init__(weights, config, dtype, device, q.get("modules_to_not_convert"), rank=rank, world=world)
 
-    def quantized_linear(self, prefix: str) -> Int4Weight:
-        qweight = self.weights.get_tensor(f"{prefix}.qweight", dtype=torch.int32)
-        K, n_packed = qweight.shape
+    def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Int4Weight:
+        """Column shards cut N in whole packs of 8; row shards cut K in whole groups (per-channel
+        scales, one group spanning K, stay whole: they belong to the output channels)."""
+        K, n_packed = self.weights.get_shape(f"{prefix}.qweight")
         N = n_packed * 8
         group_size = K if self.group_size == -1 else self.group_size
         if K % group_size:
             raise ValueError(f"{prefix}.qweight: K={K} is not a multiple of group_size={group_size}")
         G = K // group_size
-        scales = self.weights.get_tensor(f"{prefix}.scales", dtype=torch.float16, shape=(G, N))
-        qzeros = self.weights.get_tensor(f"{prefix}.qzeros", dtype=torch.int32, shape=(G, n_packed))
+        if shard is not None and shard.parallel == "column":
+            self.check_split(prefix, shard, N, 8, "AWQ packs 8 output columns per int32 along N")
+        elif shard is not None and G > 1:
+            self.check_split(prefix, shard, K, group_size, f"a quantization group of {group_size} input rows")
+        elif shard is not None:
+            self.check_split(prefix, shard, K, 8, "the int4 layout packs 8 input rows per int32")
+            group_size = K // shard.count
+        group_row = 0 if G > 1 else None  # a row shard cuts the groups; per-channel scales stay whole
+        qweight = self.read(f"{prefix}.qweight", shard, column=1, row=0, dtype=torch.int32)
+        scales = self.read(f"{prefix}.scales", shard, column=1, row=group_row, dtype=torch.float16, shape=(G, N))
+        qzeros = self.read(f"{prefix}.qzeros", shard, column=1, row=group_row, dtype=torch.int32, shape=(G, n_packed))
         zeros = unpack_awq_zeros(qzeros.to(self.device))
         return Int4Weight(repack_awq_qweight(qweight.to(self.device)), scales.to(device=self.device, dtype=self.dtype),
                           zeros.to(self.dtype), None, group_size, 4)

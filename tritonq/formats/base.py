@@ -204,17 +204,29 @@ class Weights:
         self._check(name, tensor.dtype, tuple(tensor.shape), dtype, shape)
         return tensor
 
-    def get_sharded(self, name: str, dim: int, rank: int, world: int) -> torch.Tensor:
-        """Slice `rank` of `world` equal parts along `dim`, reading only that slice from disk."""
+    def get_shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape, read from the header (no data)."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get_sharded(self, name: str, dim: int, rank: int, world: int, dtype: torch.dtype | None = None,
+                    shape: tuple | None = None) -> torch.Tensor:
+        """Slice `rank` of `world` equal parts along `dim`, reading only that slice from disk.
+
+        dtype / shape (the full stored shape) are checked as in get_tensor.
+        """
         view = self._handle(name).get_slice(name)
-        shape = view.get_shape()
-        if shape[dim] % world:
-            raise ValueError(f"{self._file_of[name]}: tensor {name!r} has size {shape[dim]} along dim {dim}, "
+        full = tuple(view.get_shape())
+        if shape is not None:
+            self._check(name, None, full, None, shape)
+        if full[dim] % world:
+            raise ValueError(f"{self._file_of[name]}: tensor {name!r} has size {full[dim]} along dim {dim}, "
                              f"not divisible by world size {world}")
-        part = shape[dim] // world
-        index = [slice(None)] * len(shape)
+        part = full[dim] // world
+        index = [slice(None)] * len(full)
         index[dim] = slice(rank * part, (rank + 1) * part)
-        return view[tuple(index)]
+        tensor = view[tuple(index)]
+        self._check(name, tensor.dtype, None, dtype, None)
+        return tensor
 
     def _check(self, name, found_dtype, found_shape, dtype, shape):
         where = f"{self.folder / self._file_of[name]}: tensor {name!r}"
@@ -224,18 +236,36 @@ class Weights:
             raise ValueError(f"{where} has shape {list(found_shape)}, expected {list(shape)}")
 
 
+@dataclass(frozen=True)
+class Shard:
+    """The part of one linear this rank holds: part `index` of `count` equal slices of N (parallel
+    "column": outputs) or of K ("row": inputs)."""
+    parallel: str
+    index: int
+    count: int
+
+
 class WeightsLoader:
     """Typed weights of one checkpoint format; the model asks for layers by HF prefix.
 
-    A subclass implements `quantized_linear(prefix)` (and `is_quantized(prefix)` if presence of
+    A subclass implements `quantized_linear(prefix, shard)` (and `is_quantized(prefix)` if presence of
     its tensors is not enough). Modules named in the ignore list, or stored only as a dense
     `.weight` (e.g. lm_head of an AWQ model), come back as DenseWeight.
+
+    Tensor parallelism: with world > 1 the model asks for parallel="column" (this rank's N/world
+    outputs, bias sliced with them) or parallel="row" (its K/world inputs; the bias only on rank 0,
+    so the all-reduce adds it once). A subclass reads just its slice from disk (`read`) and refuses
+    a split through a pack or a group (`check_split`). world == 1 reads every layer whole.
     """
     marker = ""  # tensor suffix that marks a quantized module, e.g. "qweight"
 
-    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, ignore: list[str] | None = None):
+    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, ignore: list[str] | None = None,
+                 *, rank: int = 0, world: int = 1):
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"tensor parallel rank={rank}, world={world}: expected world >= 1 and 0 <= rank < world")
         self.weights, self.config, self.dtype, self.device = weights, config, dtype, torch.device(device)
         self.ignore = list(ignore or [])
+        self.rank, self.world = rank, world
 
     def is_ignored(self, prefix: str) -> bool:
         # vLLM / AutoAWQ semantics: an entry matches any module whose name contains it.
@@ -244,23 +274,78 @@ class WeightsLoader:
     def is_quantized(self, prefix: str) -> bool:
         return not self.is_ignored(prefix) and self.weights.has_tensor(f"{prefix}.{self.marker}")
 
-    def get_linear(self, prefix: str, bias: bool = False) -> Weight:
+    def shard(self, parallel: str | None, parts: int | None = None) -> Shard | None:
+        """This rank's Shard for parallel None / "column" / "row"; None when the layer is read whole.
+
+        parts: how many equal slices the layer may be cut into (default world; e.g. the number of KV
+        heads). With parts < world (fewer KV heads than ranks, world a multiple of parts) rank r holds
+        slice r * parts // world, so each slice is replicated on world / parts ranks.
+        """
+        if parallel not in (None, "column", "row"):
+            raise ValueError(f"parallel={parallel!r}; expected None, 'column' or 'row'")
+        if parallel is None or self.world == 1:
+            return None
+        parts = parts or self.world
+        if parts >= self.world:
+            return Shard(parallel, self.rank, self.world)
+        if parallel == "row" or self.world % parts:
+            raise ValueError(f"cannot replicate {parts} {parallel} slices over {self.world} ranks: "
+                             "a column split with world a multiple of parts is needed")
+        return Shard(parallel, self.rank * parts // self.world, parts)
+
+    def check_split(self, prefix: str, shard: Shard, size: int, multiple: int, unit: str) -> None:
+        """Refuse a split of `size` (N for column, K for row) into shard.count parts that are not whole `unit`s."""
+        if size % (shard.count * multiple):
+            what = "N (outputs)" if shard.parallel == "column" else "K (inputs)"
+            raise ValueError(f"{prefix}: cannot split {what}={size} {shard.parallel}-parallel into {shard.count} parts "
+                             f"of {size / shard.count:g}: each part must be a multiple of {multiple} ({unit}); "
+                             "use a tensor_parallel size that keeps whole packs and groups on each rank")
+
+    def read(self, name: str, shard: Shard | None, column: int | None, row: int | None,
+             dtype: torch.dtype | None = None, shape: tuple | None = None) -> torch.Tensor:
+        """Tensor `name` as stored (checked against dtype and the full shape); with a shard, only this
+        rank's slice along dim `column` or `row` (by shard.parallel) is read; a None dim reads it whole."""
+        dim = None if shard is None else column if shard.parallel == "column" else row
+        if dim is None:
+            return self.weights.get_tensor(name, dtype, shape)
+        return self.weights.get_sharded(name, dim, shard.index, shard.count, dtype, shape)
+
+    def get_linear(self, prefix: str, bias: bool = False, parallel: str | None = None,
+                   parts: int | None = None) -> Weight:
+        """The linear `prefix` (see the class docstring for parallel and `shard` for parts)."""
+        shard = self.shard(parallel, parts)
         if self.is_quantized(prefix):
-            w = self.quantized_linear(prefix)
+            w = self.quantized_linear(prefix, shard)
         else:
-            w = DenseWeight(self.get_tensor(f"{prefix}.weight"))
+            name = f"{prefix}.weight"
+            if shard is not None:
+                N, K = self.weights.get_shape(name)
+                self.check_split(prefix, shard, N if shard.parallel == "column" else K, 1, "whole rows or columns")
+            w = DenseWeight(self._as_float(name, self.read(name, shard, column=0, row=1)))
         if bias:
-            w = replace(w, bias=self.get_tensor(f"{prefix}.bias"))
+            b = None
+            if shard is None or shard.parallel == "column" or shard.index == 0:
+                b = self._as_float(f"{prefix}.bias", self.read(f"{prefix}.bias", shard, column=0, row=None))
+            w = replace(w, bias=b)
         return w
 
-    def get_fused_linear(self, prefixes: list[str], bias: bool = False) -> Weight:
-        return concat_outputs([self.get_linear(p, bias) for p in prefixes])
+    def get_fused_linear(self, prefixes: list[str], bias: bool = False, parallel: str | None = None,
+                         parts: list[int | None] | None = None) -> Weight:
+        """Linears sharing their input, fused along N; each is sharded on its own (q, k, v: each rank
+        gets its heads of each), parts per prefix."""
+        parts = parts or [None] * len(prefixes)
+        return concat_outputs([self.get_linear(p, bias, parallel, n) for p, n in zip(prefixes, parts)])
 
     def get_stacked(self, prefixes: list[str]) -> Weight:
         return stack_experts([self.get_linear(p) for p in prefixes])
 
-    def get_tensor(self, name: str) -> torch.Tensor:
-        tensor = self.weights.get_tensor(name)
+    def get_tensor(self, name: str, dim: int | None = None) -> torch.Tensor:
+        """A float tensor in the compute dtype on the device; with dim, this rank's 1/world slice along it
+        (vocab-parallel embedding rows)."""
+        shard = None if dim is None else self.shard("column")
+        return self._as_float(name, self.read(name, shard, column=dim, row=None))
+
+    def _as_float(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_floating_point():
             raise ValueError(f"tensor {name!r} in {self.weights.folder} has dtype {tensor.dtype}, expected a float "
                              "tensor (a quantized module listed as dense?)")
@@ -269,5 +354,5 @@ class WeightsLoader:
     def has_tensor(self, name: str) -> bool:
         return self.weights.has_tensor(name)
 
-    def quantized_linear(self, prefix: str) -> Weight:
+    def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
         raise NotImplementedError

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonq.formats.base import FP8Weight, Int4Weight, Weight, Weights, WeightsLoader
+from tritonq.formats.base import FP8Weight, Int4Weight, Shard, Weight, Weights, WeightsLoader
 from tritonq.formats.packing import pack_int32, unpack_int32
 
 SUPPORTED_FORMATS = ("pack-quantized", "float-quantized")
@@ -44,7 +44,10 @@ def _matches(pattern: str, prefix: str) -> bool:
 class CompressedTensorsLoader(WeightsLoader):
     marker = "weight_scale"
 
-    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device):
+    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, *, rank: int = 0, world: int = 1):
+        if world > 1:
+            raise ValueError("tensor parallelism is not supported for compressed-tensors checkpoints yet; "
+                             "load this model on one device (tensor_parallel=1)")
         q = config["quantization_config"]
         self.schemes = [self._scheme(name, group, q.get("format")) for name, group in q.get("config_groups", {}).items()]
         super().__init__(weights, config, dtype, device, q.get("ignore"))
@@ -78,7 +81,7 @@ class CompressedTensorsLoader(WeightsLoader):
     def is_quantized(self, prefix: str) -> bool:
         return super().is_quantized(prefix) and self.scheme(prefix) is not None
 
-    def quantized_linear(self, prefix: str) -> Weight:
+    def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
         s = self.scheme(prefix)
         return self._int(prefix, s) if s.format == "pack-quantized" else self._fp8(prefix, s)
 

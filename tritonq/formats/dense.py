@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonq.formats.base import Weight, Weights, WeightsLoader
+from tritonq.formats.base import Shard, Weight, Weights, WeightsLoader
 from tritonq.quantize import always_dense, quantize_fp8, quantize_int4
 
 QUANTIZE_ON_LOAD = (None, "fp8", "fp8-mlp", "int4")
@@ -18,19 +18,26 @@ class DenseLoader(WeightsLoader):
     marker = "weight"
 
     def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, quantize: str | None = None,
-                 group_size: int = 128):
+                 group_size: int = 128, *, rank: int = 0, world: int = 1):
         if quantize not in QUANTIZE_ON_LOAD:
             raise ValueError(f"quantize={quantize!r} is not supported (supported: {QUANTIZE_ON_LOAD})")
         self.quantize, self.group_size = quantize, group_size
-        super().__init__(weights, config, dtype, device)
+        super().__init__(weights, config, dtype, device, rank=rank, world=world)
 
     def is_quantized(self, prefix: str) -> bool:
         if self.quantize is None or always_dense(prefix):
             return False
         return self.quantize != "fp8-mlp" or ".mlp." in prefix
 
-    def quantized_linear(self, prefix: str) -> Weight:
-        w = self.weights.get_tensor(f"{prefix}.weight")
+    def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
+        """Quantizes this rank's slice: int4 row shards keep whole groups (the same groups as
+        unsharded); fp8 per-channel scales of a row shard cover only its K slice."""
+        N, K = self.weights.get_shape(f"{prefix}.weight")
+        if shard is not None:
+            int4_row = self.quantize == "int4" and shard.parallel == "row" and self.group_size != -1
+            self.check_split(prefix, shard, N if shard.parallel == "column" else K,
+                             self.group_size if int4_row else 1, "a quantization group" if int4_row else "whole rows")
+        w = self.read(f"{prefix}.weight", shard, column=0, row=1)
         if not w.is_floating_point() or w.ndim != 2:
             raise ValueError(f"{prefix}.weight in {self.weights.folder}: expected a float [N, K] matrix, "
                              f"got {w.dtype} {list(w.shape)}")
@@ -38,4 +45,3 @@ class DenseLoader(WeightsLoader):
         if self.quantize == "int4":
             return quantize_int4(w, self.group_size, scale_dtype=self.dtype)
         return quantize_fp8(w, "channel")
-

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from tritonq.formats.base import FP8Weight, Weights, WeightsLoader
+from tritonq.formats.base import FP8Weight, Shard, Weights, WeightsLoader
 
 SUPPORTED_FMTS = ("e4m3",)
 SUPPORTED_ACTIVATION_SCHEMES = ("dynamic", "static")
@@ -22,7 +22,7 @@ SUPPORTED_ACTIVATION_SCHEMES = ("dynamic", "static")
 
 class FP8Loader(WeightsLoader):
 
-    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device):
+    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, *, rank: int = 0, world: int = 1):
         q = config["quantization_config"]
         if q.get("fmt", "e4m3") not in SUPPORTED_FMTS:
             raise ValueError(f"fp8 fmt={q.get('fmt')!r} is not supported (supported: {SUPPORTED_FMTS})")
@@ -35,22 +35,34 @@ class FP8Loader(WeightsLoader):
             raise ValueError(f"fp8 weight_block_size={block} is not supported (expected two positive ints, e.g. [128, 128])")
         self.block_size = None if block is None else tuple(block)
         ignore = (q.get("modules_to_not_convert") or []) + (q.get("ignored_layers") or [])
-        super().__init__(weights, config, dtype, device, ignore)
+        super().__init__(weights, config, dtype, device, ignore, rank=rank, world=world)
         self.marker = "weight_scale" if self.block_size is None else "weight_scale_inv"
 
-    def quantized_linear(self, prefix: str) -> FP8Weight:
-        weight = self.weights.get_tensor(f"{prefix}.weight", dtype=torch.float8_e4m3fn)
-        N, K = weight.shape
+    def quantized_linear(self, prefix: str, shard: Shard | None = None) -> FP8Weight:
+        """Shards slice the weight; a per-tensor scale is replicated, a per-channel one sliced with N
+        (kept whole by a row shard), block scales sliced by block (a shard never cuts a block)."""
+        N, K = self.weights.get_shape(f"{prefix}.weight")
+        if shard is not None:
+            size = N if shard.parallel == "column" else K
+            if self.block_size is None:
+                self.check_split(prefix, shard, size, 1, "whole rows or columns")
+            else:
+                bn, bk = self.block_size
+                block = bn if shard.parallel == "column" else bk
+                self.check_split(prefix, shard, size, block, f"a {bn}x{bk} weight_scale_inv block")
+        weight = self.read(f"{prefix}.weight", shard, column=0, row=1, dtype=torch.float8_e4m3fn)
         if self.block_size is not None:
             bn, bk = self.block_size
-            scale = self.weights.get_tensor(f"{prefix}.weight_scale_inv", dtype=torch.float32,
-                                            shape=(math.ceil(N / bn), math.ceil(K / bk)))
+            scale = self.read(f"{prefix}.weight_scale_inv", shard, column=0, row=1, dtype=torch.float32,
+                              shape=(math.ceil(N / bn), math.ceil(K / bk)))
         else:
-            scale = self.weights.get_tensor(f"{prefix}.weight_scale", dtype=torch.float32)
-            if scale.numel() == 1:
-                scale = scale.reshape(())
-            elif tuple(scale.shape) != (N, 1):
-                raise ValueError(f"{self.weights.folder}: tensor '{prefix}.weight_scale' has shape {list(scale.shape)}, "
+            shape = self.weights.get_shape(f"{prefix}.weight_scale")
+            if math.prod(shape) == 1:
+                scale = self.weights.get_tensor(f"{prefix}.weight_scale", dtype=torch.float32).reshape(())
+            elif shape == (N, 1):
+                scale = self.read(f"{prefix}.weight_scale", shard, column=0, row=None, dtype=torch.float32)
+            else:
+                raise ValueError(f"{self.weights.folder}: tensor '{prefix}.weight_scale' has shape {list(shape)}, "
                                  f"expected [] (per tensor) or [{N}, 1] (per channel)")
         input_scale = None
         if self.activation_scheme == "static":

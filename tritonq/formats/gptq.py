@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from tritonq.formats.base import Int4Weight, Weights, WeightsLoader
+from tritonq.formats.base import Int4Weight, Shard, Weights, WeightsLoader
 from tritonq.formats.packing import gptq_to_int4
 
 SUPPORTED_BITS = (4, 8)
@@ -25,7 +25,7 @@ SUPPORTED_FORMATS = ("gptq", "gptq_v2")
 class GPTQLoader(WeightsLoader):
     marker = "qweight"
 
-    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device):
+    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, *, rank: int = 0, world: int = 1):
         q = config["quantization_config"]
         self.format = q.get("checkpoint_format", "gptq")
         if self.format not in SUPPORTED_FORMATS:
@@ -36,7 +36,7 @@ class GPTQLoader(WeightsLoader):
         for key, override in self.dynamic.items():
             if not key.startswith("-:"):
                 self._params({**self.defaults, **override}, f"dynamic[{key!r}]")
-        super().__init__(weights, config, dtype, device, q.get("modules_to_not_convert"))
+        super().__init__(weights, config, dtype, device, q.get("modules_to_not_convert"), rank=rank, world=world)
 
     @staticmethod
     def _params(p: dict, where: str) -> dict:
@@ -59,22 +59,42 @@ class GPTQLoader(WeightsLoader):
     def is_quantized(self, prefix: str) -> bool:
         return super().is_quantized(prefix) and self._module_params(prefix) is not None
 
-    def quantized_linear(self, prefix: str) -> Int4Weight:
+    def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Int4Weight:
+        """Column shards cut N in whole qzeros packs; row shards cut K in whole qweight packs and
+        g_idx with its rows. Row shards of contiguous groups cut the groups (scales/zeros rows) too;
+        with act-order any row may belong to any group, so scales/zeros stay whole and the sliced
+        g_idx still indexes them; per-channel scales (one group) stay whole."""
         p = self._module_params(prefix)
         bits, per = p["bits"], 32 // p["bits"]
-        qweight = self.weights.get_tensor(f"{prefix}.qweight", dtype=torch.int32)
-        K, N = qweight.shape[0] * per, qweight.shape[1]
+        K_packed, N = self.weights.get_shape(f"{prefix}.qweight")
+        K = K_packed * per
         group_size = K if p["group_size"] == -1 else p["group_size"]
         if K % group_size or N % per:
             raise ValueError(f"{prefix}.qweight: K={K}, N={N} do not fit group_size={group_size}, bits={bits}")
         G = K // group_size
-        scales = self.weights.get_tensor(f"{prefix}.scales", dtype=torch.float16, shape=(G, N))
-        qzeros = None if p["sym"] else self.weights.get_tensor(f"{prefix}.qzeros", dtype=torch.int32, shape=(G, N // per))
+        column, row = shard is not None and shard.parallel == "column", shard is not None and shard.parallel == "row"
+        if column:
+            self.check_split(prefix, shard, N, per, f"GPTQ qzeros pack {per} output columns per int32 along N")
+        if row:
+            self.check_split(prefix, shard, K, per, f"GPTQ qweight packs {per} input rows per int32 along K")
         g_idx = None
         if self.weights.has_tensor(f"{prefix}.g_idx"):
-            g_idx = self.weights.get_tensor(f"{prefix}.g_idx", dtype=torch.int32, shape=(K,))
+            g_idx = self.read(f"{prefix}.g_idx", shard, column=None, row=0, dtype=torch.int32, shape=(K,))
             if g_idx.min() < 0 or g_idx.max() >= G:
                 raise ValueError(f"{prefix}.g_idx: groups must lie in [0, {G}), found [{g_idx.min()}, {g_idx.max()}]")
+        group_row = None  # the dim of scales/qzeros a row shard cuts: groups, only when they are contiguous
+        if row and G == 1:
+            group_size, g_idx = K // shard.count, None
+        elif row:
+            part = K // shard.count
+            own_groups = torch.arange(shard.index * part, (shard.index + 1) * part) // group_size
+            if g_idx is None or torch.equal(g_idx.long(), own_groups):  # no act-order: this rank's groups in order
+                self.check_split(prefix, shard, K, group_size, f"a quantization group of {group_size} input rows")
+                group_row, g_idx = 0, None
+        scales = self.read(f"{prefix}.scales", shard, column=1, row=group_row, dtype=torch.float16, shape=(G, N))
+        qzeros = None if p["sym"] else self.read(f"{prefix}.qzeros", shard, column=1, row=group_row,
+                                                 dtype=torch.int32, shape=(G, N // per))
+        qweight = self.read(f"{prefix}.qweight", shard, column=1, row=0, dtype=torch.int32)
         to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
         w = gptq_to_int4(to(qweight), to(qzeros), to(scales), to(g_idx), bits, group_size, p["sym"],
                          zero_offset=1 if self.format == "gptq" else 0)

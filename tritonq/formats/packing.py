@@ -70,14 +70,15 @@ def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: tor
 
     zero_offset: 1 for checkpoint_format "gptq" (v1 stores zero - 1), 0 for "gptq_v2".
     sym: zeros are 2^(bits-1) everywhere and are not kept (the kernel's symmetric branch).
-    A g_idx equal to k // group_size carries no information and is dropped.
+    A g_idx equal to k // group_size over scales of K / group_size rows carries no information and is
+    dropped (a row shard of an act-order layer keeps all scales rows, and its g_idx, whatever it holds).
     """
     K = qweight.shape[0] * 32 // bits
     group_size = K if group_size == -1 else group_size
     zeros = None
     if not sym:
         zeros = (unpack_int32(qzeros, bits, dim=1) + zero_offset).to(scales.dtype)
-    if g_idx is not None and _trivial_g_idx(g_idx, group_size):
+    if g_idx is not None and scales.shape[0] == K // group_size and _trivial_g_idx(g_idx, group_size):
         g_idx = None
     if g_idx is not None and (tuple(g_idx.shape) != (K,)
                               or int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[0]):

@@ -23,10 +23,11 @@ LOADERS = {
 
 
 def get_loader(folder: str | Path, dtype: torch.dtype, device, quantize: str | None = None,
-               group_size: int = 128) -> WeightsLoader:
+               group_size: int = 128, *, rank: int = 0, world: int = 1) -> WeightsLoader:
     """The loader for the checkpoint in `folder`, picked from its config.json alone.
 
     quantize ("fp8", "fp8-mlp", "int4"; group_size for int4) quantizes a dense checkpoint on load.
+    rank / world: tensor parallelism, the loader reads only this rank's shards.
     """
     folder = Path(folder)
     path = folder / "config.json"
@@ -35,11 +36,11 @@ def get_loader(folder: str | Path, dtype: torch.dtype, device, quantize: str | N
     config = json.loads(path.read_text())
     q = config.get("quantization_config")
     if q is None:
-        return DenseLoader(Weights(folder), config, dtype, device, quantize, group_size)
+        return DenseLoader(Weights(folder), config, dtype, device, quantize, group_size, rank=rank, world=world)
     method = q.get("quant_method")
     if method not in LOADERS:
         raise ValueError(f"{path}: quant_method={method!r} is not supported (supported: {sorted(LOADERS)}, "
                          "or no quantization_config for a dense checkpoint)")
     if quantize is not None:
         raise ValueError(f"quantize={quantize!r} needs a dense checkpoint, but {path} is already {method}-quantized")
-    return LOADERS[method](Weights(folder), config, dtype, device)
+    return LOADERS[method](Weights(folder), config, dtype, device, rank=rank, world=world)

@@ -20,7 +20,7 @@ from torch import nn
 from tritonq.formats.base import DenseWeight
 from tritonq.kernels.attention import decode_attention, prefill_attention, write_kv_cache
 from tritonq.kernels.norm_rope import apply_rope, rope_cos_sin
-from tritonq.layers import Embedding, Linear, RMSNorm
+from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear
 
 
 @dataclass(frozen=True)
@@ -45,15 +45,23 @@ def _rope_scaling(config) -> dict | None:
 
 
 class LlamaAttention(nn.Module):
+    """Holds this rank's heads: num_heads / world query heads and num_kv_heads / world KV heads, or,
+    with fewer KV heads than ranks, the one KV head its query heads use (replicated)."""
+
     def __init__(self, config, loader, prefix: str):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads, kv_heads, world = config.num_attention_heads, config.num_key_value_heads, loader.world
+        if heads % world or (kv_heads % world and world % kv_heads):
+            raise ValueError(f"{prefix}: num_attention_heads={heads} and num_key_value_heads={kv_heads} cannot be "
+                             f"divided across tensor_parallel={world} ranks; the query heads must divide by it, and "
+                             "the KV heads divide by it or it by them")
+        self.num_heads, self.num_kv_heads = heads // world, max(kv_heads // world, 1)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         bias = bool(getattr(config, "attention_bias", False))
+        # Column-parallel q, k, v (each sharded by heads, then fused); row-parallel o over this rank's heads.
         self.qkv_proj = Linear(loader.get_fused_linear([f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
-                                                       bias=bias))
-        self.o_proj = Linear(loader.get_linear(f"{prefix}.o_proj", bias=bias))
+                                                       bias=bias, parallel="column", parts=[None, kv_heads, kv_heads]))
+        self.o_proj = RowParallelLinear(loader.get_linear(f"{prefix}.o_proj", bias=bias, parallel="row"), world)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, positions, seq_lens, k_cache, v_cache, start_pos):
@@ -75,8 +83,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config, loader, prefix: str):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias))
-        self.down_proj = Linear(loader.get_linear(f"{prefix}.down_proj", bias=bias))
+        self.gate_up_proj = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias,
+                                                           parallel="column"))
+        self.down_proj = RowParallelLinear(loader.get_linear(f"{prefix}.down_proj", bias=bias, parallel="row"),
+                                           loader.world)
         if config.hidden_act != "silu":
             raise ValueError(f"Llama MLP supports hidden_act='silu'; the config says {config.hidden_act!r}.")
 
@@ -100,19 +110,30 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Built as LlamaForCausalLM(config, loader, dtype, device); see the module docstring."""
+    """Built as LlamaForCausalLM(config, loader, dtype, device); see the module docstring.
+
+    Tensor parallel when loader.world > 1: every rank runs forward on the same inputs and gets the
+    full logits; its KV cache holds only its KV heads.
+    """
+    supports_tensor_parallel = True
 
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.embed_tokens = Embedding(loader.get_tensor("model.embed_tokens.weight"))
+        world = loader.world
+        if config.vocab_size % world:
+            raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tensor_parallel={world}: the "
+                             "embedding and lm_head are split by vocabulary rows; use a tensor_parallel that divides it")
+        # Vocab-parallel: this rank's V/world rows of the embedding and of lm_head (tied: the same rows).
+        self.embed_tokens = Embedding(loader.get_tensor("model.embed_tokens.weight", dim=0), loader.rank, world)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, loader, f"model.layers.{i}")
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(loader.get_tensor("model.norm.weight"), config.rms_norm_eps)
         if getattr(config, "tie_word_embeddings", False) or not loader.has_tensor("lm_head.weight"):
-            self.lm_head = Linear(DenseWeight(self.embed_tokens.weight))  # tied: embedding [V, D] as D -> V
+            head = DenseWeight(self.embed_tokens.weight)  # tied: embedding [V, D] as D -> V
         else:
-            self.lm_head = Linear(loader.get_linear("lm_head"))
+            head = loader.get_linear("lm_head", parallel="column")
+        self.lm_head = ParallelLMHead(head, world)
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rope_scaling = _rope_scaling(config)
