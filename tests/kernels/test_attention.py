@@ -110,6 +110,17 @@ def test_decode_matches_sdpa_over_cache(d_qk, d_v, h, h_kv):
         assert_close(ref[b], expected, dtype)
 
 
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
+def test_decode_reference_on_a_full_cache_matches_sdpa(d_qk, d_v, h, h_kv):
+    """The CPU path skips the mask when every sequence fills the cache (batch 1 on the used slice)."""
+    B, n = 2, 65
+    q = torch.randn(B, h, d_qk)
+    k_cache, v_cache = torch.randn(B, S_MAX, h_kv, d_qk)[:, :n], torch.randn(B, S_MAX, h_kv, d_v)[:, :n]
+    out = decode_attention_reference(q, k_cache, v_cache, lens([n] * B), 0.1)
+    for b in range(B):
+        assert_close(out[b], sdpa(q[b, None], k_cache[b], v_cache[b], 0.1, causal=False)[0], torch.float32)
+
+
 def test_cpu_runtime_path_handles_bf16_in_float32(monkeypatch):
     """The runtime's CPU path (torch references) takes bf16 inputs and computes in float32."""
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")

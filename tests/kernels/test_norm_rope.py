@@ -1,4 +1,4 @@
-"""rms_norm (Triton kernel, run by the interpreter) and rope tables against independent references.
+"""rms_norm (Triton kernel, run by the interpreter, and the torch path) and rope against independent references.
 
 Tolerances: float32 rows: 1e-5 (one reduction of <= 1000 terms); float16: 1e-3 absolute on O(1)
 outputs (one fp16 rounding of the result, 2^-11 relative). Rope tables are compared with
@@ -18,7 +18,9 @@ TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
 
 @pytest.mark.parametrize("rows,dim", [(1, 64), (3, 100), (17, 257)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rms_norm_kernel_matches_formula(rows, dim, dtype):
+@pytest.mark.parametrize("backend", ["triton", "torch"])  # the kernel (interpreted) and the CPU runtime path
+def test_rms_norm_matches_formula(rows, dim, dtype, backend, monkeypatch):
+    monkeypatch.setenv("TRITONQ_BACKEND", backend)
     x = torch.randn(rows, dim).to(dtype)
     w = torch.randn(dim).to(dtype)
     xf = x.double()
@@ -68,7 +70,7 @@ def test_apply_rope_rotates_pairs_by_position():
     z = torch.complex(x[..., :D // 2], x[..., D // 2:])
     theta = torch.outer(torch.arange(16).float(), 1.0 / 10000.0 ** (torch.arange(0, D, 2).float() / D))
     z = z * torch.polar(torch.ones_like(theta), theta)[positions][:, :, None]
-    torch.testing.assert_close(apply_rope(x, cos, sin, positions), torch.cat([z.real, z.imag], -1),
+    torch.testing.assert_close(apply_rope(x, cos[positions], sin[positions]), torch.cat([z.real, z.imag], -1),
                                atol=1e-5, rtol=0)
 
 

@@ -446,7 +446,8 @@ def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
         torch._assert_async((start.min() >= 0) & (start.max() + S <= S_max),
                             f"{expected}. Allocate a longer cache.")
     else:
-        lo, hi = int(start.min()), int(start.max())
+        starts = start.tolist()  # one host read instead of two reductions
+        lo, hi = min(starts), max(starts)
         if lo < 0 or hi + S > S_max:
             raise ValueError(f"{expected}; got start in [{lo}, {hi}]. Allocate a longer cache.")
     if not use_triton(k_cache):
@@ -493,17 +494,22 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                cache_lens: torch.Tensor, scale: float,
                                block_table: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain torch, float32: masked softmax over all Smax cache positions (pages gathered first)."""
+    """Plain torch, float32: softmax over each sequence's cache positions < cache_lens[b].
+
+    Query heads are grouped by kv head ([B, Hkv, group, Dqk] @ [B, Hkv, Dqk, Smax]), so GQA copies
+    no cache rows; the mask is skipped when every sequence fills the cache (batch 1 on the used slice).
+    A paged cache is gathered into per-sequence rows first.
+    """
     if block_table is not None:
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
-    H = q.shape[1]
-    group = H // k_cache.shape[2]
-    scores = (q.float()[:, :, None, :] @ _repeat_kv(k_cache, group).transpose(-1, -2)).squeeze(2) * scale
-    pos = torch.arange(k_cache.shape[1], device=q.device)
-    valid = pos[None, :] < cache_lens[:, None].to(pos)  # [B, Smax]
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    out = (torch.softmax(scores, dim=-1)[:, :, None, :] @ _repeat_kv(v_cache, group)).squeeze(2)
-    return out.to(q.dtype)
+    B, H, _ = q.shape
+    S_max, H_kv = k_cache.shape[1], k_cache.shape[2]
+    scores = q.float().reshape(B, H_kv, H // H_kv, -1) @ k_cache.float().permute(0, 2, 3, 1) * scale
+    if min(cache_lens.tolist()) < S_max:  # scores [B, Hkv, group, Smax]: hide positions past each length
+        pad = torch.arange(S_max, device=q.device) >= cache_lens[:, None]
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v_cache.float().transpose(1, 2)  # [B, Hkv, group, Dv]
+    return out.reshape(B, H, -1).to(q.dtype)
 
 
 def write_kv_cache_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

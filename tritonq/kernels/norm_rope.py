@@ -5,8 +5,9 @@ rms_norm(x [..., D] fp16/bf16/fp32, weight [D], eps) -> [..., D] in x.dtype:
 rope_cos_sin(head_dim, base, num_positions, rope_scaling, max_position_embeddings)
     -> (cos, sin) tables [num_positions, head_dim] float32 for rope types
     default / linear / dynamic / llama3 / yarn (yarn's attention factor is folded into the tables).
-apply_rope(x [B, S, H, D], cos, sin, positions [B, S] int64) -> [B, S, H, D] in x.dtype:
-    x * cos[p] + rotate_half(x) * sin[p], rotate_half(x) = cat(-x[D/2:], x[:D/2]).
+apply_rope(x [B, S, H, D], cos [B, S, D], sin [B, S, D]) -> [B, S, H, D] in x.dtype:
+    x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]), where cos/sin are the
+    table rows at x's positions (cos_table[positions]): models gather them once per forward for all layers.
 RMSNorm has a Triton kernel (one program per row); the rope tables are tiny and built in torch.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -54,10 +56,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Plain torch; the weight multiplies after casting back to x.dtype, as HF Llama does."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    """Plain torch: normalized in float32 (torch's fused rms_norm), then cast back to x.dtype and times
+    the weight, as HF Llama does."""
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
@@ -134,13 +135,12 @@ def rope_cos_sin(head_dim: int, base: float, num_positions: int, rope_scaling: d
     return ((angles.cos() * attention_factor).to(device), (angles.sin() * attention_factor).to(device))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, S, H, D] by the table rows at positions [B, S]; see the module docstring."""
-    if positions.shape != x.shape[:2] or cos.shape[-1] != x.shape[-1]:
-        raise ValueError(f"apply_rope: expected x [B,S,H,D], positions [B,S], cos/sin [P,D]; got x "
-                         f"{tuple(x.shape)}, positions {tuple(positions.shape)}, cos {tuple(cos.shape)}.")
-    c = cos[positions].unsqueeze(2).to(x.dtype)
-    s = sin[positions].unsqueeze(2).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, S, H, D] by cos/sin [B, S, D], the table rows at x's positions; see the module docstring."""
+    if cos.shape != x.shape[:2] + x.shape[-1:] or sin.shape != cos.shape:
+        raise ValueError(f"apply_rope: expected x [B,S,H,D] and cos/sin [B,S,D] (the table rows at x's positions); "
+                         f"got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}.")
+    c, s = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)  # no-ops when the model gathered in x.dtype
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * c + rotated * s
+    return torch.addcmul(x * c, rotated, s)

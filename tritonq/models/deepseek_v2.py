@@ -165,16 +165,16 @@ class MLAttention(nn.Module):
             w = kv_b.dequantize().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             self.w_uk, self.w_uv = w[:, :self.nope_dim].contiguous(), w[:, self.nope_dim:].contiguous()
 
-    def forward(self, x, cos, sin, positions, seq_lens, k_cache, v_cache, start_pos):
-        """x [B, S, D]; positions [B, S]; seq_lens/start_pos [B] int32. S > 1: prefill from 0."""
+    def forward(self, x, cos, sin, seq_lens, k_cache, v_cache, start_pos):
+        """x [B, S, D]; cos/sin [B, S, Dr] at x's positions; seq_lens/start_pos [B] int32. S > 1: prefill from 0."""
         B, S, _ = x.shape
         H, Dn, Dr, Dv, R = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(B, S, H, Dn + Dr).split([Dn, Dr], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([R, Dr], dim=-1)
         latent = self.kv_a_layernorm(latent)[:, :, None]  # [B, S, 1, R]
-        q_rope = apply_rope(_deinterleave(q_rope), cos, sin, positions)
-        k_rope = apply_rope(_deinterleave(k_rope)[:, :, None], cos, sin, positions)  # [B, S, 1, Dr]
+        q_rope = apply_rope(_deinterleave(q_rope), cos, sin)
+        k_rope = apply_rope(_deinterleave(k_rope)[:, :, None], cos, sin)  # [B, S, 1, Dr]
 
         if self.attention_mode == "latent":  # v_cache views k_cache[..., :R]: both writes store the latent
             write_kv_cache(k_cache, v_cache, torch.cat([latent, k_rope], dim=-1), latent, start_pos)
@@ -213,8 +213,8 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.mlp = DeepseekV2MoE(config, loader, f"{prefix}.mlp") if _is_moe_layer(config, layer) \
             else MLP(loader, f"{prefix}.mlp")
 
-    def forward(self, x, cos, sin, positions, seq_lens, k_cache, v_cache, start_pos):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, seq_lens, k_cache, v_cache, start_pos)
+    def forward(self, x, cos, sin, seq_lens, k_cache, v_cache, start_pos):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, k_cache, v_cache, start_pos)
         h = self.post_attention_layernorm(x)
         return x + self.mlp(h.view(-1, h.shape[-1])).view(h.shape)
 
@@ -240,6 +240,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.norm = RMSNorm(loader.get_tensor("model.norm.weight"), config.rms_norm_eps)
         if getattr(config, "tie_word_embeddings", False) or not loader.has_tensor("lm_head.weight"):
             self.lm_head = Linear(DenseWeight(self.embed_tokens.weight))
+            self.embed_tokens.weight = self.lm_head.weight.weight  # one table, in Linear's layout
         else:
             self.lm_head = Linear(loader.get_linear("lm_head"))
         self.cos, self.sin = self._rope_tables(min(4096, config.max_position_embeddings))
@@ -283,9 +284,10 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.cos, self.sin = self._rope_tables(min(max(2 * self.cos.shape[0], int(positions.max()) + 1),
                                                        self.config.max_position_embeddings))
         used = (slice(0, B), slice(0, int(start_pos.max()) + S))  # attention reads only the rows in use
+        cos, sin = self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype)  # [B, S, Dr], all layers
         x = self.embed_tokens(input_ids)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            x = layer(x, self.cos, self.sin, positions, seq_lens, k_cache[used], v_cache[used], start_pos)
+            x = layer(x, cos, sin, seq_lens, k_cache[used], v_cache[used], start_pos)
         if last_only:
             x = x[torch.arange(B, device=x.device), (seq_lens.long() - 1).clamp(min=0)]
         return self.lm_head(self.norm(x))

@@ -64,19 +64,18 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(loader.get_linear(f"{prefix}.o_proj", bias=bias, parallel="row"), world)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, positions, seq_lens, k_cache, v_cache, start_pos):
+    def forward(self, x, cos, sin, seq_lens, k_cache, v_cache, start_pos):
         B, S, _ = x.shape
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(B, S, self.num_heads, self.head_dim), cos, sin, positions)
-        k = apply_rope(k.view(B, S, self.num_kv_heads, self.head_dim), cos, sin, positions)
-        v = v.reshape(B, S, self.num_kv_heads, self.head_dim)
+        H, H_kv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(B, S, H + 2 * H_kv, self.head_dim)
+        q, k = apply_rope(qkv[:, :, :H + H_kv], cos, sin).split([H, H_kv], dim=2)  # q and k heads in one call
+        v = qkv[:, :, H + H_kv:]
         write_kv_cache(k_cache, v_cache, k, v, start_pos)
         if S == 1:
             out = decode_attention(q[:, 0], k_cache, v_cache, start_pos + 1, self.scale)[:, None]
         else:
             out = prefill_attention(q, k, v, seq_lens, self.scale, causal=True)
-        return self.o_proj(out.reshape(B, S, q_size))
+        return self.o_proj(out.reshape(B, S, H * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -104,8 +103,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = LlamaMLP(config, loader, f"{prefix}.mlp")
 
-    def forward(self, x, cos, sin, positions, seq_lens, k_cache, v_cache, start_pos):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, seq_lens, k_cache, v_cache, start_pos)
+    def forward(self, x, cos, sin, seq_lens, k_cache, v_cache, start_pos):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, k_cache, v_cache, start_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -129,11 +128,14 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, loader, f"model.layers.{i}")
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(loader.get_tensor("model.norm.weight"), config.rms_norm_eps)
-        if getattr(config, "tie_word_embeddings", False) or not loader.has_tensor("lm_head.weight"):
+        tied = getattr(config, "tie_word_embeddings", False) or not loader.has_tensor("lm_head.weight")
+        if tied:
             head = DenseWeight(self.embed_tokens.weight)  # tied: embedding [V, D] as D -> V
         else:
             head = loader.get_linear("lm_head", parallel="column")
         self.lm_head = ParallelLMHead(head, world)
+        if tied:  # one table: Linear may have re-laid it out for the CPU GEMV; the lookup reads either layout
+            self.embed_tokens.weight = self.lm_head.weight.weight
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rope_scaling = _rope_scaling(config)
@@ -171,11 +173,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("a multi-token (prefill) step must start at position 0; chunked prefill is not supported.")
         positions = start_pos[:, None].long() + torch.arange(S, device=input_ids.device)
         cos, sin = self._cos_sin(int(positions.max()) + 1)
+        cos, sin = cos[positions].to(self.dtype), sin[positions].to(self.dtype)  # [B, S, D], for all layers
         # Attention sees only the cache rows in use, so a long max_seq_len costs nothing on CPU.
         used = (slice(0, B), slice(0, int(start_pos.max()) + S))
         x = self.embed_tokens(input_ids)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            x = layer(x, cos, sin, positions, seq_lens, k_cache[used], v_cache[used], start_pos)
+            x = layer(x, cos, sin, seq_lens, k_cache[used], v_cache[used], start_pos)
         if last_only:
             x = x[torch.arange(B, device=x.device), (seq_lens.long() - 1).clamp(min=0)]
         return self.lm_head(self.norm(x))
