@@ -59,7 +59,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | None = None, device: 
         stored_fp16 = str(stored).removeprefix("torch.") == "float16"  # a dtype or a string, by version
         dtype = torch.float32 if device.type == "cpu" else torch.float16 if stored_fp16 else torch.bfloat16
     loader = get_loader(folder, dtype, device, quantize, rank=rank, world=world)
-    model = cls(config, loader, dtype, device)
+    with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
+        model = cls(config, loader, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)
     return Model(model, tokenizer, max_batch, max_seq_len, _eos_token_ids(folder, config, tokenizer), rank, world)

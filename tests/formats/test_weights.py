@@ -133,3 +133,27 @@ def test_hub_resolve(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(FileNotFoundError, match="'tritonq-test/no-such-model' .* is not in the local cache"):
         resolve("tritonq-test/no-such-model", cache_dir=tmp_path / "cache")
+
+
+def test_progress_bar_counts_stored_bytes_once_per_tensor(sharded):
+    w = Weights(sharded)
+    total = sum(t.numel() * t.element_size() for t in TENSORS.values())  # 48 + 32 bytes of data
+    with w.progress() as bar:
+        assert bar.total == total and bar.n == 0
+        w.get_tensor("a.weight")
+        w.get_tensor("a.weight")  # a second read of the same tensor counts once
+        assert bar.n == TENSORS["a.weight"].numel() * 2
+        w.get_sharded("b.qweight", dim=0, rank=0, world=2)  # a shard counts its whole tensor
+        assert bar.n == total
+    w.get_tensor("b.qweight")  # outside progress(): nothing to update, no error
+
+
+def test_load_shows_a_progress_bar_that_can_be_silenced(tmp_path, capsys):
+    import tritonq
+    from tritonq.demo import write_tiny_llama
+    folder = write_tiny_llama(tmp_path / "tiny", hidden_size=32, num_layers=1)
+    tritonq.load(folder, device="cpu", max_batch=1, max_seq_len=8)
+    assert "Loading tiny" in capsys.readouterr().err
+    weights = Weights(folder)
+    with weights.progress(enabled=False) as bar:
+        assert bar.disable

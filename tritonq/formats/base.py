@@ -6,6 +6,7 @@ The safetensors access class `Weights` and the `WeightsLoader` interface live he
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -144,7 +145,8 @@ class Weights:
     """Memory-mapped tensors of one checkpoint folder: model.safetensors, or the index + its shards.
 
     Tensors are read one at a time from the mapped files (no full copy of the checkpoint).
-    Every error names the file and the tensor, and says what was expected.
+    Every error names the file and the tensor, and says what was expected. Inside `progress()`,
+    a tqdm bar counts the stored bytes of the tensors read so far (a sharded read counts its tensor).
     """
 
     def __init__(self, folder: str | Path):
@@ -166,7 +168,11 @@ class Weights:
                 raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or *.safetensors "
                                         f"in {self.folder}; tritonq reads safetensors checkpoints only")
             weight_map = None
-        self._handles = {f: self._open(self.folder / f) for f in files}
+        self._handles, self._nbytes = {}, {}
+        for f in files:
+            self._handles[f], sizes = self._open(self.folder / f)
+            self._nbytes.update(sizes)
+        self._bar, self._counted = None, set()
         self._file_of = weight_map or {name: f for f, h in self._handles.items() for name in h.keys()}
         for name, f in self._file_of.items():
             if name not in self._handles[f].keys():
@@ -182,10 +188,28 @@ class Weights:
         with open(path, "rb") as f:  # the header's data offsets must fit in the file
             header_len = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(header_len))
-        end = 8 + header_len + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        offsets = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+        end = 8 + header_len + max((stop for _, stop in offsets.values()), default=0)
         if end > size:
             raise ValueError(f"{path}: truncated safetensors file ({size} bytes, its header needs {end}); re-download it")
-        return handle
+        return handle, {k: stop - start for k, (start, stop) in offsets.items()}
+
+    @contextlib.contextmanager
+    def progress(self, enabled: bool = True):
+        """A tqdm bar over the checkpoint's bytes while the block runs (a model being built)."""
+        from tqdm.auto import tqdm
+        with tqdm(total=sum(self._nbytes.values()), unit="B", unit_scale=True, desc=f"Loading {self.folder.name}",
+                  disable=not enabled, leave=False) as bar:
+            self._bar, self._counted = bar, set()
+            try:
+                yield bar
+            finally:
+                self._bar = None
+
+    def _advance(self, name: str) -> None:
+        if self._bar is not None and name not in self._counted:
+            self._counted.add(name)
+            self._bar.update(self._nbytes.get(name, 0))
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -202,6 +226,7 @@ class Weights:
         """The tensor as stored; with dtype/shape given, a mismatch raises naming file and tensor."""
         tensor = self._handle(name).get_tensor(name)
         self._check(name, tensor.dtype, tuple(tensor.shape), dtype, shape)
+        self._advance(name)
         return tensor
 
     def get_shape(self, name: str) -> tuple[int, ...]:
@@ -226,6 +251,7 @@ class Weights:
         index[dim] = slice(rank * part, (rank + 1) * part)
         tensor = view[tuple(index)]
         self._check(name, tensor.dtype, None, dtype, None)
+        self._advance(name)
         return tensor
 
     def _check(self, name, found_dtype, found_shape, dtype, shape):
