@@ -182,3 +182,24 @@ def test_compressed_tensors_float_quantized(tiny_llama, original, tmp_path):
     w, expected = loader.get_linear(LINEARS[4]), quantize_fp8(original[f"{LINEARS[4]}.weight"], "channel")
     assert torch.equal(w.dequantize(), expected.dequantize()) and w.input_scale is None
     assert isinstance(loader.get_linear("lm_head"), DenseWeight)
+
+
+@pytest.mark.parametrize("side_file,fmt,options,cls", [
+    ("quantize_config.json", "gptq", {"group_size": GROUP_SIZE, "sym": True}, GPTQLoader),
+    ("quant_config.json", "awq", {"group_size": GROUP_SIZE}, AWQLoader)])
+def test_legacy_side_file_config_is_read_when_config_json_has_none(tiny_llama, original, tmp_path, side_file, fmt,
+                                                                    options, cls):
+    """Old AutoGPTQ (quantize_config.json) / AutoAWQ (quant_config.json, w_bit / q_group_size keys) exports."""
+    folder = write_quantized(tiny_llama, tmp_path / fmt, fmt, **options)
+    config = json.loads((folder / "config.json").read_text())
+    q = config.pop("quantization_config")
+    q.pop("quant_method")
+    if fmt == "awq":  # AutoAWQ's own key names in quant_config.json
+        q = {"w_bit": q.pop("bits"), "q_group_size": q.pop("group_size"), **q}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / side_file).write_text(json.dumps(q))
+    loader = get_loader(folder, torch.float16, "cpu")
+    assert type(loader) is cls
+    prefix = "model.layers.0.mlp.down_proj"
+    expected = quantize_int4(original[f"{prefix}.weight"], GROUP_SIZE, sym=options.get("sym", False))
+    assert torch.equal(loader.get_linear(prefix).qweight, expected.qweight)

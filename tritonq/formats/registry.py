@@ -13,6 +13,10 @@ from tritonq.formats.dense import DenseLoader
 from tritonq.formats.fp8 import FP8Loader
 from tritonq.formats.gptq import GPTQLoader
 
+# Older AutoGPTQ / AutoAWQ exports keep the quantizer settings in a side file instead of
+# config.json's quantization_config; the file name says which quantizer wrote it.
+SIDE_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
 LOADERS = {
     "awq": AWQLoader,
     "gptq": GPTQLoader,
@@ -34,7 +38,9 @@ def get_loader(folder: str | Path, dtype: torch.dtype, device, quantize: str | N
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: a checkpoint folder needs the config.json written by transformers")
     config = json.loads(path.read_text())
-    q = config.get("quantization_config")
+    q = config.get("quantization_config") or _side_file_config(folder)
+    if q is not None:
+        config["quantization_config"] = q
     if q is None:
         return DenseLoader(Weights(folder), config, dtype, device, quantize, group_size, rank=rank, world=world)
     method = q.get("quant_method")
@@ -44,3 +50,16 @@ def get_loader(folder: str | Path, dtype: torch.dtype, device, quantize: str | N
     if quantize is not None:
         raise ValueError(f"quantize={quantize!r} needs a dense checkpoint, but {path} is already {method}-quantized")
     return LOADERS[method](Weights(folder), config, dtype, device, rank=rank, world=world)
+
+
+def _side_file_config(folder: Path) -> dict | None:
+    """quantization_config from a legacy side file (quant_method filled in from the file name)."""
+    for name, method in SIDE_FILES.items():
+        side = folder / name
+        if side.exists():
+            try:
+                q = json.loads(side.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{side}: not valid JSON ({e}); re-download it") from e
+            return {"quant_method": method, **q}
+    return None
