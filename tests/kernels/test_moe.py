@@ -327,9 +327,9 @@ for cc in (80, 90):
             r = aot_compile(_moe_gemm_kernel, sig, dict(
                 GATE_UP=gate_up, KIND=kind_id, BITS=4, HAS_ZEROS=has_zeros, HAS_G_IDX=False,
                 TILE_SCALE_ROW=kind_id != 0, UPCAST_DOT=False, SCALE_BN=sbn, SCALE_BK=sbk, FP8_AS_BITS=as_bits,
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"]),
-                cc=cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=aligned)
-            reports[f"{'gate_up' if gate_up else 'down'}-{kind.replace('_bits', '')}-M{cfg['BLOCK_M']}-sm_{cc}"] = dict(
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K),
+                cc=cc, num_warps=cfg.num_warps, num_stages=cfg.num_stages, divisible_by_16=aligned)
+            reports[f"{'gate_up' if gate_up else 'down'}-{kind.replace('_bits', '')}-M{cfg.BLOCK_M}-sm_{cc}"] = dict(
                 shared=r.shared_bytes, regs=r.registers, spills=r.spills, wgmma=r.uses_wgmma, fits=r.fits)
 json.dump(reports, sys.stdout)
 """
