@@ -2,7 +2,9 @@
 config store the launchers read, and the AOT table reports and rejects per candidate.
 
 The int4_gemm target is exercised end to end (dry run in the interpreter, AOT for sm_90); a toy
-Triton kernel stands in where a test needs a candidate that is wrong on purpose.
+Triton kernel stands in where a test needs a candidate that is wrong on purpose. The attention and
+MoE targets' winners are read back through the launchers' own config functions, with the bucket
+keys written out here by hand from the launchers' documented formats.
 """
 import json
 import os
@@ -44,7 +46,7 @@ def _toy_target(aot=None) -> tune.TuneTarget:
     return tune.TuneTarget(
         name="toy", space=lambda shape: list(space), make_inputs=lambda shape, device: torch.randn(*shape, device=device),
         run=run, reference=lambda x: 2 * x, bucket=lambda x: f"M{x.shape[0]}_N{x.shape[1]}",
-        aot=aot, atol=0.0, rtol=0.0, dry_run_shapes=((3, 100),))
+        aot=aot, atol=0.0, rtol=0.0, dry_run_shapes=((3, 100),), shape_format="MxN")
 
 
 def test_wrong_and_failing_candidates_are_rejected_first_correct_one_wins():
@@ -186,8 +188,20 @@ def test_bad_arguments_are_clear_errors(capsys):
         tune.main(["--kernel", "int4_gemm", "--aot", "hopper"])
     assert "expected a compute capability" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        tune.main(["--kernel", "moe", "--dry-run"])
-    assert "takes no config= argument yet" in capsys.readouterr().err
+        tune.main(["--kernel", "attention", "--dry-run"])
+    assert "invalid choice: 'attention'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--kernel", "moe", "--dry-run", "--shapes", "3x8x2x64"])
+    assert "moe shapes are TxExTOPKxDxI" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--kernel", "attention_decode", "--dry-run", "--shapes", "1x64x6x4x64x64"])
+    assert "multiple of kv heads" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--kernel", "moe", "--dry-run", "--shapes", "3x8x2x40x96"])
+    assert "multiples of 32" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--kernel", "attention_prefill", "--dry-run", "--model", "somewhere"])
+    assert "--model gives GEMM shapes" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not int4_gemm config fields"):
         tune.main(["--kernel", "int4_gemm", "--dry-run", "--where", "BLOCKM=16"])
     with pytest.raises(ValueError, match="expected comma-separated MxNxK"):
@@ -207,3 +221,133 @@ def test_int4_gemm_aot_cli_prints_one_row_per_candidate_for_sm90():
         shared, registers, spills = int(r[6]), int(r[7]), int(r[8])
         assert 0 < shared <= 232448 and 0 < registers <= 255
         assert r[-1] == ("ok" if spills == 0 else "spills")  # "rejected: register spills" ends in "spills"
+
+
+def test_winner_of_a_bucket_must_pass_on_all_its_shapes_and_is_the_geometric_mean_fastest(monkeypatch):
+    """Two shapes share a bucket: 128 is fastest on the big shape alone, 64 over both; 32 is wrong on one."""
+    import triton.testing
+    base = _toy_target()
+    times = {(3, 100): {32: 0.1, 64: 2.0, 128: 1.0}, (3, 1000): {32: 0.1, 64: 2.0, 128: 9.0}}
+    current = {}
+
+    def run(x, config):
+        current.update(shape=tuple(x.shape), block_n=config["BLOCK_N"])
+        return base.run(x, {**config, "WRONG": config["BLOCK_N"] == 32 and x.shape[1] == 1000})
+
+    def fake_do_bench(fn, warmup, rep):
+        fn()
+        return times[current["shape"]][current["block_n"]]
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    space = [{"BLOCK_N": 32, "num_warps": 1}, {"BLOCK_N": 64, "num_warps": 2}, {"BLOCK_N": 128, "num_warps": 4}]
+    target = tune.TuneTarget(**{**base.__dict__, "run": run, "space": lambda shape: space,
+                                "bucket": lambda x: "one bucket"})
+    winners = tune.tune(target, [(3, 100), (3, 1000)], torch.device("cpu"), timed=True, progress=False)
+    # geometric means: 64 -> sqrt(2 * 2) = 2, 128 -> sqrt(1 * 9) = 3; 32 failed on (3, 1000)
+    assert winners == {"one bucket": {"BLOCK_N": 64, "num_warps": 2}}
+    dry = tune.tune(target, [(3, 100), (3, 1000)], torch.device("cpu"), timed=False, progress=False)
+    assert dry == {"one bucket": {"BLOCK_N": 64, "num_warps": 2}}  # first in order that passes on both
+
+
+def test_attention_prefill_dry_run_winner_is_what_prefill_config_returns(config_dir):
+    from tritonq.kernels.attention import PrefillConfig, prefill_config
+    target = tune.TARGETS["attention_prefill"]()
+    # 72 = a 64 block + a 16 tail (8 lanes masked); Dv 40 -> one 64 block
+    winners = tune.tune(target, [(2, 40, 4, 2, 72, 40)], torch.device("cpu"), timed=False, progress=False,
+                        where={"BLOCK_N": 64, "num_warps": 8, "num_stages": 3})
+    assert winners == {"D64+16_DV64": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}}
+    tune.write_configs(target.name, "cpu", winners, config_dir)
+    tuned = prefill_config(64, 16, 64, on_gpu=True)
+    assert tuned == PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3)
+    assert prefill_config(64, 0, 64, on_gpu=True) != tuned  # another bucket keeps the default
+
+
+def test_attention_decode_dry_run_winner_is_what_decode_config_returns(config_dir):
+    from tritonq.kernels.attention import DecodeConfig, decode_config
+    target = tune.TARGETS["attention_decode"]()
+    winners = tune.tune(target, [(3, 100, 8, 2, 72, 40)], torch.device("cpu"), timed=False, progress=False,
+                        where={"BLOCK_N": 32, "num_warps": 8, "num_stages": 3})
+    assert winners == {"D64+16_DV64": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3}}
+    tune.write_configs(target.name, "cpu", winners, config_dir)
+    # 132 SMs, 3 x 2 (sequence, kv head) programs: ceil(264 / 6) = 44 splits wanted, capped at
+    # ceil(100 / (4 * 32)) = 1 so each split keeps 4 key blocks
+    assert decode_config(3, 2, 100, 64, 16, 64, sm_count=132) == DecodeConfig(32, 1, 8, 3)
+    assert decode_config(3, 2, 4096, 64, 16, 64, sm_count=132) == DecodeConfig(32, 32, 8, 3)
+    assert decode_config(3, 2, 100, 128, 0, 128, sm_count=132).block_n == 64  # default for other dims
+
+
+def test_moe_dry_run_writes_both_gemm_buckets_that_fused_moe_looks_up(config_dir, monkeypatch):
+    from tritonq.kernels import moe
+    from tritonq.kernels.moe import MoEConfig
+    target = tune.TARGETS["moe"]()
+    shape = (3, 8, 2, 64, 96)  # T, E, top-k, D, I
+    winners = tune.tune(target, [shape], torch.device("cpu"), timed=False, progress=False,
+                        where={"num_warps": 8, "num_stages": 3})
+    # gate/up: N = I = 96, K = D = 64; down: N = 64, K = 96; T = 3 rounds up to 4
+    expected = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    assert winners == {"M4_E8_N96_K64": expected, "M4_E8_N64_K96": expected}
+    tune.write_configs(target.name, "cpu", winners, config_dir)
+    assert moe._config(3, 2, 8, 96, 64) == moe._config(3, 2, 8, 64, 96) == MoEConfig(**expected)
+    assert moe.default_config(3, 2, 8) != MoEConfig(**expected)
+
+    asked = []
+    real_lookup = moe.lookup
+    monkeypatch.setattr(moe, "lookup", lambda kernel, bucket: asked.append((kernel, bucket)) or
+                        real_lookup(kernel, bucket))
+    x, gate_up, down, weights, ids, _ = target.make_inputs((*shape, 0), torch.device("cpu"))
+    out = moe.fused_moe(x, gate_up, down, weights, ids)
+    assert sorted(asked) == sorted(("moe", bucket) for bucket in winners)  # the launch reads both entries
+    torch.testing.assert_close(out, moe.fused_moe_reference(x, gate_up, down, weights, ids),
+                               atol=target.atol, rtol=target.rtol)
+
+
+def test_new_targets_dry_run_cli_round_trips(config_dir):
+    """The CLI path (interpreter re-exec skipped: conftest already set it) for each new kernel."""
+    for kernel, shape, where in [("attention_prefill", "1x20x2x1x16x24", "BLOCK_M=64,BLOCK_N=32,num_warps=4"),
+                                 ("attention_decode", "2x33x4x4x24x16", "BLOCK_N=16,num_warps=2"),
+                                 ("moe", "5x4x2x32x64", "BLOCK_N=64,BLOCK_K=64,num_warps=4")]:
+        tune.main(["--kernel", kernel, "--dry-run", "--shapes", shape, "--where", where,
+                   "--config-dir", str(config_dir)])
+        table = json.loads((config_dir / kernel / "cpu.json").read_text())
+        assert len(table) == (2 if kernel == "moe" else 1)
+        for config in table.values():
+            assert all(str(config[key]) == value for key, value in (w.split("=") for w in where.split(",")))
+
+
+def new_targets_aot_rows() -> dict:
+    """{target: aot_table rows} for sm_90 over a few candidates of one realistic shape each."""
+    cases = {"attention_prefill": ((1, 4096, 32, 8, 128, 128), {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8}),
+             "attention_prefill_wide": ((1, 4096, 16, 16, 256, 256), {"BLOCK_M": 128, "BLOCK_N": 128,
+                                                                       "num_warps": 4, "num_stages": 3}),
+             "attention_decode": ((8, 4096, 32, 8, 128, 128), {"BLOCK_N": 64, "num_warps": 4}),
+             "moe": ((256, 64, 6, 2048, 1408), {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8,
+                                                "num_stages": 3})}
+    rows = {}
+    for name, (shape, where) in cases.items():
+        target = tune.TARGETS[name.removesuffix("_wide")]()
+        for problem in target.problems(shape):
+            rows[f"{name} {problem}"] = tune.aot_table(target, problem, 90, where)
+    return rows
+
+
+def test_new_targets_aot_tables_for_sm90():
+    script = (f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+              "import test_tune; print(json.dumps(test_tune.new_targets_aot_rows()))")
+    tables = json_from_child(["-c", script])
+    assert sorted(tables) == sorted(["attention_prefill (1, 4096, 32, 8, 128, 128)",
+                                     "attention_prefill_wide (1, 4096, 16, 16, 256, 256)",
+                                     "attention_decode (8, 4096, 32, 8, 128, 128)",
+                                     "moe (256, 64, 6, 2048, 1408, 0)", "moe (256, 64, 6, 2048, 1408, 1)"])
+    for name, rows in tables.items():
+        print(name, rows)
+        # where leaves num_stages free (prefill {2, 3}, decode {1, 2, 3}); moe fixes all but nothing
+        assert len(rows) == {"attention_prefill": 2, "attention_decode": 3}.get(name.split()[0], 1), name
+        for row in rows:
+            if name.startswith("attention_prefill_wide"):
+                # 128x128 tiles of 256-wide heads: K and V tiles alone exceed sm_90's 227 KiB
+                assert row["shared_bytes"] > 232448 and row["verdict"] == "rejected: shared memory overflow"
+                continue
+            assert row["verdict"] == "ok" and row["spills"] == 0 and 0 < row["registers"] <= 255, (name, row)
+            assert 0 < row["shared_bytes"] <= 232448
+            # wgmma needs 64-row warpgroup tiles: prefill's 128-row blocks; decode's 16 head rows and
+            # moe's 32 token rows use mma.sync
+            assert row["wgmma"] == name.startswith("attention_prefill"), (name, row)

@@ -1,5 +1,11 @@
-"""Launch-config tuner: `python -m tritonq.tune --kernel int4_gemm|fp8_gemm --shapes 16x4096x4096,...`.
+"""Launch-config tuner: `python -m tritonq.tune --kernel KERNEL --shapes SHAPE,...`.
 
+Kernels and their --shapes format (x-separated ints):
+  int4_gemm, fp8_gemm  MxNxK                   (or --model PATH: every linear layer of the model)
+  attention_prefill    BxSxHxHkvxDqkxDv        batch, tokens, query heads, kv heads, head dims
+  attention_decode     BxSmaxxHxHkvxDqkxDv     batch, cache capacity, heads, head dims
+  moe                  TxExTOPKxDxI            tokens, experts, experts per token, hidden, intermediate
+                                               (int4 group-128 experts; its two GEMMs are tuned apart)
 For each shape, every candidate config of the kernel's declared search space is first checked
 against the torch reference, then timed (triton.testing.do_bench); the fastest correct one is
 written to tritonq/kernels/configs/<kernel>/<gpu-name>.json under the kernel's shape bucket,
@@ -8,7 +14,6 @@ where the launcher's `lookup` finds it at run time. Without a GPU:
               (the first correct candidate per bucket is written, to show the file round-trips);
   --aot sm_90 compiles every candidate for that GPU and prints shared memory, registers,
               spills and whether wgmma was used, rejecting candidates that spill or overflow.
---model PATH takes the GEMM shapes (N, K of every linear layer) from the model's config.json;
 --where BLOCK_M=16,num_warps=4 narrows a sweep to the candidates with those values.
 """
 from __future__ import annotations
@@ -16,9 +21,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
+import re
 import sys
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +50,9 @@ class TuneTarget:
     dry_run_shapes: small shapes for --dry-run in the interpreter.
     launch_only: config keys that change how a kernel compiles, not what it computes
     (num_warps, num_stages): the interpreter ignores them, so a dry run checks one per tile.
+    shape_format: what the ints of a --shapes entry mean, e.g. "MxNxK".
+    problems(shape) -> the tuning problems a shape stands for, each with its own space, inputs and
+    bucket (MoE: its gate/up and down GEMMs); by default the shape itself.
     """
     name: str
     space: Callable[[tuple[int, ...]], list[dict]]
@@ -54,6 +65,8 @@ class TuneTarget:
     rtol: float
     dry_run_shapes: tuple[tuple[int, ...], ...]
     launch_only: tuple[str, ...] = ("num_warps", "num_stages")
+    shape_format: str = "MxNxK"
+    problems: Callable[[tuple[int, ...]], list[tuple[int, ...]]] = lambda shape: [shape]
 
 
 def _int4_group_size(K: int) -> int:
@@ -175,8 +188,282 @@ def _fp8_gemm_target() -> TuneTarget:
         dry_run_shapes=((1, 64, 256), (17, 96, 256)))
 
 
-def _aot_with_flags(kernel, pointers: dict, flags: dict, ints: dict, config: dict, cc: int):
-    """AOT-compile kernel: `pointers` typed as given, other runtime args i32, constexprs from flags.
+def shape_fields(shape_format: str) -> list[str]:
+    """"BxSmaxxHxHkvxDqkxDv" -> ["B", "Smax", "H", "Hkv", "Dqk", "Dv"]: an x before a capital separates."""
+    return re.split(r"x(?=[A-Z])", shape_format)
+
+
+def _unpack(shape: tuple[int, ...], target: str, shape_format: str) -> tuple[int, ...]:
+    """shape, checked to have one positive int per field of shape_format."""
+    fields = shape_fields(shape_format)
+    if len(shape) != len(fields) or min(shape) < 1:
+        raise ValueError(f"{target} shape {'x'.join(map(str, shape))}: expected {len(fields)} positive ints "
+                         f"{shape_format}")
+    return shape
+
+
+def _kernel_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs (what the models run); fp32 in the interpreter, whose bf16 tl.dot is wrong."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _sm_count(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+
+
+# Attention outputs are convex combinations of N(0, 1) value rows (|o| < ~4). In bf16 the kernel
+# rounds p to bf16 before the PV dot and rounds the output (2^-9 relative each), so 2e-2 bounds
+# it; fp32 (interpreter) differs only by summation order and exp2 vs exp. Chosen once per process:
+# a --dry-run on a GPU machine checks its fp32 run at the looser bf16 bound.
+ATTENTION_TOL = 2e-2 if torch.cuda.is_available() else 1e-4
+
+PREFILL_SPACE = {"BLOCK_M": [64, 128], "BLOCK_N": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+PREFILL_FORMAT = "BxSxHxHkvxDqkxDv"
+DECODE_SPACE = {"BLOCK_N": [16, 32, 64, 128], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]}
+DECODE_FORMAT = "BxSmaxxHxHkvxDqkxDv"
+
+
+def _head_blocks(d_qk: int, d_v: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_DR, BLOCK_DV) as the attention launchers pick them."""
+    import triton
+
+    from tritonq.kernels.attention import qk_blocks
+    return (*qk_blocks(d_qk), max(16, triton.next_power_of_2(d_v)))
+
+
+def _attention_heads(shape, target: str, shape_format: str) -> tuple[int, ...]:
+    shape = _unpack(shape, target, shape_format)
+    if shape[2] % shape[3]:
+        raise ValueError(f"{target} shape {'x'.join(map(str, shape))}: query heads H={shape[2]} must be a "
+                         f"multiple of kv heads Hkv={shape[3]}")
+    return shape
+
+
+def _lengths(batch: int, full: int, device: torch.device) -> torch.Tensor:
+    """int32 [batch]: the first sequence at full length, the others random in [1, full]."""
+    lens = torch.randint(1, full + 1, (batch,), dtype=torch.int32)
+    lens[0] = full
+    return lens.to(device)
+
+
+def _attention_prefill_target() -> TuneTarget:
+    """Causal prefill (what the models run), bucketed by head-dim blocks like `prefill_config`."""
+    import triton
+
+    from tritonq.kernels import attention as k
+
+    def space(shape):
+        """Tiles wider than the sequence (rounded up to a power of two) only compute padding."""
+        _, S, *_ = _attention_heads(shape, "attention_prefill", PREFILL_FORMAT)
+        out = []
+        for values in itertools.product(*PREFILL_SPACE.values()):
+            c = dict(zip(PREFILL_SPACE, values))
+            if c["BLOCK_M"] > max(64, triton.next_power_of_2(S)) or c["BLOCK_N"] > max(32, triton.next_power_of_2(S)):
+                continue
+            out.append(c)
+        return out
+
+    def make_inputs(shape, device):
+        B, S, H, H_kv, d_qk, d_v = _attention_heads(shape, "attention_prefill", PREFILL_FORMAT)
+        dtype = _kernel_dtype(device)
+        q, key = torch.randn(B, S, H, d_qk, dtype=dtype, device=device), torch.randn(B, S, H_kv, d_qk, dtype=dtype,
+                                                                                     device=device)
+        return q, key, torch.randn(B, S, H_kv, d_v, dtype=dtype, device=device), _lengths(B, S, device), d_qk ** -0.5
+
+    def run(inputs, config):
+        cfg = k.PrefillConfig(config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config["num_stages"])
+        return k.prefill_attention(*inputs, causal=True, config=cfg)
+
+    def aot(config, shape, cc):
+        """bf16 q/k/v/o, contiguous [B, S, H, D] tensors as the models pass them."""
+        _, S, H, H_kv, d_qk, d_v = _attention_heads(shape, "attention_prefill", PREFILL_FORMAT)
+        block_d, block_dr, block_dv = _head_blocks(d_qk, d_v)
+        pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "seq_lens_ptr": "*i32"}
+        flags = {"GROUP": H // H_kv, "CAUSAL": True, "BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"],
+                 "BLOCK_D": block_d, "BLOCK_DR": block_dr, "BLOCK_DV": block_dv}
+        ints = {"stride_qb": S * H * d_qk, "stride_qs": H * d_qk, "stride_qh": d_qk,
+                "stride_kb": S * H_kv * d_qk, "stride_ks": H_kv * d_qk, "stride_kh": d_qk,
+                "stride_vb": S * H_kv * d_v, "stride_vs": H_kv * d_v, "stride_vh": d_v,
+                "stride_ob": S * H * d_v, "stride_os": H * d_v, "stride_oh": d_v, "S": S, "H": H,
+                "D_QK": d_qk, "D_V": d_v}
+        return _aot_with_flags(k._prefill_kernel, pointers, flags, ints, config, cc, floats=("qk_scale",))
+
+    return TuneTarget(
+        name="attention_prefill", space=space, make_inputs=make_inputs, run=run,
+        reference=lambda inputs: k.prefill_attention_reference(*inputs, causal=True),
+        bucket=lambda inputs: k.config_bucket(*_head_blocks(inputs[0].shape[-1], inputs[2].shape[-1])),
+        aot=aot, atol=ATTENTION_TOL, rtol=ATTENTION_TOL,
+        dry_run_shapes=((2, 40, 4, 2, 72, 40), (1, 130, 2, 1, 64, 64)), shape_format=PREFILL_FORMAT)
+
+
+def _attention_decode_target() -> TuneTarget:
+    """Split-KV decode over a contiguous cache (paged caches run the same tiles, BLOCK_N capped at
+    the page size); num_splits is not swept: the launcher derives it (`decode_num_splits`)."""
+    import triton
+
+    from tritonq.kernels import attention as k
+
+    def space(shape):
+        _, S_max, *_ = _attention_heads(shape, "attention_decode", DECODE_FORMAT)
+        out = []
+        for values in itertools.product(*DECODE_SPACE.values()):
+            c = dict(zip(DECODE_SPACE, values))
+            if c["BLOCK_N"] <= max(16, triton.next_power_of_2(S_max)):
+                out.append(c)
+        return out
+
+    def make_inputs(shape, device):
+        B, S_max, H, H_kv, d_qk, d_v = _attention_heads(shape, "attention_decode", DECODE_FORMAT)
+        dtype = _kernel_dtype(device)
+        q = torch.randn(B, H, d_qk, dtype=dtype, device=device)
+        k_cache = torch.randn(B, S_max, H_kv, d_qk, dtype=dtype, device=device)
+        v_cache = torch.randn(B, S_max, H_kv, d_v, dtype=dtype, device=device)
+        return q, k_cache, v_cache, _lengths(B, S_max, device), d_qk ** -0.5
+
+    def run(inputs, config):
+        q, k_cache = inputs[:2]
+        splits = k.decode_num_splits(q.shape[0], k_cache.shape[2], k_cache.shape[1], config["BLOCK_N"],
+                                     _sm_count(q.device))
+        cfg = k.DecodeConfig(config["BLOCK_N"], splits, config["num_warps"], config["num_stages"])
+        return k.decode_attention(*inputs, config=cfg)
+
+    def aot(config, shape, cc):
+        """Stage 1 (the tuned kernel) with bf16 q/k/v, an unpaged cache, splits as on a 132-SM H100/H200."""
+        B, S_max, H, H_kv, d_qk, d_v = _attention_heads(shape, "attention_decode", DECODE_FORMAT)
+        block_d, block_dr, block_dv = _head_blocks(d_qk, d_v)
+        group = H // H_kv
+        sm_count = {80: 108, 86: 84, 89: 128, 90: 132}.get(cc, 108)
+        pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cache_lens_ptr": "*i32",
+                    "block_table_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+        flags = {"GROUP": group, "NUM_SPLITS": k.decode_num_splits(B, H_kv, S_max, config["BLOCK_N"], sm_count),
+                 "BLOCK_H": min(64, max(16, triton.next_power_of_2(group))), "BLOCK_N": config["BLOCK_N"],
+                 "BLOCK_D": block_d, "BLOCK_DR": block_dr, "BLOCK_DV": block_dv, "PAGE_SIZE": 0}
+        ints = {"stride_qb": H * d_qk, "stride_qh": d_qk, "stride_kb": S_max * H_kv * d_qk, "stride_ks": H_kv * d_qk,
+                "stride_kh": d_qk, "stride_vb": S_max * H_kv * d_v, "stride_vs": H_kv * d_v, "stride_vh": d_v,
+                "stride_bt": 1, "H": H, "D_QK": d_qk, "D_V": d_v}
+        return _aot_with_flags(k._decode_split_kernel, pointers, flags, ints, config, cc, floats=("qk_scale",))
+
+    return TuneTarget(
+        name="attention_decode", space=space, make_inputs=make_inputs, run=run,
+        reference=lambda inputs: k.decode_attention_reference(*inputs),
+        bucket=lambda inputs: k.config_bucket(*_head_blocks(inputs[0].shape[-1], inputs[2].shape[-1])),
+        aot=aot, atol=ATTENTION_TOL, rtol=ATTENTION_TOL,
+        dry_run_shapes=((3, 100, 8, 2, 72, 40), (2, 64, 16, 1, 576, 512)), shape_format=DECODE_FORMAT)
+
+
+MOE_SPACE = {"BLOCK_M": [16, 32, 64], "BLOCK_N": [64, 128], "BLOCK_K": [64, 128], "num_warps": [4, 8],
+             "num_stages": [2, 3]}
+MOE_FORMAT = "TxExTOPKxDxI"
+MOE_GEMMS = ("gate_up", "down")  # a moe problem is (T, E, TOPK, D, I, index into MOE_GEMMS)
+
+
+def _moe_problem(shape) -> tuple[int, ...]:
+    """(T, E, TOPK, D, I, gemm) checked: TOPK <= E; D and I multiples of 32 (int4 groups)."""
+    *dims, gemm = shape if len(shape) == 6 else (*shape, 0)
+    T, E, top_k, D, inter = _unpack(tuple(dims), "moe", MOE_FORMAT)
+    if top_k > E or D % 32 or inter % 32 or gemm not in (0, 1):
+        raise ValueError(f"moe shape {'x'.join(map(str, dims))} ({MOE_FORMAT}): needs TOPK <= E and D, I "
+                         f"multiples of 32 (int4 group size)")
+    return T, E, top_k, D, inter, gemm
+
+
+def _moe_group_size(K: int) -> int:
+    return 128 if K % 128 == 0 else 32
+
+
+def _random_int4_experts(E: int, N: int, K: int, dtype: torch.dtype, device: torch.device):
+    """Stacked asymmetric int4 Int4Weight [E, N, K], group 128 (32 if K is not a multiple):
+    random nibbles (random int32 words), scales giving each dequantized row ~unit norm."""
+    from tritonq.formats.base import Int4Weight
+
+    group_size = _moe_group_size(K)
+    G = K // group_size
+    qweight = torch.randint(-2**31, 2**31 - 1, (E, K // 8, N), dtype=torch.int32, device=device)
+    # (nibble - 8) has std ~4.6, so these scales make dequantized weights ~N(0, 1/K): unit-scale GEMM outputs
+    scales = ((torch.rand(E, G, N, device=device) * 0.5 + 0.75) / (4.6 * K ** 0.5)).to(dtype)
+    zeros = torch.full((E, G, N), 8.0, dtype=dtype, device=device)
+    return Int4Weight(qweight, scales, zeros, None, group_size, 4)
+
+
+def _moe_target() -> TuneTarget:
+    """Fused MoE with int4 experts (group 128, asymmetric: AWQ/GPTQ checkpoints, as `bench moe`).
+
+    The launcher looks up each GEMM under its own bucket (gate/up: N=I, K=D; down: N=D, K=I), so
+    a shape is two problems. A candidate for one GEMM runs with the other GEMM's default config
+    (`moe.default_config`) at the candidate's BLOCK_M, since both share one token alignment; the
+    whole fused_moe is checked and timed.
+    """
+    import triton
+
+    from tritonq.kernels import moe as k
+    from tritonq.kernels.moe import MoEConfig
+
+    def space(problem):
+        """BLOCK_M up to the tokens per expert (rounded up); BLOCK_N, BLOCK_K up to the GEMM's N, K."""
+        T, E, top_k, D, inter, gemm = _moe_problem(problem)
+        N, K = (inter, D) if gemm == 0 else (D, inter)
+        max_m = max(16, triton.next_power_of_2(triton.cdiv(T * top_k, E)))
+        out = []
+        for values in itertools.product(*MOE_SPACE.values()):
+            c = dict(zip(MOE_SPACE, values))
+            if (c["BLOCK_M"] <= max_m and c["BLOCK_N"] <= max(64, triton.next_power_of_2(N))
+                    and c["BLOCK_K"] <= max(64, triton.next_power_of_2(K))):
+                out.append(c)
+        return out
+
+    def make_inputs(problem, device):
+        from tritonq.kernels.moe import grouped_topk
+
+        T, E, top_k, D, inter, gemm = _moe_problem(problem)
+        dtype = _kernel_dtype(device)
+        x = torch.randn(T, D, dtype=dtype, device=device)
+        gate_up = _random_int4_experts(E, 2 * inter, D, dtype, device)
+        down = _random_int4_experts(E, D, inter, dtype, device)
+        weights, ids = grouped_topk(torch.randn(T, E, device=device), top_k, renormalize=True)
+        return x, gate_up, down, weights, ids, gemm
+
+    def run(inputs, config):
+        x, gate_up, down, weights, ids, gemm = inputs
+        tuned = MoEConfig(**config)
+        other = replace(k.default_config(*ids.shape, gate_up.qweight.shape[0]), BLOCK_M=tuned.BLOCK_M)
+        return k.fused_moe(x, gate_up, down, weights, ids, config=(tuned, other) if gemm == 0 else (other, tuned))
+
+    def bucket(inputs):
+        x, _, down, _, _, gemm = inputs
+        (T, D), (E, inter) = x.shape, (down.qweight.shape[0], down.qweight.shape[1] * 8)
+        return k.config_bucket(T, E, inter, D) if gemm == 0 else k.config_bucket(T, E, D, inter)
+
+    def aot(config, problem, cc):
+        """The candidate's GEMM with bf16 activations and int4 group-128 experts, strides as the launcher's."""
+        T, _, top_k, D, inter, gemm = _moe_problem(problem)
+        gate = gemm == 0
+        N, K, w_rows = (inter, D, 2 * inter) if gate else (D, inter, D)  # w_rows: the stacked weight's N
+        group_size = _moe_group_size(K)
+        pointers = {"a_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
+                    "g_idx_ptr": "*i32", "routing_weight_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+                    "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32"}
+        flags = {"GATE_UP": gate, "KIND": k.INT4, "BITS": 4, "HAS_ZEROS": True, "HAS_G_IDX": False,
+                 "TILE_SCALE_ROW": group_size % config["BLOCK_K"] == 0, "SCALE_BN": 1, "SCALE_BK": 1,
+                 "FP8_AS_BITS": False, "UPCAST_DOT": False,
+                 **{key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
+        ints = {"num_valid": T * top_k, "N": N, "K": K, "up_offset": inter, "a_row_divisor": top_k if gate else 1,
+                "stride_am": K, "stride_om": N, "stride_we": K // 8 * w_rows, "stride_wn": 1, "stride_wk": w_rows,
+                "stride_se": K // group_size * w_rows, "stride_sn": 1, "stride_sk": w_rows, "group_size": group_size}
+        return _aot_with_flags(k._moe_gemm_kernel, pointers, flags, ints, config, cc)
+
+    return TuneTarget(
+        name="moe", space=space, make_inputs=make_inputs, run=run,
+        reference=lambda inputs: k.fused_moe_reference(*inputs[:5]), bucket=bucket, aot=aot,
+        # bf16: x, the dequantized weights and the SiLU-and-mul hidden are each rounded to bf16 (8-bit
+        # mantissa) before a GEMM, at unit-scale outputs (tests/kernels/test_moe.py's bound); fp32
+        # (interpreter, exact fp32 dots) differs only by summation order.
+        atol=5e-2 if torch.cuda.is_available() else 1e-4, rtol=5e-2 if torch.cuda.is_available() else 1e-4,
+        dry_run_shapes=((3, 8, 2, 64, 96), (40, 4, 2, 128, 64)), shape_format=MOE_FORMAT,
+        problems=lambda shape: [(*_moe_problem(shape)[:5], gemm) for gemm in range(len(MOE_GEMMS))])
+
+
+def _aot_with_flags(kernel, pointers: dict, flags: dict, ints: dict, config: dict, cc: int, floats: tuple = ()):
+    """AOT-compile kernel: `pointers` typed as given, `floats` fp32, other runtime args i32, constexprs from flags.
 
     As the launcher specializes at run time, pointers and the 16-divisible `ints` get the hint.
     """
@@ -186,26 +473,26 @@ def _aot_with_flags(kernel, pointers: dict, flags: dict, ints: dict, config: dic
     unknown = [name for name, is_constexpr in params if is_constexpr and name not in flags]
     if unknown:
         raise ValueError(f"{kernel.__name__} has constexpr args {unknown} that tune's AOT variant does not set")
-    signature = {name: pointers.get(name, "i32") for name, is_constexpr in params if not is_constexpr}
+    signature = {name: pointers.get(name, "fp32" if name in floats else "i32")
+                 for name, is_constexpr in params if not is_constexpr}
     constexprs = {name: flags[name] for name, is_constexpr in params if is_constexpr}
     aligned = [*pointers, *(name for name, value in ints.items() if value % 16 == 0)]
     return aot_compile(kernel, signature, constexprs, cc, num_warps=config["num_warps"],
                        num_stages=config["num_stages"], divisible_by_16=tuple(n for n in aligned if n in signature))
 
 
-# Kernel families whose launcher takes a config; others are added as their launchers do.
-TARGETS: dict[str, Callable[[], TuneTarget]] = {"int4_gemm": _int4_gemm_target, "fp8_gemm": _fp8_gemm_target}
-# Their launchers read tuned JSON but take no config= argument yet, so candidates cannot be run.
-NOT_YET_TUNABLE = ("moe", "attention")
+TARGETS: dict[str, Callable[[], TuneTarget]] = {
+    "int4_gemm": _int4_gemm_target, "fp8_gemm": _fp8_gemm_target, "attention_prefill": _attention_prefill_target,
+    "attention_decode": _attention_decode_target, "moe": _moe_target}
 
 
-def check_candidate(target: TuneTarget, inputs, config: dict) -> str | None:
-    """None if the candidate's output matches the reference, else why not."""
+def check_candidate(target: TuneTarget, inputs, config: dict, ref: torch.Tensor | None = None) -> str | None:
+    """None if the candidate's output matches the reference (`ref`, computed if None), else why not."""
     try:
         out = target.run(inputs, config)
     except Exception as e:  # a candidate the kernel rejects (e.g. BLOCK_K > group size) is skipped
         return f"{type(e).__name__}: {e}"
-    ref = target.reference(inputs)
+    ref = target.reference(inputs) if ref is None else ref
     if out.shape != ref.shape:
         return f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
     err = (out.float() - ref.float()).abs().max().item()
@@ -232,38 +519,51 @@ def candidates(target: TuneTarget, shape: tuple[int, ...], timed: bool, where: d
 
 def tune(target: TuneTarget, shapes: list[tuple[int, ...]], device: torch.device, timed: bool,
          where: dict | None = None, progress: bool = True) -> dict[str, dict]:
-    """{bucket: winning config} over `shapes`; candidates failing the reference check are dropped.
+    """{bucket: winning config} over the problems of `shapes`; failing candidates are dropped.
 
-    timed=False (dry run) keeps the first correct candidate of each bucket, in declared order.
+    A winner must pass on every problem of its bucket. Timed, it has the least geometric-mean time
+    over them: one attention bucket (its head dims) may cover shapes of very different cost, and
+    the geometric mean weighs each shape's relative speedup alike. timed=False (dry run) keeps the
+    first such candidate in declared order.
     """
     from tqdm import tqdm
 
-    winners: dict[str, tuple[float, dict]] = {}
-    spaces = [candidates(target, shape, timed, where) for shape in shapes]
+    problems = [problem for shape in shapes for problem in target.problems(shape)]
+    spaces = [candidates(target, problem, timed, where) for problem in problems]
     bar = tqdm(total=sum(map(len, spaces)), desc=target.name, disable=not progress)
-    buckets = set()
-    for shape, space in zip(shapes, spaces):
-        inputs = target.make_inputs(shape, device)
+    per_bucket = Counter()
+    passed: dict[str, dict[str, list]] = {}  # bucket -> config text -> [config, problems passed, sum of log ms]
+    for problem, space in zip(problems, spaces):
+        inputs = target.make_inputs(problem, device)
         bucket = target.bucket(inputs)
-        buckets.add(bucket)
+        per_bucket[bucket] += 1
+        entries = passed.setdefault(bucket, {})
+        ref = target.reference(inputs)
         for config in space:
             bar.update()
-            failure = check_candidate(target, inputs, config)
+            failure = check_candidate(target, inputs, config, ref)
             if failure:
-                bar.write(f"{shape} {config}: rejected ({failure})")
+                bar.write(f"{problem} {config}: rejected ({failure})")
                 continue
-            if not timed:
-                winners.setdefault(bucket, (0.0, config))
-                continue
-            import triton.testing
-            ms = triton.testing.do_bench(lambda: target.run(inputs, config), warmup=25, rep=100)
-            if bucket not in winners or ms < winners[bucket][0]:
-                winners[bucket] = (ms, config)
+            ms = 1.0
+            if timed:
+                import triton.testing
+                ms = triton.testing.do_bench(lambda inputs=inputs, config=config: target.run(inputs, config),
+                                             warmup=25, rep=100)
+            entry = entries.setdefault(json.dumps(config, sort_keys=True), [config, 0, 0.0])
+            entry[1] += 1
+            entry[2] += math.log(max(ms, 1e-9))
     bar.close()
-    missing = buckets - set(winners)
+    winners = {}
+    for bucket, entries in passed.items():
+        everywhere = [entry for entry in entries.values() if entry[1] == per_bucket[bucket]]
+        if everywhere:  # min keeps the first of equal times: the declared order in a dry run
+            winners[bucket] = min(everywhere, key=lambda entry: entry[2])[0]
+    missing = set(per_bucket) - set(winners)
     if missing:
-        raise RuntimeError(f"no candidate of {target.name} passed the reference check for buckets {sorted(missing)}")
-    return {bucket: config for bucket, (_, config) in winners.items()}
+        raise RuntimeError(f"no candidate of {target.name} passed the reference check (on every shape of the "
+                           f"bucket) for buckets {sorted(missing)}")
+    return winners
 
 
 def write_configs(kernel: str, gpu: str, winners: dict[str, dict], config_dir: Path) -> Path:
@@ -332,10 +632,14 @@ def _reexec_with_interpreter(interpret: bool, argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m tritonq.tune", description=__doc__.split("\n")[0])
-    p.add_argument("--kernel", required=True, choices=sorted([*TARGETS, *NOT_YET_TUNABLE]))
-    p.add_argument("--shapes", default=None, help="comma-separated MxNxK (GEMMs)")
-    p.add_argument("--model", default=None, help="model folder or config.json: tune its GEMM shapes")
+    p = argparse.ArgumentParser(prog="python -m tritonq.tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", required=True, choices=sorted(TARGETS))
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated shapes in the kernel's format: MxNxK (int4_gemm, fp8_gemm), "
+                        f"{PREFILL_FORMAT} (attention_prefill), {DECODE_FORMAT} (attention_decode), "
+                        f"{MOE_FORMAT} (moe)")
+    p.add_argument("--model", default=None, help="model folder or config.json: tune its GEMM shapes (GEMMs only)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="check every candidate in the Triton interpreter")
     mode.add_argument("--aot", default=None, metavar="sm_XX", help="compile every candidate for this GPU")
@@ -344,9 +648,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config-dir", default=str(configs.CONFIG_DIR), help="where <kernel>/<gpu>.json goes")
     args = p.parse_args(argv)
 
-    if args.kernel in NOT_YET_TUNABLE:
-        p.error(f"--kernel {args.kernel}: its launcher takes no config= argument yet, so there is nothing to "
-                f"sweep; tunable now: {sorted(TARGETS)}")
     if args.aot:
         cc_text = args.aot.removeprefix("sm_").rstrip("a")
         if not cc_text.isdigit():
@@ -358,19 +659,33 @@ def main(argv: list[str] | None = None) -> None:
         p.error("timing needs a CUDA GPU; without one use --dry-run (interpreter check) or --aot sm_90")
 
     where = _parse_where(args.where)
-    shapes = parse_shapes(args.shapes) if args.shapes else []
-    if args.model:
-        shapes += model_shapes(args.model)
     target = TARGETS[args.kernel]()
+    shapes = parse_shapes(args.shapes) if args.shapes else []
+    for shape in shapes:
+        if len(shape) != len(shape_fields(target.shape_format)):
+            p.error(f"--shapes {'x'.join(map(str, shape))}: {args.kernel} shapes are {target.shape_format}")
+    if args.model:
+        if target.shape_format != "MxNxK":
+            p.error(f"--model gives GEMM shapes; for --kernel {args.kernel} pass --shapes {target.shape_format},...")
+        shapes += model_shapes(args.model)
     if not shapes:
         if not (args.dry_run or args.aot):
-            p.error("give --shapes MxNxK,... or --model PATH")
+            p.error(f"give --shapes {target.shape_format},..." + (" or --model PATH" if args.model is None
+                                                                    and target.shape_format == "MxNxK" else ""))
         shapes = list(target.dry_run_shapes)
+    for shape in shapes:  # a bad shape (e.g. H not a multiple of Hkv) fails here, before any sweep
+        try:
+            target.problems(shape)
+            for problem in target.problems(shape):
+                target.space(problem)
+        except ValueError as e:
+            p.error(f"--shapes: {e}")
 
     if args.aot:
         for shape in shapes:
-            print(f"{target.name} {'x'.join(map(str, shape))} on {args.aot}:")
-            print_table(aot_table(target, shape, int(cc_text), where))
+            for problem in target.problems(shape):
+                print(f"{target.name} {'x'.join(map(str, problem))} on {args.aot}:")
+                print_table(aot_table(target, problem, int(cc_text), where))
         return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     winners = tune(target, shapes, device, timed=not args.dry_run, where=where)

@@ -294,3 +294,67 @@ def test_shipped_configs_compile_within_shared_memory(cc):
         assert report["fits"] and report["spills"] in (0, None), (name, report)
         if name.startswith("prefill"):  # decode has 16-row tiles, below wgmma's 64: mma.sync
             assert report["uses_wgmma"] == (cc == 90), (name, report)
+
+
+class LaunchSpy:
+    """Stands in for a @triton.jit kernel: records each launch's constexpr kwargs, then launches."""
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_prefill_explicit_config_is_launched_and_matches_reference(monkeypatch):
+    from tritonq.kernels import attention
+    B, S, h, h_kv, d_qk, d_v = 3, 33, 4, 2, 72, 40  # a ragged qk tail, Dv off the block size
+    q, k, v = torch.randn(B, S, h, d_qk), torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
+    spy = LaunchSpy(attention._prefill_kernel)
+    monkeypatch.setattr(attention, "_prefill_kernel", spy)
+    out = prefill_attention(q, k, v, lens(SEQ_LENS), 0.2, config=attention.PrefillConfig(32, 16, 8, 3))
+    assert [(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) for c in spy.launches] == [(32, 16, 8, 3)]
+    assert_close(out, prefill_attention_reference(q, k, v, lens(SEQ_LENS), 0.2), torch.float32)
+    for b, n in enumerate(SEQ_LENS):
+        assert_close(out[b, :n], sdpa(q[b, :n], k[b, :n], v[b, :n], 0.2, causal=True), torch.float32)
+
+
+@pytest.mark.parametrize("page_size", [0, 32])
+def test_decode_explicit_config_is_launched_and_matches_reference(monkeypatch, page_size):
+    from tritonq.kernels import attention
+    g = torch.Generator().manual_seed(3)
+    B, h, h_kv, d_qk, d_v = len(CACHE_LENS), 8, 2, 72, 40
+    q = torch.randn(B, h, d_qk, generator=g)
+    k, v = torch.randn(B, S_MAX, h_kv, d_qk, generator=g), torch.randn(B, S_MAX, h_kv, d_v, generator=g)
+    table = None
+    if page_size:
+        k, v, table = scatter_into_pages(k, v, page_size, 40, g)
+    spy = LaunchSpy(attention._decode_split_kernel)
+    monkeypatch.setattr(attention, "_decode_split_kernel", spy)
+    cfg = attention.DecodeConfig(block_n=32, num_splits=3, num_warps=8, num_stages=3)
+    out = decode_attention(q, k, v, lens(CACHE_LENS), 0.15, block_table=table, config=cfg)
+    assert [(c["BLOCK_N"], c["NUM_SPLITS"], c["num_warps"], c["num_stages"]) for c in spy.launches] == [(32, 3, 8, 3)]
+    assert_close(out, decode_attention_reference(q, k, v, lens(CACHE_LENS), 0.15, block_table=table), torch.float32)
+
+
+def test_bad_attention_configs_raise_clear_errors():
+    from tritonq.kernels.attention import DecodeConfig, PrefillConfig
+    q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16)
+    for cfg, message in [(PrefillConfig(48, 16, 4, 2), "block_m = 48, expected a power of two >= 16"),
+                         (PrefillConfig(64, 8, 4, 2), "block_n = 8"),
+                         (PrefillConfig(64, 64, 3, 2), "num_warps = 3"),
+                         (PrefillConfig(64, 64, 4, 0), "num_stages = 0")]:
+        with pytest.raises(ValueError, match=message):
+            prefill_attention(q, k, v, lens([4]), 0.25, config=cfg)
+    with pytest.raises(TypeError, match="must be a PrefillConfig"):
+        prefill_attention(q, k, v, lens([4]), 0.25, config={"BLOCK_M": 64})
+    with pytest.raises(ValueError, match="num_splits = 0"):
+        decode_attention(q[:, 0], k, v, lens([4]), 0.25, config=DecodeConfig(16, 0, 4, 2))
+    with pytest.raises(TypeError, match="must be a DecodeConfig"):
+        decode_attention(q[:, 0], k, v, lens([4]), 0.25, config=PrefillConfig(64, 64, 4, 2))
+    pages = torch.randn(4, 16, 2, 16)
+    table = torch.tensor([[2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="exceeds the KV cache page size 16"):
+        decode_attention(q[:, 0], pages, pages, lens([4]), 0.25, block_table=table, config=DecodeConfig(32, 1, 4, 2))

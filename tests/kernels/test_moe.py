@@ -327,9 +327,9 @@ for cc in (80, 90):
             r = aot_compile(_moe_gemm_kernel, sig, dict(
                 GATE_UP=gate_up, KIND=kind_id, BITS=4, HAS_ZEROS=has_zeros, HAS_G_IDX=False,
                 TILE_SCALE_ROW=kind_id != 0, UPCAST_DOT=False, SCALE_BN=sbn, SCALE_BK=sbk, FP8_AS_BITS=as_bits,
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"]),
-                cc=cc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=aligned)
-            reports[f"{'gate_up' if gate_up else 'down'}-{kind.replace('_bits', '')}-M{cfg['BLOCK_M']}-sm_{cc}"] = dict(
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K),
+                cc=cc, num_warps=cfg.num_warps, num_stages=cfg.num_stages, divisible_by_16=aligned)
+            reports[f"{'gate_up' if gate_up else 'down'}-{kind.replace('_bits', '')}-M{cfg.BLOCK_M}-sm_{cc}"] = dict(
                 shared=r.shared_bytes, regs=r.registers, spills=r.spills, wgmma=r.uses_wgmma, fits=r.fits)
 json.dump(reports, sys.stdout)
 """
@@ -350,3 +350,66 @@ def test_moe_gemm_kernel_aot_compiles(aot_reports, cc, kind, variant):
     print(f"moe {stage} {kind} BLOCK_{block_m} sm_{cc}: {report}")
     assert report["fits"] and report["spills"] == 0, report
     assert report["wgmma"] == (cc == 90 and block_m == "M64"), report  # wgmma needs 64-row warpgroup tiles
+
+
+# ------------------------------------------------------------------ explicit configs
+
+def _moe_launch_spy(monkeypatch):
+    launches = []
+    kernel = moe._moe_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append({key: kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
+                                                             "num_stages")})
+                return kernel[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(moe, "_moe_gemm_kernel", Spy())
+    return launches
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4"])
+def test_fused_moe_explicit_config_pair_is_launched_and_matches_reference(monkeypatch, kind):
+    from tritonq.kernels.moe import MoEConfig
+    gate_up, _ = _stacked(kind, E_TEST, 2 * INTER, D)
+    down, _ = _stacked(kind, E_TEST, D, INTER)
+    x = torch.randn(33, D)
+    weights, ids = _routing(33, E_TEST, 3)
+    first, second = MoEConfig(16, 32, 32, 8, 2), MoEConfig(16, 16, 16, 2, 4)
+    launches = _moe_launch_spy(monkeypatch)
+    out = fused_moe(x, gate_up, down, weights, ids, config=(first, second))
+    assert launches == [vars(first), vars(second)]  # gate/up first, then down
+    torch.testing.assert_close(out, fused_moe_reference(x, gate_up, down, weights, ids),
+                               rtol=TOL[torch.float32], atol=TOL[torch.float32])
+
+
+def test_fused_moe_one_config_covers_both_gemms(monkeypatch):
+    from tritonq.kernels.moe import MoEConfig
+    gate_up, _ = _stacked("dense", E_TEST, 2 * INTER, D)
+    down, _ = _stacked("dense", E_TEST, D, INTER)
+    x = torch.randn(5, D)
+    weights, ids = _routing(5, E_TEST, 2)
+    cfg = MoEConfig(32, 64, 16, 4, 3)
+    launches = _moe_launch_spy(monkeypatch)
+    out = fused_moe(x, gate_up, down, weights, ids, config=cfg)
+    assert launches == [vars(cfg)] * 2
+    torch.testing.assert_close(out, fused_moe_reference(x, gate_up, down, weights, ids),
+                               rtol=TOL[torch.float32], atol=TOL[torch.float32])
+
+
+def test_bad_moe_configs_raise_clear_errors():
+    from tritonq.kernels.moe import MoEConfig
+    gate_up, down = DenseWeight(torch.randn(E_TEST, 2 * INTER, D)), DenseWeight(torch.randn(E_TEST, D, INTER))
+    weights, ids = _routing(2, E_TEST, 2)
+    x = torch.randn(2, D)
+    good = MoEConfig(16, 64, 64, 4, 3)
+    for config, message in [(MoEConfig(16, 64, 48, 4, 3), "BLOCK_K = 48, expected a power of two >= 16"),
+                            (MoEConfig(8, 64, 64, 4, 3), "BLOCK_M = 8"),
+                            (MoEConfig(16, 64, 64, 6, 3), "num_warps = 6"),
+                            (MoEConfig(16, 64, 64, 4, 0), "num_stages = 0"),
+                            ((good, MoEConfig(32, 64, 64, 4, 3)), "BLOCK_M must match"),
+                            ({"BLOCK_M": 16}, "must be a MoEConfig"),
+                            ((good,), "must be a MoEConfig")]:
+        with pytest.raises(ValueError, match=message):
+            fused_moe(x, gate_up, down, weights, ids, config=config)

@@ -245,6 +245,7 @@ def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, start_ptr, block_ta
 
 @dataclass(frozen=True)
 class PrefillConfig:
+    """Launch config of _prefill_kernel; tuned JSON stores it as BLOCK_M, BLOCK_N, num_warps, num_stages."""
     block_m: int
     block_n: int
     num_warps: int
@@ -253,6 +254,8 @@ class PrefillConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
+    """Launch config of _decode_split_kernel. Tuned JSON stores BLOCK_N, num_warps, num_stages;
+    num_splits depends on batch and cache length, so it is always derived (`decode_num_splits`)."""
     block_n: int
     num_splits: int
     num_warps: int
@@ -267,6 +270,11 @@ def qk_blocks(d_qk: int) -> tuple[int, int]:
     return main, (max(16, triton.next_power_of_2(d_qk - main)) if d_qk > main else 0)
 
 
+def config_bucket(block_d: int, block_dr: int, block_dv: int) -> str:
+    """Key of the tuned attention_prefill / attention_decode JSON: the head-dim register blocks."""
+    return f"D{block_d}+{block_dr}_DV{block_dv}"
+
+
 def prefill_config(block_d: int, block_dr: int, block_dv: int, on_gpu: bool = True) -> PrefillConfig:
     """Tuned config for these head-dim blocks on this GPU, else the default in code.
 
@@ -274,7 +282,7 @@ def prefill_config(block_d: int, block_dr: int, block_dv: int, on_gpu: bool = Tr
     """
     if not on_gpu:
         return PrefillConfig(16, 16, 1, 1)
-    tuned = lookup("attention_prefill", f"D{block_d}+{block_dr}_DV{block_dv}")
+    tuned = lookup("attention_prefill", config_bucket(block_d, block_dr, block_dv))
     if tuned:
         return PrefillConfig(tuned["BLOCK_M"], tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"])
     if block_d + block_dr <= 192 and block_dv <= 128:  # up to DeepSeek's 128 + 64: no spills (AOT)
@@ -292,17 +300,61 @@ def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int, block_d
     caches span several blocks, several splits and empty splits.
     """
     if sm_count is None:
-        return DecodeConfig(16, min(4, triton.cdiv(max_len, 16)), 1, 1)
-    tuned = lookup("attention_decode", f"D{block_d}+{block_dr}_DV{block_dv}")
+        return DecodeConfig(16, decode_num_splits(batch, kv_heads, max_len, 16, None), 1, 1)
+    tuned = lookup("attention_decode", config_bucket(block_d, block_dr, block_dv))
     if tuned:
         block_n, num_warps, num_stages = tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"]
     elif block_dv > 128:  # 256, MLA latent 576 / 512: a [16, 512] fp32 accumulator needs 8 warps
         block_n, num_warps, num_stages = 32, 8, 2
     else:  # wider qk tiles (192) halve the key block to keep K/V tiles small
         block_n, num_warps, num_stages = (64 if block_d + block_dr <= 128 else 32), 4, 2
+    return DecodeConfig(block_n, decode_num_splits(batch, kv_heads, max_len, block_n, sm_count), num_warps,
+                        num_stages)
+
+
+def decode_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int | None) -> int:
+    """KV splits for decode_config (see there): about two waves of programs, >= 4 key blocks per split;
+    the interpreter (sm_count None) takes up to 4 splits."""
+    if sm_count is None:
+        return min(4, triton.cdiv(max_len, block_n))
     wanted = triton.cdiv(2 * sm_count, batch * kv_heads)
-    num_splits = max(1, min(wanted, triton.cdiv(max_len, 4 * block_n), 64))
-    return DecodeConfig(block_n, num_splits, num_warps, num_stages)
+    return max(1, min(wanted, triton.cdiv(max_len, 4 * block_n), 64))
+
+
+def _is_pow2(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def _check_launch(kernel: str, config, blocks: tuple[str, ...]) -> None:
+    """Block sizes: powers of two >= 16 (tl.dot's smallest tile); num_warps a power of two <= 32."""
+    for name in blocks:
+        value = getattr(config, name)
+        if not _is_pow2(value) or value < 16:
+            raise ValueError(f"{kernel}: config.{name} = {value!r}, expected a power of two >= 16 "
+                             "(tl.dot's smallest tile), e.g. 64")
+    if not _is_pow2(config.num_warps) or config.num_warps > 32:
+        raise ValueError(f"{kernel}: config.num_warps = {config.num_warps!r}, expected a power of two in [1, 32]")
+    if not isinstance(config.num_stages, int) or config.num_stages < 1:
+        raise ValueError(f"{kernel}: config.num_stages = {config.num_stages!r}, expected an int >= 1")
+
+
+def check_prefill_config(config: PrefillConfig) -> None:
+    """TypeError/ValueError unless `config` is a launchable PrefillConfig."""
+    if not isinstance(config, PrefillConfig):
+        raise TypeError(f"prefill_attention: config must be a PrefillConfig, got {type(config).__name__}")
+    _check_launch("prefill_attention", config, ("block_m", "block_n"))
+
+
+def check_decode_config(config: DecodeConfig, page_size: int = 0) -> None:
+    """TypeError/ValueError unless `config` is a launchable DecodeConfig; a paged cache needs block_n <= page_size."""
+    if not isinstance(config, DecodeConfig):
+        raise TypeError(f"decode_attention: config must be a DecodeConfig, got {type(config).__name__}")
+    _check_launch("decode_attention", config, ("block_n",))
+    if not isinstance(config.num_splits, int) or config.num_splits < 1:
+        raise ValueError(f"decode_attention: config.num_splits = {config.num_splits!r}, expected an int >= 1")
+    if page_size and config.block_n > page_size:
+        raise ValueError(f"decode_attention: config.block_n = {config.block_n} exceeds the KV cache page size "
+                         f"{page_size}; a key tile must lie in one page, so use block_n <= {page_size}")
 
 
 def _check_lens(name: str, lens: torch.Tensor, batch: int, device: torch.device) -> None:
@@ -345,8 +397,13 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float, causal: bool = True) -> torch.Tensor:
-    """softmax(q k^T * scale) v over each right-padded sequence; see the module docstring."""
+                      scale: float, causal: bool = True, config: PrefillConfig | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over each right-padded sequence; see the module docstring.
+
+    config: launch config for the Triton kernel (the tuner's candidates); None: `prefill_config`.
+    """
+    if config is not None:
+        check_prefill_config(config)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"expected q [B,S,H,Dqk], k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv] with equal B and S; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
@@ -359,7 +416,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
     q, k, v = map(_last_dim_contiguous, (q, k, v))
     D_V = v.shape[-1]
     (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
-    cfg = prefill_config(block_d, block_dr, block_dv, q.is_cuda)
+    cfg = config or prefill_config(block_d, block_dr, block_dv, q.is_cuda)
     out = torch.empty(B, S, H, D_V, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(S, cfg.block_m), B * H)
     _prefill_kernel[grid](q, k, v, out, seq_lens,
@@ -373,11 +430,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cache_lens: torch.Tensor, scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
+                     cache_lens: torch.Tensor, scale: float, block_table: torch.Tensor | None = None,
+                     config: DecodeConfig | None = None) -> torch.Tensor:
     """One query token per sequence against its KV cache; see the module docstring.
 
     block_table [B, max_pages] int32: the cache is paged, k_cache [P, page_size, Hkv, Dqk] and
     v_cache [P, page_size, Hkv, Dv]; position n of sequence b is in page block_table[b, n // page_size].
+    config: launch config for the Triton kernels (the tuner's candidates; with a paged cache its
+    block_n must not exceed page_size); None: `decode_config`, its block_n capped at page_size.
     """
     if (q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:2] != v_cache.shape[:2]
             or (block_table is None and q.shape[0] != k_cache.shape[0])):
@@ -388,6 +448,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     B, H, D_QK = q.shape
     _check_lens("cache_lens", cache_lens, B, q.device)
     page_size = _check_block_table(block_table, k_cache, B, q.device)
+    if config is not None:
+        check_decode_config(config, page_size)
     if not use_triton(q):
         return decode_attention_reference(q, k_cache, v_cache, cache_lens, scale, block_table)
 
@@ -398,7 +460,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
     block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
-    cfg = decode_config(B, H_kv, S_max, block_d, block_dr, block_dv, sm_count)
+    cfg = config or decode_config(B, H_kv, S_max, block_d, block_dr, block_dv, sm_count)
     block_n = min(cfg.block_n, page_size) if page_size else cfg.block_n  # a key tile within one page
     part_o = torch.empty(B, H, cfg.num_splits, D_V, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H, cfg.num_splits, dtype=torch.float32, device=q.device)

@@ -25,6 +25,8 @@ k slots puts the result back in token order.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -296,23 +298,67 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
              acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """Launch config of one _moe_gemm_kernel GEMM (the fields of its tuned JSON entry)."""
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+
+
 # Defaults by tokens per expert (T * k / E), checked by AOT to compile without register spills
-# on sm_80 and sm_90 for dense, int4 and fp8 weights. Tuned configs/moe/<gpu>.json files, keyed
-# "M{next_pow2(T)}_E{E}_N{N}_K{K}", override them (BLOCK_M: the smaller of the two GEMMs').
+# on sm_80 and sm_90 for dense, int4 and fp8 weights.
 DEFAULT_CONFIGS = (  # (min tokens per expert, config)
-    (0, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}),
-    (16, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
-    (64, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+    (0, MoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
+    (16, MoEConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)),
+    (64, MoEConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)),
 )
 
 
-def _config(tokens: int, top_k: int, num_experts: int, N: int, K: int) -> dict:
-    """Tuned config for this shape bucket, else the default for its tokens per expert."""
-    tuned = lookup("moe", f"M{triton.next_power_of_2(tokens)}_E{num_experts}_N{N}_K{K}")
-    if tuned is not None:
-        return tuned
+def config_bucket(tokens: int, num_experts: int, N: int, K: int) -> str:
+    """Key of a tuned configs/moe/<gpu>.json entry for one of the two GEMMs (gate/up: N = I, K = D;
+    down: N = D, K = I): tokens rounded up to a power of two, exact E, N, K."""
+    return f"M{triton.next_power_of_2(tokens)}_E{num_experts}_N{N}_K{K}"
+
+
+def default_config(tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+    """The default in code for this many tokens per expert."""
     per_expert = tokens * top_k / num_experts
     return [config for threshold, config in DEFAULT_CONFIGS if per_expert >= threshold][-1]
+
+
+def _config(tokens: int, top_k: int, num_experts: int, N: int, K: int) -> MoEConfig:
+    """Tuned config for this GEMM's shape bucket, else the default for its tokens per expert."""
+    tuned = lookup("moe", config_bucket(tokens, num_experts, N, K))
+    return MoEConfig(**tuned) if tuned is not None else default_config(tokens, top_k, num_experts)
+
+
+def _is_pow2(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def check_config(config) -> tuple[MoEConfig, MoEConfig]:
+    """A MoEConfig (both GEMMs) or a (gate_up, down) pair -> the pair; ValueError if not launchable."""
+    pair = (config, config) if isinstance(config, MoEConfig) else config
+    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(c, MoEConfig) for c in pair)):
+        raise ValueError(f"fused_moe: config must be a MoEConfig or a (gate_up, down) pair of them, "
+                         f"got {type(config).__name__}")
+    for c in pair:
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+            value = getattr(c, name)
+            if not _is_pow2(value) or value < 16:
+                raise ValueError(f"fused_moe: config.{name} = {value!r}, expected a power of two >= 16 "
+                                 "(tl.dot's smallest tile), e.g. 64")
+        if not _is_pow2(c.num_warps) or c.num_warps > 32:
+            raise ValueError(f"fused_moe: config.num_warps = {c.num_warps!r}, expected a power of two in [1, 32]")
+        if not isinstance(c.num_stages, int) or c.num_stages < 1:
+            raise ValueError(f"fused_moe: config.num_stages = {c.num_stages!r}, expected an int >= 1")
+    if pair[0].BLOCK_M != pair[1].BLOCK_M:
+        raise ValueError(f"fused_moe: the gate_up and down configs have BLOCK_M {pair[0].BLOCK_M} and "
+                         f"{pair[1].BLOCK_M}; both GEMMs share one token alignment, so BLOCK_M must match")
+    return pair
 
 
 def _tile_scale_row(w: Weight, block_k: int) -> bool:
@@ -412,9 +458,15 @@ def _check_moe(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]
 
 
 def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """x [T, D] -> [T, D] in x.dtype: sum_k topk_weights[:, k] * down_e(silu(gate_e x) * up_e x)."""
+              topk_ids: torch.Tensor, config: MoEConfig | tuple[MoEConfig, MoEConfig] | None = None
+              ) -> torch.Tensor:
+    """x [T, D] -> [T, D] in x.dtype: sum_k topk_weights[:, k] * down_e(silu(gate_e x) * up_e x).
+
+    config: one MoEConfig for both GEMMs or a (gate_up, down) pair with equal BLOCK_M (the
+    tuner's candidates); None: each GEMM's tuned config (`_config`), sharing the smaller BLOCK_M.
+    """
     E, inter, D = _check_moe(x, gate_up, down, topk_weights, topk_ids)
+    explicit = check_config(config) if config is not None else None
     if not use_triton(x):
         return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids)
     T, top_k = topk_ids.shape
@@ -422,10 +474,9 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
         return x.new_zeros(T, D)
     x = x.contiguous()
     numel = T * top_k
-    cfg1 = _config(T, top_k, E, inter, D)
-    cfg2 = _config(T, top_k, E, D, inter)
+    cfg1, cfg2 = explicit or (_config(T, top_k, E, inter, D), _config(T, top_k, E, D, inter))
     # Both GEMMs share one alignment, so they use the smaller BLOCK_M of the two configs.
-    block_m = min(cfg1["BLOCK_M"], cfg2["BLOCK_M"])
+    block_m = min(cfg1.BLOCK_M, cfg2.BLOCK_M)
     sorted_ids, expert_ids, post_padded = moe_align_block_size(topk_ids, block_m, E)
     n_blocks = expert_ids.numel()
     routing = topk_weights.float().contiguous().flatten()
@@ -437,14 +488,14 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
     out = torch.empty(numel, D, dtype=x.dtype, device=x.device)
     for a, dst, weight, N, K, cfg, gate in ((x, hidden, gate_up, inter, D, cfg1, True),
                                             (hidden, out, down, D, inter, cfg2, False)):
-        grid = (n_blocks, triton.cdiv(N, cfg["BLOCK_N"]))
+        grid = (n_blocks, triton.cdiv(N, cfg.BLOCK_N))
         _moe_gemm_kernel[grid](
             a, dst, routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
             num_tokens_post_padded_ptr=post_padded, num_valid=numel, N=N, K=K, up_offset=inter,
             a_row_divisor=top_k if gate else 1, stride_am=a.stride(0), stride_om=dst.stride(0),
-            GATE_UP=gate, TILE_SCALE_ROW=_tile_scale_row(weight, cfg["BLOCK_K"]), UPCAST_DOT=upcast_dot,
-            BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_weight_args(weight, native_fp8))
+            GATE_UP=gate, TILE_SCALE_ROW=_tile_scale_row(weight, cfg.BLOCK_K), UPCAST_DOT=upcast_dot,
+            BLOCK_M=block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_weight_args(weight, native_fp8))
     return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
 
 
