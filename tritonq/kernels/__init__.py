@@ -19,3 +19,19 @@ def use_triton(x: torch.Tensor) -> bool:
     if forced == "triton" or x.is_cuda:
         return True
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_launch_config(kernel: str, config, blocks: tuple[str, ...]) -> None:
+    """ValueError unless config's `blocks` fields are powers of two >= 16 (tl.dot's smallest tile),
+    num_warps a power of two <= 32 and num_stages an int >= 1. kernel names the caller in the message."""
+    def pow2(n) -> bool:
+        return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+    for name in blocks:
+        value = getattr(config, name)
+        if not pow2(value) or value < 16:
+            raise ValueError(f"{kernel}: config.{name} = {value!r}, expected a power of two >= 16 "
+                             "(tl.dot's smallest tile), e.g. 64")
+    if not pow2(config.num_warps) or config.num_warps > 32:
+        raise ValueError(f"{kernel}: config.num_warps = {config.num_warps!r}, expected a power of two in [1, 32]")
+    if not isinstance(config.num_stages, int) or config.num_stages < 1:
+        raise ValueError(f"{kernel}: config.num_stages = {config.num_stages!r}, expected an int >= 1")

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonq.kernels import use_triton
+from tritonq.kernels import check_launch_config, use_triton
 from tritonq.kernels.configs import lookup
 
 LOG2E = 1.4426950408889634
@@ -321,35 +321,18 @@ def decode_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_
     return max(1, min(wanted, triton.cdiv(max_len, 4 * block_n), 64))
 
 
-def _is_pow2(n) -> bool:
-    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
-
-
-def _check_launch(kernel: str, config, blocks: tuple[str, ...]) -> None:
-    """Block sizes: powers of two >= 16 (tl.dot's smallest tile); num_warps a power of two <= 32."""
-    for name in blocks:
-        value = getattr(config, name)
-        if not _is_pow2(value) or value < 16:
-            raise ValueError(f"{kernel}: config.{name} = {value!r}, expected a power of two >= 16 "
-                             "(tl.dot's smallest tile), e.g. 64")
-    if not _is_pow2(config.num_warps) or config.num_warps > 32:
-        raise ValueError(f"{kernel}: config.num_warps = {config.num_warps!r}, expected a power of two in [1, 32]")
-    if not isinstance(config.num_stages, int) or config.num_stages < 1:
-        raise ValueError(f"{kernel}: config.num_stages = {config.num_stages!r}, expected an int >= 1")
-
-
 def check_prefill_config(config: PrefillConfig) -> None:
     """TypeError/ValueError unless `config` is a launchable PrefillConfig."""
     if not isinstance(config, PrefillConfig):
         raise TypeError(f"prefill_attention: config must be a PrefillConfig, got {type(config).__name__}")
-    _check_launch("prefill_attention", config, ("block_m", "block_n"))
+    check_launch_config("prefill_attention", config, ("block_m", "block_n"))
 
 
 def check_decode_config(config: DecodeConfig, page_size: int = 0) -> None:
     """TypeError/ValueError unless `config` is a launchable DecodeConfig; a paged cache needs block_n <= page_size."""
     if not isinstance(config, DecodeConfig):
         raise TypeError(f"decode_attention: config must be a DecodeConfig, got {type(config).__name__}")
-    _check_launch("decode_attention", config, ("block_n",))
+    check_launch_config("decode_attention", config, ("block_n",))
     if not isinstance(config.num_splits, int) or config.num_splits < 1:
         raise ValueError(f"decode_attention: config.num_splits = {config.num_splits!r}, expected an int >= 1")
     if page_size and config.block_n > page_size:

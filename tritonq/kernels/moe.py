@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
-from tritonq.kernels import use_triton
+from tritonq.kernels import check_launch_config, use_triton
 from tritonq.kernels.configs import lookup
 
 DENSE, INT4, FP8 = 0, 1, 2  # the kernel's KIND: how the weight tile is loaded
@@ -335,10 +335,6 @@ def _config(tokens: int, top_k: int, num_experts: int, N: int, K: int) -> MoECon
     return MoEConfig(**tuned) if tuned is not None else default_config(tokens, top_k, num_experts)
 
 
-def _is_pow2(n) -> bool:
-    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
-
-
 def check_config(config) -> tuple[MoEConfig, MoEConfig]:
     """A MoEConfig (both GEMMs) or a (gate_up, down) pair -> the pair; ValueError if not launchable."""
     pair = (config, config) if isinstance(config, MoEConfig) else config
@@ -346,15 +342,7 @@ def check_config(config) -> tuple[MoEConfig, MoEConfig]:
         raise ValueError(f"fused_moe: config must be a MoEConfig or a (gate_up, down) pair of them, "
                          f"got {type(config).__name__}")
     for c in pair:
-        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-            value = getattr(c, name)
-            if not _is_pow2(value) or value < 16:
-                raise ValueError(f"fused_moe: config.{name} = {value!r}, expected a power of two >= 16 "
-                                 "(tl.dot's smallest tile), e.g. 64")
-        if not _is_pow2(c.num_warps) or c.num_warps > 32:
-            raise ValueError(f"fused_moe: config.num_warps = {c.num_warps!r}, expected a power of two in [1, 32]")
-        if not isinstance(c.num_stages, int) or c.num_stages < 1:
-            raise ValueError(f"fused_moe: config.num_stages = {c.num_stages!r}, expected an int >= 1")
+        check_launch_config("fused_moe", c, ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     if pair[0].BLOCK_M != pair[1].BLOCK_M:
         raise ValueError(f"fused_moe: the gate_up and down configs have BLOCK_M {pair[0].BLOCK_M} and "
                          f"{pair[1].BLOCK_M}; both GEMMs share one token alignment, so BLOCK_M must match")
