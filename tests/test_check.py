@@ -6,7 +6,7 @@ from tritonq.kernels import int4_gemm
 def test_quick_check_passes(capsys):
     assert tritonq.check.main(["--quick"]) == 0
     out = capsys.readouterr().out
-    for family in ("int4_gemm", "fp8_gemm", "fp8_quant", "rms_norm", "attention", "moe_routing", "fused_moe"):
+    for family in ("int4_gemm", "fp8_gemm", "fp8_quant", "rms_norm", "attention", "moe_routing", "fused_moe", "model"):
         assert f"ok   {family}" in out
     assert "FAIL" not in out
 
