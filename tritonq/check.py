@@ -129,19 +129,22 @@ def _dequantize_activation(q, scales, group: int | None):
 
 
 def _stacked(kind: str, E: int, N: int, K: int, device, dtype):
-    """A stacked expert weight [E, N, K] of the given kind with random contents."""
+    """A stacked expert weight [E, N, K] with random contents made on the device (quantizing 64
+    experts on the host would take longer than the check): int4 asymmetric group 64, fp8 128x128 blocks."""
     import torch
 
-    from tritonq.formats.base import DenseWeight, stack_experts
-    from tritonq.quantize import quantize_fp8, quantize_int4
+    from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight
 
-    dense = torch.randn(E, N, K) / K ** 0.5
     if kind == "dense":
-        return DenseWeight(dense.to(device, dtype))
-    parts = [quantize_int4(d, group_size=64, scale_dtype=dtype) if kind == "int4" else quantize_fp8(d, "block")
-             for d in dense]
-    w = stack_experts(parts)
-    return type(w)(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in vars(w).values()))
+        return DenseWeight((torch.randn(E, N, K, device=device) / K ** 0.5).to(dtype))
+    if kind == "int4":  # random int32 words are random nibbles
+        G = K // 64
+        return Int4Weight(torch.randint(-2**31, 2**31 - 1, (E, K // 8, N), dtype=torch.int32, device=device),
+                          (torch.rand(E, G, N, device=device) * 0.02 / K ** 0.5).to(dtype),
+                          torch.randint(0, 16, (E, G, N), device=device).to(dtype), None, 64, 4)
+    codes = (torch.randn(E, N, K, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(E, -(-N // 128), -(-K // 128), device=device) * 1e-3 + 1e-4
+    return FP8Weight(codes, scales, block_size=(128, 128))
 
 
 @contextlib.contextmanager
