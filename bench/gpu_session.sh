@@ -20,7 +20,7 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, keep its output
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } > "$out/machine.txt" 2>&1; cat "$out/machine.txt"
-step check      150 $py -m tritonq.check --json "$out/check.json"
+step check      240 $py -m tritonq.check --json "$out/check.json"
 # TUNE=1: instead of the benchmarks, sweep the launch configs of every kernel for Llama-2-7B /
 # DeepSeek-V2-Lite shapes; winners go to $out/configs/<kernel>/<gpu>.json (copy them into
 # tritonq/kernels/configs/, then rerun without TUNE to measure them).
@@ -37,5 +37,5 @@ step int4_gemm  120 $py -m tritonq.bench int4_gemm --models llama-2-7b --json "$
 step fp8        90  $py -m tritonq.bench fp8 --json "$out/fp8.json"
 step attention  60  $py -m tritonq.bench attention --json "$out/attention.json"
 step moe        60  $py -m tritonq.bench moe --out "$out/moe.json"
-step generate   60  $py -m tritonq.bench generate --hidden 2048 --layers 8 --out "$out/generate.json"
-step load       40  $py -m tritonq.bench load --gb 1.0 --device cuda --json "$out/load.json"
+step generate   45  $py -m tritonq.bench generate --hidden 2048 --layers 8 --out "$out/generate.json"
+step load       30  $py -m tritonq.bench load --gb 1.0 --device cuda --json "$out/load.json"
