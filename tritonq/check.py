@@ -35,6 +35,7 @@ def _cases(device: str, quick: bool):
     import torch
 
     from tritonq.bench.fp8 import random_fp8_weight
+    from tritonq.bench.moe import random_experts
     from tritonq.kernels import attention as attn
     from tritonq.kernels import fp8_gemm as fp8
     from tritonq.kernels import int4_gemm as int4
@@ -112,7 +113,7 @@ def _cases(device: str, quick: bool):
                 moe.grouped_topk_reference(logits, top_k, n_group, topk_group)
             yield "moe_routing", f"E={E} n_group={n_group}", ours[1], ref[1]
         for kind in ("dense", "int4", "fp8"):
-            gate_up, down = (_stacked(kind, E, n, k_, device, dtype) for n, k_ in ((2 * inter, D), (D, inter)))
+            gate_up, down = (random_experts(kind, E, n, k_, dtype, device) for n, k_ in ((2 * inter, D), (D, inter)))
             for T in ms:
                 weights, ids = moe.grouped_topk(torch.randn(T, E, device=device), top_k)
                 x = torch.randn(T, D, device=device, dtype=dtype)
@@ -126,25 +127,6 @@ def _dequantize_activation(q, scales, group: int | None):
     if group is not None:
         scales = scales.repeat_interleave(group, 1)[:, :q.shape[1]]
     return q.float() * scales
-
-
-def _stacked(kind: str, E: int, N: int, K: int, device, dtype):
-    """A stacked expert weight [E, N, K] with random contents made on the device (quantizing 64
-    experts on the host would take longer than the check): int4 asymmetric group 64, fp8 128x128 blocks."""
-    import torch
-
-    from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight
-
-    if kind == "dense":
-        return DenseWeight((torch.randn(E, N, K, device=device) / K ** 0.5).to(dtype))
-    if kind == "int4":  # random int32 words are random nibbles
-        G = K // 64
-        return Int4Weight(torch.randint(-2**31, 2**31 - 1, (E, K // 8, N), dtype=torch.int32, device=device),
-                          (torch.rand(E, G, N, device=device) * 0.02 / K ** 0.5).to(dtype),
-                          torch.randint(0, 16, (E, G, N), device=device).to(dtype), None, 64, 4)
-    codes = (torch.randn(E, N, K, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scales = torch.rand(E, -(-N // 128), -(-K // 128), device=device) * 1e-3 + 1e-4
-    return FP8Weight(codes, scales, block_size=(128, 128))
 
 
 @contextlib.contextmanager

@@ -367,24 +367,6 @@ def _moe_problem(shape) -> tuple[int, ...]:
     return T, E, top_k, D, inter, gemm
 
 
-def _moe_group_size(K: int) -> int:
-    return 128 if K % 128 == 0 else 32
-
-
-def _random_int4_experts(E: int, N: int, K: int, dtype: torch.dtype, device: torch.device):
-    """Stacked asymmetric int4 Int4Weight [E, N, K], group 128 (32 if K is not a multiple):
-    random nibbles (random int32 words), scales giving each dequantized row ~unit norm."""
-    from tritonq.formats.base import Int4Weight
-
-    group_size = _moe_group_size(K)
-    G = K // group_size
-    qweight = torch.randint(-2**31, 2**31 - 1, (E, K // 8, N), dtype=torch.int32, device=device)
-    # (nibble - 8) has std ~4.6, so these scales make dequantized weights ~N(0, 1/K): unit-scale GEMM outputs
-    scales = ((torch.rand(E, G, N, device=device) * 0.5 + 0.75) / (4.6 * K ** 0.5)).to(dtype)
-    zeros = torch.full((E, G, N), 8.0, dtype=dtype, device=device)
-    return Int4Weight(qweight, scales, zeros, None, group_size, 4)
-
-
 def _moe_target() -> TuneTarget:
     """Fused MoE with int4 experts (group 128, asymmetric: AWQ/GPTQ checkpoints, as `bench moe`).
 
@@ -395,6 +377,7 @@ def _moe_target() -> TuneTarget:
     """
     import triton
 
+    from tritonq.bench.moe import int4_expert_group_size, random_experts
     from tritonq.kernels import moe as k
     from tritonq.kernels.moe import MoEConfig
 
@@ -417,8 +400,8 @@ def _moe_target() -> TuneTarget:
         T, E, top_k, D, inter, gemm = _moe_problem(problem)
         dtype = _kernel_dtype(device)
         x = torch.randn(T, D, dtype=dtype, device=device)
-        gate_up = _random_int4_experts(E, 2 * inter, D, dtype, device)
-        down = _random_int4_experts(E, D, inter, dtype, device)
+        gate_up = random_experts("int4", E, 2 * inter, D, dtype, device)
+        down = random_experts("int4", E, D, inter, dtype, device)
         weights, ids = grouped_topk(torch.randn(T, E, device=device), top_k, renormalize=True)
         return x, gate_up, down, weights, ids, gemm
 
@@ -438,7 +421,7 @@ def _moe_target() -> TuneTarget:
         T, _, top_k, D, inter, gemm = _moe_problem(problem)
         gate = gemm == 0
         N, K, w_rows = (inter, D, 2 * inter) if gate else (D, inter, D)  # w_rows: the stacked weight's N
-        group_size = _moe_group_size(K)
+        group_size = int4_expert_group_size(K)
         pointers = {"a_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*bf16", "zero_ptr": "*bf16",
                     "g_idx_ptr": "*i32", "routing_weight_ptr": "*fp32", "sorted_ids_ptr": "*i32",
                     "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32"}

@@ -12,25 +12,37 @@ import argparse
 import torch
 
 from tritonq.bench.common import device_peaks, print_table, time_ms, write_json
-from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight
+from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
 from tritonq.kernels.moe import fused_moe, fused_moe_reference, grouped_topk
 
 
-def _stacked_weight(kind: str, E: int, N: int, K: int, device) -> tuple:
-    """(our typed stacked weight, the dense bf16 [E, N, K] it stands for, for vLLM's bf16 path)."""
-    dense = (torch.randn(E, N, K, device=device) / K ** 0.5).to(torch.bfloat16)
+def int4_expert_group_size(K: int) -> int:
+    """The group size random_experts gives int4 experts with K inputs: 128, or 32 if K is not a multiple."""
+    return 128 if K % 128 == 0 else 32
+
+
+def random_experts(kind: str, E: int, N: int, K: int, dtype: torch.dtype, device) -> Weight:
+    """A stacked expert weight [E, N, K] of `kind` ("dense", "int4", "fp8") with random contents made
+    on the device, scaled so that x ~ N(0, 1) gives outputs of about unit size.
+
+    int4: asymmetric, group 128 (32 if K is not a multiple), random nibbles (random int32 words) and
+    zeros in [6, 10]; fp8: e4m3 codes with 128x128 block scales.
+    """
     if kind == "dense":
-        return DenseWeight(dense), dense
+        return DenseWeight((torch.randn(E, N, K, device=device) / K ** 0.5).to(dtype))
     if kind == "int4":
-        group_size = 128
+        group_size = int4_expert_group_size(K)
         G = K // group_size
-        # random int32 words are random nibbles: no need to pack [E, K, N] values
         qweight = torch.randint(-2**31, 2**31 - 1, (E, K // 8, N), dtype=torch.int32, device=device)
-        scales = (torch.rand(E, G, N, device=device) * 0.02).to(torch.bfloat16)
-        zeros = torch.full((E, G, N), 8.0, device=device, dtype=torch.bfloat16)
-        return Int4Weight(qweight, scales, zeros, None, group_size, 4), dense
-    scale = torch.rand(E, -(-N // 128), -(-K // 128), device=device) * 0.01
-    return FP8Weight((dense.float() * 8).to(torch.float8_e4m3fn), scale, block_size=(128, 128)), dense
+        # (nibble - zero) has std ~4.6, so these scales make dequantized weights ~N(0, 1/K)
+        scales = ((torch.rand(E, G, N, device=device) * 0.5 + 0.75) / (4.6 * K ** 0.5)).to(dtype)
+        zeros = torch.randint(6, 11, (E, G, N), device=device).to(dtype)
+        return Int4Weight(qweight, scales, zeros, None, group_size, 4)
+    if kind == "fp8":  # codes of std ~64 times scales ~1/(64 sqrt K)
+        codes = (torch.randn(E, N, K, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scales = (torch.rand(E, -(-N // 128), -(-K // 128), device=device) * 0.5 + 0.75) / (64 * K ** 0.5)
+        return FP8Weight(codes, scales, block_size=(128, 128))
+    raise ValueError(f"random_experts: kind {kind!r}; choose dense, int4 or fp8")
 
 
 def _vllm_fused_moe():
@@ -61,8 +73,8 @@ def main(argv: list[str]) -> None:
     E, D, inter, top_k = args.experts, args.hidden, args.intermediate, args.top_k
     rows = []
     for kind in args.weights:
-        gate_up, gate_up_dense = _stacked_weight(kind, E, 2 * inter, D, device)
-        down, down_dense = _stacked_weight(kind, E, D, inter, device)
+        gate_up = random_experts(kind, E, 2 * inter, D, dtype, device)
+        down = random_experts(kind, E, D, inter, dtype, device)
         weight_bytes = sum(t.numel() * t.element_size() for w in (gate_up, down)
                            for t in vars(w).values() if isinstance(t, torch.Tensor))
         for T in args.tokens:
@@ -74,7 +86,7 @@ def main(argv: list[str]) -> None:
             row = {"weights": kind, "tokens": T, "ours_ms": ours, "loop_ms": loop, "vs_loop": loop / ours,
                    "GB/s": weight_bytes * touched / ours / 1e6, "hbm_frac": weight_bytes * touched / ours / 1e6 / gbps}
             if vllm is not None and kind == "dense":  # vLLM's bf16 path takes w13 [E, 2I, D], w2 [E, D, I]
-                theirs = time_ms(lambda: vllm(x, gate_up_dense, down_dense, weights, ids))
+                theirs = time_ms(lambda: vllm(x, gate_up.weight, down.weight, weights, ids))
                 row.update(vllm_ms=theirs, vs_vllm=theirs / ours)
             rows.append(row)
     print(f"fused MoE on {name}: E={E} top_k={top_k} hidden={D} intermediate={inter} {dtype}")
