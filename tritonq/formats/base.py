@@ -85,6 +85,11 @@ class FP8Weight:
 Weight = DenseWeight | Int4Weight | FP8Weight
 
 
+def to_device(w: Weight, device) -> Weight:
+    """The same typed weight with every tensor field moved to `device`."""
+    return replace(w, **{f: v.to(device) for f, v in vars(w).items() if isinstance(v, torch.Tensor)})
+
+
 def concat_outputs(parts: list[Weight]) -> Weight:
     """Fuse linears that share their input (q/k/v, gate/up) by concatenating along N."""
     kinds = {type(p) for p in parts}
