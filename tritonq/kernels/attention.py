@@ -11,6 +11,14 @@ Shapes (B batch, S tokens, H query heads, Hkv key/value heads, H % Hkv == 0):
       already written).
   write_kv_cache(k_cache, v_cache, k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv], start [B] int32)
       Writes k/v in place at cache positions start[b]..start[b]+S-1 (one small kernel for both).
+  write_kv_slots(k_pages, v_pages, k [T,Hkv,Dqk], v [T,Hkv,Dv], slot_mapping [T] int64)
+      The engine's write: token t to page slot // page_size, row slot % page_size; slot < 0 skipped.
+  paged_prefill_attention(q [T,H,Dqk], k_pages, v_pages, cu_seqlens_q [B+1] int32,
+                          context_lens [B] int32, block_table [B,max_pages] int32, scale, window=0)
+      -> [T,H,Dv]: packed varlen queries (the last q_len_b positions of each sequence) against the
+      sequence's paged keys 0..context_lens[b]-1 (cached prefix + the new tokens), causal.
+Sliding window (window > 0, prefill, paged prefill, decode): key j is visible to query p iff
+j <= p and p - j < window, transformers' convention; key blocks wholly outside are not loaded.
 dtypes: fp16, bf16 or fp32 (all inputs the same); accumulation and softmax are fp32; outputs are
 in q's dtype (fp32 inputs use TF32 tensor-core dots on GPUs).
 KV cache layout [B, Smax, Hkv, D]: contiguous per sequence (what the models allocate), or paged
@@ -375,16 +383,26 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -
         raise ValueError(f"q and k head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)} ({what}).")
 
 
+def _check_window(window, causal: bool = True) -> None:
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window = {window!r}; expected an int >= 0 (0: no sliding window).")
+    if window and not causal:
+        raise ValueError(f"window = {window} needs causal=True (a sliding window looks back from each query).")
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float, causal: bool = True, config: PrefillConfig | None = None) -> torch.Tensor:
+                      scale: float, causal: bool = True, config: PrefillConfig | None = None,
+                      window: int = 0) -> torch.Tensor:
     """softmax(q k^T * scale) v over each right-padded sequence; see the module docstring.
 
+    window > 0 (needs causal): sliding-window attention, query p sees keys j with p - window < j <= p.
     config: launch config for the Triton kernel (the tuner's candidates); None: `prefill_config`.
     """
+    _check_window(window, causal)
     if config is not None:
         check_prefill_config(config)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
@@ -393,8 +411,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
     _check_heads(q, k, v, "prefill")
     B, S, H, D_QK = q.shape
     _check_lens("seq_lens", seq_lens, B, q.device)
-    if not use_triton(q):
-        return prefill_attention_reference(q, k, v, seq_lens, scale, causal)
+    if not use_triton(q) or window:  # TODO(attn): window in the Triton kernel
+        return prefill_attention_reference(q, k, v, seq_lens, scale, causal, window)
 
     q, k, v = map(_last_dim_contiguous, (q, k, v))
     D_V = v.shape[-1]
@@ -414,13 +432,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_lens: torch.Tensor, scale: float, block_table: torch.Tensor | None = None,
-                     config: DecodeConfig | None = None) -> torch.Tensor:
+                     window: int = 0, config: DecodeConfig | None = None,
+                     max_seq_len: int | None = None) -> torch.Tensor:
     """One query token per sequence against its KV cache; see the module docstring.
 
     block_table [B, max_pages] int32: the cache is paged, k_cache [P, page_size, Hkv, Dqk] and
     v_cache [P, page_size, Hkv, Dv]; position n of sequence b is in page block_table[b, n // page_size].
+    window > 0: sliding window, the query (at position cache_lens[b] - 1) sees the last `window` keys.
     config: launch config for the Triton kernels (the tuner's candidates; with a paged cache its
     block_n must not exceed page_size); None: `decode_config`, its block_n capped at page_size.
+    max_seq_len: the capacity the launch config is chosen for (default: the cache's, i.e. Smax or
+    the block table width x page_size). The config never depends on cache_lens, so a growing
+    sequence never recompiles and the launch is CUDA-graph safe.
     """
     if (q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:2] != v_cache.shape[:2]
             or (block_table is None and q.shape[0] != k_cache.shape[0])):
@@ -433,8 +456,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     page_size = _check_block_table(block_table, k_cache, B, q.device)
     if config is not None:
         check_decode_config(config, page_size)
-    if not use_triton(q):
-        return decode_attention_reference(q, k_cache, v_cache, cache_lens, scale, block_table)
+    _check_window(window)
+    if not use_triton(q) or window:  # TODO(attn): window in the Triton kernel
+        return decode_attention_reference(q, k_cache, v_cache, cache_lens, scale, block_table, window)
 
     q, k_cache, v_cache = map(_last_dim_contiguous, (q, k_cache, v_cache))
     H_kv, D_V = k_cache.shape[2], v_cache.shape[-1]
@@ -509,14 +533,90 @@ def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
         BLOCK_DV=triton.next_power_of_2(D_V), PAGE_SIZE=page_size)
 
 
+def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter one step's new tokens into a paged cache, in place.
+
+    k_pages [num_blocks, block_size, Hkv, Dqk], v_pages [num_blocks, block_size, Hkv, Dv] (v_pages
+    may be a strided view, e.g. the MLA latent k_pages[..., :512]); k [T, Hkv, Dqk], v [T, Hkv, Dv];
+    slot_mapping [T] int64: token t goes to page slot // block_size, row slot % block_size; a
+    slot < 0 is skipped (padding, e.g. unused rows of a CUDA-graph bucket).
+    """
+    if (k.dim() != 3 or v.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k.shape[:2] != v.shape[:2]
+            or k_pages.shape[:3] != v_pages.shape[:3] or k_pages.shape[2:] != k.shape[1:]
+            or v_pages.shape[2:] != v.shape[1:]):
+        raise ValueError(f"write_kv_slots: expected k [T,Hkv,Dqk], v [T,Hkv,Dv] matching k_pages "
+                         f"[num_blocks,block_size,Hkv,Dqk], v_pages [num_blocks,block_size,Hkv,Dv]; got k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}, k_pages {tuple(k_pages.shape)}, "
+                         f"v_pages {tuple(v_pages.shape)}.")
+    if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
+        raise ValueError(f"write_kv_slots: k/v dtypes {k.dtype}/{v.dtype} differ from the cache's "
+                         f"{k_pages.dtype}/{v_pages.dtype}; cast k and v to the cache dtype first.")
+    if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
+        raise ValueError("write_kv_slots: k_pages and v_pages must be contiguous in the head dim (written in place).")
+    T = k.shape[0]
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (T,) or slot_mapping.device != k.device:
+        raise ValueError(f"write_kv_slots: slot_mapping must be an int64 tensor of shape [{T}] on {k.device}; "
+                         f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)} on {slot_mapping.device}.")
+    capacity = k_pages.shape[0] * k_pages.shape[1]
+    if T == 0:
+        return
+    expected = f"write_kv_slots: slots must be < num_blocks x block_size = {capacity} (or < 0 to skip)"
+    if slot_mapping.is_cuda:  # checked on the device: a host check would sync the GPU in every layer
+        torch._assert_async(slot_mapping.max() < capacity, expected)
+    elif int(slot_mapping.max()) >= capacity:
+        raise ValueError(f"{expected}; got {int(slot_mapping.max())}.")
+    if not use_triton(k_pages) or True:  # TODO(attn): Triton kernel
+        return write_kv_slots_reference(k_pages, v_pages, k, v, slot_mapping)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
+                            scale: float, window: int = 0, config: PrefillConfig | None = None) -> torch.Tensor:
+    """Causal attention of packed new tokens over a paged cache that already holds them.
+
+    q [T, H, Dqk]: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 (varlen,
+    packed), at positions context_lens[b] - q_len_b + i. k_pages [P, page_size, Hkv, Dqk], v_pages
+    [P, page_size, Hkv, Dv] (strided views allowed, e.g. MLA's v = k_pages[..., :512]) hold each
+    sequence's cached prefix and its new tokens (write_kv_slots first) at positions
+    0 .. context_lens[b] - 1, position n in page block_table[b, n // page_size].
+    cu_seqlens_q [B+1] int32, context_lens [B] int32, block_table [B, max_pages] int32.
+    A query at position p sees keys j <= p and, if window > 0, p - j < window.
+    Returns [T, H, Dv] in q's dtype. config: as prefill_attention's (block_n <= page_size).
+    """
+    if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(f"paged_prefill_attention: expected q [T,H,Dqk], k_pages [P,page_size,Hkv,Dqk], "
+                         f"v_pages [P,page_size,Hkv,Dv]; got q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, "
+                         f"v_pages {tuple(v_pages.shape)}.")
+    _check_heads(q, k_pages, v_pages, "paged prefill")
+    _check_window(window)
+    B = context_lens.shape[0] if context_lens.dim() == 1 else -1
+    _check_lens("context_lens", context_lens, B, q.device)
+    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (B + 1,) or cu_seqlens_q.device != q.device:
+        raise ValueError(f"cu_seqlens_q must be an int32 tensor of shape [{B + 1}] on {q.device} (cumulative "
+                         f"query counts, starting at 0); got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)} "
+                         f"on {cu_seqlens_q.device}.")
+    page_size = _check_block_table(block_table, k_pages, B, q.device)
+    if config is not None:
+        check_prefill_config(config)
+        if config.block_n > page_size:
+            raise ValueError(f"paged_prefill_attention: config.block_n = {config.block_n} exceeds the page size "
+                             f"{page_size}; a key tile must lie in one page, so use block_n <= {page_size}")
+    if not use_triton(q) or True:  # TODO(attn): Triton kernel
+        return paged_prefill_attention_reference(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
+                                                 scale, window)
+
+
 def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     """[B, S, Hkv, D] -> [B, Hkv*group, S, D] float32 (query head h uses kv head h // group)."""
     return x.float().transpose(1, 2).repeat_interleave(group, dim=1)
 
 
 def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                                scale: float, causal: bool = True) -> torch.Tensor:
-    """Plain torch, float32: masked softmax over the full [S, S] score matrix per head."""
+                                scale: float, causal: bool = True, window: int = 0) -> torch.Tensor:
+    """Plain torch, float32: masked softmax over the full [S, S] score matrix per head.
+
+    window > 0: key j is visible to query p iff j <= p and p - j < window (transformers' convention)."""
     B, S, H, _ = q.shape
     group = H // k.shape[2]
     scores = q.float().transpose(1, 2) @ _repeat_kv(k, group).transpose(-1, -2) * scale  # [B,H,S,S]
@@ -524,6 +624,8 @@ def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     key_valid = pos[None, None, :] < seq_lens[:, None, None].to(pos)  # [B, 1, S]
     if causal:
         key_valid = key_valid & (pos[None, None, :] <= pos[None, :, None])  # [B, S, S]
+    if window:
+        key_valid = key_valid & (pos[None, :, None] - pos[None, None, :] < window)
     scores = scores.masked_fill(~key_valid[:, None], float("-inf"))
     out = (torch.softmax(scores, dim=-1) @ _repeat_kv(v, group)).transpose(1, 2)  # [B,S,H,Dv]
     row_valid = pos[None, :] < seq_lens[:, None].to(pos)
@@ -538,8 +640,9 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                cache_lens: torch.Tensor, scale: float,
-                               block_table: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain torch, float32: softmax over each sequence's cache positions < cache_lens[b].
+                               block_table: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """Plain torch, float32: softmax over each sequence's cache positions < cache_lens[b]
+    (and, if window > 0, >= cache_lens[b] - window).
 
     Query heads are grouped by kv head ([B, Hkv, group, Dqk] @ [B, Hkv, Dqk, Smax]), so GQA copies
     no cache rows; the mask is skipped when every sequence fills the cache (batch 1 on the used slice).
@@ -550,8 +653,11 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     B, H, _ = q.shape
     S_max, H_kv = k_cache.shape[1], k_cache.shape[2]
     scores = q.float().reshape(B, H_kv, H // H_kv, -1) @ k_cache.float().permute(0, 2, 3, 1) * scale
-    if min(cache_lens.tolist()) < S_max:  # scores [B, Hkv, group, Smax]: hide positions past each length
-        pad = torch.arange(S_max, device=q.device) >= cache_lens[:, None]
+    if window or min(cache_lens.tolist()) < S_max:  # scores [B, Hkv, group, Smax]: hide positions past each length
+        pos = torch.arange(S_max, device=q.device)
+        pad = pos >= cache_lens[:, None]
+        if window:
+            pad = pad | (pos < cache_lens[:, None] - window)
         scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v_cache.float().transpose(1, 2)  # [B, Hkv, group, Dv]
     return out.reshape(B, H, -1).to(q.dtype)
@@ -571,3 +677,39 @@ def write_kv_cache_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: to
     for b, pos in enumerate(start.tolist()):
         k_cache[b, pos:pos + S] = k[b]
         v_cache[b, pos:pos + S] = v[b]
+
+
+def write_kv_slots_reference(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> None:
+    """index_put: token t to page slot_mapping[t] // block_size, row slot_mapping[t] % block_size;
+    negative slots (padding) are skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_pages.shape[1]
+    k_pages[slots // block_size, slots % block_size] = k[keep]
+    v_pages[slots // block_size, slots % block_size] = v[keep]
+
+
+def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                                      cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                                      block_table: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Plain torch, float32, one sequence at a time: gather its context_lens[b] keys from its pages,
+    masked softmax with query i at position context_lens[b] - q_len + i (causal, optional window)."""
+    H, group = q.shape[1], q.shape[1] // k_pages.shape[2]
+    block_size = k_pages.shape[1]
+    out = torch.zeros(q.shape[0], H, v_pages.shape[-1], dtype=torch.float32, device=q.device)
+    cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
+    for b in range(len(ctx)):
+        n_q, n_k = cu[b + 1] - cu[b], ctx[b]
+        if n_q == 0:
+            continue
+        pages = block_table[b, :-(-n_k // block_size)].long()
+        k = k_pages[pages].flatten(0, 1)[:n_k].float().repeat_interleave(group, dim=1)  # [n_k, H, Dqk]
+        v = v_pages[pages].flatten(0, 1)[:n_k].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[cu[b]:cu[b + 1]].float(), k) * scale
+        p = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
+        j = torch.arange(n_k, device=q.device)[None, :]
+        visible = (j <= p) & ((p - j < window) if window else True)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    return out.to(q.dtype)
