@@ -53,16 +53,64 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv,
+                 D_QK, D_V, qk_scale, BLOCK_DR: tl.constexpr):
+    """One online-softmax step (flash-attention 2) of a query tile over BLOCK_N keys; every kernel's loop body.
+
+    q [M, BLOCK_D] (and q_tail [M, BLOCK_DR] if BLOCK_DR > 0): the query tile, scale not applied.
+    k_rows / v_rows [BLOCK_N]: pointers to the keys' rows (head offset applied, head dim contiguous).
+    key_ok [BLOCK_N]: keys that exist (others are not loaded: unused cache rows may hold NaN garbage).
+    visible [M, BLOCK_N]: the scores kept (causal, window, length). qk_scale includes log2(e).
+    m_i, l_i [M]: running max (log2 domain) and sum; acc [M, BLOCK_DV]. Returns (m_i, l_i, acc) updated.
+    A row that has seen no visible key yet (a sliding window's leading tiles) keeps m_i = -inf and
+    gains nothing: its max is taken as 0 for the exponentials, so exp2(-inf) = 0 and no NaN appears.
+    """
+    k = tl.load(k_rows[None, :] + offs_d[:, None], mask=key_ok[None, :] & (offs_d[:, None] < D_QK), other=0.0)
+    s = tl.dot(q, k)
+    if BLOCK_DR > 0:
+        k_tail = tl.load(k_rows[None, :] + offs_dr[:, None], mask=key_ok[None, :] & (offs_dr[:, None] < D_QK),
+                         other=0.0)
+        s = tl.dot(q_tail, k_tail, s)
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=key_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_q(q_rows, row_ok, D_QK, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr):
+    """q_rows [M] row pointers -> (q [M, BLOCK_D], q_tail [M, BLOCK_DR] or q again if BLOCK_DR == 0,
+    offs_d, offs_dr): the qk head dim as a main block plus a tail block at offset BLOCK_D."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D_QK), other=0.0)
+    if BLOCK_DR > 0:
+        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
+        q_tail = tl.load(q_rows[:, None] + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr[None, :] < D_QK),
+                         other=0.0)
+    else:  # unused placeholders: _attend_tile reads them only when BLOCK_DR > 0
+        offs_dr = offs_d
+        q_tail = q
+    return q, q_tail, offs_d, offs_dr
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_lens_ptr,
                     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                    S, H, D_QK, D_V, qk_scale,
-                    GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                    S, H, D_QK, D_V, qk_scale, window,
+                    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
                     BLOCK_DV: tl.constexpr):
     """One program: BLOCK_M query rows of one (sequence, query head). qk_scale includes log2(e).
 
     The qk head dim is a BLOCK_D block plus, if BLOCK_DR > 0, a tail block at offset BLOCK_D.
+    HAS_WINDOW (causal only): row p sees keys p - window < j <= p; key blocks before the block
+    row's window are skipped.
     """
     start_m = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1) // H
@@ -72,14 +120,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_lens_ptr,
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_rows = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
-    q = tl.load(q_rows + offs_d[None, :], mask=(offs_m[:, None] < seq_len) & (offs_d[None, :] < D_QK), other=0.0)
-    if BLOCK_DR > 0:
-        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
-        q_tail = tl.load(q_rows + offs_dr[None, :], mask=(offs_m[:, None] < seq_len) & (offs_dr[None, :] < D_QK),
-                         other=0.0)
+    q, q_tail, offs_d, offs_dr = _load_q(q_ptr + b * stride_qb + h * stride_qh + offs_m * stride_qs,
+                                         offs_m < seq_len, D_QK, BLOCK_D, BLOCK_DR)
     k_base = k_ptr + b * stride_kb + kv_h * stride_kh
     v_base = v_ptr + b * stride_vb + kv_h * stride_vh
 
@@ -92,29 +135,19 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_lens_ptr,
     if CAUSAL:
         hi = tl.minimum(hi, start_m + BLOCK_M)
     hi = tl.where(start_m < seq_len, hi, 0)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_WINDOW:  # the first key any row of this block sees, rounded down to a key block
+        lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
         n = start_n + offs_n
-        k = tl.load(k_base + n[None, :] * stride_ks + offs_d[:, None],
-                    mask=(n[None, :] < seq_len) & (offs_d[:, None] < D_QK), other=0.0)
-        s = tl.dot(q, k)
-        if BLOCK_DR > 0:
-            k_tail = tl.load(k_base + n[None, :] * stride_ks + offs_dr[:, None],
-                             mask=(n[None, :] < seq_len) & (offs_dr[:, None] < D_QK), other=0.0)
-            s = tl.dot(q_tail, k_tail, s)
-        s = s * qk_scale
-        valid = n[None, :] < seq_len
+        key_ok = n < seq_len
+        visible = key_ok[None, :]
         if CAUSAL:
-            valid = valid & (n[None, :] <= offs_m[:, None])
-        # Key 0 is valid for every row, so m_new is finite from the first block on: no NaNs.
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        v = tl.load(v_base + n[:, None] * stride_vs + offs_dv[None, :],
-                    mask=(n[:, None] < seq_len) & (offs_dv[None, :] < D_V), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+            visible = visible & (n[None, :] <= offs_m[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_m[:, None] - n[None, :] < window)
+        m_i, l_i, acc = _attend_tile(q, q_tail, k_base + n * stride_ks, v_base + n * stride_vs, key_ok, visible,
+                                     m_i, l_i, acc, offs_d, offs_dr, offs_dv, D_QK, D_V, qk_scale, BLOCK_DR)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = tl.where(offs_m[:, None] < seq_len, out, 0.0)
@@ -123,12 +156,69 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_lens_ptr,
 
 
 @triton.jit
+def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_lens_ptr, block_table_ptr, work_ptr,
+                          stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                          stride_ot, stride_oh, stride_bt, NUM_WORK, H, D_QK, D_V, qk_scale, window,
+                          GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
+                          BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """One program: BLOCK_M consecutive new tokens of one sequence, one query head, over paged keys.
+
+    work [2, NUM_WORK] int32 (built by the launcher on the device, no host sync): the sequence of
+    each query block (-1: none, the grid is an upper bound) and its first query row in that sequence.
+    Query row i of sequence b is at position ctx - q_len + i; keys 0..ctx-1 live in the pages of
+    block_table[b] (PAGE_SIZE a multiple of BLOCK_N, so a key tile is in one page).
+    """
+    seq = tl.load(work_ptr + tl.program_id(0))
+    first_row = tl.load(work_ptr + NUM_WORK + tl.program_id(0))
+    h = tl.program_id(1)
+    kv_h = h // GROUP
+    b = tl.maximum(seq, 0)
+    q_start = tl.load(cu_seqlens_ptr + b)
+    q_len = tl.where(seq >= 0, tl.load(cu_seqlens_ptr + b + 1) - q_start, 0)
+    ctx = tl.load(context_lens_ptr + b)
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    # Rows past the sequence's queries take its last position, so every row has a visible key.
+    pos = tl.minimum(ctx - q_len + rows, ctx - 1)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_rows = q_ptr + (q_start + rows).to(tl.int64) * stride_qt + h * stride_qh
+    q, q_tail, offs_d, offs_dr = _load_q(q_rows, row_ok, D_QK, BLOCK_D, BLOCK_DR)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # Keys up to the block's last real row (causal); none if the program has no rows.
+    hi = tl.where(first_row < q_len, tl.minimum(ctx, ctx - q_len + first_row + BLOCK_M), 0)
+    lo = 0
+    if HAS_WINDOW:  # blocks wholly before the first row's window are never loaded
+        lo = tl.maximum(ctx - q_len + first_row - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
+        n = start_n + offs_n
+        page = tl.load(block_table_ptr + b * stride_bt + start_n // PAGE_SIZE).to(tl.int64)
+        page_rows = start_n % PAGE_SIZE + offs_n
+        visible = n[None, :] <= pos[:, None]
+        if HAS_WINDOW:
+            visible = visible & (pos[:, None] - n[None, :] < window)
+        m_i, l_i, acc = _attend_tile(q, q_tail, k_ptr + page * stride_kp + kv_h * stride_kh + page_rows * stride_ks,
+                                     v_ptr + page * stride_vp + kv_h * stride_vh + page_rows * stride_vs,
+                                     n < ctx, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv, D_QK, D_V,
+                                     qk_scale, BLOCK_DR)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, part_o_ptr, part_lse_ptr,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
-                         stride_vb, stride_vs, stride_vh, stride_bt, H, D_QK, D_V, qk_scale,
+                         stride_vb, stride_vs, stride_vh, stride_bt, H, D_QK, D_V, qk_scale, window,
                          GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
-                         BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                         BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Stage 1. One program: one KV split of one (sequence, kv head, block of its query heads).
 
     All query heads sharing a kv head are one tl.dot operand, so each K/V tile is read once per
@@ -137,6 +227,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
     PAGE_SIZE 0: k/v are [B, Smax, Hkv, D]. PAGE_SIZE > 0 (a multiple of BLOCK_N): k/v are pages
     [P, PAGE_SIZE, Hkv, D] and position n of sequence b lives in page block_table[b, n // PAGE_SIZE];
     a key tile never straddles two pages, so paging costs one scalar load per tile.
+    HAS_WINDOW: only keys >= cache_len - window exist for the query; the splits divide that range.
     """
     b = tl.program_id(0)
     head_blocks = tl.cdiv(GROUP, BLOCK_H)
@@ -146,19 +237,20 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
     head_mask = group_offs < GROUP
     split = tl.program_id(2)
     cache_len = tl.load(cache_lens_ptr + b)
+    first = 0  # the first key the query sees, and that rounded down to a key block
+    start = 0
+    if HAS_WINDOW:
+        first = tl.maximum(cache_len - window, 0)
+        start = first // BLOCK_N * BLOCK_N
     # Split boundaries are BLOCK_N-aligned; trailing splits of a short sequence are empty.
-    split_len = tl.cdiv(tl.cdiv(cache_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    split_len = tl.cdiv(tl.cdiv(cache_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * split_len
     hi = tl.minimum(lo + split_len, cache_len)
 
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    q = tl.load(q_rows + offs_d[None, :], mask=head_mask[:, None] & (offs_d[None, :] < D_QK), other=0.0)
-    if BLOCK_DR > 0:  # qk tail block, as in the prefill kernel
-        offs_dr = BLOCK_D + tl.arange(0, BLOCK_DR)
-        q_tail = tl.load(q_rows + offs_dr[None, :], mask=head_mask[:, None] & (offs_dr[None, :] < D_QK), other=0.0)
+    q, q_tail, offs_d, offs_dr = _load_q(q_ptr + b * stride_qb + heads * stride_qh, head_mask, D_QK,
+                                         BLOCK_D, BLOCK_DR)
     k_base = k_ptr + b * stride_kb + kv_h * stride_kh
     v_base = v_ptr + b * stride_vb + kv_h * stride_vh
 
@@ -173,23 +265,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
             k_tile = k_ptr + page * stride_kb + kv_h * stride_kh
             v_tile = v_ptr + page * stride_vb + kv_h * stride_vh
             rows = start_n % PAGE_SIZE + offs_n
-        k = tl.load(k_tile + rows[None, :] * stride_ks + offs_d[:, None],
-                    mask=(n[None, :] < hi) & (offs_d[:, None] < D_QK), other=0.0)
-        s = tl.dot(q, k)
-        if BLOCK_DR > 0:
-            k_tail = tl.load(k_tile + rows[None, :] * stride_ks + offs_dr[:, None],
-                             mask=(n[None, :] < hi) & (offs_dr[:, None] < D_QK), other=0.0)
-            s = tl.dot(q_tail, k_tail, s)
-        s = s * qk_scale
-        s = tl.where(n[None, :] < hi, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        v = tl.load(v_tile + rows[:, None] * stride_vs + offs_dv[None, :],
-                    mask=(n[:, None] < hi) & (offs_dv[None, :] < D_V), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        key_ok = (n < hi) & (n >= first)
+        m_i, l_i, acc = _attend_tile(q, q_tail, k_tile + rows * stride_ks, v_tile + rows * stride_vs, key_ok,
+                                     key_ok[None, :], m_i, l_i, acc, offs_d, offs_dr,
+                                     offs_dv, D_QK, D_V, qk_scale, BLOCK_DR)
 
     # An empty split stores lse = -inf and a zero output; the merge gives it weight 0.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -249,6 +328,27 @@ def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, start_ptr, block_ta
     v = tl.load(v_ptr + b * stride_vb + s * stride_vs + h * stride_vh + offs_dv, mask=offs_dv < D_V)
     tl.store(v_cache_ptr + row * stride_vcb + slot * stride_vcs + h * stride_vch + offs_dv, v,
              mask=(offs_dv < D_V) & (pos + 0 * offs_dv < S_MAX))
+
+
+@triton.jit
+def _write_slots_kernel(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr,
+                        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                        stride_kt, stride_kth, stride_vt, stride_vth, D_QK, D_V,
+                        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """One program copies the k and v rows of one (token, kv head) to its slot; a slot < 0 writes nothing."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    page, row = slot // PAGE_SIZE, slot % PAGE_SIZE
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    # slot is broadcast to a vector first because the interpreter rejects scalar & vector masks.
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kth + offs_d, mask=offs_d < D_QK)
+    tl.store(k_pages_ptr + page * stride_kp + row * stride_ks + h * stride_kh + offs_d, k,
+             mask=(offs_d < D_QK) & (slot + 0 * offs_d >= 0))
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vth + offs_dv, mask=offs_dv < D_V)
+    tl.store(v_pages_ptr + page * stride_vp + row * stride_vs + h * stride_vh + offs_dv, v,
+             mask=(offs_dv < D_V) & (slot + 0 * offs_dv >= 0))
 
 
 @dataclass(frozen=True)
@@ -411,7 +511,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
     _check_heads(q, k, v, "prefill")
     B, S, H, D_QK = q.shape
     _check_lens("seq_lens", seq_lens, B, q.device)
-    if not use_triton(q) or window:  # TODO(attn): window in the Triton kernel
+    if not use_triton(q):
         return prefill_attention_reference(q, k, v, seq_lens, scale, causal, window)
 
     q, k, v = map(_last_dim_contiguous, (q, k, v))
@@ -423,8 +523,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
     _prefill_kernel[grid](q, k, v, out, seq_lens,
                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                          S, H, D_QK, D_V, scale * LOG2E,
-                          GROUP=H // k.shape[2], CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                          S, H, D_QK, D_V, scale * LOG2E, window,
+                          GROUP=H // k.shape[2], CAUSAL=causal, HAS_WINDOW=window > 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                           BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
@@ -457,12 +557,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if config is not None:
         check_decode_config(config, page_size)
     _check_window(window)
-    if not use_triton(q) or window:  # TODO(attn): window in the Triton kernel
+    if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
+        raise ValueError(f"decode_attention: max_seq_len = {max_seq_len!r}; expected an int >= 1 (the capacity "
+                         "the launch config is chosen for) or None.")
+    if not use_triton(q):
         return decode_attention_reference(q, k_cache, v_cache, cache_lens, scale, block_table, window)
 
     q, k_cache, v_cache = map(_last_dim_contiguous, (q, k_cache, v_cache))
     H_kv, D_V = k_cache.shape[2], v_cache.shape[-1]
-    S_max = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
+    # The config depends on capacity only (never cache_lens): a growing sequence keeps one compiled
+    # kernel and the launch reads nothing from the device. A window bounds the keys any query sees.
+    S_max = max_seq_len or (k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size)
+    if window:
+        S_max = min(S_max, window)
     group = H // H_kv
     (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
     block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
@@ -476,10 +583,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[grid](q, k_cache, v_cache, cache_lens, table, part_o, part_lse,
                                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                               table.stride(0), H, D_QK, D_V, scale * LOG2E,
+                               table.stride(0), H, D_QK, D_V, scale * LOG2E, window,
                                GROUP=group, NUM_SPLITS=cfg.num_splits, BLOCK_H=block_h,
                                BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
-                               PAGE_SIZE=page_size, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                               PAGE_SIZE=page_size, HAS_WINDOW=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, D_V,
                                  NUM_SPLITS=cfg.num_splits,
@@ -566,8 +673,14 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
         torch._assert_async(slot_mapping.max() < capacity, expected)
     elif int(slot_mapping.max()) >= capacity:
         raise ValueError(f"{expected}; got {int(slot_mapping.max())}.")
-    if not use_triton(k_pages) or True:  # TODO(attn): Triton kernel
+    if not use_triton(k_pages):
         return write_kv_slots_reference(k_pages, v_pages, k, v, slot_mapping)
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    _write_slots_kernel[(T, k.shape[1])](
+        k_pages, v_pages, k, v, slot_mapping, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k.shape[-1], v.shape[-1], BLOCK_D=triton.next_power_of_2(k.shape[-1]),
+        BLOCK_DV=triton.next_power_of_2(v.shape[-1]), PAGE_SIZE=k_pages.shape[1])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -602,9 +715,37 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
         if config.block_n > page_size:
             raise ValueError(f"paged_prefill_attention: config.block_n = {config.block_n} exceeds the page size "
                              f"{page_size}; a key tile must lie in one page, so use block_n <= {page_size}")
-    if not use_triton(q) or True:  # TODO(attn): Triton kernel
+    if not use_triton(q):
         return paged_prefill_attention_reference(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
                                                  scale, window)
+
+    q = _last_dim_contiguous(q)
+    T, H, D_QK = q.shape
+    D_V = v_pages.shape[-1]
+    (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
+    cfg = config or prefill_config(block_d, block_dr, block_dv, q.is_cuda)
+    block_n = min(cfg.block_n, page_size)  # a key tile within one page
+    out = torch.empty(T, H, D_V, dtype=q.dtype, device=q.device)
+    if T == 0 or B == 0:
+        return out
+    # Query blocks of all sequences, numbered in order: sum_b ceil(q_len_b / block_m) <= T / block_m + B,
+    # so a grid of that upper bound needs no host read of the lengths; spare programs get sequence -1.
+    num_work = triton.cdiv(T, cfg.block_m) + B
+    blocks = (cu_seqlens_q[1:] - cu_seqlens_q[:-1] + cfg.block_m - 1) // cfg.block_m
+    ends = torch.cumsum(blocks, 0)
+    program = torch.arange(num_work, device=q.device, dtype=ends.dtype)
+    seq = torch.searchsorted(ends, program, right=True)
+    first = (program - (ends - blocks)[seq.clamp(max=B - 1)]) * cfg.block_m
+    work = torch.stack([torch.where(seq < B, seq, -1), first]).to(torch.int32)
+    _paged_prefill_kernel[(num_work, H)](
+        q, k_pages, v_pages, out, cu_seqlens_q, context_lens, block_table, work,
+        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
+        num_work, H, D_QK, D_V, scale * LOG2E, window,
+        GROUP=H // k_pages.shape[2], HAS_WINDOW=window > 0, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
 
 
 def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
