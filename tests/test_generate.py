@@ -1,4 +1,4 @@
-"""Model.generate / chat behaviour: edge cases, cache limits, sampling controls, streaming.
+"""Model.generate / chat behaviour: edge cases, cache limits, sampling controls, streaming, many prompts.
 
 The token-level match with transformers is in tests/models/test_llama.py; here the reference
 is the greedy output of the same model, against which each option's effect is checked.
@@ -14,7 +14,7 @@ def model(tmp_path_factory):
     folder = write_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITONQ_BACKEND", "torch")
-        yield tritonq.load(folder, max_batch=3, max_seq_len=32)
+        yield tritonq.load(folder, max_num_seqs=3, max_seq_len=32)
 
 
 @pytest.fixture(autouse=True)
@@ -38,9 +38,11 @@ def test_prompt_longer_than_cache_raises(model):
         model.generate("x" * 5, max_new_tokens=30)
 
 
-def test_too_many_prompts_raises(model):
-    with pytest.raises(ValueError, match="max_batch=3"):
-        model.generate(["a", "b", "c", "d"], max_new_tokens=1)
+def test_more_prompts_than_max_num_seqs_each_equal_to_alone(model):
+    prompts = ["a", "hello there", "xyz", "b", "qrs", "hello", "zz"]  # max_num_seqs=3: they queue
+    alone = [model.generate(p, max_new_tokens=6) for p in prompts]
+    assert model.generate(prompts, max_new_tokens=6) == alone
+    assert model.engine.block_manager.num_free_blocks == model.engine.block_manager.num_blocks
 
 
 def test_eos_at_first_step_stops_that_sequence_only(model):
@@ -66,6 +68,22 @@ def test_batch_equals_each_prompt_alone(model):
 def test_stream_pieces_concatenate_to_the_text(model):
     pieces = list(model.generate("hello", max_new_tokens=8, stream=True))
     assert len(pieces) > 1 and "".join(pieces) == model.generate("hello", max_new_tokens=8)
+
+
+def test_stream_of_several_prompts_yields_index_and_piece(model):
+    prompts = ["hello", "xy", "a"]
+    texts = ["", "", ""]
+    for index, piece in model.generate(prompts, max_new_tokens=8, stream=True):
+        texts[index] += piece
+    assert texts == model.generate(prompts, max_new_tokens=8)
+
+
+def test_closing_a_stream_early_frees_its_blocks(model):
+    stream = model.generate(["hello", "xy"], max_new_tokens=8, stream=True)
+    next(stream)
+    stream.close()
+    assert not model.engine.has_unfinished()
+    assert model.engine.block_manager.num_free_blocks == model.engine.block_manager.num_blocks
 
 
 def test_stop_string_truncates_text(model):
@@ -104,14 +122,13 @@ def test_return_dict_has_logprobs_and_timing(model):
     out = model.generate(["hello", "a"], max_new_tokens=5, return_dict=True)
     assert [len(t) for t in out.token_ids] == [len(lp) for lp in out.logprobs]
     assert all(lp <= 0 for seq in out.logprobs for lp in seq)
-    assert out.prefill_s > 0 and out.decode_tokens_per_s > 0
+    assert all(t > 0 for t in out.time_to_first_token_s) and out.decode_tokens_per_s > 0
+    assert out.finish_reasons == ["length", "length"]
 
 
 def test_bad_options_raise(model):
     with pytest.raises(ValueError, match="top_p"):
         model.generate("a", top_p=0.0)
-    with pytest.raises(ValueError, match="stream=True takes a single prompt"):
-        model.generate(["a", "b"], stream=True)
     with pytest.raises(ValueError, match="cannot also return_dict"):
         model.generate("a", stream=True, return_dict=True)
     with pytest.raises(TypeError, match="prompts must be"):

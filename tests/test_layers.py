@@ -22,7 +22,7 @@ def test_tied_embedding_and_lm_head_share_one_table(tmp_path):
     import tritonq
     from tritonq.demo import write_tiny_llama
 
-    model = tritonq.load(write_tiny_llama(tmp_path, hidden_size=64, num_layers=1), device="cpu", max_batch=1,
+    model = tritonq.load(write_tiny_llama(tmp_path, hidden_size=64, num_layers=1), device="cpu", max_num_seqs=1,
                          max_seq_len=16).model
     assert model.embed_tokens.weight.data_ptr() == model.lm_head.weight.weight.data_ptr()
     ids = torch.tensor([[3, 7, 250]])

@@ -192,28 +192,24 @@ MODELS = {  # name: (write_checkpoint options, quantized format and options or N
     "gptq_act_order_asym": ({"kv_heads": 2, "tied": True, "bias": True},
                             ("gptq", {"group_size": 32, "sym": False, "act_order": True})),
 }
-PROMPTS = [[5, 17, 200, 3, 99, 42, 7, 1, 250], [64, 65, 66, 67]]  # right-padded batch of unequal lengths
+PROMPTS = [[5, 17, 200, 3, 99, 42, 7, 1, 250], [64, 65, 66, 67]]  # a batch of unequal lengths
 DECODE_STEPS = 3
 
 
 def run_steps(model: tritonq.Model) -> dict:
-    """Prefill logits [B, S, V], then the [B, V] logits of DECODE_STEPS fixed next tokens, greedy
-    generate() output, and the bytes of the sharded layers. Run alike by the ranks and one process."""
-    B, S = len(PROMPTS), max(len(p) for p in PROMPTS)
-    ids = torch.zeros(B, S, dtype=torch.long)
-    for b, p in enumerate(PROMPTS):
-        ids[b, :len(p)] = torch.tensor(p)
-    lens = torch.tensor([len(p) for p in PROMPTS], dtype=torch.int32)
-    logits = [model.model(ids, lens, model.cache, torch.zeros(B, dtype=torch.int32))]
-    for step in range(DECODE_STEPS):
-        tokens = torch.tensor([[(31 * step + 11 * b) % 256] for b in range(B)])
-        logits.append(model.model(tokens, torch.ones(B, dtype=torch.int32), model.cache, lens, last_only=True))
-        lens = lens + 1
+    """Prefill logits [S + DECODE_STEPS, V] of each prompt followed by fixed next tokens, greedy
+    generate() output (tokens and logprobs, decoded through the paged cache), a seeded sample, a
+    stream, and the bytes of the sharded layers. Run alike by the ranks and one process."""
+    logits = []
+    for b, prompt in enumerate(PROMPTS):
+        fixed = [(31 * step + 11 * b) % 256 for step in range(DECODE_STEPS)]
+        logits.append(model.engine.prompt_logits(prompt + fixed))
     greedy = model.generate(PROMPTS, max_new_tokens=4, return_dict=True)
     sampled = model.generate(PROMPTS[0], max_new_tokens=4, temperature=1.0, seed=0)
     streamed = list(model.generate(PROMPTS[1], max_new_tokens=3, stream=True))
     return {"logits": logits, "bytes": sharded_bytes(model.model), "sampled": sampled, "streamed": streamed,
-            "greedy": None if greedy is None else greedy.token_ids}
+            "greedy": None if greedy is None else greedy.token_ids,
+            "greedy_logprobs": None if greedy is None else greedy.logprobs}
 
 
 def _tensors(w) -> list[tuple[str, torch.Tensor]]:
@@ -266,7 +262,7 @@ def _rank_main(rank: int, port: int, folders: dict[str, str], out: str) -> None:
     os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TRITONQ_BACKEND": "torch"}
     torch.set_num_threads(1)
-    results = {name: run_steps(tritonq.load(folder, device="cpu", max_batch=2, max_seq_len=24, tensor_parallel=WORLD))
+    results = {name: run_steps(tritonq.load(folder, device="cpu", max_num_seqs=2, max_seq_len=24, tensor_parallel=WORLD))
                for name, folder in folders.items()}
     assert dist.get_backend() == "gloo"
     torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -293,7 +289,7 @@ def runs(tmp_path_factory):
             else:
                 write_checkpoint(root / f"{name}_dense", **options)
                 write_quantized(root / f"{name}_dense", folders[name], quantized[0], **quantized[1])
-            model = tritonq.load(folders[name], device="cpu", max_batch=2, max_seq_len=24)
+            model = tritonq.load(folders[name], device="cpu", max_num_seqs=2, max_seq_len=24)
             single[name] = run_steps(model) | {"expected": [expected_rank_bytes(model.model, r) for r in range(WORLD)]}
         out = root / "out"
         out.mkdir()
@@ -327,5 +323,7 @@ def test_each_rank_holds_its_share_of_the_weight_bytes(runs, name):
 def test_only_rank_0_returns_generated_text(runs, name):
     single, (rank0, rank1) = runs[name]
     assert rank0["greedy"] == single["greedy"] and rank0["sampled"] == single["sampled"]
+    for got, expected in zip(rank0["greedy_logprobs"], single["greedy_logprobs"], strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=ATOL, rtol=0)
     assert rank0["streamed"] == single["streamed"] and rank0["streamed"]
     assert rank1["greedy"] is None and rank1["sampled"] is None and rank1["streamed"] == []

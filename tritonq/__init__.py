@@ -28,20 +28,32 @@ def _eos_token_ids(folder: Path, config, tokenizer) -> set[int]:
 
 
 def load(name_or_path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-         revision: str | None = None, quantize: str | None = None, max_batch: int = 8,
-         max_seq_len: int | None = None, tensor_parallel: int | None = None) -> Model:
+         revision: str | None = None, quantize: str | None = None, max_seq_len: int | None = None,
+         tensor_parallel: int | None = None, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
+         kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9, block_size: int = 16,
+         enable_prefix_caching: bool = True) -> Model:
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
 
     device defaults to CUDA when available, else CPU. dtype defaults to float32 on CPU (CPU half
     matmuls are slow) and to the checkpoint's fp16/bf16 on CUDA. quantize ("int4", "fp8", ...)
-    quantizes a dense checkpoint while loading. The KV cache for max_batch sequences of
-    max_seq_len tokens (default: min(max_position_embeddings, 4096)) is allocated here, once.
+    quantizes a dense checkpoint while loading. max_seq_len (default: min(max_position_embeddings,
+    4096)) bounds prompt + max_new_tokens of one request.
     tensor_parallel=N splits the model over N processes started by `torchrun --nproc-per-node N`
     (each reads only its shard, on GPU LOCAL_RANK); None follows the launcher, 1 opts out.
+
+    Engine options (see tritonq.engine): at most max_num_seqs sequences run at once and one step
+    computes at most max_num_batched_tokens tokens (a longer prompt is prefilled in chunks). The
+    paged KV cache (blocks of block_size tokens) is sized from memory, once, here: on CUDA
+    gpu_memory_utilization of the GPU's memory less what the weights and a warm-up step take; on
+    CPU kv_cache_gb GiB (default: 4, or what max_num_seqs sequences of max_seq_len need if less).
+    kv_cache_gb, when given, is the budget on CUDA too. enable_prefix_caching reuses the KV of
+    prompt prefixes (whole blocks) that earlier requests computed.
     """
     from transformers import AutoConfig, AutoTokenizer
 
     from tritonq import distributed
+    from tritonq.engine.engine import Engine
+    from tritonq.engine.runner import kv_cache_blocks
     from tritonq.formats.registry import get_loader
     from tritonq.hub import resolve
     from tritonq.models import model_class
@@ -63,4 +75,10 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | None = None, device: 
         model = cls(config, loader, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)
-    return Model(model, tokenizer, max_batch, max_seq_len, _eos_token_ids(folder, config, tokenizer), rank, world)
+    num_blocks = kv_cache_blocks(model, block_size=block_size, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=kv_cache_gb,
+                                 gpu_memory_utilization=gpu_memory_utilization, world=world)
+    engine = Engine(model, tokenizer, _eos_token_ids(folder, config, tokenizer), num_blocks=num_blocks,
+                    block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    enable_prefix_caching=enable_prefix_caching, max_seq_len=max_seq_len, world=world)
+    return Model(model, tokenizer, engine, max_seq_len, rank, world)

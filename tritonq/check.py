@@ -169,6 +169,7 @@ def _model_cases(device: str, quick: bool):
     from transformers import AutoConfig
 
     from tritonq.demo import write_tiny_llama
+    from tritonq.engine.runner import prefill_logits
     from tritonq.formats.registry import get_loader
     from tritonq.models import model_class
     from tritonq.quantize import write_quantized
@@ -189,9 +190,7 @@ def _model_cases(device: str, quick: bool):
             for dev, dt, backend in ((device, dtype, contextlib.nullcontext), ("cpu", torch.float32, _torch_backend)):
                 with backend():
                     m = model_class(config.model_type)(config, get_loader(folder, dt, dev), dt, dev, **kwargs)
-                    seq = torch.tensor([ids.shape[1]], dtype=torch.int32, device=dev)
-                    out = m(ids.to(dev), seq, m.new_cache(1, 64), torch.zeros(1, dtype=torch.int32, device=dev),
-                            last_only=True)
+                    out = prefill_logits(m, ids[0].tolist(), last_only=True)
                 logits.append(out.float().cpu())
             mode = f" {kwargs['attention_mode']}" if kwargs else ""
             yield "model", f"tiny {arch}{mode} {fmt}: {device} kernels vs CPU torch", logits[0], logits[1]

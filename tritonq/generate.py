@@ -1,10 +1,9 @@
-"""Generation: static KV cache, batched prefill + decode loop, sampling, streaming.
+"""Model: generate / stream / chat on top of the continuous-batching engine (tritonq.engine).
 
-The cache [max_batch, max_seq_len, Hkv, D] per layer is allocated once when the Model is built
-and never grown; a request that does not fit raises a ValueError saying what to change.
-Batched prompts are right-padded and carry per-sequence lengths (see models/llama.py): each
-sequence decodes at its own position, so no pad token is ever attended and positions need no
-left-padding offsets. Each sequence stops on its own at EOS, a stop string or max_new_tokens.
+generate() queues every prompt as a request of one Engine (one paged KV cache per Model) and
+steps it until they are all done: new requests join the running batch as others finish, so any
+number of prompts runs with the memory the cache has. Each request stops on its own at EOS, a
+stop string or max_new_tokens; results come back in input order.
 """
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tritonq.distributed import broadcast_from_rank0
-
+from tritonq.engine.engine import Engine
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -41,98 +39,38 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class GenerationOutput:
-    """Per prompt: generated text, generated token ids (EOS included if hit), and the log-probability
-    of each generated token under the model (raw logits, before sampling filters). Timing covers
-    the whole batch: prefill seconds and decode tokens per second (all sequences, after the first token)."""
+    """Per prompt, in input order: generated text, generated token ids (EOS included if hit), the
+    log-probability of each generated token under the model (raw logits, before sampling filters),
+    why it finished ("eos", "stop" or "length") and its time to first token (seconds since generate
+    was called). decode_tokens_per_s: tokens generated after each request's first, over all requests,
+    per second of the time from the first first token to the end."""
     text: list[str]
     token_ids: list[list[int]]
     logprobs: list[list[float]]
-    prefill_s: float
+    finish_reasons: list[str]
+    time_to_first_token_s: list[float]
     decode_tokens_per_s: float
 
 
-def sample(logits: torch.Tensor, seen: torch.Tensor, config: GenerationConfig,
-           generator: torch.Generator | None) -> torch.Tensor:
-    """Next tokens [B] int64 from logits [B, V] float32; seen [B, V] bool marks prompt + generated tokens."""
-    if config.repetition_penalty != 1.0:  # CTRL-style penalty, as transformers applies it
-        penalized = torch.where(logits > 0, logits / config.repetition_penalty, logits * config.repetition_penalty)
-        logits = torch.where(seen, penalized, logits)
-    if config.temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / config.temperature
-    if config.top_k:
-        kth = logits.topk(min(config.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if config.top_p < 1.0:
-        sorted_logits, order = logits.sort(-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= config.top_p  # keep the smallest prefix reaching top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
-
-
-def generate_tokens(model, cache, prompts: list[list[int]], config: GenerationConfig, eos_ids: set[int],
-                    is_stopped=None, world: int = 1) -> Iterator[list[tuple[int, float] | None]]:
-    """Yields one list per step: (token, logprob) for each sequence still running, None for finished ones.
-
-    is_stopped(b, generated_ids) -> bool is asked after each token (stop strings); EOS ends a sequence too.
-    world > 1 (tensor parallel): every rank runs this loop; rank 0's sampled tokens are broadcast, so all
-    ranks feed the same tokens and stop at the same step even if sampling differed.
-    """
-    if config.max_new_tokens == 0:
-        return
-    B, longest = len(prompts), max(len(p) for p in prompts)
-    device = model.device
-    ids = torch.zeros(B, longest, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)] = torch.tensor(p)
-    ids = ids.to(device)
-    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device)
-    seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=device)
-    seen.scatter_(1, ids, True)
-    generator = None
-    if config.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(config.seed)
-    running = [True] * B
-    generated: list[list[int]] = [[] for _ in range(B)]
-    logits = model(ids, lens, cache, torch.zeros(B, dtype=torch.int32, device=device), last_only=True)
-    for step_index in range(config.max_new_tokens):
-        logits = logits.float()
-        tokens = sample(logits, seen, config, generator)
-        if world > 1:
-            tokens = broadcast_from_rank0(tokens)
-        logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
-        seen.scatter_(1, tokens[:, None], True)
-        step = []
-        for b, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
-            if not running[b]:
-                step.append(None)
-                continue
-            generated[b].append(token)
-            step.append((token, logprob))
-            if token in eos_ids or (is_stopped is not None and is_stopped(b, generated[b])):
-                running[b] = False
-        yield step
-        if not any(running) or step_index == config.max_new_tokens - 1:
-            return
-        logits = model(tokens[:, None], torch.ones(B, dtype=torch.int32, device=device), cache, lens, last_only=True)
-        lens = lens + 1
-
-
 class Model:
-    """A loaded model with its tokenizer and its static KV cache; built by tritonq.load().
+    """A loaded model with its tokenizer and its engine (paged KV cache); built by tritonq.load().
 
     Tensor parallel (world > 1): every rank must call generate / chat with the same arguments (they run
     in lockstep); only rank 0 returns the result, the others return None (stream=True: they run the
     whole generation inside the call and return an empty iterator).
     """
 
-    def __init__(self, model, tokenizer, max_batch: int, max_seq_len: int, eos_token_ids: set[int],
-                 rank: int = 0, world: int = 1):
-        self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, set(eos_token_ids)
-        self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.rank, self.world = rank, world
-        self.cache = model.new_cache(max_batch, max_seq_len)
+    def __init__(self, model, tokenizer, engine: Engine, max_seq_len: int, rank: int = 0, world: int = 1):
+        self.model, self.tokenizer, self.engine = model, tokenizer, engine
+        self.max_seq_len, self.rank, self.world = max_seq_len, rank, world
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.engine.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.engine.eos_token_ids = set(ids)
 
     def _encode(self, prompts) -> tuple[list[list[int]], bool]:
         """(token id lists, single?) from a str, list of str, list of ids, list of id lists or a tensor."""
@@ -153,94 +91,87 @@ class Model:
                         "got a list mixing these.")
 
     def _check_fits(self, prompts: list[list[int]], config: GenerationConfig) -> None:
-        if len(prompts) > self.max_batch:
-            raise ValueError(f"{len(prompts)} prompts exceed max_batch={self.max_batch}; pass fewer prompts or "
-                             "load with a larger max_batch.")
+        """Every request is checked before any runs, so a bad one costs no work."""
         for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} has no tokens; give at least one token.")
-            if len(p) + config.max_new_tokens > self.max_seq_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens={config.max_new_tokens} > "
-                                 f"max_seq_len={self.max_seq_len} (the KV cache length); shorten the prompt, lower "
-                                 "max_new_tokens or load with a larger max_seq_len.")
-
-    def _text(self, ids: list[int], config: GenerationConfig) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        for s in config.stop:
-            if s in text:
-                text = text[:text.index(s)]
-        return text
+            try:
+                self.engine.check_request(len(p), config.max_new_tokens)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
 
     def generate(self, prompts, config: GenerationConfig | None = None, *, stream: bool = False,
-                 return_dict: bool = False, **options):
-        """Generate from prompts (str, list of str, token ids or list of token id lists).
+                 return_dict: bool = False, progress: bool | None = None, **options):
+        """Generate from prompts (str, list of str, token ids or list of token id lists), any number of them.
 
         options are GenerationConfig fields (max_new_tokens, temperature, top_k, top_p,
-        repetition_penalty, stop, seed). Returns the text (a str for a single prompt, a list for a
-        batch), a GenerationOutput with return_dict=True, or with stream=True an iterator of text
-        pieces (single prompt only) as they are decoded. Tensor parallel: None on ranks other than 0.
+        repetition_penalty, stop, seed). Returns the text (a str for a single prompt, a list in input
+        order otherwise) or a GenerationOutput with return_dict=True. stream=True returns an iterator of
+        text pieces as they become final: str pieces for a single prompt, (index, piece) for a list.
+        progress: a tqdm bar over requests (default: when there are more than 8 prompts).
+        Tensor parallel: None on ranks other than 0.
         """
         if "stop" in options:
             options["stop"] = (options["stop"],) if isinstance(options["stop"], str) else tuple(options["stop"])
         config = replace(config or GenerationConfig(), **options)
         encoded, single = self._encode(prompts)
+        if stream and return_dict:
+            raise ValueError("stream=True yields text pieces; it cannot also return_dict. Use one of them.")
+        self._check_fits(encoded, config)
         if stream:
-            if return_dict:
-                raise ValueError("stream=True yields text pieces; it cannot also return_dict. Use one of them.")
-            if len(encoded) != 1:
-                raise ValueError(f"stream=True takes a single prompt; got {len(encoded)}.")
-            self._check_fits(encoded, config)
+            pieces = self._stream(encoded, config, single)
             if self.rank != 0:  # keep step with rank 0, which streams lazily: collectives pair up step by step
-                for _ in self._stream(encoded[0], config):
+                for _ in pieces:
                     pass
                 return iter(())
-            return self._stream(encoded[0], config)
+            return pieces
         if not encoded:
-            return GenerationOutput([], [], [], 0.0, 0.0) if return_dict else []
-        self._check_fits(encoded, config)
-        out = self._run(encoded, config)
+            return GenerationOutput([], [], [], [], [], 0.0) if return_dict else []
+        out = self._run(encoded, config, len(encoded) > 8 if progress is None else progress)
         if self.rank != 0:
             return None
         if return_dict:
             return out
         return out.text[0] if single else out.text
 
-    def _stopper(self, config: GenerationConfig):
-        if not config.stop:
-            return None
-        return lambda b, ids: any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in config.stop)
+    def _requests(self, prompts: list[list[int]], config: GenerationConfig) -> Iterator:
+        """Queue the prompts and step the engine until they are done, yielding every RequestOutput of
+        theirs; on any exit (an error, Ctrl-C, a stream closed early) the unfinished ones are aborted."""
+        ids = [self.engine.add_request(p, config) for p in prompts]
+        index = {rid: i for i, rid in enumerate(ids)}
+        pending = set(ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in index:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield index[out.request_id], out
+        finally:
+            for rid in pending:
+                self.engine.abort(rid)
 
-    def _run(self, prompts: list[list[int]], config: GenerationConfig) -> GenerationOutput:
-        token_ids = [[] for _ in prompts]
-        logprobs = [[] for _ in prompts]
+    def _run(self, prompts: list[list[int]], config: GenerationConfig, progress: bool) -> GenerationOutput:
+        from tqdm.auto import tqdm
         start = time.perf_counter()
-        prefill_s, steps = 0.0, 0
-        for step in generate_tokens(self.model, self.cache, prompts, config, self.eos_token_ids,
-                                    self._stopper(config), self.world):
-            if steps == 0:
-                prefill_s = time.perf_counter() - start
-            steps += 1
-            for b, item in enumerate(step):
-                if item is not None:
-                    token_ids[b].append(item[0])
-                    logprobs[b].append(item[1])
-        decode_s = time.perf_counter() - start - prefill_s
-        decoded = sum(len(t) for t in token_ids) - sum(1 for t in token_ids if t)
-        return GenerationOutput(text=[self._text(t, config) for t in token_ids], token_ids=token_ids,
-                                logprobs=logprobs, prefill_s=prefill_s,
-                                decode_tokens_per_s=decoded / decode_s if decoded else 0.0)
+        requests = [None] * len(prompts)
+        with tqdm(total=len(prompts), desc="Generating", unit="prompt", disable=not progress or self.rank != 0,
+                  leave=False) as bar:
+            for i, out in self._requests(prompts, config):
+                if out.finished:
+                    requests[i] = out.request
+                    bar.update(1)
+        firsts = [r.first_token_s for r in requests if r.first_token_s is not None]
+        decoded = sum(max(len(r.token_ids) - 1, 0) for r in requests)
+        span = max(r.finish_s for r in requests) - min(firsts) if firsts else 0.0
+        return GenerationOutput(
+            text=[r.text for r in requests], token_ids=[r.token_ids for r in requests],
+            logprobs=[r.logprobs for r in requests], finish_reasons=[r.finish_reason for r in requests],
+            time_to_first_token_s=[(r.first_token_s or start) - start for r in requests],
+            decode_tokens_per_s=decoded / span if decoded and span > 0 else 0.0)
 
-    def _stream(self, prompt: list[int], config: GenerationConfig) -> Iterator[str]:
-        ids, emitted = [], ""
-        for step in generate_tokens(self.model, self.cache, [prompt], config, self.eos_token_ids,
-                                    self._stopper(config), self.world):
-            ids.append(step[0][0])
-            text = self._text(ids, config)
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-                continue
-            if len(text) > len(emitted):
-                yield text[len(emitted):]
-                emitted = text
+    def _stream(self, prompts: list[list[int]], config: GenerationConfig, single: bool) -> Iterator:
+        for i, out in self._requests(prompts, config):
+            if out.text:
+                yield out.text if single else (i, out.text)
 
     def chat(self, messages: list[dict], **options):
         """Generate the assistant reply to messages [{"role": ..., "content": ...}] via the chat template."""

@@ -152,7 +152,7 @@ def test_load_shows_a_progress_bar_that_can_be_silenced(tmp_path, capsys):
     import tritonq
     from tritonq.demo import write_tiny_llama
     folder = write_tiny_llama(tmp_path / "tiny", hidden_size=32, num_layers=1)
-    tritonq.load(folder, device="cpu", max_batch=1, max_seq_len=8)
+    tritonq.load(folder, device="cpu", max_num_seqs=1, max_seq_len=8)
     assert "Loading tiny" in capsys.readouterr().err
     weights = Weights(folder)
     with weights.progress(enabled=False) as bar:

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from models.paged import PagedRun
 from safetensors.torch import save_file
 from transformers import DeepseekV2Config
 from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
@@ -79,40 +80,47 @@ PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [12, 7, 33, 2, 70]]
 
 @pytest.mark.parametrize("mode", MODES)
 def test_prefill_and_decode_logits_match_transformers(checkpoint, mode):
-    """Right-padded batch of two prompts, then 4 decode steps at unequal positions."""
+    """A batch of two prompts over the paged cache, then 4 decode steps at unequal positions."""
     folder, hf = checkpoint
     model = load(folder, hf, mode)
     steps = [[30, 31, 32, 33], [50, 51, 52, 53]]
-    cache = model.new_cache(2, 16)
-    lens = torch.tensor([len(p) for p in PROMPTS], dtype=torch.int32)
-    ids = torch.zeros(2, max(lens), dtype=torch.long)
-    for b, p in enumerate(PROMPTS):
-        ids[b, :len(p)] = torch.tensor(p)
-    ours = [[row[:n]] for row, n in zip(model(ids, lens, cache, torch.zeros(2, dtype=torch.int32)), lens)]
-    last = model(ids, lens, model.new_cache(2, 16), torch.zeros(2, dtype=torch.int32), last_only=True)
+    run = PagedRun(model, 2, 16)
+    ours = [[rows] for rows in run.prefill(PROMPTS)]
+    last = PagedRun(model, 2, 16).prefill(PROMPTS, every_row=False)
     torch.testing.assert_close(last, torch.stack([rows[0][-1] for rows in ours]), **TOL)
     for i in range(len(steps[0])):
-        step = torch.tensor([[s[i]] for s in steps])
-        logits = model(step, torch.ones(2, dtype=torch.int32), cache, lens + i)
+        logits = run.decode([s[i] for s in steps])
         for b in range(2):
-            ours[b].append(logits[b])
+            ours[b].append(logits[b:b + 1])
     for b in range(2):
         with torch.no_grad():
             expected = hf(torch.tensor([PROMPTS[b] + steps[b]])).logits[0]
         torch.testing.assert_close(torch.cat(ours[b]), expected, **TOL)
 
 
-def at(position):
-    return torch.tensor([position], dtype=torch.int32)
+@pytest.mark.parametrize("mode", MODES)
+def test_chunked_prefill_over_cached_pages_matches_transformers(checkpoint, mode):
+    """A 40-token prompt prefilled in chunks of 17, 1 and 22 tokens (each attending to the pages the
+    earlier chunks wrote, across the 16-token block boundaries) gives transformers' logits."""
+    folder, hf = checkpoint
+    prompt = torch.randint(0, 96, (40,)).tolist()
+    run = PagedRun(load(folder, hf, mode), 1, 48)
+    ours = torch.cat([run.prefill([prompt[a:b]])[0] for a, b in ((0, 17), (17, 18), (18, 40))])
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, expected, **TOL)
+
+
+def prefill(model, prompt):
+    """[S, V] prefill logits of one prompt over a fresh paged cache."""
+    return PagedRun(model, 1, len(prompt)).prefill([prompt])[0]
 
 
 def greedy(model, prompt, n_tokens):
-    cache = model.new_cache(1, len(prompt) + n_tokens)
-    logits = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), cache, at(0))
-    tokens = [int(logits[0, -1].argmax())]
-    for i in range(n_tokens - 1):
-        logits = model(torch.tensor([[tokens[-1]]]), torch.ones(1, dtype=torch.int32), cache, at(len(prompt) + i))
-        tokens.append(int(logits[0, -1].argmax()))
+    run = PagedRun(model, 1, len(prompt) + n_tokens)
+    tokens = [int(run.prefill([prompt], every_row=False)[0].argmax())]
+    for _ in range(n_tokens - 1):
+        tokens.append(int(run.decode([tokens[-1]])[0].argmax()))
     return tokens
 
 
@@ -131,12 +139,11 @@ def test_triton_kernels_match_transformers(mode, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITONQ_BACKEND", "triton")
     hf = HFDeepseekV2(DeepseekV2Config(**dict(COMMON, num_hidden_layers=2), **CONFIGS["v2"])).eval()
     hf.save_pretrained(tmp_path)
-    model = load(tmp_path, hf, mode)
-    cache = model.new_cache(1, 8)
+    run = PagedRun(load(tmp_path, hf, mode), 1, 8)
     prompt, steps = PROMPTS[1], [3, 4]
-    logits = [model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), cache, at(0))[0]]
-    for i, token in enumerate(steps):
-        logits.append(model(torch.tensor([[token]]), torch.ones(1, dtype=torch.int32), cache, at(len(prompt) + i))[0])
+    logits = run.prefill([prompt])
+    for token in steps:
+        logits.append(run.decode([token]))
     with torch.no_grad():
         expected = hf(torch.tensor([prompt + steps])).logits[0]
     torch.testing.assert_close(torch.cat(logits), expected, **TOL)
@@ -152,7 +159,7 @@ def test_load_and_generate_end_to_end(tmp_path):
     quantized = write_quantized(tmp_path / "dense", tmp_path / "awq", "awq", group_size=32)
     (tmp_path / "ref").mkdir()
     reference = dequantized_reference(tmp_path / "dense", quantized, tmp_path / "ref")
-    model = tritonq.load(quantized, device="cpu", max_batch=2, max_seq_len=32)
+    model = tritonq.load(quantized, device="cpu", max_num_seqs=2, max_seq_len=32)
     prompts = [PROMPTS[0], PROMPTS[1]]
     ours = model.generate(prompts, max_new_tokens=10, return_dict=True).token_ids
     for prompt, tokens in zip(prompts, ours):
@@ -165,12 +172,10 @@ def test_attention_modes_agree(checkpoint):
     folder, hf = checkpoint
     logits = {}
     for mode in MODES:
-        model = load(folder, hf, mode)
-        cache = model.new_cache(1, 12)
-        prompt = torch.tensor([PROMPTS[1]])
-        steps = [model(prompt, torch.tensor([5], dtype=torch.int32), cache, at(0))[0, -1]]
-        for i, token in enumerate([4, 8, 15, 16, 23]):
-            steps.append(model(torch.tensor([[token]]), torch.ones(1, dtype=torch.int32), cache, at(5 + i))[0, -1])
+        run = PagedRun(load(folder, hf, mode), 1, 12)
+        steps = [run.prefill([PROMPTS[1]], every_row=False)[0]]
+        for token in [4, 8, 15, 16, 23]:
+            steps.append(run.decode([token])[0])
         logits[mode] = torch.stack(steps)
     torch.testing.assert_close(logits["latent"], logits["expanded"], **TOL)
 
@@ -190,8 +195,7 @@ def test_norm_topk_prob_renormalizes_like_deepseek(tmp_path):
     gate.forward = renormalized
     prompt = PROMPTS[0]
     model = load(tmp_path, hf, "latent")
-    ours = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), model.new_cache(1, 8),
-                 at(0))[0]
+    ours = prefill(model, prompt)
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, expected, **TOL)
@@ -207,8 +211,7 @@ def test_moe_layer_freq_puts_dense_mlps_between_moe_layers(tmp_path):
     model = load(tmp_path, hf, "latent")
     assert [type(layer.mlp).__name__ for layer in model.layers] == ["DeepseekV2MoE", "MLP", "DeepseekV2MoE"]
     prompt = PROMPTS[0]
-    ours = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32), model.new_cache(1, 8),
-                 at(0))[0]
+    ours = prefill(model, prompt)
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, expected, **TOL)
@@ -229,15 +232,12 @@ def test_bad_inputs_raise(checkpoint):
     with pytest.raises(ValueError, match="attention_mode"):
         load(folder, hf, "paged")
     model = load(folder, hf, "latent")
-    one, ids = torch.ones(1, dtype=torch.int32), torch.tensor([[1, 2]])
-    with pytest.raises(ValueError, match="must start at position 0"):
-        model(ids, 2 * one, model.new_cache(1, 8), at(3))
-    with pytest.raises(ValueError, match="max_batch"):
-        model(ids.expand(2, 2), 2 * one.expand(2), model.new_cache(1, 8), at(0).expand(2))
-    with pytest.raises(ValueError, match="past the cache"):
-        model(ids[:, :1], one, model.new_cache(1, 8), at(8))
+    run = PagedRun(model, 1, 16)
+    with pytest.raises(RuntimeError, match="need more than its 1 blocks of 16"):
+        run.prefill([list(range(17))])  # past the sequence's pages
+    ctx = run.runner.prepare(run.seqs, [2], True)
     with pytest.raises(ValueError, match="'expanded'"):
-        model(ids, 2 * one, load(folder, hf, "expanded").new_cache(1, 8), at(0))
+        model(ctx, PagedRun(load(folder, hf, "expanded"), 1, 16).runner.cache)
     v3_routing = copy.deepcopy(hf.config)
     v3_routing.topk_method = "noaux_tc"
     with pytest.raises(ValueError, match="topk_method"):
@@ -291,8 +291,7 @@ def test_quantized_matches_transformers_on_dequantized_weights(checkpoint, fmt, 
     model = DeepseekV2ForCausalLM(hf.config, get_loader(quantized, torch.float32, "cpu"), torch.float32, "cpu")
     assert isinstance(model.layers[1].mlp.down, FP8Weight if fmt == "fp8" else Int4Weight)  # experts quantized
     prompt = PROMPTS[0]
-    ours = model(torch.tensor([prompt]), torch.tensor([len(prompt)], dtype=torch.int32),
-                 model.new_cache(1, 8), at(0))[0]
+    ours = prefill(model, prompt)
     if fmt == "fp8":  # after our forward: the patch replaces F.linear for everyone
         quantize_linear_inputs_fp8(reference, monkeypatch)
     with torch.no_grad():

@@ -51,9 +51,8 @@ def write_checkpoint(folder, kv_heads=2, tied=True, bias=True, rope="llama3", hi
 
 
 def our_prefill_logits(model: tritonq.Model, ids: torch.Tensor) -> torch.Tensor:
-    B, S = ids.shape
-    zero = torch.zeros(B, dtype=torch.int32)
-    return model.model(ids, torch.full((B,), S, dtype=torch.int32), model.cache, zero)
+    """[B, S, V]: each row's prefill logits through the paged cache."""
+    return torch.stack([model.engine.prompt_logits(row) for row in ids.tolist()])
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +63,7 @@ def _torch_backend(monkeypatch):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_prefill_logits_match_transformers(tmp_path, name):
     hf = write_checkpoint(tmp_path, *CONFIGS[name])
-    ours = tritonq.load(tmp_path, max_batch=2, max_seq_len=40)
+    ours = tritonq.load(tmp_path, max_num_seqs=2, max_seq_len=40)
     ids = torch.randint(0, 256, (2, 23))  # longer than max_position_embeddings: dynamic/llama3/yarn scaling matter
     with torch.no_grad():
         expected = hf(ids).logits
@@ -86,7 +85,7 @@ def hf_greedy(hf, prompt: list[int], n: int, eos: int) -> tuple[list[int], list[
 @pytest.mark.parametrize("name", ["gqa_tied_bias_llama3", "mha_untied_linear"])
 def test_greedy_20_tokens_match_transformers_single_and_batch(tmp_path, name):
     hf = write_checkpoint(tmp_path, *CONFIGS[name])
-    ours = tritonq.load(tmp_path, max_batch=3, max_seq_len=48)
+    ours = tritonq.load(tmp_path, max_num_seqs=3, max_seq_len=48)
     eos = ours.tokenizer.eos_token_id
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 1, 12)]
     expected = [hf_greedy(hf, p, 20, eos) for p in prompts]
@@ -124,7 +123,7 @@ def test_quantized_logits_match_transformers_on_dequantized_weights(tmp_path, na
     fmt, options = QUANTIZED[name]
     hf = write_checkpoint(tmp_path / "dense", *CONFIGS["gqa_tied_bias_llama3"])
     write_quantized(tmp_path / "dense", tmp_path / name, fmt, **options)
-    ours = tritonq.load(tmp_path / name, max_batch=1, max_seq_len=24)
+    ours = tritonq.load(tmp_path / name, max_num_seqs=1, max_seq_len=24)
     ids = torch.randint(0, 256, (1, 19))
     with torch.no_grad():
         expected = dequantized_transformers_model(hf, tmp_path / name)(ids).logits
@@ -143,10 +142,10 @@ def test_triton_interpreter_kernels_match_torch_backend(tmp_path, monkeypatch):
     write_quantized(tmp_path / "dense", tmp_path / "awq", "awq", group_size=32)
     prompts = [[3, 1, 4, 1, 5], [9, 2]]
     monkeypatch.setenv("TRITONQ_BACKEND", "triton")
-    triton_out = tritonq.load(tmp_path / "awq", max_batch=2, max_seq_len=8).generate(
+    triton_out = tritonq.load(tmp_path / "awq", max_num_seqs=2, max_seq_len=8).generate(
         prompts, max_new_tokens=3, return_dict=True)
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")
-    torch_out = tritonq.load(tmp_path / "awq", max_batch=2, max_seq_len=8).generate(
+    torch_out = tritonq.load(tmp_path / "awq", max_num_seqs=2, max_seq_len=8).generate(
         prompts, max_new_tokens=3, return_dict=True)
     assert triton_out.token_ids == torch_out.token_ids
     for a, b in zip(triton_out.logprobs, torch_out.logprobs):

@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
         hf.save_pretrained(folder)
         from tritonq.demo import byte_tokenizer
         byte_tokenizer().save_pretrained(folder)  # load() needs a tokenizer; the bench feeds token ids
-        ours = tritonq.load(folder, dtype=dtype, device=device, max_batch=args.batch,
+        ours = tritonq.load(folder, dtype=dtype, device=device, max_num_seqs=args.batch,
                             max_seq_len=args.prompt_len + args.new_tokens)
     ours.eos_token_ids = set()  # force exactly new_tokens tokens, as for transformers below
     hf = hf.to(device=device, dtype=dtype)

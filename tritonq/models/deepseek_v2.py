@@ -11,13 +11,14 @@ Rotary acts on the Dr part only. Checkpoints store it as interleaved pairs (x0, 
 layout and use rotate-half, which is the same rotation with the dims permuted identically in
 q and k, so q . k is unchanged.
 
-Two attention modes (`attention_mode`):
-  "expanded": cache k [B, Smax, H, Dn + Dr] and v [B, Smax, H, Dv] per layer;
-              prefill and decode both through tritonq.kernels.attention.
-  "latent":   cache [latent | k_rope] [B, Smax, 1, R + Dr] per layer (MQA with one kv head).
-              Decode absorbs kv_b_proj: q_latent = q_nope @ W_uk (per head, [Dn] -> [R]), attention
-              against the cache with v = its first R dims, then o = out @ W_uv^T ([R] -> [Dv]).
-              Prefill expands K/V (cheaper for many query tokens) and writes the latent.
+Two attention modes (`attention_mode`), both over the paged cache of tritonq.models.common:
+  "expanded": pages k [P, bs, H, Dn + Dr] and v [P, bs, H, Dv] per layer; the new tokens' K/V
+              are expanded from the latent and written, then paged prefill / decode attention.
+  "latent":   pages [latent | k_rope] [P, bs, 1, R + Dr] per layer (MQA with one kv head), v a
+              view of their first R dims. Decode absorbs kv_b_proj: q_latent = q_nope @ W_uk (per
+              head, [Dn] -> [R]), attention against the pages, then o = out @ W_uv^T ([R] -> [Dv]).
+              Prefill (cheaper expanded for many query tokens) expands K/V of the whole context,
+              cached prefix included, from the latent pages into temporary pages.
 DeepSeek-V2-Lite in bf16 (`kv_bytes_per_token`): latent 31,104 B/token, expanded 276,480 (8.9x).
 
 Behaviour follows transformers' DeepseekV2 where it agrees with DeepSeek's original modeling
@@ -28,18 +29,16 @@ transformers (the original differs only when just one of mscale / mscale_all_dim
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tritonq.formats.base import DenseWeight, stack_experts
-from tritonq.kernels.attention import decode_attention, prefill_attention, write_kv_cache
+from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
 from tritonq.kernels.moe import fused_moe, grouped_topk
-from tritonq.kernels.norm_rope import apply_rope, rope_cos_sin
+from tritonq.kernels.norm_rope import apply_rope
 from tritonq.layers import Embedding, Linear, RMSNorm
-from tritonq.models.llama import KVCache
+from tritonq.models.common import KVLayout, PagedKVCache, RopeTables, StepContext, logit_rows
 
 ATTENTION_MODES = ("expanded", "latent")
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -79,14 +78,6 @@ def softmax_scale(config) -> float:
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     """[..., D] pairs (x0, x1), (x2, x3)... -> half-split (x0, x2, ..., x1, x3, ...)."""
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-
-
-@dataclass(frozen=True)
-class MLACache(KVCache):
-    """Static cache allocated once per layer. expanded: k [B_max, S_max, H, Dn + Dr] and
-    v [B_max, S_max, H, Dv]; latent: k [B_max, S_max, 1, R + Dr] holding [latent | k_rope] and
-    v = k[..., :R], a view (the latent is stored once and serves as key prefix and value)."""
-    attention_mode: str = "latent"
 
 
 class MLP(nn.Module):
@@ -165,35 +156,63 @@ class MLAttention(nn.Module):
             w = kv_b.dequantize().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
             self.w_uk, self.w_uv = w[:, :self.nope_dim].contiguous(), w[:, self.nope_dim:].contiguous()
 
-    def forward(self, x, cos, sin, seq_lens, k_cache, v_cache, start_pos):
-        """x [B, S, D]; cos/sin [B, S, Dr] at x's positions; seq_lens/start_pos [B] int32. S > 1: prefill from 0."""
-        B, S, _ = x.shape
+    def _expand_context(self, pages: torch.Tensor, ctx: StepContext):
+        """K [P', bs, H, Dn + Dr] and V [P', bs, H, Dv] pages of every context token of the step's sequences,
+        expanded from the latent pages by kv_b_proj (as transformers computes them), and their block table:
+        sequence b's positions 0..context_lens[b]-1 in consecutive new pages."""
+        H, Dn, Dr, Dv, R = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank
+        bs, B = pages.shape[1], ctx.context_lens.shape[0]
+        lens = ctx.context_lens.long()
+        n_pages = (lens + bs - 1) // bs
+        first_page = torch.cumsum(n_pages, 0) - n_pages
+        total = int(lens.sum())  # one host read per layer of a prefill step
+        seq = torch.repeat_interleave(torch.arange(B, device=lens.device), lens, output_size=total)
+        pos = torch.arange(total, device=lens.device) - (torch.cumsum(lens, 0) - lens)[seq]
+        rows = pages[ctx.block_table[seq, pos // bs].long(), pos % bs, 0]  # [N, R + Dr]
+        k_nope, v = self.kv_b_proj(rows[:, :R]).view(total, H, Dn + Dv).split([Dn, Dv], dim=-1)
+        k = torch.cat([k_nope, rows[:, None, R:].expand(total, H, Dr)], dim=-1)
+        num_new = int(n_pages.sum())
+        k_ctx = torch.empty(num_new, bs, H, Dn + Dr, dtype=pages.dtype, device=pages.device)
+        v_ctx = torch.empty(num_new, bs, H, Dv, dtype=pages.dtype, device=pages.device)
+        write_kv_slots(k_ctx, v_ctx, k, v.contiguous(), first_page[seq] * bs + pos)
+        width = ctx.block_table.shape[1]
+        table = (first_page[:, None] + torch.arange(width, device=lens.device)).to(torch.int32)
+        return k_ctx, v_ctx, table
+
+    def _attend(self, q, k_pages, v_pages, ctx: StepContext) -> torch.Tensor:
+        if ctx.is_prefill:
+            return paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
+                                           self.scale)
+        return decode_attention(q, k_pages, v_pages, ctx.context_lens, self.scale, block_table=ctx.block_table)
+
+    def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
+        """x [T, D] -> [T, D]; cos/sin [1, T, Dr] at the rows' positions."""
+        T = x.shape[0]
         H, Dn, Dr, Dv, R = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(B, S, H, Dn + Dr).split([Dn, Dr], dim=-1)
+        q_nope, q_rope = q.view(T, H, Dn + Dr).split([Dn, Dr], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([R, Dr], dim=-1)
-        latent = self.kv_a_layernorm(latent)[:, :, None]  # [B, S, 1, R]
-        q_rope = apply_rope(_deinterleave(q_rope), cos, sin)
-        k_rope = apply_rope(_deinterleave(k_rope)[:, :, None], cos, sin)  # [B, S, 1, Dr]
+        latent = self.kv_a_layernorm(latent)  # [T, R]
+        q_rope = apply_rope(_deinterleave(q_rope)[None], cos, sin)[0]
+        k_rope = apply_rope(_deinterleave(k_rope)[None, :, None], cos, sin)[0]  # [T, 1, Dr]
 
-        if self.attention_mode == "latent":  # v_cache views k_cache[..., :R]: both writes store the latent
-            write_kv_cache(k_cache, v_cache, torch.cat([latent, k_rope], dim=-1), latent, start_pos)
-        if S > 1 or self.attention_mode == "expanded":
-            k_nope, v = self.kv_b_proj(latent[:, :, 0]).view(B, S, H, Dn + Dv).split([Dn, Dv], dim=-1)
-            k, q = torch.cat([k_nope, k_rope.expand(B, S, H, Dr)], dim=-1), torch.cat([q_nope, q_rope], dim=-1)
-            v = v.contiguous()
-            if self.attention_mode == "expanded":
-                write_kv_cache(k_cache, v_cache, k, v, start_pos)
-            if S > 1:
-                out = prefill_attention(q, k, v, seq_lens, self.scale)
-            else:
-                out = decode_attention(q[:, 0], k_cache, v_cache, start_pos + 1, self.scale)
-        else:  # latent decode: attend in the latent space, one shared kv head of width R + Dr
-            q_latent = torch.einsum("bhn,hnr->bhr", q_nope[:, 0].float(), self.w_uk.float()).to(x.dtype)
-            out_latent = decode_attention(torch.cat([q_latent, q_rope[:, 0]], dim=-1), k_cache, v_cache,
-                                          start_pos + 1, self.scale)
-            out = torch.einsum("bhr,hvr->bhv", out_latent.float(), self.w_uv.float()).to(x.dtype)
-        return self.o_proj(out.reshape(B, S, H * Dv))
+        if self.attention_mode == "expanded":
+            k_nope, v = self.kv_b_proj(latent).view(T, H, Dn + Dv).split([Dn, Dv], dim=-1)
+            write_kv_slots(k_pages, v_pages, torch.cat([k_nope, k_rope.expand(T, H, Dr)], dim=-1), v.contiguous(),
+                           ctx.slot_mapping)
+            out = self._attend(torch.cat([q_nope, q_rope], dim=-1), k_pages, v_pages, ctx)
+        else:  # latent: v_pages views k_pages[..., :R], so writing k stores the latent as the value too
+            write_kv_slots(k_pages, v_pages, torch.cat([latent[:, None], k_rope], dim=-1), latent[:, None],
+                           ctx.slot_mapping)
+            if ctx.is_prefill:  # many queries: expand K/V of the whole context (cheaper than absorbing)
+                k_ctx, v_ctx, table = self._expand_context(k_pages, ctx)
+                out = paged_prefill_attention(torch.cat([q_nope, q_rope], dim=-1), k_ctx, v_ctx, ctx.cu_seqlens_q,
+                                              ctx.context_lens, table, self.scale)
+            else:  # one query per sequence: attend in the latent space, one shared kv head of width R + Dr
+                q_latent = torch.einsum("thn,hnr->thr", q_nope.float(), self.w_uk.float()).to(x.dtype)
+                out_latent = self._attend(torch.cat([q_latent, q_rope], dim=-1), k_pages, v_pages, ctx)
+                out = torch.einsum("thr,hvr->thv", out_latent.float(), self.w_uv.float()).to(x.dtype)
+        return self.o_proj(out.reshape(T, H * Dv))
 
 
 def _is_moe_layer(config, layer: int) -> bool:
@@ -213,18 +232,16 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.mlp = DeepseekV2MoE(config, loader, f"{prefix}.mlp") if _is_moe_layer(config, layer) \
             else MLP(loader, f"{prefix}.mlp")
 
-    def forward(self, x, cos, sin, seq_lens, k_cache, v_cache, start_pos):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, k_cache, v_cache, start_pos)
-        h = self.post_attention_layernorm(x)
-        return x + self.mlp(h.view(-1, h.shape[-1])).view(h.shape)
+    def forward(self, x, cos, sin, ctx, k_pages, v_pages):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekV2ForCausalLM(nn.Module):
     """Built as DeepseekV2ForCausalLM(config, loader, dtype, device, attention_mode="latent").
 
-    forward(input_ids [B, S] int64, seq_lens [B] int32, cache: MLACache, start_pos [B] int32)
-    -> logits [B, S, V] (compute dtype), with the conventions of tritonq.models.llama: batches are
-    right-padded; S > 1 is a prefill from position 0, S == 1 decodes one token per sequence.
+    forward(ctx: StepContext, cache: PagedKVCache) -> logits [R, V] (compute dtype), as in
+    tritonq.models.common; kv_layout says what its cache pages hold per token.
     """
 
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str,
@@ -243,51 +260,27 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.embed_tokens.weight = self.lm_head.weight.weight  # one table, in Linear's layout
         else:
             self.lm_head = Linear(loader.get_linear("lm_head"))
-        self.cos, self.sin = self._rope_tables(min(4096, config.max_position_embeddings))
-
-    def _rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_positions, Dr] for the rope dims only (yarn's include its attention factor)."""
-        rope = _rope_parameters(self.config)
-        return rope_cos_sin(self.config.qk_rope_head_dim, rope["rope_theta"], num_positions, rope,
-                            self.config.max_position_embeddings, self.device)
-
-    def new_cache(self, max_batch: int, max_seq_len: int) -> MLACache:
-        """The static cache for this model's attention mode (size: kv_bytes_per_token)."""
-        c, n = self.config, len(self.layers)
-
-        def zeros(heads, dim):
-            return torch.zeros(max_batch, max_seq_len, heads, dim, dtype=self.dtype, device=self.device)
-        if self.attention_mode == "latent":
-            k = tuple(zeros(1, c.kv_lora_rank + c.qk_rope_head_dim) for _ in range(n))
-            return MLACache(k=k, v=tuple(t[..., :c.kv_lora_rank] for t in k), attention_mode="latent")
-        H = c.num_attention_heads
-        return MLACache(k=tuple(zeros(H, c.qk_nope_head_dim + c.qk_rope_head_dim) for _ in range(n)),
-                        v=tuple(zeros(H, c.v_head_dim) for _ in range(n)), attention_mode="expanded")
+        rope = _rope_parameters(config)
+        self.rope = RopeTables(config.qk_rope_head_dim, rope["rope_theta"], rope, config.max_position_embeddings,
+                               self.device, dtype)  # yarn's tables include its attention factor
+        if attention_mode == "latent":
+            self.kv_layout = KVLayout(len(self.layers), 1, config.kv_lora_rank + config.qk_rope_head_dim,
+                                      config.kv_lora_rank, v_in_k=True)
+        else:
+            self.kv_layout = KVLayout(len(self.layers), config.num_attention_heads,
+                                      config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, cache: MLACache,
-                start_pos: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Logits [B, S, V]; with last_only, [B, V] at each row's last valid token (position seq_lens-1)."""
-        B, S = input_ids.shape
-        if cache.attention_mode != self.attention_mode:
-            raise ValueError(f"cache is {cache.attention_mode!r} but the model runs {self.attention_mode!r}; "
-                             "allocate it with model.new_cache()")
-        if B > cache.max_batch:
-            raise ValueError(f"batch of {B} exceeds the cache's max_batch={cache.max_batch}; allocate a larger cache")
-        if S > 1 and bool((start_pos != 0).any()):
-            raise ValueError("a multi-token (prefill) step must start at position 0; chunked prefill is not supported")
-        positions = start_pos[:, None].long() + torch.arange(S, device=input_ids.device)
-        if int(positions.max()) >= min(cache.max_seq_len, self.config.max_position_embeddings):
-            raise ValueError(f"position {int(positions.max())} is past the cache ({cache.max_seq_len}) or "
-                             f"max_position_embeddings ({self.config.max_position_embeddings})")
-        if int(positions.max()) >= self.cos.shape[0]:  # grow by doubling, not per step
-            self.cos, self.sin = self._rope_tables(min(max(2 * self.cos.shape[0], int(positions.max()) + 1),
-                                                       self.config.max_position_embeddings))
-        used = (slice(0, B), slice(0, int(start_pos.max()) + S))  # attention reads only the rows in use
-        cos, sin = self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype)  # [B, S, Dr], all layers
-        x = self.embed_tokens(input_ids)
-        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            x = layer(x, cos, sin, seq_lens, k_cache[used], v_cache[used], start_pos)
-        if last_only:
-            x = x[torch.arange(B, device=x.device), (seq_lens.long() - 1).clamp(min=0)]
-        return self.lm_head(self.norm(x))
+    def forward(self, ctx: StepContext, cache: PagedKVCache) -> torch.Tensor:
+        """Logits [R, V] at ctx.logit_rows (every row when None); writes the step's K/V into cache."""
+        layout = self.kv_layout
+        if cache.k[0].shape[2:] != (layout.num_kv_heads, layout.d_qk):
+            other = "expanded" if self.attention_mode == "latent" else "latent"
+            raise ValueError(f"cache pages [..., {cache.k[0].shape[2]}, {cache.k[0].shape[3]}] do not match this "
+                             f"model's {self.attention_mode!r} attention, whose pages are [..., {layout.num_kv_heads}, "
+                             f"{layout.d_qk}] (pages of the {other!r} mode?); allocate them with model.kv_layout")
+        cos, sin = self.rope(ctx)  # gathered once for all layers
+        x = self.embed_tokens(ctx.input_ids)
+        for layer, k_pages, v_pages in zip(self.layers, cache.k, cache.v):
+            x = layer(x, cos, sin, ctx, k_pages, v_pages)
+        return self.lm_head(self.norm(logit_rows(x, ctx)))

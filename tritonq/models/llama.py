@@ -1,41 +1,22 @@
 """Llama-architecture decoder (Llama 1-3, Mistral-style GQA) built from typed weights.
 
-forward(input_ids [B, S] int64, seq_lens [B] int32, cache: KVCache, start_pos [B] int32)
-    -> logits [B, S, V] float (compute dtype).
-Batches are right-padded: row b holds seq_lens[b] valid tokens at positions start_pos[b]...
-Right padding with per-sequence lengths (instead of left padding) means positions need no
-offsets and no pad token is ever attended: attention reads only cache positions < length.
-A step with S > 1 is a prefill and must start at position 0; a step with S == 1 decodes one
-token per sequence against the cache. The model never branches on the weight format: every
-projection is a layers.Linear; q/k/v and gate/up are each one fused GEMM.
+forward(ctx: StepContext, cache: PagedKVCache) -> logits [R, V] (compute dtype), see
+tritonq.models.common: the step's new tokens of all its sequences are packed into T rows; each
+layer writes their K/V into the paged cache, then attends over each sequence's pages (prefill:
+cached prefix + new tokens, varlen; decode: one token per sequence). The model never branches on
+the weight format: every projection is a layers.Linear; q/k/v and gate/up are each one fused GEMM.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tritonq.formats.base import DenseWeight
-from tritonq.kernels.attention import decode_attention, prefill_attention, write_kv_cache
-from tritonq.kernels.norm_rope import apply_rope, rope_cos_sin
+from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
+from tritonq.kernels.norm_rope import apply_rope
 from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear
-
-
-@dataclass(frozen=True)
-class KVCache:
-    """Static cache allocated once: per layer k [B_max, S_max, Hkv, D] and v [B_max, S_max, Hkv, D]."""
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
-
-    @property
-    def max_batch(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.k[0].shape[1]
+from tritonq.models.common import KVLayout, PagedKVCache, RopeTables, StepContext, logit_rows
 
 
 def _rope_scaling(config) -> dict | None:
@@ -63,19 +44,22 @@ class LlamaAttention(nn.Module):
                                                        bias=bias, parallel="column", parts=[None, kv_heads, kv_heads]))
         self.o_proj = RowParallelLinear(loader.get_linear(f"{prefix}.o_proj", bias=bias, parallel="row"), world)
         self.scale = self.head_dim ** -0.5
+        self.window = getattr(config, "sliding_window", None) or 0  # Mistral; 0 = full attention
 
-    def forward(self, x, cos, sin, seq_lens, k_cache, v_cache, start_pos):
-        B, S, _ = x.shape
-        H, H_kv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(B, S, H + 2 * H_kv, self.head_dim)
-        q, k = apply_rope(qkv[:, :, :H + H_kv], cos, sin).split([H, H_kv], dim=2)  # q and k heads in one call
-        v = qkv[:, :, H + H_kv:]
-        write_kv_cache(k_cache, v_cache, k, v, start_pos)
-        if S == 1:
-            out = decode_attention(q[:, 0], k_cache, v_cache, start_pos + 1, self.scale)[:, None]
-        else:
-            out = prefill_attention(q, k, v, seq_lens, self.scale, causal=True)
-        return self.o_proj(out.reshape(B, S, H * self.head_dim))
+    def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
+        """x [T, hidden] -> [T, hidden]; cos/sin [1, T, D] at the rows' positions."""
+        T, H, H_kv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(1, T, H + 2 * H_kv, self.head_dim)
+        q, k = apply_rope(qkv[:, :, :H + H_kv], cos, sin)[0].split([H, H_kv], dim=1)  # q and k heads in one call
+        v = qkv[0, :, H + H_kv:]
+        write_kv_slots(k_pages, v_pages, k, v, ctx.slot_mapping)
+        if ctx.is_prefill:
+            out = paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
+                                          self.scale, window=self.window)
+        else:  # one new token per sequence: rows are sequences
+            out = decode_attention(q, k_pages, v_pages, ctx.context_lens, self.scale, block_table=ctx.block_table,
+                                   window=self.window)
+        return self.o_proj(out.reshape(T, H * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -103,8 +87,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = LlamaMLP(config, loader, f"{prefix}.mlp")
 
-    def forward(self, x, cos, sin, seq_lens, k_cache, v_cache, start_pos):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, k_cache, v_cache, start_pos)
+    def forward(self, x, cos, sin, ctx, k_pages, v_pages):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -112,7 +96,7 @@ class LlamaForCausalLM(nn.Module):
     """Built as LlamaForCausalLM(config, loader, dtype, device); see the module docstring.
 
     Tensor parallel when loader.world > 1: every rank runs forward on the same inputs and gets the
-    full logits; its KV cache holds only its KV heads.
+    full logits; its KV cache holds only its KV heads (kv_layout is per rank).
     """
     supports_tensor_parallel = True
 
@@ -137,49 +121,16 @@ class LlamaForCausalLM(nn.Module):
         if tied:  # one table: Linear may have re-laid it out for the CPU GEMV; the lookup reads either layout
             self.embed_tokens.weight = self.lm_head.weight.weight
         attn = self.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.rope_scaling = _rope_scaling(config)
-        self.rope_theta = (self.rope_scaling or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        self._rope_tables = None  # (num_positions, cos, sin), built for the cache length at first use
-
-    def new_cache(self, max_batch: int, max_seq_len: int) -> KVCache:
-        """The static KV cache, allocated once (at warmup), never grown."""
-        shape = (max_batch, max_seq_len, self.num_kv_heads, self.head_dim)
-        n = len(self.layers)
-        return KVCache(k=tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)),
-                       v=tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)))
-
-    def _cos_sin(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
-        if kind == "dynamic":  # the NTK base depends on the current length, as in transformers
-            return rope_cos_sin(self.head_dim, self.rope_theta, num_positions, self.rope_scaling,
-                                self.config.max_position_embeddings, self.device)
-        if self._rope_tables is None or self._rope_tables[0] < num_positions:
-            size = max(num_positions, 2 * self._rope_tables[0] if self._rope_tables else 256)  # grow rarely
-            cos, sin = rope_cos_sin(self.head_dim, self.rope_theta, size, self.rope_scaling,
-                                    self.config.max_position_embeddings, self.device)
-            self._rope_tables = (size, cos, sin)
-        return self._rope_tables[1], self._rope_tables[2]
+        self.kv_layout = KVLayout(len(self.layers), attn.num_kv_heads, attn.head_dim, attn.head_dim)
+        scaling = _rope_scaling(config)
+        theta = (scaling or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        self.rope = RopeTables(attn.head_dim, theta, scaling, config.max_position_embeddings, self.device, dtype)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, cache: KVCache,
-                start_pos: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Logits [B, S, V]; with last_only, [B, V] at each row's last valid token (position seq_lens-1)."""
-        B, S = input_ids.shape
-        if B > cache.max_batch:
-            raise ValueError(f"batch of {B} exceeds the cache's max_batch={cache.max_batch}; "
-                             "load the model with a larger max_batch.")
-        if S > 1 and bool((start_pos != 0).any()):
-            raise ValueError("a multi-token (prefill) step must start at position 0; chunked prefill is not supported.")
-        positions = start_pos[:, None].long() + torch.arange(S, device=input_ids.device)
-        cos, sin = self._cos_sin(int(positions.max()) + 1)
-        cos, sin = cos[positions].to(self.dtype), sin[positions].to(self.dtype)  # [B, S, D], for all layers
-        # Attention sees only the cache rows in use, so a long max_seq_len costs nothing on CPU.
-        used = (slice(0, B), slice(0, int(start_pos.max()) + S))
-        x = self.embed_tokens(input_ids)
-        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            x = layer(x, cos, sin, seq_lens, k_cache[used], v_cache[used], start_pos)
-        if last_only:
-            x = x[torch.arange(B, device=x.device), (seq_lens.long() - 1).clamp(min=0)]
-        return self.lm_head(self.norm(x))
-
+    def forward(self, ctx: StepContext, cache: PagedKVCache) -> torch.Tensor:
+        """Logits [R, V] at ctx.logit_rows (every row when None); writes the step's K/V into cache."""
+        cos, sin = self.rope(ctx)  # gathered once for all layers
+        x = self.embed_tokens(ctx.input_ids)
+        for layer, k_pages, v_pages in zip(self.layers, cache.k, cache.v):
+            x = layer(x, cos, sin, ctx, k_pages, v_pages)
+        return self.lm_head(self.norm(logit_rows(x, ctx)))

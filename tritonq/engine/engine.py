@@ -1,0 +1,207 @@
+"""The engine: requests in, one step at a time, tokens and text out.
+
+    engine = Engine(model, tokenizer, eos_token_ids, num_blocks=..., block_size=16, ...)
+    rid = engine.add_request(prompt_ids, GenerationConfig(max_new_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():     # one RequestOutput per request that advanced this step
+            ...                       # out.token_id, out.text (new final text), out.finished
+
+Each step the scheduler picks the sequences (prefill-first, chunked, preempting when blocks run
+out), the runner computes them over the paged KV cache and samples each one's next token, and
+the engine finishes a request on EOS, a stop string or max_new_tokens, freeing its blocks.
+Tensor parallel: every rank holds an Engine and calls it with the same requests in the same
+order; the schedule is deterministic and the sampled tokens come from rank 0.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tritonq.engine.block_manager import BlockManager
+from tritonq.engine.runner import ModelRunner, SamplingParams
+from tritonq.engine.scheduler import Scheduler
+from tritonq.engine.sequence import Sequence
+
+
+class _Detokenizer:
+    """Incremental text of one sequence: add(token) -> new final text; stops at the first stop string."""
+
+    def __init__(self, tokenizer, stop=()):
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.ids: list[int] = []
+        self.text, self.stopped = "", False
+
+    def add(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cuts = [full.index(s) for s in self.stop if s in full]
+        if cuts:
+            self.stopped, full = True, full[:min(cuts)]
+        elif full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+            return ""
+        piece, self.text = full[len(self.text):], full
+        return piece
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        piece, self.text = full[len(self.text):], full
+        return piece
+
+
+@dataclass
+class Request:
+    """The engine's state of one request (kept in its Sequence's `extra`)."""
+    request_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    detokenizer: _Detokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    arrival_s: float = 0.0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    finish_reason: str | None = None  # "eos", "stop", "length", "abort"
+
+    @property
+    def time_to_first_token_s(self) -> float:
+        return (self.first_token_s or self.arrival_s) - self.arrival_s
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step did for one request: the token it sampled (None when it finished without one:
+    max_new_tokens=0), its log-probability, the text that became final, whether it is done."""
+    request_id: int
+    token_id: int | None
+    logprob: float | None
+    text: str
+    finished: bool
+    finish_reason: str | None
+    request: Request
+
+
+class Engine:
+    """Continuous batching over a paged KV cache; see the module docstring."""
+
+    def __init__(self, model, tokenizer, eos_token_ids: set[int], *, num_blocks: int, block_size: int = 16,
+                 max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 max_seq_len: int | None = None, world: int = 1):
+        self.tokenizer, self.eos_token_ids = tokenizer, set(eos_token_ids)
+        self.max_seq_len = max_seq_len
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_blocks, block_size, world)
+        self.requests: dict[int, Request] = {}  # unfinished requests
+        self._done: list[RequestOutput] = []  # finished without a step (max_new_tokens=0): reported next
+        self._ids = itertools.count()
+
+    def check_request(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """ValueError, naming the numbers, if a request could never run; see add_request."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt has no tokens; give at least one token.")
+        total = num_prompt_tokens + max_new_tokens
+        if self.max_seq_len is not None and total > self.max_seq_len:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
+                             f"{total} > max_seq_len={self.max_seq_len}; shorten the prompt, lower max_new_tokens "
+                             "or load with a larger max_seq_len.")
+        bm = self.block_manager
+        if bm.blocks_needed(total) > bm.num_blocks:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
+                             f"{total} tokens, which need {bm.blocks_needed(total)} KV blocks of {bm.block_size}, "
+                             f"but the cache has {bm.num_blocks} ({bm.num_blocks * bm.block_size} tokens); shorten "
+                             "the request or give the KV cache more memory (kv_cache_gb / gpu_memory_utilization).")
+
+    def add_request(self, prompt_ids: list[int], config) -> int:
+        """Queue a request (config: a GenerationConfig); returns its id. It waits until blocks are free.
+        Raises ValueError before queueing if it can never fit (max_seq_len, or more blocks than exist)."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.check_request(len(prompt_ids), config.max_new_tokens)
+        rid = next(self._ids)
+        generator = None
+        if config.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
+        request = Request(rid, prompt_ids, SamplingParams(config, generator), _Detokenizer(self.tokenizer, config.stop),
+                          arrival_s=time.perf_counter())
+        if config.max_new_tokens == 0:
+            self._finish(request, "length")
+            return rid
+        self.scheduler.add(Sequence(rid, prompt_ids, config.max_new_tokens, extra=request))
+        self.requests[rid] = request
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request wherever it is; its blocks are freed. Unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.abort(request_id)
+            request.finish_s, request.finish_reason = time.perf_counter(), "abort"  # the caller knows: no output
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self._done)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; outputs for the requests that sampled a token or finished."""
+        outputs, self._done = self._done, []
+        step = self.scheduler.schedule()
+        if step is None:
+            return outputs
+        samples = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(step.seqs, step.num_new_tokens)]
+        ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=samples)
+        logits = self.runner.run(ctx)
+        sampling = [seq for seq, s in zip(step.seqs, samples) if s]
+        tokens, logprobs = self.runner.sample(logits, [seq.extra.sampling for seq in sampling],
+                                              [seq.token_ids for seq in sampling])
+        sampled = iter(zip(tokens, logprobs))
+        picks = [next(sampled) if s else None for s in samples]
+        self.scheduler.postprocess(step, [p[0] if p else None for p in picks])
+        now = time.perf_counter()
+        for seq, pick in zip(step.seqs, picks):
+            if pick is None:
+                continue
+            request, (token, logprob) = seq.extra, pick
+            request.token_ids.append(token)
+            request.logprobs.append(logprob)
+            request.first_token_s = request.first_token_s or now
+            text = request.detokenizer.add(token)
+            reason = ("eos" if token in self.eos_token_ids else "stop" if request.detokenizer.stopped
+                      else "length" if seq.is_finished else None)
+            if reason is not None:
+                self.scheduler.finish(seq)  # no-op when postprocess already finished it (length)
+                del self.requests[request.request_id]
+                text += request.detokenizer.flush()
+                request.finish_s, request.finish_reason = now, reason
+            outputs.append(RequestOutput(request.request_id, token, logprob, text, reason is not None, reason, request))
+        return outputs
+
+    def _finish(self, request: Request, reason: str) -> None:
+        """A request that ends without a step (max_new_tokens=0): reported by the next step()."""
+        request.finish_s, request.finish_reason = time.perf_counter(), reason
+        self._done.append(RequestOutput(request.request_id, None, None, "", True, reason, request))
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] float32 at every position of token_ids, in one prefill over the paged cache (no
+        sampling, nothing kept: for scoring and tests). Needs the blocks for T tokens free now; blocks
+        already prefix-cached are read, not written."""
+        seq = Sequence(-1, list(token_ids), 1)
+        self.check_request(seq.num_tokens, 0)
+        bm = self.block_manager
+        if not bm.can_allocate(seq):
+            raise RuntimeError(f"prompt_logits: {len(token_ids)} tokens need {bm.blocks_needed(len(token_ids))} "
+                               f"free KV blocks; {bm.num_free_blocks} are free while other requests run.")
+        bm.allocate(seq)
+        try:
+            ctx = self.runner.prepare([seq], [seq.num_tokens], True, start=[0])
+            return self.runner.run(ctx)
+        finally:
+            bm.free(seq)
