@@ -1,10 +1,12 @@
 """Scheduler with fake sampled tokens and a simulated paged KV cache (no model, no torch).
 
-`Simulator` plays the model: for each scheduled sequence it writes the new tokens' "KV" (the token
-id itself) into the slots the block table gives, then reads the whole context back from the pages
-and samples a token that is a hash of what it read. So a wrong block table, a shared block that
-gets overwritten, or a bad prefix hit changes the sampled tokens, and `reference_tokens` (a plain
-loop over the prompt, no cache) says what every request must produce whatever the schedule.
+`Simulator` plays the model. Like real KV, the fake "KV" of position p depends on the whole prefix:
+it is a rolling hash of the KV at p - 1 (read back from the pages) and token p. Each scheduled
+sequence writes its new positions into the slots its block table gives, reads its whole context
+back, and samples a token from the last value read. So a wrong block table, an overwritten shared
+block or a bad prefix hit (right tokens after a different prefix included) changes the sampled
+tokens, and `reference_tokens` (a plain loop over the prompt, no cache) says what every request
+must produce whatever the schedule.
 """
 import random
 
@@ -17,23 +19,28 @@ from tritonq.engine.sequence import Sequence, SequenceStatus
 BS = 16
 
 
-def fake_next_token(context: list[int]) -> int:
-    """A deterministic function of the whole context (order matters), small vocabulary."""
-    h = 0
-    for t in context:
-        h = (h * 1_000_003 + t + 1) % 2_147_483_647
-    return h % 50
+def fake_kv(prev_kv: int, token: int) -> int:
+    """The "KV" of a position from the KV before it (0 at position 0) and its token."""
+    return (prev_kv * 1_000_003 + token + 1) % 2_147_483_647
+
+
+def fake_next_token(last_kv: int) -> int:
+    return last_kv % 50
 
 
 def reference_tokens(prompt: list[int], max_new_tokens: int) -> list[int]:
-    tokens = list(prompt)
+    tokens, kv = [], 0
+    for token in prompt:
+        tokens.append(token)
+        kv = fake_kv(kv, token)
     for _ in range(max_new_tokens):
-        tokens.append(fake_next_token(tokens))
+        tokens.append(fake_next_token(kv))
+        kv = fake_kv(kv, tokens[-1])
     return tokens
 
 
 class Simulator:
-    """A fake model over a fake paged cache: slot -> token id written there."""
+    """A fake model over a fake paged cache: slot -> the fake KV written there."""
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
@@ -58,13 +65,18 @@ class Simulator:
             assert start + n <= seq.num_tokens <= len(seq.block_table) * bm.block_size
             if not step.is_prefill:
                 assert n == 1 and start == seq.num_tokens - 1
+            kv = self.pages[self.slot(seq, start - 1)] if start else 0
+            assert kv is not None, "the cached prefix was never written"
             for p in range(start, start + n):
                 block = bm.blocks[seq.block_table[p // bm.block_size]]
                 assert block.ref_count == 1 and block.hash is None, "writing into a shared/registered block"
-                self.pages[self.slot(seq, p)] = seq.token_ids[p]
-            context = [self.pages[self.slot(seq, p)] for p in range(start + n)]
-            assert context == seq.token_ids[:start + n]
-            sampled.append(fake_next_token(context) if start + n == seq.num_tokens else None)
+                kv = fake_kv(kv, seq.token_ids[p])
+                self.pages[self.slot(seq, p)] = kv
+            expected = 0      # attention reads every cached position: all must hold this prefix's KV
+            for p in range(start + n):
+                expected = fake_kv(expected, seq.token_ids[p])
+                assert self.pages[self.slot(seq, p)] == expected, f"position {p} of {seq} holds other KV"
+            sampled.append(fake_next_token(kv) if start + n == seq.num_tokens else None)
         return sampled
 
     def run(self, max_steps: int = 100_000) -> None:
