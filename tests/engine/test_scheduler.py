@@ -302,10 +302,12 @@ def test_random_requests_with_aborts_and_preemption_finish_without_leaks(hashing
     kwargs = {"enable_prefix_caching": False} if hashing == "off" else {"hash_fn": HASHES[hashing]}
     sched = make(num_blocks=24, max_num_seqs=6, max_num_batched_tokens=48, **kwargs)
     sim = Simulator(sched)
-    systems = [[rng.randrange(4) for _ in range(n)] for n in (16, 40, 70)]   # shared prefixes, tiny vocab
+    # Prompts are a few 16-token pieces in random order plus a random tail: equal blocks follow
+    # both equal prefixes (prefix hits) and different ones (must not hit, whatever the hash).
+    pieces = [[rng.randrange(4) for _ in range(BS)] for _ in range(3)]
     requests = []
     for i in range(500):
-        prefix = rng.choice(systems + [[]])[:rng.randrange(80)]
+        prefix = [t for _ in range(rng.randrange(5)) for t in rng.choice(pieces)]
         prompt = prefix + [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
         requests.append(Sequence(i, prompt, max_new_tokens=rng.randrange(1, 40)))
     aborted = set()
