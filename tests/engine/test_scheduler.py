@@ -265,6 +265,12 @@ def test_postprocess_checks_sampled_tokens_match_the_step():
         sched.postprocess(step, [None, None])
     with pytest.raises(ValueError, match="must not get a sampled token"):
         sched.postprocess(step, [5])
+    assert seq.num_computed_tokens == 0 and seq.num_tokens == 20      # refused before any change
+    sched.postprocess(step, [None])
+    step = sched.schedule()
+    assert step.num_new_tokens == [4]
+    with pytest.raises(ValueError, match="needs a sampled token"):
+        sched.postprocess(step, [None])
 
 
 def test_prefix_hits_share_blocks_between_running_sequences():

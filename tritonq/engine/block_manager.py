@@ -26,8 +26,10 @@ from tritonq.engine.sequence import Sequence
 
 
 def chained_hash(prev_hash: Hashable | None, tokens: tuple[int, ...]) -> Hashable:
-    """Default block hash: Python's tuple hash (deterministic for ints) of the chain and the tokens."""
-    return hash((prev_hash, tokens))
+    """Default block hash: Python's tuple hash of the chain and the tokens. Ints hash the same in
+    every process (no PYTHONHASHSEED salt, unlike str; None's hash is an address before 3.12), so
+    tensor-parallel ranks running their own schedulers agree."""
+    return hash((-1 if prev_hash is None else prev_hash, tokens))
 
 
 class Block:
