@@ -299,14 +299,18 @@ def test_prefix_hits_share_blocks_between_running_sequences():
     assert_all_blocks_free(sched.block_manager)
 
 
-HASHES = {"default": None, "colliding": lambda prev, tokens: sum(tokens) % 5, "off": "off"}
+PREFIX_CACHING = {   # name: (random seed, BlockManager options)
+    "default_hash": (1, {}),
+    "colliding_hash": (2, {"hash_fn": lambda prev_hash, tokens: sum(tokens) % 5}),  # ignores the chain too
+    "off": (3, {"enable_prefix_caching": False}),
+}
 
 
-@pytest.mark.parametrize("hashing", list(HASHES))
-def test_random_requests_with_aborts_and_preemption_finish_without_leaks(hashing):
-    rng = random.Random({"default": 1, "colliding": 2, "off": 3}[hashing])
-    kwargs = {"enable_prefix_caching": False} if hashing == "off" else {"hash_fn": HASHES[hashing]}
-    sched = make(num_blocks=24, max_num_seqs=6, max_num_batched_tokens=48, **kwargs)
+@pytest.mark.parametrize("caching", list(PREFIX_CACHING))
+def test_random_requests_with_aborts_and_preemption_finish_without_leaks(caching):
+    seed, options = PREFIX_CACHING[caching]
+    rng = random.Random(seed)
+    sched = make(num_blocks=24, max_num_seqs=6, max_num_batched_tokens=48, **options)
     sim = Simulator(sched)
     # Prompts are a few 16-token pieces in random order plus a random tail: equal blocks follow
     # both equal prefixes (prefix hits) and different ones (must not hit, whatever the hash).
@@ -339,7 +343,7 @@ def test_random_requests_with_aborts_and_preemption_finish_without_leaks(hashing
     assert not pending and not sched.has_unfinished() and sched.seqs == {}
     assert_all_blocks_free(sched.block_manager)
     assert sched.num_preemptions > 20 and 20 < len(aborted) < 100
-    if hashing != "off":
+    if caching != "off":
         assert sched.block_manager.prefix_hits > 1000
     for seq in requests:
         assert seq.is_finished
