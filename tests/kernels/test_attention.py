@@ -385,8 +385,9 @@ def paged_context(ctx_lens, h_kv, d_qk, d_v, page_size, dtype, generator, mla=Fa
     other rows and pages are NaN (a kernel that reads them, or a row past a length, returns NaN).
 
     mla: one latent cache, v_pages = k_pages[..., :d_v] (a strided view, as the absorbed-MLA path).
-    nan_before [B]: also NaN keys/values at positions < nan_before[b] (in the pages only), to prove
-    that key blocks outside every query's window are never loaded.
+    nan_before [B]: also NaN keys/values at positions < nan_before[b] (in the pages only), and -1 in the
+    table for pages wholly below it (freed by the engine), to prove that keys outside every query's
+    window are never loaded, nor their table entries.
     Returns (ks, vs: lists of [ctx_b, Hkv, D]), k_pages, v_pages, block_table [B, max_pages] int32.
     """
     B = len(ctx_lens)
@@ -410,6 +411,7 @@ def paged_context(ctx_lens, h_kv, d_qk, d_v, page_size, dtype, generator, mla=Fa
         if nan_before is not None and nan_before[b] > 0:
             k_pages[pages[:nan_before[b]], rows[:nan_before[b]]] = float("nan")
             v_pages[pages[:nan_before[b]], rows[:nan_before[b]]] = float("nan")
+            table[b, :nan_before[b] // page_size] = -1
         ks.append(k)
         vs.append(v)
     return ks, vs, k_pages, v_pages, table
@@ -451,8 +453,8 @@ def test_paged_prefill_sliding_window_matches_masked_sdpa_and_skips_old_blocks(w
     g = torch.Generator().manual_seed(5)
     page_size, h, h_kv, d, dtype = 16, 4, 2, 64, torch.float32
     ctx = [p + n for p, n in zip(PREFIXES, NEW_TOKENS)]
-    # Keys in pages wholly before the first query's window are NaN: loading any of them would show.
-    skip = [max(p - window + 1, 0) // page_size * page_size for p in PREFIXES]
+    # Keys before the first query's window are NaN: loading any of them would show.
+    skip = [max(p - window + 1, 0) for p in PREFIXES]
     ks, vs, k_pages, v_pages, table = paged_context(ctx, h_kv, d, d, page_size, dtype, g, nan_before=skip)
     q, cu = packed_queries(NEW_TOKENS, h, d, dtype, g)
     out = paged_prefill_attention(q, k_pages, v_pages, cu, lens(ctx), table, 0.125, window=window)
@@ -462,9 +464,10 @@ def test_paged_prefill_sliding_window_matches_masked_sdpa_and_skips_old_blocks(w
                                                                           window))
         assert_close(out[rows], expected, dtype)
     if window == 40:
-        assert skip[2] == 256  # the 300-token prefix really had pages to skip
-    ref_pages = paged_context(ctx, h_kv, d, d, page_size, dtype, torch.Generator().manual_seed(5))
-    ref = paged_prefill_attention_reference(q, ref_pages[2], ref_pages[3], cu, lens(ctx), ref_pages[4], 0.125, window)
+        assert skip[2] == 261  # the 300-token prefix really had keys and pages to skip
+    # The reference masks, it does not skip: give it finite values (a -1 entry reads the last page).
+    ref = paged_prefill_attention_reference(q, torch.nan_to_num(k_pages), torch.nan_to_num(v_pages), cu, lens(ctx),
+                                            table, 0.125, window)
     assert_close(out, ref, dtype)
 
 
@@ -490,7 +493,7 @@ def test_decode_sliding_window_matches_sdpa_over_the_last_keys(page_size, window
     h, h_kv, d_qk, d_v, dtype = 8, 2, 96, 64, torch.float16
     q = torch.randn(len(CACHE_LENS), h, d_qk, generator=g).to(dtype)
     if page_size:
-        skip = [max(n - window, 0) // page_size * page_size for n in CACHE_LENS]
+        skip = [max(n - window, 0) for n in CACHE_LENS]
         ks, vs, k_cache, v_cache, table = paged_context(CACHE_LENS, h_kv, d_qk, d_v, page_size, dtype, g,
                                                         nan_before=skip)
     else:
@@ -506,8 +509,9 @@ def test_decode_sliding_window_matches_sdpa_over_the_last_keys(page_size, window
     for b, n in enumerate(CACHE_LENS):
         expected = masked_sdpa(q[b, None], ks[b], vs[b], 0.1, visible_mask(torch.tensor([n - 1]), n, window))[0]
         assert_close(out[b], expected, dtype)
-    ref_k = torch.nan_to_num(k_cache)  # the reference masks, it does not skip: give it finite values
-    ref = decode_attention_reference(q, ref_k, torch.nan_to_num(v_cache), lens(CACHE_LENS), 0.1, table, window)
+    # The reference masks, it does not skip: give it finite values (its gather clamps -1 entries).
+    ref = decode_attention_reference(q, torch.nan_to_num(k_cache), torch.nan_to_num(v_cache), lens(CACHE_LENS), 0.1,
+                                     table, window)
     assert_close(out, ref, dtype)
 
 
@@ -588,3 +592,20 @@ def test_engine_kernels_reject_bad_inputs():
         write_kv_slots(pages, pages, q[:, :2], q[:, :2], torch.tensor([0, 1, 2, 3, 64]))
     with pytest.raises(ValueError, match="max_seq_len = 0"):
         decode_attention(q[:2], pages, pages, lens([3, 2]), 0.1, block_table=table, max_seq_len=0)
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_paged_prefill_key_tiles_longer_than_a_page(window):
+    """64-key tiles over 16-token shuffled pages: each key finds its own page (the GPU default shape)."""
+    from tritonq.kernels.attention import PrefillConfig
+    g = torch.Generator().manual_seed(8)
+    ctx = [p + n for p, n in zip(PREFIXES, NEW_TOKENS)]
+    skip = [max(p - window + 1, 0) if window else 0 for p in PREFIXES]
+    ks, vs, k_pages, v_pages, table = paged_context(ctx, 2, 40, 24, 16, torch.float32, g, nan_before=skip)
+    q, cu = packed_queries(NEW_TOKENS, 4, 40, torch.float32, g)
+    out = paged_prefill_attention(q, k_pages, v_pages, cu, lens(ctx), table, 0.15, window=window,
+                                  config=PrefillConfig(32, 64, 4, 1))
+    for b, (prefix, n) in enumerate(zip(PREFIXES, NEW_TOKENS)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        mask = visible_mask(torch.arange(prefix, prefix + n), ctx[b], window)
+        assert_close(out[rows], masked_sdpa(q[rows], ks[b], vs[b], 0.15, mask), torch.float32)
