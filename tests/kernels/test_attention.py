@@ -23,12 +23,16 @@ from tritonq.kernels.attention import (
     decode_attention,
     decode_attention_reference,
     decode_config,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
     prefill_attention,
     prefill_attention_reference,
     prefill_config,
     qk_blocks,
     write_kv_cache,
     write_kv_cache_reference,
+    write_kv_slots,
+    write_kv_slots_reference,
 )
 
 # Inputs are N(0, 1) and outputs are averages of v rows (|o| < ~3). fp32 differs only by summation
@@ -358,3 +362,250 @@ def test_bad_attention_configs_raise_clear_errors():
     table = torch.tensor([[2]], dtype=torch.int32)
     with pytest.raises(ValueError, match="exceeds the KV cache page size 16"):
         decode_attention(q[:, 0], pages, pages, lens([4]), 0.25, block_table=table, config=DecodeConfig(32, 1, 4, 2))
+
+
+# ---- Engine kernels: write by slot, prefill over a paged context, sliding window, static decode configs ----
+
+def visible_mask(positions, n_keys, window):
+    """transformers' sliding-window convention, written out: key j is visible to the query at position p
+    iff j <= p and (no window or p - j < window). positions [L] -> bool [L, n_keys]."""
+    p, j = positions[:, None], torch.arange(n_keys)[None, :]
+    return (j <= p) & ((p - j < window) if window else True)
+
+
+def masked_sdpa(q, k, v, scale, mask):
+    """q [L,H,Dqk], k [L',Hkv,Dqk], v [L',Hkv,Dv], mask bool [L, L'] -> [L,H,Dv] float32 via torch SDPA."""
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.float().transpose(0, 1),
+                                         v.float().transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def paged_context(ctx_lens, h_kv, d_qk, d_v, page_size, dtype, generator, mla=False, nan_before=None):
+    """Each sequence's contiguous keys/values plus the same tokens in shuffled pages of a cache whose
+    other rows and pages are NaN (a kernel that reads them, or a row past a length, returns NaN).
+
+    mla: one latent cache, v_pages = k_pages[..., :d_v] (a strided view, as the absorbed-MLA path).
+    nan_before [B]: also NaN keys/values at positions < nan_before[b] (in the pages only), and -1 in the
+    table for pages wholly below it (freed by the engine), to prove that keys outside every query's
+    window are never loaded, nor their table entries.
+    Returns (ks, vs: lists of [ctx_b, Hkv, D]), k_pages, v_pages, block_table [B, max_pages] int32.
+    """
+    B = len(ctx_lens)
+    per_seq = [-(-n // page_size) for n in ctx_lens]
+    max_pages = max(per_seq) + 1  # a spare column: the table is wider than any sequence needs
+    num_pages = sum(per_seq) + 5
+    order = torch.randperm(num_pages, generator=generator).tolist()
+    table = torch.full((B, max_pages), -1, dtype=torch.int32)  # -1: unused entries, as the engine pads
+    k_pages = torch.full((num_pages, page_size, h_kv, d_qk), float("nan")).to(dtype)
+    v_pages = k_pages[..., :d_v] if mla else torch.full((num_pages, page_size, h_kv, d_v), float("nan")).to(dtype)
+    ks, vs = [], []
+    for b, n in enumerate(ctx_lens):
+        table[b, :per_seq[b]] = torch.tensor([order.pop() for _ in range(per_seq[b])], dtype=torch.int32)
+        k = torch.randn(n, h_kv, d_qk, generator=generator).to(dtype)
+        v = k[..., :d_v] if mla else torch.randn(n, h_kv, d_v, generator=generator).to(dtype)
+        pos = torch.arange(n)
+        pages, rows = table[b].long()[pos // page_size], pos % page_size
+        k_pages[pages, rows] = k
+        if not mla:
+            v_pages[pages, rows] = v
+        if nan_before is not None and nan_before[b] > 0:
+            k_pages[pages[:nan_before[b]], rows[:nan_before[b]]] = float("nan")
+            v_pages[pages[:nan_before[b]], rows[:nan_before[b]]] = float("nan")
+            table[b, :nan_before[b] // page_size] = -1
+        ks.append(k)
+        vs.append(v)
+    return ks, vs, k_pages, v_pages, table
+
+
+def packed_queries(q_lens, h, d_qk, dtype, generator):
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return torch.randn(int(cu[-1]), h, d_qk, generator=generator).to(dtype), cu
+
+
+# (Dqk, Dv, H, Hkv, page_size, dtype): head dims 64 / 128 / DeepSeek 192-128 / MLA latent 576-512,
+# GQA 1 / 4 / 8 (MLA: 8 heads on the latent), pages of 16 and 64 tokens.
+PAGED_CASES = [(64, 64, 2, 2, 16, torch.float32), (128, 128, 4, 1, 64, torch.float16),
+               (192, 128, 8, 1, 16, torch.float16), (576, 512, 8, 1, 16, torch.float32)]
+# Cached prefixes of 0, 17 and 300 tokens; new tokens 20 (two query blocks), 5, and 1 (a resumed decode).
+PREFIXES, NEW_TOKENS = [0, 17, 300], [20, 5, 1]
+
+
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv,page_size,dtype", PAGED_CASES)
+def test_paged_prefill_matches_reference_and_sdpa_on_each_sequence(d_qk, d_v, h, h_kv, page_size, dtype):
+    g = torch.Generator().manual_seed(4)
+    ctx = [p + n for p, n in zip(PREFIXES, NEW_TOKENS)]
+    ks, vs, k_pages, v_pages, table = paged_context(ctx, h_kv, d_qk, d_v, page_size, dtype, g, mla=d_qk == 576)
+    q, cu = packed_queries(NEW_TOKENS, h, d_qk, dtype, g)
+    scale = 0.8 / d_qk ** 0.5
+    out = paged_prefill_attention(q, k_pages, v_pages, cu, lens(ctx), table, scale)
+    ref = paged_prefill_attention_reference(q, k_pages, v_pages, cu, lens(ctx), table, scale)
+    assert out.shape == (len(q), h, d_v) and out.dtype == dtype
+    for b, (prefix, n) in enumerate(zip(PREFIXES, NEW_TOKENS)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        expected = masked_sdpa(q[rows], ks[b], vs[b], scale, visible_mask(torch.arange(prefix, prefix + n), ctx[b], 0))
+        assert_close(out[rows], expected, dtype)
+        assert_close(ref[rows], expected, dtype)
+
+
+# Windows: below the 16-token key block, crossing 16-token pages, and longer than every sequence.
+@pytest.mark.parametrize("window", [5, 40, 1000])
+def test_paged_prefill_sliding_window_matches_masked_sdpa_and_skips_old_blocks(window):
+    g = torch.Generator().manual_seed(5)
+    page_size, h, h_kv, d, dtype = 16, 4, 2, 64, torch.float32
+    ctx = [p + n for p, n in zip(PREFIXES, NEW_TOKENS)]
+    # Keys before the first query's window are NaN: loading any of them would show.
+    skip = [max(p - window + 1, 0) for p in PREFIXES]
+    ks, vs, k_pages, v_pages, table = paged_context(ctx, h_kv, d, d, page_size, dtype, g, nan_before=skip)
+    q, cu = packed_queries(NEW_TOKENS, h, d, dtype, g)
+    out = paged_prefill_attention(q, k_pages, v_pages, cu, lens(ctx), table, 0.125, window=window)
+    for b, (prefix, n) in enumerate(zip(PREFIXES, NEW_TOKENS)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        expected = masked_sdpa(q[rows], ks[b], vs[b], 0.125, visible_mask(torch.arange(prefix, prefix + n), ctx[b],
+                                                                          window))
+        assert_close(out[rows], expected, dtype)
+    if window == 40:
+        assert skip[2] == 261  # the 300-token prefix really had keys and pages to skip
+    # The reference masks, it does not skip: give it finite values (a -1 entry reads the last page).
+    ref = paged_prefill_attention_reference(q, torch.nan_to_num(k_pages), torch.nan_to_num(v_pages), cu, lens(ctx),
+                                            table, 0.125, window)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("window", [5, 40])
+def test_prefill_sliding_window_matches_masked_sdpa(window):
+    B, S, h, h_kv, d = 2, 70, 4, 1, 48
+    q, k, v = torch.randn(B, S, h, d), torch.randn(B, S, h_kv, d), torch.randn(B, S, h_kv, d)
+    seq = [70, 33]
+    out = prefill_attention(q, k, v, lens(seq), 0.2, window=window)
+    ref = prefill_attention_reference(q, k, v, lens(seq), 0.2, window=window)
+    for b, n in enumerate(seq):
+        expected = masked_sdpa(q[b, :n], k[b, :n], v[b, :n], 0.2, visible_mask(torch.arange(n), n, window))
+        assert_close(out[b, :n], expected, torch.float32)
+        assert_close(ref[b, :n], expected, torch.float32)
+        assert torch.all(out[b, n:] == 0)
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("window", [5, 40])
+def test_decode_sliding_window_matches_sdpa_over_the_last_keys(page_size, window):
+    """The query at position n - 1 sees keys n - window .. n - 1; older pages (NaN here) are not loaded."""
+    g = torch.Generator().manual_seed(6)
+    h, h_kv, d_qk, d_v, dtype = 8, 2, 96, 64, torch.float16
+    q = torch.randn(len(CACHE_LENS), h, d_qk, generator=g).to(dtype)
+    if page_size:
+        skip = [max(n - window, 0) for n in CACHE_LENS]
+        ks, vs, k_cache, v_cache, table = paged_context(CACHE_LENS, h_kv, d_qk, d_v, page_size, dtype, g,
+                                                        nan_before=skip)
+    else:
+        ks = [torch.randn(n, h_kv, d_qk, generator=g).to(dtype) for n in CACHE_LENS]
+        vs = [torch.randn(n, h_kv, d_v, generator=g).to(dtype) for n in CACHE_LENS]
+        k_cache, v_cache, table = torch.zeros(len(ks), S_MAX, h_kv, d_qk, dtype=dtype), \
+            torch.zeros(len(ks), S_MAX, h_kv, d_v, dtype=dtype), None
+        for b, n in enumerate(CACHE_LENS):
+            k_cache[b, :n], v_cache[b, :n] = ks[b], vs[b]
+            k_cache[b, :max(n - window, 0)] = float("nan")  # outside the window: must never be read
+            v_cache[b, :max(n - window, 0)] = float("nan")
+    out = decode_attention(q, k_cache, v_cache, lens(CACHE_LENS), 0.1, block_table=table, window=window)
+    for b, n in enumerate(CACHE_LENS):
+        expected = masked_sdpa(q[b, None], ks[b], vs[b], 0.1, visible_mask(torch.tensor([n - 1]), n, window))[0]
+        assert_close(out[b], expected, dtype)
+    # The reference masks, it does not skip: give it finite values (its gather clamps -1 entries).
+    ref = decode_attention_reference(q, torch.nan_to_num(k_cache), torch.nan_to_num(v_cache), lens(CACHE_LENS), 0.1,
+                                     table, window)
+    assert_close(out, ref, dtype)
+
+
+def test_write_kv_slots_skips_negative_slots_and_writes_the_mla_latent_view():
+    g = torch.Generator().manual_seed(7)
+    page_size, h_kv, d_qk, d_v = 16, 2, 24, 40
+    k_pages, v_pages = torch.randn(6, page_size, h_kv, d_qk, generator=g), torch.randn(6, page_size, h_kv, d_v, generator=g)
+    slots = torch.tensor([37, -1, 0, 95, -1, 16], dtype=torch.int64)  # pages 2, 0, 5, 1; two padding rows
+    k, v = torch.randn(6, h_kv, d_qk, generator=g), torch.randn(6, h_kv, d_v, generator=g)
+    before_k, before_v = k_pages.clone(), v_pages.clone()
+    ref_k, ref_v = k_pages.clone(), v_pages.clone()
+    write_kv_slots(k_pages, v_pages, k, v, slots)
+    write_kv_slots_reference(ref_k, ref_v, k, v, slots)
+    assert torch.equal(k_pages, ref_k) and torch.equal(v_pages, ref_v)
+    expected_k, expected_v = before_k.clone(), before_v.clone()  # independent: row by row
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k[slot // page_size, slot % page_size] = k[t]
+            expected_v[slot // page_size, slot % page_size] = v[t]
+    assert torch.equal(k_pages, expected_k) and torch.equal(v_pages, expected_v)
+    # MLA: one latent cache [P, 16, 1, 576] and v = its first 512 lanes, a strided view.
+    latent = torch.zeros(3, page_size, 1, 576)
+    x = torch.randn(3, 1, 576, generator=g)
+    write_kv_slots(latent, latent[..., :512], x, x[..., :512], torch.tensor([5, -1, 40], dtype=torch.int64))
+    assert torch.equal(latent[0, 5], x[0]) and torch.equal(latent[2, 8], x[2])
+    assert latent.count_nonzero() == 2 * 576
+
+
+class RecordingSpy:
+    """Stands in for a @triton.jit kernel: records the grid and constexpr kwargs of each launch, launches nothing."""
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((tuple(grid), kwargs))
+
+
+@pytest.mark.parametrize("page_size,window", [(0, 0), (16, 0), (16, 40)])
+def test_decode_launch_config_is_the_same_for_every_cache_length(monkeypatch, page_size, window):
+    """#18: NUM_SPLITS, blocks and grid follow capacity, not cache_lens, so a growing sequence never
+    recompiles; with max_seq_len they also ignore the block table's width (the engine's may grow)."""
+    from tritonq.kernels import attention
+    split, merge = RecordingSpy(), RecordingSpy()
+    monkeypatch.setattr(attention, "_decode_split_kernel", split)
+    monkeypatch.setattr(attention, "_decode_merge_kernel", merge)
+    max_seq_len, B, h, h_kv, d = 160, 2, 4, 2, 64
+    q = torch.randn(B, h, d)
+    for n in range(1, max_seq_len + 1):
+        if page_size:
+            width = -(-n // page_size)  # a table just wide enough for the current length
+            pages = torch.zeros(2 * width, page_size, h_kv, d)
+            table = torch.arange(2 * width, dtype=torch.int32).view(B, width)
+            decode_attention(q, pages, pages, lens([n, 1]), 0.1, block_table=table, window=window,
+                             max_seq_len=max_seq_len)
+        else:
+            cache = torch.zeros(B, max_seq_len, h_kv, d)
+            decode_attention(q, cache, cache, lens([n, n]), 0.1)
+    for spy in (split, merge):
+        assert len(spy.launches) == max_seq_len
+        assert all(launch == spy.launches[0] for launch in spy.launches), spy.launches[0]
+    assert split.launches[0][1]["NUM_SPLITS"] > 1  # the capacity spans several splits
+
+
+def test_engine_kernels_reject_bad_inputs():
+    q, pages = torch.randn(5, 4, 16), torch.randn(4, 16, 2, 16)
+    table, cu = torch.zeros(2, 2, dtype=torch.int32), lens([0, 3, 5])
+    with pytest.raises(ValueError, match="cu_seqlens_q must be an int32 tensor of shape \\[3\\]"):
+        paged_prefill_attention(q, pages, pages, cu.long(), lens([3, 2]), table, 0.1)
+    with pytest.raises(ValueError, match="window = -1"):
+        paged_prefill_attention(q, pages, pages, cu, lens([3, 2]), table, 0.1, window=-1)
+    with pytest.raises(ValueError, match="page_size .* = 12"):
+        paged_prefill_attention(q, pages[:, :12], pages[:, :12], cu, lens([3, 2]), table, 0.1)
+    with pytest.raises(ValueError, match="window = 4 needs causal=True"):
+        prefill_attention(q[None], pages[:1, :5], pages[:1, :5], lens([5]), 0.1, causal=False, window=4)
+    with pytest.raises(ValueError, match="slot_mapping must be an int64"):
+        write_kv_slots(pages, pages, q[:, :2], q[:, :2], torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="< num_blocks x block_size = 64"):
+        write_kv_slots(pages, pages, q[:, :2], q[:, :2], torch.tensor([0, 1, 2, 3, 64]))
+    with pytest.raises(ValueError, match="max_seq_len = 0"):
+        decode_attention(q[:2], pages, pages, lens([3, 2]), 0.1, block_table=table, max_seq_len=0)
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_paged_prefill_key_tiles_longer_than_a_page(window):
+    """64-key tiles over 16-token shuffled pages: each key finds its own page (the GPU default shape)."""
+    from tritonq.kernels.attention import PrefillConfig
+    g = torch.Generator().manual_seed(8)
+    ctx = [p + n for p, n in zip(PREFIXES, NEW_TOKENS)]
+    skip = [max(p - window + 1, 0) if window else 0 for p in PREFIXES]
+    ks, vs, k_pages, v_pages, table = paged_context(ctx, 2, 40, 24, 16, torch.float32, g, nan_before=skip)
+    q, cu = packed_queries(NEW_TOKENS, 4, 40, torch.float32, g)
+    out = paged_prefill_attention(q, k_pages, v_pages, cu, lens(ctx), table, 0.15, window=window,
+                                  config=PrefillConfig(32, 64, 4, 1))
+    for b, (prefix, n) in enumerate(zip(PREFIXES, NEW_TOKENS)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        mask = visible_mask(torch.arange(prefix, prefix + n), ctx[b], window)
+        assert_close(out[rows], masked_sdpa(q[rows], ks[b], vs[b], 0.15, mask), torch.float32)

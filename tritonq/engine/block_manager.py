@@ -8,8 +8,9 @@ Prefix caching: once a block is full and its KV written (`mark_computed`), it is
 a hash of its token ids chained with the previous block's hash, so equal hashes mean equal
 prefixes unless the hash collides. A later sequence whose leading full blocks have the same
 hashes shares those pages (reference count + 1) instead of recomputing them. Collisions are
-harmless: a hit must also match the block's stored token ids and its predecessor block, checked
-by id and by a generation counter bumped whenever a page is reused for other tokens.
+harmless: a hit must also match the block's stored token ids and its predecessor block's id (a
+predecessor is never evicted before its successors: whoever holds a block holds the blocks
+before it, and frees them after it).
 
 A freed block keeps its hash and stays findable until its memory is taken again. The free list
 hands out the least recently freed block first, and a sequence frees its blocks last-to-first,
@@ -25,21 +26,22 @@ from tritonq.engine.sequence import Sequence
 
 
 def chained_hash(prev_hash: Hashable | None, tokens: tuple[int, ...]) -> Hashable:
-    """Default block hash: Python's tuple hash (deterministic for ints) of the chain and the tokens."""
-    return hash((prev_hash, tokens))
+    """Default block hash: Python's tuple hash of the chain and the tokens. Ints hash the same in
+    every process (no PYTHONHASHSEED salt, unlike str; None's hash is an address before 3.12), so
+    tensor-parallel ranks running their own schedulers agree."""
+    return hash((-1 if prev_hash is None else prev_hash, tokens))
 
 
 class Block:
     """One KV page. `hash`/`token_ids`/`parent` are set while it holds registered (full, computed) KV."""
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "generation")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: Hashable | None = None
         self.token_ids: tuple[int, ...] | None = None
-        self.parent: tuple[int, int] | None = None   # (block_id, generation) of the block before it
-        self.generation = 0                           # bumped each time the page is reused
+        self.parent: int | None = None   # id of the block before it in the sequence
 
 
 class BlockManager:
@@ -138,7 +140,7 @@ class BlockManager:
             prev = self.blocks[seq.block_table[i - 1]] if i > 0 else None
             block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             block.hash = self.hash_fn(prev.hash if prev else None, block.token_ids)
-            block.parent = (prev.block_id, prev.generation) if prev else None
+            block.parent = prev.block_id if prev else None
             self.hash_to_block[block.hash] = block.block_id
 
     def free(self, seq: Sequence) -> None:
@@ -166,8 +168,7 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            parent = (prev.block_id, prev.generation) if prev else None
-            if block.token_ids != tokens or block.parent != parent:
+            if block.token_ids != tokens or block.parent != (prev.block_id if prev else None):
                 break               # a hash collision: different tokens or a different prefix
             hits.append(block_id)
             prev = block
@@ -180,6 +181,5 @@ class BlockManager:
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
         block.hash = block.token_ids = block.parent = None
-        block.generation += 1
         block.ref_count = 1
         return block_id

@@ -105,15 +105,16 @@ class Scheduler:
         returned; sequences aborted since `schedule` are skipped."""
         if len(sampled) != len(step.seqs):
             raise ValueError(f"postprocess: {len(sampled)} sampled tokens for {len(step.seqs)} sequences.")
+        for seq, n, token in zip(step.seqs, step.num_new_tokens, sampled):   # check all, then apply
+            reached_end = seq.num_computed_tokens + n == seq.num_tokens
+            if not seq.is_finished and reached_end != (token is not None):
+                raise ValueError(f"postprocess: {seq} {'needs' if reached_end else 'must not get'} a "
+                                 f"sampled token after computing {n} tokens, got {token}.")
         finished = []
         for seq, n, token in zip(step.seqs, step.num_new_tokens, sampled):
             if seq.is_finished:
                 continue
             seq.num_computed_tokens += n
-            reached_end = seq.num_computed_tokens == seq.num_tokens
-            if reached_end != (token is not None):
-                raise ValueError(f"postprocess: {seq} {'needs' if reached_end else 'must not get'} a "
-                                 f"sampled token after computing {n} tokens, got {token}.")
             if token is not None:
                 seq.append_token(token)
             self.block_manager.mark_computed(seq)

@@ -135,12 +135,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_lens_ptr,
     if CAUSAL:
         hi = tl.minimum(hi, start_m + BLOCK_M)
     hi = tl.where(start_m < seq_len, hi, 0)
-    lo = 0
-    if HAS_WINDOW:  # the first key any row of this block sees, rounded down to a key block
-        lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
-    for start_n in range(lo, hi, BLOCK_N):
+    first_key = 0
+    if HAS_WINDOW:  # the oldest key any row of this block sees; older ones are not loaded
+        first_key = tl.maximum(start_m - window + 1, 0)
+    for start_n in range(first_key // BLOCK_N * BLOCK_N, hi, BLOCK_N):
         n = start_n + offs_n
-        key_ok = n < seq_len
+        key_ok = (n < seq_len) & (n >= first_key)
         visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (n[None, :] <= offs_m[:, None])
@@ -167,7 +167,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
     work [2, NUM_WORK] int32 (built by the launcher on the device, no host sync): the sequence of
     each query block (-1: none, the grid is an upper bound) and its first query row in that sequence.
     Query row i of sequence b is at position ctx - q_len + i; keys 0..ctx-1 live in the pages of
-    block_table[b] (PAGE_SIZE a multiple of BLOCK_N, so a key tile is in one page).
+    block_table[b]. Each key of a tile looks up its own page (BLOCK_N int loads, from cache), so
+    key tiles may be longer than a page: 16-token pages still get 64-key tiles.
     """
     seq = tl.load(work_ptr + tl.program_id(0))
     first_row = tl.load(work_ptr + NUM_WORK + tl.program_id(0))
@@ -192,19 +193,22 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # Keys up to the block's last real row (causal); none if the program has no rows.
     hi = tl.where(first_row < q_len, tl.minimum(ctx, ctx - q_len + first_row + BLOCK_M), 0)
-    lo = 0
-    if HAS_WINDOW:  # blocks wholly before the first row's window are never loaded
-        lo = tl.maximum(ctx - q_len + first_row - window + 1, 0) // BLOCK_N * BLOCK_N
-    for start_n in range(lo, hi, BLOCK_N):
+    first_key = 0  # the oldest key any row of the block sees
+    if HAS_WINDOW:
+        first_key = tl.maximum(ctx - q_len + first_row - window + 1, 0)
+    # Keys before first_key are never loaded, nor their table entries: with a window, the engine may
+    # free (and reuse, or mark -1) pages that every query has left behind.
+    for start_n in range(first_key // BLOCK_N * BLOCK_N, hi, BLOCK_N):
         n = start_n + offs_n
-        page = tl.load(block_table_ptr + b * stride_bt + start_n // PAGE_SIZE).to(tl.int64)
-        page_rows = start_n % PAGE_SIZE + offs_n
+        key_ok = (n < ctx) & (n >= first_key)
+        page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+        page_rows = n % PAGE_SIZE
         visible = n[None, :] <= pos[:, None]
         if HAS_WINDOW:
             visible = visible & (pos[:, None] - n[None, :] < window)
         m_i, l_i, acc = _attend_tile(q, q_tail, k_ptr + page * stride_kp + kv_h * stride_kh + page_rows * stride_ks,
                                      v_ptr + page * stride_vp + kv_h * stride_vh + page_rows * stride_vs,
-                                     n < ctx, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv, D_QK, D_V,
+                                     key_ok, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv, D_QK, D_V,
                                      qk_scale, BLOCK_DR)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -695,7 +699,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     0 .. context_lens[b] - 1, position n in page block_table[b, n // page_size].
     cu_seqlens_q [B+1] int32, context_lens [B] int32, block_table [B, max_pages] int32.
     A query at position p sees keys j <= p and, if window > 0, p - j < window.
-    Returns [T, H, Dv] in q's dtype. config: as prefill_attention's (block_n <= page_size).
+    Returns [T, H, Dv] in q's dtype. config: as prefill_attention's (key tiles may span pages).
     """
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(f"paged_prefill_attention: expected q [T,H,Dqk], k_pages [P,page_size,Hkv,Dqk], "
@@ -712,9 +716,6 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     page_size = _check_block_table(block_table, k_pages, B, q.device)
     if config is not None:
         check_prefill_config(config)
-        if config.block_n > page_size:
-            raise ValueError(f"paged_prefill_attention: config.block_n = {config.block_n} exceeds the page size "
-                             f"{page_size}; a key tile must lie in one page, so use block_n <= {page_size}")
     if not use_triton(q):
         return paged_prefill_attention_reference(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
                                                  scale, window)
@@ -724,7 +725,6 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     D_V = v_pages.shape[-1]
     (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
     cfg = config or prefill_config(block_d, block_dr, block_dv, q.is_cuda)
-    block_n = min(cfg.block_n, page_size)  # a key tile within one page
     out = torch.empty(T, H, D_V, dtype=q.dtype, device=q.device)
     if T == 0 or B == 0:
         return out
@@ -742,7 +742,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
         num_work, H, D_QK, D_V, scale * LOG2E, window,
-        GROUP=H // k_pages.shape[2], HAS_WINDOW=window > 0, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
+        GROUP=H // k_pages.shape[2], HAS_WINDOW=window > 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
