@@ -1,0 +1,13 @@
+"""`python -m tritonq.serve MODEL`: an OpenAI-compatible HTTP server on the continuous-batching engine.
+
+    app.py          FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+    protocol.py     pydantic request models and the OpenAI error body
+    engine_loop.py  the engine in one background thread; requests stream from it through asyncio queues
+    metrics.py      Prometheus gauges, counters and latency histograms
+    __main__.py     command line, uvicorn, Ctrl-C / SIGTERM handling
+
+Needs the `serve` extra: pip install -e ".[serve]".
+"""
+from tritonq.serve.app import create_app
+
+__all__ = ["create_app"]

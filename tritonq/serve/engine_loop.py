@@ -1,0 +1,203 @@
+"""The engine in one background thread; HTTP handlers talk to it through queues.
+
+The engine is not thread-safe, so only this thread calls it. Handlers (on the asyncio loop)
+put commands (add, abort) on a thread-safe queue; the thread drains them between steps, runs
+`engine.step()` while anything is unfinished, and hands each request's outputs back to its
+asyncio.Queue with `loop.call_soon_threadsafe`. An abort is applied before the next step, so a
+disconnected client's blocks are free within one step.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from tritonq.generate import GenerationConfig
+from tritonq.serve.metrics import ServerMetrics
+
+
+@dataclass
+class Event:
+    """What a request's queue receives: outputs of one step, or a terminal error."""
+    outputs: list = field(default_factory=list)  # RequestOutput of this request's engine ids
+    error: str | None = None                     # the request cannot go on (engine died, shutdown)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Stream:
+    """One HTTP request's engine requests (n choices x prompts) and the queue their outputs reach."""
+
+    def __init__(self, prompts: list[list[int]], configs: list[list[GenerationConfig]], loop):
+        self.prompts, self.configs = prompts, configs
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.loop = loop
+        self.request_ids: list[int] = []   # engine ids, prompt-major: prompt p choice c at p * n + c
+        self.accepted = loop.create_future()  # set by the engine thread: None, or the ValueError text
+        self.started = time.perf_counter()
+        self.unstarted = self.num_requests    # engine requests that have not produced a token yet
+        self.done = False
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(c) for c in self.configs)
+
+
+class _Timing:
+    __slots__ = ("arrival", "first", "tokens")
+
+    def __init__(self, arrival: float):
+        self.arrival, self.first, self.tokens = arrival, None, 0
+
+
+class EngineLoop:
+    """Owns the engine thread. `submit` from the asyncio loop; `stop` from anywhere."""
+
+    def __init__(self, engine, metrics: ServerMetrics, max_waiting: int | None = None):
+        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[int, Stream] = {}   # engine request id -> its stream (thread-owned)
+        self._timing: dict[int, _Timing] = {}
+        self._live: set[Stream] = set()           # streams not yet done (asyncio-owned)
+        self._pending = 0                         # engine requests accepted, no token yet (asyncio-owned)
+        self._stop = threading.Event()
+        self.dead: str | None = None              # why the loop died, once it has
+        self._thread = threading.Thread(target=self._run, name="tritonq-engine", daemon=True)
+
+    # ---- asyncio side -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    async def submit(self, prompts: list[list[int]], configs: list[list[GenerationConfig]]) -> Stream:
+        """Queue prompts[p] once per config in configs[p]; returns when the engine accepted them.
+
+        Raises QueueFull when --max-waiting requests are already waiting, ValueError with the
+        engine's message when it refuses one (e.g. more KV blocks than the cache has), and
+        RuntimeError when the engine loop is dead.
+        """
+        if self.dead is not None:
+            raise RuntimeError(f"the engine loop has died: {self.dead}")
+        stream = Stream(prompts, configs, asyncio.get_running_loop())
+        if self.max_waiting is not None and self._pending + stream.num_requests > self.max_waiting:
+            raise QueueFull(f"{self._pending} requests are waiting and this one adds {stream.num_requests}; "
+                            f"the server queues at most {self.max_waiting} (--max-waiting). Retry later.")
+        self._pending += stream.num_requests
+        self._live.add(stream)
+        self._commands.put(("add", stream))
+        error = await stream.accepted
+        if error is not None:
+            self._finish(stream)
+            raise ValueError(error)
+        return stream
+
+    def mark_started(self, stream: Stream) -> None:
+        """A handler saw the first token of one of its engine requests: that one no longer waits."""
+        if stream.unstarted > 0:
+            stream.unstarted -= 1
+            self._pending -= 1
+
+    def release(self, stream: Stream) -> None:
+        """The handler is done with a stream (finished, failed or client gone): abort what still runs."""
+        if not stream.done:
+            self._finish(stream)
+            self._commands.put(("abort", stream))
+
+    def _finish(self, stream: Stream) -> None:
+        self._pending -= stream.unstarted
+        stream.unstarted = 0
+        stream.done = True
+        self._live.discard(stream)
+
+    def fail_all(self, message: str) -> None:
+        """End every live stream with an error event (shutdown): their handlers send an error chunk."""
+        for stream in list(self._live):
+            stream.queue.put_nowait(Event(error=message))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout=30)
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished()
+                try:
+                    command = self._commands.get(block=not busy, timeout=None if not busy else 0)
+                    self._apply(command)
+                    while True:
+                        self._apply(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                if self._stop.is_set():
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                self.metrics.update_engine(self.engine)
+        except BaseException as exc:  # noqa: BLE001 - report any death to every waiting client
+            self.dead = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            for stream in set(self._streams.values()):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Event(error=self.dead))
+
+    def _apply(self, command) -> None:
+        kind, stream = command
+        if kind == "add":
+            self._add(stream)
+        elif kind == "abort":
+            for rid in stream.request_ids:
+                if self._streams.pop(rid, None) is not None:
+                    self._timing.pop(rid, None)
+                    self.engine.abort(rid)
+
+    def _add(self, stream: Stream) -> None:
+        ids = []
+        try:
+            for prompt, configs in zip(stream.prompts, stream.configs):
+                for config in configs:
+                    ids.append(self.engine.add_request(prompt, config))
+        except ValueError as exc:
+            for rid in ids:
+                self.engine.abort(rid)
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, str(exc))
+            return
+        stream.request_ids = ids
+        for rid, prompt in zip(ids, (p for p, cs in zip(stream.prompts, stream.configs) for _ in cs)):
+            self._streams[rid] = stream
+            self._timing[rid] = _Timing(stream.started)
+            self.metrics.prompt_tokens.inc(len(prompt))
+        stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        now = time.perf_counter()
+        by_stream: dict[Stream, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            by_stream.setdefault(stream, []).append(out)
+            timing = self._timing[out.request_id]
+            if out.token_id is not None:
+                timing.tokens += 1
+                self.metrics.generation_tokens.inc()
+                if timing.first is None:
+                    timing.first = now
+                    self.metrics.ttft.observe(now - timing.arrival)
+            if out.finished:
+                del self._streams[out.request_id], self._timing[out.request_id]
+                self.metrics.request_finished(timing.arrival, timing.first, timing.tokens, now,
+                                              out.finish_reason)
+        for stream, outs in by_stream.items():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Event(outputs=outs))
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
