@@ -1,0 +1,282 @@
+"""`python -m tritonq.serve` as a real process on 127.0.0.1, checked with the openai client and httpx.
+
+The server runs a tiny random Llama (tritonq.demo.write_tiny_llama, byte tokenizer) on the torch
+reference backend (TRITONQ_BACKEND=torch: the kernels have their own tests, and the interpreter
+would take minutes per request here); the reference outputs come from Model.generate / Model.chat
+on the same checkpoint and backend in this process, one prompt at a time.
+"""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_SEQ_LEN = 512
+MODEL_NAME = "tiny"
+KEY = "sk-test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, folder: Path, log: Path, *args: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(TRITONQ_BACKEND="torch", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tritonq.serve", str(folder), "--port", str(self.port), "--served-model-name",
+             MODEL_NAME, "--max-seq-len", str(MAX_SEQ_LEN), "--log-level", "warning", *args],
+            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        pytest.fail(f"server did not answer /health within 180 s:\n{log.read_text()[-3000:]}")
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"tritonq:{name}{{")]
+        assert values, f"tritonq:{name} not in /metrics"
+        return sum(values)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tritonq.demo import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("serve") / "tiny", hidden_size=128)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """The offline Model on the same checkpoint and backend as the server."""
+    import tritonq
+    previous = os.environ.get("TRITONQ_BACKEND")
+    os.environ["TRITONQ_BACKEND"] = "torch"
+    yield tritonq.load(checkpoint, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4)
+    if previous is None:
+        del os.environ["TRITONQ_BACKEND"]
+    else:
+        os.environ["TRITONQ_BACKEND"] = previous
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    s = Server(checkpoint, tmp_path_factory.mktemp("log") / "server.log", "--max-num-seqs", "64")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def strict(checkpoint, tmp_path_factory):
+    """One sequence at a time, one waiting at most, an API key: the 401 / 429 cases."""
+    s = Server(checkpoint, tmp_path_factory.mktemp("log") / "strict.log", "--max-num-seqs", "1",
+               "--max-waiting", "1", "--api-key", KEY)
+    yield s
+    s.stop()
+
+
+def _client(server, key="none"):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, timeout=60, max_retries=0)
+
+
+def test_openai_client_completions_match_generate(server, reference):
+    client = _client(server)
+    for prompt, max_tokens in [("Hello, tritonq!", 17), ("a", 5)]:
+        expected = reference.generate(prompt, max_new_tokens=max_tokens, temperature=0, return_dict=True)
+        prompt_tokens = len(reference.tokenizer(prompt).input_ids)
+        reply = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        assert reply.choices[0].text == expected.text[0]
+        assert reply.choices[0].finish_reason == "length"
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (
+            prompt_tokens, len(expected.token_ids[0]), prompt_tokens + len(expected.token_ids[0]))
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text[0]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids[0])
+        assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_batch_of_token_ids_and_n(server, reference):
+    prompts = [[72, 101, 108], [97, 98, 99, 100, 101]]
+    reply = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": prompts, "max_tokens": 6, "temperature": 0, "n": 2, "logprobs": 0})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    expected = reference.generate(prompts, max_new_tokens=6, temperature=0, return_dict=True)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    for c in body["choices"]:
+        p = c["index"] // 2
+        assert c["text"] == expected.text[p]
+        assert len(c["logprobs"]["token_logprobs"]) == 6
+        assert c["logprobs"]["token_logprobs"] == pytest.approx(expected.logprobs[p], abs=1e-3)
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 24, "total_tokens": 32}
+
+
+def test_openai_client_chat_matches_chat(server, reference):
+    client = _client(server)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is int4?"}]
+    expected = reference.chat(messages, max_new_tokens=11, temperature=0)
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=11,
+                                           temperature=0)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected
+    text = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_tokens = len(reference.tokenizer(text, add_special_tokens=False).input_ids)
+    assert reply.usage.prompt_tokens == prompt_tokens and reply.usage.completion_tokens == 11
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=11, temperature=0,
+                                                 stream=True))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def _prompt(i: int) -> str:
+    return f"request {i}: " + "xyz"[i % 3] * (i % 7) + str(i * 37)
+
+
+async def _stream_text(client, url: str, prompt: str, max_tokens: int) -> tuple[str, str, bool]:
+    text, reason, done = "", None, False
+    async with client.stream("POST", url, json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                                                "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            if line == "data: [DONE]":
+                done = True
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            reason = choice["finish_reason"] or reason
+    return text, reason, done
+
+
+def test_32_concurrent_streams_match_solo_greedy(server, reference):
+    max_tokens = [4 + i % 9 for i in range(32)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[_stream_text(client, f"{server.url}/v1/completions", _prompt(i), m)
+                                          for i, m in enumerate(max_tokens)])
+    results = asyncio.run(asyncio.wait_for(run(), 300))
+    for i, (text, reason, done) in enumerate(results):
+        assert done and reason == "length"
+        assert text == reference.generate(_prompt(i), max_new_tokens=max_tokens[i], temperature=0), i
+    assert server.metric("num_requests_running") == 0
+    assert server.metric("num_requests_waiting") == 0
+    assert server.metric("kv_cache_free_blocks") == server.metric("kv_cache_total_blocks")
+    assert server.metric("time_to_first_token_seconds_count") >= 32
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    finished_before = server.metric("request_success_total")
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": "a long one", "max_tokens": MAX_SEQ_LEN - 20, "temperature": 0,
+            "stream": True}) as r:
+        for line in r.iter_lines():
+            if line:  # the first token came: the request holds blocks (checked before the client leaves)
+                assert server.metric("kv_cache_free_blocks") < server.metric("kv_cache_total_blocks")
+                break
+    deadline = time.time() + 20
+    while server.metric("kv_cache_free_blocks") != server.metric("kv_cache_total_blocks") and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.metric("kv_cache_free_blocks") == server.metric("kv_cache_total_blocks")
+    assert server.metric("num_requests_running") == 0
+    assert server.metric("request_success_total") == finished_before  # aborted, not run to its end
+    assert server.metric("generation_tokens_total") > 0
+
+
+def _post(server, path, body=None, key=KEY, content=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if content is not None:
+        headers["Content-Type"] = "application/json"
+    return httpx.post(f"{server.url}{path}", json=body, content=content, headers=headers, timeout=60)
+
+
+def _error(reply, status: int) -> str:
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error["message"]
+
+
+def test_error_table(strict):
+    ok = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    assert _post(strict, "/v1/completions", ok).status_code == 200
+    assert "API key" in _error(_post(strict, "/v1/completions", ok, key=None), 401)
+    assert "API key" in _error(_post(strict, "/v1/completions", ok, key="wrong"), 401)
+    assert httpx.get(f"{strict.url}/health").status_code == 200  # health and metrics need no key
+    assert "`gpt-4`" in _error(_post(strict, "/v1/completions", ok | {"model": "gpt-4"}), 404)
+    message = _error(_post(strict, "/v1/completions", ok | {"prompt": "x" * 100, "max_tokens": 500}), 400)
+    assert "100" in message and "500" in message and str(MAX_SEQ_LEN) in message
+    message = _error(_post(strict, "/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": MAX_SEQ_LEN,
+                                                            "messages": [{"role": "user", "content": "hi"}]}), 400)
+    assert str(MAX_SEQ_LEN) in message
+    assert "temperature" in _error(_post(strict, "/v1/completions", ok | {"temperature": -1}), 400)
+    assert "top_p" in _error(_post(strict, "/v1/completions", ok | {"top_p": 1.5}), 400)
+    assert "n" == _post(strict, "/v1/completions", ok | {"n": 0}).json()["error"]["param"]
+    assert "stream_options" in _error(_post(strict, "/v1/completions", ok | {"stream_options": {"include_usage": True}}), 400)
+    assert "echo" in _error(_post(strict, "/v1/completions", ok | {"echo": True}), 400)
+    assert "JSON" in _error(_post(strict, "/v1/completions", content=b'{"model": "tiny", "prompt": '), 400)
+    assert "prompt" in _error(_post(strict, "/v1/completions", {"model": MODEL_NAME, "prompt": [1, "a"]}), 400)
+    assert "messages" in _error(_post(strict, "/v1/chat/completions", {"model": MODEL_NAME, "messages": []}), 400)
+
+    # 429: one running (max-num-seqs 1), one waiting (max-waiting 1), the third is refused
+    long = ok | {"max_tokens": MAX_SEQ_LEN - 10, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=60, headers=headers) as c1, httpx.Client(timeout=60, headers=headers) as c2:
+        with c1.stream("POST", f"{strict.url}/v1/completions", json=long) as running:
+            next(running.iter_lines())  # its first token came: it runs
+            with c2.stream("POST", f"{strict.url}/v1/completions", json=long) as waiting:
+                assert waiting.status_code == 200
+                assert "--max-waiting" in _error(_post(strict, "/v1/completions", ok), 429)
+
+
+def test_sigterm_ends_streams_with_an_error_and_exits_cleanly(strict):
+    with httpx.stream("POST", f"{strict.url}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": MAX_SEQ_LEN - 10, "stream": True}) as r:
+        lines = []
+        for line in r.iter_lines():
+            if line and not lines:
+                strict.proc.send_signal(signal.SIGTERM)
+            if line:
+                lines.append(line)
+    assert lines[-1] == "data: [DONE]"
+    assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
+    assert strict.proc.wait(30) == 0
