@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tritonq.detokenize import Detokenizer
 from tritonq.distributed import broadcast_from_rank0
 
 
@@ -33,7 +34,9 @@ class GenerationConfig:
                   (self.temperature >= 0, "temperature must be >= 0 (0 means greedy)"),
                   (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
                   (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-                  (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1.0 disables it)")]
+                  (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1.0 disables it)"),
+                  (all(isinstance(s, str) and s for s in self.stop),
+                   "stop strings must be non-empty str (an empty one would stop before any text)")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"{message}; got {self}.")
@@ -75,7 +78,8 @@ def generate_tokens(model, cache, prompts: list[list[int]], config: GenerationCo
                     is_stopped=None, world: int = 1) -> Iterator[list[tuple[int, float] | None]]:
     """Yields one list per step: (token, logprob) for each sequence still running, None for finished ones.
 
-    is_stopped(b, generated_ids) -> bool is asked after each token (stop strings); EOS ends a sequence too.
+    is_stopped(b, generated_ids) -> bool is asked after each token, EOS included (stop strings; it also
+    lets the caller detokenize as it goes); EOS ends a sequence too.
     world > 1 (tensor parallel): every rank runs this loop; rank 0's sampled tokens are broadcast, so all
     ranks feed the same tokens and stop at the same step even if sampling differed.
     """
@@ -110,7 +114,8 @@ def generate_tokens(model, cache, prompts: list[list[int]], config: GenerationCo
                 continue
             generated[b].append(token)
             step.append((token, logprob))
-            if token in eos_ids or (is_stopped is not None and is_stopped(b, generated[b])):
+            stopped = is_stopped is not None and is_stopped(b, generated[b])
+            if stopped or token in eos_ids:
                 running[b] = False
         yield step
         if not any(running) or step_index == config.max_new_tokens - 1:
@@ -164,13 +169,6 @@ class Model:
                                  f"max_seq_len={self.max_seq_len} (the KV cache length); shorten the prompt, lower "
                                  "max_new_tokens or load with a larger max_seq_len.")
 
-    def _text(self, ids: list[int], config: GenerationConfig) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        for s in config.stop:
-            if s in text:
-                text = text[:text.index(s)]
-        return text
-
     def generate(self, prompts, config: GenerationConfig | None = None, *, stream: bool = False,
                  return_dict: bool = False, **options):
         """Generate from prompts (str, list of str, token ids or list of token id lists).
@@ -205,18 +203,19 @@ class Model:
             return out
         return out.text[0] if single else out.text
 
-    def _stopper(self, config: GenerationConfig):
-        if not config.stop:
-            return None
-        return lambda b, ids: any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in config.stop)
-
     def _run(self, prompts: list[list[int]], config: GenerationConfig) -> GenerationOutput:
         token_ids = [[] for _ in prompts]
         logprobs = [[] for _ in prompts]
         start = time.perf_counter()
         prefill_s, steps = 0.0, 0
+        detokenizers = [Detokenizer(self.tokenizer, config.stop) for _ in prompts]
+
+        def is_stopped(b: int, ids: list[int]) -> bool:
+            detokenizers[b].add(ids[-1])
+            return detokenizers[b].stopped
+
         for step in generate_tokens(self.model, self.cache, prompts, config, self.eos_token_ids,
-                                    self._stopper(config), self.world):
+                                    is_stopped, self.world):
             if steps == 0:
                 prefill_s = time.perf_counter() - start
             steps += 1
@@ -226,21 +225,25 @@ class Model:
                     logprobs[b].append(item[1])
         decode_s = time.perf_counter() - start - prefill_s
         decoded = sum(len(t) for t in token_ids) - sum(1 for t in token_ids if t)
-        return GenerationOutput(text=[self._text(t, config) for t in token_ids], token_ids=token_ids,
+        for d in detokenizers:
+            d.flush()
+        return GenerationOutput(text=[d.text for d in detokenizers], token_ids=token_ids,
                                 logprobs=logprobs, prefill_s=prefill_s,
                                 decode_tokens_per_s=decoded / decode_s if decoded else 0.0)
 
     def _stream(self, prompt: list[int], config: GenerationConfig) -> Iterator[str]:
-        ids, emitted = [], ""
-        for step in generate_tokens(self.model, self.cache, [prompt], config, self.eos_token_ids,
-                                    self._stopper(config), self.world):
-            ids.append(step[0][0])
-            text = self._text(ids, config)
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-                continue
-            if len(text) > len(emitted):
-                yield text[len(emitted):]
-                emitted = text
+        detokenizer, pieces = Detokenizer(self.tokenizer, config.stop), []
+
+        def is_stopped(b: int, ids: list[int]) -> bool:
+            pieces.append(detokenizer.add(ids[-1]))
+            return detokenizer.stopped
+
+        for _ in generate_tokens(self.model, self.cache, [prompt], config, self.eos_token_ids, is_stopped,
+                                 self.world):
+            if pieces[-1]:
+                yield pieces[-1]
+        if tail := detokenizer.flush():
+            yield tail
 
     def chat(self, messages: list[dict], **options):
         """Generate the assistant reply to messages [{"role": ..., "content": ...}] via the chat template."""
