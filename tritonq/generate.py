@@ -161,9 +161,14 @@ class Model:
         if len(prompts) > self.max_batch:
             raise ValueError(f"{len(prompts)} prompts exceed max_batch={self.max_batch}; pass fewer prompts or "
                              "load with a larger max_batch.")
+        vocab_size = self.model.config.vocab_size
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} has no tokens; give at least one token.")
+            bad = [t for t in p if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (vocab_size={vocab_size}:"
+                                 f" ids 0..{vocab_size - 1}); encode prompts with this model's tokenizer.")
             if len(p) + config.max_new_tokens > self.max_seq_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens={config.max_new_tokens} > "
                                  f"max_seq_len={self.max_seq_len} (the KV cache length); shorten the prompt, lower "
