@@ -558,7 +558,8 @@ def test_decode_sliding_window_matches_sdpa_over_the_last_keys(page_size, window
 def test_write_kv_slots_skips_negative_slots_and_writes_the_mla_latent_view():
     g = torch.Generator().manual_seed(7)
     page_size, h_kv, d_qk, d_v = 16, 2, 24, 40
-    k_pages, v_pages = torch.randn(6, page_size, h_kv, d_qk, generator=g), torch.randn(6, page_size, h_kv, d_v, generator=g)
+    k_pages = torch.randn(6, page_size, h_kv, d_qk, generator=g)
+    v_pages = torch.randn(6, page_size, h_kv, d_v, generator=g)
     slots = torch.tensor([37, -1, 0, 95, -1, 16], dtype=torch.int64)  # pages 2, 0, 5, 1; two padding rows
     k, v = torch.randn(6, h_kv, d_qk, generator=g), torch.randn(6, h_kv, d_v, generator=g)
     before_k, before_v = k_pages.clone(), v_pages.clone()
@@ -655,3 +656,16 @@ def test_paged_prefill_key_tiles_longer_than_a_page(window):
         rows = slice(int(cu[b]), int(cu[b + 1]))
         mask = visible_mask(torch.arange(prefix, prefix + n), ctx[b], window)
         assert_close(out[rows], masked_sdpa(q[rows], ks[b], vs[b], 0.15, mask), torch.float32)
+
+
+def test_paged_prefill_sequence_without_new_tokens_is_skipped():
+    """A sequence with no new tokens this step (q_len 0) owns no query rows; its neighbours are unaffected."""
+    g = torch.Generator().manual_seed(9)
+    ctx, new = [19, 40, 2], [3, 0, 2]
+    ks, vs, k_pages, v_pages, table = paged_context(ctx, 1, 32, 32, 16, torch.float32, g)
+    q, cu = packed_queries(new, 2, 32, torch.float32, g)
+    out = paged_prefill_attention(q, k_pages, v_pages, cu, lens(ctx), table, 0.2)
+    for b in (0, 2):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        mask = visible_mask(torch.arange(ctx[b] - new[b], ctx[b]), ctx[b], 0)
+        assert_close(out[rows], masked_sdpa(q[rows], ks[b], vs[b], 0.2, mask), torch.float32)

@@ -546,7 +546,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                           S, H, D_QK, D_V, scale * LOG2E, window,
-                          GROUP=H // k.shape[2], CAUSAL=causal, HAS_WINDOW=window > 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                          GROUP=H // k.shape[2], CAUSAL=causal, HAS_WINDOW=window > 0, BLOCK_M=cfg.block_m,
+                          BLOCK_N=cfg.block_n,
                           BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
@@ -608,7 +609,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                table.stride(0), H, D_QK, D_V, scale * LOG2E, window,
                                GROUP=group, NUM_SPLITS=cfg.num_splits, BLOCK_H=block_h,
                                BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
-                               PAGE_SIZE=page_size, HAS_WINDOW=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                               PAGE_SIZE=page_size, HAS_WINDOW=window > 0, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages)
     out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, D_V,
                                  NUM_SPLITS=cfg.num_splits,
