@@ -1,0 +1,68 @@
+"""One request as the scheduler sees it: its token ids, how many have KV in the cache, its blocks.
+
+Plain Python, no torch. The engine keeps its own per-request state (sampling, text, timing) in
+`extra`; the scheduler and block manager never look at it.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()   # queued, holds no blocks (new, or preempted and waiting to recompute)
+    RUNNING = enum.auto()   # holds blocks; being prefilled (possibly in chunks) or decoded
+    FINISHED = enum.auto()  # done or aborted; blocks freed
+
+
+class Sequence:
+    """A prompt plus the tokens generated so far.
+
+    token_ids: prompt + generated ids. The last one's KV is not yet in the cache during decode:
+        `num_computed_tokens == num_tokens - 1` means "ready for a decode step".
+    num_computed_tokens: tokens whose KV is in the cache (prefix-cache hits included).
+    num_cached_tokens: tokens served from the prefix cache at the last admission.
+    block_table: KV block ids, block i holds positions [i * block_size, (i + 1) * block_size).
+    arrival: admission order, set by `Scheduler.add` (lower = older).
+    extra: anything the engine wants to carry with the request.
+    """
+
+    def __init__(self, seq_id: int, token_ids: list[int], max_new_tokens: int, extra: object = None):
+        if len(token_ids) == 0:
+            raise ValueError(f"sequence {seq_id}: the prompt is empty; pass at least one token id.")
+        if max_new_tokens < 1:
+            raise ValueError(f"sequence {seq_id}: max_new_tokens is {max_new_tokens}, expected >= 1 "
+                             "(a request that generates nothing needs no scheduling).")
+        self.seq_id = seq_id
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.max_new_tokens = max_new_tokens
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.arrival = 0
+        self.extra = extra
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens} "
+                f"(prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table})")
