@@ -109,3 +109,18 @@ def test_abort_frees_blocks_and_max_new_tokens_zero_finishes_at_once(folder):
     assert a not in seen and b in seen
     engine.abort(b)
     assert not engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_kv_cache_sized_from_the_budget_and_logged(folder, caplog):
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head dim x fp32 bytes
+    assert load(folder).engine.runner.model.kv_layout.bytes_per_token(torch.float32) == per_token
+    # CPU default: what max_num_seqs=4 sequences of max_seq_len=256 (16 blocks each) use, far below 4 GiB
+    assert load(folder).engine.block_manager.num_blocks == 4 * 16
+    with caplog.at_level("INFO", logger="tritonq.engine.runner"):
+        model = load(folder, kv_cache_gb=100 * 16 * per_token / 2 ** 30 + 1e-9)
+    assert model.engine.block_manager.num_blocks == 100
+    assert model.engine.runner.cache.k[0].shape == (100, 16, 2, 16)
+    assert "KV cache: 100 blocks of 16 tokens = 1600 tokens" in caplog.text
+    assert "6.2 sequences of max_seq_len=256 at once" in caplog.text
+    with pytest.raises(ValueError, match="no memory left for the KV cache"):
+        load(folder, kv_cache_gb=1e-9)

@@ -73,7 +73,7 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, block_size, world)
+        self.runner = ModelRunner(model, num_blocks, block_size, world, max_seq_len)
         self.requests: dict[int, Request] = {}  # unfinished requests
         self._done: list[RequestOutput] = []  # finished without a step (max_new_tokens=0): reported next
         self._ids = itertools.count()
