@@ -93,7 +93,8 @@ class ModelRunner:
                            slot_mapping=tensor(slots, torch.int64), cu_seqlens_q=tensor(cu, torch.int32),
                            context_lens=tensor(context, torch.int32), block_table=tensor(table, torch.int32),
                            logit_rows=None if logits_for is None else tensor(rows, torch.int64),
-                           is_prefill=is_prefill, max_position=max(context) - 1)
+                           is_prefill=is_prefill, max_position=max(context) - 1,
+                           num_context_tokens=sum(context))
 
     def run(self, ctx: StepContext) -> torch.Tensor:
         """Logits [R, V] float32 at ctx.logit_rows (every row when None)."""
