@@ -93,6 +93,18 @@ def test_stop_string_truncates_text(model):
     assert out == text[:text.index(stop)]
 
 
+def test_stream_with_stop_strings_equals_the_text(model):
+    """Stops that straddle tokens (byte tokenizer: every 2-char stop does), that occur, and that
+    only start to occur (the held character must still be flushed): streamed == non-streamed."""
+    text = model.generate("hello", max_new_tokens=12)
+    for stop in [text[3:5], text[5:8], text[3] + "\x00", text[-1] + "\x00", [text[6:8], text[2:4]]]:
+        streamed = "".join(model.generate("hello", max_new_tokens=12, stop=stop, stream=True))
+        plain = model.generate("hello", max_new_tokens=12, stop=stop)
+        stops = [stop] if isinstance(stop, str) else stop
+        cut = min([text.index(s) for s in stops if s in text], default=len(text))
+        assert streamed == plain == text[:cut]
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
     greedy = model.generate("hello", max_new_tokens=8)
     assert model.generate("hello", max_new_tokens=8, temperature=1.0, top_k=1, seed=0) == greedy
@@ -133,3 +145,5 @@ def test_bad_options_raise(model):
         model.generate("a", stream=True, return_dict=True)
     with pytest.raises(TypeError, match="prompts must be"):
         model.generate(3.5)
+    with pytest.raises(ValueError, match="non-empty"):
+        model.generate("a", stop="")

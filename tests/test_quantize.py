@@ -4,12 +4,16 @@ Each on-disk tensor is decoded here with the formula from formats.md, written ou
 of tritonq's packing code, and must equal the RTN quantization of the dense weight bit for bit.
 """
 import json
+import re
 
 import pytest
 import torch
 from formats.helpers import GROUP_SIZE, LINEARS, dequantize, save_tiny_llama
 from safetensors.torch import load_file
 
+import tritonq
+from tritonq.demo import byte_tokenizer
+from tritonq.formats.base import FP8Weight
 from tritonq.quantize import main, quantize_fp8, quantize_int4
 
 
@@ -105,12 +109,19 @@ def test_gptq_writer_matches_gptqmodel_layout(dense, tmp_path, bits, sym, act_or
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
 def test_fp8_writer_matches_vllm_layout(dense, tmp_path, scheme):
     src, original = dense
-    main([str(src), str(tmp_path), "--format", "fp8", "--fp8-scheme", scheme])
+    # block: q/k/gate have N=64, half a 128-row block, which the loader cannot fuse (refused: see
+    # test_writer_refuses_block_fp8_it_cannot_load); the others are still written, partial blocks included.
+    fused_firsts = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"] if scheme == "block" else []
+    main([str(src), str(tmp_path), "--format", "fp8", "--fp8-scheme", scheme,
+          *(["--modules-to-not-convert", *fused_firsts] if fused_firsts else [])])
     q = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert q["quant_method"] == ("fbgemm_fp8" if scheme == "channel" else "fp8")
     assert q.get("weight_block_size") == ([128, 128] if scheme == "block" else None)
     t = load_file(tmp_path / "model.safetensors")
     for p in LINEARS:
+        if p.endswith(tuple(fused_firsts)):
+            assert torch.equal(t[f"{p}.weight"], original[f"{p}.weight"])
+            continue
         N, K = original[f"{p}.weight"].shape
         scale = t[f"{p}.weight_scale_inv" if scheme == "block" else f"{p}.weight_scale"]
         assert t[f"{p}.weight"].dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
@@ -131,10 +142,38 @@ def test_writer_honours_modules_to_not_convert(dense, tmp_path):
         ["down_proj"]
 
 
-def test_writer_rejects_bad_requests(dense, tmp_path):
+def cli_error(argv: list[str], capsys) -> str:
+    """The CLI's message for a user error: exit status 2, one line on stderr, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    return err
+
+
+def test_writer_rejects_bad_requests(dense, tmp_path, capsys):
     src, _ = dense
-    with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.0\..*must be a multiple of group_size=48"):
-        main([str(src), str(tmp_path / "a"), "--format", "awq", "--group-size", "48"])
+    assert re.search(r"cannot quantize model\.layers\.0\..*must be a multiple of group_size=48",
+                     cli_error([str(src), str(tmp_path / "a"), "--format", "awq", "--group-size", "48"], capsys))
     main([str(src), str(tmp_path / "b"), "--format", "fp8"])
-    with pytest.raises(ValueError, match="already has a quantization_config"):
-        main([str(tmp_path / "b"), str(tmp_path / "c"), "--format", "awq"])
+    assert "already has a quantization_config" in cli_error([str(tmp_path / "b"), str(tmp_path / "c"), "--format",
+                                                             "awq"], capsys)
+    assert f"{tmp_path / 'nowhere'} has no config.json" in cli_error([str(tmp_path / "nowhere"), str(tmp_path / "d"),
+                                                                      "--format", "awq"], capsys)
+
+
+def test_writer_refuses_block_fp8_it_cannot_load(dense, tmp_path, capsys):
+    """q_proj (N=64) and k_proj (N=32) would be fused with k/v along N, cutting a 128-row block: refused, naming it;
+    the fix the message gives (keep self_attn dense) writes a checkpoint that loads and runs."""
+    src, _ = dense
+    err = cli_error([str(src), str(tmp_path / "a"), "--format", "fp8", "--fp8-scheme", "block"], capsys)
+    assert re.search(r"model\.layers\.0\.self_attn\.[qk]_proj\.weight has N=(64|32) outputs, not a multiple of "
+                     "the 128-row fp8 block", err)
+    assert not (tmp_path / "a").exists()
+    assert "--modules-to-not-convert self_attn" in err
+    main([str(src), str(tmp_path / "b"), "--format", "fp8", "--fp8-scheme", "block",
+          "--modules-to-not-convert", "self_attn"])
+    byte_tokenizer().save_pretrained(tmp_path / "b")  # the tiny source has no tokenizer files
+    model = tritonq.load(tmp_path / "b", max_seq_len=16)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj.weight, FP8Weight)
+    assert len(model.generate([1, 2, 3], max_new_tokens=2, return_dict=True).token_ids[0]) == 2

@@ -78,8 +78,8 @@ LINEARS = {  # name: (format, N, K, writer options, loader options)
     "gptq_asym_8bit": ("gptq", 64, 128, {"group_size": 32, "sym": False, "bits": 8}, {}),
     "gptq_per_channel": ("gptq", 64, 128, {"group_size": -1, "sym": False}, {}),
     "gptq_act_order": ("gptq", 64, 128, {"group_size": 32, "sym": False, "act_order": True}, {}),
-    # act-order keeps every group on every row shard, so a shard of 48 rows (1.5 groups) is fine
-    "gptq_act_order_uneven": ("gptq", 64, 96, {"group_size": 32, "sym": True, "act_order": True}, {}),
+    # act-order keeps every group's scales on every row shard (a shard of 48 rows, 1.5 groups: BAD_SPLITS)
+    "gptq_act_order_sym": ("gptq", 64, 128, {"group_size": 32, "sym": True, "act_order": True}, {}),
     "fp8_tensor": ("fp8", 64, 96, {}, {}),
     "fp8_channel": ("fp8", 64, 96, {"fp8_scheme": "channel"}, {}),
     "fp8_block": ("fp8", 256, 256, {"fp8_scheme": "block"}, {}),
@@ -141,6 +141,10 @@ BAD_SPLITS = {  # name: (format, N, K, options, parallel, how the error goes on 
     "gptq_row_cuts_a_group": ("gptq", 64, 96, {"group_size": 32, "sym": True}, "row",
                               ("K (inputs)=96 row-parallel into 2 parts of 48: each part must be a multiple of 32 "
                               "(a quantization group")),
+    # the int4 kernels need whole groups of rows on each rank, act-order or not
+    "gptq_act_order_row_cuts_a_group": ("gptq", 64, 96, {"group_size": 32, "sym": True, "act_order": True}, "row",
+                                        ("K (inputs)=96 row-parallel into 2 parts of 48: each part must be a "
+                                         "multiple of 32 (a quantization group of 32 input rows, act-order included")),
     "gptq_row_cuts_a_pack": ("gptq", 64, 24, {"group_size": -1, "sym": True}, "row",
                              ("K (inputs)=24 row-parallel into 2 parts of 12: each part must be a multiple of 8 "
                              "(GPTQ qweight packs 8 input rows")),

@@ -31,7 +31,9 @@ class GenerationConfig:
                   (self.temperature >= 0, "temperature must be >= 0 (0 means greedy)"),
                   (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
                   (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-                  (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1.0 disables it)")]
+                  (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1.0 disables it)"),
+                  (all(isinstance(s, str) and s for s in self.stop),
+                   "stop strings must be non-empty str (an empty one would stop before any text)")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"{message}; got {self}.")
@@ -92,7 +94,12 @@ class Model:
 
     def _check_fits(self, prompts: list[list[int]], config: GenerationConfig) -> None:
         """Every request is checked before any runs, so a bad one costs no work."""
+        vocab_size = self.model.config.vocab_size
         for i, p in enumerate(prompts):
+            bad = [t for t in p if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (vocab_size={vocab_size}:"
+                                 f" ids 0..{vocab_size - 1}); encode prompts with this model's tokenizer.")
             try:
                 self.engine.check_request(len(p), config.max_new_tokens)
             except ValueError as e:

@@ -5,7 +5,8 @@
         [--modules-to-not-convert lm_head ...]
 
 SRC is a dense folder written by transformers' save_pretrained. DST gets the exact on-disk format
-AutoAWQ / GPTQModel / vLLM read (see docs/formats.md): quantized linears, every other tensor
+AutoAWQ / GPTQModel / vLLM read (each layout is spelled out in the docstring of its loader,
+tritonq/formats/awq.py, gptq.py, fp8.py): quantized linears, every other tensor
 copied unchanged (embeddings, norms, lm_head, routers), config.json with quantization_config,
 and all other files (tokenizer, generation config) copied.
 """
@@ -26,6 +27,9 @@ from tritonq.formats.packing import int4_to_awq, pack_int32
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Layers that stay dense whatever the format: embeddings, output head, MoE routers (name endings).
 ALWAYS_DENSE = ("embed_tokens", "lm_head", "mlp.gate")
+# Linears the models fuse with the next one along N (q|k|v, gate|up): with block-fp8 their N must be
+# whole blocks, or the fused scale rows would not line up (formats.base.concat_outputs).
+FUSED_BEFORE_ANOTHER = ("q_proj", "k_proj", "gate_proj")
 
 
 def always_dense(prefix: str) -> bool:
@@ -146,13 +150,13 @@ def quantized_tensors(prefix: str, w: torch.Tensor, q: dict, bias: torch.Tensor 
 
 
 def converted_modules(weights: Weights, ignore: list[str]) -> set[str]:
-    """Linear layers the writer quantizes: 2-D float `.weight`s not dense by rule or by the ignore list."""
+    """Linear layers the writer quantizes: 2-D float `.weight`s not dense by rule or by the ignore list
+    (shapes and dtypes from the file headers: no tensor data is read)."""
     prefixes = set()
     for name in weights.names():
         prefix, _, leaf = name.rpartition(".")
         if leaf == "weight" and not always_dense(prefix) and not any(entry in prefix for entry in ignore):
-            tensor = weights.get_tensor(name)
-            if tensor.ndim == 2 and tensor.is_floating_point():
+            if len(weights.get_shape(name)) == 2 and weights.get_dtype(name).is_floating_point:
                 prefixes.add(prefix)
     return prefixes
 
@@ -160,6 +164,9 @@ def converted_modules(weights: Weights, ignore: list[str]) -> set[str]:
 def write_quantized(src: str | Path, dst: str | Path, fmt: str, **options) -> Path:
     """Quantize the dense checkpoint folder src into dst (options: see quantization_config)."""
     src, dst = Path(src), Path(dst)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src} has no config.json; SRC must be a dense checkpoint folder written by "
+                                "transformers' save_pretrained")
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
         raise ValueError(f"{src}/config.json already has a quantization_config "
@@ -167,6 +174,15 @@ def write_quantized(src: str | Path, dst: str | Path, fmt: str, **options) -> Pa
     q = quantization_config(fmt, **options)
     weights = Weights(src)
     converted = converted_modules(weights, q.get("modules_to_not_convert") or [])
+    if q.get("weight_block_size"):
+        bn = q["weight_block_size"][0]
+        for prefix in sorted(converted):
+            N = weights.get_shape(f"{prefix}.weight")[0]
+            if prefix.endswith(FUSED_BEFORE_ANOTHER) and N % bn:
+                raise ValueError(f"{src}: {prefix}.weight has N={N} outputs, not a multiple of the {bn}-row fp8 "
+                                 "block; tritonq fuses it with the next projection along N (q|k|v, gate|up), which "
+                                 "needs whole blocks. Use --fp8-scheme channel or tensor, or keep the whole group "
+                                 f"dense (--modules-to-not-convert {prefix.rsplit('.', 2)[-2]}).")
     tensors = {}
     for name in weights.names():
         prefix, _, leaf = name.rpartition(".")
@@ -211,7 +227,11 @@ def main(argv: list[str] | None = None) -> None:
                     "checkpoint_format": a.checkpoint_format}
     if a.format == "fp8":
         options = {"fp8_scheme": a.fp8_scheme, "modules_to_not_convert": a.modules_to_not_convert}
-    print(f"wrote {write_quantized(a.src, a.dst, a.format, **options)}")
+    try:
+        written = write_quantized(a.src, a.dst, a.format, **options)
+    except (ValueError, OSError) as e:  # bad input: one line that says what to change, no traceback
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    print(f"wrote {written}")
 
 
 if __name__ == "__main__":

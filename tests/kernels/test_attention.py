@@ -18,13 +18,16 @@ from tritonq.kernels.aot import aot_compile
 from tritonq.kernels.attention import (
     _decode_merge_kernel,
     _decode_split_kernel,
+    _paged_prefill_kernel,
     _prefill_kernel,
     _write_kv_kernel,
+    _write_slots_kernel,
     decode_attention,
     decode_attention_reference,
     decode_config,
     paged_prefill_attention,
     paged_prefill_attention_reference,
+    paged_prefill_config,
     prefill_attention,
     prefill_attention_reference,
     prefill_config,
@@ -241,6 +244,7 @@ def test_bad_inputs_raise_clear_errors():
 # DeepSeek-V2 192/128, 256 (the wide-head default) and, decode only, the MLA latent 576/512.
 SHIPPED_PREFILL = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 SHIPPED_DECODE = SHIPPED_PREFILL + [(576, 512)]
+PAGED_DIMS = [(64, 64), (128, 128), (192, 128), (576, 512)]  # the engine's: Llama, DeepSeek-V2 expanded / latent
 
 
 def _signature(kernel, pointers, floats=()):
@@ -260,20 +264,50 @@ def compile_shipped_configs(cc: int) -> dict:
             _prefill_kernel,
             _signature(_prefill_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16,
                                          "seq_lens_ptr": "*i32"}, floats={"qk_scale"}),
-            dict(GROUP=4, CAUSAL=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            dict(GROUP=4, CAUSAL=True, HAS_WINDOW=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
                  BLOCK_DR=block_dr, BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
-    # Decode: the contiguous cache, and a paged one with 16-token pages (vLLM's default page size).
-    for (d_qk, d_v), page_size in [(dims, 0) for dims in SHIPPED_DECODE] + [((128, 128), 16), ((576, 512), 16)]:
+    for d_qk, d_v in [(128, 128), (192, 128)]:  # sliding window (Mistral, Qwen2 128; a 192 / 128 check)
+        (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
+        cfg = prefill_config(block_d, block_dr, block_dv)
+        reports[f"prefill window Dqk{d_qk} Dv{d_v} {cfg}"] = aot_compile(
+            _prefill_kernel,
+            _signature(_prefill_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16,
+                                         "seq_lens_ptr": "*i32"}, floats={"qk_scale"}),
+            dict(GROUP=4, CAUSAL=True, HAS_WINDOW=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                 BLOCK_DR=block_dr, BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
+    # Paged-context prefill (the engine's), 16-token pages, with and without a window. Its keys are
+    # gathered row by row through the block table, so the compiler only vectorizes them knowing the
+    # strides are multiples of 16 elements, as the JIT specializes them at runtime for these head dims
+    # (H x D, Hkv x D, D); without that hint sm_90 spills.
+    paged_signature = _signature(_paged_prefill_kernel, {
+        "q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16, "cu_seqlens_ptr": "*i32",
+        "context_lens_ptr": "*i32", "block_table_ptr": "*i32", "work_ptr": "*i32"}, floats={"qk_scale"})
+    aligned = tuple(name for name in paged_signature if name.endswith("_ptr") or (name.startswith("stride_")
+                                                                                and name != "stride_bt"))
+    for (d_qk, d_v), window in [(dims, False) for dims in PAGED_DIMS] + [((128, 128), True), ((576, 512), True)]:
+        (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
+        cfg = paged_prefill_config(block_d, block_dr, block_dv, cc)
+        reports[f"paged prefill Dqk{d_qk} Dv{d_v} window{window} {cfg}"] = aot_compile(
+            _paged_prefill_kernel, paged_signature,
+            dict(GROUP=4, HAS_WINDOW=window, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=16), cc, cfg.num_warps, cfg.num_stages,
+            divisible_by_16=aligned)
+    # Decode: the contiguous cache, and a paged one with 16-token pages (vLLM's default page size),
+    # also with a sliding window.
+    for (d_qk, d_v), page_size, window in ([(dims, 0, False) for dims in SHIPPED_DECODE]
+                                           + [((128, 128), 16, False), ((576, 512), 16, False),
+                                              ((128, 128), 16, True), ((128, 128), 0, True)]):
         (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
         cfg = decode_config(1, 8, 32768, block_d, block_dr, block_dv, sm_count=132)
         block_n = min(cfg.block_n, page_size) if page_size else cfg.block_n
-        reports[f"decode Dqk{d_qk} Dv{d_v} page{page_size} {cfg}"] = aot_compile(
+        reports[f"decode Dqk{d_qk} Dv{d_v} page{page_size} window{window} {cfg}"] = aot_compile(
             _decode_split_kernel,
             _signature(_decode_split_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16,
                                               "cache_lens_ptr": "*i32", "block_table_ptr": "*i32",
                                               "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}, floats={"qk_scale"}),
             dict(GROUP=4, NUM_SPLITS=cfg.num_splits, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=block_d,
-                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size), cc, cfg.num_warps, cfg.num_stages)
+                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window), cc, cfg.num_warps,
+            cfg.num_stages)
     reports["decode merge Dv512"] = aot_compile(
         _decode_merge_kernel,
         _signature(_decode_merge_kernel, {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "o_ptr": bf16}),
@@ -284,6 +318,12 @@ def compile_shipped_configs(cc: int) -> dict:
             _signature(_write_kv_kernel, {name: bf16 for name in ("k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr")}
                        | {"start_ptr": "*i32", "block_table_ptr": "*i32"}),
             dict(BLOCK_D=1024, BLOCK_DV=512, PAGE_SIZE=page_size), cc, 4, 1)
+    for d_qk, d_v in [(128, 128), (576, 512)]:
+        reports[f"write_slots Dqk{d_qk} Dv{d_v} page16"] = aot_compile(
+            _write_slots_kernel,
+            _signature(_write_slots_kernel, {name: bf16 for name in ("k_pages_ptr", "v_pages_ptr", "k_ptr", "v_ptr")}
+                       | {"slot_ptr": "*i64"}),
+            dict(BLOCK_D=triton.next_power_of_2(d_qk), BLOCK_DV=d_v, PAGE_SIZE=16), cc, 4, 1)
     return {name: dataclasses.asdict(r) | {"fits": r.fits} for name, r in reports.items()}
 
 
@@ -296,8 +336,8 @@ def test_shipped_configs_compile_within_shared_memory(cc):
     for name, report in reports.items():
         print(f"sm_{cc} {name}: {report}")
         assert report["fits"] and report["spills"] in (0, None), (name, report)
-        if name.startswith("prefill"):  # decode has 16-row tiles, below wgmma's 64: mma.sync
-            assert report["uses_wgmma"] == (cc == 90), (name, report)
+        if name.startswith(("prefill", "paged prefill")) and "Dv512" not in name:  # decode and MLA prefill
+            assert report["uses_wgmma"] == (cc == 90), (name, report)  # have 16-row tiles: mma.sync
 
 
 class LaunchSpy:
@@ -518,7 +558,8 @@ def test_decode_sliding_window_matches_sdpa_over_the_last_keys(page_size, window
 def test_write_kv_slots_skips_negative_slots_and_writes_the_mla_latent_view():
     g = torch.Generator().manual_seed(7)
     page_size, h_kv, d_qk, d_v = 16, 2, 24, 40
-    k_pages, v_pages = torch.randn(6, page_size, h_kv, d_qk, generator=g), torch.randn(6, page_size, h_kv, d_v, generator=g)
+    k_pages = torch.randn(6, page_size, h_kv, d_qk, generator=g)
+    v_pages = torch.randn(6, page_size, h_kv, d_v, generator=g)
     slots = torch.tensor([37, -1, 0, 95, -1, 16], dtype=torch.int64)  # pages 2, 0, 5, 1; two padding rows
     k, v = torch.randn(6, h_kv, d_qk, generator=g), torch.randn(6, h_kv, d_v, generator=g)
     before_k, before_v = k_pages.clone(), v_pages.clone()
@@ -580,6 +621,12 @@ def test_engine_kernels_reject_bad_inputs():
     table, cu = torch.zeros(2, 2, dtype=torch.int32), lens([0, 3, 5])
     with pytest.raises(ValueError, match="cu_seqlens_q must be an int32 tensor of shape \\[3\\]"):
         paged_prefill_attention(q, pages, pages, cu.long(), lens([3, 2]), table, 0.1)
+    with pytest.raises(ValueError, match="q_len_b <= context_lens\\[b\\] <= block_table width x page_size = 32"):
+        paged_prefill_attention(q, pages, pages, cu, lens([2, 2]), table, 0.1)  # 3 new tokens, context 2
+    with pytest.raises(ValueError, match="got cu_seqlens_q \\[0, 3, 4\\]"):
+        paged_prefill_attention(q, pages, pages, lens([0, 3, 4]), lens([3, 2]), table, 0.1)  # T is 5
+    with pytest.raises(ValueError, match="context_lens \\[3, 33\\]"):
+        paged_prefill_attention(q, pages, pages, cu, lens([3, 33]), table, 0.1)  # past the table's 2 pages
     with pytest.raises(ValueError, match="window = -1"):
         paged_prefill_attention(q, pages, pages, cu, lens([3, 2]), table, 0.1, window=-1)
     with pytest.raises(ValueError, match="page_size .* = 12"):
@@ -609,3 +656,16 @@ def test_paged_prefill_key_tiles_longer_than_a_page(window):
         rows = slice(int(cu[b]), int(cu[b + 1]))
         mask = visible_mask(torch.arange(prefix, prefix + n), ctx[b], window)
         assert_close(out[rows], masked_sdpa(q[rows], ks[b], vs[b], 0.15, mask), torch.float32)
+
+
+def test_paged_prefill_sequence_without_new_tokens_is_skipped():
+    """A sequence with no new tokens this step (q_len 0) owns no query rows; its neighbours are unaffected."""
+    g = torch.Generator().manual_seed(9)
+    ctx, new = [19, 40, 2], [3, 0, 2]
+    ks, vs, k_pages, v_pages, table = paged_context(ctx, 1, 32, 32, 16, torch.float32, g)
+    q, cu = packed_queries(new, 2, 32, torch.float32, g)
+    out = paged_prefill_attention(q, k_pages, v_pages, cu, lens(ctx), table, 0.2)
+    for b in (0, 2):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        mask = visible_mask(torch.arange(ctx[b] - new[b], ctx[b]), ctx[b], 0)
+        assert_close(out[rows], masked_sdpa(q[rows], ks[b], vs[b], 0.2, mask), torch.float32)

@@ -20,39 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tritonq.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner, SamplingParams
 from tritonq.engine.scheduler import Scheduler
 from tritonq.engine.sequence import Sequence
-
-
-class _Detokenizer:
-    """Incremental text of one sequence: add(token) -> new final text; stops at the first stop string."""
-
-    def __init__(self, tokenizer, stop=()):
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self.ids: list[int] = []
-        self.text, self.stopped = "", False
-
-    def add(self, token_id: int) -> str:
-        if self.stopped:
-            return ""
-        self.ids.append(token_id)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cuts = [full.index(s) for s in self.stop if s in full]
-        if cuts:
-            self.stopped, full = True, full[:min(cuts)]
-        elif full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-            return ""
-        piece, self.text = full[len(self.text):], full
-        return piece
-
-    def flush(self) -> str:
-        if self.stopped:
-            return ""
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        piece, self.text = full[len(self.text):], full
-        return piece
 
 
 @dataclass
@@ -61,7 +33,7 @@ class Request:
     request_id: int
     prompt_ids: list[int]
     sampling: SamplingParams
-    detokenizer: _Detokenizer
+    detokenizer: Detokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     arrival_s: float = 0.0
@@ -101,7 +73,7 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, block_size, world)
+        self.runner = ModelRunner(model, num_blocks, block_size, world, max_seq_len)
         self.requests: dict[int, Request] = {}  # unfinished requests
         self._done: list[RequestOutput] = []  # finished without a step (max_new_tokens=0): reported next
         self._ids = itertools.count()
@@ -131,7 +103,7 @@ class Engine:
         generator = None
         if config.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
-        request = Request(rid, prompt_ids, SamplingParams(config, generator), _Detokenizer(self.tokenizer, config.stop),
+        request = Request(rid, prompt_ids, SamplingParams(config, generator), Detokenizer(self.tokenizer, config.stop),
                           arrival_s=time.perf_counter())
         if config.max_new_tokens == 0:
             self._finish(request, "length")

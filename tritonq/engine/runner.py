@@ -55,9 +55,13 @@ def sample_logits(logits: torch.Tensor, seen: torch.Tensor | None, config, gener
 class ModelRunner:
     """Owns the KV pages of a model (num_blocks blocks of block_size tokens per layer)."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, world: int = 1):
+    def __init__(self, model, num_blocks: int, block_size: int, world: int = 1, max_seq_len: int | None = None):
         self.model, self.device, self.world = model, model.device, world
         self.block_size = block_size
+        # On CUDA the block table always has the width of max_seq_len: the decode kernel's launch config
+        # (chosen from the table's capacity) then never changes as sequences grow, so it never recompiles.
+        # On CPU the torch reference gathers every page in the table, so there it is as narrow as the step.
+        self.table_width = -(-max_seq_len // block_size) if max_seq_len and self.device.type == "cuda" else 0
         self.cache = model.kv_layout.allocate(num_blocks, block_size, model.dtype, model.device)
 
     def prepare(self, seqs, num_new_tokens: list[int], is_prefill: bool, logits_for: list[bool] | None = None,
@@ -80,7 +84,7 @@ class ModelRunner:
             context.append(c + n)
             if logits_for is not None and logits_for[i]:
                 rows.append(cu[-1] - 1)
-        width = max(len(seq.block_table) for seq in seqs)
+        width = max(self.table_width, *(len(seq.block_table) for seq in seqs))
         table = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
 
         def tensor(values, dtype):
@@ -89,7 +93,8 @@ class ModelRunner:
                            slot_mapping=tensor(slots, torch.int64), cu_seqlens_q=tensor(cu, torch.int32),
                            context_lens=tensor(context, torch.int32), block_table=tensor(table, torch.int32),
                            logit_rows=None if logits_for is None else tensor(rows, torch.int64),
-                           is_prefill=is_prefill, max_position=max(context) - 1)
+                           is_prefill=is_prefill, max_position=max(context) - 1,
+                           num_context_tokens=sum(context))
 
     def run(self, ctx: StepContext) -> torch.Tensor:
         """Logits [R, V] float32 at ctx.logit_rows (every row when None)."""

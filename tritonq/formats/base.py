@@ -146,6 +146,12 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
+# safetensors header dtype codes -> torch dtypes
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 class Weights:
     """Memory-mapped tensors of one checkpoint folder: model.safetensors, or the index + its shards.
 
@@ -237,6 +243,14 @@ class Weights:
     def get_shape(self, name: str) -> tuple[int, ...]:
         """The stored shape, read from the header (no data)."""
         return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get_dtype(self, name: str) -> torch.dtype:
+        """The stored dtype, read from the header (no data)."""
+        code = self._handle(name).get_slice(name).get_dtype()
+        if code not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{self.folder / self._file_of[name]}: tensor {name!r} has dtype {code}, which tritonq "
+                             f"does not read (known: {sorted(SAFETENSORS_DTYPES)})")
+        return SAFETENSORS_DTYPES[code]
 
     def get_sharded(self, name: str, dim: int, rank: int, world: int, dtype: torch.dtype | None = None,
                     shape: tuple | None = None) -> torch.Tensor:
@@ -347,6 +361,11 @@ class WeightsLoader:
         shard = self.shard(parallel, parts)
         if self.is_quantized(prefix):
             w = self.quantized_linear(prefix, shard)
+            if isinstance(w, Int4Weight) and shard is not None and shard.parallel == "row" and w.shape[1] % w.group_size:
+                # act-order keeps every group's scales on each row shard, but the int4 kernels still need
+                # whole groups of rows on each rank (K % group_size == 0).
+                self.check_split(prefix, shard, w.shape[1] * shard.count, w.group_size,
+                                 f"a quantization group of {w.group_size} input rows, act-order included")
         else:
             name = f"{prefix}.weight"
             if shard is not None:

@@ -399,7 +399,25 @@ def prefill_config(block_d: int, block_dr: int, block_dv: int, on_gpu: bool = Tr
         return PrefillConfig(tuned["BLOCK_M"], tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"])
     if block_d + block_dr <= 192 and block_dv <= 128:  # up to DeepSeek's 128 + 64: no spills (AOT)
         return PrefillConfig(128, 64, 8, 3)
+    if block_dv > 256:  # MLA latent 576 / 512: a [16, 512] fp32 accumulator, as decode's; 32+ rows spill on sm_90
+        return PrefillConfig(16, 32, 8, 2)
     return PrefillConfig(64, 64, 8, 2)  # wider heads (256): half the query rows, no spills (AOT)
+
+
+def paged_prefill_config(block_d: int, block_dr: int, block_dv: int, cc: int | None) -> PrefillConfig:
+    """Default config of _paged_prefill_kernel on compute capability cc (None: the interpreter's 16x16).
+
+    prefill_config's defaults, except 192 / 128 heads on GPUs before sm_90 take 32-key tiles: the
+    per-key page gather costs registers, and 64-key tiles spill 20 bytes on sm_80 (AOT). No tuned
+    lookup: the tuner's attention_prefill configs are measured on the contiguous kernel.
+    """
+    if cc is None:
+        return PrefillConfig(16, 16, 1, 1)
+    if block_dv > 256:
+        return PrefillConfig(16, 32, 8, 2)  # as prefill_config: MLA latent heads
+    if block_d + block_dr <= 192 and block_dv <= 128:
+        return PrefillConfig(128, 64 if cc >= 90 or block_d + block_dr <= 128 else 32, 8, 3)
+    return PrefillConfig(64, 64, 8, 2)
 
 
 def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int, block_dr: int, block_dv: int,
@@ -528,7 +546,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                           S, H, D_QK, D_V, scale * LOG2E, window,
-                          GROUP=H // k.shape[2], CAUSAL=causal, HAS_WINDOW=window > 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                          GROUP=H // k.shape[2], CAUSAL=causal, HAS_WINDOW=window > 0, BLOCK_M=cfg.block_m,
+                          BLOCK_N=cfg.block_n,
                           BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
@@ -590,7 +609,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                table.stride(0), H, D_QK, D_V, scale * LOG2E, window,
                                GROUP=group, NUM_SPLITS=cfg.num_splits, BLOCK_H=block_h,
                                BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
-                               PAGE_SIZE=page_size, HAS_WINDOW=window > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                               PAGE_SIZE=page_size, HAS_WINDOW=window > 0, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages)
     out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, D_V,
                                  NUM_SPLITS=cfg.num_splits,
@@ -699,7 +719,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     0 .. context_lens[b] - 1, position n in page block_table[b, n // page_size].
     cu_seqlens_q [B+1] int32, context_lens [B] int32, block_table [B, max_pages] int32.
     A query at position p sees keys j <= p and, if window > 0, p - j < window.
-    Returns [T, H, Dv] in q's dtype. config: as prefill_attention's (key tiles may span pages).
+    Returns [T, H, Dv] in q's dtype. config: a PrefillConfig (key tiles may span pages); None:
+    `paged_prefill_config` for this GPU.
     """
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(f"paged_prefill_attention: expected q [T,H,Dqk], k_pages [P,page_size,Hkv,Dqk], "
@@ -716,6 +737,17 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     page_size = _check_block_table(block_table, k_pages, B, q.device)
     if config is not None:
         check_prefill_config(config)
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    capacity = block_table.shape[1] * page_size
+    consistent = ((cu_seqlens_q[0] == 0) & (cu_seqlens_q[-1] == q.shape[0]) & (q_lens >= 0).all()
+                  & (context_lens >= q_lens).all() & (context_lens <= capacity).all())
+    expected = (f"paged_prefill_attention: expected cu_seqlens_q rising from 0 to T = {q.shape[0]} and "
+                f"q_len_b <= context_lens[b] <= block_table width x page_size = {capacity}")
+    if q.is_cuda:  # checked on the device: a host check would sync the GPU in every layer
+        torch._assert_async(consistent, expected)
+    elif not bool(consistent):
+        raise ValueError(f"{expected}; got cu_seqlens_q {cu_seqlens_q.tolist()}, context_lens "
+                         f"{context_lens.tolist()}. context_lens counts the cached prefix plus the new tokens.")
     if not use_triton(q):
         return paged_prefill_attention_reference(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
                                                  scale, window)
@@ -724,7 +756,13 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     T, H, D_QK = q.shape
     D_V = v_pages.shape[-1]
     (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
-    cfg = config or prefill_config(block_d, block_dr, block_dv, q.is_cuda)
+    if config is None:
+        cc = None
+        if q.is_cuda:
+            major, minor = torch.cuda.get_device_capability(q.device)
+            cc = 10 * major + minor
+        config = paged_prefill_config(block_d, block_dr, block_dv, cc)
+    cfg = config
     out = torch.empty(T, H, D_V, dtype=q.dtype, device=q.device)
     if T == 0 or B == 0:
         return out

@@ -15,6 +15,8 @@ A step (built by tritonq.engine.runner) packs the new tokens of B sequences into
       is_prefill   bool        True: varlen attention over cached pages + the new tokens (new
                                prompts, prefix hits, chunked prefill, resumed sequences); False:
                                every sequence has exactly one new token (decode kernel).
+      max_position, num_context_tokens  host ints (largest position, sum of context_lens), so
+                               models need no device read to size rope tables or MLA's expansion.
 
 A model's forward(ctx, cache) writes each layer's new K/V into its pages, attends, and returns
 logits [R, V] (or [T, V]) in the compute dtype.
@@ -40,6 +42,7 @@ class StepContext:
     logit_rows: torch.Tensor | None
     is_prefill: bool
     max_position: int  # the largest position in the step (host int: rope tables grow without a device read)
+    num_context_tokens: int  # sum of context_lens (host int: MLA's prefill expands that many K/V rows)
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ class MLAttention(nn.Module):
         lens = ctx.context_lens.long()
         n_pages = (lens + bs - 1) // bs
         first_page = torch.cumsum(n_pages, 0) - n_pages
-        total = int(lens.sum())  # one host read per layer of a prefill step
+        total = ctx.num_context_tokens
         seq = torch.repeat_interleave(torch.arange(B, device=lens.device), lens, output_size=total)
         pos = torch.arange(total, device=lens.device) - (torch.cumsum(lens, 0) - lens)[seq]
         rows = pages[ctx.block_table[seq, pos // bs].long(), pos % bs, 0]  # [N, R + Dr]

@@ -1,0 +1,126 @@
+"""Engine behaviour on a tiny Llama: prefix caching, chunked prefill, per-request seeded sampling,
+requests that cannot fit, abort, and the add_request / step API. The reference for each option is
+the same model without it (the token-level match with transformers is in test_engine_e2e.py)."""
+import pytest
+import torch
+from models.test_llama import write_checkpoint
+
+import tritonq
+from tritonq.generate import GenerationConfig
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    write_checkpoint(path, kv_heads=2, tied=False, bias=True, rope="llama3")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend(monkeypatch):
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+
+
+def load(folder, **options):
+    return tritonq.load(folder, max_seq_len=256, **{"max_num_seqs": 4, "max_num_batched_tokens": 64, **options})
+
+
+def shared_prefix_prompts(n: int, prefix_len: int = 70) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, 256, (prefix_len,), generator=g).tolist()
+    return [prefix + torch.randint(0, 256, (int(k),), generator=g).tolist()
+            for k in torch.randint(1, 30, (n,), generator=g)]
+
+
+def test_prefix_cached_prompts_give_the_uncached_logits(folder):
+    prompts = shared_prefix_prompts(6)
+    cached, plain = load(folder), load(folder, enable_prefix_caching=False)
+    first = cached.generate(prompts[0], max_new_tokens=4, return_dict=True)  # fills the cache with the prefix
+    assert first.token_ids == plain.generate(prompts[0], max_new_tokens=4, return_dict=True).token_ids
+    bm = cached.engine.block_manager
+    hits = bm.prefix_hits
+    for prompt in prompts[1:]:  # every full block of the 70-token prefix (4 of 16) is read, not recomputed
+        torch.testing.assert_close(cached.engine.prompt_logits(prompt), plain.engine.prompt_logits(prompt),
+                                   atol=1e-5, rtol=0)
+    assert bm.prefix_hits - hits == 4 * 16 * (len(prompts) - 1)
+    got = cached.generate(prompts[1:], max_new_tokens=8, return_dict=True)
+    want = plain.generate(prompts[1:], max_new_tokens=8, return_dict=True)
+    assert got.token_ids == want.token_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert plain.engine.block_manager.prefix_hits == 0
+
+
+def test_chunked_prefill_gives_the_same_tokens(folder):
+    prompts = shared_prefix_prompts(5, prefix_len=150)
+    whole = load(folder, max_num_batched_tokens=1024, enable_prefix_caching=False)
+    chunked = load(folder, max_num_batched_tokens=16, enable_prefix_caching=False)  # 150+ tokens: 10+ chunks
+    a = whole.generate(prompts, max_new_tokens=6, return_dict=True)
+    b = chunked.generate(prompts, max_new_tokens=6, return_dict=True)
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logprobs, b.logprobs):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=0)
+
+
+def test_seeded_request_samples_the_same_tokens_whatever_else_runs(folder):
+    model = load(folder)
+    engine = model.engine
+    prompt = [5, 6, 7, 8]
+    seeded = GenerationConfig(max_new_tokens=10, temperature=1.0, top_p=0.95, seed=11)
+    alone = model.generate(prompt, seeded, return_dict=True).token_ids[0]
+    others = [GenerationConfig(max_new_tokens=n, temperature=t, seed=None) for n, t in ((3, 1.0), (12, 0.0), (7, 2.0))]
+    ids = [engine.add_request([9, 9, 9], others[0]), engine.add_request(prompt, seeded),
+           engine.add_request(list(range(40)), others[1]), engine.add_request([1], others[2])]
+    tokens = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].append(out.token_id)
+    assert tokens[ids[1]] == alone
+    assert len(set(model.generate(prompt, max_new_tokens=10, temperature=1.0, seed=s) for s in range(4))) > 1
+
+
+def test_request_that_can_never_fit_names_the_numbers_and_one_that_fits_later_waits(folder):
+    per_token = 2 * 2 * 2 * 16 * 4
+    model = load(folder, kv_cache_gb=6 * 16 * per_token / 2 ** 30, max_num_seqs=4)  # 6 blocks = 96 tokens
+    assert model.engine.block_manager.num_blocks == 6
+    with pytest.raises(ValueError, match=r"prompt 1: the prompt has 90 tokens \+ max_new_tokens=10 = 100 tokens, "
+                                         r"which need 7 KV blocks of 16, but the cache has 6 \(96 tokens\)"):
+        model.generate([[1] * 10, [2] * 90], max_new_tokens=10)
+    assert not model.engine.has_unfinished()  # refused before anything ran
+    with pytest.raises(ValueError, match="max_seq_len=256"):
+        model.generate([3] * 250, max_new_tokens=7)
+    prompts = [[1] * 60, [2] * 60, [3] * 60]  # 5 blocks each with their tokens: one at a time
+    out = model.generate(prompts, max_new_tokens=10, return_dict=True)
+    assert out.token_ids == [model.generate(p, max_new_tokens=10, return_dict=True).token_ids[0] for p in prompts]
+
+
+def test_abort_frees_blocks_and_max_new_tokens_zero_finishes_at_once(folder):
+    model = load(folder)
+    engine, bm = model.engine, model.engine.block_manager
+    config = GenerationConfig(max_new_tokens=20)
+    a, b = engine.add_request(list(range(50)), config), engine.add_request([4, 5], config)
+    c = engine.add_request([6], GenerationConfig(max_new_tokens=0))
+    first = engine.step()
+    assert [(o.request_id, o.finished, o.token_id) for o in first if o.request_id == c] == [(c, True, None)]
+    assert bm.num_free_blocks < bm.num_blocks
+    engine.abort(a)
+    engine.abort(12345)  # unknown: ignored
+    seen = [o.request_id for _ in range(3) for o in engine.step()]
+    assert a not in seen and b in seen
+    engine.abort(b)
+    assert not engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_kv_cache_sized_from_the_budget_and_logged(folder, caplog):
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head dim x fp32 bytes
+    assert load(folder).engine.runner.model.kv_layout.bytes_per_token(torch.float32) == per_token
+    # CPU default: what max_num_seqs=4 sequences of max_seq_len=256 (16 blocks each) use, far below 4 GiB
+    assert load(folder).engine.block_manager.num_blocks == 4 * 16
+    with caplog.at_level("INFO", logger="tritonq.engine.runner"):
+        model = load(folder, kv_cache_gb=100 * 16 * per_token / 2 ** 30 + 1e-9)
+    assert model.engine.block_manager.num_blocks == 100
+    assert model.engine.runner.cache.k[0].shape == (100, 16, 2, 16)
+    assert "KV cache: 100 blocks of 16 tokens = 1600 tokens" in caplog.text
+    assert "6.2 sequences of max_seq_len=256 at once" in caplog.text
+    with pytest.raises(ValueError, match="no memory left for the KV cache"):
+        load(folder, kv_cache_gb=1e-9)

@@ -1,0 +1,120 @@
+"""Bad input is refused where it enters (load, generate), before any work: one table of
+input -> exception type + a phrase of the message. "Before any work" is checked by making any
+weight read fail the test (formats.registry.get_loader is replaced) for every load case.
+"""
+import json
+import shutil
+
+import pytest
+import torch
+
+import tritonq
+from tritonq.demo import write_tiny_llama
+from tritonq.formats.base import Int4Weight
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama (hidden 32, 1 layer, vocab 258, max_position_embeddings 512) with its tokenizer."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITONQ_BACKEND", "torch")
+        yield tritonq.load(tiny, max_num_seqs=2, max_seq_len=32)
+
+
+def variant(tiny, tmp_path, drop=(), config=None):
+    """A copy of the tiny checkpoint without the files in drop, config.json updated with config."""
+    folder = tmp_path / "variant"
+    shutil.copytree(tiny, folder)
+    for name in drop:
+        (folder / name).unlink()
+    if config:
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+LOAD_CASES = {  # name: (variant kwargs, load kwargs, exception, phrase)
+    "dtype_int8": ({}, {"dtype": torch.int8}, ValueError, "dtype=torch.int8 is not a compute dtype"),
+    "dtype_float64": ({}, {"dtype": torch.float64}, ValueError, "dtype=torch.float64 is not a compute dtype"),
+    "dtype_bad_string": ({}, {"dtype": "int4"}, ValueError, "expected one of ['float16', 'bfloat16', 'float32']"),
+    "no_config_json": ({"drop": ["config.json"]}, {}, FileNotFoundError, "variant has no config.json"),
+    "unknown_model_type": ({"config": {"model_type": "gpt_foo"}}, {}, ValueError,
+                           "model_type 'gpt_foo' is not supported; supported: ['deepseek_v2', 'llama', 'mistral']"),
+    "no_tokenizer": ({"drop": TOKENIZER_FILES}, {}, ValueError, "cannot load a tokenizer"),
+    "max_seq_len_zero": ({}, {"max_seq_len": 0}, ValueError, "max_seq_len=0; expected a positive int"),
+    "max_seq_len_negative": ({}, {"max_seq_len": -4}, ValueError, "max_seq_len=-4; expected a positive int"),
+    "max_seq_len_past_positions": ({}, {"max_seq_len": 513}, ValueError,
+                                   "max_seq_len=513 exceeds the model's max_position_embeddings=512"),
+    "max_num_seqs_zero": ({}, {"max_num_seqs": 0}, ValueError, "max_num_seqs=0; expected a positive int"),
+    "group_size_without_int4": ({}, {"group_size": 32}, ValueError, "group_size=32 applies to quantize='int4' only"),
+    "group_size_zero": ({}, {"quantize": "int4", "group_size": 0}, ValueError, "group_size=0; expected a positive"),
+}
+
+
+@pytest.mark.parametrize("name", LOAD_CASES)
+def test_load_refuses_bad_input_before_reading_weights(tiny, tmp_path, monkeypatch, name):
+    changes, options, error, phrase = LOAD_CASES[name]
+    folder = variant(tiny, tmp_path, **changes) if changes else tiny
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read before the bad input was refused")
+
+    monkeypatch.setattr("tritonq.formats.registry.get_loader", no_weights)
+    with pytest.raises(error) as info:
+        tritonq.load(folder, **options)
+    assert phrase in str(info.value)
+
+
+GENERATE_CASES = {  # name: (prompt, options, exception, phrase)
+    "token_id_past_vocab": ([5, 258], {}, ValueError, "token id 258 outside the vocabulary (vocab_size=258"),
+    "negative_token_id": ([[5], [-1, 3]], {}, ValueError, "prompt 1 has token id -1 outside the vocabulary"),
+    "empty_stop_string": ("hi", {"stop": ""}, ValueError, "stop strings must be non-empty"),
+    "empty_stop_in_list": ("hi", {"stop": ["x", ""]}, ValueError, "stop strings must be non-empty"),
+}
+
+
+@pytest.mark.parametrize("name", GENERATE_CASES)
+def test_generate_refuses_bad_input(model, monkeypatch, name):
+    prompt, options, error, phrase = GENERATE_CASES[name]
+    monkeypatch.setattr(model, "model", _NoForward(model.model))
+    with pytest.raises(error) as info:
+        model.generate(prompt, max_new_tokens=2, **options)
+    assert phrase in str(info.value)
+
+
+class _NoForward:
+    """Stands in for the model: its config answers, a forward pass fails the test."""
+
+    def __init__(self, inner):
+        self.config, self.device = inner.config, inner.device
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("the model ran before the bad input was refused")
+
+
+def test_dtype_may_be_named_by_a_string(tiny, monkeypatch):
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    model = tritonq.load(tiny, dtype="bfloat16", max_seq_len=16)
+    assert model.model.dtype == torch.bfloat16 and model.engine.runner.cache.k[0].dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_int4_on_load_takes_a_group_size(tiny, monkeypatch):
+    """load(quantize="int4", group_size=16): every linear in groups of 16 input rows; the same
+    weights as quantize_int4 at that group size (the writer's RTN, an independent call)."""
+    from safetensors.torch import load_file
+
+    from tritonq.quantize import quantize_int4
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    model = tritonq.load(tiny, quantize="int4", group_size=16, max_seq_len=16)
+    down = model.model.layers[0].mlp.down_proj.weight
+    assert isinstance(down, Int4Weight) and down.group_size == 16
+    dense = load_file(tiny / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(down.qweight, quantize_int4(dense, 16, scale_dtype=torch.float32).qweight)
