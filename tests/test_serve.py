@@ -102,9 +102,9 @@ def server(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def strict(checkpoint, tmp_path_factory):
-    """One sequence at a time, one waiting at most, an API key: the 401 / 429 cases."""
+    """One sequence at a time, four waiting at most, an API key: the 401 / 429 cases."""
     s = Server(checkpoint, tmp_path_factory.mktemp("log") / "strict.log", "--max-num-seqs", "1",
-               "--max-waiting", "1", "--api-key", KEY)
+               "--max-waiting", "4", "--api-key", KEY)
     yield s
     s.stop()
 
@@ -257,15 +257,15 @@ def test_error_table(strict):
     assert "prompt" in _error(_post(strict, "/v1/completions", {"model": MODEL_NAME, "prompt": [1, "a"]}), 400)
     assert "messages" in _error(_post(strict, "/v1/chat/completions", {"model": MODEL_NAME, "messages": []}), 400)
 
-    # 429: one running (max-num-seqs 1), one waiting (max-waiting 1), the third is refused
-    long = ok | {"max_tokens": MAX_SEQ_LEN - 10, "stream": True}
-    headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.Client(timeout=60, headers=headers) as c1, httpx.Client(timeout=60, headers=headers) as c2:
-        with c1.stream("POST", f"{strict.url}/v1/completions", json=long) as running:
-            next(running.iter_lines())  # its first token came: it runs
-            with c2.stream("POST", f"{strict.url}/v1/completions", json=long) as waiting:
-                assert waiting.status_code == 200
-                assert "--max-waiting" in _error(_post(strict, "/v1/completions", ok), 429)
+    # 429: --max-num-seqs 1 --max-waiting 4. A with n=4 runs one choice and queues three (each ~500 tokens,
+    # so they wait for seconds); a request adding 4 more to those 3 is refused, one adding 1 is not.
+    long = ok | {"max_tokens": MAX_SEQ_LEN - 10, "stream": True, "n": 4}
+    with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as client:
+        with client.stream("POST", f"{strict.url}/v1/completions", json=long) as running:
+            lines = running.iter_lines()  # kept: a dropped iterator closes the response, and the server aborts
+            next(lines)  # its first token came: one runs, three wait
+            assert "--max-waiting" in _error(_post(strict, "/v1/completions", ok | {"n": 4}), 429)
+            assert "--max-waiting" in _error(_post(strict, "/v1/completions", long), 429)
 
 
 def test_sigterm_ends_streams_with_an_error_and_exits_cleanly(strict):
@@ -280,3 +280,18 @@ def test_sigterm_ends_streams_with_an_error_and_exits_cleanly(strict):
     assert lines[-1] == "data: [DONE]"
     assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
     assert strict.proc.wait(30) == 0
+
+
+def test_bench_serve_reports_rates_and_offline_ratio(tmp_path, monkeypatch):
+    from tritonq.bench import serve as bench_serve
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    out = tmp_path / "serve.json"
+    bench_serve.main(["--hidden", "64", "--num-prompts", "6", "--input-len", "8", "--output-len", "6",
+                      "--rates", "50,inf", "--repeat", "1", "--max-seq-len", "64", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rate"] for r in rows] == [50.0, "inf"]
+    for r in rows:
+        assert r["requests"] == 6 and r["out_tok/s"] > 0 and r["offline_out_tok/s"] > 0
+        assert r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["server/offline"] == pytest.approx(
+            r["out_tok/s"] / r["offline_out_tok/s"])
