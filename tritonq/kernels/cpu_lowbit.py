@@ -92,7 +92,9 @@ def prepare_experts(w: Weight) -> tuple[CPUWeight, ...]:
     """The CPU form of each expert of a stacked weight (leading dim E), built once per object."""
     p = _prepared.get(w)
     if p is None:
-        p = _prepared[w] = tuple(_prepare(expert(w, e)) for e in range(_num_experts(w)))
+        from tritonq.kernels.moe import _expert_matrix  # fused_moe_reference's dequantization (fp32, unrounded)
+        p = _prepared[w] = tuple(_prepare(expert(w, e), lambda: _expert_matrix(w, e))
+                                 for e in range(_num_experts(w)))
     return p
 
 
@@ -134,7 +136,9 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
 # Preparation (once per weight)
 # ----------------------------------------------------------------------------------------------
 
-def _prepare(w: Weight) -> CPUWeight:
+def _prepare(w: Weight, dequantize=None) -> CPUWeight:
+    """w's CPU form; dequantize() gives the fp32 W [N, K] of the reference this path must match
+    (default w.dequantize(), int4_gemm's and fp8_gemm's)."""
     bias = None if w.bias is None else w.bias.float()
     if isinstance(w, DenseWeight):
         return CPUDenseWeight(w.weight.float(), bias)
@@ -153,7 +157,7 @@ def _prepare(w: Weight) -> CPUWeight:
     N, K = w.shape
     _note(f"{reason}: weights dequantized once at load to float32 ({N}x{K} = {N * K * 4 / 2**20:.1f} MiB for "
           "this layer) and run as fp32 GEMMs")
-    dense = w.dequantize().float()
+    dense = (dequantize or w.dequantize)().float()
     return CPUDenseWeight(dense.t().contiguous().t(), bias)  # [K, N] storage: MKL's decode GEMV is faster
 
 
