@@ -32,14 +32,14 @@ def test_model_shapes_match_the_published_configs():
 
 
 def test_int4_bench_cli_on_cpu_writes_json_and_plot(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU bench measures the torch reference path
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU bench measures the CPU backend (kernels/cpu_lowbit.py)
     out = tmp_path / "int4.json"
     bench_int4.main(["--m", "1,3", "--square", "256", "--json", str(out), "--plot", str(tmp_path / "int4.png")])
     data = json.loads(out.read_text())
     assert data["benchmark"] == "int4_gemm" and data["baseline"] == "torch float32 matmul (CPU)"
     assert [(r["M"], r["N"], r["K"]) for r in data["rows"]] == [(1, 256, 256), (3, 256, 256)]
     for r in data["rows"]:
-        assert r["backend"] == "torch reference"
+        assert r["backend"] == "torch CPU kernels"
         assert r["ms"] > 0 and r["speedup"] == pytest.approx(r["baseline_ms"] / r["ms"])
     assert (tmp_path / "int4.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
