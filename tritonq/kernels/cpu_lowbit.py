@@ -105,15 +105,18 @@ def linear(x: torch.Tensor, p: CPUWeight) -> torch.Tensor:
     M, N = x.shape[0], p.out_features
     if M == 0:
         return x.new_zeros(0, N)
-    xb = (x if p.perm is None else x[:, p.perm]).to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    if p.perm is not None:
+        xb = xb[:, p.perm]
     pad = p.packed.shape[1] * 2 - p.in_features
     if pad:
         xb = F.pad(xb, (0, pad))
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), p.packed, p.group_size, p.scales_zeros)
-    y = y[:, :N].to(torch.float32)  # always a copy (bf16 -> fp32), so the padded columns are dropped
+    if y.shape[1] != N:
+        y = y[:, :N]
     if p.bias is not None:
-        y += p.bias
-    return y.to(x.dtype)
+        y = y + p.bias  # bf16 + fp32 -> fp32: the bias is added unrounded
+    return y.to(x.dtype).contiguous()
 
 
 def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
@@ -142,6 +145,9 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
     bias = None if w.bias is None else w.bias.float()
     if isinstance(w, DenseWeight):
         return CPUDenseWeight(w.weight.float(), bias)
+    if isinstance(w, Int4Weight):
+        from tritonq.kernels.int4_gemm import check_g_idx
+        check_g_idx(w)  # every g_idx entry names a scales row (what the reference checks per call)
     if isinstance(w, Int4Weight) and w.bits == 4:
         p = _prepare_int4(w)
         if p is not None:
