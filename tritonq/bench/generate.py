@@ -118,17 +118,10 @@ def _config(args):
                        eos_token_id=None, bos_token_id=None, pad_token_id=0)
 
 
-def _time_generate(model, ids: list[list[int]], new_tokens: int, repeat: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of model.generate, medians of `repeat` runs."""
-    model.eos_token_ids = set()
-    model.generate(ids, max_new_tokens=2)  # warm up
-    t1, tn = [], []
-    for _ in range(repeat):
-        t1.append(_timed(lambda: model.generate(ids, max_new_tokens=1)))
-        tn.append(_timed(lambda: model.generate(ids, max_new_tokens=new_tokens)))
+def _rates(t1: list[float], tn: list[float], ids: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) from the times of 1-token and new_tokens-token generates (medians)."""
     prefill, full = statistics.median(t1), statistics.median(tn)
-    tokens = len(ids)
-    return tokens * len(ids[0]) / prefill, tokens * (new_tokens - 1) / max(full - prefill, 1e-9)
+    return len(ids) * len(ids[0]) / prefill, len(ids) * (new_tokens - 1) / max(full - prefill, 1e-9)
 
 
 def _formats(args, argv: list[str]) -> None:
@@ -145,33 +138,49 @@ def _formats(args, argv: list[str]) -> None:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     torch.manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.prompt_len)).tolist()
-    rows = []
+    rows, models, folders = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         dense = Path(tmp) / "dense"
         LlamaForCausalLM(_config(args)).to(torch.float16).save_pretrained(dense)  # an fp16 file, as published
         byte_tokenizer().save_pretrained(dense)  # load() needs a tokenizer; the bench feeds token ids
+
+        def load(name):
+            return tritonq.load(folders[name], dtype=dtype, device=device, max_batch=args.batch,
+                                max_seq_len=args.prompt_len + args.new_tokens)
         for name in names:
-            folder = dense
+            folders[name] = dense
             if FORMATS[name] is not None:
                 fmt, options = FORMATS[name]
-                folder = write_quantized(dense, Path(tmp) / name, fmt, **options)
-
-            def load():
-                return tritonq.load(folder, dtype=dtype, device=device, max_batch=args.batch,
-                                    max_seq_len=args.prompt_len + args.new_tokens)
+                folders[name] = write_quantized(dense, Path(tmp) / name, fmt, **options)
             start = time.perf_counter()
-            model = load()
-            row = {"format": name, "load_s": time.perf_counter() - start}
-            row["prefill_tok_s"], row["decode_tok_s"] = _time_generate(model, ids, args.new_tokens, args.repeat)
-            del model
-            if device == "cpu" and name != "dense":  # before: the torch references, dequantizing every call
-                os.environ["TRITONQ_BACKEND"] = "torch"
-                try:
-                    row["before_prefill_tok_s"], row["before_decode_tok_s"] = _time_generate(
-                        load(), ids, args.reference_new_tokens, 1)
-                finally:
-                    del os.environ["TRITONQ_BACKEND"]
-            rows.append(row)
+            models[name] = load(name)
+            models[name].eos_token_ids = set()  # force exactly new_tokens tokens
+            models[name].generate(ids, max_new_tokens=2)  # warm up
+            rows[name] = {"format": name, "load_s": time.perf_counter() - start}
+        # Interleaved rounds: load from other processes shifts every format alike, not one of them.
+        times = {name: ([], []) for name in names}
+        for _ in range(args.repeat):
+            for name in names:
+                times[name][0].append(_timed(lambda: models[name].generate(ids, max_new_tokens=1)))
+                times[name][1].append(_timed(lambda: models[name].generate(ids, max_new_tokens=args.new_tokens)))
+        for name in names:
+            rows[name]["prefill_tok_s"], rows[name]["decode_tok_s"] = _rates(*times[name], ids, args.new_tokens)
+        models.clear()
+        if device == "cpu":  # before: the torch references, which dequantize the weight on every call
+            os.environ["TRITONQ_BACKEND"] = "torch"
+            try:
+                for name in names:
+                    if name == "dense":
+                        continue
+                    model = load(name)
+                    model.eos_token_ids = set()
+                    t1 = [_timed(lambda: model.generate(ids, max_new_tokens=1))]
+                    tn = [_timed(lambda: model.generate(ids, max_new_tokens=args.reference_new_tokens))]
+                    rows[name]["before_prefill_tok_s"], rows[name]["before_decode_tok_s"] = _rates(
+                        t1, tn, ids, args.reference_new_tokens)
+            finally:
+                del os.environ["TRITONQ_BACKEND"]
+    rows = list(rows.values())
     dense_decode = next((r["decode_tok_s"] for r in rows if r["format"] == "dense"), None)
     for r in rows:
         if dense_decode:
