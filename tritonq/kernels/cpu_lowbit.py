@@ -25,10 +25,11 @@ Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels
   GEMM, stored [K, N]-contiguous like Linear's dense fp32 weights (faster MKL GEMV at decode).
   torch's `_weight_int8pack_mm` exists but has per-channel scales only (GPTQ 8-bit is
   group-wise: a loop over groups measured slower than fp32 dense here) and no CPU fp8 GEMM
-  beats fp32 on AVX2. Activations **fp32**; FP8 linears still quantize activations to e4m3
-  exactly as the reference does (fp8_gemm), MoE experts are weight-only as fused_moe's
-  reference is. Tolerance: fp32 rounding only (same dequantized values, same arithmetic):
-  atol = rtol = 1e-5 for O(1) values.
+  beats fp32 on AVX2. Activations **fp32**, not quantized: FP8 runs weight-only, as fp8_gemm
+  does below sm_89 and fused_moe always does (fp8_gemm(weight_only=False) still quantizes them
+  to e4m3 exactly as the reference does; measured at decode, that costs ~15% of a token).
+  Tolerance: fp32 rounding only (same dequantized values, same arithmetic): rtol 1e-5,
+  atol 1e-5 * max |ref|.
 """
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
     elif isinstance(w, Int4Weight):
         reason = "8-bit GPTQ (torch's int8 CPU kernel has per-channel scales only)"
     else:
-        reason = "FP8 (no CPU fp8 GEMM faster than fp32 dense)"
+        reason = "FP8 (no CPU fp8 GEMM faster than fp32 dense: weight-only, activations not quantized, as below sm_89)"
     N, K = w.shape
     _note(f"{reason}: weights dequantized once at load to float32 ({N}x{K} = {N * K * 4 / 2**20:.1f} MiB for "
           "this layer) and run as fp32 GEMMs")

@@ -16,9 +16,10 @@ Two kernel paths, one @triton.jit kernel:
       are turned into fp16 with integer ops (exact, see `_e4m3_bits_to_fp16`), then tl.dot.
 Decode-sized M splits K across programs (SPLIT_K, fp32 atomic adds) so that enough programs
 stream the weight; launch configs come from kernels/configs/fp8_gemm*/<gpu>.json when tuned.
-fp32 accumulation throughout; output in x.dtype, plus bias. CPU tensors (no interpreter)
-quantize activations as the reference does and multiply by the weight dequantized once to fp32
-(kernels/cpu_lowbit.py); `fp8_gemm_reference` (TRITONQ_BACKEND=torch) is the float32 oracle.
+fp32 accumulation throughout; output in x.dtype, plus bias. CPU tensors (no interpreter) run
+weight-only by default, like GPUs below sm_89: fp32 activations times the weight dequantized once
+to fp32 (kernels/cpu_lowbit.py). `fp8_gemm_reference` (TRITONQ_BACKEND=torch, float32) is the
+oracle; it quantizes activations unless weight_only=True.
 """
 from __future__ import annotations
 
@@ -228,7 +229,8 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
     """x [..., K] fp16/bf16/fp32 @ w [N, K] fp8 -> [..., N] in x.dtype (+ w.bias).
 
     weight_only None picks by device: fp8 tensor cores on sm_89+, the weight-only path below
-    (logged once); True/False force a path (tests, benchmarks). config None: the tuned config
+    (logged once) and on the CPU backend (no fp8 GEMM there either); True/False force a path
+    (tests, benchmarks). config None: the tuned config
     for this shape if stored, else the defaults in `default_config`.
     """
     _check_weight(w)
@@ -240,13 +242,13 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
         raise ValueError(f"fp8_gemm: x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
     if x.device != w.weight.device:
         raise ValueError(f"fp8_gemm: x is on {x.device} but the weight is on {w.weight.device}; move one of them")
-    if weight_only is None:
-        weight_only = _lacks_fp8_tensor_cores(x.device)
     lead = x.shape[:-1]
     x = x.reshape(-1, K)
-    if use_cpu_kernels(x):  # same activations as the reference, weight dequantized once (cpu_lowbit)
-        y = cpu_lowbit.linear(quantized_activations(x, w, weight_only), cpu_lowbit.prepare(w))
-        return y.to(x.dtype).reshape(*lead, N)
+    if use_cpu_kernels(x):  # weight dequantized once (cpu_lowbit); no fp8 GEMM: weight-only unless told
+        xd = quantized_activations(x, w, weight_only is None or weight_only)
+        return cpu_lowbit.linear(xd, cpu_lowbit.prepare(w)).to(x.dtype).reshape(*lead, N)
+    if weight_only is None:
+        weight_only = _lacks_fp8_tensor_cores(x.device)
     if not use_triton(x):
         return fp8_gemm_reference(x, w, weight_only).reshape(*lead, N)
     y = _launch(x, w, weight_only, config)
