@@ -121,7 +121,9 @@ def _config(args):
 def _rates(t1: list[float], tn: list[float], ids: list[list[int]], new_tokens: int) -> tuple[float, float]:
     """(prefill tokens/s, decode tokens/s) from the times of 1-token and new_tokens-token generates (medians)."""
     prefill, full = statistics.median(t1), statistics.median(tn)
-    return len(ids) * len(ids[0]) / prefill, len(ids) * (new_tokens - 1) / max(full - prefill, 1e-9)
+    # full <= prefill only when other processes stalled the 1-token run: no decode figure then (nan)
+    decode = len(ids) * (new_tokens - 1) / (full - prefill) if full > prefill else float("nan")
+    return len(ids) * len(ids[0]) / prefill, decode
 
 
 def _formats(args, argv: list[str]) -> None:
