@@ -32,14 +32,14 @@ def test_model_shapes_match_the_published_configs():
 
 
 def test_int4_bench_cli_on_cpu_writes_json_and_plot(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU bench measures the torch reference path
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU bench measures the CPU backend (kernels/cpu_lowbit.py)
     out = tmp_path / "int4.json"
     bench_int4.main(["--m", "1,3", "--square", "256", "--json", str(out), "--plot", str(tmp_path / "int4.png")])
     data = json.loads(out.read_text())
     assert data["benchmark"] == "int4_gemm" and data["baseline"] == "torch float32 matmul (CPU)"
     assert [(r["M"], r["N"], r["K"]) for r in data["rows"]] == [(1, 256, 256), (3, 256, 256)]
     for r in data["rows"]:
-        assert r["backend"] == "torch reference"
+        assert r["backend"] == "torch CPU kernels"
         assert r["ms"] > 0 and r["speedup"] == pytest.approx(r["baseline_ms"] / r["ms"])
     assert (tmp_path / "int4.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -57,3 +57,19 @@ def test_load_bench_reports_warm_and_cold_loads_of_the_same_checkpoint(tmp_path)
     assert [r["page_cache"] for r in rows] == ["warm", "cold"]
     for r in rows:
         assert r["linears"] == 7 and r["ratio"] == pytest.approx(r["tritonq_s"] / r["safe_open_s"])
+
+
+def test_generate_bench_formats_side_by_side_on_cpu(tmp_path, monkeypatch):
+    """--formats times each checkpoint format on the CPU backend and, as "before", on the references."""
+    from tritonq.bench import generate as bench_generate
+    monkeypatch.delenv("TRITON_INTERPRET")
+    out = tmp_path / "generate.json"
+    bench_generate.main(["--formats", "dense,awq,fp8", "--hidden", "128", "--intermediate", "256", "--layers", "1",
+                         "--vocab", "256", "--prompt-len", "4", "--new-tokens", "3", "--reference-new-tokens", "2",
+                         "--repeat", "1", "--out", str(out)])
+    rows = {r["format"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["dense", "awq", "fp8"]
+    assert rows["dense"]["decode_vs_dense"] == 1 and "before_decode_tok_s" not in rows["dense"]
+    for r in (rows["awq"], rows["fp8"]):
+        assert r["decode_tok_s"] > 0 and r["before_decode_tok_s"] > 0 and r["before_prefill_tok_s"] > 0
+        assert r["decode_speedup"] == pytest.approx(r["decode_tok_s"] / r["before_decode_tok_s"])

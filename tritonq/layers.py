@@ -9,6 +9,7 @@ from torch import nn
 
 from tritonq.distributed import all_gather_last_dim, all_reduce
 from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
+from tritonq.kernels import cpu_lowbit, use_cpu_kernels
 from tritonq.kernels.norm_rope import rms_norm
 
 
@@ -27,6 +28,14 @@ class Linear(nn.Module):
             weight = replace(weight, weight=weight.weight.t().contiguous().t())
         self.weight = weight
         self.out_features, self.in_features = weight.shape
+        self._prepare_cpu()
+
+    def _prepare_cpu(self) -> None:
+        """On the CPU backend, repack / dequantize a quantized weight once, at load (kernels/cpu_lowbit.py);
+        the kernel launchers find it there on every call."""
+        w = self.weight
+        if not isinstance(w, DenseWeight) and use_cpu_kernels(w.qweight if isinstance(w, Int4Weight) else w.weight):
+            cpu_lowbit.prepare(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight

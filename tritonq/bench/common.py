@@ -31,9 +31,13 @@ def device_peaks() -> tuple[str, tuple]:
 
 
 def backend_label(device: str) -> str:
-    """What a benchmark on `device` times: Triton on a GPU, the interpreter or the torch reference on CPU."""
-    from tritonq.kernels import use_triton
-    if not use_triton(torch.empty(0, device=device)):
+    """What a benchmark on `device` times: Triton on a GPU; on CPU the interpreter, the CPU backend
+    (kernels/cpu_lowbit.py) or the torch reference (TRITONQ_BACKEND=torch)."""
+    from tritonq.kernels import use_cpu_kernels, use_triton
+    probe = torch.empty(0, device=device)
+    if use_cpu_kernels(probe):
+        return "torch CPU kernels"
+    if not use_triton(probe):
         return "torch reference"
     return "triton" if device == "cuda" else "triton interpreter"
 

@@ -6,8 +6,9 @@ weight-scale scheme, times fp8_gemm (activation quantization included) against b
 the bytes moved (fp8 weight + scales + bf16 activations in + output out), TFLOP/s, % of the
 device roofline (fp8 peak) and the speedup. Per-channel rows also time torch._scaled_mm
 (cuBLASLt, row-wise scales) on the same quantized operands, column `scaled_mm_ms` (M % 16 == 0).
-On CPU fp8_gemm runs its torch reference against a float32 matmul: small shapes only, and
-the figures describe the reference, not the kernel (the "backend" column says so).
+On CPU fp8_gemm runs the CPU backend (kernels/cpu_lowbit.py; the torch reference with
+TRITONQ_BACKEND=torch) against a float32 matmul: small shapes only, and the figures describe
+that path, not the Triton kernel (the "backend" column says so).
 """
 from __future__ import annotations
 

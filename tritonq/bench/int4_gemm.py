@@ -4,8 +4,9 @@ For each weight shape (N=K=4096 and the Llama-2-7B / DeepSeek-V2-Lite linear lay
 M, times int4_gemm against a dense matmul of the same shape in the same run and reports time,
 GB/s on the bytes actually moved (packed int4 + scales + zeros + activations + output),
 TFLOP/s, % of the device roofline and the speedup. On CUDA the baseline is torch fp16/bf16
-matmul. On CPU int4_gemm runs its torch reference, compared with a float32 matmul: small shapes
-only, and the figures describe the reference, not the kernel (the "backend" column says so).
+matmul. On CPU int4_gemm runs the CPU backend (kernels/cpu_lowbit.py; the torch reference with
+TRITONQ_BACKEND=torch), compared with a float32 matmul: small shapes only, and the figures
+describe that path, not the Triton kernel (the "backend" column says so).
 """
 from __future__ import annotations
 

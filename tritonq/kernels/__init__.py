@@ -1,8 +1,9 @@
 """Kernel families. Each file holds the @triton.jit kernel, its launcher and a torch reference.
 
-Backend choice (one place): CUDA tensors run the Triton kernels; CPU tensors run the torch
-reference (float32 compute), except under TRITON_INTERPRET=1, where the Triton kernel itself
-runs on CPU (that is how the tests exercise it). TRITONQ_BACKEND=torch|triton overrides.
+Backend choice (one place): CUDA tensors run the Triton kernels; CPU tensors run torch's CPU
+kernels over weights prepared once (`cpu_lowbit`), except under TRITON_INTERPRET=1, where the
+Triton kernel itself runs on CPU (that is how the tests exercise it). TRITONQ_BACKEND=torch
+forces the plain torch references (float32 compute, the test oracle); =triton forces Triton.
 """
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ def use_triton(x: torch.Tensor) -> bool:
     if forced == "triton" or x.is_cuda:
         return True
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_cpu_kernels(x: torch.Tensor) -> bool:
+    """True if a tensor on x's device should run the CPU backend (kernels/cpu_lowbit.py)."""
+    return (x.device.type == "cpu" and not use_triton(x)
+            and os.environ.get("TRITONQ_BACKEND", "auto") != "torch")
 
 
 def check_launch_config(kernel: str, config, blocks: tuple[str, ...]) -> None:

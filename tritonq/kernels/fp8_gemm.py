@@ -16,8 +16,10 @@ Two kernel paths, one @triton.jit kernel:
       are turned into fp16 with integer ops (exact, see `_e4m3_bits_to_fp16`), then tl.dot.
 Decode-sized M splits K across programs (SPLIT_K, fp32 atomic adds) so that enough programs
 stream the weight; launch configs come from kernels/configs/fp8_gemm*/<gpu>.json when tuned.
-fp32 accumulation throughout; output in x.dtype, plus bias. CPU tensors use the torch
-references below (float32 compute), which emulate the same activation quantization.
+fp32 accumulation throughout; output in x.dtype, plus bias. CPU tensors (no interpreter) run
+weight-only by default, like GPUs below sm_89: fp32 activations times the weight dequantized once
+to fp32 (kernels/cpu_lowbit.py). `fp8_gemm_reference` (TRITONQ_BACKEND=torch, float32) is the
+oracle; it quantizes activations unless weight_only=True.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import triton
 import triton.language as tl
 
 from tritonq.formats.base import FP8Weight
-from tritonq.kernels import use_triton
+from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.configs import lookup
 
 log = logging.getLogger(__name__)
@@ -227,7 +229,8 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
     """x [..., K] fp16/bf16/fp32 @ w [N, K] fp8 -> [..., N] in x.dtype (+ w.bias).
 
     weight_only None picks by device: fp8 tensor cores on sm_89+, the weight-only path below
-    (logged once); True/False force a path (tests, benchmarks). config None: the tuned config
+    (logged once) and on the CPU backend (no fp8 GEMM there either); True/False force a path
+    (tests, benchmarks). config None: the tuned config
     for this shape if stored, else the defaults in `default_config`.
     """
     _check_weight(w)
@@ -239,10 +242,13 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
         raise ValueError(f"fp8_gemm: x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
     if x.device != w.weight.device:
         raise ValueError(f"fp8_gemm: x is on {x.device} but the weight is on {w.weight.device}; move one of them")
-    if weight_only is None:
-        weight_only = _lacks_fp8_tensor_cores(x.device)
     lead = x.shape[:-1]
     x = x.reshape(-1, K)
+    if use_cpu_kernels(x):  # weight dequantized once (cpu_lowbit); no fp8 GEMM: weight-only unless told
+        xd = quantized_activations(x, w, weight_only is None or weight_only)
+        return cpu_lowbit.linear(xd, cpu_lowbit.prepare(w)).to(x.dtype).reshape(*lead, N)
+    if weight_only is None:
+        weight_only = _lacks_fp8_tensor_cores(x.device)
     if not use_triton(x):
         return fp8_gemm_reference(x, w, weight_only).reshape(*lead, N)
     y = _launch(x, w, weight_only, config)
@@ -402,19 +408,23 @@ def dequantize_fp8(w: FP8Weight) -> torch.Tensor:
     return w.weight.float() * s
 
 
+def quantized_activations(x: torch.Tensor, w: FP8Weight, weight_only: bool = False) -> torch.Tensor:
+    """x [M, K] as the fp8 GEMM sees it, float32: quantized to e4m3 and scaled back (per token, per
+    block_size[1] group for block weights, or by w.input_scale), or just x.float() with weight_only."""
+    if weight_only:
+        return x.float()
+    K = x.shape[1]
+    group = w.block_size[1] if w.block_size is not None else None
+    q, scales = quantize_activation_fp8_reference(x, group, w.input_scale)
+    if scales.dim() == 2:
+        scales = scales.repeat_interleave(group or K, dim=1)[:, :K]
+    return q.float() * scales
+
+
 def fp8_gemm_reference(x: torch.Tensor, w: FP8Weight, weight_only: bool = False) -> torch.Tensor:
     """Torch version of `fp8_gemm` for x [M, K] (float32 compute): quantizes x exactly like the
     kernel (or not, with weight_only), multiplies by the dequantized weight, adds bias."""
-    N, K = w.shape
-    if weight_only:
-        xd = x.float()
-    else:
-        group = w.block_size[1] if w.block_size is not None else None
-        q, scales = quantize_activation_fp8_reference(x, group, w.input_scale)
-        if scales.dim() == 2:
-            scales = scales.repeat_interleave(group or K, dim=1)[:, :K]
-        xd = q.float() * scales
-    y = xd @ dequantize_fp8(w).T
+    y = quantized_activations(x, w, weight_only) @ dequantize_fp8(w).T
     if w.bias is not None:
         y = y + w.bias.float()
     return y.to(x.dtype)

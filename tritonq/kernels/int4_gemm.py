@@ -29,6 +29,10 @@ row as a [BLOCK_K, BLOCK_N] tile; these rows hit L1/L2 since G << K. We gather r
 permute x by a sorted g_idx at run time: no extra kernel or activation copy per call, and the
 Int4Weight contract stays one layout.
 
+CPU (no interpreter): torch's int4 CPU kernel (4-bit) or a once-dequantized fp32 weight (8-bit)
+over the weight prepared once per object, see kernels/cpu_lowbit.py; `int4_gemm_reference`
+(TRITONQ_BACKEND=torch) is the oracle.
+
 Launch configs: `Int4GemmConfig`; defaults in `default_config`, tuned JSON overrides through
 `tritonq.kernels.configs.lookup("int4_gemm", config_bucket(M, N, K, w))`, and `CONFIG_SPACE`
 lists the values a tuner may sweep.
@@ -45,7 +49,7 @@ import triton.language as tl
 
 from tritonq.formats.base import Int4Weight
 from tritonq.formats.packing import unpack_int32
-from tritonq.kernels import use_triton
+from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.configs import lookup
 
 SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
@@ -229,6 +233,8 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
               "flatten leading dims to M first")
     if x.device != w.qweight.device:
         _fail("x", f"on {x.device}", f"on the weight's device {w.qweight.device}", "move x or the weight")
+    if use_cpu_kernels(x):  # torch's CPU kernel over the weight prepared once (kernels/cpu_lowbit.py)
+        return cpu_lowbit.linear(x, cpu_lowbit.prepare(w))
     if not use_triton(x):
         return int4_gemm_reference(x, w)
     if not x.is_cuda:  # interpreter; CUDA relies on the load-time check in gptq_to_int4 (no sync)
@@ -277,7 +283,7 @@ def dequantize_int4(w: Int4Weight) -> torch.Tensor:
 
 
 def int4_gemm_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """Plain torch: unpack -> dequant -> fp32 matmul (+ bias) -> x.dtype. Also the CPU path."""
+    """Plain torch: unpack -> dequant -> fp32 matmul (+ bias) -> x.dtype. The oracle (TRITONQ_BACKEND=torch)."""
     y = x.float() @ dequantize_int4(w).float().t()
     if w.bias is not None:
         y = y + w.bias.float()

@@ -16,6 +16,8 @@ Weights are stacked typed weights (formats/base.py with a leading expert dim E):
   g_idx [E, K] or None; FP8Weight weight [E, N, K] fp8 with weight_scale [E] (per tensor),
   [E, N, 1] (per channel) or [E, ceil(N/bn), ceil(K/bk)] (block_size (bn, bk)).
 Shared experts are not part of this: the model runs them as an ordinary MLP and adds them.
+On CPU (no interpreter) each routed expert runs through kernels/cpu_lowbit.py (its weights
+prepared once, on the first call); `fused_moe_reference` (TRITONQ_BACKEND=torch) is the oracle.
 FP8 experts are weight-only here (dequantized to x.dtype in-kernel); input_scale is not used.
 Pipeline: `moe_align_block_size` sorts the T*k (token, slot) pairs by expert and pads each
 expert's run to BLOCK_M, so each M block of rows belongs to one expert; `_moe_gemm_kernel`
@@ -33,7 +35,7 @@ import triton
 import triton.language as tl
 
 from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
-from tritonq.kernels import check_launch_config, use_triton
+from tritonq.kernels import check_launch_config, cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.configs import lookup
 
 DENSE, INT4, FP8 = 0, 1, 2  # the kernel's KIND: how the weight tile is loaded
@@ -455,6 +457,8 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
     """
     E, inter, D = _check_moe(x, gate_up, down, topk_weights, topk_ids)
     explicit = check_config(config) if config is not None else None
+    if use_cpu_kernels(x):  # per expert, torch's CPU kernels over weights prepared once (cpu_lowbit)
+        return cpu_lowbit.fused_moe(x, gate_up, down, topk_weights, topk_ids)
     if not use_triton(x):
         return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids)
     T, top_k = topk_ids.shape

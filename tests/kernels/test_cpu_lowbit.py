@@ -1,0 +1,199 @@
+"""The CPU backend (kernels/cpu_lowbit.py) against the float32 torch references, every format variant,
+at odd shapes: M = 1, 3, 17, 64; N not a multiple of the int4 kernel's 16 columns; K three groups
+(not a multiple of the larger kernel groups) or, per-channel, not a multiple of 32 at all.
+
+Tolerances (stated once, justified in kernels/cpu_lowbit.py):
+  int4 (bf16 activations, scales, float zeros and output; fp32 accumulation): elementwise
+      |y - ref| <= 2^-7 * (|x| @ T^T), T[n, k] = scale * (|q - 8| + |8 - z|): three bf16
+      roundings (2^-9 each) of the magnitude of the terms summed, plus the reference's fp16 W.
+  fp32 paths (8-bit GPTQ, FP8, int4 groups the kernel cannot take): the same dequantized values
+      and arithmetic as the reference, summation order only: rtol 1e-5, atol 1e-5 * max |ref|.
+      FP8 runs weight-only by default on CPU (as below sm_89): compared with the weight-only reference.
+  MoE: two GEMMs and a SiLU in series; int4 experts: ||y - ref|| <= 2^-6 ||ref|| (each bf16 GEMM
+      is ~3e-3 relative, RMS); fp32 experts as above.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tritonq.formats.base import FP8Weight, Int4Weight, stack_experts
+from tritonq.formats.packing import unpack_int32
+from tritonq.kernels import cpu_lowbit
+from tritonq.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
+from tritonq.kernels.int4_gemm import int4_gemm, int4_gemm_reference
+from tritonq.kernels.moe import fused_moe, fused_moe_reference
+from tritonq.layers import Linear
+from tritonq.quantize import quantize_fp8, quantize_int4
+
+MS = [1, 3, 17, 64]
+N = 72  # not a multiple of 16: the packed weight gets padded columns
+
+INT4_CASES = {  # name: (K, quantize_int4 options)
+    "awq_g128_asym": (384, dict(group_size=128, sym=False)),
+    "gptq_g32_sym": (96, dict(group_size=32, sym=True)),
+    "gptq_g64_asym": (192, dict(group_size=64, sym=False)),
+    "gptq_g256_sym": (768, dict(group_size=256, sym=True)),
+    "gptq_g96_asym": (288, dict(group_size=96, sym=False)),  # kernel groups of 32 inside ours
+    "per_channel_asym_K200": (200, dict(group_size=-1, sym=False)),  # K padded to 224
+    "per_channel_sym_K512": (512, dict(group_size=-1, sym=True)),
+    "act_order_g32_sym": (96, dict(group_size=32, sym=True, act_order=True)),
+    "act_order_g128_asym": (384, dict(group_size=128, sym=False, act_order=True)),
+}
+FP32_CASES = {  # typed weights the CPU backend dequantizes once to fp32
+    "gptq8_g32_asym": lambda: quantize_int4(torch.randn(N, 96), group_size=32, bits=8),
+    "gptq8_g64_sym_act_order": lambda: quantize_int4(torch.randn(N, 192), group_size=64, sym=True, bits=8,
+                                                     act_order=True),
+    "gptq8_per_channel": lambda: quantize_int4(torch.randn(N, 200), group_size=-1, bits=8),
+    "int4_g16": lambda: quantize_int4(torch.randn(N, 96), group_size=16),
+}
+FP8_CASES = {
+    "fp8_tensor": lambda: quantize_fp8(torch.randn(N, 200), "tensor"),
+    "fp8_channel": lambda: quantize_fp8(torch.randn(N, 200), "channel"),
+    "fp8_block": lambda: quantize_fp8(torch.randn(200, 328), "block"),  # partial blocks in N and K
+    "fp8_static_input": lambda: replace(quantize_fp8(torch.randn(N, 200), "channel"),
+                                        input_scale=torch.tensor(0.02)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _cpu_backend(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITONQ_BACKEND", raising=False)
+
+
+def with_bias(w):
+    return replace(w, bias=torch.randn(w.shape[0]).to(torch.float16))
+
+
+def int4_term_magnitudes(w: Int4Weight) -> torch.Tensor:
+    """T [N, K] = scale * (|q - 8| + |8 - z|), from the raw fields (independent of cpu_lowbit)."""
+    q = unpack_int32(w.qweight, 4, dim=0).float()
+    K = q.shape[0]
+    g = w.g_idx.long() if w.g_idx is not None else torch.arange(K) // w.group_size
+    zero_term = (8 - w.zeros.float()[g]).abs() if w.zeros is not None else 0.0
+    return (w.scales.float()[g] * ((q - 8).abs() + zero_term)).t()
+
+
+def assert_fp32_close(y, ref):
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("name", list(INT4_CASES))
+def test_int4_cpu_kernel_matches_reference(name, M):
+    K, options = INT4_CASES[name]
+    w = with_bias(quantize_int4(torch.randn(N, K), **options))
+    assert isinstance(cpu_lowbit.prepare(w), cpu_lowbit.CPUInt4Weight)
+    x = torch.randn(M, K)
+    y, ref = int4_gemm(x, w), int4_gemm_reference(x, w)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    bound = 2**-7 * (x.abs() @ int4_term_magnitudes(w).t())
+    excess = ((y - ref).abs() - bound).max().item()
+    assert excess <= 0, f"error exceeds the bf16 bound by {excess}"
+    assert ((y - ref).norm() / ref.norm()).item() < 2**-6  # and is not just inside a loose bound
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_cpu_kernel_keeps_16_bit_activations(dtype):
+    w = quantize_int4(torch.randn(N, 128), group_size=32)
+    x = torch.randn(5, 128).to(dtype)
+    y, ref = int4_gemm(x, w), int4_gemm_reference(x, w)
+    assert y.dtype == dtype
+    bound = 2**-7 * (x.float().abs() @ int4_term_magnitudes(w).t()) + 2**-8 * ref.float().abs()  # + output rounding
+    assert ((y.float() - ref.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("name", list(FP32_CASES))
+def test_int_weights_dequantized_once_match_reference(name, M):
+    w = with_bias(FP32_CASES[name]())
+    assert isinstance(cpu_lowbit.prepare(w), cpu_lowbit.CPUDenseWeight)
+    x = torch.randn(M, w.shape[1])
+    assert_fp32_close(int4_gemm(x, w), int4_gemm_reference(x, w))
+
+
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_fp8_dequantized_once_matches_reference(name, M):
+    w = with_bias(FP8_CASES[name]())
+    w = replace(w, bias=w.bias.float())
+    assert isinstance(cpu_lowbit.prepare(w), cpu_lowbit.CPUDenseWeight)
+    x = torch.randn(M, w.shape[1])
+    assert_fp32_close(fp8_gemm(x, w), fp8_gemm_reference(x, w, weight_only=True))  # CPU default: weight-only
+    assert_fp32_close(fp8_gemm(x, w, weight_only=False), fp8_gemm_reference(x, w))  # e4m3 activations on both
+
+
+def test_weight_prepared_once_at_load_not_per_call(monkeypatch):
+    calls = []
+    real = cpu_lowbit._prepare
+    monkeypatch.setattr(cpu_lowbit, "_prepare", lambda w, *a: calls.append(w) or real(w, *a))
+    w = quantize_int4(torch.randn(N, 128), group_size=32)
+    layer = Linear(w)  # prepares here
+    assert len(calls) == 1
+    for M in (1, 4):
+        layer(torch.randn(2, M, 128))
+    assert len(calls) == 1 and cpu_lowbit.prepare(w) is cpu_lowbit.prepare(w)
+
+
+def test_torch_backend_still_runs_the_references(monkeypatch):
+    w4 = quantize_int4(torch.randn(N, 128), group_size=32)
+    w8 = quantize_fp8(torch.randn(N, 128), "channel")
+    x = torch.randn(3, 128)
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    monkeypatch.setattr(cpu_lowbit, "linear", lambda *a: pytest.fail("CPU backend used under TRITONQ_BACKEND=torch"))
+    assert torch.equal(Linear(w4)(x), int4_gemm_reference(x, w4))
+    assert torch.equal(Linear(w8)(x), fp8_gemm_reference(x, w8))  # W8A8 emulation, as before
+    assert w4 not in cpu_lowbit._prepared  # nothing prepared at load either
+
+
+def test_interpreter_still_runs_the_triton_kernel(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(cpu_lowbit, "linear", lambda *a: pytest.fail("CPU backend used under TRITON_INTERPRET=1"))
+    w = quantize_int4(torch.randn(32, 64), group_size=32)
+    x = torch.randn(2, 64)
+    y, ref = int4_gemm(x, w), int4_gemm_reference(x, w)  # test_int4_gemm.py's fp32 tolerance
+    torch.testing.assert_close(y, ref, rtol=2**-11, atol=2**-11 * ref.abs().max().item())
+
+
+# ------------------------------------------------------------------ MoE experts
+
+E, D, INTER = 4, 96, 96  # K = 3 groups of 32 for both GEMMs
+
+
+def stacked(kind: str, n: int, k: int):
+    if kind == "int4_asym":
+        return stack_experts([quantize_int4(torch.randn(n, k), group_size=32) for _ in range(E)])
+    if kind == "int4_act_order":
+        return stack_experts([quantize_int4(torch.randn(n, k), group_size=32, sym=True, act_order=True)
+                              for _ in range(E)])
+    if kind == "int8":
+        return stack_experts([quantize_int4(torch.randn(n, k), group_size=32, bits=8) for _ in range(E)])
+    if kind == "fp8_block":
+        return stack_experts([quantize_fp8(torch.randn(n, k), "block", block_size=(32, 32)) for _ in range(E)])
+    return stack_experts([quantize_fp8(torch.randn(n, k), "channel") for _ in range(E)])
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("kind", ["int4_asym", "int4_act_order", "int8", "fp8_block", "fp8_channel"])
+def test_moe_experts_match_reference(kind, T):
+    gate_up, down = stacked(kind, 2 * INTER, D), stacked(kind, D, INTER)
+    x = torch.randn(T, D)
+    topk_weights = torch.rand(T, 2)
+    topk_ids = torch.stack([torch.randperm(E)[:2] for _ in range(T)]).to(torch.int32)
+    y, ref = fused_moe(x, gate_up, down, topk_weights, topk_ids), fused_moe_reference(x, gate_up, down,
+                                                                                     topk_weights, topk_ids)
+    assert len(cpu_lowbit.prepare_experts(gate_up)) == E
+    if kind.startswith("int4"):
+        assert isinstance(cpu_lowbit.prepare_experts(down)[0], cpu_lowbit.CPUInt4Weight)
+        assert ((y - ref).norm() / ref.norm()).item() < 2**-6
+    else:
+        assert_fp32_close(y, ref)
+
+
+def test_fp8_expert_slices_keep_scale_layout():
+    w = stacked("fp8_block", D, INTER)
+    e = cpu_lowbit.expert(w, 2)
+    assert isinstance(e, FP8Weight) and e.weight_scale.shape == (3, 3) and e.block_size == (32, 32)
+    torch.testing.assert_close(e.dequantize(), w.weight[2].float() * w.weight_scale[2].repeat_interleave(32, 0)
+                               .repeat_interleave(32, 1))

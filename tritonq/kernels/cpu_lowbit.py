@@ -1,0 +1,224 @@
+"""CPU backend for typed weights: torch's own CPU kernels over weights prepared once.
+
+Without a GPU (and outside TRITON_INTERPRET=1), `int4_gemm`, `fp8_gemm` and `fused_moe` run
+here instead of their torch references, which unpack and dequantize the whole weight on every
+call. `prepare(w)` turns a typed weight into the layout of one CPU kernel, once per weight
+object (Linear calls it at load; MoE experts on their first call), and `linear(x, p)` runs it.
+TRITONQ_BACKEND=torch still runs the references, which stay the test oracle.
+
+Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels/test_cpu_lowbit.py):
+
+* `CPUInt4Weight` — 4-bit AWQ / GPTQ, sym or asym, groups that are multiples of 32 (32..256 and
+  larger), per-channel (any K), act-order. torch's `_weight_int4pack_mm_for_cpu` (AVX2/AVX512
+  group-wise int4 GEMM; W = (q - 8) * scale + float_zero, so an integer zero z becomes the float
+  zero (8 - z) * scale). Activations, scales and float zeros in **bf16** (its only fast dtype:
+  fp32 activations take a scalar fallback ~10x slower than fp32 dense), fp32 accumulation,
+  output in bf16, then x.dtype.
+  Tolerance: |y - ref| <= 2^-7 * (|x| @ T^T) with T[n, k] = scale * (|q - 8| + |8 - z|): each of
+  x, scale, float zero and y is rounded once to bf16 (unit roundoff 2^-9), so the error is at
+  most ~3 * 2^-9 of the magnitude of the terms summed (plus the reference's own fp16 rounding
+  of W, 2^-11).
+  Act-order: K is permuted once at load so that groups are contiguous; x is gathered per call.
+* `CPUDenseWeight` — 8-bit GPTQ, FP8 (tensor / channel / block), and any int4 layout the kernel
+  cannot take (groups not a multiple of 32, act-order groups of unequal size): the weight is
+  dequantized **once** to fp32 (stated in the load log, with its size) and runs as an fp32
+  GEMM, stored [K, N]-contiguous like Linear's dense fp32 weights (faster MKL GEMV at decode).
+  torch's `_weight_int8pack_mm` exists but has per-channel scales only (GPTQ 8-bit is
+  group-wise: a loop over groups measured slower than fp32 dense here) and no CPU fp8 GEMM
+  beats fp32 on AVX2. Activations **fp32**, not quantized: FP8 runs weight-only, as fp8_gemm
+  does below sm_89 and fused_moe always does (fp8_gemm(weight_only=False) still quantizes them
+  to e4m3 exactly as the reference does; measured at decode, that costs ~15% of a token).
+  Tolerance: fp32 rounding only (same dequantized values, same arithmetic): rtol 1e-5,
+  atol 1e-5 * max |ref|.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
+
+log = logging.getLogger(__name__)
+
+KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts, largest first
+N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0: N is padded with zero columns
+
+
+@dataclass(frozen=True)
+class CPUInt4Weight:
+    """A 4-bit weight in torch's CPU int4 layout.
+
+    packed        uint8 [N_pad, K_pad / 2] (from _convert_weight_to_int4pack_for_cpu)
+    scales_zeros  bf16 [K_pad / group_size, N_pad, 2]: (scale, float zero), W = (q - 8) * scale + zero
+    group_size    the kernel's group (one of KERNEL_GROUPS); may be smaller than the checkpoint's
+    perm          int64 [K] or None: x[:, perm] is x in the permuted K order (act-order)
+    bias          fp32 [N] or None
+    Padded rows and columns have scale 0 and zero 0, so they contribute nothing.
+    """
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    group_size: int
+    out_features: int
+    in_features: int
+    perm: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class CPUDenseWeight:
+    """weight fp32 [N, K] (a view of [K, N]-contiguous storage), dequantized once; bias fp32 [N] or None."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+CPUWeight = CPUInt4Weight | CPUDenseWeight
+
+_prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()  # typed weight -> its CPUWeight (or tuple, stacked)
+
+
+def prepare(w: Weight) -> CPUWeight:
+    """The CPU form of a 2-D typed weight, built on the first call for this object and then reused."""
+    p = _prepared.get(w)
+    if p is None:
+        p = _prepared[w] = _prepare(w)
+    return p
+
+
+def prepare_experts(w: Weight) -> tuple[CPUWeight, ...]:
+    """The CPU form of each expert of a stacked weight (leading dim E), built once per object."""
+    p = _prepared.get(w)
+    if p is None:
+        from tritonq.kernels.moe import _expert_matrix  # fused_moe_reference's dequantization (fp32, unrounded)
+        p = _prepared[w] = tuple(_prepare(expert(w, e), lambda: _expert_matrix(w, e))
+                                 for e in range(_num_experts(w)))
+    return p
+
+
+def linear(x: torch.Tensor, p: CPUWeight) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T (+ bias) in x.dtype (see the module docstring for the numerics)."""
+    if isinstance(p, CPUDenseWeight):
+        return F.linear(x.float(), p.weight, p.bias).to(x.dtype)
+    M, N = x.shape[0], p.out_features
+    if M == 0:
+        return x.new_zeros(0, N)
+    xb = x.to(torch.bfloat16)
+    if p.perm is not None:
+        xb = xb[:, p.perm]
+    pad = p.packed.shape[1] * 2 - p.in_features
+    if pad:
+        xb = F.pad(xb, (0, pad))
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), p.packed, p.group_size, p.scales_zeros)
+    if y.shape[1] != N:
+        y = y[:, :N]
+    if p.bias is not None:
+        y = y + p.bias  # bf16 + fp32 -> fp32: the bias is added unrounded
+    return y.to(x.dtype).contiguous()
+
+
+def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """kernels.moe.fused_moe on CPU: each routed expert runs its MLP on its tokens through `linear`.
+
+    x [T, D]; gate_up / down stacked typed weights [E, 2I, D] / [E, D, I]; topk_* [T, k] -> [T, D] in x.dtype.
+    """
+    gate_up_e, down_e = prepare_experts(gate_up), prepare_experts(down)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        gate, up = linear(x[token], gate_up_e[e]).float().chunk(2, dim=1)
+        y = linear((F.silu(gate) * up).to(x.dtype), down_e[e]).float()
+        out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Preparation (once per weight)
+# ----------------------------------------------------------------------------------------------
+
+def _prepare(w: Weight, dequantize=None) -> CPUWeight:
+    """w's CPU form; dequantize() gives the fp32 W [N, K] of the reference this path must match
+    (default w.dequantize(), int4_gemm's and fp8_gemm's)."""
+    bias = None if w.bias is None else w.bias.float()
+    if isinstance(w, DenseWeight):
+        return CPUDenseWeight(w.weight.float(), bias)
+    if isinstance(w, Int4Weight):
+        from tritonq.kernels.int4_gemm import check_g_idx
+        check_g_idx(w)  # every g_idx entry names a scales row (what the reference checks per call)
+    if isinstance(w, Int4Weight) and w.bits == 4:
+        p = _prepare_int4(w)
+        if p is not None:
+            _note(f"4-bit weights run torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu) with bf16 activations, "
+                  "repacked once at load")
+            return p
+        reason = (f"4-bit group_size={w.group_size}{' with act-order' if w.g_idx is not None else ''} does not fit "
+                  f"its groups of {KERNEL_GROUPS}")
+    elif isinstance(w, Int4Weight):
+        reason = "8-bit GPTQ (torch's int8 CPU kernel has per-channel scales only)"
+    else:
+        reason = "FP8 (no CPU fp8 GEMM faster than fp32 dense: weight-only, activations not quantized, as below sm_89)"
+    N, K = w.shape
+    _note(f"{reason}: weights dequantized once at load to float32 ({N}x{K} = {N * K * 4 / 2**20:.1f} MiB for "
+          "this layer) and run as fp32 GEMMs")
+    dense = (dequantize or w.dequantize)().float()
+    return CPUDenseWeight(dense.t().contiguous().t(), bias)  # [K, N] storage: MKL's decode GEMV is faster
+
+
+def _prepare_int4(w: Int4Weight) -> CPUInt4Weight | None:
+    """torch's CPU int4 layout for w, or None when its groups cannot be cut into KERNEL_GROUPS."""
+    from tritonq.formats.packing import unpack_int32
+    N, K = w.shape
+    group_of_row = w.g_idx.long() if w.g_idx is not None else torch.arange(K) // w.group_size
+    perm = None
+    if w.g_idx is not None:  # act-order: sort K by group once; x is gathered by perm per call
+        perm = torch.argsort(group_of_row, stable=True)
+        group_of_row = group_of_row[perm]
+        if torch.equal(perm, torch.arange(K)):
+            perm = None
+    for kernel_group in KERNEL_GROUPS:  # largest kernel group that never straddles two of ours
+        if K % kernel_group == 0 and bool((group_of_row.view(-1, kernel_group) == group_of_row[::kernel_group, None]).all()):
+            break
+    else:
+        if not bool((group_of_row == group_of_row[0]).all()):
+            return None
+        kernel_group = KERNEL_GROUPS[-1]  # one group over all K (per-channel): pad K to whole groups
+    K_pad = -(-K // kernel_group) * kernel_group
+    N_pad = -(-N // N_MULTIPLE) * N_MULTIPLE
+    q = unpack_int32(w.qweight, 4, dim=0)  # [K, N] in [0, 16)
+    if perm is not None:
+        q = q[perm]
+    q_nk = torch.full((N_pad, K_pad), 8, dtype=torch.int32)
+    q_nk[:N, :K] = q.t()
+    groups = F.pad(group_of_row, (0, K_pad - K), value=int(group_of_row[-1]))[::kernel_group]  # ours, per kernel group
+    scales = w.scales.float()[groups]  # [K_pad / kernel_group, N]
+    zeros = (8.0 - w.zeros.float()[groups]) * scales if w.zeros is not None else torch.zeros_like(scales)
+    scales_zeros = torch.zeros(K_pad // kernel_group, N_pad, 2)
+    scales_zeros[:, :N, 0], scales_zeros[:, :N, 1] = scales, zeros
+    return CPUInt4Weight(
+        packed=torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_nk, 1),  # innerKTiles: unused on CPU
+        scales_zeros=scales_zeros.to(torch.bfloat16).contiguous(), group_size=kernel_group,
+        out_features=N, in_features=K, perm=perm, bias=None if w.bias is None else w.bias.float())
+
+
+def expert(w: Weight, e: int) -> Weight:
+    """Expert e of a stacked typed weight, as a 2-D typed weight (views, no copies)."""
+    pick = lambda t: None if t is None else t[e]  # noqa: E731
+    if isinstance(w, DenseWeight):
+        return DenseWeight(w.weight[e], pick(w.bias))
+    if isinstance(w, Int4Weight):
+        return Int4Weight(w.qweight[e], w.scales[e], pick(w.zeros), pick(w.g_idx), w.group_size, w.bits, pick(w.bias))
+    return FP8Weight(w.weight[e], w.weight_scale[e], w.block_size, pick(w.input_scale), pick(w.bias))
+
+
+def _num_experts(w: Weight) -> int:
+    return (w.weight if isinstance(w, (DenseWeight, FP8Weight)) else w.qweight).shape[0]
+
+
+@functools.cache
+def _note(message: str) -> None:
+    """Say once per process which CPU path a kind of weight takes."""
+    log.warning("CPU backend: %s", message)
