@@ -226,8 +226,9 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
              config: FP8GemmConfig | None = None) -> torch.Tensor:
     """x [..., K] fp16/bf16/fp32 @ w [N, K] fp8 -> [..., N] in x.dtype (+ w.bias).
 
-    weight_only None picks by device: fp8 tensor cores on sm_89+, the weight-only path below
-    (logged once); True/False force a path (tests, benchmarks). config None: the tuned config
+    weight_only None picks by weight and device: the weight-only path for a weight-only checkpoint
+    (w.weight_only) or below sm_89 (logged once), else fp8 tensor cores; True/False force a path
+    (tests, benchmarks). config None: the tuned config
     for this shape if stored, else the defaults in `default_config`.
     """
     _check_weight(w)
@@ -239,8 +240,8 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
         raise ValueError(f"fp8_gemm: x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
     if x.device != w.weight.device:
         raise ValueError(f"fp8_gemm: x is on {x.device} but the weight is on {w.weight.device}; move one of them")
-    if weight_only is None:
-        weight_only = _lacks_fp8_tensor_cores(x.device)
+    if weight_only is None:  # a weight-only checkpoint never rounds activations, whatever the GPU
+        weight_only = w.weight_only or _lacks_fp8_tensor_cores(x.device)
     lead = x.shape[:-1]
     x = x.reshape(-1, K)
     if not use_triton(x):
