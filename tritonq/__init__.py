@@ -61,6 +61,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | None = None, device: 
     loader = get_loader(folder, dtype, device, quantize, rank=rank, world=world)
     with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
         model = cls(config, loader, dtype, device)
+    loader.finish()  # every stored tensor used by some module, or an error naming those that were not
     tokenizer = AutoTokenizer.from_pretrained(folder)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)
     return Model(model, tokenizer, max_batch, max_seq_len, _eos_token_ids(folder, config, tokenizer), rank, world)
