@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from formats.helpers import dense_llama, save
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import tritonq
-from tritonq.demo import byte_tokenizer
 from tritonq.formats.base import FP8Weight, Int4Weight
 from tritonq.formats.registry import get_loader
 from tritonq.layers import Linear
@@ -34,30 +34,6 @@ LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
 @pytest.fixture(autouse=True)
 def _torch_backend(monkeypatch):
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")
-
-
-def dense_llama(hidden=96, inter=160, heads=6, kv_heads=3, tied=False, vocab=None, seed=0) -> LlamaForCausalLM:
-    """A tiny random Llama in float32 whose weights vary in range across rows and groups; vocab (default
-    the byte tokenizer's 258) may be padded past the tokenizer, as real checkpoints often are."""
-    tokenizer = byte_tokenizer()
-    config = LlamaConfig(vocab_size=vocab or len(tokenizer), hidden_size=hidden, intermediate_size=inter,
-                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=64, tie_word_embeddings=tied, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-            else:  # std 0.02 init, spread per element so rows and groups differ in range
-                p.mul_(torch.empty_like(p).uniform_(0.5, 20))
-    return model
-
-
-def save(model: LlamaForCausalLM, folder) -> None:
-    model.save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
 
 
 def greedy(forward, prompt: list[int], steps: int) -> list[int]:
@@ -225,7 +201,7 @@ def test_compressed_tensors_fp8_activations_match_per_layer(tmp_path, case):
             w = loader.get_linear(prefix)
             assert isinstance(w, FP8Weight) and not w.weight_only
             module = reference.get_submodule(prefix)
-            x = torch.randn(5, w.shape[1]) * 3
+            x = torch.randn(2, 5, w.shape[1]) * 3  # [B, S, K]: compressed-tensors' per-token scales need both dims
             with torch.no_grad():
                 expected = module(x)
             torch.testing.assert_close(Linear(w)(x), expected, atol=1e-4, rtol=1e-5)
