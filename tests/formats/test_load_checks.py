@@ -87,3 +87,12 @@ def test_tied_checkpoint_that_also_stores_lm_head_ties_it(base, tmp_path):
     logits = model.model(ids, torch.tensor([3], dtype=torch.int32), model.cache, torch.zeros(1, dtype=torch.int32))
     assert torch.equal(model.model.lm_head.weight.weight, model.model.embed_tokens.weight)
     assert logits.shape == (1, 3, 258)
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "fp8-mlp"])  # int4 needs a group size dividing K=96: not a load option
+def test_quantize_on_load_reads_every_tensor(base, quantize):
+    """Norms and embeddings of a dense checkpoint quantized on load are still read as plain tensors."""
+    model = tritonq.load(base, quantize=quantize, max_batch=1, max_seq_len=16)
+    assert type(model.model.layers[0].mlp.down_proj.weight).__name__ == "FP8Weight"
+    assert type(model.model.layers[0].self_attn.o_proj.weight).__name__ == ("FP8Weight" if quantize == "fp8"
+                                                                              else "DenseWeight")

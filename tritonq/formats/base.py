@@ -434,10 +434,6 @@ class WeightsLoader:
     def get_tensor(self, name: str, dim: int | None = None, shape: tuple | None = None) -> torch.Tensor:
         """A float tensor in the compute dtype on the device; with dim, this rank's 1/world slice along it
         (vocab-parallel embedding rows). shape: the full stored shape expected (checked before reading)."""
-        prefix, _, leaf = name.rpartition(".")
-        if leaf == "weight" and self.is_quantized(prefix):
-            raise ValueError(f"{self.weights.folder}: {prefix} is stored quantized, but the model reads "
-                             f"{name!r} as a plain tensor; this module cannot be quantized in tritonq")
         if shape is not None and self.has_tensor(name):
             self._check_tensor_shape(name, shape)
         shard = None if dim is None else self.shard("column")
