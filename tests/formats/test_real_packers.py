@@ -150,6 +150,8 @@ CT_WEIGHT_ONLY = {  # name: (weights, format, model options); all with input_act
     "pack-int4-group-sym": (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
                             "pack-quantized", {}),
     "naive-int8-channel": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "naive-quantized", {}),
+    "naive-int4-group-asym": (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32),
+                              "naive-quantized", {}),
 }
 
 
