@@ -1,11 +1,13 @@
-"""Shared fixtures for the format tests: a tiny random Llama saved by transformers, and an
+"""Shared fixtures for the format tests: tiny random Llamas built by transformers, and an
 independent int4 dequantizer written from the Int4Weight docstring formula."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from tritonq.demo import byte_tokenizer
 from tritonq.formats.base import Int4Weight
 from tritonq.formats.packing import unpack_int32
 
@@ -15,8 +17,31 @@ LINEARS = [f"model.layers.{i}.{m}" for i in range(2) for m in
 GROUP_SIZE = 32  # divides both K values of the tiny model (hidden 64, intermediate 128)
 
 
+def dense_llama(hidden=96, inter=160, heads=6, kv_heads=3, tied=False, vocab=None, seed=0) -> LlamaForCausalLM:
+    """A tiny random Llama in float32 whose weights vary in range across rows and groups; vocab (default
+    the byte tokenizer's 258) may be padded past the tokenizer, as real checkpoints often are."""
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(vocab_size=vocab or len(tokenizer), hidden_size=hidden, intermediate_size=inter,
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=64, tie_word_embeddings=tied, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+            else:  # std 0.02 init, spread per element so rows and groups differ in range
+                p.mul_(torch.empty_like(p).uniform_(0.5, 20))
+    return model
+
+
+def save(model: LlamaForCausalLM, folder) -> None:
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+
+
 def save_tiny_llama(folder: Path, dtype=torch.float16) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, tie_word_embeddings=False)

@@ -175,7 +175,8 @@ def test_compressed_tensors_float_quantized(tiny_llama, original, tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["re:.*lm_head"],
-        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": {"dynamic": True}, "weights": {
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": {
+            "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}, "weights": {
             "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}}}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     loader = get_loader(tmp_path, torch.float32, "cpu")

@@ -5,6 +5,9 @@ version: gemm, modules_to_not_convert}. Per linear P: P.qweight int32 [K, N/8] a
 int32 [G, N/8] packed along N in AWQ order, P.scales fp16 [G, N]. Repacked on load into the
 internal layout (packed along K) by `repack_awq_qweight`, an in-register-width int32 repack that keeps
 loading close to raw read speed (the generic packing helpers go through int64 per value).
+`zero_point: false` (symmetric; GPTQModel writes it) stores every qzero as 8 (signed codes shifted
+to unsigned), so the same dequantization holds; a checkpoint without qzeros uses zero 8. Zeros that
+are all 8 run the kernel's symmetric branch.
 """
 from __future__ import annotations
 
@@ -30,9 +33,13 @@ class AWQLoader(WeightsLoader):
         self.group_size = q.get("group_size", q.get("q_group_size"))
         if self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(f"AWQ group_size={self.group_size} is not supported (supported: {SUPPORTED_GROUP_SIZES})")
-        if not q.get("zero_point", True):
-            raise ValueError("AWQ zero_point=false is not supported (supported: true, the AutoAWQ GEMM default)")
+        self.zero_point = bool(q.get("zero_point", True))
         super().__init__(weights, config, dtype, device, q.get("modules_to_not_convert"), rank=rank, world=world)
+
+    def quantized_shape(self, prefix: str):
+        name = f"{prefix}.qweight"
+        stored = self.weights.get_shape(name)
+        return (stored[1] * 8, stored[0]), name, stored
 
     def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Int4Weight:
         """Column shards cut N in whole packs of 8; row shards cut K in whole groups (per-channel
@@ -53,10 +60,14 @@ class AWQLoader(WeightsLoader):
         group_row = 0 if G > 1 else None  # a row shard cuts the groups; per-channel scales stay whole
         qweight = self.read(f"{prefix}.qweight", shard, column=1, row=0, dtype=torch.int32)
         scales = self.read(f"{prefix}.scales", shard, column=1, row=group_row, dtype=torch.float16, shape=(G, N))
-        qzeros = self.read(f"{prefix}.qzeros", shard, column=1, row=group_row, dtype=torch.int32, shape=(G, n_packed))
-        zeros = unpack_awq_zeros(qzeros.to(self.device))
+        zeros = None
+        if self.zero_point or self.weights.has_tensor(f"{prefix}.qzeros"):
+            qzeros = self.read(f"{prefix}.qzeros", shard, column=1, row=group_row, dtype=torch.int32,
+                               shape=(G, n_packed))
+            zeros = unpack_awq_zeros(qzeros.to(self.device))
+            zeros = None if bool((zeros == 8).all()) else zeros.to(self.dtype)
         return Int4Weight(repack_awq_qweight(qweight.to(self.device)), scales.to(device=self.device, dtype=self.dtype),
-                          zeros.to(self.dtype), None, group_size, 4)
+                          zeros, None, group_size, 4)
 
 
 def repack_awq_qweight(qweight: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -66,12 +68,15 @@ class FP8Weight:
     weight_scale: fp32, shape [] (per tensor), [N, 1] (per output channel) or, with block_size
     (bn, bk), [ceil(N/bn), ceil(K/bk)] (DeepSeek-V3 `weight_scale_inv`): W = weight * scale.
     input_scale: fp32 [] for static activation scaling, or None for dynamic per-token scaling.
+    weight_only: the checkpoint quantizes weights only (e.g. compressed-tensors with
+    `input_activations: null`): activations stay in the compute dtype, never rounded to fp8.
     """
     weight: torch.Tensor
     weight_scale: torch.Tensor
     block_size: tuple[int, int] | None = None
     input_scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    weight_only: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -108,8 +113,9 @@ def concat_outputs(parts: list[Weight]) -> Weight:
         return Int4Weight(torch.cat([p.qweight for p in parts], dim=-1), torch.cat([p.scales for p in parts], dim=-1),
                           None if first.zeros is None else torch.cat([p.zeros for p in parts], dim=-1),
                           first.g_idx, first.group_size, first.bits, bias)
-    if len({p.block_size for p in parts}) != 1 or len({p.input_scale is None for p in parts}) != 1:
-        raise ValueError("cannot fuse fp8 linears with different block sizes or static/dynamic activation scales")
+    if len({(p.block_size, p.input_scale is None, p.weight_only) for p in parts}) != 1:
+        raise ValueError("cannot fuse fp8 linears with different block sizes, static/dynamic activation scales "
+                         "or weight-only/activation-quantized schemes")
     if first.block_size is not None:
         if any(p.weight.shape[0] % first.block_size[0] for p in parts[:-1]):
             raise ValueError(f"cannot fuse block-fp8 linears whose N {[p.weight.shape[0] for p in parts]} "
@@ -121,7 +127,8 @@ def concat_outputs(parts: list[Weight]) -> Weight:
         scale = torch.cat([p.weight_scale.reshape(-1, 1).expand(p.weight.shape[0], 1) for p in parts])
     # One static input scale for the fused input: the largest keeps every part in range (as vLLM does).
     input_scale = None if first.input_scale is None else torch.stack([p.input_scale.reshape(()) for p in parts]).max()
-    return FP8Weight(torch.cat([p.weight for p in parts]), scale, first.block_size, input_scale, bias)
+    return FP8Weight(torch.cat([p.weight for p in parts]), scale, first.block_size, input_scale, bias,
+                     first.weight_only)
 
 
 def stack_experts(parts: list[Weight]) -> Weight:
@@ -137,9 +144,10 @@ def stack_experts(parts: list[Weight]) -> Weight:
             raise ValueError("experts of one MoE layer must share bits, group_size, symmetry and act-order")
         return Int4Weight(stack("qweight"), stack("scales"), stack("zeros"), stack("g_idx"),
                           first.group_size, first.bits, stack("bias"))
-    if len({p.block_size for p in parts}) != 1 or len({p.weight_scale.shape for p in parts}) != 1:
-        raise ValueError("experts of one MoE layer must share the fp8 scale layout")
-    return FP8Weight(stack("weight"), stack("weight_scale"), first.block_size, stack("input_scale"), stack("bias"))
+    if len({(p.block_size, p.weight_scale.shape, p.weight_only) for p in parts}) != 1:
+        raise ValueError("experts of one MoE layer must share the fp8 scale layout and activation scheme")
+    return FP8Weight(stack("weight"), stack("weight_scale"), first.block_size, stack("input_scale"), stack("bias"),
+                     first.weight_only)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -158,6 +166,8 @@ class Weights:
     Tensors are read one at a time from the mapped files (no full copy of the checkpoint).
     Every error names the file and the tensor, and says what was expected. Inside `progress()`,
     a tqdm bar counts the stored bytes of the tensors read so far (a sharded read counts its tensor).
+    Every name read (whole or a slice) is recorded, and so is every name a loader declares
+    redundant (`mark_read`), so that `unread()` lists what no module used.
     """
 
     def __init__(self, folder: str | Path):
@@ -183,7 +193,7 @@ class Weights:
         for f in files:
             self._handles[f], sizes = self._open(self.folder / f)
             self._nbytes.update(sizes)
-        self._bar, self._counted = None, set()
+        self._bar, self._counted, self._read = None, set(), set()
         self._file_of = weight_map or {name: f for f, h in self._handles.items() for name in h.keys()}
         for name, f in self._file_of.items():
             if name not in self._handles[f].keys():
@@ -218,12 +228,21 @@ class Weights:
                 self._bar = None
 
     def _advance(self, name: str) -> None:
+        self._read.add(name)
         if self._bar is not None and name not in self._counted:
             self._counted.add(name)
             self._bar.update(self._nbytes.get(name, 0))
 
     def names(self) -> list[str]:
         return list(self._file_of)
+
+    def mark_read(self, name: str) -> None:
+        """Count `name` as used without reading it (a copy the model does not need, e.g. a tied head)."""
+        self._read.add(name)
+
+    def unread(self) -> list[str]:
+        """Names stored in the checkpoint that nothing has read (or marked) so far, sorted."""
+        return sorted(set(self._file_of) - self._read)
 
     def has_tensor(self, name: str) -> bool:
         return name in self._file_of
@@ -303,6 +322,10 @@ class WeightsLoader:
     a split through a pack or a group (`check_split`). world == 1 reads every layer whole.
     """
     marker = ""  # tensor suffix that marks a quantized module, e.g. "qweight"
+    # Stored tensors a model may leave unread with only a warning: rotary tables some exporters saved,
+    # and KV-cache / activation scales of schemes this runtime does not apply (it keeps the cache and,
+    # for dynamic schemes, the activation scales in the compute dtype).
+    harmless_unread = (r"(^|\.)rotary_emb\.inv_freq$", r"\.(k_scale|v_scale|q_scale|kv_scale|input_scale)$")
 
     def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, ignore: list[str] | None = None,
                  *, rank: int = 0, world: int = 1):
@@ -355,9 +378,41 @@ class WeightsLoader:
             return self.weights.get_tensor(name, dtype, shape)
         return self.weights.get_sharded(name, dim, shard.index, shard.count, dtype, shape)
 
+    def stored_shape(self, prefix: str) -> tuple[tuple[int, int], str, tuple[int, ...]]:
+        """((N, K), tensor name, its stored shape) of linear `prefix`, from the safetensors header only.
+
+        Quantized loaders override `quantized_shape` for their packed layouts."""
+        if self.is_quantized(prefix):
+            return self.quantized_shape(prefix)
+        name = f"{prefix}.weight"
+        stored = self.weights.get_shape(name)
+        if len(stored) != 2:
+            raise ValueError(f"{self.weights.folder}: tensor {name!r} has shape {list(stored)}, expected a 2-D "
+                             "[N, K] linear weight")
+        return stored, name, stored
+
+    def quantized_shape(self, prefix: str) -> tuple[tuple[int, int], str, tuple[int, ...]]:
+        name = f"{prefix}.weight"
+        return self.weights.get_shape(name), name, self.weights.get_shape(name)
+
+    def check_shape(self, prefix: str, shape: tuple[int, int] | None) -> None:
+        """Refuse linear `prefix` when its stored (N, K) is not `shape` (the model's, from config.json),
+        before any data is read."""
+        if shape is None:
+            return
+        (N, K), name, stored = self.stored_shape(prefix)
+        if (N, K) != tuple(shape):
+            implied = "" if (N, K) == stored else f" (a linear of [N={N}, K={K}])"
+            raise ValueError(f"{self.weights.folder}: tensor {name!r} has shape {list(stored)}{implied}, but config.json "
+                             f"implies [N={shape[0]}, K={shape[1]}] for {prefix}; the config does not match the "
+                             "weights: fix config.json or load the checkpoint it belongs to")
+
     def get_linear(self, prefix: str, bias: bool = False, parallel: str | None = None,
-                   parts: int | None = None) -> Weight:
-        """The linear `prefix` (see the class docstring for parallel and `shard` for parts)."""
+                   parts: int | None = None, shape: tuple[int, int] | None = None) -> Weight:
+        """The linear `prefix` (see the class docstring for parallel and `shard` for parts).
+
+        shape: the full (N, K) the model expects, checked against the header before reading."""
+        self.check_shape(prefix, shape)
         shard = self.shard(parallel, parts)
         if self.is_quantized(prefix):
             w = self.quantized_linear(prefix, shard)
@@ -374,31 +429,100 @@ class WeightsLoader:
             w = DenseWeight(self._as_float(name, self.read(name, shard, column=0, row=1)))
         if bias:
             b = None
+            N = w.shape[0] if shard is None or shard.parallel == "row" else w.shape[0] * shard.count
             if shard is None or shard.parallel == "column" or shard.index == 0:
-                b = self._as_float(f"{prefix}.bias", self.read(f"{prefix}.bias", shard, column=0, row=None))
+                b = self._as_float(f"{prefix}.bias", self.read(f"{prefix}.bias", shard, column=0, row=None,
+                                                               shape=(N,)))
+            elif self.has_tensor(f"{prefix}.bias"):
+                self.weights.mark_read(f"{prefix}.bias")  # rank 0 adds it once after the all-reduce
             w = replace(w, bias=b)
         return w
 
     def get_fused_linear(self, prefixes: list[str], bias: bool = False, parallel: str | None = None,
-                         parts: list[int | None] | None = None) -> Weight:
+                         parts: list[int | None] | None = None,
+                         shapes: list[tuple[int, int] | None] | None = None) -> Weight:
         """Linears sharing their input, fused along N; each is sharded on its own (q, k, v: each rank
-        gets its heads of each), parts per prefix."""
+        gets its heads of each), parts and expected (N, K) shapes per prefix."""
         parts = parts or [None] * len(prefixes)
-        return concat_outputs([self.get_linear(p, bias, parallel, n) for p, n in zip(prefixes, parts)])
+        shapes = shapes or [None] * len(prefixes)
+        return concat_outputs([self.get_linear(p, bias, parallel, n, s) for p, n, s in zip(prefixes, parts, shapes)])
 
-    def get_stacked(self, prefixes: list[str]) -> Weight:
-        return stack_experts([self.get_linear(p) for p in prefixes])
+    def get_stacked(self, prefixes: list[str], shape: tuple[int, int] | None = None) -> Weight:
+        return stack_experts([self.get_linear(p, shape=shape) for p in prefixes])
 
-    def get_tensor(self, name: str, dim: int | None = None) -> torch.Tensor:
+    def get_tensor(self, name: str, dim: int | None = None, shape: tuple | None = None) -> torch.Tensor:
         """A float tensor in the compute dtype on the device; with dim, this rank's 1/world slice along it
-        (vocab-parallel embedding rows)."""
+        (vocab-parallel embedding rows). shape: the full stored shape expected (checked before reading)."""
+        if shape is not None and self.has_tensor(name):
+            self._check_tensor_shape(name, shape)
         shard = None if dim is None else self.shard("column")
         return self._as_float(name, self.read(name, shard, column=dim, row=None))
 
+    def _check_tensor_shape(self, name: str, shape: tuple) -> None:
+        stored = self.weights.get_shape(name)
+        if stored != tuple(shape):
+            raise ValueError(f"{self.weights.folder}: tensor {name!r} has shape {list(stored)}, but config.json "
+                             f"implies {list(shape)}; the config does not match the weights: fix config.json or "
+                             "load the checkpoint it belongs to")
+
+    def get_embedding(self, prefix: str, shape: tuple[int, int] | None = None, dim: int | None = None) -> torch.Tensor:
+        """The embedding table [V, D] of module `prefix` in the compute dtype (with dim=0, this rank's
+        V/world rows). A quantized table (GPTQ/AWQ/fp8/compressed-tensors can carry one) is read as the
+        same typed weight a linear would be and dequantized exactly once here: a lookup needs the rows."""
+        if not self.is_quantized(prefix):
+            return self.get_tensor(f"{prefix}.weight", dim=dim, shape=shape)
+        self.check_shape(prefix, shape)
+        if dim is not None and self.world > 1:
+            raise ValueError(f"{prefix} is stored quantized; a quantized embedding cannot be split by vocabulary "
+                             f"rows over tensor_parallel={self.world} yet: load with tensor_parallel=1")
+        return self.quantized_linear(prefix).dequantize().to(device=self.device, dtype=self.dtype)
+
+    def get_lm_head(self, tied: bool, shape: tuple[int, int] | None = None, parallel: str | None = None,
+                    prefix: str = "lm_head") -> Weight | None:
+        """The output head, or None when the model must reuse its embedding table (tied).
+
+        A quantized head on disk is always used (GPTQModel `lm_head: true` / `dynamic`, or any format
+        that stores it quantized), tied or not; a dense `lm_head.weight` is used when untied and, when
+        tied, counted as a redundant copy (transformers ties it too). Untied with no head on disk is an
+        error: reusing the embedding would be a different model."""
+        if self.is_quantized(prefix) or (not tied and self.has_tensor(f"{prefix}.weight")):
+            return self.get_linear(prefix, parallel=parallel, shape=shape)
+        if tied:
+            if self.has_tensor(f"{prefix}.weight"):
+                self.weights.mark_read(f"{prefix}.weight")
+            return None
+        stored = sorted(n for n in self.weights.names() if n.startswith(prefix + "."))
+        raise ValueError(f"{self.weights.folder}: config.json has tie_word_embeddings=false but the checkpoint has no "
+                         f"{prefix}.weight" + (f" (found {stored}, which is no format this loader reads)" if stored
+                                               else "") + "; add the output head to the checkpoint, or set "
+                         "tie_word_embeddings=true if the model really reuses its embedding")
+
+    def finish(self) -> None:
+        """Called once the model is built: format-specific warnings, then `check_all_read`."""
+        self.check_all_read()
+
+    def check_all_read(self) -> None:
+        """After the model is built: every stored tensor must have been used. Unread tensors mean a
+        module the model does not run (a silent wrong answer), so they are an error naming them;
+        `harmless_unread` patterns only warn."""
+        unread = self.weights.unread()
+        harmless = [n for n in unread if any(re.search(p, n) for p in self.harmless_unread)]
+        unused = [n for n in unread if n not in harmless]
+        if harmless:
+            warnings.warn(f"{self.weights.folder}: ignoring {len(harmless)} stored tensor(s) this runtime does not "
+                          f"use: {_listing(harmless)}", stacklevel=3)
+        if unused:
+            raise ValueError(f"{self.weights.folder}: {len(unused)} stored tensor(s) were not used by any module of "
+                             f"the model: {_listing(unused)}; the checkpoint holds modules this model/config does not "
+                             "have (or quantizes a module in a way this loader does not read), so it would run a "
+                             "different model. Check config.json (layer counts, tie_word_embeddings) and the "
+                             "quantization_config")
+
     def _as_float(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.is_floating_point():
-            raise ValueError(f"tensor {name!r} in {self.weights.folder} has dtype {tensor.dtype}, expected a float "
-                             "tensor (a quantized module listed as dense?)")
+        if not tensor.is_floating_point() or tensor.element_size() == 1:
+            raise ValueError(f"tensor {name!r} in {self.weights.folder} has dtype {tensor.dtype}, expected a "
+                             "float16/bfloat16/float32 tensor (a quantized module read as dense? check the "
+                             "quantization_config's ignore / modules_to_not_convert lists)")
         return tensor.to(device=self.device, dtype=self.dtype)
 
     def has_tensor(self, name: str) -> bool:
@@ -406,3 +530,8 @@ class WeightsLoader:
 
     def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
         raise NotImplementedError
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

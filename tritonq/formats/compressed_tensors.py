@@ -1,14 +1,22 @@
 """compressed-tensors checkpoints (llm-compressor; quant_method "compressed-tensors") -> typed weights.
 
-quantization_config: config_groups {name: {targets: ["Linear" | "re:<regex>" | module name],
+quantization_config: config_groups {name: {targets: ["Linear" | "Embedding" | "re:<regex>" | module name],
 weights: {num_bits, type: int|float, symmetric, strategy: tensor|channel|group|block, group_size,
-block_structure}, input_activations: {dynamic, ...} | null, format?}}, format, ignore.
+block_structure}, input_activations: {num_bits, type, strategy, dynamic, group_size} | null, format?}},
+format, ignore.
   pack-quantized (int 4/8): P.weight_packed int32 [N, K*b/32] packed along K, sequential fields
       holding q + 2^(b-1) (signed codes stored unsigned); P.weight_scale [N, G]; asymmetric adds
       P.weight_zero_point int32 [N*b/32, G] packed along N the same way; P.weight_shape [2];
       optional P.weight_g_idx [K] (actorder).
+  naive-quantized: P.weight in the narrowest torch dtype for the scheme, unpacked: float8_e4m3fn
+      [N, K] for float 8 (then exactly float-quantized), int8 [N, K] signed codes for int 4/8 (with
+      P.weight_zero_point int8 [N, G] when asymmetric); P.weight_scale as for the other formats.
   float-quantized (fp8): P.weight float8_e4m3fn [N, K]; P.weight_scale fp32 [1] / [] (tensor),
       [N, 1] (channel) or [ceil(N/bn), ceil(K/bk)] (block); static activations add P.input_scale.
+Activations: `input_activations: null` is weight-only (activations are never rounded, FP8Weight
+.weight_only); fp8 dynamic per token (tensor/channel weights) or per 1 x bk group (block weights),
+or static per tensor (P.input_scale), are what the fp8 kernel runs; anything else (int8 activations,
+per-tensor dynamic, a group that is not the weight block) is refused naming the config field.
 ignore: exact module names or "re:<regex>".
 """
 from __future__ import annotations
@@ -22,23 +30,56 @@ import torch
 from tritonq.formats.base import FP8Weight, Int4Weight, Shard, Weight, Weights, WeightsLoader
 from tritonq.formats.packing import pack_int32, unpack_int32
 
-SUPPORTED_FORMATS = ("pack-quantized", "float-quantized")
+SUPPORTED_FORMATS = ("pack-quantized", "naive-quantized", "float-quantized")
+SUPPORTED_KINDS = {  # (format, weights.type, num_bits) -> weight strategies
+    ("pack-quantized", "int", 4): ("channel", "group"), ("pack-quantized", "int", 8): ("channel", "group"),
+    ("naive-quantized", "int", 4): ("channel", "group"), ("naive-quantized", "int", 8): ("channel", "group"),
+    ("naive-quantized", "float", 8): ("tensor", "channel", "block"),
+    ("float-quantized", "float", 8): ("tensor", "channel", "block"),
+}
 
 
 @dataclass(frozen=True)
 class Scheme:
     targets: tuple[str, ...]
     format: str
+    type: str
     bits: int
     strategy: str
     symmetric: bool
     group_size: int | None
     block_size: tuple[int, int] | None
     static_input: bool
+    weight_only: bool
 
 
 def _matches(pattern: str, prefix: str) -> bool:
     return re.match(pattern[3:], prefix) is not None if pattern.startswith("re:") else pattern == prefix
+
+
+def _matches_class(target: str, prefix: str) -> bool:
+    """Module-class targets, by the HF names the models use (embeddings end in embed_tokens)."""
+    embedding = prefix.endswith("embed_tokens")
+    return (target == "Linear" and not embedding) or (target == "Embedding" and embedding)
+
+
+def _check_activations(where: str, a: dict, weight_type: str, block: tuple[int, int] | None) -> bool:
+    """Refuse input_activations the fp8 kernel does not run exactly; True for a static per-tensor scale."""
+    found = {k: a.get(k) for k in ("type", "num_bits", "strategy", "dynamic", "group_size")}
+    if weight_type != "float" or (a.get("type"), a.get("num_bits")) != ("float", 8):
+        raise ValueError(f"{where}: input_activations {found} are not supported: only fp8 activations with fp8 "
+                         "weights (or input_activations null: weight-only) run here")
+    dynamic, strategy = a.get("dynamic"), a.get("strategy")
+    if dynamic is False and strategy == "tensor":
+        return True
+    if dynamic is True and block is None and strategy == "token":
+        return False
+    if dynamic is True and block is not None and strategy == "group" and a.get("group_size") == block[1]:
+        return False
+    raise ValueError(f"{where}: input_activations {found} are not supported with weights.strategy "
+                     f"{'block ' + str(list(block)) if block else 'tensor/channel'}: supported are static per tensor, "
+                     "dynamic per token (tensor/channel weights) and dynamic per group of the weight block's "
+                     "columns (block weights)")
 
 
 class CompressedTensorsLoader(WeightsLoader):
@@ -59,31 +100,76 @@ class CompressedTensorsLoader(WeightsLoader):
         if fmt not in SUPPORTED_FORMATS:
             raise ValueError(f"{where}: format {fmt!r} is not supported (supported: {SUPPORTED_FORMATS})")
         kind = (fmt, w.get("type"), w.get("num_bits"))
-        if kind not in (("pack-quantized", "int", 4), ("pack-quantized", "int", 8), ("float-quantized", "float", 8)):
+        if kind not in SUPPORTED_KINDS:
             raise ValueError(f"{where}: (format, weights.type, weights.num_bits)={kind} is not supported (supported: "
-                             "pack-quantized int 4/8, float-quantized float 8)")
-        strategy = w.get("strategy")
-        allowed = ("channel", "group") if fmt == "pack-quantized" else ("tensor", "channel", "block")
+                             "pack-quantized / naive-quantized int 4/8, float-quantized / naive-quantized float 8)")
+        strategy, allowed = w.get("strategy"), SUPPORTED_KINDS[kind]
         if strategy not in allowed:
-            raise ValueError(f"{where}: weights.strategy={strategy!r} is not supported for {fmt} (supported: {allowed})")
+            raise ValueError(f"{where}: weights.strategy={strategy!r} is not supported for {fmt} {w.get('type')} "
+                             f"(supported: {allowed})")
+        if strategy == "group" and not w.get("group_size"):
+            raise ValueError(f"{where}: weights.strategy 'group' needs weights.group_size, found {w.get('group_size')!r}")
+        block = tuple(w.get("block_structure") or ()) if strategy == "block" else None
+        if block is not None and (len(block) != 2 or min(block) <= 0):
+            raise ValueError(f"{where}: weights.block_structure={w.get('block_structure')!r}, expected [rows, cols]")
+        if w.get("type") == "float" and not w.get("symmetric", True):
+            raise ValueError(f"{where}: weights.symmetric=false is not supported for fp8 weights (no zero point)")
         inputs = group.get("input_activations")
-        return Scheme(tuple(group.get("targets", ())), fmt, w["num_bits"], strategy, bool(w.get("symmetric", True)),
-                      w.get("group_size"), tuple(w["block_structure"]) if strategy == "block" else None,
-                      inputs is not None and not inputs.get("dynamic", False))
+        static = False
+        if inputs is not None:
+            static = _check_activations(where, inputs, w.get("type"), block)
+        return Scheme(tuple(group.get("targets", ())), fmt, w["type"], w["num_bits"], strategy,
+                      bool(w.get("symmetric", True)), w.get("group_size"), block, static, inputs is None)
 
     def is_ignored(self, prefix: str) -> bool:
         return any(_matches(entry, prefix) for entry in self.ignore)
 
     def scheme(self, prefix: str) -> Scheme | None:
-        # "Linear" targets every linear layer; the model only asks get_linear for linear layers.
-        return next((s for s in self.schemes if any(t == "Linear" or _matches(t, prefix) for t in s.targets)), None)
+        """The scheme of module `prefix`: a name / regex target wins over a class target, as in compressed-tensors."""
+        by_name = [s for s in self.schemes if any(_matches(t, prefix) for t in s.targets)]
+        by_class = [s for s in self.schemes if any(_matches_class(t, prefix) for t in s.targets)]
+        return (by_name + by_class or [None])[0]
+
+    def quantized_shape(self, prefix: str):
+        s = self.scheme(prefix)
+        if s.format == "pack-quantized":
+            name = f"{prefix}.weight_packed"
+            stored = self.weights.get_shape(name)
+            return (stored[0], stored[1] * 32 // s.bits), name, stored
+        return super().quantized_shape(prefix)
 
     def is_quantized(self, prefix: str) -> bool:
         return super().is_quantized(prefix) and self.scheme(prefix) is not None
 
     def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
         s = self.scheme(prefix)
-        return self._int(prefix, s) if s.format == "pack-quantized" else self._fp8(prefix, s)
+        if s.type == "float":
+            return self._fp8(prefix, s)
+        return self._int(prefix, s) if s.format == "pack-quantized" else self._naive_int(prefix, s)
+
+    def _naive_int(self, prefix: str, s: Scheme) -> Int4Weight:
+        """naive-quantized int: int8 [N, K] signed codes (and int8 [N, G] zero points) -> Int4Weight."""
+        weight = self.weights.get_tensor(f"{prefix}.weight", dtype=torch.int8)
+        N, K = weight.shape
+        offset = 2 ** (s.bits - 1)  # signed codes -> the unsigned codes Int4Weight holds
+        group_size = K if s.strategy == "channel" else s.group_size
+        if K % group_size or K % (32 // s.bits):
+            raise ValueError(f"{prefix}.weight: K={K} is not a multiple of group_size={group_size} and of {32 // s.bits}")
+        G = K // group_size
+        scales = self.weights.get_tensor(f"{prefix}.weight_scale", shape=(N, G)).T
+        zeros = None
+        if not s.symmetric:
+            zp = self.weights.get_tensor(f"{prefix}.weight_zero_point", dtype=torch.int8, shape=(N, G))
+            zeros = (zp.T.to(torch.int32) + offset).to(device=self.device, dtype=self.dtype).contiguous()
+        codes = weight.to(self.device).to(torch.int32) + offset
+        return Int4Weight(pack_int32(codes.T, s.bits, dim=0), scales.to(device=self.device, dtype=self.dtype).contiguous(),
+                          zeros, self._g_idx(prefix, K, group_size), group_size, s.bits)
+
+    def _g_idx(self, prefix: str, K: int, group_size: int) -> torch.Tensor | None:
+        if not self.weights.has_tensor(f"{prefix}.weight_g_idx"):
+            return None
+        g_idx = self.weights.get_tensor(f"{prefix}.weight_g_idx", shape=(K,)).to(device=self.device, dtype=torch.int32)
+        return None if torch.equal(g_idx.cpu().long(), torch.arange(K) // group_size) else g_idx
 
     def _int(self, prefix: str, s: Scheme) -> Int4Weight:
         get, per = self.weights.get_tensor, 32 // s.bits
@@ -100,13 +186,8 @@ class CompressedTensorsLoader(WeightsLoader):
         if not s.symmetric:
             zero_point = get(f"{prefix}.weight_zero_point", dtype=torch.int32, shape=(N // per, G))
             zeros = unpack_int32(zero_point.to(self.device), s.bits, dim=0).T.to(self.dtype)
-        g_idx = None
-        if self.weights.has_tensor(f"{prefix}.weight_g_idx"):
-            g_idx = get(f"{prefix}.weight_g_idx", shape=(K,)).to(device=self.device, dtype=torch.int32)
-            if torch.equal(g_idx.cpu().long(), torch.arange(K) // group_size):
-                g_idx = None
         return Int4Weight(pack_int32(codes.T, s.bits, dim=0), scales.contiguous(),
-                          None if zeros is None else zeros.contiguous(), g_idx, group_size, s.bits)
+                          None if zeros is None else zeros.contiguous(), self._g_idx(prefix, K, group_size), group_size, s.bits)
 
     def _fp8(self, prefix: str, s: Scheme) -> FP8Weight:
         weight = self.weights.get_tensor(f"{prefix}.weight", dtype=torch.float8_e4m3fn)
@@ -122,4 +203,5 @@ class CompressedTensorsLoader(WeightsLoader):
         input_scale = None
         if s.static_input:
             input_scale = self.weights.get_tensor(f"{prefix}.input_scale").float().reshape(()).to(self.device)
-        return FP8Weight(weight.to(self.device), scale.float().to(self.device), s.block_size, input_scale)
+        return FP8Weight(weight.to(self.device), scale.float().to(self.device), s.block_size, input_scale,
+                         weight_only=s.weight_only)

@@ -6,16 +6,30 @@ asymmetric (older tools wrote asymmetric weights without the key). Per linear P:
 P.qweight int32 [K*b/32, N] packed along K (already the internal layout), P.qzeros int32
 [G, N*b/32] packed along N, P.scales fp16 [G, N], P.g_idx int32 [K] (kept only for act-order).
 GPTQModel `dynamic` overrides: a key "-:<regex>" leaves matching modules dense; "+:<regex>"
-(or a bare regex) overrides bits / group_size / sym for matching modules.
+(or a bare regex) overrides bits / group_size / sym for matching modules (GPTQModel's quantized
+`lm_head` is one: `lm_head.qweight/qzeros/scales` with its own bits and group size).
+
+v1 zero points. A v1 field stores zero - 1, so a true zero of 0 has to wrap, and packers wrapped it
+two ways. GPTQModel (meta.quantizer "gptqmodel:<version>") subtracts 0x11111111 (8-bit: 0x01010101)
+from the whole packed int32 word and its reader adds the word back: a zero of 0 borrows one from the
+field above it, and the word addition is the exact inverse. Older packers wrapped each field on its
+own (no borrow) and their readers computed (field + 1) & (2^b - 1): an all-ones field is a zero of 0
+(a zero of 2^b, what a plain +1 gives, can never be meant). The two readings differ only in words
+where a field below the top one is all ones. Rule: GPTQModel checkpoints use the word rule; others
+(AutoGPTQ, unknown, our writer, which never stores a zero of 0) use the field rule, and the layers
+where the readings differ are named in one warning, so a mislabelled GPTQModel file is not silent.
+Symmetric checkpoints still carry qzeros: they are read, and the symmetric kernel branch is used
+only when every zero is 2^(b-1) (a checkpoint that claims sym but is not still loads exactly).
 """
 from __future__ import annotations
 
 import re
+import warnings
 
 import torch
 
-from tritonq.formats.base import Int4Weight, Shard, Weights, WeightsLoader
-from tritonq.formats.packing import gptq_to_int4
+from tritonq.formats.base import Int4Weight, Shard, Weights, WeightsLoader, _listing
+from tritonq.formats.packing import gptq_to_int4, pack_int32, unpack_int32
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)
@@ -32,6 +46,10 @@ class GPTQLoader(WeightsLoader):
             raise ValueError(f"GPTQ checkpoint_format={self.format!r} is not supported (supported: {SUPPORTED_FORMATS})")
         self.defaults = {"bits": q.get("bits"), "group_size": q.get("group_size"), "sym": bool(q.get("sym", False))}
         self.dynamic = q.get("dynamic") or {}
+        quantizers = (q.get("meta") or {}).get("quantizer") or []
+        quantizers = [quantizers] if isinstance(quantizers, str) else quantizers
+        self.v1_borrow = any(str(name).lower().startswith("gptqmodel") for name in quantizers)
+        self.v1_ambiguous: list[str] = []  # layers whose v1 zeros read differently under the two rules
         self._params(self.defaults, "quantization_config")
         for key, override in self.dynamic.items():
             if not key.startswith("-:"):
@@ -58,6 +76,33 @@ class GPTQLoader(WeightsLoader):
 
     def is_quantized(self, prefix: str) -> bool:
         return super().is_quantized(prefix) and self._module_params(prefix) is not None
+
+    def quantized_shape(self, prefix: str):
+        name = f"{prefix}.qweight"
+        stored = self.weights.get_shape(name)
+        per = 32 // self._module_params(prefix)["bits"]
+        return (stored[1], stored[0] * per), name, stored
+
+    def finish(self) -> None:
+        if self.v1_ambiguous:
+            warnings.warn(
+                f"{self.weights.folder}: GPTQ v1 zero points with an all-ones field below the top of their int32 "
+                f"word in {_listing(self.v1_ambiguous)}: read as a zero of 0 without a borrow from the next field "
+                "(AutoGPTQ's rule). If GPTQModel wrote this checkpoint (it borrows), add \"meta\": {\"quantizer\": "
+                "[\"gptqmodel:<version>\"]} to its quantization_config", stacklevel=3)
+        super().finish()
+
+    def v1_zeros(self, prefix: str, qzeros: torch.Tensor, bits: int) -> torch.Tensor:
+        """v1 qzeros (zero - 1 per field) -> v2 qzeros (the zeros themselves), by the rule in the module docstring."""
+        mask, per = (1 << bits) - 1, 32 // bits
+        if self.v1_borrow:
+            ones = sum(1 << (bits * i) for i in range(per))  # 0x11111111 / 0x01010101
+            word = ((qzeros.to(torch.int64) & 0xFFFFFFFF) + ones) & 0xFFFFFFFF
+            return (word - (word >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
+        fields = unpack_int32(qzeros, bits, dim=1)
+        if bool((fields.unflatten(1, (-1, per))[..., :-1] == mask).any()):
+            self.v1_ambiguous.append(prefix)
+        return pack_int32((fields + 1) & mask, bits, dim=1)
 
     def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Int4Weight:
         """Column shards cut N in whole qzeros packs; row shards cut K in whole qweight packs and
@@ -92,11 +137,17 @@ class GPTQLoader(WeightsLoader):
                 self.check_split(prefix, shard, K, group_size, f"a quantization group of {group_size} input rows")
                 group_row, g_idx = 0, None
         scales = self.read(f"{prefix}.scales", shard, column=1, row=group_row, dtype=torch.float16, shape=(G, N))
-        qzeros = None if p["sym"] else self.read(f"{prefix}.qzeros", shard, column=1, row=group_row,
-                                                 dtype=torch.int32, shape=(G, N // per))
+        qzeros, sym = None, p["sym"]
+        if self.weights.has_tensor(f"{prefix}.qzeros") or not sym:
+            qzeros = self.read(f"{prefix}.qzeros", shard, column=1, row=group_row, dtype=torch.int32,
+                               shape=(G, N // per))
+            if self.format == "gptq":
+                qzeros = self.v1_zeros(prefix, qzeros, bits)
+            # The zeros as stored are what the packer's dequantization uses, whatever `sym` claims.
+            sym = bool((unpack_int32(qzeros, bits, dim=1) == 2 ** (bits - 1)).all())
         qweight = self.read(f"{prefix}.qweight", shard, column=1, row=0, dtype=torch.int32)
         to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
-        w = gptq_to_int4(to(qweight), to(qzeros), to(scales), to(g_idx), bits, group_size, p["sym"],
-                         zero_offset=1 if self.format == "gptq" else 0)
+        w = gptq_to_int4(to(qweight), None if sym else to(qzeros), to(scales), to(g_idx), bits, group_size, sym,
+                         zero_offset=0)
         return Int4Weight(w.qweight, w.scales.to(self.dtype), None if w.zeros is None else w.zeros.to(self.dtype),
                           w.g_idx, w.group_size, bits)

@@ -68,7 +68,8 @@ def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: tor
                  bias: torch.Tensor | None = None) -> Int4Weight:
     """GPTQ layout (qweight [K*b/32, N] sequential along K, qzeros [G, N*b/32]) -> Int4Weight.
 
-    zero_offset: 1 for checkpoint_format "gptq" (v1 stores zero - 1), 0 for "gptq_v2".
+    zero_offset: added to every unpacked zero field as is (no wrap, no borrow); GPTQLoader decodes v1
+    words itself (see formats/gptq.py) and passes 0.
     sym: zeros are 2^(bits-1) everywhere and are not kept (the kernel's symmetric branch).
     A g_idx equal to k // group_size over scales of K / group_size rows carries no information and is
     dropped (a row shard of an act-order layer keeps all scales rows, and its g_idx, whatever it holds).

@@ -228,8 +228,9 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
              config: FP8GemmConfig | None = None) -> torch.Tensor:
     """x [..., K] fp16/bf16/fp32 @ w [N, K] fp8 -> [..., N] in x.dtype (+ w.bias).
 
-    weight_only None picks by device: fp8 tensor cores on sm_89+, the weight-only path below
-    (logged once) and on the CPU backend (no fp8 GEMM there either); True/False force a path
+    weight_only None picks by weight and device: the weight-only path for a weight-only checkpoint
+    (w.weight_only), below sm_89 (logged once) and on the CPU backend (no fp8 GEMM there either), else fp8
+    tensor cores; True/False force a path
     (tests, benchmarks). config None: the tuned config
     for this shape if stored, else the defaults in `default_config`.
     """
@@ -242,6 +243,8 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
         raise ValueError(f"fp8_gemm: x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
     if x.device != w.weight.device:
         raise ValueError(f"fp8_gemm: x is on {x.device} but the weight is on {w.weight.device}; move one of them")
+    if weight_only is None and w.weight_only:  # a weight-only checkpoint never rounds activations, whatever the device
+        weight_only = True
     lead = x.shape[:-1]
     x = x.reshape(-1, K)
     if use_cpu_kernels(x):  # weight dequantized once (cpu_lowbit); no fp8 GEMM: weight-only unless told

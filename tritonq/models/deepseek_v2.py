@@ -83,10 +83,11 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     """SwiGLU MLP: down(silu(gate x) * up x), gate/up fused into one GEMM."""
 
-    def __init__(self, loader, prefix: str):
+    def __init__(self, loader, prefix: str, hidden: int | None = None, inter: int | None = None):
         super().__init__()
-        self.gate_up = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"]))
-        self.down = Linear(loader.get_linear(f"{prefix}.down_proj"))
+        up, down = ((inter, hidden), (hidden, inter)) if hidden else (None, None)  # expected (N, K), from the config
+        self.gate_up = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], shapes=[up, up]))
+        self.down = Linear(loader.get_linear(f"{prefix}.down_proj", shape=down))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -113,11 +114,14 @@ class DeepseekV2MoE(nn.Module):
                              "expected 'greedy' or 'group_limited_greedy'")
         self.renormalize = bool(config.norm_topk_prob) and self.top_k > 1
         self.routed_scaling_factor = 1.0 if self.renormalize else config.routed_scaling_factor
-        self.router = loader.get_tensor(f"{prefix}.gate.weight").float()  # fp32 routing, as transformers
+        D, inter = config.hidden_size, config.moe_intermediate_size
+        self.router = loader.get_tensor(f"{prefix}.gate.weight", shape=(config.n_routed_experts, D)).float()  # fp32
         experts = [f"{prefix}.experts.{e}" for e in range(config.n_routed_experts)]
-        self.gate_up = stack_experts([loader.get_fused_linear([f"{p}.gate_proj", f"{p}.up_proj"]) for p in experts])
-        self.down = loader.get_stacked([f"{p}.down_proj" for p in experts])
-        self.shared_experts = MLP(loader, f"{prefix}.shared_experts") if config.n_shared_experts else None
+        self.gate_up = stack_experts([loader.get_fused_linear([f"{p}.gate_proj", f"{p}.up_proj"],
+                                                              shapes=[(inter, D), (inter, D)]) for p in experts])
+        self.down = loader.get_stacked([f"{p}.down_proj" for p in experts], shape=(D, inter))
+        self.shared_experts = MLP(loader, f"{prefix}.shared_experts", D, inter * config.n_shared_experts) \
+            if config.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
@@ -138,19 +142,22 @@ class MLAttention(nn.Module):
         self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         self.attention_mode, self.scale = attention_mode, scale
         bias = bool(config.attention_bias)
+        D, H, R, Q = config.hidden_size, self.num_heads, self.kv_lora_rank, config.q_lora_rank
+        q_out = H * (self.nope_dim + self.rope_dim)
         # q_a_proj / kv_a_proj_with_mqa are replicated (never sharded) under tensor parallelism.
-        if config.q_lora_rank is None:
-            self.q_proj = Linear(loader.get_linear(f"{prefix}.q_proj"))
+        if Q is None:
+            self.q_proj = Linear(loader.get_linear(f"{prefix}.q_proj", shape=(q_out, D)))
         else:
-            self.q_a_proj = Linear(loader.get_linear(f"{prefix}.q_a_proj", bias=bias))
-            self.q_a_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.q_a_layernorm.weight"), LORA_NORM_EPS)
-            self.q_b_proj = Linear(loader.get_linear(f"{prefix}.q_b_proj"))
+            self.q_a_proj = Linear(loader.get_linear(f"{prefix}.q_a_proj", bias=bias, shape=(Q, D)))
+            self.q_a_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.q_a_layernorm.weight", shape=(Q,)), LORA_NORM_EPS)
+            self.q_b_proj = Linear(loader.get_linear(f"{prefix}.q_b_proj", shape=(q_out, Q)))
         self.q_lora_rank = config.q_lora_rank
-        self.kv_a_proj_with_mqa = Linear(loader.get_linear(f"{prefix}.kv_a_proj_with_mqa", bias=bias))
-        self.kv_a_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.kv_a_layernorm.weight"), LORA_NORM_EPS)
-        kv_b = loader.get_linear(f"{prefix}.kv_b_proj")
+        self.kv_a_proj_with_mqa = Linear(loader.get_linear(f"{prefix}.kv_a_proj_with_mqa", bias=bias,
+                                                           shape=(R + self.rope_dim, D)))
+        self.kv_a_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.kv_a_layernorm.weight", shape=(R,)), LORA_NORM_EPS)
+        kv_b = loader.get_linear(f"{prefix}.kv_b_proj", shape=(H * (self.nope_dim + self.v_dim), R))
         self.kv_b_proj = Linear(kv_b)
-        self.o_proj = Linear(loader.get_linear(f"{prefix}.o_proj", bias=bias))
+        self.o_proj = Linear(loader.get_linear(f"{prefix}.o_proj", bias=bias, shape=(D, H * self.v_dim)))
         if attention_mode == "latent":
             # Absorbed decode needs kv_b per head as plain matrices: W_uk [H, Dn, R], W_uv [H, Dv, R].
             w = kv_b.dequantize().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
@@ -226,11 +233,13 @@ class DeepseekV2DecoderLayer(nn.Module):
         super().__init__()
         prefix = f"model.layers.{layer}"
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.input_layernorm.weight"), eps)
+        D = config.hidden_size
+        self.input_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.input_layernorm.weight", shape=(D,)), eps)
         self.self_attn = MLAttention(config, loader, f"{prefix}.self_attn", attention_mode, scale)
-        self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
+        self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight",
+                                                                  shape=(D,)), eps)
         self.mlp = DeepseekV2MoE(config, loader, f"{prefix}.mlp") if _is_moe_layer(config, layer) \
-            else MLP(loader, f"{prefix}.mlp")
+            else MLP(loader, f"{prefix}.mlp", D, config.intermediate_size)
 
     def forward(self, x, cos, sin, ctx, k_pages, v_pages):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
@@ -250,16 +259,18 @@ class DeepseekV2ForCausalLM(nn.Module):
         if attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode={attention_mode!r}; expected one of {ATTENTION_MODES}")
         self.config, self.dtype, self.device, self.attention_mode = config, dtype, torch.device(device), attention_mode
-        self.embed_tokens = Embedding(loader.get_tensor("model.embed_tokens.weight"))
+        table = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(loader.get_embedding("model.embed_tokens", table))
         scale = softmax_scale(config)
         self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, loader, i, attention_mode, scale)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(loader.get_tensor("model.norm.weight"), config.rms_norm_eps)
-        if getattr(config, "tie_word_embeddings", False) or not loader.has_tensor("lm_head.weight"):
+        self.norm = RMSNorm(loader.get_tensor("model.norm.weight", shape=table[1:]), config.rms_norm_eps)
+        head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", False)), table)
+        if head is None:  # tied (a quantized head on disk is always used; untied without one is an error)
             self.lm_head = Linear(DenseWeight(self.embed_tokens.weight))
             self.embed_tokens.weight = self.lm_head.weight.weight  # one table, in Linear's layout
         else:
-            self.lm_head = Linear(loader.get_linear("lm_head"))
+            self.lm_head = Linear(head)
         rope = _rope_parameters(config)
         self.rope = RopeTables(config.qk_rope_head_dim, rope["rope_theta"], rope, config.max_position_embeddings,
                                self.device, dtype)  # yarn's tables include its attention factor

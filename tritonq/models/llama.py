@@ -39,10 +39,13 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = heads // world, max(kv_heads // world, 1)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         bias = bool(getattr(config, "attention_bias", False))
+        D, q_dim, kv_dim = config.hidden_size, heads * self.head_dim, kv_heads * self.head_dim
         # Column-parallel q, k, v (each sharded by heads, then fused); row-parallel o over this rank's heads.
         self.qkv_proj = Linear(loader.get_fused_linear([f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
-                                                       bias=bias, parallel="column", parts=[None, kv_heads, kv_heads]))
-        self.o_proj = RowParallelLinear(loader.get_linear(f"{prefix}.o_proj", bias=bias, parallel="row"), world)
+                                                       bias=bias, parallel="column", parts=[None, kv_heads, kv_heads],
+                                                       shapes=[(q_dim, D), (kv_dim, D), (kv_dim, D)]))
+        self.o_proj = RowParallelLinear(loader.get_linear(f"{prefix}.o_proj", bias=bias, parallel="row",
+                                                          shape=(D, q_dim)), world)
         self.scale = self.head_dim ** -0.5
         self.window = getattr(config, "sliding_window", None) or 0  # Mistral; 0 = full attention
 
@@ -66,10 +69,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config, loader, prefix: str):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
+        D, inter = config.hidden_size, config.intermediate_size
         self.gate_up_proj = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias,
-                                                           parallel="column"))
-        self.down_proj = RowParallelLinear(loader.get_linear(f"{prefix}.down_proj", bias=bias, parallel="row"),
-                                           loader.world)
+                                                           parallel="column", shapes=[(inter, D), (inter, D)]))
+        self.down_proj = RowParallelLinear(loader.get_linear(f"{prefix}.down_proj", bias=bias, parallel="row",
+                                                             shape=(D, inter)), loader.world)
         if config.hidden_act != "silu":
             raise ValueError(f"Llama MLP supports hidden_act='silu'; the config says {config.hidden_act!r}.")
 
@@ -82,9 +86,11 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, loader, prefix: str):
         super().__init__()
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.input_layernorm.weight"), eps)
+        D = (config.hidden_size,)
+        self.input_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.input_layernorm.weight", shape=D), eps)
         self.self_attn = LlamaAttention(config, loader, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
+        self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight", shape=D),
+                                                eps)
         self.mlp = LlamaMLP(config, loader, f"{prefix}.mlp")
 
     def forward(self, x, cos, sin, ctx, k_pages, v_pages):
@@ -108,16 +114,15 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tensor_parallel={world}: the "
                              "embedding and lm_head are split by vocabulary rows; use a tensor_parallel that divides it")
         # Vocab-parallel: this rank's V/world rows of the embedding and of lm_head (tied: the same rows).
-        self.embed_tokens = Embedding(loader.get_tensor("model.embed_tokens.weight", dim=0), loader.rank, world)
+        table = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(loader.get_embedding("model.embed_tokens", table, dim=0), loader.rank, world)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, loader, f"model.layers.{i}")
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(loader.get_tensor("model.norm.weight"), config.rms_norm_eps)
-        tied = getattr(config, "tie_word_embeddings", False) or not loader.has_tensor("lm_head.weight")
-        if tied:
-            head = DenseWeight(self.embed_tokens.weight)  # tied: embedding [V, D] as D -> V
-        else:
-            head = loader.get_linear("lm_head", parallel="column")
-        self.lm_head = ParallelLMHead(head, world)
+        self.norm = RMSNorm(loader.get_tensor("model.norm.weight", shape=table[1:]), config.rms_norm_eps)
+        # None: tied to the embedding; a quantized head on disk is always used; untied without one is an error.
+        head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", False)), table, parallel="column")
+        tied = head is None
+        self.lm_head = ParallelLMHead(DenseWeight(self.embed_tokens.weight) if tied else head, world)
         if tied:  # one table: Linear may have re-laid it out for the CPU GEMV; the lookup reads either layout
             self.embed_tokens.weight = self.lm_head.weight.weight
         attn = self.layers[0].self_attn
