@@ -73,3 +73,28 @@ def test_generate_bench_formats_side_by_side_on_cpu(tmp_path, monkeypatch):
     for r in (rows["awq"], rows["fp8"]):
         assert r["decode_tok_s"] > 0 and r["before_decode_tok_s"] > 0 and r["before_prefill_tok_s"] > 0
         assert r["decode_speedup"] == pytest.approx(r["decode_tok_s"] / r["before_decode_tok_s"])
+
+
+def test_quality_bench_dense_perplexity_equals_transformers(tmp_path, monkeypatch):
+    """The quality bench's dense row (tritonq forward) equals transformers' perplexity with the same windows."""
+    import json
+
+    import torch
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tritonq.bench import quality
+    from tritonq.demo import DEFAULT_MODEL, HELDOUT_TEXT
+
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    quality.main(["--variants", "dense", "rtn_int4_g32", "--window", "512", "--new-tokens", "2", "--repeat", "1",
+                  "--out", str(tmp_path / "q")])
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "q.json").read_text())["rows"]}
+    assert (tmp_path / "q.png").stat().st_size > 0
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    ids = torch.tensor(tokenizer(HELDOUT_TEXT.read_text())["input_ids"])
+    with torch.no_grad():
+        expected = quality.window_perplexity(lambda x: hf(x).logits, ids, 512)
+    assert rows["dense"]["perplexity"] == pytest.approx(expected, rel=1e-4)
+    assert rows["rtn_int4_g32"]["perplexity"] == pytest.approx(expected, rel=0.05)  # int4 g32: a small change

@@ -1,9 +1,10 @@
-"""python -m tritonq.demo: build a tiny Llama, quantize it to AWQ, load it with tritonq and generate.
+"""python -m tritonq.demo: quantize the shipped default model to AWQ, load it with tritonq and generate.
 
-Needs no download: the checkpoint is random but deterministic (seeded) and its tokenizer is a
-byte-level tokenizer (256 byte tokens + <s>, </s>) built here with a chat template. The text
-is therefore gibberish (printable ASCII); the point is that the whole path (writer -> loader -> int4 kernels ->
-generate) runs on a fresh machine.
+Needs no download: the default model (tritonq/default_model/checkpoint, ~1M parameters) is a
+small Llama trained on Shakespeare's plays (see tritonq/default_model/train.py); the demo
+AWQ-calibrates it on the shipped calibration text, writes the int4 checkpoint, loads it and
+generates play-like text. write_tiny_llama (a seeded random model with a byte tokenizer) is what
+the tests use.
 """
 from __future__ import annotations
 
@@ -56,19 +57,24 @@ def write_tiny_llama(folder: str | Path, hidden_size: int = 128, num_layers: int
     return folder
 
 
+DEFAULT_MODEL = Path(__file__).parent / "default_model" / "checkpoint"
+HELDOUT_TEXT = Path(__file__).parent / "default_model" / "heldout.txt"
+CALIBRATION_TEXT = Path(__file__).parent / "default_model" / "calibration.txt"
+
+
 def main(argv: list[str] | None = None) -> None:
     import tritonq
     from tritonq.quantize import write_quantized
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt", default="Hello, tritonq!")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--prompt", default="HAMLET:\nTo be, or not to be")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        dense = write_tiny_llama(Path(tmp) / "dense")
-        awq = write_quantized(dense, Path(tmp) / "awq", "awq", group_size=64)
+        awq = write_quantized(DEFAULT_MODEL, Path(tmp) / "awq", "awq", group_size=128, method="awq",
+                              calibration={"file": CALIBRATION_TEXT, "samples": 32, "seq_len": 128})
         model = tritonq.load(awq)
-        print(f"tiny random Llama, AWQ int4, on {model.model.device}; prompt: {args.prompt!r}")
+        print(f"default model (1M-parameter Llama trained on Shakespeare), AWQ int4, on {model.model.device}")
         print(args.prompt, end="", flush=True)
         for piece in model.generate(args.prompt, max_new_tokens=args.max_new_tokens, stream=True,
                                     temperature=0.8, top_k=20, seed=0):

@@ -126,8 +126,12 @@ def quantization_config(fmt: str, bits: int = 4, group_size: int = 128, sym: boo
     raise ValueError(f"unknown format {fmt!r} (supported: awq, gptq, fp8)")
 
 
-def quantized_tensors(prefix: str, w: torch.Tensor, q: dict, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """On-disk tensors of one quantized linear `prefix` (dense weight w [N, K]) for config q."""
+def quantized_tensors(prefix: str, w: torch.Tensor, q: dict, bias: torch.Tensor | None,
+                      calibrated: Int4Weight | None = None) -> dict[str, torch.Tensor]:
+    """On-disk tensors of one quantized linear `prefix` (dense weight w [N, K]) for config q.
+
+    calibrated: a GPTQ-calibrated Int4Weight of w to store instead of w's RTN quantization.
+    """
     method = q["quant_method"]
     out = {} if bias is None else {f"{prefix}.bias": bias.to(torch.float16 if method in ("awq", "gptq") else bias.dtype)}
     if method == "awq":
@@ -135,7 +139,7 @@ def quantized_tensors(prefix: str, w: torch.Tensor, q: dict, bias: torch.Tensor 
         out |= {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
     elif method == "gptq":
         v1 = q["checkpoint_format"] == "gptq"
-        iw = quantize_int4(w, q["group_size"], q["sym"], q["bits"], q["desc_act"], min_zero=1 if v1 else 0)
+        iw = calibrated or quantize_int4(w, q["group_size"], q["sym"], q["bits"], q["desc_act"], min_zero=1 if v1 else 0)
         K = w.shape[1]
         zeros = torch.full_like(iw.scales, 2 ** (iw.bits - 1)) if iw.zeros is None else iw.zeros
         g_idx = iw.g_idx if iw.g_idx is not None else (torch.arange(K) // iw.group_size).to(torch.int32)
@@ -161,8 +165,13 @@ def converted_modules(weights: Weights, ignore: list[str]) -> set[str]:
     return prefixes
 
 
-def write_quantized(src: str | Path, dst: str | Path, fmt: str, **options) -> Path:
-    """Quantize the dense checkpoint folder src into dst (options: see quantization_config)."""
+def write_quantized(src: str | Path, dst: str | Path, fmt: str, *, method: str = "rtn",
+                    calibration: dict | None = None, **options) -> Path:
+    """Quantize the dense checkpoint folder src into dst (options: see quantization_config).
+
+    method "gptq" / "awq" calibrates first (tritonq.calibrate) on calibration = {"file", "samples",
+    "seq_len"} and optional "damp", "block_size", "clip"; "rtn" rounds to nearest.
+    """
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} has no config.json; SRC must be a dense checkpoint folder written by "
@@ -183,15 +192,18 @@ def write_quantized(src: str | Path, dst: str | Path, fmt: str, **options) -> Pa
                                  "block; tritonq fuses it with the next projection along N (q|k|v, gate|up), which "
                                  "needs whole blocks. Use --fp8-scheme channel or tensor, or keep the whole group "
                                  f"dense (--modules-to-not-convert {prefix.rsplit('.', 2)[-2]}).")
+    calibrated = calibrate_for_writer(src, fmt, method, q, converted, calibration)
     tensors = {}
     for name in weights.names():
         prefix, _, leaf = name.rpartition(".")
+        tensor = lambda n: calibrated.replaced[n].to(weights.get_tensor(n).dtype) if n in calibrated.replaced \
+            else weights.get_tensor(n)  # noqa: E731
         if prefix not in converted:
-            tensors[name] = weights.get_tensor(name)
+            tensors[name] = tensor(name)
         elif leaf == "weight":
-            bias = weights.get_tensor(f"{prefix}.bias") if weights.has_tensor(f"{prefix}.bias") else None
+            bias = tensor(f"{prefix}.bias") if weights.has_tensor(f"{prefix}.bias") else None
             try:
-                tensors |= quantized_tensors(prefix, weights.get_tensor(name), q, bias)
+                tensors |= quantized_tensors(prefix, tensor(name), q, bias, calibrated.int4.get(prefix))
             except ValueError as e:
                 raise ValueError(f"{src}: cannot quantize {name}: {e}") from e
     dst.mkdir(parents=True, exist_ok=True)
@@ -202,6 +214,29 @@ def write_quantized(src: str | Path, dst: str | Path, fmt: str, **options) -> Pa
     config["quantization_config"] = q
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dst
+
+
+def calibrate_for_writer(src: Path, fmt: str, method: str, q: dict, converted: set[str], calibration: dict | None):
+    """Run the calibration `method` for format `fmt` (nothing for rtn); sets q's meta.method for GPTQ."""
+    from tritonq.calibrate import Calibrated, calibrate, calibration_ids
+
+    if method == "rtn":
+        return Calibrated()
+    if (fmt, method) not in (("gptq", "gptq"), ("awq", "awq")):
+        raise ValueError(f"--method {method} does not apply to --format {fmt} (use --format gptq --method gptq, "
+                         "--format awq --method awq, or --method rtn)")
+    if not calibration or not calibration.get("file"):
+        raise ValueError(f"--method {method} needs calibration text: pass --calibration FILE")
+    ids = calibration_ids(src, calibration["file"], calibration.get("samples", 128), calibration.get("seq_len", 512))
+    if method == "gptq":
+        q["meta"]["method"] = "gptq"
+        q["meta"]["damp_percent"] = calibration.get("damp", 0.01)
+        return calibrate(src, "gptq", ids, bits=q["bits"], group_size=q["group_size"], sym=q["sym"],
+                         act_order=q["desc_act"], damp=calibration.get("damp", 0.01),
+                         block_size=calibration.get("block_size", 128),
+                         min_zero=1 if q["checkpoint_format"] == "gptq" else 0, is_converted=converted.__contains__)
+    return calibrate(src, "awq", ids, group_size=q["group_size"], clip=calibration.get("clip", False),
+                     is_converted=converted.__contains__)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,6 +253,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-format", default="gptq", choices=["gptq", "gptq_v2"])
     parser.add_argument("--fp8-scheme", default="tensor", choices=["tensor", "channel", "block"])
     parser.add_argument("--modules-to-not-convert", nargs="*", default=None, help="name substrings left dense")
+    calib = parser.add_argument_group("calibration (--method gptq / awq)")
+    calib.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"],
+                       help="rtn: round to nearest; gptq (--format gptq) / awq (--format awq): calibrated")
+    calib.add_argument("--calibration", default=None, help="text file of calibration text")
+    calib.add_argument("--samples", type=int, default=128, help="calibration windows")
+    calib.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    calib.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean diag(H)")
+    calib.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block (columns)")
+    calib.add_argument("--awq-clip", action="store_true", help="AWQ: also search per-group weight clipping")
     a = parser.parse_args(argv)
     if a.format == "awq" and a.sym:
         parser.error("AWQ GEMM checkpoints are asymmetric (zero_point: true); drop --sym")
@@ -227,8 +271,10 @@ def main(argv: list[str] | None = None) -> None:
                     "checkpoint_format": a.checkpoint_format}
     if a.format == "fp8":
         options = {"fp8_scheme": a.fp8_scheme, "modules_to_not_convert": a.modules_to_not_convert}
+    calibration = {"file": a.calibration, "samples": a.samples, "seq_len": a.seq_len, "damp": a.damp,
+                   "block_size": a.block_size, "clip": a.awq_clip}
     try:
-        written = write_quantized(a.src, a.dst, a.format, **options)
+        written = write_quantized(a.src, a.dst, a.format, method=a.method, calibration=calibration, **options)
     except (ValueError, OSError) as e:  # bad input: one line that says what to change, no traceback
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     print(f"wrote {written}")

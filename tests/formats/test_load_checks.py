@@ -69,30 +69,29 @@ def test_bad_checkpoint_is_refused_at_load(base, tmp_path, case):
     config, tensors, error, phrase = BAD[case]
     folder = edit(base, tmp_path / case, config, tensors)
     with pytest.raises(error, match=phrase):
-        tritonq.load(folder, max_batch=1, max_seq_len=16)
+        tritonq.load(folder, max_num_seqs=1, max_seq_len=16)
 
 
 def test_harmless_leftover_warns_and_loads(base, tmp_path):
     folder = edit(base, tmp_path / "inv_freq", tensors=put("model.layers.0.self_attn.rotary_emb.inv_freq", (8,)))
     with pytest.warns(UserWarning, match=r"ignoring 1 stored tensor\(s\).*rotary_emb.inv_freq"):
-        tritonq.load(folder, max_batch=1, max_seq_len=16)
+        tritonq.load(folder, max_num_seqs=1, max_seq_len=16)
 
 
 def test_tied_checkpoint_that_also_stores_lm_head_ties_it(base, tmp_path):
     """tie_word_embeddings true with a stored lm_head.weight: transformers ties (the copy is unused), so do we."""
     folder = edit(base, tmp_path / "tied", config={"tie_word_embeddings": True},
                   tensors=lambda t: t.__setitem__("lm_head.weight", torch.randn_like(t["lm_head.weight"])))
-    model = tritonq.load(folder, max_batch=1, max_seq_len=16)
-    ids = torch.tensor([[5, 7, 9]])
-    logits = model.model(ids, torch.tensor([3], dtype=torch.int32), model.cache, torch.zeros(1, dtype=torch.int32))
+    model = tritonq.load(folder, max_num_seqs=1, max_seq_len=16)
+    logits = model.engine.prompt_logits([5, 7, 9])
     assert torch.equal(model.model.lm_head.weight.weight, model.model.embed_tokens.weight)
-    assert logits.shape == (1, 3, 258)
+    assert logits.shape == (3, 258)
 
 
 @pytest.mark.parametrize("quantize", ["fp8", "fp8-mlp"])  # int4 needs a group size dividing K=96: not a load option
 def test_quantize_on_load_reads_every_tensor(base, quantize):
     """Norms and embeddings of a dense checkpoint quantized on load are still read as plain tensors."""
-    model = tritonq.load(base, quantize=quantize, max_batch=1, max_seq_len=16)
+    model = tritonq.load(base, quantize=quantize, max_num_seqs=1, max_seq_len=16)
     assert type(model.model.layers[0].mlp.down_proj.weight).__name__ == "FP8Weight"
     assert type(model.model.layers[0].self_attn.o_proj.weight).__name__ == ("FP8Weight" if quantize == "fp8"
                                                                               else "DenseWeight")

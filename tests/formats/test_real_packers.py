@@ -46,9 +46,8 @@ def greedy(forward, prompt: list[int], steps: int) -> list[int]:
 
 def assert_same_model(folder, reference: torch.nn.Module, steps: int = 24) -> tritonq.Model:
     """tritonq.load(folder) against `reference` (a transformers model): logits and greedy tokens."""
-    ours = tritonq.load(folder, max_batch=1, max_seq_len=64)
-    ours_forward = lambda ids: ours.model(ids, torch.tensor([ids.shape[1]], dtype=torch.int32),  # noqa: E731
-                                          ours.cache, torch.zeros(1, dtype=torch.int32))
+    ours = tritonq.load(folder, max_num_seqs=1, max_seq_len=64)
+    ours_forward = lambda ids: ours.engine.prompt_logits(ids[0].tolist())[None]  # noqa: E731
     with torch.no_grad():
         ref_forward = lambda ids: reference(ids).logits  # noqa: E731
         ids = torch.randint(0, 258, (1, 13))

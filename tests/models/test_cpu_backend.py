@@ -102,7 +102,7 @@ def test_llama_on_cpu_backend_matches_transformers(tmp_path, name):
     fmt, options, path = FORMATS[name]
     hf = write_checkpoint(tmp_path / "dense", *LLAMA_CONFIGS["gqa_tied_bias_llama3"])
     write_quantized(tmp_path / "dense", tmp_path / name, fmt, **options)
-    ours = tritonq.load(tmp_path / name, max_batch=1, max_seq_len=40)
+    ours = tritonq.load(tmp_path / name, max_num_seqs=1, max_seq_len=40)
     qkv = ours.model.layers[0].self_attn.qkv_proj.weight
     assert isinstance(qkv, FP8Weight if fmt == "fp8" else Int4Weight)
     assert isinstance(cpu_lowbit._prepared.get(qkv), path)  # prepared at load
@@ -138,7 +138,7 @@ def test_deepseek_v2_on_cpu_backend_matches_transformers(deepseek, name, tmp_pat
     quantized = write_quantized(deepseek, tmp_path / name, fmt, **options)
     (tmp_path / "ref").mkdir()
     reference = dequantized_reference(deepseek, quantized, tmp_path / "ref")
-    ours = tritonq.load(quantized, max_batch=1, max_seq_len=40)
+    ours = tritonq.load(quantized, max_num_seqs=1, max_seq_len=40)
     prompt = [5, 17, 3, 88, 41, 9, 60]
     got = our_prefill_logits(ours, torch.tensor([prompt]))[0]
     moe = ours.model.layers[1].mlp

@@ -147,7 +147,7 @@ def _formats(args, argv: list[str]) -> None:
         byte_tokenizer().save_pretrained(dense)  # load() needs a tokenizer; the bench feeds token ids
 
         def load(name):
-            return tritonq.load(folders[name], dtype=dtype, device=device, max_batch=args.batch,
+            return tritonq.load(folders[name], dtype=dtype, device=device, max_num_seqs=args.batch,
                                 max_seq_len=args.prompt_len + args.new_tokens)
         for name in names:
             folders[name] = dense
