@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import json
+import logging
 
 import torch
 
@@ -99,7 +100,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     checkpoint while loading; group_size (int4 only, default 128; -1: one group per output
     channel) sets the input rows per int4 group. The KV cache for max_batch sequences of
     max_seq_len tokens (default: min(max_position_embeddings, 4096); more than
-    max_position_embeddings is refused) is allocated here, once.
+    max_position_embeddings is refused unless the config declares a rope scaling type, which allows
+    it with a warning) is allocated here, once.
     tensor_parallel=N splits the model over N processes started by `torchrun --nproc-per-node N`
     (each reads only its shard, on GPU LOCAL_RANK); None follows the launcher, 1 opts out.
     Every argument, config.json and the tokenizer are checked before any weight is read.
@@ -118,9 +120,15 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     config = AutoConfig.from_pretrained(folder)
     positions = getattr(config, "max_position_embeddings", None)
     if max_seq_len is not None and positions is not None and max_seq_len > positions:
-        raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={positions} "
-                         f"({folder / 'config.json'}): positions past it were never trained; pass "
-                         f"max_seq_len <= {positions}.")
+        where = (f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={positions} "
+                 f"({folder / 'config.json'})")
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "default":
+            raise ValueError(f"{where}: positions past it were never trained and the config declares no rope "
+                             f"scaling to extend them; pass max_seq_len <= {positions}.")
+        logging.getLogger("tritonq").warning("%s; allowed because the config declares %r rope scaling, but quality "
+                                             "past the trained length is not guaranteed.", where, rope_type)
     tokenizer = _tokenizer(folder)
     device = torch.device(device) if device is not None else distributed.default_device()
     rank, world = distributed.init_tensor_parallel(tensor_parallel, device)
