@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import json
+import logging
 
 import torch
 
@@ -139,12 +140,16 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     cls = model_class(_model_type(folder))
     config = AutoConfig.from_pretrained(folder)
     positions = getattr(config, "max_position_embeddings", None)
-    scaled = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    scaled = scaled and scaled.get("rope_type", scaled.get("type", "default")) != "default"
-    if max_seq_len is not None and positions is not None and max_seq_len > positions and not scaled:
-        raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={positions} "
-                         f"({folder / 'config.json'}): positions past it were never trained; pass "
-                         f"max_seq_len <= {positions}.")
+    if max_seq_len is not None and positions is not None and max_seq_len > positions:
+        where = (f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={positions} "
+                 f"({folder / 'config.json'})")
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "default":
+            raise ValueError(f"{where}: positions past it were never trained and the config declares no rope "
+                             f"scaling to extend them; pass max_seq_len <= {positions}.")
+        logging.getLogger("tritonq").warning("%s; allowed because the config declares %r rope scaling, but quality "
+                                             "past the trained length is not guaranteed.", where, rope_type)
     tokenizer = _tokenizer(folder)
     device = torch.device(device) if device is not None else distributed.default_device()
     rank, world = distributed.init_tensor_parallel(tensor_parallel, device)

@@ -15,7 +15,8 @@ checkpoints from our writer) and a tiny DeepSeek-V2 (AWQ experts, expanded and l
 then run end to end through the kernels and are compared with the CPU torch path. Exit status 1
 if any case fails.
 
-Without a GPU it runs the same cases, smaller (--quick), through Triton's interpreter, as CI does.
+Without a GPU it runs the same cases, smaller (--quick), through Triton's interpreter, as CI does
+(it sets TRITON_INTERPRET=1 itself when triton is not imported yet).
     python -m tritonq.check [--quick] [--json PATH]
 """
 from __future__ import annotations
@@ -208,14 +209,18 @@ def _error(ours, ref) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tritonq.check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes (the default without a GPU)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes (always without a GPU, where the kernels run in Triton's interpreter)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     import torch
     on_gpu = torch.cuda.is_available()
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("python -m tritonq.check: no CUDA device and TRITON_INTERPRET is not set; run it as "
-                 "`TRITON_INTERPRET=1 python -m tritonq.check --quick` to check the kernels through the interpreter")
+        if "triton" in sys.modules:  # the interpreter is chosen when triton is first imported
+            sys.exit("python -m tritonq.check: no CUDA device, and triton was imported without TRITON_INTERPRET=1; "
+                     "run `TRITON_INTERPRET=1 python -m tritonq.check` to check the kernels through the interpreter")
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("no CUDA device: running the --quick cases through Triton's interpreter (TRITON_INTERPRET=1)")
     device = "cuda" if on_gpu else "cpu"
     quick = args.quick or not on_gpu
     name = torch.cuda.get_device_name() if on_gpu else "CPU (Triton interpreter)"

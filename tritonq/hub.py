@@ -1,13 +1,17 @@
 """Resolve a model name to a local checkpoint folder: a local path, or a Hugging Face hub id.
 
 Hub ids go through huggingface_hub.snapshot_download, so the local cache and HF_HUB_OFFLINE=1
-work as usual. Only the files tritonq reads are downloaded (configs, safetensors, tokenizer).
+work as usual. Only the files tritonq reads are downloaded: first the small ones (configs,
+tokenizer, the safetensors index), then the weights: the shards model.safetensors.index.json
+names when there is one (a repo may also ship a merged copy, which is then skipped), else every
+*.safetensors.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+SMALL_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
 
 def resolve(name_or_path: str | Path, revision: str | None = None, cache_dir: str | Path | None = None) -> Path:
@@ -22,8 +26,19 @@ def resolve(name_or_path: str | Path, revision: str | None = None, cache_dir: st
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
+    def download(patterns: list[str]) -> Path:
+        return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, allow_patterns=patterns))
+
     try:
-        return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir, allow_patterns=ALLOW_PATTERNS))
+        folder = download(SMALL_FILES)
+        index = folder / "model.safetensors.index.json"
+        shards = ["*.safetensors"]
+        if index.exists():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index}: not a safetensors index (expected JSON with a 'weight_map'): {e}") from e
+        return download(shards)
     except RepositoryNotFoundError as e:
         raise FileNotFoundError(f"model {name!r} not found on the Hugging Face hub (check the name, or log in "
                                 "with `hf auth login` for a gated/private model)") from e

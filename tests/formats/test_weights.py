@@ -135,6 +135,40 @@ def test_hub_resolve(tiny_llama, tmp_path, monkeypatch):
         resolve("tritonq-test/no-such-model", cache_dir=tmp_path / "cache")
 
 
+def test_hub_resolve_follows_the_index_past_a_merged_copy(tmp_path, monkeypatch):
+    """A repo with both model.safetensors and an index + 2 shards: only the shards are fetched.
+    huggingface_hub.snapshot_download is replaced by a fake hub that copies the files matching
+    allow_patterns (fnmatch, as the hub filters) into one snapshot folder; no network."""
+    import fnmatch
+
+    import huggingface_hub
+    repo = {"config.json": "{}", "tokenizer.json": "{}", "model.safetensors": "merged",
+            "model-00001-of-00002.safetensors": "1", "model-00002-of-00002.safetensors": "2",
+            "model.safetensors.index.json": json.dumps({"weight_map": {
+                "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})}
+    snapshot, asked = tmp_path / "snapshot", []
+
+    def fake_snapshot_download(name, revision=None, cache_dir=None, allow_patterns=None):
+        asked.append(list(allow_patterns))
+        snapshot.mkdir(exist_ok=True)
+        for file, text in repo.items():
+            if any(fnmatch.fnmatch(file, p) for p in allow_patterns):
+                (snapshot / file).write_text(text)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert resolve("org/model") == snapshot
+    assert sorted(p.name for p in snapshot.glob("*.safetensors")) == ["model-00001-of-00002.safetensors",
+                                                                      "model-00002-of-00002.safetensors"]
+    assert asked[-1] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    del repo["model.safetensors.index.json"]  # no index: every *.safetensors, as before
+    snapshot_files = list(snapshot.iterdir())
+    for f in snapshot_files:
+        f.unlink()
+    resolve("org/model")
+    assert (snapshot / "model.safetensors").exists() and asked[-1] == ["*.safetensors"]
+
+
 def test_progress_bar_counts_stored_bytes_once_per_tensor(sharded):
     w = Weights(sharded)
     total = sum(t.numel() * t.element_size() for t in TENSORS.values())  # 48 + 32 bytes of data

@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from tritonq.bench.common import backend_label, device_peaks, print_table, time_ms, write_json
+from tritonq.bench.common import backend_label, device_peaks, print_table, results_path, time_ms, write_json
 from tritonq.kernels.attention import decode_attention, prefill_attention
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -87,7 +87,8 @@ def main(argv: list[str]) -> None:
     on_gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="python -m tritonq.bench attention", description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype on GPU (CPU uses float32)")
-    p.add_argument("--json", default="bench/results/attention.json")
+    p.add_argument("--json", default=results_path("attention.json"),
+                   help="write the rows here (default: the checkout's bench/results/attention.json when run inside it)")
     args = p.parse_args(argv)
     dtype, device = (DTYPES[args.dtype], "cuda") if on_gpu else (torch.float32, "cpu")
     backend = backend_label(device)
@@ -98,5 +99,6 @@ def main(argv: list[str]) -> None:
     print_table(prefill)
     print_table(decode)
     rows = prefill + decode
-    write_json(args.json, "attention", rows, baseline="torch.nn.functional.scaled_dot_product_attention",
-               dtype=str(dtype), backend=backend, command=f"python -m tritonq.bench attention {' '.join(argv)}")
+    if args.json:
+        write_json(args.json, "attention", rows, baseline="torch.nn.functional.scaled_dot_product_attention",
+                   dtype=str(dtype), backend=backend, command=f"python -m tritonq.bench attention {' '.join(argv)}")

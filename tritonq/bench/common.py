@@ -68,6 +68,16 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(fmt(r.get(c, "")).rjust(w) for c, w in zip(cols, widths)))
 
 
+def results_path(name: str) -> str | None:
+    """Default --json path: bench/results/<name> of the tritonq source checkout when it runs from inside
+    that checkout (the package imported from it); elsewhere None: print only, --json PATH writes."""
+    repo = Path(__file__).resolve().parents[2]
+    inside = Path.cwd().resolve().is_relative_to(repo)
+    if inside and (repo / "pyproject.toml").is_file() and (repo / "bench").is_dir():
+        return str(repo / "bench" / "results" / name)
+    return None
+
+
 def write_json(path: str | Path, name: str, rows: list[dict], **meta) -> None:
     device, _ = device_peaks()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

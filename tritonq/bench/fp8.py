@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from tritonq.bench.common import backend_label, gemm_row, plot_gemm, print_table, time_ms, write_json
+from tritonq.bench.common import backend_label, gemm_row, plot_gemm, print_table, results_path, time_ms, write_json
 from tritonq.formats.base import FP8Weight
 
 GPU_M = (1, 16, 128, 1024, 4096)
@@ -83,9 +83,12 @@ def main(argv: list[str]) -> None:
     p.add_argument("--scheme", default="block,channel", help="comma-separated subset of tensor,channel,block")
     p.add_argument("--weight-only", action="store_true",
                    help="time the weight-only path (what GPUs below sm_89 run) instead of fp8 x fp8")
-    p.add_argument("--json", default="bench/results/fp8.json")
+    p.add_argument("--json", default=results_path("fp8.json"),
+                   help="write the rows here (default: the checkout's bench/results/fp8.json when run inside it)")
     p.add_argument("--plot", default=None, help="also write a PNG plot here")
     args = p.parse_args(argv)
+    if args.plot and not args.json:
+        p.error("--plot draws from the JSON results: pass --json PATH too")
     schemes = [s for s in args.scheme.split(",") if s]
     unknown = set(schemes) - {"tensor", "channel", "block"}
     if unknown:
@@ -97,7 +100,8 @@ def main(argv: list[str]) -> None:
                args.weight_only, dtype, device)
     print(f"fp8_gemm vs {baseline}; backend: {rows[0]['backend'] if rows else '-'}")
     print_table(rows)
-    write_json(args.json, "fp8", rows, baseline=baseline, dtype=str(dtype),
-               backend=rows[0]["backend"] if rows else "", command=f"python -m tritonq.bench fp8 {' '.join(argv)}")
+    if args.json:
+        write_json(args.json, "fp8", rows, baseline=baseline, dtype=str(dtype),
+                   backend=rows[0]["backend"] if rows else "", command=f"python -m tritonq.bench fp8 {' '.join(argv)}")
     if args.plot:
         plot_gemm(args.json, args.plot)

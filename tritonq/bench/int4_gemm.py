@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
-from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, backend_label, gemm_row, model_gemm_shapes, plot_gemm,
-                                  print_table, time_ms, write_json)
+from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, backend_label, gemm_row, model_gemm_shapes,
+                                  plot_gemm, print_table, results_path, time_ms, write_json)
 from tritonq.formats.base import Int4Weight
 from tritonq.formats.packing import pack_int32
 
@@ -76,9 +76,12 @@ def main(argv: list[str]) -> None:
                    help=f"comma-separated subset of {list(MODELS)} (default: all on GPU, none on CPU)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp16",
                    help="activation/scale dtype on GPU (CPU always computes in float32)")
-    p.add_argument("--json", default="bench/results/int4_gemm.json")
+    p.add_argument("--json", default=results_path("int4_gemm.json"),
+                   help="write the rows here (default: the checkout's bench/results/int4_gemm.json when run inside it)")
     p.add_argument("--plot", default=None, help="also write a PNG plot here")
     args = p.parse_args(argv)
+    if args.plot and not args.json:
+        p.error("--plot draws from the JSON results: pass --json PATH too")
     models = [m for m in args.models.split(",") if m]
     unknown = set(models) - set(MODELS)
     if unknown:
@@ -89,7 +92,8 @@ def main(argv: list[str]) -> None:
     rows = run([int(m) for m in args.m.split(",")], weight_shapes(models, args.square), dtype, device)
     print(f"int4_gemm vs {baseline}; backend: {rows[0]['backend'] if rows else '-'}")
     print_table(rows)
-    write_json(args.json, "int4_gemm", rows, baseline=baseline, dtype=str(dtype),
-               backend=rows[0]["backend"] if rows else "", command=f"python -m tritonq.bench int4_gemm {' '.join(argv)}")
+    if args.json:
+        write_json(args.json, "int4_gemm", rows, baseline=baseline, dtype=str(dtype),
+                   backend=rows[0]["backend"] if rows else "", command=f"python -m tritonq.bench int4_gemm {' '.join(argv)}")
     if args.plot:
         plot_gemm(args.json, args.plot)

@@ -163,7 +163,9 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 class Weights:
     """Memory-mapped tensors of one checkpoint folder: model.safetensors, or the index + its shards.
 
-    Tensors are read one at a time from the mapped files (no full copy of the checkpoint).
+    get_tensor reads one tensor with a plain file read into a fresh tensor, not through the memory
+    map: mapped pages would stay resident (and count in the process's memory) on top of the copy
+    while the model loads. Sharded reads (get_sharded) slice through the map, reading only their part.
     Every error names the file and the tensor, and says what was expected. Inside `progress()`,
     a tqdm bar counts the stored bytes of the tensors read so far (a sharded read counts its tensor).
     Every name read (whole or a slice) is recorded, and so is every name a loader declares
@@ -189,10 +191,11 @@ class Weights:
                 raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or *.safetensors "
                                         f"in {self.folder}; tritonq reads safetensors checkpoints only")
             weight_map = None
-        self._handles, self._nbytes = {}, {}
+        self._handles, self._nbytes, self._where = {}, {}, {}
         for f in files:
-            self._handles[f], sizes = self._open(self.folder / f)
-            self._nbytes.update(sizes)
+            self._handles[f], where = self._open(self.folder / f)
+            self._where.update(where)
+            self._nbytes.update({name: stop - start for name, (start, stop) in where.items()})
         self._bar, self._counted, self._read = None, set(), set()
         self._file_of = weight_map or {name: f for f, h in self._handles.items() for name in h.keys()}
         for name, f in self._file_of.items():
@@ -213,7 +216,7 @@ class Weights:
         end = 8 + header_len + max((stop for _, stop in offsets.values()), default=0)
         if end > size:
             raise ValueError(f"{path}: truncated safetensors file ({size} bytes, its header needs {end}); re-download it")
-        return handle, {k: stop - start for k, (start, stop) in offsets.items()}
+        return handle, {k: (8 + header_len + start, 8 + header_len + stop) for k, (start, stop) in offsets.items()}
 
     @contextlib.contextmanager
     def progress(self, enabled: bool = True):
@@ -254,8 +257,24 @@ class Weights:
 
     def get_tensor(self, name: str, dtype: torch.dtype | None = None, shape: tuple | None = None) -> torch.Tensor:
         """The tensor as stored; with dtype/shape given, a mismatch raises naming file and tensor."""
-        tensor = self._handle(name).get_tensor(name)
-        self._check(name, tensor.dtype, tuple(tensor.shape), dtype, shape)
+        found_shape, found_dtype = self.get_shape(name), self.get_dtype(name)
+        self._check(name, found_dtype, found_shape, dtype, shape)
+        tensor = torch.empty(found_shape, dtype=found_dtype)
+        start, stop = self._where[name]
+        view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        if len(view) != stop - start:
+            raise ValueError(f"{self.folder / self._file_of[name]}: tensor {name!r} spans {stop - start} bytes, but "
+                             f"{found_dtype} {list(found_shape)} needs {len(view)}; the file is corrupt, "
+                             "re-download it")
+        with open(self.folder / self._file_of[name], "rb", buffering=0) as f:
+            f.seek(start)
+            done = 0
+            while done < len(view):  # a raw read may return fewer bytes than asked
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"{self.folder / self._file_of[name]}: file ends inside tensor {name!r}; "
+                                     "re-download it")
+                done += n
         self._advance(name)
         return tensor
 
@@ -416,7 +435,8 @@ class WeightsLoader:
         shard = self.shard(parallel, parts)
         if self.is_quantized(prefix):
             w = self.quantized_linear(prefix, shard)
-            if isinstance(w, Int4Weight) and shard is not None and shard.parallel == "row" and w.shape[1] % w.group_size:
+            row = shard is not None and shard.parallel == "row"
+            if row and isinstance(w, Int4Weight) and w.shape[1] % w.group_size:
                 # act-order keeps every group's scales on each row shard, but the int4 kernels still need
                 # whole groups of rows on each rank (K % group_size == 0).
                 self.check_split(prefix, shard, w.shape[1] * shard.count, w.group_size,
