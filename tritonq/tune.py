@@ -280,8 +280,8 @@ def _attention_prefill_target() -> TuneTarget:
         _, S, H, H_kv, d_qk, d_v = _attention_heads(shape, "attention_prefill", PREFILL_FORMAT)
         block_d, block_dr, block_dv = _head_blocks(d_qk, d_v)
         pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "seq_lens_ptr": "*i32"}
-        flags = {"GROUP": H // H_kv, "CAUSAL": True, "BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"],
-                 "BLOCK_D": block_d, "BLOCK_DR": block_dr, "BLOCK_DV": block_dv}
+        flags = {"GROUP": H // H_kv, "CAUSAL": True, "HAS_WINDOW": False, "BLOCK_M": config["BLOCK_M"],
+                 "BLOCK_N": config["BLOCK_N"], "BLOCK_D": block_d, "BLOCK_DR": block_dr, "BLOCK_DV": block_dv}
         ints = {"stride_qb": S * H * d_qk, "stride_qs": H * d_qk, "stride_qh": d_qk,
                 "stride_kb": S * H_kv * d_qk, "stride_ks": H_kv * d_qk, "stride_kh": d_qk,
                 "stride_vb": S * H_kv * d_v, "stride_vs": H_kv * d_v, "stride_vh": d_v,
@@ -338,7 +338,8 @@ def _attention_decode_target() -> TuneTarget:
                     "block_table_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
         flags = {"GROUP": group, "NUM_SPLITS": k.decode_num_splits(B, H_kv, S_max, config["BLOCK_N"], sm_count),
                  "BLOCK_H": min(64, max(16, triton.next_power_of_2(group))), "BLOCK_N": config["BLOCK_N"],
-                 "BLOCK_D": block_d, "BLOCK_DR": block_dr, "BLOCK_DV": block_dv, "PAGE_SIZE": 0}
+                 "BLOCK_D": block_d, "BLOCK_DR": block_dr, "BLOCK_DV": block_dv, "PAGE_SIZE": 0,
+                 "HAS_WINDOW": False}
         ints = {"stride_qb": H * d_qk, "stride_qh": d_qk, "stride_kb": S_max * H_kv * d_qk, "stride_ks": H_kv * d_qk,
                 "stride_kh": d_qk, "stride_vb": S_max * H_kv * d_v, "stride_vs": H_kv * d_v, "stride_vh": d_v,
                 "stride_bt": 1, "H": H, "D_QK": d_qk, "D_V": d_v}
