@@ -145,14 +145,17 @@ def test_calibrated_checkpoint_loads_and_matches_transformers(tmp_path, monkeypa
     torch.testing.assert_close(our_prefill_logits(ours, ids), expected, atol=ATOL, rtol=0)
 
 
-def test_calibration_rejects_bad_requests(tmp_path, calibration_text):
+def test_calibration_rejects_bad_requests(tmp_path, calibration_text, capsys):
+    """The CLI refuses with a one-line error (exit status 2) before writing anything."""
     write_checkpoint(tmp_path / "dense")
     src = str(tmp_path / "dense")
-    with pytest.raises(ValueError, match="needs calibration text"):
-        main([src, str(tmp_path / "a"), "--format", "gptq", "--method", "gptq"])
-    with pytest.raises(ValueError, match="does not apply to --format awq"):
-        main([src, str(tmp_path / "b"), "--format", "awq", "--method", "gptq", "--calibration", str(calibration_text)])
-    with pytest.raises(ValueError, match="fewer than --seq-len 100000"):
-        main([src, str(tmp_path / "c"), "--format", "gptq", "--method", "gptq", "--calibration",
-              str(calibration_text), "--seq-len", "100000"])
+    cases = [([src, str(tmp_path / "a"), "--format", "gptq", "--method", "gptq"], "needs calibration text"),
+             ([src, str(tmp_path / "b"), "--format", "awq", "--method", "gptq", "--calibration", str(calibration_text)],
+              "does not apply to --format awq"),
+             ([src, str(tmp_path / "c"), "--format", "gptq", "--method", "gptq", "--calibration",
+               str(calibration_text), "--seq-len", "100000"], "fewer than --seq-len 100000")]
+    for argv, phrase in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and phrase in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
