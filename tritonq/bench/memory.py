@@ -54,7 +54,7 @@ def write_checkpoints(root: Path, layers: int = 6, hidden: int = 512) -> dict[st
 
 def held_bytes(model) -> tuple[int, int]:
     """(bytes of every distinct tensor storage a tritonq Model keeps, bytes of the largest tensor)."""
-    seen, largest, stack, visited = {}, 0, [model.model, model.cache], set()
+    seen, largest, stack, visited = {}, 0, [model.model, model.engine.runner.cache], set()
     while stack:
         obj = stack.pop()
         if isinstance(obj, torch.Tensor):
@@ -87,10 +87,10 @@ def child(folder: str, warmup: str, options: dict) -> dict:
     """Runs in the child: load `warmup`, then measure loading `folder`."""
     import tritonq
     options = {**options, "dtype": getattr(torch, options["dtype"])}  # JSON carries the dtype's name
-    tritonq.load(warmup, device="cpu", max_batch=1, max_seq_len=16, **options)
+    tritonq.load(warmup, device="cpu", max_num_seqs=1, max_seq_len=16, **options)
     gc.collect()
     before = _status("VmRSS")
-    model = tritonq.load(folder, device="cpu", max_batch=1, max_seq_len=16, **options)
+    model = tritonq.load(folder, device="cpu", max_num_seqs=1, max_seq_len=16, **options)
     peak = _status("VmHWM") - before
     held, largest = held_bytes(model)
     file_bytes = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
