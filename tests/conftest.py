@@ -13,3 +13,13 @@ import torch  # noqa: E402
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Model tests on tiny tensors: torch's thread pool only adds sync overhead (25x on a busy 2-core CI).
+    Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

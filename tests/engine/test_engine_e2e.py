@@ -28,12 +28,7 @@ NUM_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS, TOKEN_BUDGET = 40, 16, 8, 128
 ENGINE = dict(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=TOKEN_BUDGET, block_size=BLOCK_SIZE)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 @pytest.fixture(autouse=True)

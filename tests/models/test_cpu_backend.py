@@ -51,13 +51,7 @@ def _cpu_backend(monkeypatch):
     monkeypatch.delenv("TRITONQ_BACKEND", raising=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: torch's thread pool only adds sync overhead on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 def assert_logits_close(got, expected, name, model):

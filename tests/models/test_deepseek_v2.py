@@ -42,13 +42,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These tensors are tiny: torch's thread pool only adds sync overhead (25x on a busy 2-core CI)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 @pytest.fixture(autouse=True)
