@@ -10,7 +10,7 @@ import torch
 
 import tritonq
 from tritonq.demo import write_tiny_llama
-from tritonq.formats.base import Int4Weight
+from tritonq.weights import Int4Weight
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 import tritonq
 from tritonq.demo import byte_tokenizer
-from tritonq.formats.base import FP8Weight
 from tritonq.quantize import main, quantize_fp8, quantize_int4
+from tritonq.weights import FP8Weight
 
 
 @pytest.fixture(scope="module")

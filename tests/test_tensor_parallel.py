@@ -27,10 +27,11 @@ from models.test_llama import write_checkpoint
 from safetensors.torch import save_file
 
 import tritonq
-from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weights
+from tritonq.formats.checkpoint import Weights
 from tritonq.formats.registry import get_loader
 from tritonq.models.llama import LlamaForCausalLM
 from tritonq.quantize import quantization_config, quantized_tensors, write_quantized
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight
 
 ATOL = 1e-4
 WORLD = 2

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from tritonq.formats.base import Int4Weight
-from tritonq.formats.packing import pack_int32
+from tritonq.packing import pack_int32
+from tritonq.weights import Int4Weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 AWQ_GRID = 20          # alpha points in [0, 1]
@@ -250,7 +250,7 @@ def calibrate(src: str | Path, method: str, ids: torch.Tensor, *, bits: int = 4,
     from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tritonq.formats.base import Weights
+    from tritonq.formats.checkpoint import Weights
 
     if method not in ("gptq", "awq"):
         raise ValueError(f"calibrate: method {method!r} is not supported (supported: gptq, awq)")

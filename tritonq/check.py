@@ -37,7 +37,6 @@ def _cases(device: str, quick: bool):
 
     from tritonq.bench.fp8 import random_fp8_weight
     from tritonq.bench.moe import random_experts
-    from tritonq.formats.base import to_device
     from tritonq.kernels import attention as attn
     from tritonq.kernels import fp8_gemm as fp8
     from tritonq.kernels import int4_gemm as int4
@@ -56,7 +55,7 @@ def _cases(device: str, quick: bool):
                             ("act-order g128", {"group_size": 128, "act_order": True}),
                             ("per-channel 8-bit", {"group_size": -1, "bits": 8})):
             w = quantize_int4(torch.randn(N, K) / K ** 0.5, scale_dtype=dtype, **opts)
-            w = to_device(w, device)
+            w = w.to(device)
             for M in ms:
                 x = torch.randn(M, K, device=device, dtype=dtype)
                 yield "int4_gemm", f"{label} {dname} M={M} N={N} K={K}", int4.int4_gemm(x, w), \

@@ -1,4 +1,5 @@
-"""Model building blocks. Linear is the one place that branches on the weight's format."""
+"""Model building blocks. Linear picks the GEMM from the weight's type in `GEMMS`, the one table
+of kernels by weight type (tritonq/weights.py says what else a new type needs)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -8,9 +9,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonq.distributed import all_gather_last_dim, all_reduce
-from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels
+from tritonq.kernels.fp8_gemm import fp8_gemm
+from tritonq.kernels.int4_gemm import int4_gemm
 from tritonq.kernels.norm_rope import rms_norm
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, Weight
+
+
+def _int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    return int4_gemm(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+
+
+# y [..., N] = x [..., K] @ W^T (+ bias) for each weight type.
+GEMMS = {
+    DenseWeight: lambda x, w: F.linear(x, w.weight, w.bias),
+    Int4Weight: _int4_linear,
+    FP8Weight: fp8_gemm,  # takes [..., K] itself
+}
 
 
 class Linear(nn.Module):
@@ -34,21 +49,11 @@ class Linear(nn.Module):
         """On the CPU backend, repack / dequantize a quantized weight once, at load (kernels/cpu_lowbit.py);
         the kernel launchers find it there on every call."""
         w = self.weight
-        if not isinstance(w, DenseWeight) and use_cpu_kernels(w.qweight if isinstance(w, Int4Weight) else w.weight):
+        if not isinstance(w, DenseWeight) and use_cpu_kernels(w.values):
             cpu_lowbit.prepare(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if isinstance(w, DenseWeight):
-            return F.linear(x, w.weight, w.bias)
-        rows = x.reshape(-1, x.shape[-1])
-        if isinstance(w, Int4Weight):
-            from tritonq.kernels.int4_gemm import int4_gemm
-            y = int4_gemm(rows, w)
-        else:
-            from tritonq.kernels.fp8_gemm import fp8_gemm
-            y = fp8_gemm(rows, w)
-        return y.view(*x.shape[:-1], self.out_features)
+        return GEMMS[type(self.weight)](x, self.weight)
 
 
 class RowParallelLinear(Linear):

@@ -21,19 +21,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tritonq.formats.base import FP8Weight, Int4Weight, Weights
-from tritonq.formats.packing import int4_to_awq, pack_int32
+from tritonq.formats.awq import int4_to_awq
+from tritonq.formats.checkpoint import Weights
+from tritonq.formats.loader import always_dense
+from tritonq.packing import pack_int32
+from tritonq.weights import FP8Weight, Int4Weight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-# Layers that stay dense whatever the format: embeddings, output head, MoE routers (name endings).
-ALWAYS_DENSE = ("embed_tokens", "lm_head", "mlp.gate")
 # Linears the models fuse with the next one along N (q|k|v, gate|up): with block-fp8 their N must be
-# whole blocks, or the fused scale rows would not line up (formats.base.concat_outputs).
+# whole blocks, or the fused scale rows would not line up (tritonq.weights.concat_outputs).
 FUSED_BEFORE_ANOTHER = ("q_proj", "k_proj", "gate_proj")
-
-
-def always_dense(prefix: str) -> bool:
-    return prefix.endswith(ALWAYS_DENSE)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 128, sym: bool = False, bits: int = 4, act_order: bool = False,

@@ -135,7 +135,6 @@ def _fp8_gemm_target() -> TuneTarget:
     stored under the kernel name the launcher looks up for that path."""
     import triton
 
-    from tritonq.formats.base import to_device
     from tritonq.kernels import fp8_gemm as k
     from tritonq.quantize import quantize_fp8
 
@@ -160,7 +159,7 @@ def _fp8_gemm_target() -> TuneTarget:
         M, N, K = shape
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         w = quantize_fp8(torch.randn(N, K) * 0.05, scheme="block" if K % 128 == 0 else "channel")
-        w = to_device(w, device)
+        w = w.to(device)
         return torch.randn(M, K, dtype=dtype, device=device), w
 
     def aot(config, shape, cc):

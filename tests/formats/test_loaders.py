@@ -9,14 +9,14 @@ from formats.helpers import GROUP_SIZE, LINEARS, dequantize
 from safetensors.torch import load_file, save_file
 
 from tritonq.formats.awq import AWQLoader
-from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight
 from tritonq.formats.compressed_tensors import CompressedTensorsLoader
 from tritonq.formats.dense import DenseLoader
 from tritonq.formats.fp8 import FP8Loader
 from tritonq.formats.gptq import GPTQLoader
-from tritonq.formats.packing import pack_int32, unpack_int32
 from tritonq.formats.registry import get_loader
+from tritonq.packing import pack_int32, unpack_int32
 from tritonq.quantize import quantize_fp8, quantize_int4, write_quantized
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight
 
 INT4_CASES = {  # name: (writer options, loader class, quantize_int4 arguments of the original)
     "awq": ("awq", {"group_size": GROUP_SIZE}, AWQLoader, dict(sym=False, bits=4)),

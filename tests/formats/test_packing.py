@@ -1,20 +1,13 @@
-"""formats.packing: bit layout of pack_int32, pack/unpack round trips, and the AWQ <-> GPTQ
-repack into Int4Weight preserving the dequantized matrix exactly."""
+"""tritonq.packing: bit layout of pack_int32, pack/unpack round trips, and the AWQ <-> GPTQ
+repacks into Int4Weight (formats/awq.py, formats/gptq.py) preserving the dequantized matrix exactly."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tritonq.formats.packing import (
-    AWQ_ORDER,
-    AWQ_REVERSE_ORDER,
-    awq_to_int4,
-    gptq_to_int4,
-    int4_to_awq,
-    pack_int32,
-    unpack_int32,
-)
-from tritonq.kernels.int4_gemm import dequantize_int4
+from tritonq.formats.awq import awq_to_int4, int4_to_awq
+from tritonq.formats.gptq import gptq_to_int4
+from tritonq.packing import AWQ_ORDER, AWQ_REVERSE_ORDER, pack_int32, unpack_int32
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -69,7 +62,7 @@ def test_awq_and_gptq_checkpoints_of_one_matrix_dequantize_identically(k_groups,
                              zero_offset=offset)
     assert from_gptq.g_idx is None  # the trivial g_idx is dropped
     assert torch.equal(from_awq.qweight, from_gptq.qweight)
-    assert torch.equal(dequantize_int4(from_awq), dequantize_int4(from_gptq))
+    assert torch.equal(from_awq.dequantize(), from_gptq.dequantize())
     for got, want in zip(int4_to_awq(from_gptq), awq):
         assert torch.equal(got, want)
 

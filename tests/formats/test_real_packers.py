@@ -22,9 +22,9 @@ from formats.helpers import dense_llama, save
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import tritonq
-from tritonq.formats.base import FP8Weight, Int4Weight
 from tritonq.formats.registry import get_loader
 from tritonq.layers import Linear
+from tritonq.weights import FP8Weight, Int4Weight
 
 ATOL = 1e-4  # float32 on both sides with the same dequantized weights: rounding over two layers
 LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -7,7 +7,7 @@ import torch
 from formats.helpers import GROUP_SIZE
 from safetensors.torch import load_file, save_file
 
-from tritonq.formats.base import Weights
+from tritonq.formats.checkpoint import Weights
 from tritonq.formats.registry import get_loader
 from tritonq.hub import resolve
 from tritonq.quantize import write_quantized

@@ -17,14 +17,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tritonq.formats.base import FP8Weight, Int4Weight, stack_experts
-from tritonq.formats.packing import unpack_int32
 from tritonq.kernels import cpu_lowbit
 from tritonq.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
 from tritonq.kernels.int4_gemm import int4_gemm, int4_gemm_reference
 from tritonq.kernels.moe import fused_moe, fused_moe_reference
 from tritonq.layers import Linear
+from tritonq.packing import unpack_int32
 from tritonq.quantize import quantize_fp8, quantize_int4
+from tritonq.weights import FP8Weight, Int4Weight, stack_experts
 
 MS = [1, 3, 17, 64]
 N = 72  # not a multiple of 16: the packed weight gets padded columns
@@ -193,7 +193,7 @@ def test_moe_experts_match_reference(kind, T):
 
 def test_fp8_expert_slices_keep_scale_layout():
     w = stacked("fp8_block", D, INTER)
-    e = cpu_lowbit.expert(w, 2)
+    e = w.expert(2)
     assert isinstance(e, FP8Weight) and e.weight_scale.shape == (3, 3) and e.block_size == (32, 32)
     torch.testing.assert_close(e.dequantize(), w.weight[2].float() * w.weight_scale[2].repeat_interleave(32, 0)
                                .repeat_interleave(32, 1))

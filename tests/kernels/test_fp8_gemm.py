@@ -24,16 +24,15 @@ import pytest
 import torch
 from child_process import json_from_child
 
-from tritonq.formats.base import FP8Weight
 from tritonq.kernels import fp8_gemm as fp8
 from tritonq.kernels.fp8_gemm import (
     FP8GemmConfig,
-    dequantize_fp8,
     fp8_gemm,
     fp8_gemm_reference,
     quantize_activation_fp8,
     quantize_activation_fp8_reference,
 )
+from tritonq.weights import FP8Weight
 
 N, K = 200, 300  # neither a multiple of the 128 x 128 scale block nor of the kernel tiles
 
@@ -64,7 +63,7 @@ def test_fp8_gemm_matches_reference(scheme, M):
     out = fp8_gemm(x, w, weight_only=False)
     assert out.shape == (M, N)
     assert_matches_reference(out, fp8_gemm_reference(x, w))
-    dense = x.float() @ dequantize_fp8(w).T + (w.bias if w.bias is not None else 0)
+    dense = x.float() @ w.dequantize().T + (w.bias if w.bias is not None else 0)
     assert (out.float() - dense).norm() / dense.norm() < 2 ** -4
 
 

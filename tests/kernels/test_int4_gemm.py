@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from tritonq.formats.packing import AWQ_ORDER, awq_to_int4, gptq_to_int4
+from tritonq.formats.awq import awq_to_int4
+from tritonq.formats.gptq import gptq_to_int4
 from tritonq.kernels.int4_gemm import (
     CONFIG_SPACE,
     Int4GemmConfig,
-    dequantize_int4,
     int4_gemm,
     int4_gemm_reference,
 )
+from tritonq.packing import AWQ_ORDER
 
 TOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 2**-11}
 
@@ -39,7 +40,7 @@ def random_scales(G, N, dtype):
 
 
 def fields(packed, bits):
-    """Hand unpack, independent of formats.packing: list of uint arrays, field f = bits [f*b, (f+1)*b)."""
+    """Hand unpack, independent of tritonq.packing: list of uint arrays, field f = bits [f*b, (f+1)*b)."""
     u = packed.numpy().view(np.uint32).astype(np.int64)
     return [(u >> (bits * f)) & ((1 << bits) - 1) for f in range(32 // bits)]
 
@@ -95,7 +96,7 @@ def with_bias(w, dtype):
 ], ids=["awq-g32", "awq-per-channel", "gptq-v1-act-order", "gptq-v2-8bit", "gptq-sym-act-order"])
 def test_dequantize_matches_hand_unpacked_checkpoint(make):
     w, dense = make()
-    assert torch.equal(dequantize_int4(w), dense.to(w.scales.dtype))  # (q - z) * s is exact in fp32
+    assert torch.equal(w.dequantize(), dense.to(w.scales.dtype))  # (q - z) * s is exact in fp32
     x = torch.randn(5, w.shape[1], dtype=w.scales.dtype)
     assert_close(int4_gemm_reference(x, w), x.double() @ dense.T)
 

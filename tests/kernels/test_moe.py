@@ -13,8 +13,6 @@ import triton
 import triton.language as tl
 from child_process import json_from_child
 
-from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight
-from tritonq.formats.packing import pack_int32
 from tritonq.kernels import moe
 from tritonq.kernels.moe import (
     fused_moe,
@@ -23,6 +21,8 @@ from tritonq.kernels.moe import (
     grouped_topk_reference,
     moe_align_block_size,
 )
+from tritonq.packing import pack_int32
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 

@@ -23,10 +23,10 @@ from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 
 import tritonq
 from tritonq.demo import byte_tokenizer
-from tritonq.formats.base import FP8Weight, Int4Weight
 from tritonq.formats.registry import get_loader
 from tritonq.kernels import cpu_lowbit
 from tritonq.quantize import write_quantized
+from tritonq.weights import FP8Weight, Int4Weight
 
 INT4_GEMMS_IN_SERIES = {"llama": 8, "deepseek": 21}
 FP32_TOL = {"llama": dict(atol=1e-4, rtol=0), "deepseek": dict(atol=2e-4, rtol=1e-4)}

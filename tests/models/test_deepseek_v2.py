@@ -18,10 +18,11 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MLP
 
 import tritonq
 from tritonq.demo import byte_tokenizer
-from tritonq.formats.base import FP8Weight, Int4Weight, Weights
+from tritonq.formats.checkpoint import Weights
 from tritonq.formats.registry import get_loader
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM, kv_bytes_per_token
 from tritonq.quantize import write_quantized
+from tritonq.weights import FP8Weight, Int4Weight
 
 TOL = dict(atol=2e-4, rtol=1e-4)  # fp32, summation order only
 MODES = ("expanded", "latent")

@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from tritonq.bench.common import backend_label, gemm_row, plot_gemm, print_table, results_path, time_ms, write_json
-from tritonq.formats.base import FP8Weight
+from tritonq.weights import FP8Weight
 
 GPU_M = (1, 16, 128, 1024, 4096)
 CPU_M = (1, 16, 64)

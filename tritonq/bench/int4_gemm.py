@@ -16,8 +16,8 @@ import torch
 
 from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, backend_label, gemm_row, model_gemm_shapes,
                                   plot_gemm, print_table, results_path, time_ms, write_json)
-from tritonq.formats.base import Int4Weight
-from tritonq.formats.packing import pack_int32
+from tritonq.packing import pack_int32
+from tritonq.weights import Int4Weight
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

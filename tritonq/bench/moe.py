@@ -12,8 +12,8 @@ import argparse
 import torch
 
 from tritonq.bench.common import device_peaks, print_table, time_ms, write_json
-from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
 from tritonq.kernels.moe import fused_moe, fused_moe_reference, grouped_topk
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, Weight
 
 
 def int4_expert_group_size(K: int) -> int:

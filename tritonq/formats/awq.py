@@ -3,8 +3,9 @@
 config.json: quantization_config {quant_method: awq, bits: 4, group_size, zero_point: true,
 version: gemm, modules_to_not_convert}. Per linear P: P.qweight int32 [K, N/8] and P.qzeros
 int32 [G, N/8] packed along N in AWQ order, P.scales fp16 [G, N]. Repacked on load into the
-internal layout (packed along K) by `repack_awq_qweight`, an in-register-width int32 repack that keeps
-loading close to raw read speed (the generic packing helpers go through int64 per value).
+internal layout (packed along K) by `awq_to_int4`, whose `repack_awq_qweight` is an
+in-register-width int32 repack that keeps loading close to raw read speed (the generic packing
+helpers go through int64 per value); `int4_to_awq` is its inverse, for the checkpoint writer.
 `zero_point: false` (symmetric; GPTQModel writes it) stores every qzero as 8 (signed codes shifted
 to unsigned), so the same dequantization holds; a checkpoint without qzeros uses zero 8. Zeros that
 are all 8 run the kernel's symmetric branch.
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from tritonq.formats.base import Int4Weight, Shard, Weights, WeightsLoader
-from tritonq.formats.packing import AWQ_REVERSE_ORDER
+from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.loader import WeightsLoader
+from tritonq.packing import AWQ_ORDER, AWQ_REVERSE_ORDER, pack_int32, unpack_int32
+from tritonq.weights import Int4Weight
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)
 
@@ -60,14 +63,38 @@ class AWQLoader(WeightsLoader):
         group_row = 0 if G > 1 else None  # a row shard cuts the groups; per-channel scales stay whole
         qweight = self.read(f"{prefix}.qweight", shard, column=1, row=0, dtype=torch.int32)
         scales = self.read(f"{prefix}.scales", shard, column=1, row=group_row, dtype=torch.float16, shape=(G, N))
-        zeros = None
+        qzeros = None
         if self.zero_point or self.weights.has_tensor(f"{prefix}.qzeros"):
             qzeros = self.read(f"{prefix}.qzeros", shard, column=1, row=group_row, dtype=torch.int32,
-                               shape=(G, n_packed))
-            zeros = unpack_awq_zeros(qzeros.to(self.device))
-            zeros = None if bool((zeros == 8).all()) else zeros.to(self.dtype)
-        return Int4Weight(repack_awq_qweight(qweight.to(self.device)), scales.to(device=self.device, dtype=self.dtype),
-                          zeros, None, group_size, 4)
+                               shape=(G, n_packed)).to(self.device)
+        return awq_to_int4(qweight.to(self.device), qzeros, scales.to(device=self.device, dtype=self.dtype),
+                           group_size)
+
+
+def awq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor,
+                group_size: int) -> Int4Weight:
+    """AWQ GEMM tensors (qweight [K, N/8], qzeros [G, N/8] or None, scales [G, N]) -> Int4Weight.
+
+    group_size -1 means one group over K. Zeros come back in the scales' dtype, or None (the
+    kernels' symmetric branch) when there are no qzeros or every zero is 8.
+    """
+    zeros = None
+    if qzeros is not None:
+        zeros = unpack_awq_zeros(qzeros)
+        zeros = None if bool((zeros == 8).all()) else zeros.to(scales.dtype)
+    return Int4Weight(repack_awq_qweight(qweight), scales, zeros, None,
+                      qweight.shape[0] if group_size == -1 else group_size, 4)
+
+
+def int4_to_awq(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int4Weight (bits 4, no g_idx) -> AWQ (qweight [K, N/8], qzeros [G, N/8], scales [G, N]); the
+    checkpoint writer's inverse of `awq_to_int4`."""
+    if w.bits != 4 or w.g_idx is not None:
+        raise ValueError(f"AWQ stores 4-bit weights without act-order; got bits={w.bits}, g_idx={w.g_idx is not None}")
+    q = unpack_int32(w.qweight, 4, dim=0)  # [K, N]
+    zeros = w.zeros if w.zeros is not None else torch.full_like(w.scales, 8)
+    return (pack_int32(q, 4, dim=1, order=AWQ_ORDER),
+            pack_int32(zeros.round().to(torch.int32), 4, dim=1, order=AWQ_ORDER), w.scales)
 
 
 def repack_awq_qweight(qweight: torch.Tensor) -> torch.Tensor:

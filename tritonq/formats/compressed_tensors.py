@@ -27,8 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonq.formats.base import FP8Weight, Int4Weight, Shard, Weight, Weights, WeightsLoader
-from tritonq.formats.packing import pack_int32, unpack_int32
+from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.loader import WeightsLoader
+from tritonq.packing import pack_int32, unpack_int32
+from tritonq.weights import FP8Weight, Int4Weight, Weight
 
 SUPPORTED_FORMATS = ("pack-quantized", "naive-quantized", "float-quantized")
 SUPPORTED_KINDS = {  # (format, weights.type, num_bits) -> weight strategies

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from tritonq.formats.base import Shard, Weight, Weights, WeightsLoader
-from tritonq.quantize import always_dense, quantize_fp8, quantize_int4
+from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.loader import WeightsLoader, always_dense
+from tritonq.quantize import quantize_fp8, quantize_int4
+from tritonq.weights import Weight
 
 QUANTIZE_ON_LOAD = (None, "fp8", "fp8-mlp", "int4")
 

@@ -14,7 +14,9 @@ import math
 
 import torch
 
-from tritonq.formats.base import FP8Weight, Shard, Weights, WeightsLoader
+from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.loader import WeightsLoader
+from tritonq.weights import FP8Weight
 
 SUPPORTED_FMTS = ("e4m3",)
 SUPPORTED_ACTIVATION_SCHEMES = ("dynamic", "static")

@@ -28,8 +28,10 @@ import warnings
 
 import torch
 
-from tritonq.formats.base import Int4Weight, Shard, Weights, WeightsLoader, _listing
-from tritonq.formats.packing import gptq_to_int4, pack_int32, unpack_int32
+from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.loader import WeightsLoader, _listing
+from tritonq.packing import pack_int32, unpack_int32
+from tritonq.weights import Int4Weight
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)
@@ -151,3 +153,35 @@ class GPTQLoader(WeightsLoader):
                          zero_offset=0)
         return Int4Weight(w.qweight, w.scales.to(self.dtype), None if w.zeros is None else w.zeros.to(self.dtype),
                           w.g_idx, w.group_size, bits)
+
+
+def _trivial_g_idx(g_idx: torch.Tensor, group_size: int) -> bool:
+    return torch.equal(g_idx.long().cpu(), torch.arange(g_idx.numel()) // group_size)
+
+
+def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor,
+                 g_idx: torch.Tensor | None, bits: int, group_size: int, sym: bool, zero_offset: int,
+                 bias: torch.Tensor | None = None) -> Int4Weight:
+    """GPTQ layout (qweight [K*b/32, N] sequential along K, qzeros [G, N*b/32]) -> Int4Weight.
+
+    zero_offset: added to every unpacked zero field as is (no wrap, no borrow); GPTQLoader decodes v1
+    words itself (see formats/gptq.py) and passes 0.
+    sym: zeros are 2^(bits-1) everywhere and are not kept (the kernel's symmetric branch).
+    A g_idx equal to k // group_size over scales of K / group_size rows carries no information and is
+    dropped (a row shard of an act-order layer keeps all scales rows, and its g_idx, whatever it holds).
+    """
+    K = qweight.shape[0] * 32 // bits
+    group_size = K if group_size == -1 else group_size
+    zeros = None
+    if not sym:
+        zeros = (unpack_int32(qzeros, bits, dim=1) + zero_offset).to(scales.dtype)
+    if g_idx is not None and scales.shape[0] == K // group_size and _trivial_g_idx(g_idx, group_size):
+        g_idx = None
+    if g_idx is not None and (tuple(g_idx.shape) != (K,)
+                              or int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[0]):
+        raise ValueError(f"gptq_to_int4: g_idx of shape {tuple(g_idx.shape)} with values in [{int(g_idx.min())}, "
+                         f"{int(g_idx.max())}], expected [{K}] in [0, {scales.shape[0]}) (one group per scales row); "
+                         "the checkpoint's g_idx does not match its scales")
+    return Int4Weight(qweight=qweight.contiguous(), scales=scales, zeros=zeros,
+                      g_idx=None if g_idx is None else g_idx.to(torch.int32).contiguous(),
+                      group_size=group_size, bits=bits, bias=bias)

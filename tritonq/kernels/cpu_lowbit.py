@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
+from tritonq.packing import unpack_int32
+from tritonq.weights import DenseWeight, Int4Weight, Weight
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,9 @@ def prepare_experts(w: Weight) -> tuple[CPUWeight, ...]:
     """The CPU form of each expert of a stacked weight (leading dim E), built once per object."""
     p = _prepared.get(w)
     if p is None:
-        from tritonq.kernels.moe import _expert_matrix  # fused_moe_reference's dequantization (fp32, unrounded)
-        p = _prepared[w] = tuple(_prepare(expert(w, e), lambda: _expert_matrix(w, e))
-                                 for e in range(_num_experts(w)))
+        # fused_moe_reference's dequantization: fp32, unrounded
+        p = _prepared[w] = tuple(_prepare(w.expert(e), lambda e=e: w.expert(e).dequantize(torch.float32))
+                                 for e in range(w.num_experts))
     return p
 
 
@@ -147,8 +148,7 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
     if isinstance(w, DenseWeight):
         return CPUDenseWeight(w.weight.float(), bias)
     if isinstance(w, Int4Weight):
-        from tritonq.kernels.int4_gemm import check_g_idx
-        check_g_idx(w)  # every g_idx entry names a scales row (what the reference checks per call)
+        w.check_g_idx()  # every g_idx entry names a scales row (what the reference checks per call)
     if isinstance(w, Int4Weight) and w.bits == 4:
         p = _prepare_int4(w)
         if p is not None:
@@ -170,7 +170,6 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
 
 def _prepare_int4(w: Int4Weight) -> CPUInt4Weight | None:
     """torch's CPU int4 layout for w, or None when its groups cannot be cut into KERNEL_GROUPS."""
-    from tritonq.formats.packing import unpack_int32
     N, K = w.shape
     group_of_row = w.g_idx.long() if w.g_idx is not None else torch.arange(K) // w.group_size
     perm = None
@@ -202,20 +201,6 @@ def _prepare_int4(w: Int4Weight) -> CPUInt4Weight | None:
         packed=torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_nk, 1),  # innerKTiles: unused on CPU
         scales_zeros=scales_zeros.to(torch.bfloat16).contiguous(), group_size=kernel_group,
         out_features=N, in_features=K, perm=perm, bias=None if w.bias is None else w.bias.float())
-
-
-def expert(w: Weight, e: int) -> Weight:
-    """Expert e of a stacked typed weight, as a 2-D typed weight (views, no copies)."""
-    pick = lambda t: None if t is None else t[e]  # noqa: E731
-    if isinstance(w, DenseWeight):
-        return DenseWeight(w.weight[e], pick(w.bias))
-    if isinstance(w, Int4Weight):
-        return Int4Weight(w.qweight[e], w.scales[e], pick(w.zeros), pick(w.g_idx), w.group_size, w.bits, pick(w.bias))
-    return FP8Weight(w.weight[e], w.weight_scale[e], w.block_size, pick(w.input_scale), pick(w.bias))
-
-
-def _num_experts(w: Weight) -> int:
-    return (w.weight if isinstance(w, (DenseWeight, FP8Weight)) else w.qweight).shape[0]
 
 
 @functools.cache

@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonq.formats.base import FP8Weight
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.configs import lookup
+from tritonq.weights import FP8Weight
 
 log = logging.getLogger(__name__)
 
@@ -399,18 +399,6 @@ def quantize_activation_fp8_reference(x: torch.Tensor, group_size: int | None = 
     return q, scales
 
 
-def dequantize_fp8(w: FP8Weight) -> torch.Tensor:
-    """W [N, K] float32 = weight * weight_scale (broadcast per tensor / channel / block)."""
-    N, K = w.shape
-    s = w.weight_scale.float()
-    if w.block_size is not None:
-        bn, bk = w.block_size
-        s = s.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:N, :K]
-    elif s.numel() != 1:
-        s = s.reshape(N, 1)
-    return w.weight.float() * s
-
-
 def quantized_activations(x: torch.Tensor, w: FP8Weight, weight_only: bool = False) -> torch.Tensor:
     """x [M, K] as the fp8 GEMM sees it, float32: quantized to e4m3 and scaled back (per token, per
     block_size[1] group for block weights, or by w.input_scale), or just x.float() with weight_only."""
@@ -427,7 +415,7 @@ def quantized_activations(x: torch.Tensor, w: FP8Weight, weight_only: bool = Fal
 def fp8_gemm_reference(x: torch.Tensor, w: FP8Weight, weight_only: bool = False) -> torch.Tensor:
     """Torch version of `fp8_gemm` for x [M, K] (float32 compute): quantizes x exactly like the
     kernel (or not, with weight_only), multiplies by the dequantized weight, adds bias."""
-    y = quantized_activations(x, w, weight_only) @ dequantize_fp8(w).T
+    y = quantized_activations(x, w, weight_only) @ w.dequantize().T
     if w.bias is not None:
         y = y + w.bias.float()
     return y.to(x.dtype)

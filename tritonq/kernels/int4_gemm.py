@@ -2,12 +2,12 @@
 
 Shapes and dtypes:
     x       [M, K] fp16 / bf16 / fp32
-    w       Int4Weight (tritonq.formats.base): qweight [K*bits/32, N] int32 packed along K in
+    w       Int4Weight (tritonq.weights): qweight [K*bits/32, N] int32 packed along K in
             sequential order, scales [G, N] fp16/bf16/fp32, zeros [G, N] (same dtype) or None for
             symmetric weights (zero = 2^(bits-1)), g_idx [K] int32 or None.
     y       [M, N] in x.dtype; accumulation in fp32.
 
-Layout choice: AWQ and GPTQ are both repacked at load time (formats/packing.py) into GPTQ's
+Layout choice: AWQ and GPTQ are both repacked at load time (formats/awq.py, formats/gptq.py) into GPTQ's
 K-packed, N-contiguous qweight. Packing along K lets one int32 load per (k-word, n) feed all
 BLOCK_N columns of a tile with unit-stride, coalesced loads along N, keeps the N dimension free
 for tensor-parallel column splits, and is GPTQ's native layout (no repack for the common case).
@@ -47,10 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonq.formats.base import Int4Weight
-from tritonq.formats.packing import unpack_int32
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.configs import lookup
+from tritonq.weights import Int4Weight
 
 SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
 
@@ -173,13 +172,13 @@ def _fail(name: str, found, expected: str, fix: str) -> NoReturn:
 def _check_weight(w: Int4Weight) -> tuple[int, int]:
     """Validate an Int4Weight's tensors; returns (N, K)."""
     if not isinstance(w, Int4Weight):
-        _fail("w", type(w).__name__, "Int4Weight", "repack the checkpoint with tritonq.formats.packing")
+        _fail("w", type(w).__name__, "Int4Weight", "load it through a tritonq.formats loader")
     if w.bits not in (4, 8):
         _fail("bits", w.bits, "4 or 8", "only 4-bit (AWQ/GPTQ) and 8-bit (GPTQ) weights are supported")
     q = w.qweight
     if q.dtype != torch.int32 or q.dim() != 2:
         _fail("qweight", f"{q.dtype} of shape {tuple(q.shape)}", "int32 [K*bits/32, N]",
-              "pack with tritonq.formats.packing.pack_int32")
+              "pack with tritonq.packing.pack_int32")
     N, K = w.shape
     if w.group_size <= 0 or K % w.group_size:
         _fail("group_size", w.group_size, f"a positive divisor of K={K}", "use K for per-channel quantization")
@@ -216,15 +215,6 @@ def _check_config(config: Int4GemmConfig) -> None:
         _fail("config.SPLIT_K", config.SPLIT_K, ">= 1", "use 1 for no split")
 
 
-def check_g_idx(w: Int4Weight) -> None:
-    """Check that every g_idx entry names a row of scales. It syncs the device, so CUDA launches skip
-    it; gptq_to_int4 checks at load time."""
-    if w.g_idx is not None:
-        lo, hi = int(w.g_idx.min()), int(w.g_idx.max())
-        if lo < 0 or hi >= w.scales.shape[0]:
-            _fail("g_idx", f"in range [{lo}, {hi}]", f"in [0, {w.scales.shape[0]})", "g_idx must index scales rows")
-
-
 def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequant(w)^T (+ w.bias), in x.dtype. `config` overrides the lookup."""
     N, K = _check_weight(w)
@@ -238,7 +228,7 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
     if not use_triton(x):
         return int4_gemm_reference(x, w)
     if not x.is_cuda:  # interpreter; CUDA relies on the load-time check in gptq_to_int4 (no sync)
-        check_g_idx(w)
+        w.check_g_idx()
     M = x.shape[0]
     if config is None:
         tuned = lookup("int4_gemm", config_bucket(M, N, K, w))
@@ -271,20 +261,10 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
     return out.sum(0).to(x.dtype) if split_k > 1 else out
 
 
-def dequantize_int4(w: Int4Weight) -> torch.Tensor:
-    """Dense W [N, K] in w.scales.dtype: W[n, k] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]."""
-    _check_weight(w)
-    check_g_idx(w)
-    N, K = w.shape
-    q = unpack_int32(w.qweight, w.bits, dim=0).float()  # [K, N]
-    g = w.g_idx.long() if w.g_idx is not None else torch.arange(K, device=q.device) // w.group_size
-    zeros = w.zeros.float()[g] if w.zeros is not None else 2.0 ** (w.bits - 1)
-    return ((q - zeros) * w.scales.float()[g]).t().to(w.scales.dtype)
-
-
 def int4_gemm_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """Plain torch: unpack -> dequant -> fp32 matmul (+ bias) -> x.dtype. The oracle (TRITONQ_BACKEND=torch)."""
-    y = x.float() @ dequantize_int4(w).float().t()
+    _check_weight(w)
+    y = x.float() @ w.dequantize().float().t()
     if w.bias is not None:
         y = y + w.bias.float()
     return y.to(x.dtype)

@@ -11,7 +11,7 @@ implementation; `grouped_topk_reference` is an independent per-token loop.
 
 Expert MLP `fused_moe(x [T, D], gate_up [E, 2I, D], down [E, D, I], topk_weights, topk_ids)`
 -> [T, D] in x.dtype = sum_k w_k * down_e(silu(gate_e x) * up_e x), gate rows first in gate_up.
-Weights are stacked typed weights (formats/base.py with a leading expert dim E):
+Weights are stacked typed weights (tritonq/weights.py, with a leading expert dim E):
   DenseWeight weight [E, N, K]; Int4Weight qweight [E, K*bits/32, N], scales/zeros [E, G, N],
   g_idx [E, K] or None; FP8Weight weight [E, N, K] fp8 with weight_scale [E] (per tensor),
   [E, N, 1] (per channel) or [E, ceil(N/bn), ceil(K/bk)] (block_size (bn, bk)).
@@ -34,9 +34,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight, Weight
 from tritonq.kernels import check_launch_config, cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.configs import lookup
+from tritonq.weights import WEIGHT_TYPES, DenseWeight, Int4Weight, Weight
 
 DENSE, INT4, FP8 = 0, 1, 2  # the kernel's KIND: how the weight tile is loaded
 
@@ -351,16 +351,6 @@ def check_config(config) -> tuple[MoEConfig, MoEConfig]:
     return pair
 
 
-def _tile_scale_row(w: Weight, block_k: int) -> bool:
-    """True if scales are constant along K inside each BLOCK_K tile (an int4 group or fp8 scale
-    block spans it), so the kernel loads one row of scales per tile instead of a full tile."""
-    if isinstance(w, Int4Weight):
-        return w.g_idx is None and w.group_size % block_k == 0
-    if isinstance(w, FP8Weight):
-        return w.block_size is None or w.block_size[1] % block_k == 0
-    return False
-
-
 def _has_fp8_types(x: torch.Tensor) -> bool:
     """Triton's float8e4nv exists from sm_89; elsewhere (older GPUs, CPU) fp8 is decoded from bits."""
     return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
@@ -398,33 +388,12 @@ def _weight_args(w: Weight, native_fp8: bool) -> dict:
 
 def _stacked_shape(w: Weight, name: str) -> tuple[int, int, int]:
     """(E, N, K) of a stacked weight, validating its fields have the leading expert dim."""
-    if getattr(w, "bias", None) is not None:
+    if not isinstance(w, WEIGHT_TYPES):
+        raise ValueError(f"fused_moe: {name} must be a stacked DenseWeight/Int4Weight/FP8Weight with a leading "
+                         f"expert dim (loader.get_stacked), got {type(w).__name__}")
+    if w.bias is not None:
         raise ValueError(f"fused_moe: {name} has a bias; expert biases are not supported (MoE experts have none)")
-    if isinstance(w, DenseWeight) and w.weight.dim() == 3:
-        return tuple(w.weight.shape)
-    if isinstance(w, FP8Weight) and w.weight.dim() == 3:
-        E, N, K = w.weight.shape
-        s = w.weight_scale
-        ok = (s.shape == (E, triton.cdiv(N, w.block_size[0]), triton.cdiv(K, w.block_size[1]))
-              if w.block_size is not None else s.shape in ((E,), (E, N, 1)))
-        if not ok:
-            raise ValueError(f"fused_moe: {name} FP8 weight_scale shape {tuple(s.shape)} does not match weight "
-                             f"[{E}, {N}, {K}] with block_size {w.block_size}; expected [E], [E, N, 1] or "
-                             f"[E, ceil(N/bn), ceil(K/bk)]")
-        return E, N, K
-    if isinstance(w, Int4Weight) and w.qweight.dim() == 3:
-        if w.bits not in (4, 8):
-            raise ValueError(f"fused_moe: {name} has bits={w.bits}; the expert kernel unpacks 4- or 8-bit weights")
-        E, packed_k, N = w.qweight.shape
-        K = packed_k * 32 // w.bits
-        if w.scales.dim() != 3 or w.scales.shape[0] != E or w.scales.shape[2] != N:
-            raise ValueError(f"fused_moe: {name} Int4 scales shape {tuple(w.scales.shape)} must be [E={E}, G, N={N}]")
-        if w.g_idx is not None and (w.g_idx.shape != (E, K) or not w.g_idx.is_contiguous()):
-            raise ValueError(f"fused_moe: {name} g_idx shape {tuple(w.g_idx.shape)} must be a contiguous "
-                             f"[E={E}, K={K}] (the kernel indexes it as expert * K + k)")
-        return E, N, K
-    raise ValueError(f"fused_moe: {name} must be a stacked DenseWeight/Int4Weight/FP8Weight with a leading expert "
-                     f"dim (loader.get_stacked), got {type(w).__name__}")
+    return w.stacked_shape(f"fused_moe: {name}")
 
 
 def _check_moe(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]:
@@ -436,8 +405,7 @@ def _check_moe(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]
     if gu_k != D or two_i != 2 * inter or down_n != D or E2 != E:
         raise ValueError(f"fused_moe: expected gate_up [E, 2I, D] and down [E, D, I] for x [T, D={D}], got "
                          f"gate_up [{E}, {two_i}, {gu_k}] and down [{E2}, {down_n}, {inter}]")
-    devices = {t.device for t in (x, topk_weights, topk_ids, *(v for w in (gate_up, down) for v in vars(w).values()
-                                                                  if isinstance(v, torch.Tensor)))}
+    devices = {t.device for t in (x, topk_weights, topk_ids, *gate_up.tensors().values(), *down.tensors().values())}
     if len(devices) > 1:
         raise ValueError("fused_moe: x, routing and expert weights must be on one device, "
                          f"found {sorted(map(str, devices))}")
@@ -485,7 +453,7 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
             a, dst, routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
             num_tokens_post_padded_ptr=post_padded, num_valid=numel, N=N, K=K, up_offset=inter,
             a_row_divisor=top_k if gate else 1, stride_am=a.stride(0), stride_om=dst.stride(0),
-            GATE_UP=gate, TILE_SCALE_ROW=_tile_scale_row(weight, cfg.BLOCK_K), UPCAST_DOT=upcast_dot,
+            GATE_UP=gate, TILE_SCALE_ROW=weight.scales_constant_over(cfg.BLOCK_K), UPCAST_DOT=upcast_dot,
             BLOCK_M=block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_weight_args(weight, native_fp8))
     return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
@@ -495,27 +463,6 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
 # Reference
 # ----------------------------------------------------------------------------------------------
 
-def _expert_matrix(w: Weight, e: int) -> torch.Tensor:
-    """Expert e's dense float32 W [N, K] from a stacked weight."""
-    if isinstance(w, DenseWeight):
-        return w.weight[e].float()
-    if isinstance(w, Int4Weight):
-        from tritonq.formats.packing import unpack_int32
-        q = unpack_int32(w.qweight[e], w.bits, dim=0).float()  # [K, N]
-        K = q.shape[0]
-        group = (w.g_idx[e].long() if w.g_idx is not None
-                 else torch.arange(K, device=q.device) // w.group_size)
-        scales = w.scales[e].float()[group]
-        zeros = w.zeros[e].float()[group] if w.zeros is not None else 2.0 ** (w.bits - 1)
-        return ((q - zeros) * scales).t()
-    weight = w.weight[e].float()
-    scale = w.weight_scale[e].float()
-    if w.block_size is not None:
-        bn, bk = w.block_size
-        scale = scale.repeat_interleave(bn, 0)[:weight.shape[0]].repeat_interleave(bk, 1)[:, :weight.shape[1]]
-    return weight * scale
-
-
 def fused_moe_reference(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor) -> torch.Tensor:
     """Loop over experts in float32: each expert runs its MLP on the tokens routed to it."""
@@ -524,7 +471,7 @@ def fused_moe_reference(x: torch.Tensor, gate_up: Weight, down: Weight, topk_wei
     out = torch.zeros(x.shape[0], D, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        gate, up = (xf[token] @ _expert_matrix(gate_up, e).t()).split(inter, dim=1)
-        y = (F.silu(gate) * up) @ _expert_matrix(down, e).t()
+        gate, up = (xf[token] @ gate_up.expert(e).dequantize(torch.float32).t()).split(inter, dim=1)
+        y = (F.silu(gate) * up) @ down.expert(e).dequantize(torch.float32).t()
         out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
     return out.to(x.dtype)

@@ -33,12 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonq.formats.base import DenseWeight, stack_experts
 from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
 from tritonq.kernels.moe import fused_moe, grouped_topk
 from tritonq.kernels.norm_rope import apply_rope
 from tritonq.layers import Embedding, Linear, RMSNorm
 from tritonq.models.common import KVLayout, PagedKVCache, RopeTables, StepContext, logit_rows
+from tritonq.weights import DenseWeight, stack_experts
 
 ATTENTION_MODES = ("expanded", "latent")
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps

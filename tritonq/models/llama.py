@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonq.formats.base import DenseWeight
 from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
 from tritonq.kernels.norm_rope import apply_rope
 from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear
 from tritonq.models.common import KVLayout, PagedKVCache, RopeTables, StepContext, logit_rows
+from tritonq.weights import DenseWeight
 
 
 def _rope_scaling(config) -> dict | None:

@@ -1,0 +1,188 @@
+"""Reading one safetensors checkpoint folder: `Weights` (the tensors, whole or one rank's slice)
+and `Shard` (which slice of a linear a tensor-parallel rank holds).
+
+No format knowledge here: the loaders (formats/loader.py and one file per format) turn these
+tensors into typed weights (tritonq/weights.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+# safetensors header dtype codes -> torch dtypes
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class Weights:
+    """Memory-mapped tensors of one checkpoint folder: model.safetensors, or the index + its shards.
+
+    get_tensor reads one tensor with a plain file read into a fresh tensor, not through the memory
+    map: mapped pages would stay resident (and count in the process's memory) on top of the copy
+    while the model loads. Sharded reads (get_sharded) slice through the map, reading only their part.
+    Every error names the file and the tensor, and says what was expected. Inside `progress()`,
+    a tqdm bar counts the stored bytes of the tensors read so far (a sharded read counts its tensor).
+    Every name read (whole or a slice) is recorded, and so is every name a loader declares
+    redundant (`mark_read`), so that `unread()` lists what no module used.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index}: not a safetensors index (expected JSON with a 'weight_map'): {e}") from e
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (self.folder / f).exists()]
+            if missing:
+                raise FileNotFoundError(f"{index} names shard(s) {missing} that are not in {self.folder}; "
+                                        "download the missing files or fix the index")
+        else:
+            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or *.safetensors "
+                                        f"in {self.folder}; tritonq reads safetensors checkpoints only")
+            weight_map = None
+        self._handles, self._nbytes, self._where = {}, {}, {}
+        for f in files:
+            self._handles[f], where = self._open(self.folder / f)
+            self._where.update(where)
+            self._nbytes.update({name: stop - start for name, (start, stop) in where.items()})
+        self._bar, self._counted, self._read = None, set(), set()
+        self._file_of = weight_map or {name: f for f, h in self._handles.items() for name in h.keys()}
+        for name, f in self._file_of.items():
+            if name not in self._handles[f].keys():
+                raise ValueError(f"{index}: tensor {name!r} is mapped to {f}, which does not contain it")
+
+    @staticmethod
+    def _open(path: Path):
+        size = path.stat().st_size
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own SafetensorError for bad headers
+            raise ValueError(f"{path}: corrupt or truncated safetensors file ({e}); re-download it") from e
+        with open(path, "rb") as f:  # the header's data offsets must fit in the file
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        offsets = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+        end = 8 + header_len + max((stop for _, stop in offsets.values()), default=0)
+        if end > size:
+            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, its header needs {end}); re-download it")
+        return handle, {k: (8 + header_len + start, 8 + header_len + stop) for k, (start, stop) in offsets.items()}
+
+    @contextlib.contextmanager
+    def progress(self, enabled: bool = True):
+        """A tqdm bar over the checkpoint's bytes while the block runs (a model being built)."""
+        from tqdm.auto import tqdm
+        with tqdm(total=sum(self._nbytes.values()), unit="B", unit_scale=True, desc=f"Loading {self.folder.name}",
+                  disable=not enabled, leave=False) as bar:
+            self._bar, self._counted = bar, set()
+            try:
+                yield bar
+            finally:
+                self._bar = None
+
+    def _advance(self, name: str) -> None:
+        self._read.add(name)
+        if self._bar is not None and name not in self._counted:
+            self._counted.add(name)
+            self._bar.update(self._nbytes.get(name, 0))
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def mark_read(self, name: str) -> None:
+        """Count `name` as used without reading it (a copy the model does not need, e.g. a tied head)."""
+        self._read.add(name)
+
+    def unread(self) -> list[str]:
+        """Names stored in the checkpoint that nothing has read (or marked) so far, sorted."""
+        return sorted(set(self._file_of) - self._read)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._file_of
+
+    def _handle(self, name: str):
+        if name not in self._file_of:
+            raise KeyError(f"tensor {name!r} not found in checkpoint {self.folder}")
+        return self._handles[self._file_of[name]]
+
+    def get_tensor(self, name: str, dtype: torch.dtype | None = None, shape: tuple | None = None) -> torch.Tensor:
+        """The tensor as stored; with dtype/shape given, a mismatch raises naming file and tensor."""
+        found_shape, found_dtype = self.get_shape(name), self.get_dtype(name)
+        self._check(name, found_dtype, found_shape, dtype, shape)
+        tensor = torch.empty(found_shape, dtype=found_dtype)
+        start, stop = self._where[name]
+        view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        if len(view) != stop - start:
+            raise ValueError(f"{self.folder / self._file_of[name]}: tensor {name!r} spans {stop - start} bytes, but "
+                             f"{found_dtype} {list(found_shape)} needs {len(view)}; the file is corrupt, "
+                             "re-download it")
+        with open(self.folder / self._file_of[name], "rb", buffering=0) as f:
+            f.seek(start)
+            done = 0
+            while done < len(view):  # a raw read may return fewer bytes than asked
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"{self.folder / self._file_of[name]}: file ends inside tensor {name!r}; "
+                                     "re-download it")
+                done += n
+        self._advance(name)
+        return tensor
+
+    def get_shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape, read from the header (no data)."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get_dtype(self, name: str) -> torch.dtype:
+        """The stored dtype, read from the header (no data)."""
+        code = self._handle(name).get_slice(name).get_dtype()
+        if code not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{self.folder / self._file_of[name]}: tensor {name!r} has dtype {code}, which tritonq "
+                             f"does not read (known: {sorted(SAFETENSORS_DTYPES)})")
+        return SAFETENSORS_DTYPES[code]
+
+    def get_sharded(self, name: str, dim: int, rank: int, world: int, dtype: torch.dtype | None = None,
+                    shape: tuple | None = None) -> torch.Tensor:
+        """Slice `rank` of `world` equal parts along `dim`, reading only that slice from disk.
+
+        dtype / shape (the full stored shape) are checked as in get_tensor.
+        """
+        view = self._handle(name).get_slice(name)
+        full = tuple(view.get_shape())
+        if shape is not None:
+            self._check(name, None, full, None, shape)
+        if full[dim] % world:
+            raise ValueError(f"{self._file_of[name]}: tensor {name!r} has size {full[dim]} along dim {dim}, "
+                             f"not divisible by world size {world}")
+        part = full[dim] // world
+        index = [slice(None)] * len(full)
+        index[dim] = slice(rank * part, (rank + 1) * part)
+        tensor = view[tuple(index)]
+        self._check(name, tensor.dtype, None, dtype, None)
+        self._advance(name)
+        return tensor
+
+    def _check(self, name, found_dtype, found_shape, dtype, shape):
+        where = f"{self.folder / self._file_of[name]}: tensor {name!r}"
+        if dtype is not None and found_dtype != dtype:
+            raise ValueError(f"{where} has dtype {found_dtype}, expected {dtype}")
+        if shape is not None and found_shape != tuple(shape):
+            raise ValueError(f"{where} has shape {list(found_shape)}, expected {list(shape)}")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of one linear this rank holds: part `index` of `count` equal slices of N (parallel
+    "column": outputs) or of K ("row": inputs)."""
+    parallel: str
+    index: int
+    count: int

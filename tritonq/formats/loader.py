@@ -1,0 +1,251 @@
+"""The loader base: `WeightsLoader` turns the tensors of one checkpoint into the typed weights
+(tritonq/weights.py) the model asks for, by Hugging Face module prefix; one subclass per format
+(awq.py, gptq.py, fp8.py, compressed_tensors.py, dense.py) reads its quantized layout.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import replace
+
+import torch
+
+from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.weights import DenseWeight, Int4Weight, Weight, concat_outputs, stack_experts
+
+# Layers that stay dense whatever the format: embeddings, output head, MoE routers (name endings).
+# Loaders that quantize on load (formats/dense.py) and the checkpoint writer (tritonq/quantize.py) skip them.
+ALWAYS_DENSE = ("embed_tokens", "lm_head", "mlp.gate")
+
+
+def always_dense(prefix: str) -> bool:
+    return prefix.endswith(ALWAYS_DENSE)
+
+
+class WeightsLoader:
+    """Typed weights of one checkpoint format; the model asks for layers by HF prefix.
+
+    A subclass implements `quantized_linear(prefix, shard)` (and `is_quantized(prefix)` if presence of
+    its tensors is not enough). Modules named in the ignore list, or stored only as a dense
+    `.weight` (e.g. lm_head of an AWQ model), come back as DenseWeight.
+
+    Tensor parallelism: with world > 1 the model asks for parallel="column" (this rank's N/world
+    outputs, bias sliced with them) or parallel="row" (its K/world inputs; the bias only on rank 0,
+    so the all-reduce adds it once). A subclass reads just its slice from disk (`read`) and refuses
+    a split through a pack or a group (`check_split`). world == 1 reads every layer whole.
+    """
+    marker = ""  # tensor suffix that marks a quantized module, e.g. "qweight"
+    # Stored tensors a model may leave unread with only a warning: rotary tables some exporters saved,
+    # and KV-cache / activation scales of schemes this runtime does not apply (it keeps the cache and,
+    # for dynamic schemes, the activation scales in the compute dtype).
+    harmless_unread = (r"(^|\.)rotary_emb\.inv_freq$", r"\.(k_scale|v_scale|q_scale|kv_scale|input_scale)$")
+
+    def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, ignore: list[str] | None = None,
+                 *, rank: int = 0, world: int = 1):
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"tensor parallel rank={rank}, world={world}: expected world >= 1 and 0 <= rank < world")
+        self.weights, self.config, self.dtype, self.device = weights, config, dtype, torch.device(device)
+        self.ignore = list(ignore or [])
+        self.rank, self.world = rank, world
+
+    def is_ignored(self, prefix: str) -> bool:
+        # vLLM / AutoAWQ semantics: an entry matches any module whose name contains it.
+        return any(entry in prefix for entry in self.ignore)
+
+    def is_quantized(self, prefix: str) -> bool:
+        return not self.is_ignored(prefix) and self.weights.has_tensor(f"{prefix}.{self.marker}")
+
+    def shard(self, parallel: str | None, parts: int | None = None) -> Shard | None:
+        """This rank's Shard for parallel None / "column" / "row"; None when the layer is read whole.
+
+        parts: how many equal slices the layer may be cut into (default world; e.g. the number of KV
+        heads). With parts < world (fewer KV heads than ranks, world a multiple of parts) rank r holds
+        slice r * parts // world, so each slice is replicated on world / parts ranks.
+        """
+        if parallel not in (None, "column", "row"):
+            raise ValueError(f"parallel={parallel!r}; expected None, 'column' or 'row'")
+        if parallel is None or self.world == 1:
+            return None
+        parts = parts or self.world
+        if parts >= self.world:
+            return Shard(parallel, self.rank, self.world)
+        if parallel == "row" or self.world % parts:
+            raise ValueError(f"cannot replicate {parts} {parallel} slices over {self.world} ranks: "
+                             "a column split with world a multiple of parts is needed")
+        return Shard(parallel, self.rank * parts // self.world, parts)
+
+    def check_split(self, prefix: str, shard: Shard, size: int, multiple: int, unit: str) -> None:
+        """Refuse a split of `size` (N for column, K for row) into shard.count parts that are not whole `unit`s."""
+        if size % (shard.count * multiple):
+            what = "N (outputs)" if shard.parallel == "column" else "K (inputs)"
+            raise ValueError(f"{prefix}: cannot split {what}={size} {shard.parallel}-parallel into {shard.count} parts "
+                             f"of {size / shard.count:g}: each part must be a multiple of {multiple} ({unit}); "
+                             "use a tensor_parallel size that keeps whole packs and groups on each rank")
+
+    def read(self, name: str, shard: Shard | None, column: int | None, row: int | None,
+             dtype: torch.dtype | None = None, shape: tuple | None = None) -> torch.Tensor:
+        """Tensor `name` as stored (checked against dtype and the full shape); with a shard, only this
+        rank's slice along dim `column` or `row` (by shard.parallel) is read; a None dim reads it whole."""
+        dim = None if shard is None else column if shard.parallel == "column" else row
+        if dim is None:
+            return self.weights.get_tensor(name, dtype, shape)
+        return self.weights.get_sharded(name, dim, shard.index, shard.count, dtype, shape)
+
+    def stored_shape(self, prefix: str) -> tuple[tuple[int, int], str, tuple[int, ...]]:
+        """((N, K), tensor name, its stored shape) of linear `prefix`, from the safetensors header only.
+
+        Quantized loaders override `quantized_shape` for their packed layouts."""
+        if self.is_quantized(prefix):
+            return self.quantized_shape(prefix)
+        name = f"{prefix}.weight"
+        stored = self.weights.get_shape(name)
+        if len(stored) != 2:
+            raise ValueError(f"{self.weights.folder}: tensor {name!r} has shape {list(stored)}, expected a 2-D "
+                             "[N, K] linear weight")
+        return stored, name, stored
+
+    def quantized_shape(self, prefix: str) -> tuple[tuple[int, int], str, tuple[int, ...]]:
+        name = f"{prefix}.weight"
+        return self.weights.get_shape(name), name, self.weights.get_shape(name)
+
+    def check_shape(self, prefix: str, shape: tuple[int, int] | None) -> None:
+        """Refuse linear `prefix` when its stored (N, K) is not `shape` (the model's, from config.json),
+        before any data is read."""
+        if shape is None:
+            return
+        (N, K), name, stored = self.stored_shape(prefix)
+        if (N, K) != tuple(shape):
+            implied = "" if (N, K) == stored else f" (a linear of [N={N}, K={K}])"
+            raise ValueError(f"{self.weights.folder}: tensor {name!r} has shape {list(stored)}{implied}, but config.json "
+                             f"implies [N={shape[0]}, K={shape[1]}] for {prefix}; the config does not match the "
+                             "weights: fix config.json or load the checkpoint it belongs to")
+
+    def get_linear(self, prefix: str, bias: bool = False, parallel: str | None = None,
+                   parts: int | None = None, shape: tuple[int, int] | None = None) -> Weight:
+        """The linear `prefix` (see the class docstring for parallel and `shard` for parts).
+
+        shape: the full (N, K) the model expects, checked against the header before reading."""
+        self.check_shape(prefix, shape)
+        shard = self.shard(parallel, parts)
+        if self.is_quantized(prefix):
+            w = self.quantized_linear(prefix, shard)
+            row = shard is not None and shard.parallel == "row"
+            if row and isinstance(w, Int4Weight) and w.shape[1] % w.group_size:
+                # act-order keeps every group's scales on each row shard, but the int4 kernels still need
+                # whole groups of rows on each rank (K % group_size == 0).
+                self.check_split(prefix, shard, w.shape[1] * shard.count, w.group_size,
+                                 f"a quantization group of {w.group_size} input rows, act-order included")
+        else:
+            name = f"{prefix}.weight"
+            if shard is not None:
+                N, K = self.weights.get_shape(name)
+                self.check_split(prefix, shard, N if shard.parallel == "column" else K, 1, "whole rows or columns")
+            w = DenseWeight(self._as_float(name, self.read(name, shard, column=0, row=1)))
+        if bias:
+            b = None
+            N = w.shape[0] if shard is None or shard.parallel == "row" else w.shape[0] * shard.count
+            if shard is None or shard.parallel == "column" or shard.index == 0:
+                b = self._as_float(f"{prefix}.bias", self.read(f"{prefix}.bias", shard, column=0, row=None,
+                                                               shape=(N,)))
+            elif self.has_tensor(f"{prefix}.bias"):
+                self.weights.mark_read(f"{prefix}.bias")  # rank 0 adds it once after the all-reduce
+            w = replace(w, bias=b)
+        return w
+
+    def get_fused_linear(self, prefixes: list[str], bias: bool = False, parallel: str | None = None,
+                         parts: list[int | None] | None = None,
+                         shapes: list[tuple[int, int] | None] | None = None) -> Weight:
+        """Linears sharing their input, fused along N; each is sharded on its own (q, k, v: each rank
+        gets its heads of each), parts and expected (N, K) shapes per prefix."""
+        parts = parts or [None] * len(prefixes)
+        shapes = shapes or [None] * len(prefixes)
+        return concat_outputs([self.get_linear(p, bias, parallel, n, s) for p, n, s in zip(prefixes, parts, shapes)])
+
+    def get_stacked(self, prefixes: list[str], shape: tuple[int, int] | None = None) -> Weight:
+        return stack_experts([self.get_linear(p, shape=shape) for p in prefixes])
+
+    def get_tensor(self, name: str, dim: int | None = None, shape: tuple | None = None) -> torch.Tensor:
+        """A float tensor in the compute dtype on the device; with dim, this rank's 1/world slice along it
+        (vocab-parallel embedding rows). shape: the full stored shape expected (checked before reading)."""
+        if shape is not None and self.has_tensor(name):
+            self._check_tensor_shape(name, shape)
+        shard = None if dim is None else self.shard("column")
+        return self._as_float(name, self.read(name, shard, column=dim, row=None))
+
+    def _check_tensor_shape(self, name: str, shape: tuple) -> None:
+        stored = self.weights.get_shape(name)
+        if stored != tuple(shape):
+            raise ValueError(f"{self.weights.folder}: tensor {name!r} has shape {list(stored)}, but config.json "
+                             f"implies {list(shape)}; the config does not match the weights: fix config.json or "
+                             "load the checkpoint it belongs to")
+
+    def get_embedding(self, prefix: str, shape: tuple[int, int] | None = None, dim: int | None = None) -> torch.Tensor:
+        """The embedding table [V, D] of module `prefix` in the compute dtype (with dim=0, this rank's
+        V/world rows). A quantized table (GPTQ/AWQ/fp8/compressed-tensors can carry one) is read as the
+        same typed weight a linear would be and dequantized exactly once here: a lookup needs the rows."""
+        if not self.is_quantized(prefix):
+            return self.get_tensor(f"{prefix}.weight", dim=dim, shape=shape)
+        self.check_shape(prefix, shape)
+        if dim is not None and self.world > 1:
+            raise ValueError(f"{prefix} is stored quantized; a quantized embedding cannot be split by vocabulary "
+                             f"rows over tensor_parallel={self.world} yet: load with tensor_parallel=1")
+        return self.quantized_linear(prefix).dequantize().to(device=self.device, dtype=self.dtype)
+
+    def get_lm_head(self, tied: bool, shape: tuple[int, int] | None = None, parallel: str | None = None,
+                    prefix: str = "lm_head") -> Weight | None:
+        """The output head, or None when the model must reuse its embedding table (tied).
+
+        A quantized head on disk is always used (GPTQModel `lm_head: true` / `dynamic`, or any format
+        that stores it quantized), tied or not; a dense `lm_head.weight` is used when untied and, when
+        tied, counted as a redundant copy (transformers ties it too). Untied with no head on disk is an
+        error: reusing the embedding would be a different model."""
+        if self.is_quantized(prefix) or (not tied and self.has_tensor(f"{prefix}.weight")):
+            return self.get_linear(prefix, parallel=parallel, shape=shape)
+        if tied:
+            if self.has_tensor(f"{prefix}.weight"):
+                self.weights.mark_read(f"{prefix}.weight")
+            return None
+        stored = sorted(n for n in self.weights.names() if n.startswith(prefix + "."))
+        raise ValueError(f"{self.weights.folder}: config.json has tie_word_embeddings=false but the checkpoint has no "
+                         f"{prefix}.weight" + (f" (found {stored}, which is no format this loader reads)" if stored
+                                               else "") + "; add the output head to the checkpoint, or set "
+                         "tie_word_embeddings=true if the model really reuses its embedding")
+
+    def finish(self) -> None:
+        """Called once the model is built: format-specific warnings, then `check_all_read`."""
+        self.check_all_read()
+
+    def check_all_read(self) -> None:
+        """After the model is built: every stored tensor must have been used. Unread tensors mean a
+        module the model does not run (a silent wrong answer), so they are an error naming them;
+        `harmless_unread` patterns only warn."""
+        unread = self.weights.unread()
+        harmless = [n for n in unread if any(re.search(p, n) for p in self.harmless_unread)]
+        unused = [n for n in unread if n not in harmless]
+        if harmless:
+            warnings.warn(f"{self.weights.folder}: ignoring {len(harmless)} stored tensor(s) this runtime does not "
+                          f"use: {_listing(harmless)}", stacklevel=3)
+        if unused:
+            raise ValueError(f"{self.weights.folder}: {len(unused)} stored tensor(s) were not used by any module of "
+                             f"the model: {_listing(unused)}; the checkpoint holds modules this model/config does not "
+                             "have (or quantizes a module in a way this loader does not read), so it would run a "
+                             "different model. Check config.json (layer counts, tie_word_embeddings) and the "
+                             "quantization_config")
+
+    def _as_float(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point() or tensor.element_size() == 1:
+            raise ValueError(f"tensor {name!r} in {self.weights.folder} has dtype {tensor.dtype}, expected a "
+                             "float16/bfloat16/float32 tensor (a quantized module read as dense? check the "
+                             "quantization_config's ignore / modules_to_not_convert lists)")
+        return tensor.to(device=self.device, dtype=self.dtype)
+
+    def has_tensor(self, name: str) -> bool:
+        return self.weights.has_tensor(name)
+
+    def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
+        raise NotImplementedError
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
