@@ -35,14 +35,13 @@ def _cases(device: str, quick: bool):
     """Yield (family, case name, ours, reference) with tensors on `device`."""
     import torch
 
-    from tritonq.bench.fp8 import random_fp8_weight
-    from tritonq.bench.moe import random_experts
     from tritonq.kernels import attention as attn
     from tritonq.kernels import fp8_gemm as fp8
     from tritonq.kernels import int4_gemm as int4
     from tritonq.kernels import moe
     from tritonq.kernels.norm_rope import rms_norm, rms_norm_reference
     from tritonq.quantize import quantize_int4
+    from tritonq.random_weights import random_experts, random_fp8_weight
 
     on_gpu = device == "cuda"
     dtypes = [torch.float16, torch.bfloat16] if on_gpu else [torch.float16]

@@ -76,8 +76,8 @@ def _int4_group_size(K: int) -> int:
 def _int4_gemm_target() -> TuneTarget:
     import triton
 
-    from tritonq.bench.int4_gemm import random_int4_weight
     from tritonq.kernels import int4_gemm as k
+    from tritonq.random_weights import random_int4_weight
 
     def space(shape):
         """CONFIG_SPACE restricted to what is legal and useful for this shape: the decode path
@@ -378,9 +378,9 @@ def _moe_target() -> TuneTarget:
     """
     import triton
 
-    from tritonq.bench.moe import int4_expert_group_size, random_experts
     from tritonq.kernels import moe as k
     from tritonq.kernels.moe import MoEConfig
+    from tritonq.random_weights import int4_expert_group_size, random_experts
 
     def space(problem):
         """BLOCK_M up to the tokens per expert (rounded up); BLOCK_N, BLOCK_K up to the GEMM's N, K."""

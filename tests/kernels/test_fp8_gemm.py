@@ -19,6 +19,7 @@ the same code and is compiled for sm_80 below. The fp8 path's dot is e4m3 x e4m3
 x.dtype and is tested with bf16 and fp16 outputs.
 """
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,21 +33,16 @@ from tritonq.kernels.fp8_gemm import (
     quantize_activation_fp8,
     quantize_activation_fp8_reference,
 )
+from tritonq.random_weights import random_fp8_weight
 from tritonq.weights import FP8Weight
 
 N, K = 200, 300  # neither a multiple of the 128 x 128 scale block nor of the kernel tiles
 
 
 def make_weight(scheme: str, n: int = N, k: int = K, bias: bool = False) -> FP8Weight:
-    """Random e4m3 weight with random positive scales of the given granularity."""
-    codes = (torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    if scheme == "tensor":
-        scale, block = torch.tensor(0.01), None
-    elif scheme == "channel":
-        scale, block = torch.rand(n, 1) * 0.02 + 0.001, None
-    else:
-        scale, block = torch.rand(-(-n // 128), -(-k // 128)) * 0.02 + 0.001, (128, 128)
-    return FP8Weight(codes, scale, block_size=block, bias=torch.randn(n, dtype=torch.bfloat16) if bias else None)
+    """Random e4m3 weight with random positive scales of the given granularity, and a bf16 bias."""
+    w = random_fp8_weight(n, k, scheme, "cpu")
+    return replace(w, bias=torch.randn(n, dtype=torch.bfloat16)) if bias else w
 
 
 def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor) -> None:

@@ -17,25 +17,13 @@ import argparse
 import torch
 
 from tritonq.bench.common import backend_label, gemm_row, plot_gemm, print_table, results_path, time_ms, write_json
+from tritonq.random_weights import random_fp8_weight
 from tritonq.weights import FP8Weight
 
 GPU_M = (1, 16, 128, 1024, 4096)
 CPU_M = (1, 16, 64)
 GPU_SHAPES = (("N=K=4096", 4096, 4096), ("dsv3 N=7168,K=2048", 7168, 2048), ("dsv3 N=2048,K=7168", 2048, 7168))
 CPU_SHAPES = (("N=K=512", 512, 512),)
-
-
-def random_fp8_weight(N: int, K: int, scheme: str, device) -> FP8Weight:
-    """Random e4m3 codes with positive scales of the given granularity ("tensor", "channel", "block")."""
-    codes = (torch.randn(N, K, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    if scheme == "tensor":
-        return FP8Weight(codes, torch.tensor(1e-3, device=device))
-    if scheme == "channel":
-        return FP8Weight(codes, torch.rand(N, 1, device=device) * 1e-3 + 1e-4)
-    if scheme == "block":
-        return FP8Weight(codes, torch.rand(-(-N // 128), -(-K // 128), device=device) * 1e-3 + 1e-4,
-                         block_size=(128, 128))
-    raise ValueError(f"unknown scheme {scheme!r}; choose tensor, channel or block")
 
 
 def fp8_bytes(w: FP8Weight) -> int:

@@ -16,22 +16,10 @@ import torch
 
 from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, backend_label, gemm_row, model_gemm_shapes,
                                   plot_gemm, print_table, results_path, time_ms, write_json)
-from tritonq.packing import pack_int32
+from tritonq.random_weights import random_int4_weight
 from tritonq.weights import Int4Weight
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def random_int4_weight(N: int, K: int, dtype: torch.dtype, device, group_size: int = 128) -> Int4Weight:
-    """Asymmetric int4 weight with random codes, scales and zeros in tritonq's Int4Weight layout."""
-    if K % group_size:
-        raise ValueError(f"K={K} is not a multiple of group_size={group_size}")
-    q = torch.randint(0, 16, (K, N), dtype=torch.int32)
-    groups = K // group_size
-    scales = (torch.rand(groups, N) * 0.02 + 0.001).to(dtype)
-    zeros = torch.randint(0, 16, (groups, N)).to(dtype)
-    return Int4Weight(qweight=pack_int32(q, 4, dim=0).to(device), scales=scales.to(device),
-                      zeros=zeros.to(device), g_idx=None, group_size=group_size, bits=4)
 
 
 def int4_bytes(w: Int4Weight) -> int:

@@ -13,36 +13,7 @@ import torch
 
 from tritonq.bench.common import device_peaks, print_table, time_ms, write_json
 from tritonq.kernels.moe import fused_moe, fused_moe_reference, grouped_topk
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, Weight
-
-
-def int4_expert_group_size(K: int) -> int:
-    """The group size random_experts gives int4 experts with K inputs: 128, or 32 if K is not a multiple."""
-    return 128 if K % 128 == 0 else 32
-
-
-def random_experts(kind: str, E: int, N: int, K: int, dtype: torch.dtype, device) -> Weight:
-    """A stacked expert weight [E, N, K] of `kind` ("dense", "int4", "fp8") with random contents made
-    on the device, scaled so that x ~ N(0, 1) gives outputs of about unit size.
-
-    int4: asymmetric, group 128 (32 if K is not a multiple), random nibbles (random int32 words) and
-    zeros in [6, 10]; fp8: e4m3 codes with 128x128 block scales.
-    """
-    if kind == "dense":
-        return DenseWeight((torch.randn(E, N, K, device=device) / K ** 0.5).to(dtype))
-    if kind == "int4":
-        group_size = int4_expert_group_size(K)
-        G = K // group_size
-        qweight = torch.randint(-2**31, 2**31 - 1, (E, K // 8, N), dtype=torch.int32, device=device)
-        # (nibble - zero) has std ~4.6, so these scales make dequantized weights ~N(0, 1/K)
-        scales = ((torch.rand(E, G, N, device=device) * 0.5 + 0.75) / (4.6 * K ** 0.5)).to(dtype)
-        zeros = torch.randint(6, 11, (E, G, N), device=device).to(dtype)
-        return Int4Weight(qweight, scales, zeros, None, group_size, 4)
-    if kind == "fp8":  # codes of std ~64 times scales ~1/(64 sqrt K)
-        codes = (torch.randn(E, N, K, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-        scales = (torch.rand(E, -(-N // 128), -(-K // 128), device=device) * 0.5 + 0.75) / (64 * K ** 0.5)
-        return FP8Weight(codes, scales, block_size=(128, 128))
-    raise ValueError(f"random_experts: kind {kind!r}; choose dense, int4 or fp8")
+from tritonq.random_weights import random_experts
 
 
 def _vllm_fused_moe():

@@ -1,0 +1,72 @@
+"""Random typed weights for benchmarks, the tuner, `python -m tritonq.check` and tests: contents
+that exercise a kernel (every code value, varied scales), not a trained model.
+
+Each generator makes a weight in tritonq's layout (tritonq/weights.py) on `device`; only the sizes
+and the quantization scheme are chosen by the caller. Tests that need an independent reference
+build their weights from raw checkpoint tensors instead (tests/kernels/test_int4_gemm.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from tritonq.packing import pack_int32
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, Weight
+
+FP8_SCHEMES = ("tensor", "channel", "block")
+EXPERT_KINDS = ("dense", "int4", "fp8")
+
+
+def random_int4_weight(N: int, K: int, dtype: torch.dtype, device, group_size: int = 128) -> Int4Weight:
+    """Asymmetric 4-bit weight [N, K]: random codes, scales in [0.001, 0.021) and zeros in [0, 16),
+    scales/zeros in dtype, one group per group_size input rows."""
+    if K % group_size:
+        raise ValueError(f"K={K} is not a multiple of group_size={group_size}")
+    q = torch.randint(0, 16, (K, N), dtype=torch.int32)
+    groups = K // group_size
+    scales = (torch.rand(groups, N) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (groups, N)).to(dtype)
+    return Int4Weight(qweight=pack_int32(q, 4, dim=0).to(device), scales=scales.to(device),
+                      zeros=zeros.to(device), g_idx=None, group_size=group_size, bits=4)
+
+
+def random_fp8_weight(N: int, K: int, scheme: str, device) -> FP8Weight:
+    """e4m3 codes of std ~64 with positive scales of the given granularity ("tensor", "channel",
+    "block": 128 x 128 blocks, the last ones partial when N or K is not a multiple)."""
+    if scheme not in FP8_SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {FP8_SCHEMES}")
+    codes = (torch.randn(N, K, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if scheme == "tensor":
+        return FP8Weight(codes, torch.tensor(1e-3, device=device))
+    if scheme == "channel":
+        return FP8Weight(codes, torch.rand(N, 1, device=device) * 1e-3 + 1e-4)
+    return FP8Weight(codes, torch.rand(-(-N // 128), -(-K // 128), device=device) * 1e-3 + 1e-4,
+                     block_size=(128, 128))
+
+
+def int4_expert_group_size(K: int) -> int:
+    """The group size random_experts gives int4 experts with K inputs: 128, or 32 if K is not a multiple."""
+    return 128 if K % 128 == 0 else 32
+
+
+def random_experts(kind: str, E: int, N: int, K: int, dtype: torch.dtype, device) -> Weight:
+    """A stacked expert weight [E, N, K] of `kind` ("dense", "int4", "fp8") with random contents made
+    on the device, scaled so that x ~ N(0, 1) gives outputs of about unit size.
+
+    int4: asymmetric, group 128 (32 if K is not a multiple), random nibbles (random int32 words) and
+    zeros in [6, 10]; fp8: e4m3 codes with 128x128 block scales.
+    """
+    if kind == "dense":
+        return DenseWeight((torch.randn(E, N, K, device=device) / K ** 0.5).to(dtype))
+    if kind == "int4":
+        group_size = int4_expert_group_size(K)
+        G = K // group_size
+        qweight = torch.randint(-2**31, 2**31 - 1, (E, K // 8, N), dtype=torch.int32, device=device)
+        # (nibble - zero) has std ~4.6, so these scales make dequantized weights ~N(0, 1/K)
+        scales = ((torch.rand(E, G, N, device=device) * 0.5 + 0.75) / (4.6 * K ** 0.5)).to(dtype)
+        zeros = torch.randint(6, 11, (E, G, N), device=device).to(dtype)
+        return Int4Weight(qweight, scales, zeros, None, group_size, 4)
+    if kind == "fp8":  # codes of std ~64 times scales ~1/(64 sqrt K)
+        codes = (torch.randn(E, N, K, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scales = (torch.rand(E, -(-N // 128), -(-K // 128), device=device) * 0.5 + 0.75) / (64 * K ** 0.5)
+        return FP8Weight(codes, scales, block_size=(128, 128))
+    raise ValueError(f"random_experts: kind {kind!r}; choose one of {EXPERT_KINDS}")
