@@ -70,7 +70,7 @@ def test_find_cycle_finds_one():
 def test_import_graph_sees_function_level_imports():
     graph = import_graph()
     assert "tritonq.weights" in graph["tritonq.kernels.int4_gemm"]
-    assert "tritonq.formats.loader" in graph["tritonq.formats.gptq"]
+    assert "tritonq.formats.base" in graph["tritonq.formats.gptq"]
     assert all(importlib.util.find_spec(m) is not None for m in graph)
 
 

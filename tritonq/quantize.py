@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from tritonq.formats.awq import int4_to_awq
+from tritonq.formats.base import always_dense
 from tritonq.formats.checkpoint import Weights
-from tritonq.formats.loader import always_dense
 from tritonq.packing import pack_int32
 from tritonq.weights import FP8Weight, Int4Weight
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from tritonq.formats.base import WeightsLoader
 from tritonq.formats.checkpoint import Shard, Weights
-from tritonq.formats.loader import WeightsLoader
 from tritonq.packing import AWQ_ORDER, AWQ_REVERSE_ORDER, pack_int32, unpack_int32
 from tritonq.weights import Int4Weight
 

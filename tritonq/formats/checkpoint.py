@@ -1,7 +1,7 @@
 """Reading one safetensors checkpoint folder: `Weights` (the tensors, whole or one rank's slice)
 and `Shard` (which slice of a linear a tensor-parallel rank holds).
 
-No format knowledge here: the loaders (formats/loader.py and one file per format) turn these
+No format knowledge here: the loaders (formats/base.py and one file per format) turn these
 tensors into typed weights (tritonq/weights.py).
 """
 from __future__ import annotations

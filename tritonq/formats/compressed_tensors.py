@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonq.formats.base import WeightsLoader
 from tritonq.formats.checkpoint import Shard, Weights
-from tritonq.formats.loader import WeightsLoader
 from tritonq.packing import pack_int32, unpack_int32
 from tritonq.weights import FP8Weight, Int4Weight, Weight
 

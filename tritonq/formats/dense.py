@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from tritonq.formats.base import WeightsLoader, always_dense
 from tritonq.formats.checkpoint import Shard, Weights
-from tritonq.formats.loader import WeightsLoader, always_dense
 from tritonq.quantize import quantize_fp8, quantize_int4
 from tritonq.weights import Weight
 

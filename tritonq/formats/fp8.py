@@ -14,8 +14,8 @@ import math
 
 import torch
 
+from tritonq.formats.base import WeightsLoader
 from tritonq.formats.checkpoint import Shard, Weights
-from tritonq.formats.loader import WeightsLoader
 from tritonq.weights import FP8Weight
 
 SUPPORTED_FMTS = ("e4m3",)

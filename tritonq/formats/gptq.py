@@ -28,8 +28,8 @@ import warnings
 
 import torch
 
+from tritonq.formats.base import WeightsLoader, _listing
 from tritonq.formats.checkpoint import Shard, Weights
-from tritonq.formats.loader import WeightsLoader, _listing
 from tritonq.packing import pack_int32, unpack_int32
 from tritonq.weights import Int4Weight
 

@@ -7,12 +7,12 @@ from pathlib import Path
 import torch
 
 from tritonq.formats.awq import AWQLoader
+from tritonq.formats.base import WeightsLoader
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.compressed_tensors import CompressedTensorsLoader
 from tritonq.formats.dense import DenseLoader
 from tritonq.formats.fp8 import FP8Loader
 from tritonq.formats.gptq import GPTQLoader
-from tritonq.formats.loader import WeightsLoader
 
 # Older AutoGPTQ / AutoAWQ exports keep the quantizer settings in a side file instead of
 # config.json's quantization_config; the file name says which quantizer wrote it.
