@@ -257,7 +257,7 @@ def test_attention_prefill_dry_run_winner_is_what_prefill_config_returns(config_
     assert winners == {"D64+16_DV64": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}}
     tune.write_configs(target.name, "cpu", winners, config_dir)
     tuned = prefill_config(64, 16, 64, on_gpu=True)
-    assert tuned == PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3)
+    assert tuned == PrefillConfig(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3)
     assert prefill_config(64, 0, 64, on_gpu=True) != tuned  # another bucket keeps the default
 
 
@@ -276,7 +276,7 @@ def test_attention_decode_dry_run_winner_is_what_decode_config_returns(config_di
 
 
 def test_moe_dry_run_writes_both_gemm_buckets_that_fused_moe_looks_up(config_dir, monkeypatch):
-    from tritonq.kernels import moe
+    from tritonq.kernels import common, moe
     from tritonq.kernels.moe import MoEConfig
     target = tune.TARGETS["moe"]()
     shape = (3, 8, 2, 64, 96)  # T, E, top-k, D, I
@@ -290,8 +290,8 @@ def test_moe_dry_run_writes_both_gemm_buckets_that_fused_moe_looks_up(config_dir
     assert moe.default_config(3, 2, 8) != MoEConfig(**expected)
 
     asked = []
-    real_lookup = moe.lookup
-    monkeypatch.setattr(moe, "lookup", lambda kernel, bucket: asked.append((kernel, bucket)) or
+    real_lookup = common.lookup
+    monkeypatch.setattr(common, "lookup", lambda kernel, bucket: asked.append((kernel, bucket)) or
                         real_lookup(kernel, bucket))
     x, gate_up, down, weights, ids, _ = target.make_inputs((*shape, 0), torch.device("cpu"))
     out = moe.fused_moe(x, gate_up, down, weights, ids)

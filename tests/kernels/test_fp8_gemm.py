@@ -25,6 +25,7 @@ import torch
 from child_process import json_from_child
 
 from tritonq.formats.base import FP8Weight
+from tritonq.kernels import common
 from tritonq.kernels import fp8_gemm as fp8
 from tritonq.kernels.fp8_gemm import (
     FP8GemmConfig,
@@ -167,16 +168,16 @@ def test_cpu_backend_runs_the_reference(monkeypatch):
 def test_weight_only_choice_is_logged_once(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")
-    fp8._lacks_fp8_tensor_cores.cache_clear()
+    common.has_fp8_tensor_cores.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=fp8.__name__):
-            assert fp8._lacks_fp8_tensor_cores(torch.device("cuda", 0))
-            assert fp8._lacks_fp8_tensor_cores(torch.device("cuda", 0))
+        with caplog.at_level(logging.WARNING, logger=common.__name__):
+            assert not common.has_fp8_tensor_cores(torch.device("cuda", 0))
+            assert not common.has_fp8_tensor_cores(torch.device("cuda", 0))
         assert len(caplog.records) == 1 and "weight-only" in caplog.records[0].getMessage()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
-        assert not fp8._lacks_fp8_tensor_cores(torch.device("cuda", 1))
+        assert common.has_fp8_tensor_cores(torch.device("cuda", 1))
     finally:
-        fp8._lacks_fp8_tensor_cores.cache_clear()
+        common.has_fp8_tensor_cores.cache_clear()
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -197,5 +197,5 @@ def test_tuned_config_from_json_store_is_used(monkeypatch):
 
 def test_bad_config_raises_value_error():
     w, _ = awq_case(128, 40, 32, torch.float16)
-    with pytest.raises(ValueError, match=r"config.BLOCK_N is 24, expected a power of two >= 16"):
+    with pytest.raises(ValueError, match=r"config.BLOCK_N = 24, expected a power of two >= 16"):
         int4_gemm(torch.ones(2, 128, dtype=torch.float16), w, config=Int4GemmConfig(16, 24, 32))
