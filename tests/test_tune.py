@@ -93,6 +93,7 @@ def config_dir(tmp_path, monkeypatch):
     configs.load_configs.cache_clear()
 
 
+@pytest.mark.interpreter  # tune --dry-run re-executes itself under the interpreter otherwise
 def test_dry_run_cli_writes_configs_that_lookup_reads_back(config_dir, monkeypatch, capsys):
     monkeypatch.setitem(tune.TARGETS, "toy", _toy_target)
     (config_dir / "toy").mkdir()
@@ -103,6 +104,7 @@ def test_dry_run_cli_writes_configs_that_lookup_reads_back(config_dir, monkeypat
     assert "rejected" in capsys.readouterr().out
 
 
+@pytest.mark.interpreter  # tune --dry-run re-executes itself under the interpreter otherwise
 def test_int4_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
     from tritonq.kernels.int4_gemm import (
         Int4GemmConfig,
@@ -124,6 +126,7 @@ def test_int4_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
                                atol=target.atol, rtol=target.rtol)
 
 
+@pytest.mark.interpreter  # tune --dry-run re-executes itself under the interpreter otherwise
 def test_fp8_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
     from tritonq.kernels.fp8_gemm import (
         FP8GemmConfig,
@@ -183,6 +186,7 @@ def test_model_shapes_come_from_config_json(tmp_path):
         tune.model_shapes(tmp_path / "missing")
 
 
+@pytest.mark.interpreter  # tune --dry-run re-executes itself under the interpreter otherwise
 def test_bad_arguments_are_clear_errors(capsys):
     with pytest.raises(SystemExit):
         tune.main(["--kernel", "int4_gemm", "--aot", "hopper"])
@@ -300,6 +304,7 @@ def test_moe_dry_run_writes_both_gemm_buckets_that_fused_moe_looks_up(config_dir
                                atol=target.atol, rtol=target.rtol)
 
 
+@pytest.mark.interpreter  # tune --dry-run re-executes itself under the interpreter otherwise
 def test_new_targets_dry_run_cli_round_trips(config_dir):
     """The CLI path (interpreter re-exec skipped: conftest already set it) for each new kernel."""
     for kernel, shape, where in [("attention_prefill", "1x20x2x1x16x24", "BLOCK_M=64,BLOCK_N=32,num_warps=4"),

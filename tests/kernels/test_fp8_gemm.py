@@ -22,6 +22,7 @@ import logging
 
 import pytest
 import torch
+import tolerances
 from child_process import json_from_child
 
 from tritonq.formats.base import FP8Weight
@@ -52,7 +53,7 @@ def make_weight(scheme: str, n: int = N, k: int = K, bias: bool = False) -> FP8W
 
 
 def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
-    eps = 2 ** -14 if out.dtype == torch.float32 else torch.finfo(out.dtype).eps
+    eps = tolerances.table("fp8_gemm")[out.dtype]
     assert out.dtype == ref.dtype
     torch.testing.assert_close(out.float(), ref.float(), rtol=eps, atol=eps * ref.float().abs().max().item())
 

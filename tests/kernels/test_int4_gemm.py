@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import tolerances
 import torch
 
 from tritonq.formats.packing import AWQ_ORDER, awq_to_int4, gptq_to_int4
@@ -21,7 +22,7 @@ from tritonq.kernels.int4_gemm import (
     int4_gemm_reference,
 )
 
-TOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 2**-11}
+TOL = tolerances.table("int4_gemm")  # tests/tolerances.py: the reason of each dtype's bound
 
 
 def assert_close(y, ref):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+import tolerances
 from child_process import json_from_child
 
 from tritonq.formats.base import DenseWeight, FP8Weight, Int4Weight
@@ -24,7 +25,7 @@ from tritonq.kernels.moe import (
     moe_align_block_size,
 )
 
-TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+TOL = tolerances.table("moe")
 
 
 # ------------------------------------------------------------------ routing
