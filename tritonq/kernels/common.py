@@ -39,17 +39,23 @@ E4M3_TO_FP16_BIAS = tl.constexpr(256.0)
 
 
 @triton.jit
-def dequantize_int_tile(words, scale, zero, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """words [BLOCK_K * BITS / 32, BLOCK_N] int32, packed along K -> fp32 [BLOCK_K, BLOCK_N] weights.
+def unpack_int_tile(words, BITS: tl.constexpr):
+    """words [BLOCK_K * BITS / 32, BLOCK_N] int32, packed along K -> fp32 codes [BLOCK_K, BLOCK_N].
 
     Field i of word r is row r * (32 / BITS) + i, so the reshape keeps rows in K order: each packed
-    word is loaded once and unpacked in registers. w = (q - zero) * scale with zero and scale
-    broadcasting against the tile ([1, BLOCK_N] rows or full tiles); without HAS_ZEROS (symmetric
-    weights) zero is 2^(BITS-1) and the `zero` argument is not read.
+    word is loaded once and unpacked in registers. Unpack right after the load: the kernels keep the
+    words' registers short-lived that way (sm_75 spills more when scale loads come in between).
     """
     PER_WORD: tl.constexpr = 32 // BITS
     fields = (words[:, None, :] >> (tl.arange(0, PER_WORD) * BITS)[None, :, None]) & ((1 << BITS) - 1)
-    q = tl.reshape(fields, (words.shape[0] * PER_WORD, words.shape[1])).to(tl.float32)
+    return tl.reshape(fields, (words.shape[0] * PER_WORD, words.shape[1])).to(tl.float32)
+
+
+@triton.jit
+def dequantize_int_tile(q, scale, zero, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """fp32 codes q [BLOCK_K, BLOCK_N] (`unpack_int_tile`) -> fp32 weights (q - zero) * scale, zero and
+    scale broadcasting against the tile ([1, BLOCK_N] rows or full tiles); without HAS_ZEROS
+    (symmetric weights) zero is 2^(BITS-1) and the `zero` argument is not read."""
     if HAS_ZEROS:
         w = (q - zero) * scale
     else:

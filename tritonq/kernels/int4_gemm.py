@@ -52,7 +52,14 @@ import triton.language as tl
 from tritonq.formats.base import Int4Weight
 from tritonq.formats.packing import unpack_int32
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
-from tritonq.kernels.common import Launch, check_launch_config, dequantize_int_tile, tuned_or_default, upcast_dot
+from tritonq.kernels.common import (
+    Launch,
+    check_launch_config,
+    dequantize_int_tile,
+    tuned_or_default,
+    unpack_int_tile,
+    upcast_dot,
+)
 
 SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
 
@@ -109,6 +116,7 @@ def _int4_gemm_kernel(
         offs_word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
         words = tl.load(qweight_ptr + offs_word[:, None] * N + offs_n[None, :],
                         mask=(offs_word < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
+        q = unpack_int_tile(words, BITS)
         mask_kn = mask_k[:, None] & mask_n[None, :]
         if TILE_GROUPS:  # the whole K tile lies in group k0 // group_size
             g = k0 // group_size
@@ -125,7 +133,7 @@ def _int4_gemm_kernel(
             z = s
             if HAS_ZEROS:
                 z = tl.load(zeros_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0).to(tl.float32)
-        w = dequantize_int_tile(words, s, z, BITS, HAS_ZEROS)
+        w = dequantize_int_tile(q, s, z, BITS, HAS_ZEROS)
         w = w.to(x.dtype)  # weights meet the activations in x's dtype, as on the tensor cores
         if UPCAST_DOT:  # fp32 x (exact ieee dot), or bf16 under the interpreter (common.upcast_dot)
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")

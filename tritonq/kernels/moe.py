@@ -45,6 +45,7 @@ from tritonq.kernels.common import (
     e4m3_bits_to_fp16,
     has_fp8_tensor_cores,
     tuned_or_default,
+    unpack_int_tile,
     upcast_dot,
 )
 
@@ -198,6 +199,7 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         offs_word = tl.min(offs_k, axis=0) // PACK + tl.arange(0, BLOCK_K // PACK)
         words = tl.load(w_base + offs_word[:, None] * stride_wk + offs_n[None, :] * stride_wn,
                         mask=(offs_word < K // PACK)[:, None] & (offs_n[None, :] < N), other=0)
+        q = unpack_int_tile(words, BITS)
         if TILE_SCALE_ROW:  # the whole K tile is in one group: one [1, BLOCK_N] row of scales/zeros
             s_off = (expert.to(tl.int64) * stride_se + (tl.min(offs_k, axis=0) // group_size) * stride_sk
                      + offs_n[None, :] * stride_sn)
@@ -213,7 +215,7 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         zero = scale  # read only with HAS_ZEROS (else symmetric: zero = 2^(bits-1))
         if HAS_ZEROS:
             zero = tl.load(zero_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
-        w = dequantize_int_tile(words, scale, zero, BITS, HAS_ZEROS).to(COMPUTE)
+        w = dequantize_int_tile(q, scale, zero, BITS, HAS_ZEROS).to(COMPUTE)
     else:  # fp8 [E, N, K]; scale index (n // SCALE_BN, k // SCALE_BK), strides 0 where constant
         w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         if FP8_AS_BITS:  # no fp8 types below sm_89: decode the bytes (exact; x 2^8 in fp32 undoes the bias)
