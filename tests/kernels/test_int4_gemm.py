@@ -188,8 +188,8 @@ def test_tuned_config_from_json_store_is_used(monkeypatch):
         asked.append((kernel, bucket))
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, num_warps=2, num_stages=2)
 
-    import tritonq.kernels.int4_gemm as int4_module
-    monkeypatch.setattr(int4_module, "lookup", lookup)
+    import tritonq.kernels.common as common
+    monkeypatch.setattr(common, "lookup", lookup)
     w, _ = gptq_case(128, 40, 4, 64, torch.float16, sym=False, act_order=False)
     x = torch.randn(3, 128, dtype=torch.float16)
     assert_close(int4_gemm(x, w), int4_gemm_reference(x, w))
