@@ -11,7 +11,7 @@ SELECT = ["-k", "test_int4_gemm and test_kernel_matches_reference and (case0 or 
 def test_check_runs_the_kernel_tests_and_reports_each(capsys):
     assert tritonq.check.main(["--quick", "--", *SELECT]) == 0
     out = capsys.readouterr().out
-    assert out.count("ok   int4_gemm     test_kernel_matches_reference[case") == 2
+    assert out.count("ok   int4_gemm    test_kernel_matches_reference[case") == 2
     assert "FAIL" not in out and "2 passed, 0 failed" in out
 
 
@@ -25,5 +25,5 @@ def test_check_reports_a_wrong_kernel(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     assert tritonq.check.main(["--quick", "--", "-p", "wrong_int4", *SELECT]) == 1
     out = capsys.readouterr().out
-    assert out.count("FAIL int4_gemm     test_kernel_matches_reference[case") == 2
+    assert out.count("FAIL int4_gemm    test_kernel_matches_reference[case") == 2
     assert "0 passed, 2 failed" in out and "Mismatched elements" in out

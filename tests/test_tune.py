@@ -276,7 +276,7 @@ def test_attention_decode_dry_run_winner_is_what_decode_config_returns(config_di
     # ceil(100 / (4 * 32)) = 1 so each split keeps 4 key blocks
     assert decode_config(3, 2, 100, 64, 16, 64, sm_count=132) == DecodeConfig(32, 1, 8, 3)
     assert decode_config(3, 2, 4096, 64, 16, 64, sm_count=132) == DecodeConfig(32, 32, 8, 3)
-    assert decode_config(3, 2, 100, 128, 0, 128, sm_count=132).block_n == 64  # default for other dims
+    assert decode_config(3, 2, 100, 128, 0, 128, sm_count=132).BLOCK_N == 64  # default for other dims
 
 
 def test_moe_dry_run_writes_both_gemm_buckets_that_fused_moe_looks_up(config_dir, monkeypatch):
