@@ -1,13 +1,39 @@
-"""Test setup: run the real @triton.jit kernels on CPU through Triton's interpreter.
+"""Test setup: where the real @triton.jit kernels run.
 
-TRITON_INTERPRET must be set before triton is first imported, so this runs first.
+With a CUDA GPU they run natively: the kernel tests (tests/kernels, marked `kernels`) put their
+tensors on it through the `device` fixture. Without one they run on CPU through Triton's
+interpreter: TRITON_INTERPRET must be set before triton is first imported, so this runs first
+(`import torch` does not import triton). Markers (pyproject): `gpu` tests need CUDA and are skipped
+without it; `interpreter` tests exercise the interpreter path itself (CPU tensors through the
+Triton kernels, `tune --dry-run` in process) and are skipped where kernels run natively.
 """
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (kernels run natively there); none here")
+    native = pytest.mark.skip(reason="checks Triton's interpreter path; kernels run natively on this CUDA machine "
+                                     "(TRITON_INTERPRET=1 runs it here)")
+    for item in items:
+        if "gpu" in item.keywords and not CUDA:
+            item.add_marker(no_gpu)
+        if "interpreter" in item.keywords and not INTERPRETER:
+            item.add_marker(native)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where kernel tests put their tensors: the GPU when there is one, else the CPU (interpreter)."""
+    return torch.device("cuda" if CUDA and not INTERPRETER else "cpu")
 
 
 @pytest.fixture(autouse=True)

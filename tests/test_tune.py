@@ -93,6 +93,7 @@ def config_dir(tmp_path, monkeypatch):
     configs.load_configs.cache_clear()
 
 
+@pytest.mark.interpreter  # tune --dry-run re-executes itself under the interpreter otherwise
 def test_dry_run_cli_writes_configs_that_lookup_reads_back(config_dir, monkeypatch, capsys):
     monkeypatch.setitem(tune.TARGETS, "toy", _toy_target)
     (config_dir / "toy").mkdir()
@@ -103,6 +104,7 @@ def test_dry_run_cli_writes_configs_that_lookup_reads_back(config_dir, monkeypat
     assert "rejected" in capsys.readouterr().out
 
 
+@pytest.mark.interpreter  # tune --dry-run re-executes itself under the interpreter otherwise
 def test_int4_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
     from tritonq.kernels.int4_gemm import (
         Int4GemmConfig,
@@ -124,6 +126,7 @@ def test_int4_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
                                atol=target.atol, rtol=target.rtol)
 
 
+@pytest.mark.interpreter  # tune --dry-run re-executes itself under the interpreter otherwise
 def test_fp8_gemm_dry_run_round_trips_through_the_launchers_lookup(config_dir):
     from tritonq.kernels.fp8_gemm import (
         FP8GemmConfig,
@@ -183,6 +186,7 @@ def test_model_shapes_come_from_config_json(tmp_path):
         tune.model_shapes(tmp_path / "missing")
 
 
+@pytest.mark.interpreter  # tune --dry-run re-executes itself under the interpreter otherwise
 def test_bad_arguments_are_clear_errors(capsys):
     with pytest.raises(SystemExit):
         tune.main(["--kernel", "int4_gemm", "--aot", "hopper"])
@@ -257,7 +261,7 @@ def test_attention_prefill_dry_run_winner_is_what_prefill_config_returns(config_
     assert winners == {"D64+16_DV64": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}}
     tune.write_configs(target.name, "cpu", winners, config_dir)
     tuned = prefill_config(64, 16, 64, on_gpu=True)
-    assert tuned == PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3)
+    assert tuned == PrefillConfig(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3)
     assert prefill_config(64, 0, 64, on_gpu=True) != tuned  # another bucket keeps the default
 
 
@@ -272,11 +276,11 @@ def test_attention_decode_dry_run_winner_is_what_decode_config_returns(config_di
     # ceil(100 / (4 * 32)) = 1 so each split keeps 4 key blocks
     assert decode_config(3, 2, 100, 64, 16, 64, sm_count=132) == DecodeConfig(32, 1, 8, 3)
     assert decode_config(3, 2, 4096, 64, 16, 64, sm_count=132) == DecodeConfig(32, 32, 8, 3)
-    assert decode_config(3, 2, 100, 128, 0, 128, sm_count=132).block_n == 64  # default for other dims
+    assert decode_config(3, 2, 100, 128, 0, 128, sm_count=132).BLOCK_N == 64  # default for other dims
 
 
 def test_moe_dry_run_writes_both_gemm_buckets_that_fused_moe_looks_up(config_dir, monkeypatch):
-    from tritonq.kernels import moe
+    from tritonq.kernels import common, moe
     from tritonq.kernels.moe import MoEConfig
     target = tune.TARGETS["moe"]()
     shape = (3, 8, 2, 64, 96)  # T, E, top-k, D, I
@@ -290,8 +294,8 @@ def test_moe_dry_run_writes_both_gemm_buckets_that_fused_moe_looks_up(config_dir
     assert moe.default_config(3, 2, 8) != MoEConfig(**expected)
 
     asked = []
-    real_lookup = moe.lookup
-    monkeypatch.setattr(moe, "lookup", lambda kernel, bucket: asked.append((kernel, bucket)) or
+    real_lookup = common.lookup
+    monkeypatch.setattr(common, "lookup", lambda kernel, bucket: asked.append((kernel, bucket)) or
                         real_lookup(kernel, bucket))
     x, gate_up, down, weights, ids, _ = target.make_inputs((*shape, 0), torch.device("cpu"))
     out = moe.fused_moe(x, gate_up, down, weights, ids)
@@ -300,6 +304,7 @@ def test_moe_dry_run_writes_both_gemm_buckets_that_fused_moe_looks_up(config_dir
                                atol=target.atol, rtol=target.rtol)
 
 
+@pytest.mark.interpreter  # tune --dry-run re-executes itself under the interpreter otherwise
 def test_new_targets_dry_run_cli_round_trips(config_dir):
     """The CLI path (interpreter re-exec skipped: conftest already set it) for each new kernel."""
     for kernel, shape, where in [("attention_prefill", "1x20x2x1x16x24", "BLOCK_M=64,BLOCK_N=32,num_warps=4"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import triton
+import tolerances
 from child_process import json_from_child
 
 from tritonq.kernels.aot import aot_compile
@@ -44,7 +45,7 @@ from tritonq.kernels.attention import (
 # bf16 is not run here: triton 3.9's interpreter does bf16 arithmetic on the raw bits (a bf16
 # tile times 1.0 comes back as ~1e32, and so does a bf16 tl.dot), so bf16 is covered by the AOT
 # compile test below and by the GPU benchmark, which checks against SDPA in bf16.
-TOL = {torch.float32: 1e-4, torch.float16: 4e-3}
+TOL = tolerances.table("attention")
 
 # (Dqk, Dv, H, Hkv): head dims 64, 128, 96 and DeepSeek-V2's 192/128; GQA ratios 1, 4, 8.
 HEADS = [(64, 64, 2, 2), (128, 128, 4, 1), (192, 128, 2, 2), (96, 96, 8, 1)]
@@ -264,7 +265,7 @@ def compile_shipped_configs(cc: int) -> dict:
             _prefill_kernel,
             _signature(_prefill_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16,
                                          "seq_lens_ptr": "*i32"}, floats={"qk_scale"}),
-            dict(GROUP=4, CAUSAL=True, HAS_WINDOW=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            dict(GROUP=4, CAUSAL=True, HAS_WINDOW=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
                  BLOCK_DR=block_dr, BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
     for d_qk, d_v in [(128, 128), (192, 128)]:  # sliding window (Mistral, Qwen2 128; a 192 / 128 check)
         (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
@@ -273,7 +274,7 @@ def compile_shipped_configs(cc: int) -> dict:
             _prefill_kernel,
             _signature(_prefill_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16,
                                          "seq_lens_ptr": "*i32"}, floats={"qk_scale"}),
-            dict(GROUP=4, CAUSAL=True, HAS_WINDOW=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            dict(GROUP=4, CAUSAL=True, HAS_WINDOW=True, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
                  BLOCK_DR=block_dr, BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
     # Paged-context prefill (the engine's), 16-token pages, with and without a window. Its keys are
     # gathered row by row through the block table, so the compiler only vectorizes them knowing the
@@ -289,7 +290,7 @@ def compile_shipped_configs(cc: int) -> dict:
         cfg = paged_prefill_config(block_d, block_dr, block_dv, cc)
         reports[f"paged prefill Dqk{d_qk} Dv{d_v} window{window} {cfg}"] = aot_compile(
             _paged_prefill_kernel, paged_signature,
-            dict(GROUP=4, HAS_WINDOW=window, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            dict(GROUP=4, HAS_WINDOW=window, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
                  BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=16), cc, cfg.num_warps, cfg.num_stages,
             divisible_by_16=aligned)
     # Decode: the contiguous cache, and a paged one with 16-token pages (vLLM's default page size),
@@ -299,13 +300,13 @@ def compile_shipped_configs(cc: int) -> dict:
                                               ((128, 128), 16, True), ((128, 128), 0, True)]):
         (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
         cfg = decode_config(1, 8, 32768, block_d, block_dr, block_dv, sm_count=132)
-        block_n = min(cfg.block_n, page_size) if page_size else cfg.block_n
+        block_n = min(cfg.BLOCK_N, page_size) if page_size else cfg.BLOCK_N
         reports[f"decode Dqk{d_qk} Dv{d_v} page{page_size} window{window} {cfg}"] = aot_compile(
             _decode_split_kernel,
             _signature(_decode_split_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16,
                                               "cache_lens_ptr": "*i32", "block_table_ptr": "*i32",
                                               "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}, floats={"qk_scale"}),
-            dict(GROUP=4, NUM_SPLITS=cfg.num_splits, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=block_d,
+            dict(GROUP=4, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=block_d,
                  BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window), cc, cfg.num_warps,
             cfg.num_stages)
     reports["decode merge Dv512"] = aot_compile(
@@ -341,13 +342,14 @@ def test_shipped_configs_compile_within_shared_memory(cc):
 
 
 class LaunchSpy:
-    """Stands in for a @triton.jit kernel: records each launch's constexpr kwargs, then launches."""
+    """Stands in for a @triton.jit kernel: records each launch's scalar kwargs (constexprs, launch
+    options and the int arguments; not the tensors), then launches."""
     def __init__(self, kernel):
         self.kernel, self.launches = kernel, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.launches.append(kwargs)
+            self.launches.append({k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)})
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -377,7 +379,7 @@ def test_decode_explicit_config_is_launched_and_matches_reference(monkeypatch, p
         k, v, table = scatter_into_pages(k, v, page_size, 40, g)
     spy = LaunchSpy(attention._decode_split_kernel)
     monkeypatch.setattr(attention, "_decode_split_kernel", spy)
-    cfg = attention.DecodeConfig(block_n=32, num_splits=3, num_warps=8, num_stages=3)
+    cfg = attention.DecodeConfig(BLOCK_N=32, NUM_SPLITS=3, num_warps=8, num_stages=3)
     out = decode_attention(q, k, v, lens(CACHE_LENS), 0.15, block_table=table, config=cfg)
     assert [(c["BLOCK_N"], c["NUM_SPLITS"], c["num_warps"], c["num_stages"]) for c in spy.launches] == [(32, 3, 8, 3)]
     assert_close(out, decode_attention_reference(q, k, v, lens(CACHE_LENS), 0.15, block_table=table), torch.float32)
@@ -386,15 +388,15 @@ def test_decode_explicit_config_is_launched_and_matches_reference(monkeypatch, p
 def test_bad_attention_configs_raise_clear_errors():
     from tritonq.kernels.attention import DecodeConfig, PrefillConfig
     q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16)
-    for cfg, message in [(PrefillConfig(48, 16, 4, 2), "block_m = 48, expected a power of two >= 16"),
-                         (PrefillConfig(64, 8, 4, 2), "block_n = 8"),
+    for cfg, message in [(PrefillConfig(48, 16, 4, 2), "BLOCK_M = 48, expected a power of two >= 16"),
+                         (PrefillConfig(64, 8, 4, 2), "BLOCK_N = 8"),
                          (PrefillConfig(64, 64, 3, 2), "num_warps = 3"),
                          (PrefillConfig(64, 64, 4, 0), "num_stages = 0")]:
         with pytest.raises(ValueError, match=message):
             prefill_attention(q, k, v, lens([4]), 0.25, config=cfg)
     with pytest.raises(TypeError, match="must be a PrefillConfig"):
         prefill_attention(q, k, v, lens([4]), 0.25, config={"BLOCK_M": 64})
-    with pytest.raises(ValueError, match="num_splits = 0"):
+    with pytest.raises(ValueError, match="NUM_SPLITS = 0"):
         decode_attention(q[:, 0], k, v, lens([4]), 0.25, config=DecodeConfig(16, 0, 4, 2))
     with pytest.raises(TypeError, match="must be a DecodeConfig"):
         decode_attention(q[:, 0], k, v, lens([4]), 0.25, config=PrefillConfig(64, 64, 4, 2))

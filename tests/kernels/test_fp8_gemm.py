@@ -23,8 +23,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+import tolerances
 from child_process import json_from_child
 
+from tritonq.kernels import common
 from tritonq.kernels import fp8_gemm as fp8
 from tritonq.kernels.fp8_gemm import (
     FP8GemmConfig,
@@ -46,7 +48,7 @@ def make_weight(scheme: str, n: int = N, k: int = K, bias: bool = False) -> FP8W
 
 
 def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
-    eps = 2 ** -14 if out.dtype == torch.float32 else torch.finfo(out.dtype).eps
+    eps = tolerances.table("fp8_gemm")[out.dtype]
     assert out.dtype == ref.dtype
     torch.testing.assert_close(out.float(), ref.float(), rtol=eps, atol=eps * ref.float().abs().max().item())
 
@@ -162,16 +164,16 @@ def test_cpu_backend_runs_the_reference(monkeypatch):
 def test_weight_only_choice_is_logged_once(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")
-    fp8._lacks_fp8_tensor_cores.cache_clear()
+    common.has_fp8_tensor_cores.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=fp8.__name__):
-            assert fp8._lacks_fp8_tensor_cores(torch.device("cuda", 0))
-            assert fp8._lacks_fp8_tensor_cores(torch.device("cuda", 0))
+        with caplog.at_level(logging.WARNING, logger=common.__name__):
+            assert not common.has_fp8_tensor_cores(torch.device("cuda", 0))
+            assert not common.has_fp8_tensor_cores(torch.device("cuda", 0))
         assert len(caplog.records) == 1 and "weight-only" in caplog.records[0].getMessage()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
-        assert not fp8._lacks_fp8_tensor_cores(torch.device("cuda", 1))
+        assert common.has_fp8_tensor_cores(torch.device("cuda", 1))
     finally:
-        fp8._lacks_fp8_tensor_cores.cache_clear()
+        common.has_fp8_tensor_cores.cache_clear()
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -196,6 +198,10 @@ def test_wrong_k_is_rejected():
 
 
 # ---- AOT: the real NVIDIA pipeline, no GPU -----------------------------------------------------
+# The signature is written out here with the divisibility hints of the first AOT tables: with all
+# the hints the runtime gives (fp8_gemm.aot_launch, as tune --aot compiles), the sm_89 block-scaled
+# 128 x 128 prefill tile spills 8 bytes (the kernel is unchanged; the hints on N and the scale
+# pointers change register allocation): an open finding about that default on sm_89.
 # conftest turns @triton.jit into interpreter objects, which triton.compile cannot take, so the
 # compiles run once in a subprocess without TRITON_INTERPRET and report back as JSON.
 
@@ -219,7 +225,7 @@ reports = {}
 for block in (False, True):
     for name, BLOCK_M, BLOCK_N, warps, stages in (("decode", 16, 64, 4, 4), ("prefill", 128, 128, 8, 3)):
         for cc in (89, 90):
-            split_k = 4 if name == "decode" else 1  # decode splits K, adding fp32 partials atomically
+            split_k = 4 if name == "decode" else 1  # decode splits K into fp32 partials
             reports[f"fp8 block={block} {name} sm_{cc}"] = gemm("*fp8e4nv", "*fp8e4nv", "*fp32" if split_k > 1 else "*bf16",
                                                                False, block, BLOCK_M, BLOCK_N, cc, warps, stages, split_k)
     for dtype in ("fp16", "bf16"):

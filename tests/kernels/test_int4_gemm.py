@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import tolerances
 import torch
 
 from tritonq.formats.awq import awq_to_int4
@@ -22,7 +23,7 @@ from tritonq.kernels.int4_gemm import (
 )
 from tritonq.packing import AWQ_ORDER
 
-TOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 2**-11}
+TOL = tolerances.table("int4_gemm")  # tests/tolerances.py: the reason of each dtype's bound
 
 
 def assert_close(y, ref):
@@ -188,8 +189,8 @@ def test_tuned_config_from_json_store_is_used(monkeypatch):
         asked.append((kernel, bucket))
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, num_warps=2, num_stages=2)
 
-    import tritonq.kernels.int4_gemm as int4_module
-    monkeypatch.setattr(int4_module, "lookup", lookup)
+    import tritonq.kernels.common as common
+    monkeypatch.setattr(common, "lookup", lookup)
     w, _ = gptq_case(128, 40, 4, 64, torch.float16, sym=False, act_order=False)
     x = torch.randn(3, 128, dtype=torch.float16)
     assert_close(int4_gemm(x, w), int4_gemm_reference(x, w))
@@ -198,5 +199,5 @@ def test_tuned_config_from_json_store_is_used(monkeypatch):
 
 def test_bad_config_raises_value_error():
     w, _ = awq_case(128, 40, 32, torch.float16)
-    with pytest.raises(ValueError, match=r"config.BLOCK_N is 24, expected a power of two >= 16"):
+    with pytest.raises(ValueError, match=r"config.BLOCK_N = 24, expected a power of two >= 16"):
         int4_gemm(torch.ones(2, 128, dtype=torch.float16), w, config=Int4GemmConfig(16, 24, 32))

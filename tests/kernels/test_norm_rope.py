@@ -7,13 +7,14 @@ transformers' own rope init functions in float32: 1e-5.
 
 import pytest
 import torch
+import tolerances
 from child_process import json_from_child
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tritonq.kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin
 
-TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
+TOL = tolerances.table("rms_norm")
 
 
 @pytest.mark.parametrize("rows,dim", [(1, 64), (3, 100), (17, 257)])

@@ -4,6 +4,8 @@
 pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin via the bundled ptxas) on a CPU-only
 machine. This catches what the interpreter forgives (dtype mixes, unsupported ops, shared
 memory overflow) and shows whether sm_90 picked wgmma. Used by tests and `tune --aot`.
+`compile_launch` compiles a `kernels.common.Launch` built by a kernel's own launch builder over
+meta tensors, typing and hinting each argument as Triton's runtime would for real ones.
 """
 from __future__ import annotations
 
@@ -12,6 +14,13 @@ from dataclasses import dataclass
 
 # Max dynamic shared memory per block (bytes) by compute capability.
 SHARED_MEMORY_LIMIT = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
+# SMs of the usual GPU of each compute capability (T4, A100, A10/RTX 3090-class, L4/L40-class
+# ~128, H100/H200 SXM): launch builders that size grids by SM count (split-KV decode) get these.
+SM_COUNT = {75: 40, 80: 108, 86: 84, 89: 128, 90: 132}
+
+# torch dtype -> Triton's pointer element type name in a signature
+_POINTER_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32", "int64": "i64",
+                  "uint8": "u8", "int8": "i8", "float8_e4m3fn": "fp8e4nv"}
 
 
 @dataclass(frozen=True)
@@ -86,3 +95,30 @@ def _ptxas_usage(ptx: str, cc: int) -> tuple[int | None, int | None]:
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.findall(r"(\d+) bytes spill stores", text)
     return (int(regs.group(1)) if regs else None, sum(map(int, spill)) if spill else 0)
+
+
+def compile_launch(launch, cc: int) -> CompileReport:
+    """AOT-compile a `kernels.common.Launch` for sm_`cc`: tensors become typed pointers, Python
+    floats fp32, ints i32 (i64 when they need it); as the runtime specializes real launches, pointers
+    and ints divisible by 16 get the divisibility hint. Constexpr parameters take their values."""
+    import torch
+
+    signature, constexprs, aligned = {}, {}, []
+    for p in launch.kernel.params:
+        value = launch.args[p.name]
+        if p.is_constexpr:
+            constexprs[p.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[p.name] = "*" + _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
+            aligned.append(p.name)
+        elif isinstance(value, float):
+            signature[p.name] = "fp32"
+        elif isinstance(value, int):
+            signature[p.name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+            if value % 16 == 0:
+                aligned.append(p.name)
+        else:
+            raise TypeError(f"compile_launch: argument {p.name} = {value!r} of {launch.kernel.__name__} has no "
+                            "Triton type here (expected a tensor, int or float)")
+    return aot_compile(launch.kernel, signature, constexprs, cc, launch.num_warps, launch.num_stages,
+                       divisible_by_16=tuple(aligned))

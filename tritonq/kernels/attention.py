@@ -40,14 +40,15 @@ On CPU tensors the torch references run instead (float32 compute), unless TRITON
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from tritonq.kernels import check_launch_config, use_triton
-from tritonq.kernels.configs import lookup
+from tritonq.kernels import use_triton
+from tritonq.kernels.common import Launch, check_launch_config, tuned_or_default
 
 LOG2E = 1.4426950408889634
 
@@ -357,9 +358,9 @@ def _write_slots_kernel(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr,
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch config of _prefill_kernel; tuned JSON stores it as BLOCK_M, BLOCK_N, num_warps, num_stages."""
-    block_m: int
-    block_n: int
+    """Launch config of _prefill_kernel (and _paged_prefill_kernel); tuned JSON stores the same fields."""
+    BLOCK_M: int
+    BLOCK_N: int
     num_warps: int
     num_stages: int
 
@@ -367,9 +368,9 @@ class PrefillConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch config of _decode_split_kernel. Tuned JSON stores BLOCK_N, num_warps, num_stages;
-    num_splits depends on batch and cache length, so it is always derived (`decode_num_splits`)."""
-    block_n: int
-    num_splits: int
+    NUM_SPLITS depends on batch and cache length, so it is always derived (`decode_num_splits`)."""
+    BLOCK_N: int
+    NUM_SPLITS: int
     num_warps: int
     num_stages: int
 
@@ -394,14 +395,13 @@ def prefill_config(block_d: int, block_dr: int, block_dv: int, on_gpu: bool = Tr
     """
     if not on_gpu:
         return PrefillConfig(16, 16, 1, 1)
-    tuned = lookup("attention_prefill", config_bucket(block_d, block_dr, block_dv))
-    if tuned:
-        return PrefillConfig(tuned["BLOCK_M"], tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"])
     if block_d + block_dr <= 192 and block_dv <= 128:  # up to DeepSeek's 128 + 64: no spills (AOT)
-        return PrefillConfig(128, 64, 8, 3)
-    if block_dv > 256:  # MLA latent 576 / 512: a [16, 512] fp32 accumulator, as decode's; 32+ rows spill on sm_90
-        return PrefillConfig(16, 32, 8, 2)
-    return PrefillConfig(64, 64, 8, 2)  # wider heads (256): half the query rows, no spills (AOT)
+        default = PrefillConfig(128, 64, 8, 3)
+    elif block_dv > 256:  # MLA latent 576 / 512: a [16, 512] fp32 accumulator, as decode's; 32+ rows spill on sm_90
+        default = PrefillConfig(16, 32, 8, 2)
+    else:
+        default = PrefillConfig(64, 64, 8, 2)  # wider heads (256): half the query rows, no spills (AOT)
+    return tuned_or_default("attention_prefill", config_bucket(block_d, block_dr, block_dv), default)
 
 
 def paged_prefill_config(block_d: int, block_dr: int, block_dv: int, cc: int | None) -> PrefillConfig:
@@ -431,15 +431,12 @@ def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int, block_d
     """
     if sm_count is None:
         return DecodeConfig(16, decode_num_splits(batch, kv_heads, max_len, 16, None), 1, 1)
-    tuned = lookup("attention_decode", config_bucket(block_d, block_dr, block_dv))
-    if tuned:
-        block_n, num_warps, num_stages = tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"]
-    elif block_dv > 128:  # 256, MLA latent 576 / 512: a [16, 512] fp32 accumulator needs 8 warps
-        block_n, num_warps, num_stages = 32, 8, 2
+    if block_dv > 128:  # 256, MLA latent 576 / 512: a [16, 512] fp32 accumulator needs 8 warps
+        default = DecodeConfig(32, 1, 8, 2)
     else:  # wider qk tiles (192) halve the key block to keep K/V tiles small
-        block_n, num_warps, num_stages = (64 if block_d + block_dr <= 128 else 32), 4, 2
-    return DecodeConfig(block_n, decode_num_splits(batch, kv_heads, max_len, block_n, sm_count), num_warps,
-                        num_stages)
+        default = DecodeConfig(64 if block_d + block_dr <= 128 else 32, 1, 4, 2)
+    cfg = tuned_or_default("attention_decode", config_bucket(block_d, block_dr, block_dv), default)
+    return replace(cfg, NUM_SPLITS=decode_num_splits(batch, kv_heads, max_len, cfg.BLOCK_N, sm_count))
 
 
 def decode_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int | None) -> int:
@@ -453,21 +450,15 @@ def decode_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_
 
 def check_prefill_config(config: PrefillConfig) -> None:
     """TypeError/ValueError unless `config` is a launchable PrefillConfig."""
-    if not isinstance(config, PrefillConfig):
-        raise TypeError(f"prefill_attention: config must be a PrefillConfig, got {type(config).__name__}")
-    check_launch_config("prefill_attention", config, ("block_m", "block_n"))
+    check_launch_config("prefill_attention", config, PrefillConfig)
 
 
 def check_decode_config(config: DecodeConfig, page_size: int = 0) -> None:
-    """TypeError/ValueError unless `config` is a launchable DecodeConfig; a paged cache needs block_n <= page_size."""
-    if not isinstance(config, DecodeConfig):
-        raise TypeError(f"decode_attention: config must be a DecodeConfig, got {type(config).__name__}")
-    check_launch_config("decode_attention", config, ("block_n",))
-    if not isinstance(config.num_splits, int) or config.num_splits < 1:
-        raise ValueError(f"decode_attention: config.num_splits = {config.num_splits!r}, expected an int >= 1")
-    if page_size and config.block_n > page_size:
-        raise ValueError(f"decode_attention: config.block_n = {config.block_n} exceeds the KV cache page size "
-                         f"{page_size}; a key tile must lie in one page, so use block_n <= {page_size}")
+    """TypeError/ValueError unless `config` is a launchable DecodeConfig; a paged cache needs BLOCK_N <= page_size."""
+    check_launch_config("decode_attention", config, DecodeConfig)
+    if page_size and config.BLOCK_N > page_size:
+        raise ValueError(f"decode_attention: config.BLOCK_N = {config.BLOCK_N} exceeds the KV cache page size "
+                         f"{page_size}; a key tile must lie in one page, so use BLOCK_N <= {page_size}")
 
 
 def _check_lens(name: str, lens: torch.Tensor, batch: int, device: torch.device) -> None:
@@ -537,20 +528,35 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
         return prefill_attention_reference(q, k, v, seq_lens, scale, causal, window)
 
     q, k, v = map(_last_dim_contiguous, (q, k, v))
-    D_V = v.shape[-1]
-    (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
-    cfg = config or prefill_config(block_d, block_dr, block_dv, q.is_cuda)
-    out = torch.empty(B, S, H, D_V, dtype=q.dtype, device=q.device)
-    grid = (triton.cdiv(S, cfg.block_m), B * H)
-    _prefill_kernel[grid](q, k, v, out, seq_lens,
-                          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                          v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                          S, H, D_QK, D_V, scale * LOG2E, window,
-                          GROUP=H // k.shape[2], CAUSAL=causal, HAS_WINDOW=window > 0, BLOCK_M=cfg.block_m,
-                          BLOCK_N=cfg.block_n,
-                          BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    cfg = config or prefill_config(*head_blocks(D_QK, v.shape[-1]), q.is_cuda)
+    launch, out = prefill_launch(q, k, v, seq_lens, scale, causal, window, cfg)
+    launch()
     return out
+
+
+def head_blocks(d_qk: int, d_v: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_DR, BLOCK_DV): the register blocks of the qk head dim (`qk_blocks`) and of the
+    v head dim (a power of two >= 16); they key the tuned configs (`config_bucket`)."""
+    return (*qk_blocks(d_qk), max(16, triton.next_power_of_2(d_v)))
+
+
+def prefill_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                   causal: bool, window: int, cfg: PrefillConfig) -> tuple[Launch, torch.Tensor]:
+    """The launch of _prefill_kernel for checked q [B,S,H,Dqk], k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv] (head dim
+    contiguous) and its output o [B,S,H,Dv]. Over meta tensors it is what tune --aot compiles."""
+    B, S, H, D_QK = q.shape
+    D_V = v.shape[-1]
+    block_d, block_dr, block_dv = head_blocks(D_QK, D_V)
+    out = torch.empty(B, S, H, D_V, dtype=q.dtype, device=q.device)
+    args = dict(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, seq_lens_ptr=seq_lens,
+                stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
+                stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
+                stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
+                stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
+                S=S, H=H, D_QK=D_QK, D_V=D_V, qk_scale=scale * LOG2E, window=window,
+                GROUP=H // k.shape[2], CAUSAL=causal, HAS_WINDOW=window > 0, BLOCK_M=cfg.BLOCK_M,
+                BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv)
+    return Launch(_prefill_kernel, (triton.cdiv(S, cfg.BLOCK_M), B * H), args, cfg.num_warps, cfg.num_stages), out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -563,7 +569,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v_cache [P, page_size, Hkv, Dv]; position n of sequence b is in page block_table[b, n // page_size].
     window > 0: sliding window, the query (at position cache_lens[b] - 1) sees the last `window` keys.
     config: launch config for the Triton kernels (the tuner's candidates; with a paged cache its
-    block_n must not exceed page_size); None: `decode_config`, its block_n capped at page_size.
+    BLOCK_N must not exceed page_size); None: `decode_config`, its BLOCK_N capped at page_size.
     max_seq_len: the capacity the launch config is chosen for (default: the cache's, i.e. Smax or
     the block table width x page_size). The config never depends on cache_lens, so a growing
     sequence never recompiles and the launch is CUDA-graph safe.
@@ -593,29 +599,43 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     S_max = max_seq_len or (k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size)
     if window:
         S_max = min(S_max, window)
-    group = H // H_kv
-    (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
-    block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
-    cfg = config or decode_config(B, H_kv, S_max, block_d, block_dr, block_dv, sm_count)
-    block_n = min(cfg.block_n, page_size) if page_size else cfg.block_n  # a key tile within one page
-    part_o = torch.empty(B, H, cfg.num_splits, D_V, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, H, cfg.num_splits, dtype=torch.float32, device=q.device)
-    grid = (B, H_kv * triton.cdiv(group, block_h), cfg.num_splits)
-    table = block_table if block_table is not None else cache_lens  # unused pointer when not paged
-    _decode_split_kernel[grid](q, k_cache, v_cache, cache_lens, table, part_o, part_lse,
-                               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                               k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                               table.stride(0), H, D_QK, D_V, scale * LOG2E, window,
-                               GROUP=group, NUM_SPLITS=cfg.num_splits, BLOCK_H=block_h,
-                               BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv,
-                               PAGE_SIZE=page_size, HAS_WINDOW=window > 0, num_warps=cfg.num_warps,
-                               num_stages=cfg.num_stages)
-    out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
-    _decode_merge_kernel[(B, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, D_V,
-                                 NUM_SPLITS=cfg.num_splits,
-                                 BLOCK_SPLITS=triton.next_power_of_2(cfg.num_splits), BLOCK_DV=block_dv)
+    cfg = config or decode_config(B, H_kv, S_max, *head_blocks(D_QK, D_V), sm_count)
+    split, merge, out = decode_launches(q, k_cache, v_cache, cache_lens, scale, block_table, page_size, window, cfg)
+    split()
+    merge()
     return out
+
+
+def decode_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
+                    scale: float, block_table: torch.Tensor | None, page_size: int, window: int,
+                    cfg: DecodeConfig) -> tuple[Launch, Launch, torch.Tensor]:
+    """The two launches of a decode step (_decode_split_kernel, then _decode_merge_kernel) for checked
+    inputs (head dim contiguous), and the output o [B, H, Dv]. Over meta tensors the first is what
+    tune --aot compiles."""
+    B, H, D_QK = q.shape
+    H_kv, D_V = k_cache.shape[2], v_cache.shape[-1]
+    group = H // H_kv
+    block_d, block_dr, block_dv = head_blocks(D_QK, D_V)
+    block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
+    block_n = min(cfg.BLOCK_N, page_size) if page_size else cfg.BLOCK_N  # a key tile within one page
+    part_o = torch.empty(B, H, cfg.NUM_SPLITS, D_V, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H, cfg.NUM_SPLITS, dtype=torch.float32, device=q.device)
+    table = block_table if block_table is not None else cache_lens  # unused pointer when not paged
+    split = dict(q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, cache_lens_ptr=cache_lens, block_table_ptr=table,
+                 part_o_ptr=part_o, part_lse_ptr=part_lse, stride_qb=q.stride(0), stride_qh=q.stride(1),
+                 stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
+                 stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
+                 stride_bt=table.stride(0), H=H, D_QK=D_QK, D_V=D_V, qk_scale=scale * LOG2E, window=window,
+                 GROUP=group, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window > 0)
+    out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
+    merge = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, o_ptr=out, stride_ob=out.stride(0),
+                 stride_oh=out.stride(1), H=H, D_V=D_V, NUM_SPLITS=cfg.NUM_SPLITS,
+                 BLOCK_SPLITS=triton.next_power_of_2(cfg.NUM_SPLITS), BLOCK_DV=block_dv)
+    return (Launch(_decode_split_kernel, (B, H_kv * triton.cdiv(group, block_h), cfg.NUM_SPLITS), split,
+                   cfg.num_warps, cfg.num_stages),
+            Launch(_decode_merge_kernel, (B, H), merge, 4, 3), out)  # Triton's default num_warps, num_stages
 
 
 def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -768,19 +788,19 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
         return out
     # Query blocks of all sequences, numbered in order: sum_b ceil(q_len_b / block_m) <= T / block_m + B,
     # so a grid of that upper bound needs no host read of the lengths; spare programs get sequence -1.
-    num_work = triton.cdiv(T, cfg.block_m) + B
-    blocks = (cu_seqlens_q[1:] - cu_seqlens_q[:-1] + cfg.block_m - 1) // cfg.block_m
+    num_work = triton.cdiv(T, cfg.BLOCK_M) + B
+    blocks = (cu_seqlens_q[1:] - cu_seqlens_q[:-1] + cfg.BLOCK_M - 1) // cfg.BLOCK_M
     ends = torch.cumsum(blocks, 0)
     program = torch.arange(num_work, device=q.device, dtype=ends.dtype)
     seq = torch.searchsorted(ends, program, right=True)
-    first = (program - (ends - blocks)[seq.clamp(max=B - 1)]) * cfg.block_m
+    first = (program - (ends - blocks)[seq.clamp(max=B - 1)]) * cfg.BLOCK_M
     work = torch.stack([torch.where(seq < B, seq, -1), first]).to(torch.int32)
     _paged_prefill_kernel[(num_work, H)](
         q, k_pages, v_pages, out, cu_seqlens_q, context_lens, block_table, work,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
         num_work, H, D_QK, D_V, scale * LOG2E, window,
-        GROUP=H // k_pages.shape[2], HAS_WINDOW=window > 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        GROUP=H // k_pages.shape[2], HAS_WINDOW=window > 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
@@ -892,3 +912,134 @@ def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_
         scores = scores.masked_fill(~visible, float("-inf"))
         out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
     return out.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuning (python -m tritonq.tune --kernel attention_prefill / attention_decode)
+# ----------------------------------------------------------------------------------------------
+
+# Values the tuner sweeps (the tuned fields of PrefillConfig / DecodeConfig).
+PREFILL_SPACE = {"BLOCK_M": [64, 128], "BLOCK_N": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+PREFILL_FORMAT = "BxSxHxHkvxDqkxDv"  # batch, tokens, query heads, kv heads, head dims
+DECODE_SPACE = {"BLOCK_N": [16, 32, 64, 128], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]}
+DECODE_FORMAT = "BxSmaxxHxHkvxDqkxDv"  # batch, cache capacity, heads, head dims
+# Attention outputs are convex combinations of N(0, 1) value rows (|o| < ~4). In bf16 the kernel
+# rounds p to bf16 before the PV dot and rounds the output (2^-9 relative each), so 2e-2 bounds
+# it; fp32 (interpreter) differs only by summation order and exp2 vs exp.
+TUNE_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+
+def _tune_shape(shape, target: str, shape_format: str) -> tuple[int, ...]:
+    from tritonq.tune.search import unpack_shape
+
+    shape = unpack_shape(shape, target, shape_format)
+    if shape[2] % shape[3]:
+        raise ValueError(f"{target} shape {'x'.join(map(str, shape))}: query heads H={shape[2]} must be a "
+                         f"multiple of kv heads Hkv={shape[3]}")
+    return shape
+
+
+def _tune_lengths(batch: int, full: int, device: torch.device) -> torch.Tensor:
+    """int32 [batch]: the first sequence at full length, the others random in [1, full]."""
+    lens = torch.randint(1, full + 1, (batch,), dtype=torch.int32)
+    lens[0] = full
+    return lens.to(device)
+
+
+def prefill_sweep_space(shape) -> list[dict]:
+    """Tiles wider than the sequence (rounded up to a power of two) only compute padding."""
+    _, S, *_ = _tune_shape(shape, "attention_prefill", PREFILL_FORMAT)
+    out = []
+    for values in itertools.product(*PREFILL_SPACE.values()):
+        c = dict(zip(PREFILL_SPACE, values))
+        if c["BLOCK_M"] <= max(64, triton.next_power_of_2(S)) and c["BLOCK_N"] <= max(32, triton.next_power_of_2(S)):
+            out.append(c)
+    return out
+
+
+def decode_sweep_space(shape) -> list[dict]:
+    _, S_max, *_ = _tune_shape(shape, "attention_decode", DECODE_FORMAT)
+    out = []
+    for values in itertools.product(*DECODE_SPACE.values()):
+        c = dict(zip(DECODE_SPACE, values))
+        if c["BLOCK_N"] <= max(16, triton.next_power_of_2(S_max)):
+            out.append(c)
+    return out
+
+
+def prefill_aot_launch(config: PrefillConfig, shape) -> Launch:
+    """`prefill_launch` over meta tensors: causal, bf16 contiguous [B, S, H, D] q/k/v as the models pass."""
+    B, S, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_prefill", PREFILL_FORMAT)
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    q, k, v = (torch.empty(B, S, H, d_qk, **meta), torch.empty(B, S, H_kv, d_qk, **meta),
+               torch.empty(B, S, H_kv, d_v, **meta))
+    lens = torch.empty(B, dtype=torch.int32, device="meta")
+    return prefill_launch(q, k, v, lens, d_qk ** -0.5, True, 0, config)[0]
+
+
+def decode_aot_launch(config: dict, shape, cc: int) -> Launch:
+    """The split kernel of `decode_launches` over meta tensors: bf16 q and an unpaged bf16 cache,
+    NUM_SPLITS as `decode_config` picks it on sm_`cc`'s usual SM count (`aot.SM_COUNT`)."""
+    from tritonq.kernels.aot import SM_COUNT
+
+    B, S_max, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_decode", DECODE_FORMAT)
+    splits = decode_num_splits(B, H_kv, S_max, config["BLOCK_N"], SM_COUNT.get(cc, 108))
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    q, k, v = (torch.empty(B, H, d_qk, **meta), torch.empty(B, S_max, H_kv, d_qk, **meta),
+               torch.empty(B, S_max, H_kv, d_v, **meta))
+    lens = torch.empty(B, dtype=torch.int32, device="meta")
+    return decode_launches(q, k, v, lens, d_qk ** -0.5, None, 0, 0, DecodeConfig(NUM_SPLITS=splits, **config))[0]
+
+
+def prefill_tune_target():
+    """Causal prefill (what the models run), bucketed by head-dim blocks like `prefill_config`."""
+    from tritonq.kernels.aot import compile_launch
+    from tritonq.tune.search import TuneTarget, kernel_dtype
+
+    def make_inputs(shape, device):
+        B, S, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_prefill", PREFILL_FORMAT)
+        dtype = kernel_dtype(device)
+        q, key = (torch.randn(B, S, H, d_qk, dtype=dtype, device=device),
+                  torch.randn(B, S, H_kv, d_qk, dtype=dtype, device=device))
+        return q, key, torch.randn(B, S, H_kv, d_v, dtype=dtype, device=device), _tune_lengths(B, S, device), \
+            d_qk ** -0.5
+
+    tol = TUNE_TOL[kernel_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))]
+    return TuneTarget(
+        name="attention_prefill", space=prefill_sweep_space, make_inputs=make_inputs,
+        run=lambda inputs, config: prefill_attention(*inputs, causal=True, config=PrefillConfig(**config)),
+        reference=lambda inputs: prefill_attention_reference(*inputs, causal=True),
+        bucket=lambda inputs: config_bucket(*head_blocks(inputs[0].shape[-1], inputs[2].shape[-1])),
+        aot=lambda config, shape, cc: compile_launch(prefill_aot_launch(PrefillConfig(**config), shape), cc),
+        atol=tol, rtol=tol, dry_run_shapes=((2, 40, 4, 2, 72, 40), (1, 130, 2, 1, 64, 64)),
+        shape_format=PREFILL_FORMAT)
+
+
+def decode_tune_target():
+    """Split-KV decode over a contiguous cache (paged caches run the same tiles, BLOCK_N capped at
+    the page size); NUM_SPLITS is not swept: the launcher derives it (`decode_num_splits`)."""
+    from tritonq.kernels.aot import compile_launch
+    from tritonq.tune.search import TuneTarget, kernel_dtype
+
+    def make_inputs(shape, device):
+        B, S_max, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_decode", DECODE_FORMAT)
+        dtype = kernel_dtype(device)
+        q = torch.randn(B, H, d_qk, dtype=dtype, device=device)
+        k_cache = torch.randn(B, S_max, H_kv, d_qk, dtype=dtype, device=device)
+        v_cache = torch.randn(B, S_max, H_kv, d_v, dtype=dtype, device=device)
+        return q, k_cache, v_cache, _tune_lengths(B, S_max, device), d_qk ** -0.5
+
+    def run(inputs, config):
+        q, k_cache = inputs[:2]
+        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
+        splits = decode_num_splits(q.shape[0], k_cache.shape[2], k_cache.shape[1], config["BLOCK_N"], sm_count)
+        return decode_attention(*inputs, config=DecodeConfig(NUM_SPLITS=splits, **config))
+
+    tol = TUNE_TOL[kernel_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))]
+    return TuneTarget(
+        name="attention_decode", space=decode_sweep_space, make_inputs=make_inputs, run=run,
+        reference=lambda inputs: decode_attention_reference(*inputs),
+        bucket=lambda inputs: config_bucket(*head_blocks(inputs[0].shape[-1], inputs[2].shape[-1])),
+        aot=lambda config, shape, cc: compile_launch(decode_aot_launch(config, shape, cc), cc),
+        atol=tol, rtol=tol, dry_run_shapes=((3, 100, 8, 2, 72, 40), (2, 64, 16, 1, 576, 512)),
+        shape_format=DECODE_FORMAT)

@@ -13,9 +13,14 @@ Two kernel paths, one @triton.jit kernel:
       a_scale * w_scale after every K tile (the tile never straddles a scale block), per-tensor
       and per-channel weights apply them once in the epilogue.
   weight-only (below sm_89, where Triton has no e4m3): x stays fp16/bf16 and the weight bytes
-      are turned into fp16 with integer ops (exact, see `_e4m3_bits_to_fp16`), then tl.dot.
-Decode-sized M splits K across programs (SPLIT_K, fp32 atomic adds) so that enough programs
-stream the weight; launch configs come from kernels/configs/fp8_gemm*/<gpu>.json when tuned.
+      are turned into fp16 with integer ops (exact, see `common.e4m3_bits_to_fp16`), then tl.dot.
+Decode-sized M splits K across programs (SPLIT_K) so that enough programs stream the weight; each
+K slice writes its fp32 partial into its own plane of a [SPLIT_K, M, N] buffer and the launcher
+sums them, as int4_gemm does: deterministic (fp32 atomics add in whatever order the slices finish)
+and the buffer is tiny at decode M. Launch configs come from kernels/configs/fp8_gemm*/<gpu>.json
+when tuned (`common.tuned_or_default`), else `default_config`; `fp8_gemm_launch` builds every
+launch (the launcher's, and tune --aot's over meta tensors); `tune_target` is what
+`python -m tritonq.tune --kernel fp8_gemm` sweeps.
 fp32 accumulation throughout; output in x.dtype, plus bias. CPU tensors (no interpreter) run
 weight-only by default, like GPUs below sm_89: fp32 activations times the weight dequantized once
 to fp32 (kernels/cpu_lowbit.py). `fp8_gemm_reference` (TRITONQ_BACKEND=torch, float32) is the
@@ -23,8 +28,7 @@ oracle; it quantizes activations unless weight_only=True.
 """
 from __future__ import annotations
 
-import functools
-import logging
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -32,27 +36,30 @@ import triton
 import triton.language as tl
 
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
-from tritonq.kernels.configs import lookup
+from tritonq.kernels.common import (
+    E4M3_TO_FP16_BIAS,
+    Launch,
+    check_launch_config,
+    e4m3_bits_to_fp16,
+    has_fp8_tensor_cores,
+    tuned_or_default,
+)
 from tritonq.weights import FP8Weight
-
-log = logging.getLogger(__name__)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_EPS = 1e-10  # floor on absmax so all-zero rows get a finite scale (and quantize to 0)
-# 2^8: the exponent-bias difference between fp16 (15) and e4m3 (7), see _e4m3_bits_to_fp16.
-E4M3_TO_FP16_BIAS = 256.0
 _FP8_MAX = tl.constexpr(FP8_MAX)  # the same numbers as seen from inside @triton.jit
 _SCALE_EPS = tl.constexpr(SCALE_EPS)
-_E4M3_TO_FP16_BIAS = tl.constexpr(E4M3_TO_FP16_BIAS)
 
-# Values a tuner may sweep (the fields of FP8GemmConfig); with block scales BLOCK_K must divide
-# the K block, which the launcher checks.
+# Values the tuner sweeps (the fields of FP8GemmConfig; `sweep_space` keeps those legal for a
+# shape). BLOCK_K 64/128 divide the 128-wide scale blocks, so every winner is valid for block weights
+# too; with other block scales BLOCK_K must divide the K block, which the launcher checks.
 CONFIG_SPACE = {
     "BLOCK_M": [16, 32, 64, 128],
     "BLOCK_N": [32, 64, 128, 256],
     "BLOCK_K": [64, 128],
     "GROUP_M": [1, 8],
-    "SPLIT_K": [1, 2, 4, 8],
+    "SPLIT_K": [1, 2, 4, 8, 16],
     "num_warps": [4, 8],
     "num_stages": [2, 3, 4, 5],
 }
@@ -109,17 +116,6 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _e4m3_bits_to_fp16(u):
-    """uint8 e4m3 bit patterns -> fp16 value / 2^8, exactly (also for subnormals).
-
-    Moving the 7 exponent+mantissa bits up by 7 puts e4m3's 4-bit exponent and 3-bit mantissa
-    into fp16's fields; fp16's exponent bias is 8 larger, so the result is the value * 2^-8.
-    """
-    u = u.to(tl.uint16)
-    return (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
                      stride_am, stride_wn, stride_ym, stride_asm, stride_asg, stride_wsn, stride_wsk,
                      A_GROUP: tl.constexpr, W_SCALE_BN: tl.constexpr, W_SCALE_BK: tl.constexpr,
@@ -131,8 +127,8 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
     a: e4m3 [M, K] with a_scale [M, K/A_GROUP] fp32 (strides 0 where a scale is shared), or
     with WEIGHT_ONLY the fp16/bf16 activations themselves (a_scale unused). w: [N, K] e4m3, or
     its uint8 bytes with WEIGHT_ONLY. w_scale[n // W_SCALE_BN, k // W_SCALE_BK].
-    SPLIT_K > 1 (decode): program_id(1) takes one K slice and atomically adds its scaled partial
-    sum into y, which must then be a zeroed fp32 buffer.
+    SPLIT_K > 1 (decode): program_id(1) takes one K slice and stores its scaled partial sum in
+    plane program_id(1) of y, then an fp32 [SPLIT_K, M, N] buffer (stride_ym = N) that the caller sums.
     """
     # Grouped ordering: GROUP_M row-blocks share each weight column-block while it is in L2.
     pid = tl.program_id(0)
@@ -167,7 +163,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if WEIGHT_ONLY:
             # via fp32: exact, and the interpreter's direct fp16 -> bf16 cast is wrong
-            w = _e4m3_bits_to_fp16(w).to(tl.float32).to(a.dtype)
+            w = e4m3_bits_to_fp16(w).to(tl.float32).to(a.dtype)
         partial = tl.dot(a, w, out_dtype=tl.float32)
         if SCALE_PER_TILE:  # block scales: BLOCK_K divides W_SCALE_BK and A_GROUP
             w_scale = tl.load(w_scale_ptrs + (k0 // W_SCALE_BK) * stride_wsk, mask=mask_n, other=0.0)
@@ -186,15 +182,14 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
         if not WEIGHT_ONLY:
             acc *= tl.load(a_scale_ptrs, mask=mask_m, other=0.0)[:, None]
     if WEIGHT_ONLY:
-        acc *= _E4M3_TO_FP16_BIAS
+        acc *= E4M3_TO_FP16_BIAS
     if HAS_BIAS:  # added by the first K slice only
         first_slice = (tl.zeros([BLOCK_N], tl.int32) + tl.program_id(1)) == 0
         acc += tl.load(bias_ptr + offs_n, mask=mask_n & first_slice, other=0.0).to(tl.float32)[None, :]
+    if SPLIT_K > 1:  # this K slice's plane of the partials buffer
+        y_ptr += tl.program_id(1) * M * N
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if SPLIT_K > 1:
-        tl.atomic_add(y_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def quantize_activation_fp8(x: torch.Tensor, group_size: int | None = None,
@@ -251,7 +246,7 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
         xd = quantized_activations(x, w, weight_only is None or weight_only)
         return cpu_lowbit.linear(xd, cpu_lowbit.prepare(w)).to(x.dtype).reshape(*lead, N)
     if weight_only is None:
-        weight_only = _lacks_fp8_tensor_cores(x.device)
+        weight_only = not has_fp8_tensor_cores(x.device)
     if not use_triton(x):
         return fp8_gemm_reference(x, w, weight_only).reshape(*lead, N)
     y = _launch(x, w, weight_only, config)
@@ -259,41 +254,61 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
 
 
 def _launch(x: torch.Tensor, w: FP8Weight, weight_only: bool, config: FP8GemmConfig | None) -> torch.Tensor:
+    """Quantize x (unless weight_only), pick the config, run the GEMM; y [M, N] in x.dtype."""
     M, K = x.shape
     N = w.shape[0]
     x = x.contiguous()
+    scale_bk = w.block_size[1] if w.block_size is not None else None
+    cfg = config or tuned_config(M, N, K, weight_only, min(128, scale_bk or 128))
+    check_launch_config("fp8_gemm", cfg, FP8GemmConfig)
+    if scale_bk is not None and scale_bk % cfg.BLOCK_K:
+        raise ValueError(f"fp8_gemm: BLOCK_K={cfg.BLOCK_K} does not divide the weight's K block {scale_bk}; "
+                         "a K tile must lie inside one scale block")
+    if weight_only:
+        a, a_scale = x, None
+    else:
+        a, a_scale = quantize_activation_fp8(x, scale_bk, w.input_scale)
+    launch, y = fp8_gemm_launch(a, a_scale, w, cfg, x.dtype)
+    launch()
+    return y.sum(0).to(x.dtype) if cfg.SPLIT_K > 1 else y
+
+
+def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight, config: FP8GemmConfig,
+                    out_dtype: torch.dtype) -> tuple[Launch, torch.Tensor]:
+    """The launch of _fp8_gemm_kernel and its output buffer: y [M, N] in out_dtype, or with SPLIT_K > 1
+    the fp32 [SPLIT_K, M, N] partials that the caller sums.
+
+    a [M, K] contiguous: e4m3 activations with a_scale from `quantize_activation_fp8` ([] static,
+    [M, 1] per token, [M, K / bk] per group), or the fp16/bf16 activations themselves with a_scale
+    None (weight-only: the weight's bytes are decoded in the kernel). The caller has checked config
+    (with block scales BLOCK_K divides the K block). Over meta tensors this is what tune --aot compiles.
+    """
+    (M, K), N = a.shape, w.shape[0]
+    weight_only = a_scale is None
     weight = w.weight.contiguous()
     stride_wsn, stride_wsk, scale_bn, scale_bk = _weight_scale_layout(w)
     w_scale = w.weight_scale.to(torch.float32)
-    block_k = min(128, scale_bk) if w.block_size is not None else 128
     if weight_only:
-        a, a_scale, a_group, stride_asm, stride_asg = x, w_scale, K, 0, 0  # a_scale unused
+        a_scale, a_group, stride_asm, stride_asg = w_scale, K, 0, 0  # a_scale unused
         weight = weight.view(torch.uint8)  # decoded with integer ops, no fp8 type needed
     else:
-        a_group = scale_bk if w.block_size is not None else None
-        a, a_scale = quantize_activation_fp8(x, a_group, w.input_scale)
-        if a_scale.dim() == 0:  # static scale: shared by every row and group
-            stride_asm = stride_asg = 0
-        else:
-            stride_asm, stride_asg = a_scale.stride()
-        a_group = a_group or K
-    cfg = config or tuned_config(M, N, K, weight_only) or default_config(M, N, K, block_k)
-    if w.block_size is not None and scale_bk % cfg.BLOCK_K:
-        raise ValueError(f"fp8_gemm: BLOCK_K={cfg.BLOCK_K} does not divide the weight's K block {scale_bk}; "
-                         "a K tile must lie inside one scale block")
-    if cfg.SPLIT_K > 1:  # partial sums are atomically added in fp32
-        y = torch.zeros((M, N), dtype=torch.float32, device=x.device)
+        a_group = scale_bk if w.block_size is not None else K
+        # a static scale is shared by every row and group
+        stride_asm, stride_asg = a_scale.stride() if a_scale.dim() else (0, 0)
+    if config.SPLIT_K > 1:
+        y = torch.empty((config.SPLIT_K, M, N), dtype=torch.float32, device=a.device)
     else:
-        y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
-    _fp8_gemm_kernel[grid](
-        a, a_scale, weight, w_scale, w.bias if w.bias is not None else y, y, M, N, K,
-        a.stride(0), weight.stride(0), y.stride(0), stride_asm, stride_asg, stride_wsn, stride_wsk,
-        A_GROUP=a_group, W_SCALE_BN=scale_bn, W_SCALE_BK=scale_bk,
-        SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only, HAS_BIAS=w.bias is not None,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SPLIT_K=cfg.SPLIT_K,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return y.to(x.dtype)
+        y = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    args = dict(a_ptr=a, a_scale_ptr=a_scale, w_ptr=weight, w_scale_ptr=w_scale,
+                bias_ptr=w.bias if w.bias is not None else y, y_ptr=y, M=M, N=N, K=K,
+                stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N, stride_asm=stride_asm,
+                stride_asg=stride_asg, stride_wsn=stride_wsn, stride_wsk=stride_wsk,
+                A_GROUP=a_group, W_SCALE_BN=scale_bn, W_SCALE_BK=scale_bk,
+                SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only, HAS_BIAS=w.bias is not None,
+                BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
+                SPLIT_K=config.SPLIT_K)
+    grid = (triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
+    return Launch(_fp8_gemm_kernel, grid, args, config.num_warps, config.num_stages), y
 
 
 def config_bucket(M: int, N: int, K: int) -> str:
@@ -301,9 +316,11 @@ def config_bucket(M: int, N: int, K: int) -> str:
     return f"M{min(triton.next_power_of_2(M), 4096)}_N{N}_K{K}"
 
 
-def tuned_config(M: int, N: int, K: int, weight_only: bool) -> FP8GemmConfig | None:
-    tuned = lookup("fp8_gemm_weight_only" if weight_only else "fp8_gemm", config_bucket(M, N, K))
-    return FP8GemmConfig(**tuned) if tuned is not None else None
+def tuned_config(M: int, N: int, K: int, weight_only: bool, block_k: int = 128) -> FP8GemmConfig:
+    """The launcher's config: the one tuned for this shape's bucket and path (the weight-only path is
+    tuned apart, as `fp8_gemm_weight_only`), else `default_config`."""
+    return tuned_or_default("fp8_gemm_weight_only" if weight_only else "fp8_gemm", config_bucket(M, N, K),
+                            default_config(M, N, K, block_k))
 
 
 def default_config(M: int, N: int, K: int, block_k: int = 128) -> FP8GemmConfig:
@@ -317,20 +334,6 @@ def default_config(M: int, N: int, K: int, block_k: int = 128) -> FP8GemmConfig:
     if M <= 64:
         return FP8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4)
     return FP8GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3)
-
-
-@functools.cache
-def _lacks_fp8_tensor_cores(device: torch.device) -> bool:
-    """True on CUDA GPUs below sm_89 (Triton has no e4m3 there); says so once in the log."""
-    if device.type != "cuda":
-        return False  # CPU reference and the interpreter both emulate e4m3
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) >= (8, 9):
-        return False
-    log.warning("fp8_gemm: %s is sm_%d%d, below sm_89 (no fp8 tensor cores); using the weight-only "
-                "path (fp8 weights dequantized to fp16/bf16 in the kernel, activations unquantized)",
-                torch.cuda.get_device_name(device), major, minor)
-    return True
 
 
 def _weight_scale_layout(w: FP8Weight) -> tuple[int, int, int, int]:
@@ -419,3 +422,70 @@ def fp8_gemm_reference(x: torch.Tensor, w: FP8Weight, weight_only: bool = False)
     if w.bias is not None:
         y = y + w.bias.float()
     return y.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuning (python -m tritonq.tune --kernel fp8_gemm): shapes MxNxK
+# ----------------------------------------------------------------------------------------------
+
+def sweep_space(shape: tuple[int, int, int]) -> list[dict]:
+    """CONFIG_SPACE for shape (M, N, K): decode sizes (M <= 16) use BLOCK_M 16 and no GROUP_M
+    swizzle; split-K only up to M 64; tiles no wider than M, N (rounded up) and K per split."""
+    M, N, K = shape
+    out = []
+    for values in itertools.product(*CONFIG_SPACE.values()):
+        c = dict(zip(CONFIG_SPACE, values))
+        if M <= 16 and (c["BLOCK_M"] != 16 or c["GROUP_M"] != 1):
+            continue
+        if c["BLOCK_M"] > max(16, triton.next_power_of_2(M)) or (M > 64 and c["SPLIT_K"] > 1):
+            continue
+        if c["BLOCK_N"] > max(32, triton.next_power_of_2(N)) or c["BLOCK_K"] * c["SPLIT_K"] > K:
+            continue
+        out.append(c)
+    return out
+
+
+def aot_launch(config: FP8GemmConfig, M: int, N: int, K: int, cc: int, dtype: torch.dtype = torch.float16,
+               block: bool = True, bias: bool = False) -> Launch:
+    """`fp8_gemm_launch` over meta tensors for sm_`cc`: an N x K e4m3 weight with 128 x 128 block scales
+    (else one per channel), fp16/bf16 activations: quantized to e4m3 per token (per 128-group with
+    block scales) from sm_89, the weight-only path below."""
+    meta = torch.device("meta")
+    scale = (torch.empty(triton.cdiv(N, 128), triton.cdiv(K, 128), dtype=torch.float32, device=meta) if block
+             else torch.empty(N, 1, dtype=torch.float32, device=meta))
+    w = FP8Weight(torch.empty(N, K, dtype=torch.float8_e4m3fn, device=meta), scale,
+                  block_size=(128, 128) if block else None,
+                  bias=torch.empty(N, dtype=dtype, device=meta) if bias else None)
+    if cc < 89:
+        a, a_scale = torch.empty(M, K, dtype=dtype, device=meta), None
+    else:
+        a = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=meta)
+        a_scale = torch.empty(M, triton.cdiv(K, 128) if block else 1, dtype=torch.float32, device=meta)
+    return fp8_gemm_launch(a, a_scale, w, config, dtype)[0]
+
+
+def tune_target():
+    """fp8_gemm for `tritonq.tune`: the path the runtime takes on this device, fp8 x fp8 (sm_89+) or
+    weight-only below, stored under the kernel name the launcher looks up for that path."""
+    from tritonq.kernels.aot import compile_launch
+    from tritonq.quantize import quantize_fp8
+    from tritonq.tune.search import TuneTarget
+
+    weight_only = torch.cuda.is_available() and not has_fp8_tensor_cores(torch.device("cuda"))
+
+    def make_inputs(shape, device):
+        M, N, K = shape
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        w = quantize_fp8(torch.randn(N, K) * 0.05, scheme="block" if K % 128 == 0 else "channel").to(device)
+        return torch.randn(M, K, dtype=dtype, device=device), w
+
+    return TuneTarget(
+        name="fp8_gemm_weight_only" if weight_only else "fp8_gemm", space=sweep_space, make_inputs=make_inputs,
+        run=lambda inputs, config: fp8_gemm(*inputs, weight_only=weight_only, config=FP8GemmConfig(**config)),
+        reference=lambda inputs: fp8_gemm_reference(*inputs, weight_only=weight_only),
+        bucket=lambda inputs: config_bucket(inputs[0].shape[0], *inputs[1].shape),
+        aot=lambda config, shape, cc: compile_launch(aot_launch(FP8GemmConfig(**config), *shape, cc), cc),
+        # Kernel and reference quantize activations identically and accumulate in fp32; what is
+        # left is summation order and the fp16 output rounding, far below this at |y| ~ 1.
+        atol=2e-2, rtol=2e-2,
+        dry_run_shapes=((1, 64, 256), (17, 96, 256)))

@@ -2,7 +2,7 @@
 
 Shapes and dtypes:
     x       [M, K] fp16 / bf16 / fp32
-    w       Int4Weight (tritonq.weights): qweight [K*bits/32, N] int32 packed along K in
+    w       Int4Weight (tritonq.formats.base): qweight [K*bits/32, N] int32 packed along K in
             sequential order, scales [G, N] fp16/bf16/fp32, zeros [G, N] (same dtype) or None for
             symmetric weights (zero = 2^(bits-1)), g_idx [K] int32 or None.
     y       [M, N] in x.dtype; accumulation in fp32.
@@ -34,11 +34,13 @@ over the weight prepared once per object, see kernels/cpu_lowbit.py; `int4_gemm_
 (TRITONQ_BACKEND=torch) is the oracle.
 
 Launch configs: `Int4GemmConfig`; defaults in `default_config`, tuned JSON overrides through
-`tritonq.kernels.configs.lookup("int4_gemm", config_bucket(M, N, K, w))`, and `CONFIG_SPACE`
-lists the values a tuner may sweep.
+`common.tuned_or_default("int4_gemm", config_bucket(M, N, K, w), ...)`. `int4_gemm_launch` builds
+every launch (the launcher's, tune --aot's over meta tensors); `tune_target` is what
+`python -m tritonq.tune --kernel int4_gemm` sweeps (`CONFIG_SPACE` restricted per shape).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import NoReturn
@@ -48,7 +50,14 @@ import triton
 import triton.language as tl
 
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
-from tritonq.kernels.configs import lookup
+from tritonq.kernels.common import (
+    Launch,
+    check_launch_config,
+    dequantize_int_tile,
+    tuned_or_default,
+    unpack_int_tile,
+    upcast_dot,
+)
 from tritonq.weights import Int4Weight
 
 SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
@@ -88,7 +97,6 @@ def _int4_gemm_kernel(
     out is [SPLIT_K, M, N] (fp32 partials) when SPLIT_K > 1, else [M, N] in x's dtype.
     """
     PER_WORD: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -104,17 +112,15 @@ def _int4_gemm_kernel(
         mask_k = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        # Load each packed word once ([BLOCK_K / PER_WORD, BLOCK_N]) and unpack it in registers:
-        # field i of word r is row r * PER_WORD + i, so the reshape keeps rows in K order.
         offs_word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
         words = tl.load(qweight_ptr + offs_word[:, None] * N + offs_n[None, :],
                         mask=(offs_word < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
-        fields = (words[:, None, :] >> (tl.arange(0, PER_WORD) * BITS)[None, :, None]) & MASK
-        q = tl.reshape(fields, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        q = unpack_int_tile(words, BITS)
         mask_kn = mask_k[:, None] & mask_n[None, :]
         if TILE_GROUPS:  # the whole K tile lies in group k0 // group_size
             g = k0 // group_size
             s = tl.load(scales_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            z = s  # read only with HAS_ZEROS
             if HAS_ZEROS:
                 z = tl.load(zeros_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         else:
@@ -123,14 +129,12 @@ def _int4_gemm_kernel(
             else:
                 g = offs_k // group_size
             s = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0).to(tl.float32)
+            z = s
             if HAS_ZEROS:
                 z = tl.load(zeros_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            w = (q - z) * s
-        else:
-            w = (q - (1 << (BITS - 1))) * s
+        w = dequantize_int_tile(q, s, z, BITS, HAS_ZEROS)
         w = w.to(x.dtype)  # weights meet the activations in x's dtype, as on the tensor cores
-        if UPCAST_DOT:  # fp32 x (exact ieee dot), or bf16 under the interpreter (see launcher)
+        if UPCAST_DOT:  # fp32 x (exact ieee dot), or bf16 under the interpreter (common.upcast_dot)
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
@@ -205,16 +209,6 @@ def _check_weight(w: Int4Weight) -> tuple[int, int]:
     return N, K
 
 
-def _check_config(config: Int4GemmConfig) -> None:
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-        value = getattr(config, name)
-        if value < 16 or value & (value - 1):
-            _fail(f"config.{name}", value, "a power of two >= 16 (tl.dot's minimum tile)",
-                  f"pick from {CONFIG_SPACE[name]}")
-    if config.SPLIT_K < 1:
-        _fail("config.SPLIT_K", config.SPLIT_K, ">= 1", "use 1 for no split")
-
-
 def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequant(w)^T (+ w.bias), in x.dtype. `config` overrides the lookup."""
     N, K = _check_weight(w)
@@ -231,34 +225,36 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
         w.check_g_idx()
     M = x.shape[0]
     if config is None:
-        tuned = lookup("int4_gemm", config_bucket(M, N, K, w))
-        config = Int4GemmConfig(**tuned) if tuned else default_config(M, N, K)
-    _check_config(config)
+        config = tuned_or_default("int4_gemm", config_bucket(M, N, K, w), default_config(M, N, K))
+    check_launch_config("int4_gemm", config, Int4GemmConfig)
+    launch, out = int4_gemm_launch(x, w, config)
+    launch()
+    return out.sum(0).to(x.dtype) if config.SPLIT_K > 1 else out
+
+
+def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig) -> tuple[Launch, torch.Tensor]:
+    """The launch of _int4_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and
+    its output: y [M, N] in x.dtype, or with SPLIT_K > 1 the [SPLIT_K, M, N] fp32 partials that the
+    caller sums. Over meta tensors it is what tune --aot and tests/test_compile.py compile."""
+    (M, K), N = x.shape, w.shape[0]
     block_k = config.BLOCK_K
     if w.g_idx is None and w.group_size % block_k:
         # A tile must not straddle two groups for TILE_GROUPS; shrink BLOCK_K to fit if it can.
         block_k = max(math.gcd(block_k, w.group_size), 16)
-    tile_groups = w.g_idx is None and w.group_size % block_k == 0
-    # Triton's interpreter multiplies bf16 tl.dot operands as raw bits (triton-lang/triton#11584,
-    # unsupported upstream), so on CPU the bf16 dot runs in fp32 on the same bf16-rounded values.
-    # fp32 x uses an exact (ieee, not tf32) dot.
-    upcast_dot = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not x.is_cuda)
     split_k = config.SPLIT_K
     if split_k > 1:
         out = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    args = dict(
+        x_ptr=x, qweight_ptr=w.qweight, scales_ptr=w.scales, zeros_ptr=w.zeros if w.zeros is not None else w.scales,
+        g_idx_ptr=w.g_idx if w.g_idx is not None else w.qweight, bias_ptr=w.bias if w.bias is not None else w.scales,
+        out_ptr=out, M=M, N=N, K=K, group_size=w.group_size, stride_xm=x.stride(0), stride_xk=x.stride(1),
+        BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
+        TILE_GROUPS=w.g_idx is None and w.group_size % block_k == 0, HAS_BIAS=w.bias is not None,
+        UPCAST_DOT=upcast_dot(x), BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split_k)
-    _int4_gemm_kernel[grid](
-        x, w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales,
-        w.g_idx if w.g_idx is not None else w.qweight, w.bias if w.bias is not None else w.scales, out,
-        M, N, K, w.group_size, x.stride(0), x.stride(1),
-        BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None, TILE_GROUPS=tile_groups,
-        HAS_BIAS=w.bias is not None, UPCAST_DOT=upcast_dot,
-        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return out.sum(0).to(x.dtype) if split_k > 1 else out
+    return Launch(_int4_gemm_kernel, grid, args, config.num_warps, config.num_stages), out
 
 
 def int4_gemm_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -268,3 +264,68 @@ def int4_gemm_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     if w.bias is not None:
         y = y + w.bias.float()
     return y.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuning (python -m tritonq.tune --kernel int4_gemm): shapes MxNxK
+# ----------------------------------------------------------------------------------------------
+
+def tune_group_size(K: int) -> int:
+    """Group size of the tuner's weights: 128 (AWQ/GPTQ's usual) where it divides K, else 32."""
+    return 128 if K % 128 == 0 else 32
+
+
+def sweep_space(shape: tuple[int, int, int]) -> list[dict]:
+    """CONFIG_SPACE restricted to what is legal and useful for shape (M, N, K): the decode path
+    (M <= SPLIT_K_MAX_M) uses BLOCK_M 16 with split-K, larger M no split-K and BLOCK_M <= M;
+    BLOCK_K divides the group size (else the launcher shrinks it) and fits K with its split."""
+    M, N, K = shape
+    s = CONFIG_SPACE
+    small = M <= SPLIT_K_MAX_M
+    out = []
+    for bm, bn, bk, sk, warps, stages in itertools.product(
+            s["BLOCK_M"], s["BLOCK_N"], s["BLOCK_K"], s["SPLIT_K"], s["num_warps"], s["num_stages"]):
+        if (bm != 16 if small else (sk != 1 or bm > max(16, triton.next_power_of_2(M)))):
+            continue
+        if tune_group_size(K) % bk or bk * sk > K or bn > max(32, triton.next_power_of_2(N)):
+            continue
+        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=warps, num_stages=stages))
+    return out
+
+
+def aot_launch(config: Int4GemmConfig, M: int, N: int, K: int, dtype: torch.dtype = torch.float16, bits: int = 4,
+               zeros: bool = True, act_order: bool = False) -> Launch:
+    """`int4_gemm_launch` over meta tensors: x [M, K] in dtype, an N x K weight of `bits` with group
+    `tune_group_size(K)`, asymmetric (zeros) or not, act-order (g_idx) or not, no bias."""
+    group_size = tune_group_size(K)
+    meta = torch.device("meta")
+    scales = torch.empty(K // group_size, N, dtype=dtype, device=meta)
+    w = Int4Weight(qweight=torch.empty(K * bits // 32, N, dtype=torch.int32, device=meta), scales=scales,
+                   zeros=torch.empty_like(scales) if zeros else None,
+                   g_idx=torch.empty(K, dtype=torch.int32, device=meta) if act_order else None,
+                   group_size=group_size, bits=bits)
+    return int4_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config)[0]
+
+
+def tune_target():
+    """int4_gemm for `tritonq.tune`: asymmetric int4 weights (AWQ/GPTQ), fp16 on GPUs."""
+    from tritonq.random_weights import random_int4_weight
+    from tritonq.kernels.aot import compile_launch
+    from tritonq.tune.search import TuneTarget
+
+    def make_inputs(shape, device):
+        M, N, K = shape
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        return torch.randn(M, K, dtype=dtype, device=device), random_int4_weight(N, K, dtype, device,
+                                                                                  tune_group_size(K))
+
+    return TuneTarget(
+        name="int4_gemm", space=sweep_space, make_inputs=make_inputs,
+        run=lambda inputs, config: int4_gemm(*inputs, config=Int4GemmConfig(**config)),
+        reference=lambda inputs: int4_gemm_reference(*inputs),
+        bucket=lambda inputs: config_bucket(inputs[0].shape[0], *inputs[1].shape, inputs[1]),
+        aot=lambda config, shape, cc: compile_launch(aot_launch(Int4GemmConfig(**config), *shape), cc),
+        # fp16 products summed in fp32 vs the fp32 reference: K * eps_fp16 * |x||w| stays well under this
+        # at the |y| ~ 1 these inputs give; fp32 inputs (CPU dry run) are far tighter.
+        atol=2e-2, rtol=2e-2,
+        dry_run_shapes=((1, 64, 128), (17, 96, 256)))

@@ -1,0 +1,156 @@
+"""What every kernel family shares: @triton.jit pieces, the launch-config convention, one launch object.
+
+@triton.jit helpers (called from the kernels, inlined by Triton):
+  dequantize_int_tile  int32 words packed along K -> fp32 (q - zero) * scale tile (int4_gemm, moe)
+  e4m3_bits_to_fp16    float8_e4m3fn bytes -> fp16 / 2^8 with integer ops, for GPUs without fp8
+                       types (fp8_gemm's weight-only path, moe's fp8 experts)
+The attention kernels' online-softmax step is `attention._attend_tile`, shared by all three of them.
+
+Launch configs (the one convention): a frozen dataclass per kernel whose tile fields are named as the
+kernel's constexpr parameters (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GROUP_M, NUM_SPLITS) and whose
+launch options are named as Triton's (num_warps, num_stages). Tuned JSON entries
+(configs/<kernel>/<gpu>.json) use the same names, so `tuned_or_default` overlays one on the default
+and `check_launch_config` checks any of them.
+
+Launch: a kernel's launcher builds a `Launch` (grid + every argument by parameter name) with a builder
+in the kernel's own file, then calls it. `tritonq.tune --aot` builds the same object over "meta"
+tensors (shapes, strides and dtypes without memory) and compiles it (`kernels.aot.compile_launch`),
+so no kernel signature is written down anywhere else. Meta tensors stand for a GPU: `on_gpu`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import triton
+import triton.language as tl
+
+from tritonq.kernels.configs import lookup
+
+log = logging.getLogger(__name__)
+
+# 2^8: the exponent-bias difference between fp16 (15) and e4m3 (7), see e4m3_bits_to_fp16; a
+# tl.constexpr so that @triton.jit code can read it.
+E4M3_TO_FP16_BIAS = tl.constexpr(256.0)
+
+
+@triton.jit
+def unpack_int_tile(words, BITS: tl.constexpr):
+    """words [BLOCK_K * BITS / 32, BLOCK_N] int32, packed along K -> fp32 codes [BLOCK_K, BLOCK_N].
+
+    Field i of word r is row r * (32 / BITS) + i, so the reshape keeps rows in K order: each packed
+    word is loaded once and unpacked in registers. Unpack right after the load: the kernels keep the
+    words' registers short-lived that way (sm_75 spills more when scale loads come in between).
+    """
+    PER_WORD: tl.constexpr = 32 // BITS
+    fields = (words[:, None, :] >> (tl.arange(0, PER_WORD) * BITS)[None, :, None]) & ((1 << BITS) - 1)
+    return tl.reshape(fields, (words.shape[0] * PER_WORD, words.shape[1])).to(tl.float32)
+
+
+@triton.jit
+def dequantize_int_tile(q, scale, zero, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """fp32 codes q [BLOCK_K, BLOCK_N] (`unpack_int_tile`) -> fp32 weights (q - zero) * scale, zero and
+    scale broadcasting against the tile ([1, BLOCK_N] rows or full tiles); without HAS_ZEROS
+    (symmetric weights) zero is 2^(BITS-1) and the `zero` argument is not read."""
+    if HAS_ZEROS:
+        w = (q - zero) * scale
+    else:
+        w = (q - (1 << (BITS - 1))) * scale
+    return w
+
+
+@triton.jit
+def e4m3_bits_to_fp16(u):
+    """uint8 e4m3 bit patterns -> fp16 value / 2^8, exactly (also for subnormals; multiply by
+    E4M3_TO_FP16_BIAS, in fp32, for the value itself).
+
+    Moving the 7 exponent+mantissa bits up by 7 puts e4m3's 4-bit exponent and 3-bit mantissa
+    into fp16's fields; fp16's exponent bias is 8 larger, so the result is the value * 2^-8.
+    """
+    u = u.to(tl.uint16)
+    return (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
+
+
+def on_gpu(x: torch.Tensor) -> bool:
+    """True where the kernel is compiled for a GPU: CUDA tensors, and meta tensors (tune --aot)."""
+    return x.device.type in ("cuda", "meta")
+
+
+def upcast_dot(x: torch.Tensor) -> bool:
+    """The UPCAST_DOT flag of the GEMM kernels: fp32 activations run an exact (ieee, not tf32) fp32
+    dot; so do bf16 ones under the interpreter, which multiplies bf16 tl.dot operands as raw bits
+    (triton-lang/triton#11584, unsupported upstream): there the dot runs in fp32 on the same
+    bf16-rounded values."""
+    return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not on_gpu(x))
+
+
+@functools.cache
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether the kernels can use Triton's float8e4nv type (e4m3 loads and tl.dot) on `device`.
+
+    CUDA: from sm_89 (Ada, Hopper); below it the fp8 kernels decode e4m3 bytes with integer ops
+    (`e4m3_bits_to_fp16`) and fp8_gemm runs weight-only; said once in the log. CPU: True, Triton's
+    interpreter emulates e4m3 (the CPU backend without it runs no fp8 kernel at all).
+    """
+    if device.type != "cuda":
+        return True
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (8, 9):
+        return True
+    log.warning("%s is sm_%d%d, below sm_89 (no fp8 tensor cores): fp8 weights are decoded to fp16/bf16 in "
+                "the kernels and fp8_gemm runs weight-only (activations unquantized)",
+                torch.cuda.get_device_name(device), major, minor)
+    return False
+
+
+C = TypeVar("C")
+
+
+def tuned_or_default(kernel: str, bucket: str, default: C) -> C:
+    """The config tuned for `bucket` on this GPU (configs/<kernel>/<gpu>.json, written by
+    `python -m tritonq.tune`) laid over `default`, or `default` when there is none."""
+    tuned = lookup(kernel, bucket)
+    return dataclasses.replace(default, **tuned) if tuned is not None else default
+
+
+def _pow2(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+def check_launch_config(kernel: str, config, config_type: type) -> None:
+    """TypeError unless config is a `config_type`; ValueError unless it is launchable: BLOCK_* fields
+    powers of two >= 16 (tl.dot's smallest tile), other upper-case fields (SPLIT_K, GROUP_M,
+    NUM_SPLITS) ints >= 1, num_warps a power of two <= 32, num_stages an int >= 1. `kernel` names
+    the caller in the message."""
+    if not isinstance(config, config_type):
+        raise TypeError(f"{kernel}: config must be a {config_type.__name__}, got {type(config).__name__}")
+    for field in dataclasses.fields(config):
+        name, value = field.name, getattr(config, field.name)
+        if name.startswith("BLOCK_") and (not _pow2(value) or value < 16):
+            raise ValueError(f"{kernel}: config.{name} = {value!r}, expected a power of two >= 16 "
+                             "(tl.dot's smallest tile), e.g. 64")
+        if name.isupper() and not name.startswith("BLOCK_") and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{kernel}: config.{name} = {value!r}, expected an int >= 1 (1: no split)")
+    if not _pow2(config.num_warps) or config.num_warps > 32:
+        raise ValueError(f"{kernel}: config.num_warps = {config.num_warps!r}, expected a power of two in [1, 32]")
+    if not isinstance(config.num_stages, int) or config.num_stages < 1:
+        raise ValueError(f"{kernel}: config.num_stages = {config.num_stages!r}, expected an int >= 1")
+
+
+@dataclass
+class Launch:
+    """One kernel launch: `args` holds every parameter of `kernel` by name (tensors, ints, floats and
+    constexpr values), `grid` the program grid. Built by the builder in the kernel's file; called by
+    its launcher, compiled by `kernels.aot.compile_launch` for tune --aot."""
+    kernel: Any
+    grid: tuple[int, ...]
+    args: dict
+    num_warps: int
+    num_stages: int
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages)

@@ -1,0 +1,3 @@
+from tritonq.tune.cli import main
+
+main()
