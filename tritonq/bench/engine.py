@@ -161,12 +161,13 @@ def _prefix_rows(args, folder: str, options: dict, rng: random.Random) -> list[d
     alone = {False: [], True: []}
     for repeat in range(args.prefix_repeats):
         prompts = [system + [rng.randrange(args.vocab) for _ in range(rng.randint(16, 64))]
-                   for _ in range(args.prefix_prompts)]  # fresh suffixes: only the system prompt can hit
+                   for _ in range(args.prefix_prompts + args.prefix_alone)]  # fresh suffixes: only the system
+        prompts, singles = prompts[:args.prefix_prompts], prompts[args.prefix_prompts:]  # prompt can hit
         for caching in ((False, True) if repeat % 2 == 0 else (True, False)):  # alternate who goes first
             engine = models[caching].engine
             ttft = _run_engine(engine, [(p, 1) for p in prompts])
             burst[caching].append(tuple(statistics.fmean(t[k] for t in ttft) for k in (0, 1)))
-            single = [_run_engine(engine, [(p, 1)])[0] for p in prompts[:args.prefix_alone]]
+            single = [_run_engine(engine, [(p, 1)])[0] for p in singles]
             alone[caching].append(tuple(statistics.fmean(t[k] for t in single) for k in (0, 1)))
     rows = []
     for name, runs in (("burst", burst), ("alone", alone)):
@@ -179,8 +180,9 @@ def _prefix_rows(args, folder: str, options: dict, rng: random.Random) -> list[d
         rows.append({"run": f"prefix TTFT off / on, {name}", "ratio": med[False][0] / med[True][0],
                      "cpu_ratio": med[False][1] / med[True][1],
                      "ratios_per_repeat": [round(off[0] / on[0], 2) for off, on in zip(runs[False], runs[True])]})
-    hits = models[True].engine.block_manager
-    rows.append({"run": "prefix on: prompt tokens served from the cache", "ratio": hits.prefix_hits / hits.prefix_queries})
+    bm = models[True].engine.block_manager
+    rows.append({"run": "prefix on: prompt tokens served from the cache", "ratio": bm.prefix_hits / bm.prefix_queries,
+                 "hits": bm.prefix_hits})
     return rows
 
 
@@ -201,6 +203,10 @@ def main(argv: list[str]) -> None:
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    for low, high in (("min_in", "max_in"), ("min_out", "max_out")):
+        if not 1 <= getattr(args, low) <= getattr(args, high):
+            parser.error(f"--{low.replace('_', '-')} {getattr(args, low)} and --{high.replace('_', '-')} "
+                         f"{getattr(args, high)}: expected 1 <= min <= max (--quick sets its own, smaller sizes)")
     if args.out is None and not args.quick:
         args.out = results_path(f"engine_{args.device}.json")
     if args.threads:
