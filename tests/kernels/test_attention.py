@@ -25,6 +25,7 @@ from tritonq.kernels.attention import (
     decode_attention,
     decode_attention_reference,
     decode_config,
+    paged_block_n,
     paged_prefill_attention,
     paged_prefill_attention_reference,
     paged_prefill_config,
@@ -303,7 +304,7 @@ def compile_shipped_configs(cc: int) -> dict:
                                               ((576, 512), 64, False)]):
         (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
         cfg = decode_config(1, 8, 32768, block_d, block_dr, block_dv, sm_count=132)
-        block_n = min(cfg.block_n, page_size) if page_size else cfg.block_n
+        block_n = paged_block_n(cfg.block_n, page_size)
         reports[f"decode Dqk{d_qk} Dv{d_v} page{page_size} window{window} {cfg}"] = aot_compile(
             _decode_split_kernel,
             _signature(_decode_split_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16,

@@ -15,25 +15,25 @@ which grows with whatever else runs; the `cpu ratio` rows compare those.
 
 Prefix case: --prefix-prompts prompts that share a --system-len-token system prompt (each then
 has 16..64 tokens of its own), time to first token (TTFT) with prefix caching on and off.
-How it is measured, and why an earlier version of this bench could report prefix caching as
-slower (off / on 0.41-0.63x inside a full run, 3.8-4.3x alone):
-- TTFT is first token minus add_request. All prompts are submitted at once (a burst), so a
-  request's TTFT includes waiting behind the prefills of the requests before it: the mean TTFT
-  of the burst is about half the time to prefill all of them, and the ratio says how much less
-  prefill work there is with the cache (~300 vs ~40 tokens to compute per prompt; attention over
-  the whole context is still paid). The `alone` rows submit --prefix-alone prompts one at a time
-  (no queueing): one request's own prefill latency.
-- Both engines are loaded and warmed before any timing: each runs one request with the system
-  prompt first (on: the system prompt enters the cache, so every timed prompt hits its 16 full
-  blocks; off: the same warm-up work). Each repeat uses fresh per-prompt suffixes (the same ones
-  for on and off), so blocks cached by an earlier repeat are never hits beyond the system prompt.
-- Off and on alternate, --prefix-repeats times, and the median is reported. The earlier version
-  measured off once and then on once, seconds apart, on a 2-core machine shared with seven other
-  jobs and with --threads 2: one wall-clock figure each, so a burst of load from other processes
-  during the on run (or thread-pool stalls with 2 threads on 2 busy cores) flipped the ratio; the
-  same runs alone, at a quieter moment, gave 3.8-4.3x. Nothing in the engine made caching
-  slower: the CPU-seconds rows (--threads 1), which other processes do not inflate, show the
-  work ratio.
+- TTFT is first token minus add_request. In the `burst` rows all prompts are submitted at once,
+  so a request's TTFT includes waiting behind the prefills before it (the mean is about half the
+  time to prefill them all). The `alone` rows send --prefix-alone other prompts one at a time: one
+  request's own prefill latency, no queueing.
+- Both engines are loaded and warmed before anything is timed: each first runs one request with
+  the system prompt (on: the system prompt enters the cache; off: the same warm-up work). Every
+  repeat uses fresh suffixes, the same for on and off, so no timed prompt hits more than the
+  system prompt's full blocks (the last row counts the tokens served from the cache).
+- Off and on alternate, --prefix-repeats times; the median is reported with each repeat's ratio.
+Why an earlier version reported caching as slower (off / on 0.41-0.63x in full runs, 3.8-4.3x
+for that part alone): it timed off once and then on once, on a 2-core machine shared with
+seven other jobs, with --threads 2. With two torch threads on busy cores every parallel op can
+wait for a descheduled worker, so the cost of a step follows its number of small ops rather than
+its tokens. The CPU attention runs per sequence, and with caching all 64 prompts are admitted in
+one or two large steps that every one of them waits for, while without it they are spread over
+about ten steps and the first ones finish early; once the per-op stall dominates, caching
+removes little of the cost and the burst mean can invert. Measured here at the quick model size
+with the issue's 64 x 256-token prefix case: --threads 2 gave 1.42x (burst), --threads 1 gave
+3.88x (3.84x in CPU seconds; off took 84 s of wall time with 2 threads, 11.5 s with 1). Hence --threads 1 for CPU figures, CPU seconds beside wall time, alternating repeats.
 """
 from __future__ import annotations
 

@@ -442,6 +442,13 @@ def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int, block_d
                         num_stages)
 
 
+def paged_block_n(block_n: int, page_size: int) -> int:
+    """The decode key tile over a paged cache (page_size 0: contiguous, block_n as configured): within
+    one page, and at most 32 keys, since the per-key page lookup costs registers (sm_80, Dqk 128:
+    64-key tiles over 64-token pages spill 92 registers, 32-key tiles none)."""
+    return min(block_n, page_size, 32) if page_size else block_n
+
+
 def decode_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int | None) -> int:
     """KV splits for decode_config (see there): about two waves of programs, >= 4 key blocks per split;
     the interpreter (sm_count None) takes up to 4 splits."""
@@ -598,7 +605,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
     cfg = config or decode_config(B, H_kv, S_max, block_d, block_dr, block_dv, sm_count)
-    block_n = min(cfg.block_n, page_size) if page_size else cfg.block_n  # a key tile within one page
+    block_n = paged_block_n(cfg.block_n, page_size)
     part_o = torch.empty(B, H, cfg.num_splits, D_V, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H, cfg.num_splits, dtype=torch.float32, device=q.device)
     grid = (B, H_kv * triton.cdiv(group, block_h), cfg.num_splits)
