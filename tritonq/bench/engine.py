@@ -33,7 +33,8 @@ one or two large steps that every one of them waits for, while without it they a
 about ten steps and the first ones finish early; once the per-op stall dominates, caching
 removes little of the cost and the burst mean can invert. Measured here at the quick model size
 with the issue's 64 x 256-token prefix case: --threads 2 gave 1.42x (burst), --threads 1 gave
-3.88x (3.84x in CPU seconds; off took 84 s of wall time with 2 threads, 11.5 s with 1). Hence --threads 1 for CPU figures, CPU seconds beside wall time, alternating repeats.
+3.88x (3.84x in CPU seconds; off took 84 s of wall time with 2 threads, 11.5 s with 1). Hence
+--threads 1 for CPU figures, CPU seconds beside wall time, and alternating repeats.
 """
 from __future__ import annotations
 
