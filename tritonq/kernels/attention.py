@@ -570,7 +570,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v_cache [P, page_size, Hkv, Dv]; position n of sequence b is in page block_table[b, n // page_size].
     window > 0: sliding window, the query (at position cache_lens[b] - 1) sees the last `window` keys.
     config: launch config for the Triton kernels (the tuner's candidates; with a paged cache its
-    block_n must not exceed page_size); None: `decode_config`, its block_n capped at page_size.
+    block_n must not exceed page_size); None: `decode_config`. Over pages the key tile is
+    `paged_block_n`: block_n capped at page_size and at 32.
     max_seq_len: the capacity the launch config is chosen for (default: the cache's, i.e. Smax or
     the block table width x page_size). The config never depends on cache_lens, so a growing
     sequence never recompiles and the launch is CUDA-graph safe.
