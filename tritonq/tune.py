@@ -299,7 +299,7 @@ def _attention_prefill_target() -> TuneTarget:
 
 def _attention_decode_target() -> TuneTarget:
     """Split-KV decode over a contiguous cache (paged caches run the same tiles, BLOCK_N capped at
-    the page size and 32: attention.paged_block_n); num_splits is not swept: the launcher derives it (`decode_num_splits`)."""
+    the page size); num_splits is not swept: the launcher derives it (`decode_num_splits`)."""
     import triton
 
     from tritonq.kernels import attention as k
