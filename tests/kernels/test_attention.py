@@ -26,6 +26,7 @@ from tritonq.kernels.attention import (
     decode_attention,
     decode_attention_reference,
     decode_config,
+    paged_block_n,
     paged_prefill_attention,
     paged_prefill_attention_reference,
     paged_prefill_config,
@@ -285,22 +286,26 @@ def compile_shipped_configs(cc: int) -> dict:
         "context_lens_ptr": "*i32", "block_table_ptr": "*i32", "work_ptr": "*i32"}, floats={"qk_scale"})
     aligned = tuple(name for name in paged_signature if name.endswith("_ptr") or (name.startswith("stride_")
                                                                                 and name != "stride_bt"))
-    for (d_qk, d_v), window in [(dims, False) for dims in PAGED_DIMS] + [((128, 128), True), ((576, 512), True)]:
+    # Also 64-token pages (block_size=64), where a key tile lies inside one page.
+    for (d_qk, d_v), window, page_size in ([(dims, False, 16) for dims in PAGED_DIMS]
+                                           + [((128, 128), True, 16), ((576, 512), True, 16), ((128, 128), False, 64),
+                                              ((576, 512), False, 64)]):
         (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
         cfg = paged_prefill_config(block_d, block_dr, block_dv, cc)
-        reports[f"paged prefill Dqk{d_qk} Dv{d_v} window{window} {cfg}"] = aot_compile(
+        reports[f"paged prefill Dqk{d_qk} Dv{d_v} window{window} page{page_size} {cfg}"] = aot_compile(
             _paged_prefill_kernel, paged_signature,
             dict(GROUP=4, HAS_WINDOW=window, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
-                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=16), cc, cfg.num_warps, cfg.num_stages,
+                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size), cc, cfg.num_warps, cfg.num_stages,
             divisible_by_16=aligned)
-    # Decode: the contiguous cache, and a paged one with 16-token pages (vLLM's default page size),
-    # also with a sliding window.
+    # Decode: the contiguous cache, and a paged one with 16-token pages (vLLM's default page size) for
+    # every head dims the engine pages (PAGED_DIMS), also with a sliding window, and 64-token pages.
     for (d_qk, d_v), page_size, window in ([(dims, 0, False) for dims in SHIPPED_DECODE]
-                                           + [((128, 128), 16, False), ((576, 512), 16, False),
-                                              ((128, 128), 16, True), ((128, 128), 0, True)]):
+                                           + [(dims, 16, False) for dims in PAGED_DIMS]
+                                           + [((128, 128), 16, True), ((128, 128), 0, True), ((128, 128), 64, False),
+                                              ((576, 512), 64, False)]):
         (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
         cfg = decode_config(1, 8, 32768, block_d, block_dr, block_dv, sm_count=132)
-        block_n = min(cfg.BLOCK_N, page_size) if page_size else cfg.BLOCK_N
+        block_n = paged_block_n(cfg.BLOCK_N, page_size)
         reports[f"decode Dqk{d_qk} Dv{d_v} page{page_size} window{window} {cfg}"] = aot_compile(
             _decode_split_kernel,
             _signature(_decode_split_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16,

@@ -1,27 +1,70 @@
 """python -m tritonq.bench engine: continuous batching vs static batches, and prefix-cache time to first token.
 
-One random Llama (hidden 1024, 8 layers, fp32 on CPU by default), N prompts of random lengths
-(--min-in..--max-in) each with its own number of new tokens (--min-out..--max-out, EOS ignored).
-Output tokens/s (the requested tokens only, the same count for all three) of:
+One random Llama (hidden 1024, 8 layers, fp32 on CPU by default), 128 prompts of random lengths
+16..512 each with its own number of new tokens 16..256 (EOS ignored): the issue's size.
+`--quick` is a smoke-test size (16 small prompts, hidden 256, 2 layers; seconds). Output tokens/s
+(the requested tokens only, the same count for all three) of:
   engine        tritonq's engine, every prompt submitted at once (continuous batching)
   transformers  transformers generate over left-padded batches of 8, each batch running to its
                 longest output (what static batching costs)
-  static8       tritonq's model one batch of 8 at a time: the next batch starts when the whole
+  static8       tritonq's engine fed one batch of 8 at a time: the next batch starts when the whole
                 previous one is done (no continuous batching)
-Prefix case: --prefix-prompts prompts sharing a --system-len-token system prompt; mean time to
-first token with prefix caching on and off (a first request puts the system prompt in the cache).
-Ratios > 1 mean the engine (or prefix caching) is faster.
+Ratios > 1 mean the engine is faster. Each run also reports CPU seconds (time.process_time):
+with --threads 1 on a machine shared with other jobs that is the work done, unlike wall time,
+which grows with whatever else runs; the `cpu ratio` rows compare those.
+
+Prefix case: --prefix-prompts prompts that share a --system-len-token system prompt (each then
+has 16..64 tokens of its own), time to first token (TTFT) with prefix caching on and off.
+- TTFT is first token minus add_request. In the `burst` rows all prompts are submitted at once,
+  so a request's TTFT includes waiting behind the prefills before it (the mean is about half the
+  time to prefill them all). The `alone` rows send --prefix-alone other prompts one at a time: one
+  request's own prefill latency, no queueing.
+- Both engines are loaded and warmed before anything is timed: each first runs one request with
+  the system prompt (on: the system prompt enters the cache; off: the same warm-up work). Every
+  repeat uses fresh suffixes, the same for on and off, so no timed prompt hits more than the
+  system prompt's full blocks (the last row counts the tokens served from the cache).
+- Off and on alternate, --prefix-repeats times; the median is reported with each repeat's ratio.
+Why an earlier version reported caching as slower (off / on 0.41-0.63x in full runs, 3.8-4.3x
+for that part alone): it timed off once and then on once, on a 2-core machine shared with
+seven other jobs, with --threads 2. With two torch threads on busy cores every parallel op can
+wait for a descheduled worker, so the cost of a step follows its number of small ops rather than
+its tokens. The CPU attention runs per sequence, and with caching all 64 prompts are admitted in
+one or two large steps that every one of them waits for, while without it they are spread over
+about ten steps and the first ones finish early; once the per-op stall dominates, caching
+removes little of the cost and the burst mean can invert. Measured here at the quick model size
+with the issue's 64 x 256-token prefix case: --threads 2 gave 1.42x (burst), --threads 1 gave
+3.88x (3.84x in CPU seconds; off took 84 s of wall time with 2 threads, 11.5 s with 1). Hence
+--threads 1 for CPU figures, CPU seconds beside wall time, and alternating repeats.
 """
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
 
 import torch
 
-from tritonq.bench.common import print_table, write_json
+from tritonq.bench.common import print_table, results_path, write_json
+
+# The issue's size (defaults) and a smoke-test size (--quick); a flag given explicitly wins over both.
+FULL = {"num_prompts": 128, "min_in": 16, "max_in": 512, "min_out": 16, "max_out": 256, "hidden": 1024,
+        "layers": 8, "vocab": 32000, "max_num_seqs": 64, "max_num_batched_tokens": 2048, "prefix_prompts": 64,
+        "system_len": 256, "prefix_repeats": 3, "prefix_alone": 8}
+QUICK = {"num_prompts": 16, "min_in": 16, "max_in": 128, "min_out": 8, "max_out": 32, "hidden": 256, "layers": 2,
+         "vocab": 4096, "max_num_seqs": 16, "max_num_batched_tokens": 512, "prefix_prompts": 16, "system_len": 128,
+         "prefix_repeats": 2, "prefix_alone": 4}
+
+
+class Clock:
+    """Wall and process CPU seconds since construction."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def elapsed(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
 def _random_llama(folder: str, args) -> None:
@@ -37,110 +80,175 @@ def _random_llama(folder: str, args) -> None:
     byte_tokenizer().save_pretrained(folder)  # load() needs a tokenizer; the bench feeds token ids
 
 
-def _run_engine(engine, requests: list[tuple[list[int], int]]) -> dict[int, object]:
-    """Submit (prompt, new tokens) requests at once and step until done; {request id: Request}."""
+def _run_engine(engine, requests: list[tuple[list[int], int]]) -> list[tuple[float, float]]:
+    """Submit (prompt, new tokens) requests at once and step until all are done. Returns each
+    request's time to first token as (wall s, CPU s) from its submission (CPU: this process's)."""
     from tritonq.generate import GenerationConfig
-    ids = [engine.add_request(p, GenerationConfig(max_new_tokens=n)) for p, n in requests]
-    done = {}
+    clock = Clock()
+    added = {}
+    for prompt, n in requests:
+        added[engine.add_request(prompt, GenerationConfig(max_new_tokens=n))] = clock.elapsed()
+    first: dict[int, tuple[float, float]] = {}
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.request
-    return {rid: done[rid] for rid in ids}
+        outputs = engine.step()
+        now = clock.elapsed()
+        for out in outputs:
+            if out.token_id is not None and out.request_id not in first:
+                first[out.request_id] = now
+    return [(first[rid][0] - t[0], first[rid][1] - t[1]) for rid, t in added.items()]
+
+
+def _throughput_rows(args, model, hf_folder: str, dtype: torch.dtype, requests, skip: set[str], report) -> None:
+    """The engine vs static batches of 8 (tritonq) vs transformers padded batches of 8; report(rows) after each."""
+    from transformers import AutoModelForCausalLM
+    useful = sum(n for _, n in requests)
+    rows = []
+
+    def row(name: str, clock: Clock, **extra) -> None:
+        wall, cpu = clock.elapsed()
+        rows.append({"run": name, "seconds": wall, "cpu_seconds": cpu, "output_tok_s": useful / wall,
+                     "cpu_output_tok_s": useful / cpu, "ratio": "", **extra})
+        ratios = []
+        if len(rows) > 1:
+            first, last = rows[0], rows[-1]
+            ratios = [{"run": f"engine / {name.split(' ')[0]}", "ratio": first["output_tok_s"] / last["output_tok_s"],
+                       "cpu_ratio": first["cpu_output_tok_s"] / last["cpu_output_tok_s"]}]
+        report([rows[-1]] + ratios)
+
+    _run_engine(model.engine, [(requests[0][0][:32], 4)])  # warm up
+    preempted = model.engine.scheduler.num_preemptions
+    clock = Clock()
+    _run_engine(model.engine, requests)
+    row("engine", clock, preemptions=model.engine.scheduler.num_preemptions - preempted)
+
+    if "static8" not in skip:  # the same engine, fed one batch of 8 at a time
+        clock = Clock()
+        for i in range(0, len(requests), 8):
+            _run_engine(model.engine, requests[i:i + 8])
+        row("static8 (tritonq, batches of 8)", clock)
+
+    if "transformers" not in skip:
+        hf = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=dtype).to(args.device).eval()
+        with torch.inference_mode():  # warm up
+            hf.generate(torch.tensor([requests[0][0][:32]], device=args.device), max_new_tokens=4,
+                        min_new_tokens=4, do_sample=False, pad_token_id=0)
+        clock = Clock()
+        for i in range(0, len(requests), 8):
+            batch = requests[i:i + 8]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for b, (p, _) in enumerate(batch):  # left padding, as decoder-only generate needs
+                ids[b, width - len(p):], mask[b, width - len(p):] = torch.tensor(p), 1
+            n = max(k for _, k in batch)
+            with torch.inference_mode():
+                hf.generate(ids.to(args.device), attention_mask=mask.to(args.device), max_new_tokens=n,
+                            min_new_tokens=n, do_sample=False, pad_token_id=0)
+        row("transformers (padded batches of 8)", clock)
+        del hf
+
+
+def _prefix_rows(args, folder: str, options: dict, rng: random.Random) -> list[dict]:
+    """Mean TTFT of a burst of prompts sharing a system prompt, and of prompts sent alone: caching off vs on."""
+    import tritonq
+    system = [rng.randrange(args.vocab) for _ in range(args.system_len)]
+    models = {}
+    for caching in (False, True):  # both loaded and warmed before anything is timed
+        model = tritonq.load(folder, max_num_seqs=args.max_num_seqs, enable_prefix_caching=caching, **options)
+        model.eos_token_ids = set()
+        _run_engine(model.engine, [(system + [1, 2, 3], 1)])  # on: the system prompt enters the cache
+        models[caching] = model
+    burst = {False: [], True: []}   # per repeat: (mean wall TTFT, mean CPU TTFT)
+    alone = {False: [], True: []}
+    for repeat in range(args.prefix_repeats):
+        prompts = [system + [rng.randrange(args.vocab) for _ in range(rng.randint(16, 64))]
+                   for _ in range(args.prefix_prompts + args.prefix_alone)]  # fresh suffixes: only the system
+        prompts, singles = prompts[:args.prefix_prompts], prompts[args.prefix_prompts:]  # prompt can hit
+        for caching in ((False, True) if repeat % 2 == 0 else (True, False)):  # alternate who goes first
+            engine = models[caching].engine
+            ttft = _run_engine(engine, [(p, 1) for p in prompts])
+            burst[caching].append(tuple(statistics.fmean(t[k] for t in ttft) for k in (0, 1)))
+            single = [_run_engine(engine, [(p, 1)])[0] for p in singles]
+            alone[caching].append(tuple(statistics.fmean(t[k] for t in single) for k in (0, 1)))
+    rows = []
+    for name, runs in (("burst", burst), ("alone", alone)):
+        what = (f"{args.prefix_prompts} prompts submitted at once" if name == "burst"
+                else f"{args.prefix_alone} prompts one at a time")
+        med = {c: tuple(statistics.median(r[k] for r in runs[c]) for k in (0, 1)) for c in runs}
+        for caching in (False, True):
+            rows.append({"run": f"prefix {'on' if caching else 'off'}, {what}: mean TTFT",
+                         "seconds": med[caching][0], "cpu_seconds": med[caching][1]})
+        rows.append({"run": f"prefix TTFT off / on, {name}", "ratio": med[False][0] / med[True][0],
+                     "cpu_ratio": med[False][1] / med[True][1],
+                     "ratios_per_repeat": [round(off[0] / on[0], 2) for off, on in zip(runs[False], runs[True])]})
+    bm = models[True].engine.block_manager
+    rows.append({"run": "prefix on: prompt tokens served from the cache", "ratio": bm.prefix_hits / bm.prefix_queries,
+                 "hits": bm.prefix_hits})
+    return rows
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m tritonq.bench engine", description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("--min-in", type=int, default=16)
-    parser.add_argument("--max-in", type=int, default=512)
-    parser.add_argument("--min-out", type=int, default=16)
-    parser.add_argument("--max-out", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--quick", action="store_true", help="smoke-test size (seconds), not the issue's size")
+    for name, default in FULL.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {default}")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantize", default=None, help="quantize on load, e.g. int4 (AWQ-style kernels on a GPU)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--prefix-prompts", type=int, default=64)
-    parser.add_argument("--system-len", type=int, default=256)
-    parser.add_argument("--skip", default="", help="comma list of runs to skip: transformers,static8,prefix")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--out", default=None, help="JSON path (default: print only)")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: engine (and so static8, "
+                        "transformers), static8, transformers, prefix")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (on a shared machine 1 makes CPU seconds a measure of work)")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default: bench/results/engine_<device>.json at the full size, none with --quick)")
     args = parser.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for low, high in (("min_in", "max_in"), ("min_out", "max_out")):
+        if not 1 <= getattr(args, low) <= getattr(args, high):
+            parser.error(f"--{low.replace('_', '-')} {getattr(args, low)} and --{high.replace('_', '-')} "
+                         f"{getattr(args, high)}: expected 1 <= min <= max (--quick sets its own, smaller sizes)")
+    if args.out is None and not args.quick:
+        args.out = results_path(f"engine_{args.device}.json")
     if args.threads:
         torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
+    unknown = skip - {"engine", "transformers", "static8", "prefix"}
+    if unknown:
+        parser.error(f"--skip {args.skip}: unknown {sorted(unknown)}; expected a comma list of "
+                     "engine,static8,transformers,prefix")
 
     import tritonq
-    from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if args.device == "cpu" else torch.float16
     rng = random.Random(0)
     requests = [([rng.randrange(args.vocab) for _ in range(rng.randint(args.min_in, args.max_in))],
                  rng.randint(args.min_out, args.max_out)) for _ in range(args.num_prompts)]
     useful = sum(n for _, n in requests)
-    rows = []
+    header = (f"{args.device}, {dtype}, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
+              f"{args.num_prompts} prompts in {args.min_in}..{args.max_in} out {args.min_out}..{args.max_out} "
+              f"({useful} output tokens), max_num_seqs {args.max_num_seqs}, torch threads {torch.get_num_threads()}")
+    rows: list[dict] = []
+
+    def report(new_rows: list[dict]) -> None:
+        """Print and save after each part (a long run keeps what it measured)."""
+        rows.extend(new_rows)
+        columns = dict.fromkeys(key for row in rows for key in row)
+        print(header)
+        print_table([{key: row.get(key, "") for key in columns} for row in rows])
+        if args.out:
+            write_json(args.out, "engine", rows, command="python -m tritonq.bench engine " + " ".join(argv),
+                       **vars(args))
+
     with tempfile.TemporaryDirectory() as folder:
         _random_llama(folder, args)
         max_seq_len = max(args.max_in + args.max_out, args.system_len + 65)
-        options = dict(dtype=dtype, device=args.device, quantize=args.quantize, max_seq_len=max_seq_len,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
-        model = tritonq.load(folder, max_num_seqs=args.max_num_seqs, **options)
-        model.eos_token_ids = set()
-        _run_engine(model.engine, [(requests[0][0][:32], 4)])  # warm up
-        start = time.perf_counter()
-        _run_engine(model.engine, requests)
-        engine_s = time.perf_counter() - start
-        rows.append({"run": "engine", "seconds": engine_s, "output_tok_s": useful / engine_s, "ratio": "",
-                     "preemptions": model.engine.scheduler.num_preemptions})
-
-        if "static8" not in skip:  # the same engine, fed one batch of 8 at a time
-            start = time.perf_counter()
-            for i in range(0, len(requests), 8):
-                _run_engine(model.engine, requests[i:i + 8])
-            static_s = time.perf_counter() - start
-            rows.append({"run": "static8 (tritonq, batches of 8)", "seconds": static_s, "output_tok_s": useful / static_s})
-
-        if "transformers" not in skip:
-            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
-            start = time.perf_counter()
-            for i in range(0, len(requests), 8):
-                batch = requests[i:i + 8]
-                width = max(len(p) for p, _ in batch)
-                ids = torch.zeros(len(batch), width, dtype=torch.long)
-                mask = torch.zeros(len(batch), width, dtype=torch.long)
-                for b, (p, _) in enumerate(batch):  # left padding, as decoder-only generate needs
-                    ids[b, width - len(p):], mask[b, width - len(p):] = torch.tensor(p), 1
-                n = max(k for _, k in batch)
-                with torch.inference_mode():
-                    hf.generate(ids.to(args.device), attention_mask=mask.to(args.device), max_new_tokens=n,
-                                min_new_tokens=n, do_sample=False, pad_token_id=0)
-            hf_s = time.perf_counter() - start
-            rows.append({"run": "transformers (padded batches of 8)", "seconds": hf_s, "output_tok_s": useful / hf_s})
-            del hf
-        for row in rows[1:]:
-            rows.append({"run": f"engine / {row['run'].split(' ')[0]}",
-                         "ratio": rows[0]["output_tok_s"] / row["output_tok_s"]})
-
+        options = {"dtype": dtype, "device": args.device, "quantize": args.quantize, "max_seq_len": max_seq_len,
+                   "max_num_batched_tokens": args.max_num_batched_tokens}
+        if "engine" not in skip:
+            model = tritonq.load(folder, max_num_seqs=args.max_num_seqs, **options)
+            model.eos_token_ids = set()
+            _throughput_rows(args, model, folder, dtype, requests, skip, report)
+            del model
         if "prefix" not in skip:
-            system = [rng.randrange(args.vocab) for _ in range(args.system_len)]
-            prefixed = [(system + [rng.randrange(args.vocab) for _ in range(rng.randint(16, 64))], 1)
-                        for _ in range(args.prefix_prompts)]
-            ttft = {}
-            for caching in (False, True):
-                model = tritonq.load(folder, max_num_seqs=args.max_num_seqs, enable_prefix_caching=caching, **options)
-                model.eos_token_ids = set()
-                _run_engine(model.engine, [(system + [1, 2, 3], 1)])  # the system prompt enters the cache
-                done = _run_engine(model.engine, prefixed)
-                ttft[caching] = sum(r.time_to_first_token_s for r in done.values()) / len(done)
-                rows.append({"run": f"prefix {'on' if caching else 'off'}: mean time to first token",
-                             "seconds": ttft[caching]})
-            rows.append({"run": "prefix TTFT off / on", "ratio": ttft[False] / ttft[True]})
-    print(f"{args.device}, {dtype}, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
-          f"{args.num_prompts} prompts in {args.min_in}..{args.max_in} out {args.min_out}..{args.max_out} "
-          f"({useful} output tokens), max_num_seqs {args.max_num_seqs}, torch threads {torch.get_num_threads()}")
-    print_table(rows)
-    if args.out:
-        write_json(args.out, "engine", rows, command="python -m tritonq.bench engine " + " ".join(argv), **vars(args))
+            report(_prefix_rows(args, folder, options, rng))

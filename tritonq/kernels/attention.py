@@ -439,6 +439,13 @@ def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int, block_d
     return replace(cfg, NUM_SPLITS=decode_num_splits(batch, kv_heads, max_len, cfg.BLOCK_N, sm_count))
 
 
+def paged_block_n(block_n: int, page_size: int) -> int:
+    """The decode key tile over a paged cache (page_size 0: contiguous, block_n as configured): within
+    one page, and at most 32 keys, since the per-key page lookup costs registers (sm_80, Dqk 128:
+    64-key tiles over 64-token pages spill 92 registers, 32-key tiles none)."""
+    return min(block_n, page_size, 32) if page_size else block_n
+
+
 def decode_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int | None) -> int:
     """KV splits for decode_config (see there): about two waves of programs, >= 4 key blocks per split;
     the interpreter (sm_count None) takes up to 4 splits."""
@@ -569,7 +576,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v_cache [P, page_size, Hkv, Dv]; position n of sequence b is in page block_table[b, n // page_size].
     window > 0: sliding window, the query (at position cache_lens[b] - 1) sees the last `window` keys.
     config: launch config for the Triton kernels (the tuner's candidates; with a paged cache its
-    BLOCK_N must not exceed page_size); None: `decode_config`, its BLOCK_N capped at page_size.
+    BLOCK_N must not exceed page_size); None: `decode_config`. Over pages the key tile is
+    `paged_block_n`: BLOCK_N capped at page_size and at 32.
     max_seq_len: the capacity the launch config is chosen for (default: the cache's, i.e. Smax or
     the block table width x page_size). The config never depends on cache_lens, so a growing
     sequence never recompiles and the launch is CUDA-graph safe.
@@ -618,7 +626,7 @@ def decode_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = H // H_kv
     block_d, block_dr, block_dv = head_blocks(D_QK, D_V)
     block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
-    block_n = min(cfg.BLOCK_N, page_size) if page_size else cfg.BLOCK_N  # a key tile within one page
+    block_n = paged_block_n(cfg.BLOCK_N, page_size)  # a key tile within one page, <= 32 keys
     part_o = torch.empty(B, H, cfg.NUM_SPLITS, D_V, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H, cfg.NUM_SPLITS, dtype=torch.float32, device=q.device)
     table = block_table if block_table is not None else cache_lens  # unused pointer when not paged
