@@ -876,7 +876,7 @@ def write_kv_slots_reference(k_pages: torch.Tensor, v_pages: torch.Tensor, k: to
     row with that row's own values, so the duplicate writes agree; with no kept row at all they all
     write slot 0's current values back."""
     keep = slot_mapping >= 0
-    first = keep.to(torch.int8).argmax()  # the first kept row (0 when there is none)
+    first = keep.to(torch.int8).argmax(0, keepdim=True)  # [1]: the first kept row (0 when there is none)
     target = torch.where(keep, slot_mapping, slot_mapping[first].clamp(min=0)).long()
     page, row = target // k_pages.shape[1], target % k_pages.shape[1]
     for pages, new in ((k_pages, k), (v_pages, v)):
