@@ -72,13 +72,14 @@ def sampling_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torc
     return -torch.log(-torch.log(u))
 
 
-def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  penalty: torch.Tensor | None, seen: torch.Tensor | None, noise: torch.Tensor | None,
-                  filters: bool = True) -> torch.Tensor:
+def sample_logits(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch.Tensor | None,
+                  top_p: torch.Tensor | None, penalty: torch.Tensor | None, seen: torch.Tensor | None,
+                  noise: torch.Tensor | None, filters: bool = True) -> torch.Tensor:
     """Next tokens [R] int64 from logits [R, V] float32, with per-row settings [R]: temperature float32
     (0: greedy), top_k int64 (0: off), top_p float32 (1: off); penalty float32 [R] with seen [R, V] bool
     (prompt + generated tokens; both None when no row has a repetition penalty); noise [R, V] from
-    `sampling_noise` (None when every row is greedy). filters=False skips top-k / top-p (no row uses them)."""
+    `sampling_noise`. When every row is greedy, noise is None and temperature / top_k / top_p may be too.
+    filters=False skips top-k / top-p (no row uses them)."""
     if penalty is not None:  # CTRL-style penalty, as transformers applies it
         penalized = torch.where(logits > 0, logits / penalty[:, None], logits * penalty[:, None])
         logits = torch.where(seen, penalized, logits)
@@ -196,21 +197,22 @@ class ModelRunner:
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-        temperature = tensor([c.temperature for c in configs], torch.float32)
-        penalty = seen = noise = None
+        penalty = seen = noise = temperature = top_k = top_p = None
         if any(c.repetition_penalty != 1.0 for c in configs):
             penalty = tensor([c.repetition_penalty for c in configs], torch.float32)
             rows = [r for r, ids in enumerate(token_ids) for _ in ids]
             seen = torch.zeros(R, V, dtype=torch.bool, device=device)
             seen[tensor(rows, torch.int64), tensor([t for ids in token_ids for t in ids], torch.int64)] = True
         sampled = [c.temperature > 0 for c in configs]
-        if any(sampled):
+        if any(sampled):  # all-greedy steps need none of this: argmax
             seeds = [p.seed % 2 ** 64 for p in params]
             noise = sampling_noise(tensor([[s & MASK32 for s in seeds], [s >> 32 for s in seeds]], torch.int64),
                                    tensor([len(ids) for ids in token_ids], torch.int64), V)
+            temperature = tensor([c.temperature for c in configs], torch.float32)
+            top_k = tensor([c.top_k or 0 for c in configs], torch.int64)
+            top_p = tensor([c.top_p for c in configs], torch.float32)
         filters = any(s and (c.top_k or c.top_p < 1.0) for s, c in zip(sampled, configs))
-        tokens = sample_logits(logits, temperature, tensor([c.top_k or 0 for c in configs], torch.int64),
-                               tensor([c.top_p for c in configs], torch.float32), penalty, seen, noise, filters)
+        tokens = sample_logits(logits, temperature, top_k, top_p, penalty, seen, noise, filters)
         if self.world > 1:
             tokens = broadcast_from_rank0(tokens)
         logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
