@@ -242,6 +242,8 @@ def test_static_decode_refuses_what_it_cannot_hold(llama_folder):
         ModelRunner(runner.model, num_blocks=8, block_size=BLOCK).use_static_decode(4)
     with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
         tritonq.load(llama_folder, device="cpu", cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs='yes'; expected True, False or None"):
+        tritonq.load(llama_folder, cuda_graphs="yes")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -342,3 +344,21 @@ def test_graph_replay_equals_eager_bit_for_bit_without_host_sync(kind, tmp_path_
         for seq in seqs:
             seq.num_computed_tokens += 1
         tokens = eager.argmax(-1).tolist()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_load_captures_graphs_by_default_and_generate_matches_eager(llama_folder, caplog):
+    """load() on CUDA captures one graph per bucket (logged with the time) and generate() through them gives
+    the tokens and log-probabilities of the same model run eagerly."""
+    with caplog.at_level("INFO", logger="tritonq"):
+        model = tritonq.load(llama_folder, device="cuda", dtype=torch.float16, max_seq_len=128, max_num_seqs=12,
+                             kv_cache_gb=0.05)
+    runner = model.engine.runner
+    assert runner.buckets == [1, 2, 4, 8, 12] and sorted(runner.graphs.graphs) == runner.buckets
+    assert "CUDA graphs: captured 5 decode steps" in caplog.text
+    prompts = [[5, 17, 3], [12, 7, 33, 2, 9], [4], [8, 8, 8, 8, 8, 8, 8]]
+    graphed = model.generate(prompts, max_new_tokens=40, return_dict=True)
+    runner.replay_graphs = False
+    eager = model.generate(prompts, max_new_tokens=40, return_dict=True)
+    assert graphed.token_ids == eager.token_ids and graphed.logprobs == eager.logprobs
