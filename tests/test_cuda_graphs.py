@@ -362,3 +362,23 @@ def test_load_captures_graphs_by_default_and_generate_matches_eager(llama_folder
     runner.replay_graphs = False
     eager = model.generate(prompts, max_new_tokens=40, return_dict=True)
     assert graphed.token_ids == eager.token_ids and graphed.logprobs == eager.logprobs
+
+
+def test_static_inputs_are_filled_in_place_and_padded():
+    """The buffers keep their storage; padding rows get token 0, position 0, slot -1, context 0; a row's
+    block table follows its sequence's list whether that list grew in place or was replaced."""
+    from tritonq.engine.cuda_graphs import StaticDecodeInputs
+    inputs = StaticDecodeInputs(max_batch=8, max_seq_len=64, block_size=16, device=torch.device("cpu"))
+    storage = inputs.tokens.data_ptr(), inputs.block_table.data_ptr(), inputs.context_lens.data_ptr()
+    a, b = [3, 9], [4]
+    ctx = inputs.fill(4, [7, 8], [20, 5], [9 * 16 + 4, 4 * 16 + 5], [21, 6], [a, b])
+    assert ctx.num_seqs == 2 and ctx.input_ids.tolist() == [7, 8, 0, 0] and ctx.positions.tolist() == [20, 5, 0, 0]
+    assert ctx.slot_mapping.tolist() == [148, 69, -1, -1] and ctx.context_lens.tolist() == [21, 6, 0, 0]
+    assert ctx.block_table[:2].tolist() == [[3, 9, -1, -1], [4, -1, -1, -1]] and ctx.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
+    a.append(11)          # grown in place (the block manager appends)
+    b = [6]               # replaced by a list of the same length (freed and reallocated)
+    ctx = inputs.fill(2, [1, 2], [32, 6], [11 * 16, 6 * 16 + 6], [33, 7], [a, b])
+    assert ctx.block_table.tolist() == [[3, 9, 11, -1], [6, -1, -1, -1]] and ctx.input_ids.shape == (2,)
+    assert (inputs.tokens.data_ptr(), inputs.block_table.data_ptr(), inputs.context_lens.data_ptr()) == storage
+    with pytest.raises(ValueError, match="5 blocks; the static block table holds 4"):
+        inputs.fill(1, [1], [0], [0], [1], [[0, 1, 2, 3, 4]])

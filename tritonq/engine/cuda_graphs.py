@@ -42,7 +42,7 @@ class StaticDecodeInputs:
     fill() copies one step's host lists into the first `bucket` rows in place (padding the rest) and
     returns the StepContext of views of those rows. The block table is always table_width =
     ceil(max_seq_len / block_size) pages wide and its host copy is only rewritten for rows whose
-    sequence or block count changed, so a step costs a few small host-to-device copies."""
+    block list changed, so a step costs a few small host-to-device copies."""
 
     def __init__(self, max_batch: int, max_seq_len: int, block_size: int, device: torch.device):
         self.max_batch, self.max_seq_len, self.device = max_batch, max_seq_len, device
@@ -52,7 +52,7 @@ class StaticDecodeInputs:
         self.block_table = torch.full((max_batch, self.table_width), -1, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # one query each: fixed
         self._host_table = torch.full((max_batch, self.table_width), -1, dtype=torch.int32)
-        self._host_rows: list[tuple[int, int] | None] = [None] * max_batch  # (id of the table, its length)
+        self._host_rows: list[list[int] | None] = [None] * max_batch  # a copy of the table each host row holds
 
     def context(self, bucket: int, num_seqs: int) -> StepContext:
         """The StepContext of the first `bucket` rows (num_seqs of them real). max_position is the capacity's
@@ -73,15 +73,18 @@ class StaticDecodeInputs:
         if max(context) > self.max_seq_len:
             raise ValueError(f"a sequence reaches {max(context)} tokens, past max_seq_len={self.max_seq_len} "
                              "that the static decode buffers were sized for.")
+        longest = max(range(B), key=lambda i: len(tables[i]))
+        if len(tables[longest]) > self.table_width:
+            raise ValueError(f"row {longest} has {len(tables[longest])} blocks; the static block table holds "
+                             f"{self.table_width} (max_seq_len={self.max_seq_len}).")
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
         self.tokens[:, :bucket].copy_(host, non_blocking=True)
         self.context_lens[:bucket].copy_(torch.tensor(context + [0] * pad, dtype=torch.int32), non_blocking=True)
         for i, table in enumerate(tables):  # padding rows keep stale pages: with context 0 none is read
-            key = (id(table), len(table))
-            if self._host_rows[i] != key:
+            if self._host_rows[i] != table:  # compared by value (a C loop): rewritten only when it changed
                 self._host_table[i, len(table):] = -1
                 self._host_table[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-                self._host_rows[i] = key
+                self._host_rows[i] = list(table)
         # A pageable source: copy_ returns once the rows are staged, so the next step may rewrite them.
         self.block_table[:bucket].copy_(self._host_table[:bucket], non_blocking=True)
         return self.context(bucket, B)
