@@ -150,8 +150,9 @@ class StepTimer:
         runner.prepare, runner.run, engine.step = timed_prepare, timed_run, timed_step
 
     def summary(self) -> dict:
-        median = lambda t: 1e3 * statistics.median(t) if t else float("nan")  # noqa: E731
-        return {"decode_step_ms": median(self.steps), "decode_host_ms": median(self.host)}
+        def median_ms(times):
+            return 1e3 * statistics.median(times) if times else float("nan")
+        return {"decode_step_ms": median_ms(self.steps), "decode_host_ms": median_ms(self.host)}
 
 
 LLAMA_2_7B = dict(hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000)
@@ -168,8 +169,8 @@ def _write_random_awq_llama(folder: Path, layers: int, group: int = 128, device:
     gen = torch.Generator(device=device).manual_seed(0)  # random numbers drawn on the GPU: fast
 
     def awq(N, K):
-        ints = lambda *shape: torch.randint(-2 ** 31, 2 ** 31 - 1, shape, dtype=torch.int32, device=device,  # noqa
-                                            generator=gen).cpu()
+        def ints(*shape):
+            return torch.randint(-2 ** 31, 2 ** 31 - 1, shape, dtype=torch.int32, device=device, generator=gen).cpu()
         scales = (torch.rand(K // group, N, device=device, generator=gen) * 2e-3 + 1e-3).half().cpu()
         return {"qweight": ints(K, N // 8), "qzeros": ints(K // group, N // 8), "scales": scales}
     modules = {"self_attn.q_proj": (D, D), "self_attn.k_proj": (D, D), "self_attn.v_proj": (D, D),
