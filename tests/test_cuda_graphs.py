@@ -201,7 +201,7 @@ PROMPTS = [[5, 17, 3, 88, 41], [12, 7], [9, 9, 9, 1, 2, 3, 4, 60, 61, 62, 63, 64
            [44, 45, 46, 47]]
 
 
-def padded_and_alone(model, steps: int = 3):
+def padded_and_alone(model, steps: int = 2):
     """Logits of `steps` greedy decode steps of PROMPTS run as a bucket of 8 (static decode, 3 padding rows)
     and as a plain batch of 5 (no static decode), each over its own KV cache."""
     runs = []
