@@ -382,3 +382,21 @@ def test_static_inputs_are_filled_in_place_and_padded():
     assert (inputs.tokens.data_ptr(), inputs.block_table.data_ptr(), inputs.context_lens.data_ptr()) == storage
     with pytest.raises(ValueError, match="5 blocks; the static block table holds 4"):
         inputs.fill(1, [1], [0], [0], [1], [[0, 1, 2, 3, 4]])
+
+
+def test_padding_rows_attend_to_nothing_and_write_nothing():
+    """A padding row (context length 0, slot -1): decode attention gives it zeros, not NaN, in the kernel
+    (interpreter) and the reference alike, and the KV write leaves every page as it was for it."""
+    from tritonq.kernels.attention import (decode_attention, decode_attention_reference, write_kv_slots,
+                                           write_kv_slots_reference)
+    g = torch.Generator().manual_seed(5)
+    pages_k, pages_v = torch.randn(4, 16, 2, 24, generator=g), torch.randn(4, 16, 2, 40, generator=g)
+    q, lens = torch.randn(3, 4, 24, generator=g), torch.tensor([20, 0, 5], dtype=torch.int32)
+    table = torch.tensor([[2, 0], [-1, -1], [3, -1]], dtype=torch.int32)
+    for fn in (decode_attention, decode_attention_reference):
+        out = fn(q, pages_k, pages_v, lens, 0.2, block_table=table)
+        assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+    before_k, before_v = pages_k.clone(), pages_v.clone()
+    for write in (write_kv_slots, write_kv_slots_reference):
+        write(pages_k, pages_v, torch.randn(2, 2, 24), torch.randn(2, 2, 40), torch.tensor([-1, -1]))
+        assert torch.equal(pages_k, before_k) and torch.equal(pages_v, before_v)
