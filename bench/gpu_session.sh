@@ -37,5 +37,6 @@ step int4_gemm  120 $py -m tritonq.bench int4_gemm --models llama-2-7b --json "$
 step fp8        90  $py -m tritonq.bench fp8 --json "$out/fp8.json"
 step attention  60  $py -m tritonq.bench attention --json "$out/attention.json"
 step moe        60  $py -m tritonq.bench moe --out "$out/moe.json"
-step generate   45  $py -m tritonq.bench generate --hidden 2048 --layers 8 --out "$out/generate.json"
+# decode tokens/s at batch 1, 8, 32 with and without CUDA graphs, random AWQ Llama-2-7B shape (#18)
+step generate   180 $py -m tritonq.bench generate --device cuda --repeat 2 --out "$out/generate.json"
 step load       30  $py -m tritonq.bench load --gb 1.0 --device cuda --json "$out/load.json"

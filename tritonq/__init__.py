@@ -102,7 +102,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
          device: str | torch.device | None = None, revision: str | None = None, quantize: str | None = None,
          group_size: int | None = None, max_seq_len: int | None = None, tensor_parallel: int | None = None,
          max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, kv_cache_gb: float | None = None,
-         gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True) -> Model:
+         gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
+         cuda_graphs: bool | None = None) -> Model:
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
 
     device defaults to CUDA when available, else CPU. dtype (torch.float16 / bfloat16 / float32, or
@@ -122,6 +123,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     CPU kv_cache_gb GiB (default: 4, or what max_num_seqs sequences of max_seq_len need if less).
     kv_cache_gb, when given, is the budget on CUDA too. enable_prefix_caching reuses the KV of
     prompt prefixes (whole blocks) that earlier requests computed.
+    cuda_graphs (default: True on CUDA): decode steps run at fixed batch buckets (1, 2, 4, 8, 16, 24,
+    ... up to max_num_seqs) and each bucket's step is captured as a CUDA graph here, at load (the log
+    says how many and how long it took), then replayed; False runs every step eagerly (debugging).
     Every argument, config.json and the tokenizer are checked before any weight is read.
     """
     from transformers import AutoConfig
@@ -136,6 +140,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     dtype = _compute_dtype(dtype)
     _check_options(max_seq_len, quantize, group_size, max_num_seqs, max_num_batched_tokens, kv_cache_gb,
                    gpu_memory_utilization, block_size)
+    if cuda_graphs not in (None, True, False):
+        raise ValueError(f"cuda_graphs={cuda_graphs!r}; expected True, False or None (True on CUDA).")
     folder = resolve(name_or_path, revision=revision)
     cls = model_class(_model_type(folder))
     config = AutoConfig.from_pretrained(folder)
@@ -152,6 +158,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
                                              "past the trained length is not guaranteed.", where, rope_type)
     tokenizer = _tokenizer(folder)
     device = torch.device(device) if device is not None else distributed.default_device()
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a CUDA device; the device is {device}. Leave cuda_graphs unset "
+                         "(or False): other devices run every step eagerly.")
     rank, world = distributed.init_tensor_parallel(tensor_parallel, device)
     if world > 1 and not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"model_type {config.model_type!r} does not support tensor parallelism yet; "
@@ -172,4 +181,6 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     engine = Engine(model, tokenizer, _eos_token_ids(folder, config, tokenizer), num_blocks=num_blocks,
                     block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                     enable_prefix_caching=enable_prefix_caching, max_seq_len=max_seq_len, world=world)
+    if device.type == "cuda":  # fixed-shape decode buckets; graphs captured after the process group exists
+        engine.runner.use_static_decode(max_num_seqs, cuda_graphs=cuda_graphs is not False)
     return Model(model, tokenizer, engine, max_seq_len, rank, world)

@@ -100,10 +100,7 @@ class Engine:
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_request(len(prompt_ids), config.max_new_tokens)
         rid = next(self._ids)
-        generator = None
-        if config.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
-        request = Request(rid, prompt_ids, SamplingParams(config, generator), Detokenizer(self.tokenizer, config.stop),
+        request = Request(rid, prompt_ids, SamplingParams(config), Detokenizer(self.tokenizer, config.stop),
                           arrival_s=time.perf_counter())
         if config.max_new_tokens == 0:
             self._finish(request, "length")

@@ -3,9 +3,18 @@
 prepare() packs the new tokens of a step's sequences into a StepContext (see
 tritonq.models.common): sequence i computes token_ids[c_i : c_i + n_i] (c_i its
 num_computed_tokens) at positions c_i.., writes their K/V to slot page * block_size + row of its
-block table, and attends over c_i + n_i tokens. sample() turns each sequence's logits into its
-next token with that request's own settings and torch.Generator, so a seeded request draws the
-same tokens whatever else shares its batch; greedy (temperature 0) is argmax.
+block table, and attends over c_i + n_i tokens. With static decode on (`use_static_decode`, on
+CUDA at load), a decode step of B sequences fills the first rows of buffers allocated once and
+runs as the smallest batch bucket holding B (tritonq.engine.cuda_graphs): fixed shapes, no device
+value read on the host, and, with CUDA graphs captured, a replay instead of ~10 launches per layer.
+Prefill, and decode batches above the largest bucket, run eagerly on tensors built per step.
+
+sample() draws every row's next token in one batched pass (per-row temperature, top-k, top-p,
+repetition penalty as tensors); only the sampled ids and their log-probabilities come back to the
+host, in one transfer per step. A row's random numbers are a hash of (its request's seed, its
+sequence length, vocabulary index) computed with torch integer ops (`sampling_noise`), so a seeded
+request draws the same tokens whatever else shares its batch, without a torch.Generator per
+request; greedy (temperature 0) is argmax.
 Tensor parallel: every rank runs the same steps; rank 0's sampled tokens are broadcast, so all
 ranks append the same tokens even where their sampling would differ.
 """
@@ -18,38 +27,75 @@ from types import SimpleNamespace
 import torch
 
 from tritonq.distributed import broadcast_from_rank0
+from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_buckets
 from tritonq.models.common import StepContext
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 4.0  # the CPU default budget (capped by what max_num_seqs sequences of max_seq_len use)
+MASK32 = 0xFFFFFFFF
 
 
 @dataclass
 class SamplingParams:
-    """One request's sampling settings (a GenerationConfig) and its random generator (None: torch's global one)."""
+    """One request's sampling settings (a GenerationConfig) and the seed of its random numbers:
+    config.seed, or for an unseeded request one drawn once from torch's global generator when the
+    request is created (so torch.manual_seed still makes a run repeatable)."""
     config: object
-    generator: torch.Generator | None = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.seed is None:
+            seed = self.config.seed
+            self.seed = int(torch.randint(0, 2 ** 62, ())) if seed is None else int(seed)
 
 
-def sample_logits(logits: torch.Tensor, seen: torch.Tensor | None, config, generator: torch.Generator | None
-                  ) -> torch.Tensor:
-    """Next tokens [B] int64 from logits [B, V] float32; seen [B, V] bool marks prompt + generated tokens
-    (needed only with a repetition penalty). config: temperature / top_k / top_p / repetition_penalty."""
-    if config.repetition_penalty != 1.0:  # CTRL-style penalty, as transformers applies it
-        penalized = torch.where(logits > 0, logits / config.repetition_penalty, logits * config.repetition_penalty)
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (xorshift-multiply rounds) of x int64 in [0, 2^32). The
+    multipliers are < 2^30, so no product overflows int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x2C1B3C6D) & MASK32
+    x = x ^ (x >> 12)
+    x = (x * 0x297A2D39) & MASK32
+    return x ^ (x >> 15)
+
+
+def sampling_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [R, vocab] float32, a pure function of (seed, step, vocabulary index) per row.
+
+    seeds [2, R] int64: the low and high 32 bits of each row's seed; steps [R] int64 (the sequence's
+    length when it samples). Counter-based: uniforms from a hash of the three, then -log(-log u);
+    argmax(logits + noise) is a sample of softmax(logits) (the Gumbel-max trick)."""
+    row = _mix32((_mix32(_mix32(seeds[0]) ^ seeds[1]) + steps) & MASK32)  # [R]
+    index = torch.arange(vocab, device=steps.device, dtype=torch.int64)
+    bits = _mix32(_mix32(row[:, None] ^ index[None, :]))  # [R, vocab] in [0, 2^32)
+    u = ((bits >> 8).to(torch.float32) + 0.5) * 2.0 ** -24  # 24 random bits: u in (0, 1), never 0 or 1
+    return -torch.log(-torch.log(u))
+
+
+def sample_logits(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch.Tensor | None,
+                  top_p: torch.Tensor | None, penalty: torch.Tensor | None, seen: torch.Tensor | None,
+                  noise: torch.Tensor | None, filters: bool = True) -> torch.Tensor:
+    """Next tokens [R] int64 from logits [R, V] float32, with per-row settings [R]: temperature float32
+    (0: greedy), top_k int64 (0: off), top_p float32 (1: off); penalty float32 [R] with seen [R, V] bool
+    (prompt + generated tokens; both None when no row has a repetition penalty); noise [R, V] from
+    `sampling_noise`. When every row is greedy, noise is None and temperature / top_k / top_p may be too.
+    filters=False skips top-k / top-p (no row uses them)."""
+    if penalty is not None:  # CTRL-style penalty, as transformers applies it
+        penalized = torch.where(logits > 0, logits / penalty[:, None], logits * penalty[:, None])
         logits = torch.where(seen, penalized, logits)
-    if config.temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / config.temperature
-    if config.top_k:
-        kth = logits.topk(min(config.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if config.top_p < 1.0:
-        sorted_logits, order = logits.sort(-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= config.top_p  # keep the smallest prefix reaching top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+    greedy = logits.argmax(-1)
+    if noise is None:
+        return greedy
+    x = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if filters:  # in descending order: top-k keeps values >= the k-th, top-p the smallest prefix reaching p
+        V = x.shape[-1]
+        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+        k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+        sorted_x = sorted_x.masked_fill(sorted_x < sorted_x.gather(1, (k - 1)[:, None]), float("-inf"))
+        probs = sorted_x.softmax(-1)
+        drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    return torch.where(temperature > 0, (x + noise).argmax(-1), greedy)
 
 
 class ModelRunner:
@@ -57,12 +103,36 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, world: int = 1, max_seq_len: int | None = None):
         self.model, self.device, self.world = model, model.device, world
-        self.block_size = block_size
+        self.block_size, self.max_seq_len = block_size, max_seq_len
         # On CUDA the block table always has the width of max_seq_len: the decode kernel's launch config
         # (chosen from the table's capacity) then never changes as sequences grow, so it never recompiles.
         # On CPU the torch reference gathers every page in the table, so there it is as narrow as the step.
         self.table_width = -(-max_seq_len // block_size) if max_seq_len and self.device.type == "cuda" else 0
         self.cache = model.kv_layout.allocate(num_blocks, block_size, model.dtype, model.device)
+        self.static: StaticDecodeInputs | None = None  # see use_static_decode
+        self.buckets: list[int] = []
+        self.graphs: DecodeGraphs | None = None
+        self.replay_graphs = True  # False: run captured buckets eagerly (benchmarks, checks)
+
+    def use_static_decode(self, max_num_seqs: int, cuda_graphs: bool = False) -> None:
+        """Run decode steps of up to max_num_seqs sequences as fixed-shape batch buckets (see
+        tritonq.engine.cuda_graphs) and, with cuda_graphs (CUDA only), capture one graph per bucket now."""
+        if self.max_seq_len is None:
+            raise ValueError("static decode needs the runner's max_seq_len (its buffers are sized by it).")
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device; the model is on {self.device}. "
+                             "Pass cuda_graphs=False (CPU runs eagerly).")
+        if getattr(self.model.rope, "dynamic", False):  # its tables follow each step's longest position
+            log.info("decode runs eagerly: dynamic NTK rope rescales with the longest position, which a "
+                     "fixed-shape step cannot follow")
+            return
+        self.buckets = decode_buckets(max_num_seqs)
+        self.static = StaticDecodeInputs(self.buckets[-1], self.max_seq_len, self.block_size, self.device)
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(lambda ctx: self.model(ctx, self.cache), self.static, self.buckets)
+            self.graphs.capture()
+            log.info("CUDA graphs: captured %d decode steps (batch buckets %s) in %.1f s", len(self.buckets),
+                     ",".join(map(str, self.buckets)), self.graphs.capture_s)
 
     def prepare(self, seqs, num_new_tokens: list[int], is_prefill: bool, logits_for: list[bool] | None = None,
                 start: list[int] | None = None) -> StepContext:
@@ -84,6 +154,10 @@ class ModelRunner:
             context.append(c + n)
             if logits_for is not None and logits_for[i]:
                 rows.append(cu[-1] - 1)
+        if (self.static is not None and not is_prefill and len(seqs) <= self.buckets[-1]
+                and (logits_for is None or all(logits_for))):
+            bucket = next(b for b in self.buckets if b >= len(seqs))
+            return self.static.fill(bucket, ids, positions, slots, context, [seq.block_table for seq in seqs])
         width = max(self.table_width, *(len(seq.block_table) for seq in seqs))
         table = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
 
@@ -97,7 +171,14 @@ class ModelRunner:
                            num_context_tokens=sum(context))
 
     def run(self, ctx: StepContext) -> torch.Tensor:
-        """Logits [R, V] float32 at ctx.logit_rows (every row when None)."""
+        """Logits [R, V] float32 at ctx.logit_rows (every row when None; a padded decode step's real rows)."""
+        if ctx.num_seqs is not None:  # a static decode step: replay its bucket's graph, or run it eagerly
+            bucket = ctx.input_ids.shape[0]
+            if self.graphs is not None and self.replay_graphs:
+                logits = self.graphs.replay(bucket)
+            else:
+                logits = self.model(ctx, self.cache)
+            return logits[:ctx.num_seqs].float()
         if ctx.logit_rows is not None and ctx.logit_rows.numel() == 0:  # only unfinished prompt chunks
             last = torch.full((1,), ctx.input_ids.shape[0] - 1, dtype=torch.int64, device=self.device)
             return self.model(StepContext(**{**ctx.__dict__, "logit_rows": last}), self.cache).float()[:0]
@@ -108,23 +189,35 @@ class ModelRunner:
         """Each row's next token and its log-probability under the raw logits (before any filter).
 
         logits [R, V] float32; params[r] the row's request settings; token_ids[r] its prompt + generated
-        tokens (the repetition penalty's "seen" set). Greedy rows without a penalty are one argmax."""
-        R = logits.shape[0]
-        tokens = torch.empty(R, dtype=torch.int64, device=logits.device)
-        plain = [r for r, p in enumerate(params) if p.config.temperature == 0 and p.config.repetition_penalty == 1.0]
-        if plain:
-            index = torch.tensor(plain, device=logits.device)
-            tokens[index] = logits[index].argmax(-1)
-        for r in sorted(set(range(R)) - set(plain)):  # each with its own generator: independent of the batch
-            seen = None
-            if params[r].config.repetition_penalty != 1.0:
-                seen = torch.zeros(1, logits.shape[1], dtype=torch.bool, device=logits.device)
-                seen[0, torch.tensor(token_ids[r], device=logits.device)] = True
-            tokens[r] = sample_logits(logits[r:r + 1], seen, params[r].config, params[r].generator)[0]
+        tokens (the repetition penalty's "seen" set; its length numbers the row's random draws). All rows
+        are sampled at once (`sample_logits`); the tokens and log-probabilities come back in one transfer."""
+        R, V = logits.shape
+        device = logits.device
+        configs = [p.config for p in params]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        penalty = seen = noise = temperature = top_k = top_p = None
+        if any(c.repetition_penalty != 1.0 for c in configs):
+            penalty = tensor([c.repetition_penalty for c in configs], torch.float32)
+            rows = [r for r, ids in enumerate(token_ids) for _ in ids]
+            seen = torch.zeros(R, V, dtype=torch.bool, device=device)
+            seen[tensor(rows, torch.int64), tensor([t for ids in token_ids for t in ids], torch.int64)] = True
+        sampled = [c.temperature > 0 for c in configs]
+        if any(sampled):  # all-greedy steps need none of this: argmax
+            seeds = [p.seed % 2 ** 64 for p in params]
+            noise = sampling_noise(tensor([[s & MASK32 for s in seeds], [s >> 32 for s in seeds]], torch.int64),
+                                   tensor([len(ids) for ids in token_ids], torch.int64), V)
+            temperature = tensor([c.temperature for c in configs], torch.float32)
+            top_k = tensor([c.top_k or 0 for c in configs], torch.int64)
+            top_p = tensor([c.top_p for c in configs], torch.float32)
+        filters = any(s and (c.top_k or c.top_p < 1.0) for s, c in zip(sampled, configs))
+        tokens = sample_logits(logits, temperature, top_k, top_p, penalty, seen, noise, filters)
         if self.world > 1:
             tokens = broadcast_from_rank0(tokens)
         logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
-        return tokens.tolist(), logprobs.tolist()
+        picked = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one device read
+        return [int(t) for t in picked[0]], picked[1]
 
 
 def prefill_logits(model, token_ids: list[int], block_size: int = 16, last_only: bool = False) -> torch.Tensor:

@@ -298,8 +298,12 @@ def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, 
     lse = tl.load(part_lse_ptr + row, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     part = tl.load(part_o_ptr + row[:, None] * D_V + offs_dv[None, :],
                    mask=(offs_s[:, None] < NUM_SPLITS) & (offs_dv[None, :] < D_V), other=0.0)
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    # A sequence with no keys (context length 0: a padding row of a CUDA-graph bucket) has every split
+    # empty (lse -inf): its output is 0, not the NaN of -inf - -inf, so nothing non-finite can leak.
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    total = tl.sum(weight, 0)
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_dv, out.to(o_ptr.dtype.element_ty),
              mask=offs_dv < D_V)
 
@@ -721,10 +725,11 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
     if T == 0:
         return
     expected = f"write_kv_slots: slots must be < num_blocks x block_size = {capacity} (or < 0 to skip)"
-    if slot_mapping.is_cuda:  # checked on the device: a host check would sync the GPU in every layer
+    if slot_mapping.device.type == "cpu":  # the values are on the host already: reading them syncs nothing
+        if int(slot_mapping.max()) >= capacity:
+            raise ValueError(f"{expected}; got {int(slot_mapping.max())}.")
+    else:  # checked on the device: a host check would sync the GPU in every layer (and break graph capture)
         torch._assert_async(slot_mapping.max() < capacity, expected)
-    elif int(slot_mapping.max()) >= capacity:
-        raise ValueError(f"{expected}; got {int(slot_mapping.max())}.")
     if not use_triton(k_pages):
         return write_kv_slots_reference(k_pages, v_pages, k, v, slot_mapping)
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -860,13 +865,16 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     B, H, _ = q.shape
     S_max, H_kv = k_cache.shape[1], k_cache.shape[2]
     scores = q.float().reshape(B, H_kv, H // H_kv, -1) @ k_cache.float().permute(0, 2, 3, 1) * scale
-    if window or min(cache_lens.tolist()) < S_max:  # scores [B, Hkv, group, Smax]: hide positions past each length
-        pos = torch.arange(S_max, device=q.device)
-        pad = pos >= cache_lens[:, None]
-        if window:
-            pad = pad | (pos < cache_lens[:, None] - window)
-        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    # scores [B, Hkv, group, Smax]: hide positions past each length (always: whether any sequence is
+    # shorter than Smax is a device value, and reading it on the host would sync every layer)
+    pos = torch.arange(S_max, device=q.device)
+    pad = pos >= cache_lens[:, None]
+    if window:
+        pad = pad | (pos < cache_lens[:, None] - window)
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v_cache.float().transpose(1, 2)  # [B, Hkv, group, Dv]
+    # A sequence with no keys (a padding row, context length 0) gets zeros, as the kernel gives, not NaN.
+    out = torch.where(cache_lens[:, None, None, None] > 0, out, 0.0)
     return out.reshape(B, H, -1).to(q.dtype)
 
 
@@ -889,12 +897,19 @@ def write_kv_cache_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: to
 def write_kv_slots_reference(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              slot_mapping: torch.Tensor) -> None:
     """index_put: token t to page slot_mapping[t] // block_size, row slot_mapping[t] % block_size;
-    negative slots (padding) are skipped."""
+    negative slots (padding) are skipped.
+
+    Shape-static, with no host read (it is the decode step's write on CPU): rather than selecting the
+    kept rows (a data-dependent shape), every skipped row is redirected to the slot of the first kept
+    row with that row's own values, so the duplicate writes agree; with no kept row at all they all
+    write slot 0's current values back."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    block_size = k_pages.shape[1]
-    k_pages[slots // block_size, slots % block_size] = k[keep]
-    v_pages[slots // block_size, slots % block_size] = v[keep]
+    first = keep.to(torch.int8).argmax(0, keepdim=True)  # [1]: the first kept row (0 when there is none)
+    target = torch.where(keep, slot_mapping, slot_mapping[first].clamp(min=0)).long()
+    page, row = target // k_pages.shape[1], target % k_pages.shape[1]
+    for pages, new in ((k_pages, k), (v_pages, v)):
+        fill = torch.where(keep[first], new[first], pages[0, 0])  # what skipped rows write (to `target`)
+        pages[page, row] = torch.where(keep[:, None, None], new, fill)
 
 
 def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

@@ -17,6 +17,9 @@ A step (built by tritonq.engine.runner) packs the new tokens of B sequences into
                                every sequence has exactly one new token (decode kernel).
       max_position, num_context_tokens  host ints (largest position, sum of context_lens), so
                                models need no device read to size rope tables or MLA's expansion.
+      num_seqs     int or None a decode step padded to a batch bucket (tritonq.engine.cuda_graphs):
+                               only its first num_seqs rows are sequences; the rest are padding
+                               (slot -1, context length 0) whose outputs are ignored. None: no padding.
 
 A model's forward(ctx, cache) writes each layer's new K/V into its pages, attends, and returns
 logits [R, V] (or [T, V]) in the compute dtype.
@@ -43,6 +46,7 @@ class StepContext:
     is_prefill: bool
     max_position: int  # the largest position in the step (host int: rope tables grow without a device read)
     num_context_tokens: int  # sum of context_lens (host int: MLA's prefill expands that many K/V rows)
+    num_seqs: int | None = None  # padded decode step: its real rows (the rest are padding); None: all real
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,142 @@
+"""The decode step at fixed shapes: batch buckets, static input buffers, one CUDA graph per bucket.
+
+A decode step of B sequences runs as the smallest bucket b >= B (`decode_buckets`): its inputs are
+the first b rows of buffers allocated once (`StaticDecodeInputs`), filled in place from the host
+lists the runner builds, and rows B..b-1 are padding (token 0 at position 0, slot -1: write_kv_slots
+skips it, context length 0: decode attention gives it zeros). Every tensor then has a shape fixed by
+(b, max_seq_len), launch configs follow that capacity, and the step reads no device value on the
+host, so on CUDA it can be captured once per bucket and replayed (`DecodeGraphs`).
+
+Buckets 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs: small batches (latency-bound
+decode, where a padded row costs a real fraction of the step's attention and MoE work) get a close
+fit; above 8, padding wastes fewer than 8 rows (< 50% at 16, < 12% from 64 up) while the number of
+graphs, and with it capture time, stays linear in max_num_seqs (17 graphs for 128) and all of them
+share one memory pool, captured largest first so the smaller ones reuse its blocks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tritonq.models.common import StepContext
+
+log = logging.getLogger(__name__)
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes with a static decode step: 1, 2, 4, 8, 16, 24, ... (multiples of 8), and max_num_seqs
+    itself when it is none of these, so that every batch of at most max_num_seqs sequences has one."""
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs!r}; expected a positive int.")
+    buckets = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    if not buckets or buckets[-1] != max_num_seqs:
+        buckets.append(max_num_seqs)
+    return buckets
+
+
+class StaticDecodeInputs:
+    """Decode inputs of up to max_batch sequences in buffers allocated once (shapes in StepContext).
+
+    fill() copies one step's host lists into the first `bucket` rows in place (padding the rest) and
+    returns the StepContext of views of those rows. The block table is always table_width =
+    ceil(max_seq_len / block_size) pages wide and its host copy is only rewritten for rows whose
+    block list changed, so a step costs a few small host-to-device copies."""
+
+    def __init__(self, max_batch: int, max_seq_len: int, block_size: int, device: torch.device):
+        self.max_batch, self.max_seq_len, self.device = max_batch, max_seq_len, device
+        self.table_width = -(-max_seq_len // block_size)
+        self.tokens = torch.zeros(3, max_batch, dtype=torch.int64, device=device)  # input_ids, positions, slots
+        self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.block_table = torch.full((max_batch, self.table_width), -1, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # one query each: fixed
+        self._host_table = torch.full((max_batch, self.table_width), -1, dtype=torch.int32)
+        self._host_rows: list[list[int] | None] = [None] * max_batch  # a copy of the table each host row holds
+
+    def context(self, bucket: int, num_seqs: int) -> StepContext:
+        """The StepContext of the first `bucket` rows (num_seqs of them real). max_position is the capacity's
+        last position: the rope tables are then sized once, and never rebuilt inside a captured graph."""
+        return StepContext(input_ids=self.tokens[0, :bucket], positions=self.tokens[1, :bucket],
+                           slot_mapping=self.tokens[2, :bucket], cu_seqlens_q=self.cu_seqlens_q[:bucket + 1],
+                           context_lens=self.context_lens[:bucket], block_table=self.block_table[:bucket],
+                           logit_rows=None, is_prefill=False, max_position=self.max_seq_len - 1,
+                           num_context_tokens=0, num_seqs=num_seqs)
+
+    def fill(self, bucket: int, ids: list[int], positions: list[int], slots: list[int], context: list[int],
+             tables: list[list[int]]) -> StepContext:
+        """Copy a step's B <= bucket rows (host ints) into the buffers; rows B..bucket-1 become padding."""
+        B, pad = len(ids), bucket - len(ids)
+        if not 0 < B <= bucket <= self.max_batch:
+            raise ValueError(f"a decode step of {B} sequences in a bucket of {bucket}; expected "
+                             f"1 <= sequences <= bucket <= {self.max_batch}.")
+        if max(context) > self.max_seq_len:
+            raise ValueError(f"a sequence reaches {max(context)} tokens, past max_seq_len={self.max_seq_len} "
+                             "that the static decode buffers were sized for.")
+        longest = max(range(B), key=lambda i: len(tables[i]))
+        if len(tables[longest]) > self.table_width:
+            raise ValueError(f"row {longest} has {len(tables[longest])} blocks; the static block table holds "
+                             f"{self.table_width} (max_seq_len={self.max_seq_len}).")
+        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
+        self.tokens[:, :bucket].copy_(host, non_blocking=True)
+        self.context_lens[:bucket].copy_(torch.tensor(context + [0] * pad, dtype=torch.int32), non_blocking=True)
+        for i, table in enumerate(tables):  # padding rows keep stale pages: with context 0 none is read
+            if self._host_rows[i] != table:  # compared by value (a C loop): rewritten only when it changed
+                self._host_table[i, len(table):] = -1
+                self._host_table[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+                self._host_rows[i] = list(table)
+        # A pageable source: copy_ returns once the rows are staged, so the next step may rewrite them.
+        self.block_table[:bucket].copy_(self._host_table[:bucket], non_blocking=True)
+        return self.context(bucket, B)
+
+
+class DecodeGraphs:
+    """One CUDA graph per decode bucket over StaticDecodeInputs, sharing one memory pool.
+
+    capture() runs each bucket's step eagerly on a side stream (Triton compiles and autotunes, the
+    allocator settles), then records it; replay(bucket) re-runs the recorded kernels on whatever the
+    buffers hold now and returns that bucket's static logits [bucket, V] (overwritten by the next
+    replay of any bucket: read them before)."""
+
+    def __init__(self, forward, inputs: StaticDecodeInputs, buckets: list[int]):
+        self.forward, self.inputs, self.buckets = forward, inputs, sorted(buckets)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.capture_s = 0.0
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first (the smaller graphs reuse the pool's blocks). The buffers
+        hold padding meanwhile (context 0, slot -1), so the warm-up and captured steps write no KV."""
+        device = self.inputs.device
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        torch.cuda.synchronize(device)
+        for bucket in sorted(self.buckets, reverse=True):
+            ctx = self._padding_context(bucket)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # warm-up off the capture: compiles, first-call allocations
+                for _ in range(2):
+                    self.forward(ctx)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.logits[bucket] = self.forward(ctx)
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(device)
+        self.capture_s = time.perf_counter() - start
+
+    def _padding_context(self, bucket: int) -> StepContext:
+        buf = self.inputs
+        buf.tokens[:, :bucket] = torch.tensor([[0], [0], [-1]], device=buf.device)
+        buf.context_lens[:bucket] = 0
+        return buf.context(bucket, bucket)
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        """The smallest captured bucket holding num_seqs sequences (None: more than the largest)."""
+        return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def replay(self, bucket: int) -> torch.Tensor:
+        """Run bucket's graph on the buffers' current contents; its logits [bucket, V] (a static tensor)."""
+        self.graphs[bucket].replay()
+        return self.logits[bucket]
