@@ -1,4 +1,4 @@
-"""Random typed weights for benchmarks, the tuner, `python -m tritonq.check` and tests: contents
+"""Random typed weights for benchmarks, the kernels' tune targets and tests: contents
 that exercise a kernel (every code value, varied scales), not a trained model.
 
 Each generator makes a weight in tritonq's layout (tritonq/weights.py) on `device`; only the sizes
