@@ -346,15 +346,20 @@ def test_shipped_configs_compile_within_shared_memory(cc):
             assert report["uses_wgmma"] == (cc == 90), (name, report)  # have 16-row tiles: mma.sync
 
 
+def _constexpr_kwargs(kwargs: dict) -> dict:
+    """The constexpr arguments (upper-case names) and launch options of a launch given by keyword
+    (`common.Launch` passes every argument so)."""
+    return {k: v for k, v in kwargs.items() if k.isupper() or k in ("num_warps", "num_stages")}
+
+
 class LaunchSpy:
-    """Stands in for a @triton.jit kernel: records each launch's scalar kwargs (constexprs, launch
-    options and the int arguments; not the tensors), then launches."""
+    """Stands in for a @triton.jit kernel: records each launch's constexpr kwargs, then launches."""
     def __init__(self, kernel):
         self.kernel, self.launches = kernel, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.launches.append({k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)})
+            self.launches.append(_constexpr_kwargs(kwargs))
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -594,7 +599,7 @@ class RecordingSpy:
         self.launches = []
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((tuple(grid), kwargs))
+        return lambda *args, **kwargs: self.launches.append((tuple(grid), _constexpr_kwargs(kwargs)))
 
 
 @pytest.mark.parametrize("page_size,window", [(0, 0), (16, 0), (16, 40)])
