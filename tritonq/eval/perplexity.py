@@ -5,6 +5,8 @@ A text of N tokens is cut into windows of `context` tokens starting every `strid
 each with the window's earlier tokens as context; the first token of a text is never scored (nothing
 predicts it). With stride < context every scored token past the first window sees at least
 context - stride tokens of context. ppl = exp(sum of NLL / number of scored tokens), pooled over texts.
+The guide's code weighs each window's mean loss by (its labels - 1), one token too few for every window
+after the first (whose first label is already masked); here each scored token counts once, exactly.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ class PerplexityOutput:
 
 def sliding_windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     """(begin, end, first_scored) per window of a text of num_tokens tokens; tokens [first_scored, end) are
-    the ones that window scores. Together they score tokens 1..num_tokens-1, each exactly once."""
+    the ones that window scores. Each token is scored at most once: every one but token 0 when
+    stride < context; with stride == context a window's first token has no context and is skipped."""
     windows, prev_end = [], 0
     for begin in range(0, num_tokens, stride):
         end = min(begin + context, num_tokens)
