@@ -112,6 +112,9 @@ def test_registered_under_tritonq_and_cli_runs_a_task(setup, capsys, monkeypatch
     main(["lm_eval", "--model-path", str(folder), "--tasks", "tiny_mc", "--include-path", str(task_folder),
           "--max-seq-len", str(POSITIONS)])
     assert "tiny_mc" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_info:
-        main(["lm_eval", "--model-path", str(folder), "--tasks", "no_such_task", "--include-path", str(task_folder)])
-    assert exit_info.value.code == 2 and "unknown lm_eval task(s) ['no_such_task']" in capsys.readouterr().err
+    for argv, phrase in [(["--tasks", " , "], "names no task"),
+                         (["--tasks", "tiny_mc", "--log-samples"], "give --output-path")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["lm_eval", "--model-path", str(folder), *argv])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and phrase in err.splitlines()[-1], err

@@ -91,13 +91,19 @@ def lm_eval(parser, args) -> None:
     from tritonq.eval.harness import TritonQLM
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    manager = TaskManager(include_path=args.include_path)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if not tasks or unknown:
-        raise ValueError(f"unknown lm_eval task(s) {unknown or [args.tasks]}; list them with `lm_eval ls tasks` "
-                         "(add --include-path for your own YAML tasks).")
+    if not tasks:
+        raise ValueError(f"--tasks {args.tasks!r} names no task; give comma-separated lm_eval task names.")
     if args.log_samples and args.output_path is None:
         raise ValueError("--log-samples keeps per-sample results in the --output-path file; give --output-path.")
+    manager = None
+    if args.include_path:  # indexing lm_eval's thousands of built-in tasks takes a minute: skip it when unneeded
+        local = TaskManager(include_path=args.include_path, include_defaults=False)
+        manager = local if all(t in local.all_tasks for t in tasks) else None
+    manager = manager or TaskManager(include_path=args.include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"unknown lm_eval task(s) {unknown}; list them with `lm_eval ls tasks` "
+                         "(add --include-path for your own YAML tasks).")
     results = harness.simple_evaluate(model=TritonQLM(model=_load(args)), tasks=tasks, num_fewshot=args.num_fewshot,
                                       limit=args.limit, task_manager=manager, log_samples=args.log_samples,
                                       random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
