@@ -8,6 +8,7 @@ few dozen logprobs, each good to ~1e-5), the is-greedy flags and the generated s
 """
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,9 +110,11 @@ def test_registered_under_tritonq_and_cli_runs_a_task(setup, capsys, monkeypatch
     lm = TritonQLM.create_from_arg_string(f"pretrained={folder},dtype=float32,max_seq_len={POSITIONS}",
                                           {"batch_size": 4, "device": "cpu"})
     assert lm.max_length == POSITIONS
-    main(["lm_eval", "--model-path", str(folder), "--tasks", "tiny_mc", "--include-path", str(task_folder),
-          "--max-seq-len", str(POSITIONS)])
-    assert "tiny_mc" in capsys.readouterr().out
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the README's command: the repo's example task
+    main(["lm_eval", "--model-path", str(folder), "--tasks", "shakespeare_next_word", "--include-path",
+          "tests/data/lm_eval", "--max-seq-len", str(POSITIONS), "--output-path", str(task_folder / "out.json")])
+    assert "|shakespeare_next_word|" in capsys.readouterr().out
+    assert json.loads((task_folder / "out.json").read_text())["results"]["shakespeare_next_word"]["acc,none"] >= 0
     for argv, phrase in [(["--tasks", " , "], "names no task"),
                          (["--tasks", "tiny_mc", "--log-samples"], "give --output-path")]:
         with pytest.raises(SystemExit) as exit_info:

@@ -23,7 +23,8 @@ def _load_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=None, help="int4 group size (default 128)")
     parser.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     parser.add_argument("--revision", default=None, help="hub revision")
-    parser.add_argument("--max-seq-len", type=int, default=None, help="longest sequence (default: min(positions, 4096))")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="longest sequence (default: min(positions, 4096))")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="sequences per engine step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
     parser.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (GiB)")
