@@ -7,14 +7,11 @@ with a stop string. Per sample, the loglikelihoods agree to float32 rounding (at
 few dozen logprobs, each good to ~1e-5), the is-greedy flags and the generated strings are equal.
 """
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-os.environ["HF_DATASETS_OFFLINE"] = "1"  # before datasets is imported (it reads them once)
-os.environ["HF_HUB_OFFLINE"] = "1"
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")
 
 import tritonq  # noqa: E402
@@ -23,7 +20,20 @@ from tritonq.eval.__main__ import main  # noqa: E402
 from test_score import POSITIONS, write_checkpoint  # noqa: E402
 
 ATOL = 1e-4
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "offline")
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Nothing may reach the network: datasets and huggingface_hub read these switches when first imported,
+    so set the environment for a first import and the modules' flags for an earlier one."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    import datasets
+    import huggingface_hub
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setattr(datasets.config, name, True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 QUESTIONS = [  # the answers are arbitrary: accuracy is not the point, per-choice loglikelihoods are
     {"question": "Who wrote Hamlet?", "choices": ["Shakespeare", "Marlowe", "a monkey"], "answer": 0},
@@ -65,9 +75,7 @@ def setup(tmp_path_factory):
 
 
 def evaluate(lm, task_folder, tasks):
-    import datasets
     from lm_eval.tasks import TaskManager
-    assert datasets.config.HF_HUB_OFFLINE  # nothing here may reach the network
     manager = TaskManager(include_path=str(task_folder), include_defaults=False)
     out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, log_samples=True, bootstrap_iters=0)
     return {task: sorted(samples, key=lambda s: s["doc_id"]) for task, samples in out["samples"].items()}

@@ -157,7 +157,8 @@ class TritonQLM(TemplateLM):
             kwargs = dict(normalize_gen_kwargs(requests[indices[0]].args[1], self.max_gen_toks))
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen_toks = kwargs.pop("max_gen_toks")
-            temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
+            do_sample, temperature = kwargs.pop("do_sample", False), float(kwargs.pop("temperature", 0.0))
+            temperature = temperature if do_sample else 0.0  # normalize_gen_kwargs: do_sample=False is greedy
             options = {k: kwargs.pop(k) for k in _SAMPLING_KWARGS if k in kwargs}
             if kwargs:
                 log.warning("tritonq ignores generation kwargs %s", sorted(kwargs))
