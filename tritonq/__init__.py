@@ -12,10 +12,10 @@ import logging
 
 import torch
 
-from tritonq.generate import GenerationConfig, GenerationOutput, Model
+from tritonq.generate import GenerationConfig, GenerationOutput, Model, ScoreOutput
 
 __version__ = "0.1.0"
-__all__ = ["load", "Model", "GenerationConfig", "GenerationOutput"]
+__all__ = ["load", "Model", "GenerationConfig", "GenerationOutput", "ScoreOutput"]
 
 
 def _eos_token_ids(folder: Path, config, tokenizer) -> set[int]:

@@ -54,6 +54,16 @@ class GenerationOutput:
     decode_tokens_per_s: float
 
 
+@dataclass(frozen=True)
+class ScoreOutput:
+    """Per prompt, in input order: its token ids (BOS included when the tokenizer added it), each token's
+    log-probability given the tokens before it, and whether it is the model's greedy (argmax) choice there.
+    Entry 0 of logprobs and greedy is None: the first token has no context to be predicted from."""
+    token_ids: list[list[int]]
+    logprobs: list[list[float | None]]
+    greedy: list[list[bool | None]]
+
+
 class Model:
     """A loaded model with its tokenizer and its engine (paged KV cache); built by tritonq.load().
 
@@ -74,32 +84,37 @@ class Model:
     def eos_token_ids(self, ids: set[int]) -> None:
         self.engine.eos_token_ids = set(ids)
 
-    def _encode(self, prompts) -> tuple[list[list[int]], bool]:
-        """(token id lists, single?) from a str, list of str, list of ids, list of id lists or a tensor."""
+    def _encode(self, prompts, add_special_tokens: bool = True) -> tuple[list[list[int]], bool]:
+        """(token id lists, single?) from a str, list of str, list of ids, list of id lists or a tensor.
+        add_special_tokens applies to text (the tokenizer's BOS, if it adds one); token ids are taken as given."""
         if isinstance(prompts, torch.Tensor):
             prompts = prompts.tolist()
         if isinstance(prompts, str):
-            return [self.tokenizer(prompts).input_ids], True
+            return [self.tokenizer(prompts, add_special_tokens=add_special_tokens).input_ids], True
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a list of str, token ids or a list of token id lists; "
                             f"got {type(prompts).__name__}.")
         if prompts and all(isinstance(p, int) for p in prompts):
             return [list(prompts)], True
         if all(isinstance(p, str) for p in prompts):
-            return [self.tokenizer(p).input_ids for p in prompts], False
+            return [self.tokenizer(p, add_special_tokens=add_special_tokens).input_ids for p in prompts], False
         if all(isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompts):
             return [list(p) for p in prompts], False
         raise TypeError("prompts must be a str, a list of str, token ids or a list of token id lists; "
                         "got a list mixing these.")
 
-    def _check_fits(self, prompts: list[list[int]], config: GenerationConfig) -> None:
-        """Every request is checked before any runs, so a bad one costs no work."""
+    def _check_vocab(self, prompts: list[list[int]]) -> None:
         vocab_size = self.model.config.vocab_size
         for i, p in enumerate(prompts):
             bad = [t for t in p if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (vocab_size={vocab_size}:"
                                  f" ids 0..{vocab_size - 1}); encode prompts with this model's tokenizer.")
+
+    def _check_fits(self, prompts: list[list[int]], config: GenerationConfig) -> None:
+        """Every request is checked before any runs, so a bad one costs no work."""
+        self._check_vocab(prompts)
+        for i, p in enumerate(prompts):
             try:
                 self.engine.check_request(len(p), config.max_new_tokens)
             except ValueError as e:
@@ -179,6 +194,49 @@ class Model:
         for i, out in self._requests(prompts, config):
             if out.text:
                 yield out.text if single else (i, out.text)
+
+    def score(self, prompts, *, add_special_tokens: bool = True, return_dict: bool = False,
+              progress: bool | None = None):
+        """Log-probability of every given token under the model, given the tokens before it (prompt logprobs).
+
+        prompts: a str, list of str, token ids or list of token id lists. Text is encoded like generate()
+        does: with the tokenizer's special tokens (its BOS, if it adds one) unless add_special_tokens=False.
+        Returns per prompt, in input order, a list aligned with its tokens: entry 0 is None (the first token
+        has no context to be predicted from), entry t is log p(token t | tokens < t) from the raw logits
+        (float32 log_softmax). A single prompt gives one list, a list of prompts a list of them;
+        return_dict=True gives a ScoreOutput (token ids, logprobs, greedy flags) instead.
+        Prompts run together through the engine's prefill (steps of max_num_batched_tokens tokens, longer
+        prompts split over steps), so many prompts take few steps. A prompt may have at most max_seq_len + 1
+        tokens (the last one is only a target). progress: tqdm bar over prompts (default: more than 8).
+        """
+        encoded, single = self._encode(prompts, add_special_tokens)
+        self._check_vocab(encoded)
+        scored = self._score_ids(encoded, len(encoded) > 8 if progress is None else progress, "Scoring", "prompt")
+        logprobs = [[None] + lp.tolist() for lp, _ in scored]
+        if return_dict:
+            return ScoreOutput(encoded, logprobs, [[None] + g.tolist() for _, g in scored])
+        return logprobs[0] if single else logprobs
+
+    def _score_ids(self, prompts: list[list[int]], progress: bool, desc: str, unit: str) -> list:
+        """Engine.score with a tqdm bar: per prompt (logprobs [T-1] float32, greedy [T-1] bool)."""
+        from tqdm.auto import tqdm
+        with tqdm(total=len(prompts), desc=desc, unit=unit, disable=not progress or self.rank != 0, leave=False) as bar:
+            return self.engine.score(prompts, on_done=lambda i: bar.update(1))
+
+    def perplexity(self, texts, *, context: int | None = None, stride: int | None = None,
+                   add_special_tokens: bool = True, return_dict: bool = False, progress: bool | None = None):
+        """Perplexity of texts by the sliding-window method of the transformers perplexity guide.
+
+        Each text (str, or token ids) is encoded whole (with BOS when the tokenizer adds one, as score()).
+        Windows of `context` tokens (default: max_seq_len) start every `stride` tokens (default: context // 2);
+        each window scores only the tokens the previous one did not reach, with the rest of the window as
+        their context; a text's first token is never scored. ppl = exp(mean negative log-likelihood over
+        every scored token of every text). All windows run batched through score(); progress: a tqdm bar
+        over windows (default: more than 8). Returns a float, or a PerplexityOutput with return_dict=True.
+        """
+        from tritonq.eval.perplexity import perplexity
+        return perplexity(self, texts, context=context, stride=stride, add_special_tokens=add_special_tokens,
+                          return_dict=return_dict, progress=progress)
 
     def chat(self, messages: list[dict], **options):
         """Generate the assistant reply to messages [{"role": ..., "content": ...}] via the chat template."""

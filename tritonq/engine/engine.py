@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -174,3 +175,92 @@ class Engine:
             return self.runner.run(ctx)
         finally:
             bm.free(seq)
+
+    def score(self, prompts: list[list[int]], on_done=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per prompt (T >= 1 token ids): (logprobs [T-1] float32, greedy [T-1] bool) on CPU, in input order.
+
+        logprobs[i] = log p(token i+1 | tokens 0..i) under the raw logits; greedy[i] says whether token i+1
+        is the argmax there. The model runs over tokens 0..T-2 only (the last one is a target, never an
+        input), as prefills over the paged cache with logits for every row: prompts are packed into steps of
+        at most max_num_batched_tokens tokens and max_num_seqs sequences, a longer one split over steps
+        (chunked prefill), so many prompts cost few steps. Blocks come from the same cache as generation
+        (free ones only) and prefix-cache hits are read, not recomputed into the cache. on_done(i) is
+        called as prompt i finishes (progress bars). Not concurrent with step(): call it between steps.
+        """
+        bm, sched = self.block_manager, self.scheduler
+        for i, p in enumerate(prompts):  # every prompt checked before any runs
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} has no tokens; give at least one token.")
+            if len(p) > 1:
+                try:
+                    self.check_request(len(p) - 1, 0)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i} (scored: its first {len(p) - 1} tokens run): {e}") from None
+        results: list = [None] * len(prompts)
+        empty = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bool)
+        waiting = deque()
+        for i, p in enumerate(prompts):
+            if len(p) == 1:  # nothing to predict: no context for the only token
+                results[i] = empty
+                if on_done:
+                    on_done(i)
+            else:
+                waiting.append(i)
+        # Full-row logits cost rows * vocab * 4 bytes (twice, with log_softmax): cap a step at ~512 MiB of them.
+        vocab = self.runner.model.config.vocab_size
+        budget = max(1, min(sched.max_num_batched_tokens, (512 << 20) // (8 * vocab)))
+        running: list[tuple[int, Sequence, int]] = []  # (prompt index, sequence of its inputs, next position)
+        parts: dict[int, list] = {}
+        try:
+            while waiting or running:
+                pending = sum(seq.num_tokens - pos for _, seq, pos in running)
+                while waiting and len(running) < sched.max_num_seqs and pending < budget:
+                    i = waiting[0]
+                    seq = Sequence(-1 - i, [int(t) for t in prompts[i][:-1]], 1)
+                    if not bm.can_allocate(seq):
+                        break
+                    waiting.popleft()
+                    bm.allocate(seq)
+                    running.append((i, seq, 0))
+                    pending += seq.num_tokens
+                if not running:
+                    need = bm.blocks_needed(len(prompts[waiting[0]]) - 1)
+                    raise RuntimeError(f"score: prompt {waiting[0]} needs {need} free KV blocks; {bm.num_free_blocks} "
+                                       "are free while other requests hold the rest. Finish or abort them first.")
+                seqs, counts, starts, left = [], [], [], budget
+                for i, seq, pos in running:
+                    if left == 0:
+                        break
+                    n = min(seq.num_tokens - pos, left)
+                    seqs.append(seq)
+                    counts.append(n)
+                    starts.append(pos)
+                    left -= n
+                # start=pos recomputes rows below num_computed_tokens (prefix-cache hits) without writing them
+                logits = self.runner.run(self.runner.prepare(seqs, counts, True, start=starts))
+                row, still = 0, []
+                for k, (i, seq, pos) in enumerate(running):
+                    if k >= len(seqs):
+                        still.append((i, seq, pos))
+                        continue
+                    n = counts[k]
+                    rows = logits[row:row + n]
+                    row += n
+                    targets = torch.tensor(prompts[i][pos + 1:pos + 1 + n], device=rows.device)
+                    logprobs = rows.log_softmax(-1).gather(1, targets[:, None])[:, 0]
+                    parts.setdefault(i, []).append((logprobs.cpu(), (rows.argmax(-1) == targets).cpu()))
+                    seq.num_computed_tokens = max(seq.num_computed_tokens, pos + n)
+                    bm.mark_computed(seq)  # full blocks become prefix-cache entries, as after a generation prefill
+                    if pos + n < seq.num_tokens:
+                        still.append((i, seq, pos + n))
+                        continue
+                    bm.free(seq)
+                    chunks = parts.pop(i)
+                    results[i] = (torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]))
+                    if on_done:
+                        on_done(i)
+                running = still
+        finally:  # an error or Ctrl-C: give back the blocks of unfinished prompts
+            for _, seq, _ in running:
+                bm.free(seq)
+        return results
