@@ -125,12 +125,16 @@ def rtn_dequantize(w: torch.Tensor, group_size: int, bits: int = 4) -> torch.Ten
             ).reshape(N, K)
 
 
-def awq_loss(x: torch.Tensor, weights: list[torch.Tensor], scale: torch.Tensor, group_size: int) -> float:
-    """sum over W of ||X W^T - X (Q(W diag(s)) diag(s)^-1)^T||^2: output error of the scaled, quantized linears."""
+def awq_loss(gram: torch.Tensor, weights: list[torch.Tensor], scale: torch.Tensor, group_size: int) -> float:
+    """sum over W of ||X W^T - X (Q(W diag(s)) diag(s)^-1)^T||^2: output error of the scaled, quantized linears.
+
+    Computed from the Gram matrix gram = X^T X [K, K] (float64) of the inputs X [T, K]: with
+    D = W - Q(...), ||X D^T||^2 = sum((D gram) * D), which costs N K^2 instead of T N K per candidate.
+    """
     total = 0.0
     for w in weights:
-        wq = rtn_dequantize(w * scale, group_size) / scale
-        total += (x @ (w - wq).T).square().sum().item()
+        d = (w - rtn_dequantize(w * scale, group_size) / scale).double()
+        total += ((d @ gram) * d).sum().item()
     return total
 
 
@@ -163,7 +167,8 @@ def awq_search_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: i
     for alpha in torch.linspace(0, 1, grid - 1).tolist():
         s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
         candidates.append(s / (s.max() * s.min()).sqrt())
-    losses = [awq_loss(x, weights, s, group_size) for s in candidates]
+    gram = x.double().T @ x.double()
+    losses = [awq_loss(gram, weights, s, group_size) for s in candidates]
     return candidates[min(range(len(losses)), key=losses.__getitem__)], losses
 
 
