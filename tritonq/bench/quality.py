@@ -128,9 +128,10 @@ def quality_rows(variants: list[str], *, window: int = 256, new_tokens: int = 32
             if verbose:
                 print_table(rows[-1:])
     by = {r["variant"]: r["perplexity"] for r in rows}
-    gap = by["rtn_int4_g128"] - by["dense"] if "dense" in by and "rtn_int4_g128" in by else float("nan")
+    rtn = by.get("rtn_int4_g128", float("nan"))
+    gap = rtn - by.get("dense", float("nan"))  # NaN unless both rows were measured
     rows = [{"variant": r["variant"], "perplexity": r["perplexity"], "decode_tok_s": r["decode_tok_s"],
-             "gap_closed": (by["rtn_int4_g128"] - r["perplexity"]) / gap if gap else float("nan"),
+             "gap_closed": (rtn - r["perplexity"]) / gap if math.isfinite(gap) and gap else float("nan"),
              "note": r["note"]} for r in rows]
     return rows, scored
 
