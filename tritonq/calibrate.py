@@ -160,7 +160,7 @@ def awq_search_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: i
     candidate, the chosen scale never does worse than no scaling on this calibration objective.
     The weight term matters: with activations alone (s = mean|x|^alpha) the search on the default
     model picked scales that raised the held-out perplexity above RTN's (gap closed -0.59); with
-    it, above 0.3 (bench/results/quality.json). Returns (s, loss of each candidate).
+    it, 1.42 (bench/results/quality.json). Returns (s, loss of each candidate).
     """
     x_mean, w_mean = x.abs().float().mean(0), awq_weight_mean(weights, group_size)
     candidates = [torch.ones_like(x_mean)]

@@ -160,7 +160,7 @@ def main(argv: list[str]) -> None:
 
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (README, notebooks): perplexity to 3 decimals (the int4 gaps are small)."""
-    fmt = lambda v, spec: "n/a" if not math.isfinite(v) else format(v, spec)  # noqa: E731
+    fmt = lambda v, spec: "n/a" if not math.isfinite(v) else format(v, spec)
     lines = ["| variant | perplexity | gap closed | decode tok/s | note |", "|---|---:|---:|---:|---|"]
     lines += [f"| {r['variant']} | {fmt(r['perplexity'], '.3f')} | {fmt(r['gap_closed'], '.2f')} | "
               f"{fmt(r['decode_tok_s'], '.1f')} | {r['note']} |" for r in rows]
