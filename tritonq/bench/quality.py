@@ -7,6 +7,9 @@ calibrate on tritonq/default_model/calibration.txt (Macbeth, training text); per
 measured on heldout.txt (Hamlet, never trained on) in non-overlapping windows of --window tokens
 through tritonq's own forward pass. "gap closed" = (ppl(RTN g128) - ppl) / (ppl(RTN g128) - ppl(dense)).
 Decode tokens/s: greedy generate of --new-tokens tokens (median of --repeat), on this machine.
+FP8 block (128x128): a fused group (q|k|v, gate|up) with an N below/not a multiple of 128 cannot be
+written (the default model's k/v have N = 64), so that group stays dense and the row's note says so;
+a variant that cannot be written or loaded at all keeps its row with NaNs and the reason.
 """
 from __future__ import annotations
 
@@ -54,13 +57,89 @@ def tritonq_logits(model):
     return logits
 
 
-def main(argv: list[str]) -> None:
-    import tritonq
-    from tritonq.demo import CALIBRATION_TEXT, DEFAULT_MODEL, HELDOUT_TEXT
+def model_perplexity(model, text: str, window: int, max_tokens: int | None = None) -> tuple[float, int]:
+    """(perplexity, tokens scored) of the loaded tritonq model on text: the first max_tokens tokens
+    (all when None) in non-overlapping windows of `window` tokens. The one place the bench scores text."""
+    ids = torch.tensor(model.tokenizer(text)["input_ids"][:max_tokens])
+    return window_perplexity(tritonq_logits(model), ids, window), len(ids)
+
+
+def block_fp8_dense_modules(src: Path, block: int = 128) -> list[str]:
+    """Linears to keep dense so block-fp8 can be written: every member of a fused group (q|k|v, gate|up)
+    with some member whose N is not a multiple of `block` (the writer refuses such a group)."""
+    import json
+
+    config = json.loads((src / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or config["num_attention_heads"]
+    groups = {("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+              (config["num_attention_heads"] * head_dim, kv * head_dim, kv * head_dim),
+              ("mlp.gate_proj", "mlp.up_proj"): (config["intermediate_size"],) * 2}
+    return [name for names, ns in groups.items() if any(n % block for n in ns) for name in names]
+
+
+def variant_checkpoint(name: str, tmp: Path, calibration: dict) -> tuple[Path, str]:
+    """Write variant `name` of the default model under tmp; returns (folder, note for the table)."""
+    from tritonq.demo import DEFAULT_MODEL
     from tritonq.quantize import write_quantized
 
+    fmt, options = VARIANTS[name]
+    options, note = dict(options), ""
+    if fmt is None:
+        return DEFAULT_MODEL, note
+    if options.get("fp8_scheme") == "block":
+        dense = block_fp8_dense_modules(DEFAULT_MODEL)
+        if dense:  # this model's k/v projections have N = 64 < 128: say so rather than drop the row
+            options["modules_to_not_convert"] = dense
+            note = f"N < 128-row block: {', '.join(n.split('.')[-1] for n in dense)} kept dense"
+    method = options.pop("method", "rtn")
+    return write_quantized(DEFAULT_MODEL, tmp / name, fmt, method=method, calibration=calibration, **options), note
+
+
+def quality_rows(variants: list[str], *, window: int = 256, new_tokens: int = 32, repeat: int = 3, samples: int = 64,
+                 seq_len: int = 128, max_tokens: int | None = None, device: str | None = None,
+                 verbose: bool = True) -> tuple[list[dict], int]:
+    """The table: one row per variant {variant, perplexity, decode_tok_s, gap_closed, note} and the number of
+    held-out tokens scored. A variant that cannot be written or loaded keeps its row, with NaNs and the error."""
+    import tritonq
+    from tritonq.demo import CALIBRATION_TEXT, HELDOUT_TEXT
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    calibration = {"file": CALIBRATION_TEXT, "samples": samples, "seq_len": seq_len}
+    rows, scored = [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in variants:
+            note = ""
+            try:
+                folder, note = variant_checkpoint(name, Path(tmp), calibration)
+                # a window scores `window` tokens; the speed run is a short prompt + new_tokens
+                model = tritonq.load(folder, device=device, max_num_seqs=1, max_seq_len=max(window, new_tokens + 16))
+            except ValueError as e:  # a format this model cannot take: the row says why
+                rows.append({"variant": name, "perplexity": float("nan"), "decode_tok_s": float("nan"),
+                             "note": f"not available: {e}"})
+                if verbose:
+                    print(f"{name}: not available: {e}")
+                continue
+            ppl, scored = model_perplexity(model, HELDOUT_TEXT.read_text(), window, max_tokens)
+            model.eos_token_ids = set()  # exactly new_tokens tokens each run
+            speeds = [model.generate("HAMLET:\n", max_new_tokens=new_tokens, return_dict=True).decode_tokens_per_s
+                      for _ in range(repeat)]
+            rows.append({"variant": name, "perplexity": ppl, "decode_tok_s": statistics.median(speeds), "note": note})
+            if verbose:
+                print_table(rows[-1:])
+    by = {r["variant"]: r["perplexity"] for r in rows}
+    rtn = by.get("rtn_int4_g128", float("nan"))
+    gap = rtn - by.get("dense", float("nan"))  # NaN unless both rows were measured
+    rows = [{"variant": r["variant"], "perplexity": r["perplexity"], "decode_tok_s": r["decode_tok_s"],
+             "gap_closed": (rtn - r["perplexity"]) / gap if math.isfinite(gap) and gap else float("nan"),
+             "note": r["note"]} for r in rows]
+    return rows, scored
+
+
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m tritonq.bench quality", description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=int, default=256, help="tokens per perplexity window")
+    parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N held-out tokens")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--samples", type=int, default=64, help="calibration windows")
@@ -70,42 +149,22 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.variants:
-            fmt, options = VARIANTS[name]
-            options = dict(options)
-            folder = DEFAULT_MODEL
-            if fmt is not None:
-                method = options.pop("method", "rtn")
-                folder = write_quantized(DEFAULT_MODEL, Path(tmp) / name, fmt, method=method, calibration={
-                    "file": CALIBRATION_TEXT, "samples": args.samples, "seq_len": args.seq_len}, **options)
-            try:
-                # a window scores `window` tokens; the speed run is a short prompt + new_tokens
-                model = tritonq.load(folder, device=device, max_num_seqs=1,
-                                     max_seq_len=max(args.window, args.new_tokens + 16))
-            except ValueError as e:  # e.g. block fp8 needs N multiples of 128; this model's k/v have N = 64
-                print(f"{name}: not loadable: {e}")
-                rows.append({"variant": name, "perplexity": float("nan"), "decode_tok_s": float("nan"),
-                             "error": str(e)})
-                continue
-            ids = torch.tensor(model.tokenizer(HELDOUT_TEXT.read_text())["input_ids"])
-            ppl = window_perplexity(tritonq_logits(model), ids, args.window)
-            model.eos_token_ids = set()  # exactly new_tokens tokens each run
-            speeds = [model.generate("HAMLET:\n", max_new_tokens=args.new_tokens, return_dict=True).decode_tokens_per_s
-                      for _ in range(args.repeat)]
-            rows.append({"variant": name, "perplexity": ppl, "decode_tok_s": statistics.median(speeds)})
-            print_table(rows[-1:])
-    by = {r["variant"]: r["perplexity"] for r in rows}
-    rows = [{k: r[k] for k in ("variant", "perplexity", "decode_tok_s")} | r for r in rows]
-    if "dense" in by and "rtn_int4_g128" in by:
-        gap = by["rtn_int4_g128"] - by["dense"]
-        for r in rows:
-            r["gap_closed"] = (by["rtn_int4_g128"] - r["perplexity"]) / gap if gap else float("nan")
+    rows, scored = quality_rows(args.variants, window=args.window, new_tokens=args.new_tokens, repeat=args.repeat,
+                                samples=args.samples, seq_len=args.seq_len, max_tokens=args.max_tokens, device=device)
     print_table(rows)
-    write_json(f"{args.out}.json", "quality", rows, backend=backend_label(device), heldout_tokens=len(ids),
-               window=args.window, model="tritonq/default_model/checkpoint")
-    plot(rows, f"{args.out}.png", f"default model, held-out Hamlet ({len(ids)} tokens), {device}")
+    write_json(f"{args.out}.json", "quality", rows, backend=backend_label(device), heldout_tokens=scored,
+               window=args.window, calibration={"samples": args.samples, "seq_len": args.seq_len},
+               model="tritonq/default_model/checkpoint")
+    plot(rows, f"{args.out}.png", f"default model, held-out Hamlet ({scored} tokens), {device}")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The rows as a Markdown table (README, notebooks): perplexity to 3 decimals (the int4 gaps are small)."""
+    fmt = lambda v, spec: "n/a" if not math.isfinite(v) else format(v, spec)
+    lines = ["| variant | perplexity | gap closed | decode tok/s | note |", "|---|---:|---:|---:|---|"]
+    lines += [f"| {r['variant']} | {fmt(r['perplexity'], '.3f')} | {fmt(r['gap_closed'], '.2f')} | "
+              f"{fmt(r['decode_tok_s'], '.1f')} | {r['note']} |" for r in rows]
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -120,6 +179,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     a.set_ylabel("perplexity (lower is better)")
     finite = [p for p in ppl if math.isfinite(p)]
     a.set_ylim(min(finite) * 0.95, max(finite) * 1.02)
+    for i, r in enumerate(rows):  # a row this model cannot take stays on the chart, marked
+        if not math.isfinite(r["perplexity"]):
+            a.text(i, min(finite) * 0.96, "n/a", ha="center", rotation=90)
     b.bar(names, [r["decode_tok_s"] for r in rows], color="tab:orange")
     b.set_ylabel("decode tokens/s")
     for ax in (a, b):
