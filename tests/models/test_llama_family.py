@@ -235,7 +235,8 @@ def test_dynamic_rope_scales_from_original_max_position_embeddings(tmp_path):
     with torch.no_grad():
         expected, unscaled = (m(torch.tensor([prompt])).logits[0] for m in (as_trained, as_is))
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
-    assert (got - unscaled).abs().amax(-1).min() > 1e-2  # one base for the whole 30-token forward
+    # One base for the whole 30-token forward (position 0 is never rotated, the first few barely).
+    assert (got[16:] - unscaled[16:]).abs().amax(-1).min() > 0.05
     short = prompt[:12]  # within the trained length nothing scales: all three agree
     with torch.no_grad():
         torch.testing.assert_close(PagedRun(build(tmp_path / "ours"), 1, MAX_LEN).prefill([short])[0],
