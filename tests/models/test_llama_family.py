@@ -94,9 +94,9 @@ def assert_batched_prefill_matches(ours, hf, prompts, atol=ATOL):
         torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
 
 
-def assert_greedy_matches(folder, hf, prompts, n=16, atol=ATOL):
+def assert_greedy_matches(folder, hf, prompts, n=16, atol=ATOL, **engine_options):
     """Batched generation of n greedy tokens; each prompt's tokens and logprobs vs transformers alone."""
-    ours = tritonq.load(folder, max_num_seqs=len(prompts), max_seq_len=MAX_LEN)
+    ours = tritonq.load(folder, max_num_seqs=len(prompts), max_seq_len=MAX_LEN, **engine_options)
     eos = ours.tokenizer.eos_token_id
     expected = [hf_greedy(copy.deepcopy(hf), p, n, eos) for p in prompts]  # a fresh rope state per run
     assert max(len(t) for t, _ in expected) == n  # not all stopped early at EOS
@@ -112,6 +112,13 @@ def test_prefill_and_greedy_match_transformers(tmp_path, name):
     prompts = prompts_for(hf.config)
     assert_batched_prefill_matches(build(tmp_path), hf, prompts)
     assert_greedy_matches(tmp_path, hf, prompts)
+
+
+def test_window_with_chunked_prefill_matches_transformers(tmp_path):
+    """A step budget of 8 tokens prefills the 21-token prompt in chunks next to the short one: later
+    chunks attend to the cached pages of earlier ones through the window."""
+    hf = write_checkpoint(tmp_path, "mistral_window6")
+    assert_greedy_matches(tmp_path, hf, prompts_for(hf.config), max_num_batched_tokens=8)
 
 
 def test_window_changes_the_result(tmp_path):

@@ -12,10 +12,10 @@ variant(config) and refused there when the config asks for something the model d
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tritonq.formats.base import DenseWeight
