@@ -294,3 +294,27 @@ def test_static_rope_tables_are_sized_once_and_refuse_positions_past_them():
     assert rope.cos is table  # never regrown or moved (CUDA graphs gather from it)
     with pytest.raises(ValueError, match="max_seq_len=40"):
         rope(step([[40]]))
+
+
+def test_tensor_parallel_two_ranks_match_one_process(tmp_path):
+    """Qwen2 (q/k/v biases, windowed layers) dense and Qwen3 (q/k norm, all biases) AWQ on 2 CPU ranks:
+    prefill logits and greedy tokens equal the single process (itself checked against transformers
+    above); each rank holds half of the sharded weight bytes. Reuses the Llama TP harness."""
+    import test_tensor_parallel as tp
+    write_checkpoint(tmp_path / "qwen2", "qwen2_tied_window", sliding_window=4)
+    write_checkpoint(tmp_path / "qwen3_dense", "qwen3_untied_bias_window", sliding_window=4, head_dim=16,
+                     intermediate_size=128)  # o / down inputs split into whole 32-row groups
+    write_quantized(tmp_path / "qwen3_dense", tmp_path / "qwen3_awq", "awq", group_size=32)
+    folders = {name: str(tmp_path / name) for name in ("qwen2", "qwen3_awq")}
+    single = {name: tp.run_steps(tritonq.load(folder, device="cpu", max_num_seqs=2, max_seq_len=24))
+              for name, folder in folders.items()}
+    (tmp_path / "out").mkdir()
+    torch.multiprocessing.spawn(tp._rank_main, args=(tp._free_port(), folders, str(tmp_path / "out")), nprocs=tp.WORLD,
+                                join=True)
+    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in range(tp.WORLD)]
+    for name in folders:
+        for result in ranks:
+            for got, expected in zip(result[name]["logits"], single[name]["logits"], strict=True):
+                torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+            assert 0.45 < result[name]["bytes"] / single[name]["bytes"] < 0.55
+        assert ranks[0][name]["greedy"] == single[name]["greedy"]
