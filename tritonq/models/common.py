@@ -100,6 +100,9 @@ class RopeTables:
     the step from its own sequence's length (context_lens of its sequence: the tokens with KV after
     this step, what transformers' max(position_ids) + 1 is for that sequence alone). A prompt's
     result therefore never depends on what else is batched with it. All on the device, no host read.
+    Cached K keeps the rotation of the step that wrote it (as in transformers' own KV cache), so a prompt
+    prefilled in chunks, or reusing prefix-cached blocks another request wrote, past the trained length
+    differs from one whole-prompt forward; one-step prefills without a prefix hit match it exactly.
     """
 
     def __init__(self, head_dim: int, base: float, scaling: dict | None, max_position_embeddings: int,
