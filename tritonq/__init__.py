@@ -171,10 +171,10 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
         dtype = torch.float32 if device.type == "cpu" else torch.float16 if stored_fp16 else torch.bfloat16
     loader = get_loader(folder, dtype, device, quantize, 128 if group_size is None else group_size,
                         rank=rank, world=world)
-    with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
-        model = cls(config, loader, dtype, device)
-    loader.finish()  # every stored tensor used by some module, or an error naming those that were not
     max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)
+    with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
+        model = cls(config, loader, dtype, device, max_seq_len=max_seq_len)  # rope tables sized once for it
+    loader.finish()  # every stored tensor used by some module, or an error naming those that were not
     num_blocks = kv_cache_blocks(model, block_size=block_size, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=kv_cache_gb,
                                  gpu_memory_utilization=gpu_memory_utilization, world=world)

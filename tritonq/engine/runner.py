@@ -122,10 +122,6 @@ class ModelRunner:
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; the model is on {self.device}. "
                              "Pass cuda_graphs=False (CPU runs eagerly).")
-        if getattr(self.model.rope, "dynamic", False):  # its tables follow each step's longest position
-            log.info("decode runs eagerly: dynamic NTK rope rescales with the longest position, which a "
-                     "fixed-shape step cannot follow")
-            return
         self.buckets = decode_buckets(max_num_seqs)
         self.static = StaticDecodeInputs(self.buckets[-1], self.max_seq_len, self.block_size, self.device)
         if cuda_graphs:

@@ -1,10 +1,12 @@
-"""config.json `model_type` -> model class, built as Cls(config, loader, dtype, device)."""
+"""config.json `model_type` -> model class, built as Cls(config, loader, dtype, device, max_seq_len=None)."""
 from __future__ import annotations
 
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
-from tritonq.models.llama import LlamaForCausalLM
+from tritonq.models.llama import LlamaForCausalLM, MistralForCausalLM
+from tritonq.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
-MODELS = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM}
+MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
+          "qwen3": Qwen3ForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM}
 
 
 def model_class(model_type: str):

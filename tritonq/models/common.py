@@ -16,7 +16,7 @@ A step (built by tritonq.engine.runner) packs the new tokens of B sequences into
                                prompts, prefix hits, chunked prefill, resumed sequences); False:
                                every sequence has exactly one new token (decode kernel).
       max_position, num_context_tokens  host ints (largest position, sum of context_lens), so
-                               models need no device read to size rope tables or MLA's expansion.
+                               models need no device read to check rope tables or size MLA's expansion.
       num_seqs     int or None a decode step padded to a batch bucket (tritonq.engine.cuda_graphs):
                                only its first num_seqs rows are sequences; the rest are padding
                                (slot -1, context length 0) whose outputs are ignored. None: no padding.
@@ -44,7 +44,7 @@ class StepContext:
     block_table: torch.Tensor
     logit_rows: torch.Tensor | None
     is_prefill: bool
-    max_position: int  # the largest position in the step (host int: rope tables grow without a device read)
+    max_position: int  # the largest position in the step (host int: checked against the rope tables)
     num_context_tokens: int  # sum of context_lens (host int: MLA's prefill expands that many K/V rows)
     num_seqs: int | None = None  # padded decode step: its real rows (the rest are padding); None: all real
 
@@ -94,32 +94,64 @@ class KVLayout:
 
 
 class RopeTables:
-    """cos / sin rows at a step's positions, from tables built once and grown by doubling.
+    """cos / sin rows at a step's positions, shaped for apply_rope.
 
-    Dynamic NTK scaling depends on the longest position (as transformers applies it per forward),
-    so its tables are rebuilt for each step's largest position instead of cached."""
+    Static rope types (default / linear / llama3 / yarn): one table of max_seq_len rows, built once at
+    construction in the compute dtype (a decode step captured in a CUDA graph gathers from a tensor
+    that never moves). A step past max_seq_len is refused (the engine never schedules one).
+
+    Dynamic NTK: the base depends on the sequence length, so each token's cos / sin are computed in
+    the step from its own sequence's length (context_lens of its sequence: the tokens with KV after
+    this step, what transformers' max(position_ids) + 1 is for that sequence alone). A prompt's
+    result therefore never depends on what else is batched with it. All on the device, no host read.
+    Cached K keeps the rotation of the step that wrote it (as in transformers' own KV cache), so a prompt
+    prefilled in chunks, or reusing prefix-cached blocks another request wrote, past the trained length
+    differs from one whole-prompt forward; one-step prefills without a prefix hit match it exactly.
+    """
 
     def __init__(self, head_dim: int, base: float, scaling: dict | None, max_position_embeddings: int,
-                 device: torch.device, dtype: torch.dtype):
-        self.head_dim, self.base, self.scaling = head_dim, base, scaling
-        self.max_position_embeddings, self.device, self.dtype = max_position_embeddings, device, dtype
-        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+                 max_seq_len: int, device: torch.device, dtype: torch.dtype):
+        scaling = dict(scaling or {})
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"rope partial_rotary_factor={scaling['partial_rotary_factor']} is not supported (rope "
+                             "over the whole head only); expected 1.0 or no such key.")
+        self.head_dim, self.max_seq_len, self.dtype = head_dim, max_seq_len, dtype
         self.dynamic = kind == "dynamic"
-        self._size, self._cos, self._sin = 0, None, None
+        if self.dynamic:
+            # The length past which the base grows: the pretraining length. transformers passes
+            # max_position_embeddings (its docs list original_max_position_embeddings for yarn / llama3 /
+            # longrope only, defined as "the original max position embeddings used during pretraining").
+            # Without the key both are the same number. With it, the checkpoint has raised
+            # max_position_embeddings to the extended length and names the trained length in the key (as
+            # yarn configs do): dynamic NTK is defined relative to the trained length (scale = factor *
+            # L / L_train - (factor - 1)), and transformers' rule would leave positions between the trained
+            # and the extended length unscaled, i.e. never trained. So the key wins when present.
+            self.original = int(scaling.get("original_max_position_embeddings", max_position_embeddings))
+            self.base, self.factor = float(base), float(scaling["factor"])
+            self.exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        else:
+            cos, sin = rope_cos_sin(head_dim, base, max_seq_len, scaling, max_position_embeddings, device)
+            self.cos, self.sin = cos.to(dtype), sin.to(dtype)
 
     def __call__(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, T, D] in the compute dtype: rows at ctx.positions, shaped for apply_rope."""
-        needed = ctx.max_position + 1
-        if self.dynamic:
-            cos, sin = rope_cos_sin(self.head_dim, self.base, needed, self.scaling,
-                                    self.max_position_embeddings, self.device)
-        else:
-            if needed > self._size:
-                self._size = max(needed, 2 * self._size, 256)
-                self._cos, self._sin = rope_cos_sin(self.head_dim, self.base, self._size, self.scaling,
-                                                    self.max_position_embeddings, self.device)
-            cos, sin = self._cos, self._sin
-        return cos[ctx.positions].to(self.dtype)[None], sin[ctx.positions].to(self.dtype)[None]
+        if ctx.max_position >= self.max_seq_len:  # a host int: no device read
+            raise ValueError(f"position {ctx.max_position} is past the rope tables' max_seq_len={self.max_seq_len}; "
+                             "build the model with a larger max_seq_len.")
+        if not self.dynamic:
+            return self.cos[ctx.positions][None], self.sin[ctx.positions][None]
+        T = ctx.positions.shape[0]
+        counts = ctx.cu_seqlens_q[1:] - ctx.cu_seqlens_q[:-1]
+        seq_len = torch.repeat_interleave(ctx.context_lens, counts, output_size=T)  # [T]: its sequence's length
+        # transformers' NTK base at seq_len (unchanged at or below the trained length), in float32 as there.
+        length = seq_len.float().clamp(min=self.original)
+        d = self.head_dim
+        base = self.base * (self.factor * length / self.original - (self.factor - 1)) ** (d / (d - 2))  # [T]
+        inv_freq = 1.0 / base[:, None] ** self.exponents  # [T, D/2]
+        angles = ctx.positions.float()[:, None] * inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(self.dtype)[None], angles.sin().to(self.dtype)[None]
 
 
 def logit_rows(x: torch.Tensor, ctx: StepContext) -> torch.Tensor:

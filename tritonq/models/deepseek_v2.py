@@ -112,6 +112,9 @@ class DeepseekV2MoE(nn.Module):
         else:
             raise ValueError(f"DeepSeek-V2 topk_method={config.topk_method!r} is not supported; "
                              "expected 'greedy' or 'group_limited_greedy'")
+        # norm_topk_prob: DeepSeek's rule (renormalize, then no routed_scaling_factor), not transformers' (always
+        # scale): DeepSeek-V2 configs were written for DeepSeek's own modeling code (their auto_map), which the
+        # published weights were trained and evaluated with; V2 and V2-Lite ship `false`, where both rules agree.
         self.renormalize = bool(config.norm_topk_prob) and self.top_k > 1
         self.routed_scaling_factor = 1.0 if self.renormalize else config.routed_scaling_factor
         D, inter = config.hidden_size, config.moe_intermediate_size
@@ -254,7 +257,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     """
 
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str,
-                 attention_mode: str = "latent"):
+                 attention_mode: str = "latent", max_seq_len: int | None = None):
         super().__init__()
         if attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode={attention_mode!r}; expected one of {ATTENTION_MODES}")
@@ -273,7 +276,8 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.lm_head = Linear(head)
         rope = _rope_parameters(config)
         self.rope = RopeTables(config.qk_rope_head_dim, rope["rope_theta"], rope, config.max_position_embeddings,
-                               self.device, dtype)  # yarn's tables include its attention factor
+                               max_seq_len or config.max_position_embeddings, self.device,
+                               dtype)  # yarn's tables include its attention factor
         if attention_mode == "latent":
             self.kv_layout = KVLayout(len(self.layers), 1, config.kv_lora_rank + config.qk_rope_head_dim,
                                       config.kv_lora_rank, v_in_k=True)
