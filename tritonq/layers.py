@@ -13,7 +13,7 @@ from tritonq.kernels import cpu_lowbit, use_cpu_kernels
 from tritonq.kernels.fp8_gemm import fp8_gemm
 from tritonq.kernels.int4_gemm import int4_gemm
 from tritonq.kernels.norm_rope import rms_norm
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, Weight
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, Weight, k_major
 
 
 def _int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -35,11 +35,11 @@ class Linear(nn.Module):
         super().__init__()
         if not isinstance(weight, (DenseWeight, Int4Weight, FP8Weight)):
             raise TypeError(f"Linear needs a DenseWeight, Int4Weight or FP8Weight; got {type(weight).__name__}.")
-        if (isinstance(weight, DenseWeight) and weight.weight.device.type == "cpu"
-                and weight.weight.dtype == torch.float32):
-            # CPU fp32: MKL's decode GEMV (M = 1..8) streams W stored as [K, N] ~1.3x faster than as [N, K];
-            # W stays an [N, K] view, so F.linear is unchanged (fp16/bf16 are faster as [N, K]: left as they are).
-            # A tied lm_head thus holds its own copy of the embedding table.
+        if (isinstance(weight, DenseWeight) and k_major(weight.weight.device, weight.weight.dtype)
+                and not weight.weight.t().is_contiguous()):
+            # CPU fp32 runs W stored [K, N] (tritonq.weights.k_major: faster decode GEMV). Loaders read weights
+            # straight into that layout; anything else (a weight built by hand, a table tied to the head that
+            # the loader did not know about) is re-laid out here, once.
             weight = replace(weight, weight=weight.weight.t().contiguous().t())
         self.weight = weight
         self.out_features, self.in_features = weight.shape

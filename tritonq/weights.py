@@ -268,6 +268,20 @@ Weight = DenseWeight | Int4Weight | FP8Weight
 WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight)
 
 
+def k_major(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether dense linear weights W [N, K] on `device` in `dtype` are stored [K, N]-contiguous (W a
+    transposed view): on CPU in fp32, MKL's decode GEMV (M = 1..8) streams W ~1.3x faster that way.
+    fp16/bf16 and GPUs are faster as [N, K]. F.linear takes either layout unchanged."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def empty_linear(N: int, K: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """An uninitialized W [N, K] in the layout `k_major` picks (a loader reads the weight straight into it)."""
+    if k_major(device, dtype):
+        return torch.empty(K, N, dtype=dtype, device=device).t()
+    return torch.empty(N, K, dtype=dtype, device=device)
+
+
 def concat_outputs(parts: list[Weight]) -> Weight:
     """Fuse linears that share their input (q/k/v, gate/up) by concatenating along N."""
     kinds = {type(p) for p in parts}

@@ -191,3 +191,38 @@ def test_load_shows_a_progress_bar_that_can_be_silenced(tmp_path, capsys):
     weights = Weights(folder)
     with weights.progress(enabled=False) as bar:
         assert bar.disable
+
+
+@pytest.mark.parametrize("stored", [torch.float16, torch.bfloat16, torch.float32])
+def test_read_into_streams_into_any_layout_and_dtype(tmp_path, stored):
+    """Weights.read_into fills a strided [K, N]-storage view in fp32 block by block (chunks far smaller than
+    the tensor, rows that do not divide into them) with exactly safetensors' own values, converted."""
+    tensors = {"w": torch.randn(37, 23).to(stored), "v": torch.randn(5).to(stored), "s": torch.tensor(2.5).to(stored)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    w, reference = Weights(tmp_path), load_file(tmp_path / "model.safetensors")
+    out = torch.empty(23, 37).t()  # W [37, 23] stored [23, 37]
+    w.read_into("w", out, chunk_bytes=3 * 23 * stored.itemsize + 1)  # 3 rows a block: 13 blocks, the last of 1
+    assert not out.is_contiguous() and torch.equal(out, reference["w"].float())
+    for name in ("v", "s"):
+        assert torch.equal(w.read_into(name, torch.empty(reference[name].shape)), reference[name].float())
+    with pytest.raises(ValueError, match=r"'w' has shape \[37, 23\], expected \[23, 37\]"):
+        w.read_into("w", torch.empty(23, 37))
+
+
+def test_dense_fp32_linears_load_straight_into_the_cpu_gemv_layout(tmp_path):
+    """A dense fp32 checkpoint on CPU: each fused linear (q/k/v, gate/up) is W [N, K] over [K, N]-contiguous
+    storage (the layout Linear runs), equal to the stored parts concatenated; nothing re-laid out later."""
+    from formats.helpers import dense_llama, save
+
+    import tritonq
+    save(dense_llama(), tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    layer = tritonq.load(tmp_path, device="cpu", dtype=torch.float32, max_num_seqs=1, max_seq_len=8).model.layers[1]
+    pre = "model.layers.1."
+    cases = [(layer.self_attn.qkv_proj, [pre + f"self_attn.{p}_proj.weight" for p in "qkv"]),
+             (layer.mlp.gate_up_proj, [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"]),
+             (layer.mlp.down_proj, [pre + "mlp.down_proj.weight"])]
+    for linear, names in cases:
+        w = linear.weight.weight
+        assert w.t().is_contiguous() and w.untyped_storage().nbytes() == w.nbytes
+        assert torch.equal(w, torch.cat([stored[n] for n in names]))

@@ -8,8 +8,11 @@ checkpoint of the same format (so every lazy import is done), then reads its res
 and loads the big one; its growth is the peak resident set (VmHWM) after the load minus that VmRSS.
 (Not resource.getrusage's ru_maxrss: Linux carries it over fork and exec, so a child started by a
 big parent reports at least the parent's size.) A row reports it
-over `held` (the bytes of every tensor the loaded Model keeps: weights and KV cache, each storage
-once) and `largest` (its largest single tensor). Target: peak <= 1.3 * held + largest.
+over `held` (the bytes of every tensor the loaded Model keeps: weights, KV cache and the CPU
+backend's prepared weights, each storage once) and `largest` (its largest single tensor).
+Target: peak <= 1.3 * held + largest. The child inherits the environment: run from a shell it loads
+as a CPU user does (quantized weights also get the CPU backend's prepared form, kernels/cpu_lowbit.py);
+under the tests (TRITON_INTERPRET=1) quantized weights are not prepared, so it measures the loader alone.
 """
 from __future__ import annotations
 
@@ -53,7 +56,11 @@ def write_checkpoints(root: Path, layers: int = 6, hidden: int = 512) -> dict[st
 
 
 def held_bytes(model) -> tuple[int, int]:
-    """(bytes of every distinct tensor storage a tritonq Model keeps, bytes of the largest tensor)."""
+    """(bytes of every distinct tensor storage a tritonq Model keeps, bytes of the largest tensor).
+
+    Kept: the modules' tensors, the KV cache, and the CPU backend's prepared form of each typed weight
+    (kernels/cpu_lowbit.py keeps it beside the weight for the weight's lifetime: e.g. FP8 dequantized to fp32)."""
+    from tritonq.kernels import cpu_lowbit
     seen, largest, stack, visited = {}, 0, [model.model, model.engine.runner.cache], set()
     while stack:
         obj = stack.pop()
@@ -72,6 +79,9 @@ def held_bytes(model) -> tuple[int, int]:
         elif isinstance(obj, torch.nn.Module) or hasattr(obj, "__dataclass_fields__"):
             visited.add(id(obj))
             stack.extend(vars(obj).values())
+            prepared = cpu_lowbit._prepared.get(obj) if hasattr(obj, "__dataclass_fields__") else None
+            if prepared is not None:
+                stack.append(prepared)
     return sum(seen.values()), largest
 
 

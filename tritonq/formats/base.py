@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from tritonq.formats.checkpoint import Shard, Weights
-from tritonq.weights import DenseWeight, Int4Weight, Weight, concat_outputs, stack_experts
+from tritonq.weights import DenseWeight, Int4Weight, Weight, concat_outputs, empty_linear, stack_experts
 
 # Layers that stay dense whatever the format: embeddings, output head, MoE routers (name endings).
 # Loaders that quantize on load (formats/dense.py) and the checkpoint writer (tritonq/quantize.py) skip them.
@@ -136,41 +136,96 @@ class WeightsLoader:
                 self.check_split(prefix, shard, w.shape[1] * shard.count, w.group_size,
                                  f"a quantization group of {w.group_size} input rows, act-order included")
         else:
-            name = f"{prefix}.weight"
-            if shard is not None:
-                N, K = self.weights.get_shape(name)
-                self.check_split(prefix, shard, N if shard.parallel == "column" else K, 1, "whole rows or columns")
-            w = DenseWeight(self._as_float(name, self.read(name, shard, column=0, row=1)))
+            w = DenseWeight(self._dense_matrix([prefix], [shard])[0])
         if bias:
-            b = None
-            N = w.shape[0] if shard is None or shard.parallel == "row" else w.shape[0] * shard.count
-            if shard is None or shard.parallel == "column" or shard.index == 0:
-                b = self._as_float(f"{prefix}.bias", self.read(f"{prefix}.bias", shard, column=0, row=None,
-                                                               shape=(N,)))
-            elif self.has_tensor(f"{prefix}.bias"):
-                self.weights.mark_read(f"{prefix}.bias")  # rank 0 adds it once after the all-reduce
-            w = replace(w, bias=b)
+            w = replace(w, bias=self._bias(prefix, shard, w.shape[0]))
         return w
+
+    def _bias(self, prefix: str, shard: Shard | None, local_N: int) -> torch.Tensor | None:
+        """Bias [local_N] of linear `prefix` (this rank's outputs), or None on ranks > 0 of a row split."""
+        N = local_N if shard is None or shard.parallel == "row" else local_N * shard.count
+        if shard is None or shard.parallel == "column" or shard.index == 0:
+            return self._read_float(f"{prefix}.bias", shard, column=0, row=None, shape=(N,))
+        if self.has_tensor(f"{prefix}.bias"):
+            self.weights.mark_read(f"{prefix}.bias")  # rank 0 adds it once after the all-reduce
+        return None
+
+    def _dense_matrix(self, prefixes: list[str], shards: list[Shard | None]) -> tuple[torch.Tensor, list[int]]:
+        """(W [N, K], each part's N): dense linears `prefixes` (each this rank's slice by its shard) fused along
+        N into one matrix in the compute dtype and `empty_linear`'s layout, each read straight into its rows:
+        no per-part copy, no concatenation, no re-layout later (peak = the fused weight plus a read buffer)."""
+        parts = []
+        for prefix, shard in zip(prefixes, shards):
+            name = f"{prefix}.weight"
+            stored = self.weights.get_shape(name)
+            if len(stored) != 2:
+                raise ValueError(f"{self.weights.folder}: tensor {name!r} has shape {list(stored)}, expected a 2-D "
+                                 "[N, K] linear weight")
+            N, K = stored
+            if shard is not None:
+                self.check_split(prefix, shard, N if shard.parallel == "column" else K, 1, "whole rows or columns")
+                N, K = (N // shard.count, K) if shard.parallel == "column" else (N, K // shard.count)
+            self._check_float(name)
+            parts.append((name, shard, N, K))
+        if len({K for *_, K in parts}) != 1:
+            raise ValueError(f"{self.weights.folder}: cannot fuse linears {prefixes} with different input sizes K "
+                             f"{[K for *_, K in parts]}; the checkpoint's shapes do not fit this model")
+        out = empty_linear(sum(N for _, _, N, _ in parts), parts[0][3], self.dtype, self.device)
+        first = 0
+        for name, shard, N, _ in parts:
+            self._read_float(name, shard, column=0, row=1, out=out[first:first + N])
+            first += N
+        return out, [N for _, _, N, _ in parts]
 
     def get_fused_linear(self, prefixes: list[str], bias: bool = False, parallel: str | None = None,
                          parts: list[int | None] | None = None,
                          shapes: list[tuple[int, int] | None] | None = None) -> Weight:
         """Linears sharing their input, fused along N; each is sharded on its own (q, k, v: each rank
-        gets its heads of each), parts and expected (N, K) shapes per prefix."""
+        gets its heads of each), parts and expected (N, K) shapes per prefix. Dense ones are read
+        straight into the fused matrix (`_dense_matrix`); quantized ones are concatenated."""
         parts = parts or [None] * len(prefixes)
         shapes = shapes or [None] * len(prefixes)
-        return concat_outputs([self.get_linear(p, bias, parallel, n, s) for p, n, s in zip(prefixes, parts, shapes)])
+        if any(self.is_quantized(p) for p in prefixes):
+            return concat_outputs([self.get_linear(p, bias, parallel, n, s)
+                                   for p, n, s in zip(prefixes, parts, shapes)])
+        for prefix, shape in zip(prefixes, shapes):
+            self.check_shape(prefix, shape)
+        shards = [self.shard(parallel, n) for n in parts]
+        weight, sizes = self._dense_matrix(prefixes, shards)
+        biases = [self._bias(p, s, n) for p, s, n in zip(prefixes, shards, sizes)] if bias else [None]
+        return DenseWeight(weight, None if biases[0] is None else torch.cat(biases))
 
     def get_stacked(self, prefixes: list[str], shape: tuple[int, int] | None = None) -> Weight:
-        return stack_experts([self.get_linear(p, shape=shape) for p in prefixes])
+        """Expert linears stacked along a leading E. Dense experts are read straight into one contiguous
+        [E, N, K] tensor (the MoE kernels' layout); quantized ones are stacked."""
+        if any(self.is_quantized(p) for p in prefixes):
+            return stack_experts([self.get_linear(p, shape=shape) for p in prefixes])
+        shapes = {p: self.stored_shape(p)[0] for p in prefixes}
+        if len(set(shapes.values())) != 1:
+            raise ValueError(f"{self.weights.folder}: experts of one MoE layer must have one shape; found {shapes}")
+        for prefix in prefixes:
+            self.check_shape(prefix, shape)
+            self._check_float(f"{prefix}.weight")
+        out = torch.empty(len(prefixes), *shapes[prefixes[0]], dtype=self.dtype, device=self.device)
+        for e, prefix in enumerate(prefixes):
+            self._read_float(f"{prefix}.weight", None, column=None, row=None, out=out[e])
+        return DenseWeight(out)
 
-    def get_tensor(self, name: str, dim: int | None = None, shape: tuple | None = None) -> torch.Tensor:
+    def get_tensor(self, name: str, dim: int | None = None, shape: tuple | None = None,
+                   layout: str = "contiguous") -> torch.Tensor:
         """A float tensor in the compute dtype on the device; with dim, this rank's 1/world slice along it
-        (vocab-parallel embedding rows). shape: the full stored shape expected (checked before reading)."""
+        (vocab-parallel embedding rows). shape: the full stored shape expected (checked before reading).
+        layout="linear": a 2-D tensor in `empty_linear`'s layout (a table a tied lm_head also multiplies)."""
         if shape is not None and self.has_tensor(name):
             self._check_tensor_shape(name, shape)
         shard = None if dim is None else self.shard("column")
-        return self._as_float(name, self.read(name, shard, column=dim, row=None))
+        out = None
+        if layout == "linear" and self.has_tensor(name) and len(self.weights.get_shape(name)) == 2:
+            N, K = self.weights.get_shape(name)
+            if shard is not None:  # vocab rows (dim 0) or columns (dim 1) of this rank
+                N, K = (N // shard.count, K) if dim == 0 else (N, K // shard.count)
+            out = empty_linear(N, K, self.dtype, self.device)
+        return self._read_float(name, shard, column=dim, row=None, out=out)
 
     def _check_tensor_shape(self, name: str, shape: tuple) -> None:
         stored = self.weights.get_shape(name)
@@ -182,9 +237,12 @@ class WeightsLoader:
     def get_embedding(self, prefix: str, shape: tuple[int, int] | None = None, dim: int | None = None) -> torch.Tensor:
         """The embedding table [V, D] of module `prefix` in the compute dtype (with dim=0, this rank's
         V/world rows). A quantized table (GPTQ/AWQ/fp8/compressed-tensors can carry one) is read as the
-        same typed weight a linear would be and dequantized exactly once here: a lookup needs the rows."""
+        same typed weight a linear would be and dequantized exactly once here: a lookup needs the rows.
+        A dense table that config.json ties to the output head is read in the head's layout (`empty_linear`),
+        so the head's Linear uses it as it is, without a copy (the lookup reads either layout)."""
         if not self.is_quantized(prefix):
-            return self.get_tensor(f"{prefix}.weight", dim=dim, shape=shape)
+            tied = bool(self.config.get("tie_word_embeddings")) and not self.is_quantized("lm_head")
+            return self.get_tensor(f"{prefix}.weight", dim=dim, shape=shape, layout="linear" if tied else "contiguous")
         self.check_shape(prefix, shape)
         if dim is not None and self.world > 1:
             raise ValueError(f"{prefix} is stored quantized; a quantized embedding cannot be split by vocabulary "
@@ -232,12 +290,31 @@ class WeightsLoader:
                              "different model. Check config.json (layer counts, tie_word_embeddings) and the "
                              "quantization_config")
 
-    def _as_float(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.is_floating_point() or tensor.element_size() == 1:
-            raise ValueError(f"tensor {name!r} in {self.weights.folder} has dtype {tensor.dtype}, expected a "
+    def _check_float(self, name: str) -> None:
+        """Refuse tensor `name` unless stored as a 2+-byte float (from the header, before reading it)."""
+        dtype = self.weights.get_dtype(name)
+        if not dtype.is_floating_point or dtype.itemsize == 1:
+            raise ValueError(f"tensor {name!r} in {self.weights.folder} has dtype {dtype}, expected a "
                              "float16/bfloat16/float32 tensor (a quantized module read as dense? check the "
                              "quantization_config's ignore / modules_to_not_convert lists)")
-        return tensor.to(device=self.device, dtype=self.dtype)
+
+    def _read_float(self, name: str, shard: Shard | None, column: int | None, row: int | None,
+                    shape: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float tensor `name` (this rank's slice, as `read` takes shard/column/row) in the compute dtype on the
+        device, written into `out` when given (else a new contiguous tensor). Read whole, it streams into
+        `out` through a small buffer (Weights.read_into), so the stored tensor and the result never coexist;
+        a slice is read and then copied. shape: the full stored shape expected."""
+        stored = self.weights.get_shape(name)  # a missing tensor: KeyError naming it and the checkpoint
+        if shape is not None:
+            self.weights._check(name, None, stored, None, shape)
+        self._check_float(name)
+        dim = None if shard is None else column if shard.parallel == "column" else row
+        if dim is None:
+            if out is None:
+                out = torch.empty(stored, dtype=self.dtype, device=self.device)
+            return self.weights.read_into(name, out)
+        part = self.read(name, shard, column, row)
+        return part.to(device=self.device, dtype=self.dtype) if out is None else out.copy_(part)
 
     def has_tensor(self, name: str) -> bool:
         return self.weights.has_tensor(name)
