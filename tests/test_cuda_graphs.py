@@ -152,12 +152,14 @@ def test_deepseek_decode_step_reads_no_device_value_on_the_host(tmp_path_factory
 # ---------------------------------------------------------------------------------------------------
 
 class RecordingSpy:
-    """Stands in for a @triton.jit kernel: records the grid and constexpr kwargs of each launch."""
+    """Stands in for a @triton.jit kernel: records the grid and the non-tensor kwargs (constexprs, sizes,
+    strides, launch options) of each launch; `common.Launch` passes every argument by keyword."""
     def __init__(self):
         self.launches = []
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((tuple(grid), kwargs))
+        return lambda *args, **kwargs: self.launches.append(
+            (tuple(grid), {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}))
 
 
 def test_decode_launches_are_the_same_for_every_length_up_to_max_seq_len(llama_folder, monkeypatch):
