@@ -94,6 +94,22 @@ def test_int4_cpu_kernel_matches_reference(name, M):
     assert ((y - ref).norm() / ref.norm()).item() < 2**-6  # and is not just inside a loose bound
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_repacked_in_row_blocks_equals_one_repack(monkeypatch, act_order):
+    """The load-time repack runs PACK_ROWS output rows at a time (small int32 temporaries); N = 600 spans
+    three blocks, the last partial and padded to 608: the packed bytes equal one repack of the whole
+    weight, and the GEMM still matches the reference."""
+    w = quantize_int4(torch.randn(600, 256), group_size=64, sym=False, act_order=act_order)
+    blocked = cpu_lowbit._prepare_int4(w)
+    monkeypatch.setattr(cpu_lowbit, "PACK_ROWS", 1 << 30)
+    whole = cpu_lowbit._prepare_int4(w)
+    assert blocked.packed.shape == whole.packed.shape == (608, 128)
+    assert torch.equal(blocked.packed, whole.packed)
+    x = torch.randn(3, 256)
+    y, ref = cpu_lowbit.linear(x, blocked), int4_gemm_reference(x, w)
+    assert ((y - ref).norm() / ref.norm()).item() < 2**-6
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int4_cpu_kernel_keeps_16_bit_activations(dtype):
     w = quantize_int4(torch.randn(N, 128), group_size=32)

@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts, largest first
 N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0: N is padded with zero columns
+# Rows repacked per call at load. The packed layout groups rows in blocks of 32 (a 256-row slice packs
+# to exactly its rows of the whole weight, checked in tests/kernels/test_cpu_lowbit.py); a slice's
+# int32 temporaries are 2 x 256 x K x 4 bytes instead of 2 x N x K x 4 (8x the packed weight each).
+PACK_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -187,18 +191,22 @@ def _prepare_int4(w: Int4Weight) -> CPUInt4Weight | None:
         kernel_group = KERNEL_GROUPS[-1]  # one group over all K (per-channel): pad K to whole groups
     K_pad = -(-K // kernel_group) * kernel_group
     N_pad = -(-N // N_MULTIPLE) * N_MULTIPLE
-    q = unpack_int32(w.qweight, 4, dim=0)  # [K, N] in [0, 16)
-    if perm is not None:
-        q = q[perm]
-    q_nk = torch.full((N_pad, K_pad), 8, dtype=torch.int32)
-    q_nk[:N, :K] = q.t()
+    packed = torch.empty(N_pad, K_pad // 2, dtype=torch.uint8)
+    for n0 in range(0, N_pad, PACK_ROWS):  # a block of output rows at a time: int32 temporaries stay small
+        n1 = min(n0 + PACK_ROWS, N_pad)
+        q = unpack_int32(w.qweight[:, n0:min(n1, N)], 4, dim=0)  # [K, rows] in [0, 16)
+        if perm is not None:
+            q = q[perm]
+        q_nk = torch.full((n1 - n0, K_pad), 8, dtype=torch.int32)
+        q_nk[:q.shape[1], :K] = q.t()
+        packed[n0:n1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_nk, 1)  # innerKTiles: unused on CPU
     groups = F.pad(group_of_row, (0, K_pad - K), value=int(group_of_row[-1]))[::kernel_group]  # ours, per kernel group
     scales = w.scales.float()[groups]  # [K_pad / kernel_group, N]
     zeros = (8.0 - w.zeros.float()[groups]) * scales if w.zeros is not None else torch.zeros_like(scales)
     scales_zeros = torch.zeros(K_pad // kernel_group, N_pad, 2)
     scales_zeros[:, :N, 0], scales_zeros[:, :N, 1] = scales, zeros
     return CPUInt4Weight(
-        packed=torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_nk, 1),  # innerKTiles: unused on CPU
+        packed=packed,
         scales_zeros=scales_zeros.to(torch.bfloat16).contiguous(), group_size=kernel_group,
         out_features=N, in_features=K, perm=perm, bias=None if w.bias is None else w.bias.float())
 
