@@ -1,8 +1,10 @@
 """Issue #15's smaller points: files the sources name exist in the checkout, the benchmarks write
 their default results only inside the checkout, and `python -m tritonq.check` without a GPU runs
-its --quick cases (as its --help says) instead of refusing."""
+the kernel tests through the interpreter (as its --help says) instead of refusing."""
 import re
 from pathlib import Path
+
+import pytest
 
 import tritonq.check
 from tritonq.bench.common import results_path
@@ -28,19 +30,24 @@ def test_bench_results_default_only_inside_the_checkout(tmp_path, monkeypatch):
     assert not (tmp_path / "bench").exists()
 
 
-def test_check_without_a_gpu_runs_the_quick_cases(monkeypatch, capsys):
-    """The check's cases are replaced by one that records `quick`: only the mode choice is tested here
-    (tests/test_check.py runs the real quick cases)."""
+def test_check_without_a_gpu_runs_the_kernel_tests(monkeypatch, capsys):
+    """Without CUDA the check runs the kernel tests through the interpreter (no refusal), and what it says it
+    runs is what --help describes; only the command is recorded here (tests/test_check.py runs real cases)."""
+    import subprocess
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    modes = []
+    commands = []
 
-    def cases(device, quick):
-        modes.append((device, quick))
-        return iter(())
+    def run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(tritonq.check, "_cases", cases)
-    monkeypatch.setattr(tritonq.check, "_model_cases", cases)
-    assert tritonq.check.main([]) == 0
-    assert modes == [("cpu", True), ("cpu", True)]
-    assert "refuse" not in capsys.readouterr().out.lower()
+    monkeypatch.setattr(tritonq.check.subprocess, "run", run)
+    assert tritonq.check.main([]) == 0 and tritonq.check.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "refuse" not in out.lower() and "CPU (Triton interpreter)" in out
+    assert [c[c.index("-m", 2) + 1] for c in commands] == ["kernels or gpu", "kernels"]
+    with pytest.raises(SystemExit):
+        tritonq.check.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # --quick is an option, not the default mode
+    assert "--quick the `kernels` tests only" in help_text and "refuse" not in help_text.lower()
 
