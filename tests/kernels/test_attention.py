@@ -259,23 +259,16 @@ def compile_shipped_configs(cc: int) -> dict:
     """{kernel and dims: CompileReport fields} for every shipped config, compiled for sm_`cc`."""
     bf16 = "*bf16"
     reports = {}
-    for d_qk, d_v in SHIPPED_PREFILL:
+    prefill_signature = _signature(_prefill_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16,
+                                                     "seq_lens_ptr": "*i32"}, floats={"qk_scale"})
+    # Every shipped head dims, and with a sliding window (Mistral, Qwen2 128; a 192 / 128 check).
+    for (d_qk, d_v), window in ([(dims, False) for dims in SHIPPED_PREFILL]
+                                + [((128, 128), True), ((192, 128), True)]):
         (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
         cfg = prefill_config(block_d, block_dr, block_dv)
-        reports[f"prefill Dqk{d_qk} Dv{d_v} {cfg}"] = aot_compile(
-            _prefill_kernel,
-            _signature(_prefill_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16,
-                                         "seq_lens_ptr": "*i32"}, floats={"qk_scale"}),
-            dict(GROUP=4, CAUSAL=True, HAS_WINDOW=False, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
-                 BLOCK_DR=block_dr, BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
-    for d_qk, d_v in [(128, 128), (192, 128)]:  # sliding window (Mistral, Qwen2 128; a 192 / 128 check)
-        (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
-        cfg = prefill_config(block_d, block_dr, block_dv)
-        reports[f"prefill window Dqk{d_qk} Dv{d_v} {cfg}"] = aot_compile(
-            _prefill_kernel,
-            _signature(_prefill_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16,
-                                         "seq_lens_ptr": "*i32"}, floats={"qk_scale"}),
-            dict(GROUP=4, CAUSAL=True, HAS_WINDOW=True, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
+        reports[f"prefill{' window' if window else ''} Dqk{d_qk} Dv{d_v} {cfg}"] = aot_compile(
+            _prefill_kernel, prefill_signature,
+            dict(GROUP=4, CAUSAL=True, HAS_WINDOW=window, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
                  BLOCK_DR=block_dr, BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
     # Paged-context prefill (the engine's), 16-token pages, with and without a window. Its keys are
     # gathered row by row through the block table, so the compiler only vectorizes them knowing the
