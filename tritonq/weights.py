@@ -32,6 +32,11 @@ class _TypedWeight:
         raise NotImplementedError
 
     @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K): the values' shape (dense and fp8 store W [N, K]; Int4Weight derives it from its packing)."""
+        return tuple(self.values.shape)
+
+    @property
     def device(self) -> torch.device:
         return self.values.device
 
@@ -63,10 +68,6 @@ class DenseWeight(_TypedWeight):
     @property
     def values(self) -> torch.Tensor:
         return self.weight
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [N, K] as stored (dtype None) or converted to dtype."""
@@ -198,10 +199,6 @@ class FP8Weight(_TypedWeight):
     @property
     def values(self) -> torch.Tensor:
         return self.weight
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [N, K] = weight * weight_scale (broadcast per tensor / channel / block), computed in
