@@ -11,32 +11,26 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
 import tolerances
 from child_process import json_from_child
 
-from tritonq.kernels.aot import aot_compile
+from tritonq.kernels.aot import SM_COUNT, compile_launch
 from tritonq.kernels.attention import (
-    _decode_merge_kernel,
-    _decode_split_kernel,
-    _paged_prefill_kernel,
-    _prefill_kernel,
-    _write_kv_kernel,
-    _write_slots_kernel,
     decode_attention,
     decode_attention_reference,
     decode_config,
-    paged_block_n,
+    decode_launches,
+    head_blocks,
     paged_prefill_attention,
     paged_prefill_attention_reference,
     paged_prefill_config,
+    paged_prefill_launch,
     prefill_attention,
     prefill_attention_reference,
     prefill_config,
-    qk_blocks,
-    write_kv_cache,
-    write_kv_cache_reference,
+    prefill_launch,
     write_kv_slots,
+    write_kv_slots_launch,
     write_kv_slots_reference,
 )
 
@@ -146,30 +140,28 @@ def test_cpu_runtime_path_handles_bf16_in_float32(monkeypatch):
         torch.testing.assert_close(step[b].float(), expected, atol=1e-2, rtol=1e-2)
 
 
-def test_write_kv_cache_matches_reference_and_leaves_the_rest():
-    B, S, h_kv, d_qk, d_v = 3, 5, 2, 24, 40
-    k_cache, v_cache = torch.randn(B, 16, h_kv, d_qk), torch.randn(B, 16, h_kv, d_v)
-    k, v = torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
-    start = lens([0, 3, 11])
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    write_kv_cache(k_cache, v_cache, k, v, start)
-    write_kv_cache_reference(k_ref, v_ref, k, v, start)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    assert torch.equal(k_cache[1, 3:8], k[1]) and torch.equal(v_cache[2, 11:16], v[2])
+def slots_of(table: torch.Tensor, page_size: int, b: int, positions) -> torch.Tensor:
+    """int64 slots of sequence b's `positions` through its block table row: page * page_size + offset."""
+    pos = torch.as_tensor(positions, dtype=torch.int64)
+    return table[b].long()[pos // page_size] * page_size + pos % page_size
 
 
 def test_prefill_then_decode_through_cache_equals_longer_prefill():
-    """Prefill writes the cache, one decode step reads it: same as prefilling one more token."""
-    B, h, h_kv, d_qk, d_v, scale = 3, 4, 1, 192, 128, 0.1
+    """Prefill's k/v written to pages, then the new token's, one decode step reads them: the same as
+    prefilling one more token."""
+    B, h, h_kv, d_qk, d_v, scale, page_size = 3, 4, 1, 192, 128, 0.1, 16
     n = torch.tensor(SEQ_LENS)
     S = int(n.max()) + 1
     q, k, v = torch.randn(B, S, h, d_qk), torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
     full = prefill_attention(q, k, v, lens((n + 1).tolist()), scale)
-    k_cache, v_cache = torch.zeros(B, 40, h_kv, d_qk), torch.zeros(B, 40, h_kv, d_v)
-    write_kv_cache(k_cache, v_cache, k[:, :S - 1], v[:, :S - 1], lens([0] * B))
+    table = torch.randperm(B * 3).view(B, 3).to(torch.int32)  # 3 pages of 16 hold 40 positions
+    k_pages, v_pages = torch.zeros(B * 3, page_size, h_kv, d_qk), torch.zeros(B * 3, page_size, h_kv, d_v)
+    for b, length in enumerate(n.tolist()):
+        write_kv_slots(k_pages, v_pages, k[b, :length], v[b, :length], slots_of(table, page_size, b, range(length)))
     idx = torch.arange(B)
-    write_kv_cache(k_cache, v_cache, k[idx, n, None], v[idx, n, None], lens(n.tolist()))  # the new token
-    out = decode_attention(q[idx, n], k_cache, v_cache, lens((n + 1).tolist()), scale)
+    new_slots = torch.cat([slots_of(table, page_size, b, [length]) for b, length in enumerate(n.tolist())])
+    write_kv_slots(k_pages, v_pages, k[idx, n], v[idx, n], new_slots)  # the new token of every sequence at once
+    out = decode_attention(q[idx, n], k_pages, v_pages, lens((n + 1).tolist()), scale, block_table=table)
     assert_close(out, full[idx, n], torch.float32)
 
 
@@ -213,21 +205,17 @@ def test_paged_write_lands_in_the_table_pages_and_nowhere_else():
     table = torch.randperm(12, generator=g)[:9].view(B, 3).to(torch.int32)
     k_pages, v_pages = torch.randn(12, page_size, h_kv, d_qk), torch.randn(12, page_size, h_kv, d_v)
     k, v = torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
-    start = lens([0, 9, 28])
+    start = [0, 9, 28]
+    slots = torch.cat([slots_of(table, page_size, b, range(start[b], start[b] + S)) for b in range(B)])
     k_ref, v_ref, k_before = k_pages.clone(), v_pages.clone(), k_pages.clone()
-    write_kv_cache(k_pages, v_pages, k, v, start, block_table=table)
-    write_kv_cache_reference(k_ref, v_ref, k, v, start, block_table=table)
+    write_kv_slots(k_pages, v_pages, k.flatten(0, 1), v.flatten(0, 1), slots)
+    write_kv_slots_reference(k_ref, v_ref, k.flatten(0, 1), v.flatten(0, 1), slots)
     assert torch.equal(k_pages, k_ref) and torch.equal(v_pages, v_ref)
     for b in range(B):  # independent check: sequence b read back through its pages
         tokens = k_pages[table[b].long()].flatten(0, 1)[start[b]:start[b] + S]
         assert torch.equal(tokens, k[b])
     untouched = sorted(set(range(12)) - set(table.flatten().tolist()))  # pages of no sequence
     assert torch.equal(k_pages[untouched], k_before[untouched])
-    with pytest.raises(ValueError, match="power of two"):
-        write_kv_cache(torch.zeros(4, 12, h_kv, d_qk), torch.zeros(4, 12, h_kv, d_v), k[:, :1], v[:, :1],
-                       lens([0] * B), block_table=table)
-    with pytest.raises(ValueError, match="longer cache"):
-        write_kv_cache(k_pages, v_pages, k, v, lens([0, 0, 29]), block_table=table)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -238,8 +226,6 @@ def test_bad_inputs_raise_clear_errors():
         prefill_attention(q, k[:, :, :1], v[:, :, :1], torch.tensor([4]), 0.25)
     with pytest.raises(ValueError, match="same dtype|one dtype"):
         decode_attention(q[:, 0].half(), k, v, lens([4]), 0.25)
-    with pytest.raises(ValueError, match="longer cache"):
-        write_kv_cache(torch.zeros(1, 6, 2, 16), torch.zeros(1, 6, 2, 16), k, v, lens([3]))
 
 
 # Every config the launchers ship for a GPU, by real (Dqk, Dv): Llama 64/128, 96 (64 + 32 tail),
@@ -249,80 +235,65 @@ SHIPPED_DECODE = SHIPPED_PREFILL + [(576, 512)]
 PAGED_DIMS = [(64, 64), (128, 128), (192, 128), (576, 512)]  # the engine's: Llama, DeepSeek-V2 expanded / latent
 
 
-def _signature(kernel, pointers, floats=()):
-    """All non-constexpr args: the given pointer types, fp32 for `floats`, i32 for the rest."""
-    return {name: pointers.get(name, "fp32" if name in floats else "i32")
-            for name, param in zip(kernel.arg_names, kernel.params) if not param.is_constexpr}
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _heads(d_qk: int) -> tuple[int, int]:
+    """(H, Hkv) the AOT checks compile for: GQA 4 (Llama-3 8B's 32 / 8), MLA latent 16 / 1 (V2-Lite)."""
+    return (16, 1) if d_qk == 576 else (32, 8)
 
 
 def compile_shipped_configs(cc: int) -> dict:
-    """{kernel and dims: CompileReport fields} for every shipped config, compiled for sm_`cc`."""
-    bf16 = "*bf16"
+    """{kernel and dims: CompileReport fields} for every shipped config, compiled for sm_`cc` from the
+    launchers' own launch builders over meta tensors (bf16, the shapes a model passes)."""
     reports = {}
-    prefill_signature = _signature(_prefill_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16,
-                                                     "seq_lens_ptr": "*i32"}, floats={"qk_scale"})
+    i32 = dict(dtype=torch.int32)
     # Every shipped head dims, and with a sliding window (Mistral, Qwen2 128; a 192 / 128 check).
-    for (d_qk, d_v), window in ([(dims, False) for dims in SHIPPED_PREFILL]
-                                + [((128, 128), True), ((192, 128), True)]):
-        (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
-        cfg = prefill_config(block_d, block_dr, block_dv)
-        reports[f"prefill{' window' if window else ''} Dqk{d_qk} Dv{d_v} {cfg}"] = aot_compile(
-            _prefill_kernel, prefill_signature,
-            dict(GROUP=4, CAUSAL=True, HAS_WINDOW=window, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
-                 BLOCK_DR=block_dr, BLOCK_DV=block_dv), cc, cfg.num_warps, cfg.num_stages)
-    # Paged-context prefill (the engine's), 16-token pages, with and without a window. Its keys are
-    # gathered row by row through the block table, so the compiler only vectorizes them knowing the
-    # strides are multiples of 16 elements, as the JIT specializes them at runtime for these head dims
-    # (H x D, Hkv x D, D); without that hint sm_90 spills.
-    paged_signature = _signature(_paged_prefill_kernel, {
-        "q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16, "o_ptr": bf16, "cu_seqlens_ptr": "*i32",
-        "context_lens_ptr": "*i32", "block_table_ptr": "*i32", "work_ptr": "*i32"}, floats={"qk_scale"})
-    aligned = tuple(name for name in paged_signature if name.endswith("_ptr") or (name.startswith("stride_")
-                                                                                and name != "stride_bt"))
-    # Also 64-token pages (block_size=64), where a key tile lies inside one page.
-    for (d_qk, d_v), window, page_size in ([(dims, False, 16) for dims in PAGED_DIMS]
-                                           + [((128, 128), True, 16), ((576, 512), True, 16), ((128, 128), False, 64),
-                                              ((576, 512), False, 64)]):
-        (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
-        cfg = paged_prefill_config(block_d, block_dr, block_dv, cc)
-        reports[f"paged prefill Dqk{d_qk} Dv{d_v} window{window} page{page_size} {cfg}"] = aot_compile(
-            _paged_prefill_kernel, paged_signature,
-            dict(GROUP=4, HAS_WINDOW=window, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
-                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size), cc, cfg.num_warps, cfg.num_stages,
-            divisible_by_16=aligned)
+    for (d_qk, d_v), window in ([(dims, 0) for dims in SHIPPED_PREFILL] + [((128, 128), 4096), ((192, 128), 4096)]):
+        H, H_kv = _heads(d_qk)
+        cfg = prefill_config(*head_blocks(d_qk, d_v))
+        launch = prefill_launch(_meta(2, 2048, H, d_qk), _meta(2, 2048, H_kv, d_qk), _meta(2, 2048, H_kv, d_v),
+                                _meta(2, **i32), d_qk ** -0.5, True, window, cfg)[0]
+        reports[f"prefill{' window' if window else ''} Dqk{d_qk} Dv{d_v} {cfg}"] = compile_launch(launch, cc)
+    # Paged-context prefill (the engine's), 16-token pages, with and without a window, and 64-token
+    # pages (block_size=64), where a key tile lies inside one page. MLA's v is a view of the latent pages.
+    for (d_qk, d_v), window, page_size in ([(dims, 0, 16) for dims in PAGED_DIMS]
+                                           + [((128, 128), 4096, 16), ((576, 512), 4096, 16), ((128, 128), 0, 64),
+                                              ((576, 512), 0, 64)]):
+        H, H_kv = _heads(d_qk)
+        cfg = paged_prefill_config(*head_blocks(d_qk, d_v), cc)
+        k_pages = _meta(1024, page_size, H_kv, d_qk)
+        v_pages = k_pages[..., :d_v] if d_qk == 576 else _meta(1024, page_size, H_kv, d_v)
+        launch = paged_prefill_launch(_meta(2048, H, d_qk), k_pages, v_pages, _meta(5, **i32), _meta(4, **i32),
+                                      _meta(4, 4096 // page_size, **i32), d_qk ** -0.5, window, cfg)[0]
+        reports[f"paged prefill Dqk{d_qk} Dv{d_v} window{window} page{page_size} {cfg}"] = compile_launch(launch, cc)
     # Decode: the contiguous cache, and a paged one with 16-token pages (vLLM's default page size) for
-    # every head dims the engine pages (PAGED_DIMS), also with a sliding window, and 64-token pages.
-    for (d_qk, d_v), page_size, window in ([(dims, 0, False) for dims in SHIPPED_DECODE]
-                                           + [(dims, 16, False) for dims in PAGED_DIMS]
-                                           + [((128, 128), 16, True), ((128, 128), 0, True), ((128, 128), 64, False),
-                                              ((576, 512), 64, False)]):
-        (block_d, block_dr), block_dv = qk_blocks(d_qk), triton.next_power_of_2(d_v)
-        cfg = decode_config(1, 8, 32768, block_d, block_dr, block_dv, sm_count=132)
-        block_n = paged_block_n(cfg.BLOCK_N, page_size)
-        reports[f"decode Dqk{d_qk} Dv{d_v} page{page_size} window{window} {cfg}"] = aot_compile(
-            _decode_split_kernel,
-            _signature(_decode_split_kernel, {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16,
-                                              "cache_lens_ptr": "*i32", "block_table_ptr": "*i32",
-                                              "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}, floats={"qk_scale"}),
-            dict(GROUP=4, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=block_d,
-                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window), cc, cfg.num_warps,
-            cfg.num_stages)
-    reports["decode merge Dv512"] = aot_compile(
-        _decode_merge_kernel,
-        _signature(_decode_merge_kernel, {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "o_ptr": bf16}),
-        dict(NUM_SPLITS=33, BLOCK_SPLITS=64, BLOCK_DV=512), cc, 4, 1)
-    for page_size in (0, 16):
-        reports[f"write_kv Dqk576 Dv512 page{page_size}"] = aot_compile(
-            _write_kv_kernel,
-            _signature(_write_kv_kernel, {name: bf16 for name in ("k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr")}
-                       | {"start_ptr": "*i32", "block_table_ptr": "*i32"}),
-            dict(BLOCK_D=1024, BLOCK_DV=512, PAGE_SIZE=page_size), cc, 4, 1)
+    # every head dims the engine pages (PAGED_DIMS), also with a sliding window, and 64-token pages;
+    # the merge of the splits after each.
+    for (d_qk, d_v), page_size, window in ([(dims, 0, 0) for dims in SHIPPED_DECODE]
+                                           + [(dims, 16, 0) for dims in PAGED_DIMS]
+                                           + [((128, 128), 16, 4096), ((128, 128), 0, 4096), ((128, 128), 64, 0),
+                                              ((576, 512), 64, 0)]):
+        H, H_kv = _heads(d_qk)
+        cfg = decode_config(1, H_kv, 32768, *head_blocks(d_qk, d_v), sm_count=SM_COUNT[cc])
+        if page_size:
+            k_cache, table = _meta(4096, page_size, H_kv, d_qk), _meta(1, 32768 // page_size, **i32)
+        else:
+            k_cache, table = _meta(1, 32768, H_kv, d_qk), None
+        v_cache = k_cache[..., :d_v] if d_qk == 576 else _meta(*k_cache.shape[:3], d_v)
+        split, merge, _ = decode_launches(_meta(1, H, d_qk), k_cache, v_cache, _meta(1, **i32), d_qk ** -0.5, table,
+                                          page_size, window, cfg)
+        name = f"Dqk{d_qk} Dv{d_v} page{page_size} window{window} {cfg}"
+        reports[f"decode {name}"] = compile_launch(split, cc)
+        reports[f"decode merge {name}"] = compile_launch(merge, cc)
     for d_qk, d_v in [(128, 128), (576, 512)]:
-        reports[f"write_slots Dqk{d_qk} Dv{d_v} page16"] = aot_compile(
-            _write_slots_kernel,
-            _signature(_write_slots_kernel, {name: bf16 for name in ("k_pages_ptr", "v_pages_ptr", "k_ptr", "v_ptr")}
-                       | {"slot_ptr": "*i64"}),
-            dict(BLOCK_D=triton.next_power_of_2(d_qk), BLOCK_DV=d_v, PAGE_SIZE=16), cc, 4, 1)
+        H, H_kv = _heads(d_qk)
+        k_pages = _meta(1024, 16, H_kv, d_qk)
+        v_pages = k_pages[..., :d_v] if d_qk == 576 else _meta(1024, 16, H_kv, d_v)
+        launch = write_kv_slots_launch(k_pages, v_pages, _meta(64, H_kv, d_qk), _meta(64, H_kv, d_v),
+                                       _meta(64, dtype=torch.int64))
+        reports[f"write_slots Dqk{d_qk} Dv{d_v} page16"] = compile_launch(launch, cc)
     return {name: dataclasses.asdict(r) | {"fits": r.fits} for name, r in reports.items()}
 
 

@@ -71,13 +71,12 @@ def _cases(device: str):
             yield "attention", f"decode {d_qk}/{d_v} H={H}/{H_kv} lens={lens} {dname}", \
                 attn.decode_attention(q[:, 0], k, v, seq, scale), \
                 attn.decode_attention_reference(q[:, 0], k, v, seq, scale)
-            k_cache, v_cache = torch.zeros_like(k), torch.zeros_like(v)
-            k_ref, v_ref = torch.zeros_like(k), torch.zeros_like(v)
-            start = torch.tensor([0, 3, S - 2], dtype=torch.int32, device=device)
-            attn.write_kv_cache(k_cache, v_cache, k[:, :2], v[:, :2], start)
-            attn.write_kv_cache_reference(k_ref, v_ref, k[:, :2], v[:, :2], start)
-            yield "attention", f"write_kv_cache {d_qk}/{d_v} {dname}", torch.cat([k_cache.flatten(), v_cache.flatten()]), \
-                torch.cat([k_ref.flatten(), v_ref.flatten()])
+            pages = [torch.zeros(8, 16, H_kv, d, device=device, dtype=dtype) for d in (d_qk, d_v, d_qk, d_v)]
+            slots = torch.tensor([3, 17, -1, 100, 127], dtype=torch.int64, device=device)  # -1: a padding row
+            attn.write_kv_slots(pages[0], pages[1], k[0, :5], v[0, :5], slots)
+            attn.write_kv_slots_reference(pages[2], pages[3], k[0, :5], v[0, :5], slots)
+            yield "attention", f"write_kv_slots {d_qk}/{d_v} {dname}", \
+                torch.cat([pages[0].flatten(), pages[1].flatten()]), torch.cat([pages[2].flatten(), pages[3].flatten()])
 
         # MoE: DeepSeek-V2-Lite-like shapes
         E, top_k, D, inter = 64, 6, 2048, 1408

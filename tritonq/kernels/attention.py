@@ -9,8 +9,6 @@ Shapes (B batch, S tokens, H query heads, Hkv key/value heads, H % Hkv == 0):
                    cache_lens [B] int32 (>= 1), scale) -> [B,H,Dv]
       One query per sequence against cache positions 0..cache_lens[b]-1 (the new token's k/v are
       already written).
-  write_kv_cache(k_cache, v_cache, k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv], start [B] int32)
-      Writes k/v in place at cache positions start[b]..start[b]+S-1 (one small kernel for both).
   write_kv_slots(k_pages, v_pages, k [T,Hkv,Dqk], v [T,Hkv,Dv], slot_mapping [T] int64)
       The engine's write: token t to page slot // page_size, row slot % page_size; slot < 0 skipped.
   paged_prefill_attention(q [T,H,Dqk], k_pages, v_pages, cu_seqlens_q [B+1] int32,
@@ -21,10 +19,11 @@ Sliding window (window > 0, prefill, paged prefill, decode): key j is visible to
 j <= p and p - j < window, transformers' convention; key blocks wholly outside are not loaded.
 dtypes: fp16, bf16 or fp32 (all inputs the same); accumulation and softmax are fp32; outputs are
 in q's dtype (fp32 inputs use TF32 tensor-core dots on GPUs).
-KV cache layout [B, Smax, Hkv, D]: contiguous per sequence (what the models allocate), or paged
-with block_table= (decode_attention, write_kv_cache): pages [P, page_size, Hkv, D] shared by all
-sequences and a block table [B, max_pages] int32 mapping each sequence's n // page_size to a page,
-as vLLM's PagedAttention. page_size is a power of two >= 16 so a key tile never spans two pages.
+KV cache layout: paged (what the engine allocates; write_kv_slots, paged_prefill_attention and
+decode_attention with block_table=): pages [P, page_size, Hkv, D] shared by all sequences and a
+block table [B, max_pages] int32 mapping each sequence's n // page_size to a page, as vLLM's
+PagedAttention; page_size is a power of two >= 16 so a decode key tile never spans two pages.
+decode_attention also reads a contiguous [B, Smax, Hkv, D] cache (the tuner's inputs).
 
 Head dims need not be powers of two and Dqk may differ from Dv (DeepSeek-V2: 192 / 128; its
 absorbed-MLA decode: 576 / 512). Tensors are never padded in memory: the kernels hold each head
@@ -309,37 +308,6 @@ def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, 
 
 
 @triton.jit
-def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, start_ptr, block_table_ptr,
-                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                     S, S_MAX, D_QK, D_V, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     PAGE_SIZE: tl.constexpr):
-    """One program copies the k and v rows of one (sequence, token, kv head) into the cache.
-
-    PAGE_SIZE > 0: the cache is pages [P, PAGE_SIZE, Hkv, D]; S_MAX is the table's capacity.
-    """
-    b = tl.program_id(0) // S
-    s = tl.program_id(0) % S
-    h = tl.program_id(1)
-    pos = tl.load(start_ptr + b) + s
-    row, slot = b, pos
-    if PAGE_SIZE > 0:
-        row = tl.load(block_table_ptr + b * stride_bt + pos // PAGE_SIZE).to(tl.int64)
-        slot = pos % PAGE_SIZE
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    # The launcher asserts pos < S_MAX; the mask keeps a bad start from writing out of bounds even
-    # before the asynchronous assert fires. pos is broadcast to a vector first because the
-    # interpreter rejects scalar & vector masks.
-    k = tl.load(k_ptr + b * stride_kb + s * stride_ks + h * stride_kh + offs_d, mask=offs_d < D_QK)
-    tl.store(k_cache_ptr + row * stride_kcb + slot * stride_kcs + h * stride_kch + offs_d, k,
-             mask=(offs_d < D_QK) & (pos + 0 * offs_d < S_MAX))
-    v = tl.load(v_ptr + b * stride_vb + s * stride_vs + h * stride_vh + offs_dv, mask=offs_dv < D_V)
-    tl.store(v_cache_ptr + row * stride_vcb + slot * stride_vcs + h * stride_vch + offs_dv, v,
-             mask=(offs_dv < D_V) & (pos + 0 * offs_dv < S_MAX))
-
-
-@triton.jit
 def _write_slots_kernel(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr,
                         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                         stride_kt, stride_kth, stride_vt, stride_vth, D_QK, D_V,
@@ -411,16 +379,18 @@ def prefill_config(block_d: int, block_dr: int, block_dv: int, on_gpu: bool = Tr
 def paged_prefill_config(block_d: int, block_dr: int, block_dv: int, cc: int | None) -> PrefillConfig:
     """Default config of _paged_prefill_kernel on compute capability cc (None: the interpreter's 16x16).
 
-    prefill_config's defaults, except 192 / 128 heads on GPUs before sm_90 take 32-key tiles: the
-    per-key page gather costs registers, and 64-key tiles spill 20 bytes on sm_80 (AOT). No tuned
+    prefill_config's defaults, except where the per-key page gather's registers make them spill (AOT):
+    heads wider than 64 take 32-key tiles before sm_90 (64 spill 28 bytes at 128 / 128 on sm_80), MLA
+    latent 576 / 512 heads 16-key tiles from sm_90 on (32 spill 4 bytes with a window or 64-token pages),
+    at the launch's real divisibility hints and GQA (32 / 8 heads; MLA 16 / 1). No tuned
     lookup: the tuner's attention_prefill configs are measured on the contiguous kernel.
     """
     if cc is None:
         return PrefillConfig(16, 16, 1, 1)
     if block_dv > 256:
-        return PrefillConfig(16, 32, 8, 2)  # as prefill_config: MLA latent heads
+        return PrefillConfig(16, 32 if cc < 90 else 16, 8, 2)
     if block_d + block_dr <= 192 and block_dv <= 128:
-        return PrefillConfig(128, 64 if cc >= 90 or block_d + block_dr <= 128 else 32, 8, 3)
+        return PrefillConfig(128, 64 if cc >= 90 or block_d + block_dr <= 64 else 32, 8, 3)
     return PrefillConfig(64, 64, 8, 2)
 
 
@@ -642,58 +612,16 @@ def decode_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                  GROUP=group, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
                  BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window > 0)
     out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
+    block_splits = triton.next_power_of_2(cfg.NUM_SPLITS)
     merge = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, o_ptr=out, stride_ob=out.stride(0),
-                 stride_oh=out.stride(1), H=H, D_V=D_V, NUM_SPLITS=cfg.NUM_SPLITS,
-                 BLOCK_SPLITS=triton.next_power_of_2(cfg.NUM_SPLITS), BLOCK_DV=block_dv)
+                 stride_oh=out.stride(1), H=H, D_V=D_V, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_SPLITS=block_splits,
+                 BLOCK_DV=block_dv)
+    # The merge holds all partial outputs [BLOCK_SPLITS, BLOCK_DV] fp32 at once: a warp per 4096 of them
+    # keeps it at <= 128 per thread (MLA's 64 x 512 spills 5.4 KB with 4 warps on sm_90, none with 8: AOT).
+    merge_warps = min(16, max(4, block_splits * block_dv // 4096))
     return (Launch(_decode_split_kernel, (B, H_kv * triton.cdiv(group, block_h), cfg.NUM_SPLITS), split,
                    cfg.num_warps, cfg.num_stages),
-            Launch(_decode_merge_kernel, (B, H), merge, 4, 3), out)  # Triton's default num_warps, num_stages
-
-
-def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   start: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
-    """k_cache[b, start[b] + s] = k[b, s] (same for v), in place, for every s < S.
-
-    With block_table [B, max_pages] int32 the cache is paged (see decode_attention): position p of
-    sequence b goes to page block_table[b, p // page_size], slot p % page_size.
-    """
-    if (k.dim() != 4 or v.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4
-            or k.shape[:3] != v.shape[:3] or (block_table is None and k_cache.shape[0] != k.shape[0])
-            or k_cache.shape[2:] != k.shape[2:] or v_cache.shape[2:] != v.shape[2:]
-            or k_cache.shape[:3] != v_cache.shape[:3]):
-        raise ValueError(f"expected k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv] matching k_cache [B,Smax,Hkv,Dqk], "
-                         f"v_cache [B,Smax,Hkv,Dv]; got k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}.")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
-        raise ValueError(f"k/v dtypes {k.dtype}/{v.dtype} differ from the cache's "
-                         f"{k_cache.dtype}/{v_cache.dtype}; cast k and v to the cache dtype first.")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must be contiguous in the head dim (they are written in place).")
-    B, S = k.shape[:2]
-    page_size = _check_block_table(block_table, k_cache, B, k.device)
-    S_max = k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size
-    _check_lens("start", start, B, k.device)
-    expected = f"write_kv_cache: positions start[b]..start[b]+{S - 1} must lie in [0, {S_max})"
-    if start.is_cuda:  # checked on the device: a host check would sync the GPU in every layer
-        torch._assert_async((start.min() >= 0) & (start.max() + S <= S_max),
-                            f"{expected}. Allocate a longer cache.")
-    else:
-        starts = start.tolist()  # one host read instead of two reductions
-        lo, hi = min(starts), max(starts)
-        if lo < 0 or hi + S > S_max:
-            raise ValueError(f"{expected}; got start in [{lo}, {hi}]. Allocate a longer cache.")
-    if not use_triton(k_cache):
-        return write_kv_cache_reference(k_cache, v_cache, k, v, start, block_table)
-
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    D_QK, D_V = k.shape[-1], v.shape[-1]
-    table = block_table if block_table is not None else start  # unused pointer when not paged
-    _write_kv_kernel[(B * S, k.shape[2])](
-        k_cache, v_cache, k, v, start, table,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        table.stride(0), S, S_max, D_QK, D_V, BLOCK_D=triton.next_power_of_2(D_QK),
-        BLOCK_DV=triton.next_power_of_2(D_V), PAGE_SIZE=page_size)
+            Launch(_decode_merge_kernel, (B, H), merge, merge_warps, 1), out)  # one pass: nothing to pipeline
 
 
 def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -732,12 +660,20 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
         torch._assert_async(slot_mapping.max() < capacity, expected)
     if not use_triton(k_pages):
         return write_kv_slots_reference(k_pages, v_pages, k, v, slot_mapping)
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    _write_slots_kernel[(T, k.shape[1])](
-        k_pages, v_pages, k, v, slot_mapping, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k.shape[-1], v.shape[-1], BLOCK_D=triton.next_power_of_2(k.shape[-1]),
-        BLOCK_DV=triton.next_power_of_2(v.shape[-1]), PAGE_SIZE=k_pages.shape[1])
+    write_kv_slots_launch(k_pages, v_pages, _last_dim_contiguous(k), _last_dim_contiguous(v), slot_mapping)()
+
+
+def write_kv_slots_launch(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> Launch:
+    """The launch of _write_slots_kernel for checked inputs of write_kv_slots (k, v head dim contiguous):
+    one program per (token, kv head). Over meta tensors it is what the AOT tests compile."""
+    args = dict(k_pages_ptr=k_pages, v_pages_ptr=v_pages, k_ptr=k, v_ptr=v, slot_ptr=slot_mapping,
+                stride_kp=k_pages.stride(0), stride_ks=k_pages.stride(1), stride_kh=k_pages.stride(2),
+                stride_vp=v_pages.stride(0), stride_vs=v_pages.stride(1), stride_vh=v_pages.stride(2),
+                stride_kt=k.stride(0), stride_kth=k.stride(1), stride_vt=v.stride(0), stride_vth=v.stride(1),
+                D_QK=k.shape[-1], D_V=v.shape[-1], BLOCK_D=triton.next_power_of_2(k.shape[-1]),
+                BLOCK_DV=triton.next_power_of_2(v.shape[-1]), PAGE_SIZE=k_pages.shape[1])
+    return Launch(_write_slots_kernel, (k.shape[0], k.shape[1]), args, 4, 3)  # Triton's default warps, stages
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -785,22 +721,34 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
         return paged_prefill_attention_reference(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
                                                  scale, window)
 
-    q = _last_dim_contiguous(q)
-    T, H, D_QK = q.shape
-    D_V = v_pages.shape[-1]
-    (block_d, block_dr), block_dv = qk_blocks(D_QK), max(16, triton.next_power_of_2(D_V))
+    T, D_V = q.shape[0], v_pages.shape[-1]
     if config is None:
         cc = None
         if q.is_cuda:
             major, minor = torch.cuda.get_device_capability(q.device)
             cc = 10 * major + minor
-        config = paged_prefill_config(block_d, block_dr, block_dv, cc)
-    cfg = config
-    out = torch.empty(T, H, D_V, dtype=q.dtype, device=q.device)
+        config = paged_prefill_config(*head_blocks(q.shape[-1], D_V), cc)
     if T == 0 or B == 0:
-        return out
-    # Query blocks of all sequences, numbered in order: sum_b ceil(q_len_b / block_m) <= T / block_m + B,
-    # so a grid of that upper bound needs no host read of the lengths; spare programs get sequence -1.
+        return torch.empty(T, q.shape[1], D_V, dtype=q.dtype, device=q.device)
+    launch, out = paged_prefill_launch(_last_dim_contiguous(q), k_pages, v_pages, cu_seqlens_q, context_lens,
+                                       block_table, scale, window, config)
+    launch()
+    return out
+
+
+def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         context_lens: torch.Tensor, block_table: torch.Tensor, scale: float, window: int,
+                         cfg: PrefillConfig) -> tuple[Launch, torch.Tensor]:
+    """The launch of _paged_prefill_kernel for checked inputs of paged_prefill_attention (q head dim
+    contiguous, T and B > 0) and its output [T, H, Dv]. Over meta tensors it is what the AOT tests compile.
+
+    Query blocks of all sequences are numbered in order: sum_b ceil(q_len_b / BLOCK_M) <= T / BLOCK_M + B,
+    so a grid of that upper bound needs no host read of the lengths; a `work` table [2, programs] int32
+    gives each program its (sequence, first query row), sequence -1 for the spare ones.
+    """
+    T, H, D_QK = q.shape
+    B, D_V = context_lens.shape[0], v_pages.shape[-1]
+    block_d, block_dr, block_dv = head_blocks(D_QK, D_V)
     num_work = triton.cdiv(T, cfg.BLOCK_M) + B
     blocks = (cu_seqlens_q[1:] - cu_seqlens_q[:-1] + cfg.BLOCK_M - 1) // cfg.BLOCK_M
     ends = torch.cumsum(blocks, 0)
@@ -808,15 +756,17 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     seq = torch.searchsorted(ends, program, right=True)
     first = (program - (ends - blocks)[seq.clamp(max=B - 1)]) * cfg.BLOCK_M
     work = torch.stack([torch.where(seq < B, seq, -1), first]).to(torch.int32)
-    _paged_prefill_kernel[(num_work, H)](
-        q, k_pages, v_pages, out, cu_seqlens_q, context_lens, block_table, work,
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
-        num_work, H, D_QK, D_V, scale * LOG2E, window,
-        GROUP=H // k_pages.shape[2], HAS_WINDOW=window > 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-        BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+    out = torch.empty(T, H, D_V, dtype=q.dtype, device=q.device)
+    args = dict(q_ptr=q, k_ptr=k_pages, v_ptr=v_pages, o_ptr=out, cu_seqlens_ptr=cu_seqlens_q,
+                context_lens_ptr=context_lens, block_table_ptr=block_table, work_ptr=work,
+                stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kp=k_pages.stride(0),
+                stride_ks=k_pages.stride(1), stride_kh=k_pages.stride(2), stride_vp=v_pages.stride(0),
+                stride_vs=v_pages.stride(1), stride_vh=v_pages.stride(2), stride_ot=out.stride(0),
+                stride_oh=out.stride(1), stride_bt=block_table.stride(0), NUM_WORK=num_work, H=H, D_QK=D_QK,
+                D_V=D_V, qk_scale=scale * LOG2E, window=window, GROUP=H // k_pages.shape[2],
+                HAS_WINDOW=window > 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
+                BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=k_pages.shape[1])
+    return Launch(_paged_prefill_kernel, (num_work, H), args, cfg.num_warps, cfg.num_stages), out
 
 
 def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -876,22 +826,6 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     # A sequence with no keys (a padding row, context length 0) gets zeros, as the kernel gives, not NaN.
     out = torch.where(cache_lens[:, None, None, None] > 0, out, 0.0)
     return out.reshape(B, H, -1).to(q.dtype)
-
-
-def write_kv_cache_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             start: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
-    """Slice assignment per sequence (start is read on the host); paged: index_put at (page, slot)."""
-    S = k.shape[1]
-    if block_table is not None:
-        pos = start.long()[:, None] + torch.arange(S, device=start.device)  # [B, S]
-        page_size = k_cache.shape[1]
-        pages = block_table.long().gather(1, pos // page_size)
-        k_cache[pages, pos % page_size] = k
-        v_cache[pages, pos % page_size] = v
-        return
-    for b, pos in enumerate(start.tolist()):
-        k_cache[b, pos:pos + S] = k[b]
-        v_cache[b, pos:pos + S] = v[b]
 
 
 def write_kv_slots_reference(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from tritonq.kernels import use_triton
+from tritonq.kernels.common import Launch
 
 
 @triton.jit
@@ -48,11 +49,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, D)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y = torch.empty_like(rows)
-    block = triton.next_power_of_2(D)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, y, rows.stride(0), y.stride(0), D, eps,
-                                       BLOCK_D=block, num_warps=min(max(block // 256, 1), 16))
+    launch, y = rms_norm_launch(rows, weight, eps)
+    launch()
     return y.view(x.shape)
+
+
+def rms_norm_launch(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[Launch, torch.Tensor]:
+    """The launch of _rms_norm_kernel over rows [R, D] (last dim contiguous, D <= 16384) and its output
+    [R, D]: one program per row, a warp per 256 lanes (at most 16). Over meta tensors the AOT tests compile it."""
+    y = torch.empty_like(rows)
+    block = triton.next_power_of_2(rows.shape[-1])
+    args = dict(x_ptr=rows, w_ptr=weight, y_ptr=y, stride_x=rows.stride(0), stride_y=y.stride(0), D=rows.shape[-1],
+                eps=eps, BLOCK_D=block)
+    return Launch(_rms_norm_kernel, (rows.shape[0],), args, min(max(block // 256, 1), 16), 3), y
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
