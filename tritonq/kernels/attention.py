@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from tritonq.kernels import use_triton
-from tritonq.kernels.common import Launch, check_launch_config, tuned_or_default
+from tritonq.kernels.common import Launch, check_launch_config, compute_capability, tuned_or_default
 
 LOG2E = 1.4426950408889634
 
@@ -723,11 +723,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
 
     T, D_V = q.shape[0], v_pages.shape[-1]
     if config is None:
-        cc = None
-        if q.is_cuda:
-            major, minor = torch.cuda.get_device_capability(q.device)
-            cc = 10 * major + minor
-        config = paged_prefill_config(*head_blocks(q.shape[-1], D_V), cc)
+        config = paged_prefill_config(*head_blocks(q.shape[-1], D_V), compute_capability(q.device))
     if T == 0 or B == 0:
         return torch.empty(T, q.shape[1], D_V, dtype=q.dtype, device=q.device)
     launch, out = paged_prefill_launch(_last_dim_contiguous(q), k_pages, v_pages, cu_seqlens_q, context_lens,

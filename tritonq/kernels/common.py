@@ -88,6 +88,14 @@ def upcast_dot(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not on_gpu(x))
 
 
+def compute_capability(device: torch.device) -> int | None:
+    """10 x major + minor of a CUDA device (90 for sm_90); None elsewhere (the interpreter's small tiles)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 @functools.cache
 def has_fp8_tensor_cores(device: torch.device) -> bool:
     """Whether the kernels can use Triton's float8e4nv type (e4m3 loads and tl.dot) on `device`.

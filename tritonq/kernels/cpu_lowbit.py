@@ -156,7 +156,7 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
     if isinstance(w, Int4Weight) and w.bits == 4:
         p = _prepare_int4(w)
         if p is not None:
-            _note(f"4-bit weights run torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu) with bf16 activations, "
+            _note("4-bit weights run torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu) with bf16 activations, "
                   "repacked once at load")
             return p
         reason = (f"4-bit group_size={w.group_size}{' with act-order' if w.g_idx is not None else ''} does not fit "

@@ -40,6 +40,7 @@ from tritonq.kernels.common import (
     E4M3_TO_FP16_BIAS,
     Launch,
     check_launch_config,
+    compute_capability,
     e4m3_bits_to_fp16,
     has_fp8_tensor_cores,
     tuned_or_default,
@@ -211,12 +212,21 @@ def quantize_activation_fp8(x: torch.Tensor, group_size: int | None = None,
         scales = input_scale.reshape(()).to(device=x.device, dtype=torch.float32)
     else:
         scales = torch.empty((M, n_groups), dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(group)
-    _quantize_activation_kernel[(M, n_groups)](
-        x, q, scales, scales, K, x.stride(0), q.stride(0), scales.stride(0) if scales.dim() else 0,
-        GROUP=group, BLOCK=block, STATIC=input_scale is not None,
-        num_warps=max(1, min(8, block // 256)))
+    quantize_activation_launch(x, q, scales, group, static=input_scale is not None)()
     return q, scales
+
+
+def quantize_activation_launch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int,
+                               static: bool) -> Launch:
+    """The launch of _quantize_activation_kernel: x [M, K] (contiguous) into q [M, K] e4m3 and scales
+    ([M, K / group] fp32, or the static one-element scale), one program per (row, group). Over meta
+    tensors it is what the AOT tests compile."""
+    M, K = x.shape
+    block = triton.next_power_of_2(group)
+    args = dict(x_ptr=x, q_ptr=q, s_ptr=scales, static_scale_ptr=scales, K=K, stride_xm=x.stride(0),
+                stride_qm=q.stride(0), stride_sm=scales.stride(0) if scales.dim() else 0, GROUP=group, BLOCK=block,
+                STATIC=static)
+    return Launch(_quantize_activation_kernel, (M, triton.cdiv(K, group)), args, max(1, min(8, block // 256)), 3)
 
 
 def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
@@ -259,7 +269,8 @@ def _launch(x: torch.Tensor, w: FP8Weight, weight_only: bool, config: FP8GemmCon
     N = w.shape[0]
     x = x.contiguous()
     scale_bk = w.block_size[1] if w.block_size is not None else None
-    cfg = config or tuned_config(M, N, K, weight_only, min(128, scale_bk or 128))
+    cfg = config or tuned_config(M, N, K, weight_only, min(128, scale_bk or 128), compute_capability(x.device),
+                                 scale_bk is not None)
     check_launch_config("fp8_gemm", cfg, FP8GemmConfig)
     if scale_bk is not None and scale_bk % cfg.BLOCK_K:
         raise ValueError(f"fp8_gemm: BLOCK_K={cfg.BLOCK_K} does not divide the weight's K block {scale_bk}; "
@@ -316,15 +327,20 @@ def config_bucket(M: int, N: int, K: int) -> str:
     return f"M{min(triton.next_power_of_2(M), 4096)}_N{N}_K{K}"
 
 
-def tuned_config(M: int, N: int, K: int, weight_only: bool, block_k: int = 128) -> FP8GemmConfig:
+def tuned_config(M: int, N: int, K: int, weight_only: bool, block_k: int = 128, cc: int | None = 90,
+                 block_scaled: bool = False) -> FP8GemmConfig:
     """The launcher's config: the one tuned for this shape's bucket and path (the weight-only path is
-    tuned apart, as `fp8_gemm_weight_only`), else `default_config`."""
+    tuned apart, as `fp8_gemm_weight_only`), else `default_config` for sm_`cc` (None: the interpreter)."""
     return tuned_or_default("fp8_gemm_weight_only" if weight_only else "fp8_gemm", config_bucket(M, N, K),
-                            default_config(M, N, K, block_k))
+                            default_config(M, N, K, block_k, cc, block_scaled, weight_only))
 
 
-def default_config(M: int, N: int, K: int, block_k: int = 128) -> FP8GemmConfig:
-    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight."""
+def default_config(M: int, N: int, K: int, block_k: int = 128, cc: int | None = 90, block_scaled: bool = False,
+                   weight_only: bool = False) -> FP8GemmConfig:
+    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight; prefill takes
+    128 x 128 tiles, but 128 x 64 before sm_90 for block-scaled weights (a per-tile scale) and on the
+    weight-only path (the in-kernel e4m3 decode), whose registers make 128 x 128 spill: 8 bytes on
+    sm_89 block-scaled, 24-32 bytes weight-only on sm_80 (AOT, Triton 3.7.1 and 3.9); 128 x 64 none."""
     if M <= 16:
         k_tiles = triton.cdiv(K, block_k)
         n_tiles = triton.cdiv(N, 64)
@@ -333,7 +349,8 @@ def default_config(M: int, N: int, K: int, block_k: int = 128) -> FP8GemmConfig:
                              num_warps=4, num_stages=4)
     if M <= 64:
         return FP8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4)
-    return FP8GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3)
+    narrow = cc is not None and cc < 90 and (block_scaled or weight_only)
+    return FP8GemmConfig(BLOCK_M=128, BLOCK_N=64 if narrow else 128, BLOCK_K=block_k, num_warps=8, num_stages=3)
 
 
 def _weight_scale_layout(w: FP8Weight) -> tuple[int, int, int, int]:
