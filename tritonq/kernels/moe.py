@@ -515,19 +515,17 @@ def sweep_space(problem) -> list[dict]:
     return out
 
 
-def aot_launch(config: MoEConfig, problem) -> Launch:
-    """`moe_gemm_launch` over meta tensors for one GEMM of a tuning problem: bf16 activations,
-    asymmetric int4 experts grouped as the tuner's (`bench.moe.int4_expert_group_size`)."""
-    from tritonq.random_weights import int4_expert_group_size
+def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool = True) -> Launch:
+    """`moe_gemm_launch` over meta tensors for one GEMM of a tuning problem: bf16 activations, experts
+    as `random_weights.random_experts` makes them of `kind` (int4: asymmetric, grouped as the tuner's;
+    fp8: 128 x 128 block scales, loaded as float8e4nv if native_fp8, else decoded from their bytes)."""
+    from tritonq.random_weights import random_experts
 
     T, E, top_k, D, inter, gemm = tune_problem(problem)
     gate = gemm == 0
     N, K, w_rows = (inter, D, 2 * inter) if gate else (D, inter, D)  # w_rows: the stacked weight's N
-    group_size = int4_expert_group_size(K)
+    weight = random_experts(kind, E, w_rows, K, torch.bfloat16, "meta")
     meta = torch.device("meta")
-    scales = torch.empty(E, K // group_size, w_rows, dtype=torch.bfloat16, device=meta)
-    weight = Int4Weight(torch.empty(E, K // 8, w_rows, dtype=torch.int32, device=meta), scales,
-                        torch.empty_like(scales), None, group_size)
     numel = T * top_k
     max_blocks = min(numel, triton.cdiv(numel, config.BLOCK_M) + E)  # as moe_align_block_size
     alignment = (torch.empty(max_blocks * config.BLOCK_M, dtype=torch.int32, device=meta),
@@ -535,7 +533,7 @@ def aot_launch(config: MoEConfig, problem) -> Launch:
     a = torch.empty(T if gate else numel, K, dtype=torch.bfloat16, device=meta)
     out = torch.empty(numel, N, dtype=torch.bfloat16, device=meta)
     routing = torch.empty(numel, dtype=torch.float32, device=meta)
-    return moe_gemm_launch(a, out, weight, routing, alignment, top_k, config, config.BLOCK_M, gate, True)
+    return moe_gemm_launch(a, out, weight, routing, alignment, top_k, config, config.BLOCK_M, gate, native_fp8)
 
 
 def tune_target():
