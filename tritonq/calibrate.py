@@ -18,39 +18,13 @@ from pathlib import Path
 
 import torch
 
-from tritonq.packing import pack_int32
+from tritonq.packing import group_grid, pack_int32, quantize_column
 from tritonq.weights import Int4Weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 AWQ_GRID = 20          # scale candidates: s = 1 and 19 alphas in [0, 1]
 AWQ_CLIP_GRID = 20     # clip ratios 1, 0.975, ..., 0.525 of each group's max |w|
 AWQ_MAX_TOKENS = 4096  # tokens used by the AWQ searches (a random subset when more were captured)
-
-
-# ---- the quantization grid (the same formulas as quantize.quantize_int4) -----------------------------
-
-def group_grid(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0,
-               scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero [N] (float32) of the group columns w [N, g], as quantize_int4 computes them.
-
-    Asym: scale = (max(w, 0) - min(w, 0)) / (2^b - 1), zero = round(-min / scale) clamped to
-    [min_zero, 2^b - 1]; sym: scale = 2 amax / (2^b - 1), zero = 2^(b-1). The scale is rounded to
-    scale_dtype (what the file stores) before codes are computed against it.
-    """
-    maxq = 2**bits - 1
-    if sym:
-        scale = 2 * w.abs().amax(-1) / maxq
-    else:
-        low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
-        scale = (high - low) / maxq
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale).to(scale_dtype).float()
-    zero = torch.full_like(scale, 2 ** (bits - 1)) if sym else (-low / scale).round().clamp(min_zero, maxq)
-    return scale, zero
-
-
-def quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integer codes of w (any shape broadcasting with scale/zero) on the grid."""
-    return ((w / scale).round() + zero).clamp(0, 2**bits - 1)
 
 
 # ---- GPTQ -----------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""Bit packing shared by all integer formats and by tritonq's Int4Weight layout (tritonq/weights.py).
+"""Integer codes: the quantization grid (float -> code, shared by the RTN quantizer and the GPTQ / AWQ
+calibrations) and the bit packing shared by all integer formats and by tritonq's Int4Weight layout
+(tritonq/weights.py).
 
 A packed int32 holds 32 // bits fields; field j sits at bits [j*bits, (j+1)*bits). Checkpoints
 store int32 signed; we read them as uint32 bit patterns. AWQ interleaves the 8 columns of each
@@ -46,3 +48,28 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
             inverse[c] = j
         fields = fields[..., inverse]
     return fields.reshape(*p.shape[:-1], -1).to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def group_grid(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0,
+               scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero [N] (float32) of the group columns w [N, g], the grid of quantize.quantize_int4
+    and of the calibrations (tritonq.calibrate).
+
+    Asym: scale = (max(w, 0) - min(w, 0)) / (2^b - 1), zero = round(-min / scale) clamped to
+    [min_zero, 2^b - 1]; sym: scale = 2 amax / (2^b - 1), zero = 2^(b-1). The scale is rounded to
+    scale_dtype (what the file stores) before codes are computed against it.
+    """
+    maxq = 2**bits - 1
+    if sym:
+        scale = 2 * w.abs().amax(-1) / maxq
+    else:
+        low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+        scale = (high - low) / maxq
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale).to(scale_dtype).float()
+    zero = torch.full_like(scale, 2 ** (bits - 1)) if sym else (-low / scale).round().clamp(min_zero, maxq)
+    return scale, zero
+
+
+def quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes of w (any shape broadcasting with scale/zero) on the grid."""
+    return ((w / scale).round() + zero).clamp(0, 2**bits - 1)

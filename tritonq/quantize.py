@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tritonq.formats.awq import int4_to_awq
 from tritonq.formats.base import always_dense
 from tritonq.formats.checkpoint import Weights
-from tritonq.packing import pack_int32
+from tritonq.packing import group_grid, pack_int32, quantize_column
 from tritonq.weights import FP8Weight, Int4Weight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -52,21 +52,12 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, sym: bool = False, bit
     if g <= 0 or K % g or K % (32 // bits):
         raise ValueError(f"quantize_int4: K={K} must be a multiple of group_size={group_size} and of {32 // bits}; "
                          "pick a group size that divides K (or -1 for one group), or leave the layer dense")
-    G, maxq = K // g, 2**bits - 1
+    G = K // g
     group_of_row = torch.arange(K) % G if act_order else torch.arange(K) // g
     rows = torch.argsort(group_of_row, stable=True)          # rows of group 0, then group 1, ...
     wg = w.float()[:, rows].reshape(N, G, g)
-    if sym:
-        scale = 2 * wg.abs().amax(-1) / maxq
-    else:
-        low, high = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-        scale = (high - low) / maxq
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale).to(scale_dtype).float()
-    if sym:
-        zero = torch.full_like(scale, 2 ** (bits - 1))
-    else:
-        zero = (-low / scale).round().clamp(min_zero, maxq)
-    codes = ((wg / scale[..., None]).round() + zero[..., None]).clamp(0, maxq).reshape(N, K)
+    scale, zero = group_grid(wg, bits, sym, min_zero, scale_dtype)
+    codes = quantize_column(wg, scale[..., None], zero[..., None], bits).reshape(N, K)
     q = torch.empty_like(codes)
     q[:, rows] = codes
     return Int4Weight(qweight=pack_int32(q.T.to(torch.int32), bits, dim=0), scales=scale.T.to(scale_dtype).contiguous(),

@@ -188,3 +188,30 @@ def plot_gemm(json_path: str | Path, png_path: str | Path) -> None:
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
     print(f"wrote {png_path}")
+
+
+def add_output_args(p, name: str) -> None:
+    """--json (default: the checkout's bench/results/<name>.json when run inside it) and --plot."""
+    p.add_argument("--json", default=results_path(f"{name}.json"),
+                   help=f"write the rows here (default: the checkout's bench/results/{name}.json when run inside it)")
+    p.add_argument("--plot", default=None, help="also write a PNG plot here (needs --json)")
+
+
+def parse_output_args(p, argv: list[str]):
+    """p.parse_args(argv), refusing --plot without --json before any work is done."""
+    args = p.parse_args(argv)
+    if args.plot and not args.json:
+        p.error("--plot draws from the JSON results: pass --json PATH too")
+    return args
+
+
+def report_gemm(name: str, rows: list[dict], baseline: str, dtype, args, argv: list[str]) -> None:
+    """Print a GEMM benchmark's table, write its JSON (args.json) with the command that made it, plot it (args.plot)."""
+    backend = rows[0]["backend"] if rows else ""
+    print(f"{name} vs {baseline}; backend: {backend or '-'}")
+    print_table(rows)
+    if args.json:
+        write_json(args.json, name, rows, baseline=baseline, dtype=str(dtype), backend=backend,
+                   command=f"python -m tritonq.bench {name} {' '.join(argv)}")
+    if args.plot:
+        plot_gemm(args.json, args.plot)

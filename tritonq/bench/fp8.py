@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from tritonq.bench.common import backend_label, gemm_row, plot_gemm, print_table, results_path, time_ms, write_json
+from tritonq.bench.common import add_output_args, backend_label, gemm_row, parse_output_args, report_gemm, time_ms
 from tritonq.random_weights import random_fp8_weight
 from tritonq.weights import FP8Weight
 
@@ -71,12 +71,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--scheme", default="block,channel", help="comma-separated subset of tensor,channel,block")
     p.add_argument("--weight-only", action="store_true",
                    help="time the weight-only path (what GPUs below sm_89 run) instead of fp8 x fp8")
-    p.add_argument("--json", default=results_path("fp8.json"),
-                   help="write the rows here (default: the checkout's bench/results/fp8.json when run inside it)")
-    p.add_argument("--plot", default=None, help="also write a PNG plot here")
-    args = p.parse_args(argv)
-    if args.plot and not args.json:
-        p.error("--plot draws from the JSON results: pass --json PATH too")
+    add_output_args(p, "fp8")
+    args = parse_output_args(p, argv)
     schemes = [s for s in args.scheme.split(",") if s]
     unknown = set(schemes) - {"tensor", "channel", "block"}
     if unknown:
@@ -86,10 +82,4 @@ def main(argv: list[str]) -> None:
     baseline = "torch bf16 matmul" if on_gpu else "torch float32 matmul (CPU)"
     rows = run([int(m) for m in args.m.split(",")], GPU_SHAPES if on_gpu else CPU_SHAPES, schemes,
                args.weight_only, dtype, device)
-    print(f"fp8_gemm vs {baseline}; backend: {rows[0]['backend'] if rows else '-'}")
-    print_table(rows)
-    if args.json:
-        write_json(args.json, "fp8", rows, baseline=baseline, dtype=str(dtype),
-                   backend=rows[0]["backend"] if rows else "", command=f"python -m tritonq.bench fp8 {' '.join(argv)}")
-    if args.plot:
-        plot_gemm(args.json, args.plot)
+    report_gemm("fp8", rows, baseline, dtype, args, argv)

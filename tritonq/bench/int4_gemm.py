@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
-from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, backend_label, gemm_row, model_gemm_shapes,
-                                  plot_gemm, print_table, results_path, time_ms, write_json)
+from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, add_output_args, backend_label, gemm_row,
+                                  model_gemm_shapes, parse_output_args, report_gemm, time_ms)
 from tritonq.random_weights import random_int4_weight
 from tritonq.weights import Int4Weight
 
@@ -64,12 +64,8 @@ def main(argv: list[str]) -> None:
                    help=f"comma-separated subset of {list(MODELS)} (default: all on GPU, none on CPU)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp16",
                    help="activation/scale dtype on GPU (CPU always computes in float32)")
-    p.add_argument("--json", default=results_path("int4_gemm.json"),
-                   help="write the rows here (default: the checkout's bench/results/int4_gemm.json when run inside it)")
-    p.add_argument("--plot", default=None, help="also write a PNG plot here")
-    args = p.parse_args(argv)
-    if args.plot and not args.json:
-        p.error("--plot draws from the JSON results: pass --json PATH too")
+    add_output_args(p, "int4_gemm")
+    args = parse_output_args(p, argv)
     models = [m for m in args.models.split(",") if m]
     unknown = set(models) - set(MODELS)
     if unknown:
@@ -78,10 +74,4 @@ def main(argv: list[str]) -> None:
     device = "cuda" if on_gpu else "cpu"
     baseline = f"torch {args.dtype} matmul" if on_gpu else "torch float32 matmul (CPU)"
     rows = run([int(m) for m in args.m.split(",")], weight_shapes(models, args.square), dtype, device)
-    print(f"int4_gemm vs {baseline}; backend: {rows[0]['backend'] if rows else '-'}")
-    print_table(rows)
-    if args.json:
-        write_json(args.json, "int4_gemm", rows, baseline=baseline, dtype=str(dtype),
-                   backend=rows[0]["backend"] if rows else "", command=f"python -m tritonq.bench int4_gemm {' '.join(argv)}")
-    if args.plot:
-        plot_gemm(args.json, args.plot)
+    report_gemm("int4_gemm", rows, baseline, dtype, args, argv)
