@@ -179,7 +179,7 @@ def test_decode_launches_are_the_same_for_every_length_up_to_max_seq_len(llama_f
                                 block_table=list(range(b, 2 * -(-n // BLOCK), 2))) for b in range(2)]
         ctx = runner.prepare(seqs, [1, 1], False, logits_for=[True, True])
         assert ctx.block_table.shape == (2, MAX_SEQ_LEN // BLOCK)
-        attention.decode_attention(q, k_pages, runner.cache.v[0], ctx.context_lens, 0.1, block_table=ctx.block_table)
+        attention.decode_attention(q, k_pages, runner.cache.v[0], ctx.context_lens, ctx.block_table, 0.1)
     assert len(split.launches) == MAX_SEQ_LEN and len(merge.launches) == MAX_SEQ_LEN
     assert all(launch == split.launches[0] for launch in split.launches)
     assert all(launch == merge.launches[0] for launch in merge.launches)
@@ -396,7 +396,7 @@ def test_padding_rows_attend_to_nothing_and_write_nothing():
     q, lens = torch.randn(3, 4, 24, generator=g), torch.tensor([20, 0, 5], dtype=torch.int32)
     table = torch.tensor([[2, 0], [-1, -1], [3, -1]], dtype=torch.int32)
     for fn in (decode_attention, decode_attention_reference):
-        out = fn(q, pages_k, pages_v, lens, 0.2, block_table=table)
+        out = fn(q, pages_k, pages_v, lens, table, 0.2)
         assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros_like(out[1]))
     before_k, before_v = pages_k.clone(), pages_v.clone()
     for write in (write_kv_slots, write_kv_slots_reference):

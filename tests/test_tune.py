@@ -252,30 +252,31 @@ def test_winner_of_a_bucket_must_pass_on_all_its_shapes_and_is_the_geometric_mea
     assert dry == {"one bucket": {"BLOCK_N": 64, "num_warps": 2}}  # first in order that passes on both
 
 
-def test_attention_prefill_dry_run_winner_is_what_prefill_config_returns(config_dir):
-    from tritonq.kernels.attention import PrefillConfig, prefill_config
+def test_attention_prefill_dry_run_winner_is_what_paged_prefill_config_returns(config_dir):
+    from tritonq.kernels.attention import PrefillConfig, paged_prefill_config
     target = tune.TARGETS["attention_prefill"]()
     # 72 = a 64 block + a 16 tail (8 lanes masked); Dv 40 -> one 64 block
     winners = tune.tune(target, [(2, 40, 4, 2, 72, 40)], torch.device("cpu"), timed=False, progress=False,
                         where={"BLOCK_N": 64, "num_warps": 8, "num_stages": 3})
     assert winners == {"D64+16_DV64": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}}
     tune.write_configs(target.name, "cpu", winners, config_dir)
-    tuned = prefill_config(64, 16, 64, on_gpu=True)
+    tuned = paged_prefill_config(64, 16, 64, cc=90)
     assert tuned == PrefillConfig(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3)
-    assert prefill_config(64, 0, 64, on_gpu=True) != tuned  # another bucket keeps the default
+    assert paged_prefill_config(64, 0, 64, cc=90) != tuned  # another bucket keeps the default
 
 
 def test_attention_decode_dry_run_winner_is_what_decode_config_returns(config_dir):
     from tritonq.kernels.attention import DecodeConfig, decode_config
     target = tune.TARGETS["attention_decode"]()
     winners = tune.tune(target, [(3, 100, 8, 2, 72, 40)], torch.device("cpu"), timed=False, progress=False,
-                        where={"BLOCK_N": 32, "num_warps": 8, "num_stages": 3})
-    assert winners == {"D64+16_DV64": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3}}
+                        where={"BLOCK_N": 16, "num_warps": 8, "num_stages": 3})
+    assert winners == {"D64+16_DV64": {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3}}
+    assert {c["BLOCK_N"] for c in target.space((3, 100, 8, 2, 72, 40))} == {16}  # key tiles within 16-token pages
     tune.write_configs(target.name, "cpu", winners, config_dir)
     # 132 SMs, 3 x 2 (sequence, kv head) programs: ceil(264 / 6) = 44 splits wanted, capped at
-    # ceil(100 / (4 * 32)) = 1 so each split keeps 4 key blocks
-    assert decode_config(3, 2, 100, 64, 16, 64, sm_count=132) == DecodeConfig(32, 1, 8, 3)
-    assert decode_config(3, 2, 4096, 64, 16, 64, sm_count=132) == DecodeConfig(32, 32, 8, 3)
+    # ceil(100 / (4 * 16)) = 2 so each split keeps 4 key blocks
+    assert decode_config(3, 2, 100, 64, 16, 64, sm_count=132) == DecodeConfig(16, 2, 8, 3)
+    assert decode_config(3, 2, 4096, 64, 16, 64, sm_count=132) == DecodeConfig(16, 44, 8, 3)
     assert decode_config(3, 2, 100, 128, 0, 128, sm_count=132).BLOCK_N == 64  # default for other dims
 
 
@@ -323,7 +324,7 @@ def new_targets_aot_rows() -> dict:
     cases = {"attention_prefill": ((1, 4096, 32, 8, 128, 128), {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8}),
              "attention_prefill_wide": ((1, 4096, 16, 16, 256, 256), {"BLOCK_M": 128, "BLOCK_N": 128,
                                                                        "num_warps": 4, "num_stages": 3}),
-             "attention_decode": ((8, 4096, 32, 8, 128, 128), {"BLOCK_N": 64, "num_warps": 4}),
+             "attention_decode": ((8, 4096, 32, 8, 128, 128), {"BLOCK_N": 16, "num_warps": 4}),
              "moe": ((256, 64, 6, 2048, 1408), {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8,
                                                 "num_stages": 3})}
     rows = {}

@@ -21,14 +21,11 @@ from tritonq.kernels.attention import (
     decode_config,
     decode_launches,
     head_blocks,
+    paged_cache,
     paged_prefill_attention,
     paged_prefill_attention_reference,
     paged_prefill_config,
     paged_prefill_launch,
-    prefill_attention,
-    prefill_attention_reference,
-    prefill_config,
-    prefill_launch,
     write_kv_slots,
     write_kv_slots_launch,
     write_kv_slots_reference,
@@ -66,62 +63,56 @@ def assert_close(actual, expected, dtype):
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def prompts_in_pages(q, k, v, seq_lens, page_size=16, num_pages=None, generator=None):
+    """Whole prompts as the engine prefills them: right-padded q [B,S,H,Dqk], k/v [B,S,Hkv,D] with
+    seq_lens -> the paged_prefill_attention arguments (packed q, pages, cu_seqlens, context_lens, table)."""
+    k_pages, v_pages, table = paged_cache(k, v, page_size, num_pages, generator)
+    packed = torch.cat([q[b, :n] for b, n in enumerate(seq_lens)])
+    cu = lens([0] + torch.tensor(seq_lens).cumsum(0).tolist())
+    return packed, k_pages, v_pages, cu, lens(seq_lens), table
+
+
 @pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_prefill_matches_sdpa_per_sequence(d_qk, d_v, h, h_kv, dtype):
+def test_prompt_prefill_matches_sdpa_per_sequence(d_qk, d_v, h, h_kv, dtype):
+    """Whole prompts (no cached prefix) over shuffled pages with garbage between them."""
+    g = torch.Generator().manual_seed(0)
     B, S = len(SEQ_LENS), max(SEQ_LENS)
-    q = torch.randn(B, S, h, d_qk).to(dtype)
-    k = torch.randn(B, S, h_kv, d_qk).to(dtype)
-    v = torch.randn(B, S, h_kv, d_v).to(dtype)
+    q = torch.randn(B, S, h, d_qk, generator=g).to(dtype)
+    k = torch.randn(B, S, h_kv, d_qk, generator=g).to(dtype)
+    v = torch.randn(B, S, h_kv, d_v, generator=g).to(dtype)
     scale = 0.7 / d_qk ** 0.5  # not the default, so a dropped scale would show
-    out = prefill_attention(q, k, v, lens(SEQ_LENS), scale)
-    ref = prefill_attention_reference(q, k, v, lens(SEQ_LENS), scale)
-    assert out.shape == (B, S, h, d_v) and out.dtype == dtype
+    args = prompts_in_pages(q, k, v, SEQ_LENS, num_pages=12, generator=g)
+    out = paged_prefill_attention(*args, scale)
+    ref = paged_prefill_attention_reference(*args, scale)
+    assert out.shape == (sum(SEQ_LENS), h, d_v) and out.dtype == dtype
+    cu = args[3]
     for b, n in enumerate(SEQ_LENS):
         expected = sdpa(q[b, :n], k[b, :n], v[b, :n], scale, causal=True)
-        assert_close(out[b, :n], expected, dtype)
-        assert_close(ref[b, :n], expected, dtype)
-        assert torch.all(out[b, n:] == 0) and torch.all(ref[b, n:] == 0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_prefill_non_causal_matches_sdpa(dtype):
-    B, S, h, h_kv, d = 3, 33, 4, 1, 80
-    q, k, v = (torch.randn(B, S, n, d).to(dtype) for n in (h, h_kv, h_kv))
-    out = prefill_attention(q, k, v, lens(SEQ_LENS), 0.1, causal=False)
-    for b, n in enumerate(SEQ_LENS):
-        assert_close(out[b, :n], sdpa(q[b, :n], k[b, :n], v[b, :n], 0.1, causal=False), dtype)
-        assert torch.all(out[b, n:] == 0)
+        assert_close(out[cu[b]:cu[b + 1]], expected, dtype)
+        assert_close(ref[cu[b]:cu[b + 1]], expected, dtype)
 
 
 # 80 heads on one kv head: two query-head blocks, the second partly masked; 72 = 64 + ragged tail;
 # 576 / 512: DeepSeek-V2's absorbed-MLA decode (16 heads on one latent kv head).
 @pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS + [(72, 40, 80, 1), (576, 512, 16, 1)])
-def test_decode_matches_sdpa_over_cache(d_qk, d_v, h, h_kv):
-    dtype = torch.float16
-    B = len(CACHE_LENS)
-    q = torch.randn(B, h, d_qk).to(dtype)
-    k_cache = torch.randn(B, S_MAX, h_kv, d_qk).to(dtype)
-    v_cache = torch.randn(B, S_MAX, h_kv, d_v).to(dtype)
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_decode_matches_sdpa_over_each_sequence(d_qk, d_v, h, h_kv, page_size):
+    """Pages in shuffled order with garbage in unused pages: only the block table locates a sequence."""
+    g = torch.Generator().manual_seed(1)
+    B, dtype = len(CACHE_LENS), torch.float16
+    q = torch.randn(B, h, d_qk, generator=g).to(dtype)
+    k = torch.randn(B, S_MAX, h_kv, d_qk, generator=g).to(dtype)
+    v = torch.randn(B, S_MAX, h_kv, d_v, generator=g).to(dtype)
+    k_pages, v_pages, table = paged_cache(k, v, page_size, 80, g)
     scale = 1.3 / d_qk ** 0.5
-    out = decode_attention(q, k_cache, v_cache, lens(CACHE_LENS), scale)
-    ref = decode_attention_reference(q, k_cache, v_cache, lens(CACHE_LENS), scale)
+    out = decode_attention(q, k_pages, v_pages, lens(CACHE_LENS), table, scale)
+    ref = decode_attention_reference(q, k_pages, v_pages, lens(CACHE_LENS), table, scale)
     assert out.shape == (B, h, d_v) and out.dtype == dtype
     for b, n in enumerate(CACHE_LENS):
-        expected = sdpa(q[b, None], k_cache[b, :n], v_cache[b, :n], scale, causal=False)[0]
+        expected = sdpa(q[b, None], k[b, :n], v[b, :n], scale, causal=False)[0]
         assert_close(out[b], expected, dtype)
         assert_close(ref[b], expected, dtype)
-
-
-@pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
-def test_decode_reference_on_a_full_cache_matches_sdpa(d_qk, d_v, h, h_kv):
-    """The CPU path skips the mask when every sequence fills the cache (batch 1 on the used slice)."""
-    B, n = 2, 65
-    q = torch.randn(B, h, d_qk)
-    k_cache, v_cache = torch.randn(B, S_MAX, h_kv, d_qk)[:, :n], torch.randn(B, S_MAX, h_kv, d_v)[:, :n]
-    out = decode_attention_reference(q, k_cache, v_cache, lens([n] * B), 0.1)
-    for b in range(B):
-        assert_close(out[b], sdpa(q[b, None], k_cache[b], v_cache[b], 0.1, causal=False)[0], torch.float32)
 
 
 def test_cpu_runtime_path_handles_bf16_in_float32(monkeypatch):
@@ -130,14 +121,14 @@ def test_cpu_runtime_path_handles_bf16_in_float32(monkeypatch):
     B, S, h, h_kv, d_qk, d_v = 3, 33, 4, 1, 192, 128
     q, k = torch.randn(B, S, h, d_qk).bfloat16(), torch.randn(B, S, h_kv, d_qk).bfloat16()
     v = torch.randn(B, S, h_kv, d_v).bfloat16()
-    out = prefill_attention(q, k, v, lens(SEQ_LENS), 0.1)
-    step = decode_attention(q[:, -1], k, v, lens(SEQ_LENS), 0.1)
+    packed, k_pages, v_pages, cu, ctx, table = prompts_in_pages(q, k, v, SEQ_LENS)
+    out = paged_prefill_attention(packed, k_pages, v_pages, cu, ctx, table, 0.1)
+    step = decode_attention(q[torch.arange(B), ctx.long() - 1], k_pages, v_pages, ctx, table, 0.1)
     assert out.dtype == step.dtype == torch.bfloat16
     for b, n in enumerate(SEQ_LENS):  # only the final rounding to bf16 differs: half a bf16 ulp
         expected = sdpa(q[b, :n], k[b, :n], v[b, :n], 0.1, causal=True)
-        torch.testing.assert_close(out[b, :n].float(), expected, atol=1e-2, rtol=1e-2)
-        expected = sdpa(q[b, -1:], k[b, :n], v[b, :n], 0.1, causal=False)[0]
-        torch.testing.assert_close(step[b].float(), expected, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(out[cu[b]:cu[b + 1]].float(), expected, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(step[b].float(), expected[-1], atol=1e-2, rtol=1e-2)
 
 
 def slots_of(table: torch.Tensor, page_size: int, b: int, positions) -> torch.Tensor:
@@ -153,7 +144,8 @@ def test_prefill_then_decode_through_cache_equals_longer_prefill():
     n = torch.tensor(SEQ_LENS)
     S = int(n.max()) + 1
     q, k, v = torch.randn(B, S, h, d_qk), torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
-    full = prefill_attention(q, k, v, lens((n + 1).tolist()), scale)
+    longer = prompts_in_pages(q, k, v, (n + 1).tolist())
+    full = paged_prefill_attention(*longer, scale)
     table = torch.randperm(B * 3).view(B, 3).to(torch.int32)  # 3 pages of 16 hold 40 positions
     k_pages, v_pages = torch.zeros(B * 3, page_size, h_kv, d_qk), torch.zeros(B * 3, page_size, h_kv, d_v)
     for b, length in enumerate(n.tolist()):
@@ -161,42 +153,8 @@ def test_prefill_then_decode_through_cache_equals_longer_prefill():
     idx = torch.arange(B)
     new_slots = torch.cat([slots_of(table, page_size, b, [length]) for b, length in enumerate(n.tolist())])
     write_kv_slots(k_pages, v_pages, k[idx, n], v[idx, n], new_slots)  # the new token of every sequence at once
-    out = decode_attention(q[idx, n], k_pages, v_pages, lens((n + 1).tolist()), scale, block_table=table)
-    assert_close(out, full[idx, n], torch.float32)
-
-
-def scatter_into_pages(k, v, page_size, num_pages, generator):
-    """Contiguous per-sequence k [B, S, Hkv, D], v -> shuffled pages + block table [B, ceil(S/page)]."""
-    B, S = k.shape[:2]
-    per_seq = -(-S // page_size)
-    order = torch.randperm(num_pages, generator=generator)[:B * per_seq]  # pages in no particular order
-    table = order.view(B, per_seq).to(torch.int32)
-    k_pages = torch.randn(num_pages, page_size, *k.shape[2:], generator=generator).to(k.dtype)  # garbage elsewhere
-    v_pages = torch.randn(num_pages, page_size, *v.shape[2:], generator=generator).to(v.dtype)
-    pad = per_seq * page_size - S
-    k_padded = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(B * per_seq, page_size, *k.shape[2:])
-    v_padded = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(B * per_seq, page_size, *v.shape[2:])
-    k_pages[table.flatten().long()], v_pages[table.flatten().long()] = k_padded, v_padded
-    return k_pages, v_pages, table
-
-
-@pytest.mark.parametrize("d_qk,d_v,h,h_kv", [(128, 128, 4, 1), (192, 128, 2, 2), (576, 512, 16, 1)])
-@pytest.mark.parametrize("page_size", [16, 32])
-def test_paged_decode_matches_sdpa_over_each_sequence(d_qk, d_v, h, h_kv, page_size):
-    """Pages in shuffled order with garbage in unused pages: only the block table locates a sequence."""
-    g = torch.Generator().manual_seed(1)
-    B, dtype = len(CACHE_LENS), torch.float16
-    k = torch.randn(B, S_MAX, h_kv, d_qk, generator=g).to(dtype)
-    v = torch.randn(B, S_MAX, h_kv, d_v, generator=g).to(dtype)
-    q = torch.randn(B, h, d_qk, generator=g).to(dtype)
-    k_pages, v_pages, table = scatter_into_pages(k, v, page_size, 80, g)
-    scale = 0.9 / d_qk ** 0.5
-    out = decode_attention(q, k_pages, v_pages, lens(CACHE_LENS), scale, block_table=table)
-    ref = decode_attention_reference(q, k_pages, v_pages, lens(CACHE_LENS), scale, block_table=table)
-    for b, n in enumerate(CACHE_LENS):
-        expected = sdpa(q[b, None], k[b, :n], v[b, :n], scale, causal=False)[0]
-        assert_close(out[b], expected, dtype)
-        assert_close(ref[b], expected, dtype)
+    out = decode_attention(q[idx, n], k_pages, v_pages, lens((n + 1).tolist()), table, scale)
+    assert_close(out, full[longer[3][1:].long() - 1], torch.float32)  # each sequence's last row
 
 
 def test_paged_write_lands_in_the_table_pages_and_nowhere_else():
@@ -219,20 +177,20 @@ def test_paged_write_lands_in_the_table_pages_and_nowhere_else():
 
 
 def test_bad_inputs_raise_clear_errors():
-    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16)
+    q, pages, table = torch.randn(4, 3, 16), torch.randn(4, 16, 2, 16), torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        prefill_attention(q, k, v, lens([4]), 0.25)
+        paged_prefill_attention(q, pages, pages, lens([0, 4]), lens([4]), table, 0.25)
     with pytest.raises(ValueError, match="int32"):
-        prefill_attention(q, k[:, :, :1], v[:, :, :1], torch.tensor([4]), 0.25)
+        decode_attention(q[:1, :2], pages, pages, torch.tensor([4]), table, 0.25)
     with pytest.raises(ValueError, match="same dtype|one dtype"):
-        decode_attention(q[:, 0].half(), k, v, lens([4]), 0.25)
+        decode_attention(q[:1, :2].half(), pages, pages, lens([4]), table, 0.25)
+    with pytest.raises(ValueError, match="block_table must be an int32 tensor \\[1, max_pages\\] on cpu; got None"):
+        decode_attention(q[:1, :2], pages, pages, lens([4]), None, 0.25)
 
 
-# Every config the launchers ship for a GPU, by real (Dqk, Dv): Llama 64/128, 96 (64 + 32 tail),
-# DeepSeek-V2 192/128, 256 (the wide-head default) and, decode only, the MLA latent 576/512.
-SHIPPED_PREFILL = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
-SHIPPED_DECODE = SHIPPED_PREFILL + [(576, 512)]
-PAGED_DIMS = [(64, 64), (128, 128), (192, 128), (576, 512)]  # the engine's: Llama, DeepSeek-V2 expanded / latent
+# Every config the launchers ship for a GPU, by real (Dqk, Dv): Llama 64 / 128, 96 (64 + 32 tail), DeepSeek-V2
+# 192 / 128, 256 (the wide-head default) and the MLA latent 576 / 512.
+SHIPPED_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256), (576, 512)]
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -249,41 +207,28 @@ def compile_shipped_configs(cc: int) -> dict:
     launchers' own launch builders over meta tensors (bf16, the shapes a model passes)."""
     reports = {}
     i32 = dict(dtype=torch.int32)
-    # Every shipped head dims, and with a sliding window (Mistral, Qwen2 128; a 192 / 128 check).
-    for (d_qk, d_v), window in ([(dims, 0) for dims in SHIPPED_PREFILL] + [((128, 128), 4096), ((192, 128), 4096)]):
-        H, H_kv = _heads(d_qk)
-        cfg = prefill_config(*head_blocks(d_qk, d_v))
-        launch = prefill_launch(_meta(2, 2048, H, d_qk), _meta(2, 2048, H_kv, d_qk), _meta(2, 2048, H_kv, d_v),
-                                _meta(2, **i32), d_qk ** -0.5, True, window, cfg)[0]
-        reports[f"prefill{' window' if window else ''} Dqk{d_qk} Dv{d_v} {cfg}"] = compile_launch(launch, cc)
-    # Paged-context prefill (the engine's), 16-token pages, with and without a window, and 64-token
-    # pages (block_size=64), where a key tile lies inside one page. MLA's v is a view of the latent pages.
-    for (d_qk, d_v), window, page_size in ([(dims, 0, 16) for dims in PAGED_DIMS]
-                                           + [((128, 128), 4096, 16), ((576, 512), 4096, 16), ((128, 128), 0, 64),
-                                              ((576, 512), 0, 64)]):
+    # Prefill over 16-token pages (vLLM's and the engine's default), with and without a sliding window
+    # (Mistral, Qwen2 128; MLA), and over 64-token pages (block_size=64), where a key tile lies in one page.
+    # MLA's v is a view of the latent pages.
+    for (d_qk, d_v), window, page_size in ([(dims, 0, 16) for dims in SHIPPED_DIMS]
+                                           + [((128, 128), 4096, 16), ((192, 128), 4096, 16), ((576, 512), 4096, 16),
+                                              ((128, 128), 0, 64), ((576, 512), 0, 64)]):
         H, H_kv = _heads(d_qk)
         cfg = paged_prefill_config(*head_blocks(d_qk, d_v), cc)
         k_pages = _meta(1024, page_size, H_kv, d_qk)
         v_pages = k_pages[..., :d_v] if d_qk == 576 else _meta(1024, page_size, H_kv, d_v)
         launch = paged_prefill_launch(_meta(2048, H, d_qk), k_pages, v_pages, _meta(5, **i32), _meta(4, **i32),
                                       _meta(4, 4096 // page_size, **i32), d_qk ** -0.5, window, cfg)[0]
-        reports[f"paged prefill Dqk{d_qk} Dv{d_v} window{window} page{page_size} {cfg}"] = compile_launch(launch, cc)
-    # Decode: the contiguous cache, and a paged one with 16-token pages (vLLM's default page size) for
-    # every head dims the engine pages (PAGED_DIMS), also with a sliding window, and 64-token pages;
-    # the merge of the splits after each.
-    for (d_qk, d_v), page_size, window in ([(dims, 0, 0) for dims in SHIPPED_DECODE]
-                                           + [(dims, 16, 0) for dims in PAGED_DIMS]
-                                           + [((128, 128), 16, 4096), ((128, 128), 0, 4096), ((128, 128), 64, 0),
-                                              ((576, 512), 64, 0)]):
+        reports[f"prefill Dqk{d_qk} Dv{d_v} window{window} page{page_size} {cfg}"] = compile_launch(launch, cc)
+    # Decode over the same pages, and the merge of its splits.
+    for (d_qk, d_v), page_size, window in ([(dims, 16, 0) for dims in SHIPPED_DIMS]
+                                           + [((128, 128), 16, 4096), ((128, 128), 64, 0), ((576, 512), 64, 0)]):
         H, H_kv = _heads(d_qk)
         cfg = decode_config(1, H_kv, 32768, *head_blocks(d_qk, d_v), sm_count=SM_COUNT[cc])
-        if page_size:
-            k_cache, table = _meta(4096, page_size, H_kv, d_qk), _meta(1, 32768 // page_size, **i32)
-        else:
-            k_cache, table = _meta(1, 32768, H_kv, d_qk), None
-        v_cache = k_cache[..., :d_v] if d_qk == 576 else _meta(*k_cache.shape[:3], d_v)
-        split, merge, _ = decode_launches(_meta(1, H, d_qk), k_cache, v_cache, _meta(1, **i32), d_qk ** -0.5, table,
-                                          page_size, window, cfg)
+        k_pages, table = _meta(4096, page_size, H_kv, d_qk), _meta(1, 32768 // page_size, **i32)
+        v_pages = k_pages[..., :d_v] if d_qk == 576 else _meta(*k_pages.shape[:3], d_v)
+        split, merge, _ = decode_launches(_meta(1, H, d_qk), k_pages, v_pages, _meta(1, **i32), table, d_qk ** -0.5,
+                                          window, cfg)
         name = f"Dqk{d_qk} Dv{d_v} page{page_size} window{window} {cfg}"
         reports[f"decode {name}"] = compile_launch(split, cc)
         reports[f"decode merge {name}"] = compile_launch(merge, cc)
@@ -306,7 +251,7 @@ def test_shipped_configs_compile_within_shared_memory(cc):
     for name, report in reports.items():
         print(f"sm_{cc} {name}: {report}")
         assert report["fits"] and report["spills"] in (0, None), (name, report)
-        if name.startswith(("prefill", "paged prefill")) and "Dv512" not in name:  # decode and MLA prefill
+        if name.startswith("prefill") and "Dv512" not in name:  # decode and MLA prefill
             assert report["uses_wgmma"] == (cc == 90), (name, report)  # have 16-row tiles: mma.sync
 
 
@@ -332,52 +277,51 @@ def test_prefill_explicit_config_is_launched_and_matches_reference(monkeypatch):
     from tritonq.kernels import attention
     B, S, h, h_kv, d_qk, d_v = 3, 33, 4, 2, 72, 40  # a ragged qk tail, Dv off the block size
     q, k, v = torch.randn(B, S, h, d_qk), torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
-    spy = LaunchSpy(attention._prefill_kernel)
-    monkeypatch.setattr(attention, "_prefill_kernel", spy)
-    out = prefill_attention(q, k, v, lens(SEQ_LENS), 0.2, config=attention.PrefillConfig(32, 16, 8, 3))
+    spy = LaunchSpy(attention._paged_prefill_kernel)
+    monkeypatch.setattr(attention, "_paged_prefill_kernel", spy)
+    args = prompts_in_pages(q, k, v, SEQ_LENS)
+    out = paged_prefill_attention(*args, 0.2, config=attention.PrefillConfig(32, 16, 8, 3))
     assert [(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) for c in spy.launches] == [(32, 16, 8, 3)]
-    assert_close(out, prefill_attention_reference(q, k, v, lens(SEQ_LENS), 0.2), torch.float32)
+    assert_close(out, paged_prefill_attention_reference(*args, 0.2), torch.float32)
+    cu = args[3]
     for b, n in enumerate(SEQ_LENS):
-        assert_close(out[b, :n], sdpa(q[b, :n], k[b, :n], v[b, :n], 0.2, causal=True), torch.float32)
+        assert_close(out[cu[b]:cu[b + 1]], sdpa(q[b, :n], k[b, :n], v[b, :n], 0.2, causal=True), torch.float32)
 
 
-@pytest.mark.parametrize("page_size", [0, 32])
+@pytest.mark.parametrize("page_size", [16, 32])
 def test_decode_explicit_config_is_launched_and_matches_reference(monkeypatch, page_size):
     from tritonq.kernels import attention
     g = torch.Generator().manual_seed(3)
     B, h, h_kv, d_qk, d_v = len(CACHE_LENS), 8, 2, 72, 40
     q = torch.randn(B, h, d_qk, generator=g)
     k, v = torch.randn(B, S_MAX, h_kv, d_qk, generator=g), torch.randn(B, S_MAX, h_kv, d_v, generator=g)
-    table = None
-    if page_size:
-        k, v, table = scatter_into_pages(k, v, page_size, 40, g)
+    k, v, table = paged_cache(k, v, page_size, 80, g)
     spy = LaunchSpy(attention._decode_split_kernel)
     monkeypatch.setattr(attention, "_decode_split_kernel", spy)
-    cfg = attention.DecodeConfig(BLOCK_N=32, NUM_SPLITS=3, num_warps=8, num_stages=3)
-    out = decode_attention(q, k, v, lens(CACHE_LENS), 0.15, block_table=table, config=cfg)
-    assert [(c["BLOCK_N"], c["NUM_SPLITS"], c["num_warps"], c["num_stages"]) for c in spy.launches] == [(32, 3, 8, 3)]
-    assert_close(out, decode_attention_reference(q, k, v, lens(CACHE_LENS), 0.15, block_table=table), torch.float32)
+    cfg = attention.DecodeConfig(BLOCK_N=16, NUM_SPLITS=3, num_warps=8, num_stages=3)
+    out = decode_attention(q, k, v, lens(CACHE_LENS), table, 0.15, config=cfg)
+    assert [(c["BLOCK_N"], c["NUM_SPLITS"], c["num_warps"], c["num_stages"]) for c in spy.launches] == [(16, 3, 8, 3)]
+    assert_close(out, decode_attention_reference(q, k, v, lens(CACHE_LENS), table, 0.15), torch.float32)
 
 
 def test_bad_attention_configs_raise_clear_errors():
     from tritonq.kernels.attention import DecodeConfig, PrefillConfig
-    q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16)
+    q, pages = torch.randn(4, 2, 16), torch.randn(4, 16, 2, 16)
+    table, cu = torch.tensor([[2]], dtype=torch.int32), lens([0, 4])
     for cfg, message in [(PrefillConfig(48, 16, 4, 2), "BLOCK_M = 48, expected a power of two >= 16"),
                          (PrefillConfig(64, 8, 4, 2), "BLOCK_N = 8"),
                          (PrefillConfig(64, 64, 3, 2), "num_warps = 3"),
                          (PrefillConfig(64, 64, 4, 0), "num_stages = 0")]:
         with pytest.raises(ValueError, match=message):
-            prefill_attention(q, k, v, lens([4]), 0.25, config=cfg)
+            paged_prefill_attention(q, pages, pages, cu, lens([4]), table, 0.25, config=cfg)
     with pytest.raises(TypeError, match="must be a PrefillConfig"):
-        prefill_attention(q, k, v, lens([4]), 0.25, config={"BLOCK_M": 64})
+        paged_prefill_attention(q, pages, pages, cu, lens([4]), table, 0.25, config={"BLOCK_M": 64})
     with pytest.raises(ValueError, match="NUM_SPLITS = 0"):
-        decode_attention(q[:, 0], k, v, lens([4]), 0.25, config=DecodeConfig(16, 0, 4, 2))
+        decode_attention(q[:1], pages, pages, lens([4]), table, 0.25, config=DecodeConfig(16, 0, 4, 2))
     with pytest.raises(TypeError, match="must be a DecodeConfig"):
-        decode_attention(q[:, 0], k, v, lens([4]), 0.25, config=PrefillConfig(64, 64, 4, 2))
-    pages = torch.randn(4, 16, 2, 16)
-    table = torch.tensor([[2]], dtype=torch.int32)
+        decode_attention(q[:1], pages, pages, lens([4]), table, 0.25, config=PrefillConfig(64, 64, 4, 2))
     with pytest.raises(ValueError, match="exceeds the KV cache page size 16"):
-        decode_attention(q[:, 0], pages, pages, lens([4]), 0.25, block_table=table, config=DecodeConfig(32, 1, 4, 2))
+        decode_attention(q[:1], pages, pages, lens([4]), table, 0.25, config=DecodeConfig(32, 1, 4, 2))
 
 
 # ---- Engine kernels: write by slot, prefill over a paged context, sliding window, static decode configs ----
@@ -487,47 +431,23 @@ def test_paged_prefill_sliding_window_matches_masked_sdpa_and_skips_old_blocks(w
     assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("window", [5, 40])
-def test_prefill_sliding_window_matches_masked_sdpa(window):
-    B, S, h, h_kv, d = 2, 70, 4, 1, 48
-    q, k, v = torch.randn(B, S, h, d), torch.randn(B, S, h_kv, d), torch.randn(B, S, h_kv, d)
-    seq = [70, 33]
-    out = prefill_attention(q, k, v, lens(seq), 0.2, window=window)
-    ref = prefill_attention_reference(q, k, v, lens(seq), 0.2, window=window)
-    for b, n in enumerate(seq):
-        expected = masked_sdpa(q[b, :n], k[b, :n], v[b, :n], 0.2, visible_mask(torch.arange(n), n, window))
-        assert_close(out[b, :n], expected, torch.float32)
-        assert_close(ref[b, :n], expected, torch.float32)
-        assert torch.all(out[b, n:] == 0)
-
-
-@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("window", [5, 40])
 def test_decode_sliding_window_matches_sdpa_over_the_last_keys(page_size, window):
     """The query at position n - 1 sees keys n - window .. n - 1; older pages (NaN here) are not loaded."""
     g = torch.Generator().manual_seed(6)
     h, h_kv, d_qk, d_v, dtype = 8, 2, 96, 64, torch.float16
     q = torch.randn(len(CACHE_LENS), h, d_qk, generator=g).to(dtype)
-    if page_size:
-        skip = [max(n - window, 0) for n in CACHE_LENS]
-        ks, vs, k_cache, v_cache, table = paged_context(CACHE_LENS, h_kv, d_qk, d_v, page_size, dtype, g,
-                                                        nan_before=skip)
-    else:
-        ks = [torch.randn(n, h_kv, d_qk, generator=g).to(dtype) for n in CACHE_LENS]
-        vs = [torch.randn(n, h_kv, d_v, generator=g).to(dtype) for n in CACHE_LENS]
-        k_cache, v_cache, table = torch.zeros(len(ks), S_MAX, h_kv, d_qk, dtype=dtype), \
-            torch.zeros(len(ks), S_MAX, h_kv, d_v, dtype=dtype), None
-        for b, n in enumerate(CACHE_LENS):
-            k_cache[b, :n], v_cache[b, :n] = ks[b], vs[b]
-            k_cache[b, :max(n - window, 0)] = float("nan")  # outside the window: must never be read
-            v_cache[b, :max(n - window, 0)] = float("nan")
-    out = decode_attention(q, k_cache, v_cache, lens(CACHE_LENS), 0.1, block_table=table, window=window)
+    skip = [max(n - window, 0) for n in CACHE_LENS]
+    ks, vs, k_pages, v_pages, table = paged_context(CACHE_LENS, h_kv, d_qk, d_v, page_size, dtype, g,
+                                                    nan_before=skip)
+    out = decode_attention(q, k_pages, v_pages, lens(CACHE_LENS), table, 0.1, window=window)
     for b, n in enumerate(CACHE_LENS):
         expected = masked_sdpa(q[b, None], ks[b], vs[b], 0.1, visible_mask(torch.tensor([n - 1]), n, window))[0]
         assert_close(out[b], expected, dtype)
     # The reference masks, it does not skip: give it finite values (its gather clamps -1 entries).
-    ref = decode_attention_reference(q, torch.nan_to_num(k_cache), torch.nan_to_num(v_cache), lens(CACHE_LENS), 0.1,
-                                     table, window)
+    ref = decode_attention_reference(q, torch.nan_to_num(k_pages), torch.nan_to_num(v_pages), lens(CACHE_LENS),
+                                     table, 0.1, window)
     assert_close(out, ref, dtype)
 
 
@@ -566,7 +486,7 @@ class RecordingSpy:
         return lambda *args, **kwargs: self.launches.append((tuple(grid), _constexpr_kwargs(kwargs)))
 
 
-@pytest.mark.parametrize("page_size,window", [(0, 0), (16, 0), (16, 40)])
+@pytest.mark.parametrize("page_size,window", [(16, 0), (16, 40), (64, 0)])
 def test_decode_launch_config_is_the_same_for_every_cache_length(monkeypatch, page_size, window):
     """#18: NUM_SPLITS, blocks and grid follow capacity, not cache_lens, so a growing sequence never
     recompiles; with max_seq_len they also ignore the block table's width (the engine's may grow)."""
@@ -577,15 +497,10 @@ def test_decode_launch_config_is_the_same_for_every_cache_length(monkeypatch, pa
     max_seq_len, B, h, h_kv, d = 160, 2, 4, 2, 64
     q = torch.randn(B, h, d)
     for n in range(1, max_seq_len + 1):
-        if page_size:
-            width = -(-n // page_size)  # a table just wide enough for the current length
-            pages = torch.zeros(2 * width, page_size, h_kv, d)
-            table = torch.arange(2 * width, dtype=torch.int32).view(B, width)
-            decode_attention(q, pages, pages, lens([n, 1]), 0.1, block_table=table, window=window,
-                             max_seq_len=max_seq_len)
-        else:
-            cache = torch.zeros(B, max_seq_len, h_kv, d)
-            decode_attention(q, cache, cache, lens([n, n]), 0.1)
+        width = -(-n // page_size)  # a table just wide enough for the current length
+        pages = torch.zeros(2 * width, page_size, h_kv, d)
+        table = torch.arange(2 * width, dtype=torch.int32).view(B, width)
+        decode_attention(q, pages, pages, lens([n, 1]), table, 0.1, window=window, max_seq_len=max_seq_len)
     for spy in (split, merge):
         assert len(spy.launches) == max_seq_len
         assert all(launch == spy.launches[0] for launch in spy.launches), spy.launches[0]
@@ -607,14 +522,12 @@ def test_engine_kernels_reject_bad_inputs():
         paged_prefill_attention(q, pages, pages, cu, lens([3, 2]), table, 0.1, window=-1)
     with pytest.raises(ValueError, match="page_size .* = 12"):
         paged_prefill_attention(q, pages[:, :12], pages[:, :12], cu, lens([3, 2]), table, 0.1)
-    with pytest.raises(ValueError, match="window = 4 needs causal=True"):
-        prefill_attention(q[None], pages[:1, :5], pages[:1, :5], lens([5]), 0.1, causal=False, window=4)
     with pytest.raises(ValueError, match="slot_mapping must be an int64"):
         write_kv_slots(pages, pages, q[:, :2], q[:, :2], torch.zeros(5, dtype=torch.int32))
     with pytest.raises(ValueError, match="< num_blocks x block_size = 64"):
         write_kv_slots(pages, pages, q[:, :2], q[:, :2], torch.tensor([0, 1, 2, 3, 64]))
     with pytest.raises(ValueError, match="max_seq_len = 0"):
-        decode_attention(q[:2], pages, pages, lens([3, 2]), 0.1, block_table=table, max_seq_len=0)
+        decode_attention(q[:2], pages, pages, lens([3, 2]), table, 0.1, max_seq_len=0)
 
 
 @pytest.mark.parametrize("window", [0, 40])

@@ -2,6 +2,8 @@
 shapes of the other kernel tests run everywhere). Formerly `python -m tritonq.check`'s own cases;
 err = max |ours - ref| / max |ref| against each kernel file's torch reference on the same device.
 """
+import itertools
+
 import pytest
 import tolerances
 import torch
@@ -65,12 +67,16 @@ def _cases(device: str):
             k = torch.randn(B, S, H_kv, d_qk, device=device, dtype=dtype)
             v = torch.randn(B, S, H_kv, d_v, device=device, dtype=dtype)
             scale = d_qk ** -0.5
-            if d_qk != 576:  # the latent mode decodes only
+            k_pages, v_pages, table = attn.paged_cache(k, v, 16)  # the engine's default page size
+            if d_qk != 576:  # the latent mode prefills through its expanded heads: 576 / 512 decodes only here
+                packed = torch.cat([q[b, :n] for b, n in enumerate(lens)])
+                cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+                prefill = (packed, k_pages, v_pages, cu, seq, table, scale)
                 yield "attention", f"prefill {d_qk}/{d_v} H={H}/{H_kv} lens={lens} {dname}", \
-                    attn.prefill_attention(q, k, v, seq, scale), attn.prefill_attention_reference(q, k, v, seq, scale)
+                    attn.paged_prefill_attention(*prefill), attn.paged_prefill_attention_reference(*prefill)
             yield "attention", f"decode {d_qk}/{d_v} H={H}/{H_kv} lens={lens} {dname}", \
-                attn.decode_attention(q[:, 0], k, v, seq, scale), \
-                attn.decode_attention_reference(q[:, 0], k, v, seq, scale)
+                attn.decode_attention(q[:, 0], k_pages, v_pages, seq, table, scale), \
+                attn.decode_attention_reference(q[:, 0], k_pages, v_pages, seq, table, scale)
             pages = [torch.zeros(8, 16, H_kv, d, device=device, dtype=dtype) for d in (d_qk, d_v, d_qk, d_v)]
             slots = torch.tensor([3, 17, -1, 100, 127], dtype=torch.int64, device=device)  # -1: a padding row
             attn.write_kv_slots(pages[0], pages[1], k[0, :5], v[0, :5], slots)

@@ -1,10 +1,12 @@
 """Attention benchmark: `python -m tritonq.bench attention [--dtype bf16] [--json PATH]`.
 
-On CUDA, in one run, times prefill_attention against torch SDPA (causal, same q/k/v, SDPA picks
-its backend: flash for bf16/fp16 head dim 128) and reports TFLOP/s counting only real FLOPs
-(causal half, real head dims: 2*S^2/2*(Dqk+Dv) per head), and times decode_attention against SDPA
-on a contiguous [B, Hkv, L, D] cache (enable_gqa) and reports GB/s of K/V read and the fraction
-of the device's HBM bandwidth. Every row also gives the max |ours - SDPA|.
+On CUDA, in one run, times paged_prefill_attention (whole prompts over 16-token pages, the
+engine's default, as the models run it) against torch SDPA on the same keys laid out contiguously
+(causal; SDPA picks its backend: flash for bf16/fp16 head dim 128) and reports TFLOP/s counting
+only real FLOPs (causal half, real head dims: 2*S^2/2*(Dqk+Dv) per head), and times
+decode_attention over the pages against SDPA on a contiguous [B, Hkv, L, D] cache (enable_gqa)
+and reports GB/s of K/V read and the fraction of the device's HBM bandwidth. Every row also gives
+the max |ours - SDPA|.
 On CPU it reports correctness only (the launchers run their torch references there; run with
 TRITON_INTERPRET=1 to check the Triton kernels themselves): max error vs SDPA on small shapes.
 """
@@ -16,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from tritonq.bench.common import backend_label, device_peaks, print_table, results_path, time_ms, write_json
-from tritonq.kernels.attention import decode_attention, prefill_attention
+from tritonq.kernels.attention import decode_attention, paged_cache, paged_prefill_attention
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+PAGE_SIZE = 16  # the engine's default block_size
 # (label, B, S, H, Hkv, Dqk, Dv)
 PREFILL_GPU = [("llama-8b", 1, 4096, 32, 8, 128, 128), ("llama-8b", 4, 2048, 32, 8, 128, 128),
                ("mha-d128", 2, 8192, 16, 16, 128, 128), ("mha-d64", 2, 8192, 16, 16, 64, 64),
@@ -42,16 +45,23 @@ def bench_prefill(shapes, dtype, device, on_gpu) -> list[dict]:
         q = torch.randn(B, S, H, Dqk, dtype=dtype, device=device)
         k = torch.randn(B, S, Hkv, Dqk, dtype=dtype, device=device)
         v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device=device)
-        seq_lens = torch.full((B,), S, dtype=torch.int32, device=device)
         scale = Dqk ** -0.5
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # SDPA gets its own layout
-        ours = prefill_attention(q, k, v, seq_lens, scale)
+        k_pages, v_pages, table = paged_cache(k, v, PAGE_SIZE)
+        lens = torch.full((B,), S, dtype=torch.int32, device=device)
+        cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=device)
+        packed = q.flatten(0, 1)
+
+        def ours_fn():
+            return paged_prefill_attention(packed, k_pages, v_pages, cu_seqlens, lens, table, scale)
+
+        ours = ours_fn().view(B, S, H, Dv)
         base = sdpa_bhsd(qt, kt, vt, scale, True).transpose(1, 2)
         row = dict(kind="prefill", shape=label, B=B, S=S, H=H, Hkv=Hkv, Dqk=Dqk, Dv=Dv,
                    max_err=(ours.float() - base.float()).abs().max().item())
         if on_gpu:
             flops = 2 * B * H * S * S / 2 * (Dqk + Dv)
-            t_ours = time_ms(lambda: prefill_attention(q, k, v, seq_lens, scale))
+            t_ours = time_ms(ours_fn)
             t_base = time_ms(lambda: sdpa_bhsd(qt, kt, vt, scale, True))
             row |= dict(ms=t_ours, TFLOPs=flops / t_ours / 1e9, sdpa_ms=t_base,
                         sdpa_TFLOPs=flops / t_base / 1e9, ratio=t_base / t_ours)
@@ -69,13 +79,14 @@ def bench_decode(shapes, dtype, device, on_gpu) -> list[dict]:
         cache_lens = torch.full((B,), L, dtype=torch.int32, device=device)
         scale = Dqk ** -0.5
         qt, kt, vt = q[:, :, None], k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
-        ours = decode_attention(q, k_cache, v_cache, cache_lens, scale)
+        k_pages, v_pages, table = paged_cache(k_cache, v_cache, PAGE_SIZE)
+        ours = decode_attention(q, k_pages, v_pages, cache_lens, table, scale)
         base = sdpa_bhsd(qt, kt, vt, scale, False)[:, :, 0]
         row = dict(kind="decode", shape=label, B=B, S=L, H=H, Hkv=Hkv, Dqk=Dqk, Dv=Dv,
                    max_err=(ours.float() - base.float()).abs().max().item())
         if on_gpu:
             kv_bytes = B * L * Hkv * (Dqk + Dv) * k_cache.element_size()
-            t_ours = time_ms(lambda: decode_attention(q, k_cache, v_cache, cache_lens, scale))
+            t_ours = time_ms(lambda: decode_attention(q, k_pages, v_pages, cache_lens, table, scale))
             t_base = time_ms(lambda: sdpa_bhsd(qt, kt, vt, scale, False))
             row |= dict(ms=t_ours, GBs=kv_bytes / t_ours / 1e6, hbm_frac=kv_bytes / t_ours / 1e6 / hbm_gbs,
                         sdpa_ms=t_base, sdpa_GBs=kv_bytes / t_base / 1e6, ratio=t_base / t_ours)

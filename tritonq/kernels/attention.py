@@ -1,29 +1,24 @@
-"""Attention: causal prefill (flash-attention 2) and split-KV decode (flash-decoding), with GQA.
+"""Attention over a paged KV cache: causal prefill (flash-attention 2) and split-KV decode
+(flash-decoding), with GQA, and the write of new keys into the pages.
 
-Shapes (B batch, S tokens, H query heads, Hkv key/value heads, H % Hkv == 0):
-  prefill_attention(q [B,S,H,Dqk], k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv], seq_lens [B] int32, scale,
-                    causal=True) -> [B,S,H,Dv]
-      Sequences are right-padded: valid tokens of sequence b are 0..seq_lens[b]-1. Padded output
-      rows are zero; key blocks beyond seq_lens[b] (and above the diagonal) are never loaded.
-  decode_attention(q [B,H,Dqk], k_cache [B,Smax,Hkv,Dqk], v_cache [B,Smax,Hkv,Dv],
-                   cache_lens [B] int32 (>= 1), scale) -> [B,H,Dv]
-      One query per sequence against cache positions 0..cache_lens[b]-1 (the new token's k/v are
-      already written).
+The cache is paged, as vLLM's PagedAttention: pages [P, page_size, Hkv, D] shared by all sequences
+and a block table [B, max_pages] int32 mapping position n of sequence b to page
+block_table[b, n // page_size], row n % page_size. page_size is a power of two >= 16 so a decode
+key tile never spans two pages. Shapes (T new tokens, B sequences, H query heads, Hkv key/value
+heads, H % Hkv == 0):
   write_kv_slots(k_pages, v_pages, k [T,Hkv,Dqk], v [T,Hkv,Dv], slot_mapping [T] int64)
-      The engine's write: token t to page slot // page_size, row slot % page_size; slot < 0 skipped.
+      token t to page slot // page_size, row slot % page_size; slot < 0 skipped (padding).
   paged_prefill_attention(q [T,H,Dqk], k_pages, v_pages, cu_seqlens_q [B+1] int32,
-                          context_lens [B] int32, block_table [B,max_pages] int32, scale, window=0)
-      -> [T,H,Dv]: packed varlen queries (the last q_len_b positions of each sequence) against the
-      sequence's paged keys 0..context_lens[b]-1 (cached prefix + the new tokens), causal.
-Sliding window (window > 0, prefill, paged prefill, decode): key j is visible to query p iff
-j <= p and p - j < window, transformers' convention; key blocks wholly outside are not loaded.
+                          context_lens [B] int32, block_table, scale, window=0) -> [T,H,Dv]
+      packed varlen queries (the last q_len_b positions of each sequence) against the sequence's
+      keys 0..context_lens[b]-1 (cached prefix + the new tokens, written first), causal.
+  decode_attention(q [B,H,Dqk], k_pages, v_pages, cache_lens [B] int32, block_table, scale,
+                   window=0) -> [B,H,Dv]
+      one query per sequence against positions 0..cache_lens[b]-1 (the new token's included).
+Sliding window (window > 0): key j is visible to query p iff j <= p and p - j < window,
+transformers' convention; key blocks wholly outside are not loaded.
 dtypes: fp16, bf16 or fp32 (all inputs the same); accumulation and softmax are fp32; outputs are
 in q's dtype (fp32 inputs use TF32 tensor-core dots on GPUs).
-KV cache layout: paged (what the engine allocates; write_kv_slots, paged_prefill_attention and
-decode_attention with block_table=): pages [P, page_size, Hkv, D] shared by all sequences and a
-block table [B, max_pages] int32 mapping each sequence's n // page_size to a page, as vLLM's
-PagedAttention; page_size is a power of two >= 16 so a decode key tile never spans two pages.
-decode_attention also reads a contiguous [B, Smax, Hkv, D] cache (the tuner's inputs).
 
 Head dims need not be powers of two and Dqk may differ from Dv (DeepSeek-V2: 192 / 128; its
 absorbed-MLA decode: 576 / 512). Tensors are never padded in memory: the kernels hold each head
@@ -99,63 +94,6 @@ def _load_q(q_rows, row_ok, D_QK, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr)
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_lens_ptr,
-                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                    stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                    S, H, D_QK, D_V, qk_scale, window,
-                    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
-                    BLOCK_DV: tl.constexpr):
-    """One program: BLOCK_M query rows of one (sequence, query head). qk_scale includes log2(e).
-
-    The qk head dim is a BLOCK_D block plus, if BLOCK_DR > 0, a tail block at offset BLOCK_D.
-    HAS_WINDOW (causal only): row p sees keys p - window < j <= p; key blocks before the block
-    row's window are skipped.
-    """
-    start_m = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    kv_h = h // GROUP
-    seq_len = tl.load(seq_lens_ptr + b)
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q, q_tail, offs_d, offs_dr = _load_q(q_ptr + b * stride_qb + h * stride_qh + offs_m * stride_qs,
-                                         offs_m < seq_len, D_QK, BLOCK_D, BLOCK_DR)
-    k_base = k_ptr + b * stride_kb + kv_h * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_h * stride_vh
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    # Keys past the sequence end (and, if causal, past this block's last row) are skipped;
-    # a block made only of padding rows loads nothing and just writes zeros.
-    hi = seq_len
-    if CAUSAL:
-        hi = tl.minimum(hi, start_m + BLOCK_M)
-    hi = tl.where(start_m < seq_len, hi, 0)
-    first_key = 0
-    if HAS_WINDOW:  # the oldest key any row of this block sees; older ones are not loaded
-        first_key = tl.maximum(start_m - window + 1, 0)
-    for start_n in range(first_key // BLOCK_N * BLOCK_N, hi, BLOCK_N):
-        n = start_n + offs_n
-        key_ok = (n < seq_len) & (n >= first_key)
-        visible = key_ok[None, :]
-        if CAUSAL:
-            visible = visible & (n[None, :] <= offs_m[:, None])
-        if HAS_WINDOW:
-            visible = visible & (offs_m[:, None] - n[None, :] < window)
-        m_i, l_i, acc = _attend_tile(q, q_tail, k_base + n * stride_ks, v_base + n * stride_vs, key_ok, visible,
-                                     m_i, l_i, acc, offs_d, offs_dr, offs_dv, D_QK, D_V, qk_scale, BLOCK_DR)
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out = tl.where(offs_m[:, None] < seq_len, out, 0.0)
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < S) & (offs_dv[None, :] < D_V))
-
-
-@triton.jit
 def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_lens_ptr, block_table_ptr, work_ptr,
                           stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                           stride_ot, stride_oh, stride_bt, NUM_WORK, H, D_QK, D_V, qk_scale, window,
@@ -218,8 +156,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, part_o_ptr, part_lse_ptr,
-                         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
-                         stride_vb, stride_vs, stride_vh, stride_bt, H, D_QK, D_V, qk_scale, window,
+                         stride_qb, stride_qh, stride_kp, stride_ks, stride_kh,
+                         stride_vp, stride_vs, stride_vh, stride_bt, H, D_QK, D_V, qk_scale, window,
                          GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
                          BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
@@ -228,9 +166,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
     All query heads sharing a kv head are one tl.dot operand, so each K/V tile is read once per
     kv head (GQA costs no extra bandwidth). Writes the split's normalized output to
     part_o [B, H, NUM_SPLITS, D_V] fp32 and its log2-sum-exp to part_lse [B, H, NUM_SPLITS].
-    PAGE_SIZE 0: k/v are [B, Smax, Hkv, D]. PAGE_SIZE > 0 (a multiple of BLOCK_N): k/v are pages
-    [P, PAGE_SIZE, Hkv, D] and position n of sequence b lives in page block_table[b, n // PAGE_SIZE];
-    a key tile never straddles two pages, so paging costs one scalar load per tile.
+    k/v are pages [P, PAGE_SIZE, Hkv, D] (PAGE_SIZE a multiple of BLOCK_N) and position n of sequence b
+    lives in page block_table[b, n // PAGE_SIZE]; a key tile never straddles two pages, so paging costs
+    one scalar load per tile.
     HAS_WINDOW: only keys >= cache_len - window exist for the query; the splits divide that range.
     """
     b = tl.program_id(0)
@@ -255,22 +193,17 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
     offs_dv = tl.arange(0, BLOCK_DV)
     q, q_tail, offs_d, offs_dr = _load_q(q_ptr + b * stride_qb + heads * stride_qh, head_mask, D_QK,
                                          BLOCK_D, BLOCK_DR)
-    k_base = k_ptr + b * stride_kb + kv_h * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_h * stride_vh
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         n = start_n + offs_n
-        k_tile, v_tile, rows = k_base, v_base, n  # the tile's base pointers and row indices in it
-        if PAGE_SIZE > 0:
-            page = tl.load(block_table_ptr + b * stride_bt + start_n // PAGE_SIZE).to(tl.int64)
-            k_tile = k_ptr + page * stride_kb + kv_h * stride_kh
-            v_tile = v_ptr + page * stride_vb + kv_h * stride_vh
-            rows = start_n % PAGE_SIZE + offs_n
+        page = tl.load(block_table_ptr + b * stride_bt + start_n // PAGE_SIZE).to(tl.int64)
+        rows = start_n % PAGE_SIZE + offs_n  # the tile's rows in its page
         key_ok = (n < hi) & (n >= first)
-        m_i, l_i, acc = _attend_tile(q, q_tail, k_tile + rows * stride_ks, v_tile + rows * stride_vs, key_ok,
+        m_i, l_i, acc = _attend_tile(q, q_tail, k_ptr + page * stride_kp + kv_h * stride_kh + rows * stride_ks,
+                                     v_ptr + page * stride_vp + kv_h * stride_vh + rows * stride_vs, key_ok,
                                      key_ok[None, :], m_i, l_i, acc, offs_d, offs_dr,
                                      offs_dv, D_QK, D_V, qk_scale, BLOCK_DR)
 
@@ -330,7 +263,7 @@ def _write_slots_kernel(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr,
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch config of _prefill_kernel (and _paged_prefill_kernel); tuned JSON stores the same fields."""
+    """Launch config of _paged_prefill_kernel; tuned JSON (attention_prefill) stores the same fields."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
@@ -360,38 +293,27 @@ def config_bucket(block_d: int, block_dr: int, block_dv: int) -> str:
     return f"D{block_d}+{block_dr}_DV{block_dv}"
 
 
-def prefill_config(block_d: int, block_dr: int, block_dv: int, on_gpu: bool = True) -> PrefillConfig:
-    """Tuned config for these head-dim blocks on this GPU, else the default in code.
-
-    The interpreter gets 16x16 tiles so that small test shapes still span several blocks and tails.
-    """
-    if not on_gpu:
-        return PrefillConfig(16, 16, 1, 1)
-    if block_d + block_dr <= 192 and block_dv <= 128:  # up to DeepSeek's 128 + 64: no spills (AOT)
-        default = PrefillConfig(128, 64, 8, 3)
-    elif block_dv > 256:  # MLA latent 576 / 512: a [16, 512] fp32 accumulator, as decode's; 32+ rows spill on sm_90
-        default = PrefillConfig(16, 32, 8, 2)
-    else:
-        default = PrefillConfig(64, 64, 8, 2)  # wider heads (256): half the query rows, no spills (AOT)
-    return tuned_or_default("attention_prefill", config_bucket(block_d, block_dr, block_dv), default)
-
-
 def paged_prefill_config(block_d: int, block_dr: int, block_dv: int, cc: int | None) -> PrefillConfig:
-    """Default config of _paged_prefill_kernel on compute capability cc (None: the interpreter's 16x16).
+    """Tuned config of _paged_prefill_kernel for these head-dim blocks on this GPU (compute capability
+    cc), else the default in code; cc None means the interpreter: 16 x 16 tiles, so that small test
+    shapes still span several blocks and tails.
 
-    prefill_config's defaults, except where the per-key page gather's registers make them spill (AOT):
-    heads wider than 64 take 32-key tiles before sm_90 (64 spill 28 bytes at 128 / 128 on sm_80), MLA
-    latent 576 / 512 heads 16-key tiles from sm_90 on (32 spill 4 bytes with a window or 64-token pages),
-    at the launch's real divisibility hints and GQA (32 / 8 heads; MLA 16 / 1). No tuned
-    lookup: the tuner's attention_prefill configs are measured on the contiguous kernel.
+    Defaults (0 spills in AOT compiles at the launch's real divisibility hints and GQA, 32 / 8 heads;
+    MLA 16 / 1): 128 query rows up to DeepSeek's 128 + 64 head dims, 64 for wider heads (256); 64-key
+    tiles, but 32 before sm_90 above 64-wide heads (the per-key page gather's registers: 64 keys spill
+    28 bytes at 128 / 128 and 80 at 256 / 256 on sm_80); MLA latent 576 / 512 heads a [16, 512] fp32
+    accumulator as decode's, with 32-key tiles before sm_90 and 16 from sm_90 on (32 spill 4 bytes
+    there with a window or 64-token pages).
     """
     if cc is None:
         return PrefillConfig(16, 16, 1, 1)
     if block_dv > 256:
-        return PrefillConfig(16, 32 if cc < 90 else 16, 8, 2)
-    if block_d + block_dr <= 192 and block_dv <= 128:
-        return PrefillConfig(128, 64 if cc >= 90 or block_d + block_dr <= 64 else 32, 8, 3)
-    return PrefillConfig(64, 64, 8, 2)
+        default = PrefillConfig(16, 32 if cc < 90 else 16, 8, 2)
+    else:
+        block_n = 64 if cc >= 90 or block_d + block_dr <= 64 else 32
+        narrow_heads = block_d + block_dr <= 192 and block_dv <= 128
+        default = PrefillConfig(128 if narrow_heads else 64, block_n, 8, 3 if narrow_heads else 2)
+    return tuned_or_default("attention_prefill", config_bucket(block_d, block_dr, block_dv), default)
 
 
 def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int, block_dr: int, block_dv: int,
@@ -431,13 +353,13 @@ def decode_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_
 
 def check_prefill_config(config: PrefillConfig) -> None:
     """TypeError/ValueError unless `config` is a launchable PrefillConfig."""
-    check_launch_config("prefill_attention", config, PrefillConfig)
+    check_launch_config("paged_prefill_attention", config, PrefillConfig)
 
 
-def check_decode_config(config: DecodeConfig, page_size: int = 0) -> None:
-    """TypeError/ValueError unless `config` is a launchable DecodeConfig; a paged cache needs BLOCK_N <= page_size."""
+def check_decode_config(config: DecodeConfig, page_size: int) -> None:
+    """TypeError/ValueError unless `config` is a launchable DecodeConfig with BLOCK_N <= page_size."""
     check_launch_config("decode_attention", config, DecodeConfig)
-    if page_size and config.BLOCK_N > page_size:
+    if config.BLOCK_N > page_size:
         raise ValueError(f"decode_attention: config.BLOCK_N = {config.BLOCK_N} exceeds the KV cache page size "
                          f"{page_size}; a key tile must lie in one page, so use BLOCK_N <= {page_size}")
 
@@ -449,16 +371,14 @@ def _check_lens(name: str, lens: torch.Tensor, batch: int, device: torch.device)
                          f"Use torch.tensor(lengths, dtype=torch.int32, device=q.device).")
 
 
-def _check_block_table(block_table: torch.Tensor | None, k_cache: torch.Tensor, batch: int,
-                       device: torch.device) -> int:
-    """The page size of a paged cache (k_cache [P, page_size, Hkv, D]), or 0 without a block table."""
-    if block_table is None:
-        return 0
+def _check_block_table(block_table: torch.Tensor, k_cache: torch.Tensor, batch: int, device: torch.device) -> int:
+    """The page size of a paged cache (k_cache [P, page_size, Hkv, D]) after checking its block table."""
     page_size = k_cache.shape[1]
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch \
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch \
             or block_table.device != device:
-        raise ValueError(f"block_table must be an int32 tensor [{batch}, max_pages] on {device}; got "
-                         f"{block_table.dtype} {tuple(block_table.shape)} on {block_table.device}.")
+        found = (f"{block_table.dtype} {tuple(block_table.shape)} on {block_table.device}"
+                 if isinstance(block_table, torch.Tensor) else repr(block_table))
+        raise ValueError(f"block_table must be an int32 tensor [{batch}, max_pages] on {device}; got {found}.")
     if page_size < 16 or page_size & (page_size - 1):
         raise ValueError(f"paged KV cache: page_size (k_cache.shape[1]) = {page_size}; expected a power of two "
                          ">= 16 (a key tile must fit in one page). vLLM's default is 16.")
@@ -477,42 +397,13 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -
         raise ValueError(f"q and k head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)} ({what}).")
 
 
-def _check_window(window, causal: bool = True) -> None:
+def _check_window(window) -> None:
     if not isinstance(window, int) or window < 0:
         raise ValueError(f"window = {window!r}; expected an int >= 0 (0: no sliding window).")
-    if window and not causal:
-        raise ValueError(f"window = {window} needs causal=True (a sliding window looks back from each query).")
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float, causal: bool = True, config: PrefillConfig | None = None,
-                      window: int = 0) -> torch.Tensor:
-    """softmax(q k^T * scale) v over each right-padded sequence; see the module docstring.
-
-    window > 0 (needs causal): sliding-window attention, query p sees keys j with p - window < j <= p.
-    config: launch config for the Triton kernel (the tuner's candidates); None: `prefill_config`.
-    """
-    _check_window(window, causal)
-    if config is not None:
-        check_prefill_config(config)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"expected q [B,S,H,Dqk], k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv] with equal B and S; "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
-    _check_heads(q, k, v, "prefill")
-    B, S, H, D_QK = q.shape
-    _check_lens("seq_lens", seq_lens, B, q.device)
-    if not use_triton(q):
-        return prefill_attention_reference(q, k, v, seq_lens, scale, causal, window)
-
-    q, k, v = map(_last_dim_contiguous, (q, k, v))
-    cfg = config or prefill_config(*head_blocks(D_QK, v.shape[-1]), q.is_cuda)
-    launch, out = prefill_launch(q, k, v, seq_lens, scale, causal, window, cfg)
-    launch()
-    return out
 
 
 def head_blocks(d_qk: int, d_v: int) -> tuple[int, int, int]:
@@ -521,50 +412,30 @@ def head_blocks(d_qk: int, d_v: int) -> tuple[int, int, int]:
     return (*qk_blocks(d_qk), max(16, triton.next_power_of_2(d_v)))
 
 
-def prefill_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                   causal: bool, window: int, cfg: PrefillConfig) -> tuple[Launch, torch.Tensor]:
-    """The launch of _prefill_kernel for checked q [B,S,H,Dqk], k [B,S,Hkv,Dqk], v [B,S,Hkv,Dv] (head dim
-    contiguous) and its output o [B,S,H,Dv]. Over meta tensors it is what tune --aot compiles."""
-    B, S, H, D_QK = q.shape
-    D_V = v.shape[-1]
-    block_d, block_dr, block_dv = head_blocks(D_QK, D_V)
-    out = torch.empty(B, S, H, D_V, dtype=q.dtype, device=q.device)
-    args = dict(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, seq_lens_ptr=seq_lens,
-                stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
-                stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
-                stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
-                stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
-                S=S, H=H, D_QK=D_QK, D_V=D_V, qk_scale=scale * LOG2E, window=window,
-                GROUP=H // k.shape[2], CAUSAL=causal, HAS_WINDOW=window > 0, BLOCK_M=cfg.BLOCK_M,
-                BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d, BLOCK_DR=block_dr, BLOCK_DV=block_dv)
-    return Launch(_prefill_kernel, (triton.cdiv(S, cfg.BLOCK_M), B * H), args, cfg.num_warps, cfg.num_stages), out
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cache_lens: torch.Tensor, scale: float, block_table: torch.Tensor | None = None,
-                     window: int = 0, config: DecodeConfig | None = None,
+def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
+                     block_table: torch.Tensor, scale: float, window: int = 0, config: DecodeConfig | None = None,
                      max_seq_len: int | None = None) -> torch.Tensor:
-    """One query token per sequence against its KV cache; see the module docstring.
+    """One query token per sequence against its paged KV cache; see the module docstring.
 
-    block_table [B, max_pages] int32: the cache is paged, k_cache [P, page_size, Hkv, Dqk] and
-    v_cache [P, page_size, Hkv, Dv]; position n of sequence b is in page block_table[b, n // page_size].
+    q [B, H, Dqk]; k_pages [P, page_size, Hkv, Dqk], v_pages [P, page_size, Hkv, Dv] (strided views
+    allowed, e.g. MLA's v = k_pages[..., :512]); cache_lens [B] int32 counts each sequence's keys (the
+    new token's included: write_kv_slots first); block_table [B, max_pages] int32: position n of
+    sequence b is in page block_table[b, n // page_size]. Returns [B, H, Dv] in q's dtype.
     window > 0: sliding window, the query (at position cache_lens[b] - 1) sees the last `window` keys.
-    config: launch config for the Triton kernels (the tuner's candidates; with a paged cache its
-    BLOCK_N must not exceed page_size); None: `decode_config`. Over pages the key tile is
-    `paged_block_n`: BLOCK_N capped at page_size and at 32.
-    max_seq_len: the capacity the launch config is chosen for (default: the cache's, i.e. Smax or
-    the block table width x page_size). The config never depends on cache_lens, so a growing
-    sequence never recompiles and the launch is CUDA-graph safe.
+    config: launch config for the Triton kernels (the tuner's candidates; BLOCK_N <= page_size);
+    None: `decode_config`. The key tile is `paged_block_n`: BLOCK_N capped at page_size and at 32.
+    max_seq_len: the capacity the launch config is chosen for (default: the block table width x
+    page_size). The config never depends on cache_lens, so a growing sequence never recompiles and
+    the launch is CUDA-graph safe.
     """
-    if (q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:2] != v_cache.shape[:2]
-            or (block_table is None and q.shape[0] != k_cache.shape[0])):
-        raise ValueError(f"expected q [B,H,Dqk], k_cache [B,Smax,Hkv,Dqk], v_cache [B,Smax,Hkv,Dv] (or pages "
-                         f"[P,page_size,Hkv,D] with a block_table); got q {tuple(q.shape)}, "
-                         f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}.")
-    _check_heads(q, k_cache, v_cache, "decode")
+    if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(f"decode_attention: expected q [B,H,Dqk], k_pages [P,page_size,Hkv,Dqk], v_pages "
+                         f"[P,page_size,Hkv,Dv]; got q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, "
+                         f"v_pages {tuple(v_pages.shape)}.")
+    _check_heads(q, k_pages, v_pages, "decode")
     B, H, D_QK = q.shape
     _check_lens("cache_lens", cache_lens, B, q.device)
-    page_size = _check_block_table(block_table, k_cache, B, q.device)
+    page_size = _check_block_table(block_table, k_pages, B, q.device)
     if config is not None:
         check_decode_config(config, page_size)
     _check_window(window)
@@ -572,43 +443,43 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention: max_seq_len = {max_seq_len!r}; expected an int >= 1 (the capacity "
                          "the launch config is chosen for) or None.")
     if not use_triton(q):
-        return decode_attention_reference(q, k_cache, v_cache, cache_lens, scale, block_table, window)
+        return decode_attention_reference(q, k_pages, v_pages, cache_lens, block_table, scale, window)
 
-    q, k_cache, v_cache = map(_last_dim_contiguous, (q, k_cache, v_cache))
-    H_kv, D_V = k_cache.shape[2], v_cache.shape[-1]
+    q, k_pages, v_pages = map(_last_dim_contiguous, (q, k_pages, v_pages))
+    H_kv, D_V = k_pages.shape[2], v_pages.shape[-1]
     # The config depends on capacity only (never cache_lens): a growing sequence keeps one compiled
     # kernel and the launch reads nothing from the device. A window bounds the keys any query sees.
-    S_max = max_seq_len or (k_cache.shape[1] if block_table is None else block_table.shape[1] * page_size)
+    S_max = max_seq_len or block_table.shape[1] * page_size
     if window:
         S_max = min(S_max, window)
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
     cfg = config or decode_config(B, H_kv, S_max, *head_blocks(D_QK, D_V), sm_count)
-    split, merge, out = decode_launches(q, k_cache, v_cache, cache_lens, scale, block_table, page_size, window, cfg)
+    split, merge, out = decode_launches(q, k_pages, v_pages, cache_lens, block_table, scale, window, cfg)
     split()
     merge()
     return out
 
 
-def decode_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lens: torch.Tensor,
-                    scale: float, block_table: torch.Tensor | None, page_size: int, window: int,
+def decode_launches(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
+                    block_table: torch.Tensor, scale: float, window: int,
                     cfg: DecodeConfig) -> tuple[Launch, Launch, torch.Tensor]:
     """The two launches of a decode step (_decode_split_kernel, then _decode_merge_kernel) for checked
-    inputs (head dim contiguous), and the output o [B, H, Dv]. Over meta tensors the first is what
-    tune --aot compiles."""
+    inputs of decode_attention (head dim contiguous), and the output o [B, H, Dv]. Over meta tensors
+    they are what tune --aot and the AOT tests compile."""
     B, H, D_QK = q.shape
-    H_kv, D_V = k_cache.shape[2], v_cache.shape[-1]
+    H_kv, D_V = k_pages.shape[2], v_pages.shape[-1]
     group = H // H_kv
     block_d, block_dr, block_dv = head_blocks(D_QK, D_V)
     block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
+    page_size = k_pages.shape[1]
     block_n = paged_block_n(cfg.BLOCK_N, page_size)  # a key tile within one page, <= 32 keys
     part_o = torch.empty(B, H, cfg.NUM_SPLITS, D_V, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H, cfg.NUM_SPLITS, dtype=torch.float32, device=q.device)
-    table = block_table if block_table is not None else cache_lens  # unused pointer when not paged
-    split = dict(q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, cache_lens_ptr=cache_lens, block_table_ptr=table,
+    split = dict(q_ptr=q, k_ptr=k_pages, v_ptr=v_pages, cache_lens_ptr=cache_lens, block_table_ptr=block_table,
                  part_o_ptr=part_o, part_lse_ptr=part_lse, stride_qb=q.stride(0), stride_qh=q.stride(1),
-                 stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
-                 stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
-                 stride_bt=table.stride(0), H=H, D_QK=D_QK, D_V=D_V, qk_scale=scale * LOG2E, window=window,
+                 stride_kp=k_pages.stride(0), stride_ks=k_pages.stride(1), stride_kh=k_pages.stride(2),
+                 stride_vp=v_pages.stride(0), stride_vs=v_pages.stride(1), stride_vh=v_pages.stride(2),
+                 stride_bt=block_table.stride(0), H=H, D_QK=D_QK, D_V=D_V, qk_scale=scale * LOG2E, window=window,
                  GROUP=group, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
                  BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window > 0)
     out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
@@ -765,49 +636,22 @@ def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
     return Launch(_paged_prefill_kernel, (num_work, H), args, cfg.num_warps, cfg.num_stages), out
 
 
-def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
-    """[B, S, Hkv, D] -> [B, Hkv*group, S, D] float32 (query head h uses kv head h // group)."""
-    return x.float().transpose(1, 2).repeat_interleave(group, dim=1)
-
-
-def prefill_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                                scale: float, causal: bool = True, window: int = 0) -> torch.Tensor:
-    """Plain torch, float32: masked softmax over the full [S, S] score matrix per head.
-
-    window > 0: key j is visible to query p iff j <= p and p - j < window (transformers' convention)."""
-    B, S, H, _ = q.shape
-    group = H // k.shape[2]
-    scores = q.float().transpose(1, 2) @ _repeat_kv(k, group).transpose(-1, -2) * scale  # [B,H,S,S]
-    pos = torch.arange(S, device=q.device)
-    key_valid = pos[None, None, :] < seq_lens[:, None, None].to(pos)  # [B, 1, S]
-    if causal:
-        key_valid = key_valid & (pos[None, None, :] <= pos[None, :, None])  # [B, S, S]
-    if window:
-        key_valid = key_valid & (pos[None, :, None] - pos[None, None, :] < window)
-    scores = scores.masked_fill(~key_valid[:, None], float("-inf"))
-    out = (torch.softmax(scores, dim=-1) @ _repeat_kv(v, group)).transpose(1, 2)  # [B,S,H,Dv]
-    row_valid = pos[None, :] < seq_lens[:, None].to(pos)
-    return torch.where(row_valid[:, :, None, None], out, 0.0).to(q.dtype)
-
-
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """Pages [P, page_size, Hkv, D] -> per-sequence [B, max_pages * page_size, Hkv, D] (a copy)."""
     pages = cache[block_table.long().clamp(0, cache.shape[0] - 1)]  # entries past a sequence are never read
     return pages.flatten(1, 2)
 
 
-def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               cache_lens: torch.Tensor, scale: float,
-                               block_table: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
-    """Plain torch, float32: softmax over each sequence's cache positions < cache_lens[b]
-    (and, if window > 0, >= cache_lens[b] - window).
+def decode_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                               cache_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+                               window: int = 0) -> torch.Tensor:
+    """Plain torch, float32: each sequence's pages gathered into rows, softmax over its positions
+    < cache_lens[b] (and, if window > 0, >= cache_lens[b] - window).
 
     Query heads are grouped by kv head ([B, Hkv, group, Dqk] @ [B, Hkv, Dqk, Smax]), so GQA copies
-    no cache rows; the mask is skipped when every sequence fills the cache (batch 1 on the used slice).
-    A paged cache is gathered into per-sequence rows first.
+    no cache rows.
     """
-    if block_table is not None:
-        k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
+    k_cache, v_cache = gather_pages(k_pages, block_table), gather_pages(v_pages, block_table)
     B, H, _ = q.shape
     S_max, H_kv = k_cache.shape[1], k_cache.shape[2]
     scores = q.float().reshape(B, H_kv, H // H_kv, -1) @ k_cache.float().permute(0, 2, 3, 1) * scale
@@ -871,15 +715,40 @@ def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_
 # Tuning (python -m tritonq.tune --kernel attention_prefill / attention_decode)
 # ----------------------------------------------------------------------------------------------
 
-# Values the tuner sweeps (the tuned fields of PrefillConfig / DecodeConfig).
+# Values the tuner sweeps (the tuned fields of PrefillConfig / DecodeConfig), over 16-token pages (the
+# engine's default block_size); a decode key tile lies in one page, so decode's BLOCK_N is <= the page.
 PREFILL_SPACE = {"BLOCK_M": [64, 128], "BLOCK_N": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
-PREFILL_FORMAT = "BxSxHxHkvxDqkxDv"  # batch, tokens, query heads, kv heads, head dims
-DECODE_SPACE = {"BLOCK_N": [16, 32, 64, 128], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]}
+PREFILL_FORMAT = "BxSxHxHkvxDqkxDv"  # sequences, tokens of each (the first; others random), heads, head dims
+DECODE_SPACE = {"BLOCK_N": [16, 32], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3]}
 DECODE_FORMAT = "BxSmaxxHxHkvxDqkxDv"  # batch, cache capacity, heads, head dims
+TUNE_PAGE_SIZE = 16
 # Attention outputs are convex combinations of N(0, 1) value rows (|o| < ~4). In bf16 the kernel
 # rounds p to bf16 before the PV dot and rounds the output (2^-9 relative each), so 2e-2 bounds
 # it; fp32 (interpreter) differs only by summation order and exp2 vs exp.
 TUNE_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+
+def paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int, num_pages: int | None = None,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence k [B, S, Hkv, Dqk], v [B, S, Hkv, Dv] -> (k_pages, v_pages [num_pages, page_size, Hkv, D],
+    block_table [B, ceil(S / page_size)] int32): each sequence's positions in pages taken in random order
+    from a pool of num_pages (default: just enough); unused pages and rows hold random values, which the
+    kernels must never read. For tests, the tuner and benchmarks."""
+    B, S = k.shape[:2]
+    per_seq = -(-S // page_size)
+    num_pages = num_pages or B * per_seq
+    if num_pages < B * per_seq:
+        raise ValueError(f"paged_cache: {B} sequences of {S} tokens need {B * per_seq} pages of {page_size}, "
+                         f"got num_pages = {num_pages}")
+    table = torch.randperm(num_pages, generator=generator)[:B * per_seq].view(B, per_seq).to(torch.int32)
+    pages = []
+    for x in (k, v):
+        made_on = "cpu" if generator is not None else x.device  # a CPU generator draws on the CPU
+        pool = torch.randn(num_pages, page_size, *x.shape[2:], generator=generator, device=made_on).to(x.device, x.dtype)
+        padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, per_seq * page_size - S))
+        pool[table.flatten().long().to(x.device)] = padded.reshape(B * per_seq, page_size, *x.shape[2:])
+        pages.append(pool)
+    return pages[0], pages[1], table.to(k.device)
 
 
 def _tune_shape(shape, target: str, shape_format: str) -> tuple[int, ...]:
@@ -892,11 +761,11 @@ def _tune_shape(shape, target: str, shape_format: str) -> tuple[int, ...]:
     return shape
 
 
-def _tune_lengths(batch: int, full: int, device: torch.device) -> torch.Tensor:
-    """int32 [batch]: the first sequence at full length, the others random in [1, full]."""
+def _tune_lengths(batch: int, full: int) -> torch.Tensor:
+    """int32 [batch] on the CPU: the first sequence at full length, the others random in [1, full]."""
     lens = torch.randint(1, full + 1, (batch,), dtype=torch.int32)
     lens[0] = full
-    return lens.to(device)
+    return lens
 
 
 def prefill_sweep_space(shape) -> list[dict]:
@@ -915,53 +784,65 @@ def decode_sweep_space(shape) -> list[dict]:
     out = []
     for values in itertools.product(*DECODE_SPACE.values()):
         c = dict(zip(DECODE_SPACE, values))
-        if c["BLOCK_N"] <= max(16, triton.next_power_of_2(S_max)):
+        if c["BLOCK_N"] <= min(TUNE_PAGE_SIZE, max(16, triton.next_power_of_2(S_max))):
             out.append(c)
     return out
 
 
-def prefill_aot_launch(config: PrefillConfig, shape) -> Launch:
-    """`prefill_launch` over meta tensors: causal, bf16 contiguous [B, S, H, D] q/k/v as the models pass."""
-    B, S, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_prefill", PREFILL_FORMAT)
+def _meta_pages(B: int, S: int, H_kv: int, d_qk: int, d_v: int):
+    """bf16 meta pages of TUNE_PAGE_SIZE for B sequences of S tokens, and their block table."""
+    per_seq = -(-S // TUNE_PAGE_SIZE)
     meta = dict(dtype=torch.bfloat16, device="meta")
-    q, k, v = (torch.empty(B, S, H, d_qk, **meta), torch.empty(B, S, H_kv, d_qk, **meta),
-               torch.empty(B, S, H_kv, d_v, **meta))
-    lens = torch.empty(B, dtype=torch.int32, device="meta")
-    return prefill_launch(q, k, v, lens, d_qk ** -0.5, True, 0, config)[0]
+    return (torch.empty(B * per_seq, TUNE_PAGE_SIZE, H_kv, d_qk, **meta),
+            torch.empty(B * per_seq, TUNE_PAGE_SIZE, H_kv, d_v, **meta),
+            torch.empty(B, per_seq, dtype=torch.int32, device="meta"))
+
+
+def prefill_aot_launch(config: PrefillConfig, shape) -> Launch:
+    """`paged_prefill_launch` over meta tensors: B sequences of S new bf16 tokens over 16-token pages."""
+    B, S, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_prefill", PREFILL_FORMAT)
+    k_pages, v_pages, table = _meta_pages(B, S, H_kv, d_qk, d_v)
+    i32 = dict(dtype=torch.int32, device="meta")
+    q = torch.empty(B * S, H, d_qk, dtype=torch.bfloat16, device="meta")
+    return paged_prefill_launch(q, k_pages, v_pages, torch.empty(B + 1, **i32), torch.empty(B, **i32), table,
+                                d_qk ** -0.5, 0, config)[0]
 
 
 def decode_aot_launch(config: dict, shape, cc: int) -> Launch:
-    """The split kernel of `decode_launches` over meta tensors: bf16 q and an unpaged bf16 cache,
+    """The split kernel of `decode_launches` over meta tensors: bf16 q and 16-token bf16 pages,
     NUM_SPLITS as `decode_config` picks it on sm_`cc`'s usual SM count (`aot.SM_COUNT`)."""
     from tritonq.kernels.aot import SM_COUNT
 
     B, S_max, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_decode", DECODE_FORMAT)
     splits = decode_num_splits(B, H_kv, S_max, config["BLOCK_N"], SM_COUNT.get(cc, 108))
-    meta = dict(dtype=torch.bfloat16, device="meta")
-    q, k, v = (torch.empty(B, H, d_qk, **meta), torch.empty(B, S_max, H_kv, d_qk, **meta),
-               torch.empty(B, S_max, H_kv, d_v, **meta))
+    k_pages, v_pages, table = _meta_pages(B, S_max, H_kv, d_qk, d_v)
+    q = torch.empty(B, H, d_qk, dtype=torch.bfloat16, device="meta")
     lens = torch.empty(B, dtype=torch.int32, device="meta")
-    return decode_launches(q, k, v, lens, d_qk ** -0.5, None, 0, 0, DecodeConfig(NUM_SPLITS=splits, **config))[0]
+    return decode_launches(q, k_pages, v_pages, lens, table, d_qk ** -0.5, 0,
+                           DecodeConfig(NUM_SPLITS=splits, **config))[0]
 
 
 def prefill_tune_target():
-    """Causal prefill (what the models run), bucketed by head-dim blocks like `prefill_config`."""
+    """Causal prefill of whole sequences over 16-token pages (what the models run for a new prompt),
+    bucketed by head-dim blocks like `paged_prefill_config`."""
     from tritonq.kernels.aot import compile_launch
     from tritonq.tune.search import TuneTarget, kernel_dtype
 
     def make_inputs(shape, device):
         B, S, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_prefill", PREFILL_FORMAT)
         dtype = kernel_dtype(device)
-        q, key = (torch.randn(B, S, H, d_qk, dtype=dtype, device=device),
-                  torch.randn(B, S, H_kv, d_qk, dtype=dtype, device=device))
-        return q, key, torch.randn(B, S, H_kv, d_v, dtype=dtype, device=device), _tune_lengths(B, S, device), \
-            d_qk ** -0.5
+        lens = _tune_lengths(B, S)
+        k_pages, v_pages, table = paged_cache(torch.randn(B, S, H_kv, d_qk, dtype=dtype, device=device),
+                                              torch.randn(B, S, H_kv, d_v, dtype=dtype, device=device), TUNE_PAGE_SIZE)
+        q = torch.randn(int(lens.sum()), H, d_qk, dtype=dtype, device=device)
+        cu_seqlens = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        return q, k_pages, v_pages, cu_seqlens.to(device), lens.to(device), table, d_qk ** -0.5
 
     tol = TUNE_TOL[kernel_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))]
     return TuneTarget(
         name="attention_prefill", space=prefill_sweep_space, make_inputs=make_inputs,
-        run=lambda inputs, config: prefill_attention(*inputs, causal=True, config=PrefillConfig(**config)),
-        reference=lambda inputs: prefill_attention_reference(*inputs, causal=True),
+        run=lambda inputs, config: paged_prefill_attention(*inputs, config=PrefillConfig(**config)),
+        reference=lambda inputs: paged_prefill_attention_reference(*inputs),
         bucket=lambda inputs: config_bucket(*head_blocks(inputs[0].shape[-1], inputs[2].shape[-1])),
         aot=lambda config, shape, cc: compile_launch(prefill_aot_launch(PrefillConfig(**config), shape), cc),
         atol=tol, rtol=tol, dry_run_shapes=((2, 40, 4, 2, 72, 40), (1, 130, 2, 1, 64, 64)),
@@ -969,23 +850,25 @@ def prefill_tune_target():
 
 
 def decode_tune_target():
-    """Split-KV decode over a contiguous cache (paged caches run the same tiles, BLOCK_N capped at
-    the page size); NUM_SPLITS is not swept: the launcher derives it (`decode_num_splits`)."""
+    """Split-KV decode over 16-token pages; NUM_SPLITS is not swept: the launcher derives it
+    (`decode_num_splits`)."""
     from tritonq.kernels.aot import compile_launch
     from tritonq.tune.search import TuneTarget, kernel_dtype
 
     def make_inputs(shape, device):
         B, S_max, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_decode", DECODE_FORMAT)
         dtype = kernel_dtype(device)
+        k_pages, v_pages, table = paged_cache(torch.randn(B, S_max, H_kv, d_qk, dtype=dtype, device=device),
+                                              torch.randn(B, S_max, H_kv, d_v, dtype=dtype, device=device),
+                                              TUNE_PAGE_SIZE)
         q = torch.randn(B, H, d_qk, dtype=dtype, device=device)
-        k_cache = torch.randn(B, S_max, H_kv, d_qk, dtype=dtype, device=device)
-        v_cache = torch.randn(B, S_max, H_kv, d_v, dtype=dtype, device=device)
-        return q, k_cache, v_cache, _tune_lengths(B, S_max, device), d_qk ** -0.5
+        return q, k_pages, v_pages, _tune_lengths(B, S_max).to(device), table, d_qk ** -0.5
 
     def run(inputs, config):
-        q, k_cache = inputs[:2]
+        q, k_pages, _, _, table, _ = inputs
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
-        splits = decode_num_splits(q.shape[0], k_cache.shape[2], k_cache.shape[1], config["BLOCK_N"], sm_count)
+        capacity = table.shape[1] * k_pages.shape[1]
+        splits = decode_num_splits(q.shape[0], k_pages.shape[2], capacity, config["BLOCK_N"], sm_count)
         return decode_attention(*inputs, config=DecodeConfig(NUM_SPLITS=splits, **config))
 
     tol = TUNE_TOL[kernel_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))]

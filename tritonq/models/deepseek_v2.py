@@ -193,7 +193,7 @@ class MLAttention(nn.Module):
         if ctx.is_prefill:
             return paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
                                            self.scale)
-        return decode_attention(q, k_pages, v_pages, ctx.context_lens, self.scale, block_table=ctx.block_table)
+        return decode_attention(q, k_pages, v_pages, ctx.context_lens, ctx.block_table, self.scale)
 
     def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
         """x [T, D] -> [T, D]; cos/sin [1, T, Dr] at the rows' positions."""

@@ -110,7 +110,7 @@ class LlamaAttention(nn.Module):
             out = paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
                                           self.scale, window=self.window)
         else:  # one new token per sequence: rows are sequences
-            out = decode_attention(q, k_pages, v_pages, ctx.context_lens, self.scale, block_table=ctx.block_table,
+            out = decode_attention(q, k_pages, v_pages, ctx.context_lens, ctx.block_table, self.scale,
                                    window=self.window)
         return self.o_proj(out.reshape(T, H * self.head_dim))
 

@@ -2,8 +2,8 @@
 
 Kernels and their --shapes format (x-separated ints):
   int4_gemm, fp8_gemm  MxNxK                   (or --model PATH: every linear layer of the model)
-  attention_prefill    BxSxHxHkvxDqkxDv        batch, tokens, query heads, kv heads, head dims
-  attention_decode     BxSmaxxHxHkvxDqkxDv     batch, cache capacity, heads, head dims
+  attention_prefill    BxSxHxHkvxDqkxDv        prompts, tokens, query heads, kv heads, head dims (16-token pages)
+  attention_decode     BxSmaxxHxHkvxDqkxDv     batch, cache capacity, heads, head dims (16-token pages)
   moe                  TxExTOPKxDxI            tokens, experts, experts per token, hidden, intermediate
                                                (int4 group-128 experts; its two GEMMs are tuned apart)
 Each kernel declares what is tuned in its own file (`tune_target()`: sweep space, inputs, reference,
