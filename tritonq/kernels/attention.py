@@ -374,8 +374,8 @@ def _check_lens(name: str, lens: torch.Tensor, batch: int, device: torch.device)
 def _check_block_table(block_table: torch.Tensor, k_cache: torch.Tensor, batch: int, device: torch.device) -> int:
     """The page size of a paged cache (k_cache [P, page_size, Hkv, D]) after checking its block table."""
     page_size = k_cache.shape[1]
-    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch \
-            or block_table.device != device:
+    if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
+            or block_table.shape[0] != batch or block_table.device != device):
         found = (f"{block_table.dtype} {tuple(block_table.shape)} on {block_table.device}"
                  if isinstance(block_table, torch.Tensor) else repr(block_table))
         raise ValueError(f"block_table must be an int32 tensor [{batch}, max_pages] on {device}; got {found}.")
@@ -744,7 +744,8 @@ def paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int, num_pages: int
     pages = []
     for x in (k, v):
         made_on = "cpu" if generator is not None else x.device  # a CPU generator draws on the CPU
-        pool = torch.randn(num_pages, page_size, *x.shape[2:], generator=generator, device=made_on).to(x.device, x.dtype)
+        pool = torch.randn(num_pages, page_size, *x.shape[2:], generator=generator, device=made_on)
+        pool = pool.to(x.device, x.dtype)
         padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, per_seq * page_size - S))
         pool[table.flatten().long().to(x.device)] = padded.reshape(B * per_seq, page_size, *x.shape[2:])
         pages.append(pool)
@@ -768,25 +769,23 @@ def _tune_lengths(batch: int, full: int) -> torch.Tensor:
     return lens
 
 
+def _candidates(space: dict, keep) -> list[dict]:
+    """Every config of the product `space` ({field: values}) that keep(config) accepts, in order."""
+    return [c for c in (dict(zip(space, values)) for values in itertools.product(*space.values())) if keep(c)]
+
+
 def prefill_sweep_space(shape) -> list[dict]:
     """Tiles wider than the sequence (rounded up to a power of two) only compute padding."""
     _, S, *_ = _tune_shape(shape, "attention_prefill", PREFILL_FORMAT)
-    out = []
-    for values in itertools.product(*PREFILL_SPACE.values()):
-        c = dict(zip(PREFILL_SPACE, values))
-        if c["BLOCK_M"] <= max(64, triton.next_power_of_2(S)) and c["BLOCK_N"] <= max(32, triton.next_power_of_2(S)):
-            out.append(c)
-    return out
+    return _candidates(PREFILL_SPACE, lambda c: c["BLOCK_M"] <= max(64, triton.next_power_of_2(S))
+                       and c["BLOCK_N"] <= max(32, triton.next_power_of_2(S)))
 
 
 def decode_sweep_space(shape) -> list[dict]:
+    """Key tiles within a page, and not wider than the cache (rounded up to a power of two)."""
     _, S_max, *_ = _tune_shape(shape, "attention_decode", DECODE_FORMAT)
-    out = []
-    for values in itertools.product(*DECODE_SPACE.values()):
-        c = dict(zip(DECODE_SPACE, values))
-        if c["BLOCK_N"] <= min(TUNE_PAGE_SIZE, max(16, triton.next_power_of_2(S_max))):
-            out.append(c)
-    return out
+    widest = min(TUNE_PAGE_SIZE, max(16, triton.next_power_of_2(S_max)))
+    return _candidates(DECODE_SPACE, lambda c: c["BLOCK_N"] <= widest)
 
 
 def _meta_pages(B: int, S: int, H_kv: int, d_qk: int, d_v: int):
