@@ -275,9 +275,11 @@ def test_attention_decode_dry_run_winner_is_what_decode_config_returns(config_di
     tune.write_configs(target.name, "cpu", winners, config_dir)
     # 132 SMs, 3 x 2 (sequence, kv head) programs: ceil(264 / 6) = 44 splits wanted, capped at
     # ceil(100 / (4 * 16)) = 2 so each split keeps 4 key blocks
-    assert decode_config(3, 2, 100, 64, 16, 64, sm_count=132) == DecodeConfig(16, 2, 8, 3)
-    assert decode_config(3, 2, 4096, 64, 16, 64, sm_count=132) == DecodeConfig(16, 44, 8, 3)
-    assert decode_config(3, 2, 100, 128, 0, 128, sm_count=132).BLOCK_N == 64  # default for other dims
+    assert decode_config(3, 2, 100, 16, 64, 16, 64, sm_count=132) == DecodeConfig(16, 2, 8, 3)
+    assert decode_config(3, 2, 4096, 16, 64, 16, 64, sm_count=132) == DecodeConfig(16, 44, 8, 3)
+    # other head dims keep the default, 32-key tiles, capped by the page
+    assert decode_config(3, 2, 100, 64, 128, 0, 128, sm_count=132) == DecodeConfig(32, 1, 4, 2)
+    assert decode_config(3, 2, 100, 16, 128, 0, 128, sm_count=132) == DecodeConfig(16, 2, 4, 2)
 
 
 def test_moe_dry_run_writes_both_gemm_buckets_that_fused_moe_looks_up(config_dir, monkeypatch):

@@ -224,7 +224,7 @@ def compile_shipped_configs(cc: int) -> dict:
     for (d_qk, d_v), page_size, window in ([(dims, 16, 0) for dims in SHIPPED_DIMS]
                                            + [((128, 128), 16, 4096), ((128, 128), 64, 0), ((576, 512), 64, 0)]):
         H, H_kv = _heads(d_qk)
-        cfg = decode_config(1, H_kv, 32768, *head_blocks(d_qk, d_v), sm_count=SM_COUNT[cc])
+        cfg = decode_config(1, H_kv, 32768, page_size, *head_blocks(d_qk, d_v), sm_count=SM_COUNT[cc])
         k_pages, table = _meta(4096, page_size, H_kv, d_qk), _meta(1, 32768 // page_size, **i32)
         v_pages = k_pages[..., :d_v] if d_qk == 576 else _meta(*k_pages.shape[:3], d_v)
         split, merge, _ = decode_launches(_meta(1, H, d_qk), k_pages, v_pages, _meta(1, **i32), table, d_qk ** -0.5,

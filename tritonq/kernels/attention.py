@@ -316,35 +316,36 @@ def paged_prefill_config(block_d: int, block_dr: int, block_dv: int, cc: int | N
     return tuned_or_default("attention_prefill", config_bucket(block_d, block_dr, block_dv), default)
 
 
-def decode_config(batch: int, kv_heads: int, max_len: int, block_d: int, block_dr: int, block_dv: int,
-                  sm_count: int | None) -> DecodeConfig:
-    """Splits so that batch x kv_heads x splits programs fill about two waves of sm_count SMs.
+def decode_config(batch: int, kv_heads: int, max_len: int, page_size: int, block_d: int, block_dr: int,
+                  block_dv: int, sm_count: int | None) -> DecodeConfig:
+    """The decode launch config over pages of page_size: the tuned (else default) key tile, capped by
+    `paged_block_n`, and splits so that batch x kv_heads x splits programs fill about two waves of
+    sm_count SMs.
 
     Chosen from the cache capacity (not cache_lens, which live on the device) so the launch needs
-    no host sync and stays CUDA-graph friendly; each split keeps at least 4 key blocks.
-    sm_count None means the interpreter: 16-token blocks and up to 4 splits, so that small test
-    caches span several blocks, several splits and empty splits.
+    no host sync and stays CUDA-graph friendly; each split keeps at least 4 key tiles.
+    sm_count None means the interpreter: 16-token tiles and up to 4 splits, so that small test
+    caches span several tiles, several splits and empty splits.
     """
     if sm_count is None:
         return DecodeConfig(16, decode_num_splits(batch, kv_heads, max_len, 16, None), 1, 1)
-    if block_dv > 128:  # 256, MLA latent 576 / 512: a [16, 512] fp32 accumulator needs 8 warps
-        default = DecodeConfig(32, 1, 8, 2)
-    else:  # wider qk tiles (192) halve the key block to keep K/V tiles small
-        default = DecodeConfig(64 if block_d + block_dr <= 128 else 32, 1, 4, 2)
+    # 32-key tiles (the most a page lookup allows, `paged_block_n`); 256-wide and MLA latent 576 / 512
+    # values need 8 warps for their [16, Dv] fp32 accumulator.
+    default = DecodeConfig(32, 1, 8 if block_dv > 128 else 4, 2)
     cfg = tuned_or_default("attention_decode", config_bucket(block_d, block_dr, block_dv), default)
-    return replace(cfg, NUM_SPLITS=decode_num_splits(batch, kv_heads, max_len, cfg.BLOCK_N, sm_count))
+    block_n = paged_block_n(cfg.BLOCK_N, page_size)
+    return replace(cfg, BLOCK_N=block_n, NUM_SPLITS=decode_num_splits(batch, kv_heads, max_len, block_n, sm_count))
 
 
 def paged_block_n(block_n: int, page_size: int) -> int:
-    """The decode key tile over a paged cache (page_size 0: contiguous, block_n as configured): within
-    one page, and at most 32 keys, since the per-key page lookup costs registers (sm_80, Dqk 128:
-    64-key tiles over 64-token pages spill 92 registers, 32-key tiles none)."""
-    return min(block_n, page_size, 32) if page_size else block_n
+    """The decode key tile: within one page, and at most 32 keys, since the per-key page lookup costs
+    registers (sm_80, Dqk 128: 64-key tiles over 64-token pages spill 92 registers, 32-key tiles none)."""
+    return min(block_n, page_size, 32)
 
 
 def decode_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int | None) -> int:
-    """KV splits for decode_config (see there): about two waves of programs, >= 4 key blocks per split;
-    the interpreter (sm_count None) takes up to 4 splits."""
+    """KV splits for decode_config (see there): about two waves of programs, >= 4 key tiles of block_n
+    per split; the interpreter (sm_count None) takes up to 4 splits."""
     if sm_count is None:
         return min(4, triton.cdiv(max_len, block_n))
     wanted = triton.cdiv(2 * sm_count, batch * kv_heads)
@@ -453,7 +454,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     if window:
         S_max = min(S_max, window)
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
-    cfg = config or decode_config(B, H_kv, S_max, *head_blocks(D_QK, D_V), sm_count)
+    cfg = config or decode_config(B, H_kv, S_max, page_size, *head_blocks(D_QK, D_V), sm_count)
     split, merge, out = decode_launches(q, k_pages, v_pages, cache_lens, block_table, scale, window, cfg)
     split()
     merge()
@@ -813,7 +814,7 @@ def decode_aot_launch(config: dict, shape, cc: int) -> Launch:
     from tritonq.kernels.aot import SM_COUNT
 
     B, S_max, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_decode", DECODE_FORMAT)
-    splits = decode_num_splits(B, H_kv, S_max, config["BLOCK_N"], SM_COUNT.get(cc, 108))
+    splits = decode_num_splits(B, H_kv, S_max, paged_block_n(config["BLOCK_N"], TUNE_PAGE_SIZE), SM_COUNT.get(cc, 108))
     k_pages, v_pages, table = _meta_pages(B, S_max, H_kv, d_qk, d_v)
     q = torch.empty(B, H, d_qk, dtype=torch.bfloat16, device="meta")
     lens = torch.empty(B, dtype=torch.int32, device="meta")
@@ -867,7 +868,8 @@ def decode_tune_target():
         q, k_pages, _, _, table, _ = inputs
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
         capacity = table.shape[1] * k_pages.shape[1]
-        splits = decode_num_splits(q.shape[0], k_pages.shape[2], capacity, config["BLOCK_N"], sm_count)
+        block_n = paged_block_n(config["BLOCK_N"], k_pages.shape[1])
+        splits = decode_num_splits(q.shape[0], k_pages.shape[2], capacity, block_n, sm_count)
         return decode_attention(*inputs, config=DecodeConfig(NUM_SPLITS=splits, **config))
 
     tol = TUNE_TOL[kernel_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))]
