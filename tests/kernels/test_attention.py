@@ -26,6 +26,7 @@ from tritonq.kernels.attention import (
     paged_prefill_attention_reference,
     paged_prefill_config,
     paged_prefill_launch,
+    paged_prompts,
     write_kv_slots,
     write_kv_slots_launch,
     write_kv_slots_reference,
@@ -63,15 +64,6 @@ def assert_close(actual, expected, dtype):
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def prompts_in_pages(q, k, v, seq_lens, page_size=16, num_pages=None, generator=None):
-    """Whole prompts as the engine prefills them: right-padded q [B,S,H,Dqk], k/v [B,S,Hkv,D] with
-    seq_lens -> the paged_prefill_attention arguments (packed q, pages, cu_seqlens, context_lens, table)."""
-    k_pages, v_pages, table = paged_cache(k, v, page_size, num_pages, generator)
-    packed = torch.cat([q[b, :n] for b, n in enumerate(seq_lens)])
-    cu = lens([0] + torch.tensor(seq_lens).cumsum(0).tolist())
-    return packed, k_pages, v_pages, cu, lens(seq_lens), table
-
-
 @pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_prompt_prefill_matches_sdpa_per_sequence(d_qk, d_v, h, h_kv, dtype):
@@ -82,7 +74,7 @@ def test_prompt_prefill_matches_sdpa_per_sequence(d_qk, d_v, h, h_kv, dtype):
     k = torch.randn(B, S, h_kv, d_qk, generator=g).to(dtype)
     v = torch.randn(B, S, h_kv, d_v, generator=g).to(dtype)
     scale = 0.7 / d_qk ** 0.5  # not the default, so a dropped scale would show
-    args = prompts_in_pages(q, k, v, SEQ_LENS, num_pages=12, generator=g)
+    args = paged_prompts(q, k, v, SEQ_LENS, 16, num_pages=12, generator=g)
     out = paged_prefill_attention(*args, scale)
     ref = paged_prefill_attention_reference(*args, scale)
     assert out.shape == (sum(SEQ_LENS), h, d_v) and out.dtype == dtype
@@ -121,7 +113,7 @@ def test_cpu_runtime_path_handles_bf16_in_float32(monkeypatch):
     B, S, h, h_kv, d_qk, d_v = 3, 33, 4, 1, 192, 128
     q, k = torch.randn(B, S, h, d_qk).bfloat16(), torch.randn(B, S, h_kv, d_qk).bfloat16()
     v = torch.randn(B, S, h_kv, d_v).bfloat16()
-    packed, k_pages, v_pages, cu, ctx, table = prompts_in_pages(q, k, v, SEQ_LENS)
+    packed, k_pages, v_pages, cu, ctx, table = paged_prompts(q, k, v, SEQ_LENS, 16)
     out = paged_prefill_attention(packed, k_pages, v_pages, cu, ctx, table, 0.1)
     step = decode_attention(q[torch.arange(B), ctx.long() - 1], k_pages, v_pages, ctx, table, 0.1)
     assert out.dtype == step.dtype == torch.bfloat16
@@ -144,7 +136,7 @@ def test_prefill_then_decode_through_cache_equals_longer_prefill():
     n = torch.tensor(SEQ_LENS)
     S = int(n.max()) + 1
     q, k, v = torch.randn(B, S, h, d_qk), torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
-    longer = prompts_in_pages(q, k, v, (n + 1).tolist())
+    longer = paged_prompts(q, k, v, (n + 1).tolist(), 16)
     full = paged_prefill_attention(*longer, scale)
     table = torch.randperm(B * 3).view(B, 3).to(torch.int32)  # 3 pages of 16 hold 40 positions
     k_pages, v_pages = torch.zeros(B * 3, page_size, h_kv, d_qk), torch.zeros(B * 3, page_size, h_kv, d_v)
@@ -279,7 +271,7 @@ def test_prefill_explicit_config_is_launched_and_matches_reference(monkeypatch):
     q, k, v = torch.randn(B, S, h, d_qk), torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
     spy = LaunchSpy(attention._paged_prefill_kernel)
     monkeypatch.setattr(attention, "_paged_prefill_kernel", spy)
-    args = prompts_in_pages(q, k, v, SEQ_LENS)
+    args = paged_prompts(q, k, v, SEQ_LENS, 16)
     out = paged_prefill_attention(*args, 0.2, config=attention.PrefillConfig(32, 16, 8, 3))
     assert [(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) for c in spy.launches] == [(32, 16, 8, 3)]
     assert_close(out, paged_prefill_attention_reference(*args, 0.2), torch.float32)

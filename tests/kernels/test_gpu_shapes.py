@@ -2,8 +2,6 @@
 shapes of the other kernel tests run everywhere). Formerly `python -m tritonq.check`'s own cases;
 err = max |ours - ref| / max |ref| against each kernel file's torch reference on the same device.
 """
-import itertools
-
 import pytest
 import tolerances
 import torch
@@ -67,11 +65,9 @@ def _cases(device: str):
             k = torch.randn(B, S, H_kv, d_qk, device=device, dtype=dtype)
             v = torch.randn(B, S, H_kv, d_v, device=device, dtype=dtype)
             scale = d_qk ** -0.5
-            k_pages, v_pages, table = attn.paged_cache(k, v, 16)  # the engine's default page size
+            prefill = (*attn.paged_prompts(q, k, v, lens, 16), scale)  # the engine's default page size
+            _, k_pages, v_pages, _, _, table, _ = prefill
             if d_qk != 576:  # the latent mode prefills through its expanded heads: 576 / 512 decodes only here
-                packed = torch.cat([q[b, :n] for b, n in enumerate(lens)])
-                cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-                prefill = (packed, k_pages, v_pages, cu, seq, table, scale)
                 yield "attention", f"prefill {d_qk}/{d_v} H={H}/{H_kv} lens={lens} {dname}", \
                     attn.paged_prefill_attention(*prefill), attn.paged_prefill_attention_reference(*prefill)
             yield "attention", f"decode {d_qk}/{d_v} H={H}/{H_kv} lens={lens} {dname}", \

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonq.bench.common import backend_label, device_peaks, print_table, results_path, time_ms, write_json
-from tritonq.kernels.attention import decode_attention, paged_cache, paged_prefill_attention
+from tritonq.kernels.attention import decode_attention, paged_cache, paged_prefill_attention, paged_prompts
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PAGE_SIZE = 16  # the engine's default block_size
@@ -47,13 +47,10 @@ def bench_prefill(shapes, dtype, device, on_gpu) -> list[dict]:
         v = torch.randn(B, S, Hkv, Dv, dtype=dtype, device=device)
         scale = Dqk ** -0.5
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # SDPA gets its own layout
-        k_pages, v_pages, table = paged_cache(k, v, PAGE_SIZE)
-        lens = torch.full((B,), S, dtype=torch.int32, device=device)
-        cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=device)
-        packed = q.flatten(0, 1)
+        args = paged_prompts(q, k, v, [S] * B, PAGE_SIZE)
 
         def ours_fn():
-            return paged_prefill_attention(packed, k_pages, v_pages, cu_seqlens, lens, table, scale)
+            return paged_prefill_attention(*args, scale)
 
         ours = ours_fn().view(B, S, H, Dv)
         base = sdpa_bhsd(qt, kt, vt, scale, True).transpose(1, 2)

@@ -273,7 +273,7 @@ class PrefillConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch config of _decode_split_kernel. Tuned JSON stores BLOCK_N, num_warps, num_stages;
-    NUM_SPLITS depends on batch and cache length, so it is always derived (`decode_num_splits`)."""
+    NUM_SPLITS depends on batch and cache length, so it is always derived (`fit_decode_config`)."""
     BLOCK_N: int
     NUM_SPLITS: int
     num_warps: int
@@ -328,13 +328,12 @@ def decode_config(batch: int, kv_heads: int, max_len: int, page_size: int, block
     caches span several tiles, several splits and empty splits.
     """
     if sm_count is None:
-        return DecodeConfig(16, decode_num_splits(batch, kv_heads, max_len, 16, None), 1, 1)
+        return fit_decode_config(DecodeConfig(16, 1, 1, 1), batch, kv_heads, max_len, page_size, None)
     # 32-key tiles (the most a page lookup allows, `paged_block_n`); 256-wide and MLA latent 576 / 512
     # values need 8 warps for their [16, Dv] fp32 accumulator.
     default = DecodeConfig(32, 1, 8 if block_dv > 128 else 4, 2)
     cfg = tuned_or_default("attention_decode", config_bucket(block_d, block_dr, block_dv), default)
-    block_n = paged_block_n(cfg.BLOCK_N, page_size)
-    return replace(cfg, BLOCK_N=block_n, NUM_SPLITS=decode_num_splits(batch, kv_heads, max_len, block_n, sm_count))
+    return fit_decode_config(cfg, batch, kv_heads, max_len, page_size, sm_count)
 
 
 def paged_block_n(block_n: int, page_size: int) -> int:
@@ -343,13 +342,18 @@ def paged_block_n(block_n: int, page_size: int) -> int:
     return min(block_n, page_size, 32)
 
 
-def decode_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int | None) -> int:
-    """KV splits for decode_config (see there): about two waves of programs, >= 4 key tiles of block_n
-    per split; the interpreter (sm_count None) takes up to 4 splits."""
+def fit_decode_config(cfg: DecodeConfig, batch: int, kv_heads: int, max_len: int, page_size: int,
+                      sm_count: int | None) -> DecodeConfig:
+    """cfg with the key tile launched over pages of page_size (`paged_block_n`) and NUM_SPLITS derived
+    (cfg's own is ignored): about two waves of programs on sm_count SMs, >= 4 key tiles per split; the
+    interpreter (sm_count None) takes up to 4 splits."""
+    block_n = paged_block_n(cfg.BLOCK_N, page_size)
     if sm_count is None:
-        return min(4, triton.cdiv(max_len, block_n))
-    wanted = triton.cdiv(2 * sm_count, batch * kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_len, 4 * block_n), 64))
+        splits = min(4, triton.cdiv(max_len, block_n))
+    else:
+        wanted = triton.cdiv(2 * sm_count, batch * kv_heads)
+        splits = max(1, min(wanted, triton.cdiv(max_len, 4 * block_n), 64))
+    return replace(cfg, BLOCK_N=block_n, NUM_SPLITS=splits)
 
 
 def check_prefill_config(config: PrefillConfig) -> None:
@@ -753,6 +757,18 @@ def paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int, num_pages: int
     return pages[0], pages[1], table.to(k.device)
 
 
+def paged_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], page_size: int,
+                  num_pages: int | None = None, generator: torch.Generator | None = None) -> tuple:
+    """Whole prompts as the engine prefills them: right-padded q [B, S, H, Dqk], k [B, S, Hkv, Dqk],
+    v [B, S, Hkv, Dv] with seq_lens [B] -> paged_prefill_attention's arguments before scale: (q packed
+    [sum(seq_lens), H, Dqk], k_pages, v_pages, cu_seqlens_q, context_lens, block_table), pages as
+    `paged_cache` lays them out. For tests, the tuner and benchmarks."""
+    k_pages, v_pages, table = paged_cache(k, v, page_size, num_pages, generator)
+    packed = torch.cat([q[b, :n] for b, n in enumerate(seq_lens)])
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=q.device)
+    return packed, k_pages, v_pages, cu_seqlens, torch.tensor(seq_lens, dtype=torch.int32, device=q.device), table
+
+
 def _tune_shape(shape, target: str, shape_format: str) -> tuple[int, ...]:
     from tritonq.tune.search import unpack_shape
 
@@ -763,11 +779,9 @@ def _tune_shape(shape, target: str, shape_format: str) -> tuple[int, ...]:
     return shape
 
 
-def _tune_lengths(batch: int, full: int) -> torch.Tensor:
-    """int32 [batch] on the CPU: the first sequence at full length, the others random in [1, full]."""
-    lens = torch.randint(1, full + 1, (batch,), dtype=torch.int32)
-    lens[0] = full
-    return lens
+def _tune_lengths(batch: int, full: int) -> list[int]:
+    """[batch] lengths: the first sequence at full length, the others random in [1, full]."""
+    return [full] + torch.randint(1, full + 1, (batch - 1,)).tolist()
 
 
 def _candidates(space: dict, keep) -> list[dict]:
@@ -814,12 +828,12 @@ def decode_aot_launch(config: dict, shape, cc: int) -> Launch:
     from tritonq.kernels.aot import SM_COUNT
 
     B, S_max, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_decode", DECODE_FORMAT)
-    splits = decode_num_splits(B, H_kv, S_max, paged_block_n(config["BLOCK_N"], TUNE_PAGE_SIZE), SM_COUNT.get(cc, 108))
+    cfg = fit_decode_config(DecodeConfig(NUM_SPLITS=1, **config), B, H_kv, S_max, TUNE_PAGE_SIZE,
+                            SM_COUNT.get(cc, 108))
     k_pages, v_pages, table = _meta_pages(B, S_max, H_kv, d_qk, d_v)
     q = torch.empty(B, H, d_qk, dtype=torch.bfloat16, device="meta")
     lens = torch.empty(B, dtype=torch.int32, device="meta")
-    return decode_launches(q, k_pages, v_pages, lens, table, d_qk ** -0.5, 0,
-                           DecodeConfig(NUM_SPLITS=splits, **config))[0]
+    return decode_launches(q, k_pages, v_pages, lens, table, d_qk ** -0.5, 0, cfg)[0]
 
 
 def prefill_tune_target():
@@ -831,12 +845,9 @@ def prefill_tune_target():
     def make_inputs(shape, device):
         B, S, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_prefill", PREFILL_FORMAT)
         dtype = kernel_dtype(device)
-        lens = _tune_lengths(B, S)
-        k_pages, v_pages, table = paged_cache(torch.randn(B, S, H_kv, d_qk, dtype=dtype, device=device),
-                                              torch.randn(B, S, H_kv, d_v, dtype=dtype, device=device), TUNE_PAGE_SIZE)
-        q = torch.randn(int(lens.sum()), H, d_qk, dtype=dtype, device=device)
-        cu_seqlens = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
-        return q, k_pages, v_pages, cu_seqlens.to(device), lens.to(device), table, d_qk ** -0.5
+        q, k, v = (torch.randn(B, S, heads, d, dtype=dtype, device=device)
+                   for heads, d in ((H, d_qk), (H_kv, d_qk), (H_kv, d_v)))
+        return *paged_prompts(q, k, v, _tune_lengths(B, S), TUNE_PAGE_SIZE), d_qk ** -0.5
 
     tol = TUNE_TOL[kernel_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))]
     return TuneTarget(
@@ -851,7 +862,7 @@ def prefill_tune_target():
 
 def decode_tune_target():
     """Split-KV decode over 16-token pages; NUM_SPLITS is not swept: the launcher derives it
-    (`decode_num_splits`)."""
+    (`fit_decode_config`)."""
     from tritonq.kernels.aot import compile_launch
     from tritonq.tune.search import TuneTarget, kernel_dtype
 
@@ -862,15 +873,16 @@ def decode_tune_target():
                                               torch.randn(B, S_max, H_kv, d_v, dtype=dtype, device=device),
                                               TUNE_PAGE_SIZE)
         q = torch.randn(B, H, d_qk, dtype=dtype, device=device)
-        return q, k_pages, v_pages, _tune_lengths(B, S_max).to(device), table, d_qk ** -0.5
+        lens = torch.tensor(_tune_lengths(B, S_max), dtype=torch.int32, device=device)
+        return q, k_pages, v_pages, lens, table, d_qk ** -0.5
 
     def run(inputs, config):
         q, k_pages, _, _, table, _ = inputs
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
         capacity = table.shape[1] * k_pages.shape[1]
-        block_n = paged_block_n(config["BLOCK_N"], k_pages.shape[1])
-        splits = decode_num_splits(q.shape[0], k_pages.shape[2], capacity, block_n, sm_count)
-        return decode_attention(*inputs, config=DecodeConfig(NUM_SPLITS=splits, **config))
+        cfg = fit_decode_config(DecodeConfig(NUM_SPLITS=1, **config), q.shape[0], k_pages.shape[2], capacity,
+                                k_pages.shape[1], sm_count)
+        return decode_attention(*inputs, config=cfg)
 
     tol = TUNE_TOL[kernel_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))]
     return TuneTarget(
