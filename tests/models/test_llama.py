@@ -40,8 +40,13 @@ def write_checkpoint(folder, kv_heads=2, tied=True, bias=True, rope="llama3", hi
                          mlp_bias=bias, rope_scaling=dict(ROPE[rope]), bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # random biases and norm weights, so that those code paths matter
+    return save_with_random_biases_and_norms(LlamaForCausalLM(config).eval(), tokenizer, folder)
+
+
+def save_with_random_biases_and_norms(model, tokenizer, folder):
+    """Biases ~ N(0, 0.5) and norm weights ~ N(0, 1), so that those code paths matter; saved to folder
+    with the tokenizer. Returns the model."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.normal_(0, 0.5 if "bias" in name else 1.0)

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from models.paged import PagedRun
-from models.test_llama import dequantized_transformers_model, hf_greedy
+from models.test_llama import dequantized_transformers_model, hf_greedy, save_with_random_biases_and_norms
 from safetensors.torch import load_file
 from transformers import (AutoConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
@@ -59,14 +59,7 @@ def write_checkpoint(folder, name: str, seed: int = 0, **overrides):
     config = config_cls(**{**COMMON, **fields, **overrides}, vocab_size=len(tokenizer),
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if param_name.endswith("bias") or "norm" in param_name:
-                p.normal_(0, 0.5 if "bias" in param_name else 1.0)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return model
+    return save_with_random_biases_and_norms(model_cls(config).eval(), tokenizer, folder)
 
 
 def build(folder):
