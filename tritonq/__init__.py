@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import errno
 import json
 import logging
+import math
+import os
 
 import torch
 
@@ -18,16 +21,73 @@ __version__ = "0.1.0"
 __all__ = ["load", "Model", "GenerationConfig", "GenerationOutput", "ScoreOutput"]
 
 
-def _eos_token_ids(folder: Path, config, tokenizer) -> set[int]:
-    """EOS ids from generation_config.json, config.json and the tokenizer (checkpoints disagree)."""
-    from transformers import GenerationConfig as HFGenerationConfig
-    found = [getattr(config, "eos_token_id", None), tokenizer.eos_token_id]
-    if (folder / "generation_config.json").exists():
-        found.append(HFGenerationConfig.from_pretrained(folder).eos_token_id)
+def _read_json(path: Path) -> dict:
+    """A JSON object file of the checkpoint; a ValueError says what is wrong with it (not JSON, not an object)."""
+    try:
+        value = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON file ({e}); re-download it or fix it.") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} is not a JSON object (found a {type(value).__name__}); re-download it or fix it.")
+    return value
+
+
+# The files a checkpoint folder holds that tritonq reads (hub.SMALL_FILES and the weights).
+CHECKPOINT_FILES = ("*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.safetensors")
+
+
+def _check_files(folder: Path) -> None:
+    """Every checkpoint file in folder can be opened, before any is parsed: a symlink loop, a dangling
+    link or an unreadable file is named as such (later, they look like a missing config.json, a missing
+    sentencepiece or a corrupt download)."""
+    for pattern in CHECKPOINT_FILES:
+        for path in sorted(folder.glob(pattern)):
+            try:
+                path.stat()
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise ValueError(f"{path} is a symlink loop (it resolves to itself); point the link at the real "
+                                     "file.") from e
+                if e.errno == errno.ENOENT:
+                    raise FileNotFoundError(f"{path} is a symlink to {os.readlink(path)!r}, which does not exist; "
+                                            "download the file it points at or remove the link.") from e
+                raise
+            if path.is_file():
+                try:
+                    open(path, "rb").close()
+                except PermissionError as e:
+                    raise PermissionError(f"{path}: permission denied ({e.strerror}); make the file readable by this "
+                                          "user (e.g. chmod a+r).") from e
+
+
+def _eos_token_ids(folder: Path, config: dict, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer (checkpoints disagree); read before
+    the weights, so a broken generation_config.json fails fast."""
+    found = [config.get("eos_token_id"), tokenizer.eos_token_id]
+    path = folder / "generation_config.json"
+    if path.exists():
+        found.append(_read_json(path).get("eos_token_id"))
     ids = set()
     for value in found:
-        ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+        for i in value if isinstance(value, (list, tuple)) else [] if value is None else [value]:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise ValueError(f"eos_token_id {value!r} (config.json, {path.name} or the tokenizer in {folder}) "
+                                 "is not a token id; expected a non-negative int or a list of them.")
+            ids.add(i)
     return ids
+
+
+def _check_tokenizer(folder: Path, config: dict, tokenizer, eos_ids: set[int]) -> None:
+    """Warnings for a tokenizer that does not fit the model (not errors: such checkpoints exist and run)."""
+    log = logging.getLogger("tritonq")
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and len(tokenizer) > vocab:  # smaller is normal: embeddings padded for speed
+        log.warning("%s: the tokenizer has %d tokens but config.json has vocab_size=%d: the model has no embedding "
+                    "for ids %d..%d, so a prompt that encodes to any of them is refused.", folder, len(tokenizer),
+                    vocab, vocab, len(tokenizer) - 1)
+    if not eos_ids:
+        log.warning("%s: no EOS token id in config.json, generation_config.json or the tokenizer: generation "
+                    "runs until max_new_tokens or a stop string.", folder)
 
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -68,23 +128,58 @@ def _check_options(max_seq_len, quantize, group_size, max_num_seqs, max_num_batc
                          "(e.g. 32, 64, 128) or -1 for one group per output channel.")
 
 
-def _model_type(folder: Path) -> str:
-    """config.json's model_type, read before transformers parses it (its errors for a missing file or an
-    unknown type point at the wrong fix); a ValueError names the folder, the file and what is supported."""
+def _read_config(folder: Path) -> dict:
+    """config.json as a dict, read before transformers parses it (its errors for a missing file, an unknown
+    type or a zero head count point at the wrong fix): model_type must be supported and the sizes and
+    constants the model is built from must be possible (`_check_config`); errors name the key and the file."""
     from tritonq.models import MODELS, model_class
 
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json; a checkpoint folder needs the config.json that "
                                 "transformers' save_pretrained writes next to the weights.")
-    try:
-        model_type = json.loads(path.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ValueError(f"{path} is not a JSON object ({e}); re-download it.") from e
-    if model_type is None:
+    config = _read_json(path)
+    if config.get("model_type") is None:
         raise ValueError(f"{path} has no model_type; expected one of {sorted(MODELS)}.")
-    model_class(model_type)  # unknown -> ValueError listing the supported types
-    return model_type
+    model_class(config["model_type"])  # unknown -> ValueError listing the supported types
+    _check_config(config, path)
+    return config
+
+
+# Keys of config.json that count something the model has at least one of.
+POSITIVE_INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                     "max_position_embeddings", "intermediate_size")
+
+
+def _check_config(config: dict, path: Path) -> None:
+    """Refuse config values no model can have (a ValueError naming the key, the value and the file). Keys that
+    are absent take transformers' defaults, which are valid."""
+    def refuse(key, value, expected):
+        raise ValueError(f"{path}: {key}={value!r}; expected {expected}. The config is broken: fix it or "
+                         "re-download it.")
+
+    for key in POSITIVE_INT_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            refuse(key, value, "a positive int")
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        refuse("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads} (each KV head serves "
+               "a whole group of query heads)")
+    eps = config.get("rms_norm_eps")
+    if eps is not None and not (_is_number(eps) and math.isfinite(eps) and eps > 0):
+        refuse("rms_norm_eps", eps, "a positive finite number (e.g. 1e-5 or 1e-6)")
+    thetas = {"rope_theta": config.get("rope_theta")}
+    for key in ("rope_parameters", "rope_scaling"):  # where newer / other exporters keep it
+        if isinstance(config.get(key), dict):
+            thetas[f"{key}.rope_theta"] = config[key].get("rope_theta")
+    for key, theta in thetas.items():
+        if theta is not None and not (_is_number(theta) and math.isfinite(theta) and theta > 0):
+            refuse(key, theta, "a positive finite number (the rope base, e.g. 10000.0 or 500000.0)")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _tokenizer(folder: Path):
@@ -126,7 +221,10 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     cuda_graphs (default: True on CUDA): decode steps run at fixed batch buckets (1, 2, 4, 8, 16, 24,
     ... up to max_num_seqs) and each bucket's step is captured as a CUDA graph here, at load (the log
     says how many and how long it took), then replayed; False runs every step eagerly (debugging).
-    Every argument, config.json and the tokenizer are checked before any weight is read.
+    Every argument, the checkpoint's files (readable, no symlink loops), config.json, generation_config.json
+    and the tokenizer are checked before any weight is read, and so is every tensor the model asks for
+    (presence, dtype, shape: the model is first built against the safetensors headers alone, on the meta
+    device). NaN / inf in any float tensor read is refused once the weights are read, naming the tensors.
     """
     from transformers import AutoConfig
 
@@ -143,7 +241,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     if cuda_graphs not in (None, True, False):
         raise ValueError(f"cuda_graphs={cuda_graphs!r}; expected True, False or None (True on CUDA).")
     folder = resolve(name_or_path, revision=revision)
-    cls = model_class(_model_type(folder))
+    _check_files(folder)
+    raw_config = _read_config(folder)
+    cls = model_class(raw_config["model_type"])
     config = AutoConfig.from_pretrained(folder)
     positions = getattr(config, "max_position_embeddings", None)
     if max_seq_len is not None and positions is not None and max_seq_len > positions:
@@ -157,6 +257,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
         logging.getLogger("tritonq").warning("%s; allowed because the config declares %r rope scaling, but quality "
                                              "past the trained length is not guaranteed.", where, rope_type)
     tokenizer = _tokenizer(folder)
+    eos_ids = _eos_token_ids(folder, raw_config, tokenizer)
+    _check_tokenizer(folder, raw_config, tokenizer, eos_ids)
     device = torch.device(device) if device is not None else distributed.default_device()
     if cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs a CUDA device; the device is {device}. Leave cuda_graphs unset "
@@ -172,13 +274,15 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     loader = get_loader(folder, dtype, device, quantize, 128 if group_size is None else group_size,
                         rank=rank, world=world)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)
+    with loader.dry_run():  # every tensor the model asks for, checked from the headers before any is read
+        cls(config, loader, dtype, torch.device("meta"), max_seq_len=max_seq_len)
     with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
         model = cls(config, loader, dtype, device, max_seq_len=max_seq_len)  # rope tables sized once for it
-    loader.finish()  # every stored tensor used by some module, or an error naming those that were not
+    loader.finish()  # no NaN/inf read, every stored tensor used by some module; else an error naming them
     num_blocks = kv_cache_blocks(model, block_size=block_size, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=kv_cache_gb,
                                  gpu_memory_utilization=gpu_memory_utilization, world=world)
-    engine = Engine(model, tokenizer, _eos_token_ids(folder, config, tokenizer), num_blocks=num_blocks,
+    engine = Engine(model, tokenizer, eos_ids, num_blocks=num_blocks,
                     block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                     enable_prefix_caching=enable_prefix_caching, max_seq_len=max_seq_len, world=world)
     if device.type == "cuda":  # fixed-shape decode buckets; graphs captured after the process group exists

@@ -123,7 +123,7 @@ class Int4Weight(_TypedWeight):
     def check_g_idx(self) -> None:
         """ValueError unless every g_idx entry names a row of scales. It syncs the device, so CUDA
         launches skip it; the GPTQ loader checks at load time."""
-        if self.g_idx is not None:
+        if self.g_idx is not None and not self.g_idx.is_meta:  # meta: a dry run, no values
             lo, hi = int(self.g_idx.min()), int(self.g_idx.max())
             if lo < 0 or hi >= self.scales.shape[0]:
                 raise ValueError(f"Int4Weight: g_idx is in range [{lo}, {hi}], expected in "
@@ -243,7 +243,8 @@ class FP8Weight(_TypedWeight):
                 raise ValueError(f"cannot fuse block-fp8 linears whose N {[p.weight.shape[0] for p in parts]} "
                                  f"are not multiples of the block {first.block_size[0]}")
             scale = torch.cat([p.weight_scale for p in parts])
-        elif all(p.weight_scale.numel() == 1 for p in parts) and len({float(p.weight_scale) for p in parts}) == 1:
+        elif all(p.weight_scale.numel() == 1 for p in parts) and (first.weight_scale.is_meta  # meta: a dry run
+                                                                 or len({float(p.weight_scale) for p in parts}) == 1):
             scale = first.weight_scale
         else:  # different per-tensor scales become exact per-channel scales of the fused weight
             scale = torch.cat([p.weight_scale.reshape(-1, 1).expand(p.weight.shape[0], 1) for p in parts])
@@ -302,7 +303,9 @@ def _stack(parts: list, field: str) -> torch.Tensor | None:
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+    # meta tensors (a dry run of the load) have no values: the same when their shapes are
+    return (a is None and b is None) or (a is not None and b is not None and (
+        a.shape == b.shape if a.is_meta else torch.equal(a, b)))
 
 
 def _not_stacked(w, what: str):

@@ -81,7 +81,8 @@ def awq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torc
     zeros = None
     if qzeros is not None:
         zeros = unpack_awq_zeros(qzeros)
-        zeros = None if bool((zeros == 8).all()) else zeros.to(scales.dtype)
+        # a dry run's meta zeros have no values: kept, as zeros that are not all 8 would be
+        zeros = None if not zeros.is_meta and bool((zeros == 8).all()) else zeros.to(scales.dtype)
     return Int4Weight(repack_awq_qweight(qweight), scales, zeros, None,
                       qweight.shape[0] if group_size == -1 else group_size, 4)
 

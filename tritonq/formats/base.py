@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from dataclasses import replace
@@ -269,8 +270,23 @@ class WeightsLoader:
                                                else "") + "; add the output head to the checkpoint, or set "
                          "tie_word_embeddings=true if the model really reuses its embedding")
 
+    @contextlib.contextmanager
+    def dry_run(self):
+        """Build the model inside this block to check the checkpoint from its headers alone: every tensor the
+        model asks for must exist with the dtype and shape it expects (Weights.dry_run), and nothing is
+        read; the typed weights come back as meta tensors on the "meta" device."""
+        device = self.device
+        self.device = torch.device("meta")
+        try:
+            with self.weights.dry_run():
+                yield
+        finally:
+            self.device = device
+
     def finish(self) -> None:
-        """Called once the model is built: format-specific warnings, then `check_all_read`."""
+        """Called once the model is built: format-specific warnings, then non-finite values (Weights.check_finite)
+        and `check_all_read`."""
+        self.weights.check_finite()
         self.check_all_read()
 
     def check_all_read(self) -> None:

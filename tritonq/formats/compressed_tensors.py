@@ -171,12 +171,15 @@ class CompressedTensorsLoader(WeightsLoader):
         if not self.weights.has_tensor(f"{prefix}.weight_g_idx"):
             return None
         g_idx = self.weights.get_tensor(f"{prefix}.weight_g_idx", shape=(K,)).to(device=self.device, dtype=torch.int32)
+        if g_idx.is_meta:  # a dry run: no values to compare
+            return g_idx
         return None if torch.equal(g_idx.cpu().long(), torch.arange(K) // group_size) else g_idx
 
     def _int(self, prefix: str, s: Scheme) -> Int4Weight:
         get, per = self.weights.get_tensor, 32 // s.bits
         packed = get(f"{prefix}.weight_packed", dtype=torch.int32)
-        N, K = (int(v) for v in get(f"{prefix}.weight_shape"))
+        stored = get(f"{prefix}.weight_shape")  # meta in a dry run: its values are known only once read
+        N, K = (packed.shape[0], packed.shape[1] * per) if stored.is_meta else (int(v) for v in stored)
         if K % per or N % per or tuple(packed.shape) != (N, K // per):
             raise ValueError(f"{prefix}.weight_packed: shape {list(packed.shape)} for weight_shape [{N}, {K}]; "
                              f"supported: N and K multiples of {per}, packed shape [N, K/{per}]")

@@ -127,7 +127,7 @@ class GPTQLoader(WeightsLoader):
         g_idx = None
         if self.weights.has_tensor(f"{prefix}.g_idx"):
             g_idx = self.read(f"{prefix}.g_idx", shard, column=None, row=0, dtype=torch.int32, shape=(K,))
-            if g_idx.min() < 0 or g_idx.max() >= G:
+            if not g_idx.is_meta and (g_idx.min() < 0 or g_idx.max() >= G):  # meta: a dry run, no values
                 raise ValueError(f"{prefix}.g_idx: groups must lie in [0, {G}), found [{g_idx.min()}, {g_idx.max()}]")
         group_row = None  # the dim of scales/qzeros a row shard cuts: groups, only when they are contiguous
         if row and G == 1:
@@ -135,7 +135,7 @@ class GPTQLoader(WeightsLoader):
         elif row:
             part = K // shard.count
             own_groups = torch.arange(shard.index * part, (shard.index + 1) * part) // group_size
-            if g_idx is None or torch.equal(g_idx.long(), own_groups):  # no act-order: this rank's groups in order
+            if g_idx is None or g_idx.is_meta or torch.equal(g_idx.long(), own_groups):  # no act-order: this rank's groups in order
                 self.check_split(prefix, shard, K, group_size, f"a quantization group of {group_size} input rows")
                 group_row, g_idx = 0, None
         scales = self.read(f"{prefix}.scales", shard, column=1, row=group_row, dtype=torch.float16, shape=(G, N))
@@ -143,10 +143,10 @@ class GPTQLoader(WeightsLoader):
         if self.weights.has_tensor(f"{prefix}.qzeros") or not sym:
             qzeros = self.read(f"{prefix}.qzeros", shard, column=1, row=group_row, dtype=torch.int32,
                                shape=(G, N // per))
-            if self.format == "gptq":
+            if self.format == "gptq" and not qzeros.is_meta:  # meta: a dry run, no values to decode
                 qzeros = self.v1_zeros(prefix, qzeros, bits)
             # The zeros as stored are what the packer's dequantization uses, whatever `sym` claims.
-            sym = bool((unpack_int32(qzeros, bits, dim=1) == 2 ** (bits - 1)).all())
+            sym = not qzeros.is_meta and bool((unpack_int32(qzeros, bits, dim=1) == 2 ** (bits - 1)).all())
         qweight = self.read(f"{prefix}.qweight", shard, column=1, row=0, dtype=torch.int32)
         to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
         w = gptq_to_int4(to(qweight), None if sym else to(qzeros), to(scales), to(g_idx), bits, group_size, sym,
@@ -175,10 +175,13 @@ def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: tor
     zeros = None
     if not sym:
         zeros = (unpack_int32(qzeros, bits, dim=1) + zero_offset).to(scales.dtype)
-    if g_idx is not None and scales.shape[0] == K // group_size and _trivial_g_idx(g_idx, group_size):
+    if g_idx is not None and g_idx.is_meta:  # a dry run: only the shape can be checked
+        if tuple(g_idx.shape) != (K,):
+            raise ValueError(f"gptq_to_int4: g_idx of shape {tuple(g_idx.shape)}, expected [{K}]")
+    elif g_idx is not None and scales.shape[0] == K // group_size and _trivial_g_idx(g_idx, group_size):
         g_idx = None
-    if g_idx is not None and (tuple(g_idx.shape) != (K,)
-                              or int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[0]):
+    if g_idx is not None and not g_idx.is_meta and (tuple(g_idx.shape) != (K,)
+                                                    or int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[0]):
         raise ValueError(f"gptq_to_int4: g_idx of shape {tuple(g_idx.shape)} with values in [{int(g_idx.min())}, "
                          f"{int(g_idx.max())}], expected [{K}] in [0, {scales.shape[0]}) (one group per scales row); "
                          "the checkpoint's g_idx does not match its scales")
