@@ -26,8 +26,9 @@ def model(tiny):
         yield tritonq.load(tiny, max_num_seqs=2, max_seq_len=32)
 
 
-def variant(tiny, tmp_path, drop=(), config=None):
-    """A copy of the tiny checkpoint without the files in drop, config.json updated with config."""
+def variant(tiny, tmp_path, drop=(), config=None, write=None, loop=()):
+    """A copy of the tiny checkpoint without the files in drop, config.json updated with config, the files
+    in write ({name: text}) replaced, and each file in loop replaced by a symlink to itself."""
     folder = tmp_path / "variant"
     shutil.copytree(tiny, folder)
     for name in drop:
@@ -35,6 +36,11 @@ def variant(tiny, tmp_path, drop=(), config=None):
     if config:
         path = folder / "config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    for name, text in (write or {}).items():
+        (folder / name).write_text(text)
+    for name in loop:
+        (folder / name).unlink()
+        (folder / name).symlink_to(folder / name)
     return folder
 
 
@@ -55,6 +61,34 @@ LOAD_CASES = {  # name: (variant kwargs, load kwargs, exception, phrase)
     "max_num_seqs_zero": ({}, {"max_num_seqs": 0}, ValueError, "max_num_seqs=0; expected a positive int"),
     "group_size_without_int4": ({}, {"group_size": 32}, ValueError, "group_size=32 applies to quantize='int4' only"),
     "group_size_zero": ({}, {"quantize": "int4", "group_size": 0}, ValueError, "group_size=0; expected a positive"),
+    # config values no model can have: refused naming the key, the value and the file
+    "rope_theta_zero": ({"config": {"rope_theta": 0}}, {}, ValueError, "config.json: rope_theta=0; expected a positive"),
+    "rope_parameters_theta_negative": ({"config": {"rope_parameters": {"rope_theta": -1.0, "rope_type": "default"}}},
+                                       {}, ValueError, "config.json: rope_parameters.rope_theta=-1.0; expected a positive"),
+    "rope_theta_nan": ({"config": {"rope_theta": float("nan")}}, {}, ValueError, "rope_theta=nan; expected a positive finite"),
+    "rms_norm_eps_zero": ({"config": {"rms_norm_eps": 0}}, {}, ValueError, "config.json: rms_norm_eps=0; expected a positive"),
+    "rms_norm_eps_negative": ({"config": {"rms_norm_eps": -1e-6}}, {}, ValueError, "rms_norm_eps=-1e-06; expected a positive"),
+    "rms_norm_eps_nan": ({"config": {"rms_norm_eps": float("nan")}}, {}, ValueError, "rms_norm_eps=nan; expected a positive"),
+    "zero_layers": ({"config": {"num_hidden_layers": 0}}, {}, ValueError, "config.json: num_hidden_layers=0; expected a positive int"),
+    "zero_heads": ({"config": {"num_attention_heads": 0}}, {}, ValueError, "num_attention_heads=0; expected a positive int"),
+    "zero_kv_heads": ({"config": {"num_key_value_heads": 0}}, {}, ValueError, "num_key_value_heads=0; expected a positive int"),
+    "kv_heads_not_dividing": ({"config": {"num_key_value_heads": 3}}, {}, ValueError,
+                              "num_key_value_heads=3; expected a divisor of num_attention_heads=4"),
+    "zero_hidden_size": ({"config": {"hidden_size": 0}}, {}, ValueError, "hidden_size=0; expected a positive int"),
+    "zero_vocab": ({"config": {"vocab_size": 0}}, {}, ValueError, "vocab_size=0; expected a positive int"),
+    "zero_positions": ({"config": {"max_position_embeddings": 0}}, {}, ValueError,
+                       "config.json: max_position_embeddings=0; expected a positive int"),
+    "float_layers": ({"config": {"num_hidden_layers": 1.5}}, {}, ValueError, "num_hidden_layers=1.5; expected a positive int"),
+    # files that are not what they claim: the error says what is really wrong
+    "config_not_json": ({"write": {"config.json": "{not json"}}, {}, ValueError, "config.json is not a JSON file"),
+    "config_not_object": ({"write": {"config.json": "[1, 2]"}}, {}, ValueError, "config.json is not a JSON object"),
+    "generation_config_not_json": ({"write": {"generation_config.json": "{\"eos_token_id\": "}}, {}, ValueError,
+                                   "generation_config.json is not a JSON file"),
+    "generation_config_bad_eos": ({"write": {"generation_config.json": '{"eos_token_id": "end"}'}}, {}, ValueError,
+                                  "eos_token_id 'end'"),
+    "config_symlink_loop": ({"loop": ["config.json"]}, {}, ValueError, "config.json is a symlink loop"),
+    "tokenizer_symlink_loop": ({"loop": ["tokenizer.json"]}, {}, ValueError, "tokenizer.json is a symlink loop"),
+    "weights_symlink_loop": ({"loop": ["model.safetensors"]}, {}, ValueError, "model.safetensors is a symlink loop"),
 }
 
 
@@ -70,6 +104,31 @@ def test_load_refuses_bad_input_before_reading_weights(tiny, tmp_path, monkeypat
     with pytest.raises(error) as info:
         tritonq.load(folder, **options)
     assert phrase in str(info.value)
+
+
+def test_unreadable_file_is_named_permission_denied(tiny, tmp_path, monkeypatch):
+    """A file this user may not read is a permission problem, not a corrupt download. Tests run as root,
+    which chmod 000 does not stop, so the denial is simulated at open()."""
+    import builtins
+    folder = variant(tiny, tmp_path)
+    real_open = builtins.open
+
+    def denying_open(file, *args, **kwargs):
+        if str(file).endswith("model.safetensors"):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denying_open)
+    monkeypatch.setattr("tritonq.formats.registry.get_loader", _no_weights)
+    with pytest.raises(PermissionError, match=r"model.safetensors: permission denied"):
+        tritonq.load(folder)
+    from tritonq.formats.checkpoint import Weights  # the loader says the same when it opens the file itself
+    with pytest.raises(PermissionError, match=r"model.safetensors: permission denied"):
+        Weights(folder)
+
+
+def _no_weights(*args, **kwargs):
+    raise AssertionError("weights were read before the bad input was refused")
 
 
 GENERATE_CASES = {  # name: (prompt, options, exception, phrase)

@@ -95,3 +95,165 @@ def test_quantize_on_load_reads_every_tensor(base, quantize):
     assert type(model.model.layers[0].mlp.down_proj.weight).__name__ == "FP8Weight"
     assert type(model.model.layers[0].self_attn.o_proj.weight).__name__ == ("FP8Weight" if quantize == "fp8"
                                                                               else "DenseWeight")
+
+
+# --- non-finite values (issue 27): refused at load, naming the tensor, its file and the count ----------------
+
+def poke(name, count, value=float("nan")):
+    """An edit setting the first `count` values of tensor `name` to value (NaN by default)."""
+    def edit(t):
+        flat = t[name].reshape(-1).clone()
+        flat[:count] = value
+        t[name] = flat.reshape(t[name].shape)
+    return edit
+
+
+def poke_fp8_nan(name, count):
+    """An edit writing the e4m3 NaN bytes 0x7F / 0xFF into the first `count` values of fp8 tensor `name`."""
+    def edit(t):
+        codes = t[name].view(torch.uint8).reshape(-1).clone()
+        codes[:count] = torch.tensor([0x7F, 0xFF] * count, dtype=torch.uint8)[:count]
+        t[name] = codes.view(torch.float8_e4m3fn).reshape(t[name].shape)
+    return edit
+
+
+@pytest.fixture(scope="module")
+def quantized(base, tmp_path_factory):
+    """The base checkpoint written as AWQ, GPTQ and per-tensor FP8 by the project's writer."""
+    from tritonq.quantize import write_quantized
+    root = tmp_path_factory.mktemp("quantized")
+    return {fmt: write_quantized(base, root / fmt, fmt, group_size=32) for fmt in ("awq", "gptq", "fp8")}
+
+
+NONFINITE = {  # case: (checkpoint (None: dense base), tensor edit, phrase)
+    "dense-weight-nan": (None, poke("model.layers.1.mlp.down_proj.weight", 3),
+                         r"'model.layers.1.mlp.down_proj.weight' in model.safetensors \(3 of 15360 values\)"),
+    "norm-inf": (None, poke("model.norm.weight", 1, float("inf")), r"'model.norm.weight' in model.safetensors \(1 of 96"),
+    "embedding-neg-inf": (None, poke("model.embed_tokens.weight", 2, -float("inf")),
+                          r"'model.embed_tokens.weight' in model.safetensors \(2 of"),
+    "awq-scales-nan": ("awq", poke("model.layers.0.self_attn.q_proj.scales", 4),
+                       r"'model.layers.0.self_attn.q_proj.scales' in model.safetensors \(4 of"),
+    "gptq-scales-inf": ("gptq", poke("model.layers.1.mlp.up_proj.scales", 5, float("inf")),
+                        r"'model.layers.1.mlp.up_proj.scales' in model.safetensors \(5 of"),
+    "fp8-weight-nan-bytes": ("fp8", poke_fp8_nan("model.layers.0.mlp.gate_proj.weight", 2),
+                             r"'model.layers.0.mlp.gate_proj.weight' in model.safetensors \(2 of 15360"),
+    "fp8-scale-nan": ("fp8", poke("model.layers.0.self_attn.o_proj.weight_scale", 1),
+                      r"'model.layers.0.self_attn.o_proj.weight_scale' in model.safetensors \(1 of 1 values\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(NONFINITE))
+def test_nonfinite_values_are_refused_naming_the_tensor(base, quantized, tmp_path, case):
+    source, tensors, phrase = NONFINITE[case]
+    folder = edit(base if source is None else quantized[source], tmp_path / case, tensors=tensors)
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) hold non-finite values \(NaN or inf\).*" + phrase) as info:
+        tritonq.load(folder, max_num_seqs=1, max_seq_len=16)
+    assert "re-download it, or re-quantize it" in str(info.value)
+
+
+def test_nonfinite_count_of_each_float_dtype():
+    from tritonq.formats.checkpoint import nonfinite_count
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        t = torch.ones(1000, dtype=dtype)
+        assert int(nonfinite_count(t)) == 0
+        t[[3, 500, 999]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+        assert int(nonfinite_count(t)) == 3
+    codes = torch.tensor([0x00, 0x7E, 0x7F, 0xFE, 0xFF], dtype=torch.uint8)  # 0x7E / 0xFE: +-448, finite
+    assert int(nonfinite_count(codes.view(torch.float8_e4m3fn))) == 2
+    assert int(nonfinite_count(codes[:2].view(torch.float8_e4m3fn))) == 0
+    e5m2 = torch.tensor([0x7B, 0x7C, 0x7F, 0xFB, 0xFC], dtype=torch.uint8)  # 0x7C / 0xFC: +-inf, 0x7F: NaN
+    assert int(nonfinite_count(e5m2.view(torch.float8_e5m2))) == 3
+    assert nonfinite_count(torch.ones(4, dtype=torch.int32)) is None  # packed codes cannot be non-finite
+
+
+# --- header checks before any read (issue 27): a bad last tensor fails with no data read ----------------------
+
+BEFORE_ANY_READ = {  # case: (checkpoint (None: dense base), tensor edit, error type, phrase)
+    "last-tensor-missing": (None, drop("model.norm.weight"), KeyError, "'model.norm.weight' not found"),
+    "last-tensor-wrong-dtype": (None, lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].to(
+        torch.float8_e4m3fn)), ValueError, r"'model.norm.weight' .* has dtype torch.float8_e4m3fn"),
+    "head-wrong-shape": (None, put("lm_head.weight", (258, 95)), ValueError, r"'lm_head.weight' has shape \[258, 95\]"),
+    "awq-last-scales-missing": ("awq", drop("model.layers.1.mlp.down_proj.scales"), KeyError,
+                                "'model.layers.1.mlp.down_proj.scales' not found"),
+    "gptq-last-qzeros-wrong-dtype": ("gptq", lambda t: t.__setitem__("model.layers.1.mlp.down_proj.qzeros", t[
+        "model.layers.1.mlp.down_proj.qzeros"].to(torch.int64)), ValueError,
+        r"'model.layers.1.mlp.down_proj.qzeros' has dtype torch.int64, expected torch.int32"),
+    "fp8-last-scale-wrong-shape": ("fp8", put("model.layers.1.mlp.down_proj.weight_scale", (3,)), ValueError,
+                                   r"'model.layers.1.mlp.down_proj.weight_scale' has shape \[3\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BEFORE_ANY_READ))
+def test_header_checks_fail_before_any_tensor_is_read(base, quantized, tmp_path, monkeypatch, case):
+    from tritonq.formats.checkpoint import Weights
+    source, tensors, error, phrase = BEFORE_ANY_READ[case]
+    folder = edit(base if source is None else quantized[source], tmp_path / case, tensors=tensors)
+    reads = []
+    real = Weights._read_exactly  # every data read (get_tensor, read_into) goes through it
+    monkeypatch.setattr(Weights, "_read_exactly", lambda self, f, t, name: (reads.append(name), real(self, f, t, name)))
+    monkeypatch.setattr(Weights, "get_sharded", lambda *a, **k: pytest.fail("a sharded read"))
+    with pytest.raises(error, match=phrase):
+        tritonq.load(folder, max_num_seqs=1, max_seq_len=16)
+    assert reads == []
+
+
+def test_a_good_checkpoint_still_loads_reading_each_tensor_once(base, quantized, monkeypatch, caplog):
+    """The dry run reads nothing: a normal load reads every tensor once, and a tokenizer smaller than vocab_size
+    (here the same size) gives no warning."""
+    from tritonq.formats.checkpoint import Weights
+    real = Weights._read_exactly
+    for folder in (base, quantized["gptq"]):
+        reads = []
+        monkeypatch.setattr(Weights, "_read_exactly",
+                            lambda self, f, t, name: (reads.append(name), real(self, f, t, name)))
+        with caplog.at_level("WARNING", logger="tritonq"):
+            model = tritonq.load(folder, max_num_seqs=1, max_seq_len=16)
+        assert isinstance(model.generate("hi", max_new_tokens=2), str)
+        assert sorted(reads) == sorted(load_file(folder / "model.safetensors"))  # each < 4 MiB: one read each
+        assert not [r for r in caplog.records if r.name == "tritonq"]
+
+
+# --- files are unambiguous (issue 27) ------------------------------------------------------------------------
+
+def test_a_tensor_in_two_files_is_refused_naming_both(base, tmp_path):
+    folder = edit(base, tmp_path / "dup")
+    save_file({"model.norm.weight": torch.ones(96)}, folder / "extra.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor 'model.norm.weight' is stored in both extra.safetensors and "
+                                         r"model.safetensors"):
+        tritonq.load(folder, max_num_seqs=1, max_seq_len=16)
+
+
+def test_an_index_decides_and_stray_files_are_ignored_with_one_warning(base, tmp_path):
+    folder = edit(base, tmp_path / "indexed")
+    names = list(load_file(folder / "model.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}))
+    save_file({"model.norm.weight": torch.full((96,), 7.0)}, folder / "stray.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"ignoring 1 \*.safetensors file\(s\) that model.safetensors.index.json "
+                                         r"does not name: \['stray.safetensors'\]"):
+        model = tritonq.load(folder, max_num_seqs=1, max_seq_len=16)
+    assert torch.equal(model.model.norm.weight, load_file(folder / "model.safetensors")["model.norm.weight"])
+
+
+# --- tokenizer vs model (issue 27): warned at load, stating what generation will do ---------------------------
+
+def test_tokenizer_larger_than_vocab_warns(tmp_path, caplog):
+    from formats.helpers import dense_llama
+    save(dense_llama(vocab=200), tmp_path)  # the byte tokenizer has 258 tokens
+    with caplog.at_level("WARNING", logger="tritonq"):
+        tritonq.load(tmp_path, max_num_seqs=1, max_seq_len=16)
+    assert "the tokenizer has 258 tokens but config.json has vocab_size=200" in caplog.text
+    assert "ids 200..257, so a prompt that encodes to any of them is refused" in caplog.text
+
+
+def test_no_eos_anywhere_warns(base, tmp_path, caplog, monkeypatch):
+    folder = edit(base, tmp_path / "no_eos", config={"eos_token_id": None})
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": None}))
+    with caplog.at_level("WARNING", logger="tritonq"):
+        model = tritonq.load(folder, max_num_seqs=1, max_seq_len=16)
+    if model.tokenizer.eos_token_id is not None:
+        pytest.skip("this tokenizer keeps an EOS token whatever tokenizer_config.json says")
+    assert "no EOS token id in config.json, generation_config.json or the tokenizer: generation runs until " \
+           "max_new_tokens or a stop string" in caplog.text
