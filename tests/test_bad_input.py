@@ -85,7 +85,7 @@ LOAD_CASES = {  # name: (variant kwargs, load kwargs, exception, phrase)
     "generation_config_not_json": ({"write": {"generation_config.json": "{\"eos_token_id\": "}}, {}, ValueError,
                                    "generation_config.json is not a JSON file"),
     "generation_config_bad_eos": ({"write": {"generation_config.json": '{"eos_token_id": "end"}'}}, {}, ValueError,
-                                  "eos_token_id 'end'"),
+                                  "generation_config.json: eos_token_id='end' is not a token id"),
     "config_symlink_loop": ({"loop": ["config.json"]}, {}, ValueError, "config.json is a symlink loop"),
     "tokenizer_symlink_loop": ({"loop": ["tokenizer.json"]}, {}, ValueError, "tokenizer.json is a symlink loop"),
     "weights_symlink_loop": ({"loop": ["model.safetensors"]}, {}, ValueError, "model.safetensors is a symlink loop"),

@@ -46,8 +46,8 @@ def _check_files(folder: Path) -> None:
                 path.stat()
             except OSError as e:
                 if e.errno == errno.ELOOP:
-                    raise ValueError(f"{path} is a symlink loop (it resolves to itself); point the link at the real "
-                                     "file.") from e
+                    raise ValueError(f"{path} is a symlink loop (following its links leads back to it, never to a "
+                                     "file); point the link at the real file.") from e
                 if e.errno == errno.ENOENT:
                     raise FileNotFoundError(f"{path} is a symlink to {os.readlink(path)!r}, which does not exist; "
                                             "download the file it points at or remove the link.") from e
@@ -63,16 +63,16 @@ def _check_files(folder: Path) -> None:
 def _eos_token_ids(folder: Path, config: dict, tokenizer) -> set[int]:
     """EOS ids from generation_config.json, config.json and the tokenizer (checkpoints disagree); read before
     the weights, so a broken generation_config.json fails fast."""
-    found = [config.get("eos_token_id"), tokenizer.eos_token_id]
+    found = {folder / "config.json": config.get("eos_token_id"), f"the tokenizer of {folder}": tokenizer.eos_token_id}
     path = folder / "generation_config.json"
     if path.exists():
-        found.append(_read_json(path).get("eos_token_id"))
+        found[path] = _read_json(path).get("eos_token_id")
     ids = set()
-    for value in found:
+    for where, value in found.items():
         for i in value if isinstance(value, (list, tuple)) else [] if value is None else [value]:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-                raise ValueError(f"eos_token_id {value!r} (config.json, {path.name} or the tokenizer in {folder}) "
-                                 "is not a token id; expected a non-negative int or a list of them.")
+                raise ValueError(f"{where}: eos_token_id={value!r} is not a token id; expected a non-negative int "
+                                 "or a list of them.")
             ids.add(i)
     return ids
 

@@ -56,7 +56,9 @@ class Weights:
     Every error names the file and the tensor, and says what was expected. Inside `progress()`,
     a tqdm bar counts the stored bytes of the tensors read so far (a sharded read counts its tensor).
     Every name read (whole or a slice) is recorded, and so is every name a loader declares
-    redundant (`mark_read`), so that `unread()` lists what no module used.
+    redundant (`mark_read`), so that `unread()` lists what no module used. Every float tensor read has
+    its NaN / inf values counted as stored (before any repacking), and `check_finite` refuses them once
+    loading is done. Inside `dry_run()` every check runs from the headers and nothing is read.
     """
 
     def __init__(self, folder: str | Path):
@@ -204,10 +206,10 @@ class Weights:
         """The tensor as stored; with dtype/shape given, a mismatch raises naming file and tensor."""
         found_shape, found_dtype = self.get_shape(name), self.get_dtype(name)
         self._check(name, found_dtype, found_shape, dtype, shape)
+        self._check_span(name, math.prod(found_shape) * found_dtype.itemsize)
         if self._dry:
             return torch.empty(found_shape, dtype=found_dtype, device="meta")
         tensor = torch.empty(found_shape, dtype=found_dtype)
-        self._check_span(name, tensor.nbytes)
         with open(self.folder / self._file_of[name], "rb", buffering=0) as f:
             f.seek(self._where[name][0])
             self._read_exactly(f, tensor, name)
@@ -224,10 +226,12 @@ class Weights:
         if tuple(out.shape) != shape:
             raise ValueError(f"{self.folder / self._file_of[name]}: tensor {name!r} has shape {list(shape)}, "
                              f"expected {list(out.shape)}")
-        if self._dry or not shape:  # nothing to stream: a dry run reads nothing, a scalar is one value
+        if not shape:  # a scalar: nothing to stream
             return out if self._dry else out.copy_(self.get_tensor(name))
         row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
         self._check_span(name, shape[0] * row_bytes if math.prod(shape[1:]) else 0)
+        if self._dry:  # checked from the header; nothing read
+            return out
         step = max(1, chunk_bytes // row_bytes)
         buffer = self._buffer(min(step, shape[0]) * row_bytes).view(dtype).view(min(step, shape[0]), *shape[1:])
         bad = None
