@@ -60,3 +60,34 @@ TOLERANCE = {
 def table(family: str) -> dict:
     """{dtype: tolerance} of one kernel family."""
     return {dtype: row[family] for dtype, row in TOLERANCE.items() if family in row}
+
+
+# ---- the engine: one prompt alone vs in a batch (or chunked, prefix-cached, interleaved) -------------
+# float32 through the engine: the BLAS kernel a GEMM takes (and so its summation order) depends on the
+# number of rows in the step and on the CPU (avx2 / avx512 paths, thread count), so the same logit of
+# the same prompt differs by a few fp32 ulps (2^-24 relative) per dot, carried through the layers.
+# For the tiny test models (|logits| < ~20, K <= 256, two layers) that stays below 1e-5 in a logprob.
+# Bitwise equality would test the BLAS library, not the engine.
+BATCH_ATOL = 1e-5
+# A greedy pick whose top-2 logit gap is below this can flip under that rounding; after it two runs
+# may rightly diverge, so tokens are compared exactly only up to the first such near tie.
+GREEDY_TIE = 1e-4
+
+
+def assert_greedy_equal(model, prompts: list[list[int]], got, want) -> None:
+    """got and want (GenerationOutput of greedy runs of token-id prompts) agree: the same tokens up to the
+    first near tie of want's run (GREEDY_TIE, from one prefill of prompt + want's tokens), all of them when
+    there is none, and logprobs within BATCH_ATOL there."""
+    for i, prompt in enumerate(prompts):
+        ids = want.token_ids[i]
+        n = len(ids)
+        if ids:
+            logits = model.engine.prompt_logits(list(prompt) + ids[:-1])[len(prompt) - 1:]  # [len(ids), V]
+            top2 = logits.topk(2, dim=-1).values
+            ties = (top2[:, 0] - top2[:, 1] < GREEDY_TIE).nonzero()
+            n = int(ties[0]) if len(ties) else n
+        assert got.token_ids[i][:n] == ids[:n], f"prompt {i}: tokens differ before any near tie"
+        if n == len(ids):
+            assert got.token_ids[i] == ids and got.finish_reasons[i] == want.finish_reasons[i], f"prompt {i}"
+        torch.testing.assert_close(torch.tensor(got.logprobs[i][:n]), torch.tensor(want.logprobs[i][:n]),
+                                   atol=BATCH_ATOL, rtol=0)

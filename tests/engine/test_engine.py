@@ -83,7 +83,7 @@ def test_request_that_can_never_fit_names_the_numbers_and_one_that_fits_later_wa
     per_token = 2 * 2 * 2 * 16 * 4
     model = load(folder, kv_cache_gb=6 * 16 * per_token / 2 ** 30, max_num_seqs=4)  # 6 blocks = 96 tokens
     assert model.engine.block_manager.num_blocks == 6
-    with pytest.raises(ValueError, match=r"prompt 1: the prompt has 90 tokens \+ max_new_tokens=10 = 100 tokens, "
+    with pytest.raises(ValueError, match=r"prompt 1 has 90 tokens \+ max_new_tokens=10 = 100 tokens, "
                                          r"which need 7 KV blocks of 16, but the cache has 6 \(96 tokens\)"):
         model.generate([[1] * 10, [2] * 90], max_new_tokens=10)
     assert not model.engine.has_unfinished()  # refused before anything ran
