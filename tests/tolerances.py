@@ -6,6 +6,8 @@ float32 (rms_norm: float64) reference; the tests use it as rtol and atol (int4_g
 atol = tol * max|reference|, for outputs that cancel to near zero). Ulps: fp32 2^-24, fp16 2^-11,
 bf16 2^-8 relative (half the machine epsilon).
 """
+from types import SimpleNamespace
+
 import torch
 
 TOLERANCE = {
@@ -74,20 +76,33 @@ BATCH_ATOL = 1e-5
 GREEDY_TIE = 1e-4
 
 
+def first_near_tie(model, prompt: list[int], ids: list[int]) -> int:
+    """The first i where greedy token ids[i] after prompt won by less than GREEDY_TIE (len(ids) if none):
+    the logits come from one prefill of prompt + ids. A test comparing texts exactly asserts there is none."""
+    if not ids:
+        return 0
+    logits = model.engine.prompt_logits(list(prompt) + ids[:-1])[len(prompt) - 1:]  # [len(ids), V]
+    top2 = logits.topk(2, dim=-1).values
+    ties = (top2[:, 0] - top2[:, 1] < GREEDY_TIE).nonzero()
+    return int(ties[0]) if len(ties) else len(ids)
+
+
 def assert_greedy_equal(model, prompts: list[list[int]], got, want) -> None:
     """got and want (GenerationOutput of greedy runs of token-id prompts) agree: the same tokens up to the
     first near tie of want's run (GREEDY_TIE, from one prefill of prompt + want's tokens), all of them when
     there is none, and logprobs within BATCH_ATOL there."""
     for i, prompt in enumerate(prompts):
         ids = want.token_ids[i]
-        n = len(ids)
-        if ids:
-            logits = model.engine.prompt_logits(list(prompt) + ids[:-1])[len(prompt) - 1:]  # [len(ids), V]
-            top2 = logits.topk(2, dim=-1).values
-            ties = (top2[:, 0] - top2[:, 1] < GREEDY_TIE).nonzero()
-            n = int(ties[0]) if len(ties) else n
+        n = first_near_tie(model, prompt, ids)
         assert got.token_ids[i][:n] == ids[:n], f"prompt {i}: tokens differ before any near tie"
         if n == len(ids):
             assert got.token_ids[i] == ids and got.finish_reasons[i] == want.finish_reasons[i], f"prompt {i}"
         torch.testing.assert_close(torch.tensor(got.logprobs[i][:n]), torch.tensor(want.logprobs[i][:n]),
                                    atol=BATCH_ATOL, rtol=0)
+
+
+def solo_runs(model, prompts: list[list[int]], **options):
+    """Each prompt generated alone, gathered as one GenerationOutput-like record for assert_greedy_equal."""
+    runs = [model.generate(p, return_dict=True, **options) for p in prompts]
+    return SimpleNamespace(**{name: [getattr(r, name)[0] for r in runs]
+                              for name in ("text", "token_ids", "logprobs", "finish_reasons")})

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from models.test_llama import write_checkpoint
-from tolerances import assert_greedy_equal
+from tolerances import assert_greedy_equal, solo_runs
 
 import tritonq
 from tritonq.engine.engine import EngineDeadError
@@ -49,9 +49,7 @@ def test_prefix_cached_prompts_give_the_uncached_logits(folder):
     assert bm.prefix_hits - hits == 4 * 16 * (len(prompts) - 1)
     got = cached.generate(prompts[1:], max_new_tokens=8, return_dict=True)
     want = plain.generate(prompts[1:], max_new_tokens=8, return_dict=True)
-    assert got.token_ids == want.token_ids
-    for a, b in zip(got.logprobs, want.logprobs):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert_greedy_equal(plain, prompts[1:], got, want)  # cached rows come from other GEMM shapes
     assert plain.engine.block_manager.prefix_hits == 0
 
 
@@ -61,9 +59,7 @@ def test_chunked_prefill_gives_the_same_tokens(folder):
     chunked = load(folder, max_num_batched_tokens=16, enable_prefix_caching=False)  # 150+ tokens: 10+ chunks
     a = whole.generate(prompts, max_new_tokens=6, return_dict=True)
     b = chunked.generate(prompts, max_new_tokens=6, return_dict=True)
-    assert a.token_ids == b.token_ids
-    for x, y in zip(a.logprobs, b.logprobs):
-        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=0)
+    assert_greedy_equal(whole, prompts, b, a)
 
 
 def test_seeded_request_samples_the_same_tokens_whatever_else_runs(folder):
@@ -95,7 +91,7 @@ def test_request_that_can_never_fit_names_the_numbers_and_one_that_fits_later_wa
         model.generate([3] * 250, max_new_tokens=7)
     prompts = [[1] * 60, [2] * 60, [3] * 60]  # 5 blocks each with their tokens: one at a time
     out = model.generate(prompts, max_new_tokens=10, return_dict=True)
-    assert out.token_ids == [model.generate(p, max_new_tokens=10, return_dict=True).token_ids[0] for p in prompts]
+    assert_greedy_equal(model, prompts, out, solo_runs(model, prompts, max_new_tokens=10))
 
 
 def test_abort_frees_blocks_and_max_new_tokens_zero_finishes_at_once(folder):
