@@ -58,10 +58,10 @@ class GenerationConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    min_p: float = 0.0
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    min_p: float = 0.0  # the new fields come last: positional construction keeps its meaning
     min_tokens: int = 0
     ignore_eos: bool = False
 
@@ -177,8 +177,8 @@ class Model:
         """Generate from prompts (str, list of str, token ids or list of token id lists), any number of them.
 
         options are GenerationConfig fields (max_new_tokens, temperature, top_k, top_p, min_p,
-        repetition_penalty, stop (a str or a list is taken too), seed, min_tokens, ignore_eos). Returns the text (a str for a single prompt, a list in input
-        order otherwise) or a GenerationOutput with return_dict=True. stream=True returns an iterator of
+        repetition_penalty, stop (a str or a list is taken too), seed, min_tokens, ignore_eos). Returns
+        the text (a str for a single prompt, a list in input order otherwise) or a GenerationOutput with return_dict=True. stream=True returns an iterator of
         text pieces as they become final: str pieces for a single prompt, (index, piece) for a list.
         progress: a tqdm bar over requests (default: when there are more than 8 prompts).
         A request that fails in the engine raises RuntimeError with its error (a stream: when reached).

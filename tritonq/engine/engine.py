@@ -6,9 +6,12 @@
         for out in engine.step():     # one RequestOutput per request that advanced this step
             ...                       # out.token_id, out.text (new final text), out.finished
 
-Each step the scheduler picks the sequences (prefill-first, chunked, preempting when blocks run
-out), the runner computes them over the paged KV cache and samples each one's next token, and
-the engine finishes a request on EOS, a stop string or max_new_tokens, freeing its blocks.
+Each step the scheduler picks the sequences (prefill-first but decoding at least every
+DECODE_EVERY steps, chunked, preempting when blocks run out), the runner computes them over the
+paged KV cache and samples each one's next token, and the engine finishes a request on EOS (unless
+ignore_eos, or before min_tokens), a stop string or max_new_tokens, freeing its blocks.
+Tensor parallel note: a step failing on one rank only would leave the ranks out of step; only
+failures every rank sees alike (and rank 0's non-finite rows, broadcast with the tokens) are safe.
 Tensor parallel: every rank holds an Engine and calls it with the same requests in the same
 order; the schedule is deterministic and the sampled tokens come from rank 0.
 
