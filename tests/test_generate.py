@@ -252,9 +252,19 @@ def test_threads_calling_one_model_each_get_their_solo_output(shared, prompts):
     def score():
         barrier.wait()
         return [shared.score(prompts) for _ in range(2)]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(f) for f in (generate, stream, chat, score)]
-        generated, streamed, chatted, scored = [f.result(timeout=300) for f in futures]
+    steppers, step = set(), shared.engine.step
+
+    def recorded_step():
+        steppers.add(threading.get_ident())
+        return step()
+    shared.engine.step = recorded_step
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(f) for f in (generate, stream, chat, score)]
+            generated, streamed, chatted, scored = [f.result(timeout=300) for f in futures]
+    finally:
+        del shared.engine.step
+    assert len(steppers) > 1  # the callers really shared the engine, each stepping it in turn
     for out in generated:
         assert_greedy_equal(shared, prompts, out, alone)
     assert streamed == [alone.text[3]] * 2
