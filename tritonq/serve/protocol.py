@@ -136,10 +136,10 @@ class _Body(BaseModel):
                 continue
             if name in UNSUPPORTED:
                 raise PydanticCustomError(
-                    "unsupported_field", "{name}={value} is not supported by this server; leave it out",
-                    {"name": name, "value": json.dumps(value)[:80]})
+                    "unsupported_field", "{name}={value} is not supported by this server; leave it out{hint}",
+                    {"name": name, "value": json.dumps(value)[:80], "hint": ""})
             accepted = ", ".join(sorted(n for n in cls.model_fields if n not in UNSUPPORTED))
-            raise PydanticCustomError("unknown_field", "unknown field {name!r}; this server accepts: {accepted}",
+            raise PydanticCustomError("unknown_field", "unknown field '{name}'; this server accepts: {accepted}",
                                       {"name": name, "accepted": accepted})
         return data
 
@@ -190,13 +190,15 @@ class SamplingRequest(_Body):
         for name in type(self).model_fields:
             if name in UNSUPPORTED and not UNSUPPORTED[name](getattr(self, name)):
                 hint = " (repetition_penalty is available)" if name.endswith("_penalty") else ""
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by this server; "
-                                 f"leave it out{hint}")
+                raise PydanticCustomError(
+                    "unsupported_field", "{name}={value} is not supported by this server; leave it out{hint}",
+                    {"name": name, "value": json.dumps(getattr(self, name))[:80], "hint": hint})
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise ValueError("stop strings must be non-empty")
         for name in ("min_p", "min_tokens", "ignore_eos"):  # TODO(merge): the engine contract adds all three
             if getattr(self, name) != type(self).model_fields[name].default and name not in _CONFIG_FIELDS:
-                raise ValueError(f"{name} is not supported by this build's engine; leave it out")
+                raise PydanticCustomError("unsupported_field", "{name} is not supported by this build's engine; "
+                                          "leave it out{hint}", {"name": name, "hint": ""})
         return self
 
     def stop_strings(self) -> tuple[str, ...]:
