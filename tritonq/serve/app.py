@@ -257,6 +257,8 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
             raise APIError(400, str(exc)) from None
         except RuntimeError as exc:
             raise APIError(503, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - Refused("internal"): the engine failed to add it
+            raise APIError(500, str(exc)) from None
 
     def choices_of(stream: Stream, n: int) -> dict[int, _Choice]:
         rids = iter(stream.request_ids)
@@ -371,7 +373,10 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
             texts = body.prompts()
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from None
-        encoded = await off_loop(lambda: [tokenizer(p).input_ids for p in texts if isinstance(p, str)])
+        try:
+            encoded = await off_loop(lambda: [tokenizer(p).input_ids for p in texts if isinstance(p, str)])
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from None
         prompts = [encoded.pop(0) if isinstance(p, str) else p for p in texts]
         stream = await start(body, prompts)
         rid, created, want_logprobs = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.logprobs is not None

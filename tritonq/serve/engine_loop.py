@@ -52,6 +52,14 @@ class QueueFull(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class Refused:
+    """Why the engine thread did not take a stream: kind "invalid" (the request is wrong: 400),
+    "internal" (an unexpected error adding it: 500) or "dead" (the engine is gone: 503)."""
+    kind: str
+    message: str
+
+
 class Stream:
     """One HTTP request's engine requests (n choices x prompts) and the queue their outputs reach."""
 
@@ -60,7 +68,7 @@ class Stream:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.loop = loop
         self.request_ids: list[int] = []   # engine ids, prompt-major: prompt p choice c at p * n + c
-        self.accepted = loop.create_future()  # set by the engine thread: None, or the ValueError text
+        self.accepted = loop.create_future()  # set by the engine thread: None, or a Refused
         self.started = time.perf_counter()
         self.unstarted = self.num_requests    # engine requests that have not produced a token yet
         self.done = False
@@ -111,8 +119,9 @@ class EngineLoop:
         """Queue prompts[p] once per config in configs[p]; returns when the engine accepted them.
 
         Raises QueueFull when --max-waiting requests are already waiting, ValueError with the
-        engine's message when it refuses one (e.g. more KV blocks than the cache has), and
-        RuntimeError when the engine loop is dead or does not answer within `timeout` seconds.
+        engine's message when it refuses one (e.g. more KV blocks than the cache has), RuntimeError
+        when the engine loop is dead or does not answer within `timeout` seconds, and Exception
+        (500) when adding failed unexpectedly.
         """
         if self.why_dead() is not None:
             raise RuntimeError(f"the engine loop has died: {self.dead}")
@@ -134,9 +143,7 @@ class EngineLoop:
             raise
         if error is not None:
             self._finish(stream)
-            if error.startswith("dead: "):
-                raise RuntimeError(error.removeprefix("dead: "))
-            raise ValueError(error)
+            raise {"invalid": ValueError, "dead": RuntimeError}.get(error.kind, Exception)(error.message)
         return stream
 
     def mark_started(self, stream: Stream) -> None:
@@ -181,9 +188,9 @@ class EngineLoop:
             except queue.Empty:
                 break
             if kind == "add":
-                _resolve(stream.accepted, f"dead: the engine loop has died: {message}")
+                _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
         for stream in list(self._live):
-            _resolve(stream.accepted, f"dead: the engine loop has died: {message}")
+            _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
             stream.queue.put_nowait(Event(error=f"the engine loop has died: {message}"))
 
     def stop(self) -> None:
@@ -230,21 +237,29 @@ class EngineLoop:
             for rid in stream.request_ids:
                 if self._streams.pop(rid, None) is not None:
                     self._timing.pop(rid, None)
-                    self.engine.abort(rid)
+                    try:
+                        self.engine.abort(rid)
+                    except Exception:  # noqa: BLE001 - one request's cleanup must not end the server
+                        traceback.print_exc()
 
     def _add(self, stream: Stream) -> None:
         if stream.done:  # released (timed out, client gone) before the thread got to it
-            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, "the request was withdrawn")
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, Refused("invalid", "withdrawn"))
             return
         ids = []
         try:
             for prompt, configs in zip(stream.prompts, stream.configs):
                 for config in configs:
                     ids.append(self.engine.add_request(prompt, config))
-        except (ValueError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a request the engine cannot add must not end the server
             for rid in ids:
                 self.engine.abort(rid)
-            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, str(exc))
+            if isinstance(exc, (ValueError, TypeError)):
+                refused = Refused("invalid", str(exc))
+            else:
+                traceback.print_exc()
+                refused = Refused("internal", f"adding the request failed: {type(exc).__name__}: {exc}")
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, refused)
             return
         stream.request_ids = ids
         for rid, prompt in zip(ids, (p for p, cs in zip(stream.prompts, stream.configs) for _ in cs)):
