@@ -333,7 +333,8 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
         content = []
         for t, lp in zip(token_ids, logprobs):
             text = tokenizer.decode([t])
-            content.append({"token": text, "logprob": finite_logprob(lp), "bytes": list(text.encode()), "top_logprobs": []})
+            content.append({"token": text, "logprob": finite_logprob(lp), "bytes": list(text.encode()),
+                            "top_logprobs": []})
         return {"content": content}
 
     def stream_events(stream: Stream, request: Request, n: int, chunk, include_usage: bool):
