@@ -216,7 +216,8 @@ def test_error_table(strict):
 
 def test_sigterm_ends_streams_with_an_error_and_exits_cleanly(strict):
     with httpx.stream("POST", f"{strict.url}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": MAX_SEQ_LEN - 10, "stream": True}) as r:
+                      json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": MAX_SEQ_LEN - 10, "stream": True,
+                            "ignore_eos": True}) as r:  # a sampled EOS must not end it before the signal
         lines = []
         for line in r.iter_lines():
             if line and not lines:

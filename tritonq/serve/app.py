@@ -12,7 +12,6 @@ p * n + i, as in vLLM. A request the engine failed is answered 500 (streaming: a
 from __future__ import annotations
 
 import asyncio
-import inspect
 import secrets
 import time
 import uuid
@@ -90,24 +89,6 @@ class _Guard:
         return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
 
 
-def _check_request_adapter(engine, vocab_size: int):
-    """engine.check_request(prompt_ids, config). TODO(merge): the engine branch gives it this signature
-    (ids in range, ints not bools, length, blocks); until then this wraps the old (num_tokens, max_new)."""
-    params = list(inspect.signature(engine.check_request).parameters)
-    if params and params[0] == "prompt_ids":
-        return engine.check_request
-
-    def check(prompt_ids: list[int], config) -> None:
-        for i, t in enumerate(prompt_ids):
-            if type(t) is not int:
-                raise TypeError(f"token id {t!r} at position {i} is a {type(t).__name__}; expected an int")
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"token id {t} at position {i} is out of range: this model's vocabulary is "
-                                 f"[0, {vocab_size}); use ids its tokenizer produces")
-        engine.check_request(len(prompt_ids), config.max_new_tokens)
-    return check
-
-
 class _SSEResponse(StreamingResponse):
     """A StreamingResponse that always calls on_close, however it ends (done, client gone, cancelled)."""
 
@@ -144,7 +125,6 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
     api_key: required on every route but /health (and /metrics with open_metrics). on_dead(reason):
     called from the engine thread once the engine cannot continue (the command line exits non-zero)."""
     tokenizer, engine, max_seq_len = model.tokenizer, model.engine, model.max_seq_len
-    check_request = _check_request_adapter(engine, model.model.config.vocab_size)
     metrics = ServerMetrics(served_model_name)
     engine_loop = EngineLoop(engine, metrics, max_waiting, on_dead=on_dead)
     metrics.update_engine(engine)
@@ -240,9 +220,9 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
             try:
                 choices = body.generation_configs(max_tokens)
                 for config in choices:  # reads constants only: safe off the engine thread
-                    check_request(prompt, config)
+                    engine.check_request(prompt, config, name=name)
             except (ValueError, TypeError) as exc:
-                raise APIError(400, f"{name}: {exc}" if len(prompts) > 1 else str(exc), "prompt") from None
+                raise APIError(400, str(exc), "prompt") from None
             configs.append(choices)
         total = len(prompts) * body.n
         if engine_loop.max_waiting is not None and total > engine_loop.max_waiting:
@@ -271,7 +251,7 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
             choice.started = True
             engine_loop.mark_started(stream)
         if out.finished and out.finish_reason == "error":  # the engine failed this request
-            raise _Failed(getattr(out, "error", None) or "the engine failed this request")  # TODO(merge): .error
+            raise _Failed(out.error or "the engine failed this request")
         if out.token_id is not None:
             choice.tokens += 1
             choice.token_ids.append(out.token_id)

@@ -28,11 +28,7 @@ from dataclasses import dataclass, field
 from tritonq.generate import GenerationConfig
 from tritonq.serve.metrics import ServerMetrics
 
-try:
-    from tritonq.engine.engine import EngineDeadError
-except ImportError:  # TODO(merge): the engine branch defines it; remove this fallback at merge
-    class EngineDeadError(RuntimeError):
-        """The engine cannot continue (device error): the process should restart."""
+from tritonq.engine.engine import EngineDeadError
 
 # Events (one per engine step) a stream may hold unread; past it the client is not reading and the
 # request is aborted so its KV blocks are freed. 1024 steps is seconds of tokens: a reading client

@@ -19,7 +19,6 @@ GenerationConfig.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from typing import Any
@@ -195,10 +194,6 @@ class SamplingRequest(_Body):
                     {"name": name, "value": json.dumps(getattr(self, name))[:80], "hint": hint})
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise ValueError("stop strings must be non-empty")
-        for name in ("min_p", "min_tokens", "ignore_eos"):  # TODO(merge): the engine contract adds all three
-            if getattr(self, name) != type(self).model_fields[name].default and name not in _CONFIG_FIELDS:
-                raise PydanticCustomError("unsupported_field", "{name} is not supported by this build's engine; "
-                                          "leave it out{hint}", {"name": name, "hint": ""})
         return self
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -209,16 +204,14 @@ class SamplingRequest(_Body):
     def generation_configs(self, max_new_tokens: int) -> list[GenerationConfig]:
         """One config per choice; with a seed and n > 1 choice i samples with seed + i so the
         choices differ but the whole response is repeatable."""
-        extensions = {name: getattr(self, name) for name in ("min_p", "min_tokens", "ignore_eos")
-                      if name in _CONFIG_FIELDS}  # TODO(merge): always present once the engine has them
         return [GenerationConfig(max_new_tokens=max_new_tokens, temperature=self.temperature,
                                  top_k=max(self.top_k, 0), top_p=self.top_p,
                                  repetition_penalty=self.repetition_penalty, stop=self.stop_strings(),
-                                 seed=None if self.seed is None else self.seed + i, **extensions)
+                                 seed=None if self.seed is None else self.seed + i,
+                                 min_p=self.min_p, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
                 for i in range(self.n)]
 
 
-_CONFIG_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)}
 
 
 class CompletionRequest(SamplingRequest):
