@@ -2,33 +2,35 @@
 
 Without a GPU (and outside TRITON_INTERPRET=1), `decode_attention` and `paged_prefill_attention`
 (kernels/attention.py, which checks the inputs) run here instead of their torch references, which
-gather every page of the block table, repeat K/V per query head for GQA, and mask and softmax the
-whole table width in unfused float32 ops. TRITONQ_BACKEND=torch still runs the references, which
+gather every page of the block table (decode: the whole table width), mask and softmax in unfused
+float32 ops, and for prefill repeat K/V per query head (GQA). TRITONQ_BACKEND=torch still runs the references, which
 stay the test oracle.
 
 Shapes as kernels/attention.py: pages [P, page_size, Hkv, D], block_table [B, max_pages] int32,
 position n of sequence b in page block_table[b, n // page_size], row n % page_size.
 
 * Per sequence, the pages holding the keys it sees (its real length, or the last `window` keys)
-  are gathered once into rows [n, Hkv, D] (one `index_select` of pages for K, one for V), and
+  are gathered once into rows [Hkv, n, D] (one `index_select` of pages for K, one for V), and
   torch's `scaled_dot_product_attention` runs on them: its CPU flash kernel (blocked, fused
-  online softmax, fp32 accumulation). Sequences are not padded to a common length: a batch of
-  mixed lengths does the work of its lengths, not B x the longest (measured faster than batching
-  padded sequences with a mask at batch 16 and 64 with lengths 16..512).
+  online softmax, fp32 accumulation; no [H, n_q, n] scores in memory). It takes 4-D inputs only
+  (3-D ones run the unfused math path, measured 2x slower), hence the batch dim of 1. Sequences
+  are not padded to a common length: a batch of mixed lengths does the work of its lengths, not
+  B x the longest (measured faster than batching padded sequences with a mask at batch 16 and
+  64, lengths 16..512).
 * GQA without repeated K/V: decode runs each kv head's `group` query heads as `group` query rows
   of that head (q [Hkv, group, D]; one query per sequence, so all rows see the same keys);
   prefill passes `enable_gqa=True`, which the flash kernel indexes without copying.
-* Causal: whole prompts use `is_causal`; a chunk after a cached prefix (queries at positions
-  ctx - n_q .. ctx - 1 over keys 0 .. ctx - 1) and sliding windows (key j visible to query p iff
-  j <= p and p - j < window) pass a boolean mask over the keys gathered; keys older than every
-  query's window are not gathered at all.
+* Causal: whole prompts use `is_causal`, which skips the blocks above the diagonal; a chunk after
+  a cached prefix (queries at positions ctx - n_q .. ctx - 1 over keys 0 .. ctx - 1) and sliding
+  windows (key j visible to query p iff j <= p and p - j < window) pass a boolean mask over the
+  keys gathered; keys older than every query's window are not gathered at all.
 * Head dims: any size. The flash kernel wants one head dim for q, k and v, so Dqk != Dv
   (DeepSeek-V2 192 / 128, its absorbed MLA 576 / 512) pads the narrower side with zeros (zero
   v columns give zero output columns, sliced off; zero q/k columns add nothing to the scores).
 * dtypes: fp32, bf16, fp16, computed in the input dtype as the Triton kernels do: scores and
   softmax in fp32 (exact products of bf16/fp16 inputs), probabilities rounded to the input dtype
-  before the PV product, output rounded once. Tolerance against the fp32 references: fp32
-  summation order only; bf16/fp16 that rounding (tests/tolerances.py "attention").
+  before the PV product, output rounded once. Tolerance against the fp32 references
+  (tests/tolerances.py "attention"): fp32 summation order only; bf16/fp16 that rounding.
 * A decode row with no keys (cache length 0) gets zeros, as the kernels and references give.
 
 Host reads of the lengths are free here (CPU tensors): they pick each sequence's slice.
@@ -91,13 +93,13 @@ def _gather(pages: torch.Tensor, table_row: torch.Tensor, first: int, last: int)
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
           causal: bool = False) -> torch.Tensor:
-    """F.scaled_dot_product_attention on [heads, rows, D] (GQA through enable_gqa), Dqk != Dv
-    zero-padded to one head dim so that the CPU flash kernel takes it; returns [H, rows, Dv]."""
+    """F.scaled_dot_product_attention on [heads, rows, D] (GQA through enable_gqa) as one batch of the
+    CPU flash kernel, Dqk != Dv zero-padded to one head dim so that it takes them; returns [H, rows, Dv]."""
     d_qk, d_v = q.shape[-1], v.shape[-1]
     if d_v < d_qk:
         v = F.pad(v, (0, d_qk - d_v))
     elif d_qk < d_v:
         q, k = F.pad(q, (0, d_v - d_qk)), F.pad(k, (0, d_v - d_qk))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                         enable_gqa=q.shape[0] != k.shape[0])
-    return out[..., :d_v]
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale,
+                                         enable_gqa=q.shape[0] != k.shape[0])  # 4-D: the flash kernel's
+    return out[0, ..., :d_v]
