@@ -122,3 +122,25 @@ def test_cpu_tensors_run_the_fast_path_and_torch_backend_the_reference(monkeypat
     paged_prefill_attention(q, k_pages, v_pages, cu, lens, table, 0.1)
     assert calls == ["cpu decode_attention", "cpu paged_prefill_attention",
                      "ref decode_attention", "ref paged_prefill_attention"]
+
+
+def test_small_calls_run_on_one_thread_and_restore_the_thread_count(monkeypatch):
+    """Below PARALLEL_WORK the per-sequence loop runs on one intra-op thread (see cpu_attention's docstring);
+    the caller's thread count comes back afterwards."""
+    g = torch.Generator().manual_seed(3)
+    k_pages, v_pages, table = cache(64, 64, 2, [17, 3], torch.float32, g)
+    q = torch.randn(2, 4, 64, generator=g)
+    lens = torch.tensor([17, 3], dtype=torch.int32)
+    seen = []
+    monkeypatch.setattr(cpu_attention, "_sdpa", lambda q, k, v, *a, **kw: seen.append(torch.get_num_threads())
+                        or q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cpu_attention.decode_attention(q, k_pages, v_pages, lens, table, 0.1)
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+        monkeypatch.setattr(cpu_attention, "PARALLEL_WORK", 1)
+        cpu_attention.decode_attention(q, k_pages, v_pages, lens, table, 0.1)
+        assert seen[2:] == [2, 2]
+    finally:
+        torch.set_num_threads(before)
