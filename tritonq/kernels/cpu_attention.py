@@ -36,8 +36,9 @@ position n of sequence b in page block_table[b, n // page_size], row n % page_si
   OpenMP parallel region that waits for every thread, and on a shared machine that is a
   descheduled thread's time slice: on this 2-core box under load, decode batch 16 (16 heads,
   keys 16..512) took 371 ms on 2 threads and 8.9 ms on one (the reference 85 ms); 4 prompts
-  of 16..256 tokens 104 ms and 11 ms. Larger sequences keep torch's threads (a 1024-token
-  prompt gains from a second core when the box is quiet).
+  of 16..256 tokens 104 ms and 11 ms. The price on the quiet box: 3.2 vs 2.4 ms (batch 16),
+  13.9 vs 11.9 ms (batch 64), 5.5 vs 5.3 ms (the prompts). Larger sequences keep torch's threads
+  (a long prompt gains from a second core when the box is quiet).
 * A decode row with no keys (cache length 0) gets zeros, as the kernels and references give.
 
 Host reads of the lengths are free here (CPU tensors): they pick each sequence's slice.
