@@ -177,3 +177,81 @@ def test_int4_on_load_takes_a_group_size(tiny, monkeypatch):
     assert isinstance(down, Int4Weight) and down.group_size == 16
     dense = load_file(tiny / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
     assert torch.equal(down.qweight, quantize_int4(dense, 16, scale_dtype=torch.float32).qweight)
+
+
+# ---- generate: the red-team rows (issue 27). Checked by Engine.check_request / GenerationConfig before
+# anything is queued; afterwards the model answers a normal request exactly as before. -----------------
+
+REQUEST_CASES = {  # name: (prompt, options, exception, phrase naming the culprit)
+    "token_id_minus_one": ([5, -1], {}, ValueError, "token id -1 outside the vocabulary (vocab_size=258: ids 0..257)"),
+    "token_id_vocab_size": ([5, 258], {}, ValueError, "token id 258 outside the vocabulary (vocab_size=258: ids"),
+    "token_id_huge": ([5, 10 ** 20], {}, ValueError, f"token id {10 ** 20} outside the vocabulary"),
+    "token_id_true": ([5, True], {}, TypeError, "token id True (bool); token ids must be int"),
+    "empty_prompt_in_list": ([[5], []], {}, ValueError, "prompt 1 has no tokens"),
+    "max_new_tokens_float": ("hi", {"max_new_tokens": 2.5}, TypeError, "max_new_tokens=2.5 (float); expected an int"),
+    "max_new_tokens_str": ("hi", {"max_new_tokens": "3"}, TypeError, "max_new_tokens='3' (str); expected an int"),
+    "max_new_tokens_bool": ("hi", {"max_new_tokens": True}, TypeError, "max_new_tokens=True (bool)"),
+    "max_new_tokens_negative": ("hi", {"max_new_tokens": -1}, ValueError, "max_new_tokens=-1; expected an int >= 0"),
+    "temperature_str": ("hi", {"temperature": "0.5"}, TypeError, "temperature='0.5' (str); expected a number"),
+    "temperature_nan": ("hi", {"temperature": float("nan")}, ValueError, "temperature=nan; expected a finite number"),
+    "temperature_bool": ("hi", {"temperature": True}, TypeError, "temperature=True (bool)"),
+    "top_p_inf": ("hi", {"top_p": float("inf")}, ValueError, "top_p=inf; expected a finite number in (0, 1]"),
+    "top_k_float": ("hi", {"top_k": 2.0}, TypeError, "top_k=2.0 (float); expected an int"),
+    "min_p_above_one": ("hi", {"min_p": 1.5}, ValueError, "min_p=1.5; expected a finite number in [0, 1]"),
+    "repetition_penalty_zero": ("hi", {"repetition_penalty": 0}, ValueError, "repetition_penalty=0"),
+    "min_tokens_past_max_new_tokens": ("hi", {"min_tokens": 5}, ValueError, "min_tokens=5 > max_new_tokens=2"),
+    "min_tokens_str": ("hi", {"min_tokens": "1"}, TypeError, "min_tokens='1' (str)"),
+    "ignore_eos_str": ("hi", {"ignore_eos": "yes"}, TypeError, "ignore_eos='yes' (str); expected True or False"),
+    "seed_float": ("hi", {"seed": 1.5}, TypeError, "seed=1.5 (float); expected an int or None"),
+    "seed_str": ("hi", {"seed": "7"}, TypeError, "seed='7' (str)"),
+    "stop_int": ("hi", {"stop": 5}, TypeError, "stop=5 (int); expected a tuple of str"),
+    "stop_not_str": ("hi", {"stop": ["x", 3]}, ValueError, "stop strings must be non-empty str"),
+}
+
+
+@pytest.fixture
+def normal(model):
+    """A normal request's output before the case: the model must give the same one after it."""
+    return model.generate("hello", max_new_tokens=4, return_dict=True)
+
+
+@pytest.mark.parametrize("name", REQUEST_CASES)
+def test_bad_request_is_refused_and_the_model_still_answers(model, normal, monkeypatch, name):
+    prompt, options, error, phrase = REQUEST_CASES[name]
+    monkeypatch.setattr(model, "model", _NoForward(model.model))
+    monkeypatch.setattr(model.engine.runner, "model", _NoForward(model.model))  # nothing may run
+    with pytest.raises(error) as info:
+        model.generate(prompt, max_new_tokens=options.pop("max_new_tokens", 2), **options)
+    assert phrase in str(info.value), str(info.value)
+    assert not model.engine.has_unfinished()  # nothing was queued
+    monkeypatch.undo()
+    assert model.generate("hello", max_new_tokens=4, return_dict=True).token_ids == normal.token_ids
+
+
+def test_tiny_temperature_with_top_k_is_greedy(model, normal):
+    """temperature 1e-38 overflowed logits / T to inf and top_k=5 then sampled outside the top 5: below
+    1e-5 a temperature is greedy (GenerationConfig stores 0.0)."""
+    for t in (1e-38, 1e-6):
+        out = model.generate("hello", max_new_tokens=4, temperature=t, top_k=5, seed=0, return_dict=True)
+        assert out.token_ids == normal.token_ids
+    assert tritonq.GenerationConfig(temperature=1e-38).temperature == 0.0
+    assert tritonq.GenerationConfig(temperature=1e-5).temperature == 1e-5
+
+
+def test_engine_check_request_is_the_shared_check(model):
+    """The server calls Engine.check_request(prompt_ids, config) directly: the same refusals, default name."""
+    config = tritonq.GenerationConfig(max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"the prompt has token id 300 outside the vocabulary \(vocab_size=258"):
+        model.engine.check_request([1, 300], config)
+    with pytest.raises(TypeError, match="the prompt has token id '1'"):
+        model.engine.check_request(["1"], config)
+    with pytest.raises(ValueError, match="the prompt has no tokens"):
+        model.engine.check_request([], config)
+    with pytest.raises(ValueError, match=r"the prompt has 31 tokens \+ max_new_tokens=2 = 33 > max_seq_len=32"):
+        model.engine.check_request([1] * 31, config)
+    with pytest.raises(ValueError, match="token id -1 outside"):
+        model.engine.add_request([-1], config)
+    with pytest.raises(ValueError, match="prompt 0 has token id 999 outside"):
+        model.score([[1, 999]])
+    assert not model.engine.has_unfinished()
+    model.engine.check_request([1, 2], config)

@@ -44,6 +44,21 @@ def test_int4_bench_cli_on_cpu_writes_json_and_plot(tmp_path, monkeypatch):
     assert (tmp_path / "int4.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_attention_bench_on_cpu_compares_the_cpu_backend_with_the_references(tmp_path, monkeypatch):
+    from tritonq.bench import attention as bench_attention
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU backend (kernels/cpu_attention.py)
+    monkeypatch.setattr(bench_attention, "CPU_DECODE_BATCHES", (1, 3))  # small: a smoke test, not a timing
+    monkeypatch.setattr(bench_attention, "CPU_LENS", (16, 40))
+    monkeypatch.setattr(bench_attention, "CPU_PROMPT_LENS", (5, 33))
+    out = tmp_path / "attention.json"
+    bench_attention.main(["--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["backend"] == "torch CPU kernels" and data["baseline"].startswith("torch references")
+    assert [(r["kind"], r["B"]) for r in data["rows"]] == [("decode", 1), ("decode", 3), ("prefill", 4)]
+    for r in data["rows"]:
+        assert r["ratio"] == pytest.approx(r["reference_ms"] / r["ms"]) and r["max_err"] < 1e-4
+
+
 def test_int4_bench_rejects_unknown_models():
     with pytest.raises(SystemExit):
         bench_int4.main(["--models", "gpt-5"])

@@ -3,7 +3,13 @@
 The token-level match with transformers is in tests/models/test_llama.py; here the reference
 is the greedy output of the same model, against which each option's effect is checked.
 """
+import concurrent.futures
+import itertools
+import threading
+
 import pytest
+import torch
+from tolerances import BATCH_ATOL, assert_greedy_equal, first_near_tie, solo_runs
 
 import tritonq
 from tritonq.demo import write_tiny_llama
@@ -38,10 +44,14 @@ def test_prompt_longer_than_cache_raises(model):
         model.generate("x" * 5, max_new_tokens=30)
 
 
+def encode(model, prompts: list[str]) -> list[list[int]]:
+    return [model.tokenizer(p).input_ids for p in prompts]
+
+
 def test_more_prompts_than_max_num_seqs_each_equal_to_alone(model):
-    prompts = ["a", "hello there", "xyz", "b", "qrs", "hello", "zz"]  # max_num_seqs=3: they queue
-    alone = [model.generate(p, max_new_tokens=6) for p in prompts]
-    assert model.generate(prompts, max_new_tokens=6) == alone
+    prompts = encode(model, ["a", "hello there", "xyz", "b", "qrs", "hello", "zz"])  # max_num_seqs=3: they queue
+    alone = solo_runs(model, prompts, max_new_tokens=6)
+    assert_greedy_equal(model, prompts, model.generate(prompts, max_new_tokens=6, return_dict=True), alone)
     assert model.engine.block_manager.num_free_blocks == model.engine.block_manager.num_blocks
 
 
@@ -61,8 +71,9 @@ def test_eos_at_first_step_stops_that_sequence_only(model):
 
 
 def test_batch_equals_each_prompt_alone(model):
-    prompts = ["a", "hello there", "xyz"]
-    assert model.generate(prompts, max_new_tokens=8) == [model.generate(p, max_new_tokens=8) for p in prompts]
+    prompts = encode(model, ["a", "hello there", "xyz"])
+    alone = solo_runs(model, prompts, max_new_tokens=8)
+    assert_greedy_equal(model, prompts, model.generate(prompts, max_new_tokens=8, return_dict=True), alone)
 
 
 def test_stream_pieces_concatenate_to_the_text(model):
@@ -147,3 +158,119 @@ def test_bad_options_raise(model):
         model.generate(3.5)
     with pytest.raises(ValueError, match="non-empty"):
         model.generate("a", stop="")
+
+
+def test_chat_takes_openai_text_parts_and_refuses_other_parts(model):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    plain = [{"role": "user", "content": "h\ni"}]  # text parts joined with newlines, as vLLM
+    assert model.chat(parts, max_new_tokens=5) == model.chat(plain, max_new_tokens=5)
+    image = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}]}]
+    with pytest.raises(ValueError, match="message 0 content part 1 has type 'image_url'; only 'text' parts"):
+        model.chat(image, max_new_tokens=5)
+    assert parts[0]["content"][0] == {"type": "text", "text": "h"}  # the caller's messages are not changed
+
+
+# ---- one Model, many callers -------------------------------------------------------------------------
+
+TEXTS = ["hello", "xy", "a", "hi there", "zzz"]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A Model with room for every caller at once (score needs free blocks while others generate)."""
+    folder = write_tiny_llama(tmp_path_factory.mktemp("shared"), hidden_size=32, num_layers=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITONQ_BACKEND", "torch")
+        yield tritonq.load(folder, max_num_seqs=4, max_seq_len=32, kv_cache_gb=0.01)
+
+
+@pytest.fixture(scope="module")
+def prompts(shared):
+    return encode(shared, TEXTS)
+
+
+def assert_no_near_tie(model, prompts, alone):
+    """Texts of batched runs may be compared exactly with their solo runs: no greedy pick is a near tie."""
+    for p, ids in zip(prompts, alone.token_ids):
+        assert first_near_tie(model, p, ids) == len(ids), "pick prompts without near ties"
+
+
+def test_interleaved_generators_each_get_their_own_output(shared, prompts):
+    """g = generate(A, stream=True); next(g); generate(B); list(g) looped forever, and two interleaved
+    streams exchanged text: now each caller's outputs are routed to it by request id."""
+    alone = solo_runs(shared, prompts, max_new_tokens=8)
+    texts = alone.text
+    assert_no_near_tie(shared, prompts, alone)  # so texts compare exactly
+    g = shared.generate(prompts[0], max_new_tokens=8, stream=True)
+    first = next(g)
+    b = shared.generate(prompts[1], max_new_tokens=8, return_dict=True)
+    assert b.text == texts[1:2]
+    assert first + "".join(g) == texts[0]
+    streams = [shared.generate(p, max_new_tokens=8, stream=True) for p in prompts[2:4]]
+    got = ["", ""]
+    for pieces in itertools.zip_longest(*streams, fillvalue=""):
+        got = [t + p for t, p in zip(got, pieces)]
+    assert got == texts[2:4]
+    bm = shared.engine.block_manager
+    assert not shared.engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_an_abandoned_generator_aborts_only_its_requests(shared, prompts):
+    alone = solo_runs(shared, prompts[:2], max_new_tokens=8)
+    assert_no_near_tie(shared, prompts[:2], alone)
+    g = shared.generate(prompts[0], max_new_tokens=8, stream=True)
+    next(g)
+    h = shared.generate(prompts[1], max_new_tokens=8, stream=True)
+    first = next(h)
+    del g  # closed by the garbage collector: its request is aborted, h's goes on
+    assert first + "".join(h) == alone.text[1]
+    assert not shared.engine.has_unfinished()
+
+
+def test_threads_calling_one_model_each_get_their_solo_output(shared, prompts):
+    """4 threads x (generate, stream, chat, score) at once on one Model, each twice: every result equals
+    the call alone (tokens up to a near tie, logprobs and scores within the fp32 batch tolerance)."""
+    alone = solo_runs(shared, prompts, max_new_tokens=8)
+    assert_no_near_tie(shared, prompts, alone)  # streamed and chat texts compare exactly
+    messages = [{"role": "user", "content": "hi"}]
+    chat_alone = shared.chat(messages, max_new_tokens=6)
+    score_alone = shared.score(prompts)
+    barrier = threading.Barrier(4)
+
+    def generate():
+        barrier.wait()
+        return [shared.generate(prompts, max_new_tokens=8, return_dict=True) for _ in range(2)]
+
+    def stream():
+        barrier.wait()
+        return ["".join(shared.generate(prompts[3], max_new_tokens=8, stream=True)) for _ in range(2)]
+
+    def chat():
+        barrier.wait()
+        return [shared.chat(messages, max_new_tokens=6) for _ in range(2)]
+
+    def score():
+        barrier.wait()
+        return [shared.score(prompts) for _ in range(2)]
+    steppers, step = set(), shared.engine.step
+
+    def recorded_step():
+        steppers.add(threading.get_ident())
+        return step()
+    shared.engine.step = recorded_step
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(f) for f in (generate, stream, chat, score)]
+            generated, streamed, chatted, scored = [f.result(timeout=300) for f in futures]
+    finally:
+        del shared.engine.step
+    assert len(steppers) > 1  # the callers really shared the engine, each stepping it in turn
+    for out in generated:
+        assert_greedy_equal(shared, prompts, out, alone)
+    assert streamed == [alone.text[3]] * 2
+    assert chatted == [chat_alone] * 2
+    for result in scored:
+        for got, want in zip(result, score_alone, strict=True):
+            torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(want[1:]), atol=BATCH_ATOL, rtol=0)
+    bm = shared.engine.block_manager
+    assert not shared.engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks

@@ -9,11 +9,7 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,57 +17,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-ROOT = Path(__file__).resolve().parent.parent
-MAX_SEQ_LEN = 512
-MODEL_NAME = "tiny"
-KEY = "sk-test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, folder: Path, log: Path, *args: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(TRITONQ_BACKEND="torch", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tritonq.serve", str(folder), "--port", str(self.port), "--served-model-name",
-             MODEL_NAME, "--max-seq-len", str(MAX_SEQ_LEN), "--log-level", "warning", *args],
-            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        pytest.fail(f"server did not answer /health within 180 s:\n{log.read_text()[-3000:]}")
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"tritonq:{name}{{")]
-        assert values, f"tritonq:{name} not in /metrics"
-        return sum(values)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+from serve_util import KEY, MAX_SEQ_LEN, MODEL_NAME, Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +216,8 @@ def test_error_table(strict):
 
 def test_sigterm_ends_streams_with_an_error_and_exits_cleanly(strict):
     with httpx.stream("POST", f"{strict.url}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": MAX_SEQ_LEN - 10, "stream": True}) as r:
+                      json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": MAX_SEQ_LEN - 10, "stream": True,
+                            "ignore_eos": True}) as r:  # a sampled EOS must not end it before the signal
         lines = []
         for line in r.iter_lines():
             if line and not lines:

@@ -31,15 +31,17 @@ class Detokenizer:
 
     tokenizer: a transformers tokenizer (only .decode(ids, skip_special_tokens=True) is used).
     stop: stop strings (a str or an iterable of str), each non-empty; the text ends before the earliest.
+    min_tokens: no stop string ends the text before this many tokens were added (GenerationConfig.min_tokens);
+        text that could start one is still held back, so a stop that completes at or after it does end it.
     """
 
-    def __init__(self, tokenizer, stop: str | tuple[str, ...] | list[str] = ()):
+    def __init__(self, tokenizer, stop: str | tuple[str, ...] | list[str] = (), min_tokens: int = 0):
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str; got {stop!r}. Drop the empty string "
                                  "(an empty stop would end every sequence before its first character).")
-        self.tokenizer, self.stop = tokenizer, stop
+        self.tokenizer, self.stop, self.min_tokens = tokenizer, stop, min_tokens
         self.ids: list[int] = []
         self.stopped = False  # True once a stop string has appeared; add() then ignores further tokens
         self._pieces: list[str] = []  # text already returned
@@ -87,7 +89,8 @@ class Detokenizer:
         """Append new final text; return what can be shown: all of it up to a stop string, less any
         tail that could still grow into one (none when final)."""
         text = self._held + new
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        armed = len(self.ids) >= self.min_tokens  # before min_tokens, stop strings do not end the text
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1) if armed else -1
         if cut >= 0:  # a stop string can only start in the held tail or the new text: earlier text was checked
             self.stopped, self._held, text = True, "", text[:cut]
         else:

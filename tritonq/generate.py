@@ -7,7 +7,10 @@ stop string or max_new_tokens; results come back in input order.
 """
 from __future__ import annotations
 
+import math
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -15,9 +18,42 @@ import torch
 
 from tritonq.engine.engine import Engine
 
+GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) are taken as 0 (greedy); see GenerationConfig
+
+
+def _check_int(name: str, value, low: int) -> None:
+    # bool is an int subclass: True would silently mean 1, so it is refused like a str or a float
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} ({type(value).__name__}); expected an int >= {low}.")
+    if value < low:
+        raise ValueError(f"{name}={value}; expected an int >= {low}.")
+
+
+def _check_float(name: str, value, ok, expected: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} ({type(value).__name__}); expected a number {expected}.")
+    if not (math.isfinite(value) and ok(value)):
+        raise ValueError(f"{name}={value}; expected a finite number {expected}.")
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
-    """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters; seed makes sampling repeatable."""
+    """How one request generates; every field is checked (types strictly: True is not an int, "3" not a
+    number) when the config is made, so a bad value never reaches the engine.
+
+    max_new_tokens: tokens to generate at most (>= 0).
+    temperature: >= 0; 0 is greedy (argmax). Values below GREEDY_BELOW (1e-5) are stored as 0.0:
+        dividing logits by them overflows float32 to inf, which breaks sampling and the top-k filter.
+    top_k: keep the k most likely tokens (0: off). top_p: keep the smallest set of most likely tokens
+        whose probability reaches top_p (1.0: off). min_p in [0, 1]: keep tokens whose probability is
+        >= min_p x the most likely one's (0.0: off). All three apply after temperature, min_p first (as vLLM).
+    repetition_penalty: > 0, CTRL-style on every token seen (prompt and generated); 1.0 is off.
+    stop: a tuple of non-empty strings; the text ends before the earliest one that appears.
+    seed: an int makes sampling repeatable whatever shares the batch; None draws one.
+    min_tokens: EOS and stop strings cannot end the request before this many tokens are generated
+        (EOS is masked out of sampling until then); 0 <= min_tokens <= max_new_tokens.
+    ignore_eos: EOS does not end the request (it runs to max_new_tokens or a stop string).
+    """
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -25,18 +61,34 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    min_p: float = 0.0  # the new fields come last: positional construction keeps its meaning
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self):
-        checks = [(self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
-                  (self.temperature >= 0, "temperature must be >= 0 (0 means greedy)"),
-                  (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
-                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-                  (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1.0 disables it)"),
-                  (all(isinstance(s, str) and s for s in self.stop),
-                   "stop strings must be non-empty str (an empty one would stop before any text)")]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"{message}; got {self}.")
+        _check_int("max_new_tokens", self.max_new_tokens, 0)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} > max_new_tokens={self.max_new_tokens}; the request "
+                             "would end at max_new_tokens first. Lower min_tokens or raise max_new_tokens.")
+        _check_int("top_k", self.top_k, 0)
+        _check_float("temperature", self.temperature, lambda t: t >= 0, ">= 0 (0 means greedy)")
+        _check_float("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1] (1.0 disables it)")
+        _check_float("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1] (0.0 disables it)")
+        _check_float("repetition_penalty", self.repetition_penalty, lambda p: p > 0, "> 0 (1.0 disables it)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise TypeError(f"seed={self.seed!r} ({type(self.seed).__name__}); expected an int or None.")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos={self.ignore_eos!r} ({type(self.ignore_eos).__name__}); expected True "
+                            "or False.")
+        if not isinstance(self.stop, tuple):
+            raise TypeError(f"stop={self.stop!r} ({type(self.stop).__name__}); expected a tuple of str "
+                            "(Model.generate also takes a str or a list).")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty str (an empty one would stop before any text); "
+                             f"got stop={self.stop!r}.")
+        if 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
 
 @dataclass(frozen=True)
@@ -70,11 +122,23 @@ class Model:
     Tensor parallel (world > 1): every rank must call generate / chat with the same arguments (they run
     in lockstep); only rank 0 returns the result, the others return None (stream=True: they run the
     whole generation inside the call and return an empty iterator).
+
+    Many callers: generate / stream / chat / score may be called concurrently on one Model, from several
+    threads or as interleaved generators of one thread; each gets exactly its own outputs. The engine is
+    stepped by one caller at a time (under `_lock`): whoever needs outputs and has none waiting takes the
+    lock, steps the engine once and routes every output to the inbox of the caller whose request it is
+    (request id -> that caller's deque). A closed or abandoned stream aborts its unfinished requests.
+    A request that fails in the engine (finish_reason "error") raises RuntimeError in its caller.
     """
 
     def __init__(self, model, tokenizer, engine: Engine, max_seq_len: int, rank: int = 0, world: int = 1):
         self.model, self.tokenizer, self.engine = model, tokenizer, engine
         self.max_seq_len, self.rank, self.world = max_seq_len, rank, world
+        self._lock = threading.Lock()  # held while the engine is called: one step (or score) at a time
+        self._routes: dict[int, deque] = {}  # request id -> the inbox (deque of RequestOutput) of its caller
+        # Requests of closed callers, aborted by the next lock holder. A generator may be closed by the
+        # garbage collector inside a locked section of its own thread, where it must not wait for the lock.
+        self._to_abort: deque[int] = deque()
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -103,41 +167,31 @@ class Model:
         raise TypeError("prompts must be a str, a list of str, token ids or a list of token id lists; "
                         "got a list mixing these.")
 
-    def _check_vocab(self, prompts: list[list[int]]) -> None:
-        vocab_size = self.model.config.vocab_size
+    def _check(self, prompts: list[list[int]], config: GenerationConfig) -> None:
+        """Every request is checked (Engine.check_request) before any is queued, so a bad one costs no work."""
         for i, p in enumerate(prompts):
-            bad = [t for t in p if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (vocab_size={vocab_size}:"
-                                 f" ids 0..{vocab_size - 1}); encode prompts with this model's tokenizer.")
-
-    def _check_fits(self, prompts: list[list[int]], config: GenerationConfig) -> None:
-        """Every request is checked before any runs, so a bad one costs no work."""
-        self._check_vocab(prompts)
-        for i, p in enumerate(prompts):
-            try:
-                self.engine.check_request(len(p), config.max_new_tokens)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+            self.engine.check_request(p, config, name=f"prompt {i}")
 
     def generate(self, prompts, config: GenerationConfig | None = None, *, stream: bool = False,
                  return_dict: bool = False, progress: bool | None = None, **options):
         """Generate from prompts (str, list of str, token ids or list of token id lists), any number of them.
 
-        options are GenerationConfig fields (max_new_tokens, temperature, top_k, top_p,
-        repetition_penalty, stop, seed). Returns the text (a str for a single prompt, a list in input
-        order otherwise) or a GenerationOutput with return_dict=True. stream=True returns an iterator of
+        options are GenerationConfig fields (max_new_tokens, temperature, top_k, top_p, min_p,
+        repetition_penalty, stop (a str or a list is taken too), seed, min_tokens, ignore_eos). Returns
+        the text (a str for a single prompt, a list in input order otherwise) or a GenerationOutput with return_dict=True. stream=True returns an iterator of
         text pieces as they become final: str pieces for a single prompt, (index, piece) for a list.
         progress: a tqdm bar over requests (default: when there are more than 8 prompts).
+        A request that fails in the engine raises RuntimeError with its error (a stream: when reached).
         Tensor parallel: None on ranks other than 0.
         """
-        if "stop" in options:
-            options["stop"] = (options["stop"],) if isinstance(options["stop"], str) else tuple(options["stop"])
+        stop = options.get("stop")
+        if isinstance(stop, (str, list)):
+            options["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         config = replace(config or GenerationConfig(), **options)
         encoded, single = self._encode(prompts)
         if stream and return_dict:
             raise ValueError("stream=True yields text pieces; it cannot also return_dict. Use one of them.")
-        self._check_fits(encoded, config)
+        self._check(encoded, config)
         if stream:
             pieces = self._stream(encoded, config, single)
             if self.rank != 0:  # keep step with rank 0, which streams lazily: collectives pair up step by step
@@ -155,21 +209,67 @@ class Model:
         return out.text[0] if single else out.text
 
     def _requests(self, prompts: list[list[int]], config: GenerationConfig) -> Iterator:
-        """Queue the prompts and step the engine until they are done, yielding every RequestOutput of
-        theirs; on any exit (an error, Ctrl-C, a stream closed early) the unfinished ones are aborted."""
-        ids = [self.engine.add_request(p, config) for p in prompts]
+        """Queue the prompts and yield (prompt index, RequestOutput) for each output of theirs, in step
+        order, stepping the engine when none is waiting; on any exit (an error, Ctrl-C, a stream closed
+        early) the unfinished ones are aborted. A request that failed raises RuntimeError."""
+        inbox: deque = deque()
+        with self._lock:
+            self._apply_aborts()
+            ids = []
+            try:
+                for p in prompts:
+                    ids.append(self.engine.add_request(p, config))
+                    self._routes[ids[-1]] = inbox
+            except BaseException:
+                for rid in ids:
+                    self._routes.pop(rid, None)
+                    self.engine.abort(rid)
+                raise
         index = {rid: i for i, rid in enumerate(ids)}
         pending = set(ids)
         try:
             while pending:
-                for out in self.engine.step():
-                    if out.request_id in index:
-                        if out.finished:
-                            pending.discard(out.request_id)
-                        yield index[out.request_id], out
+                if not inbox:
+                    self._step(inbox)
+                    continue
+                out = inbox.popleft()
+                if out.finished:
+                    pending.discard(out.request_id)
+                    self._routes.pop(out.request_id, None)
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"prompt {index[out.request_id]} failed in the engine: {out.error}")
+                yield index[out.request_id], out
         finally:
-            for rid in pending:
-                self.engine.abort(rid)
+            self._release(pending)
+
+    def _step(self, inbox: deque) -> None:
+        """Step the engine once and route its outputs to their callers' inboxes, unless another caller's
+        step filled `inbox` while this one waited for the lock."""
+        with self._lock:
+            if inbox:
+                return
+            self._apply_aborts()
+            for out in self.engine.step():
+                route = self._routes.get(out.request_id)
+                if route is not None:  # None: its caller is gone (aborted) or it was added to the engine directly
+                    route.append(out)
+
+    def _release(self, request_ids) -> None:
+        """A caller is done with these (unfinished) requests: drop their routes and abort them, now when
+        the lock is free, else by the next lock holder (never wait here: see _to_abort)."""
+        for rid in request_ids:
+            self._routes.pop(rid, None)
+            self._to_abort.append(rid)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_aborts()
+            finally:
+                self._lock.release()
+
+    def _apply_aborts(self) -> None:
+        """Abort the requests of closed callers; call with the lock held."""
+        while self._to_abort:
+            self.engine.abort(self._to_abort.popleft())
 
     def _run(self, prompts: list[list[int]], config: GenerationConfig, progress: bool) -> GenerationOutput:
         from tqdm.auto import tqdm
@@ -210,7 +310,6 @@ class Model:
         tokens (the last one is only a target). progress: tqdm bar over prompts (default: more than 8).
         """
         encoded, single = self._encode(prompts, add_special_tokens)
-        self._check_vocab(encoded)
         scored = self._score_ids(encoded, len(encoded) > 8 if progress is None else progress, "Scoring", "prompt")
         logprobs = [[None] + lp.tolist() for lp, _ in scored]
         if return_dict:
@@ -218,9 +317,12 @@ class Model:
         return logprobs[0] if single else logprobs
 
     def _score_ids(self, prompts: list[list[int]], progress: bool, desc: str, unit: str) -> list:
-        """Engine.score with a tqdm bar: per prompt (logprobs [T-1] float32, greedy [T-1] bool)."""
+        """Engine.score with a tqdm bar: per prompt (logprobs [T-1] float32, greedy [T-1] bool). Holds the
+        lock throughout (score runs its own prefills between steps, on free blocks only)."""
         from tqdm.auto import tqdm
-        with tqdm(total=len(prompts), desc=desc, unit=unit, disable=not progress or self.rank != 0, leave=False) as bar:
+        with self._lock, tqdm(total=len(prompts), desc=desc, unit=unit, disable=not progress or self.rank != 0,
+                              leave=False) as bar:
+            self._apply_aborts()
             return self.engine.score(prompts, on_done=lambda i: bar.update(1))
 
     def perplexity(self, texts, *, context: int | None = None, stride: int | None = None,
@@ -239,6 +341,31 @@ class Model:
                           return_dict=return_dict, progress=progress)
 
     def chat(self, messages: list[dict], **options):
-        """Generate the assistant reply to messages [{"role": ..., "content": ...}] via the chat template."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        """Generate the assistant reply to messages [{"role": ..., "content": ...}] via the chat template.
+
+        content is a str or a list of OpenAI content parts; text parts ({"type": "text", "text": ...}) are
+        joined with newlines (as vLLM does), any other part type is refused (this model takes text only).
+        options: as generate()."""
+        text = self.tokenizer.apply_chat_template([_text_message(i, m) for i, m in enumerate(messages)],
+                                                  add_generation_prompt=True, tokenize=False)
         return self.generate(self.tokenizer(text, add_special_tokens=False).input_ids, **options)
+
+
+def _text_message(i: int, message: dict) -> dict:
+    """message with its content as one str: a list of OpenAI content parts has its text parts joined."""
+    if not isinstance(message, dict):
+        raise TypeError(f"message {i} is a {type(message).__name__}; expected a dict with 'role' and 'content'.")
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise ValueError(f"message {i} content part {j} has type {kind!r}; only 'text' parts are supported "
+                             "(this model takes text only): send the text, or drop the other parts.")
+        if not isinstance(part.get("text"), str):
+            raise TypeError(f"message {i} content part {j} is a text part whose 'text' is "
+                            f"{type(part.get('text')).__name__}; expected a str.")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}

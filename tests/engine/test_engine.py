@@ -1,11 +1,15 @@
 """Engine behaviour on a tiny Llama: prefix caching, chunked prefill, per-request seeded sampling,
 requests that cannot fit, abort, and the add_request / step API. The reference for each option is
 the same model without it (the token-level match with transformers is in test_engine_e2e.py)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from models.test_llama import write_checkpoint
+from tolerances import assert_greedy_equal, solo_runs
 
 import tritonq
+from tritonq.engine.engine import EngineDeadError
 from tritonq.generate import GenerationConfig
 
 
@@ -45,9 +49,7 @@ def test_prefix_cached_prompts_give_the_uncached_logits(folder):
     assert bm.prefix_hits - hits == 4 * 16 * (len(prompts) - 1)
     got = cached.generate(prompts[1:], max_new_tokens=8, return_dict=True)
     want = plain.generate(prompts[1:], max_new_tokens=8, return_dict=True)
-    assert got.token_ids == want.token_ids
-    for a, b in zip(got.logprobs, want.logprobs):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert_greedy_equal(plain, prompts[1:], got, want)  # cached rows come from other GEMM shapes
     assert plain.engine.block_manager.prefix_hits == 0
 
 
@@ -57,9 +59,7 @@ def test_chunked_prefill_gives_the_same_tokens(folder):
     chunked = load(folder, max_num_batched_tokens=16, enable_prefix_caching=False)  # 150+ tokens: 10+ chunks
     a = whole.generate(prompts, max_new_tokens=6, return_dict=True)
     b = chunked.generate(prompts, max_new_tokens=6, return_dict=True)
-    assert a.token_ids == b.token_ids
-    for x, y in zip(a.logprobs, b.logprobs):
-        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=0)
+    assert_greedy_equal(whole, prompts, b, a)
 
 
 def test_seeded_request_samples_the_same_tokens_whatever_else_runs(folder):
@@ -83,7 +83,7 @@ def test_request_that_can_never_fit_names_the_numbers_and_one_that_fits_later_wa
     per_token = 2 * 2 * 2 * 16 * 4
     model = load(folder, kv_cache_gb=6 * 16 * per_token / 2 ** 30, max_num_seqs=4)  # 6 blocks = 96 tokens
     assert model.engine.block_manager.num_blocks == 6
-    with pytest.raises(ValueError, match=r"prompt 1: the prompt has 90 tokens \+ max_new_tokens=10 = 100 tokens, "
+    with pytest.raises(ValueError, match=r"prompt 1 has 90 tokens \+ max_new_tokens=10 = 100 tokens, "
                                          r"which need 7 KV blocks of 16, but the cache has 6 \(96 tokens\)"):
         model.generate([[1] * 10, [2] * 90], max_new_tokens=10)
     assert not model.engine.has_unfinished()  # refused before anything ran
@@ -91,7 +91,7 @@ def test_request_that_can_never_fit_names_the_numbers_and_one_that_fits_later_wa
         model.generate([3] * 250, max_new_tokens=7)
     prompts = [[1] * 60, [2] * 60, [3] * 60]  # 5 blocks each with their tokens: one at a time
     out = model.generate(prompts, max_new_tokens=10, return_dict=True)
-    assert out.token_ids == [model.generate(p, max_new_tokens=10, return_dict=True).token_ids[0] for p in prompts]
+    assert_greedy_equal(model, prompts, out, solo_runs(model, prompts, max_new_tokens=10))
 
 
 def test_abort_frees_blocks_and_max_new_tokens_zero_finishes_at_once(folder):
@@ -145,3 +145,112 @@ def test_prefix_hit_and_chunks_through_the_triton_kernels_match_the_torch_refere
     assert first.token_ids + rest.token_ids == want.token_ids
     for got, expected in zip(first.logprobs + rest.logprobs, want.logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
+
+
+# ---- failures: a step that raises, non-finite logits, a dead device ------------------------------------
+
+def run_engine(engine, ids) -> dict[int, list]:
+    """Step until nothing is unfinished; every RequestOutput by request id."""
+    outputs = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def as_output(outs: list) -> SimpleNamespace:
+    """A request's outputs as the fields assert_greedy_equal compares (a one-prompt GenerationOutput)."""
+    return SimpleNamespace(token_ids=[[o.token_id for o in outs]], logprobs=[[o.logprob for o in outs]],
+                           finish_reasons=[outs[-1].finish_reason])
+
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+
+
+def test_a_step_that_raises_fails_its_requests_only_and_the_engine_goes_on(folder, monkeypatch):
+    """max_num_seqs=2: requests 0 and 1 run, 2 and 3 wait; the second step (their decode) raises, and a
+    request arrives during it. 0 and 1 finish with "error" and the exception; the waiting ones and the
+    late one then give their solo outputs, every block is freed and later requests are answered."""
+    model = load(folder, max_num_seqs=2)
+    engine, bm = model.engine, model.engine.block_manager
+    config = GenerationConfig(max_new_tokens=5)
+    solo = [model.generate(p, config, return_dict=True) for p in PROMPTS]
+    ids = [engine.add_request(p, config) for p in PROMPTS]
+    run, calls, late = engine.runner.run, [], []
+
+    def failing(ctx):
+        calls.append(ctx)
+        if len(calls) == 2:
+            late.append(engine.add_request(PROMPTS[0], config))  # sent while the step runs
+            raise RuntimeError("injected failure")
+        return run(ctx)
+    monkeypatch.setattr(engine.runner, "run", failing)
+    outputs = run_engine(engine, ids)
+    for rid in ids[:2]:
+        last = outputs[rid][-1]
+        assert (last.finished, last.finish_reason, last.token_id) == (True, "error", None)
+        assert last.error == "RuntimeError: injected failure" and last.request.error == last.error
+        assert len(outputs[rid]) == 2  # its first token (the prefill), then the error
+    for rid, want in zip(ids[2:] + late, solo[2:] + solo[:1]):
+        assert_greedy_equal(model, [PROMPTS[solo.index(want)]], as_output(outputs[rid]), want)
+    assert bm.num_free_blocks == bm.num_blocks and not engine.requests
+    monkeypatch.undo()
+    assert model.generate(PROMPTS[1], config, return_dict=True).token_ids == solo[1].token_ids
+
+
+def test_non_finite_logits_fail_that_request_only(folder, monkeypatch):
+    """A decode step whose logits row of one request holds NaN (then another's holds one inf): that
+    request ends with "error" and no token; the others in the step go on to their solo outputs."""
+    model = load(folder, max_num_seqs=2)
+    engine = model.engine
+    config = GenerationConfig(max_new_tokens=5)
+    solo = [model.generate(p, config, return_dict=True) for p in PROMPTS[:2]]
+    for bad_row, value in ((1, float("nan")), (0, float("inf"))):
+        ids = [engine.add_request(p, config) for p in PROMPTS[:2]]
+        run, calls = engine.runner.run, []
+
+        def poisoned(ctx, bad_row=bad_row, value=value, run=run, calls=calls):
+            logits = run(ctx).clone()  # an inference tensor: a clone may be written
+            calls.append(ctx)
+            if len(calls) == 2:  # the first decode step: rows in admission order
+                logits[bad_row, 7] = value
+            return logits
+        monkeypatch.setattr(engine.runner, "run", poisoned)
+        outputs = run_engine(engine, ids)
+        monkeypatch.undo()
+        bad, good = outputs[ids[bad_row]], outputs[ids[1 - bad_row]]
+        assert [o.token_id is None for o in bad] == [False, True] and bad[-1].finish_reason == "error"
+        assert "non-finite logits" in bad[-1].error and "NaN/inf" in bad[-1].error
+        assert_greedy_equal(model, [PROMPTS[1 - bad_row]], as_output(good), solo[1 - bad_row])
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_model_calls_raise_the_request_error(folder, monkeypatch):
+    model = load(folder)
+    monkeypatch.setattr(model.engine.runner, "run", lambda ctx: (_ for _ in ()).throw(ValueError("bad step")))
+    with pytest.raises(RuntimeError, match="prompt 0 failed in the engine: ValueError: bad step"):
+        model.generate(PROMPTS[0], max_new_tokens=3)
+    stream = model.generate(PROMPTS[:2], max_new_tokens=3, stream=True)
+    with pytest.raises(RuntimeError, match="ValueError: bad step"):
+        next(stream)
+    assert not model.engine.has_unfinished()
+    monkeypatch.undo()
+    assert model.generate(PROMPTS[0], max_new_tokens=3) == load(folder).generate(PROMPTS[0], max_new_tokens=3)
+
+
+def test_a_device_error_kills_the_engine_for_good(folder, monkeypatch):
+    model = load(folder)
+    engine = model.engine
+    engine.add_request(PROMPTS[0], GenerationConfig(max_new_tokens=3))
+
+    def device_error(ctx):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(engine.runner, "run", device_error)
+    with pytest.raises(EngineDeadError, match="CUDA error: an illegal memory access") as info:
+        engine.step()
+    assert isinstance(info.value, RuntimeError)
+    monkeypatch.undo()
+    for call in (engine.step, lambda: engine.add_request([1], GenerationConfig()), lambda: engine.score([[1, 2]]),
+                 lambda: model.generate("a", max_new_tokens=1)):
+        with pytest.raises(EngineDeadError):
+            call()

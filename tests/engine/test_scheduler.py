@@ -350,3 +350,24 @@ def test_random_requests_with_aborts_and_preemption_finish_without_leaks(caching
         if seq.seq_id not in aborted:
             assert seq.num_generated == seq.max_new_tokens
             assert seq.token_ids == reference_tokens(seq.token_ids[:seq.num_prompt_tokens], seq.max_new_tokens)
+
+
+def test_decode_is_not_starved_by_a_new_request_before_every_step():
+    """Prefill goes first, but a running sequence ready to decode advances at least once every
+    DECODE_EVERY steps: with a new prompt arriving before each of 100 steps, the first request still
+    gets >= 100 / DECODE_EVERY tokens (prefill-first gave it 1), and its tokens stay right."""
+    from tritonq.engine.scheduler import DECODE_EVERY
+    sched = make(num_blocks=1024, max_num_seqs=256, max_num_batched_tokens=256)
+    sim = Simulator(sched)
+    first = Sequence(0, [1, 2, 3], max_new_tokens=1000)
+    sched.add(first)
+    steps = 100
+    for i in range(1, steps + 1):
+        sched.add(Sequence(i, [i % 50] * 5, max_new_tokens=1000))
+        step = sched.schedule()
+        sched.postprocess(step, sim.run_step(step))
+    assert first.num_generated >= steps // DECODE_EVERY
+    # no window of DECODE_EVERY steps without a decode step
+    kinds = [prefill for prefill, _, _ in sim.steps]
+    assert all(not all(kinds[i:i + DECODE_EVERY]) for i in range(1, len(kinds) - DECODE_EVERY + 1))
+    assert first.token_ids == reference_tokens([1, 2, 3], first.num_generated)

@@ -1,7 +1,8 @@
 """Kernel tests: every test here is marked `kernels` and creates its tensors on the `device` fixture's
 device (torch's default device for the test): the GPU when there is one, so the Triton kernels run
-natively, else the CPU, where they run in Triton's interpreter. test_cpu_lowbit.py tests the CPU
-backend and stays on the CPU; the model tests place their tensors themselves (the models take a device)."""
+natively, else the CPU, where they run in Triton's interpreter. test_cpu_lowbit.py and test_cpu_attention.py
+test the CPU backend and stay on the CPU; the model tests place their tensors themselves (the models take a
+device)."""
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _on_device(request, device):
-    if request.node.path.name in ("test_cpu_lowbit.py", "test_models_through_kernels.py"):
+    if request.node.path.name in ("test_cpu_lowbit.py", "test_cpu_attention.py", "test_models_through_kernels.py"):
         yield
         return
     before = torch.get_default_device()

@@ -1,5 +1,6 @@
-"""Tiny Llama and DeepSeek-V2 end to end on the CPU backend (kernels/cpu_lowbit.py: no interpreter, no
-TRITONQ_BACKEND=torch) against transformers on the dequantized weights.
+"""Tiny Llama and DeepSeek-V2 end to end on the CPU backend (kernels/cpu_lowbit.py, kernels/cpu_attention.py:
+no interpreter, no TRITONQ_BACKEND=torch) against transformers on the dequantized weights, and dense Llama /
+Mistral (sliding window) through the CPU attention path against the torch references (TRITONQ_BACKEND=torch).
 
 Tolerances, stated once (the per-GEMM ones are in kernels/cpu_lowbit.py and tests/kernels/test_cpu_lowbit.py):
   fp32 paths (GPTQ 8-bit, FP8 weight-only as on GPUs below sm_89): the same arithmetic in another
@@ -10,12 +11,15 @@ Tolerances, stated once (the per-GEMM ones are in kernels/cpu_lowbit.py and test
       on the longest path add like a random walk, so the logits' relative L2 error is below
       2^-8 * sqrt(n) (Llama, 2 layers: n = 8 -> 1.1e-2; DeepSeek-V2, 3 layers of q_a, q_b, kv_a, kv_b, o,
       gate_up, down: n = 21 -> 1.8e-2), and each logit within that fraction of max |logit|.
+  CPU attention vs the references, fp32 both: summation order in attention only, atol 1e-4 (|logits| <= ~1).
 Greedy decoding (the decode path, M = 1) must give transformers' tokens; the only divergence allowed is
 at a step where transformers' own top-2 logits are closer than twice the logit tolerance (a tie at this
 precision), after which the two sequences are no longer comparable.
 """
 import pytest
 import torch
+from models.paged import PagedRun
+from models.test_llama_family import MAX_LEN, build, write_checkpoint as write_family_checkpoint
 from test_deepseek_v2 import COMMON, CONFIGS as DEEPSEEK_CONFIGS, dequantized_reference
 from test_llama import CONFIGS as LLAMA_CONFIGS, our_prefill_logits, write_checkpoint
 from transformers import DeepseekV2Config
@@ -142,3 +146,25 @@ def test_deepseek_v2_on_cpu_backend_matches_transformers(deepseek, name, tmp_pat
         expected = reference(torch.tensor([prompt])).logits[0]
     tol = assert_logits_close(got, expected, name, "deepseek")
     assert_greedy_matches(tokens, reference, prompt, tol)
+
+
+@pytest.mark.parametrize("name", ["qwen2_untied", "mistral_window6"])
+def test_cpu_attention_logits_match_torch_backend_through_prefill_chunk_and_decode(tmp_path, monkeypatch, name):
+    """Dense GQA 4/2 models, three sequences on interleaved pages: whole prompts (1, 9 and 37 tokens), a
+    second chunk after each cached prefix, then three decode steps; every row's logits through
+    kernels/cpu_attention.py equal those of the torch references step by step."""
+    write_family_checkpoint(tmp_path, name)
+    model = build(tmp_path)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (1, 9, 37)]
+    chunks = [torch.randint(0, 256, (n,)).tolist() for n in (2, 17, 5)]
+    tokens = torch.randint(0, 256, (3, 3)).tolist()
+
+    def run():
+        paged = PagedRun(model, len(prompts), MAX_LEN)
+        steps = paged.prefill(prompts) + paged.prefill(chunks)
+        return steps + [paged.decode(step) for step in tokens]
+
+    fast = run()
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    for got, expected in zip(fast, run(), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

@@ -7,18 +7,27 @@ only real FLOPs (causal half, real head dims: 2*S^2/2*(Dqk+Dv) per head), and ti
 decode_attention over the pages against SDPA on a contiguous [B, Hkv, L, D] cache (enable_gqa)
 and reports GB/s of K/V read and the fraction of the device's HBM bandwidth. Every row also gives
 the max |ours - SDPA|.
-On CPU it reports correctness only (the launchers run their torch references there; run with
-TRITON_INTERPRET=1 to check the Triton kernels themselves): max error vs SDPA on small shapes.
+On CPU (the CPU backend, kernels/cpu_attention.py) it times, side by side in one run, the
+launchers against the torch references they replaced there (TRITONQ_BACKEND=torch's path): decode
+at batch 1 / 16 / 64 with cache lengths drawn from 16..512, and prefill of 4 prompts of 16, 96, 176
+and 256 tokens, GQA 16 / 8, head dim 64, fp32, 16-token pages, block tables as wide as the longest sequence
+(the engine's are as wide as max_seq_len, which only the references pay for). ratio = reference ms /
+ours ms; max_err is against the reference. Under TRITON_INTERPRET=1 (the Triton kernels on CPU) or
+TRITONQ_BACKEND=torch it reports correctness only: max error vs SDPA on small shapes.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 
 from tritonq.bench.common import backend_label, device_peaks, print_table, results_path, time_ms, write_json
-from tritonq.kernels.attention import decode_attention, paged_cache, paged_prefill_attention, paged_prompts
+from tritonq.kernels import use_cpu_kernels
+from tritonq.kernels.attention import (decode_attention, decode_attention_reference, paged_cache,
+                                       paged_prefill_attention, paged_prefill_attention_reference, paged_prompts)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PAGE_SIZE = 16  # the engine's default block_size
@@ -32,6 +41,13 @@ DECODE_GPU = [("llama-8b", 1, 8192, 32, 8, 128, 128), ("llama-8b", 1, 32768, 32,
               ("llama-8b", 32, 4096, 32, 8, 128, 128), ("llama-8b", 128, 1024, 32, 8, 128, 128),
               ("deepseek-v2-lite", 8, 4096, 16, 16, 192, 128), ("v2-lite-mla-latent", 8, 4096, 16, 1, 576, 512)]
 DECODE_CPU = [("gqa-4", 2, 300, 4, 1, 128, 128), ("deepseek-192/128", 2, 65, 2, 2, 192, 128)]
+
+# CPU backend vs the references: (H, Hkv, D), decode batches with cache lengths drawn uniformly from
+# CPU_LENS, prefill of CPU_PROMPTS prompts with lengths spread evenly over CPU_PROMPT_LENS
+CPU_HEADS = (16, 8, 64)
+CPU_DECODE_BATCHES = (1, 16, 64)
+CPU_LENS = (16, 512)
+CPU_PROMPTS, CPU_PROMPT_LENS = 4, (16, 256)
 
 
 def sdpa_bhsd(q, k, v, scale, causal):
@@ -91,15 +107,69 @@ def bench_decode(shapes, dtype, device, on_gpu) -> list[dict]:
     return rows
 
 
+def alternating_ms(fns, rep: int = 7) -> list[float]:
+    """Median milliseconds per call of each of fns, timed in turn within every repetition, so that all
+    see the same load on a shared machine (after one warm-up call each)."""
+    times = [[] for _ in fns]
+    for i in range(rep + 1):
+        for fn, t in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            if i:
+                t.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def bench_cpu_backend(dtype) -> list[dict]:
+    """The CPU backend against the torch references on the same inputs, timed alternately in one run."""
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D = CPU_HEADS
+    scale = D ** -0.5
+    cases = []
+    for B in CPU_DECODE_BATCHES:
+        lens = torch.randint(CPU_LENS[0], CPU_LENS[1] + 1, (B,), generator=g)
+        S = int(lens.max())
+        k, v = (torch.randn(B, S, Hkv, D, generator=g, dtype=dtype) for _ in range(2))
+        q = torch.randn(B, H, D, generator=g, dtype=dtype)
+        k_pages, v_pages, table = paged_cache(k, v, PAGE_SIZE, generator=g)
+        args = (q, k_pages, v_pages, lens.int(), table)
+        cases.append(("decode", B, lens, decode_attention, decode_attention_reference, args))
+    lens = torch.linspace(*CPU_PROMPT_LENS, CPU_PROMPTS).int()  # evenly spread: the longest dominates the time
+    S = int(lens.max())
+    q, k, v = (torch.randn(CPU_PROMPTS, S, heads, D, generator=g, dtype=dtype) for heads in (H, Hkv, Hkv))
+    cases.append(("prefill", CPU_PROMPTS, lens, paged_prefill_attention, paged_prefill_attention_reference,
+                  paged_prompts(q, k, v, lens.tolist(), PAGE_SIZE, generator=g)))
+    rows = []
+    for kind, B, lens, ours_fn, reference_fn, args in cases:
+        ours, ref = ours_fn(*args, scale), reference_fn(*args, scale)
+        t_ours, t_ref = alternating_ms([lambda: ours_fn(*args, scale), lambda: reference_fn(*args, scale)])
+        rows.append(dict(kind=kind, B=B, lens=f"{int(lens.min())}..{int(lens.max())}", tokens=int(lens.sum()),
+                         H=H, Hkv=Hkv, D=D, ms=t_ours, reference_ms=t_ref, ratio=t_ref / t_ours,
+                         max_err=(ours.float() - ref.float()).abs().max().item()))
+    return rows
+
+
 def main(argv: list[str]) -> None:
     on_gpu = torch.cuda.is_available()
+    cpu_backend = not on_gpu and use_cpu_kernels(torch.empty(0))
     p = argparse.ArgumentParser(prog="python -m tritonq.bench attention", description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype on GPU (CPU uses float32)")
-    p.add_argument("--json", default=results_path("attention.json"),
-                   help="write the rows here (default: the checkout's bench/results/attention.json when run inside it)")
+    p.add_argument("--json", default=results_path("attention_cpu.json" if cpu_backend else "attention.json"),
+                   help="write the rows here (default, run inside the checkout: its bench/results/attention.json, "
+                        "attention_cpu.json on the CPU backend)")
     args = p.parse_args(argv)
     dtype, device = (DTYPES[args.dtype], "cuda") if on_gpu else (torch.float32, "cpu")
     backend = backend_label(device)
+    if cpu_backend:
+        rows = bench_cpu_backend(dtype)
+        print(f"CPU attention ({backend}, kernels/cpu_attention.py) vs the torch references; dtype: {dtype}; "
+              f"{torch.get_num_threads()} threads; ratio = reference ms / ms")
+        print_table(rows)
+        if args.json:
+            write_json(args.json, "attention", rows, baseline="torch references (decode_attention_reference, "
+                       "paged_prefill_attention_reference)", dtype=str(dtype), backend=backend,
+                       threads=torch.get_num_threads(), command=f"python -m tritonq.bench attention {' '.join(argv)}")
+        return
     prefill = bench_prefill(PREFILL_GPU if on_gpu else PREFILL_CPU, dtype, device, on_gpu)
     decode = bench_decode(DECODE_GPU if on_gpu else DECODE_CPU, dtype, device, on_gpu)
     print(f"attention vs torch SDPA; backend: {backend}; dtype: {dtype}"

@@ -6,11 +6,21 @@
         for out in engine.step():     # one RequestOutput per request that advanced this step
             ...                       # out.token_id, out.text (new final text), out.finished
 
-Each step the scheduler picks the sequences (prefill-first, chunked, preempting when blocks run
-out), the runner computes them over the paged KV cache and samples each one's next token, and
-the engine finishes a request on EOS, a stop string or max_new_tokens, freeing its blocks.
+Each step the scheduler picks the sequences (prefill-first but decoding at least every
+DECODE_EVERY steps, chunked, preempting when blocks run out), the runner computes them over the
+paged KV cache and samples each one's next token, and the engine finishes a request on EOS (unless
+ignore_eos, or before min_tokens), a stop string or max_new_tokens, freeing its blocks.
+Tensor parallel note: a step failing on one rank only would leave the ranks out of step; only
+failures every rank sees alike (and rank 0's non-finite rows, broadcast with the tokens) are safe.
 Tensor parallel: every rank holds an Engine and calls it with the same requests in the same
 order; the schedule is deterministic and the sampled tokens come from rank 0.
+
+Failures: `check_request` refuses a request that could never run before anything is queued (the
+one place for request-level checks: Model and server both call it). A step that raises fails the
+requests in it (finish_reason "error", the exception in `error`) and the engine serves the rest;
+rows whose logits are NaN / inf fail the same way without a token. A device error (CUDA error,
+device-side assert) leaves the device unusable: step() raises EngineDeadError, then every later
+step / add_request / score does too (the server reports unhealthy and exits so it is restarted).
 """
 from __future__ import annotations
 
@@ -33,6 +43,7 @@ class Request:
     """The engine's state of one request (kept in its Sequence's `extra`)."""
     request_id: int
     prompt_ids: list[int]
+    config: object  # its GenerationConfig
     sampling: SamplingParams
     detokenizer: Detokenizer
     token_ids: list[int] = field(default_factory=list)
@@ -40,7 +51,8 @@ class Request:
     arrival_s: float = 0.0
     first_token_s: float | None = None
     finish_s: float | None = None
-    finish_reason: str | None = None  # "eos", "stop", "length", "abort"
+    finish_reason: str | None = None  # "eos", "stop", "length", "abort", "error"
+    error: str | None = None  # with finish_reason "error": "<ExceptionType>: <message>"
 
     @property
     def time_to_first_token_s(self) -> float:
@@ -54,7 +66,8 @@ class Request:
 @dataclass(frozen=True)
 class RequestOutput:
     """What one step did for one request: the token it sampled (None when it finished without one:
-    max_new_tokens=0), its log-probability, the text that became final, whether it is done."""
+    max_new_tokens=0, or an error), its log-probability, the text that became final, whether it is
+    done and why. error: with finish_reason "error", what went wrong ("<ExceptionType>: <message>")."""
     request_id: int
     token_id: int | None
     logprob: float | None
@@ -62,6 +75,26 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     request: Request
+    error: str | None = None
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot continue (a device error); every later call raises it. Restart the process."""
+
+
+# Phrases of exceptions after which the device (and so the engine) is unusable: a CUDA context that
+# hit an error or a device-side assert fails every later launch, so failing one step would not help.
+_DEVICE_ERRORS = ("CUDA error", "device-side assert", "CUBLAS_STATUS", "cudaError", "illegal memory access")
+
+
+def _is_device_error(exc: BaseException) -> bool:
+    accelerator = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises it for CUDA errors
+    return (accelerator is not None and isinstance(exc, accelerator)) or any(p in str(exc) for p in _DEVICE_ERRORS)
+
+
+NONFINITE_ERROR = ("ValueError: the model produced non-finite logits (NaN or inf) for this request; the weights "
+                   "likely hold NaN/inf values or an activation overflowed the dtype (try float32 or bfloat16, "
+                   "or check the checkpoint).")
 
 
 class Engine:
@@ -78,30 +111,54 @@ class Engine:
         self.requests: dict[int, Request] = {}  # unfinished requests
         self._done: list[RequestOutput] = []  # finished without a step (max_new_tokens=0): reported next
         self._ids = itertools.count()
+        self._dead: EngineDeadError | None = None  # set by a device error: see step()
 
-    def check_request(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        """ValueError, naming the numbers, if a request could never run; see add_request."""
+    def check_token_ids(self, prompt_ids, *, name: str = "the prompt") -> None:
+        """TypeError unless prompt_ids is a list / tuple of int (bool refused: True is no token id);
+        ValueError naming the first id outside [0, vocab_size). name: how messages call the prompt."""
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise TypeError(f"{name} is a {type(prompt_ids).__name__}; expected a list of int token ids.")
+        vocab_size = self.runner.model.config.vocab_size
+        for t in prompt_ids:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise TypeError(f"{name} has token id {t!r} ({type(t).__name__}); token ids must be int.")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"{name} has token id {t} outside the vocabulary (vocab_size={vocab_size}: ids "
+                                 f"0..{vocab_size - 1}); encode prompts with this model's tokenizer.")
+
+    def _check_length(self, num_prompt_tokens: int, max_new_tokens: int, name: str) -> None:
         if num_prompt_tokens == 0:
-            raise ValueError("the prompt has no tokens; give at least one token.")
+            raise ValueError(f"{name} has no tokens; give at least one token.")
         total = num_prompt_tokens + max_new_tokens
         if self.max_seq_len is not None and total > self.max_seq_len:
-            raise ValueError(f"the prompt has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
+            raise ValueError(f"{name} has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
                              f"{total} > max_seq_len={self.max_seq_len}; shorten the prompt, lower max_new_tokens "
                              "or load with a larger max_seq_len.")
         bm = self.block_manager
         if bm.blocks_needed(total) > bm.num_blocks:
-            raise ValueError(f"the prompt has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
+            raise ValueError(f"{name} has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
                              f"{total} tokens, which need {bm.blocks_needed(total)} KV blocks of {bm.block_size}, "
                              f"but the cache has {bm.num_blocks} ({bm.num_blocks * bm.block_size} tokens); shorten "
                              "the request or give the KV cache more memory (kv_cache_gb / gpu_memory_utilization).")
 
+    def check_request(self, prompt_ids: list[int], config, *, name: str = "the prompt") -> None:
+        """Every request-level check, before anything is queued (Model and server both call it): the
+        prompt is non-empty, every id an int in [0, vocab_size), and prompt + max_new_tokens fits
+        max_seq_len and the KV cache. config: a GenerationConfig (its own fields were checked when it was
+        made). Raises TypeError for a wrong type, ValueError naming the numbers otherwise. Reads constants
+        only: safe to call from any thread."""
+        self.check_token_ids(prompt_ids, name=name)
+        self._check_length(len(prompt_ids), config.max_new_tokens, name)
+
     def add_request(self, prompt_ids: list[int], config) -> int:
         """Queue a request (config: a GenerationConfig); returns its id. It waits until blocks are free.
-        Raises ValueError before queueing if it can never fit (max_seq_len, or more blocks than exist)."""
-        prompt_ids = [int(t) for t in prompt_ids]
-        self.check_request(len(prompt_ids), config.max_new_tokens)
+        Raises (check_request) before queueing if it could never run."""
+        self._check_alive()
+        self.check_request(prompt_ids, config)
+        prompt_ids = list(prompt_ids)
         rid = next(self._ids)
-        request = Request(rid, prompt_ids, SamplingParams(config), Detokenizer(self.tokenizer, config.stop),
+        request = Request(rid, prompt_ids, config, SamplingParams(config),
+                          Detokenizer(self.tokenizer, config.stop, min_tokens=config.min_tokens),
                           arrival_s=time.perf_counter())
         if config.max_new_tokens == 0:
             self._finish(request, "length")
@@ -121,30 +178,50 @@ class Engine:
         return bool(self.requests or self._done)
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step; outputs for the requests that sampled a token or finished."""
+        """Run one model step; outputs for the requests that sampled a token or finished.
+
+        An exception while the step runs (prepare / run / sample) fails every request in the step
+        (finish_reason "error", blocks freed) and the rest go on in later steps; a device error raises
+        EngineDeadError instead. Rows with non-finite logits fail their requests alone."""
+        self._check_alive()
         outputs, self._done = self._done, []
         step = self.scheduler.schedule()
         if step is None:
             return outputs
         samples = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(step.seqs, step.num_new_tokens)]
-        ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=samples)
-        logits = self.runner.run(ctx)
         sampling = [seq for seq, s in zip(step.seqs, samples) if s]
-        tokens, logprobs = self.runner.sample(logits, [seq.extra.sampling for seq in sampling],
-                                              [seq.token_ids for seq in sampling])
+        try:
+            ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=samples)
+            logits = self.runner.run(ctx)
+            tokens, logprobs = self.runner.sample(
+                logits, [seq.extra.sampling for seq in sampling], [seq.token_ids for seq in sampling],
+                mask_eos=[seq.num_generated < seq.extra.config.min_tokens for seq in sampling],
+                eos_token_ids=self.eos_token_ids)
+        except Exception as exc:
+            if _is_device_error(exc):
+                self._dead = EngineDeadError(f"the engine cannot continue after a device error: "
+                                             f"{type(exc).__name__}: {exc}; restart the process.")
+                raise self._dead from exc
+            error = f"{type(exc).__name__}: {exc}"
+            return outputs + [self._fail(seq, error) for seq in step.seqs if not seq.is_finished]
         sampled = iter(zip(tokens, logprobs))
         picks = [next(sampled) if s else None for s in samples]
-        self.scheduler.postprocess(step, [p[0] if p else None for p in picks])
+        for seq, pick in zip(step.seqs, picks):
+            if pick is not None and pick[0] is None and not seq.is_finished:  # non-finite logits: no token
+                outputs.append(self._fail(seq, NONFINITE_ERROR))
+        self.scheduler.postprocess(step, [p[0] if p else None for p in picks])  # skips the failed (finished)
         now = time.perf_counter()
         for seq, pick in zip(step.seqs, picks):
-            if pick is None:
-                continue
+            if pick is None or pick[0] is None or seq.seq_id not in self.requests:
+                continue  # a chunk short of its last token, a failed row, or aborted meanwhile
             request, (token, logprob) = seq.extra, pick
             request.token_ids.append(token)
             request.logprobs.append(logprob)
             request.first_token_s = request.first_token_s or now
             text = request.detokenizer.add(token)
-            reason = ("eos" if token in self.eos_token_ids else "stop" if request.detokenizer.stopped
+            config = request.config
+            eos = token in self.eos_token_ids and not config.ignore_eos and seq.num_generated >= config.min_tokens
+            reason = ("eos" if eos else "stop" if request.detokenizer.stopped
                       else "length" if seq.is_finished else None)
             if reason is not None:
                 self.scheduler.finish(seq)  # no-op when postprocess already finished it (length)
@@ -153,6 +230,17 @@ class Engine:
                 request.finish_s, request.finish_reason = now, reason
             outputs.append(RequestOutput(request.request_id, token, logprob, text, reason is not None, reason, request))
         return outputs
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """Finish a request of a failed step (or row) with finish_reason "error"; its blocks are freed."""
+        self.scheduler.finish(seq)
+        request = self.requests.pop(seq.seq_id)
+        request.finish_s, request.finish_reason, request.error = time.perf_counter(), "error", error
+        return RequestOutput(request.request_id, None, None, "", True, "error", request, error)
 
     def _finish(self, request: Request, reason: str) -> None:
         """A request that ends without a step (max_new_tokens=0): reported by the next step()."""
@@ -163,8 +251,10 @@ class Engine:
         """Logits [T, V] float32 at every position of token_ids, in one prefill over the paged cache (no
         sampling, nothing kept: for scoring and tests). Needs the blocks for T tokens free now; blocks
         already prefix-cached are read, not written."""
+        self._check_alive()
+        self.check_token_ids(token_ids)
+        self._check_length(len(token_ids), 0, "the prompt")
         seq = Sequence(-1, list(token_ids), 1)
-        self.check_request(seq.num_tokens, 0)
         bm = self.block_manager
         if not bm.can_allocate(seq):
             raise RuntimeError(f"prompt_logits: {len(token_ids)} tokens need {bm.blocks_needed(len(token_ids))} "
@@ -187,15 +277,14 @@ class Engine:
         (free ones only) and prefix-cache hits are read, not recomputed into the cache. on_done(i) is
         called as prompt i finishes (progress bars). Not concurrent with step(): call it between steps.
         """
+        self._check_alive()
         bm, sched = self.block_manager, self.scheduler
         for i, p in enumerate(prompts):  # every prompt checked before any runs
+            self.check_token_ids(p, name=f"prompt {i}")
             if len(p) == 0:
                 raise ValueError(f"prompt {i} has no tokens; give at least one token.")
-            if len(p) > 1:
-                try:
-                    self.check_request(len(p) - 1, 0)
-                except ValueError as e:
-                    raise ValueError(f"prompt {i} (scored: its first {len(p) - 1} tokens run): {e}") from None
+            if len(p) > 1:  # the last token is only a target: the model runs over the others
+                self._check_length(len(p) - 1, 0, f"prompt {i} (scored: its first {len(p) - 1} tokens run)")
         results: list = [None] * len(prompts)
         empty = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bool)
         waiting = deque()
@@ -216,7 +305,7 @@ class Engine:
                 pending = sum(seq.num_tokens - pos for _, seq, pos in running)
                 while waiting and len(running) < sched.max_num_seqs and pending < budget:
                     i = waiting[0]
-                    seq = Sequence(-1 - i, [int(t) for t in prompts[i][:-1]], 1)
+                    seq = Sequence(-1 - i, list(prompts[i][:-1]), 1)
                     if not bm.can_allocate(seq):
                         break
                     waiting.popleft()
@@ -246,7 +335,7 @@ class Engine:
                     n = counts[k]
                     rows = logits[row:row + n]
                     row += n
-                    targets = torch.tensor(prompts[i][pos + 1:pos + 1 + n], device=rows.device)
+                    targets = torch.tensor(prompts[i][pos + 1:pos + 1 + n], dtype=torch.int64, device=rows.device)
                     logprobs = rows.log_softmax(-1).gather(1, targets[:, None])[:, 0]
                     parts.setdefault(i, []).append((logprobs.cpu(), (rows.argmax(-1) == targets).cpu()))
                     seq.num_computed_tokens = max(seq.num_computed_tokens, pos + n)

@@ -9,9 +9,10 @@ runs as the smallest batch bucket holding B (tritonq.engine.cuda_graphs): fixed 
 value read on the host, and, with CUDA graphs captured, a replay instead of ~10 launches per layer.
 Prefill, and decode batches above the largest bucket, run eagerly on tensors built per step.
 
-sample() draws every row's next token in one batched pass (per-row temperature, top-k, top-p,
-repetition penalty as tensors); only the sampled ids and their log-probabilities come back to the
-host, in one transfer per step. A row's random numbers are a hash of (its request's seed, its
+sample() draws every row's next token in one batched pass (per-row temperature, min-p, top-k, top-p,
+repetition penalty as tensors, EOS masked for rows below min_tokens); only the sampled ids, their
+log-probabilities and whether each row's logits were finite come back to the host, in one transfer
+per step. A row's random numbers are a hash of (its request's seed, its
 sequence length, vocabulary index) computed with torch integer ops (`sampling_noise`), so a seeded
 request draws the same tokens whatever else shares its batch, without a torch.Generator per
 request; greedy (temperature 0) is argmax.
@@ -74,12 +75,14 @@ def sampling_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torc
 
 def sample_logits(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch.Tensor | None,
                   top_p: torch.Tensor | None, penalty: torch.Tensor | None, seen: torch.Tensor | None,
-                  noise: torch.Tensor | None, filters: bool = True) -> torch.Tensor:
+                  noise: torch.Tensor | None, filters: bool = True, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Next tokens [R] int64 from logits [R, V] float32, with per-row settings [R]: temperature float32
-    (0: greedy), top_k int64 (0: off), top_p float32 (1: off); penalty float32 [R] with seen [R, V] bool
-    (prompt + generated tokens; both None when no row has a repetition penalty); noise [R, V] from
-    `sampling_noise`. When every row is greedy, noise is None and temperature / top_k / top_p may be too.
-    filters=False skips top-k / top-p (no row uses them)."""
+    (0: greedy), top_k int64 (0: off), top_p float32 (1: off), min_p float32 (0: off; None: no row uses it);
+    penalty float32 [R] with seen [R, V] bool (prompt + generated tokens; both None when no row has a
+    repetition penalty); noise [R, V] from `sampling_noise`. When every row is greedy, noise is None and
+    temperature / top_k / top_p / min_p may be too. filters=False skips top-k / top-p (no row uses them).
+    Order, as vLLM: penalty, temperature, min_p (relative to the most likely token after temperature),
+    then top-k and top-p over what min_p kept."""
     if penalty is not None:  # CTRL-style penalty, as transformers applies it
         penalized = torch.where(logits > 0, logits / penalty[:, None], logits * penalty[:, None])
         logits = torch.where(seen, penalized, logits)
@@ -87,6 +90,8 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor | None, top_k:
     if noise is None:
         return greedy
     x = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if min_p is not None:  # p >= min_p * p_max  <=>  x >= x_max + log(min_p) (log 0 = -inf keeps every token)
+        x = x.masked_fill(x < x.amax(-1, keepdim=True) + min_p.log()[:, None], float("-inf"))
     if filters:  # in descending order: top-k keeps values >= the k-th, top-p the smallest prefix reaching p
         V = x.shape[-1]
         sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
@@ -180,20 +185,30 @@ class ModelRunner:
             return self.model(StepContext(**{**ctx.__dict__, "logit_rows": last}), self.cache).float()[:0]
         return self.model(ctx, self.cache).float()
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]]
-               ) -> tuple[list[int], list[float]]:
-        """Each row's next token and its log-probability under the raw logits (before any filter).
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
+               mask_eos: list[bool] | None = None, eos_token_ids: set[int] = frozenset()
+               ) -> tuple[list[int | None], list[float | None]]:
+        """Each row's next token and its log-probability under the raw logits (before any filter or mask).
 
         logits [R, V] float32; params[r] the row's request settings; token_ids[r] its prompt + generated
-        tokens (the repetition penalty's "seen" set; its length numbers the row's random draws). All rows
-        are sampled at once (`sample_logits`); the tokens and log-probabilities come back in one transfer."""
+        tokens (the repetition penalty's "seen" set; its length numbers the row's random draws);
+        mask_eos[r]: row r may not sample an EOS id (eos_token_ids) this step (min_tokens not reached).
+        All rows are sampled at once (`sample_logits`). A row whose logits hold NaN or inf anywhere gets
+        token and logprob None: its distribution is meaningless. The tokens, their log-probabilities and
+        those flags come back to the host in one transfer."""
         R, V = logits.shape
         device = logits.device
         configs = [p.config for p in params]
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-        penalty = seen = noise = temperature = top_k = top_p = None
+        masked = logits
+        eos = sorted(t for t in eos_token_ids if 0 <= t < V)
+        if mask_eos is not None and any(mask_eos) and eos:
+            rows = [r for r, m in enumerate(mask_eos) if m]
+            masked = logits.index_put((tensor(rows, torch.int64)[:, None], tensor(eos, torch.int64)[None, :]),
+                                      torch.tensor(float("-inf"), device=device))
+        penalty = seen = noise = temperature = top_k = top_p = min_p = None
         if any(c.repetition_penalty != 1.0 for c in configs):
             penalty = tensor([c.repetition_penalty for c in configs], torch.float32)
             rows = [r for r, ids in enumerate(token_ids) for _ in ids]
@@ -207,13 +222,18 @@ class ModelRunner:
             temperature = tensor([c.temperature for c in configs], torch.float32)
             top_k = tensor([c.top_k or 0 for c in configs], torch.int64)
             top_p = tensor([c.top_p for c in configs], torch.float32)
+            if any(s and c.min_p > 0 for s, c in zip(sampled, configs)):
+                min_p = tensor([c.min_p for c in configs], torch.float32)
         filters = any(s and (c.top_k or c.top_p < 1.0) for s, c in zip(sampled, configs))
-        tokens = sample_logits(logits, temperature, top_k, top_p, penalty, seen, noise, filters)
+        tokens = sample_logits(masked, temperature, top_k, top_p, penalty, seen, noise, filters, min_p)
+        # -1 marks a row with non-finite logits; set before the broadcast so every rank agrees on it
+        tokens = torch.where(torch.isfinite(logits).all(-1), tokens, -1)
         if self.world > 1:
             tokens = broadcast_from_rank0(tokens)
-        logprobs = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        logprobs = logits.log_softmax(-1).gather(1, tokens.clamp(min=0)[:, None])[:, 0]
         picked = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one device read
-        return [int(t) for t in picked[0]], picked[1]
+        return ([int(t) if t >= 0 else None for t in picked[0]],
+                [lp if t >= 0 else None for t, lp in zip(*picked)])
 
 
 def prefill_logits(model, token_ids: list[int], block_size: int = 16, last_only: bool = False) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """Which sequences run in the next step: admission, chunked prefill, decode, preemption. No torch.
 
-Each step is either all prefill or all decode, never mixed (prefill first):
+Each step is either all prefill or all decode, never mixed. Prefill goes first, but never starves
+decode: a running sequence ready to decode advances at least once every DECODE_EVERY (4) steps,
+whatever arrives. After DECODE_EVERY - 1 prefill steps in a row during which some running sequence
+was ready to decode, the next step is a decode step (of every ready sequence).
 - prefill: sequences still prefilling (a long prompt split into chunks) continue, oldest first,
   then waiting sequences are admitted in arrival order while `max_num_seqs`, the
   `max_num_batched_tokens` budget and the free blocks allow. A sequence computes
   `token_ids[num_computed_tokens : num_computed_tokens + n]`; n is cut to the budget left, so a
   prompt longer than the budget is prefilled over several steps.
-- decode: otherwise every running sequence computes its one last token. If one needs a new block
+- decode: otherwise every running sequence ready to decode computes its one last token. If one needs a new block
   and none is free, the newest running sequence is preempted: its blocks are freed and it goes
   back to the front of the waiting queue; it later resumes by prefilling everything again
   (its own freed blocks are often still prefix-cached), which yields the same tokens.
@@ -21,6 +24,12 @@ from dataclasses import dataclass
 
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.sequence import Sequence, SequenceStatus
+
+DECODE_EVERY = 4  # a sequence ready to decode waits at most DECODE_EVERY - 1 prefill steps (see above)
+
+
+def _ready_to_decode(seq: Sequence) -> bool:
+    return seq.num_computed_tokens == seq.num_tokens - 1
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}  # unfinished sequences by id
         self.num_preemptions = 0
         self._arrivals = 0
+        self._prefills_while_ready = 0  # prefill steps in a row while some running sequence could decode
 
     @property
     def num_running(self) -> int:
@@ -90,8 +100,13 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None when nothing is left to run."""
         while self.has_unfinished():
-            step = self._schedule_prefill() or self._schedule_decode()
+            ready = any(_ready_to_decode(seq) for seq in self.running)
+            if ready and self._prefills_while_ready >= DECODE_EVERY - 1:
+                step = self._schedule_decode() or self._schedule_prefill()
+            else:
+                step = self._schedule_prefill() or self._schedule_decode()
             if step is not None:
+                self._prefills_while_ready = self._prefills_while_ready + 1 if step.is_prefill and ready else 0
                 return step
             if not self.running and self.waiting and not self._can_admit(self.waiting[0]):
                 raise RuntimeError(f"scheduler stalled: nothing running and {self.waiting[0]} cannot be "
@@ -167,9 +182,9 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledStep | None:
         bm = self.block_manager
         seqs = []
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
+        for seq in list(self.running):  # victims come from the end: never one already scheduled
+            if seq.status is not SequenceStatus.RUNNING or not _ready_to_decode(seq):
+                continue  # preempted in this loop, or still prefilling (a decode step forced by DECODE_EVERY)
             while not bm.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -178,7 +193,6 @@ class Scheduler:
             else:
                 bm.append_slot(seq)
                 seqs.append(seq)
-                i += 1
         return ScheduledStep(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
 
     def _preempt(self, seq: Sequence) -> None:

@@ -64,7 +64,8 @@ def perplexity(model, texts, *, context: int | None = None, stride: int | None =
     if isinstance(texts, (list, tuple)) and not texts:
         raise ValueError("texts is an empty list; give at least one text.")
     encoded, _ = model._encode(texts, add_special_tokens)
-    model._check_vocab(encoded)
+    for i, ids in enumerate(encoded):
+        model.engine.check_token_ids(ids, name=f"text {i}")
     for i, ids in enumerate(encoded):
         if len(ids) < 2:
             raise ValueError(f"text {i} has {len(ids)} token(s); perplexity needs at least 2 (the first token is "

@@ -1,7 +1,8 @@
 """Kernel families. Each file holds the @triton.jit kernel, its launcher and a torch reference.
 
 Backend choice (one place): CUDA tensors run the Triton kernels; CPU tensors run torch's CPU
-kernels over weights prepared once (`cpu_lowbit`), except under TRITON_INTERPRET=1, where the
+kernels over weights prepared once (`cpu_lowbit`) and paged attention through torch's CPU flash
+kernel over each sequence's real keys (`cpu_attention`), except under TRITON_INTERPRET=1, where the
 Triton kernel itself runs on CPU (that is how the tests exercise it). TRITONQ_BACKEND=torch
 forces the plain torch references (float32 compute, the test oracle); =triton forces Triton.
 Pieces the kernel families share (jit helpers, launch configs, `Launch`) are in common.py.
@@ -24,6 +25,6 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def use_cpu_kernels(x: torch.Tensor) -> bool:
-    """True if a tensor on x's device should run the CPU backend (kernels/cpu_lowbit.py)."""
+    """True if a tensor on x's device should run the CPU backend (kernels/cpu_lowbit.py, cpu_attention.py)."""
     return (x.device.type == "cpu" and not use_triton(x)
             and os.environ.get("TRITONQ_BACKEND", "auto") != "torch")

@@ -30,7 +30,9 @@ its masked lanes through the dot. Dv is one block of next_pow2(Dv): 128 and 512 
 while e.g. Dv = 96 pads to 128, i.e. 33% extra PV FLOPs, accumulator registers and V tile
 shared memory.
 
-On CPU tensors the torch references run instead (float32 compute), unless TRITON_INTERPRET=1.
+On CPU tensors (unless TRITON_INTERPRET=1) the CPU backend runs instead: torch's fused CPU attention
+over each sequence's real keys (kernels/cpu_attention.py). TRITONQ_BACKEND=torch runs the torch
+references (float32 compute), the test oracle.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonq.kernels import use_triton
+from tritonq.kernels import cpu_attention, use_cpu_kernels, use_triton
 from tritonq.kernels.common import Launch, check_launch_config, compute_capability, tuned_or_default
 
 LOG2E = 1.4426950408889634
@@ -447,6 +449,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
         raise ValueError(f"decode_attention: max_seq_len = {max_seq_len!r}; expected an int >= 1 (the capacity "
                          "the launch config is chosen for) or None.")
+    if use_cpu_kernels(q):  # torch's CPU flash attention over each sequence's real keys (kernels/cpu_attention.py)
+        return cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window)
     if not use_triton(q):
         return decode_attention_reference(q, k_pages, v_pages, cache_lens, block_table, scale, window)
 
@@ -593,6 +597,9 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     elif not bool(consistent):
         raise ValueError(f"{expected}; got cu_seqlens_q {cu_seqlens_q.tolist()}, context_lens "
                          f"{context_lens.tolist()}. context_lens counts the cached prefix plus the new tokens.")
+    if use_cpu_kernels(q):  # kernels/cpu_attention.py
+        return cpu_attention.paged_prefill_attention(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
+                                                     scale, window)
     if not use_triton(q):
         return paged_prefill_attention_reference(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
                                                  scale, window)

@@ -6,6 +6,10 @@
     metrics.py      Prometheus gauges, counters and latency histograms
     __main__.py     command line, uvicorn, Ctrl-C / SIGTERM handling
 
+A request never ends the server: bad input is a 4xx naming the culprit, a failed engine step fails
+only its requests (500); if the engine cannot continue, /health answers 503 and the process exits
+with status 1 for a supervisor to restart it.
+
 Needs the `serve` extra: pip install -e ".[serve]".
 """
 from tritonq.serve.app import create_app

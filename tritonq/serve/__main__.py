@@ -2,15 +2,20 @@
 
 On a signal, every running stream gets an error chunk and [DONE] (so clients see why it ended),
 uvicorn closes the connections, the engine thread stops and the process exits with status 0.
+If the engine cannot continue (a device error, or its thread died), every request gets an error,
+/health answers 503 with the reason for DEAD_EXIT_DELAY_S, then uvicorn shuts down and the process
+exits with status 1, so a supervisor (systemd, Kubernetes) restarts it.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 import torch
 import uvicorn
 
+DEAD_EXIT_DELAY_S = 2.0  # /health reports the death this long before the process exits
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -24,7 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
     parser.add_argument("--max-seq-len", type=int, default=None, help="prompt + completion tokens per request")
     parser.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (GiB)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health")
+    parser.add_argument("--open-metrics", action="store_true",
+                        help="leave /metrics open without the API key (for a Prometheus scraper)")
+    parser.add_argument("--max-request-bytes", type=int, default=None,
+                        help="refuse (413) request bodies larger than this, before parsing (default 2 MiB)")
     parser.add_argument("--max-waiting", type=int, default=None,
                         help="answer 429 once this many requests wait for their first token")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
@@ -35,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.max_waiting is not None and args.max_waiting < 0:
         parser.error(f"--max-waiting is {args.max_waiting}; expected >= 0")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        parser.error(f"--max-request-bytes is {args.max_request_bytes}; expected >= 1")
     return args
 
 
@@ -59,6 +71,15 @@ class _Server(uvicorn.Server):
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.engine_loop.fail_all, "the server is shutting down")
 
+    def engine_died(self, reason: str) -> None:
+        """(engine thread) The engine cannot continue: shut down after DEAD_EXIT_DELAY_S (main exits 1)."""
+        print(f"tritonq.serve: the engine cannot continue ({reason}); shutting down to be restarted",
+              file=sys.stderr, flush=True)
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.call_later, DEAD_EXIT_DELAY_S, setattr, self, "should_exit", True)
+        else:
+            self.should_exit = True
+
 
 def main(argv: list[str] | None = None) -> None:
     import tritonq
@@ -72,10 +93,16 @@ def main(argv: list[str] | None = None) -> None:
     if model.world > 1:
         raise SystemExit("tensor parallel serving is not supported yet: every rank would need the same requests; "
                          "run with --tensor-parallel 1")
-    app = create_app(model, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting)
+    server = None
+    app = create_app(model, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting,
+                     open_metrics=args.open_metrics, on_dead=lambda reason: server.engine_died(reason),
+                     **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=10)
-    _Server(config, app.state.engine_loop).run()
+    server = _Server(config, app.state.engine_loop)
+    server.run()
+    if app.state.engine_loop.dead is not None:
+        raise SystemExit(1)  # a supervisor restarts us; status 0 would say "stopped on purpose"
 
 
 if __name__ == "__main__":

@@ -1,17 +1,21 @@
 """The FastAPI app: OpenAI routes over an EngineLoop.
 
-Every request is validated (pydantic, then prompt length against the context) before anything is
-queued; errors use the OpenAI body {"error": {message, type, param, code}}. A response is either
-one JSON body or server-sent events (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`); choice i of
-prompt p has index p * n + i, as in vLLM.
+Order of work for a request, cheapest check first: the API key (before the body is read), the
+body size (--max-request-bytes, before it is parsed), pydantic validation, tokenization and chat
+templating (in a small thread pool, off the event loop), then `Engine.check_request` on every
+prompt x choice, then the queue bound (--max-waiting); only then is anything queued. Errors use
+the OpenAI body {"error": {message, type, param, code}}. A response is either one JSON body or
+server-sent events (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`); choice i of prompt p has index
+p * n + i, as in vLLM. A request the engine failed is answered 500 (streaming: an error chunk, then
+[DONE]); JSON never carries NaN or inf (a -inf log-probability is written as -9999.0, as vLLM).
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -21,10 +25,68 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tritonq.serve.engine_loop import EngineLoop, Event, QueueFull, Stream
 from tritonq.serve.metrics import ServerMetrics
-from tritonq.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tritonq.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
+                                    StrictJSONResponse, dumps, finite_logprob)
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
-DISCONNECT_POLL_S = 0.5  # how often a request with no new tokens checks whether its client left
+DISCONNECT_POLL_S = 0.5    # how often a request checks whether its client left (busy or not)
+ACCEPT_TIMEOUT_S = 60.0    # the engine thread takes commands between steps: a minute means it is stuck
+RETRY_AFTER_S = 1          # the Retry-After of a 429: a waiting request usually starts within a second
+MAX_REQUEST_BYTES = 2 << 20  # default --max-request-bytes: a 128k-token prompt fits, as text or as ids
+TOKENIZER_THREADS = 2      # tokenization / chat templating off the event loop (HF tokenizers release the GIL)
+OPEN_PATHS = ("/health",)  # the only routes that never need the API key
+
+
+class _Guard:
+    """ASGI middleware, before routing and body parsing: the API key, then the body size.
+
+    The key is checked first so an unauthenticated caller learns nothing about bodies; the body is
+    read here (counting bytes, so a chunked body without Content-Length is bounded too) and replayed
+    to the app, whose later `receive` calls (disconnect checks) go to the client."""
+
+    def __init__(self, app, api_key: str | None, open_paths: tuple[str, ...], max_request_bytes: int):
+        self.app, self.api_key, self.open_paths, self.limit = app, api_key, open_paths, max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.api_key is not None and scope["path"] not in self.open_paths and not self._authorized(scope):
+            denied = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                                   "with the key the server was started with (--api-key)")
+            return await denied.response()(scope, receive, send)
+        headers = dict(scope["headers"])
+        too_big = APIError(413, f"the request body is larger than this server's limit of {self.limit} bytes "
+                                "(--max-request-bytes); send a smaller request")
+        try:
+            if int(headers.get(b"content-length", b"0")) > self.limit:
+                return await too_big.response()(scope, receive, send)
+        except ValueError:
+            return await APIError(400, "the Content-Length header is not a number").response()(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # client gone while sending
+                return
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await too_big.response()(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        await self.app(scope, replay, send)
+
+    def _authorized(self, scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = given.strip().partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
 
 
 class _SSEResponse(StreamingResponse):
@@ -43,7 +105,7 @@ class _SSEResponse(StreamingResponse):
 
 
 def _sse(payload) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {dumps(payload)}\n\n"
 
 
 class _Choice:
@@ -56,22 +118,33 @@ class _Choice:
         self.finish_reason, self.started = None, False
 
 
-def create_app(model, served_model_name: str, *, api_key: str | None = None,
-               max_waiting: int | None = None) -> FastAPI:
-    """The app over a loaded tritonq Model (its engine runs in a background thread while the app lives)."""
+def create_app(model, served_model_name: str, *, api_key: str | None = None, max_waiting: int | None = None,
+               max_request_bytes: int = MAX_REQUEST_BYTES, open_metrics: bool = False, on_dead=None) -> FastAPI:
+    """The app over a loaded tritonq Model (its engine runs in a background thread while the app lives).
+
+    api_key: required on every route but /health (and /metrics with open_metrics). on_dead(reason):
+    called from the engine thread once the engine cannot continue (the command line exits non-zero)."""
     tokenizer, engine, max_seq_len = model.tokenizer, model.engine, model.max_seq_len
     metrics = ServerMetrics(served_model_name)
-    engine_loop = EngineLoop(engine, metrics, max_waiting)
+    engine_loop = EngineLoop(engine, metrics, max_waiting, on_dead=on_dead)
     metrics.update_engine(engine)
+    tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tritonq-tokenize")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine_loop.start()
         yield
         engine_loop.stop()
+        tokenizer_pool.shutdown(wait=False)
 
-    app = FastAPI(title="tritonq", lifespan=lifespan)
+    app = FastAPI(title="tritonq", lifespan=lifespan, default_response_class=StrictJSONResponse)
     app.state.engine_loop = engine_loop
+    app.add_middleware(_Guard, api_key=api_key, max_request_bytes=max_request_bytes,
+                       open_paths=OPEN_PATHS + (("/metrics",) if open_metrics else ()))
+
+    async def off_loop(fn, *args, **kwargs):
+        """Run fn (tokenizer work: up to --max-request-bytes of text) in the pool, not on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, lambda: fn(*args, **kwargs))
 
     # ---- errors -------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -83,6 +156,11 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
         errors = exc.errors()
         first = errors[0] if errors else {}
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        if first.get("type") in ("unknown_field", "unsupported_field", "lone_surrogate"):
+            # raised by a model validator: its loc is the object, ctx names the field inside it
+            param = ".".join(filter(None, [param, str(first["ctx"]["name"])]))
+            return APIError(400, first["msg"] if "." not in param or first["type"] == "lone_surrogate"
+                            else f"{param}: {first['msg']}", param).response()
         if first.get("type") == "json_invalid":
             param = None
             message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
@@ -102,14 +180,6 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
     async def _unexpected(request: Request, exc: Exception):
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
-    def check_auth(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
-                                "with the key the server was started with (--api-key)")
-
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{served_model_name}`.",
@@ -118,8 +188,9 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
     # ---- health, models, metrics --------------------------------------------------------
     @app.get("/health")
     async def health():
-        if engine_loop.dead is not None:
-            return APIError(503, f"the engine loop has died: {engine_loop.dead}").response()
+        if engine_loop.why_dead() is not None:
+            return APIError(503, f"the engine loop has died: {engine_loop.dead}; the process exits so a "
+                                 "supervisor can restart it").response()
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -129,7 +200,6 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def list_models(request: Request):
-        check_auth(request)
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "tritonq", "max_model_len": max_seq_len}]}
 
@@ -148,18 +218,27 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
                                     f"{len(prompt) + max_tokens} tokens in all. Shorten the prompt or lower "
                                     "max_tokens.", "max_tokens" if body.max_tokens is not None else "prompt")
             try:
-                engine.check_request(len(prompt), max_tokens)  # reads constants only: safe off the engine thread
-                configs.append(body.generation_configs(max_tokens))
-            except ValueError as exc:
-                raise APIError(400, str(exc)) from None
+                choices = body.generation_configs(max_tokens)
+                for config in choices:  # reads constants only: safe off the engine thread
+                    engine.check_request(prompt, config, name=name)
+            except (ValueError, TypeError) as exc:
+                raise APIError(400, str(exc), "prompt") from None
+            configs.append(choices)
+        total = len(prompts) * body.n
+        if engine_loop.max_waiting is not None and total > engine_loop.max_waiting:
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n} = {total} sequences, but this server "
+                                f"queues at most {engine_loop.max_waiting} (--max-waiting), so the request can "
+                                "never be accepted; send fewer prompts or a smaller n", "n")
         try:
-            return await engine_loop.submit(prompts, configs)
+            return await engine_loop.submit(prompts, configs, ACCEPT_TIMEOUT_S)
         except QueueFull as exc:
-            raise APIError(429, str(exc)) from None
+            raise APIError(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         except RuntimeError as exc:
             raise APIError(503, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - Refused("internal"): the engine failed to add it
+            raise APIError(500, str(exc)) from None
 
     def choices_of(stream: Stream, n: int) -> dict[int, _Choice]:
         rids = iter(stream.request_ids)
@@ -171,23 +250,32 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
         if not choice.started:
             choice.started = True
             engine_loop.mark_started(stream)
+        if out.finished and out.finish_reason == "error":  # the engine failed this request
+            raise _Failed(out.error or "the engine failed this request")
         if out.token_id is not None:
             choice.tokens += 1
             choice.token_ids.append(out.token_id)
-            choice.logprobs.append(out.logprob)
+            choice.logprobs.append(finite_logprob(out.logprob))
         choice.text += out.text
         if out.finished:
             choice.finish_reason = FINISH_REASONS.get(out.finish_reason, out.finish_reason)
         return out.text
 
     async def next_event(stream: Stream, request: Request) -> Event | None:
-        """The stream's next event, or None once the client has gone."""
+        """The stream's next event, or None once the client has gone. The client is checked every
+        DISCONNECT_POLL_S whether events flow or not (a busy request must notice too); a dead engine
+        ends the wait with an error event."""
         while True:
+            now = time.monotonic()
+            if now - stream.checked >= DISCONNECT_POLL_S:
+                stream.checked = now
+                if await request.is_disconnected():
+                    return None
             try:
                 return await asyncio.wait_for(stream.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return None
+                if engine_loop.why_dead() is not None:
+                    return Event(error=f"the engine loop has died: {engine_loop.dead}")
 
     async def collect(stream: Stream, request: Request, n: int) -> list[_Choice]:
         """Run a non-streamed request to the end; aborts it if the client leaves."""
@@ -198,9 +286,11 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
                 if event is None:
                     raise APIError(499, "client disconnected")
                 if event.error is not None:
-                    raise APIError(503, event.error)
+                    raise APIError(event.status, event.error)
                 for out in event.outputs:
                     apply(stream, choices[out.request_id], out)
+        except _Failed as exc:
+            raise APIError(500, f"generation failed: {exc}") from None
         finally:
             engine_loop.release(stream)
         return sorted(choices.values(), key=lambda c: c.index)
@@ -216,13 +306,15 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [finite_logprob(lp) for lp in logprobs], "top_logprobs": None,
+                "text_offset": offsets}
 
     def chat_logprobs(token_ids, logprobs) -> dict:
         content = []
         for t, lp in zip(token_ids, logprobs):
             text = tokenizer.decode([t])
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+            content.append({"token": text, "logprob": finite_logprob(lp), "bytes": list(text.encode()),
+                            "top_logprobs": []})
         return {"content": content}
 
     def stream_events(stream: Stream, request: Request, n: int, chunk, include_usage: bool):
@@ -234,13 +326,18 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
                 if event is None:
                     return
                 if event.error is not None:
-                    yield _sse(APIError(503, f"the request was interrupted: {event.error}").body())
+                    yield _sse(APIError(event.status, f"the request was interrupted: {event.error}").body())
                     yield "data: [DONE]\n\n"
                     return
                 for out in event.outputs:
                     choice = choices[out.request_id]
                     first = not choice.started
-                    text = apply(stream, choice, out)
+                    try:
+                        text = apply(stream, choice, out)
+                    except _Failed as exc:
+                        yield _sse(APIError(500, f"generation failed: {exc}").body())
+                        yield "data: [DONE]\n\n"
+                        return
                     payload = chunk(choice, text, out, first)
                     for item in payload if isinstance(payload, list) else [payload] if payload else []:
                         yield _sse(item)
@@ -252,12 +349,16 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_auth(request)
         check_model(body.model)
         try:
-            prompts = [tokenizer(p).input_ids if isinstance(p, str) else p for p in body.prompts()]
+            texts = body.prompts()
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from None
+        try:
+            encoded = await off_loop(lambda: [tokenizer(p).input_ids for p in texts if isinstance(p, str)])
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from None
+        prompts = [encoded.pop(0) if isinstance(p, str) else p for p in texts]
         stream = await start(body, prompts)
         rid, created, want_logprobs = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.logprobs is not None
         base = {"id": rid, "object": "text_completion", "created": created, "model": served_model_name}
@@ -271,7 +372,8 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
                     return None
                 logprobs = None
                 if want_logprobs and out.token_id is not None:
-                    logprobs = completion_logprobs(choice, [out.token_id], [out.logprob], len(choice.text) - len(text))
+                    logprobs = completion_logprobs(choice, [out.token_id], [out.logprob],
+                                                   len(choice.text) - len(text))
                 payload = base | {"choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
                                                 "finish_reason": choice.finish_reason if out.finished else None}]}
                 return payload | ({"usage": None} if include_usage else {})
@@ -285,14 +387,14 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_auth(request)
         check_model(body.model)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = await off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                  tokenize=False)
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's messages
             raise APIError(400, f"the messages do not fit the chat template: {exc}", "messages") from None
-        prompt = tokenizer(text, add_special_tokens=False).input_ids
+        prompt = await off_loop(lambda: tokenizer(text, add_special_tokens=False).input_ids)
         stream = await start(body, [prompt])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": served_model_name}
@@ -325,3 +427,7 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None,
             "usage": usage_of(choices, body.n)}
 
     return app
+
+
+class _Failed(Exception):
+    """An output with finish_reason "error": the engine failed that request (message: why)."""

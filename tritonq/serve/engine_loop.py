@@ -5,6 +5,16 @@ put commands (add, abort) on a thread-safe queue; the thread drains them between
 `engine.step()` while anything is unfinished, and hands each request's outputs back to its
 asyncio.Queue with `loop.call_soon_threadsafe`. An abort is applied before the next step, so a
 disconnected client's blocks are free within one step.
+
+Failures, from the smallest:
+- an output with finish_reason "error" (the engine failed that request: a failed step, non-finite
+  logits) ends only that request; the handler answers it with an error;
+- any other exception out of `engine.step()` fails the streams whose requests were in flight (the
+  scheduler's running ones; every live one if it cannot tell), aborts them, and the loop goes on:
+  queued requests keep their place and commands sent meanwhile are applied;
+- EngineDeadError (the device cannot go on), or the thread itself dying: `dead` says why, every
+  pending and queued request gets an error, and `on_dead(reason)` is called so the process can
+  exit non-zero and a supervisor restart it.
 """
 from __future__ import annotations
 
@@ -18,16 +28,32 @@ from dataclasses import dataclass, field
 from tritonq.generate import GenerationConfig
 from tritonq.serve.metrics import ServerMetrics
 
+from tritonq.engine.engine import EngineDeadError
+
+# Events (one per engine step) a stream may hold unread; past it the client is not reading and the
+# request is aborted so its KV blocks are freed. 1024 steps is seconds of tokens: a reading client
+# is never near it, and the bytes held stay small (an event is one step's tokens of one request).
+STREAM_BUFFER_EVENTS = 1024
+
 
 @dataclass
 class Event:
     """What a request's queue receives: outputs of one step, or a terminal error."""
     outputs: list = field(default_factory=list)  # RequestOutput of this request's engine ids
-    error: str | None = None                     # the request cannot go on (engine died, shutdown)
+    error: str | None = None                     # the request cannot go on
+    status: int = 503                            # HTTP status of that error: 500 failed step, 503 engine gone
 
 
 class QueueFull(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Why the engine thread did not take a stream: kind "invalid" (the request is wrong: 400),
+    "internal" (an unexpected error adding it: 500) or "dead" (the engine is gone: 503)."""
+    kind: str
+    message: str
 
 
 class Stream:
@@ -38,10 +64,11 @@ class Stream:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.loop = loop
         self.request_ids: list[int] = []   # engine ids, prompt-major: prompt p choice c at p * n + c
-        self.accepted = loop.create_future()  # set by the engine thread: None, or the ValueError text
+        self.accepted = loop.create_future()  # set by the engine thread: None, or a Refused
         self.started = time.perf_counter()
         self.unstarted = self.num_requests    # engine requests that have not produced a token yet
         self.done = False
+        self.checked = time.monotonic()       # last disconnect check (handlers)
 
     @property
     def num_requests(self) -> int:
@@ -58,8 +85,9 @@ class _Timing:
 class EngineLoop:
     """Owns the engine thread. `submit` from the asyncio loop; `stop` from anywhere."""
 
-    def __init__(self, engine, metrics: ServerMetrics, max_waiting: int | None = None):
+    def __init__(self, engine, metrics: ServerMetrics, max_waiting: int | None = None, on_dead=None):
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self.on_dead = on_dead                    # called (engine thread) with the reason once dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, Stream] = {}   # engine request id -> its stream (thread-owned)
         self._timing: dict[int, _Timing] = {}
@@ -67,20 +95,31 @@ class EngineLoop:
         self._pending = 0                         # engine requests accepted, no token yet (asyncio-owned)
         self._stop = threading.Event()
         self.dead: str | None = None              # why the loop died, once it has
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="tritonq-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._thread.start()
 
-    async def submit(self, prompts: list[list[int]], configs: list[list[GenerationConfig]]) -> Stream:
+    def why_dead(self) -> str | None:
+        """Why the engine cannot serve, or None: it died, or its thread is gone."""
+        if self.dead is None and self._thread.ident is not None and not self._thread.is_alive() \
+                and not self._stop.is_set():
+            self.dead = "the engine thread has exited"
+        return self.dead
+
+    async def submit(self, prompts: list[list[int]], configs: list[list[GenerationConfig]],
+                     timeout: float) -> Stream:
         """Queue prompts[p] once per config in configs[p]; returns when the engine accepted them.
 
         Raises QueueFull when --max-waiting requests are already waiting, ValueError with the
-        engine's message when it refuses one (e.g. more KV blocks than the cache has), and
-        RuntimeError when the engine loop is dead.
+        engine's message when it refuses one (e.g. more KV blocks than the cache has), RuntimeError
+        when the engine loop is dead or does not answer within `timeout` seconds, and Exception
+        (500) when adding failed unexpectedly.
         """
-        if self.dead is not None:
+        if self.why_dead() is not None:
             raise RuntimeError(f"the engine loop has died: {self.dead}")
         stream = Stream(prompts, configs, asyncio.get_running_loop())
         if self.max_waiting is not None and self._pending + stream.num_requests > self.max_waiting:
@@ -89,10 +128,18 @@ class EngineLoop:
         self._pending += stream.num_requests
         self._live.add(stream)
         self._commands.put(("add", stream))
-        error = await stream.accepted
+        try:
+            error = await asyncio.wait_for(asyncio.shield(stream.accepted), timeout)
+        except asyncio.TimeoutError:
+            self.release(stream)  # the add may still be applied: the abort after it undoes it
+            raise RuntimeError(f"the engine did not accept the request within {timeout:g} s "
+                               "(it is busy or stuck); retry later") from None
+        except BaseException:     # the handler was cancelled (client gone)
+            self.release(stream)
+            raise
         if error is not None:
             self._finish(stream)
-            raise ValueError(error)
+            raise {"invalid": ValueError, "dead": RuntimeError}.get(error.kind, Exception)(error.message)
         return stream
 
     def mark_started(self, stream: Stream) -> None:
@@ -113,10 +160,34 @@ class EngineLoop:
         stream.done = True
         self._live.discard(stream)
 
+    def _deliver(self, stream: Stream, event: Event) -> None:
+        """(asyncio loop) Put an event on a stream; a stream its client does not read is cut off."""
+        if stream.done and event.error is None:
+            return
+        if event.error is None and stream.queue.qsize() >= STREAM_BUFFER_EVENTS:
+            self.release(stream)
+            event = Event(error=f"the client did not read its stream: {STREAM_BUFFER_EVENTS} events were "
+                                "unread, so the request was aborted; read the stream as it arrives",
+                          status=500)
+        stream.queue.put_nowait(event)
+
     def fail_all(self, message: str) -> None:
         """End every live stream with an error event (shutdown): their handlers send an error chunk."""
         for stream in list(self._live):
             stream.queue.put_nowait(Event(error=message))
+
+    def _fail_everything(self, message: str) -> None:
+        """(asyncio loop, once dead) Answer every request: accepted futures, live streams, queued adds."""
+        while True:
+            try:
+                kind, stream = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
+        for stream in list(self._live):
+            _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
+            stream.queue.put_nowait(Event(error=f"the engine loop has died: {message}"))
 
     def stop(self) -> None:
         self._stop.set()
@@ -138,13 +209,21 @@ class EngineLoop:
                 if self._stop.is_set():
                     break
                 if self.engine.has_unfinished():
-                    self._step()
+                    try:
+                        self._step()
+                    except EngineDeadError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - one bad step must not end the server
+                        traceback.print_exc()
+                        self._fail_in_flight(f"{type(exc).__name__}: {exc}")
                 self.metrics.update_engine(self.engine)
         except BaseException as exc:  # noqa: BLE001 - report any death to every waiting client
             self.dead = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
-            for stream in set(self._streams.values()):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Event(error=self.dead))
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_everything, self.dead)
+            if self.on_dead is not None:
+                self.on_dead(self.dead)
 
     def _apply(self, command) -> None:
         kind, stream = command
@@ -154,18 +233,29 @@ class EngineLoop:
             for rid in stream.request_ids:
                 if self._streams.pop(rid, None) is not None:
                     self._timing.pop(rid, None)
-                    self.engine.abort(rid)
+                    try:
+                        self.engine.abort(rid)
+                    except Exception:  # noqa: BLE001 - one request's cleanup must not end the server
+                        traceback.print_exc()
 
     def _add(self, stream: Stream) -> None:
+        if stream.done:  # released (timed out, client gone) before the thread got to it
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, Refused("invalid", "withdrawn"))
+            return
         ids = []
         try:
             for prompt, configs in zip(stream.prompts, stream.configs):
                 for config in configs:
                     ids.append(self.engine.add_request(prompt, config))
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - a request the engine cannot add must not end the server
             for rid in ids:
                 self.engine.abort(rid)
-            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, str(exc))
+            if isinstance(exc, (ValueError, TypeError)):
+                refused = Refused("invalid", str(exc))
+            else:
+                traceback.print_exc()
+                refused = Refused("internal", f"adding the request failed: {type(exc).__name__}: {exc}")
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, refused)
             return
         stream.request_ids = ids
         for rid, prompt in zip(ids, (p for p, cs in zip(stream.prompts, stream.configs) for _ in cs)):
@@ -173,6 +263,23 @@ class EngineLoop:
             self._timing[rid] = _Timing(stream.started)
             self.metrics.prompt_tokens.inc(len(prompt))
         stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
+
+    def _fail_in_flight(self, message: str) -> None:
+        """An unexpected exception out of a step: fail and abort the streams whose requests were
+        running (the step's); the waiting ones stay queued. If the engine cannot say which were
+        running, fail every stream: a step that raises again and again must not loop forever."""
+        running = {seq.seq_id for seq in getattr(getattr(self.engine, "scheduler", None), "running", ())}
+        failed = {s for rid, s in self._streams.items() if rid in running} or set(self._streams.values())
+        now = time.perf_counter()
+        for stream in failed:
+            for rid in stream.request_ids:
+                if self._streams.pop(rid, None) is not None:
+                    timing = self._timing.pop(rid)
+                    self.engine.abort(rid)
+                    self.metrics.request_finished(timing.arrival, timing.first, timing.tokens, now, "error")
+            stream.loop.call_soon_threadsafe(
+                self._deliver, stream, Event(error=f"the engine step running this request failed: {message}",
+                                             status=500))
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -195,7 +302,7 @@ class EngineLoop:
                 self.metrics.request_finished(timing.arrival, timing.first, timing.tokens, now,
                                               out.finish_reason)
         for stream, outs in by_stream.items():
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Event(outputs=outs))
+            stream.loop.call_soon_threadsafe(self._deliver, stream, Event(outputs=outs))
 
 
 def _resolve(future: asyncio.Future, value) -> None:

@@ -1,51 +1,163 @@
 """OpenAI request bodies (pydantic v2) and the error body, as vLLM and TGI accept them.
 
 Validation happens here, before any work: a field out of range becomes a 400 whose message names
-the field, the value and what is allowed. Unknown extra fields are accepted and ignored, as vLLM
-does, except the OpenAI sampling knobs this server cannot honour (penalties, logit_bias, suffix,
-echo), which are refused instead of silently ignored.
+the field, the value and what is allowed. Every field is either honoured or refused, never
+silently ignored:
+
+- unknown fields are refused ("unknown field X; this server accepts: ..."),
+- OpenAI fields this server does not implement (response_format, tools, tool_choice, functions,
+  function_call, parallel_tool_calls, logit_bias, non-zero penalties, echo, suffix, top alternatives,
+  ...) are refused naming the field, unless their value asks for nothing (null, or e.g.
+  `tool_choice: "none"`, `response_format: {"type": "text"}`),
+- types are strict (JSON types as written: `"stream": "yes"`, `max_tokens: 2.5`, `"5"` for a number
+  and `true` for a token id are refused; an integer is accepted for a float field),
+- a string holding a lone UTF-16 surrogate (`"\\ud800"`, which cannot be encoded) is refused.
+
+The official `openai` client sends only the fields its caller passed, so every call it can make with
+supported arguments is accepted. vLLM's `min_p`, `min_tokens` and `ignore_eos` are accepted and go to
+GenerationConfig.
 """
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from tritonq.generate import GenerationConfig
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+               503: "service_unavailable"}
+LOGPROB_FLOOR = -9999.0  # written for a non-finite log-probability (-inf, NaN): JSON has no inf (as vLLM)
+
+
+def finite_logprob(value: float | None) -> float | None:
+    """The log-probability as JSON can carry it: -inf (or NaN) becomes LOGPROB_FLOOR."""
+    if value is None or math.isfinite(value):
+        return value
+    return LOGPROB_FLOOR
+
+
+def dumps(payload) -> str:
+    """JSON text of a response. allow_nan=False: a stray NaN/inf raises here instead of sending the
+    invalid token `NaN`; ensure_ascii=False keeps text readable (output text is valid UTF-8)."""
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class StrictJSONResponse(JSONResponse):
+    """JSONResponse that never writes NaN/inf (see dumps)."""
+
+    def render(self, content) -> bytes:
+        return dumps(content).encode("utf-8")
 
 
 class APIError(Exception):
     """An error answered with `status` and the OpenAI body {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.status}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # ensure_ascii: an error message may quote the caller's input, which may not be valid UTF-8
+        return _ErrorJSON(self.body(), status_code=self.status, headers=self.headers)
 
 
-class StreamOptions(BaseModel):
+class _ErrorJSON(JSONResponse):
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True).encode()
+
+
+# Fields of the OpenAI API this server does not implement, with the values that ask for nothing.
+UNSUPPORTED = {
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "parallel_tool_calls": lambda v: v is None,
+    "logit_bias": lambda v: not v,
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "echo": lambda v: v in (None, False),
+    "suffix": lambda v: not v,
+    "top_logprobs": lambda v: v in (None, 0),
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "prediction": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "service_tier": lambda v: v in (None, "auto", "default"),
+}
+# Accepted and ignored on purpose: they change nothing about the output.
+METADATA = ("user", "store", "metadata")
+
+
+def _lone_surrogate(value, path: str):
+    """(field path, index) of the first string in value holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path, exc.start
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            found = _lone_surrogate(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate(v, f"{path}.{i}")
+            if found:
+                return found
+    return None
+
+
+class _Body(BaseModel):
+    """Strict types; unknown fields refused with the list of the accepted ones."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_fields(cls, data):
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            if name in cls.model_fields:
+                continue
+            if name in UNSUPPORTED:
+                raise PydanticCustomError(
+                    "unsupported_field", "{name}={value} is not supported by this server; leave it out{hint}",
+                    {"name": name, "value": json.dumps(value)[:80], "hint": ""})
+            accepted = ", ".join(sorted(n for n in cls.model_fields if n not in UNSUPPORTED))
+            raise PydanticCustomError("unknown_field", "unknown field '{name}'; this server accepts: {accepted}",
+                                      {"name": name, "accepted": accepted})
+        return data
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0)       # 0 = greedy; the OpenAI default is 1
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)                   # 0 or -1 = off (vLLM accepts both)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)      # vLLM extension: 0 = off
+    min_tokens: int = Field(0, ge=0)               # vLLM extension: no EOS / stop before this many tokens
+    ignore_eos: bool = False                       # vLLM extension
     repetition_penalty: float = Field(1.0, gt=0.0)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -56,17 +168,30 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data):
+        found = _lone_surrogate(data, "")
+        if found:
+            raise PydanticCustomError(
+                "lone_surrogate", "{name} holds a lone UTF-16 surrogate at character {index}, which is not "
+                "valid Unicode text; send valid UTF-8 (pair the surrogate or remove it)",
+                {"name": found[0], "index": found[1]})
+        return data
 
     @model_validator(mode="after")
     def _check_unsupported(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream=true")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise ValueError(f"{name}={getattr(self, name)} is not supported; leave it at 0 "
-                                 "(repetition_penalty is available)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported; leave it out")
+        for name in type(self).model_fields:
+            if name in UNSUPPORTED and not UNSUPPORTED[name](getattr(self, name)):
+                hint = " (repetition_penalty is available)" if name.endswith("_penalty") else ""
+                raise PydanticCustomError(
+                    "unsupported_field", "{name}={value} is not supported by this server; leave it out{hint}",
+                    {"name": name, "value": json.dumps(getattr(self, name))[:80], "hint": hint})
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise ValueError("stop strings must be non-empty")
         return self
@@ -82,8 +207,11 @@ class SamplingRequest(BaseModel):
         return [GenerationConfig(max_new_tokens=max_new_tokens, temperature=self.temperature,
                                  top_k=max(self.top_k, 0), top_p=self.top_p,
                                  repetition_penalty=self.repetition_penalty, stop=self.stop_strings(),
-                                 seed=None if self.seed is None else self.seed + i)
+                                 seed=None if self.seed is None else self.seed + i,
+                                 min_p=self.min_p, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
                 for i in range(self.n)]
+
+
 
 
 class CompletionRequest(SamplingRequest):
@@ -97,10 +225,6 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _check_completion(self):
-        if self.echo:
-            raise ValueError("echo=true is not supported; the response carries the completion only")
-        if self.suffix:
-            raise ValueError("suffix is not supported; leave it out")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported; leave it out or set it equal to n")
         if self.logprobs:
@@ -121,11 +245,11 @@ class CompletionRequest(SamplingRequest):
         if p and all(isinstance(t, list) and t and all(type(i) is int for i in t) for t in p):
             return [list(t) for t in p]
         raise ValueError("prompt must be a non-empty string, a list of strings, a list of token ids or "
-                         "a list of non-empty token id lists")
+                         "a list of non-empty token id lists (token ids are JSON integers, not booleans "
+                         "or strings)")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
@@ -135,9 +259,9 @@ class ChatMessage(BaseModel):
             return self.content or ""
         parts = []
         for part in self.content:
-            if part.get("type") != "text":
+            if part.get("type") != "text" or not isinstance(part.get("text", ""), str):
                 raise ValueError(f"message content part of type {part.get('type')!r} is not supported; "
-                                 "only 'text' parts are")
+                                 "only 'text' parts with a string 'text' are")
             parts.append(part.get("text", ""))
         return "".join(parts)
 
@@ -148,6 +272,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -156,10 +283,4 @@ class ChatCompletionRequest(SamplingRequest):
                 raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens="
                                  f"{self.max_completion_tokens} disagree; pass one of them")
             self.max_tokens = self.max_completion_tokens
-        if self.top_logprobs:
-            raise ValueError(f"top_logprobs={self.top_logprobs} is not supported; this server returns "
-                             "only the sampled token's log-probability (logprobs=true, top_logprobs=0)")
-        if self.tools:
-            raise ValueError("tools are not supported; leave them out")
         return self
-

@@ -1,0 +1,146 @@
+"""The CPU attention backend (kernels/cpu_attention.py) against the float32 torch references.
+
+Lengths 1, 3, 17, 64 and 100 (partial and whole 16-token pages, a sequence of one token), a decode
+row with no keys, GQA ratios 1, 2, 4 and MQA, head dims 72 and 96 (not powers of two), DeepSeek-V2's
+192 / 128 and MLA's 576 / 512 with v a strided view of the k pages; sliding windows shorter and
+longer than a page; pages shuffled in a pool larger than needed. Everything a query must not see
+is poisoned: the rows of its pages outside its keys hold NaN and the block table entries outside
+them are -1, so a path that read them would fail; the reference runs on the clean cache.
+Tolerances (tests/tolerances.py "attention"): fp32 summation order; bf16 the probabilities
+rounded to bf16 before the PV product and the output rounded once, as the Triton kernels.
+"""
+import pytest
+import torch
+import tolerances
+
+from tritonq.kernels import attention, cpu_attention
+from tritonq.kernels.attention import (decode_attention, decode_attention_reference, paged_cache,
+                                       paged_prefill_attention, paged_prefill_attention_reference)
+
+TOL = tolerances.table("attention")
+PAGE = 16
+# (Dqk, Dv, H, Hkv): GQA 1, 2, 4, MQA; odd head dims; DeepSeek-V2; MLA latent (v = k[..., :512])
+HEADS = [(64, 64, 4, 4), (64, 64, 4, 2), (72, 72, 8, 2), (96, 96, 4, 1), (192, 128, 2, 2), (576, 512, 4, 1)]
+DECODE_LENS = [1, 3, 17, 64, 100, 0]  # 0: a padding row, no keys
+# Prefill: (new tokens, context) per sequence; whole prompts and chunks after a cached prefix
+PREFILL = [(1, 1), (3, 3), (17, 17), (64, 64), (1, 40), (6, 100), (17, 33)]
+WINDOWS = [0, 5, 20]
+DTYPES = [torch.float32, torch.bfloat16]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_backend(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITONQ_BACKEND", raising=False)
+
+
+def cache(d_qk, d_v, h_kv, lens, dtype, g):
+    """Shuffled pages holding len(lens) sequences of up to max(lens) tokens (MLA: v a view of k)."""
+    S = max(lens)
+    k = torch.randn(len(lens), S, h_kv, d_qk, generator=g).to(dtype)
+    v = torch.randn(len(lens), S, h_kv, d_v, generator=g).to(dtype)
+    num_pages = len(lens) * -(-S // PAGE) + 5
+    k_pages, v_pages, table = paged_cache(k, v, PAGE, num_pages=num_pages, generator=g)
+    if d_qk == 576 and d_v == 512:
+        v_pages = k_pages[..., :512]
+    return k_pages, v_pages, table
+
+
+def poisoned(k_pages, v_pages, table, seen):
+    """Copies where every key outside seen[b] = (first, last) of each sequence b is NaN and every block
+    table entry outside its pages -1."""
+    k_bad = torch.full_like(k_pages, float("nan"))
+    v_bad = k_bad[..., :v_pages.shape[-1]] if v_pages.data_ptr() == k_pages.data_ptr() else torch.full_like(
+        v_pages, float("nan"))
+    table_bad = torch.full_like(table, -1)
+    for b, (first, last) in enumerate(seen):
+        for n in range(first, last):
+            page, row = int(table[b, n // PAGE]), n % PAGE
+            k_bad[page, row], v_bad[page, row] = k_pages[page, row], v_pages[page, row]
+        pages = slice(first // PAGE, -(-last // PAGE))
+        table_bad[b, pages] = table[b, pages]
+    return k_bad, v_bad, table_bad
+
+
+def assert_close(got, ref, dtype):
+    assert got.dtype == ref.dtype == dtype
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
+def test_decode_matches_reference_reading_only_each_sequences_keys(d_qk, d_v, h, h_kv, window, dtype):
+    g = torch.Generator().manual_seed(0)
+    k_pages, v_pages, table = cache(d_qk, d_v, h_kv, DECODE_LENS, dtype, g)
+    q = torch.randn(len(DECODE_LENS), h, d_qk, generator=g).to(dtype)
+    lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
+    scale = 0.7 / d_qk ** 0.5
+    ref = decode_attention_reference(q, k_pages, v_pages, lens, table, scale, window)
+    seen = [(max(0, n - window) if window else 0, n) for n in DECODE_LENS]
+    k_bad, v_bad, table_bad = poisoned(k_pages, v_pages, table, seen)
+    got = cpu_attention.decode_attention(q, k_bad, v_bad, lens, table_bad, scale, window)
+    assert_close(got, ref, dtype)
+    assert (got[DECODE_LENS.index(0)] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
+def test_prefill_after_cached_prefix_matches_reference_reading_only_visible_keys(d_qk, d_v, h, h_kv, window,
+                                                                                  dtype):
+    g = torch.Generator().manual_seed(1)
+    q_lens, ctx = zip(*PREFILL)
+    k_pages, v_pages, table = cache(d_qk, d_v, h_kv, ctx, dtype, g)
+    q = torch.randn(sum(q_lens), h, d_qk, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    context_lens = torch.tensor(ctx, dtype=torch.int32)
+    scale = 0.7 / d_qk ** 0.5
+    ref = paged_prefill_attention_reference(q, k_pages, v_pages, cu, context_lens, table, scale, window)
+    seen = [(max(0, c - n - window + 1) if window else 0, c) for n, c in PREFILL]
+    k_bad, v_bad, table_bad = poisoned(k_pages, v_pages, table, seen)
+    got = cpu_attention.paged_prefill_attention(q, k_bad, v_bad, cu, context_lens, table_bad, scale, window)
+    assert_close(got, ref, dtype)
+
+
+def test_cpu_tensors_run_the_fast_path_and_torch_backend_the_reference(monkeypatch):
+    """The launchers' dispatch: CPU tensors take cpu_attention by default, TRITONQ_BACKEND=torch the references."""
+    g = torch.Generator().manual_seed(2)
+    k_pages, v_pages, table = cache(64, 64, 2, [17, 3], torch.float32, g)
+    q = torch.randn(2, 4, 64, generator=g)
+    lens = torch.tensor([17, 3], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    calls = []
+    for name in ("decode_attention", "paged_prefill_attention"):
+        monkeypatch.setattr(cpu_attention, name, lambda *a, name=name, **k: calls.append(f"cpu {name}"))
+        monkeypatch.setattr(attention, f"{name}_reference", lambda *a, name=name, **k: calls.append(f"ref {name}"))
+    decode_attention(q, k_pages, v_pages, lens, table, 0.1)
+    paged_prefill_attention(q, k_pages, v_pages, cu, lens, table, 0.1)
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    decode_attention(q, k_pages, v_pages, lens, table, 0.1)
+    paged_prefill_attention(q, k_pages, v_pages, cu, lens, table, 0.1)
+    assert calls == ["cpu decode_attention", "cpu paged_prefill_attention",
+                     "ref decode_attention", "ref paged_prefill_attention"]
+
+
+def test_small_calls_run_on_one_thread_and_restore_the_thread_count(monkeypatch):
+    """Below PARALLEL_WORK the per-sequence loop runs on one intra-op thread (see cpu_attention's docstring);
+    the caller's thread count comes back afterwards."""
+    g = torch.Generator().manual_seed(3)
+    k_pages, v_pages, table = cache(64, 64, 2, [17, 3], torch.float32, g)
+    q = torch.randn(2, 4, 64, generator=g)
+    lens = torch.tensor([17, 3], dtype=torch.int32)
+    seen = []
+    monkeypatch.setattr(cpu_attention, "_sdpa", lambda q, k, v, *a, **kw: seen.append(torch.get_num_threads())
+                        or q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cpu_attention.decode_attention(q, k_pages, v_pages, lens, table, 0.1)
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+        monkeypatch.setattr(cpu_attention, "PARALLEL_WORK", 1)
+        cpu_attention.decode_attention(q, k_pages, v_pages, lens, table, 0.1)
+        assert seen[2:] == [2, 2]
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,135 @@
+"""CPU backend for paged attention: torch's fused CPU attention over each sequence's real keys.
+
+Without a GPU (and outside TRITON_INTERPRET=1), `decode_attention` and `paged_prefill_attention`
+(kernels/attention.py, which checks the inputs) run here instead of their torch references, which
+gather every page of the block table (decode: the whole table width), mask and softmax in unfused
+float32 ops, and for prefill repeat K/V per query head (GQA). TRITONQ_BACKEND=torch still runs the references, which
+stay the test oracle.
+
+Shapes as kernels/attention.py: pages [P, page_size, Hkv, D], block_table [B, max_pages] int32,
+position n of sequence b in page block_table[b, n // page_size], row n % page_size.
+
+* Per sequence, the pages holding the keys it sees (its real length, or the last `window` keys)
+  are gathered once into rows [Hkv, n, D] (one `index_select` of pages for K, one for V), and
+  torch's `scaled_dot_product_attention` runs on them: its CPU flash kernel (blocked, fused
+  online softmax, fp32 accumulation; no [H, n_q, n] scores in memory). It takes 4-D inputs only
+  (3-D ones run the unfused math path, measured 2x slower), hence the batch dim of 1. Sequences
+  are not padded to a common length: a batch of mixed lengths does the work of its lengths, not
+  B x the longest (measured faster than batching padded sequences with a mask at batch 16 and
+  64, lengths 16..512).
+* GQA without repeated K/V: decode runs each kv head's `group` query heads as `group` query rows
+  of that head (q [Hkv, group, D]; one query per sequence, so all rows see the same keys);
+  prefill passes `enable_gqa=True`, which the flash kernel indexes without copying.
+* Causal: whole prompts use `is_causal`, which skips the blocks above the diagonal; a chunk after
+  a cached prefix (queries at positions ctx - n_q .. ctx - 1 over keys 0 .. ctx - 1) and sliding
+  windows (key j visible to query p iff j <= p and p - j < window) pass a boolean mask over the
+  keys gathered; keys older than every query's window are not gathered at all.
+* Head dims: any size. The flash kernel wants one head dim for q, k and v, so Dqk != Dv
+  (DeepSeek-V2 192 / 128, its absorbed MLA 576 / 512) pads the narrower side with zeros (zero
+  v columns give zero output columns, sliced off; zero q/k columns add nothing to the scores).
+* dtypes: fp32, bf16, fp16, computed in the input dtype as the Triton kernels do: scores and
+  softmax in fp32 (exact products of bf16/fp16 inputs), probabilities rounded to the input dtype
+  before the PV product, output rounded once. Tolerance against the fp32 references
+  (tests/tolerances.py "attention"): fp32 summation order only; bf16/fp16 that rounding.
+* Threads: a call whose largest sequence is below PARALLEL_WORK (query heads x query rows x keys,
+  1M: a 256-token prompt of 16 heads) runs its loop on one intra-op thread. Each small op is one
+  OpenMP parallel region that waits for every thread, and on a shared machine that is a
+  descheduled thread's time slice: on this 2-core box under load, decode batch 16 (16 heads,
+  keys 16..512) took 371 ms on 2 threads and 8.9 ms on one (the reference 85 ms); 4 prompts
+  of 16..256 tokens 104 ms and 11 ms. The price on the quiet box: 3.2 vs 2.4 ms (batch 16),
+  13.9 vs 11.9 ms (batch 64), 5.5 vs 5.3 ms (the prompts). Larger sequences keep torch's threads
+  (a long prompt gains from a second core when the box is quiet).
+* A decode row with no keys (cache length 0) gets zeros, as the kernels and references give.
+
+Host reads of the lengths are free here (CPU tensors): they pick each sequence's slice.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+PARALLEL_WORK = 1 << 20  # query heads x query rows x keys of a sequence from which its op runs multithreaded
+
+
+def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
+                     block_table: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """q [B, H, Dqk] -> [B, H, Dv]: query b (at position cache_lens[b] - 1) over its keys
+    max(0, cache_lens[b] - window) .. cache_lens[b] - 1 (window 0: all)."""
+    B, H, _ = q.shape
+    H_kv = k_pages.shape[2]
+    out = q.new_zeros(B, H, v_pages.shape[-1])
+    grouped = q.view(B, H_kv, H // H_kv, -1)  # a kv head's query heads as its query rows
+    lens = cache_lens.tolist()
+    with _threads_for(H * max(lens, default=0)):
+        for b, n in enumerate(lens):
+            if n == 0:
+                continue
+            first = max(0, n - window) if window else 0
+            k, v = (_gather(pages, block_table[b], first, n) for pages in (k_pages, v_pages))
+            out[b] = _sdpa(grouped[b], k, v, scale).reshape(H, -1)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
+                            scale: float, window: int = 0) -> torch.Tensor:
+    """q [T, H, Dqk] packed -> [T, H, Dv]: sequence b's rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1
+    at positions ctx - n_q .. ctx - 1 (ctx = context_lens[b]), causal over keys 0 .. ctx - 1."""
+    out = q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1])
+    cu, contexts = cu_seqlens_q.tolist(), context_lens.tolist()
+    largest = max(((b - a) * ctx for a, b, ctx in zip(cu, cu[1:], contexts)), default=0)
+    with _threads_for(q.shape[1] * largest):
+        for b, ctx in enumerate(contexts):
+            n_q = cu[b + 1] - cu[b]
+            if n_q == 0:
+                continue
+            win = window if 0 < window < ctx else 0  # a window as long as the context hides nothing
+            first = max(0, ctx - n_q - win + 1) if win else 0  # the oldest key any query sees
+            k, v = (_gather(pages, block_table[b], first, ctx) for pages in (k_pages, v_pages))
+            mask = None
+            if win or n_q != ctx:  # not a whole prompt with full causal attention: mask by position
+                pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
+                key = torch.arange(first, ctx, device=q.device)[None, :]
+                mask = (key <= pos) & (pos - key < win) if win else key <= pos
+            rows = _sdpa(q[cu[b]:cu[b + 1]].transpose(0, 1), k, v, scale, mask, causal=mask is None)
+            out[cu[b]:cu[b + 1]] = rows.transpose(0, 1)
+    return out
+
+
+@contextmanager
+def _threads_for(work: int):
+    """One intra-op thread inside the block when the largest sequence's work is below PARALLEL_WORK."""
+    threads = torch.get_num_threads()
+    if work >= PARALLEL_WORK or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gather(pages: torch.Tensor, table_row: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """Keys first .. last-1 of one sequence, [Hkv, last - first, D] (a strided view of one copy of
+    the pages that hold them)."""
+    page_size = pages.shape[1]
+    p0 = first // page_size
+    held = pages.index_select(0, table_row[p0:-(-last // page_size)].long()).flatten(0, 1)
+    return held[first - p0 * page_size:last - p0 * page_size].transpose(0, 1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+          causal: bool = False) -> torch.Tensor:
+    """F.scaled_dot_product_attention on [heads, rows, D] (GQA through enable_gqa) as one batch of the
+    CPU flash kernel, Dqk != Dv zero-padded to one head dim so that it takes them; returns [H, rows, Dv]."""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    if d_v < d_qk:
+        v = F.pad(v, (0, d_qk - d_v))
+    elif d_qk < d_v:
+        q, k = F.pad(q, (0, d_v - d_qk)), F.pad(k, (0, d_v - d_qk))
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale,
+                                         enable_gqa=q.shape[0] != k.shape[0])  # 4-D: the flash kernel's
+    return out[0, ..., :d_v]
