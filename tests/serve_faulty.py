@@ -4,14 +4,13 @@ to fail on demand, for the fault-injection tests (tests/test_serve_bad_input.py)
 TRITONQ_TEST_FAULT_FILE names a file. While it does not exist, run is the real one. At the first run
 call that finds it, the file is removed (one shot) and its content says what that call does:
 "raise" sleeps FAULT_SLEEP_S (so requests arrive during the failing step) and raises RuntimeError;
-"dead" raises EngineDeadError (the device cannot go on).
+"dead" raises what a broken CUDA context raises (the engine must declare itself dead).
 """
 import os
 import sys
 import time
 
 from tritonq.engine.runner import ModelRunner
-from tritonq.serve.engine_loop import EngineDeadError
 
 FAULT_FILE = os.environ["TRITONQ_TEST_FAULT_FILE"]
 FAULT_SLEEP_S = 1.0
@@ -26,7 +25,7 @@ def _run(self, ctx):
     except FileNotFoundError:
         return _real_run(self, ctx)
     if kind == "dead":
-        raise EngineDeadError("injected device error")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected device error)")
     time.sleep(FAULT_SLEEP_S)
     raise RuntimeError("injected fault in ModelRunner.run")
 

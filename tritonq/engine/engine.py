@@ -89,7 +89,8 @@ _DEVICE_ERRORS = ("CUDA error", "device-side assert", "CUBLAS_STATUS", "cudaErro
 
 def _is_device_error(exc: BaseException) -> bool:
     accelerator = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises it for CUDA errors
-    return (accelerator is not None and isinstance(exc, accelerator)) or any(p in str(exc) for p in _DEVICE_ERRORS)
+    return (isinstance(exc, EngineDeadError) or (accelerator is not None and isinstance(exc, accelerator))
+            or any(p in str(exc) for p in _DEVICE_ERRORS))
 
 
 NONFINITE_ERROR = ("ValueError: the model produced non-finite logits (NaN or inf) for this request; the weights "

@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-request-bytes", type=int, default=None,
                         help="refuse (413) request bodies larger than this, before parsing (default 2 MiB)")
     parser.add_argument("--max-waiting", type=int, default=None,
-                        help="answer 429 once this many requests wait for their first token")
+                        help="answer 429 once this many sequences (prompts x n) wait for their first token "
+                             "(default: 8 x --max-num-seqs, so one request cannot queue unbounded work)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
     parser.add_argument("--quantize", default=None, help='quantize a dense checkpoint on load: "int4", "fp8", ...')
     parser.add_argument("--tensor-parallel", type=int, default=None)
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("tensor parallel serving is not supported yet: every rank would need the same requests; "
                          "run with --tensor-parallel 1")
     server = None
-    app = create_app(model, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting,
+    max_waiting = 8 * args.max_num_seqs if args.max_waiting is None else args.max_waiting
+    app = create_app(model, args.served_model_name or args.model, api_key=args.api_key, max_waiting=max_waiting,
                      open_metrics=args.open_metrics, on_dead=lambda reason: server.engine_died(reason),
                      **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
