@@ -49,3 +49,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_model(tmp_path_factory):
+    """A tiny Llama (hidden 32, 1 layer, byte tokenizer) on the torch reference backend, one per test module
+    (tests change its EOS ids): max_num_seqs=3, max_seq_len=32."""
+    import tritonq
+    from tritonq.demo import write_tiny_llama
+    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITONQ_BACKEND", "torch")
+        yield tritonq.load(folder, max_num_seqs=3, max_seq_len=32)

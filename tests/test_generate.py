@@ -16,11 +16,8 @@ from tritonq.demo import write_tiny_llama
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITONQ_BACKEND", "torch")
-        yield tritonq.load(folder, max_num_seqs=3, max_seq_len=32)
+def model(tiny_llama_model):
+    return tiny_llama_model
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ on demand) serves the whole module: --max-num-seqs 1 (so requests queue), --max-
 key and a 100 kB body limit. The dead-engine case kills it, so it runs last.
 """
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -40,6 +41,14 @@ def vocab_size(checkpoint):
 @pytest.fixture(scope="module")
 def fault_file(tmp_path_factory):
     return tmp_path_factory.mktemp("fault") / "fault"
+
+
+def _inject(fault_file, kind: str) -> None:
+    """Arm the server's one-shot fault atomically: the server polls the file at every step and must never
+    read it half-written (an empty read would be taken for another fault)."""
+    staged = fault_file.with_suffix(".tmp")
+    staged.write_text(kind)
+    os.replace(staged, fault_file)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +252,7 @@ def test_a_failing_step_fails_only_its_requests(server, fault_file):
             threads[0].start()
             threads[1].start()
             time.sleep(0.3)
-            fault_file.write_text("raise")  # the next step sleeps 1 s, then raises
+            _inject(fault_file, "raise")  # the next step sleeps 1 s, then raises
             time.sleep(0.5)
             threads[2].start()               # sent during the failing step
             rest = list(lines)
@@ -272,7 +281,7 @@ def test_dead_engine_reports_503_and_exits_non_zero(server, fault_file):  # last
     with httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=AUTH, timeout=60) as running:
         lines = (line for line in running.iter_lines() if line)
         next(lines)
-        fault_file.write_text("dead")
+        _inject(fault_file, "dead")
         rest = list(lines)
     assert rest[-1] == "data: [DONE]" and "injected device error" in rest[-2], rest[-2:]
     health = httpx.get(f"{server.url}/health", timeout=5)

@@ -3,8 +3,6 @@ ignore_eos / tiny temperatures end to end on a tiny Llama (the reference: the sa
 import pytest
 import torch
 
-import tritonq
-from tritonq.demo import write_tiny_llama
 from tritonq.engine.runner import sample_logits, sampling_noise
 
 N = 4000  # draws per distribution: frequencies within 0.03 of the probabilities
@@ -49,11 +47,8 @@ def test_min_p_is_per_row_and_greedy_rows_stay_argmax():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITONQ_BACKEND", "torch")
-        yield tritonq.load(folder, max_num_seqs=3, max_seq_len=32)
+def model(tiny_llama_model):
+    return tiny_llama_model
 
 
 @pytest.fixture(autouse=True)
