@@ -54,9 +54,11 @@ def test_attention_bench_on_cpu_compares_the_cpu_backend_with_the_references(tmp
     bench_attention.main(["--json", str(out)])
     data = json.loads(out.read_text())
     assert data["backend"] == "torch CPU kernels" and data["baseline"].startswith("torch references")
-    assert [(r["kind"], r["B"]) for r in data["rows"]] == [("decode", 1), ("decode", 3), ("prefill", 4)]
+    assert [(r["kind"], r["B"]) for r in data["rows"]] == [("decode", 1), ("decode", 3), ("write", 3),
+                                                             ("prefill", 4), ("write", 4)]
     for r in data["rows"]:
         assert r["ratio"] == pytest.approx(r["reference_ms"] / r["ms"]) and r["max_err"] < 1e-4
+        assert r["kind"] != "write" or r["max_err"] == 0  # a copy
 
 
 def test_int4_bench_rejects_unknown_models():

@@ -8,6 +8,7 @@ is poisoned: the rows of its pages outside its keys hold NaN and the block table
 them are -1, so a path that read them would fail; the reference runs on the clean cache.
 Tolerances (tests/tolerances.py "attention"): fp32 summation order; bf16 the probabilities
 rounded to bf16 before the PV product and the output rounded once, as the Triton kernels.
+The write of new keys into the pages is a copy: bitwise equal to the reference.
 """
 import pytest
 import torch
@@ -15,7 +16,8 @@ import tolerances
 
 from tritonq.kernels import attention, cpu_attention
 from tritonq.kernels.attention import (decode_attention, decode_attention_reference, paged_cache,
-                                       paged_prefill_attention, paged_prefill_attention_reference)
+                                       paged_prefill_attention, paged_prefill_attention_reference, write_kv_slots,
+                                       write_kv_slots_reference)
 
 TOL = tolerances.table("attention")
 PAGE = 16
@@ -104,24 +106,49 @@ def test_prefill_after_cached_prefix_matches_reference_reading_only_visible_keys
     assert_close(got, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("skipped", [0, 1, 5])
+@pytest.mark.parametrize("T", [1, 3, 17, 64])
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
+def test_write_kv_slots_equals_reference_bitwise(d_qk, d_v, h, h_kv, T, skipped, dtype):
+    """Shuffled slots over a pool of pages, the first `skipped` (at most T - 1 of them, shuffled in) -1;
+    MLA: v is a view of the k pages and the written v the latent k[..., :512], as deepseek_v2 writes it."""
+    g = torch.Generator().manual_seed(4)
+    ref_k, ref_v, _ = cache(d_qk, d_v, h_kv, [70, 70], dtype, g)
+    got_k = ref_k.clone()
+    got_v = got_k[..., :512] if d_v == 512 else ref_v.clone()
+    k = torch.randn(T, h_kv, d_qk, generator=g).to(dtype)
+    v = k[..., :d_v] if d_v == 512 else torch.randn(T, h_kv, d_v, generator=g).to(dtype)
+    slots = torch.randperm(ref_k.shape[0] * PAGE, generator=g)[:T]
+    slots[:min(skipped, T - 1)] = -1
+    slots = slots[torch.randperm(T, generator=g)]
+    write_kv_slots_reference(ref_k, ref_v, k, v, slots)
+    cpu_attention.write_kv_slots(got_k, got_v, k, v, slots)
+    assert got_k.dtype == got_v.dtype == dtype
+    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)  # bitwise (randn pages: no NaN)
+    assert torch.equal(got_k.flatten(0, 1)[slots[slots >= 0]], k[slots >= 0])
+
+
 def test_cpu_tensors_run_the_fast_path_and_torch_backend_the_reference(monkeypatch):
-    """The launchers' dispatch: CPU tensors take cpu_attention by default, TRITONQ_BACKEND=torch the references."""
+    """The launchers' dispatch (attention and the KV write): CPU tensors take cpu_attention by default,
+    TRITONQ_BACKEND=torch the references."""
     g = torch.Generator().manual_seed(2)
     k_pages, v_pages, table = cache(64, 64, 2, [17, 3], torch.float32, g)
     q = torch.randn(2, 4, 64, generator=g)
     lens = torch.tensor([17, 3], dtype=torch.int32)
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     calls = []
-    for name in ("decode_attention", "paged_prefill_attention"):
+    new, slots = torch.randn(2, 2, 64, generator=g), torch.tensor([5, -1])
+    names = ("decode_attention", "paged_prefill_attention", "write_kv_slots")
+    for name in names:
         monkeypatch.setattr(cpu_attention, name, lambda *a, name=name, **k: calls.append(f"cpu {name}"))
         monkeypatch.setattr(attention, f"{name}_reference", lambda *a, name=name, **k: calls.append(f"ref {name}"))
-    decode_attention(q, k_pages, v_pages, lens, table, 0.1)
-    paged_prefill_attention(q, k_pages, v_pages, cu, lens, table, 0.1)
-    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
-    decode_attention(q, k_pages, v_pages, lens, table, 0.1)
-    paged_prefill_attention(q, k_pages, v_pages, cu, lens, table, 0.1)
-    assert calls == ["cpu decode_attention", "cpu paged_prefill_attention",
-                     "ref decode_attention", "ref paged_prefill_attention"]
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("TRITONQ_BACKEND", backend)
+        decode_attention(q, k_pages, v_pages, lens, table, 0.1)
+        paged_prefill_attention(q, k_pages, v_pages, cu, lens, table, 0.1)
+        write_kv_slots(k_pages, v_pages, new, new, slots)
+    assert calls == [f"{path} {name}" for path in ("cpu", "ref") for name in names]
 
 
 def test_small_calls_run_on_one_thread_and_restore_the_thread_count(monkeypatch):

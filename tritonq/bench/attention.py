@@ -11,15 +11,18 @@ On CPU (the CPU backend, kernels/cpu_attention.py) it times, side by side in one
 launchers against the torch references they replaced there (TRITONQ_BACKEND=torch's path): decode
 at batch 1 / 16 / 64 with cache lengths drawn from 16..512, and prefill of 4 prompts of 16, 96, 176
 and 256 tokens, GQA 16 / 8, head dim 64, fp32, 16-token pages, block tables as wide as the longest sequence
-(the engine's are as wide as max_seq_len, which only the references pay for). ratio = reference ms /
-ours ms; max_err is against the reference. Under TRITON_INTERPRET=1 (the Triton kernels on CPU) or
-TRITONQ_BACKEND=torch it reports correctness only: max error vs SDPA on small shapes.
+(the engine's are as wide as max_seq_len, which only the references pay for), and the write of the new
+keys into the pages (write_kv_slots) of the batch-64 decode step and of the prompts (lens / tokens: the
+keys written). ratio = reference ms / ours ms; max_err is against the reference. Under TRITON_INTERPRET=1
+(the Triton kernels on CPU) or TRITONQ_BACKEND=torch it reports correctness only: max error vs SDPA on
+small shapes.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +30,8 @@ import torch.nn.functional as F
 from tritonq.bench.common import backend_label, device_peaks, print_table, results_path, time_ms, write_json
 from tritonq.kernels import use_cpu_kernels
 from tritonq.kernels.attention import (decode_attention, decode_attention_reference, paged_cache,
-                                       paged_prefill_attention, paged_prefill_attention_reference, paged_prompts)
+                                       paged_prefill_attention, paged_prefill_attention_reference, paged_prompts,
+                                       write_kv_slots, write_kv_slots_reference)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PAGE_SIZE = 16  # the engine's default block_size
@@ -132,21 +136,39 @@ def bench_cpu_backend(dtype) -> list[dict]:
         k, v = (torch.randn(B, S, Hkv, D, generator=g, dtype=dtype) for _ in range(2))
         q = torch.randn(B, H, D, generator=g, dtype=dtype)
         k_pages, v_pages, table = paged_cache(k, v, PAGE_SIZE, generator=g)
-        args = (q, k_pages, v_pages, lens.int(), table)
-        cases.append(("decode", B, lens, decode_attention, decode_attention_reference, args))
+        args = (q, k_pages, v_pages, lens.int(), table, scale)
+        cases.append(("decode", B, lens, partial(decode_attention, *args), partial(decode_attention_reference, *args)))
+        if B == CPU_DECODE_BATCHES[-1]:  # the write of that step's new keys, one per sequence at its last position
+            cases.append(_write_case(B, k_pages, v_pages, table, lens - 1, torch.ones_like(lens), g))
     lens = torch.linspace(*CPU_PROMPT_LENS, CPU_PROMPTS).int()  # evenly spread: the longest dominates the time
     S = int(lens.max())
     q, k, v = (torch.randn(CPU_PROMPTS, S, heads, D, generator=g, dtype=dtype) for heads in (H, Hkv, Hkv))
-    cases.append(("prefill", CPU_PROMPTS, lens, paged_prefill_attention, paged_prefill_attention_reference,
-                  paged_prompts(q, k, v, lens.tolist(), PAGE_SIZE, generator=g)))
+    args = (*paged_prompts(q, k, v, lens.tolist(), PAGE_SIZE, generator=g), scale)
+    cases.append(("prefill", CPU_PROMPTS, lens, partial(paged_prefill_attention, *args),
+                  partial(paged_prefill_attention_reference, *args)))
+    cases.append(_write_case(CPU_PROMPTS, *args[1:3], args[5], torch.zeros_like(lens), lens, g))  # the prompts' keys
     rows = []
-    for kind, B, lens, ours_fn, reference_fn, args in cases:
-        ours, ref = ours_fn(*args, scale), reference_fn(*args, scale)
-        t_ours, t_ref = alternating_ms([lambda: ours_fn(*args, scale), lambda: reference_fn(*args, scale)])
+    for kind, B, lens, ours_fn, reference_fn in cases:
+        ours, ref = ours_fn(), reference_fn()
+        t_ours, t_ref = alternating_ms([ours_fn, reference_fn])
         rows.append(dict(kind=kind, B=B, lens=f"{int(lens.min())}..{int(lens.max())}", tokens=int(lens.sum()),
                          H=H, Hkv=Hkv, D=D, ms=t_ours, reference_ms=t_ref, ratio=t_ref / t_ours,
                          max_err=(ours.float() - ref.float()).abs().max().item()))
     return rows
+
+
+def _write_case(B, k_pages, v_pages, table, starts, counts, g) -> tuple:
+    """A "write" case: counts[b] new keys of sequence b at positions starts[b] .. into copies of its pages
+    (one for write_kv_slots, one for the reference; each call returns its k pages)."""
+    seq = torch.repeat_interleave(torch.arange(B), counts)
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), counts.tolist())])
+    slots = table[seq, pos // PAGE_SIZE].long() * PAGE_SIZE + pos % PAGE_SIZE
+    k, v = (torch.randn(len(slots), *pages.shape[2:], generator=g, dtype=pages.dtype) for pages in (k_pages, v_pages))
+
+    def writer(write):
+        k_copy, v_copy = k_pages.clone(), v_pages.clone()
+        return lambda: write(k_copy, v_copy, k, v, slots) or k_copy
+    return "write", B, counts, writer(write_kv_slots), writer(write_kv_slots_reference)
 
 
 def main(argv: list[str]) -> None:
@@ -167,8 +189,9 @@ def main(argv: list[str]) -> None:
         print_table(rows)
         if args.json:
             write_json(args.json, "attention", rows, baseline="torch references (decode_attention_reference, "
-                       "paged_prefill_attention_reference)", dtype=str(dtype), backend=backend,
-                       threads=torch.get_num_threads(), command=f"python -m tritonq.bench attention {' '.join(argv)}")
+                       "paged_prefill_attention_reference, write_kv_slots_reference)", dtype=str(dtype),
+                       backend=backend, threads=torch.get_num_threads(),
+                       command=f"python -m tritonq.bench attention {' '.join(argv)}")
         return
     prefill = bench_prefill(PREFILL_GPU if on_gpu else PREFILL_CPU, dtype, device, on_gpu)
     decode = bench_decode(DECODE_GPU if on_gpu else DECODE_CPU, dtype, device, on_gpu)

@@ -31,8 +31,8 @@ while e.g. Dv = 96 pads to 128, i.e. 33% extra PV FLOPs, accumulator registers a
 shared memory.
 
 On CPU tensors (unless TRITON_INTERPRET=1) the CPU backend runs instead: torch's fused CPU attention
-over each sequence's real keys (kernels/cpu_attention.py). TRITONQ_BACKEND=torch runs the torch
-references (float32 compute), the test oracle.
+over each sequence's real keys and an index_copy_ of the new keys (kernels/cpu_attention.py).
+TRITONQ_BACKEND=torch runs the torch references (float32 compute), the test oracle.
 """
 from __future__ import annotations
 
@@ -538,6 +538,8 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
             raise ValueError(f"{expected}; got {int(slot_mapping.max())}.")
     else:  # checked on the device: a host check would sync the GPU in every layer (and break graph capture)
         torch._assert_async(slot_mapping.max() < capacity, expected)
+    if use_cpu_kernels(k_pages):  # one index_copy_ per cache (kernels/cpu_attention.py)
+        return cpu_attention.write_kv_slots(k_pages, v_pages, k, v, slot_mapping)
     if not use_triton(k_pages):
         return write_kv_slots_reference(k_pages, v_pages, k, v, slot_mapping)
     write_kv_slots_launch(k_pages, v_pages, _last_dim_contiguous(k), _last_dim_contiguous(v), slot_mapping)()
@@ -685,8 +687,8 @@ def write_kv_slots_reference(k_pages: torch.Tensor, v_pages: torch.Tensor, k: to
     """index_put: token t to page slot_mapping[t] // block_size, row slot_mapping[t] % block_size;
     negative slots (padding) are skipped.
 
-    Shape-static, with no host read (it is the decode step's write on CPU): rather than selecting the
-    kept rows (a data-dependent shape), every skipped row is redirected to the slot of the first kept
+    Shape-static, with no host read (TRITONQ_BACKEND=torch runs it on any device): rather than selecting
+    the kept rows (a data-dependent shape), every skipped row is redirected to the slot of the first kept
     row with that row's own values, so the duplicate writes agree; with no kept row at all they all
     write slot 0's current values back."""
     keep = slot_mapping >= 0
