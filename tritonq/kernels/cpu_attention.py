@@ -46,7 +46,7 @@ position n of sequence b in page block_table[b, n // page_size], row n % page_si
 (slot = page * page_size + row), instead of the reference's shape-static index_put, which redirects
 skipped rows rather than dropping them (it must not read the device). Rows with slot < 0 are
 dropped first, and only when there are any: selecting by the mask took 2-4x the whole unmasked write
-(64 and 544 tokens, 8 heads of 64). bench/attention.py's "write" rows: ~2x the reference (decode step
+(64 and 544 tokens, 8 heads of 64). tritonq/bench/attention.py's "write" rows: ~2x the reference (decode step
 of 64 sequences), ~2.5x (544 prompt tokens). The MLA latent v pages (a strided view of k) view as
 rows too; k is written before v, as the reference and the kernel do.
 
