@@ -346,13 +346,14 @@ class Model:
         content is a str or a list of OpenAI content parts; text parts ({"type": "text", "text": ...}) are
         joined with newlines (as vLLM does), any other part type is refused (this model takes text only).
         options: as generate()."""
-        text = self.tokenizer.apply_chat_template([_text_message(i, m) for i, m in enumerate(messages)],
+        text = self.tokenizer.apply_chat_template([text_message(i, m) for i, m in enumerate(messages)],
                                                   add_generation_prompt=True, tokenize=False)
         return self.generate(self.tokenizer(text, add_special_tokens=False).input_ids, **options)
 
 
-def _text_message(i: int, message: dict) -> dict:
-    """message with its content as one str: a list of OpenAI content parts has its text parts joined."""
+def text_message(i: int, message: dict) -> dict:
+    """message with its content as one str: a list of OpenAI content parts has its text parts joined with
+    newlines (as vLLM does); other part types are refused. Model.chat and the server's chat route both use it."""
     if not isinstance(message, dict):
         raise TypeError(f"message {i} is a {type(message).__name__}; expected a dict with 'role' and 'content'.")
     content = message.get("content")

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tritonq.generate import text_message
 from tritonq.serve.engine_loop import EngineLoop, Event, QueueFull, Stream
 from tritonq.serve.metrics import ServerMetrics
 from tritonq.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
@@ -389,7 +390,8 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [text_message(i, {"role": m.role, "content": "" if m.content is None else m.content})
+                        for i, m in enumerate(body.messages)]
             text = await off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt=True,
                                   tokenize=False)
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's messages

@@ -253,18 +253,6 @@ class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
-        """The content as one string: text parts of a multi-part content are joined."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text", ""), str):
-                raise ValueError(f"message content part of type {part.get('type')!r} is not supported; "
-                                 "only 'text' parts with a string 'text' are")
-            parts.append(part.get("text", ""))
-        return "".join(parts)
-
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
