@@ -29,7 +29,8 @@ logits of the right shape: token 0 always wins), so a step's time is the engine'
 host: scheduling, preparing the step's tensors, sampling (a --null-vocab-wide argmax), stop checks
 and detokenizing. For each batch size (--batch-sizes) --null-steps pure decode steps are timed after
 every prompt (--null-prompt-len tokens) is prefilled, --repeats times; the rows give the median
-microseconds per step and per sequence, greedy and with a repetition penalty.
+microseconds per step and per sequence: greedy, with a repetition penalty (both read as
+Model.generate reads them: text once at the end), and greedy streamed (text detokenized every step).
 
 Why an earlier version reported caching as slower (off / on 0.41-0.63x in full runs, 3.8-4.3x
 for that part alone): it timed off once and then on once, on a 2-core machine shared with
@@ -226,12 +227,13 @@ def null_model_rows(args) -> list[dict]:
         engine = Engine(NullModel(args.null_vocab, max(batch, 2048) * 2), tokenizer, set(), num_blocks=blocks,
                         block_size=16, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
                         enable_prefix_caching=False, max_seq_len=max_seq_len)
-        for penalty in (1.0, 1.1):
+        for penalty, stream in ((1.0, False), (1.1, False), (1.0, True)):
             config = GenerationConfig(max_new_tokens=args.null_steps + 2, repetition_penalty=penalty)
             wall, cpu = [], []
             for _ in range(args.repeats):
                 for _ in range(batch):
-                    engine.add_request([rng.randrange(256) for _ in range(args.null_prompt_len)], config)
+                    engine.add_request([rng.randrange(256) for _ in range(args.null_prompt_len)], config,
+                                       stream=stream)
                 while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.seqs.values()) \
                         or engine.scheduler.waiting:
                     engine.step()   # prefill every prompt (and sample its first token)
@@ -244,7 +246,8 @@ def null_model_rows(args) -> list[dict]:
                 while engine.has_unfinished():
                     engine.step()
             step_us = statistics.median(wall) * 1e6
-            rows.append({"run": f"null model, batch {batch}, repetition_penalty {penalty}", "batch": batch,
+            what = "streamed (detokenized every step)" if stream else f"repetition_penalty {penalty}"
+            rows.append({"run": f"null model, batch {batch}, {what}", "batch": batch,
                          "step_us": step_us, "seq_us": step_us / batch, "cpu_step_us": statistics.median(cpu) * 1e6,
                          "step_us_per_repeat": [round(w * 1e6) for w in wall]})
     return rows

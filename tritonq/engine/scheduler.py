@@ -120,13 +120,16 @@ class Scheduler:
                 raise ValueError(f"postprocess: {seq} {'needs' if reached_end else 'must not get'} a "
                                  f"sampled token after computing {n} tokens, got {token}.")
         finished = []
+        bm, block_size = self.block_manager, self.block_manager.block_size
         for seq, n, token in zip(step.seqs, step.num_new_tokens, sampled):
             if seq.is_finished:
                 continue
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             if token is not None:
                 seq.append_token(token)
-            self.block_manager.mark_computed(seq)
+            if (before + n) // block_size != before // block_size:  # a block became full
+                bm.mark_computed(seq)
             if seq.num_generated >= seq.max_new_tokens:
                 self.finish(seq)
                 finished.append(seq)
