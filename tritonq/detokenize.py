@@ -16,8 +16,8 @@ stop string (the text a non-streamed call returns), so streaming and non-streami
   remaining bytes arrive; flush() emits it as decode() would if they never do. (One exception:
   a SentencePiece ByteFallback decoder turns a whole run of <0xNN> byte tokens into U+FFFD when
   the run is not valid UTF-8, e.g. ends in a cut character, complete characters included; those
-  were streamed already and stay. Model.generate decodes through this class streamed or not, so
-  both return the same text.)
+  were streamed already and stay; add_many() over the whole output, as the engine does for a request
+  neither streamed nor stopped by strings, gives decode()'s text there.)
 - Text that could be the start of a stop string is held back until it is known not to be one, so
   no character of a stop string is ever yielded.
 """
@@ -56,9 +56,14 @@ class Detokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one generated token; return the text that became final with it (often "")."""
+        return self.add_many((token_id,))
+
+    def add_many(self, token_ids) -> str:
+        """Append several generated tokens with one decode of the window (a request whose text is only
+        read at its end: one call instead of one per token); return the text that became final."""
         if self.stopped:
             return ""
-        self.ids.append(int(token_id))
+        self.ids.extend(int(t) for t in token_ids)
         window = self._decode(self.ids[self._context:])
         complete = window.rstrip(_REPLACEMENT)
         new = complete[self._committed:] if len(complete) > self._committed else ""

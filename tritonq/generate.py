@@ -208,7 +208,7 @@ class Model:
             return out
         return out.text[0] if single else out.text
 
-    def _requests(self, prompts: list[list[int]], config: GenerationConfig) -> Iterator:
+    def _requests(self, prompts: list[list[int]], config: GenerationConfig, stream: bool) -> Iterator:
         """Queue the prompts and yield (prompt index, RequestOutput) for each output of theirs, in step
         order, stepping the engine when none is waiting; on any exit (an error, Ctrl-C, a stream closed
         early) the unfinished ones are aborted. A request that failed raises RuntimeError."""
@@ -218,7 +218,7 @@ class Model:
             ids = []
             try:
                 for p in prompts:
-                    ids.append(self.engine.add_request(p, config))
+                    ids.append(self.engine.add_request(p, config, stream=stream))
                     self._routes[ids[-1]] = inbox
             except BaseException:
                 for rid in ids:
@@ -277,7 +277,7 @@ class Model:
         requests = [None] * len(prompts)
         with tqdm(total=len(prompts), desc="Generating", unit="prompt", disable=not progress or self.rank != 0,
                   leave=False) as bar:
-            for i, out in self._requests(prompts, config):
+            for i, out in self._requests(prompts, config, stream=False):
                 if out.finished:
                     requests[i] = out.request
                     bar.update(1)
@@ -291,7 +291,7 @@ class Model:
             decode_tokens_per_s=decoded / span if decoded and span > 0 else 0.0)
 
     def _stream(self, prompts: list[list[int]], config: GenerationConfig, single: bool) -> Iterator:
-        for i, out in self._requests(prompts, config):
+        for i, out in self._requests(prompts, config, stream=True):
             if out.text:
                 yield out.text if single else (i, out.text)
 

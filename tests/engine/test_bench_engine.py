@@ -37,6 +37,23 @@ def test_quick_bench_writes_every_row_and_ratios_of_its_rows(tmp_path, monkeypat
     assert "engine / static8" in capsys.readouterr().out
 
 
+def test_null_model_bench_reports_host_time_per_step_and_sequence(tmp_path, capsys):
+    """CLI smoke test of --null-model (no timing assertion: the numbers depend on the machine)."""
+    out = tmp_path / "null.json"
+    bench_engine.main(["--null-model", "--batch-sizes", "1,3", "--null-steps", "2", "--null-prompt-len", "20",
+                       "--repeats", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["batch"], row["run"].split(", ")[-1]) for row in rows] == [
+        (b, what) for b in (1, 3) for what in ("repetition_penalty 1.0", "repetition_penalty 1.1",
+                                               "streamed (detokenized every step)")]
+    for row in rows:
+        assert row["step_us"] > 0 and row["seq_us"] == pytest.approx(row["step_us"] / row["batch"])
+        assert len(row["step_us_per_repeat"]) == 2
+    assert "null model, batch 3" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_engine.main(["--null-model", "--batch-sizes", "1,x"])
+
+
 @pytest.mark.parametrize("argv, message", [(["--skip", "prefill"], "unknown ['prefill']"),
                                            (["--max-out", "4"], "--min-out 8 and --max-out 4")])
 def test_bad_options_are_refused_before_any_work(argv, message, capsys):

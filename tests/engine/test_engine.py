@@ -147,6 +147,46 @@ def test_prefix_hit_and_chunks_through_the_triton_kernels_match_the_torch_refere
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
 
 
+def test_mixed_steps_under_preemption_and_shared_prefixes_give_the_solo_greedy_runs(folder):
+    """Prompts sharing a prefix arrive one per step into a cache too small for them all: steps mix running
+    decodes with prefill chunks of new prompts, sequences are preempted and resumed, prefix blocks are
+    shared; every request still gives its solo greedy run (a model without prefix caching, one prompt at a time)."""
+    per_token = 2 * 2 * 2 * 16 * 4
+    model = load(folder, kv_cache_gb=8 * 16 * per_token / 2 ** 30, max_num_batched_tokens=32)
+    engine = model.engine
+    assert engine.block_manager.num_blocks == 8
+    # 32 shared tokens (2 blocks) + 16 of each prompt's own: a prompt holds 1 block of its own until its
+    # first decode needs another, so 4 running prompts need 2 + 8 blocks and some are preempted
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 256, (32,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, 256, (16 if i % 4 else 7,), generator=g).tolist() for i in range(8)]
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        step = schedule()
+        if step is not None:  # (decoding sequences, prefill chunks) of the step
+            decodes = sum(s.num_computed_tokens + n == s.num_tokens and n == 1
+                          for s, n in zip(step.seqs, step.num_new_tokens))
+            steps.append((decodes, len(step.seqs) - decodes))
+        return step
+    engine.scheduler.schedule = recording_schedule
+    config = GenerationConfig(max_new_tokens=12)
+    pending, outputs = list(prompts), {}
+    ids = [engine.add_request(pending.pop(0), config) for _ in range(2)]
+    while engine.has_unfinished() or pending:
+        if pending:
+            ids.append(engine.add_request(pending.pop(0), config))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    got = SimpleNamespace(**{name: [getattr(as_output(outputs[rid]), name)[0] for rid in ids]
+                             for name in ("token_ids", "logprobs", "finish_reasons")})
+    assert any(decodes and chunks for decodes, chunks in steps), "no step mixed decodes with prefill chunks"
+    assert engine.scheduler.num_preemptions > 0 and engine.block_manager.prefix_hits > 0
+    plain = load(folder, enable_prefix_caching=False)
+    assert_greedy_equal(plain, prompts, got, solo_runs(plain, prompts, max_new_tokens=12))
+
+
 # ---- failures: a step that raises, non-finite logits, a dead device ------------------------------------
 
 def run_engine(engine, ids) -> dict[int, list]:

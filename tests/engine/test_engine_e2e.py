@@ -1,8 +1,8 @@
 """The engine end to end against transformers: many prompts, a small KV cache, chunked prefill.
 
 40 prompts of random lengths 1..300 go to one generate() call with max_num_seqs=8, a token budget
-of 128 per step (so long prompts are prefilled in chunks) and a KV cache of 40 blocks of 16 tokens
-(640 tokens: far fewer than the prompts need at once, so sequences wait, and decode steps run out
+of 128 per step (so long prompts are prefilled in chunks) and a KV cache of 32 blocks of 16 tokens
+(512 tokens: far fewer than the prompts need at once, so sequences wait, and decode steps run out
 of blocks and preempt). Every prompt's greedy tokens must equal transformers' greedy tokens for
 that prompt alone. Tiny models (hidden 64, 2 layers) in float32 through the torch references.
 """
@@ -24,7 +24,7 @@ from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
 from tritonq.quantize import write_quantized
 
 NUM_PROMPTS, MAX_PROMPT, NEW_TOKENS = 40, 300, 6
-NUM_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS, TOKEN_BUDGET = 40, 16, 8, 128
+NUM_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS, TOKEN_BUDGET = 32, 16, 8, 128
 ENGINE = dict(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=TOKEN_BUDGET, block_size=BLOCK_SIZE)
 
 

@@ -150,8 +150,9 @@ def test_admission_under_token_budget_chunks_the_last_prompt():
     sched.postprocess(step, sampled)
     assert [s.num_computed_tokens for s in seqs] == [30, 30, 4, 0]
     assert [s.num_tokens for s in seqs] == [31, 31, 30, 30]
-    step = sched.schedule()                                     # the chunk continues first, then seq 3
-    assert [s.seq_id for s in step.seqs] == [2, 3] and step.num_new_tokens == [26, 30]
+    step = sched.schedule()               # 0 and 1 decode, the chunk continues, then seq 3 within the 64
+    assert step.is_prefill and [s.seq_id for s in step.seqs] == [0, 1, 2, 3]
+    assert step.num_new_tokens == [1, 1, 26, 30]
     sched.postprocess(step, sim.run_step(step))
     step = sched.schedule()
     assert not step.is_prefill and [s.seq_id for s in step.seqs] == [0, 1, 2, 3]
@@ -285,9 +286,9 @@ def test_prefix_hits_share_blocks_between_running_sequences():
     for seq in later:
         sched.add(seq)
     step = sched.schedule()
-    assert step.is_prefill and step.seqs == later
+    assert step.is_prefill and step.seqs == [first] + later                # first decodes beside them
     assert [s.num_cached_tokens for s in later] == [48, 48, 48]
-    assert step.num_new_tokens == [s.num_tokens - 48 for s in later]
+    assert step.num_new_tokens == [1] + [s.num_tokens - 48 for s in later]
     shared = first.block_table[:3]
     assert all(s.block_table[:3] == shared for s in later)
     assert [sched.block_manager.blocks[b].ref_count for b in shared] == [4, 4, 4]
@@ -353,10 +354,8 @@ def test_random_requests_with_aborts_and_preemption_finish_without_leaks(caching
 
 
 def test_decode_is_not_starved_by_a_new_request_before_every_step():
-    """Prefill goes first, but a running sequence ready to decode advances at least once every
-    DECODE_EVERY steps: with a new prompt arriving before each of 100 steps, the first request still
-    gets >= 100 / DECODE_EVERY tokens (prefill-first gave it 1), and its tokens stay right."""
-    from tritonq.engine.scheduler import DECODE_EVERY
+    """With a new prompt arriving before each of 100 steps, the first request still decodes in every
+    step after its prefill (prefill-first scheduling gave it 1 token), and its tokens stay right."""
     sched = make(num_blocks=1024, max_num_seqs=256, max_num_batched_tokens=256)
     sim = Simulator(sched)
     first = Sequence(0, [1, 2, 3], max_new_tokens=1000)
@@ -366,8 +365,56 @@ def test_decode_is_not_starved_by_a_new_request_before_every_step():
         sched.add(Sequence(i, [i % 50] * 5, max_new_tokens=1000))
         step = sched.schedule()
         sched.postprocess(step, sim.run_step(step))
-    assert first.num_generated >= steps // DECODE_EVERY
-    # no window of DECODE_EVERY steps without a decode step
-    kinds = [prefill for prefill, _, _ in sim.steps]
-    assert all(not all(kinds[i:i + DECODE_EVERY]) for i in range(1, len(kinds) - DECODE_EVERY + 1))
+    assert first.num_generated == steps
+    # each step decodes every sequence already running and prefills the new arrival beside them
+    assert sim.steps[0] == (True, [0, 1], [3, 5])
+    for k, step in enumerate(sim.steps[1:], start=1):
+        assert step == (True, list(range(k + 2)), [1] * (k + 1) + [5])
     assert first.token_ids == reference_tokens([1, 2, 3], first.num_generated)
+
+
+def test_a_step_decodes_running_sequences_while_it_prefills_a_new_prompt_chunk():
+    """Mixed steps: a running decode advances in the same step as a chunk of a new prompt, decodes
+    first; the chunk gets what is left of the budget and continues next step beside the decode."""
+    sched = make(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32)
+    sim = Simulator(sched)
+    old = Sequence(0, [4, 5, 6], max_new_tokens=10)
+    sched.add(old)
+    step = sched.schedule()
+    sched.postprocess(step, sim.run_step(step))                        # old prefilled: its first token
+    new = Sequence(1, [(3 * i) % 29 for i in range(50)], max_new_tokens=4)
+    sched.add(new)
+    step = sched.schedule()
+    assert step.is_prefill and step.seqs == [old, new] and step.num_new_tokens == [1, 31]
+    sched.postprocess(step, sim.run_step(step))
+    assert old.num_generated == 2 and new.num_computed_tokens == 31 and new.num_generated == 0
+    step = sched.schedule()
+    assert step.is_prefill and step.seqs == [old, new] and step.num_new_tokens == [1, 19]
+    sched.postprocess(step, sim.run_step(step))
+    assert old.num_generated == 3 and new.num_generated == 1
+    step = sched.schedule()                                             # both decode: a decode step
+    assert not step.is_prefill and step.seqs == [old, new] and step.num_new_tokens == [1, 1]
+    sched.postprocess(step, sim.run_step(step))
+    sim.run()
+    assert old.token_ids == reference_tokens([4, 5, 6], 10)
+    assert new.token_ids == reference_tokens(new.token_ids[:50], 4)
+    assert_all_blocks_free(sched.block_manager)
+
+
+def test_no_admission_in_a_step_that_preempted():
+    """Blocks freed by a preemption go to the decodes that needed them, not to a new prompt in the same step."""
+    sched = make(num_blocks=5, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False)
+    a, b = Sequence(0, [1] * 31, max_new_tokens=8), Sequence(1, [2] * 31, max_new_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    sim = Simulator(sched)
+    for _ in range(2):  # prefill, then the 32nd token each: 4 of 5 blocks held
+        step = sched.schedule()
+        sched.postprocess(step, sim.run_step(step))
+    sched.add(Sequence(2, [3] * 5, max_new_tokens=2))             # would fit in a block b frees
+    step = sched.schedule()                                      # a takes the free block, b needs one: b goes
+    assert step.seqs == [a] and sched.num_preemptions == 1 and [s.seq_id for s in sched.waiting] == [1, 2]
+    sched.postprocess(step, sim.run_step(step))
+    sim.run()
+    assert b.token_ids == reference_tokens([2] * 31, 8) and a.token_ids == reference_tokens([1] * 31, 8)
+    assert_all_blocks_free(sched.block_manager)

@@ -24,6 +24,14 @@ has 16..64 tokens of its own), time to first token (TTFT) with prefix caching on
   repeat uses fresh suffixes, the same for on and off, so no timed prompt hits more than the
   system prompt's full blocks (the last row counts the tokens served from the cache).
 - Off and on alternate, --prefix-repeats times; the median is reported with each repeat's ratio.
+Host overhead (--null-model): the engine over a model whose forward costs nothing (it returns fixed
+logits of the right shape: token 0 always wins), so a step's time is the engine's own work on the
+host: scheduling, preparing the step's tensors, sampling (a --null-vocab-wide argmax), stop checks
+and detokenizing. For each batch size (--batch-sizes) --null-steps pure decode steps are timed after
+every prompt (--null-prompt-len tokens) is prefilled, --repeats times; the rows give the median
+microseconds per step and per sequence: greedy, with a repetition penalty (both read as
+Model.generate reads them: text once at the end), and greedy streamed (text detokenized every step).
+
 Why an earlier version reported caching as slower (off / on 0.41-0.63x in full runs, 3.8-4.3x
 for that part alone): it timed off once and then on once, on a 2-core machine shared with
 seven other jobs, with --threads 2. With two torch threads on busy cores every parallel op can
@@ -43,6 +51,7 @@ import random
 import statistics
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -187,12 +196,76 @@ def _prefix_rows(args, folder: str, options: dict, rng: random.Random) -> list[d
     return rows
 
 
+class NullModel:
+    """A model whose forward costs nothing: logits [R, vocab] float32 sliced from one tensor made once
+    (row r: 1 at token 0, 0 elsewhere), a one-layer KV cache of one tiny head. Times the engine alone."""
+
+    def __init__(self, vocab: int, max_rows: int):
+        from tritonq.models.common import KVLayout
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.config = SimpleNamespace(vocab_size=vocab)
+        self.kv_layout = KVLayout(num_layers=1, num_kv_heads=1, d_qk=8, d_v=8)
+        self.logits = torch.zeros(max_rows, vocab)
+        self.logits[:, 0] = 1.0
+
+    def __call__(self, ctx, cache) -> torch.Tensor:
+        rows = ctx.input_ids.shape[0] if ctx.logit_rows is None else ctx.logit_rows.shape[0]
+        return self.logits[:rows]
+
+
+def null_model_rows(args) -> list[dict]:
+    """Median host microseconds per pure decode step (and per sequence) of the engine over NullModel."""
+    from tritonq.demo import byte_tokenizer
+    from tritonq.engine.engine import Engine
+    from tritonq.generate import GenerationConfig
+    tokenizer = byte_tokenizer()
+    rng = random.Random(0)
+    rows = []
+    for batch in args.batch_sizes:
+        max_seq_len = args.null_prompt_len + 2 + args.null_steps
+        blocks = batch * -(-max_seq_len // 16)
+        engine = Engine(NullModel(args.null_vocab, max(batch, 2048) * 2), tokenizer, set(), num_blocks=blocks,
+                        block_size=16, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
+                        enable_prefix_caching=False, max_seq_len=max_seq_len)
+        for penalty, stream in ((1.0, False), (1.1, False), (1.0, True)):
+            config = GenerationConfig(max_new_tokens=args.null_steps + 2, repetition_penalty=penalty)
+            wall, cpu = [], []
+            for _ in range(args.repeats):
+                for _ in range(batch):
+                    engine.add_request([rng.randrange(256) for _ in range(args.null_prompt_len)], config,
+                                       stream=stream)
+                while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.seqs.values()) \
+                        or engine.scheduler.waiting:
+                    engine.step()   # prefill every prompt (and sample its first token)
+                clock = Clock()
+                for _ in range(args.null_steps):
+                    engine.step()
+                seconds = clock.elapsed()
+                wall.append(seconds[0] / args.null_steps)
+                cpu.append(seconds[1] / args.null_steps)
+                while engine.has_unfinished():
+                    engine.step()
+            step_us = statistics.median(wall) * 1e6
+            what = "streamed (detokenized every step)" if stream else f"repetition_penalty {penalty}"
+            rows.append({"run": f"null model, batch {batch}, {what}", "batch": batch,
+                         "step_us": step_us, "seq_us": step_us / batch, "cpu_step_us": statistics.median(cpu) * 1e6,
+                         "step_us_per_repeat": [round(w * 1e6) for w in wall]})
+    return rows
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m tritonq.bench engine", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke-test size (seconds), not the issue's size")
     for name, default in FULL.items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {default}")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--null-model", action="store_true",
+                        help="only the host overhead: the engine over a model that costs nothing (see above)")
+    parser.add_argument("--batch-sizes", default="1,64,256", help="--null-model: comma list of batch sizes")
+    parser.add_argument("--null-steps", type=int, default=50, help="--null-model: decode steps timed per repeat")
+    parser.add_argument("--null-prompt-len", type=int, default=128, help="--null-model: tokens per prompt")
+    parser.add_argument("--null-vocab", type=int, default=512, help="--null-model: vocabulary of its logits")
+    parser.add_argument("--repeats", type=int, default=5, help="--null-model: timed repeats (the median is reported)")
     parser.add_argument("--quantize", default=None, help="quantize on load, e.g. int4 (AWQ-style kernels on a GPU)")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: engine (and so static8, "
                         "transformers), static8, transformers, prefix")
@@ -209,9 +282,25 @@ def main(argv: list[str]) -> None:
             parser.error(f"--{low.replace('_', '-')} {getattr(args, low)} and --{high.replace('_', '-')} "
                          f"{getattr(args, high)}: expected 1 <= min <= max (--quick sets its own, smaller sizes)")
     if args.out is None and not args.quick:
-        args.out = results_path(f"engine_{args.device}.json")
+        args.out = results_path("engine_null_model.json" if args.null_model else f"engine_{args.device}.json")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.null_model:
+        try:
+            args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        except ValueError:
+            parser.error(f"--batch-sizes {args.batch_sizes}: expected a comma list of ints, e.g. 1,64,256")
+        if min(args.batch_sizes + [args.null_steps, args.null_prompt_len, args.null_vocab, args.repeats]) < 1:
+            parser.error("--null-model: batch sizes, --null-steps, --null-prompt-len, --null-vocab and --repeats "
+                         "must be >= 1")
+        rows = null_model_rows(args)
+        print(f"host overhead: null model (vocab {args.null_vocab}), prompts of {args.null_prompt_len} tokens, "
+              f"{args.null_steps} decode steps x {args.repeats} repeats, torch threads {torch.get_num_threads()}")
+        print_table(rows)
+        if args.out:
+            write_json(args.out, "engine", rows, command="python -m tritonq.bench engine " + " ".join(argv),
+                       **vars(args))
+        return
     skip = set(filter(None, args.skip.split(",")))
     unknown = skip - {"engine", "transformers", "static8", "prefix"}
     if unknown:

@@ -6,8 +6,8 @@
         for out in engine.step():     # one RequestOutput per request that advanced this step
             ...                       # out.token_id, out.text (new final text), out.finished
 
-Each step the scheduler picks the sequences (prefill-first but decoding at least every
-DECODE_EVERY steps, chunked, preempting when blocks run out), the runner computes them over the
+Each step the scheduler picks the sequences (every running decode, then chunked prefills of new
+prompts in what is left of the token budget, preempting when blocks run out), the runner computes them over the
 paged KV cache and samples each one's next token, and the engine finishes a request on EOS (unless
 ignore_eos, or before min_tokens), a stop string or max_new_tokens, freeing its blocks.
 Tensor parallel note: a step failing on one rank only would leave the ranks out of step; only
@@ -46,6 +46,7 @@ class Request:
     config: object  # its GenerationConfig
     sampling: SamplingParams
     detokenizer: Detokenizer
+    stream: bool = True  # its text is read as it grows (False and no stop strings: detokenized when it ends)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     arrival_s: float = 0.0
@@ -151,16 +152,18 @@ class Engine:
         self.check_token_ids(prompt_ids, name=name)
         self._check_length(len(prompt_ids), config.max_new_tokens, name)
 
-    def add_request(self, prompt_ids: list[int], config) -> int:
+    def add_request(self, prompt_ids: list[int], config, *, stream: bool = True) -> int:
         """Queue a request (config: a GenerationConfig); returns its id. It waits until blocks are free.
-        Raises (check_request) before queueing if it could never run."""
+        Raises (check_request) before queueing if it could never run. stream=False: the caller reads the
+        text only when the request finishes, so unless it has stop strings (checked on the text as it
+        grows) it is detokenized once at the end and its outputs before then carry text ""."""
         self._check_alive()
         self.check_request(prompt_ids, config)
         prompt_ids = list(prompt_ids)
         rid = next(self._ids)
         request = Request(rid, prompt_ids, config, SamplingParams(config),
                           Detokenizer(self.tokenizer, config.stop, min_tokens=config.min_tokens),
-                          arrival_s=time.perf_counter())
+                          stream=stream or bool(config.stop), arrival_s=time.perf_counter())
         if config.max_new_tokens == 0:
             self._finish(request, "length")
             return rid
@@ -173,6 +176,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request_id)
+            self.runner.release(request.sampling)
             request.finish_s, request.finish_reason = time.perf_counter(), "abort"  # the caller knows: no output
 
     def has_unfinished(self) -> bool:
@@ -212,22 +216,26 @@ class Engine:
                 outputs.append(self._fail(seq, NONFINITE_ERROR))
         self.scheduler.postprocess(step, [p[0] if p else None for p in picks])  # skips the failed (finished)
         now = time.perf_counter()
+        eos_ids, requests = self.eos_token_ids, self.requests
         for seq, pick in zip(step.seqs, picks):
-            if pick is None or pick[0] is None or seq.seq_id not in self.requests:
+            if pick is None or pick[0] is None or seq.seq_id not in requests:
                 continue  # a chunk short of its last token, a failed row, or aborted meanwhile
             request, (token, logprob) = seq.extra, pick
             request.token_ids.append(token)
             request.logprobs.append(logprob)
             request.first_token_s = request.first_token_s or now
-            text = request.detokenizer.add(token)
-            config = request.config
-            eos = token in self.eos_token_ids and not config.ignore_eos and seq.num_generated >= config.min_tokens
-            reason = ("eos" if eos else "stop" if request.detokenizer.stopped
+            detokenizer, config = request.detokenizer, request.config
+            text = detokenizer.add(token) if request.stream else ""
+            eos = token in eos_ids and not config.ignore_eos and seq.num_generated >= config.min_tokens
+            reason = ("eos" if eos else "stop" if detokenizer.stopped
                       else "length" if seq.is_finished else None)
             if reason is not None:
                 self.scheduler.finish(seq)  # no-op when postprocess already finished it (length)
-                del self.requests[request.request_id]
-                text += request.detokenizer.flush()
+                self.runner.release(request.sampling)
+                del requests[request.request_id]
+                if not request.stream:
+                    text = detokenizer.add_many(request.token_ids)
+                text += detokenizer.flush()
                 request.finish_s, request.finish_reason = now, reason
             outputs.append(RequestOutput(request.request_id, token, logprob, text, reason is not None, reason, request))
         return outputs
@@ -240,6 +248,7 @@ class Engine:
         """Finish a request of a failed step (or row) with finish_reason "error"; its blocks are freed."""
         self.scheduler.finish(seq)
         request = self.requests.pop(seq.seq_id)
+        self.runner.release(request.sampling)
         request.finish_s, request.finish_reason, request.error = time.perf_counter(), "error", error
         return RequestOutput(request.request_id, None, None, "", True, "error", request, error)
 

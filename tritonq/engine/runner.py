@@ -21,10 +21,13 @@ ranks append the same tokens even where their sampling would differ.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
+from itertools import chain
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from tritonq.distributed import broadcast_from_rank0
@@ -36,11 +39,16 @@ CPU_KV_CACHE_GB = 4.0  # the CPU default budget (capped by what max_num_seqs seq
 MASK32 = 0xFFFFFFFF
 
 
+_sampling_keys = itertools.count(1)
+
+
 @dataclass
 class SamplingParams:
     """One request's sampling settings (a GenerationConfig) and the seed of its random numbers:
     config.seed, or for an unseeded request one drawn once from torch's global generator when the
-    request is created (so torch.manual_seed still makes a run repeatable)."""
+    request is created (so torch.manual_seed still makes a run repeatable). The flags below are read
+    from the config once, so a step tests each row with an attribute read; key names the request in
+    the runner's SeenTokens."""
     config: object
     seed: int | None = None
 
@@ -48,6 +56,59 @@ class SamplingParams:
         if self.seed is None:
             seed = self.config.seed
             self.seed = int(torch.randint(0, 2 ** 62, ())) if seed is None else int(seed)
+        c = self.config
+        self.key = next(_sampling_keys)
+        self.seed_halves = (self.seed % 2 ** 64 & MASK32, self.seed % 2 ** 64 >> 32)
+        self.sampled = c.temperature > 0
+        self.penalized = c.repetition_penalty != 1.0
+        self.filtered = self.sampled and bool(c.top_k or c.top_p < 1.0)
+        self.uses_min_p = self.sampled and c.min_p > 0
+
+
+class SeenTokens:
+    """Which token ids each request with a repetition penalty has seen (prompt + generated): one row per
+    request of a bool tensor [rows, V] kept across steps, so a step adds only the tokens appended since
+    that request's last step (usually one) instead of rebuilding every token of every sequence on the
+    host. Row 0 stays all False (rows without a penalty). release() frees a finished request's row."""
+
+    def __init__(self, vocab: int, device: torch.device):
+        self.mask = torch.zeros(1, vocab, dtype=torch.bool, device=device)
+        self.rows: dict[int, list[int]] = {}  # SamplingParams.key -> [its row, tokens recorded in it]
+        self.free: list[int] = []
+
+    def gather(self, params: list[SamplingParams], token_ids: list[list[int]]) -> torch.Tensor:
+        """seen [R, V] bool for rows of these requests with these tokens (penalty-free rows all False)."""
+        index, new_rows, new_tokens = [], [], []
+        for p, ids in zip(params, token_ids):
+            if not p.penalized:
+                index.append(0)
+                continue
+            entry = self.rows.get(p.key)
+            if entry is None:
+                entry = self.rows[p.key] = [self._take_row(), 0]
+            if entry[1] < len(ids):  # token_ids only grow (a preempted request keeps its tokens)
+                new_rows += [entry[0]] * (len(ids) - entry[1])
+                new_tokens += ids[entry[1]:]
+                entry[1] = len(ids)
+            index.append(entry[0])
+        device = self.mask.device
+        if new_rows:
+            self.mask[torch.tensor(new_rows).to(device), torch.tensor(new_tokens).to(device)] = True
+        return self.mask[torch.tensor(index).to(device)]
+
+    def release(self, params: SamplingParams) -> None:
+        """Forget a finished request (a no-op for one that never sampled with a penalty)."""
+        entry = self.rows.pop(params.key, None)
+        if entry is not None:
+            self.mask[entry[0]] = False
+            self.free.append(entry[0])
+
+    def _take_row(self) -> int:
+        if not self.free:  # double the rows: amortized, and at most twice the requests ever penalized at once
+            n = self.mask.shape[0]
+            self.mask = torch.cat([self.mask, torch.zeros_like(self.mask)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        return self.free.pop()
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -118,6 +179,7 @@ class ModelRunner:
         self.buckets: list[int] = []
         self.graphs: DecodeGraphs | None = None
         self.replay_graphs = True  # False: run captured buckets eagerly (benchmarks, checks)
+        self.seen: SeenTokens | None = None  # made at the first step with a repetition penalty
 
     def use_static_decode(self, max_num_seqs: int, cuda_graphs: bool = False) -> None:
         """Run decode steps of up to max_num_seqs sequences as fixed-shape batch buckets (see
@@ -139,37 +201,54 @@ class ModelRunner:
                 start: list[int] | None = None) -> StepContext:
         """The StepContext of one step. logits_for[i]: sequence i's last new token gets logits (None: every
         row of every sequence gets logits). start[i] (default num_computed_tokens): first position to
-        compute; positions below num_computed_tokens are recomputed but not written (their blocks hold them)."""
-        bs = self.block_size
-        ids, positions, slots, cu, context, rows = [], [], [], [0], [], []
-        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
-            c = seq.num_computed_tokens if start is None else start[i]
-            if c + n > len(seq.block_table) * bs:
-                raise RuntimeError(f"{seq}: positions up to {c + n - 1} need more than its "
-                                   f"{len(seq.block_table)} blocks of {bs}; the scheduler must allocate them first.")
-            ids += seq.token_ids[c:c + n]
-            positions += range(c, c + n)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs if p >= seq.num_computed_tokens else -1 for p in range(c, c + n)]
-            cu.append(cu[-1] + n)
-            context.append(c + n)
-            if logits_for is not None and logits_for[i]:
-                rows.append(cu[-1] - 1)
-        if (self.static is not None and not is_prefill and len(seqs) <= self.buckets[-1]
+        compute; positions below num_computed_tokens are recomputed but not written (their blocks hold them).
+        Positions, slots and the block table are computed as numpy arrays over the whole step (no loop
+        over tokens or table entries in Python): host time grows slowly with the batch."""
+        bs, B = self.block_size, len(seqs)
+        tables = [seq.block_table for seq in seqs]
+        counts = np.array(num_new_tokens, dtype=np.int64)
+        first = np.array([seq.num_computed_tokens for seq in seqs] if start is None else start, dtype=np.int64)
+        context = first + counts
+        num_blocks = np.fromiter(map(len, tables), dtype=np.int64, count=B)
+        short = np.flatnonzero(context > num_blocks * bs)
+        if short.size:
+            i = int(short[0])
+            raise RuntimeError(f"{seqs[i]}: positions up to {context[i] - 1} need more than its {num_blocks[i]} "
+                               f"blocks of {bs}; the scheduler must allocate them first.")
+        if is_prefill:
+            ids = list(chain.from_iterable(seq.token_ids[c:c + n] for seq, c, n in
+                                           zip(seqs, first.tolist(), num_new_tokens)))
+        else:  # one token each, the last one
+            ids = [seq.token_ids[c] for seq, c in zip(seqs, first.tolist())]
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        row_of_token = np.repeat(np.arange(B), counts)
+        positions = np.arange(cu[-1]) + (first - cu[:-1])[row_of_token]
+        width = max(self.table_width, int(num_blocks.max()))
+        table = np.full((B, width), -1, dtype=np.int64)
+        entries = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(num_blocks.sum()))
+        block_start = np.cumsum(num_blocks) - num_blocks
+        table_rows = np.repeat(np.arange(B), num_blocks)
+        table[table_rows, np.arange(entries.size) - block_start[table_rows]] = entries
+        slots = table[row_of_token, positions // bs] * bs + positions % bs
+        if start is not None:  # recomputed positions: their KV is in the cache already
+            computed = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
+            slots[positions < computed[row_of_token]] = -1
+        if (self.static is not None and not is_prefill and B <= self.buckets[-1]
                 and (logits_for is None or all(logits_for))):
-            bucket = next(b for b in self.buckets if b >= len(seqs))
-            return self.static.fill(bucket, ids, positions, slots, context, [seq.block_table for seq in seqs])
-        width = max(self.table_width, *(len(seq.block_table) for seq in seqs))
-        table = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+            bucket = next(b for b in self.buckets if b >= B)
+            return self.static.fill(bucket, ids, positions.tolist(), slots.tolist(), context.tolist(), tables)
+        rows = None if logits_for is None else (cu[1:] - 1)[np.array(logits_for, dtype=bool)]
 
         def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-        return StepContext(input_ids=tensor(ids, torch.int64), positions=tensor(positions, torch.int64),
-                           slot_mapping=tensor(slots, torch.int64), cu_seqlens_q=tensor(cu, torch.int32),
-                           context_lens=tensor(context, torch.int32), block_table=tensor(table, torch.int32),
-                           logit_rows=None if logits_for is None else tensor(rows, torch.int64),
-                           is_prefill=is_prefill, max_position=max(context) - 1,
-                           num_context_tokens=sum(context))
+            return torch.from_numpy(values).to(device=self.device, dtype=dtype, non_blocking=True)
+        return StepContext(input_ids=torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True),
+                           positions=tensor(positions, torch.int64), slot_mapping=tensor(slots, torch.int64),
+                           cu_seqlens_q=tensor(cu, torch.int32), context_lens=tensor(context, torch.int32),
+                           block_table=tensor(table, torch.int32),
+                           logit_rows=None if rows is None else tensor(rows, torch.int64),
+                           is_prefill=is_prefill, max_position=int(context.max()) - 1,
+                           num_context_tokens=int(context.sum()))
 
     def run(self, ctx: StepContext) -> torch.Tensor:
         """Logits [R, V] float32 at ctx.logit_rows (every row when None; a padded decode step's real rows)."""
@@ -191,49 +270,53 @@ class ModelRunner:
         """Each row's next token and its log-probability under the raw logits (before any filter or mask).
 
         logits [R, V] float32; params[r] the row's request settings; token_ids[r] its prompt + generated
-        tokens (the repetition penalty's "seen" set; its length numbers the row's random draws);
-        mask_eos[r]: row r may not sample an EOS id (eos_token_ids) this step (min_tokens not reached).
-        All rows are sampled at once (`sample_logits`). A row whose logits hold NaN or inf anywhere gets
-        token and logprob None: its distribution is meaningless. The tokens, their log-probabilities and
-        those flags come back to the host in one transfer."""
+        tokens (the repetition penalty's "seen" set, kept in `self.seen` across steps; its length numbers
+        the row's random draws); mask_eos[r]: row r may not sample an EOS id (eos_token_ids) this step
+        (min_tokens not reached). All rows are sampled at once (`sample_logits`). A row whose logits hold
+        NaN or inf anywhere gets token and logprob None: its distribution is meaningless. The tokens,
+        their log-probabilities and those flags come back to the host in one transfer. Call release()
+        when a request finishes."""
         R, V = logits.shape
         device = logits.device
-        configs = [p.config for p in params]
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
         masked = logits
         eos = sorted(t for t in eos_token_ids if 0 <= t < V)
-        if mask_eos is not None and any(mask_eos) and eos:
+        if mask_eos is not None and eos and any(mask_eos):
             rows = [r for r, m in enumerate(mask_eos) if m]
             masked = logits.index_put((tensor(rows, torch.int64)[:, None], tensor(eos, torch.int64)[None, :]),
                                       torch.tensor(float("-inf"), device=device))
         penalty = seen = noise = temperature = top_k = top_p = min_p = None
-        if any(c.repetition_penalty != 1.0 for c in configs):
-            penalty = tensor([c.repetition_penalty for c in configs], torch.float32)
-            rows = [r for r, ids in enumerate(token_ids) for _ in ids]
-            seen = torch.zeros(R, V, dtype=torch.bool, device=device)
-            seen[tensor(rows, torch.int64), tensor([t for ids in token_ids for t in ids], torch.int64)] = True
-        sampled = [c.temperature > 0 for c in configs]
-        if any(sampled):  # all-greedy steps need none of this: argmax
-            seeds = [p.seed % 2 ** 64 for p in params]
-            noise = sampling_noise(tensor([[s & MASK32 for s in seeds], [s >> 32 for s in seeds]], torch.int64),
+        if any(p.penalized for p in params):
+            if self.seen is None or self.seen.mask.shape[1] != V:
+                self.seen = SeenTokens(V, device)
+            penalty = tensor([p.config.repetition_penalty for p in params], torch.float32)
+            seen = self.seen.gather(params, token_ids)
+        if any(p.sampled for p in params):  # all-greedy steps need none of this: argmax
+            configs = [p.config for p in params]
+            noise = sampling_noise(tensor(list(zip(*(p.seed_halves for p in params))), torch.int64),
                                    tensor([len(ids) for ids in token_ids], torch.int64), V)
             temperature = tensor([c.temperature for c in configs], torch.float32)
             top_k = tensor([c.top_k or 0 for c in configs], torch.int64)
             top_p = tensor([c.top_p for c in configs], torch.float32)
-            if any(s and c.min_p > 0 for s, c in zip(sampled, configs)):
+            if any(p.uses_min_p for p in params):
                 min_p = tensor([c.min_p for c in configs], torch.float32)
-        filters = any(s and (c.top_k or c.top_p < 1.0) for s, c in zip(sampled, configs))
+        filters = any(p.filtered for p in params)
         tokens = sample_logits(masked, temperature, top_k, top_p, penalty, seen, noise, filters, min_p)
         # -1 marks a row with non-finite logits; set before the broadcast so every rank agrees on it
         tokens = torch.where(torch.isfinite(logits).all(-1), tokens, -1)
         if self.world > 1:
             tokens = broadcast_from_rank0(tokens)
-        logprobs = logits.log_softmax(-1).gather(1, tokens.clamp(min=0)[:, None])[:, 0]
+        logprobs = logits.gather(1, tokens.clamp(min=0)[:, None])[:, 0] - logits.logsumexp(-1)
         picked = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one device read
         return ([int(t) if t >= 0 else None for t in picked[0]],
                 [lp if t >= 0 else None for t, lp in zip(*picked)])
+
+    def release(self, params: SamplingParams) -> None:
+        """A request finished: drop what the runner keeps for it (its SeenTokens row)."""
+        if self.seen is not None:
+            self.seen.release(params)
 
 
 def prefill_logits(model, token_ids: list[int], block_size: int = 16, last_only: bool = False) -> torch.Tensor:

@@ -1,18 +1,20 @@
 """Which sequences run in the next step: admission, chunked prefill, decode, preemption. No torch.
 
-Each step is either all prefill or all decode, never mixed. Prefill goes first, but never starves
-decode: a running sequence ready to decode advances at least once every DECODE_EVERY (4) steps,
-whatever arrives. After DECODE_EVERY - 1 prefill steps in a row during which some running sequence
-was ready to decode, the next step is a decode step (of every ready sequence).
-- prefill: sequences still prefilling (a long prompt split into chunks) continue, oldest first,
-  then waiting sequences are admitted in arrival order while `max_num_seqs`, the
-  `max_num_batched_tokens` budget and the free blocks allow. A sequence computes
-  `token_ids[num_computed_tokens : num_computed_tokens + n]`; n is cut to the budget left, so a
-  prompt longer than the budget is prefilled over several steps.
-- decode: otherwise every running sequence ready to decode computes its one last token. If one needs a new block
-  and none is free, the newest running sequence is preempted: its blocks are freed and it goes
-  back to the front of the waiting queue; it later resumes by prefilling everything again
-  (its own freed blocks are often still prefix-cached), which yields the same tokens.
+One step holds every running sequence's next tokens within one budget of `max_num_batched_tokens`,
+as vLLM's scheduler does, so arrivals never stall running requests:
+1. decode first: every running sequence ready to decode computes its one last token (they always
+   fit: max_num_seqs <= max_num_batched_tokens). If one needs a new block and none is free, the
+   newest running sequence is preempted: its blocks are freed and it goes back to the front of the
+   waiting queue; it later resumes by prefilling everything again (its own freed blocks are often
+   still prefix-cached), which yields the same tokens.
+2. then running sequences still prefilling (a long prompt split into chunks) continue, oldest first,
+3. then waiting sequences are admitted in arrival order while `max_num_seqs`, the budget left and
+   the free blocks allow (none in a step that preempted: the blocks just freed are for decoding).
+A sequence computes `token_ids[num_computed_tokens : num_computed_tokens + n]`; n is cut to the
+budget left, so a prompt longer than the budget is prefilled over several steps. A step whose
+sequences all decode is a decode step (`is_prefill` False: one query each, the static CUDA-graph
+path); any other step, mixed ones included, runs the varlen prefill attention, where a decoding
+sequence is a query of length 1 after its cached context.
 
 A sequence is ready to decode when exactly its last token lacks KV (num_computed == num_tokens - 1);
 after a step the token sampled from the logits at its last token is appended.
@@ -25,9 +27,6 @@ from dataclasses import dataclass
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.sequence import Sequence, SequenceStatus
 
-DECODE_EVERY = 4  # a sequence ready to decode waits at most DECODE_EVERY - 1 prefill steps (see above)
-
-
 def _ready_to_decode(seq: Sequence) -> bool:
     return seq.num_computed_tokens == seq.num_tokens - 1
 
@@ -35,7 +34,8 @@ def _ready_to_decode(seq: Sequence) -> bool:
 @dataclass(frozen=True)
 class ScheduledStep:
     """One model step. Sequence i computes token_ids[c : c + num_new_tokens[i]] with c its
-    num_computed_tokens (read before `postprocess`); it samples when c + n == num_tokens."""
+    num_computed_tokens (read before `postprocess`); it samples when c + n == num_tokens. Decoding
+    sequences come first, then prefill chunks. is_prefill: not every sequence decodes (see above)."""
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
@@ -61,7 +61,6 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}  # unfinished sequences by id
         self.num_preemptions = 0
         self._arrivals = 0
-        self._prefills_while_ready = 0  # prefill steps in a row while some running sequence could decode
 
     @property
     def num_running(self) -> int:
@@ -100,13 +99,8 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None when nothing is left to run."""
         while self.has_unfinished():
-            ready = any(_ready_to_decode(seq) for seq in self.running)
-            if ready and self._prefills_while_ready >= DECODE_EVERY - 1:
-                step = self._schedule_decode() or self._schedule_prefill()
-            else:
-                step = self._schedule_prefill() or self._schedule_decode()
+            step = self._schedule_step()
             if step is not None:
-                self._prefills_while_ready = self._prefills_while_ready + 1 if step.is_prefill and ready else 0
                 return step
             if not self.running and self.waiting and not self._can_admit(self.waiting[0]):
                 raise RuntimeError(f"scheduler stalled: nothing running and {self.waiting[0]} cannot be "
@@ -126,13 +120,16 @@ class Scheduler:
                 raise ValueError(f"postprocess: {seq} {'needs' if reached_end else 'must not get'} a "
                                  f"sampled token after computing {n} tokens, got {token}.")
         finished = []
+        bm, block_size = self.block_manager, self.block_manager.block_size
         for seq, n, token in zip(step.seqs, step.num_new_tokens, sampled):
             if seq.is_finished:
                 continue
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             if token is not None:
                 seq.append_token(token)
-            self.block_manager.mark_computed(seq)
+            if (before + n) // block_size != before // block_size:  # a block became full
+                bm.mark_computed(seq)
             if seq.num_generated >= seq.max_new_tokens:
                 self.finish(seq)
                 finished.append(seq)
@@ -160,40 +157,50 @@ class Scheduler:
     def _can_admit(self, seq: Sequence) -> bool:
         return len(self.running) < self.max_num_seqs and self.block_manager.can_allocate(seq)
 
-    def _schedule_prefill(self) -> ScheduledStep | None:
-        seqs, counts = [], []
-        budget = self.max_num_batched_tokens
-        for seq in self.running:     # unfinished chunked prefills first
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            if remaining > 1 and budget > 0:
-                seqs.append(seq)
-                counts.append(min(remaining, budget))
-                budget -= counts[-1]
-        while self.waiting and budget > 0 and self._can_admit(self.waiting[0]):
+    def _schedule_step(self) -> ScheduledStep | None:
+        """Decodes, then prefill chunks, then admissions, in one budget (see the module docstring)."""
+        bm, block_size = self.block_manager, self.block_manager.block_size
+        seqs: list[Sequence] = []
+        chunks: list[Sequence] = []
+        preempted = False
+        for seq in list(self.running):  # victims come from the end: never one already scheduled
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted in this loop
+            if seq.num_computed_tokens != seq.num_tokens - 1:
+                chunks.append(seq)  # still prefilling: after every decode
+                continue
+            if seq.num_tokens > len(seq.block_table) * block_size:  # its last token starts a new block
+                while not bm.can_append(seq):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                else:
+                    bm.append_slot(seq)
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+            seqs.append(seq)
+        is_prefill = False
+        counts = [1] * len(seqs)
+        budget = self.max_num_batched_tokens - len(seqs)
+        for seq in chunks:
+            if budget == 0:
+                break
+            seqs.append(seq)
+            counts.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
+            budget -= counts[-1]
+            is_prefill = True
+        while not preempted and self.waiting and budget > 0 and self._can_admit(self.waiting[0]):
             seq = self.waiting.popleft()
-            self.block_manager.allocate(seq)
+            bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
             counts.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
             budget -= counts[-1]
-        return ScheduledStep(seqs, counts, is_prefill=True) if seqs else None
-
-    def _schedule_decode(self) -> ScheduledStep | None:
-        bm = self.block_manager
-        seqs = []
-        for seq in list(self.running):  # victims come from the end: never one already scheduled
-            if seq.status is not SequenceStatus.RUNNING or not _ready_to_decode(seq):
-                continue  # preempted in this loop, or still prefilling (a decode step forced by DECODE_EVERY)
-            while not bm.can_append(seq):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                bm.append_slot(seq)
-                seqs.append(seq)
-        return ScheduledStep(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
+            is_prefill = is_prefill or counts[-1] != 1 or seq.num_computed_tokens != seq.num_tokens - 1
+        return ScheduledStep(seqs, counts, is_prefill) if seqs else None
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and queue it first; it resumes by recomputing its KV."""
