@@ -31,8 +31,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def device() -> torch.device:
-    """Where kernel tests put their tensors: the GPU when there is one, else the CPU (interpreter)."""
+def device(request) -> torch.device:
+    """Where kernel tests put their tensors: the GPU when there is one, else the CPU (interpreter); `meta`
+    under the fake-GPU plugin (tests/fake_gpu.py)."""
+    fake_gpu = request.config.pluginmanager.get_plugin("fake_gpu")
+    if fake_gpu is not None:
+        return fake_gpu.DEVICE
     return torch.device("cuda" if CUDA and not INTERPRETER else "cpu")
 
 
