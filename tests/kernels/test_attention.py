@@ -6,6 +6,7 @@ code we did not write. Shapes are small (few heads) but odd: lengths {1, 7, 33} 
 {1, 65, 300} cover partial blocks, one-token sequences and empty decode splits.
 """
 import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
@@ -380,8 +381,8 @@ def paged_context(ctx_lens, h_kv, d_qk, d_v, page_size, dtype, generator, mla=Fa
 
 
 def packed_queries(q_lens, h, d_qk, dtype, generator):
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    return randn(int(cu[-1]), h, d_qk, generator=generator).to(dtype), cu
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    return randn(sum(q_lens), h, d_qk, generator=generator).to(dtype), cu
 
 
 # (Dqk, Dv, H, Hkv, page_size, dtype): head dims 64 / 128 / DeepSeek 192-128 / MLA latent 576-512,
