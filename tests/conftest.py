@@ -6,6 +6,8 @@ interpreter: TRITON_INTERPRET must be set before triton is first imported, so th
 (`import torch` does not import triton). Markers (pyproject): `gpu` tests need CUDA and are skipped
 without it; `interpreter` tests exercise the interpreter path itself (CPU tensors through the
 Triton kernels, `tune --dry-run` in process) and are skipped where kernels run natively.
+`-p fake_gpu` (tests/fake_gpu.py, on PYTHONPATH=tests) makes the `device` fixture `meta` instead: the kernel
+tests as on a GPU, without one (tests/test_fake_gpu.py runs them so in CI).
 """
 import os
 
