@@ -6,6 +6,8 @@ interpreter: TRITON_INTERPRET must be set before triton is first imported, so th
 (`import torch` does not import triton). Markers (pyproject): `gpu` tests need CUDA and are skipped
 without it; `interpreter` tests exercise the interpreter path itself (CPU tensors through the
 Triton kernels, `tune --dry-run` in process) and are skipped where kernels run natively.
+`-p fake_gpu` (tests/fake_gpu.py, on PYTHONPATH=tests) makes the `device` fixture `meta` instead: the kernel
+tests as on a GPU, without one (tests/test_fake_gpu.py runs them so in CI).
 """
 import os
 
@@ -31,8 +33,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def device() -> torch.device:
-    """Where kernel tests put their tensors: the GPU when there is one, else the CPU (interpreter)."""
+def device(request) -> torch.device:
+    """Where kernel tests put their tensors: the GPU when there is one, else the CPU (interpreter); `meta`
+    under the fake-GPU plugin (tests/fake_gpu.py)."""
+    fake_gpu = request.config.pluginmanager.get_plugin("fake_gpu")
+    if fake_gpu is not None:
+        return fake_gpu.DEVICE
     return torch.device("cuda" if CUDA and not INTERPRETER else "cpu")
 
 

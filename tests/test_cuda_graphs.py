@@ -9,6 +9,7 @@ GPU (`pytest -m gpu`, skipped without CUDA): for each model kind, 64 decode step
 graphs equal the eager steps bit for bit, with no host sync inside a replayed step.
 """
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -342,6 +343,8 @@ def test_graph_replay_equals_eager_bit_for_bit_without_host_sync(kind, tmp_path_
             replayed = runner.run(ctx)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        # NaN != NaN: a non-finite logit (fp16 overflow of the random model) must show as what it is
+        assert torch.isfinite(eager).all() and torch.isfinite(replayed).all(), f"{kind}: step {step} not finite"
         assert torch.equal(replayed, eager), f"{kind}: step {step} differs"
         for seq in seqs:
             seq.num_computed_tokens += 1
@@ -363,6 +366,8 @@ def test_load_captures_graphs_by_default_and_generate_matches_eager(llama_folder
     graphed = model.generate(prompts, max_new_tokens=40, return_dict=True)
     runner.replay_graphs = False
     eager = model.generate(prompts, max_new_tokens=40, return_dict=True)
+    for run in (graphed, eager):  # NaN != NaN: a non-finite log-probability must show as what it is
+        assert all(math.isfinite(p) for row in run.logprobs for p in row), run.logprobs
     assert graphed.token_ids == eager.token_ids and graphed.logprobs == eager.logprobs
 
 

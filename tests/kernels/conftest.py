@@ -1,8 +1,15 @@
 """Kernel tests: every test here is marked `kernels` and creates its tensors on the `device` fixture's
 device (torch's default device for the test): the GPU when there is one, so the Triton kernels run
-natively, else the CPU, where they run in Triton's interpreter. test_cpu_lowbit.py and test_cpu_attention.py
-test the CPU backend and stay on the CPU; the model tests place their tensors themselves (the models take a
-device)."""
+natively, else the CPU, where they run in Triton's interpreter (or `meta` under tests/fake_gpu.py, which
+CI runs). test_cpu_lowbit.py and test_cpu_attention.py test the CPU backend and stay on the CPU; the model
+tests place their tensors themselves (the models take a device).
+
+So a test must work on any device: a seeded CPU `torch.Generator` draws on the CPU and the result is
+moved (a CPU generator cannot fill a CUDA tensor); data read on the host (numpy, `.tolist()`) is made
+on the CPU or copied there; weights and tables are made on the test's device, and expected messages
+name it. A check of values that is `torch._assert_async` on a GPU (attention's lengths and slots) is
+tested on explicit CPU tensors only: on CUDA it raises nothing and a failing one poisons the process.
+"""
 import pytest
 import torch
 

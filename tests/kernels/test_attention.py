@@ -6,6 +6,7 @@ code we did not write. Shapes are small (few heads) but odd: lengths {1, 7, 33} 
 {1, 65, 300} cover partial blocks, one-token sequences and empty decode splits.
 """
 import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,16 @@ def sdpa(q, k, v, scale, causal):
     return out.transpose(0, 1)
 
 
+def randn(*shape, generator: torch.Generator) -> torch.Tensor:
+    """Seeded N(0, 1) float32 on the test's device, drawn on the CPU: a CPU generator cannot fill a CUDA tensor."""
+    return torch.randn(*shape, generator=generator, device="cpu").to(torch.get_default_device())
+
+
+def randperm(n: int, generator: torch.Generator) -> torch.Tensor:
+    """A seeded permutation of 0 .. n - 1 on the test's device, drawn on the CPU (see randn)."""
+    return torch.randperm(n, generator=generator, device="cpu").to(torch.get_default_device())
+
+
 def lens(values):
     return torch.tensor(values, dtype=torch.int32)
 
@@ -70,9 +81,9 @@ def test_prompt_prefill_matches_sdpa_per_sequence(d_qk, d_v, h, h_kv, dtype):
     """Whole prompts (no cached prefix) over shuffled pages with garbage between them."""
     g = torch.Generator().manual_seed(0)
     B, S = len(SEQ_LENS), max(SEQ_LENS)
-    q = torch.randn(B, S, h, d_qk, generator=g).to(dtype)
-    k = torch.randn(B, S, h_kv, d_qk, generator=g).to(dtype)
-    v = torch.randn(B, S, h_kv, d_v, generator=g).to(dtype)
+    q = randn(B, S, h, d_qk, generator=g).to(dtype)
+    k = randn(B, S, h_kv, d_qk, generator=g).to(dtype)
+    v = randn(B, S, h_kv, d_v, generator=g).to(dtype)
     scale = 0.7 / d_qk ** 0.5  # not the default, so a dropped scale would show
     args = paged_prompts(q, k, v, SEQ_LENS, 16, num_pages=12, generator=g)
     out = paged_prefill_attention(*args, scale)
@@ -93,9 +104,9 @@ def test_decode_matches_sdpa_over_each_sequence(d_qk, d_v, h, h_kv, page_size):
     """Pages in shuffled order with garbage in unused pages: only the block table locates a sequence."""
     g = torch.Generator().manual_seed(1)
     B, dtype = len(CACHE_LENS), torch.float16
-    q = torch.randn(B, h, d_qk, generator=g).to(dtype)
-    k = torch.randn(B, S_MAX, h_kv, d_qk, generator=g).to(dtype)
-    v = torch.randn(B, S_MAX, h_kv, d_v, generator=g).to(dtype)
+    q = randn(B, h, d_qk, generator=g).to(dtype)
+    k = randn(B, S_MAX, h_kv, d_qk, generator=g).to(dtype)
+    v = randn(B, S_MAX, h_kv, d_v, generator=g).to(dtype)
     k_pages, v_pages, table = paged_cache(k, v, page_size, 80, g)
     scale = 1.3 / d_qk ** 0.5
     out = decode_attention(q, k_pages, v_pages, lens(CACHE_LENS), table, scale)
@@ -152,7 +163,7 @@ def test_prefill_then_decode_through_cache_equals_longer_prefill():
 def test_paged_write_lands_in_the_table_pages_and_nowhere_else():
     page_size, B, S, h_kv, d_qk, d_v = 16, 3, 20, 2, 24, 40  # 20 tokens straddle a page boundary
     g = torch.Generator().manual_seed(2)
-    table = torch.randperm(12, generator=g)[:9].view(B, 3).to(torch.int32)
+    table = randperm(12, generator=g)[:9].view(B, 3).to(torch.int32)
     k_pages, v_pages = torch.randn(12, page_size, h_kv, d_qk), torch.randn(12, page_size, h_kv, d_v)
     k, v = torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
     start = [0, 9, 28]
@@ -176,7 +187,7 @@ def test_bad_inputs_raise_clear_errors():
         decode_attention(q[:1, :2], pages, pages, torch.tensor([4]), table, 0.25)
     with pytest.raises(ValueError, match="same dtype|one dtype"):
         decode_attention(q[:1, :2].half(), pages, pages, lens([4]), table, 0.25)
-    with pytest.raises(ValueError, match="block_table must be an int32 tensor \\[1, max_pages\\] on cpu; got None"):
+    with pytest.raises(ValueError, match=f"block_table must be an int32 tensor \\[1, max_pages\\] on {q.device}; got None"):
         decode_attention(q[:1, :2], pages, pages, lens([4]), None, 0.25)
 
 
@@ -285,8 +296,8 @@ def test_decode_explicit_config_is_launched_and_matches_reference(monkeypatch, p
     from tritonq.kernels import attention
     g = torch.Generator().manual_seed(3)
     B, h, h_kv, d_qk, d_v = len(CACHE_LENS), 8, 2, 72, 40
-    q = torch.randn(B, h, d_qk, generator=g)
-    k, v = torch.randn(B, S_MAX, h_kv, d_qk, generator=g), torch.randn(B, S_MAX, h_kv, d_v, generator=g)
+    q = randn(B, h, d_qk, generator=g)
+    k, v = randn(B, S_MAX, h_kv, d_qk, generator=g), randn(B, S_MAX, h_kv, d_v, generator=g)
     k, v, table = paged_cache(k, v, page_size, 80, g)
     spy = LaunchSpy(attention._decode_split_kernel)
     monkeypatch.setattr(attention, "_decode_split_kernel", spy)
@@ -346,15 +357,15 @@ def paged_context(ctx_lens, h_kv, d_qk, d_v, page_size, dtype, generator, mla=Fa
     per_seq = [-(-n // page_size) for n in ctx_lens]
     max_pages = max(per_seq) + 1  # a spare column: the table is wider than any sequence needs
     num_pages = sum(per_seq) + 5
-    order = torch.randperm(num_pages, generator=generator).tolist()
+    order = torch.randperm(num_pages, generator=generator, device="cpu").tolist()
     table = torch.full((B, max_pages), -1, dtype=torch.int32)  # -1: unused entries, as the engine pads
     k_pages = torch.full((num_pages, page_size, h_kv, d_qk), float("nan")).to(dtype)
     v_pages = k_pages[..., :d_v] if mla else torch.full((num_pages, page_size, h_kv, d_v), float("nan")).to(dtype)
     ks, vs = [], []
     for b, n in enumerate(ctx_lens):
         table[b, :per_seq[b]] = torch.tensor([order.pop() for _ in range(per_seq[b])], dtype=torch.int32)
-        k = torch.randn(n, h_kv, d_qk, generator=generator).to(dtype)
-        v = k[..., :d_v] if mla else torch.randn(n, h_kv, d_v, generator=generator).to(dtype)
+        k = randn(n, h_kv, d_qk, generator=generator).to(dtype)
+        v = k[..., :d_v] if mla else randn(n, h_kv, d_v, generator=generator).to(dtype)
         pos = torch.arange(n)
         pages, rows = table[b].long()[pos // page_size], pos % page_size
         k_pages[pages, rows] = k
@@ -370,8 +381,8 @@ def paged_context(ctx_lens, h_kv, d_qk, d_v, page_size, dtype, generator, mla=Fa
 
 
 def packed_queries(q_lens, h, d_qk, dtype, generator):
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    return torch.randn(int(cu[-1]), h, d_qk, generator=generator).to(dtype), cu
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    return randn(sum(q_lens), h, d_qk, generator=generator).to(dtype), cu
 
 
 # (Dqk, Dv, H, Hkv, page_size, dtype): head dims 64 / 128 / DeepSeek 192-128 / MLA latent 576-512,
@@ -429,7 +440,7 @@ def test_decode_sliding_window_matches_sdpa_over_the_last_keys(page_size, window
     """The query at position n - 1 sees keys n - window .. n - 1; older pages (NaN here) are not loaded."""
     g = torch.Generator().manual_seed(6)
     h, h_kv, d_qk, d_v, dtype = 8, 2, 96, 64, torch.float16
-    q = torch.randn(len(CACHE_LENS), h, d_qk, generator=g).to(dtype)
+    q = randn(len(CACHE_LENS), h, d_qk, generator=g).to(dtype)
     skip = [max(n - window, 0) for n in CACHE_LENS]
     ks, vs, k_pages, v_pages, table = paged_context(CACHE_LENS, h_kv, d_qk, d_v, page_size, dtype, g,
                                                     nan_before=skip)
@@ -446,10 +457,10 @@ def test_decode_sliding_window_matches_sdpa_over_the_last_keys(page_size, window
 def test_write_kv_slots_skips_negative_slots_and_writes_the_mla_latent_view():
     g = torch.Generator().manual_seed(7)
     page_size, h_kv, d_qk, d_v = 16, 2, 24, 40
-    k_pages = torch.randn(6, page_size, h_kv, d_qk, generator=g)
-    v_pages = torch.randn(6, page_size, h_kv, d_v, generator=g)
+    k_pages = randn(6, page_size, h_kv, d_qk, generator=g)
+    v_pages = randn(6, page_size, h_kv, d_v, generator=g)
     slots = torch.tensor([37, -1, 0, 95, -1, 16], dtype=torch.int64)  # pages 2, 0, 5, 1; two padding rows
-    k, v = torch.randn(6, h_kv, d_qk, generator=g), torch.randn(6, h_kv, d_v, generator=g)
+    k, v = randn(6, h_kv, d_qk, generator=g), randn(6, h_kv, d_v, generator=g)
     before_k, before_v = k_pages.clone(), v_pages.clone()
     ref_k, ref_v = k_pages.clone(), v_pages.clone()
     write_kv_slots(k_pages, v_pages, k, v, slots)
@@ -463,7 +474,7 @@ def test_write_kv_slots_skips_negative_slots_and_writes_the_mla_latent_view():
     assert torch.equal(k_pages, expected_k) and torch.equal(v_pages, expected_v)
     # MLA: one latent cache [P, 16, 1, 576] and v = its first 512 lanes, a strided view.
     latent = torch.zeros(3, page_size, 1, 576)
-    x = torch.randn(3, 1, 576, generator=g)
+    x = randn(3, 1, 576, generator=g)
     write_kv_slots(latent, latent[..., :512], x, x[..., :512], torch.tensor([5, -1, 40], dtype=torch.int64))
     assert torch.equal(latent[0, 5], x[0]) and torch.equal(latent[2, 8], x[2])
     assert latent.count_nonzero() == 2 * 576
@@ -500,26 +511,37 @@ def test_decode_launch_config_is_the_same_for_every_cache_length(monkeypatch, pa
 
 
 def test_engine_kernels_reject_bad_inputs():
+    """Checks of shapes, dtypes and arguments: host checks on every device."""
     q, pages = torch.randn(5, 4, 16), torch.randn(4, 16, 2, 16)
     table, cu = torch.zeros(2, 2, dtype=torch.int32), lens([0, 3, 5])
     with pytest.raises(ValueError, match="cu_seqlens_q must be an int32 tensor of shape \\[3\\]"):
         paged_prefill_attention(q, pages, pages, cu.long(), lens([3, 2]), table, 0.1)
-    with pytest.raises(ValueError, match="q_len_b <= context_lens\\[b\\] <= block_table width x page_size = 32"):
-        paged_prefill_attention(q, pages, pages, cu, lens([2, 2]), table, 0.1)  # 3 new tokens, context 2
-    with pytest.raises(ValueError, match="got cu_seqlens_q \\[0, 3, 4\\]"):
-        paged_prefill_attention(q, pages, pages, lens([0, 3, 4]), lens([3, 2]), table, 0.1)  # T is 5
-    with pytest.raises(ValueError, match="context_lens \\[3, 33\\]"):
-        paged_prefill_attention(q, pages, pages, cu, lens([3, 33]), table, 0.1)  # past the table's 2 pages
     with pytest.raises(ValueError, match="window = -1"):
         paged_prefill_attention(q, pages, pages, cu, lens([3, 2]), table, 0.1, window=-1)
     with pytest.raises(ValueError, match="page_size .* = 12"):
         paged_prefill_attention(q, pages[:, :12], pages[:, :12], cu, lens([3, 2]), table, 0.1)
     with pytest.raises(ValueError, match="slot_mapping must be an int64"):
         write_kv_slots(pages, pages, q[:, :2], q[:, :2], torch.zeros(5, dtype=torch.int32))
-    with pytest.raises(ValueError, match="< num_blocks x block_size = 64"):
-        write_kv_slots(pages, pages, q[:, :2], q[:, :2], torch.tensor([0, 1, 2, 3, 64]))
     with pytest.raises(ValueError, match="max_seq_len = 0"):
         decode_attention(q[:2], pages, pages, lens([3, 2]), table, 0.1, max_seq_len=0)
+
+
+def test_engine_kernels_reject_bad_lengths_and_slots_on_cpu_tensors():
+    """Checks of values (lengths, slots): host checks for CPU tensors. On a GPU they are torch._assert_async, a
+    device-side assert that raises nothing here and fails every later CUDA call of the process, so these cases
+    run on explicit CPU tensors only (tests/fake_gpu.py reports a test that expects an exception after one)."""
+    with torch.device("cpu"):  # not the test's device (see the docstring)
+        q, pages = torch.randn(5, 4, 16), torch.randn(4, 16, 2, 16)
+        table, cu = torch.zeros(2, 2, dtype=torch.int32), lens([0, 3, 5])
+        with pytest.raises(ValueError, match="q_len_b <= context_lens\\[b\\] <= block_table width x page_size = 32"):
+            paged_prefill_attention(q, pages, pages, cu, lens([2, 2]), table, 0.1)  # 3 new tokens, context 2
+        with pytest.raises(ValueError, match="got cu_seqlens_q \\[0, 3, 4\\]"):
+            paged_prefill_attention(q, pages, pages, lens([0, 3, 4]), lens([3, 2]), table, 0.1)  # T is 5
+        with pytest.raises(ValueError, match="context_lens \\[3, 33\\]"):
+            paged_prefill_attention(q, pages, pages, cu, lens([3, 33]), table, 0.1)  # past the table's 2 pages
+        with pytest.raises(ValueError, match="< num_blocks x block_size = 64"):
+            write_kv_slots(pages, pages, q[:, :2], q[:, :2], torch.tensor([0, 1, 2, 3, 64]))
+    assert q.device.type == "cpu"
 
 
 @pytest.mark.parametrize("window", [0, 40])

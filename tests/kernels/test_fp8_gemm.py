@@ -42,8 +42,9 @@ N, K = 200, 300  # neither a multiple of the 128 x 128 scale block nor of the ke
 
 
 def make_weight(scheme: str, n: int = N, k: int = K, bias: bool = False) -> FP8Weight:
-    """Random e4m3 weight with random positive scales of the given granularity, and a bf16 bias."""
-    w = random_fp8_weight(n, k, scheme, "cpu")
+    """Random e4m3 weight with random positive scales of the given granularity, and a bf16 bias, on the test's
+    device."""
+    w = random_fp8_weight(n, k, scheme, torch.get_default_device())
     return replace(w, bias=torch.randn(n, dtype=torch.bfloat16)) if bias else w
 
 

@@ -54,7 +54,9 @@ def test_rope_tables_match_transformers(kind):
     if kind == "default":
         inv_freq, factor = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim), 1.0
     else:
-        inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=positions)
+        with torch.device("cpu"):  # the reference, on the host
+            inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=positions)
+    inv_freq = inv_freq.to(torch.get_default_device())  # our tables are made on the test's device
     angles = torch.outer(torch.arange(positions).float(), inv_freq)
     angles = torch.cat([angles, angles], -1)
     cos, sin = rope_cos_sin(head_dim, 500000.0, positions, scaling, 64)

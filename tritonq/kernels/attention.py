@@ -594,7 +594,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
                   & (context_lens >= q_lens).all() & (context_lens <= capacity).all())
     expected = (f"paged_prefill_attention: expected cu_seqlens_q rising from 0 to T = {q.shape[0]} and "
                 f"q_len_b <= context_lens[b] <= block_table width x page_size = {capacity}")
-    if q.is_cuda:  # checked on the device: a host check would sync the GPU in every layer
+    if q.device.type != "cpu":  # checked on the device: a host check would sync the GPU in every layer
         torch._assert_async(consistent, expected)
     elif not bool(consistent):
         raise ValueError(f"{expected}; got cu_seqlens_q {cu_seqlens_q.tolist()}, context_lens "
@@ -754,10 +754,11 @@ def paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int, num_pages: int
     if num_pages < B * per_seq:
         raise ValueError(f"paged_cache: {B} sequences of {S} tokens need {B * per_seq} pages of {page_size}, "
                          f"got num_pages = {num_pages}")
-    table = torch.randperm(num_pages, generator=generator)[:B * per_seq].view(B, per_seq).to(torch.int32)
+    made_on = generator.device if generator is not None else k.device  # a generator draws on its own device
+    table = torch.randperm(num_pages, generator=generator, device=made_on)[:B * per_seq].view(B, per_seq)
+    table = table.to(torch.int32)
     pages = []
     for x in (k, v):
-        made_on = "cpu" if generator is not None else x.device  # a CPU generator draws on the CPU
         pool = torch.randn(num_pages, page_size, *x.shape[2:], generator=generator, device=made_on)
         pool = pool.to(x.device, x.dtype)
         padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, per_seq * page_size - S))
