@@ -489,15 +489,17 @@ class RecordingSpy:
         return lambda *args, **kwargs: self.launches.append((tuple(grid), _constexpr_kwargs(kwargs)))
 
 
-@pytest.mark.parametrize("page_size,window", [(16, 0), (16, 40), (64, 0)])
+@pytest.mark.parametrize("page_size,window", [(16, 0), (16, 160), (64, 0)])
 def test_decode_launch_config_is_the_same_for_every_cache_length(monkeypatch, page_size, window):
     """#18: NUM_SPLITS, blocks and grid follow capacity, not cache_lens, so a growing sequence never
-    recompiles; with max_seq_len they also ignore the block table's width (the engine's may grow)."""
+    recompiles; with max_seq_len they also ignore the block table's width (the engine's may grow).
+    The keys a query sees (capacity, or the window) exceed 128 = 4 tiles of 32 keys, the fewest a split
+    takes on a GPU, so there are several splits on every device (the interpreter's tiles are 16 keys)."""
     from tritonq.kernels import attention
     split, merge = RecordingSpy(), RecordingSpy()
     monkeypatch.setattr(attention, "_decode_split_kernel", split)
     monkeypatch.setattr(attention, "_decode_merge_kernel", merge)
-    max_seq_len, B, h, h_kv, d = 160, 2, 4, 2, 64
+    max_seq_len, B, h, h_kv, d = 320, 2, 4, 2, 64
     q = torch.randn(B, h, d)
     for n in range(1, max_seq_len + 1):
         width = -(-n // page_size)  # a table just wide enough for the current length

@@ -270,9 +270,10 @@ def _cuda_graphs(args, argv: list[str]) -> None:
           f"captured in {capture_s:.1f} s (checkpoint written in {write_s:.0f} s)")
     print_table(rows)
     if args.out:
+        # layers: the model built (32 without --layers), over args.layers (the CPU run's default 8)
         write_json(args.out, "generate_cuda_graphs", rows, command="python -m tritonq.bench generate " + " ".join(argv),
-                   weight_bytes=weight_bytes, hbm_gbs=gbs, floor_tok_s=floor, capture_s=capture_s, layers=layers,
-                   **vars(args))
+                   **vars(args) | dict(weight_bytes=weight_bytes, hbm_gbs=gbs, floor_tok_s=floor, capture_s=capture_s,
+                                       layers=layers))
 
 
 # format name -> tritonq.quantize.write_quantized arguments (None: the dense checkpoint itself)

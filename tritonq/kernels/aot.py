@@ -30,6 +30,12 @@ class CompileReport:
     registers: int | None
     spills: int | None
     uses_wgmma: bool
+    # Operand types of the tensor-core instructions (mma.sync / wgmma), e.g. ("bf16",); "tf32" means an
+    # fp32 tl.dot runs on 10-bit mantissas. Empty: no tensor cores (an IEEE fp32 dot is FMAs).
+    mma_types: tuple[str, ...] = ()
+    # fp32 division instructions, e.g. ("div.rn.f32",): IEEE round-to-nearest; div.full / div.approx
+    # are approximate (Triton's `/` on fp32 is div.full.f32) and differ from torch in the last bits.
+    fp32_divisions: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -68,9 +74,13 @@ def aot_compile(kernel, signature: dict, constexprs: dict, cc: int, num_warps: i
         registers, spills = n_regs, n_spills
     else:  # metadata is filled on first GPU load; read ptxas' own report from the cubin instead
         registers, spills = _ptxas_usage(ptx, cc)
+    mma = re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)\.\S+", ptx)
     return CompileReport(cc=cc, shared_bytes=int(compiled.metadata.shared),
                          registers=registers, spills=spills,
-                         uses_wgmma=bool(re.search(r"\bwgmma\.", ptx)))
+                         uses_wgmma=bool(re.search(r"\bwgmma\.", ptx)),
+                         mma_types=tuple(sorted({t for instr in mma for t in re.findall(
+                             r"\.(f16|bf16|tf32|e4m3|e5m2|f64|s8|u8|s4|u4)(?=\.|\s|$)", instr)})),
+                         fp32_divisions=tuple(sorted(set(re.findall(r"\bdiv(?:\.[a-z]+)*\.f32\b", ptx)))))
 
 
 def _ptxas_usage(ptx: str, cc: int) -> tuple[int | None, int | None]:

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from tritonq.kernels import cpu_attention, use_cpu_kernels, use_triton
-from tritonq.kernels.common import Launch, check_launch_config, compute_capability, tuned_or_default
+from tritonq.kernels.common import Launch, check_launch_config, compute_capability, ieee_dot, tuned_or_default
 
 LOG2E = 1.4426950408889634
 
@@ -63,18 +63,18 @@ def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs
     gains nothing: its max is taken as 0 for the exponentials, so exp2(-inf) = 0 and no NaN appears.
     """
     k = tl.load(k_rows[None, :] + offs_d[:, None], mask=key_ok[None, :] & (offs_d[:, None] < D_QK), other=0.0)
-    s = tl.dot(q, k)
+    s = ieee_dot(q, k, None)
     if BLOCK_DR > 0:
         k_tail = tl.load(k_rows[None, :] + offs_dr[:, None], mask=key_ok[None, :] & (offs_dr[:, None] < D_QK),
                          other=0.0)
-        s = tl.dot(q_tail, k_tail, s)
+        s = ieee_dot(q_tail, k_tail, s)
     s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=key_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + ieee_dot(p.to(v.dtype), v, None)
     l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
 

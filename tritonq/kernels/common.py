@@ -4,6 +4,8 @@
   dequantize_int_tile  int32 words packed along K -> fp32 (q - zero) * scale tile (int4_gemm, moe)
   e4m3_bits_to_fp16    float8_e4m3fn bytes -> fp16 / 2^8 with integer ops, for GPUs without fp8
                        types (fp8_gemm's weight-only path, moe's fp8 experts)
+  ieee_dot             tl.dot that multiplies fp32 operands in IEEE fp32, not tf32 (attention,
+                       fp8_gemm's weight-only path; int4_gemm and moe upcast via UPCAST_DOT)
 The attention kernels' online-softmax step is `attention._attend_tile`, shared by all three of them.
 
 Launch configs (the one convention): a frozen dataclass per kernel whose tile fields are named as the
@@ -73,6 +75,15 @@ def e4m3_bits_to_fp16(u):
     """
     u = u.to(tl.uint16)
     return (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def ieee_dot(a, b, acc):
+    """tl.dot(a, b, acc); fp32 operands are multiplied in IEEE fp32. Triton's default for them is
+    tf32 on sm_80+ (10-bit mantissas: ~1e-3 relative error), and fp32 is the exact check path."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 def on_gpu(x: torch.Tensor) -> bool:

@@ -12,8 +12,9 @@ Two kernel paths, one @triton.jit kernel:
   fp8 x fp8 (sm_89+): tl.dot on e4m3 operands, fp32 accumulator; block-scaled weights apply
       a_scale * w_scale after every K tile (the tile never straddles a scale block), per-tensor
       and per-channel weights apply them once in the epilogue.
-  weight-only (below sm_89, where Triton has no e4m3): x stays fp16/bf16 and the weight bytes
-      are turned into fp16 with integer ops (exact, see `common.e4m3_bits_to_fp16`), then tl.dot.
+  weight-only (below sm_89, where Triton has no e4m3): x stays fp16/bf16/fp32 and the weight bytes
+      are turned into fp16 with integer ops (exact, see `common.e4m3_bits_to_fp16`), then tl.dot
+      in x.dtype (fp32 in IEEE fp32, `common.ieee_dot`).
 Decode-sized M splits K across programs (SPLIT_K) so that enough programs stream the weight; each
 K slice writes its fp32 partial into its own plane of a [SPLIT_K, M, N] buffer and the launcher
 sums them, as int4_gemm does: deterministic (fp32 atomics add in whatever order the slices finish)
@@ -43,6 +44,7 @@ from tritonq.kernels.common import (
     compute_capability,
     e4m3_bits_to_fp16,
     has_fp8_tensor_cores,
+    ieee_dot,
     tuned_or_default,
 )
 from tritonq.weights import FP8Weight
@@ -165,7 +167,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
         if WEIGHT_ONLY:
             # via fp32: exact, and the interpreter's direct fp16 -> bf16 cast is wrong
             w = e4m3_bits_to_fp16(w).to(tl.float32).to(a.dtype)
-        partial = tl.dot(a, w, out_dtype=tl.float32)
+        partial = ieee_dot(a, w, None)  # fp32 accumulator; fp32 x (weight-only) in IEEE fp32, not tf32
         if SCALE_PER_TILE:  # block scales: BLOCK_K divides W_SCALE_BK and A_GROUP
             w_scale = tl.load(w_scale_ptrs + (k0 // W_SCALE_BK) * stride_wsk, mask=mask_n, other=0.0)
             if WEIGHT_ONLY:
@@ -413,7 +415,10 @@ def quantize_activation_fp8_reference(x: torch.Tensor, group_size: int | None = 
         group = K if group_size is None else group_size
         n_groups = -(-K // group)
         padded = torch.nn.functional.pad(xf, (0, n_groups * group - K)).view(M, n_groups, group)
-        scales = padded.abs().amax(dim=2).clamp(min=SCALE_EPS) / FP8_MAX
+        absmax = padded.abs().amax(dim=2).clamp(min=SCALE_EPS)
+        # By a tensor, not the number: CUDA torch computes `t / number` as t * (1 / number), which
+        # rounds twice; tensor / tensor is IEEE division everywhere, as in the kernel (div_rn).
+        scales = absmax / torch.full_like(absmax, FP8_MAX)
         expanded = scales.repeat_interleave(group, dim=1)[:, :K]
     q = (xf / expanded).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scales

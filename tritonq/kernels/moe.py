@@ -117,29 +117,35 @@ def grouped_topk_reference(router_logits: torch.Tensor, top_k: int, n_group: int
                            scoring: str = "softmax", correction_bias: torch.Tensor | None = None,
                            renormalize: bool = False, routed_scaling_factor: float = 1.0
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same routing written per token with Python sorting (key: score desc, then index asc)."""
+    """The same routing written per token with Python sorting (key: score desc, then index asc).
+
+    Its fp32 arithmetic (scores, bias, renormalization) runs on router_logits' device, as
+    grouped_topk's does, so the two agree bit for bit there; every tensor names that device, never
+    the default one."""
     _check_routing(router_logits, top_k, n_group, topk_group, scoring, correction_bias)
     T, E = router_logits.shape
+    device = router_logits.device
     per_group = E // n_group
     all_weights, all_ids = [], []
     for t in range(T):
         logits = router_logits[t].float()
-        scores = (logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()).tolist()
-        choice = scores if correction_bias is None else (torch.tensor(scores) + correction_bias.float().cpu()).tolist()
+        scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float().to(device)
+        scores, choice = scores.tolist(), choice.tolist()
         group_score = []
         for g in range(n_group):
             members = sorted(choice[g * per_group:(g + 1) * per_group], reverse=True)
             group_score.append(members[0] if correction_bias is None else
-                               float(torch.tensor(members[0], dtype=torch.float32) + members[1]))
+                               float(torch.tensor(members[0], dtype=torch.float32, device=device) + members[1]))
         groups = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
         candidates = [e for e in range(E) if e // per_group in groups]
         ids = sorted(candidates, key=lambda e: (-choice[e], e))[:top_k]
-        w = torch.tensor([scores[e] for e in ids], dtype=torch.float32)
+        w = torch.tensor([scores[e] for e in ids], dtype=torch.float32, device=device)
         if renormalize:
             w = w / (w.sum() + 1e-20)
         all_weights.append(w * routed_scaling_factor)
-        all_ids.append(torch.tensor(ids, dtype=torch.int32))
-    return torch.stack(all_weights).to(router_logits.device), torch.stack(all_ids).to(router_logits.device)
+        all_ids.append(torch.tensor(ids, dtype=torch.int32, device=device))
+    return torch.stack(all_weights), torch.stack(all_ids)
 
 
 # ----------------------------------------------------------------------------------------------
