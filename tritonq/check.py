@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter)"
     command, notes = pytest_args(args, cuda, importlib.util.find_spec("xdist") is not None,
                                  importlib.util.find_spec("pytest_timeout") is not None)
-    print(f"tritonq kernel check on {name}: pytest {' '.join(command[1:])}", *notes, sep="\n", flush=True)
+    print(f"tritonq kernel check on {name}: pytest tests {shlex.join(command[1:])}", *notes, sep="\n", flush=True)
     start = time.perf_counter()
     returncode, counts, log = run_pytest(command, lambda line: print(line, flush=True))
     if returncode not in (0, 1) or not counts["FAIL"] and returncode:  # no test line says why: pytest's own words
