@@ -3,6 +3,9 @@ few int4 cases through the interpreter (or natively on a GPU machine), a throwaw
 failures and time limits (in one process and under pytest-xdist), and the selection it makes on CUDA."""
 import argparse
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -107,6 +110,25 @@ def test_failures_and_time_limits_are_reported_and_the_rest_runs(tmp_path, worke
     assert "FAIL trouble      test_hangs" in text and ("Timeout" in text or "its process died" in text)
     assert "skip trouble      test_skipped" in text and "ok   trouble      test_after" in text
     assert (tmp_path / "junit.xml").read_text().count("<testcase") == 4
+
+
+def test_an_interrupt_as_from_timeout_keeps_what_ran(tmp_path):
+    """`timeout -s INT` (gpu_session.sh's step limit) signals the whole process group: pytest stops, the JUnit XML
+    keeps the tests that ran, and the check relays every line and returns pytest's status (2: interrupted)."""
+    (tmp_path / "test_slow.py").write_text("import time\ndef test_a():\n    pass\ndef test_b():\n    time.sleep(60)\n")
+    driver = ("import sys, tritonq.check as check\n"
+              f"code, counts, _ = check.run_pytest([{str(tmp_path)!r}, '-p', 'no:cacheprovider', "
+              f"'--junitxml={tmp_path / 'junit.xml'}'], lambda line: print(line, flush=True))\n"
+              "print('returned', code, dict(counts), flush=True)\n")
+    child = subprocess.Popen([sys.executable, "-c", driver], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    first = child.stdout.readline()
+    time.sleep(0.5)  # into test_b's sleep
+    os.killpg(child.pid, signal.SIGINT)
+    rest = child.stdout.read()
+    assert child.wait(timeout=30) == 0
+    assert first.startswith("ok   slow         test_a") and "returned 2 {'ok': 1}" in rest, first + rest
+    assert 'name="test_a"' in (tmp_path / "junit.xml").read_text()
 
 
 def options(**kw) -> argparse.Namespace:

@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -126,6 +127,9 @@ def run_pytest(args: list[str], on_line: Callable[[str], None] = print) -> tuple
         child = subprocess.Popen([sys.executable, "-c", boot, str(write_end), *args], cwd=ROOT, stdout=log,
                                  stderr=subprocess.STDOUT, pass_fds=(write_end,))
         os.close(write_end)  # the child holds the only writer: the loop below ends when it exits
+        # Ctrl-C or `timeout -s INT` reaches the child too (one process group): pytest then stops, writes its
+        # JUnit XML and exits; until then keep relaying its lines instead of dying on the KeyboardInterrupt
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             with os.fdopen(read_end, encoding="utf-8", errors="replace") as stream:
                 for line in stream:
@@ -133,14 +137,9 @@ def run_pytest(args: list[str], on_line: Callable[[str], None] = print) -> tuple
                     if word in OUTCOMES:
                         counts[word] += 1
                     on_line(line.rstrip("\n"))
-        except KeyboardInterrupt:  # `timeout -s INT`, Ctrl-C: pytest got it too and writes its reports; wait for it
-            pass
-        while True:
-            try:
-                returncode = child.wait()
-                break
-            except KeyboardInterrupt:
-                continue
+            returncode = child.wait()
+        finally:
+            signal.signal(signal.SIGINT, interrupt)
         log.seek(0)
         return returncode, counts, log.read()
 
