@@ -21,7 +21,8 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
 
-AOT_NAME = re.compile(r"(^|_)(aot|compiles?)(_|$)")  # test_int4_kernel_compiles_within_..., test_moe_gemm_kernel_aot_compiles
+# test_int4_kernel_compiles_within_shared_memory, test_moe_gemm_kernel_aot_compiles, ...
+AOT_NAME = re.compile(r"(^|_)(aot|compiles?)(_|$)")
 
 
 def pytest_collection_modifyitems(config, items):

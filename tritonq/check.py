@@ -44,9 +44,11 @@ def selection(quick: bool, cuda: bool) -> str:
     return f"({chosen}) and not aot and not cpu_backend" if cuda else chosen
 
 
-def pytest_args(args: argparse.Namespace, cuda: bool, have_xdist: bool, have_timeout: bool) -> tuple[list[str], list[str]]:
+def pytest_args(args: argparse.Namespace, cuda: bool, have_xdist: bool,
+                have_timeout: bool) -> tuple[list[str], list[str]]:
     """(pytest arguments, notes to print) for the parsed options; a wanted plugin that is missing is a note."""
-    out, notes = [str(ROOT / "tests"), "-m", selection(args.quick, cuda), "-q", "-p", "no:cacheprovider", "--tb=short"], []
+    out = [str(ROOT / "tests"), "-m", selection(args.quick, cuda), "-q", "-p", "no:cacheprovider", "--tb=short"]
+    notes = []
     if args.workers > 1:
         if have_xdist:
             # --dist load, not loadfile: under loadfile xdist re-runs the test a worker died on (a timeout) until
@@ -56,9 +58,12 @@ def pytest_args(args: argparse.Namespace, cuda: bool, have_xdist: bool, have_tim
             notes.append(f"pytest-xdist is not installed: one process instead of --workers {args.workers}")
     if args.timeout > 0:
         if have_timeout:  # the thread method ends a hung xdist worker (even inside a CUDA call); xdist reports it
-            out += [f"--timeout={args.timeout:g}"] + (["--timeout-method=thread"] if args.workers > 1 and have_xdist else [])
+            out.append(f"--timeout={args.timeout:g}")
+            if args.workers > 1 and have_xdist:
+                out.append("--timeout-method=thread")
         else:
-            notes.append(f"pytest-timeout is not installed: no per-test time limit (--timeout {args.timeout:g} ignored)")
+            notes.append(f"pytest-timeout is not installed: no per-test time limit "
+                         f"(--timeout {args.timeout:g} ignored)")
     if args.junitxml:
         out.append(f"--junitxml={Path(args.junitxml).resolve()}")
     return out + args.pytest_args, notes
@@ -80,7 +85,8 @@ class StreamReport:
         text += f"  {seconds:.1f}s\n" if seconds is not None else "\n"
         lines = details.rstrip().splitlines()
         if len(lines) > TRACEBACK_LINES:
-            lines = [f"... {len(lines) - TRACEBACK_LINES} lines above (the JUnit XML has them)"] + lines[-TRACEBACK_LINES:]
+            lines = [f"... {len(lines) - TRACEBACK_LINES} lines above (the JUnit XML has them)",
+                     *lines[-TRACEBACK_LINES:]]
         text += "".join(f"     {line}\n" for line in lines)
         try:
             self.stream.write(text)
@@ -121,7 +127,8 @@ def run_pytest(args: list[str], on_line: Callable[[str], None] = print) -> tuple
     """Run pytest with `args` in a child process (cwd: the checkout), calling on_line with each test's line(s)
     as it finishes. Returns (pytest's exit status, Counter of outcomes, pytest's own output: its log)."""
     read_end, write_end = os.pipe()
-    boot = f"import runpy, sys; sys.exit(runpy.run_path({str(Path(__file__).resolve())!r})['_pytest_child'](sys.argv[1:]))"
+    this_file = str(Path(__file__).resolve())
+    boot = f"import runpy, sys; sys.exit(runpy.run_path({this_file!r})['_pytest_child'](sys.argv[1:]))"
     counts: Counter = Counter()
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as log:
         child = subprocess.Popen([sys.executable, "-c", boot, str(write_end), *args], cwd=ROOT, stdout=log,
