@@ -5,11 +5,14 @@ tensors on it through the `device` fixture. Without one they run on CPU through 
 interpreter: TRITON_INTERPRET must be set before triton is first imported, so this runs first
 (`import torch` does not import triton). Markers (pyproject): `gpu` tests need CUDA and are skipped
 without it; `interpreter` tests exercise the interpreter path itself (CPU tensors through the
-Triton kernels, `tune --dry-run` in process) and are skipped where kernels run natively.
+Triton kernels, `tune --dry-run` in process) and are skipped where kernels run natively. Tests named
+`*_compile(s)_*` or `*_aot_*` compile kernels ahead of time for GPUs we may not have and are marked
+`aot` (no GPU needed: python -m tritonq.check leaves them out on CUDA).
 `-p fake_gpu` (tests/fake_gpu.py, on PYTHONPATH=tests) makes the `device` fixture `meta` instead: the kernel
 tests as on a GPU, without one (tests/test_fake_gpu.py runs them so in CI).
 """
 import os
+import re
 
 import torch
 
@@ -20,12 +23,17 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
 
+# test_int4_kernel_compiles_within_shared_memory, test_moe_gemm_kernel_aot_compiles, ...
+AOT_NAME = re.compile(r"(^|_)(aot|compiles?)(_|$)")
+
 
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (kernels run natively there); none here")
     native = pytest.mark.skip(reason="checks Triton's interpreter path; kernels run natively on this CUDA machine "
                                      "(TRITON_INTERPRET=1 runs it here)")
     for item in items:
+        if AOT_NAME.search(getattr(item, "originalname", item.name)):
+            item.add_marker(pytest.mark.aot)
         if "gpu" in item.keywords and not CUDA:
             item.add_marker(no_gpu)
         if "interpreter" in item.keywords and not INTERPRETER:

@@ -33,19 +33,19 @@ def test_bench_results_default_only_inside_the_checkout(tmp_path, monkeypatch):
 def test_check_without_a_gpu_runs_the_kernel_tests(monkeypatch, capsys):
     """Without CUDA the check runs the kernel tests through the interpreter (no refusal), and what it says it
     runs is what --help describes; only the command is recorded here (tests/test_check.py runs real cases)."""
-    import subprocess
+    from collections import Counter
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     commands = []
 
-    def run(command, **kwargs):
+    def run_pytest(command, on_line):
         commands.append(command)
-        return subprocess.CompletedProcess(command, 0, "", "")
+        return 0, Counter(), ""
 
-    monkeypatch.setattr(tritonq.check.subprocess, "run", run)
+    monkeypatch.setattr(tritonq.check, "run_pytest", run_pytest)
     assert tritonq.check.main([]) == 0 and tritonq.check.main(["--quick"]) == 0
     out = capsys.readouterr().out
     assert "refuse" not in out.lower() and "CPU (Triton interpreter)" in out
-    assert [c[c.index("-m", 2) + 1] for c in commands] == ["kernels or gpu", "kernels"]
+    assert [c[c.index("-m") + 1] for c in commands] == ["kernels or gpu", "kernels"]
     with pytest.raises(SystemExit):
         tritonq.check.main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())  # --quick is an option, not the default mode
