@@ -248,7 +248,7 @@ def _write_slots_kernel(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr,
                         stride_kt, stride_kth, stride_vt, stride_vth, D_QK, D_V,
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """One program copies the k and v rows of one (token, kv head) to its slot; a slot < 0 writes nothing."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t x stride_kt: past 2^31 elements for MLA prefill's long contexts
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
     page, row = slot // PAGE_SIZE, slot % PAGE_SIZE
