@@ -155,6 +155,13 @@ class ModelRunner:
             context.append(c + n)
             if logits_for is not None and logits_for[i]:
                 rows.append(cu[-1] - 1)
+        # The step's values, checked once here on the host lists (models pass them to the kernels unchecked:
+        # a per-layer check would cost device reductions and asserts in every layer). cu_seqlens_q rising
+        # and q_len <= context_len <= the block table's tokens hold by construction (checked just above).
+        capacity = self.cache.num_blocks * bs
+        if slots and max(slots) >= capacity:
+            raise RuntimeError(f"slot {max(slots)} is past the KV cache's {self.cache.num_blocks} blocks x {bs} = "
+                               f"{capacity} slots: a block table names a block the cache does not have.")
         if (self.static is not None and not is_prefill and len(seqs) <= self.buckets[-1]
                 and (logits_for is None or all(logits_for))):
             bucket = next(b for b in self.buckets if b >= len(seqs))
@@ -169,7 +176,7 @@ class ModelRunner:
                            context_lens=tensor(context, torch.int32), block_table=tensor(table, torch.int32),
                            logit_rows=None if logits_for is None else tensor(rows, torch.int64),
                            is_prefill=is_prefill, max_position=max(context) - 1,
-                           num_context_tokens=sum(context))
+                           num_context_tokens=sum(context), num_context_blocks=sum(-(-n // bs) for n in context))
 
     def run(self, ctx: StepContext) -> torch.Tensor:
         """Logits [R, V] float32 at ctx.logit_rows (every row when None; a padded decode step's real rows)."""

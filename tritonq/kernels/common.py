@@ -13,9 +13,10 @@ launch options are named as Triton's (num_warps, num_stages). Tuned JSON entries
 and `check_launch_config` checks any of them.
 
 Launch: a kernel's launcher builds a `Launch` (grid + every argument by parameter name) with a builder
-in the kernel's own file, then calls it (on its tensors' CUDA device, whatever the thread's current one). `tritonq.tune --aot` builds the same object over "meta"
-tensors (shapes, strides and dtypes without memory) and compiles it (`kernels.aot.compile_launch`),
-so no kernel signature is written down anywhere else. Meta tensors stand for a GPU: `on_gpu`.
+in the kernel's own file, then calls it (on its tensors' CUDA device, whatever the thread's current
+one). `tritonq.tune --aot` builds the same object over "meta" tensors (shapes, strides and dtypes
+without memory) and compiles it (`kernels.aot.compile_launch`), so no kernel signature is written
+down anywhere else. Meta tensors stand for a GPU: `on_gpu`.
 """
 from __future__ import annotations
 
