@@ -229,8 +229,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     Engine options (see tritonq.engine): at most max_num_seqs sequences run at once and one step
     computes at most max_num_batched_tokens tokens (a longer prompt is prefilled in chunks). The
     paged KV cache (blocks of block_size tokens) is sized from memory, once, here: on CUDA
-    gpu_memory_utilization of the GPU's memory less what the weights and a warm-up step take; on
-    CPU kv_cache_gb GiB (default: 4, or what max_num_seqs sequences of max_seq_len need if less).
+    gpu_memory_utilization of the GPU's memory less what the weights, the largest prefill and decode steps
+    (measured by a warm-up) and the CUDA graphs take; on CPU kv_cache_gb GiB (default: 4); on both at
+    most what max_num_seqs sequences of max_seq_len need.
     kv_cache_gb, when given, is the budget on CUDA too. enable_prefix_caching reuses the KV of
     prompt prefixes (whole blocks) that earlier requests computed.
     cuda_graphs (default: True on one CUDA GPU, False under tensor parallelism until a multi-GPU run has
@@ -295,12 +296,13 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
         model = cls(config, loader, dtype, device, max_seq_len=max_seq_len)  # rope tables sized once for it
     loader.finish()  # no NaN/inf read, every stored tensor used by some module; else an error naming them
+    capture = device.type == "cuda" and _capture_graphs(cuda_graphs, world)
     num_blocks = kv_cache_blocks(model, block_size=block_size, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=kv_cache_gb,
-                                 gpu_memory_utilization=gpu_memory_utilization, world=world)
+                                 gpu_memory_utilization=gpu_memory_utilization, world=world, cuda_graphs=capture)
     engine = Engine(model, tokenizer, eos_ids, num_blocks=num_blocks,
                     block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                     enable_prefix_caching=enable_prefix_caching, max_seq_len=max_seq_len, world=world)
     if device.type == "cuda":  # fixed-shape decode buckets; graphs captured after the process group exists
-        engine.runner.use_static_decode(max_num_seqs, cuda_graphs=_capture_graphs(cuda_graphs, world))
+        engine.runner.use_static_decode(max_num_seqs, cuda_graphs=capture)
     return Model(model, tokenizer, engine, max_seq_len, rank, world)

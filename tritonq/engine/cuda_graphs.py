@@ -124,6 +124,8 @@ class DecodeGraphs:
                 self.logits[bucket] = self.forward(ctx)
             self.graphs[bucket] = graph
         torch.cuda.synchronize(device)
+        # The side stream's warm-up blocks stay cached for that stream, which never runs again: give them back.
+        torch.cuda.empty_cache()
         self.capture_s = time.perf_counter() - start
 
     def _padding_context(self, bucket: int) -> StepContext:
