@@ -104,6 +104,21 @@ def _compute_dtype(dtype) -> torch.dtype | None:
                      f"{list(DTYPES)} (a torch.dtype or its name), or None for the default.")
 
 
+def _capture_graphs(cuda_graphs: bool | None, world: int) -> bool:
+    """Whether a CUDA model captures its decode steps: cuda_graphs when given; by default yes on one GPU and
+    not under tensor parallelism, whose decode step would capture NCCL collectives (all-reduce, all-gather)
+    inside the graphs, which no multi-GPU run has checked yet (the log says so)."""
+    if cuda_graphs is not None:
+        return cuda_graphs
+    if world > 1:
+        logging.getLogger("tritonq").info(
+            "CUDA graphs off by default under tensor parallelism (world %d): capturing NCCL collectives is not "
+            "checked on a multi-GPU machine yet; decode steps run eagerly at fixed batch buckets. Pass "
+            "cuda_graphs=True to capture anyway.", world)
+        return False
+    return True
+
+
 def _check_options(max_seq_len, quantize, group_size, max_num_seqs, max_num_batched_tokens, kv_cache_gb,
                    gpu_memory_utilization, block_size) -> None:
     """Argument checks that need no file: raised before anything is read."""
@@ -214,11 +229,13 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     Engine options (see tritonq.engine): at most max_num_seqs sequences run at once and one step
     computes at most max_num_batched_tokens tokens (a longer prompt is prefilled in chunks). The
     paged KV cache (blocks of block_size tokens) is sized from memory, once, here: on CUDA
-    gpu_memory_utilization of the GPU's memory less what the weights and a warm-up step take; on
-    CPU kv_cache_gb GiB (default: 4, or what max_num_seqs sequences of max_seq_len need if less).
+    gpu_memory_utilization of the GPU's memory less what the weights, the largest prefill and decode steps
+    (measured by a warm-up) and the CUDA graphs take; on CPU kv_cache_gb GiB (default: 4); on both at
+    most what max_num_seqs sequences of max_seq_len need.
     kv_cache_gb, when given, is the budget on CUDA too. enable_prefix_caching reuses the KV of
     prompt prefixes (whole blocks) that earlier requests computed.
-    cuda_graphs (default: True on CUDA): decode steps run at fixed batch buckets (1, 2, 4, 8, 16, 24,
+    cuda_graphs (default: True on one CUDA GPU, False under tensor parallelism until a multi-GPU run has
+    checked NCCL collectives inside captured graphs): decode steps run at fixed batch buckets (1, 2, 4, 8, 16, 24,
     ... up to max_num_seqs) and each bucket's step is captured as a CUDA graph here, at load (the log
     says how many and how long it took), then replayed; False runs every step eagerly (debugging).
     Every argument, the checkpoint's files (readable, no symlink loops), config.json, generation_config.json
@@ -259,7 +276,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     tokenizer = _tokenizer(folder)
     eos_ids = _eos_token_ids(folder, raw_config, tokenizer)
     _check_tokenizer(folder, raw_config, tokenizer, eos_ids)
-    device = torch.device(device) if device is not None else distributed.default_device()
+    device = distributed.resolve_device(device)
     if cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs a CUDA device; the device is {device}. Leave cuda_graphs unset "
                          "(or False): other devices run every step eagerly.")
@@ -279,12 +296,13 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
         model = cls(config, loader, dtype, device, max_seq_len=max_seq_len)  # rope tables sized once for it
     loader.finish()  # no NaN/inf read, every stored tensor used by some module; else an error naming them
+    capture = device.type == "cuda" and _capture_graphs(cuda_graphs, world)
     num_blocks = kv_cache_blocks(model, block_size=block_size, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=kv_cache_gb,
-                                 gpu_memory_utilization=gpu_memory_utilization, world=world)
+                                 gpu_memory_utilization=gpu_memory_utilization, world=world, cuda_graphs=capture)
     engine = Engine(model, tokenizer, eos_ids, num_blocks=num_blocks,
                     block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                     enable_prefix_caching=enable_prefix_caching, max_seq_len=max_seq_len, world=world)
     if device.type == "cuda":  # fixed-shape decode buckets; graphs captured after the process group exists
-        engine.runner.use_static_decode(max_num_seqs, cuda_graphs=cuda_graphs is not False)
+        engine.runner.use_static_decode(max_num_seqs, cuda_graphs=capture)
     return Model(model, tokenizer, engine, max_seq_len, rank, world)

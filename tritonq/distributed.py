@@ -14,11 +14,17 @@ import torch
 import torch.distributed as dist
 
 
-def default_device() -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is available (LOCAL_RANK 0 outside torchrun), else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device `tritonq.load` runs on, with an index when it is CUDA. None: cuda when CUDA is available,
+    else cpu. A CUDA device without an index is GPU LOCAL_RANK under torchrun (torch's plain "cuda" would be
+    GPU 0 on every rank: NCCL then refuses the duplicate GPU) and the current GPU outside it."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    local_rank = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
 
 
 def init_tensor_parallel(tensor_parallel: int | None, device: torch.device) -> tuple[int, int]:

@@ -256,7 +256,8 @@ def step(positions: list[list[int]]) -> StepContext:
                        slot_mapping=torch.zeros(len(flat), dtype=torch.int64), cu_seqlens_q=cu,
                        context_lens=torch.tensor([s[-1] + 1 for s in positions], dtype=torch.int32),
                        block_table=torch.zeros(len(positions), 1, dtype=torch.int32), logit_rows=None,
-                       is_prefill=True, max_position=max(flat), num_context_tokens=sum(s[-1] + 1 for s in positions))
+                       is_prefill=True, max_position=max(flat), num_context_tokens=sum(s[-1] + 1 for s in positions),
+                       num_context_blocks=len(positions))
 
 
 def test_dynamic_rope_reads_nothing_back_from_the_device(monkeypatch):

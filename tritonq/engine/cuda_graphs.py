@@ -61,7 +61,7 @@ class StaticDecodeInputs:
                            slot_mapping=self.tokens[2, :bucket], cu_seqlens_q=self.cu_seqlens_q[:bucket + 1],
                            context_lens=self.context_lens[:bucket], block_table=self.block_table[:bucket],
                            logit_rows=None, is_prefill=False, max_position=self.max_seq_len - 1,
-                           num_context_tokens=0, num_seqs=num_seqs)
+                           num_context_tokens=0, num_context_blocks=0, num_seqs=num_seqs)
 
     def fill(self, bucket: int, ids: list[int], positions: list[int], slots: list[int], context: list[int],
              tables: list[list[int]]) -> StepContext:
@@ -124,6 +124,8 @@ class DecodeGraphs:
                 self.logits[bucket] = self.forward(ctx)
             self.graphs[bucket] = graph
         torch.cuda.synchronize(device)
+        # The side stream's warm-up blocks stay cached for that stream, which never runs again: give them back.
+        torch.cuda.empty_cache()
         self.capture_s = time.perf_counter() - start
 
     def _padding_context(self, bucket: int) -> StepContext:

@@ -234,6 +234,13 @@ class ModelRunner:
         if start is not None:  # recomputed positions: their KV is in the cache already
             computed = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
             slots[positions < computed[row_of_token]] = -1
+        # The step's values, checked once here on the host (models pass them to the kernels unchecked: a
+        # per-layer check would cost device reductions and asserts in every layer). cu_seqlens_q rising and
+        # q_len <= context_len <= the block table's tokens hold by construction (checked just above).
+        capacity = self.cache.num_blocks * bs
+        if slots.size and int(slots.max()) >= capacity:
+            raise RuntimeError(f"slot {int(slots.max())} is past the KV cache's {self.cache.num_blocks} blocks x "
+                               f"{bs} = {capacity} slots: a block table names a block the cache does not have.")
         if (self.static is not None and not is_prefill and B <= self.buckets[-1]
                 and (logits_for is None or all(logits_for))):
             bucket = next(b for b in self.buckets if b >= B)
@@ -248,7 +255,8 @@ class ModelRunner:
                            block_table=tensor(table, torch.int32),
                            logit_rows=None if rows is None else tensor(rows, torch.int64),
                            is_prefill=is_prefill, max_position=int(context.max()) - 1,
-                           num_context_tokens=int(context.sum()))
+                           num_context_tokens=int(context.sum()),
+                           num_context_blocks=int((-(-context // bs)).sum()))
 
     def run(self, ctx: StepContext) -> torch.Tensor:
         """Logits [R, V] float32 at ctx.logit_rows (every row when None; a padded decode step's real rows)."""
@@ -329,13 +337,15 @@ def prefill_logits(model, token_ids: list[int], block_size: int = 16, last_only:
 
 
 def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9, world: int = 1) -> int:
+                    kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9, world: int = 1,
+                    cuda_graphs: bool = False) -> int:
     """How many KV blocks the cache gets, from memory (see tritonq.load), and a log line saying what they hold.
 
     kv_cache_gb: a byte budget (GiB). Otherwise on CUDA: gpu_memory_utilization x the GPU's memory, less
-    what is in use (weights, other processes) and the activation peak of a warm-up prefill of
-    max_num_batched_tokens tokens; on CPU: CPU_KV_CACHE_GB, capped by max_num_seqs x max_seq_len tokens
-    (more would only hold prefix-cached blocks). Ranks agree on the smallest count (identical schedules)."""
+    what is in use (weights, other processes), the peak of the largest steps (`_free_gpu_bytes`) and, with
+    cuda_graphs, the graph pool; on CPU: CPU_KV_CACHE_GB. Both are capped by what max_num_seqs sequences of
+    max_seq_len tokens use (more would only hold prefix-cached blocks, at the cost of millions of host-side
+    block objects on a large GPU). Ranks agree on the smallest count (identical schedules)."""
     if kv_cache_gb is not None and not kv_cache_gb > 0:
         raise ValueError(f"kv_cache_gb={kv_cache_gb}; expected a positive number of GiB (or None for the default).")
     if not 0 < gpu_memory_utilization <= 1:
@@ -343,14 +353,18 @@ def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: i
     per_token = model.kv_layout.bytes_per_token(model.dtype)
     block_bytes = per_token * block_size
     blocks_per_seq = -(-max_seq_len // block_size)
+    needed = max_num_seqs * blocks_per_seq * block_bytes
+    cap = f"capped by max_num_seqs={max_num_seqs} x max_seq_len"
     if kv_cache_gb is not None:
         budget, source = kv_cache_gb * 2 ** 30, f"kv_cache_gb={kv_cache_gb}"
     elif model.device.type == "cuda":
-        budget = _free_gpu_bytes(model, block_size, min(max_num_batched_tokens, max_seq_len), gpu_memory_utilization)
-        source = f"gpu_memory_utilization={gpu_memory_utilization}"
+        free = _free_gpu_bytes(model, block_size, max_seq_len, max_num_seqs, max_num_batched_tokens,
+                               gpu_memory_utilization, cuda_graphs)
+        budget = min(free, needed)
+        source = f"gpu_memory_utilization={gpu_memory_utilization}: {free / 2 ** 30:.2f} GiB free, {cap}"
     else:
-        budget = min(CPU_KV_CACHE_GB * 2 ** 30, max_num_seqs * blocks_per_seq * block_bytes)
-        source = f"CPU default: {CPU_KV_CACHE_GB:g} GiB at most, capped by max_num_seqs={max_num_seqs} x max_seq_len"
+        budget = min(CPU_KV_CACHE_GB * 2 ** 30, needed)
+        source = f"CPU default: {CPU_KV_CACHE_GB:g} GiB at most, {cap}"
     blocks = int(budget // block_bytes)
     if world > 1:
         count = torch.tensor([blocks], device=model.device)
@@ -369,17 +383,73 @@ def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: i
     return blocks
 
 
-def _free_gpu_bytes(model, block_size: int, warmup_tokens: int, utilization: float) -> float:
-    """Bytes for the KV cache: utilization x total memory, less what is used now and the extra peak of a
-    warm-up prefill of warmup_tokens tokens (activations; measured, not guessed)."""
+def warmup_prompt_lengths(max_num_batched_tokens: int, max_seq_len: int, max_num_seqs: int) -> list[int]:
+    """Prompt lengths of the largest prefill step the scheduler can build: max_num_batched_tokens tokens in
+    prompts of at most max_seq_len tokens (several when max_seq_len is the smaller), at most max_num_seqs."""
+    count = min(-(-max_num_batched_tokens // max_seq_len), max_num_seqs)
+    tokens = min(max_num_batched_tokens, count * max_seq_len)
+    return [tokens // count + (i < tokens % count) for i in range(count)]
+
+
+# The most expensive sampling a step can ask for (every filter, a penalty): the warm-up measures its memory.
+WORST_SAMPLING = SimpleNamespace(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, seed=0)
+
+
+def _warmup_peaks(model, block_size: int, max_seq_len: int, max_num_seqs: int,
+                  max_num_batched_tokens: int) -> dict[str, int]:
+    """Peak bytes allocated above the current use (CUDA's peak counter) by the largest steps, each run once
+    over a throwaway cache: "prefill" (`warmup_prompt_lengths` prompts, then their logits sampled),
+    "decode" (max_num_seqs sequences through the static decode buckets, forward only: what a captured graph
+    keeps in its pool) and "decode sampling" (those logits sampled with every filter and a penalty)."""
+    device = model.device
+    peaks = {}
+
+    def measure(name, step):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        out = step()
+        torch.cuda.synchronize(device)
+        peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated(device) - before)
+        return out
+
+    def step(name: str, lengths: list[int], computed: int, static: bool) -> None:
+        """One step of len(lengths) sequences of lengths[i] tokens, the first `computed` of them cached."""
+        per_seq = -(-max(lengths) // block_size)
+        seqs = [SimpleNamespace(token_ids=[0] * n, num_computed_tokens=computed,
+                                block_table=list(range(i * per_seq, (i + 1) * per_seq))) for i, n in enumerate(lengths)]
+        runner = ModelRunner(model, len(seqs) * per_seq, block_size, max_seq_len=max_seq_len)
+        if static:
+            runner.use_static_decode(max_num_seqs)  # no graphs: the eager step of the largest bucket
+        ctx = runner.prepare(seqs, [n - computed for n in lengths], not static, logits_for=[True] * len(seqs))
+        logits = measure(name, lambda: runner.run(ctx))
+        # sampling runs while the logits are held: its peak counts them (measured relative to before they existed)
+        measure(f"{name} sampling", lambda: runner.sample(logits, [SamplingParams(WORST_SAMPLING)] * len(seqs),
+                                                          [seq.token_ids for seq in seqs]))
+        peaks[f"{name} sampling"] += logits.numel() * logits.element_size()
+
+    step("prefill", warmup_prompt_lengths(max_num_batched_tokens, max_seq_len, max_num_seqs), 0, static=False)
+    step("decode", [2] * max_num_seqs, 1, static=True)
+    return peaks
+
+
+def _free_gpu_bytes(model, block_size: int, max_seq_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                    utilization: float, cuda_graphs: bool) -> float:
+    """Bytes for the KV cache: utilization x total memory, less what is used now, the peak of the largest
+    step (prefill, or decode with its sampling; measured by `_warmup_peaks`, not guessed) and, with
+    cuda_graphs, what the captured graphs keep: their pool holds the largest decode step's intermediates
+    and each bucket's logits."""
     device = model.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    prefill_logits(model, [0] * warmup_tokens, block_size, last_only=True)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
+    peaks = _warmup_peaks(model, block_size, max_seq_len, max_num_seqs, max_num_batched_tokens)
     torch.cuda.empty_cache()
+    graph_pool = 0
+    if cuda_graphs:
+        logits_bytes = model.config.vocab_size * torch.empty((), dtype=model.dtype).element_size()
+        graph_pool = peaks["decode"] + sum(decode_buckets(max_num_seqs)) * logits_bytes
     free, total = torch.cuda.mem_get_info(device)
-    return total * utilization - (total - free) - peak
+    largest = max(peaks.values())
+    log.info("KV sizing: the largest step peaks at %.2f GiB (%s); CUDA-graph pool ~%.2f GiB", largest / 2 ** 30,
+             ", ".join(f"{k} {v / 2 ** 30:.2f}" for k, v in peaks.items()), graph_pool / 2 ** 30)
+    return total * utilization - (total - free) - largest - graph_pool

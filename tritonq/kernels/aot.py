@@ -5,7 +5,8 @@ pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin via the bundled ptxas) on a CPU-
 machine. This catches what the interpreter forgives (dtype mixes, unsupported ops, shared
 memory overflow) and shows whether sm_90 picked wgmma. Used by tests and `tune --aot`.
 `compile_launch` compiles a `kernels.common.Launch` built by a kernel's own launch builder over
-meta tensors, typing and hinting each argument as Triton's runtime would for real ones.
+meta tensors, typing and hinting each argument as Triton's runtime would for real ones;
+`launch_ttir` gives the same launch's front-end IR (integer widths of the address arithmetic).
 """
 from __future__ import annotations
 
@@ -107,10 +108,11 @@ def _ptxas_usage(ptx: str, cc: int) -> tuple[int | None, int | None]:
     return (int(regs.group(1)) if regs else None, sum(map(int, spill)) if spill else 0)
 
 
-def compile_launch(launch, cc: int) -> CompileReport:
-    """AOT-compile a `kernels.common.Launch` for sm_`cc`: tensors become typed pointers, Python
-    floats fp32, ints i32 (i64 when they need it); as the runtime specializes real launches, pointers
-    and ints divisible by 16 get the divisibility hint. Constexpr parameters take their values."""
+def _launch_signature(launch) -> tuple[dict, dict, tuple[str, ...]]:
+    """(signature, constexprs, 16-divisible names) of a `kernels.common.Launch`: tensors become typed
+    pointers, Python floats fp32, ints i32 (i64 when they need it); as the runtime specializes real
+    launches, pointers and ints divisible by 16 get the divisibility hint. Constexpr parameters take
+    their values."""
     import torch
 
     signature, constexprs, aligned = {}, {}, []
@@ -130,5 +132,36 @@ def compile_launch(launch, cc: int) -> CompileReport:
         else:
             raise TypeError(f"compile_launch: argument {p.name} = {value!r} of {launch.kernel.__name__} has no "
                             "Triton type here (expected a tensor, int or float)")
+    return signature, constexprs, tuple(aligned)
+
+
+def compile_launch(launch, cc: int) -> CompileReport:
+    """AOT-compile a `kernels.common.Launch` for sm_`cc`, its arguments typed as `_launch_signature` says."""
+    signature, constexprs, aligned = _launch_signature(launch)
     return aot_compile(launch.kernel, signature, constexprs, cc, launch.num_warps, launch.num_stages,
-                       divisible_by_16=tuple(aligned))
+                       divisible_by_16=aligned)
+
+
+def launch_ttir(launch, cc: int = 90) -> str:
+    """The Triton IR (TTIR, without locations) the front end generates for a `kernels.common.Launch`, before
+    any optimization pass: what the kernel source computes, in which integer widths (e.g. whether a row x
+    stride product is i32 or i64). Fast (no LLVM, no ptxas); typed as `compile_launch` types it."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    signature, constexprs, aligned = _launch_signature(launch)
+    fn = launch.kernel
+    sig = dict(signature, **{name: "constexpr" for name in constexprs})
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                    attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    target = GPUTarget("cuda", cc, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                         context)
+    return module.str_nodebug()

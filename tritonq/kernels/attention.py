@@ -248,7 +248,7 @@ def _write_slots_kernel(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr,
                         stride_kt, stride_kth, stride_vt, stride_vth, D_QK, D_V,
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """One program copies the k and v rows of one (token, kv head) to its slot; a slot < 0 writes nothing."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t x stride_kt: past 2^31 elements for MLA prefill's long contexts
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
     page, row = slot // PAGE_SIZE, slot % PAGE_SIZE
@@ -392,6 +392,32 @@ def _check_block_table(block_table: torch.Tensor, k_cache: torch.Tensor, batch: 
     return page_size
 
 
+def _check_slots(slot_mapping: torch.Tensor, capacity: int) -> None:
+    """Every slot < capacity (num_blocks x block_size; < 0 skips): a ValueError on CPU (the values are on the
+    host already: reading them syncs nothing), a device-side assert elsewhere (a host check would sync the
+    GPU, and break graph capture)."""
+    expected = f"write_kv_slots: slots must be < num_blocks x block_size = {capacity} (or < 0 to skip)"
+    if slot_mapping.device.type != "cpu":
+        torch._assert_async(slot_mapping.max() < capacity, expected)
+    elif int(slot_mapping.max()) >= capacity:
+        raise ValueError(f"{expected}; got {int(slot_mapping.max())}.")
+
+
+def _check_prefill_lens(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, T: int, capacity: int) -> None:
+    """cu_seqlens_q rises from 0 to T and q_len_b <= context_lens[b] <= capacity (the block table's tokens):
+    a ValueError on CPU (the values are on the host), a device-side assert on CUDA (a host check would sync)."""
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    consistent = ((cu_seqlens_q[0] == 0) & (cu_seqlens_q[-1] == T) & (q_lens >= 0).all()
+                  & (context_lens >= q_lens).all() & (context_lens <= capacity).all())
+    expected = (f"paged_prefill_attention: expected cu_seqlens_q rising from 0 to T = {T} and "
+                f"q_len_b <= context_lens[b] <= block_table width x page_size = {capacity}")
+    if cu_seqlens_q.device.type != "cpu":
+        torch._assert_async(consistent, expected)
+    elif not bool(consistent):
+        raise ValueError(f"{expected}; got cu_seqlens_q {cu_seqlens_q.tolist()}, context_lens "
+                         f"{context_lens.tolist()}. context_lens counts the cached prefix plus the new tokens.")
+
+
 def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, "
@@ -505,13 +531,16 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
 
 
 def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, *, check_values: bool = True) -> None:
     """Scatter one step's new tokens into a paged cache, in place.
 
     k_pages [num_blocks, block_size, Hkv, Dqk], v_pages [num_blocks, block_size, Hkv, Dv] (v_pages
     may be a strided view, e.g. the MLA latent k_pages[..., :512]); k [T, Hkv, Dqk], v [T, Hkv, Dv];
     slot_mapping [T] int64: token t goes to page slot // block_size, row slot % block_size; a
     slot < 0 is skipped (padding, e.g. unused rows of a CUDA-graph bucket).
+    check_values=False skips the check of the slots' values (a device reduction and assert on CUDA):
+    for callers that checked them already, e.g. models, whose steps the engine's runner checks once
+    on the host (every layer would otherwise repeat it). Shapes, dtypes and devices are always checked.
     """
     if (k.dim() != 3 or v.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k.shape[:2] != v.shape[:2]
             or k_pages.shape[:3] != v_pages.shape[:3] or k_pages.shape[2:] != k.shape[1:]
@@ -529,15 +558,10 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (T,) or slot_mapping.device != k.device:
         raise ValueError(f"write_kv_slots: slot_mapping must be an int64 tensor of shape [{T}] on {k.device}; "
                          f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)} on {slot_mapping.device}.")
-    capacity = k_pages.shape[0] * k_pages.shape[1]
     if T == 0:
         return
-    expected = f"write_kv_slots: slots must be < num_blocks x block_size = {capacity} (or < 0 to skip)"
-    if slot_mapping.device.type == "cpu":  # the values are on the host already: reading them syncs nothing
-        if int(slot_mapping.max()) >= capacity:
-            raise ValueError(f"{expected}; got {int(slot_mapping.max())}.")
-    else:  # checked on the device: a host check would sync the GPU in every layer (and break graph capture)
-        torch._assert_async(slot_mapping.max() < capacity, expected)
+    if check_values:
+        _check_slots(slot_mapping, k_pages.shape[0] * k_pages.shape[1])
     if use_cpu_kernels(k_pages):  # one index_copy_ per cache (kernels/cpu_attention.py)
         return cpu_attention.write_kv_slots(k_pages, v_pages, k, v, slot_mapping)
     if not use_triton(k_pages):
@@ -560,7 +584,8 @@ def write_kv_slots_launch(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch
 
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
-                            scale: float, window: int = 0, config: PrefillConfig | None = None) -> torch.Tensor:
+                            scale: float, window: int = 0, config: PrefillConfig | None = None, *,
+                            check_values: bool = True) -> torch.Tensor:
     """Causal attention of packed new tokens over a paged cache that already holds them.
 
     q [T, H, Dqk]: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 (varlen,
@@ -571,7 +596,9 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     cu_seqlens_q [B+1] int32, context_lens [B] int32, block_table [B, max_pages] int32.
     A query at position p sees keys j <= p and, if window > 0, p - j < window.
     Returns [T, H, Dv] in q's dtype. config: a PrefillConfig (key tiles may span pages); None:
-    `paged_prefill_config` for this GPU.
+    `paged_prefill_config` for this GPU. check_values=False skips the check that cu_seqlens_q and
+    context_lens agree with T and the block table (~8 small kernels and an assert on CUDA, a host read on
+    CPU): for callers that checked them already (models: the engine's runner checks each step once).
     """
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(f"paged_prefill_attention: expected q [T,H,Dqk], k_pages [P,page_size,Hkv,Dqk], "
@@ -588,17 +615,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     page_size = _check_block_table(block_table, k_pages, B, q.device)
     if config is not None:
         check_prefill_config(config)
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    capacity = block_table.shape[1] * page_size
-    consistent = ((cu_seqlens_q[0] == 0) & (cu_seqlens_q[-1] == q.shape[0]) & (q_lens >= 0).all()
-                  & (context_lens >= q_lens).all() & (context_lens <= capacity).all())
-    expected = (f"paged_prefill_attention: expected cu_seqlens_q rising from 0 to T = {q.shape[0]} and "
-                f"q_len_b <= context_lens[b] <= block_table width x page_size = {capacity}")
-    if q.device.type != "cpu":  # checked on the device: a host check would sync the GPU in every layer
-        torch._assert_async(consistent, expected)
-    elif not bool(consistent):
-        raise ValueError(f"{expected}; got cu_seqlens_q {cu_seqlens_q.tolist()}, context_lens "
-                         f"{context_lens.tolist()}. context_lens counts the cached prefix plus the new tokens.")
+    if check_values:
+        _check_prefill_lens(cu_seqlens_q, context_lens, q.shape[0], block_table.shape[1] * page_size)
     if use_cpu_kernels(q):  # kernels/cpu_attention.py
         return cpu_attention.paged_prefill_attention(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
                                                      scale, window)

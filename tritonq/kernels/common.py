@@ -15,12 +15,14 @@ launch options are named as Triton's (num_warps, num_stages). Tuned JSON entries
 and `check_launch_config` checks any of them.
 
 Launch: a kernel's launcher builds a `Launch` (grid + every argument by parameter name) with a builder
-in the kernel's own file, then calls it. `tritonq.tune --aot` builds the same object over "meta"
-tensors (shapes, strides and dtypes without memory) and compiles it (`kernels.aot.compile_launch`),
-so no kernel signature is written down anywhere else. Meta tensors stand for a GPU: `on_gpu`.
+in the kernel's own file, then calls it (on its tensors' CUDA device, whatever the thread's current
+one). `tritonq.tune --aot` builds the same object over "meta" tensors (shapes, strides and dtypes
+without memory) and compiles it (`kernels.aot.compile_launch`), so no kernel signature is written
+down anywhere else. Meta tensors stand for a GPU: `on_gpu`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -164,7 +166,12 @@ def check_launch_config(kernel: str, config, config_type: type) -> None:
 class Launch:
     """One kernel launch: `args` holds every parameter of `kernel` by name (tensors, ints, floats and
     constexpr values), `grid` the program grid. Built by the builder in the kernel's file; called by
-    its launcher, compiled by `kernels.aot.compile_launch` for tune --aot."""
+    its launcher, compiled by `kernels.aot.compile_launch` for tune --aot.
+
+    Calling it launches on the device of its tensors: Triton takes the device (and stream) of a launch from
+    torch's *current* CUDA device, which is cuda:0 in every thread that never set it, so a model on
+    cuda:1 would run its kernels in device 0's context with device 1's pointers. Every Triton launch of
+    tritonq goes through here (tests/test_device_context.py holds that)."""
     kernel: Any
     grid: tuple[int, ...]
     args: dict
@@ -172,4 +179,7 @@ class Launch:
     num_stages: int
 
     def __call__(self) -> None:
-        self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages)
+        device = next((v.device for v in self.args.values() if isinstance(v, torch.Tensor)), None)
+        on_cuda = device is not None and device.type == "cuda"  # the interpreter (CPU tensors) has no context
+        with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
+            self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages)

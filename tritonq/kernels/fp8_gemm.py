@@ -85,7 +85,7 @@ def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride
                                 stride_sm, GROUP: tl.constexpr, BLOCK: tl.constexpr,
                                 STATIC: tl.constexpr):
     """One program per (row, group of GROUP columns): absmax -> scale -> clamp -> e4m3."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row x stride: past 2^31 elements for M * K >= 2^31
     group = tl.program_id(1)
     offs = group * GROUP + tl.arange(0, BLOCK)
     mask = (offs < K) & (tl.arange(0, BLOCK) < GROUP)
@@ -154,7 +154,8 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
         k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_start = tl.program_id(1) * k_per_split
         k_end = min(k_start + k_per_split, K)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_start + offs_k)[None, :]
+    rows = offs_m.to(tl.int64)  # row x stride reaches 2^31 elements for M * K or M * N >= 2^31 (long prefills)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N], K-major
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm
     w_scale_ptrs = w_scale_ptr + (offs_n // W_SCALE_BN) * stride_wsn
@@ -190,8 +191,8 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
         first_slice = (tl.zeros([BLOCK_N], tl.int32) + tl.program_id(1)) == 0
         acc += tl.load(bias_ptr + offs_n, mask=mask_n & first_slice, other=0.0).to(tl.float32)[None, :]
     if SPLIT_K > 1:  # this K slice's plane of the partials buffer
-        y_ptr += tl.program_id(1) * M * N
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        y_ptr += tl.program_id(1).to(tl.int64) * M * N
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 

@@ -26,7 +26,7 @@ from tritonq.kernels.common import Launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps, BLOCK_D: tl.constexpr):
     """One program normalizes one row; the whole row fits in one block (D <= 16384)."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row x stride: past 2^31 elements for R * D >= 2^31
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)

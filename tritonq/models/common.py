@@ -15,8 +15,11 @@ A step (built by tritonq.engine.runner) packs the new tokens of B sequences into
       is_prefill   bool        True: varlen attention over cached pages + the new tokens (new
                                prompts, prefix hits, chunked prefill, resumed sequences); False:
                                every sequence has exactly one new token (decode kernel).
-      max_position, num_context_tokens  host ints (largest position, sum of context_lens), so
-                               models need no device read to check rope tables or size MLA's expansion.
+      max_position, num_context_tokens, num_context_blocks  host ints (largest position, sum of
+                               context_lens, sum of their blocks), so models need no device read to
+                               check rope tables or size MLA's expansion.
+    Its values are checked once, by the runner that builds it (slots within the cache, lengths within
+    the block table), so models pass them to the kernels with check_values=False.
       num_seqs     int or None a decode step padded to a batch bucket (tritonq.engine.cuda_graphs):
                                only its first num_seqs rows are sequences; the rest are padding
                                (slot -1, context length 0) whose outputs are ignored. None: no padding.
@@ -46,6 +49,7 @@ class StepContext:
     is_prefill: bool
     max_position: int  # the largest position in the step (host int: checked against the rope tables)
     num_context_tokens: int  # sum of context_lens (host int: MLA's prefill expands that many K/V rows)
+    num_context_blocks: int  # sum of ceil(context_lens / block_size) (host int: ... into that many pages)
     num_seqs: int | None = None  # padded decode step: its real rows (the rest are padding); None: all real
 
 

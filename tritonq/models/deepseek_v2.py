@@ -162,9 +162,11 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(kv_b)
         self.o_proj = Linear(loader.get_linear(f"{prefix}.o_proj", bias=bias, shape=(D, H * self.v_dim)))
         if attention_mode == "latent":
-            # Absorbed decode needs kv_b per head as plain matrices: W_uk [H, Dn, R], W_uv [H, Dv, R].
-            w = kv_b.dequantize().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-            self.w_uk, self.w_uv = w[:, :self.nope_dim].contiguous(), w[:, self.nope_dim:].contiguous()
+            # Absorbed decode needs kv_b per head as plain matrices in the compute dtype (converted once here,
+            # not in every step): W_uk [H, Dn, R], W_uv^T [H, R, Dv] (laid out for the output bmm).
+            w = kv_b.dequantize(loader.dtype).view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+            self.w_uk = w[:, :self.nope_dim].contiguous()
+            self.w_uv_t = w[:, self.nope_dim:].transpose(1, 2).contiguous()
 
     def _expand_context(self, pages: torch.Tensor, ctx: StepContext):
         """K [P', bs, H, Dn + Dr] and V [P', bs, H, Dv] pages of every context token of the step's sequences,
@@ -175,24 +177,23 @@ class MLAttention(nn.Module):
         lens = ctx.context_lens.long()
         n_pages = (lens + bs - 1) // bs
         first_page = torch.cumsum(n_pages, 0) - n_pages
-        total = ctx.num_context_tokens
+        total, num_new = ctx.num_context_tokens, ctx.num_context_blocks  # host ints: no device read
         seq = torch.repeat_interleave(torch.arange(B, device=lens.device), lens, output_size=total)
         pos = torch.arange(total, device=lens.device) - (torch.cumsum(lens, 0) - lens)[seq]
         rows = pages[ctx.block_table[seq, pos // bs].long(), pos % bs, 0]  # [N, R + Dr]
         k_nope, v = self.kv_b_proj(rows[:, :R]).view(total, H, Dn + Dv).split([Dn, Dv], dim=-1)
         k = torch.cat([k_nope, rows[:, None, R:].expand(total, H, Dr)], dim=-1)
-        num_new = int(n_pages.sum())
         k_ctx = torch.empty(num_new, bs, H, Dn + Dr, dtype=pages.dtype, device=pages.device)
         v_ctx = torch.empty(num_new, bs, H, Dv, dtype=pages.dtype, device=pages.device)
-        write_kv_slots(k_ctx, v_ctx, k, v.contiguous(), first_page[seq] * bs + pos)
+        write_kv_slots(k_ctx, v_ctx, k, v.contiguous(), first_page[seq] * bs + pos, check_values=False)
         width = ctx.block_table.shape[1]
         table = (first_page[:, None] + torch.arange(width, device=lens.device)).to(torch.int32)
         return k_ctx, v_ctx, table
 
     def _attend(self, q, k_pages, v_pages, ctx: StepContext) -> torch.Tensor:
-        if ctx.is_prefill:
+        if ctx.is_prefill:  # the step's values were checked once by the runner (see StepContext)
             return paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
-                                           self.scale)
+                                           self.scale, check_values=False)
         return decode_attention(q, k_pages, v_pages, ctx.context_lens, ctx.block_table, self.scale)
 
     def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
@@ -209,19 +210,20 @@ class MLAttention(nn.Module):
         if self.attention_mode == "expanded":
             k_nope, v = self.kv_b_proj(latent).view(T, H, Dn + Dv).split([Dn, Dv], dim=-1)
             write_kv_slots(k_pages, v_pages, torch.cat([k_nope, k_rope.expand(T, H, Dr)], dim=-1), v.contiguous(),
-                           ctx.slot_mapping)
+                           ctx.slot_mapping, check_values=False)
             out = self._attend(torch.cat([q_nope, q_rope], dim=-1), k_pages, v_pages, ctx)
         else:  # latent: v_pages views k_pages[..., :R], so writing k stores the latent as the value too
             write_kv_slots(k_pages, v_pages, torch.cat([latent[:, None], k_rope], dim=-1), latent[:, None],
-                           ctx.slot_mapping)
+                           ctx.slot_mapping, check_values=False)
             if ctx.is_prefill:  # many queries: expand K/V of the whole context (cheaper than absorbing)
                 k_ctx, v_ctx, table = self._expand_context(k_pages, ctx)
                 out = paged_prefill_attention(torch.cat([q_nope, q_rope], dim=-1), k_ctx, v_ctx, ctx.cu_seqlens_q,
-                                              ctx.context_lens, table, self.scale)
+                                              ctx.context_lens, table, self.scale, check_values=False)
             else:  # one query per sequence: attend in the latent space, one shared kv head of width R + Dr
-                q_latent = torch.einsum("thn,hnr->thr", q_nope.float(), self.w_uk.float()).to(x.dtype)
+                # Per-head GEMMs in the compute dtype (fp32 accumulation on the tensor cores), heads as the batch.
+                q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, R]
                 out_latent = self._attend(torch.cat([q_latent, q_rope], dim=-1), k_pages, v_pages, ctx)
-                out = torch.einsum("thr,hvr->thv", out_latent.float(), self.w_uv.float()).to(x.dtype)
+                out = torch.bmm(out_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, Dv]
         return self.o_proj(out.reshape(T, H * Dv))
 
 

@@ -105,10 +105,11 @@ class LlamaAttention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
         q, k = apply_rope(qk, cos, sin)[0].split([H, H_kv], dim=1)  # q and k heads in one call
         v = qkv[0, :, H + H_kv:]
-        write_kv_slots(k_pages, v_pages, k, v, ctx.slot_mapping)
+        # The step's values were checked once by the runner (see StepContext), not again in every layer.
+        write_kv_slots(k_pages, v_pages, k, v, ctx.slot_mapping, check_values=False)
         if ctx.is_prefill:
             out = paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
-                                          self.scale, window=self.window)
+                                          self.scale, window=self.window, check_values=False)
         else:  # one new token per sequence: rows are sequences
             out = decode_attention(q, k_pages, v_pages, ctx.context_lens, ctx.block_table, self.scale,
                                    window=self.window)

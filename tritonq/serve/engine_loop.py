@@ -25,6 +25,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+import torch
+
 from tritonq.generate import GenerationConfig
 from tritonq.serve.metrics import ServerMetrics
 
@@ -197,6 +199,9 @@ class EngineLoop:
     # ---- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            device = self.engine.runner.device
+            if device.type == "cuda":  # the current CUDA device is per thread: this one starts on cuda:0
+                torch.cuda.set_device(device)
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished()
                 try:
