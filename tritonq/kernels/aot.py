@@ -3,7 +3,7 @@
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs the whole NVIDIA
 pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin via the bundled ptxas) on a CPU-only
 machine. This catches what the interpreter forgives (dtype mixes, unsupported ops, shared
-memory overflow) and shows whether sm_90 picked wgmma. Used by tests and `tune --aot`.
+memory overflow) and shows whether the dots use tensor cores (mma.sync, sm_90's wgmma). Used by tests and `tune --aot`.
 `compile_launch` compiles a `kernels.common.Launch` built by a kernel's own launch builder over
 meta tensors, typing and hinting each argument as Triton's runtime would for real ones.
 """
@@ -30,6 +30,7 @@ class CompileReport:
     registers: int | None
     spills: int | None
     uses_wgmma: bool
+    uses_mma: bool = False  # mma.sync (sm_80+ tensor cores; Triton 3.x lowers tl.dot to FMA before sm_80)
 
     @property
     def fits(self) -> bool:
@@ -70,7 +71,7 @@ def aot_compile(kernel, signature: dict, constexprs: dict, cc: int, num_warps: i
         registers, spills = _ptxas_usage(ptx, cc)
     return CompileReport(cc=cc, shared_bytes=int(compiled.metadata.shared),
                          registers=registers, spills=spills,
-                         uses_wgmma=bool(re.search(r"\bwgmma\.", ptx)))
+                         uses_wgmma=bool(re.search(r"\bwgmma\.", ptx)), uses_mma=bool(re.search(r"\bmma\.sync\b", ptx)))
 
 
 def _ptxas_usage(ptx: str, cc: int) -> tuple[int | None, int | None]:
