@@ -49,9 +49,14 @@ MOE_PROBLEM = (512, 64, 6, 2048, 1408)  # tokens, experts, top-k, D, I: DeepSeek
 # (Dqk, Dv), page size, window: Llama/Qwen 128, small models 64, DeepSeek's expanded 192 / 128 and
 # latent 576 / 512; 64-token pages and sliding windows change the key gather (registers).
 PREFILL = [((64, 64), 16, 0), ((128, 128), 16, 0), ((192, 128), 16, 0), ((576, 512), 16, 0),
-           ((128, 128), 64, 0), ((128, 128), 16, 4096), ((192, 128), 16, 4096)]
+           ((128, 128), 64, 0), ((192, 128), 16, 4096)]
 DECODE = [((64, 64), 16, 0), ((128, 128), 16, 0), ((192, 128), 16, 0), ((576, 512), 16, 0),
-          ((128, 128), 64, 0), ((576, 512), 64, 0), ((128, 128), 16, 4096)]
+          ((576, 512), 64, 0), ((128, 128), 16, 4096)]
+# The launches compiled for a target's other dtype (fp16 beside the default bf16 from sm_80): one per kernel
+# family. fp16 and bf16 compiled to the same shared memory, spills and tensor-core use in all 166 cases of
+# the full set on sm_80/89/90 (Triton 3.9), so the full set runs in the default dtype only (CI time).
+OTHER_DTYPE_CASES = ("int4 M256", "fp8 block M256", "fp8 weight-only block M256", "prefill 128/128 page16 window0",
+                     "decode 576/512 page16 window0", "moe int4 gate_up M64", "rms_norm 8192")
 
 # {(triton "major.minor", cc, dtype, case): spill bytes measured}: spills the test accepts, and why.
 SPILL_ALLOWED: dict[tuple[str, int, str, str], int] = {}
@@ -77,23 +82,22 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     out, i32 = {}, dict(dtype=torch.int32)
     for M in (1, 16, 256):
         out[f"int4 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K), M, N, K, dtype)
-    for M in (1, 256):  # GPTQ act-order (per-row scale gather) and 8-bit
-        out[f"int4 act-order M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K), M, N, K, dtype,
-                                                           zeros=False, act_order=True)
-        out[f"int8 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K), M, N, K, dtype, bits=8)
+    config = int4_gemm.default_config(256, N, K)  # GPTQ act-order (a per-row scale gather) and 8-bit
+    out["int4 act-order M256"] = int4_gemm.aot_launch(config, 256, N, K, dtype, zeros=False, act_order=True)
+    out["int8 M256"] = int4_gemm.aot_launch(config, 256, N, K, dtype, bits=8)
     # fp8: e4m3 x e4m3 dots from sm_89 (block-scaled and per-channel weights), the weight-only path (weights
     # decoded in the kernel) below sm_89 and for weight-only checkpoints everywhere.
     paths = [("fp8", False), ("fp8 weight-only", True)] if cc >= 89 else [("fp8 weight-only", True)]
     for path, weight_only in paths:
-        for M, block in ((1, True), (16, True), (256, True), (1, False), (256, False)):
+        shapes = ((1, True), (16, True), (256, True), (256, False)) if path == paths[0][0] else ((256, True),)
+        for M, block in shapes:
             config = fp8_gemm.default_config(M, N, K, cc=cc, block_scaled=block, weight_only=weight_only)
             out[f"{path} {'block' if block else 'channel'} M{M}"] = fp8_gemm.aot_launch(
                 config, M, N, K, 80 if weight_only else cc, dtype, block, bias=True)
-    if cc >= 89:  # activations quantized per 128-group (block-scaled) and per token (per-channel)
-        for group in (128, K):
-            out[f"fp8 quantize group{group}"] = fp8_gemm.quantize_activation_launch(
-                _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.float8_e4m3fn),
-                _meta(256, K // group, dtype=torch.float32), group, static=False)
+    if cc >= 89:  # activations quantized per 128-group (block-scaled weights)
+        out["fp8 quantize group128"] = fp8_gemm.quantize_activation_launch(
+            _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.float8_e4m3fn),
+            _meta(256, K // 128, dtype=torch.float32), 128, static=False)
     for (d_qk, d_v), page_size, window in PREFILL:
         if cc < 80 and d_qk == 576:
             continue  # no tile fits (paged_prefill_config); the runtime's latent prefill expands to 192 / 128
@@ -121,8 +125,9 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         out[f"write_kv_slots {d_qk}/{d_v}"] = attention.write_kv_slots_launch(
             k, v, _meta(64, _heads(d_qk)[1], d_qk, dtype=dtype), _meta(64, _heads(d_qk)[1], d_v, dtype=dtype),
             _meta(64, dtype=torch.int64))
-    for kind in ("dense", "int4", "fp8"):  # gate/up (two accumulators) at every default tile, down at the largest
-        for gate_up, (_, config) in [(True, c) for c in moe.DEFAULT_CONFIGS] + [(False, moe.DEFAULT_CONFIGS[-1])]:
+    for kind in ("dense", "int4", "fp8"):  # gate/up (two accumulators) at the smallest and largest tile, down
+        for gate_up, config in ((True, moe.DEFAULT_CONFIGS[0][1]), (True, moe.DEFAULT_CONFIGS[-1][1]),
+                                (False, moe.DEFAULT_CONFIGS[-1][1])):
             out[f"moe {kind} {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = moe.aot_launch(
                 config, (*MOE_PROBLEM, 0 if gate_up else 1), kind, native_fp8=cc >= 89, dtype=dtype)
     out["rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5)[0]
@@ -145,8 +150,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-CASES = [(cc, _dtype_name(dtype), name) for cc in TARGETS for dtype in gpu_compute_dtypes(cc)
-         for name in launches(cc, dtype)]
+CASES = [(cc, _dtype_name(dtype), name) for cc in TARGETS for i, dtype in enumerate(gpu_compute_dtypes(cc))
+         for name in launches(cc, dtype) if i == 0 or name in OTHER_DTYPE_CASES]
 
 
 def _compile(case):

@@ -126,6 +126,22 @@ def _check_device_dtype(dtype: torch.dtype | None, device: torch.device) -> None
     raise ValueError(f"dtype={dtype} on {device} (sm_{cc}) is not supported: {why}; {fix}.")
 
 
+def _default_dtype(stored, device: torch.device) -> torch.dtype:
+    """The compute dtype when load() is given none: float32 on CPU (CPU half matmuls are slow), else the
+    checkpoint's (`stored`: config.json's dtype, a torch.dtype or its name) fp16, else bf16; but fp16 on
+    CUDA before sm_80, which has no bf16 arithmetic (said in the log)."""
+    from tritonq.kernels.common import compute_capability, gpu_compute_dtypes
+
+    stored_fp16 = str(stored).removeprefix("torch.") == "float16"  # a dtype or a string, by version
+    dtype = torch.float32 if device.type == "cpu" else torch.float16 if stored_fp16 else torch.bfloat16
+    if device.type == "cuda" and dtype not in gpu_compute_dtypes(compute_capability(device)):
+        dtype = torch.float16
+        logging.getLogger("tritonq").warning(
+            "%s is sm_%d (no bf16 arithmetic before sm_80): computing in float16, not the checkpoint's %s; "
+            "activations past fp16's range (65504) would overflow.", device, compute_capability(device), stored)
+    return dtype
+
+
 def _check_options(max_seq_len, quantize, group_size, max_num_seqs, max_num_batched_tokens, kv_cache_gb,
                    gpu_memory_utilization, block_size) -> None:
     """Argument checks that need no file: raised before anything is read."""
@@ -256,7 +272,6 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     from tritonq.engine.runner import kv_cache_blocks
     from tritonq.formats.registry import get_loader
     from tritonq.hub import resolve
-    from tritonq.kernels.common import compute_capability, gpu_compute_dtypes
     from tritonq.models import model_class
 
     dtype = _compute_dtype(dtype)
@@ -293,14 +308,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
         raise ValueError(f"model_type {config.model_type!r} does not support tensor parallelism yet; "
                          "load it with tensor_parallel=1")
     if dtype is None:
-        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        stored_fp16 = str(stored).removeprefix("torch.") == "float16"  # a dtype or a string, by version
-        dtype = torch.float32 if device.type == "cpu" else torch.float16 if stored_fp16 else torch.bfloat16
-        if device.type == "cuda" and dtype not in gpu_compute_dtypes(compute_capability(device)):
-            dtype = torch.float16
-            logging.getLogger("tritonq").warning(
-                "%s is sm_%d (no bf16 arithmetic before sm_80): computing in float16, not the checkpoint's %s; "
-                "activations past fp16's range (65504) would overflow.", device, compute_capability(device), stored)
+        dtype = _default_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
     loader = get_loader(folder, dtype, device, quantize, 128 if group_size is None else group_size,
                         rank=rank, world=world)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)
