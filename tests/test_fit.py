@@ -10,7 +10,7 @@ no GPU) for sm_75 (T4), sm_80 (A100), sm_89 (L4/L40) and sm_90 (H100/H200) x `gp
 and must:
   * fit the target's shared memory per block (`aot.SHARED_MEMORY_LIMIT`, CUDA's opt-in maximum: 64 KB,
     163 KB, 99 KB, 227 KB), else Triton raises OutOfResources at the first launch;
-  * not spill registers (`SPILL_ALLOWED` lists the measured exceptions, with why);
+  * not spill registers (`SPILL_ALLOWED` lists the measured exceptions, sm_75 GEMMs, with why);
   * use tensor cores where a dot has them: mma.sync on sm_80/89, wgmma on sm_90 for dots of >= 64 rows
     (warp-group tiles; 16-row decode tiles take mma.sync); none on sm_75, where Triton 3.x lowers tl.dot
     to FMA (the test fails if a Triton brings mma back there, so that docs and defaults get revisited).
@@ -53,13 +53,32 @@ PREFILL = [((64, 64), 16, 0), ((128, 128), 16, 0), ((192, 128), 16, 0), ((576, 5
 DECODE = [((64, 64), 16, 0), ((128, 128), 16, 0), ((192, 128), 16, 0), ((576, 512), 16, 0),
           ((576, 512), 64, 0), ((128, 128), 16, 4096)]
 # The launches compiled for a target's other dtype (fp16 beside the default bf16 from sm_80): one per kernel
-# family. fp16 and bf16 compiled to the same shared memory, spills and tensor-core use in all 166 cases of
+# family. fp16 and bf16 compiled to the same shared memory, spills and tensor-core use in all 149 cases of
 # the full set on sm_80/89/90 (Triton 3.9), so the full set runs in the default dtype only (CI time).
 OTHER_DTYPE_CASES = ("int4 M256", "fp8 block M256", "fp8 weight-only block M256", "prefill 128/128 page16 window0",
                      "decode 576/512 page16 window0", "moe int4 gate_up M64", "rms_norm 8192")
 
-# {(triton "major.minor", cc, dtype, case): spill bytes measured}: spills the test accepts, and why.
-SPILL_ALLOWED: dict[tuple[str, int, str, str], int] = {}
+# {(cc, case): bytes}: the register spills accepted (the most measured under Triton 3.9.0 and 3.6.0).
+# sm_75 (T4) only: its dots run on FMA (no mma before sm_80), and the GEMM / MoE tiles are the sm_80+
+# defaults (int4_gemm and moe pick tiles without the compute capability); spills there cost speed, not
+# correctness. A T4 tile set for them is the next step (measure on a T4 first). Attention fits without.
+SPILL_ALLOWED: dict[tuple[int, str], int] = {
+    (75, "int4 M256"): 196,  # 3.9: 196, 3.6: 88
+    (75, "int4 act-order M256"): 9734,  # 3.9: 9734, 3.6: 9276
+    (75, "int8 M256"): 200,  # 3.9: 200, 3.6: 88
+    (75, "fp8 weight-only block M1"): 2228,  # 3.9: 2228, 3.6: 2184
+    (75, "fp8 weight-only block M16"): 2228,  # 3.9: 2228, 3.6: 2180
+    (75, "fp8 weight-only block M256"): 7532,  # 3.9: 7532, 3.6: 6836
+    (75, "fp8 weight-only channel M256"): 7344,  # 3.9: 7344, 3.6: 6960
+    (75, "moe dense gate_up M16"): 2138,  # 3.9: 2138, 3.6: 1404
+    (75, "moe dense gate_up M64"): 1728,  # 3.9: 1728, 3.6: 1064
+    (75, "moe dense down M64"): 448,  # 3.9: 448, 3.6: 408
+    (75, "moe int4 gate_up M16"): 2084,  # 3.9: 2036, 3.6: 2084
+    (75, "moe int4 gate_up M64"): 2280,  # 3.9: 2204, 3.6: 2280
+    (75, "moe fp8 gate_up M16"): 1968,  # 3.9: 1968, 3.6: 1856
+    (75, "moe fp8 gate_up M64"): 1624,  # 3.9: 1624, 3.6: 1092
+    (75, "moe fp8 down M64"): 456,  # 3.9: 456, 3.6: 376
+}
 
 
 def _meta(*shape, dtype=torch.bfloat16) -> torch.Tensor:
@@ -186,7 +205,7 @@ def reports_under(triton_install: str) -> dict:
         first = ()
         if triton_install == "3.6":
             if not (TRITON_36 / "triton").is_dir():
-                message = (f"Triton 3.6.0 is not installed at {TRITON_36}: run `python -m pip install --target "
+                message = (f"Triton 3.6.0 is not installed at {TRITON_36}: run `python -m pip install --upgrade --target "
                            f"{TRITON_36.relative_to(ROOT)} --no-deps triton==3.6.0` (the README's set-up)")
                 if os.environ.get("CI") == "true":
                     pytest.fail(message)
@@ -208,7 +227,7 @@ def test_launch_fits_target(triton_install, cc, dtype, name):
     print(f"\nTriton {version} sm_{cc} {dtype} {name}: {report}")
     assert report["shared_bytes"] <= SHARED_MEMORY_LIMIT[cc], (
         f"needs {report['shared_bytes']} B of shared memory, over sm_{cc}'s {SHARED_MEMORY_LIMIT[cc]} B per block")
-    allowed = SPILL_ALLOWED.get((".".join(version.split(".")[:2]), cc, dtype, name), 0)
+    allowed = SPILL_ALLOWED.get((cc, name), 0)
     assert report["spills"] is not None and report["spills"] <= allowed, f"spills {report['spills']} B"
     expected = expected_tensor_cores(cc, report["dot_rows"])
     used = "wgmma" if report["uses_wgmma"] else "mma" if report["uses_mma"] else None
