@@ -9,15 +9,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_without_interpreter(args: list[str], timeout: int = 600) -> str:
-    """Run `python *args` with the repo importable and TRITON_INTERPRET unset; return its stdout."""
+def run_without_interpreter(args: list[str], timeout: int = 600, first_on_path: tuple[str, ...] = ()) -> str:
+    """Run `python *args` with the repo importable and TRITON_INTERPRET unset; return its stdout.
+    first_on_path: folders put before everything else on sys.path (e.g. another Triton's --target install)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first_on_path, str(ROOT), str(ROOT / "tests"),
+                                                      env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
-def json_from_child(args: list[str], timeout: int = 600):
+def json_from_child(args: list[str], timeout: int = 600, first_on_path: tuple[str, ...] = ()):
     """run_without_interpreter, reading the JSON report the child prints on its last line."""
-    return json.loads(run_without_interpreter(args, timeout).strip().splitlines()[-1])
+    return json.loads(run_without_interpreter(args, timeout, first_on_path).strip().splitlines()[-1])

@@ -255,3 +255,34 @@ def test_engine_check_request_is_the_shared_check(model):
         model.score([[1, 999]])
     assert not model.engine.has_unfinished()
     model.engine.check_request([1, 2], config)
+
+
+@pytest.mark.parametrize("capability, dtype, phrase", [
+    ((8, 0), torch.float32, "dtype=torch.float32 on cuda:0 (sm_80) is not supported: the GPU kernels run fp16/bf16 "
+                            "only"),
+    ((9, 0), "float32", "load with dtype=torch.bfloat16 or dtype=torch.float16, or on device='cpu' for fp32"),
+    ((7, 5), torch.bfloat16, "sm_75 (pre-Ampere: T4, V100) has no bf16 arithmetic"),
+    ((7, 5), torch.float32, "load with dtype=torch.float16, or on device='cpu'")])
+def test_load_refuses_dtypes_the_gpu_kernels_do_not_run_before_reading_anything(monkeypatch, tmp_path, capability,
+                                                                                dtype, phrase):
+    """fp32 on any GPU and bf16 before sm_80 are refused before the checkpoint is even resolved."""
+    def no_files(*args, **kwargs):
+        raise AssertionError("the checkpoint was resolved before the dtype was refused")
+
+    monkeypatch.setattr("tritonq.hub.resolve", no_files)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # "cuda" resolves to the current GPU
+    with pytest.raises(ValueError) as info:
+        tritonq.load(tmp_path, device="cuda", dtype=dtype)
+    assert phrase in str(info.value)
+
+
+@pytest.mark.parametrize("capability, stored, expected", [
+    ((9, 0), "bfloat16", torch.bfloat16), ((8, 0), torch.float16, torch.float16), ((8, 9), None, torch.bfloat16),
+    ((7, 5), "bfloat16", torch.float16), ((7, 5), torch.float16, torch.float16)])
+def test_default_gpu_dtype_is_the_checkpoints_but_fp16_before_sm80(monkeypatch, caplog, capability, stored, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert tritonq._default_dtype(stored, torch.device("cuda")) == expected
+    cast = capability < (8, 0) and stored != torch.float16
+    assert ("computing in float16, not the checkpoint's" in caplog.text) == cast
+    assert tritonq._default_dtype(stored, torch.device("cpu")) == torch.float32

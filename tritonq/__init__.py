@@ -119,6 +119,44 @@ def _capture_graphs(cuda_graphs: bool | None, world: int) -> bool:
     return True
 
 
+def _check_device_dtype(dtype: torch.dtype | None, device: torch.device) -> None:
+    """On CUDA, a ValueError unless dtype (None: the default) is one the GPU kernels run in there
+    (`kernels.common.gpu_compute_dtypes`): fp32 never, bf16 from sm_80 on."""
+    from tritonq.kernels.common import compute_capability, gpu_compute_dtypes
+
+    if device.type != "cuda" or dtype is None:
+        return
+    cc = compute_capability(device)
+    accepted = gpu_compute_dtypes(cc)
+    if dtype in accepted:
+        return
+    names = " or ".join(f"dtype=torch.{str(d).removeprefix('torch.')}" for d in accepted)
+    if dtype == torch.float32:
+        why = ("the GPU kernels run fp16/bf16 only: fp32 tiles need more shared memory than a GPU block has "
+               "and fp32 GEMMs run without tensor cores")
+        fix = f"load with {names}, or on device='cpu' for fp32"
+    else:  # bf16 below sm_80
+        why = f"sm_{cc} (pre-Ampere: T4, V100) has no bf16 arithmetic (torch would emulate it, slowly)"
+        fix = f"load with {names} (a bf16 checkpoint is cast on load)"
+    raise ValueError(f"dtype={dtype} on {device} (sm_{cc}) is not supported: {why}; {fix}.")
+
+
+def _default_dtype(stored, device: torch.device) -> torch.dtype:
+    """The compute dtype when load() is given none: float32 on CPU (CPU half matmuls are slow), else the
+    checkpoint's (`stored`: config.json's dtype, a torch.dtype or its name) fp16, else bf16; but fp16 on
+    CUDA before sm_80, which has no bf16 arithmetic (said in the log)."""
+    from tritonq.kernels.common import compute_capability, gpu_compute_dtypes
+
+    stored_fp16 = str(stored).removeprefix("torch.") == "float16"  # a dtype or a string, by version
+    dtype = torch.float32 if device.type == "cpu" else torch.float16 if stored_fp16 else torch.bfloat16
+    if device.type == "cuda" and dtype not in gpu_compute_dtypes(compute_capability(device)):
+        dtype = torch.float16
+        logging.getLogger("tritonq").warning(
+            "%s is sm_%d (no bf16 arithmetic before sm_80): computing in float16, not the checkpoint's %s; "
+            "activations past fp16's range (65504) would overflow.", device, compute_capability(device), stored)
+    return dtype
+
+
 def _check_options(max_seq_len, quantize, group_size, max_num_seqs, max_num_batched_tokens, kv_cache_gb,
                    gpu_memory_utilization, block_size) -> None:
     """Argument checks that need no file: raised before anything is read."""
@@ -218,7 +256,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
 
     device defaults to CUDA when available, else CPU. dtype (torch.float16 / bfloat16 / float32, or
     its name as a string) defaults to float32 on CPU (CPU half matmuls are slow) and to the
-    checkpoint's fp16/bf16 on CUDA. quantize ("int4", "fp8", "fp8-mlp") quantizes a dense
+    checkpoint's fp16/bf16 on CUDA, fp16 before sm_80 (T4: no bf16; logged). On CUDA float32 is
+    refused, and bfloat16 before sm_80 (`kernels.common.gpu_compute_dtypes`). quantize ("int4", "fp8", "fp8-mlp") quantizes a dense
     checkpoint while loading; group_size (int4 only, default 128; -1: one group per output
     channel) sets the input rows per int4 group. max_seq_len (default: min(max_position_embeddings,
     4096); more than max_position_embeddings is refused unless the config scales rope) bounds
@@ -255,6 +294,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     dtype = _compute_dtype(dtype)
     _check_options(max_seq_len, quantize, group_size, max_num_seqs, max_num_batched_tokens, kv_cache_gb,
                    gpu_memory_utilization, block_size)
+    device = distributed.resolve_device(device)
+    _check_device_dtype(dtype, device)
     if cuda_graphs not in (None, True, False):
         raise ValueError(f"cuda_graphs={cuda_graphs!r}; expected True, False or None (True on CUDA).")
     folder = resolve(name_or_path, revision=revision)
@@ -276,7 +317,6 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     tokenizer = _tokenizer(folder)
     eos_ids = _eos_token_ids(folder, raw_config, tokenizer)
     _check_tokenizer(folder, raw_config, tokenizer, eos_ids)
-    device = distributed.resolve_device(device)
     if cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs a CUDA device; the device is {device}. Leave cuda_graphs unset "
                          "(or False): other devices run every step eagerly.")
@@ -285,9 +325,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
         raise ValueError(f"model_type {config.model_type!r} does not support tensor parallelism yet; "
                          "load it with tensor_parallel=1")
     if dtype is None:
-        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        stored_fp16 = str(stored).removeprefix("torch.") == "float16"  # a dtype or a string, by version
-        dtype = torch.float32 if device.type == "cpu" else torch.float16 if stored_fp16 else torch.bfloat16
+        dtype = _default_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
     loader = get_loader(folder, dtype, device, quantize, 128 if group_size is None else group_size,
                         rank=rank, world=world)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)

@@ -5,31 +5,21 @@ each sequence's valid tokens alone, so padding, per-sequence lengths and GQA are
 code we did not write. Shapes are small (few heads) but odd: lengths {1, 7, 33} and cache lengths
 {1, 65, 300} cover partial blocks, one-token sequences and empty decode splits.
 """
-import dataclasses
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import tolerances
-from child_process import json_from_child
 
-from tritonq.kernels.aot import SM_COUNT, compile_launch
 from tritonq.kernels.attention import (
     decode_attention,
     decode_attention_reference,
-    decode_config,
-    decode_launches,
-    head_blocks,
     paged_cache,
     paged_prefill_attention,
     paged_prefill_attention_reference,
-    paged_prefill_config,
-    paged_prefill_launch,
     paged_prompts,
     write_kv_slots,
-    write_kv_slots_launch,
     write_kv_slots_reference,
 )
 
@@ -38,7 +28,7 @@ from tritonq.kernels.attention import (
 # PV dot (as every flash kernel does), and the output is rounded once: a few ulps of that dtype.
 # bf16 is not run here: triton 3.9's interpreter does bf16 arithmetic on the raw bits (a bf16
 # tile times 1.0 comes back as ~1e32, and so does a bf16 tl.dot), so bf16 is covered by the AOT
-# compile test below and by the GPU benchmark, which checks against SDPA in bf16.
+# fit test (tests/test_fit.py) and by the GPU benchmark, which checks against SDPA in bf16.
 TOL = tolerances.table("attention")
 
 # (Dqk, Dv, H, Hkv): head dims 64, 128, 96 and DeepSeek-V2's 192/128; GQA ratios 1, 4, 8.
@@ -46,7 +36,6 @@ HEADS = [(64, 64, 2, 2), (128, 128, 4, 1), (192, 128, 2, 2), (96, 96, 8, 1)]
 SEQ_LENS = [1, 7, 33]
 CACHE_LENS = [1, 65, 300]
 S_MAX = 301  # not a multiple of any block size
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def sdpa(q, k, v, scale, causal):
@@ -189,73 +178,6 @@ def test_bad_inputs_raise_clear_errors():
         decode_attention(q[:1, :2].half(), pages, pages, lens([4]), table, 0.25)
     with pytest.raises(ValueError, match=f"block_table must be an int32 tensor \\[1, max_pages\\] on {q.device}; got None"):
         decode_attention(q[:1, :2], pages, pages, lens([4]), None, 0.25)
-
-
-# Every config the launchers ship for a GPU, by real (Dqk, Dv): Llama 64 / 128, 96 (64 + 32 tail), DeepSeek-V2
-# 192 / 128, 256 (the wide-head default) and the MLA latent 576 / 512.
-SHIPPED_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256), (576, 512)]
-
-
-def _meta(*shape, dtype=torch.bfloat16):
-    return torch.empty(*shape, dtype=dtype, device="meta")
-
-
-def _heads(d_qk: int) -> tuple[int, int]:
-    """(H, Hkv) the AOT checks compile for: GQA 4 (Llama-3 8B's 32 / 8), MLA latent 16 / 1 (V2-Lite)."""
-    return (16, 1) if d_qk == 576 else (32, 8)
-
-
-def compile_shipped_configs(cc: int) -> dict:
-    """{kernel and dims: CompileReport fields} for every shipped config, compiled for sm_`cc` from the
-    launchers' own launch builders over meta tensors (bf16, the shapes a model passes)."""
-    reports = {}
-    i32 = dict(dtype=torch.int32)
-    # Prefill over 16-token pages (vLLM's and the engine's default), with and without a sliding window
-    # (Mistral, Qwen2 128; MLA), and over 64-token pages (block_size=64), where a key tile lies in one page.
-    # MLA's v is a view of the latent pages.
-    for (d_qk, d_v), window, page_size in ([(dims, 0, 16) for dims in SHIPPED_DIMS]
-                                           + [((128, 128), 4096, 16), ((192, 128), 4096, 16), ((576, 512), 4096, 16),
-                                              ((128, 128), 0, 64), ((576, 512), 0, 64)]):
-        H, H_kv = _heads(d_qk)
-        cfg = paged_prefill_config(*head_blocks(d_qk, d_v), cc)
-        k_pages = _meta(1024, page_size, H_kv, d_qk)
-        v_pages = k_pages[..., :d_v] if d_qk == 576 else _meta(1024, page_size, H_kv, d_v)
-        launch = paged_prefill_launch(_meta(2048, H, d_qk), k_pages, v_pages, _meta(5, **i32), _meta(4, **i32),
-                                      _meta(4, 4096 // page_size, **i32), d_qk ** -0.5, window, cfg)[0]
-        reports[f"prefill Dqk{d_qk} Dv{d_v} window{window} page{page_size} {cfg}"] = compile_launch(launch, cc)
-    # Decode over the same pages, and the merge of its splits.
-    for (d_qk, d_v), page_size, window in ([(dims, 16, 0) for dims in SHIPPED_DIMS]
-                                           + [((128, 128), 16, 4096), ((128, 128), 64, 0), ((576, 512), 64, 0)]):
-        H, H_kv = _heads(d_qk)
-        cfg = decode_config(1, H_kv, 32768, page_size, *head_blocks(d_qk, d_v), sm_count=SM_COUNT[cc])
-        k_pages, table = _meta(4096, page_size, H_kv, d_qk), _meta(1, 32768 // page_size, **i32)
-        v_pages = k_pages[..., :d_v] if d_qk == 576 else _meta(*k_pages.shape[:3], d_v)
-        split, merge, _ = decode_launches(_meta(1, H, d_qk), k_pages, v_pages, _meta(1, **i32), table, d_qk ** -0.5,
-                                          window, cfg)
-        name = f"Dqk{d_qk} Dv{d_v} page{page_size} window{window} {cfg}"
-        reports[f"decode {name}"] = compile_launch(split, cc)
-        reports[f"decode merge {name}"] = compile_launch(merge, cc)
-    for d_qk, d_v in [(128, 128), (576, 512)]:
-        H, H_kv = _heads(d_qk)
-        k_pages = _meta(1024, 16, H_kv, d_qk)
-        v_pages = k_pages[..., :d_v] if d_qk == 576 else _meta(1024, 16, H_kv, d_v)
-        launch = write_kv_slots_launch(k_pages, v_pages, _meta(64, H_kv, d_qk), _meta(64, H_kv, d_v),
-                                       _meta(64, dtype=torch.int64))
-        reports[f"write_slots Dqk{d_qk} Dv{d_v} page16"] = compile_launch(launch, cc)
-    return {name: dataclasses.asdict(r) | {"fits": r.fits} for name, r in reports.items()}
-
-
-@pytest.mark.parametrize("cc", [80, 90])
-def test_shipped_configs_compile_within_shared_memory(cc):
-    # Compiling needs real @triton.jit functions, so it runs in a process without TRITON_INTERPRET.
-    script = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-              f"import test_attention; print(json.dumps(test_attention.compile_shipped_configs({cc})))")
-    reports = json_from_child(["-c", script])
-    for name, report in reports.items():
-        print(f"sm_{cc} {name}: {report}")
-        assert report["fits"] and report["spills"] in (0, None), (name, report)
-        if name.startswith("prefill") and "Dv512" not in name:  # decode and MLA prefill
-            assert report["uses_wgmma"] == (cc == 90), (name, report)  # have 16-row tiles: mma.sync
 
 
 def _constexpr_kwargs(kwargs: dict) -> dict:

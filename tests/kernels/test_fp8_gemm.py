@@ -24,7 +24,6 @@ from dataclasses import replace
 import pytest
 import torch
 import tolerances
-from child_process import json_from_child
 
 from tritonq.kernels import common
 from tritonq.kernels import fp8_gemm as fp8
@@ -196,73 +195,3 @@ def test_block_k_straddling_a_scale_block_is_rejected():
 def test_wrong_k_is_rejected():
     with pytest.raises(ValueError, match="K=299"):
         fp8_gemm(torch.randn(2, K - 1), make_weight("tensor"))
-
-
-# ---- AOT: the real NVIDIA pipeline, no GPU -----------------------------------------------------
-# The launchers' own launches (fp8_gemm.aot_launch: the builder over meta tensors, with the hints the
-# runtime gives) at each default config: decode (M = 1, split K), M = 64 and prefill (M = 512), Llama-7B's
-# 4096 x 4096 with a bias. conftest turns @triton.jit into interpreter objects, which triton.compile
-# cannot take, so the compiles run once in a subprocess without TRITON_INTERPRET and report back as JSON.
-
-AOT_SCRIPT = r"""
-import json, sys
-import torch
-from tritonq.kernels.aot import compile_launch
-from tritonq.kernels.fp8_gemm import aot_launch, default_config, quantize_activation_launch
-
-N = K = 4096
-reports = {}
-for block in (False, True):
-    for name, M in (("decode", 1), ("M64", 64), ("prefill", 512)):
-        for cc in (89, 90):  # e4m3 x e4m3 tensor cores
-            cfg = default_config(M, N, K, cc=cc, block_scaled=block)
-            reports[f"fp8 block={block} {name} sm_{cc}"] = compile_launch(
-                aot_launch(cfg, M, N, K, cc, torch.bfloat16, block, bias=True), cc)
-        for dtype in (torch.float16, torch.bfloat16):  # below sm_89: the weight's bytes decoded in the kernel
-            cfg = default_config(M, N, K, cc=80, block_scaled=block, weight_only=True)
-            reports[f"weight-only {str(dtype)[6:]} block={block} {name} sm_80"] = compile_launch(
-                aot_launch(cfg, M, N, K, 80, dtype, block, bias=True), 80)
-x = torch.empty(512, K, dtype=torch.bfloat16, device="meta")
-reports["quantize sm_90"] = compile_launch(quantize_activation_launch(
-    x, torch.empty(512, K, dtype=torch.float8_e4m3fn, device="meta"),
-    torch.empty(512, K // 128, dtype=torch.float32, device="meta"), 128, static=False), 90)
-json.dump({k: dict(shared=r.shared_bytes, regs=r.registers, spills=r.spills, wgmma=r.uses_wgmma, fits=r.fits)
-           for k, r in reports.items()}, sys.stdout)
-"""
-
-
-@pytest.fixture(scope="module")
-def aot_reports():
-    return json_from_child(["-c", AOT_SCRIPT])
-
-
-def assert_no_spills(name: str, report: dict) -> None:
-    """Fits in shared memory, no register spills: under Triton 3.9 and 3.7.1 (torch 2.13.0's CUDA build's)
-    alike; 3.7.1 spilled in 128 x 128 weight-only and sm_89 block-scaled tiles, now 128 x 64 (default_config)."""
-    assert report["fits"] and report["spills"] == 0, (name, report)
-
-
-@pytest.mark.parametrize("block", [False, True])
-@pytest.mark.parametrize("tile", ["decode", "M64", "prefill"])
-def test_fp8_dot_compiles_for_sm89_and_to_wgmma_on_sm90(aot_reports, block, tile):
-    sm90, sm89 = aot_reports[f"fp8 block={block} {tile} sm_90"], aot_reports[f"fp8 block={block} {tile} sm_89"]
-    print(sm90, sm89)
-    assert_no_spills(f"fp8 block={block} {tile} sm_90", sm90)
-    assert_no_spills(f"fp8 block={block} {tile} sm_89", sm89)
-    # wgmma needs M tiles of 64 rows per warp group; 16-row decode tiles use mma
-    assert sm90["wgmma"] == (tile != "decode") and not sm89["wgmma"]
-
-
-@pytest.mark.parametrize("block", [False, True])
-@pytest.mark.parametrize("tile", ["decode", "M64", "prefill"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_weight_only_compiles_for_sm80(aot_reports, dtype, block, tile):
-    name = f"weight-only {dtype} block={block} {tile} sm_80"
-    print(aot_reports[name])
-    assert not aot_reports[name]["wgmma"]
-    assert_no_spills(name, aot_reports[name])
-
-
-def test_activation_quantization_compiles_for_sm90(aot_reports):
-    report = aot_reports["quantize sm_90"]
-    assert report["fits"] and report["spills"] == 0, report

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 import tolerances
-from child_process import json_from_child
 
 from tritonq.kernels import common, moe
 from tritonq.kernels.moe import (
@@ -293,46 +292,6 @@ def test_fused_moe_rejects_bad_inputs():
         fused_moe(x.double(), gate_up, down, weights, ids)
     with pytest.raises(ValueError, match=r"\[T=2, k\]"):
         fused_moe(x, gate_up, down, weights[:, :1], ids)
-
-
-# ------------------------------------------------------------------ AOT
-# conftest turns @triton.jit into interpreter objects, which triton.compile cannot take, so the
-# AOT compiles run once in a subprocess without TRITON_INTERPRET and report back as JSON.
-
-AOT_SCRIPT = r"""
-import json, sys
-from tritonq.kernels.aot import compile_launch
-from tritonq.kernels.moe import DEFAULT_CONFIGS, aot_launch
-# The launcher's own launch (moe.aot_launch: moe_gemm_launch over meta tensors) on DeepSeek-V2-Lite's
-# experts (64 experts, top 6, D 2048, I 1408), 512 tokens; int4 groups of 128, fp8 128 x 128 block scales.
-reports = {}
-for cc in (80, 90):
-    for kind in ("dense", "int4", "fp8"):  # fp8 below sm_89 has no float8e4nv: the kernel decodes its bytes
-        # gate/up (two accumulators) at every default config; down at the largest
-        for gate_up, (threshold, cfg) in [(True, c) for c in DEFAULT_CONFIGS] + [(False, DEFAULT_CONFIGS[-1])]:
-            launch = aot_launch(cfg, (512, 64, 6, 2048, 1408, 0 if gate_up else 1), kind, native_fp8=cc >= 89)
-            r = compile_launch(launch, cc)
-            reports[f"{'gate_up' if gate_up else 'down'}-{kind}-M{cfg.BLOCK_M}-sm_{cc}"] = dict(
-                shared=r.shared_bytes, regs=r.registers, spills=r.spills, wgmma=r.uses_wgmma, fits=r.fits)
-json.dump(reports, sys.stdout)
-"""
-
-
-@pytest.fixture(scope="module")
-def aot_reports():
-    return json_from_child(["-c", AOT_SCRIPT])
-
-
-@pytest.mark.parametrize("cc", [80, 90])
-@pytest.mark.parametrize("kind", ["dense", "int4", "fp8"])
-@pytest.mark.parametrize("variant", ["gate_up-M16", "gate_up-M32", "gate_up-M64", "down-M64"])
-def test_moe_gemm_kernel_aot_compiles(aot_reports, cc, kind, variant):
-    """Each default config fits without spills; sm_90 64-row tiles use wgmma."""
-    stage, block_m = variant.split("-")
-    report = aot_reports[f"{stage}-{kind}-{block_m}-sm_{cc}"]
-    print(f"moe {stage} {kind} BLOCK_{block_m} sm_{cc}: {report}")
-    assert report["fits"] and report["spills"] == 0, report
-    assert report["wgmma"] == (cc == 90 and block_m == "M64"), report  # wgmma needs 64-row warpgroup tiles
 
 
 # ------------------------------------------------------------------ explicit configs

@@ -8,7 +8,6 @@ transformers' own rope init functions in float32: 1e-5.
 import pytest
 import torch
 import tolerances
-from child_process import json_from_child
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -75,24 +74,3 @@ def test_apply_rope_rotates_pairs_by_position():
     z = z * torch.polar(torch.ones_like(theta), theta)[positions][:, :, None]
     torch.testing.assert_close(apply_rope(x, cos[positions], sin[positions]), torch.cat([z.real, z.imag], -1),
                                atol=1e-5, rtol=0)
-
-
-AOT_SCRIPT = """
-import dataclasses, json, sys
-import torch
-from tritonq.kernels.aot import compile_launch
-from tritonq.kernels.norm_rope import rms_norm_launch
-rows = torch.empty(4, 8192, dtype=torch.bfloat16, device="meta")  # Llama-70B's hidden size
-report = compile_launch(rms_norm_launch(rows, torch.empty(8192, dtype=torch.bfloat16, device="meta"), 1e-5)[0],
-                        int(sys.argv[1]))
-print(json.dumps(dict(dataclasses.asdict(report), fits=report.fits)))
-"""
-
-
-@pytest.mark.parametrize("cc", [80, 90])
-def test_rms_norm_kernel_compiles_without_spills(cc):
-    """The launcher's own launch for hidden sizes 4097..8192 (Llama-70B: 8192) lowers without register spills.
-    Runs in a subprocess without TRITON_INTERPRET, under which @triton.jit functions cannot be compiled."""
-    report = json_from_child(["-c", AOT_SCRIPT, str(cc)])
-    print(f"rms_norm sm_{cc} D=8192: {report}")
-    assert report["fits"] and not report["spills"]

@@ -20,7 +20,7 @@ import tritonq
 from tritonq.demo import byte_tokenizer
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.registry import get_loader
-from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM, kv_bytes_per_token
+from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM, default_attention_mode, kv_bytes_per_token
 from tritonq.quantize import write_quantized
 from tritonq.weights import FP8Weight, Int4Weight
 
@@ -292,3 +292,10 @@ def test_quantized_matches_transformers_on_dequantized_weights(checkpoint, fmt, 
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, expected, **TOL)
+
+
+@pytest.mark.parametrize("capability, mode", [((7, 5), "expanded"), ((8, 0), "latent"), ((9, 0), "latent")])
+def test_deepseek_attention_defaults_to_expanded_before_sm80(monkeypatch, capability, mode):
+    """No latent-attention tile fits sm_75's 64 KB of shared memory (tests/test_fit.py): DeepSeek expands there."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert default_attention_mode("cuda") == mode and default_attention_mode("cpu") == "latent"

@@ -3,7 +3,7 @@
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs the whole NVIDIA
 pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin via the bundled ptxas) on a CPU-only
 machine. This catches what the interpreter forgives (dtype mixes, unsupported ops, shared
-memory overflow) and shows whether sm_90 picked wgmma. Used by tests and `tune --aot`.
+memory overflow) and shows whether the dots use tensor cores (mma.sync, sm_90's wgmma). Used by tests and `tune --aot`.
 `compile_launch` compiles a `kernels.common.Launch` built by a kernel's own launch builder over
 meta tensors, typing and hinting each argument as Triton's runtime would for real ones;
 `launch_ttir` gives the same launch's front-end IR (integer widths of the address arithmetic).
@@ -37,6 +37,7 @@ class CompileReport:
     # fp32 division instructions, e.g. ("div.rn.f32",): IEEE round-to-nearest; div.full / div.approx
     # are approximate (Triton's `/` on fp32 is div.full.f32) and differ from torch in the last bits.
     fp32_divisions: tuple[str, ...] = ()
+    uses_mma: bool = False  # mma.sync (sm_80+ tensor cores; Triton 3.x lowers tl.dot to FMA before sm_80)
 
     @property
     def fits(self) -> bool:
@@ -79,6 +80,7 @@ def aot_compile(kernel, signature: dict, constexprs: dict, cc: int, num_warps: i
     return CompileReport(cc=cc, shared_bytes=int(compiled.metadata.shared),
                          registers=registers, spills=spills,
                          uses_wgmma=bool(re.search(r"\bwgmma\.", ptx)),
+                         uses_mma=bool(re.search(r"\bmma\.sync\b", ptx)),
                          mma_types=tuple(sorted({t for instr in mma for t in re.findall(
                              r"\.(f16|bf16|tf32|e4m3|e5m2|f64|s8|u8|s4|u4)(?=\.|\s|$)", instr)})),
                          fp32_divisions=tuple(sorted(set(re.findall(r"\bdiv(?:\.[a-z]+)*\.f32\b", ptx)))))

@@ -306,10 +306,17 @@ def paged_prefill_config(block_d: int, block_dr: int, block_dv: int, cc: int | N
     28 bytes at 128 / 128 and 80 at 256 / 256 on sm_80); MLA latent 576 / 512 heads a [16, 512] fp32
     accumulator as decode's, with 32-key tiles before sm_90 and 16 from sm_90 on (32 spill 4 bytes
     there with a window or 64-token pages).
+    Before sm_80 (T4: 64 KB of shared memory per block; Triton 3.x lowers tl.dot to FMA there, no mma,
+    and has no cp.async to pipeline): 64 query rows (32 for 256-wide heads), 16-key tiles, one stage:
+    41-57 KB, no spills at head dims 64-192 (tests/test_fit.py); 128-row tiles need 80-112 KB. No
+    tile fits MLA's latent 576 / 512 there: the [16, 512] query and accumulator alone take 68 KB.
     """
     if cc is None:
         return PrefillConfig(16, 16, 1, 1)
-    if block_dv > 256:
+    if cc < 80 and block_dv <= 256:
+        narrow_heads = block_d + block_dr <= 192 and block_dv <= 128
+        default = PrefillConfig(64 if narrow_heads else 32, 16, 8, 1)
+    elif block_dv > 256:
         default = PrefillConfig(16, 32 if cc < 90 else 16, 8, 2)
     else:
         block_n = 64 if cc >= 90 or block_d + block_dr <= 64 else 32

@@ -109,6 +109,14 @@ def compute_capability(device: torch.device) -> int | None:
     return 10 * major + minor
 
 
+def gpu_compute_dtypes(cc: int) -> tuple[torch.dtype, ...]:
+    """The model dtypes the Triton kernels run in on sm_`cc`, the default first: bf16 and fp16 from
+    sm_80 (Ampere); fp16 only below (T4, V100: no bf16 arithmetic, torch would emulate it). Never fp32:
+    its tiles overflow shared memory (attention, fp8 and int4 prefill tiles on sm_89/90) and its GEMM
+    dots run without tensor cores. The launch configs are AOT-checked for exactly these (tests/test_fit.py)."""
+    return (torch.bfloat16, torch.float16) if cc >= 80 else (torch.float16,)
+
+
 @functools.cache
 def has_fp8_tensor_cores(device: torch.device) -> bool:
     """Whether the kernels can use Triton's float8e4nv type (e4m3 loads and tl.dot) on `device`.

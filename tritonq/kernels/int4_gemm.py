@@ -236,7 +236,7 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
 def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig) -> tuple[Launch, torch.Tensor]:
     """The launch of _int4_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and
     its output: y [M, N] in x.dtype, or with SPLIT_K > 1 the [SPLIT_K, M, N] fp32 partials that the
-    caller sums. Over meta tensors it is what tune --aot and tests/test_compile.py compile."""
+    caller sums. Over meta tensors it is what tune --aot and tests/test_fit.py compile."""
     (M, K), N = x.shape, w.shape[0]
     block_k = config.BLOCK_K
     if w.g_idx is None and w.group_size % block_k:

@@ -521,8 +521,9 @@ def sweep_space(problem) -> list[dict]:
     return out
 
 
-def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool = True) -> Launch:
-    """`moe_gemm_launch` over meta tensors for one GEMM of a tuning problem: bf16 activations, experts
+def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool = True,
+               dtype: torch.dtype = torch.bfloat16) -> Launch:
+    """`moe_gemm_launch` over meta tensors for one GEMM of a tuning problem: activations in dtype, experts
     as `random_weights.random_experts` makes them of `kind` (int4: asymmetric, grouped as the tuner's;
     fp8: 128 x 128 block scales, loaded as float8e4nv if native_fp8, else decoded from their bytes)."""
     from tritonq.random_weights import random_experts
@@ -530,14 +531,14 @@ def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool 
     T, E, top_k, D, inter, gemm = tune_problem(problem)
     gate = gemm == 0
     N, K, w_rows = (inter, D, 2 * inter) if gate else (D, inter, D)  # w_rows: the stacked weight's N
-    weight = random_experts(kind, E, w_rows, K, torch.bfloat16, "meta")
+    weight = random_experts(kind, E, w_rows, K, dtype, "meta")
     meta = torch.device("meta")
     numel = T * top_k
     max_blocks = min(numel, triton.cdiv(numel, config.BLOCK_M) + E)  # as moe_align_block_size
     alignment = (torch.empty(max_blocks * config.BLOCK_M, dtype=torch.int32, device=meta),
                  torch.empty(max_blocks, dtype=torch.int32, device=meta), torch.empty(1, dtype=torch.int32, device=meta))
-    a = torch.empty(T if gate else numel, K, dtype=torch.bfloat16, device=meta)
-    out = torch.empty(numel, N, dtype=torch.bfloat16, device=meta)
+    a = torch.empty(T if gate else numel, K, dtype=dtype, device=meta)
+    out = torch.empty(numel, N, dtype=dtype, device=meta)
     routing = torch.empty(numel, dtype=torch.float32, device=meta)
     return moe_gemm_launch(a, out, weight, routing, alignment, top_k, config, config.BLOCK_M, gate, native_fp8)
 

@@ -28,12 +28,14 @@ transformers (the original differs only when just one of mscale / mscale_all_dim
 """
 from __future__ import annotations
 
+import logging
 import math
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
+from tritonq.kernels.common import compute_capability
 from tritonq.kernels.moe import fused_moe, grouped_topk
 from tritonq.kernels.norm_rope import apply_rope
 from tritonq.layers import Embedding, Linear, RMSNorm
@@ -251,16 +253,32 @@ class DeepseekV2DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def default_attention_mode(device: torch.device | str) -> str:
+    """"latent" (8.9x less KV cache), but "expanded" on CUDA before sm_80: no latent decode tile fits a T4's
+    64 KB of shared memory per block (its [16, 512] query and accumulator alone take 68 KB: tests/test_fit.py)."""
+    device = torch.device(device)
+    cc = compute_capability(device) if device.type == "cuda" else None
+    if cc is not None and cc < 80:
+        logging.getLogger("tritonq").warning(
+            "%s is sm_%d: DeepSeek runs its expanded attention (8.9x the KV cache of the latent one, whose "
+            "decode tiles need more shared memory than sm_%d's 64 KB per block)", device, cc, cc)
+        return "expanded"
+    return "latent"
+
+
 class DeepseekV2ForCausalLM(nn.Module):
-    """Built as DeepseekV2ForCausalLM(config, loader, dtype, device, attention_mode="latent").
+    """Built as DeepseekV2ForCausalLM(config, loader, dtype, device, attention_mode=None), None meaning
+    `default_attention_mode(device)`.
 
     forward(ctx: StepContext, cache: PagedKVCache) -> logits [R, V] (compute dtype), as in
     tritonq.models.common; kv_layout says what its cache pages hold per token.
     """
 
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str,
-                 attention_mode: str = "latent", max_seq_len: int | None = None):
+                 attention_mode: str | None = None, max_seq_len: int | None = None):
         super().__init__()
+        if attention_mode is None:
+            attention_mode = default_attention_mode(device)
         if attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode={attention_mode!r}; expected one of {ATTENTION_MODES}")
         self.config, self.dtype, self.device, self.attention_mode = config, dtype, torch.device(device), attention_mode

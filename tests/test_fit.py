@@ -1,0 +1,238 @@
+"""Every launch the runtime makes fits every GPU target it runs on, for every dtype `load()` accepts there.
+
+The launches are the launchers' own (each kernel file's builder over meta tensors: signature, strides,
+divisibility hints and default config as at run time), at representative shapes: int4 / fp8 GEMMs at
+M = 1, 16, 256 (a 4096 x 4096 layer), paged prefill and split-KV decode attention for head dims 64,
+128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token pages, a sliding
+window), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8), rms_norm and the fp8 activation
+quantization. Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
+no GPU) for sm_75 (T4), sm_80 (A100), sm_89 (L4/L40) and sm_90 (H100/H200) x `gpu_compute_dtypes(cc)`,
+and must:
+  * fit the target's shared memory per block (`aot.SHARED_MEMORY_LIMIT`, CUDA's opt-in maximum: 64 KB,
+    163 KB, 99 KB, 227 KB), else Triton raises OutOfResources at the first launch;
+  * not spill registers (`SPILL_ALLOWED` lists the measured exceptions, sm_75 GEMMs, with why);
+  * use tensor cores where a dot has them: mma.sync on sm_80/89, wgmma on sm_90 for dots of >= 64 rows
+    (warp-group tiles; 16-row decode tiles take mma.sync); none on sm_75, where Triton 3.x lowers tl.dot
+    to FMA (the test fails if a Triton brings mma back there, so that docs and defaults get revisited).
+
+The same cases run twice: under the installed Triton, and under Triton 3.6.0 (the GPU machine's image),
+installed apart with `pip install --target build/triton-3.6.0 --no-deps triton==3.6.0` (the README's
+set-up; torch imports with it for meta-tensor launch building). Without that folder the 3.6 cases skip,
+or fail under CI=true. The compiles run once per Triton, in one child process (conftest's
+TRITON_INTERPRET=1 turns @triton.jit into interpreted functions, which cannot be compiled), over a
+process pool, and report back as JSON; `python tests/test_fit.py` prints that JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tritonq.kernels import attention, fp8_gemm, int4_gemm, moe
+from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, SM_COUNT
+from tritonq.kernels.common import Launch, gpu_compute_dtypes
+from tritonq.kernels.norm_rope import rms_norm_launch
+
+try:
+    from child_process import ROOT, json_from_child
+except ImportError:  # run as a script by the child itself
+    from tests.child_process import ROOT, json_from_child
+
+TARGETS = (75, 80, 89, 90)
+TRITON_36 = ROOT / "build" / "triton-3.6.0"
+N = K = 4096  # a Llama-7B-sized layer
+MOE_PROBLEM = (512, 64, 6, 2048, 1408)  # tokens, experts, top-k, D, I: DeepSeek-V2-Lite's experts
+# (Dqk, Dv), page size, window: Llama/Qwen 128, small models 64, DeepSeek's expanded 192 / 128 and
+# latent 576 / 512; 64-token pages and sliding windows change the key gather (registers).
+PREFILL = [((64, 64), 16, 0), ((128, 128), 16, 0), ((192, 128), 16, 0), ((576, 512), 16, 0),
+           ((128, 128), 64, 0), ((192, 128), 16, 4096)]
+DECODE = [((64, 64), 16, 0), ((128, 128), 16, 0), ((192, 128), 16, 0), ((576, 512), 16, 0),
+          ((576, 512), 64, 0), ((128, 128), 16, 4096)]
+# The launches compiled for a target's other dtype (fp16 beside the default bf16 from sm_80): one per kernel
+# family. fp16 and bf16 compiled to the same shared memory, spills and tensor-core use in all 149 cases of
+# the full set on sm_80/89/90 (Triton 3.9), so the full set runs in the default dtype only (CI time).
+OTHER_DTYPE_CASES = ("int4 M256", "fp8 block M256", "fp8 weight-only block M256", "prefill 128/128 page16 window0",
+                     "decode 576/512 page16 window0", "moe int4 gate_up M64", "rms_norm 8192")
+
+# {(cc, case): bytes}: the register spills accepted (the most measured under Triton 3.9.0 and 3.6.0).
+# sm_75 (T4) only: its dots run on FMA (no mma before sm_80), and the GEMM / MoE tiles are the sm_80+
+# defaults (int4_gemm and moe pick tiles without the compute capability); spills there cost speed, not
+# correctness. A T4 tile set for them is the next step (measure on a T4 first). Attention fits without.
+SPILL_ALLOWED: dict[tuple[int, str], int] = {
+    (75, "int4 M256"): 196,  # 3.9: 196, 3.6: 88
+    (75, "int4 act-order M256"): 9734,  # 3.9: 9734, 3.6: 9276
+    (75, "int8 M256"): 200,  # 3.9: 200, 3.6: 88
+    (75, "fp8 weight-only block M1"): 2228,  # 3.9: 2228, 3.6: 2184
+    (75, "fp8 weight-only block M16"): 2228,  # 3.9: 2228, 3.6: 2180
+    (75, "fp8 weight-only block M256"): 7532,  # 3.9: 7532, 3.6: 6836
+    (75, "fp8 weight-only channel M256"): 7344,  # 3.9: 7344, 3.6: 6960
+    (75, "moe dense gate_up M16"): 2138,  # 3.9: 2138, 3.6: 1404
+    (75, "moe dense gate_up M64"): 1728,  # 3.9: 1728, 3.6: 1064
+    (75, "moe dense down M64"): 448,  # 3.9: 448, 3.6: 408
+    (75, "moe int4 gate_up M16"): 2084,  # 3.9: 2036, 3.6: 2084
+    (75, "moe int4 gate_up M64"): 2280,  # 3.9: 2204, 3.6: 2280
+    (75, "moe fp8 gate_up M16"): 1968,  # 3.9: 1968, 3.6: 1856
+    (75, "moe fp8 gate_up M64"): 1624,  # 3.9: 1624, 3.6: 1092
+    (75, "moe fp8 down M64"): 456,  # 3.9: 456, 3.6: 376
+}
+
+
+def _meta(*shape, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _heads(d_qk: int) -> tuple[int, int]:
+    """(H, Hkv): GQA 4 (Llama-3 8B's 32 / 8); MLA latent 16 / 1 (V2-Lite, one shared latent head)."""
+    return (16, 1) if d_qk == 576 else (32, 8)
+
+
+def _pages(d_qk: int, d_v: int, page_size: int, num_pages: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v pages as the model allocates them: MLA's v is a view of the latent pages."""
+    k = _meta(num_pages, page_size, _heads(d_qk)[1], d_qk, dtype=dtype)
+    return k, (k[..., :d_v] if d_qk == 576 else _meta(*k.shape[:3], d_v, dtype=dtype))
+
+
+def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
+    """{case: Launch}: the runtime's default launches on sm_`cc` for a model in dtype."""
+    out, i32 = {}, dict(dtype=torch.int32)
+    for M in (1, 16, 256):
+        out[f"int4 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K), M, N, K, dtype)
+    config = int4_gemm.default_config(256, N, K)  # GPTQ act-order (a per-row scale gather) and 8-bit
+    out["int4 act-order M256"] = int4_gemm.aot_launch(config, 256, N, K, dtype, zeros=False, act_order=True)
+    out["int8 M256"] = int4_gemm.aot_launch(config, 256, N, K, dtype, bits=8)
+    # fp8: e4m3 x e4m3 dots from sm_89 (block-scaled and per-channel weights), the weight-only path (weights
+    # decoded in the kernel) below sm_89 and for weight-only checkpoints everywhere.
+    paths = [("fp8", False), ("fp8 weight-only", True)] if cc >= 89 else [("fp8 weight-only", True)]
+    for path, weight_only in paths:
+        shapes = ((1, True), (16, True), (256, True), (256, False)) if path == paths[0][0] else ((256, True),)
+        for M, block in shapes:
+            config = fp8_gemm.default_config(M, N, K, cc=cc, block_scaled=block, weight_only=weight_only)
+            out[f"{path} {'block' if block else 'channel'} M{M}"] = fp8_gemm.aot_launch(
+                config, M, N, K, 80 if weight_only else cc, dtype, block, bias=True)
+    if cc >= 89:  # activations quantized per 128-group (block-scaled weights)
+        out["fp8 quantize group128"] = fp8_gemm.quantize_activation_launch(
+            _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.float8_e4m3fn),
+            _meta(256, K // 128, dtype=torch.float32), 128, static=False)
+    for (d_qk, d_v), page_size, window in PREFILL:
+        if cc < 80 and d_qk == 576:
+            continue  # no tile fits (paged_prefill_config); the runtime's latent prefill expands to 192 / 128
+        H, _ = _heads(d_qk)
+        config = attention.paged_prefill_config(*attention.head_blocks(d_qk, d_v), cc)
+        k, v = _pages(d_qk, d_v, page_size, 1024, dtype)
+        out[f"prefill {d_qk}/{d_v} page{page_size} window{window}"] = attention.paged_prefill_launch(
+            _meta(2048, H, d_qk, dtype=dtype), k, v, _meta(5, **i32), _meta(4, **i32),
+            _meta(4, 4096 // page_size, **i32), d_qk ** -0.5, window, config)[0]
+    for (d_qk, d_v), page_size, window in DECODE:
+        if cc < 80 and d_qk == 576:
+            continue  # no tile fits: DeepSeek runs its expanded 192 / 128 attention there (models/deepseek_v2.py)
+        H, H_kv = _heads(d_qk)
+        config = attention.decode_config(1, H_kv, 32768, page_size, *attention.head_blocks(d_qk, d_v), SM_COUNT[cc])
+        k, v = _pages(d_qk, d_v, page_size, 4096, dtype)
+        split, merge, _ = attention.decode_launches(_meta(1, H, d_qk, dtype=dtype), k, v, _meta(1, **i32),
+                                                    _meta(1, 32768 // page_size, **i32), d_qk ** -0.5, window, config)
+        out[f"decode {d_qk}/{d_v} page{page_size} window{window}"] = split
+        if page_size == 16 and not window:
+            out[f"decode merge {d_qk}/{d_v}"] = merge
+    for d_qk, d_v in ((128, 128), (576, 512)):
+        if cc < 80 and d_qk == 576:
+            continue
+        k, v = _pages(d_qk, d_v, 16, 1024, dtype)
+        out[f"write_kv_slots {d_qk}/{d_v}"] = attention.write_kv_slots_launch(
+            k, v, _meta(64, _heads(d_qk)[1], d_qk, dtype=dtype), _meta(64, _heads(d_qk)[1], d_v, dtype=dtype),
+            _meta(64, dtype=torch.int64))
+    for kind in ("dense", "int4", "fp8"):  # gate/up (two accumulators) at the smallest and largest tile, down
+        for gate_up, config in ((True, moe.DEFAULT_CONFIGS[0][1]), (True, moe.DEFAULT_CONFIGS[-1][1]),
+                                (False, moe.DEFAULT_CONFIGS[-1][1])):
+            out[f"moe {kind} {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = moe.aot_launch(
+                config, (*MOE_PROBLEM, 0 if gate_up else 1), kind, native_fp8=cc >= 89, dtype=dtype)
+    out["rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5)[0]
+    return out
+
+
+def dot_rows(launch: Launch) -> int | None:
+    """Rows of the launch's tl.dot tiles (BLOCK_M, or decode's BLOCK_H of query heads); None: no dot."""
+    return launch.args.get("BLOCK_M", launch.args.get("BLOCK_H"))
+
+
+def expected_tensor_cores(cc: int, rows: int | None) -> str | None:
+    """'wgmma', 'mma' or None (no dot, or FMA): see the module docstring."""
+    if rows is None or cc < 80:
+        return None
+    return "wgmma" if cc >= 90 and rows >= 64 else "mma"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+CASES = [(cc, _dtype_name(dtype), name) for cc in TARGETS for i, dtype in enumerate(gpu_compute_dtypes(cc))
+         for name in launches(cc, dtype) if i == 0 or name in OTHER_DTYPE_CASES]
+
+
+def _compile(case):
+    """One case's compile report (run in the child's pool workers)."""
+    from tritonq.kernels.aot import compile_launch
+
+    cc, dtype, name = case
+    launch = launches(cc, getattr(torch, dtype))[name]
+    report = dataclasses.asdict(compile_launch(launch, cc))
+    return report | {"dot_rows": dot_rows(launch), "num_warps": launch.num_warps, "num_stages": launch.num_stages}
+
+
+def compile_all() -> dict:
+    """{"triton": version, "reports": [[case, report], ...]} over every case, on a process pool."""
+    import concurrent.futures
+    import multiprocessing
+
+    import triton
+
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                                mp_context=multiprocessing.get_context("fork")) as pool:
+        reports = list(pool.map(_compile, CASES, chunksize=4))
+    return {"triton": triton.__version__, "reports": [[list(c), r] for c, r in zip(CASES, reports)]}
+
+
+_REPORTS: dict[str, dict] = {}  # compiled once per Triton and session
+
+
+def reports_under(triton_install: str) -> dict:
+    """{case: report} compiled under the installed Triton ("installed") or Triton 3.6.0 ("3.6")."""
+    if triton_install not in _REPORTS:
+        first = ()
+        if triton_install == "3.6":
+            if not (TRITON_36 / "triton").is_dir():
+                message = (f"Triton 3.6.0 is not installed at {TRITON_36}: run `python -m pip install --upgrade --target "
+                           f"{TRITON_36.relative_to(ROOT)} --no-deps triton==3.6.0` (the README's set-up)")
+                if os.environ.get("CI") == "true":
+                    pytest.fail(message)
+                pytest.skip(message)
+            first = (str(TRITON_36),)
+        result = json_from_child([__file__], timeout=900, first_on_path=first)
+        if triton_install == "3.6":
+            assert result["triton"] == "3.6.0", f"{TRITON_36} holds Triton {result['triton']}, expected 3.6.0"
+        _REPORTS[triton_install] = {"triton": result["triton"],
+                                    **{tuple(case): report for case, report in result["reports"]}}
+    return _REPORTS[triton_install]
+
+
+@pytest.mark.parametrize("triton_install", ["installed", "3.6"])
+@pytest.mark.parametrize("cc, dtype, name", CASES, ids=[f"sm{c}-{d}-{n.replace(' ', '_')}" for c, d, n in CASES])
+def test_launch_fits_target(triton_install, cc, dtype, name):
+    reports = reports_under(triton_install)
+    version, report = reports["triton"], reports[(cc, dtype, name)]
+    print(f"\nTriton {version} sm_{cc} {dtype} {name}: {report}")
+    assert report["shared_bytes"] <= SHARED_MEMORY_LIMIT[cc], (
+        f"needs {report['shared_bytes']} B of shared memory, over sm_{cc}'s {SHARED_MEMORY_LIMIT[cc]} B per block")
+    allowed = SPILL_ALLOWED.get((cc, name), 0)
+    assert report["spills"] is not None and report["spills"] <= allowed, f"spills {report['spills']} B"
+    expected = expected_tensor_cores(cc, report["dot_rows"])
+    used = "wgmma" if report["uses_wgmma"] else "mma" if report["uses_mma"] else None
+    assert used == expected, f"dots use {used}, expected {expected} (dot rows {report['dot_rows']})"
+
+
+if __name__ == "__main__":  # the child: compile every case, print the JSON report on the last line
+    sys.stdout.write(json.dumps(compile_all()) + "\n")
