@@ -13,7 +13,7 @@
 # limits add up to 420 s (tests/test_gpu_session.py checks it), so a rerun fits the device time; the other
 # steps run only while their limit still fits under TOTAL.
 set -uo pipefail
-TOTAL=540   # s, the whole script, kill grace and merge included
+TOTAL=${TOTAL:-540}   # s, the whole script, kill grace and merge included (TOTAL=420 for a shorter session)
 KILL=10     # s after SIGINT before SIGKILL
 MERGE=20    # s reserved for merging the results at the end
 out=${OUT:-bench/results/gpu}

@@ -26,8 +26,8 @@ STEPS = [(kind, name, int(limit), command) for kind, name, limit, command in STE
 
 
 def setting(name: str) -> int:
-    """A NAME=<seconds> line of the script."""
-    (value,) = re.findall(rf"^{name}=(\d+)\b", TEXT, re.MULTILINE)
+    """A NAME=<seconds> (or NAME=${NAME:-<seconds>}: the default) line of the script."""
+    (value,) = re.findall(rf"^{name}=(?:\$\{{{name}:-)?(\d+)\b", TEXT, re.MULTILINE)
     return int(value)
 
 
