@@ -113,8 +113,8 @@ def test_activation_quantization_reference_is_ieee_on_cuda_too(group_size):
 def test_grouped_topk_reference_ignores_the_default_device(with_bias):
     """Inputs on the CPU while the default device is "meta" (the GPU run had cuda): every tensor either
     routing function makes must be on its input's device (meta ones cannot even be read back)."""
-    logits = torch.randn(9, 64)
-    bias = torch.randint(0, 4, (64,)).float() * 0.25 if with_bias else None
+    logits = torch.randn(9, 64, device="cpu")  # explicitly: the kernel tests' default device is the GPU there
+    bias = torch.randint(0, 4, (64,), device="cpu").float() * 0.25 if with_bias else None
     args = dict(top_k=6, n_group=4, topk_group=2, scoring="sigmoid", correction_bias=bias, renormalize=True,
                 routed_scaling_factor=2.5)
     expected = grouped_topk_reference(logits, **args)
