@@ -90,6 +90,8 @@ def _check_tokenizer(folder: Path, config: dict, tokenizer, eos_ids: set[int]) -
                     "runs until max_new_tokens or a stop string.", folder)
 
 
+# compile=None on CPU: whether the decode step is compiled by default (measured, see load's docstring).
+CPU_COMPILE = False
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -102,6 +104,28 @@ def _compute_dtype(dtype) -> torch.dtype | None:
         return DTYPES[name]
     raise ValueError(f"dtype={dtype!r} is not a compute dtype tritonq runs in; expected one of "
                      f"{list(DTYPES)} (a torch.dtype or its name), or None for the default.")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 dot products or AMX-BF16 tiles), as torch's
+    oneDNN GEMMs use them: there bf16 runs ~2x+ faster than fp32 (half the bytes, native products);
+    without them torch emulates bf16 through fp32 conversions and it is slower than fp32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def _default_dtype(device: torch.device, config) -> torch.dtype:
+    """The compute dtype when load() is given none, stated in the log on CPU: bf16 on CPUs with native
+    bf16 (as vLLM's CPU build), fp32 on other CPUs; on CUDA the checkpoint's fp16, else bf16."""
+    if device.type == "cpu":
+        native = cpu_has_native_bf16()
+        logging.getLogger("tritonq").info(
+            "CPU compute dtype: %s (%s); pass dtype= to choose", "bfloat16" if native else "float32",
+            "this CPU has AVX512-BF16 / AMX: native bf16 GEMMs" if native else
+            "no AVX512-BF16 or AMX on this CPU: bf16 would be emulated, slower than fp32")
+        return torch.bfloat16 if native else torch.float32
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored_fp16 = str(stored).removeprefix("torch.") == "float16"  # a dtype or a string, by version
+    return torch.float16 if stored_fp16 else torch.bfloat16
 
 
 def _check_options(max_seq_len, quantize, group_size, max_num_seqs, max_num_batched_tokens, kv_cache_gb,
@@ -198,7 +222,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
          group_size: int | None = None, max_seq_len: int | None = None, tensor_parallel: int | None = None,
          max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, kv_cache_gb: float | None = None,
          gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
-         cuda_graphs: bool | None = None) -> Model:
+         cuda_graphs: bool | None = None, compile: bool | None = None) -> Model:
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
 
     device defaults to CUDA when available, else CPU. dtype (torch.float16 / bfloat16 / float32, or
@@ -240,6 +264,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
                    gpu_memory_utilization, block_size)
     if cuda_graphs not in (None, True, False):
         raise ValueError(f"cuda_graphs={cuda_graphs!r}; expected True, False or None (True on CUDA).")
+    if compile not in (None, True, False):
+        raise ValueError(f"compile={compile!r}; expected True, False or None (the CPU default, {CPU_COMPILE}).")
     folder = resolve(name_or_path, revision=revision)
     _check_files(folder)
     raw_config = _read_config(folder)
@@ -263,14 +289,21 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     if cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs a CUDA device; the device is {device}. Leave cuda_graphs unset "
                          "(or False): other devices run every step eagerly.")
+    if compile and device.type != "cpu":
+        raise ValueError(f"compile=True compiles the CPU decode step; the device is {device}. On CUDA decode steps "
+                         "run as CUDA graphs (cuda_graphs); leave compile unset.")
+    if compile and not getattr(cls, "supports_compile", False):
+        raise ValueError(f"model_type {raw_config['model_type']!r} cannot be compiled yet (its step reads device "
+                         "values on the host, e.g. MoE routing); load it with compile=False.")
     rank, world = distributed.init_tensor_parallel(tensor_parallel, device)
+    if compile and world > 1:
+        raise ValueError(f"compile=True with tensor_parallel={world}: the compiled step has no collectives yet; "
+                         "load it with compile=False.")
     if world > 1 and not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"model_type {config.model_type!r} does not support tensor parallelism yet; "
                          "load it with tensor_parallel=1")
     if dtype is None:
-        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        stored_fp16 = str(stored).removeprefix("torch.") == "float16"  # a dtype or a string, by version
-        dtype = torch.float32 if device.type == "cpu" else torch.float16 if stored_fp16 else torch.bfloat16
+        dtype = _default_dtype(device, config)
     loader = get_loader(folder, dtype, device, quantize, 128 if group_size is None else group_size,
                         rank=rank, world=world)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)
@@ -287,4 +320,6 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
                     enable_prefix_caching=enable_prefix_caching, max_seq_len=max_seq_len, world=world)
     if device.type == "cuda":  # fixed-shape decode buckets; graphs captured after the process group exists
         engine.runner.use_static_decode(max_num_seqs, cuda_graphs=cuda_graphs is not False)
+    elif compile or (compile is None and CPU_COMPILE and world == 1 and getattr(cls, "supports_compile", False)):
+        engine.runner.use_static_decode(max_num_seqs, compile=True)
     return Model(model, tokenizer, engine, max_seq_len, rank, world)

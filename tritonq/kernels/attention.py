@@ -533,7 +533,8 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
     if T == 0:
         return
     expected = f"write_kv_slots: slots must be < num_blocks x block_size = {capacity} (or < 0 to skip)"
-    if slot_mapping.device.type == "cpu":  # the values are on the host already: reading them syncs nothing
+    if slot_mapping.device.type == "cpu" and not torch.compiler.is_compiling():
+        # the values are on the host already: reading them syncs nothing (compiled: index_copy_ checks them)
         if int(slot_mapping.max()) >= capacity:
             raise ValueError(f"{expected}; got {int(slot_mapping.max())}.")
     else:  # checked on the device: a host check would sync the GPU in every layer (and break graph capture)
