@@ -226,7 +226,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
 
     device defaults to CUDA when available, else CPU. dtype (torch.float16 / bfloat16 / float32, or
-    its name as a string) defaults to float32 on CPU (CPU half matmuls are slow) and to the
+    its name as a string) defaults on CPU to bfloat16 where the CPU has AVX512-BF16 or AMX (native
+    bf16 GEMMs) and float32 elsewhere (emulated bf16 is slower; the log says which), and to the
     checkpoint's fp16/bf16 on CUDA. quantize ("int4", "fp8", "fp8-mlp") quantizes a dense
     checkpoint while loading; group_size (int4 only, default 128; -1: one group per output
     channel) sets the input rows per int4 group. max_seq_len (default: min(max_position_embeddings,
@@ -245,6 +246,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     cuda_graphs (default: True on CUDA): decode steps run at fixed batch buckets (1, 2, 4, 8, 16, 24,
     ... up to max_num_seqs) and each bucket's step is captured as a CUDA graph here, at load (the log
     says how many and how long it took), then replayed; False runs every step eagerly (debugging).
+    compile (CPU, Llama family; default CPU_COMPILE, off: measured no faster than eager, see README):
+    decode steps run at the same buckets, each torch.compile'd on its first use (tritonq.engine.compiled;
+    the log says how long); False runs them eagerly.
     Every argument, the checkpoint's files (readable, no symlink loops), config.json, generation_config.json
     and the tokenizer are checked before any weight is read, and so is every tensor the model asks for
     (presence, dtype, shape: the model is first built against the safetensors headers alone, on the meta
