@@ -40,6 +40,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(native)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fp32_cpu_default():
+    """load() without dtype= computes in fp32 on CPU in every test, whatever the CPU: bf16 is the default only
+    where the CPU has native bf16 (tritonq.cpu_has_native_bf16), and the tests compare against fp32
+    references with fp32 tolerances. Tests of that choice patch it themselves; subprocesses pass dtype."""
+    import tritonq
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tritonq, "cpu_has_native_bf16", lambda: False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def device(request) -> torch.device:
     """Where kernel tests put their tensors: the GPU when there is one, else the CPU (interpreter); `meta`

@@ -39,7 +39,8 @@ class Server:
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, *(entry or ["-m", "tritonq.serve"]), str(folder), "--port", str(self.port),
-             "--served-model-name", MODEL_NAME, "--max-seq-len", str(MAX_SEQ_LEN), "--log-level", "warning", *args],
+             "--served-model-name", MODEL_NAME, "--max-seq-len", str(MAX_SEQ_LEN), "--log-level", "warning",
+             *([] if "--dtype" in args else ["--dtype", "float32"]), *args],  # fp32 on any CPU, as in process
             env=environ, stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.time() + 180
         while time.time() < deadline:

@@ -267,7 +267,8 @@ def _rank_main(rank: int, port: int, folders: dict[str, str], out: str) -> None:
     os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TRITONQ_BACKEND": "torch"}
     torch.set_num_threads(1)
-    results = {name: run_steps(tritonq.load(folder, device="cpu", max_num_seqs=2, max_seq_len=24, tensor_parallel=WORLD))
+    results = {name: run_steps(tritonq.load(folder, device="cpu", dtype=torch.float32, max_num_seqs=2, max_seq_len=24,
+                                            tensor_parallel=WORLD))
                for name, folder in folders.items()}
     assert dist.get_backend() == "gloo"
     torch.save(results, Path(out) / f"rank{rank}.pt")

@@ -90,6 +90,8 @@ def _check_tokenizer(folder: Path, config: dict, tokenizer, eos_ids: set[int]) -
                     "runs until max_new_tokens or a stop string.", folder)
 
 
+# compile=None on CPU: whether the decode step is compiled by default (measured, see load's docstring).
+CPU_COMPILE = False
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -142,19 +144,33 @@ def _check_device_dtype(dtype: torch.dtype | None, device: torch.device) -> None
 
 
 def _default_dtype(stored, device: torch.device) -> torch.dtype:
-    """The compute dtype when load() is given none: float32 on CPU (CPU half matmuls are slow), else the
-    checkpoint's (`stored`: config.json's dtype, a torch.dtype or its name) fp16, else bf16; but fp16 on
-    CUDA before sm_80, which has no bf16 arithmetic (said in the log)."""
+    """The compute dtype when load() is given none, said in the log: on CPU bf16 where the CPU has native
+    bf16 (as vLLM's CPU build), else fp32; on CUDA the checkpoint's (`stored`: config.json's dtype, a
+    torch.dtype or its name) fp16, else bf16; but fp16 before sm_80, which has no bf16 arithmetic."""
     from tritonq.kernels.common import compute_capability, gpu_compute_dtypes
 
+    if device.type == "cpu":
+        native = cpu_has_native_bf16()
+        logging.getLogger("tritonq").info(
+            "CPU compute dtype: %s (%s); pass dtype= to choose", "bfloat16" if native else "float32",
+            "this CPU has AVX512-BF16 / AMX: native bf16 GEMMs" if native else
+            "no AVX512-BF16 or AMX on this CPU: bf16 would be emulated, slower than fp32")
+        return torch.bfloat16 if native else torch.float32
     stored_fp16 = str(stored).removeprefix("torch.") == "float16"  # a dtype or a string, by version
-    dtype = torch.float32 if device.type == "cpu" else torch.float16 if stored_fp16 else torch.bfloat16
+    dtype = torch.float16 if stored_fp16 else torch.bfloat16
     if device.type == "cuda" and dtype not in gpu_compute_dtypes(compute_capability(device)):
         dtype = torch.float16
         logging.getLogger("tritonq").warning(
             "%s is sm_%d (no bf16 arithmetic before sm_80): computing in float16, not the checkpoint's %s; "
             "activations past fp16's range (65504) would overflow.", device, compute_capability(device), stored)
     return dtype
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 dot products or AMX-BF16 tiles), as torch's
+    oneDNN GEMMs use them: there bf16 runs ~2x+ faster than fp32 (half the bytes, native products);
+    without them torch emulates bf16 through fp32 conversions and it is slower than fp32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def _check_options(max_seq_len, quantize, group_size, max_num_seqs, max_num_batched_tokens, kv_cache_gb,
@@ -251,11 +267,12 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
          group_size: int | None = None, max_seq_len: int | None = None, tensor_parallel: int | None = None,
          max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, kv_cache_gb: float | None = None,
          gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
-         cuda_graphs: bool | None = None) -> Model:
+         cuda_graphs: bool | None = None, compile: bool | None = None) -> Model:
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
 
     device defaults to CUDA when available, else CPU. dtype (torch.float16 / bfloat16 / float32, or
-    its name as a string) defaults to float32 on CPU (CPU half matmuls are slow) and to the
+    its name as a string) defaults on CPU to bfloat16 where the CPU has AVX512-BF16 or AMX (native
+    bf16 GEMMs) and float32 elsewhere (emulated bf16 is slower; the log says which), and to the
     checkpoint's fp16/bf16 on CUDA, fp16 before sm_80 (T4: no bf16; logged). On CUDA float32 is
     refused, and bfloat16 before sm_80 (`kernels.common.gpu_compute_dtypes`). quantize ("int4", "fp8", "fp8-mlp") quantizes a dense
     checkpoint while loading; group_size (int4 only, default 128; -1: one group per output
@@ -277,6 +294,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     checked NCCL collectives inside captured graphs): decode steps run at fixed batch buckets (1, 2, 4, 8, 16, 24,
     ... up to max_num_seqs) and each bucket's step is captured as a CUDA graph here, at load (the log
     says how many and how long it took), then replayed; False runs every step eagerly (debugging).
+    compile (CPU, Llama family; default CPU_COMPILE, off: measured no faster than eager, see README):
+    decode steps run at the same buckets, each torch.compile'd on its first use (tritonq.engine.compiled;
+    the log says how long); False runs them eagerly.
     Every argument, the checkpoint's files (readable, no symlink loops), config.json, generation_config.json
     and the tokenizer are checked before any weight is read, and so is every tensor the model asks for
     (presence, dtype, shape: the model is first built against the safetensors headers alone, on the meta
@@ -298,6 +318,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     _check_device_dtype(dtype, device)
     if cuda_graphs not in (None, True, False):
         raise ValueError(f"cuda_graphs={cuda_graphs!r}; expected True, False or None (True on CUDA).")
+    if compile not in (None, True, False):
+        raise ValueError(f"compile={compile!r}; expected True, False or None (the CPU default, {CPU_COMPILE}).")
     folder = resolve(name_or_path, revision=revision)
     _check_files(folder)
     raw_config = _read_config(folder)
@@ -320,7 +342,16 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     if cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs a CUDA device; the device is {device}. Leave cuda_graphs unset "
                          "(or False): other devices run every step eagerly.")
+    if compile and device.type != "cpu":
+        raise ValueError(f"compile=True compiles the CPU decode step; the device is {device}. On CUDA decode steps "
+                         "run as CUDA graphs (cuda_graphs); leave compile unset.")
+    if compile and not getattr(cls, "supports_compile", False):
+        raise ValueError(f"model_type {raw_config['model_type']!r} cannot be compiled yet (its step reads device "
+                         "values on the host, e.g. MoE routing); load it with compile=False.")
     rank, world = distributed.init_tensor_parallel(tensor_parallel, device)
+    if compile and world > 1:
+        raise ValueError(f"compile=True with tensor_parallel={world}: the compiled step has no collectives yet; "
+                         "load it with compile=False.")
     if world > 1 and not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"model_type {config.model_type!r} does not support tensor parallelism yet; "
                          "load it with tensor_parallel=1")
@@ -343,4 +374,6 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
                     enable_prefix_caching=enable_prefix_caching, max_seq_len=max_seq_len, world=world)
     if device.type == "cuda":  # fixed-shape decode buckets; graphs captured after the process group exists
         engine.runner.use_static_decode(max_num_seqs, cuda_graphs=capture)
+    elif compile or (compile is None and CPU_COMPILE and world == 1 and getattr(cls, "supports_compile", False)):
+        engine.runner.use_static_decode(max_num_seqs, compile=True)
     return Model(model, tokenizer, engine, max_seq_len, rank, world)

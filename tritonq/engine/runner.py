@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tritonq.distributed import broadcast_from_rank0
+from tritonq.engine.compiled import CompiledDecode
 from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_buckets
 from tritonq.models.common import StepContext
 
@@ -178,17 +179,22 @@ class ModelRunner:
         self.static: StaticDecodeInputs | None = None  # see use_static_decode
         self.buckets: list[int] = []
         self.graphs: DecodeGraphs | None = None
+        self.compiled: CompiledDecode | None = None
         self.replay_graphs = True  # False: run captured buckets eagerly (benchmarks, checks)
         self.seen: SeenTokens | None = None  # made at the first step with a repetition penalty
 
-    def use_static_decode(self, max_num_seqs: int, cuda_graphs: bool = False) -> None:
+    def use_static_decode(self, max_num_seqs: int, cuda_graphs: bool = False, compile: bool = False) -> None:
         """Run decode steps of up to max_num_seqs sequences as fixed-shape batch buckets (see
-        tritonq.engine.cuda_graphs) and, with cuda_graphs (CUDA only), capture one graph per bucket now."""
+        tritonq.engine.cuda_graphs) and, with cuda_graphs (CUDA only), capture one graph per bucket now;
+        with compile (CPU only), torch.compile each bucket's step on its first use (tritonq.engine.compiled)."""
         if self.max_seq_len is None:
             raise ValueError("static decode needs the runner's max_seq_len (its buffers are sized by it).")
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; the model is on {self.device}. "
                              "Pass cuda_graphs=False (CPU runs eagerly).")
+        if compile and self.device.type != "cpu":
+            raise ValueError(f"compile=True compiles the CPU decode step; the model is on {self.device} "
+                             "(CUDA decode runs as CUDA graphs: cuda_graphs=True).")
         self.buckets = decode_buckets(max_num_seqs)
         self.static = StaticDecodeInputs(self.buckets[-1], self.max_seq_len, self.block_size, self.device)
         if cuda_graphs:
@@ -196,6 +202,10 @@ class ModelRunner:
             self.graphs.capture()
             log.info("CUDA graphs: captured %d decode steps (batch buckets %s) in %.1f s", len(self.buckets),
                      ",".join(map(str, self.buckets)), self.graphs.capture_s)
+        if compile:
+            self.compiled = CompiledDecode(lambda ctx, cache: self.model(ctx, cache), self.buckets)
+            log.info("torch.compile: the decode step compiles once per batch bucket (%s) on its first use",
+                     ",".join(map(str, self.buckets)))
 
     def prepare(self, seqs, num_new_tokens: list[int], is_prefill: bool, logits_for: list[bool] | None = None,
                 start: list[int] | None = None) -> StepContext:
@@ -264,6 +274,8 @@ class ModelRunner:
             bucket = ctx.input_ids.shape[0]
             if self.graphs is not None and self.replay_graphs:
                 logits = self.graphs.replay(bucket)
+            elif self.compiled is not None:
+                logits = self.compiled(ctx, self.cache)
             else:
                 logits = self.model(ctx, self.cache)
             return logits[:ctx.num_seqs].float()

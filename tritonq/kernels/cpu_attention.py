@@ -66,6 +66,13 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
                      block_table: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """q [B, H, Dqk] -> [B, H, Dv]: query b (at position cache_lens[b] - 1) over its keys
     max(0, cache_lens[b] - window) .. cache_lens[b] - 1 (window 0: all)."""
+    if torch.compiler.is_compiling():  # an opaque op in the compiled graph (see _decode_attention_op)
+        return torch.ops.tritonq.cpu_decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window)
+    return _decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window)
+
+
+def _decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
+                      block_table: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     B, H, _ = q.shape
     H_kv = k_pages.shape[2]
     out = q.new_zeros(B, H, v_pages.shape[-1])
@@ -111,6 +118,13 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
                    slot_mapping: torch.Tensor) -> None:
     """Token t's k [T, Hkv, Dqk] / v [T, Hkv, Dv] into row slot_mapping[t] of the pages seen as rows,
     in place; tokens with slot < 0 are skipped."""
+    if torch.compiler.is_compiling():  # an opaque op in the compiled graph (see _write_kv_slots_op)
+        return torch.ops.tritonq.cpu_write_kv_slots(k_pages, v_pages, k, v, slot_mapping)
+    _write_kv_slots(k_pages, v_pages, k, v, slot_mapping)
+
+
+def _write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
@@ -153,3 +167,19 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask:
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale,
                                          enable_gqa=q.shape[0] != k.shape[0])  # 4-D: the flash kernel's
     return out[0, ..., :d_v]
+
+
+
+# torch.compile (tritonq.engine.compiled) sees decode attention and the KV write as two opaque ops: their
+# loops over sequences read lengths and slots on the host, which dynamo cannot trace without breaking the
+# graph in every layer. Registered through torch.library.Library (~5 us a call; torch.library.custom_op's
+# Python wrapper measured ~25 us, a real share of a small model's step); eager calls skip even that.
+_ops = torch.library.Library("tritonq", "FRAGMENT")
+_ops.define("cpu_decode_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor cache_lens, Tensor block_table, "
+            "float scale, int window) -> Tensor")
+_ops.impl("cpu_decode_attention", _decode_attention, "CPU")
+_ops.impl("cpu_decode_attention", lambda q, k_pages, v_pages, cache_lens, block_table, scale, window:
+          q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1]), "Meta")
+_ops.define("cpu_write_kv_slots(Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor k, Tensor v, Tensor slot_mapping) -> ()")
+_ops.impl("cpu_write_kv_slots", _write_kv_slots, "CPU")
+_ops.impl("cpu_write_kv_slots", lambda k_pages, v_pages, k, v, slot_mapping: None, "Meta")

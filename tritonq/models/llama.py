@@ -156,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
     full logits; its KV cache holds only its KV heads (kv_layout is per rank).
     """
     supports_tensor_parallel = True
+    supports_compile = True  # a decode step reads no device value on the host (tritonq.engine.compiled)
 
     @classmethod
     def variant(cls, config) -> LlamaVariant:
