@@ -39,15 +39,12 @@ def _percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def launch(model: str, port: int, extra: list[str], log: Path) -> subprocess.Popen:
-    """Start the server and wait (up to 5 min) for /health 200."""
+def launch(command: list[str], port: int, log: Path, env: dict | None = None,
+           timeout_s: float = 300) -> subprocess.Popen:
+    """Start a server (command: its argv, serving on `port`) and wait up to timeout_s for /health 200."""
     import httpx
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "tritonq.serve", model, "--port", str(port),
-                             "--served-model-name", "bench", "--log-level", "warning", *extra],
-                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
+    proc = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
@@ -58,16 +55,30 @@ def launch(model: str, port: int, extra: list[str], log: Path) -> subprocess.Pop
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"the server did not answer /health within 300 s:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-async def _one(client, url: str, prompt: list[int], max_tokens: int, delay: float) -> dict:
+def tritonq_server_command(model: str, port: int, extra: list[str]) -> tuple[list[str], dict]:
+    """argv and environment of `python -m tritonq.serve` for this checkout, serving `model` as "bench"."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    return ([sys.executable, "-m", "tritonq.serve", model, "--port", str(port), "--served-model-name", "bench",
+             "--log-level", "warning", *extra], env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _one(client, url: str, prompt: list[int], max_tokens: int, delay: float, ignore_eos: bool) -> dict:
     await asyncio.sleep(delay)
     start = time.perf_counter()
     chunk_times, tokens = [], 0
     async with client.stream("POST", url, json={
             "model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}) as r:
+            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}) as r:
         if r.status_code != 200:
             raise RuntimeError(f"request failed with {r.status_code}: {await r.aread()}")
         async for line in r.aiter_lines():
@@ -84,7 +95,10 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int, delay: floa
             "latency": end - start, "tpot": (end - start - ttft) / (tokens - 1) if tokens > 1 else None}
 
 
-async def _run_rate(url: str, prompts, out_lens, rate: float, seed: int) -> dict:
+async def _run_rate(url: str, prompts, out_lens, rate: float, seed: int, ignore_eos: bool = False) -> dict:
+    """Send every prompt (streamed, greedy) at Poisson arrivals of `rate` per second (inf: all at t=0);
+    TTFT / TPOT / ITL statistics and throughput of the run. ignore_eos (a vLLM extension tritonq.serve
+    also takes): each request runs to its max_tokens."""
     import httpx
     rng = random.Random(seed)
     delays, t = [], 0.0
@@ -95,7 +109,7 @@ async def _run_rate(url: str, prompts, out_lens, rate: float, seed: int) -> dict
     limits = httpx.Limits(max_connections=len(prompts) + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
-        results = await asyncio.gather(*[_one(client, url, p, n, d) for p, n, d in zip(prompts, out_lens, delays)])
+        results = await asyncio.gather(*[_one(client, url, p, n, d, ignore_eos) for p, n, d in zip(prompts, out_lens, delays)])
         duration = time.perf_counter() - start
     ttft = [r["ttft"] * 1e3 for r in results]
     tpot = [r["tpot"] * 1e3 for r in results if r["tpot"] is not None]
@@ -166,11 +180,10 @@ def main(argv: list[str]) -> None:
         prompts = [[rng.randint(33, 126) for _ in range(length(args.input_len))] for _ in range(args.num_prompts)]
         out_lens = [length(args.output_len) for _ in range(args.num_prompts)]
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = launch(model_path, port, ["--max-num-seqs", str(args.max_num_seqs), "--max-seq-len",
-                                           str(args.max_seq_len)], Path(tmp) / "server.log")
+        port = free_port()
+        command, env = tritonq_server_command(model_path, port, ["--max-num-seqs", str(args.max_num_seqs),
+                                                                 "--max-seq-len", str(args.max_seq_len)])
+        server = launch(command, port, Path(tmp) / "server.log", env)
         url = f"http://127.0.0.1:{port}/v1/completions"
         try:
             asyncio.run(_run_rate(url, prompts[:1], [2], float("inf"), args.seed))  # a single request must pass first
