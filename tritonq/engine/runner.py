@@ -359,7 +359,7 @@ class ModelRunner:
         inf anywhere gets token, logprob and top None: its distribution is meaningless. Everything comes
         back to the host in one transfer. Call release() when a request finishes."""
         R, V = logits.shape
-        tokens = sample_logits(logits, self._sampling_tensors(params, token_ids, mask_eos, eos_token_ids, V,
+        tokens = sample_logits(logits, self.sampling_tensors(params, token_ids, mask_eos, eos_token_ids, V,
                                                               logits.device))
         # -1 marks a row with non-finite logits; set before the broadcast so every rank agrees on it
         tokens = torch.where(torch.isfinite(logits).all(-1), tokens, -1)
@@ -381,7 +381,7 @@ class ModelRunner:
             out_top.append(dict(zip(map(int, row[2:2 + n]), row[2 + top:2 + top + n])) if ok and n else None)
         return out_tokens, out_logprobs, out_top
 
-    def _sampling_tensors(self, params: list[SamplingParams], token_ids: list[list[int]], mask_eos: list[bool] | None,
+    def sampling_tensors(self, params: list[SamplingParams], token_ids: list[list[int]], mask_eos: list[bool] | None,
                           eos_token_ids: set[int], V: int, device: torch.device) -> SamplingTensors:
         """The SamplingTensors of these rows; a stage no row uses stays None (greedy steps without
         penalties or biases build nothing but the argmax)."""
