@@ -365,12 +365,12 @@ class ModelRunner:
         tokens = torch.where(torch.isfinite(logits).all(-1), tokens, -1)
         if self.world > 1:
             tokens = broadcast_from_rank0(tokens)
-        log_probs = logits.log_softmax(-1)
-        columns = [tokens.double()[:, None], log_probs.gather(1, tokens.clamp(min=0)[:, None]).double()]
         top = min(max(p.top_logprobs for p in params), V) if params else 0
+        log_normalizer = logits.logsumexp(-1, keepdim=True)  # [R, 1]: no [R, V] log_softmax unless top-N is asked
+        columns = [tokens.double()[:, None], (logits.gather(1, tokens.clamp(min=0)[:, None]) - log_normalizer).double()]
         if top:
-            top_values, top_ids = log_probs.topk(top, dim=-1)
-            columns += [top_ids.double(), top_values.double()]
+            top_values, top_ids = logits.topk(top, dim=-1)
+            columns += [top_ids.double(), (top_values - log_normalizer).double()]
         picked = torch.cat(columns, 1).tolist()  # the step's one device read: [R, 2 + 2 * top]
         out_tokens, out_logprobs, out_top = [], [], []
         for p, row in zip(params, picked):

@@ -3,7 +3,8 @@
 Order of work for a request, cheapest check first: the API key (before the body is read), the
 body size (--max-request-bytes, before it is parsed), pydantic validation, tokenization and chat
 templating (in a small thread pool, off the event loop), then `Engine.check_request` on every
-prompt x choice, then the queue bound (--max-waiting); only then is anything queued. Errors use
+prompt x choice, then (completions with `echo` and `logprobs`) the prompts scored by `Engine.score` on
+the engine thread, then the queue bound (--max-waiting); only then is anything queued. Errors use
 the OpenAI body {"error": {message, type, param, code}}. A response is either one JSON body or
 server-sent events (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`); choice i of prompt p has index
 p * n + i, as in vLLM. A request the engine failed is answered 500 (streaming: an error chunk, then
