@@ -138,7 +138,10 @@ def test_echo_streamed_and_without_logprobs(client, reference):
         assert mine[0].logprobs.token_logprobs[0] is None
 
 
-SETTINGS = [  # every new sampling field, alone and mixed
+SETTINGS = [  # every sampling field beyond temperature / top_p, alone and mixed
+    {"min_p": 0.3},
+    {"ignore_eos": True, "min_tokens": 3, "top_k": 5},
+    {"repetition_penalty": 1.3},
     {"presence_penalty": 1.5},
     {"frequency_penalty": 2.0},
     {"presence_penalty": -1.0, "frequency_penalty": 0.5},
@@ -155,7 +158,8 @@ def _options(reference, settings: dict) -> tuple[dict, dict]:
     if settings.get("stop_token_ids") == "third":
         settings["stop_token_ids"] = [reference.generate(PROMPT, max_new_tokens=3, return_dict=True).token_ids[0][2]]
     local = {k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in settings.items()}
-    extra = {k: settings.pop(k) for k in ("stop_token_ids", "min_tokens") if k in settings}
+    extra = {k: settings.pop(k) for k in ("stop_token_ids", "min_tokens", "min_p", "ignore_eos", "top_k",
+                                          "repetition_penalty") if k in settings}
     return settings | ({"extra_body": extra} if extra else {}), local
 
 
