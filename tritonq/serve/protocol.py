@@ -137,8 +137,8 @@ class _Body(BaseModel):
                 continue
             if name in UNSUPPORTED:
                 raise PydanticCustomError(
-                    "unsupported_field", "{name}={value} is not supported by this server; leave it out{hint}",
-                    {"name": name, "value": json.dumps(value)[:80], "hint": ""})
+                    "unsupported_field", "{name}={value} is not supported by this server; leave it out",
+                    {"name": name, "value": json.dumps(value)[:80]})
             accepted = ", ".join(sorted(n for n in cls.model_fields if n not in UNSUPPORTED))
             raise PydanticCustomError("unknown_field", "unknown field '{name}'; this server accepts: {accepted}",
                                       {"name": name, "accepted": accepted})
@@ -192,8 +192,8 @@ class SamplingRequest(_Body):
         for name in type(self).model_fields:
             if name in UNSUPPORTED and not UNSUPPORTED[name](getattr(self, name)):
                 raise PydanticCustomError(
-                    "unsupported_field", "{name}={value} is not supported by this server; leave it out{hint}",
-                    {"name": name, "value": json.dumps(getattr(self, name))[:80], "hint": ""})
+                    "unsupported_field", "{name}={value} is not supported by this server; leave it out",
+                    {"name": name, "value": json.dumps(getattr(self, name))[:80]})
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise ValueError("stop strings must be non-empty")
         for key, bias in (self.logit_bias or {}).items():
