@@ -1,4 +1,6 @@
 """`python -m tritonq` is the `tritonq` command (tritonq/cli.py)."""
+import sys
+
 from tritonq.cli import main
 
-main(prog="python -m tritonq")
+sys.exit(main(prog="python -m tritonq"))

@@ -33,14 +33,21 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        if "%(default)" in text or action.default in (None, False, "", argparse.SUPPRESS) or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with one line for a bad argument (no usage block above it): `PROG: error: WHAT`."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def new_parser(prog: str, description: str, **kwargs) -> argparse.ArgumentParser:
-    """An ArgumentParser with tritonq's help format (defaults shown)."""
-    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter, **kwargs)
+    """A Parser with tritonq's help format (defaults shown)."""
+    return Parser(prog=prog, description=description, formatter_class=HelpFormatter, **kwargs)
 
 
 def fail(parser: argparse.ArgumentParser, message: object) -> None:
@@ -287,10 +294,11 @@ def build_parser(prog: str = "tritonq") -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, prog: str = "tritonq") -> None:
+def main(argv: list[str] | None = None, prog: str = "tritonq") -> int | None:
+    """Run the command; its exit status is returned (`check`: 1 when a test failed) or raised (SystemExit)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in COMMANDS:  # the subcommand's own parser takes everything after its name
-        raise SystemExit(COMMANDS[argv[0]].run(argv[1:], prog=f"{prog} {argv[0]}"))
+        return COMMANDS[argv[0]].run(argv[1:], prog=f"{prog} {argv[0]}")
     parser = build_parser(prog)
     if argv and not argv[0].startswith("-"):
         fail(parser, f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
@@ -300,4 +308,4 @@ def main(argv: list[str] | None = None, prog: str = "tritonq") -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
