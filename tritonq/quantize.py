@@ -226,6 +226,9 @@ def calibrate_for_writer(src: Path, fmt: str, method: str, q: dict, converted: s
                      is_converted=converted.__contains__)
 
 
-if __name__ == "__main__":  # the command line is tritonq.cli's (`tritonq quantize`): one parser for both forms
-    from tritonq.cli import quantize_main
-    quantize_main(prog="python -m tritonq.quantize")
+if __name__ == "__main__":  # `python -m tritonq.quantize` is `python -m tritonq quantize` (tritonq/cli.py's parser)
+    import runpy
+    import sys
+
+    sys.argv[1:1] = ["quantize"]
+    runpy.run_module("tritonq", run_name="__main__", alter_sys=True)
