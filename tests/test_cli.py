@@ -77,7 +77,8 @@ def _actions(parser: argparse.ArgumentParser):
 def test_every_option_is_described_with_its_default(name):
     for parser, action in _actions(cli.COMMANDS[name].parser_for(f"tritonq {name}")):
         assert action.help, f"{parser.prog}: {action.dest} has no help text"
-        if action.option_strings and action.default not in (None, False, ""):
+        if action.option_strings and action.default is not None and action.default is not False \
+                and action.default != "":  # `is`: 0 and 0.0 are defaults to show, though 0 == False
             no_space = "".join  # help text wraps lines, at spaces or after a "-"
             assert no_space(f"(default: {action.default})".split()) in no_space(parser.format_help().split()), \
                 f"{parser.prog} {action.option_strings[0]}: default {action.default!r} not shown"

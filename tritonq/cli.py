@@ -33,7 +33,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or action.default in (None, False, "", argparse.SUPPRESS) or not action.option_strings:
+        no_default = any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS)) or action.default == ""
+        if "%(default)" in text or no_default or not action.option_strings:  # `is`: 0 == False, yet 0 is a default
             return text
         return f"{text} (default: %(default)s)"
 
