@@ -47,7 +47,8 @@ def test_load_says_each_fact_once_at_info_and_warns_of_nothing(quantize, note, c
     said = Counter(r.getMessage() for r in records)
     assert max(said.values()) == 1, said
     kv = [r for r in records if r.getMessage().startswith("KV cache: ")]
-    assert len(kv) == 1 and kv[0].levelno == logging.INFO and "sequences of max_seq_len=512 at once" in kv[0].getMessage()
+    assert len(kv) == 1 and kv[0].levelno == logging.INFO
+    assert "sequences of max_seq_len=512 at once" in kv[0].getMessage()
     notes = [r for r in records if r.getMessage().startswith("CPU backend: ")]
     if note is None:
         assert notes == []

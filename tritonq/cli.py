@@ -33,7 +33,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        no_default = any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS)) or action.default == ""
+        no_default = action.default == "" or any(action.default is none for none in (None, False, argparse.SUPPRESS))
         if "%(default)" in text or no_default or not action.option_strings:  # `is`: 0 == False, yet 0 is a default
             return text
         return f"{text} (default: %(default)s)"

@@ -106,7 +106,8 @@ def lm_eval(parser, args) -> None:
     if unknown:
         raise ValueError(f"unknown lm_eval task(s) {unknown}; list them with `lm_eval ls tasks` "
                          "(add --include-path for your own YAML tasks).")
-    results = harness.simple_evaluate(model=TritonQLM(model=load_model(parser, args)), tasks=tasks, num_fewshot=args.num_fewshot,
+    model = TritonQLM(model=load_model(parser, args))
+    results = harness.simple_evaluate(model=model, tasks=tasks, num_fewshot=args.num_fewshot,
                                       limit=args.limit, task_manager=manager, log_samples=args.log_samples,
                                       random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
                                       fewshot_random_seed=args.seed)
