@@ -36,6 +36,7 @@ from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner, SamplingParams
 from tritonq.engine.scheduler import Scheduler
 from tritonq.engine.sequence import Sequence
+from tritonq.engine.speculative import SpeculativeStats, accept
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Request:
     finish_s: float | None = None
     finish_reason: str | None = None  # "eos", "stop", "length", "abort", "error"
     error: str | None = None  # with finish_reason "error": "<ExceptionType>: <message>"
+    speculation: SpeculativeStats = field(default_factory=SpeculativeStats)  # its verified proposals
 
     @property
     def time_to_first_token_s(self) -> float:
@@ -104,7 +106,14 @@ class Engine:
 
     def __init__(self, model, tokenizer, eos_token_ids: set[int], *, num_blocks: int, block_size: int = 16,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 max_seq_len: int | None = None, world: int = 1):
+                 max_seq_len: int | None = None, world: int = 1, proposer=None, num_speculative_tokens: int = 0):
+        """proposer (tritonq.engine.speculative: NgramProposer / DraftProposer) with num_speculative_tokens k
+        >= 1: speculative decoding, up to k proposals verified per sequence and step (see `step`)."""
+        if (proposer is None) != (num_speculative_tokens == 0):
+            raise ValueError(f"speculative decoding needs both a proposer and num_speculative_tokens >= 1; got "
+                             f"proposer={proposer!r}, num_speculative_tokens={num_speculative_tokens}.")
+        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens
+        self.speculation = SpeculativeStats()  # every verification since start (the server's metrics)
         self.tokenizer, self.eos_token_ids = tokenizer, set(eos_token_ids)
         self.max_seq_len = max_seq_len
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
@@ -167,7 +176,12 @@ class Engine:
         if config.max_new_tokens == 0:
             self._finish(request, "length")
             return rid
-        self.scheduler.add(Sequence(rid, prompt_ids, config.max_new_tokens, extra=request))
+        seq = Sequence(rid, prompt_ids, config.max_new_tokens, extra=request)
+        # A repetition penalty's seen-token set is kept incrementally per request (runner.SeenTokens), which
+        # rows carrying unverified proposals would corrupt: such requests decode without speculation.
+        if not request.sampling.penalized:
+            seq.num_speculative_tokens = self.num_speculative_tokens
+        self.scheduler.add(seq)
         self.requests[rid] = request
         return rid
 
@@ -193,15 +207,26 @@ class Engine:
         step = self.scheduler.schedule()
         if step is None:
             return outputs
-        samples = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(step.seqs, step.num_new_tokens)]
-        sampling = [seq for seq, s in zip(step.seqs, samples) if s]
         try:
-            ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=samples)
+            if step.lookahead is not None:  # decoding sequences get proposals in their reserved slots
+                step = step.with_proposals(self.proposer.propose(step.seqs, step.lookahead))
+            proposals = step.proposals or [[]] * len(step.seqs)
+            # rows of logits per sequence: 1 + its proposals where it samples, 0 for a chunk short of its end
+            rows = [1 + len(p) if seq.num_computed_tokens + n - len(p) == seq.num_tokens else 0
+                    for seq, n, p in zip(step.seqs, step.num_new_tokens, proposals)]
+            ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
+                                      proposals=step.proposals)
             logits = self.runner.run(ctx)
-            tokens, logprobs = self.runner.sample(
-                logits, [seq.extra.sampling for seq in sampling], [seq.token_ids for seq in sampling],
-                mask_eos=[seq.num_generated < seq.extra.config.min_tokens for seq in sampling],
-                eos_token_ids=self.eos_token_ids)
+            # row j of a sequence samples the token after its tokens + proposals[:j], as a plain decode
+            # step at that length would (same noise counter, same min_tokens EOS mask)
+            params, token_ids, mask_eos = [], [], []
+            for seq, m, p in zip(step.seqs, rows, proposals):
+                for j in range(m):
+                    params.append(seq.extra.sampling)
+                    token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
+                    mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
+            tokens, logprobs = self.runner.sample(logits, params, token_ids, mask_eos=mask_eos,
+                                                  eos_token_ids=self.eos_token_ids)
         except Exception as exc:
             if _is_device_error(exc):
                 self._dead = EngineDeadError(f"the engine cannot continue after a device error: "
@@ -209,35 +234,53 @@ class Engine:
                 raise self._dead from exc
             error = f"{type(exc).__name__}: {exc}"
             return outputs + [self._fail(seq, error) for seq in step.seqs if not seq.is_finished]
-        sampled = iter(zip(tokens, logprobs))
-        picks = [next(sampled) if s else None for s in samples]
-        for seq, pick in zip(step.seqs, picks):
-            if pick is not None and pick[0] is None and not seq.is_finished:  # non-finite logits: no token
-                outputs.append(self._fail(seq, NONFINITE_ERROR))
-        self.scheduler.postprocess(step, [p[0] if p else None for p in picks])  # skips the failed (finished)
+        # per sequence: the (token, logprob) pairs it emits (None: a chunk short of its end, or a failed row)
+        picks: list[list[tuple] | None] = []
+        row = 0
+        for seq, m, p in zip(step.seqs, rows, proposals):
+            drawn = list(zip(tokens[row:row + m], logprobs[row:row + m]))
+            row += m
+            if not m:
+                picks.append(None)
+            elif any(t is None for t, _ in drawn):  # non-finite logits: no token
+                picks.append(None)
+                if not seq.is_finished:
+                    outputs.append(self._fail(seq, NONFINITE_ERROR))
+            else:
+                emitted = accept(p, [t for t, _ in drawn])
+                if p:
+                    self.speculation.add(len(p), len(emitted) - 1)
+                    seq.extra.speculation.add(len(p), len(emitted) - 1)
+                picks.append(drawn[:len(emitted) - 1] + [(emitted[-1], drawn[len(emitted) - 1][1])])
+        self.scheduler.postprocess(step, [  # skips the failed (finished)
+            None if pick is None else [t for t, _ in pick] if p else pick[0][0] for pick, p in zip(picks, proposals)])
         now = time.perf_counter()
         eos_ids, requests = self.eos_token_ids, self.requests
         for seq, pick in zip(step.seqs, picks):
-            if pick is None or pick[0] is None or seq.seq_id not in requests:
+            if pick is None or seq.seq_id not in requests:
                 continue  # a chunk short of its last token, a failed row, or aborted meanwhile
-            request, (token, logprob) = seq.extra, pick
-            request.token_ids.append(token)
-            request.logprobs.append(logprob)
-            request.first_token_s = request.first_token_s or now
+            request = seq.extra
             detokenizer, config = request.detokenizer, request.config
-            text = detokenizer.add(token) if request.stream else ""
-            eos = token in eos_ids and not config.ignore_eos and seq.num_generated >= config.min_tokens
-            reason = ("eos" if eos else "stop" if detokenizer.stopped
-                      else "length" if seq.is_finished else None)
-            if reason is not None:
-                self.scheduler.finish(seq)  # no-op when postprocess already finished it (length)
-                self.runner.release(request.sampling)
-                del requests[request.request_id]
-                if not request.stream:
-                    text = detokenizer.add_many(request.token_ids)
-                text += detokenizer.flush()
-                request.finish_s, request.finish_reason = now, reason
-            outputs.append(RequestOutput(request.request_id, token, logprob, text, reason is not None, reason, request))
+            for j, (token, logprob) in enumerate(pick):
+                request.token_ids.append(token)
+                request.logprobs.append(logprob)
+                request.first_token_s = request.first_token_s or now
+                text = detokenizer.add(token) if request.stream else ""
+                eos = token in eos_ids and not config.ignore_eos and len(request.token_ids) >= config.min_tokens
+                reason = ("eos" if eos else "stop" if detokenizer.stopped
+                          else "length" if seq.is_finished and j == len(pick) - 1 else None)
+                if reason is not None:  # tokens verified after an EOS / stop are dropped
+                    self.scheduler.finish(seq)  # no-op when postprocess already finished it (length)
+                    self.runner.release(request.sampling)
+                    del requests[request.request_id]
+                    if not request.stream:
+                        text = detokenizer.add_many(request.token_ids)
+                    text += detokenizer.flush()
+                    request.finish_s, request.finish_reason = now, reason
+                outputs.append(RequestOutput(request.request_id, token, logprob, text, reason is not None, reason,
+                                             request))
+                if reason is not None:
+                    break
         return outputs
 
     def _check_alive(self) -> None:

@@ -207,10 +207,12 @@ class ModelRunner:
             log.info("torch.compile: the decode step compiles once per batch bucket (%s) on its first use",
                      ",".join(map(str, self.buckets)))
 
-    def prepare(self, seqs, num_new_tokens: list[int], is_prefill: bool, logits_for: list[bool] | None = None,
-                start: list[int] | None = None) -> StepContext:
-        """The StepContext of one step. logits_for[i]: sequence i's last new token gets logits (None: every
-        row of every sequence gets logits). start[i] (default num_computed_tokens): first position to
+    def prepare(self, seqs, num_new_tokens: list[int], is_prefill: bool, logits_for: list[bool | int] | None = None,
+                start: list[int] | None = None, proposals: list[list[int]] | None = None) -> StepContext:
+        """The StepContext of one step. logits_for[i]: sequence i's last new token gets logits, or an int: its
+        last logits_for[i] new tokens do (None: every row of every sequence gets logits). proposals[i]:
+        speculative tokens computed after sequence i's token_ids (counted in num_new_tokens[i]; they get
+        slots in its reserved lookahead blocks). start[i] (default num_computed_tokens): first position to
         compute; positions below num_computed_tokens are recomputed but not written (their blocks hold them).
         Positions, slots and the block table are computed as numpy arrays over the whole step (no loop
         over tokens or table entries in Python): host time grows slowly with the batch."""
@@ -225,7 +227,10 @@ class ModelRunner:
             i = int(short[0])
             raise RuntimeError(f"{seqs[i]}: positions up to {context[i] - 1} need more than its {num_blocks[i]} "
                                f"blocks of {bs}; the scheduler must allocate them first.")
-        if is_prefill:
+        if proposals is not None:
+            ids = list(chain.from_iterable(seq.token_ids[c:c + n - len(p)] + p for seq, c, n, p in
+                                           zip(seqs, first.tolist(), num_new_tokens, proposals)))
+        elif is_prefill:
             ids = list(chain.from_iterable(seq.token_ids[c:c + n] for seq, c, n in
                                            zip(seqs, first.tolist(), num_new_tokens)))
         else:  # one token each, the last one
@@ -255,7 +260,10 @@ class ModelRunner:
                 and (logits_for is None or all(logits_for))):
             bucket = next(b for b in self.buckets if b >= B)
             return self.static.fill(bucket, ids, positions.tolist(), slots.tolist(), context.tolist(), tables)
-        rows = None if logits_for is None else (cu[1:] - 1)[np.array(logits_for, dtype=bool)]
+        rows = None
+        if logits_for is not None:  # the last m_i rows of sequence i, in order
+            m = np.array(logits_for, dtype=np.int64)
+            rows = np.arange(int(m.sum())) + np.repeat(cu[1:] - m - (np.cumsum(m) - m), m)
 
         def tensor(values, dtype):
             return torch.from_numpy(values).to(device=self.device, dtype=dtype, non_blocking=True)
