@@ -190,7 +190,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request_id)
-            self.runner.release(request.sampling)
+            self._release(request)
             request.finish_s, request.finish_reason = time.perf_counter(), "abort"  # the caller knows: no output
 
     def has_unfinished(self) -> bool:
@@ -251,7 +251,7 @@ class Engine:
                 if p:
                     self.speculation.add(len(p), len(emitted) - 1)
                     seq.extra.speculation.add(len(p), len(emitted) - 1)
-                picks.append(drawn[:len(emitted) - 1] + [(emitted[-1], drawn[len(emitted) - 1][1])])
+                picks.append([(t, lp) for t, (_, lp) in zip(emitted, drawn)])  # accepted: t is also the drawn token
         self.scheduler.postprocess(step, [  # skips the failed (finished)
             None if pick is None else [t for t, _ in pick] if p else pick[0][0] for pick, p in zip(picks, proposals)])
         now = time.perf_counter()
@@ -271,7 +271,7 @@ class Engine:
                           else "length" if seq.is_finished and j == len(pick) - 1 else None)
                 if reason is not None:  # tokens verified after an EOS / stop are dropped
                     self.scheduler.finish(seq)  # no-op when postprocess already finished it (length)
-                    self.runner.release(request.sampling)
+                    self._release(request)
                     del requests[request.request_id]
                     if not request.stream:
                         text = detokenizer.add_many(request.token_ids)
@@ -283,6 +283,12 @@ class Engine:
                     break
         return outputs
 
+    def _release(self, request: Request) -> None:
+        """A request ended: drop what the runner (and a draft proposer) keep for it."""
+        self.runner.release(request.sampling)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise self._dead
@@ -291,7 +297,7 @@ class Engine:
         """Finish a request of a failed step (or row) with finish_reason "error"; its blocks are freed."""
         self.scheduler.finish(seq)
         request = self.requests.pop(seq.seq_id)
-        self.runner.release(request.sampling)
+        self._release(request)
         request.finish_s, request.finish_reason, request.error = time.perf_counter(), "error", error
         return RequestOutput(request.request_id, None, None, "", True, "error", request, error)
 

@@ -127,6 +127,9 @@ class NgramProposer:
     def propose(self, seqs, limits: list[int]) -> list[list[int]]:
         return [self.lookup(seq.token_ids, k) if k > 0 else [] for seq, k in zip(seqs, limits)]
 
+    def release(self, seq_id: int) -> None:
+        """Nothing is kept per sequence."""
+
     def lookup(self, ids: list[int], k: int) -> list[int]:
         L = len(ids)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
@@ -152,7 +155,8 @@ class DraftProposer:
     more than the target's running sequences do (+ k tokens each); a sequence the draft cache cannot hold
     is simply not proposed for."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, max_seq_len: int):
+    def __init__(self, model, num_blocks: int, block_size: int, max_seq_len: int, vocab_size: int):
+        self.vocab_size = vocab_size  # the target's: a draft with padded rows never proposes past it
         self.runner = ModelRunner(model, num_blocks, block_size, max_seq_len=max_seq_len)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.states: dict[int, tuple] = {}  # target seq_id -> (target Sequence, draft Sequence)
@@ -190,7 +194,7 @@ class DraftProposer:
                 live = [j for j in live if active[j][2] > step]
                 rows = [drafts[j] for j in live]
                 logits = self.runner.run(self.runner.prepare(rows, [1] * len(rows), False))
-            tokens = logits.argmax(-1).tolist()
+            tokens = logits[:, :self.vocab_size].argmax(-1).tolist()
             for j, token in zip(live, tokens):
                 i, draft, k = active[j]
                 if step:
@@ -200,6 +204,11 @@ class DraftProposer:
                 draft.token_ids.append(int(token))
                 proposals[i].append(int(token))
         return proposals
+
+    def release(self, seq_id: int) -> None:
+        """A request ended: free its draft sequence's blocks (a no-op if it has none)."""
+        if seq_id in self.states:
+            self._drop(seq_id)
 
     def _drop(self, seq_id: int) -> None:
         _, draft = self.states.pop(seq_id)
@@ -219,8 +228,9 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 def make_proposer(config: SpeculativeConfig, draft_model=None, *, num_blocks: int = 0, block_size: int = 16,
-                  max_seq_len: int = 0):
-    """The proposer of a config: NgramProposer, or DraftProposer over draft_model (a loaded nn.Module)."""
+                  max_seq_len: int = 0, vocab_size: int = 0):
+    """The proposer of a config: NgramProposer, or DraftProposer over draft_model (a loaded model module)
+    with a cache of num_blocks blocks of block_size, proposing ids below vocab_size (the target's)."""
     if config.method == "ngram":
         return NgramProposer(config.min_n, config.max_n)
-    return DraftProposer(draft_model, num_blocks, block_size, max_seq_len)
+    return DraftProposer(draft_model, num_blocks, block_size, max_seq_len, vocab_size)

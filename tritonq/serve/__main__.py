@@ -42,10 +42,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quantize", default=None, help='quantize a dense checkpoint on load: "int4", "fp8", ...')
     parser.add_argument("--tensor-parallel", type=int, default=None)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_tokens": 4}\' or '
+                             '\'{"method": "draft", "model": "PATH_OR_ID", "num_tokens": 4}\' (see tritonq.load)')
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if args.max_waiting is not None and args.max_waiting < 0:
         parser.error(f"--max-waiting is {args.max_waiting}; expected >= 0")
+    if args.speculative_config is not None:
+        from tritonq.engine.speculative import SpeculativeConfig
+        try:
+            SpeculativeConfig.parse(args.speculative_config)
+        except (ValueError, TypeError) as e:
+            parser.error(f"--speculative-config: {e}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes is {args.max_request_bytes}; expected >= 1")
     return args
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     model = tritonq.load(args.model, dtype=DTYPES[args.dtype], device=args.device, quantize=args.quantize,
                          max_seq_len=args.max_seq_len, tensor_parallel=args.tensor_parallel,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         kv_cache_gb=args.kv_cache_gb)
+                         kv_cache_gb=args.kv_cache_gb, speculative=args.speculative_config)
     if model.world > 1:
         raise SystemExit("tensor parallel serving is not supported yet: every rank would need the same requests; "
                          "run with --tensor-parallel 1")

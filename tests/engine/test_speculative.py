@@ -1,0 +1,240 @@
+"""Speculative decoding (tritonq.engine.speculative) on tiny Llamas through the torch references.
+
+References: greedy runs of the same model without speculation (tokens equal up to a near tie, see
+tolerances.assert_greedy_equal), the target's own softmax for the sampled distribution (chi-square),
+a brute-force n-gram search written independently of the proposer, and the block manager's accounting
+recomputed from the sequences' block tables and token ids after every step."""
+import random
+
+import pytest
+import torch
+from models.test_llama import write_checkpoint
+from tolerances import assert_greedy_equal
+
+import tritonq
+from tritonq.engine.block_manager import chained_hash
+from tritonq.engine.sequence import SequenceStatus
+from tritonq.engine.speculative import NgramProposer, SpeculativeConfig, accept
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head dim x fp32 bytes (write_checkpoint's model)
+ENGINE = dict(max_seq_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend(monkeypatch):
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The target (seed 0) and an unrelated random draft with the same tokenizer (seed 1)."""
+    root = tmp_path_factory.mktemp("spec")
+    write_checkpoint(root / "target", seed=0)
+    write_checkpoint(root / "random", seed=1)
+    return root / "target", root / "random"
+
+
+# ---- proposer, acceptance rule, config ---------------------------------------------------------------
+
+def brute_force_lookup(ids, k, min_n, max_n):
+    """For n from max_n down: every start s < len - n whose n tokens equal the last n; the latest wins."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(ids):
+            continue
+        starts = [s for s in range(len(ids) - n) if ids[s:s + n] == ids[-n:]]
+        if starts:
+            s = max(starts)
+            return ids[s + n:s + n + k]
+    return []
+
+
+def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
+    rng = random.Random(0)
+    proposer = NgramProposer(min_n=1, max_n=3)
+    for _ in range(500):
+        ids = [rng.randrange(4) for _ in range(rng.randint(1, 30))]
+        k = rng.randint(1, 5)
+        assert proposer.lookup(ids, k) == brute_force_lookup(ids, k, 1, 3), ids
+    assert proposer.lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # "2 3" last followed by 7 5
+    assert NgramProposer(2, 2).lookup([5, 1, 2, 3], 4) == []  # no earlier "2 3"
+
+
+def test_accept_keeps_the_matching_prefix_then_the_targets_token():
+    assert accept([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]   # all accepted + the bonus token
+    assert accept([4, 5, 6], [4, 9, 6, 7]) == [4, 9]         # the first mismatch: the target's token
+    assert accept([4, 5, 6], [8, 5, 6, 7]) == [8]
+    assert accept([], [3]) == [3]
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"method": "eagle", "num_tokens": 2}, "method"), ({"method": "ngram"}, "num_tokens"),
+    ({"method": "ngram", "num_tokens": 0}, "num_tokens"), ({"method": "ngram", "num_tokens": 2, "min_n": 3, "max_n": 2}, "min_n"),
+    ({"method": "draft", "num_tokens": 2}, "model"), ({"method": "ngram", "num_tokens": 2, "k": 1}, "unknown"),
+    ('{"method": ', "JSON"), (4, "dict")])
+def test_bad_speculative_config_is_refused_naming_the_problem(value, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_load_refuses_a_draft_with_another_vocabulary(folders, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {chr(97 + i): i for i in range(20)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="b")
+    LlamaForCausalLM(LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                 eos_token_id=1)).save_pretrained(tmp_path)
+    fast.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="tokenizer"):
+        tritonq.load(folders[0], speculative={"method": "draft", "model": str(tmp_path), "num_tokens": 2}, **ENGINE)
+
+
+# ---- block accounting --------------------------------------------------------------------------------
+
+def check_blocks(bm, seqs) -> None:
+    """The block manager's state equals what the sequences' tables and tokens imply: reference counts are
+    the number of tables naming a block, the free list holds exactly the unreferenced blocks, a running
+    sequence holds slots for its computed tokens and none past its tokens, every registered block of a table is full of
+    computed tokens and hashed from that sequence's tokens (the chain recomputed here), and the hash map
+    points only at blocks carrying that hash."""
+    refs = [0] * bm.num_blocks
+    for seq in seqs:
+        if seq.status is not SequenceStatus.RUNNING:
+            assert not seq.block_table, seq
+            continue
+        for b in seq.block_table:
+            refs[b] += 1
+        # its computed tokens have slots; nothing past its tokens is held (lookahead slots were given back)
+        assert bm.blocks_needed(seq.num_computed_tokens) <= len(seq.block_table) <= bm.blocks_needed(seq.num_tokens), seq
+        assert seq.num_computed_tokens < seq.num_tokens, seq
+        prev = None
+        for i, b in enumerate(seq.block_table):
+            block = bm.blocks[b]
+            if block.hash is None:
+                break
+            tokens = tuple(seq.token_ids[i * bm.block_size:(i + 1) * bm.block_size])
+            assert (i + 1) * bm.block_size <= seq.num_computed_tokens, f"{seq}: block {i} registered before computed"
+            assert block.token_ids == tokens and block.hash == chained_hash(prev, tokens), f"{seq}: block {i}"
+            prev = block.hash
+    assert [b.ref_count for b in bm.blocks] == refs
+    assert set(bm.free_blocks) == {i for i, r in enumerate(refs) if r == 0}
+    assert all(bm.blocks[b].hash == h for h, b in bm.hash_to_block.items())
+
+
+def run_checked(model, prompts, **options):
+    """model.generate with the block accounting checked after every engine step (target and draft caches)."""
+    engine = model.engine
+    step = engine.step
+
+    def checked_step():
+        outs = step()
+        check_blocks(engine.block_manager, list(engine.scheduler.seqs.values()))
+        states = getattr(engine.proposer, "states", None)
+        if states is not None:  # the draft's cache: one reference per table entry, only running targets
+            bm = engine.proposer.block_manager
+            refs = [0] * bm.num_blocks
+            for target, draft in states.values():  # a preempted target's draft is dropped at the next proposal
+                assert target.status is not SequenceStatus.FINISHED
+                for b in draft.block_table:
+                    refs[b] += 1
+            assert [b.ref_count for b in bm.blocks] == refs
+            assert set(bm.free_blocks) == {i for i, r in enumerate(refs) if r == 0}
+        return outs
+    engine.step = checked_step
+    try:
+        return model.generate(prompts, return_dict=True, progress=False, **options)
+    finally:
+        del engine.step
+
+
+def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Random segments of 5..12 byte tokens repeated 2..4 times: the n-gram proposer finds matches."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        segment = [rng.randrange(32, 127) for _ in range(rng.randint(5, 12))]
+        prompts.append(segment * rng.randint(2, 4))
+    return prompts
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_random"])
+def test_greedy_outputs_equal_those_without_speculation_under_preemption(folders, method):
+    """Eight prompts in a 12-block cache (4 running sequences need more): sequences are preempted and resumed,
+    proposals are verified and rolled back, and every greedy output equals the run without speculation.
+    A draft that is the target accepts (nearly) everything; an unrelated random draft accepts little."""
+    target, random_draft = folders
+    spec = {"ngram": {"method": "ngram", "num_tokens": 4, "min_n": 1, "max_n": 3},
+            "draft_self": {"method": "draft", "model": str(target), "num_tokens": 3},
+            "draft_random": {"method": "draft", "model": str(random_draft), "num_tokens": 3}}[method]
+    prompts = repetitive_prompts(8)
+    model = tritonq.load(target, speculative=spec, kv_cache_gb=12 * 16 * PER_TOKEN / 2 ** 30, **ENGINE)
+    got = run_checked(model, prompts, max_new_tokens=24, ignore_eos=True)
+    engine = model.engine
+    assert engine.scheduler.num_preemptions > 0
+    for bm in (engine.block_manager, getattr(engine.proposer, "block_manager", engine.block_manager)):
+        assert bm.num_free_blocks == bm.num_blocks and not engine.has_unfinished()
+    plain = tritonq.load(target, **ENGINE)
+    want = plain.generate(prompts, max_new_tokens=24, ignore_eos=True, return_dict=True, progress=False)
+    assert_greedy_equal(plain, prompts, got, want)
+    stats = engine.speculation
+    assert stats.verifications > 0 and got.acceptance_rate == stats.acceptance_rate
+    assert 1 <= got.mean_accepted_length <= spec["num_tokens"] + 1
+    if method == "draft_self":
+        assert stats.acceptance_rate > 0.95
+    if method == "draft_random":
+        assert stats.acceptance_rate < 0.3
+
+
+def test_sampled_next_token_follows_the_target_distribution(folders):
+    """2000 seeded requests (temperature 0.05: the random model's logits are flat, this makes its top tokens
+    likely enough to be accepted at times) generate 2 tokens with a draft proposing 2 tokens at the second:
+    for each first token a, the second tokens' counts are compared with 2000 * P(a) * p(. | prompt, a) from
+    the target's own logits; chi-square over all (a, b) cells with expected count >= 5 (the rest pooled per
+    a), df = cells - groups. The test fails when P(chi2 >= observed) < 1e-3 (a false alarm once in 1000 runs
+    of a correct sampler; seeds are fixed, so the run is deterministic). The run must have accepted and
+    rejected proposals, so both branches of the rule are exercised."""
+    target, _ = folders
+    temperature, n = 0.05, 2000
+    spec = {"method": "draft", "model": str(target), "num_tokens": 2}
+    model = tritonq.load(target, speculative=spec, max_seq_len=64, max_num_seqs=64, max_num_batched_tokens=512)
+    prompt = [72, 101, 108, 108, 111]
+    out = model.generate([prompt] * n, max_new_tokens=3, temperature=temperature, ignore_eos=True, return_dict=True,
+                         progress=False, seed=None)
+    stats = model.engine.speculation
+    assert stats.verifications >= n and 0.05 < stats.acceptance_rate < 0.95
+    pairs = [tuple(ids[:2]) for ids in out.token_ids]
+    chi2, df = 0.0, 0
+    for a in sorted({p[0] for p in pairs}):
+        seconds = [b for x, b in pairs if x == a]
+        probs = (model.engine.prompt_logits(prompt + [a])[-1] / temperature).softmax(-1).double()
+        observed = torch.bincount(torch.tensor(seconds), minlength=probs.numel()).double()
+        expected = probs * len(seconds)
+        big = expected >= 5
+        if big.sum() == 0:
+            continue
+        obs = torch.cat([observed[big], observed[~big].sum()[None]])
+        exp = torch.cat([expected[big], expected[~big].sum()[None]])
+        keep = exp > 0
+        chi2 += float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+        df += int(keep.sum()) - 1
+    assert df > 10, "too few cells: the test would have no power"
+    p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                            torch.tensor(chi2 / 2, dtype=torch.float64)))
+    assert p_value > 1e-3, f"chi2={chi2:.1f} with df={df}: p={p_value:.2e}"
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation(folders):
+    """The verification draws each position's token with the counter-based noise of (seed, length), as a
+    plain step does: a seeded request emits the same tokens with speculation (and is reproducible)."""
+    target, _ = folders
+    prompts = repetitive_prompts(3, seed=2)
+    options = dict(max_new_tokens=20, temperature=0.8, top_k=20, seed=11, ignore_eos=True, return_dict=True,
+                   progress=False)
+    spec = tritonq.load(target, speculative={"method": "ngram", "num_tokens": 3}, **ENGINE).generate(prompts, **options)
+    plain = tritonq.load(target, **ENGINE).generate(prompts, **options)
+    assert spec.token_ids == plain.token_ids
+    assert spec.acceptance_rate is not None and plain.acceptance_rate is None
