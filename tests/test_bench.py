@@ -117,9 +117,10 @@ def test_quality_bench_dense_perplexity_equals_transformers(tmp_path, monkeypatc
     assert rows["rtn_int4_g32"]["perplexity"] == pytest.approx(expected, rel=0.05)  # int4 g32: a small change
 
 
-def test_spec_bench_reports_plain_and_ngram_on_both_workloads(tmp_path):
+def test_spec_bench_reports_plain_and_ngram_on_both_workloads(tmp_path, monkeypatch):
     """bench spec runs each engine on both workloads (checking greedy tokens equal to plain's) and writes rows."""
     from tritonq.bench import spec as bench_spec
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU backend, as the bench runs
     out = tmp_path / "spec.json"
     bench_spec.main(["--repeats", "1", "--new-tokens", "8", "--passage-tokens", "24", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]

@@ -238,3 +238,25 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(folders):
     plain = tritonq.load(target, **ENGINE).generate(prompts, **options)
     assert spec.token_ids == plain.token_ids
     assert spec.acceptance_rate is not None and plain.acceptance_rate is None
+
+
+# ---- server: the option and the Prometheus counters ----------------------------------------------------
+
+def test_server_option_is_checked_at_parse_and_metrics_report_the_engines_counters(folders):
+    pytest.importorskip("prometheus_client")
+    from tritonq.serve.__main__ import parse_args
+    from tritonq.serve.metrics import ServerMetrics
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--speculative-config", '{"method": "ngram"}'])  # no num_tokens
+    assert parse_args(["m", "--speculative-config", '{"method": "ngram", "num_tokens": 2}']).speculative_config
+    model = tritonq.load(folders[0], speculative={"method": "ngram", "num_tokens": 3}, **ENGINE)
+    model.generate(repetitive_prompts(2), max_new_tokens=16, ignore_eos=True)
+    metrics = ServerMetrics("m")
+    metrics.update_engine(model.engine)
+    stats = model.engine.speculation
+    text = metrics.render().decode()
+    label = '{model_name="m"}'
+    assert f"tritonq:spec_decode_num_draft_tokens_total{label} {float(stats.proposed)}" in text
+    assert f"tritonq:spec_decode_num_accepted_tokens_total{label} {float(stats.accepted)}" in text
+    assert f"tritonq:spec_decode_num_drafts_total{label} {float(stats.verifications)}" in text
+    assert f"tritonq:spec_decode_acceptance_rate{label} {stats.accepted / stats.proposed}" in text
