@@ -277,16 +277,6 @@ def _load_draft(name_or_path, tokenizer, vocab_size: int, *, dtype, device, max_
     return draft.model  # its Engine (and that cache) is dropped: the proposer gives it its own
 
 
-def _draft_blocks(draft, num_blocks: int, block_size: int) -> int:
-    """KV blocks of the draft's cache: as many as the target's (it holds the running sequences + k tokens
-    each), on CUDA at most what half the free memory holds; with fewer, some sequences go unproposed."""
-    if draft is None or draft.device.type != "cuda":
-        return num_blocks
-    free, _ = torch.cuda.mem_get_info(draft.device)
-    per_block = draft.kv_layout.bytes_per_token(draft.dtype) * block_size
-    return max(1, min(num_blocks, int(free // 2 // per_block)))
-
-
 def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
          device: str | torch.device | None = None, revision: str | None = None, quantize: str | None = None,
          group_size: int | None = None, max_seq_len: int | None = None, tensor_parallel: int | None = None,
@@ -326,7 +316,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     the target's distribution), a dict or JSON string: {"method": "ngram", "num_tokens": k, "min_n": 1,
     "max_n": 4} proposes the continuation of the latest earlier match of the last n tokens (prompt lookup);
     {"method": "draft", "model": PATH_OR_ID, "num_tokens": k} runs a smaller model with the same tokenizer k
-    tokens ahead (loaded here with the same dtype and device, with its own paged cache). Steps that verify
+    tokens ahead (loaded here with the same dtype and device, with its own paged cache of as many blocks, paid
+    from the same KV budget). Steps that verify
     proposals run eagerly (on CUDA, outside the decode graphs). Requests with a repetition penalty decode
     without it. Counters: Model.engine.speculation, GenerationOutput.acceptance_rate / mean_accepted_length.
     Every argument, the checkpoint's files (readable, no symlink loops), config.json, generation_config.json
@@ -409,19 +400,20 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     capture = device.type == "cuda" and _capture_graphs(cuda_graphs, world)
     num_blocks = kv_cache_blocks(model, block_size=block_size, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=kv_cache_gb,
-                                 gpu_memory_utilization=gpu_memory_utilization, world=world, cuda_graphs=capture)
-    proposer = None
+                                 gpu_memory_utilization=gpu_memory_utilization, world=world, cuda_graphs=capture,
+                                 # the draft's cache has as many blocks (it holds the running sequences + k each)
+                                 extra_bytes_per_token=0 if draft is None else draft.kv_layout.bytes_per_token(draft.dtype))
+    engine = Engine(model, tokenizer, eos_ids, num_blocks=num_blocks,
+                    block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    enable_prefix_caching=enable_prefix_caching, max_seq_len=max_seq_len, world=world)
     if speculative is not None:
-        proposer = make_proposer(speculative, draft, num_blocks=_draft_blocks(draft, num_blocks, block_size),
+        proposer = make_proposer(speculative, draft, num_blocks=num_blocks,
                                  block_size=block_size, max_seq_len=max_seq_len, vocab_size=config.vocab_size)
+        engine.use_speculation(proposer, speculative.num_tokens)
         logging.getLogger("tritonq").info("speculative decoding: %s, up to %d proposed tokens per sequence and step%s",
                                           speculative.method, speculative.num_tokens,
                                           f" (draft {speculative.model})" if draft is not None else
                                           f" (n = {speculative.max_n} .. {speculative.min_n})")
-    engine = Engine(model, tokenizer, eos_ids, num_blocks=num_blocks,
-                    block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                    enable_prefix_caching=enable_prefix_caching, max_seq_len=max_seq_len, world=world,
-                    proposer=proposer, num_speculative_tokens=speculative.num_tokens if speculative else 0)
     if device.type == "cuda":  # fixed-shape decode buckets; graphs captured after the process group exists
         engine.runner.use_static_decode(max_num_seqs, cuda_graphs=capture)
     elif compile or (compile is None and CPU_COMPILE and world == 1 and getattr(cls, "supports_compile", False)):

@@ -8,12 +8,14 @@ import random
 
 import pytest
 import torch
+from engine.test_scheduler import BS, Simulator, assert_all_blocks_free, fake_kv, fake_next_token, reference_tokens
 from models.test_llama import write_checkpoint
 from tolerances import assert_greedy_equal
 
 import tritonq
-from tritonq.engine.block_manager import chained_hash
-from tritonq.engine.sequence import SequenceStatus
+from tritonq.engine.block_manager import BlockManager, chained_hash
+from tritonq.engine.scheduler import Scheduler
+from tritonq.engine.sequence import Sequence, SequenceStatus
 from tritonq.engine.speculative import NgramProposer, SpeculativeConfig, accept
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,6 +93,107 @@ def test_load_refuses_a_draft_with_another_vocabulary(folders, tmp_path):
     fast.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="tokenizer"):
         tritonq.load(folders[0], speculative={"method": "draft", "model": str(tmp_path), "num_tokens": 2}, **ENGINE)
+
+
+# ---- the scheduler's lookahead and rollback, without a model ------------------------------------------
+
+class SpeculativeSimulator(Simulator):
+    """test_scheduler's fake model and paged cache, verifying proposals: each proposal is the reference's next
+    token or, with probability wrong_rate, another one; the step writes the fake KV of the last token and the
+    proposals, reads every cached position back (stale KV of rejected proposals taken as computed fails
+    here), and emits `accept(proposals, the fake model's token at each row)`."""
+
+    def __init__(self, scheduler, seed: int, wrong_rate: float):
+        super().__init__(scheduler)
+        self.rng, self.wrong_rate = random.Random(seed), wrong_rate
+
+    def propose(self, step):
+        proposals = []
+        for seq, room in zip(step.seqs, step.lookahead or [0] * len(step.seqs)):
+            right = reference_tokens(seq.token_ids, room)[seq.num_tokens:]
+            proposals.append([t if self.rng.random() > self.wrong_rate else (t + 1) % 50
+                              for t in right[:self.rng.randint(0, room)]])
+        return step.with_proposals(proposals)
+
+    def run_step(self, step):
+        bm = self.scheduler.block_manager
+        sampled = []
+        for seq, n, p in zip(step.seqs, step.num_new_tokens, step.proposals or [[]] * len(step.seqs)):
+            ids, start = seq.token_ids + p, seq.num_computed_tokens
+            assert start + n <= len(seq.block_table) * bm.block_size
+            kv = self.pages[self.slot(seq, start - 1)] if start else 0
+            targets = []
+            for pos in range(start, start + n):
+                block = bm.blocks[seq.block_table[pos // bm.block_size]]
+                assert block.ref_count == 1 and block.hash is None, "writing into a shared/registered block"
+                kv = fake_kv(kv, ids[pos])
+                self.pages[self.slot(seq, pos)] = kv
+                if pos >= seq.num_tokens - 1:
+                    targets.append(fake_next_token(kv))
+            expected = 0
+            for pos in range(start + n):
+                expected = fake_kv(expected, ids[pos])
+                assert self.pages[self.slot(seq, pos)] == expected, f"position {pos} of {seq} holds other KV"
+            sampled.append(accept(p, targets) if p else targets[-1] if targets else None)
+        return sampled
+
+    def run(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            step = self.scheduler.schedule()
+            if step is None:
+                return
+            step = self.propose(step)
+            self.scheduler.postprocess(step, self.run_step(step))
+            check_blocks(self.scheduler.block_manager, list(self.scheduler.seqs.values()))
+        raise AssertionError("did not finish")
+
+
+@pytest.mark.parametrize("wrong_rate", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("num_blocks", [12, 64])
+def test_scheduler_lookahead_and_rollback_give_the_reference_tokens(wrong_rate, num_blocks):
+    """40 requests sharing prefixes, k = 4: in a 12-block cache sequences are preempted (and the lookahead
+    often does not fit), in 64 they are not; every request produces the reference tokens, every block is
+    accounted for after every step and free at the end, and blocks fill the prefix cache only with
+    accepted tokens (check_blocks recomputes their hashes)."""
+    rng = random.Random(num_blocks)
+    sched = Scheduler(BlockManager(num_blocks, BS), max_num_seqs=4, max_num_batched_tokens=48)
+    prefix = [rng.randrange(50) for _ in range(20)]
+    seqs = []
+    for i in range(40):
+        seq = Sequence(i, prefix[:rng.randint(1, 20)] + [rng.randrange(50) for _ in range(rng.randint(1, 30))],
+                       max_new_tokens=rng.randint(1, 40))
+        seq.num_speculative_tokens = 4
+        sched.add(seq)
+        seqs.append(seq)
+    sim = SpeculativeSimulator(sched, seed=num_blocks, wrong_rate=wrong_rate)
+    sim.run()
+    for seq in seqs:
+        assert seq.token_ids == reference_tokens(seq.token_ids[:seq.num_prompt_tokens], seq.max_new_tokens), seq
+    assert_all_blocks_free(sched.block_manager)
+    assert (sched.num_preemptions > 0) == (num_blocks == 12)
+
+
+def test_lookahead_never_preempts_and_takes_only_blocks_left_over():
+    """Two running sequences whose next tokens fit their blocks and one free block: the lookahead of the first
+    takes it, the second decodes without (no preemption), and postprocess gives the unused block back."""
+    sched = Scheduler(BlockManager(5, BS), max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(2):
+        seq = Sequence(i, [i + 1] * 30, max_new_tokens=10)
+        seq.num_speculative_tokens = 4
+        sched.add(seq)
+    step = sched.schedule()  # both prompts: 2 blocks each, 1 block free
+    sched.postprocess(step, [7, 8])
+    step = sched.schedule()
+    assert step.lookahead == [4, 0] and sched.num_preemptions == 0
+    assert [len(s.block_table) for s in step.seqs] == [3, 2] and sched.block_manager.num_free_blocks == 0
+    step = step.with_proposals([[9, 9], []])
+    assert step.num_new_tokens == [3, 1] and step.is_prefill
+    sched.postprocess(step, [[9, 5], 6])  # the first proposal accepted, the second rejected (5 instead)
+    first, second = step.seqs
+    assert first.token_ids[-3:] == [7, 9, 5] and first.num_computed_tokens == 32 and len(first.block_table) == 3
+    assert second.token_ids[-2:] == [8, 6] and second.num_computed_tokens == 31 and len(second.block_table) == 2
+    with pytest.raises(ValueError, match="lookahead"):
+        sched.schedule().with_proposals([[1] * 5, []])
 
 
 # ---- block accounting --------------------------------------------------------------------------------
@@ -171,7 +274,9 @@ def test_greedy_outputs_equal_those_without_speculation_under_preemption(folders
             "draft_self": {"method": "draft", "model": str(target), "num_tokens": 3},
             "draft_random": {"method": "draft", "model": str(random_draft), "num_tokens": 3}}[method]
     prompts = repetitive_prompts(8)
-    model = tritonq.load(target, speculative=spec, kv_cache_gb=12 * 16 * PER_TOKEN / 2 ** 30, **ENGINE)
+    caches = 1 if method == "ngram" else 2  # the draft's cache (same size, as many blocks) shares the budget
+    model = tritonq.load(target, speculative=spec, kv_cache_gb=caches * 12 * 16 * PER_TOKEN / 2 ** 30, **ENGINE)
+    assert model.engine.block_manager.num_blocks == 12
     got = run_checked(model, prompts, max_new_tokens=24, ignore_eos=True)
     engine = model.engine
     assert engine.scheduler.num_preemptions > 0

@@ -106,13 +106,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, eos_token_ids: set[int], *, num_blocks: int, block_size: int = 16,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 max_seq_len: int | None = None, world: int = 1, proposer=None, num_speculative_tokens: int = 0):
-        """proposer (tritonq.engine.speculative: NgramProposer / DraftProposer) with num_speculative_tokens k
-        >= 1: speculative decoding, up to k proposals verified per sequence and step (see `step`)."""
-        if (proposer is None) != (num_speculative_tokens == 0):
-            raise ValueError(f"speculative decoding needs both a proposer and num_speculative_tokens >= 1; got "
-                             f"proposer={proposer!r}, num_speculative_tokens={num_speculative_tokens}.")
-        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens
+                 max_seq_len: int | None = None, world: int = 1):
+        self.proposer, self.num_speculative_tokens = None, 0  # see use_speculation
         self.speculation = SpeculativeStats()  # every verification since start (the server's metrics)
         self.tokenizer, self.eos_token_ids = tokenizer, set(eos_token_ids)
         self.max_seq_len = max_seq_len
@@ -123,6 +118,14 @@ class Engine:
         self._done: list[RequestOutput] = []  # finished without a step (max_new_tokens=0): reported next
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None  # set by a device error: see step()
+
+    def use_speculation(self, proposer, num_speculative_tokens: int) -> None:
+        """Speculative decoding from now on: proposer (tritonq.engine.speculative: NgramProposer /
+        DraftProposer) proposes up to num_speculative_tokens >= 1 tokens per decoding sequence and step,
+        verified in the step (see `step`). Requests added before keep decoding without it."""
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r}; expected an int >= 1.")
+        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens
 
     def check_token_ids(self, prompt_ids, *, name: str = "the prompt") -> None:
         """TypeError unless prompt_ids is a list / tuple of int (bool refused: True is no token id);

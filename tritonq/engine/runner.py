@@ -358,8 +358,10 @@ def prefill_logits(model, token_ids: list[int], block_size: int = 16, last_only:
 
 def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                     kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9, world: int = 1,
-                    cuda_graphs: bool = False) -> int:
+                    cuda_graphs: bool = False, extra_bytes_per_token: int = 0) -> int:
     """How many KV blocks the cache gets, from memory (see tritonq.load), and a log line saying what they hold.
+    extra_bytes_per_token: per-token bytes of a second cache with as many blocks (a speculative draft model's),
+    paid from the same budget.
 
     kv_cache_gb: a byte budget (GiB). Otherwise on CUDA: gpu_memory_utilization x the GPU's memory, less
     what is in use (weights, other processes), the peak of the largest steps (`_free_gpu_bytes`) and, with
@@ -370,7 +372,7 @@ def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: i
         raise ValueError(f"kv_cache_gb={kv_cache_gb}; expected a positive number of GiB (or None for the default).")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}; expected a fraction in (0, 1].")
-    per_token = model.kv_layout.bytes_per_token(model.dtype)
+    per_token = model.kv_layout.bytes_per_token(model.dtype) + extra_bytes_per_token
     block_bytes = per_token * block_size
     blocks_per_seq = -(-max_seq_len // block_size)
     needed = max_num_seqs * blocks_per_seq * block_bytes

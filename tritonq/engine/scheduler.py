@@ -149,6 +149,8 @@ class Scheduler:
             if p and not (isinstance(token, list) and 1 <= len(token) <= len(p) + 1 and token[:-1] == p[:len(token) - 1]):
                 raise ValueError(f"postprocess: {seq} verified proposals {p}; expected an accepted prefix of "
                                  f"them plus one token, got {token}.")
+            if not p and isinstance(token, list):
+                raise ValueError(f"postprocess: {seq} had no proposals in this step; expected one token, got {token}.")
         finished = []
         bm, block_size = self.block_manager, self.block_manager.block_size
         for seq, n, token, p in zip(step.seqs, step.num_new_tokens, sampled, proposals):
