@@ -5,6 +5,7 @@ tolerances.assert_greedy_equal), the target's own softmax for the sampled distri
 a brute-force n-gram search written independently of the proposer, and the block manager's accounting
 recomputed from the sequences' block tables and token ids after every step."""
 import random
+import shutil
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from models.test_llama import write_checkpoint
 from tolerances import assert_greedy_equal
 
 import tritonq
+from tritonq.demo import DEFAULT_MODEL, HELDOUT_TEXT
 from tritonq.engine.block_manager import BlockManager, chained_hash
 from tritonq.engine.scheduler import Scheduler
 from tritonq.engine.sequence import Sequence, SequenceStatus
@@ -20,8 +22,10 @@ from tritonq.engine.speculative import NgramProposer, SpeculativeConfig, accept
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head dim x fp32 bytes (write_checkpoint's model)
-ENGINE = dict(max_seq_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+# The shipped default model (a trained 1M-parameter Llama: random tiny models repeat one token under greedy
+# decoding, which would make output equality trivial) in float32: 4 layers x (k, v) x 2 kv heads x 32 x 4 bytes.
+PER_TOKEN = 4 * 2 * 2 * 32 * 4
+ENGINE = dict(max_seq_len=256, max_num_seqs=4, max_num_batched_tokens=64, dtype=torch.float32)
 
 
 @pytest.fixture(autouse=True)
@@ -31,11 +35,16 @@ def _torch_backend(monkeypatch):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """The target (seed 0) and an unrelated random draft with the same tokenizer (seed 1)."""
-    root = tmp_path_factory.mktemp("spec")
-    write_checkpoint(root / "target", seed=0)
-    write_checkpoint(root / "random", seed=1)
-    return root / "target", root / "random"
+    """The target (the default model) and an unrelated random draft with its tokenizer (1 layer, seed 1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    draft = tmp_path_factory.mktemp("random_draft")
+    config = LlamaConfig.from_pretrained(DEFAULT_MODEL)
+    config.num_hidden_layers = 1
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(draft)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(DEFAULT_MODEL / name, draft / name)
+    return DEFAULT_MODEL, draft
 
 
 # ---- proposer, acceptance rule, config ---------------------------------------------------------------
@@ -255,12 +264,14 @@ def run_checked(model, prompts, **options):
 
 
 def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """Random segments of 5..12 byte tokens repeated 2..4 times: the n-gram proposer finds matches."""
+    """Passages of 8..20 tokens of the held-out play, each repeated 2..3 times: the n-gram proposer finds matches."""
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(DEFAULT_MODEL)(HELDOUT_TEXT.read_text()[:4000]).input_ids
     rng = random.Random(seed)
     prompts = []
     for _ in range(n):
-        segment = [rng.randrange(32, 127) for _ in range(rng.randint(5, 12))]
-        prompts.append(segment * rng.randint(2, 4))
+        start, length = rng.randrange(len(ids) - 20), rng.randint(8, 20)
+        prompts.append(ids[start:start + length] * rng.randint(2, 3))
     return prompts
 
 
@@ -274,7 +285,8 @@ def test_greedy_outputs_equal_those_without_speculation_under_preemption(folders
             "draft_self": {"method": "draft", "model": str(target), "num_tokens": 3},
             "draft_random": {"method": "draft", "model": str(random_draft), "num_tokens": 3}}[method]
     prompts = repetitive_prompts(8)
-    caches = 1 if method == "ngram" else 2  # the draft's cache (same size, as many blocks) shares the budget
+    # the draft's cache (as many blocks; the random draft has 1 layer of the target's 4) shares the budget
+    caches = {"ngram": 1, "draft_self": 2, "draft_random": 1.25}[method]
     model = tritonq.load(target, speculative=spec, kv_cache_gb=caches * 12 * 16 * PER_TOKEN / 2 ** 30, **ENGINE)
     assert model.engine.block_manager.num_blocks == 12
     got = run_checked(model, prompts, max_new_tokens=24, ignore_eos=True)
@@ -295,18 +307,17 @@ def test_greedy_outputs_equal_those_without_speculation_under_preemption(folders
 
 
 def test_sampled_next_token_follows_the_target_distribution(folders):
-    """2000 seeded requests (temperature 0.05: the random model's logits are flat, this makes its top tokens
-    likely enough to be accepted at times) generate 2 tokens with a draft proposing 2 tokens at the second:
-    for each first token a, the second tokens' counts are compared with 2000 * P(a) * p(. | prompt, a) from
-    the target's own logits; chi-square over all (a, b) cells with expected count >= 5 (the rest pooled per
-    a), df = cells - groups. The test fails when P(chi2 >= observed) < 1e-3 (a false alarm once in 1000 runs
-    of a correct sampler; seeds are fixed, so the run is deterministic). The run must have accepted and
-    rejected proposals, so both branches of the rule are exercised."""
+    """2000 seeded requests (temperature 1) generate 3 tokens with a draft (the target itself) proposing 2
+    tokens at the second: for each first token a, the second tokens' counts are compared with
+    count(a) * p(. | prompt, a) from the target's own logits; chi-square over all (a, b) cells with expected
+    count >= 5 (the rest pooled per a), df = cells - groups. The test fails when P(chi2 >= observed) < 1e-3
+    (a false alarm once in 1000 runs of a correct sampler; seeds are fixed, so the run is deterministic).
+    The run must have accepted and rejected proposals, so both branches of the rule are exercised."""
     target, _ = folders
-    temperature, n = 0.05, 2000
+    temperature, n = 1.0, 2000
     spec = {"method": "draft", "model": str(target), "num_tokens": 2}
     model = tritonq.load(target, speculative=spec, max_seq_len=64, max_num_seqs=64, max_num_batched_tokens=512)
-    prompt = [72, 101, 108, 108, 111]
+    prompt = repetitive_prompts(1, seed=4)[0]
     out = model.generate([prompt] * n, max_new_tokens=3, temperature=temperature, ignore_eos=True, return_dict=True,
                          progress=False, seed=None)
     stats = model.engine.speculation
@@ -365,3 +376,24 @@ def test_server_option_is_checked_at_parse_and_metrics_report_the_engines_counte
     assert f"tritonq:spec_decode_num_accepted_tokens_total{label} {float(stats.accepted)}" in text
     assert f"tritonq:spec_decode_num_drafts_total{label} {float(stats.verifications)}" in text
     assert f"tritonq:spec_decode_acceptance_rate{label} {stats.accepted / stats.proposed}" in text
+
+
+def test_eos_and_stop_strings_inside_the_accepted_tokens_end_the_request_as_without_speculation(folders):
+    """An EOS id or a stop string met among several tokens one verification emits ends the request there: the
+    tokens after it are dropped, and tokens, text and finish reason equal the run without speculation."""
+    target, _ = folders
+    prompts = repetitive_prompts(4, seed=3)
+    plain = tritonq.load(target, **ENGINE)
+    spec = tritonq.load(target, speculative={"method": "draft", "model": str(target), "num_tokens": 4}, **ENGINE)
+    free = plain.generate(prompts, max_new_tokens=24, ignore_eos=True, return_dict=True, progress=False)
+    eos = free.token_ids[0][9]  # a token the first prompt's greedy run emits mid-way
+    stop = plain.tokenizer.decode(free.token_ids[1][12:14])
+    for model in (plain, spec):
+        model.eos_token_ids = {eos}
+    for options in ({}, {"stop": [stop]}):
+        want = plain.generate(prompts, max_new_tokens=24, return_dict=True, progress=False, **options)
+        got = spec.generate(prompts, max_new_tokens=24, return_dict=True, progress=False, **options)
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert got.finish_reasons == want.finish_reasons
+        assert "eos" in want.finish_reasons and ("stop" in want.finish_reasons or not options)
+        assert got.mean_accepted_length > 1.5  # several tokens per verification: EOS / stop met inside them

@@ -3,13 +3,16 @@
     engine = Engine(model, tokenizer, eos_token_ids, num_blocks=..., block_size=16, ...)
     rid = engine.add_request(prompt_ids, GenerationConfig(max_new_tokens=32))
     while engine.has_unfinished():
-        for out in engine.step():     # one RequestOutput per request that advanced this step
+        for out in engine.step():     # a RequestOutput per token a request got this step
             ...                       # out.token_id, out.text (new final text), out.finished
 
 Each step the scheduler picks the sequences (every running decode, then chunked prefills of new
 prompts in what is left of the token budget, preempting when blocks run out), the runner computes them over the
 paged KV cache and samples each one's next token, and the engine finishes a request on EOS (unless
 ignore_eos, or before min_tokens), a stop string or max_new_tokens, freeing its blocks.
+With speculative decoding (`use_speculation`, tritonq.engine.speculative), a decoding sequence's step
+also scores up to k proposed tokens and may emit several tokens: one RequestOutput each, in order
+(tokens verified after an EOS or a stop string are dropped).
 Tensor parallel note: a step failing on one rank only would leave the ranks out of step; only
 failures every rank sees alike (and rank 0's non-finite rows, broadcast with the tokens) are safe.
 Tensor parallel: every rank holds an Engine and calls it with the same requests in the same

@@ -161,7 +161,7 @@ class Scheduler:
             n -= len(p) - (len(tokens) - 1 if p else 0)  # KV of rejected proposals is not computed
             seq.num_computed_tokens += n
             seq.token_ids.extend(tokens)
-            if len(seq.block_table) * block_size > seq.num_tokens:
+            if len(seq.block_table) > bm.blocks_needed(seq.num_tokens):  # lookahead left unused
                 bm.trim(seq)
             if (before + n) // block_size != before // block_size:  # a block became full
                 bm.mark_computed(seq)
