@@ -408,7 +408,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
                     enable_prefix_caching=enable_prefix_caching, max_seq_len=max_seq_len, world=world)
     if speculative is not None:
         proposer = make_proposer(speculative, draft, num_blocks=num_blocks,
-                                 block_size=block_size, max_seq_len=max_seq_len, vocab_size=config.vocab_size)
+                                 block_size=block_size, max_seq_len=max_seq_len, vocab_size=config.vocab_size,
+                                 max_num_batched_tokens=max_num_batched_tokens)
         engine.use_speculation(proposer, speculative.num_tokens)
         logging.getLogger("tritonq").info("speculative decoding: %s, up to %d proposed tokens per sequence and step%s",
                                           speculative.method, speculative.num_tokens,

@@ -79,7 +79,30 @@ def test_accept_keeps_the_matching_prefix_then_the_targets_token():
     assert accept([], [3]) == [3]
 
 
+@pytest.mark.parametrize("budget", [7, 4096])
+def test_draft_proposals_are_the_draft_models_greedy_continuation(folders, budget):
+    """DraftProposer over the random draft proposes, for several sequences at once (their catch-up prefill
+    chunked to `budget` tokens a step), exactly what the draft model generates greedily on its own; a second
+    round after the targets grew by tokens other than the proposals re-syncs (drops the rejected KV)."""
+    from tritonq.engine.sequence import Sequence
+    from tritonq.engine.speculative import DraftProposer
+    draft_model = tritonq.load(folders[1], **ENGINE)
+    proposer = DraftProposer(draft_model.model, 64, 16, 256, draft_model.model.config.vocab_size, budget)
+    seqs = [Sequence(i, p, 32) for i, p in enumerate(repetitive_prompts(3, seed=5))]
+    for seq in seqs:
+        seq.status = SequenceStatus.RUNNING
+    for round_ in range(2):
+        limits = [3, 1, 4]
+        got = proposer.propose(seqs, limits)
+        want = [draft_model.generate(seq.token_ids, max_new_tokens=k, ignore_eos=True, return_dict=True,
+                                     progress=False).token_ids[0] for seq, k in zip(seqs, limits)]
+        assert got == want, f"round {round_}"
+        for seq, p in zip(seqs, got):  # the target accepts the first proposal, then writes its own token
+            seq.token_ids += p[:1] + [(p[0] + 1) % 2048]
+
+
 @pytest.mark.parametrize("value, message", [
+
     ({"method": "eagle", "num_tokens": 2}, "method"), ({"method": "ngram"}, "num_tokens"),
     ({"method": "ngram", "num_tokens": 0}, "num_tokens"), ({"method": "ngram", "num_tokens": 2, "min_n": 3, "max_n": 2}, "min_n"),
     ({"method": "draft", "num_tokens": 2}, "model"), ({"method": "ngram", "num_tokens": 2, "k": 1}, "unknown"),

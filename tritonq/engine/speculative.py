@@ -150,13 +150,16 @@ class DraftProposer:
 
     Per step: each draft sequence is synced to its target's tokens (its computed prefix is cut back to
     where the two agree: rejected proposals are forgotten), computes the tokens it lacks in one batched
-    prefill (its argmax is proposal 1), then runs limit - 1 batched decode steps. Draft sequences of
+    prefill (chunked to max_num_batched_tokens; its argmax is proposal 1), then runs limit - 1 batched
+    decode steps. Draft sequences of
     targets no longer running (finished, aborted, preempted) are freed first, so the draft never holds
     more than the target's running sequences do (+ k tokens each); a sequence the draft cache cannot hold
     is simply not proposed for."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, max_seq_len: int, vocab_size: int):
+    def __init__(self, model, num_blocks: int, block_size: int, max_seq_len: int, vocab_size: int,
+                 max_num_batched_tokens: int):
         self.vocab_size = vocab_size  # the target's: a draft with padded rows never proposes past it
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.runner = ModelRunner(model, num_blocks, block_size, max_seq_len=max_seq_len)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.states: dict[int, tuple] = {}  # target seq_id -> (target Sequence, draft Sequence)
@@ -186,24 +189,39 @@ class DraftProposer:
         if not active:
             return proposals
         drafts = [d for _, d, _ in active]
-        counts = [d.num_tokens - d.num_computed_tokens for d in drafts]
-        logits = self.runner.run(self.runner.prepare(drafts, counts, True, logits_for=[True] * len(drafts)))
-        live = list(range(len(active)))
-        for step in range(max(k for _, _, k in active)):
-            if step:  # one decode step over the sequences still proposing
-                live = [j for j in live if active[j][2] > step]
-                rows = [drafts[j] for j in live]
-                logits = self.runner.run(self.runner.prepare(rows, [1] * len(rows), False))
-            tokens = logits[:, :self.vocab_size].argmax(-1).tolist()
-            for j, token in zip(live, tokens):
-                i, draft, k = active[j]
-                if step:
-                    draft.num_computed_tokens += 1
-                else:
-                    draft.num_computed_tokens = draft.num_tokens
-                draft.token_ids.append(int(token))
-                proposals[i].append(int(token))
+        self._catch_up(drafts)  # appends each draft's first proposal
+        for step in range(1, max(k for _, _, k in active)):  # one decode step over those still proposing
+            live = [j for j, (_, _, k) in enumerate(active) if k > step]
+            rows = [drafts[j] for j in live]
+            logits = self.runner.run(self.runner.prepare(rows, [1] * len(rows), False))
+            for draft, token in zip(rows, logits[:, :self.vocab_size].argmax(-1).tolist()):
+                draft.num_computed_tokens += 1
+                draft.token_ids.append(token)
+        for i, draft, k in active:
+            proposals[i] = draft.token_ids[-k:]
         return proposals
+
+    def _catch_up(self, drafts: list[Sequence]) -> None:
+        """Compute every draft's tokens lacking KV, in prefill steps of at most max_num_batched_tokens tokens
+        (as the target's scheduler chunks prompts), and append the argmax after each one's last token."""
+        pending = list(drafts)  # those still without their first proposal
+        while pending:
+            seqs, counts, budget = [], [], self.max_num_batched_tokens
+            for draft in pending:
+                if budget == 0:
+                    break
+                counts.append(min(draft.num_tokens - draft.num_computed_tokens, budget))
+                seqs.append(draft)
+                budget -= counts[-1]
+            ends = [d.num_computed_tokens + n == d.num_tokens for d, n in zip(seqs, counts)]
+            logits = self.runner.run(self.runner.prepare(seqs, counts, True, logits_for=ends))
+            tokens = iter(logits[:, :self.vocab_size].argmax(-1).tolist())
+            for draft, n, end in zip(seqs, counts, ends):
+                draft.num_computed_tokens += n
+                if end:
+                    draft.token_ids.append(next(tokens))
+            done = {id(d) for d, end in zip(seqs, ends) if end}
+            pending = [d for d in pending if id(d) not in done]
 
     def release(self, seq_id: int) -> None:
         """A request ended: free its draft sequence's blocks (a no-op if it has none)."""
@@ -228,9 +246,10 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 def make_proposer(config: SpeculativeConfig, draft_model=None, *, num_blocks: int = 0, block_size: int = 16,
-                  max_seq_len: int = 0, vocab_size: int = 0):
+                  max_seq_len: int = 0, vocab_size: int = 0, max_num_batched_tokens: int = 2048):
     """The proposer of a config: NgramProposer, or DraftProposer over draft_model (a loaded model module)
-    with a cache of num_blocks blocks of block_size, proposing ids below vocab_size (the target's)."""
+    with a cache of num_blocks blocks of block_size, proposing ids below vocab_size (the target's), its
+    prefill steps at most max_num_batched_tokens tokens."""
     if config.method == "ngram":
         return NgramProposer(config.min_n, config.max_n)
-    return DraftProposer(draft_model, num_blocks, block_size, max_seq_len, vocab_size)
+    return DraftProposer(draft_model, num_blocks, block_size, max_seq_len, vocab_size, max_num_batched_tokens)
