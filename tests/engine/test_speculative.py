@@ -81,12 +81,13 @@ def test_accept_keeps_the_matching_prefix_then_the_targets_token():
 
 @pytest.mark.parametrize("budget", [7, 4096])
 def test_draft_proposals_are_the_draft_models_greedy_continuation(folders, budget):
-    """DraftProposer over the random draft proposes, for several sequences at once (their catch-up prefill
+    """DraftProposer over the default model (trained: its argmax depends on the context, so stale KV shows) proposes, for several sequences at once (their catch-up prefill
     chunked to `budget` tokens a step), exactly what the draft model generates greedily on its own; a second
-    round after the targets grew by tokens other than the proposals re-syncs (drops the rejected KV)."""
+    round re-syncs after the targets grew by an accepted proposal, their own token, and one more token from a
+    step that proposed nothing (the draft's KV of its rejected proposals must be recomputed)."""
     from tritonq.engine.sequence import Sequence
     from tritonq.engine.speculative import DraftProposer
-    draft_model = tritonq.load(folders[1], **ENGINE)
+    draft_model = tritonq.load(folders[0], **ENGINE)
     proposer = DraftProposer(draft_model.model, 64, 16, 256, draft_model.model.config.vocab_size, budget)
     seqs = [Sequence(i, p, 32) for i, p in enumerate(repetitive_prompts(3, seed=5))]
     for seq in seqs:
@@ -97,8 +98,8 @@ def test_draft_proposals_are_the_draft_models_greedy_continuation(folders, budge
         want = [draft_model.generate(seq.token_ids, max_new_tokens=k, ignore_eos=True, return_dict=True,
                                      progress=False).token_ids[0] for seq, k in zip(seqs, limits)]
         assert got == want, f"round {round_}"
-        for seq, p in zip(seqs, got):  # the target accepts the first proposal, then writes its own token
-            seq.token_ids += p[:1] + [(p[0] + 1) % 2048]
+        for seq, p in zip(seqs, got):
+            seq.token_ids += p[:1] + [(p[0] + 1) % 2048, (p[0] + 2) % 2048]
 
 
 @pytest.mark.parametrize("value, message", [
