@@ -10,7 +10,6 @@ import shutil
 import pytest
 import torch
 from engine.test_scheduler import BS, Simulator, assert_all_blocks_free, fake_kv, fake_next_token, reference_tokens
-from models.test_llama import write_checkpoint
 from tolerances import assert_greedy_equal
 
 import tritonq
@@ -81,7 +80,8 @@ def test_accept_keeps_the_matching_prefix_then_the_targets_token():
 
 @pytest.mark.parametrize("budget", [7, 4096])
 def test_draft_proposals_are_the_draft_models_greedy_continuation(folders, budget):
-    """DraftProposer over the default model (trained: its argmax depends on the context, so stale KV shows) proposes, for several sequences at once (their catch-up prefill
+    """DraftProposer over the default model (trained: its argmax depends on the context, so stale KV shows)
+    proposes, for several sequences at once (their catch-up prefill
     chunked to `budget` tokens a step), exactly what the draft model generates greedily on its own; a second
     round re-syncs after the targets grew by an accepted proposal, their own token, and one more token from a
     step that proposed nothing (the draft's KV of its rejected proposals must be recomputed)."""
@@ -105,7 +105,8 @@ def test_draft_proposals_are_the_draft_models_greedy_continuation(folders, budge
 @pytest.mark.parametrize("value, message", [
 
     ({"method": "eagle", "num_tokens": 2}, "method"), ({"method": "ngram"}, "num_tokens"),
-    ({"method": "ngram", "num_tokens": 0}, "num_tokens"), ({"method": "ngram", "num_tokens": 2, "min_n": 3, "max_n": 2}, "min_n"),
+    ({"method": "ngram", "num_tokens": 0}, "num_tokens"),
+    ({"method": "ngram", "num_tokens": 2, "min_n": 3, "max_n": 2}, "min_n"),
     ({"method": "draft", "num_tokens": 2}, "model"), ({"method": "ngram", "num_tokens": 2, "k": 1}, "unknown"),
     ('{"method": ', "JSON"), (4, "dict")])
 def test_bad_speculative_config_is_refused_naming_the_problem(value, message):
@@ -245,7 +246,8 @@ def check_blocks(bm, seqs) -> None:
         for b in seq.block_table:
             refs[b] += 1
         # its computed tokens have slots; nothing past its tokens is held (lookahead slots were given back)
-        assert bm.blocks_needed(seq.num_computed_tokens) <= len(seq.block_table) <= bm.blocks_needed(seq.num_tokens), seq
+        held = len(seq.block_table)
+        assert bm.blocks_needed(seq.num_computed_tokens) <= held <= bm.blocks_needed(seq.num_tokens), seq
         assert seq.num_computed_tokens < seq.num_tokens, seq
         prev = None
         for i, b in enumerate(seq.block_table):

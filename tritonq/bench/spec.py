@@ -80,11 +80,11 @@ def main(argv: list[str]) -> None:
             if any(o.token_ids != plain_tokens for o in outs):
                 raise SystemExit(f"{name} on {workload}: greedy tokens differ from plain's; speculation is broken")
             rate = statistics.median(o.decode_tokens_per_s for o in outs)
+            rate_accepted, length = outs[0].acceptance_rate, outs[0].mean_accepted_length
             rows.append({"workload": workload, "method": name, "prompt_tokens": len(prompt),
                          "decode_tok_s": round(rate, 1), "speedup": round(rate / plain_rate, 2),
-                         "acceptance_rate": None if outs[0].acceptance_rate is None else round(outs[0].acceptance_rate, 3),
-                         "mean_accepted_length": (None if outs[0].mean_accepted_length is None
-                                                  else round(outs[0].mean_accepted_length, 2))})
+                         "acceptance_rate": None if rate_accepted is None else round(rate_accepted, 3),
+                         "mean_accepted_length": None if length is None else round(length, 2)})
     print(f"batch-1 greedy decode, {args.new_tokens} new tokens, k={args.num_tokens}, median of {args.repeats}, "
           f"{args.threads} thread(s), model {model_path}")
     print_table(rows)

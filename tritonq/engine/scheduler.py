@@ -146,7 +146,9 @@ class Scheduler:
             if reached_end != (token is not None):
                 raise ValueError(f"postprocess: {seq} {'needs' if reached_end else 'must not get'} a "
                                  f"sampled token after computing {n} tokens, got {token}.")
-            if p and not (isinstance(token, list) and 1 <= len(token) <= len(p) + 1 and token[:-1] == p[:len(token) - 1]):
+            accepted_prefix = (isinstance(token, list) and 1 <= len(token) <= len(p) + 1
+                               and token[:-1] == p[:len(token) - 1])
+            if p and not accepted_prefix:
                 raise ValueError(f"postprocess: {seq} verified proposals {p}; expected an accepted prefix of "
                                  f"them plus one token, got {token}.")
             if not p and isinstance(token, list):

@@ -42,9 +42,11 @@ class ServerMetrics:
         self.tpot = make(Histogram, "time_per_output_token_seconds",
                          "(end-to-end - time to first token) / (tokens - 1), per request.", buckets=_LATENCY_BUCKETS)
         self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to last token.", buckets=_LATENCY_BUCKETS)
-        self.spec_draft_tokens = make(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed (speculative decoding).")
+        self.spec_draft_tokens = make(Counter, "spec_decode_num_draft_tokens",
+                                      "Draft tokens proposed (speculative decoding).")
         self.spec_accepted_tokens = make(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.spec_verifications = make(Counter, "spec_decode_num_drafts", "Sequence steps that verified >= 1 draft token.")
+        self.spec_verifications = make(Counter, "spec_decode_num_drafts",
+                                       "Sequence steps that verified >= 1 draft token.")
         self.spec_acceptance_rate = make(Gauge, "spec_decode_acceptance_rate",
                                          "Accepted / proposed draft tokens, since start.")
         self.spec_mean_accepted_length = make(Gauge, "spec_decode_mean_accepted_length",
