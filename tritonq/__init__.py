@@ -318,8 +318,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     {"method": "draft", "model": PATH_OR_ID, "num_tokens": k} runs a smaller model with the same tokenizer k
     tokens ahead (loaded here with the same dtype and device, with its own paged cache of as many blocks, paid
     from the same KV budget). Steps that verify
-    proposals run eagerly (on CUDA, outside the decode graphs). Requests with a repetition penalty decode
-    without it. Counters: Model.engine.speculation, GenerationOutput.acceptance_rate / mean_accepted_length.
+    proposals run eagerly (on CUDA, outside the decode graphs). Requests with a repetition, presence or frequency
+    penalty decode without it. Counters: Model.engine.speculation, GenerationOutput.acceptance_rate / mean_accepted_length.
     Every argument, the checkpoint's files (readable, no symlink loops), config.json, generation_config.json
     and the tokenizer are checked before any weight is read, and so is every tensor the model asks for
     (presence, dtype, shape: the model is first built against the safetensors headers alone, on the meta

@@ -9,10 +9,11 @@
 Each step the scheduler picks the sequences (every running decode, then chunked prefills of new
 prompts in what is left of the token budget, preempting when blocks run out), the runner computes them over the
 paged KV cache and samples each one's next token, and the engine finishes a request on EOS (unless
-ignore_eos, or before min_tokens), a stop string or max_new_tokens, freeing its blocks.
+ignore_eos, or before min_tokens), a stop token (stop_token_ids, not before min_tokens), a stop string or
+max_new_tokens, freeing its blocks.
 With speculative decoding (`use_speculation`, tritonq.engine.speculative), a decoding sequence's step
 also scores up to k proposed tokens and may emit several tokens: one RequestOutput each, in order
-(tokens verified after an EOS or a stop string are dropped).
+(tokens verified after an EOS, a stop token or a stop string are dropped).
 Tensor parallel note: a step failing on one rank only would leave the ranks out of step; only
 failures every rank sees alike (and rank 0's non-finite rows, broadcast with the tokens) are safe.
 Tensor parallel: every rank holds an Engine and calls it with the same requests in the same
@@ -53,6 +54,7 @@ class Request:
     stream: bool = True  # its text is read as it grows (False and no stop strings: detokenized when it ends)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # with config.top_logprobs > 0
     arrival_s: float = 0.0
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -73,7 +75,9 @@ class Request:
 class RequestOutput:
     """What one step did for one request: the token it sampled (None when it finished without one:
     max_new_tokens=0, or an error), its log-probability, the text that became final, whether it is
-    done and why. error: with finish_reason "error", what went wrong ("<ExceptionType>: <message>")."""
+    done and why. error: with finish_reason "error", what went wrong ("<ExceptionType>: <message>").
+    top_logprobs: {token id: log-probability} of the config.top_logprobs most likely tokens at this
+    position (None when not asked for or no token)."""
     request_id: int
     token_id: int | None
     logprob: float | None
@@ -82,6 +86,7 @@ class RequestOutput:
     finish_reason: str | None
     request: Request
     error: str | None = None
+    top_logprobs: dict[int, float] | None = None
 
 
 class EngineDeadError(RuntimeError):
@@ -160,11 +165,18 @@ class Engine:
 
     def check_request(self, prompt_ids: list[int], config, *, name: str = "the prompt") -> None:
         """Every request-level check, before anything is queued (Model and server both call it): the
-        prompt is non-empty, every id an int in [0, vocab_size), and prompt + max_new_tokens fits
-        max_seq_len and the KV cache. config: a GenerationConfig (its own fields were checked when it was
+        prompt is non-empty, every id an int in [0, vocab_size) (the prompt's, stop_token_ids' and
+        logit_bias's), and prompt + max_new_tokens fits max_seq_len and the KV cache. config: a GenerationConfig (its own fields were checked when it was
         made). Raises TypeError for a wrong type, ValueError naming the numbers otherwise. Reads constants
         only: safe to call from any thread."""
         self.check_token_ids(prompt_ids, name=name)
+        vocab_size = self.runner.model.config.vocab_size
+        for field_name, ids in (("stop_token_ids", config.stop_token_ids),
+                                ("logit_bias", [t for t, _ in config.logit_bias])):
+            outside = [t for t in ids if not 0 <= t < vocab_size]
+            if outside:
+                raise ValueError(f"{field_name} has token id {outside[0]} outside the vocabulary (vocab_size="
+                                 f"{vocab_size}: ids 0..{vocab_size - 1}); use ids of this model's tokenizer.")
         self._check_length(len(prompt_ids), config.max_new_tokens, name)
 
     def add_request(self, prompt_ids: list[int], config, *, stream: bool = True) -> int:
@@ -176,15 +188,15 @@ class Engine:
         self.check_request(prompt_ids, config)
         prompt_ids = list(prompt_ids)
         rid = next(self._ids)
-        request = Request(rid, prompt_ids, config, SamplingParams(config),
+        request = Request(rid, prompt_ids, config, SamplingParams(config, num_prompt_tokens=len(prompt_ids)),
                           Detokenizer(self.tokenizer, config.stop, min_tokens=config.min_tokens),
                           stream=stream or bool(config.stop), arrival_s=time.perf_counter())
         if config.max_new_tokens == 0:
             self._finish(request, "length")
             return rid
         seq = Sequence(rid, prompt_ids, config.max_new_tokens, extra=request)
-        # A repetition penalty's seen-token set is kept incrementally per request (runner.SeenTokens), which
-        # rows carrying unverified proposals would corrupt: such requests decode without speculation.
+        # The penalties' (repetition, presence, frequency) seen tokens are kept incrementally per request
+        # (runner.SeenTokens), which rows carrying unverified proposals would corrupt: no speculation for them.
         if not request.sampling.penalized:
             seq.num_speculative_tokens = self.num_speculative_tokens
         self.scheduler.add(seq)
@@ -231,8 +243,8 @@ class Engine:
                     params.append(seq.extra.sampling)
                     token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
                     mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
-            tokens, logprobs = self.runner.sample(logits, params, token_ids, mask_eos=mask_eos,
-                                                  eos_token_ids=self.eos_token_ids)
+            tokens, logprobs, tops = self.runner.sample(logits, params, token_ids, mask_eos=mask_eos,
+                                                        eos_token_ids=self.eos_token_ids)
         except Exception as exc:
             if _is_device_error(exc):
                 self._dead = EngineDeadError(f"the engine cannot continue after a device error: "
@@ -240,26 +252,26 @@ class Engine:
                 raise self._dead from exc
             error = f"{type(exc).__name__}: {exc}"
             return outputs + [self._fail(seq, error) for seq in step.seqs if not seq.is_finished]
-        # per sequence: the (token, logprob) pairs it emits (None: a chunk short of its end, or a failed row)
+        # per sequence: the (token, logprob, top logprobs) it emits (None: a chunk short of its end, or a failed row)
         picks: list[list[tuple] | None] = []
         row = 0
         for seq, m, p in zip(step.seqs, rows, proposals):
-            drawn = list(zip(tokens[row:row + m], logprobs[row:row + m]))
+            drawn = list(zip(tokens[row:row + m], logprobs[row:row + m], tops[row:row + m]))
             row += m
             if not m:
                 picks.append(None)
-            elif any(t is None for t, _ in drawn):  # non-finite logits: no token
+            elif any(t is None for t, _, _ in drawn):  # non-finite logits: no token
                 picks.append(None)
                 if not seq.is_finished:
                     outputs.append(self._fail(seq, NONFINITE_ERROR))
             else:
-                emitted = accept(p, [t for t, _ in drawn])
+                emitted = accept(p, [t for t, _, _ in drawn])
                 if p:
                     self.speculation.add(len(p), len(emitted) - 1)
                     seq.extra.speculation.add(len(p), len(emitted) - 1)
-                picks.append([(t, lp) for t, (_, lp) in zip(emitted, drawn)])  # accepted: t is also the drawn token
+                picks.append([(t, lp, top) for t, (_, lp, top) in zip(emitted, drawn)])  # t: also the drawn token
         self.scheduler.postprocess(step, [  # skips the failed (finished)
-            None if pick is None else [t for t, _ in pick] if p else pick[0][0] for pick, p in zip(picks, proposals)])
+            None if pick is None else [t for t, _, _ in pick] if p else pick[0][0] for pick, p in zip(picks, proposals)])
         now = time.perf_counter()
         eos_ids, requests = self.eos_token_ids, self.requests
         for seq, pick in zip(step.seqs, picks):
@@ -267,15 +279,19 @@ class Engine:
                 continue  # a chunk short of its last token, a failed row, or aborted meanwhile
             request = seq.extra
             detokenizer, config = request.detokenizer, request.config
-            for j, (token, logprob) in enumerate(pick):
+            for j, (token, logprob, top) in enumerate(pick):
                 request.token_ids.append(token)
                 request.logprobs.append(logprob)
+                if top is not None:
+                    request.top_logprobs.append(top)
                 request.first_token_s = request.first_token_s or now
                 text = detokenizer.add(token) if request.stream else ""
-                eos = token in eos_ids and not config.ignore_eos and len(request.token_ids) >= config.min_tokens
-                reason = ("eos" if eos else "stop" if detokenizer.stopped
+                may_stop = len(request.token_ids) >= config.min_tokens
+                eos = token in eos_ids and not config.ignore_eos and may_stop
+                stop_token = token in config.stop_token_ids and may_stop
+                reason = ("eos" if eos else "stop" if detokenizer.stopped or stop_token
                           else "length" if seq.is_finished and j == len(pick) - 1 else None)
-                if reason is not None:  # tokens verified after an EOS / stop are dropped
+                if reason is not None:  # tokens verified after it are dropped
                     self.scheduler.finish(seq)  # no-op when postprocess already finished it (length)
                     self._release(request)
                     del requests[request.request_id]
@@ -284,7 +300,7 @@ class Engine:
                     text += detokenizer.flush()
                     request.finish_s, request.finish_reason = now, reason
                 outputs.append(RequestOutput(request.request_id, token, logprob, text, reason is not None, reason,
-                                             request))
+                                             request, top_logprobs=top))
                 if reason is not None:
                     break
         return outputs
@@ -331,8 +347,10 @@ class Engine:
         finally:
             bm.free(seq)
 
-    def score(self, prompts: list[list[int]], on_done=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per prompt (T >= 1 token ids): (logprobs [T-1] float32, greedy [T-1] bool) on CPU, in input order.
+    def score(self, prompts: list[list[int]], on_done=None, top_logprobs: int = 0) -> list[tuple]:
+        """Per prompt (T >= 1 token ids): (logprobs [T-1] float32, greedy [T-1] bool, top) on CPU, in input
+        order; top is None, or with top_logprobs = N > 0 (ids [T-1, N] int64, logprobs [T-1, N] float32)
+        of the N most likely tokens at each position, most likely first.
 
         logprobs[i] = log p(token i+1 | tokens 0..i) under the raw logits; greedy[i] says whether token i+1
         is the argmax there. The model runs over tokens 0..T-2 only (the last one is a target, never an
@@ -351,7 +369,10 @@ class Engine:
             if len(p) > 1:  # the last token is only a target: the model runs over the others
                 self._check_length(len(p) - 1, 0, f"prompt {i} (scored: its first {len(p) - 1} tokens run)")
         results: list = [None] * len(prompts)
-        empty = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bool)
+        vocab = self.runner.model.config.vocab_size
+        top_n = min(top_logprobs, vocab)
+        empty = (torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bool),
+                 (torch.empty(0, top_n, dtype=torch.int64), torch.empty(0, top_n)) if top_n else None)
         waiting = deque()
         for i, p in enumerate(prompts):
             if len(p) == 1:  # nothing to predict: no context for the only token
@@ -361,7 +382,6 @@ class Engine:
             else:
                 waiting.append(i)
         # Full-row logits cost rows * vocab * 4 bytes (twice, with log_softmax): cap a step at ~512 MiB of them.
-        vocab = self.runner.model.config.vocab_size
         budget = max(1, min(sched.max_num_batched_tokens, (512 << 20) // (8 * vocab)))
         running: list[tuple[int, Sequence, int]] = []  # (prompt index, sequence of its inputs, next position)
         parts: dict[int, list] = {}
@@ -401,8 +421,11 @@ class Engine:
                     rows = logits[row:row + n]
                     row += n
                     targets = torch.tensor(prompts[i][pos + 1:pos + 1 + n], dtype=torch.int64, device=rows.device)
-                    logprobs = rows.log_softmax(-1).gather(1, targets[:, None])[:, 0]
-                    parts.setdefault(i, []).append((logprobs.cpu(), (rows.argmax(-1) == targets).cpu()))
+                    log_probs = rows.log_softmax(-1)
+                    logprobs = log_probs.gather(1, targets[:, None])[:, 0]
+                    top = log_probs.topk(top_n, dim=-1) if top_n else None
+                    parts.setdefault(i, []).append((logprobs.cpu(), (rows.argmax(-1) == targets).cpu(),
+                                                    None if top is None else (top.indices.cpu(), top.values.cpu())))
                     seq.num_computed_tokens = max(seq.num_computed_tokens, pos + n)
                     bm.mark_computed(seq)  # full blocks become prefix-cache entries, as after a generation prefill
                     if pos + n < seq.num_tokens:
@@ -410,7 +433,9 @@ class Engine:
                         continue
                     bm.free(seq)
                     chunks = parts.pop(i)
-                    results[i] = (torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]))
+                    results[i] = (torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]),
+                                  (torch.cat([c[2][0] for c in chunks]), torch.cat([c[2][1] for c in chunks]))
+                                  if top_n else None)
                     if on_done:
                         on_done(i)
                 running = still

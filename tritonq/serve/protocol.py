@@ -6,27 +6,29 @@ silently ignored:
 
 - unknown fields are refused ("unknown field X; this server accepts: ..."),
 - OpenAI fields this server does not implement (response_format, tools, tool_choice, functions,
-  function_call, parallel_tool_calls, logit_bias, non-zero penalties, echo, suffix, top alternatives,
-  ...) are refused naming the field, unless their value asks for nothing (null, or e.g.
-  `tool_choice: "none"`, `response_format: {"type": "text"}`),
+  function_call, parallel_tool_calls, suffix, ...) are refused naming the field, unless their value
+  asks for nothing (null, or e.g. `tool_choice: "none"`, `response_format: {"type": "text"}`),
 - types are strict (JSON types as written: `"stream": "yes"`, `max_tokens: 2.5`, `"5"` for a number
   and `true` for a token id are refused; an integer is accepted for a float field),
 - a string holding a lone UTF-16 surrogate (`"\\ud800"`, which cannot be encoded) is refused.
 
 The official `openai` client sends only the fields its caller passed, so every call it can make with
-supported arguments is accepted. vLLM's `min_p`, `min_tokens` and `ignore_eos` are accepted and go to
-GenerationConfig.
+supported arguments is accepted. The sampling fields (OpenAI's presence / frequency penalties,
+logit_bias, logprobs / top_logprobs, echo; vLLM's top_k, min_p, min_tokens, ignore_eos,
+stop_token_ids, repetition_penalty) go to GenerationConfig; logit_bias keys must be token ids (as JSON
+strings) with biases in [-100, 100], top alternatives are 0..20.
 """
 from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from tritonq.engine.runner import MAX_TOP_LOGPROBS
 from tritonq.generate import GenerationConfig
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -84,12 +86,7 @@ UNSUPPORTED = {
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
     "parallel_tool_calls": lambda v: v is None,
-    "logit_bias": lambda v: not v,
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "echo": lambda v: v in (None, False),
     "suffix": lambda v: not v,
-    "top_logprobs": lambda v: v in (None, 0),
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
     "prediction": lambda v: v is None,
@@ -121,6 +118,11 @@ def _lone_surrogate(value, path: str):
     return None
 
 
+def field_error(name: str, message: str) -> PydanticCustomError:
+    """A 400 whose param is `name` and whose message is `message` (for checks across fields)."""
+    return PydanticCustomError("invalid_field", "{message}", {"name": name, "message": message})
+
+
 class _Body(BaseModel):
     """Strict types; unknown fields refused with the list of the accepted ones."""
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -135,8 +137,8 @@ class _Body(BaseModel):
                 continue
             if name in UNSUPPORTED:
                 raise PydanticCustomError(
-                    "unsupported_field", "{name}={value} is not supported by this server; leave it out{hint}",
-                    {"name": name, "value": json.dumps(value)[:80], "hint": ""})
+                    "unsupported_field", "{name}={value} is not supported by this server; leave it out",
+                    {"name": name, "value": json.dumps(value)[:80]})
             accepted = ", ".join(sorted(n for n in cls.model_fields if n not in UNSUPPORTED))
             raise PydanticCustomError("unknown_field", "unknown field '{name}'; this server accepts: {accepted}",
                                       {"name": name, "accepted": accepted})
@@ -159,10 +161,11 @@ class SamplingRequest(_Body):
     min_tokens: int = Field(0, ge=0)               # vLLM extension: no EOS / stop before this many tokens
     ignore_eos: bool = False                       # vLLM extension
     repetition_penalty: float = Field(1.0, gt=0.0)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)   # OpenAI: minus presence_penalty once generated
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI: minus frequency_penalty x times generated
+    logit_bias: dict[str, float] | None = None     # OpenAI: {"token id": bias in [-100, 100]}
     stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM extension: end on these tokens
     seed: int | None = None
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
@@ -188,12 +191,18 @@ class SamplingRequest(_Body):
             raise ValueError("stream_options can only be set when stream=true")
         for name in type(self).model_fields:
             if name in UNSUPPORTED and not UNSUPPORTED[name](getattr(self, name)):
-                hint = " (repetition_penalty is available)" if name.endswith("_penalty") else ""
                 raise PydanticCustomError(
-                    "unsupported_field", "{name}={value} is not supported by this server; leave it out{hint}",
-                    {"name": name, "value": json.dumps(getattr(self, name))[:80], "hint": hint})
+                    "unsupported_field", "{name}={value} is not supported by this server; leave it out",
+                    {"name": name, "value": json.dumps(getattr(self, name))[:80]})
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise ValueError("stop strings must be non-empty")
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise field_error("logit_bias", f"logit_bias key {key!r} is not a token id; keys are token ids "
+                                                'written as JSON strings, e.g. {"50256": -100}')
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise field_error("logit_bias", f"logit_bias[{key!r}]={bias} is out of range; a bias must be in "
+                                                "[-100, 100]")
         return self
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -201,14 +210,22 @@ class SamplingRequest(_Body):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def top_logprobs_wanted(self) -> int:
+        """How many alternatives each generated token's logprobs carry (0: the sampled token's only)."""
+        return 0
+
     def generation_configs(self, max_new_tokens: int) -> list[GenerationConfig]:
         """One config per choice; with a seed and n > 1 choice i samples with seed + i so the
         choices differ but the whole response is repeatable."""
+        bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         return [GenerationConfig(max_new_tokens=max_new_tokens, temperature=self.temperature,
                                  top_k=max(self.top_k, 0), top_p=self.top_p,
                                  repetition_penalty=self.repetition_penalty, stop=self.stop_strings(),
                                  seed=None if self.seed is None else self.seed + i,
-                                 min_p=self.min_p, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
+                                 min_p=self.min_p, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                                 stop_token_ids=tuple(self.stop_token_ids or ()),
+                                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                 logit_bias=bias, top_logprobs=self.top_logprobs_wanted())
                 for i in range(self.n)]
 
 
@@ -218,8 +235,9 @@ class CompletionRequest(SamplingRequest):
     # str | list[str] | list[int] | list[list[int]]; which one is resolved by `prompts` (pydantic
     # would coerce "12" into a token id if this were a plain union of the four).
     prompt: str | list[Any]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)     # 0 only with echo: the prompt's logprobs, nothing generated
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # top alternatives per token
+    echo: bool = False                             # prepend the prompt (and its logprobs) to each choice
     best_of: int | None = None
     suffix: str | None = None
 
@@ -227,11 +245,13 @@ class CompletionRequest(SamplingRequest):
     def _check_completion(self):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported; leave it out or set it equal to n")
-        if self.logprobs:
-            raise ValueError(f"logprobs={self.logprobs} asks for the top {self.logprobs} alternatives per "
-                             "token; this server returns only the sampled token's log-probability: "
-                             "pass logprobs=0")
+        if self.max_tokens == 0 and not self.echo:
+            raise field_error("max_tokens", "max_tokens=0 generates nothing; it is only meaningful with echo=true "
+                                            "(the prompt and its logprobs). Pass max_tokens >= 1 or echo=true")
         return self
+
+    def top_logprobs_wanted(self) -> int:
+        return self.logprobs or 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list of texts or token id lists; raises ValueError on anything else."""
@@ -258,7 +278,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -271,4 +291,11 @@ class ChatCompletionRequest(SamplingRequest):
                 raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens="
                                  f"{self.max_completion_tokens} disagree; pass one of them")
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise field_error("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true (the "
+                                              "alternatives come with each token's logprob); pass logprobs=true or "
+                                              "leave top_logprobs out")
         return self
+
+    def top_logprobs_wanted(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
