@@ -405,8 +405,9 @@ def test_server_option_is_checked_at_parse_and_metrics_report_the_engines_counte
 
 
 def test_eos_and_stop_strings_inside_the_accepted_tokens_end_the_request_as_without_speculation(folders):
-    """An EOS id or a stop string met among several tokens one verification emits ends the request there: the
-    tokens after it are dropped, and tokens, text and finish reason equal the run without speculation."""
+    """An EOS id, a stop string or a stop token met among several tokens one verification emits ends the request
+    there: the tokens after it are dropped, and tokens, text, finish reason and top logprobs' ids equal the run
+    without speculation."""
     target, _ = folders
     prompts = repetitive_prompts(4, seed=3)
     plain = tritonq.load(target, **ENGINE)
@@ -416,10 +417,13 @@ def test_eos_and_stop_strings_inside_the_accepted_tokens_end_the_request_as_with
     stop = plain.tokenizer.decode(free.token_ids[1][12:14])
     for model in (plain, spec):
         model.eos_token_ids = {eos}
-    for options in ({}, {"stop": [stop]}):
+    stop_token = free.token_ids[3][6]  # the fourth prompt never meets the EOS id chosen above
+    for options in ({}, {"stop": [stop]}, {"stop_token_ids": (stop_token,), "top_logprobs": 2}):
         want = plain.generate(prompts, max_new_tokens=24, return_dict=True, progress=False, **options)
         got = spec.generate(prompts, max_new_tokens=24, return_dict=True, progress=False, **options)
         assert got.token_ids == want.token_ids and got.text == want.text
         assert got.finish_reasons == want.finish_reasons
+        assert [[list(t) for t in tops] for tops in got.top_logprobs] == \
+            [[list(t) for t in tops] for tops in want.top_logprobs]  # one entry per token, the same ids
         assert "eos" in want.finish_reasons and ("stop" in want.finish_reasons or not options)
         assert got.mean_accepted_length > 1.5  # several tokens per verification: EOS / stop met inside them
