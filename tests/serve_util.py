@@ -56,10 +56,12 @@ class Server:
         pytest.fail(f"server did not answer /health within 180 s:\n{log.read_text()[-3000:]}")
 
     def metric(self, name: str) -> float:
+        """The sum of a metric's samples over its labels; a labelled counter no request has touched yet has
+        no sample, only its # TYPE line (prometheus_client), and counts 0."""
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         text = httpx.get(f"{self.url}/metrics", timeout=10, headers=headers).text
         values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"tritonq:{name}{{")]
-        assert values, f"tritonq:{name} not in /metrics"
+        assert values or f"# TYPE tritonq:{name} " in text, f"tritonq:{name} not in /metrics"
         return sum(values)
 
     def stop(self) -> int:

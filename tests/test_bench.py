@@ -115,3 +115,16 @@ def test_quality_bench_dense_perplexity_equals_transformers(tmp_path, monkeypatc
         expected = quality.window_perplexity(lambda x: hf(x).logits, ids, 512)
     assert rows["dense"]["perplexity"] == pytest.approx(expected, rel=1e-4)
     assert rows["rtn_int4_g32"]["perplexity"] == pytest.approx(expected, rel=0.05)  # int4 g32: a small change
+
+
+def test_spec_bench_reports_plain_and_ngram_on_both_workloads(tmp_path, monkeypatch):
+    """bench spec runs each engine on both workloads (checking greedy tokens equal to plain's) and writes rows."""
+    from tritonq.bench import spec as bench_spec
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU backend, as the bench runs
+    out = tmp_path / "spec.json"
+    bench_spec.main(["--repeats", "1", "--new-tokens", "8", "--passage-tokens", "24", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["method"]) for r in rows] == [("repetitive", "plain"), ("repetitive", "ngram"),
+                                                            ("free", "plain"), ("free", "ngram")]
+    for r in rows:
+        assert r["decode_tok_s"] > 0 and (r["speedup"] == 1 if r["method"] == "plain" else r["acceptance_rate"] is not None)

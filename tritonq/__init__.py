@@ -310,12 +310,27 @@ def _tokenizer(folder: Path):
                          "sentencepiece installed, plus tokenizer_config.json): copy them from the source model.") from e
 
 
+def _load_draft(name_or_path, tokenizer, vocab_size: int, *, dtype, device, max_seq_len: int, block_size: int):
+    """The draft model (nn.Module) of draft speculation, loaded like the target (same dtype and device, no graphs,
+    one sequence's throwaway cache); ValueError unless its tokenizer has the target's vocabulary."""
+    draft = load(name_or_path, dtype=dtype, device=device, max_seq_len=max_seq_len, max_num_seqs=1,
+                 max_num_batched_tokens=block_size, block_size=block_size, tensor_parallel=1, cuda_graphs=False,
+                 compile=False)
+    if draft.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"the draft model {name_or_path} has a different tokenizer vocabulary ({len(draft.tokenizer)} "
+                         f"tokens) from the target's ({len(tokenizer)}); a draft must share the target's tokenizer.")
+    if draft.model.config.vocab_size < vocab_size:
+        raise ValueError(f"the draft model {name_or_path} has vocab_size={draft.model.config.vocab_size} < the target's "
+                         f"{vocab_size}; a draft must cover the target's vocabulary.")
+    return draft.model  # its Engine (and that cache) is dropped: the proposer gives it its own
+
+
 def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
          device: str | torch.device | None = None, revision: str | None = None, quantize: str | None = None,
          group_size: int | None = None, max_seq_len: int | None = None, tensor_parallel: int | None = None,
          max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, kv_cache_gb: float | None = None,
          gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
-         cuda_graphs: bool | None = None, compile: bool | None = None) -> Model:
+         cuda_graphs: bool | None = None, compile: bool | None = None, speculative: dict | str | None = None) -> Model:
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
 
     device defaults to CUDA when available, else CPU. dtype (torch.float16 / bfloat16 / float32, or
@@ -345,6 +360,14 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     compile (CPU, Llama family; default CPU_COMPILE, off: measured no faster than eager, see README):
     decode steps run at the same buckets, each torch.compile'd on its first use (tritonq.engine.compiled;
     the log says how long); False runs them eagerly.
+    speculative: speculative decoding (tritonq.engine.speculative; greedy outputs unchanged, sampled ones keep
+    the target's distribution), a dict or JSON string: {"method": "ngram", "num_tokens": k, "min_n": 1,
+    "max_n": 4} proposes the continuation of the latest earlier match of the last n tokens (prompt lookup);
+    {"method": "draft", "model": PATH_OR_ID, "num_tokens": k} runs a smaller model with the same tokenizer k
+    tokens ahead (loaded here with the same dtype and device, with its own paged cache of as many blocks, paid
+    from the same KV budget). Steps that verify
+    proposals run eagerly (on CUDA, outside the decode graphs). Requests with a repetition, presence or frequency
+    penalty decode without it. Counters: Model.engine.speculation, GenerationOutput.acceptance_rate / mean_accepted_length.
     Every argument, the checkpoint's files (readable, no symlink loops), config.json, generation_config.json
     and the tokenizer are checked before any weight is read, and so is every tensor the model asks for
     (presence, dtype, shape: the model is first built against the safetensors headers alone, on the meta
@@ -356,6 +379,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     from tritonq import distributed
     from tritonq.engine.engine import Engine
     from tritonq.engine.runner import kv_cache_blocks
+    from tritonq.engine.speculative import SpeculativeConfig, make_proposer
     from tritonq.formats.registry import get_loader
     from tritonq.generate import Model
     from tritonq.hub import resolve
@@ -370,6 +394,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
         raise ValueError(f"cuda_graphs={cuda_graphs!r}; expected True, False or None (True on CUDA).")
     if compile not in (None, True, False):
         raise ValueError(f"compile={compile!r}; expected True, False or None (the CPU default, {CPU_COMPILE}).")
+    speculative = SpeculativeConfig.parse(speculative)
     folder = resolve(name_or_path, revision=revision)
     _check_files(folder)
     raw_config = _read_config(folder)
@@ -402,6 +427,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     if compile and world > 1:
         raise ValueError(f"compile=True with tensor_parallel={world}: the compiled step has no collectives yet; "
                          "load it with compile=False.")
+    if speculative is not None and world > 1:
+        raise ValueError(f"speculative decoding with tensor_parallel={world} is not supported yet; load it with "
+                         "tensor_parallel=1 or without speculative.")
     if world > 1 and not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"model_type {config.model_type!r} does not support tensor parallelism yet; "
                          "load it with tensor_parallel=1")
@@ -415,13 +443,28 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
         model = cls(config, loader, dtype, device, max_seq_len=max_seq_len)  # rope tables sized once for it
     loader.finish()  # no NaN/inf read, every stored tensor used by some module; else an error naming them
+    draft = None
+    if speculative is not None and speculative.method == "draft":  # before the KV sizing: its weights count as used
+        draft = _load_draft(speculative.model, tokenizer, config.vocab_size, dtype=dtype, device=device,
+                            max_seq_len=max_seq_len, block_size=block_size)
     capture = device.type == "cuda" and _capture_graphs(cuda_graphs, world)
     num_blocks = kv_cache_blocks(model, block_size=block_size, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=kv_cache_gb,
-                                 gpu_memory_utilization=gpu_memory_utilization, world=world, cuda_graphs=capture)
+                                 gpu_memory_utilization=gpu_memory_utilization, world=world, cuda_graphs=capture,
+                                 # the draft's cache has as many blocks (it holds the running sequences + k each)
+                                 extra_bytes_per_token=0 if draft is None else draft.kv_layout.bytes_per_token(draft.dtype))
     engine = Engine(model, tokenizer, eos_ids, num_blocks=num_blocks,
                     block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                     enable_prefix_caching=enable_prefix_caching, max_seq_len=max_seq_len, world=world)
+    if speculative is not None:
+        proposer = make_proposer(speculative, draft, num_blocks=num_blocks,
+                                 block_size=block_size, max_seq_len=max_seq_len, vocab_size=config.vocab_size,
+                                 max_num_batched_tokens=max_num_batched_tokens)
+        engine.use_speculation(proposer, speculative.num_tokens)
+        logging.getLogger("tritonq").info("speculative decoding: %s, up to %d proposed tokens per sequence and step%s",
+                                          speculative.method, speculative.num_tokens,
+                                          f" (draft {speculative.model})" if draft is not None else
+                                          f" (n = {speculative.max_n} .. {speculative.min_n})")
     if device.type == "cuda":  # fixed-shape decode buckets; graphs captured after the process group exists
         engine.runner.use_static_decode(max_num_seqs, cuda_graphs=capture)
     elif compile or (compile is None and CPU_COMPILE and world == 1 and getattr(cls, "supports_compile", False)):

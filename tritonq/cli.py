@@ -98,6 +98,8 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
                    kv_cache_gb=args.kv_cache_gb)
     if getattr(args, "tensor_parallel", None) is not None:
         options["tensor_parallel"] = args.tensor_parallel
+    if getattr(args, "speculative_config", None) is not None:
+        options["speculative"] = args.speculative_config
     try:
         return tritonq.load(args.model, **options)
     except (ValueError, OSError) as e:  # what load refuses says what to change; the traceback adds nothing

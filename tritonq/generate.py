@@ -18,6 +18,7 @@ import torch
 
 from tritonq.engine.engine import Engine
 from tritonq.engine.runner import MAX_TOP_LOGPROBS
+from tritonq.engine.speculative import SpeculativeStats
 
 GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) are taken as 0 (greedy); see GenerationConfig
 
@@ -137,7 +138,10 @@ class GenerationOutput:
     was called). decode_tokens_per_s: tokens generated after each request's first, over all requests,
     per second of the time from the first first token to the end. top_logprobs: with
     GenerationConfig.top_logprobs = N > 0, per prompt and generated token {token id: log-probability}
-    of the N most likely tokens there (raw logits, most likely first); empty lists otherwise."""
+    of the N most likely tokens there (raw logits, most likely first); empty lists otherwise. With
+    speculative decoding (load's `speculative`), over these requests: acceptance_rate (accepted / proposed
+    draft tokens) and mean_accepted_length (tokens emitted per verification, 1 .. k + 1); None without it
+    or without any verification."""
     text: list[str]
     token_ids: list[list[int]]
     logprobs: list[list[float]]
@@ -145,6 +149,8 @@ class GenerationOutput:
     time_to_first_token_s: list[float]
     decode_tokens_per_s: float
     top_logprobs: list[list[dict[int, float]]] = field(default_factory=list)
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
 
 
 @dataclass(frozen=True)
@@ -332,7 +338,13 @@ class Model:
         firsts = [r.first_token_s for r in requests if r.first_token_s is not None]
         decoded = sum(max(len(r.token_ids) - 1, 0) for r in requests)
         span = max(r.finish_s for r in requests) - min(firsts) if firsts else 0.0
+        speculation = SpeculativeStats()
+        for r in requests:
+            speculation.proposed += r.speculation.proposed
+            speculation.accepted += r.speculation.accepted
+            speculation.verifications += r.speculation.verifications
         return GenerationOutput(
+            acceptance_rate=speculation.acceptance_rate, mean_accepted_length=speculation.mean_accepted_length,
             text=[r.text for r in requests], token_ids=[r.token_ids for r in requests],
             logprobs=[r.logprobs for r in requests], finish_reasons=[r.finish_reason for r in requests],
             time_to_first_token_s=[(r.first_token_s or start) - start for r in requests],

@@ -114,17 +114,29 @@ class BlockManager:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += seq.num_cached_tokens
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether `append_slot(seq)` can cover all `num_tokens` tokens (needs at most one new block)."""
-        missing = self.blocks_needed(seq.num_tokens) - len(seq.block_table)
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Whether `append_slot(seq, lookahead)` finds the blocks it needs free."""
+        missing = self.blocks_needed(seq.num_tokens + lookahead) - len(seq.block_table)
         return missing <= len(self.free_blocks)
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Add blocks so the table covers every token, the one about to be computed included."""
-        if not self.can_append(seq):
-            raise RuntimeError(f"append_slot: no free block for {seq}; check can_append first.")
-        while len(seq.block_table) < self.blocks_needed(seq.num_tokens):
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Add blocks so the table covers every token, the one about to be computed included, and
+        `lookahead` slots after them (speculative proposals, see `trim`)."""
+        if not self.can_append(seq, lookahead):
+            raise RuntimeError(f"append_slot: no free block for {seq} (+{lookahead} lookahead); check can_append first.")
+        while len(seq.block_table) < self.blocks_needed(seq.num_tokens + lookahead):
             seq.block_table.append(self._take_free_block())
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past what `num_tokens` needs (lookahead slots of rejected proposals). They
+        lie past `num_computed_tokens`, so none is registered in the prefix cache: they go to the front
+        of the free list."""
+        while len(seq.block_table) > self.blocks_needed(seq.num_tokens):
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block.block_id] = None
+                self.free_blocks.move_to_end(block.block_id, last=False)
 
     def mark_computed(self, seq: Sequence) -> None:
         """Register the blocks that became full now that KV up to `num_computed_tokens` is written."""

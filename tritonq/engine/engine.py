@@ -3,7 +3,7 @@
     engine = Engine(model, tokenizer, eos_token_ids, num_blocks=..., block_size=16, ...)
     rid = engine.add_request(prompt_ids, GenerationConfig(max_new_tokens=32))
     while engine.has_unfinished():
-        for out in engine.step():     # one RequestOutput per request that advanced this step
+        for out in engine.step():     # a RequestOutput per token a request got this step
             ...                       # out.token_id, out.text (new final text), out.finished
 
 Each step the scheduler picks the sequences (every running decode, then chunked prefills of new
@@ -11,6 +11,9 @@ prompts in what is left of the token budget, preempting when blocks run out), th
 paged KV cache and samples each one's next token, and the engine finishes a request on EOS (unless
 ignore_eos, or before min_tokens), a stop token (stop_token_ids, not before min_tokens), a stop string or
 max_new_tokens, freeing its blocks.
+With speculative decoding (`use_speculation`, tritonq.engine.speculative), a decoding sequence's step
+also scores up to k proposed tokens and may emit several tokens: one RequestOutput each, in order
+(tokens verified after an EOS, a stop token or a stop string are dropped).
 Tensor parallel note: a step failing on one rank only would leave the ranks out of step; only
 failures every rank sees alike (and rank 0's non-finite rows, broadcast with the tokens) are safe.
 Tensor parallel: every rank holds an Engine and calls it with the same requests in the same
@@ -37,6 +40,7 @@ from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner, SamplingParams
 from tritonq.engine.scheduler import Scheduler
 from tritonq.engine.sequence import Sequence
+from tritonq.engine.speculative import SpeculativeStats, accept
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Request:
     finish_s: float | None = None
     finish_reason: str | None = None  # "eos", "stop", "length", "abort", "error"
     error: str | None = None  # with finish_reason "error": "<ExceptionType>: <message>"
+    speculation: SpeculativeStats = field(default_factory=SpeculativeStats)  # its verified proposals
 
     @property
     def time_to_first_token_s(self) -> float:
@@ -110,6 +115,8 @@ class Engine:
     def __init__(self, model, tokenizer, eos_token_ids: set[int], *, num_blocks: int, block_size: int = 16,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  max_seq_len: int | None = None, world: int = 1):
+        self.proposer, self.num_speculative_tokens = None, 0  # see use_speculation
+        self.speculation = SpeculativeStats()  # every verification since start (the server's metrics)
         self.tokenizer, self.eos_token_ids = tokenizer, set(eos_token_ids)
         self.max_seq_len = max_seq_len
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
@@ -119,6 +126,14 @@ class Engine:
         self._done: list[RequestOutput] = []  # finished without a step (max_new_tokens=0): reported next
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None  # set by a device error: see step()
+
+    def use_speculation(self, proposer, num_speculative_tokens: int) -> None:
+        """Speculative decoding from now on: proposer (tritonq.engine.speculative: NgramProposer /
+        DraftProposer) proposes up to num_speculative_tokens >= 1 tokens per decoding sequence and step,
+        verified in the step (see `step`). Requests added before keep decoding without it."""
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r}; expected an int >= 1.")
+        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens
 
     def check_token_ids(self, prompt_ids, *, name: str = "the prompt") -> None:
         """TypeError unless prompt_ids is a list / tuple of int (bool refused: True is no token id);
@@ -179,7 +194,12 @@ class Engine:
         if config.max_new_tokens == 0:
             self._finish(request, "length")
             return rid
-        self.scheduler.add(Sequence(rid, prompt_ids, config.max_new_tokens, extra=request))
+        seq = Sequence(rid, prompt_ids, config.max_new_tokens, extra=request)
+        # The penalties' (repetition, presence, frequency) seen tokens are kept incrementally per request
+        # (runner.SeenTokens), which rows carrying unverified proposals would corrupt: no speculation for them.
+        if not request.sampling.penalized:
+            seq.num_speculative_tokens = self.num_speculative_tokens
+        self.scheduler.add(seq)
         self.requests[rid] = request
         return rid
 
@@ -188,7 +208,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request_id)
-            self.runner.release(request.sampling)
+            self._release(request)
             request.finish_s, request.finish_reason = time.perf_counter(), "abort"  # the caller knows: no output
 
     def has_unfinished(self) -> bool:
@@ -205,15 +225,26 @@ class Engine:
         step = self.scheduler.schedule()
         if step is None:
             return outputs
-        samples = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(step.seqs, step.num_new_tokens)]
-        sampling = [seq for seq, s in zip(step.seqs, samples) if s]
         try:
-            ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=samples)
+            if step.lookahead is not None:  # decoding sequences get proposals in their reserved slots
+                step = step.with_proposals(self.proposer.propose(step.seqs, step.lookahead))
+            proposals = step.proposals or [[]] * len(step.seqs)
+            # rows of logits per sequence: 1 + its proposals where it samples, 0 for a chunk short of its end
+            rows = [1 + len(p) if seq.num_computed_tokens + n - len(p) == seq.num_tokens else 0
+                    for seq, n, p in zip(step.seqs, step.num_new_tokens, proposals)]
+            ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
+                                      proposals=step.proposals)
             logits = self.runner.run(ctx)
-            tokens, logprobs, tops = self.runner.sample(
-                logits, [seq.extra.sampling for seq in sampling], [seq.token_ids for seq in sampling],
-                mask_eos=[seq.num_generated < seq.extra.config.min_tokens for seq in sampling],
-                eos_token_ids=self.eos_token_ids)
+            # row j of a sequence samples the token after its tokens + proposals[:j], as a plain decode
+            # step at that length would (same noise counter, same min_tokens EOS mask)
+            params, token_ids, mask_eos = [], [], []
+            for seq, m, p in zip(step.seqs, rows, proposals):
+                for j in range(m):
+                    params.append(seq.extra.sampling)
+                    token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
+                    mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
+            tokens, logprobs, tops = self.runner.sample(logits, params, token_ids, mask_eos=mask_eos,
+                                                        eos_token_ids=self.eos_token_ids)
         except Exception as exc:
             if _is_device_error(exc):
                 self._dead = EngineDeadError(f"the engine cannot continue after a device error: "
@@ -221,41 +252,64 @@ class Engine:
                 raise self._dead from exc
             error = f"{type(exc).__name__}: {exc}"
             return outputs + [self._fail(seq, error) for seq in step.seqs if not seq.is_finished]
-        sampled = iter(zip(tokens, logprobs, tops))
-        picks = [next(sampled) if s else None for s in samples]
-        for seq, pick in zip(step.seqs, picks):
-            if pick is not None and pick[0] is None and not seq.is_finished:  # non-finite logits: no token
-                outputs.append(self._fail(seq, NONFINITE_ERROR))
-        self.scheduler.postprocess(step, [p[0] if p else None for p in picks])  # skips the failed (finished)
+        # per sequence: the (token, logprob, top logprobs) it emits (None: a chunk short of its end, or a failed row)
+        picks: list[list[tuple] | None] = []
+        row = 0
+        for seq, m, p in zip(step.seqs, rows, proposals):
+            drawn = list(zip(tokens[row:row + m], logprobs[row:row + m], tops[row:row + m]))
+            row += m
+            if not m:
+                picks.append(None)
+            elif any(t is None for t, _, _ in drawn):  # non-finite logits: no token
+                picks.append(None)
+                if not seq.is_finished:
+                    outputs.append(self._fail(seq, NONFINITE_ERROR))
+            else:
+                emitted = accept(p, [t for t, _, _ in drawn])
+                if p:
+                    self.speculation.add(len(p), len(emitted) - 1)
+                    seq.extra.speculation.add(len(p), len(emitted) - 1)
+                picks.append([(t, lp, top) for t, (_, lp, top) in zip(emitted, drawn)])  # t: also the drawn token
+        self.scheduler.postprocess(step, [  # skips the failed (finished)
+            None if pick is None else [t for t, _, _ in pick] if p else pick[0][0] for pick, p in zip(picks, proposals)])
         now = time.perf_counter()
         eos_ids, requests = self.eos_token_ids, self.requests
         for seq, pick in zip(step.seqs, picks):
-            if pick is None or pick[0] is None or seq.seq_id not in requests:
+            if pick is None or seq.seq_id not in requests:
                 continue  # a chunk short of its last token, a failed row, or aborted meanwhile
-            request, (token, logprob, top) = seq.extra, pick
-            request.token_ids.append(token)
-            request.logprobs.append(logprob)
-            if top is not None:
-                request.top_logprobs.append(top)
-            request.first_token_s = request.first_token_s or now
+            request = seq.extra
             detokenizer, config = request.detokenizer, request.config
-            text = detokenizer.add(token) if request.stream else ""
-            may_stop = seq.num_generated >= config.min_tokens
-            eos = token in eos_ids and not config.ignore_eos and may_stop
-            stop_token = token in config.stop_token_ids and may_stop
-            reason = ("eos" if eos else "stop" if detokenizer.stopped or stop_token
-                      else "length" if seq.is_finished else None)
-            if reason is not None:
-                self.scheduler.finish(seq)  # no-op when postprocess already finished it (length)
-                self.runner.release(request.sampling)
-                del requests[request.request_id]
-                if not request.stream:
-                    text = detokenizer.add_many(request.token_ids)
-                text += detokenizer.flush()
-                request.finish_s, request.finish_reason = now, reason
-            outputs.append(RequestOutput(request.request_id, token, logprob, text, reason is not None, reason, request,
-                                         top_logprobs=top))
+            for j, (token, logprob, top) in enumerate(pick):
+                request.token_ids.append(token)
+                request.logprobs.append(logprob)
+                if top is not None:
+                    request.top_logprobs.append(top)
+                request.first_token_s = request.first_token_s or now
+                text = detokenizer.add(token) if request.stream else ""
+                may_stop = len(request.token_ids) >= config.min_tokens
+                eos = token in eos_ids and not config.ignore_eos and may_stop
+                stop_token = token in config.stop_token_ids and may_stop
+                reason = ("eos" if eos else "stop" if detokenizer.stopped or stop_token
+                          else "length" if seq.is_finished and j == len(pick) - 1 else None)
+                if reason is not None:  # tokens verified after it are dropped
+                    self.scheduler.finish(seq)  # no-op when postprocess already finished it (length)
+                    self._release(request)
+                    del requests[request.request_id]
+                    if not request.stream:
+                        text = detokenizer.add_many(request.token_ids)
+                    text += detokenizer.flush()
+                    request.finish_s, request.finish_reason = now, reason
+                outputs.append(RequestOutput(request.request_id, token, logprob, text, reason is not None, reason,
+                                             request, top_logprobs=top))
+                if reason is not None:
+                    break
         return outputs
+
+    def _release(self, request: Request) -> None:
+        """A request ended: drop what the runner (and a draft proposer) keep for it."""
+        self.runner.release(request.sampling)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -265,7 +319,7 @@ class Engine:
         """Finish a request of a failed step (or row) with finish_reason "error"; its blocks are freed."""
         self.scheduler.finish(seq)
         request = self.requests.pop(seq.seq_id)
-        self.runner.release(request.sampling)
+        self._release(request)
         request.finish_s, request.finish_reason, request.error = time.perf_counter(), "error", error
         return RequestOutput(request.request_id, None, None, "", True, "error", request, error)
 

@@ -267,10 +267,12 @@ class ModelRunner:
             log.info("torch.compile: the decode step compiles once per batch bucket (%s) on its first use",
                      ",".join(map(str, self.buckets)))
 
-    def prepare(self, seqs, num_new_tokens: list[int], is_prefill: bool, logits_for: list[bool] | None = None,
-                start: list[int] | None = None) -> StepContext:
-        """The StepContext of one step. logits_for[i]: sequence i's last new token gets logits (None: every
-        row of every sequence gets logits). start[i] (default num_computed_tokens): first position to
+    def prepare(self, seqs, num_new_tokens: list[int], is_prefill: bool, logits_for: list[bool | int] | None = None,
+                start: list[int] | None = None, proposals: list[list[int]] | None = None) -> StepContext:
+        """The StepContext of one step. logits_for[i]: sequence i's last new token gets logits, or an int: its
+        last logits_for[i] new tokens do (None: every row of every sequence gets logits). proposals[i]:
+        speculative tokens computed after sequence i's token_ids (counted in num_new_tokens[i]; they get
+        slots in its reserved lookahead blocks). start[i] (default num_computed_tokens): first position to
         compute; positions below num_computed_tokens are recomputed but not written (their blocks hold them).
         Positions, slots and the block table are computed as numpy arrays over the whole step (no loop
         over tokens or table entries in Python): host time grows slowly with the batch."""
@@ -285,7 +287,10 @@ class ModelRunner:
             i = int(short[0])
             raise RuntimeError(f"{seqs[i]}: positions up to {context[i] - 1} need more than its {num_blocks[i]} "
                                f"blocks of {bs}; the scheduler must allocate them first.")
-        if is_prefill:
+        if proposals is not None:
+            ids = list(chain.from_iterable(seq.token_ids[c:c + n - len(p)] + p for seq, c, n, p in
+                                           zip(seqs, first.tolist(), num_new_tokens, proposals)))
+        elif is_prefill:
             ids = list(chain.from_iterable(seq.token_ids[c:c + n] for seq, c, n in
                                            zip(seqs, first.tolist(), num_new_tokens)))
         else:  # one token each, the last one
@@ -315,7 +320,10 @@ class ModelRunner:
                 and (logits_for is None or all(logits_for))):
             bucket = next(b for b in self.buckets if b >= B)
             return self.static.fill(bucket, ids, positions.tolist(), slots.tolist(), context.tolist(), tables)
-        rows = None if logits_for is None else (cu[1:] - 1)[np.array(logits_for, dtype=bool)]
+        rows = None
+        if logits_for is not None:  # the last m_i rows of sequence i, in order
+            m = np.array(logits_for, dtype=np.int64)
+            rows = np.arange(int(m.sum())) + np.repeat(cu[1:] - m - (np.cumsum(m) - m), m)
 
         def tensor(values, dtype):
             return torch.from_numpy(values).to(device=self.device, dtype=dtype, non_blocking=True)
@@ -440,8 +448,10 @@ def prefill_logits(model, token_ids: list[int], block_size: int = 16, last_only:
 
 def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                     kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9, world: int = 1,
-                    cuda_graphs: bool = False) -> int:
+                    cuda_graphs: bool = False, extra_bytes_per_token: int = 0) -> int:
     """How many KV blocks the cache gets, from memory (see tritonq.load), and a log line saying what they hold.
+    extra_bytes_per_token: per-token bytes of a second cache with as many blocks (a speculative draft model's),
+    paid from the same budget.
 
     kv_cache_gb: a byte budget (GiB). Otherwise on CUDA: gpu_memory_utilization x the GPU's memory, less
     what is in use (weights, other processes), the peak of the largest steps (`_free_gpu_bytes`) and, with
@@ -452,7 +462,7 @@ def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: i
         raise ValueError(f"kv_cache_gb={kv_cache_gb}; expected a positive number of GiB (or None for the default).")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}; expected a fraction in (0, 1].")
-    per_token = model.kv_layout.bytes_per_token(model.dtype)
+    per_token = model.kv_layout.bytes_per_token(model.dtype) + extra_bytes_per_token
     block_bytes = per_token * block_size
     blocks_per_seq = -(-max_seq_len // block_size)
     needed = max_num_seqs * blocks_per_seq * block_bytes

@@ -18,11 +18,20 @@ sequence is a query of length 1 after its cached context.
 
 A sequence is ready to decode when exactly its last token lacks KV (num_computed == num_tokens - 1);
 after a step the token sampled from the logits at its last token is appended.
+
+Speculative decoding (tritonq.engine.speculative): a decoding sequence with num_speculative_tokens > 0
+also gets KV slots (and budget) for `lookahead(seq)` tokens after its last one; the engine then puts
+up to that many proposals in the step (`ScheduledStep.with_proposals`), and `postprocess` takes the
+tokens the verification emitted: the accepted proposals (whose KV is now valid) and the target's
+own next token. Blocks past what the new tokens need are given back (`BlockManager.trim`); blocks
+only become prefix-cache entries once full of computed, accepted tokens, so rejected proposals never
+reach a hash. A sequence whose lookahead does not fit the free blocks decodes without it (speculation
+never preempts).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.sequence import Sequence, SequenceStatus
@@ -39,10 +48,23 @@ class ScheduledStep:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
+    lookahead: list[int] | None = None  # KV slots reserved past each sequence's tokens (None: none)
+    proposals: list[list[int]] | None = None  # draft tokens computed after each one's last token
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    def with_proposals(self, proposals: list[list[int]]) -> ScheduledStep:
+        """The step with proposals[i] (at most lookahead[i] tokens) computed after sequence i's last token:
+        those sequences compute 1 + len(proposals[i]) tokens and get that many logits rows. A step with
+        any proposal is a prefill step (varlen attention: a query of 1 + d tokens per sequence)."""
+        room = self.lookahead or [0] * len(self.seqs)
+        for seq, p, r in zip(self.seqs, proposals, room, strict=True):
+            if len(p) > r:
+                raise ValueError(f"{seq}: {len(p)} proposals but {r} lookahead slots were reserved.")
+        return replace(self, num_new_tokens=[n + len(p) for n, p in zip(self.num_new_tokens, proposals)],
+                       proposals=proposals, is_prefill=self.is_prefill or any(proposals))
 
 
 class Scheduler:
@@ -107,27 +129,42 @@ class Scheduler:
                                    f"admitted with {self.block_manager.num_free_blocks} free blocks.")
         return None
 
-    def postprocess(self, step: ScheduledStep, sampled: list[int | None]) -> list[Sequence]:
+    def postprocess(self, step: ScheduledStep, sampled: list[int | list[int] | None]) -> list[Sequence]:
         """Record a finished step: advance num_computed_tokens, append sampled tokens, register full
         blocks. sampled[i] is the token from sequence i's last new token, None for a chunk that
-        stopped short of it. Sequences reaching max_new_tokens are finished (blocks freed) and
-        returned; sequences aborted since `schedule` are skipped."""
+        stopped short of it; for a sequence with proposals, the list of tokens its verification
+        emitted (the accepted proposals, then the target's token: 1 .. d + 1 of them), after which
+        its lookahead blocks are trimmed. Sequences reaching max_new_tokens are finished (blocks
+        freed) and returned; sequences aborted since `schedule` are skipped."""
         if len(sampled) != len(step.seqs):
             raise ValueError(f"postprocess: {len(sampled)} sampled tokens for {len(step.seqs)} sequences.")
-        for seq, n, token in zip(step.seqs, step.num_new_tokens, sampled):   # check all, then apply
-            reached_end = seq.num_computed_tokens + n == seq.num_tokens
-            if not seq.is_finished and reached_end != (token is not None):
+        proposals = step.proposals or [[]] * len(step.seqs)
+        for seq, n, token, p in zip(step.seqs, step.num_new_tokens, sampled, proposals):  # check all, then apply
+            if seq.is_finished:
+                continue
+            reached_end = seq.num_computed_tokens + n - len(p) == seq.num_tokens
+            if reached_end != (token is not None):
                 raise ValueError(f"postprocess: {seq} {'needs' if reached_end else 'must not get'} a "
                                  f"sampled token after computing {n} tokens, got {token}.")
+            accepted_prefix = (isinstance(token, list) and 1 <= len(token) <= len(p) + 1
+                               and token[:-1] == p[:len(token) - 1])
+            if p and not accepted_prefix:
+                raise ValueError(f"postprocess: {seq} verified proposals {p}; expected an accepted prefix of "
+                                 f"them plus one token, got {token}.")
+            if not p and isinstance(token, list):
+                raise ValueError(f"postprocess: {seq} had no proposals in this step; expected one token, got {token}.")
         finished = []
         bm, block_size = self.block_manager, self.block_manager.block_size
-        for seq, n, token in zip(step.seqs, step.num_new_tokens, sampled):
+        for seq, n, token, p in zip(step.seqs, step.num_new_tokens, sampled, proposals):
             if seq.is_finished:
                 continue
             before = seq.num_computed_tokens
+            tokens = token if isinstance(token, list) else [] if token is None else [token]
+            n -= len(p) - (len(tokens) - 1 if p else 0)  # KV of rejected proposals is not computed
             seq.num_computed_tokens += n
-            if token is not None:
-                seq.append_token(token)
+            seq.token_ids.extend(tokens)
+            if len(seq.block_table) > bm.blocks_needed(seq.num_tokens):  # lookahead left unused
+                bm.trim(seq)
             if (before + n) // block_size != before // block_size:  # a block became full
                 bm.mark_computed(seq)
             if seq.num_generated >= seq.max_new_tokens:
@@ -162,6 +199,7 @@ class Scheduler:
         bm, block_size = self.block_manager, self.block_manager.block_size
         seqs: list[Sequence] = []
         chunks: list[Sequence] = []
+        lookaheads: list[int] = []
         preempted = False
         for seq in list(self.running):  # victims come from the end: never one already scheduled
             if seq.status is not SequenceStatus.RUNNING:
@@ -181,9 +219,15 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
             seqs.append(seq)
+        for seq in seqs:  # lookahead slots only from blocks left once every decode has its own
+            lookahead = self.lookahead(seq)
+            if lookahead and not bm.can_append(seq, lookahead):
+                lookahead = 0  # speculation never preempts: decode this one without it
+            bm.append_slot(seq, lookahead)
+            lookaheads.append(lookahead)
         is_prefill = False
         counts = [1] * len(seqs)
-        budget = self.max_num_batched_tokens - len(seqs)
+        budget = max(0, self.max_num_batched_tokens - len(seqs) - sum(lookaheads))
         for seq in chunks:
             if budget == 0:
                 break
@@ -200,7 +244,15 @@ class Scheduler:
             counts.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
             budget -= counts[-1]
             is_prefill = is_prefill or counts[-1] != 1 or seq.num_computed_tokens != seq.num_tokens - 1
-        return ScheduledStep(seqs, counts, is_prefill) if seqs else None
+        if not seqs:
+            return None
+        lookahead = lookaheads + [0] * (len(seqs) - len(lookaheads)) if any(lookaheads) else None
+        return ScheduledStep(seqs, counts, is_prefill, lookahead)
+
+    def lookahead(self, seq: Sequence) -> int:
+        """Proposals a decode step of seq may verify: num_speculative_tokens, fewer near max_new_tokens (the
+        step emits up to lookahead + 1 tokens)."""
+        return max(0, min(seq.num_speculative_tokens, seq.max_new_tokens - seq.num_generated - 1))
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and queue it first; it resumes by recomputing its KV."""

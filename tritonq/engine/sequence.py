@@ -24,6 +24,8 @@ class Sequence:
     block_table: KV block ids, block i holds positions [i * block_size, (i + 1) * block_size).
     arrival: admission order, set by `Scheduler.add` (lower = older).
     extra: anything the engine wants to carry with the request.
+    num_speculative_tokens: the most draft tokens a step may verify for it (0: no speculation); the
+        scheduler reserves KV slots for them (see tritonq.engine.speculative).
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], max_new_tokens: int, extra: object = None):
@@ -42,6 +44,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.arrival = 0
         self.extra = extra
+        self.num_speculative_tokens = 0
 
     @property
     def num_tokens(self) -> int:

@@ -35,6 +35,9 @@ def build_parser(prog: str = "python -m tritonq.serve") -> argparse.ArgumentPars
                              "(default: 8 x --max-num-seqs, so one request cannot queue unbounded work)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_tokens": 4}\' or '
+                             '\'{"method": "draft", "model": "PATH_OR_ID", "num_tokens": 4}\' (see tritonq.load)')
     add_load_options(parser, tensor_parallel=True)
     return parser
 
@@ -45,6 +48,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tritonq.ser
     args = parser.parse_args(argv)
     if args.max_waiting is not None and args.max_waiting < 0:
         parser.error(f"--max-waiting is {args.max_waiting}; expected >= 0")
+    if args.speculative_config is not None:
+        from tritonq.engine.speculative import SpeculativeConfig
+        try:
+            SpeculativeConfig.parse(args.speculative_config)
+        except (ValueError, TypeError) as e:
+            parser.error(f"--speculative-config: {e}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes is {args.max_request_bytes}; expected >= 1")
     return parser, args

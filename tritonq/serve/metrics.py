@@ -42,10 +42,19 @@ class ServerMetrics:
         self.tpot = make(Histogram, "time_per_output_token_seconds",
                          "(end-to-end - time to first token) / (tokens - 1), per request.", buckets=_LATENCY_BUCKETS)
         self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to last token.", buckets=_LATENCY_BUCKETS)
+        self.spec_draft_tokens = make(Counter, "spec_decode_num_draft_tokens",
+                                      "Draft tokens proposed (speculative decoding).")
+        self.spec_accepted_tokens = make(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_verifications = make(Counter, "spec_decode_num_drafts",
+                                       "Sequence steps that verified >= 1 draft token.")
+        self.spec_acceptance_rate = make(Gauge, "spec_decode_acceptance_rate",
+                                         "Accepted / proposed draft tokens, since start.")
+        self.spec_mean_accepted_length = make(Gauge, "spec_decode_mean_accepted_length",
+                                              "Tokens emitted per verification (accepted + 1), since start.")
         self._success = Counter("tritonq:request_success", "Requests finished, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._labels = labels
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "proposed": 0, "accepted": 0, "verifications": 0}
 
     def update_engine(self, engine) -> None:
         """Refresh gauges and the cumulative counters the engine keeps itself (engine thread)."""
@@ -63,6 +72,16 @@ class ServerMetrics:
                 self._seen[key] = value
         if blocks.prefix_queries:
             self.prefix_hit_rate.set(blocks.prefix_hits / blocks.prefix_queries)
+        spec = getattr(engine, "speculation", None)  # None: a stand-in engine (tests)
+        if spec is not None and spec.verifications:
+            for key, metric in (("proposed", self.spec_draft_tokens), ("accepted", self.spec_accepted_tokens),
+                                ("verifications", self.spec_verifications)):
+                value = getattr(spec, key)
+                if value > self._seen[key]:
+                    metric.inc(value - self._seen[key])
+                    self._seen[key] = value
+            self.spec_acceptance_rate.set(spec.acceptance_rate)
+            self.spec_mean_accepted_length.set(spec.mean_accepted_length)
 
     def request_finished(self, arrival: float, first: float | None, tokens: int, now: float,
                          reason: str | None) -> None:
