@@ -36,6 +36,7 @@ from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner, SamplingParams
 from tritonq.engine.scheduler import Scheduler
 from tritonq.engine.sequence import Sequence
+from tritonq.structured import Grammars, GrammarState, constraint_of, token_bitmask
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Request:
     finish_s: float | None = None
     finish_reason: str | None = None  # "eos", "stop", "length", "abort", "error"
     error: str | None = None  # with finish_reason "error": "<ExceptionType>: <message>"
+    grammar: GrammarState | None = None  # structured outputs: where its output is in its grammar
 
     @property
     def time_to_first_token_s(self) -> float:
@@ -114,6 +116,18 @@ class Engine:
         self._done: list[RequestOutput] = []  # finished without a step (max_new_tokens=0): reported next
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None  # set by a device error: see step()
+        self._grammars: Grammars | None = None  # made at the first structured-output request (see grammars)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output grammar compiler and cache over this tokenizer (made on first use; made
+        again if eos_token_ids changed, since they are the grammars' stop tokens). Raises
+        ModuleNotFoundError naming the extra when xgrammar is not installed."""
+        grammars = self._grammars
+        if grammars is None or grammars.stop_token_ids != sorted(self.eos_token_ids):
+            grammars = self._grammars = Grammars(self.tokenizer, self.runner.model.config.vocab_size,
+                                                 self.eos_token_ids)
+        return grammars
 
     def check_token_ids(self, prompt_ids, *, name: str = "the prompt") -> None:
         """TypeError unless prompt_ids is a list / tuple of int (bool refused: True is no token id);
@@ -146,11 +160,16 @@ class Engine:
     def check_request(self, prompt_ids: list[int], config, *, name: str = "the prompt") -> None:
         """Every request-level check, before anything is queued (Model and server both call it): the
         prompt is non-empty, every id an int in [0, vocab_size), and prompt + max_new_tokens fits
-        max_seq_len and the KV cache. config: a GenerationConfig (its own fields were checked when it was
-        made). Raises TypeError for a wrong type, ValueError naming the numbers otherwise. Reads constants
-        only: safe to call from any thread."""
+        max_seq_len and the KV cache, and its structured-output constraint compiles (compiled here, once per
+        distinct constraint: a bad schema is refused before anything is queued). config: a GenerationConfig
+        (its own fields were checked when it was made). Raises TypeError for a wrong type, ValueError naming
+        the numbers or the grammar error otherwise. Reads constants and the thread-safe grammar cache only:
+        safe to call from any thread."""
         self.check_token_ids(prompt_ids, name=name)
         self._check_length(len(prompt_ids), config.max_new_tokens, name)
+        constraint = constraint_of(config)
+        if constraint is not None:
+            self.grammars.compile(constraint)
 
     def add_request(self, prompt_ids: list[int], config, *, stream: bool = True) -> int:
         """Queue a request (config: a GenerationConfig); returns its id. It waits until blocks are free.
@@ -164,6 +183,9 @@ class Engine:
         request = Request(rid, prompt_ids, config, SamplingParams(config),
                           Detokenizer(self.tokenizer, config.stop, min_tokens=config.min_tokens),
                           stream=stream or bool(config.stop), arrival_s=time.perf_counter())
+        constraint = constraint_of(config)
+        if constraint is not None:
+            request.grammar = self.grammars.matcher(constraint)
         if config.max_new_tokens == 0:
             self._finish(request, "length")
             return rid
@@ -201,7 +223,7 @@ class Engine:
             tokens, logprobs = self.runner.sample(
                 logits, [seq.extra.sampling for seq in sampling], [seq.token_ids for seq in sampling],
                 mask_eos=[seq.num_generated < seq.extra.config.min_tokens for seq in sampling],
-                eos_token_ids=self.eos_token_ids)
+                eos_token_ids=self.eos_token_ids, token_bitmask=self._token_bitmask(sampling, logits.shape[1]))
         except Exception as exc:
             if _is_device_error(exc):
                 self._dead = EngineDeadError(f"the engine cannot continue after a device error: "
@@ -221,6 +243,10 @@ class Engine:
             if pick is None or pick[0] is None or seq.seq_id not in requests:
                 continue  # a chunk short of its last token, a failed row, or aborted meanwhile
             request, (token, logprob) = seq.extra, pick
+            if request.grammar is not None and not request.grammar.accept(token):
+                outputs.append(self._fail(seq, f"RuntimeError: token {token} is not allowed by the request's "
+                                               "grammar (structured output): the sampler broke its constraint."))
+                continue
             request.token_ids.append(token)
             request.logprobs.append(logprob)
             request.first_token_s = request.first_token_s or now
@@ -239,6 +265,18 @@ class Engine:
                 request.finish_s, request.finish_reason = now, reason
             outputs.append(RequestOutput(request.request_id, token, logprob, text, reason is not None, reason, request))
         return outputs
+
+    @staticmethod
+    def _token_bitmask(sampling: list[Sequence], vocab_size: int) -> torch.Tensor | None:
+        """The step's structured-output bitmask int32 [R, ceil(V / 32)] (CPU) over the sampling rows: each
+        constrained row filled by its grammar, the others all allowed; None when no row is constrained."""
+        rows = [(r, seq.extra.grammar) for r, seq in enumerate(sampling) if seq.extra.grammar is not None]
+        if not rows:
+            return None
+        bitmask = token_bitmask(len(sampling), vocab_size)
+        for r, grammar in rows:
+            grammar.fill(bitmask, r)
+        return bitmask
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -10,7 +10,8 @@ value read on the host, and, with CUDA graphs captured, a replay instead of ~10 
 Prefill, and decode batches above the largest bucket, run eagerly on tensors built per step.
 
 sample() draws every row's next token in one batched pass (per-row temperature, min-p, top-k, top-p,
-repetition penalty as tensors, EOS masked for rows below min_tokens); only the sampled ids, their
+repetition penalty as tensors, EOS masked for rows below min_tokens, each structured-output row's grammar
+bitmask applied as -inf); only the sampled ids, their
 log-probabilities and whether each row's logits were finite come back to the host, in one transfer
 per step. A row's random numbers are a hash of (its request's seed, its
 sequence length, vocabulary index) computed with torch integer ops (`sampling_noise`), so a seeded
@@ -34,6 +35,7 @@ from tritonq.distributed import broadcast_from_rank0
 from tritonq.engine.compiled import CompiledDecode
 from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_buckets
 from tritonq.models.common import StepContext
+from tritonq.structured import apply_token_bitmask
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 4.0  # the CPU default budget (capped by what max_num_seqs sequences of max_seq_len use)
@@ -285,14 +287,16 @@ class ModelRunner:
         return self.model(ctx, self.cache).float()
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
-               mask_eos: list[bool] | None = None, eos_token_ids: set[int] = frozenset()
-               ) -> tuple[list[int | None], list[float | None]]:
+               mask_eos: list[bool] | None = None, eos_token_ids: set[int] = frozenset(),
+               token_bitmask: torch.Tensor | None = None) -> tuple[list[int | None], list[float | None]]:
         """Each row's next token and its log-probability under the raw logits (before any filter or mask).
 
         logits [R, V] float32; params[r] the row's request settings; token_ids[r] its prompt + generated
         tokens (the repetition penalty's "seen" set, kept in `self.seen` across steps; its length numbers
         the row's random draws); mask_eos[r]: row r may not sample an EOS id (eos_token_ids) this step
-        (min_tokens not reached). All rows are sampled at once (`sample_logits`). A row whose logits hold
+        (min_tokens not reached); token_bitmask: int32 [R, ceil(V / 32)] on the CPU, the tokens each row's
+        grammar allows (structured outputs, tritonq.structured; None: no row is constrained), applied
+        as -inf before any filter. All rows are sampled at once (`sample_logits`). A row whose logits hold
         NaN or inf anywhere gets token and logprob None: its distribution is meaningless. The tokens,
         their log-probabilities and those flags come back to the host in one transfer. Call release()
         when a request finishes."""
@@ -307,6 +311,8 @@ class ModelRunner:
             rows = [r for r, m in enumerate(mask_eos) if m]
             masked = logits.index_put((tensor(rows, torch.int64)[:, None], tensor(eos, torch.int64)[None, :]),
                                       torch.tensor(float("-inf"), device=device))
+        if token_bitmask is not None:  # structured outputs: only what each row's grammar allows
+            masked = apply_token_bitmask(masked, token_bitmask.to(device, non_blocking=True))
         penalty = seen = noise = temperature = top_k = top_p = min_p = None
         if any(p.penalized for p in params):
             if self.seen is None or self.seen.mask.shape[1] != V:
