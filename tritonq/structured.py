@@ -60,9 +60,10 @@ _VALUES = ("enum", "const", "default", "examples")  # schema keys whose values a
 
 def _bounded_strings_as_patterns(schema_text: str) -> str:
     r"""The schema with each string's minLength / maxLength (without a pattern) written as the pattern
-    `^[^"\\\x00-\x1f]{min,max}$`. xgrammar 0.2 lowers length-bounded strings to a character class that
-    admits raw control characters (U+0000-U+001F), which no JSON parser accepts (mlc-ai/xgrammar#800);
-    its pattern path refuses them. Either way such a string has no escapes (as in xgrammar's lowering)."""
+    `^[^"\\\x00-\x1f\ud800-\udfff]{min,max}$`. xgrammar 0.2 lowers length-bounded strings to a character
+    class that admits raw control characters (U+0000-U+001F), which no JSON parser accepts
+    (mlc-ai/xgrammar#800), and UTF-8-encoded surrogates, which decode to several U+FFFD each and so
+    break the length. Either way such a string has no escapes (as in xgrammar's lowering)."""
     def rewrite(node):
         if isinstance(node, list):
             return [rewrite(v) for v in node]
@@ -72,7 +73,7 @@ def _bounded_strings_as_patterns(schema_text: str) -> str:
         if (node.get("type") == "string" and "pattern" not in node and "format" not in node
                 and ("minLength" in node or "maxLength" in node)):
             low, high = node.pop("minLength", 0), node.pop("maxLength", "")
-            node["pattern"] = rf'^[^"\\\x00-\x1f]{{{low},{high}}}$'
+            node["pattern"] = rf'^[^"\\\x00-\x1f\ud800-\udfff]{{{low},{high}}}$'
         return node
     schema = json.loads(schema_text)
     rewritten = rewrite(schema)
@@ -93,6 +94,13 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=self.stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cached here (LRU)
+        # xgrammar reads special tokens (<s>, <|im_start|>, ...) as their text, so a grammar could take
+        # "<s>" inside a JSON string while the detokenizer drops it: they are never allowed (EOS aside).
+        self.no_special = token_bitmask(1, vocab_size)[0]
+        for t in set(getattr(tokenizer, "all_special_ids", ())) - set(self.stop_token_ids):
+            if 0 <= t < vocab_size:
+                bit = -2 ** 31 if t % 32 == 31 else 1 << (t % 32)  # bit 31 of an int32 is its sign
+                self.no_special[t // 32] &= ~bit
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -126,18 +134,19 @@ class Grammars:
 
     def matcher(self, constraint: tuple[str, str]) -> GrammarState:
         """A fresh matcher (at the start of the output) for one request."""
-        return GrammarState(_xgrammar().GrammarMatcher(self.compile(constraint)), self.vocab_size)
+        return GrammarState(_xgrammar().GrammarMatcher(self.compile(constraint)), self.no_special)
 
 
 class GrammarState:
     """One request's position in its grammar: which tokens may come next, advanced by each sampled token."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, no_special: torch.Tensor):
+        self.matcher, self.no_special = matcher, no_special
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32 [R, ceil(V / 32)], on the CPU)."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        bitmask[row] &= self.no_special
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False when the grammar does not allow it (the state is unchanged)."""
