@@ -3,7 +3,7 @@ ignore_eos / tiny temperatures end to end on a tiny Llama (the reference: the sa
 import pytest
 import torch
 
-from tritonq.engine.runner import sample_logits, sampling_noise
+from tritonq.engine.runner import open_unit_uniform, sample_logits, sampling_noise
 
 N = 4000  # draws per distribution: frequencies within 0.03 of the probabilities
 
@@ -94,3 +94,12 @@ def test_min_tokens_defers_stop_strings(model):
     streamed = "".join(model.generate("hello", max_new_tokens=12, stop=stop, min_tokens=6, stream=True))
     assert streamed == later
 
+
+
+def test_uniforms_stay_inside_the_open_unit_interval_at_the_extreme_bits():
+    """The largest and smallest bit patterns give u strictly inside (0, 1), so the Gumbel noise is finite
+    (an infinite noise would turn a masked -inf logit into NaN, which argmax picks)."""
+    bits = torch.tensor([0, 1, 511, 2 ** 32 - 512, 2 ** 32 - 1], dtype=torch.int64)
+    u = open_unit_uniform(bits)
+    assert bool(((u > 0) & (u < 1)).all()), u
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()

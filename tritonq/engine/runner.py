@@ -133,8 +133,14 @@ def sampling_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torc
     row = _mix32((_mix32(_mix32(seeds[0]) ^ seeds[1]) + steps) & MASK32)  # [R]
     index = torch.arange(vocab, device=steps.device, dtype=torch.int64)
     bits = _mix32(_mix32(row[:, None] ^ index[None, :]))  # [R, vocab] in [0, 2^32)
-    u = ((bits >> 8).to(torch.float32) + 0.5) * 2.0 ** -24  # 24 random bits: u in (0, 1), never 0 or 1
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(open_unit_uniform(bits)))
+
+
+def open_unit_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1), never 0 or 1, from bits int64 in [0, 2^32): the top 23 bits + 0.5, over
+    2^23. (With 24 bits, 2^24 - 0.5 rounds up to 2^24 in float32: u = 1 and the noise is +inf, which beats
+    a -inf (masked) logit: inf + -inf is NaN, and argmax takes NaN.)"""
+    return ((bits >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
 
 
 def sample_logits(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch.Tensor | None,

@@ -159,10 +159,10 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
         errors = exc.errors()
         first = errors[0] if errors else {}
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        if first.get("type") in ("unknown_field", "unsupported_field", "lone_surrogate"):
+        if first.get("type") in ("unknown_field", "unsupported_field", "lone_surrogate", "invalid_field"):
             # raised by a model validator: its loc is the object, ctx names the field inside it
             param = ".".join(filter(None, [param, str(first["ctx"]["name"])]))
-            return APIError(400, first["msg"] if "." not in param or first["type"] == "lone_surrogate"
+            return APIError(400, first["msg"] if "." not in param or first["type"] in ("lone_surrogate", "invalid_field")
                             else f"{param}: {first['msg']}", param).response()
         if first.get("type") == "json_invalid":
             param = None

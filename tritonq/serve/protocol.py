@@ -164,8 +164,8 @@ class ResponseFormat(_Body):
     @model_validator(mode="after")
     def _check_format(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError('response_format {"type": "json_schema"} needs a "json_schema": {"name": ..., '
-                             '"schema": {...}}, and only that type takes one')
+            raise _field_error("json_schema", 'response_format {"type": "json_schema"} needs a "json_schema": '
+                                              '{"name": ..., "schema": {...}}, and only that type takes one')
         return self
 
     def schema(self) -> dict | None:
@@ -352,19 +352,20 @@ class ChatCompletionRequest(SamplingRequest):
             self.max_tokens = self.max_completion_tokens
         choice = self.tool_choice
         if choice == "required":
-            raise ValueError('tool_choice="required" is not supported; use "auto" or name the function: '
-                             '{"type": "function", "function": {"name": ...}}')
+            raise _field_error("tool_choice", 'tool_choice="required" is not supported; use "auto" or name the '
+                                              'function: {"type": "function", "function": {"name": ...}}')
         if choice not in (None, "none") and not self.tools:
-            raise ValueError(f"tool_choice={json.dumps(_plain(choice))} needs tools; pass tools or leave "
-                             "tool_choice out")
+            raise _field_error("tool_choice", f"tool_choice={json.dumps(_plain(choice))} needs tools; pass "
+                                              "tools or leave tool_choice out")
         if isinstance(choice, NamedToolChoice):
             names = [t.function.name for t in self.tools]
             if choice.function.name not in names:
-                raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not in "
-                                 f"tools ({', '.join(map(repr, names))}); name one of them")
+                raise _field_error("tool_choice", f"tool_choice names the function {choice.function.name!r}, "
+                                                  f"which is not in tools ({', '.join(map(repr, names))}); "
+                                                  "name one of them")
             if self.response_format is not None and self.response_format.type != "text":
-                raise ValueError("tool_choice naming a function and response_format both constrain the output; "
-                                 "pass one of them")
+                raise _field_error("response_format", "tool_choice naming a function and response_format both "
+                                                      "constrain the output; pass one of them")
         return self
 
     def named_tool(self) -> FunctionDefinition | None:
@@ -382,6 +383,11 @@ class ChatCompletionRequest(SamplingRequest):
         if named is not None:  # the reply is this function's arguments
             return (named.parameters if named.parameters is not None else {"type": "object"}), "tool_choice"
         return super().output_schema()
+
+
+def _field_error(name: str, message: str) -> PydanticCustomError:
+    """A 400 whose param is the field `name` (see the validation handler in tritonq.serve.app)."""
+    return PydanticCustomError("invalid_field", "{message}", {"name": name, "message": message})
 
 
 def _plain(value):
