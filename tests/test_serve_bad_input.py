@@ -122,6 +122,13 @@ def test_unimplemented_and_unknown_fields_are_refused(server, path, field, value
         assert "this server accepts" in error["message"] and "temperature" in error["message"]
 
 
+def test_tools_with_a_template_that_ignores_them_are_refused(server):
+    pytest.importorskip("xgrammar")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    error = _error(_post(server, _chat(tools=[tool]), "/v1/chat/completions"), 400)
+    assert error["param"] == "tools" and "does not render tools" in error["message"], error
+
+
 def test_unknown_field_in_a_message_and_in_stream_options(server):
     body = _chat(messages=[{"role": "user", "content": "hi", "nme": "x"}])
     assert "nme" in _error(_post(server, body, "/v1/chat/completions"), 400)["message"]

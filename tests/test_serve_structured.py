@@ -20,8 +20,8 @@ from tritonq.serve.tools import parse_tool_calls  # noqa: E402
 
 # A Qwen-style template: tools listed in a system turn, calls written as <tool_call>{json}</tool_call>.
 TOOLS_TEMPLATE = (
-    "{%- if tools %}<s>system: you may call these tools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>\n{% endif %}"
+    "{%- if tools %}<s>system: tools (call as <tool_call>{json}</tool_call>):\n"
+    "{% for tool in tools %}{{ tool.function.name }} {{ tool.function.parameters | tojson }}\n{% endfor %}{% endif %}"
     "{%- for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
     "{%- if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>"
     "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}{% endif %}\n"
