@@ -155,9 +155,10 @@ def test_workers_timeout_and_junit_become_pytest_options_or_a_note(tmp_path):
 
 
 def test_the_markers_select_the_aot_and_cpu_backend_tests():
-    """pytest -m picks them by marker (conftest): AOT compiles by their names, the CPU backend by its files.
+    """pytest -m picks them by marker: AOT compiles by their names (conftest) or an explicit `aot` mark, the CPU
+    backend by its files.
     Collected in this process (a nested pytest session: the test modules are imported already)."""
-    files = [str(REPO / "tests/kernels/test_norm_rope.py"), str(REPO / "tests/kernels/test_cpu_attention.py")]
+    files = [str(REPO / "tests/kernels/test_cuda_numerics.py"), str(REPO / "tests/kernels/test_cpu_attention.py")]
 
     class Markers:
         def __init__(self):
@@ -170,8 +171,11 @@ def test_the_markers_select_the_aot_and_cpu_backend_tests():
     assert pytest.main([*files, "--collect-only", "-q", "-p", "no:cacheprovider"], plugins=[markers]) == 0
     aot = {test for test, names in markers.found.items() if "aot" in names}
     cpu_backend = {test for test, names in markers.found.items() if "cpu_backend" in names}
-    assert aot == {"tests/kernels/test_norm_rope.py::test_rms_norm_kernel_compiles_without_spills"}
+    numerics = "tests/kernels/test_cuda_numerics.py::"
+    assert aot == {numerics + "test_fp32_dots_are_ieee_and_half_dots_use_tensor_cores",
+                   numerics + "test_activation_quantization_divides_in_ieee"}
     assert cpu_backend == {test for test in markers.found if test.startswith("tests/kernels/test_cpu_attention.py::")}
     assert all("kernels" in names for names in markers.found.values())
     kept = set(markers.found) - aot - cpu_backend  # what python -m tritonq.check runs on CUDA
-    assert kept and all(test.startswith("tests/kernels/test_norm_rope.py::") and "compile" not in test for test in kept)
+    assert kept == {numerics + "test_activation_quantization_reference_is_ieee_on_cuda_too",
+                    numerics + "test_grouped_topk_reference_ignores_the_default_device"}

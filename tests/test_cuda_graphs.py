@@ -20,7 +20,7 @@ from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 
 import tritonq
 from tritonq.engine.cuda_graphs import decode_buckets
-from tritonq.engine.runner import ModelRunner, sample_logits, sampling_noise
+from tritonq.engine.runner import ModelRunner, SamplingTensors, sample_logits, sampling_noise
 from tritonq.formats.registry import get_loader
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
 
@@ -275,8 +275,9 @@ def test_batched_sampling_follows_the_distribution():
 
     def frequencies(temperature, top_k, top_p):
         noise = sampling_noise(seeds, torch.zeros(n, dtype=torch.int64), 6)
-        tokens = sample_logits(rows, torch.full((n,), temperature), torch.full((n,), top_k),
-                               torch.full((n,), top_p), None, None, noise)
+        tokens = sample_logits(rows, SamplingTensors(temperature=torch.full((n,), temperature),
+                                                     top_k=torch.full((n,), top_k), top_p=torch.full((n,), top_p),
+                                                     noise=noise, filters=True))
         return torch.bincount(tokens, minlength=6).float() / n
 
     probs = torch.softmax(logits / 0.7, -1)
@@ -288,8 +289,7 @@ def test_batched_sampling_follows_the_distribution():
     top_p = torch.zeros(6)
     top_p[[5, 0]] = torch.softmax(logits[[5, 0]], -1)
     assert (frequencies(1.0, 0, 0.7) - top_p).abs().max() < 0.03
-    greedy = sample_logits(rows[:2], torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.ones(2), None, None,
-                           None)
+    greedy = sample_logits(rows[:2], SamplingTensors())
     assert greedy.tolist() == [5, 5]
 
 

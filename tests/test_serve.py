@@ -198,7 +198,7 @@ def test_error_table(strict):
     assert "top_p" in _error(_post(strict, "/v1/completions", ok | {"top_p": 1.5}), 400)
     assert "n" == _post(strict, "/v1/completions", ok | {"n": 0}).json()["error"]["param"]
     assert "stream_options" in _error(_post(strict, "/v1/completions", ok | {"stream_options": {"include_usage": True}}), 400)
-    assert "echo" in _error(_post(strict, "/v1/completions", ok | {"echo": True}), 400)
+    assert "max_tokens=0" in _error(_post(strict, "/v1/completions", ok | {"max_tokens": 0}), 400)
     assert "JSON" in _error(_post(strict, "/v1/completions", content=b'{"model": "tiny", "prompt": '), 400)
     assert "prompt" in _error(_post(strict, "/v1/completions", {"model": MODEL_NAME, "prompt": [1, "a"]}), 400)
     assert "messages" in _error(_post(strict, "/v1/chat/completions", {"model": MODEL_NAME, "messages": []}), 400)

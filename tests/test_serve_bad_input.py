@@ -104,14 +104,9 @@ def test_bad_token_ids_are_refused_naming_the_id(server, vocab_size, normal_text
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/chat/completions", "parallel_tool_calls", True),
-    ("/v1/chat/completions", "logit_bias", {"5": 1.0}),
-    ("/v1/chat/completions", "presence_penalty", 0.5),
-    ("/v1/chat/completions", "frequency_penalty", 1),
-    ("/v1/chat/completions", "top_logprobs", 3),
     ("/v1/chat/completions", "reasoning_effort", "high"),
     ("/v1/chat/completions", "no_such_field", 1),
     ("/v1/completions", "suffix", "x"),
-    ("/v1/completions", "echo", True),
     ("/v1/completions", "no_such_field", 1),
 ])
 def test_unimplemented_and_unknown_fields_are_refused(server, path, field, value):
@@ -127,6 +122,29 @@ def test_tools_with_a_template_that_ignores_them_are_refused(server):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     error = _error(_post(server, _chat(tools=[tool]), "/v1/chat/completions"), 400)
     assert error["param"] == "tools" and "does not render tools" in error["message"], error
+
+
+@pytest.mark.parametrize("path,extra,param,phrase", [
+    ("/v1/completions", {"logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs", "greater than or equal to 0"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs", "needs logprobs=true"),
+    ("/v1/completions", {"logit_bias": {"abc": 1.0}}, "logit_bias", "'abc' is not a token id"),
+    ("/v1/completions", {"logit_bias": {"-5": 1.0}}, "logit_bias", "'-5' is not a token id"),
+    ("/v1/completions", {"logit_bias": {"5": 100.5}}, "logit_bias", "must be in [-100, 100]"),
+    ("/v1/completions", {"logit_bias": {"5": -101}}, "logit_bias", "must be in [-100, 100]"),
+    ("/v1/completions", {"logit_bias": {"99999": 1.0}}, "logit_bias", "token id 99999 outside the vocabulary"),
+    ("/v1/completions", {"stop_token_ids": [99999]}, "stop_token_ids", "token id 99999 outside the vocabulary"),
+    ("/v1/completions", {"stop_token_ids": [-1]}, "stop_token_ids.0", "greater than or equal to 0"),
+    ("/v1/completions", {"stop_token_ids": [True]}, "stop_token_ids.0", "valid integer"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ("/v1/chat/completions", {"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens", "only meaningful with echo=true"),
+])
+def test_sampling_fields_out_of_range_are_400_naming_the_field(server, path, extra, param, phrase):
+    body = (_chat() if "chat" in path else dict(NORMAL)) | extra
+    error = _error(_post(server, body, path), 400)
+    assert phrase in error["message"] and error["param"] == param, error
 
 
 def test_unknown_field_in_a_message_and_in_stream_options(server):

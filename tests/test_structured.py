@@ -158,7 +158,7 @@ def test_sampler_draws_only_allowed_tokens():
         logits = torch.randn(4, V)
         params = [SamplingParams(greedy), SamplingParams(sampled, seed=trial),
                   SamplingParams(greedy), SamplingParams(sampled, seed=trial)]
-        tokens, logprobs = runner.sample(logits, params, [[1]] * 4, token_bitmask=bitmask)
+        tokens, logprobs, _ = runner.sample(logits, params, [[1]] * 4, token_bitmask=bitmask)
         assert tokens[0] == allowed[int(logits[0, allowed].argmax())]
         assert tokens[1] in allowed
         assert tokens[2] == int(logits[2].argmax())

@@ -13,11 +13,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from tritonq.engine.engine import Engine
+from tritonq.engine.runner import MAX_TOP_LOGPROBS
 
 GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) are taken as 0 (greedy); see GenerationConfig
 
@@ -53,7 +54,20 @@ class GenerationConfig:
     seed: an int makes sampling repeatable whatever shares the batch; None draws one.
     min_tokens: EOS and stop strings cannot end the request before this many tokens are generated
         (EOS is masked out of sampling until then); 0 <= min_tokens <= max_new_tokens.
-    ignore_eos: EOS does not end the request (it runs to max_new_tokens or a stop string).
+    ignore_eos: EOS does not end the request (it runs to max_new_tokens, a stop string or a stop token).
+    stop_token_ids: a tuple of token ids that end the request like EOS (finish reason "stop"; the token
+        is kept in token_ids), also masked until min_tokens; not affected by ignore_eos.
+    presence_penalty, frequency_penalty in [-2, 2] (OpenAI): each token's logit is lowered by
+        frequency_penalty x (times it was generated) + presence_penalty x (1 if it was generated); the
+        prompt does not count (as OpenAI and vLLM). 0.0 is off; negative values favour repeats.
+    logit_bias: {token id: bias in [-100, 100]} (OpenAI), added to those logits before the penalties,
+        temperature and filters (-100 bans a token in practice, 100 all but forces it). Stored as a tuple
+        of (token id, bias) pairs sorted by id (a dict or such pairs are accepted).
+    top_logprobs: 0..20; also return the log-probabilities of that many most likely tokens at each
+        generated position (GenerationOutput.top_logprobs).
+    Order in the sampler, as vLLM: min_tokens mask, logit_bias, repetition / frequency / presence
+    penalties, the structured-output grammar mask, temperature, min_p, top_k, top_p. Every log-probability
+    returned is under the raw logits.
     json_schema / regex / choice (at most one; tritonq.structured, needs `pip install 'tritonq[structured]'`):
         constrain the output to JSON matching a schema (a dict, or its JSON text; stored as compact JSON
         text), to a full match of a regex, or to exactly one of a tuple of non-empty strings. EOS is
@@ -70,6 +84,11 @@ class GenerationConfig:
     min_p: float = 0.0  # the new fields come last: positional construction keeps its meaning
     min_tokens: int = 0
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int = 0
     json_schema: str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
@@ -96,6 +115,26 @@ class GenerationConfig:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty str (an empty one would stop before any text); "
                              f"got stop={self.stop!r}.")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise TypeError(f"stop_token_ids={self.stop_token_ids!r} ({type(self.stop_token_ids).__name__}); "
+                            "expected a tuple of int token ids (Model.generate also takes a list).")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids entry", t, 0)
+        _check_float("presence_penalty", self.presence_penalty, lambda p: -2 <= p <= 2, "in [-2, 2] (0.0 disables it)")
+        _check_float("frequency_penalty", self.frequency_penalty, lambda p: -2 <= p <= 2,
+                     "in [-2, 2] (0.0 disables it)")
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        if not isinstance(bias, (dict, tuple)) or not all(isinstance(e, tuple) and len(e) == 2 for e in pairs):
+            raise TypeError(f"logit_bias={bias!r}; expected a dict {{token id: bias}} (or a tuple of "
+                            "(token id, bias) pairs).")
+        for t, b in pairs:
+            _check_int("logit_bias token id", t, 0)
+            _check_float(f"logit_bias[{t}]", b, lambda v: -100 <= v <= 100, "in [-100, 100]")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in dict(pairs).items())))
+        _check_int("top_logprobs", self.top_logprobs, 0)
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs={self.top_logprobs}; expected an int in [0, {MAX_TOP_LOGPROBS}].")
         self._check_constraint()
         if 0 < self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
@@ -138,23 +177,29 @@ class GenerationOutput:
     log-probability of each generated token under the model (raw logits, before sampling filters),
     why it finished ("eos", "stop" or "length") and its time to first token (seconds since generate
     was called). decode_tokens_per_s: tokens generated after each request's first, over all requests,
-    per second of the time from the first first token to the end."""
+    per second of the time from the first first token to the end. top_logprobs: with
+    GenerationConfig.top_logprobs = N > 0, per prompt and generated token {token id: log-probability}
+    of the N most likely tokens there (raw logits, most likely first); empty lists otherwise."""
     text: list[str]
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     finish_reasons: list[str]
     time_to_first_token_s: list[float]
     decode_tokens_per_s: float
+    top_logprobs: list[list[dict[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class ScoreOutput:
     """Per prompt, in input order: its token ids (BOS included when the tokenizer added it), each token's
     log-probability given the tokens before it, and whether it is the model's greedy (argmax) choice there.
-    Entry 0 of logprobs and greedy is None: the first token has no context to be predicted from."""
+    Entry 0 of logprobs and greedy is None: the first token has no context to be predicted from.
+    top_logprobs (score(top_logprobs=N > 0)): per prompt and token, {token id: log-probability} of the N
+    most likely tokens at that position (entry 0 None); empty lists otherwise."""
     token_ids: list[list[int]]
     logprobs: list[list[float | None]]
     greedy: list[list[bool | None]]
+    top_logprobs: list[list[dict[int, float] | None]] = field(default_factory=list)
 
 
 class Model:
@@ -219,7 +264,8 @@ class Model:
 
         options are GenerationConfig fields (max_new_tokens, temperature, top_k, top_p, min_p,
         repetition_penalty, stop (a str or a list is taken too), seed, min_tokens, ignore_eos,
-        json_schema, regex, choice (a list is taken too)). Returns
+        stop_token_ids (a list is taken too), presence_penalty, frequency_penalty, logit_bias (a dict),
+        top_logprobs, json_schema, regex, choice (a list is taken too)). Returns
         the text (a str for a single prompt, a list in input order otherwise) or a GenerationOutput with return_dict=True. stream=True returns an iterator of
         text pieces as they become final: str pieces for a single prompt, (index, piece) for a list.
         progress: a tqdm bar over requests (default: when there are more than 8 prompts).
@@ -229,6 +275,8 @@ class Model:
         stop = options.get("stop")
         if isinstance(stop, (str, list)):
             options["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+        if isinstance(options.get("stop_token_ids"), list):
+            options["stop_token_ids"] = tuple(options["stop_token_ids"])
         if isinstance(options.get("choice"), list):
             options["choice"] = tuple(options["choice"])
         config = replace(config or GenerationConfig(), **options)
@@ -332,7 +380,8 @@ class Model:
             text=[r.text for r in requests], token_ids=[r.token_ids for r in requests],
             logprobs=[r.logprobs for r in requests], finish_reasons=[r.finish_reason for r in requests],
             time_to_first_token_s=[(r.first_token_s or start) - start for r in requests],
-            decode_tokens_per_s=decoded / span if decoded and span > 0 else 0.0)
+            decode_tokens_per_s=decoded / span if decoded and span > 0 else 0.0,
+            top_logprobs=[r.top_logprobs for r in requests])
 
     def _stream(self, prompts: list[list[int]], config: GenerationConfig, single: bool) -> Iterator:
         for i, out in self._requests(prompts, config, stream=True):
@@ -340,7 +389,7 @@ class Model:
                 yield out.text if single else (i, out.text)
 
     def score(self, prompts, *, add_special_tokens: bool = True, return_dict: bool = False,
-              progress: bool | None = None):
+              progress: bool | None = None, top_logprobs: int = 0):
         """Log-probability of every given token under the model, given the tokens before it (prompt logprobs).
 
         prompts: a str, list of str, token ids or list of token id lists. Text is encoded like generate()
@@ -352,22 +401,33 @@ class Model:
         Prompts run together through the engine's prefill (steps of max_num_batched_tokens tokens, longer
         prompts split over steps), so many prompts take few steps. A prompt may have at most max_seq_len + 1
         tokens (the last one is only a target). progress: tqdm bar over prompts (default: more than 8).
+        top_logprobs: 0..20; with return_dict, also the log-probabilities of that many most likely tokens at
+        each position (ScoreOutput.top_logprobs).
         """
+        _check_int("top_logprobs", top_logprobs, 0)
+        if top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs={top_logprobs}; expected an int in [0, {MAX_TOP_LOGPROBS}].")
+        if top_logprobs and not return_dict:
+            raise ValueError("top_logprobs is returned in ScoreOutput.top_logprobs: pass return_dict=True too.")
         encoded, single = self._encode(prompts, add_special_tokens)
-        scored = self._score_ids(encoded, len(encoded) > 8 if progress is None else progress, "Scoring", "prompt")
-        logprobs = [[None] + lp.tolist() for lp, _ in scored]
+        scored = self._score_ids(encoded, len(encoded) > 8 if progress is None else progress, "Scoring", "prompt",
+                                 top_logprobs)
+        logprobs = [[None] + lp.tolist() for lp, _, _ in scored]
         if return_dict:
-            return ScoreOutput(encoded, logprobs, [[None] + g.tolist() for _, g in scored])
+            tops = [[None] + top_dicts(top) if top is not None else [] for _, _, top in scored]
+            return ScoreOutput(encoded, logprobs, [[None] + g.tolist() for _, g, _ in scored], tops)
         return logprobs[0] if single else logprobs
 
-    def _score_ids(self, prompts: list[list[int]], progress: bool, desc: str, unit: str) -> list:
-        """Engine.score with a tqdm bar: per prompt (logprobs [T-1] float32, greedy [T-1] bool). Holds the
-        lock throughout (score runs its own prefills between steps, on free blocks only)."""
+    def _score_ids(self, prompts: list[list[int]], progress: bool, desc: str, unit: str,
+                   top_logprobs: int = 0) -> list:
+        """Engine.score with a tqdm bar: per prompt (logprobs [T-1] float32, greedy [T-1] bool, top or None;
+        see Engine.score). Holds the lock throughout (score runs its own prefills between steps, on free
+        blocks only)."""
         from tqdm.auto import tqdm
         with self._lock, tqdm(total=len(prompts), desc=desc, unit=unit, disable=not progress or self.rank != 0,
                               leave=False) as bar:
             self._apply_aborts()
-            return self.engine.score(prompts, on_done=lambda i: bar.update(1))
+            return self.engine.score(prompts, on_done=lambda i: bar.update(1), top_logprobs=top_logprobs)
 
     def perplexity(self, texts, *, context: int | None = None, stride: int | None = None,
                    add_special_tokens: bool = True, return_dict: bool = False, progress: bool | None = None):
@@ -393,6 +453,12 @@ class Model:
         text = self.tokenizer.apply_chat_template([text_message(i, m) for i, m in enumerate(messages)],
                                                   add_generation_prompt=True, tokenize=False)
         return self.generate(self.tokenizer(text, add_special_tokens=False).input_ids, **options)
+
+
+def top_dicts(top: tuple[torch.Tensor, torch.Tensor]) -> list[dict[int, float]]:
+    """Engine.score's (ids [T-1, N], logprobs [T-1, N]) as one {token id: log-probability} per position."""
+    ids, values = top
+    return [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
 def text_message(i: int, message: dict) -> dict:

@@ -1,9 +1,16 @@
-"""The batched sampler's min_p filter and EOS mask against plain-torch references, and min_tokens /
-ignore_eos / tiny temperatures end to end on a tiny Llama (the reference: the same model's greedy run)."""
+"""The batched sampler against plain references written here (OpenAI / vLLM semantics): min_p, the
+min_tokens mask of EOS and stop_token_ids, logit_bias, repetition / presence / frequency penalties,
+top-N logprobs; a batch of mixed settings against each row alone; and min_tokens / ignore_eos /
+stop_token_ids / tiny temperatures end to end on a tiny Llama (the reference: the same model's greedy run)."""
+import math
+from collections import Counter
+
 import pytest
 import torch
 
-from tritonq.engine.runner import open_unit_uniform, sample_logits, sampling_noise
+from tritonq.engine.runner import (SamplingParams, SamplingTensors, open_unit_uniform, process_logits,
+                                   sample_logits, sampling_noise)
+from tritonq.generate import GenerationConfig
 
 N = 4000  # draws per distribution: frequencies within 0.03 of the probabilities
 
@@ -22,8 +29,9 @@ def frequencies(logits, temperature, min_p, top_k=0):
     rows = logits.repeat(N, 1)
     seeds = torch.stack([torch.arange(N), torch.zeros(N, dtype=torch.int64)])
     noise = sampling_noise(seeds, torch.zeros(N, dtype=torch.int64), logits.shape[-1])
-    tokens = sample_logits(rows, torch.full((N,), temperature), torch.full((N,), top_k), torch.ones(N), None, None,
-                           noise, filters=top_k > 0, min_p=torch.full((N,), min_p))
+    tokens = sample_logits(rows, SamplingTensors(temperature=torch.full((N,), temperature),
+                                                 top_k=torch.full((N,), top_k), top_p=torch.ones(N), noise=noise,
+                                                 filters=top_k > 0, min_p=torch.full((N,), min_p)))
     return torch.bincount(tokens, minlength=logits.shape[-1]).float() / N
 
 
@@ -41,14 +49,158 @@ def test_min_p_is_per_row_and_greedy_rows_stay_argmax():
     logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0], [5.0, 0.0, 4.9]])
     noise = sampling_noise(torch.tensor([[1, 2, 3], [0, 0, 0]]), torch.zeros(3, dtype=torch.int64), 3)
     noise[:2] = torch.tensor([100.0, 0.0, 0.0])  # rows 0, 1 pick token 0 if min_p keeps it
-    tokens = sample_logits(logits, torch.tensor([1.0, 1.0, 0.0]), torch.zeros(3, dtype=torch.int64), torch.ones(3),
-                           None, None, noise, filters=False, min_p=torch.tensor([0.5, 0.0, 0.9]))
+    tokens = sample_logits(logits, SamplingTensors(temperature=torch.tensor([1.0, 1.0, 0.0]),
+                                                   top_k=torch.zeros(3, dtype=torch.int64), top_p=torch.ones(3),
+                                                   noise=noise, min_p=torch.tensor([0.5, 0.0, 0.9])))
     assert tokens.tolist() == [2, 0, 0]  # row 0: p0 / pmax = e^-2 < 0.5, dropped; row 1: kept; row 2: argmax
 
 
 @pytest.fixture(scope="module")
 def model(tiny_llama_model):
     return tiny_llama_model
+
+
+V = 12
+EOS = {3}
+
+
+def reference_logits(logits: list[float], prompt: list[int], generated: list[int], config: GenerationConfig,
+                     below_min_tokens: bool) -> list[float]:
+    """What a row samples from before temperature, one token at a time in plain Python: EOS and
+    stop_token_ids at -inf below min_tokens, + logit_bias, the CTRL repetition penalty over prompt and
+    generated tokens, then OpenAI's  logit - count * frequency_penalty - (count > 0) * presence_penalty
+    with counts over the generated tokens only."""
+    x = list(logits)
+    if below_min_tokens:
+        for t in EOS | set(config.stop_token_ids):
+            x[t] = -math.inf
+    for t, bias in dict(config.logit_bias).items():
+        x[t] += bias
+    for t in set(prompt) | set(generated):
+        x[t] = x[t] / config.repetition_penalty if x[t] > 0 else x[t] * config.repetition_penalty
+    for t, count in Counter(generated).items():
+        x[t] -= count * config.frequency_penalty + config.presence_penalty
+    return x
+
+
+def reference_log_softmax(logits: list[float]) -> list[float]:
+    top = max(logits)
+    total = math.log(sum(math.exp(v - top) for v in logits))
+    return [v - top - total for v in logits]
+
+
+MIXED = [  # greedy rows: each one's token is the argmax of its processed logits
+    GenerationConfig(),
+    GenerationConfig(logit_bias={5: 100.0, 0: -100.0, 7: 2.5}, top_logprobs=3),
+    GenerationConfig(presence_penalty=1.5, frequency_penalty=0.75, top_logprobs=20),
+    GenerationConfig(presence_penalty=-2.0, frequency_penalty=-0.5, repetition_penalty=1.3),
+    GenerationConfig(frequency_penalty=2.0, logit_bias={9: -3.0}, min_tokens=4, stop_token_ids=(1, 8)),
+    GenerationConfig(repetition_penalty=0.8, presence_penalty=0.5, min_tokens=4, top_logprobs=1),
+]
+PROMPTS = [[1, 2], [4, 4, 6], [2, 9, 9], [0, 10, 11], [5], [6, 6, 6, 1]]
+
+
+def test_processed_logits_tokens_and_top_logprobs_match_the_reference(model):
+    """Three steps of a batch of mixed settings on fixed random logits: each step's processed logits equal
+    the reference's, the tokens are their argmax, the logprob and the top-N are those of the raw logits
+    (and counts carry over steps: a generated token is counted once per time it was generated)."""
+    runner = model.engine.runner
+    params = [SamplingParams(c, num_prompt_tokens=len(p)) for c, p in zip(MIXED, PROMPTS)]
+    token_ids = [list(p) for p in PROMPTS]
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for step in range(3):
+            logits = torch.randn(len(MIXED), V, generator=generator) * 3
+            # steer a few rows onto tokens they already generated, so counts reach 2
+            logits[2, token_ids[2][-1]] += 10.0 * (step > 0)
+            mask_eos = [len(ids) - len(p) < c.min_tokens for ids, p, c in zip(token_ids, PROMPTS, MIXED)]
+            want = [reference_logits(row, p, ids[len(p):], c, m)
+                    for row, p, ids, c, m in zip(logits.tolist(), PROMPTS, token_ids, MIXED, mask_eos)]
+            tensors = runner.sampling_tensors(params, token_ids, mask_eos, EOS, V, logits.device)
+            got = process_logits(logits, tensors)
+            torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-5)
+            tokens, logprobs, tops = runner.sample(logits, params, token_ids, mask_eos, EOS)
+            for r, (row, config) in enumerate(zip(want, MIXED)):
+                assert tokens[r] == max(range(V), key=row.__getitem__)
+                raw = reference_log_softmax(logits[r].tolist())
+                assert logprobs[r] == pytest.approx(raw[tokens[r]], abs=1e-5)
+                if config.top_logprobs:
+                    ranked = sorted(range(V), key=lambda t: -raw[t])[:config.top_logprobs]
+                    assert list(tops[r]) == ranked
+                    assert list(tops[r].values()) == pytest.approx([raw[t] for t in ranked], abs=1e-5)
+                else:
+                    assert tops[r] is None
+            for ids, t in zip(token_ids, tokens):
+                ids.append(t)
+        assert any(n >= 2 for n in Counter(token_ids[2][3:]).values())  # a count of 2 was exercised
+    finally:
+        for p in params:
+            runner.release(p)
+
+
+def test_logit_bias_and_penalties_sample_the_reference_distribution():
+    """Sampled rows (temperature 0.8) draw from softmax(reference logits / T)."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0, -3.0, 2.9])
+    config = GenerationConfig(temperature=0.8, logit_bias={6: 4.0, 5: -1.5}, presence_penalty=0.4,
+                              frequency_penalty=0.3)
+    prompt, generated = [0, 1], [7, 7, 2]
+    want = torch.softmax(torch.tensor(reference_logits(logits.tolist(), prompt, generated, config, False)) / 0.8, -1)
+    counts = torch.zeros(N, len(logits), dtype=torch.int32)
+    for t in generated:
+        counts[:, t] += 1
+    seeds = torch.stack([torch.arange(N), torch.zeros(N, dtype=torch.int64)])
+    bias_ids = torch.tensor([5, 6]).repeat(N)
+    tensors = SamplingTensors(
+        bias=(torch.arange(N).repeat_interleave(2), bias_ids, torch.tensor([-1.5, 4.0]).repeat(N)),
+        frequency_penalty=torch.full((N,), 0.3), presence_penalty=torch.full((N,), 0.4), counts=counts,
+        temperature=torch.full((N,), 0.8), top_k=torch.zeros(N, dtype=torch.int64), top_p=torch.ones(N),
+        noise=sampling_noise(seeds, torch.zeros(N, dtype=torch.int64), len(logits)))
+    got = torch.bincount(sample_logits(logits.repeat(N, 1), tensors), minlength=len(logits)).float() / N
+    assert (got - want).abs().max() < 0.03
+
+
+def test_a_mixed_batch_samples_what_each_row_samples_alone(model):
+    """Seeded sampled rows with different settings: batched together, each row draws the tokens it draws
+    alone (its noise is its own; its masks, biases and penalties are per row)."""
+    runner = model.engine.runner
+    configs = [GenerationConfig(temperature=1.0, seed=s, **extra) for s, extra in enumerate([
+        {}, {"logit_bias": {2: 3.0}}, {"presence_penalty": 1.0, "top_k": 4}, {"frequency_penalty": 1.5, "min_p": 0.1},
+        {"repetition_penalty": 1.4, "top_p": 0.8, "min_tokens": 3, "stop_token_ids": (5,)}])]
+    logits = torch.randn(len(configs), V, generator=torch.Generator().manual_seed(1))
+    token_ids = [[1, 2, 2, 3], [4, 5], [6, 6, 7], [8, 8, 8, 9], [0, 5]]
+    mask_eos = [False, False, False, False, True]
+
+    def draw(rows):
+        params = [SamplingParams(configs[r], num_prompt_tokens=1) for r in rows]
+        try:
+            return runner.sample(logits[rows], params, [token_ids[r] for r in rows], [mask_eos[r] for r in rows], EOS)
+        finally:
+            for p in params:
+                runner.release(p)
+    together = draw(list(range(len(configs))))
+    alone = [draw([r]) for r in range(len(configs))]
+    assert together[0] == [a[0][0] for a in alone] and together[1] == [a[1][0] for a in alone]
+
+
+def test_generation_config_checks_the_new_fields():
+    for options, error in [({"stop_token_ids": [1]}, TypeError), ({"stop_token_ids": (True,)}, TypeError),
+                           ({"stop_token_ids": (-1,)}, ValueError), ({"presence_penalty": 2.5}, ValueError),
+                           ({"frequency_penalty": "1"}, TypeError), ({"logit_bias": {1: 101}}, ValueError),
+                           ({"logit_bias": {"1": 1.0}}, TypeError), ({"logit_bias": [(1, 1.0)]}, TypeError),
+                           ({"logit_bias": {1: float("nan")}}, ValueError), ({"top_logprobs": 21}, ValueError),
+                           ({"top_logprobs": True}, TypeError)]:
+        with pytest.raises(error):
+            GenerationConfig(**options)
+    config = GenerationConfig(logit_bias={9: 1, 2: -100})
+    assert config.logit_bias == ((2, -100.0), (9, 1.0))
+    assert GenerationConfig(logit_bias=config.logit_bias) == config  # dataclasses.replace round-trips
+
+
+def test_out_of_vocab_stop_token_ids_and_logit_bias_are_refused(model):
+    vocab = model.model.config.vocab_size
+    for options, field in [({"stop_token_ids": [vocab]}, "stop_token_ids"), ({"logit_bias": {vocab + 5: 1.0}}, "logit_bias")]:
+        with pytest.raises(ValueError, match=f"{field} has token id .* outside the vocabulary"):
+            model.generate("hi", max_new_tokens=2, **options)
 
 
 @pytest.fixture(autouse=True)
@@ -103,3 +255,41 @@ def test_uniforms_stay_inside_the_open_unit_interval_at_the_extreme_bits():
     u = open_unit_uniform(bits)
     assert bool(((u > 0) & (u < 1)).all()), u
     assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_stop_token_ids_end_the_request_after_min_tokens(model):
+    greedy = model.generate("hello", max_new_tokens=8, return_dict=True).token_ids[0]
+    stop = greedy[2]
+    out = model.generate("hello", max_new_tokens=8, stop_token_ids=[stop], return_dict=True)
+    cut = greedy.index(stop)
+    assert out.token_ids[0] == greedy[:cut + 1] and out.finish_reasons == ["stop"]  # the stop token is kept
+    late = model.generate("hello", max_new_tokens=8, stop_token_ids=[stop], min_tokens=cut + 2, return_dict=True)
+    assert stop not in late.token_ids[0][:cut + 2]  # masked below min_tokens
+    out = model.generate("hello", max_new_tokens=8, stop_token_ids=[stop], ignore_eos=True, return_dict=True)
+    assert out.finish_reasons == ["stop"]  # ignore_eos concerns EOS only
+
+
+def test_generate_returns_top_logprobs_of_the_raw_logits(model):
+    out = model.generate("hello", max_new_tokens=4, top_logprobs=5, logit_bias={0: 50.0}, return_dict=True)
+    prompt = model.tokenizer("hello").input_ids
+    ids = prompt + out.token_ids[0]
+    raw = model.engine.prompt_logits(ids[:-1]).log_softmax(-1)[len(prompt) - 1:]
+    assert out.token_ids[0] == [0] * 4  # the bias forces token 0
+    for position, top in enumerate(out.top_logprobs[0]):
+        values, indices = raw[position].topk(5)
+        assert list(top) == indices.tolist()
+        assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-4)
+    assert model.generate("hello", max_new_tokens=2, return_dict=True).top_logprobs == [[]]
+
+
+def test_score_returns_top_logprobs_of_every_prompt_position(model):
+    ids = model.tokenizer("hello there").input_ids
+    out = model.score(ids, return_dict=True, top_logprobs=3)
+    raw = model.engine.prompt_logits(ids[:-1]).log_softmax(-1)
+    assert out.top_logprobs[0][0] is None
+    for position, top in enumerate(out.top_logprobs[0][1:]):
+        values, indices = raw[position].topk(3)
+        assert list(top) == indices.tolist()
+        assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-5)
+    with pytest.raises(ValueError, match="return_dict=True"):
+        model.score(ids, top_logprobs=3)

@@ -65,6 +65,7 @@ def reports():
     return json_from_child(["-c", AOT_SCRIPT])
 
 
+@pytest.mark.aot
 @pytest.mark.parametrize("cc", [80, 90])
 @pytest.mark.parametrize("kernel", ["prefill", "decode", "int4", "fp8 weight-only"])
 def test_fp32_dots_are_ieee_and_half_dots_use_tensor_cores(reports, kernel, cc):
@@ -74,6 +75,7 @@ def test_fp32_dots_are_ieee_and_half_dots_use_tensor_cores(reports, kernel, cc):
     assert low["mma_types"] == [{"float16": "f16", "bfloat16": "bf16"}[half]], low
 
 
+@pytest.mark.aot
 @pytest.mark.parametrize("cc", [89, 90])
 @pytest.mark.parametrize("group,static", [(None, False), (128, False), (None, True)])
 def test_activation_quantization_divides_in_ieee(reports, group, static, cc):

@@ -9,7 +9,8 @@
 Each step the scheduler picks the sequences (every running decode, then chunked prefills of new
 prompts in what is left of the token budget, preempting when blocks run out), the runner computes them over the
 paged KV cache and samples each one's next token, and the engine finishes a request on EOS (unless
-ignore_eos, or before min_tokens), a stop string or max_new_tokens, freeing its blocks.
+ignore_eos, or before min_tokens), a stop token (stop_token_ids, not before min_tokens), a stop string or
+max_new_tokens, freeing its blocks.
 Tensor parallel note: a step failing on one rank only would leave the ranks out of step; only
 failures every rank sees alike (and rank 0's non-finite rows, broadcast with the tokens) are safe.
 Tensor parallel: every rank holds an Engine and calls it with the same requests in the same
@@ -50,6 +51,7 @@ class Request:
     stream: bool = True  # its text is read as it grows (False and no stop strings: detokenized when it ends)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # with config.top_logprobs > 0
     arrival_s: float = 0.0
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -70,7 +72,9 @@ class Request:
 class RequestOutput:
     """What one step did for one request: the token it sampled (None when it finished without one:
     max_new_tokens=0, or an error), its log-probability, the text that became final, whether it is
-    done and why. error: with finish_reason "error", what went wrong ("<ExceptionType>: <message>")."""
+    done and why. error: with finish_reason "error", what went wrong ("<ExceptionType>: <message>").
+    top_logprobs: {token id: log-probability} of the config.top_logprobs most likely tokens at this
+    position (None when not asked for or no token)."""
     request_id: int
     token_id: int | None
     logprob: float | None
@@ -79,6 +83,7 @@ class RequestOutput:
     finish_reason: str | None
     request: Request
     error: str | None = None
+    top_logprobs: dict[int, float] | None = None
 
 
 class EngineDeadError(RuntimeError):
@@ -159,13 +164,20 @@ class Engine:
 
     def check_request(self, prompt_ids: list[int], config, *, name: str = "the prompt") -> None:
         """Every request-level check, before anything is queued (Model and server both call it): the
-        prompt is non-empty, every id an int in [0, vocab_size), and prompt + max_new_tokens fits
-        max_seq_len and the KV cache, and its structured-output constraint compiles (compiled here, once per
-        distinct constraint: a bad schema is refused before anything is queued). config: a GenerationConfig
-        (its own fields were checked when it was made). Raises TypeError for a wrong type, ValueError naming
-        the numbers or the grammar error otherwise. Reads constants and the thread-safe grammar cache only:
-        safe to call from any thread."""
+        prompt is non-empty, every id an int in [0, vocab_size) (the prompt's, stop_token_ids' and
+        logit_bias's), and prompt + max_new_tokens fits max_seq_len and the KV cache, and its structured-output
+        constraint compiles (compiled here, once per distinct constraint: a bad schema is refused before anything
+        is queued). config: a GenerationConfig (its own fields were checked when it was made). Raises TypeError
+        for a wrong type, ValueError naming the numbers or the grammar error otherwise. Reads constants and the
+        thread-safe grammar cache only: safe to call from any thread."""
         self.check_token_ids(prompt_ids, name=name)
+        vocab_size = self.runner.model.config.vocab_size
+        for field_name, ids in (("stop_token_ids", config.stop_token_ids),
+                                ("logit_bias", [t for t, _ in config.logit_bias])):
+            outside = [t for t in ids if not 0 <= t < vocab_size]
+            if outside:
+                raise ValueError(f"{field_name} has token id {outside[0]} outside the vocabulary (vocab_size="
+                                 f"{vocab_size}: ids 0..{vocab_size - 1}); use ids of this model's tokenizer.")
         self._check_length(len(prompt_ids), config.max_new_tokens, name)
         constraint = constraint_of(config)
         if constraint is not None:
@@ -180,7 +192,7 @@ class Engine:
         self.check_request(prompt_ids, config)
         prompt_ids = list(prompt_ids)
         rid = next(self._ids)
-        request = Request(rid, prompt_ids, config, SamplingParams(config),
+        request = Request(rid, prompt_ids, config, SamplingParams(config, num_prompt_tokens=len(prompt_ids)),
                           Detokenizer(self.tokenizer, config.stop, min_tokens=config.min_tokens),
                           stream=stream or bool(config.stop), arrival_s=time.perf_counter())
         constraint = constraint_of(config)
@@ -220,7 +232,7 @@ class Engine:
         try:
             ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=samples)
             logits = self.runner.run(ctx)
-            tokens, logprobs = self.runner.sample(
+            tokens, logprobs, tops = self.runner.sample(
                 logits, [seq.extra.sampling for seq in sampling], [seq.token_ids for seq in sampling],
                 mask_eos=[seq.num_generated < seq.extra.config.min_tokens for seq in sampling],
                 eos_token_ids=self.eos_token_ids, token_bitmask=self._token_bitmask(sampling, logits.shape[1]))
@@ -231,7 +243,7 @@ class Engine:
                 raise self._dead from exc
             error = f"{type(exc).__name__}: {exc}"
             return outputs + [self._fail(seq, error) for seq in step.seqs if not seq.is_finished]
-        sampled = iter(zip(tokens, logprobs))
+        sampled = iter(zip(tokens, logprobs, tops))
         picks = [next(sampled) if s else None for s in samples]
         for seq, pick in zip(step.seqs, picks):
             if pick is not None and pick[0] is None and not seq.is_finished:  # non-finite logits: no token
@@ -242,18 +254,22 @@ class Engine:
         for seq, pick in zip(step.seqs, picks):
             if pick is None or pick[0] is None or seq.seq_id not in requests:
                 continue  # a chunk short of its last token, a failed row, or aborted meanwhile
-            request, (token, logprob) = seq.extra, pick
+            request, (token, logprob, top) = seq.extra, pick
             if request.grammar is not None and not request.grammar.accept(token):
                 outputs.append(self._fail(seq, f"RuntimeError: token {token} is not allowed by the request's "
                                                "grammar (structured output): the sampler broke its constraint."))
                 continue
             request.token_ids.append(token)
             request.logprobs.append(logprob)
+            if top is not None:
+                request.top_logprobs.append(top)
             request.first_token_s = request.first_token_s or now
             detokenizer, config = request.detokenizer, request.config
             text = detokenizer.add(token) if request.stream else ""
-            eos = token in eos_ids and not config.ignore_eos and seq.num_generated >= config.min_tokens
-            reason = ("eos" if eos else "stop" if detokenizer.stopped
+            may_stop = seq.num_generated >= config.min_tokens
+            eos = token in eos_ids and not config.ignore_eos and may_stop
+            stop_token = token in config.stop_token_ids and may_stop
+            reason = ("eos" if eos else "stop" if detokenizer.stopped or stop_token
                       else "length" if seq.is_finished else None)
             if reason is not None:
                 self.scheduler.finish(seq)  # no-op when postprocess already finished it (length)
@@ -263,7 +279,8 @@ class Engine:
                     text = detokenizer.add_many(request.token_ids)
                 text += detokenizer.flush()
                 request.finish_s, request.finish_reason = now, reason
-            outputs.append(RequestOutput(request.request_id, token, logprob, text, reason is not None, reason, request))
+            outputs.append(RequestOutput(request.request_id, token, logprob, text, reason is not None, reason, request,
+                                         top_logprobs=top))
         return outputs
 
     @staticmethod
@@ -314,8 +331,10 @@ class Engine:
         finally:
             bm.free(seq)
 
-    def score(self, prompts: list[list[int]], on_done=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per prompt (T >= 1 token ids): (logprobs [T-1] float32, greedy [T-1] bool) on CPU, in input order.
+    def score(self, prompts: list[list[int]], on_done=None, top_logprobs: int = 0) -> list[tuple]:
+        """Per prompt (T >= 1 token ids): (logprobs [T-1] float32, greedy [T-1] bool, top) on CPU, in input
+        order; top is None, or with top_logprobs = N > 0 (ids [T-1, N] int64, logprobs [T-1, N] float32)
+        of the N most likely tokens at each position, most likely first.
 
         logprobs[i] = log p(token i+1 | tokens 0..i) under the raw logits; greedy[i] says whether token i+1
         is the argmax there. The model runs over tokens 0..T-2 only (the last one is a target, never an
@@ -334,7 +353,10 @@ class Engine:
             if len(p) > 1:  # the last token is only a target: the model runs over the others
                 self._check_length(len(p) - 1, 0, f"prompt {i} (scored: its first {len(p) - 1} tokens run)")
         results: list = [None] * len(prompts)
-        empty = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bool)
+        vocab = self.runner.model.config.vocab_size
+        top_n = min(top_logprobs, vocab)
+        empty = (torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bool),
+                 (torch.empty(0, top_n, dtype=torch.int64), torch.empty(0, top_n)) if top_n else None)
         waiting = deque()
         for i, p in enumerate(prompts):
             if len(p) == 1:  # nothing to predict: no context for the only token
@@ -344,7 +366,6 @@ class Engine:
             else:
                 waiting.append(i)
         # Full-row logits cost rows * vocab * 4 bytes (twice, with log_softmax): cap a step at ~512 MiB of them.
-        vocab = self.runner.model.config.vocab_size
         budget = max(1, min(sched.max_num_batched_tokens, (512 << 20) // (8 * vocab)))
         running: list[tuple[int, Sequence, int]] = []  # (prompt index, sequence of its inputs, next position)
         parts: dict[int, list] = {}
@@ -384,8 +405,11 @@ class Engine:
                     rows = logits[row:row + n]
                     row += n
                     targets = torch.tensor(prompts[i][pos + 1:pos + 1 + n], dtype=torch.int64, device=rows.device)
-                    logprobs = rows.log_softmax(-1).gather(1, targets[:, None])[:, 0]
-                    parts.setdefault(i, []).append((logprobs.cpu(), (rows.argmax(-1) == targets).cpu()))
+                    log_probs = rows.log_softmax(-1)
+                    logprobs = log_probs.gather(1, targets[:, None])[:, 0]
+                    top = log_probs.topk(top_n, dim=-1) if top_n else None
+                    parts.setdefault(i, []).append((logprobs.cpu(), (rows.argmax(-1) == targets).cpu(),
+                                                    None if top is None else (top.indices.cpu(), top.values.cpu())))
                     seq.num_computed_tokens = max(seq.num_computed_tokens, pos + n)
                     bm.mark_computed(seq)  # full blocks become prefix-cache entries, as after a generation prefill
                     if pos + n < seq.num_tokens:
@@ -393,7 +417,9 @@ class Engine:
                         continue
                     bm.free(seq)
                     chunks = parts.pop(i)
-                    results[i] = (torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]))
+                    results[i] = (torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]),
+                                  (torch.cat([c[2][0] for c in chunks]), torch.cat([c[2][1] for c in chunks]))
+                                  if top_n else None)
                     if on_done:
                         on_done(i)
                 running = still

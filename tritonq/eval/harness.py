@@ -119,7 +119,7 @@ class TritonQLM(TemplateLM):
             sequences.append(whole[-(self.max_length + 1):])
         scored = self.model._score_ids(sequences, not disable_tqdm, "Running loglikelihood requests", "request")
         answers = []
-        for (key, _, continuation), (logprobs, greedy) in zip(requests, scored):
+        for (key, _, continuation), (logprobs, greedy, _) in zip(requests, scored):
             n = len(continuation)
             answer = (float(logprobs[-n:].sum()), bool(greedy[-n:].all()))
             answers.append(answer)

@@ -77,7 +77,7 @@ def perplexity(model, texts, *, context: int | None = None, stride: int | None =
             spans.append((first - begin - 1, end - begin - 1))  # logprob j predicts window token j + 1
     progress = len(windows) > 8 if progress is None else progress
     scored = model._score_ids(windows, progress, "Perplexity", "window")
-    nll = -sum(float(lp[a:b].double().sum()) for (lp, _), (a, b) in zip(scored, spans))
+    nll = -sum(float(lp[a:b].double().sum()) for (lp, _, _), (a, b) in zip(scored, spans))
     count = sum(b - a for a, b in spans)
     out = PerplexityOutput(math.exp(nll / count), nll / count, count, len(windows), context, stride)
     return out if return_dict else out.perplexity

@@ -3,7 +3,8 @@
 Order of work for a request, cheapest check first: the API key (before the body is read), the
 body size (--max-request-bytes, before it is parsed), pydantic validation, tokenization and chat
 templating (in a small thread pool, off the event loop), then `Engine.check_request` on every
-prompt x choice, then the queue bound (--max-waiting); only then is anything queued. Errors use
+prompt x choice, then (completions with `echo` and `logprobs`) the prompts scored by `Engine.score` on
+the engine thread, then the queue bound (--max-waiting); only then is anything queued. Errors use
 the OpenAI body {"error": {message, type, param, code}}. A response is either one JSON body or
 server-sent events (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`); choice i of prompt p has index
 p * n + i, as in vLLM. A request the engine failed is answered 500 (streaming: an error chunk, then
@@ -23,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tritonq.generate import GenerationConfig, text_message
+from tritonq.generate import GenerationConfig, text_message, top_dicts
 from tritonq.serve.engine_loop import EngineLoop, Event, QueueFull, Stream
 from tritonq.serve.metrics import ServerMetrics
 from tritonq.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
@@ -113,11 +114,12 @@ def _sse(payload) -> str:
 
 class _Choice:
     """Accumulated state of one choice (one engine request)."""
-    __slots__ = ("index", "prompt_tokens", "text", "tokens", "token_ids", "logprobs", "finish_reason", "started")
+    __slots__ = ("index", "prompt_tokens", "text", "tokens", "token_ids", "logprobs", "tops", "finish_reason",
+                 "started")
 
     def __init__(self, index: int, prompt_tokens: int):
         self.index, self.prompt_tokens = index, prompt_tokens
-        self.text, self.tokens, self.token_ids, self.logprobs = "", 0, [], []
+        self.text, self.tokens, self.token_ids, self.logprobs, self.tops = "", 0, [], [], []
         self.finish_reason, self.started = None, False
 
 
@@ -162,8 +164,8 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
         if first.get("type") in ("unknown_field", "unsupported_field", "lone_surrogate", "invalid_field"):
             # raised by a model validator: its loc is the object, ctx names the field inside it
             param = ".".join(filter(None, [param, str(first["ctx"]["name"])]))
-            return APIError(400, first["msg"] if "." not in param or first["type"] in ("lone_surrogate", "invalid_field")
-                            else f"{param}: {first['msg']}", param).response()
+            whole = "." not in param or first["type"] in ("lone_surrogate", "invalid_field")
+            return APIError(400, first["msg"] if whole else f"{param}: {first['msg']}", param).response()
         if first.get("type") == "json_invalid":
             param = None
             message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
@@ -207,21 +209,27 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
                                             "owned_by": "tritonq", "max_model_len": max_seq_len}]}
 
     # ---- generation ---------------------------------------------------------------------
-    async def start(body: SamplingRequest, prompts: list[list[int]]) -> Stream:
-        """Check every prompt against the context, then queue prompts x n choices on the engine."""
+    async def check_output_schema(body: SamplingRequest) -> None:
+        """Compile the schema the output must follow once here (off the loop, into the engine's grammar
+        cache), so a bad one is a 400 naming its field before anything is queued."""
         schema, field = body.output_schema()
-        if schema is not None:  # compiled once here (off the loop), so a bad schema is a 400 naming its field
+        if schema is not None:
             try:
                 await off_loop(engine.grammars.compile, constraint_of(GenerationConfig(json_schema=schema)))
             except (ValueError, TypeError, ModuleNotFoundError) as exc:
                 raise APIError(400, f"{field}: {exc}", field) from None
+
+    def configs_for(body: SamplingRequest, prompts: list[list[int]]) -> list[list]:
+        """Every prompt checked against the context and the engine (400 naming what is wrong): the
+        GenerationConfigs of its n choices. max_tokens=0 is allowed with echo only."""
+        least = 0 if getattr(body, "echo", False) else 1
         configs = []
         for i, prompt in enumerate(prompts):
             name = f"prompt {i}" if len(prompts) > 1 else "the prompt"
             if not prompt:
                 raise APIError(400, f"{name} has no tokens; give at least one token.", "prompt")
             max_tokens = body.max_tokens if body.max_tokens is not None else max_seq_len - len(prompt)
-            if max_tokens < 1 or len(prompt) + max_tokens > max_seq_len:
+            if max_tokens < least or len(prompt) + max_tokens > max_seq_len:
                 raise APIError(400, f"This model's maximum context length is {max_seq_len} tokens. However, "
                                     f"{name} has {len(prompt)} tokens and max_tokens is {max_tokens}: "
                                     f"{len(prompt) + max_tokens} tokens in all. Shorten the prompt or lower "
@@ -230,9 +238,14 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
                 choices = body.generation_configs(max_tokens)
                 for config in choices:  # reads constants only: safe off the engine thread
                     engine.check_request(prompt, config, name=name)
-            except (ValueError, TypeError) as exc:
-                raise APIError(400, str(exc), "prompt") from None
+            except (ValueError, TypeError) as exc:  # the engine's checks name the field first
+                param = next((f for f in ("stop_token_ids", "logit_bias") if str(exc).startswith(f)), "prompt")
+                raise APIError(400, str(exc), param) from None
             configs.append(choices)
+        return configs
+
+    async def submit(body: SamplingRequest, prompts: list[list[int]], configs: list[list]) -> Stream:
+        """Queue prompts x n choices (configs_for's) on the engine."""
         total = len(prompts) * body.n
         if engine_loop.max_waiting is not None and total > engine_loop.max_waiting:
             raise APIError(400, f"{len(prompts)} prompts x n={body.n} = {total} sequences, but this server "
@@ -265,6 +278,7 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
             choice.tokens += 1
             choice.token_ids.append(out.token_id)
             choice.logprobs.append(finite_logprob(out.logprob))
+            choice.tops.append(out.top_logprobs)
         choice.text += out.text
         if out.finished:
             choice.finish_reason = FINISH_REASONS.get(out.finish_reason, out.finish_reason)
@@ -309,21 +323,40 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
         completion = sum(c.tokens for c in choices)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
-    def completion_logprobs(choice: _Choice, token_ids, logprobs, offset: int) -> dict:
+    def completion_logprobs(token_ids, logprobs, tops, offset: int) -> dict:
+        """The completions `logprobs` object of these tokens, text starting at character `offset`: per token
+        its text, logprob, and top_logprobs {text: logprob} of the sampled token and the `logprobs` most
+        likely ones (vLLM's shape: up to logprobs + 1 entries); None for an echoed prompt's first token."""
         tokens = [tokenizer.decode([t]) for t in token_ids]
         offsets, at = [], offset
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return {"tokens": tokens, "token_logprobs": [finite_logprob(lp) for lp in logprobs], "top_logprobs": None,
-                "text_offset": offsets}
+        top_logprobs = []
+        for text, lp, top in zip(tokens, logprobs, tops):
+            if lp is None:  # the first prompt token: nothing before it to predict it from
+                top_logprobs.append(None)
+                continue
+            entry = {text: finite_logprob(lp)}
+            for t, alt in (top or {}).items():
+                entry.setdefault(tokenizer.decode([t]), finite_logprob(alt))
+            top_logprobs.append(entry)
+        return {"tokens": tokens, "token_logprobs": [finite_logprob(lp) for lp in logprobs],
+                "top_logprobs": top_logprobs, "text_offset": offsets}
 
-    def chat_logprobs(token_ids, logprobs) -> dict:
+    def joined_logprobs(first: dict, second: dict) -> dict:
+        return {key: first[key] + second[key] for key in first}
+
+    def chat_logprobs(token_ids, logprobs, tops) -> dict:
+        """The chat `logprobs` object: per token its text, logprob, bytes and top_logprobs, the
+        top_logprobs most likely tokens (OpenAI's shape; [] when not asked for)."""
         content = []
-        for t, lp in zip(token_ids, logprobs):
+        for t, lp, top in zip(token_ids, logprobs, tops):
             text = tokenizer.decode([t])
+            alternatives = [{"token": s, "logprob": finite_logprob(a), "bytes": list(s.encode())}
+                            for s, a in ((tokenizer.decode([i]), a) for i, a in (top or {}).items())]
             content.append({"token": text, "logprob": finite_logprob(lp), "bytes": list(text.encode()),
-                            "top_logprobs": []})
+                            "top_logprobs": alternatives})
         return {"content": content}
 
     def stream_events(stream: Stream, request: Request, n: int, chunk, include_usage: bool):
@@ -368,8 +401,12 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
         except (ValueError, TypeError) as exc:
             raise APIError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from None
         prompts = [encoded.pop(0) if isinstance(p, str) else p for p in texts]
-        stream = await start(body, prompts)
-        rid, created, want_logprobs = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.logprobs is not None
+        await check_output_schema(body)
+        configs = configs_for(body, prompts)
+        want_logprobs = body.logprobs is not None
+        echoes = await echo_parts(body, texts, prompts) if body.echo else None
+        stream = await submit(body, prompts, configs)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": served_model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -377,22 +414,53 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
             def chunk(choice, text, out, first):
                 if choice is None:
                     return dict(base)
-                if not text and not out.finished and not want_logprobs:
+                echo = echoes[choice.index // body.n] if echoes and first else None
+                if not text and not out.finished and not want_logprobs and echo is None:
                     return None
                 logprobs = None
-                if want_logprobs and out.token_id is not None:
-                    logprobs = completion_logprobs(choice, [out.token_id], [out.logprob],
-                                                   len(choice.text) - len(text))
+                echo_chars = len(echoes[choice.index // body.n][0]) if echoes else 0
+                if want_logprobs:
+                    sampled = [] if out.token_id is None else [out.token_id]  # None: finished without a token
+                    logprobs = completion_logprobs(sampled, [out.logprob] * len(sampled),
+                                                   [out.top_logprobs] * len(sampled),
+                                                   echo_chars + len(choice.text) - len(text))
+                    if echo is not None:
+                        logprobs = joined_logprobs(echo[1], logprobs)
+                if echo is not None:
+                    text = echo[0] + text
                 payload = base | {"choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
                                                 "finish_reason": choice.finish_reason if out.finished else None}]}
                 return payload | ({"usage": None} if include_usage else {})
             return stream_events(stream, request, body.n, chunk, include_usage)
         choices = await collect(stream, request, body.n)
-        return base | {
-            "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                         "logprobs": completion_logprobs(c, c.token_ids, c.logprobs, 0) if want_logprobs else None}
-                        for c in choices],
-            "usage": usage_of(choices, body.n)}
+
+        def one(c: _Choice) -> dict:
+            echo_text, echo_logprobs = echoes[c.index // body.n] if echoes else ("", None)
+            logprobs = None
+            if want_logprobs:
+                logprobs = completion_logprobs(c.token_ids, c.logprobs, c.tops, len(echo_text))
+                logprobs = joined_logprobs(echo_logprobs, logprobs) if echoes else logprobs
+            return {"index": c.index, "text": echo_text + c.text, "finish_reason": c.finish_reason,
+                    "logprobs": logprobs}
+        return base | {"choices": [one(c) for c in choices], "usage": usage_of(choices, body.n)}
+
+    async def echo_parts(body: CompletionRequest, texts: list, prompts: list[list[int]]) -> list[tuple]:
+        """Per prompt, what echo prepends to each of its choices: (text, its logprobs object or None). The
+        prompt's logprobs come from Engine.score on the engine thread (entry 0 None: no context)."""
+        echo_texts = [t if isinstance(t, str) else await off_loop(tokenizer.decode, t) for t in texts]
+        if body.logprobs is None:
+            return [(t, None) for t in echo_texts]
+        try:
+            scored = await engine_loop.score(prompts, body.logprobs, ACCEPT_TIMEOUT_S)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from None
+        except RuntimeError as exc:
+            raise APIError(503, f"scoring the prompt for echo failed: {exc}") from None
+        parts = []
+        for text, prompt, (logprobs, _, top) in zip(echo_texts, prompts, scored):
+            tops = [None] + (top_dicts(top) if top is not None else [None] * len(logprobs))
+            parts.append((text, completion_logprobs(prompt, [None] + logprobs.tolist(), tops, 0)))
+        return parts
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -413,7 +481,8 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
             raise APIError(400, f"the messages do not fit the chat template: {exc}", "messages") from None
         prompt = await off_loop(lambda: tokenizer(text, add_special_tokens=False).input_ids)
         named, parse_calls = body.named_tool(), body.parses_tool_calls()
-        stream = await start(body, [prompt])
+        await check_output_schema(body)
+        stream = await submit(body, [prompt], configs_for(body, [prompt]))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": served_model_name}
         if body.stream:
@@ -430,7 +499,7 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
                 chunks = [one({"role": "assistant", "content": ""})] if first else []  # the role comes first
                 logprobs = None
                 if body.logprobs and out.token_id is not None:
-                    logprobs = chat_logprobs([out.token_id], [out.logprob])
+                    logprobs = chat_logprobs([out.token_id], [out.logprob], [out.top_logprobs])
                 finish = choice.finish_reason if out.finished else None
                 if named is not None:  # the text is the arguments of one call, streamed as they come
                     call = {"index": 0, "function": {"arguments": text}}
@@ -466,7 +535,7 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
         return base | {
             "object": "chat.completion",
             "choices": [{"index": c.index, "message": message,
-                         "logprobs": chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
+                         "logprobs": chat_logprobs(c.token_ids, c.logprobs, c.tops) if body.logprobs else None,
                          "finish_reason": finish} for c, (message, finish) in zip(choices, replies)],
             "usage": usage_of(choices, body.n)}
 

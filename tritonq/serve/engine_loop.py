@@ -1,7 +1,7 @@
 """The engine in one background thread; HTTP handlers talk to it through queues.
 
 The engine is not thread-safe, so only this thread calls it. Handlers (on the asyncio loop)
-put commands (add, abort) on a thread-safe queue; the thread drains them between steps, runs
+put commands (add, abort, score) on a thread-safe queue; the thread drains them between steps, runs
 `engine.step()` while anything is unfinished, and hands each request's outputs back to its
 asyncio.Queue with `loop.call_soon_threadsafe`. An abort is applied before the next step, so a
 disconnected client's blocks are free within one step.
@@ -144,6 +144,24 @@ class EngineLoop:
             raise {"invalid": ValueError, "dead": RuntimeError}.get(error.kind, Exception)(error.message)
         return stream
 
+    async def score(self, prompts: list[list[int]], top_logprobs: int, timeout: float) -> list:
+        """Engine.score(prompts, top_logprobs=...) run on the engine thread between steps (the prompt
+        logprobs of echo); its result, or its exception raised here. RuntimeError when the loop is dead
+        or the engine does not answer within `timeout` seconds."""
+        if self.why_dead() is not None:
+            raise RuntimeError(f"the engine loop has died: {self.dead}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("score", (prompts, top_logprobs, done, loop)))
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(done), timeout)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"the engine did not score the prompt within {timeout:g} s (it is busy or "
+                               "stuck); retry later") from None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
     def mark_started(self, stream: Stream) -> None:
         """A handler saw the first token of one of its engine requests: that one no longer waits."""
         if stream.unstarted > 0:
@@ -187,6 +205,8 @@ class EngineLoop:
                 break
             if kind == "add":
                 _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
+            elif kind == "score":
+                _resolve(stream[2], RuntimeError(f"the engine loop has died: {message}"))
         for stream in list(self._live):
             _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
             stream.queue.put_nowait(Event(error=f"the engine loop has died: {message}"))
@@ -234,6 +254,15 @@ class EngineLoop:
         kind, stream = command
         if kind == "add":
             self._add(stream)
+        elif kind == "score":
+            prompts, top_logprobs, done, loop = stream
+            try:
+                outcome = self.engine.score(prompts, top_logprobs=top_logprobs)
+            except EngineDeadError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the handler answers it (400 / 503)
+                outcome = exc
+            loop.call_soon_threadsafe(_resolve, done, outcome)
         elif kind == "abort":
             for rid in stream.request_ids:
                 if self._streams.pop(rid, None) is not None:

@@ -6,15 +6,17 @@ silently ignored:
 
 - unknown fields are refused ("unknown field X; this server accepts: ..."),
 - OpenAI fields this server does not implement (functions, function_call, parallel_tool_calls,
-  logit_bias, non-zero penalties, echo, suffix, top alternatives, ...) are refused naming the field,
-  unless their value asks for nothing (null, or e.g. `function_call: "none"`),
+  suffix, ...) are refused naming the field, unless their value asks for nothing (null, or e.g.
+  `function_call: "none"`),
 - types are strict (JSON types as written: `"stream": "yes"`, `max_tokens: 2.5`, `"5"` for a number
   and `true` for a token id are refused; an integer is accepted for a float field),
 - a string holding a lone UTF-16 surrogate (`"\\ud800"`, which cannot be encoded) is refused.
 
 The official `openai` client sends only the fields its caller passed, so every call it can make with
-supported arguments is accepted. vLLM's `min_p`, `min_tokens` and `ignore_eos` are accepted and go to
-GenerationConfig.
+supported arguments is accepted. The sampling fields (OpenAI's presence / frequency penalties,
+logit_bias, logprobs / top_logprobs, echo; vLLM's top_k, min_p, min_tokens, ignore_eos,
+stop_token_ids, repetition_penalty) go to GenerationConfig; logit_bias keys must be token ids (as JSON
+strings) with biases in [-100, 100], top alternatives are 0..20.
 
 Structured outputs (tritonq.structured): `response_format` {"type": "json_object"} (any JSON object) or
 {"type": "json_schema", "json_schema": {"name", "schema", ...}} becomes GenerationConfig.json_schema, on
@@ -25,12 +27,13 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from tritonq.engine.runner import MAX_TOP_LOGPROBS
 from tritonq.generate import GenerationConfig
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -85,12 +88,7 @@ UNSUPPORTED = {
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
     "parallel_tool_calls": lambda v: v is None,
-    "logit_bias": lambda v: not v,
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "echo": lambda v: v in (None, False),
     "suffix": lambda v: not v,
-    "top_logprobs": lambda v: v in (None, 0),
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
     "prediction": lambda v: v is None,
@@ -122,6 +120,11 @@ def _lone_surrogate(value, path: str):
     return None
 
 
+def field_error(name: str, message: str) -> PydanticCustomError:
+    """A 400 whose param is `name` and whose message is `message` (for checks across fields)."""
+    return PydanticCustomError("invalid_field", "{message}", {"name": name, "message": message})
+
+
 class _Body(BaseModel):
     """Strict types; unknown fields refused with the list of the accepted ones."""
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -137,8 +140,8 @@ class _Body(BaseModel):
                 continue
             if name in UNSUPPORTED:
                 raise PydanticCustomError(
-                    "unsupported_field", "{name}={value} is not supported by this server; leave it out{hint}",
-                    {"name": name, "value": json.dumps(value)[:80], "hint": ""})
+                    "unsupported_field", "{name}={value} is not supported by this server; leave it out",
+                    {"name": name, "value": json.dumps(value)[:80]})
             accepted = ", ".join(sorted(n for n in fields if n not in UNSUPPORTED))
             raise PydanticCustomError("unknown_field", "unknown field '{name}'; this server accepts: {accepted}",
                                       {"name": name, "accepted": accepted})
@@ -164,7 +167,7 @@ class ResponseFormat(_Body):
     @model_validator(mode="after")
     def _check_format(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise _field_error("json_schema", 'response_format {"type": "json_schema"} needs a "json_schema": '
+            raise field_error("json_schema", 'response_format {"type": "json_schema"} needs a "json_schema": '
                                               '{"name": ..., "schema": {...}}, and only that type takes one')
         return self
 
@@ -189,10 +192,11 @@ class SamplingRequest(_Body):
     min_tokens: int = Field(0, ge=0)               # vLLM extension: no EOS / stop before this many tokens
     ignore_eos: bool = False                       # vLLM extension
     repetition_penalty: float = Field(1.0, gt=0.0)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)   # OpenAI: minus presence_penalty once generated
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI: minus frequency_penalty x times generated
+    logit_bias: dict[str, float] | None = None     # OpenAI: {"token id": bias in [-100, 100]}
     stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM extension: end on these tokens
     seed: int | None = None
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
@@ -219,12 +223,18 @@ class SamplingRequest(_Body):
             raise ValueError("stream_options can only be set when stream=true")
         for name in type(self).model_fields:
             if name in UNSUPPORTED and not UNSUPPORTED[name](getattr(self, name)):
-                hint = " (repetition_penalty is available)" if name.endswith("_penalty") else ""
                 raise PydanticCustomError(
-                    "unsupported_field", "{name}={value} is not supported by this server; leave it out{hint}",
-                    {"name": name, "value": json.dumps(getattr(self, name))[:80], "hint": hint})
+                    "unsupported_field", "{name}={value} is not supported by this server; leave it out",
+                    {"name": name, "value": json.dumps(getattr(self, name))[:80]})
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise ValueError("stop strings must be non-empty")
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise field_error("logit_bias", f"logit_bias key {key!r} is not a token id; keys are token ids "
+                                                'written as JSON strings, e.g. {"50256": -100}')
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise field_error("logit_bias", f"logit_bias[{key!r}]={bias} is out of range; a bias must be in "
+                                                "[-100, 100]")
         return self
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -237,15 +247,23 @@ class SamplingRequest(_Body):
         schema = self.response_format.schema() if self.response_format is not None else None
         return (schema, "response_format") if schema is not None else (None, None)
 
+    def top_logprobs_wanted(self) -> int:
+        """How many alternatives each generated token's logprobs carry (0: the sampled token's only)."""
+        return 0
+
     def generation_configs(self, max_new_tokens: int) -> list[GenerationConfig]:
         """One config per choice; with a seed and n > 1 choice i samples with seed + i so the
         choices differ but the whole response is repeatable."""
         schema, _ = self.output_schema()
+        bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         return [GenerationConfig(max_new_tokens=max_new_tokens, temperature=self.temperature,
                                  top_k=max(self.top_k, 0), top_p=self.top_p,
                                  repetition_penalty=self.repetition_penalty, stop=self.stop_strings(),
                                  seed=None if self.seed is None else self.seed + i,
                                  min_p=self.min_p, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                                 stop_token_ids=tuple(self.stop_token_ids or ()),
+                                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                 logit_bias=bias, top_logprobs=self.top_logprobs_wanted(),
                                  json_schema=schema)
                 for i in range(self.n)]
 
@@ -256,8 +274,9 @@ class CompletionRequest(SamplingRequest):
     # str | list[str] | list[int] | list[list[int]]; which one is resolved by `prompts` (pydantic
     # would coerce "12" into a token id if this were a plain union of the four).
     prompt: str | list[Any]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)     # 0 only with echo: the prompt's logprobs, nothing generated
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # top alternatives per token
+    echo: bool = False                             # prepend the prompt (and its logprobs) to each choice
     best_of: int | None = None
     suffix: str | None = None
 
@@ -265,11 +284,13 @@ class CompletionRequest(SamplingRequest):
     def _check_completion(self):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported; leave it out or set it equal to n")
-        if self.logprobs:
-            raise ValueError(f"logprobs={self.logprobs} asks for the top {self.logprobs} alternatives per "
-                             "token; this server returns only the sampled token's log-probability: "
-                             "pass logprobs=0")
+        if self.max_tokens == 0 and not self.echo:
+            raise field_error("max_tokens", "max_tokens=0 generates nothing; it is only meaningful with echo=true "
+                                            "(the prompt and its logprobs). Pass max_tokens >= 1 or echo=true")
         return self
+
+    def top_logprobs_wanted(self) -> int:
+        return self.logprobs or 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list of texts or token id lists; raises ValueError on anything else."""
@@ -338,7 +359,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -350,23 +371,30 @@ class ChatCompletionRequest(SamplingRequest):
                 raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens="
                                  f"{self.max_completion_tokens} disagree; pass one of them")
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise field_error("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true (the "
+                                              "alternatives come with each token's logprob); pass logprobs=true or "
+                                              "leave top_logprobs out")
         choice = self.tool_choice
         if choice == "required":
-            raise _field_error("tool_choice", 'tool_choice="required" is not supported; use "auto" or name the '
+            raise field_error("tool_choice", 'tool_choice="required" is not supported; use "auto" or name the '
                                               'function: {"type": "function", "function": {"name": ...}}')
         if choice not in (None, "none") and not self.tools:
-            raise _field_error("tool_choice", f"tool_choice={json.dumps(_plain(choice))} needs tools; pass "
+            raise field_error("tool_choice", f"tool_choice={json.dumps(_plain(choice))} needs tools; pass "
                                               "tools or leave tool_choice out")
         if isinstance(choice, NamedToolChoice):
             names = [t.function.name for t in self.tools]
             if choice.function.name not in names:
-                raise _field_error("tool_choice", f"tool_choice names the function {choice.function.name!r}, "
+                raise field_error("tool_choice", f"tool_choice names the function {choice.function.name!r}, "
                                                   f"which is not in tools ({', '.join(map(repr, names))}); "
                                                   "name one of them")
             if self.response_format is not None and self.response_format.type != "text":
-                raise _field_error("response_format", "tool_choice naming a function and response_format both "
+                raise field_error("response_format", "tool_choice naming a function and response_format both "
                                                       "constrain the output; pass one of them")
         return self
+
+    def top_logprobs_wanted(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
     def named_tool(self) -> FunctionDefinition | None:
         """The function tool_choice names (its call is the whole reply), or None."""
@@ -383,11 +411,6 @@ class ChatCompletionRequest(SamplingRequest):
         if named is not None:  # the reply is this function's arguments
             return (named.parameters if named.parameters is not None else {"type": "object"}), "tool_choice"
         return super().output_schema()
-
-
-def _field_error(name: str, message: str) -> PydanticCustomError:
-    """A 400 whose param is the field `name` (see the validation handler in tritonq.serve.app)."""
-    return PydanticCustomError("invalid_field", "{message}", {"name": name, "message": message})
 
 
 def _plain(value):
