@@ -12,8 +12,8 @@ Prefill, and decode batches above the largest bucket, run eagerly on tensors bui
 sample() draws every row's next token in one batched pass (`SamplingTensors`: per-row EOS / stop-id
 mask below min_tokens, logit bias, repetition / frequency / presence penalties, each structured-output
 row's grammar bitmask, temperature, min-p, top-k, top-p as tensors); only the sampled ids, their
-log-probabilities (and the top-N alternatives a request asked for) and whether each row's logits were finite come back to the host, in one transfer
-per step. A row's random numbers are a hash of (its request's seed, its
+log-probabilities (and the top-N alternatives a request asked for) and whether each row's logits were
+finite come back to the host, in one transfer per step. A row's random numbers are a hash of (its request's seed, its
 sequence length, vocabulary index) computed with torch integer ops (`sampling_noise`), so a seeded
 request draws the same tokens whatever else shares its batch, without a torch.Generator per
 request; greedy (temperature 0) is argmax.
