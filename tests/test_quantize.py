@@ -12,8 +12,9 @@ from formats.helpers import GROUP_SIZE, LINEARS, dequantize, save_tiny_llama
 from safetensors.torch import load_file
 
 import tritonq
+from tritonq.cli import quantize_main as main
 from tritonq.demo import byte_tokenizer
-from tritonq.quantize import main, quantize_fp8, quantize_int4
+from tritonq.quantize import quantize_fp8, quantize_int4
 from tritonq.weights import FP8Weight
 
 

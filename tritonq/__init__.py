@@ -12,13 +12,53 @@ import json
 import logging
 import math
 import os
+import sys
 
-import torch
-
-from tritonq.generate import GenerationConfig, GenerationOutput, Model, ScoreOutput
+# torch is imported where it is used, not here: `tritonq --help` (tritonq/cli.py) and the other command
+# lines parse their arguments before the ~2 s torch import.
 
 __version__ = "0.1.0"
 __all__ = ["load", "Model", "GenerationConfig", "GenerationOutput", "ScoreOutput"]
+_GENERATE_NAMES = ("Model", "GenerationConfig", "GenerationOutput", "ScoreOutput")
+
+
+def __getattr__(name: str):
+    """tritonq.Model etc. come from tritonq.generate, imported (with torch) on first use."""
+    if name in _GENERATE_NAMES:
+        from tritonq import generate
+        return getattr(generate, name)
+    raise AttributeError(f"module 'tritonq' has no attribute {name!r}")
+
+
+class _LogHandler(logging.Handler):
+    """tritonq's log lines on stderr, at INFO and above, through tqdm.write so that a line never lands in the
+    middle of a progress bar. Silent once the application configures logging itself (the root logger has a
+    handler: logging.basicConfig, pytest), so nothing prints twice; TRITONQ_LOG_LEVEL=WARNING (or DEBUG)
+    sets the level, TRITONQ_CONFIGURE_LOGGING=0 leaves the tritonq logger as Python's default."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not logging.getLogger().handlers
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _configure_logging() -> None:
+    if os.environ.get("TRITONQ_CONFIGURE_LOGGING", "1") == "0":
+        return
+    log = logging.getLogger("tritonq")
+    handler = _LogHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    level = os.environ.get("TRITONQ_LOG_LEVEL", "INFO").upper()
+    log.setLevel(level if level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "INFO")
+
+
+_configure_logging()
 
 
 def _read_json(path: Path) -> dict:
@@ -92,16 +132,18 @@ def _check_tokenizer(folder: Path, config: dict, tokenizer, eos_ids: set[int]) -
 
 # compile=None on CPU: whether the decode step is compiled by default (measured, see load's docstring).
 CPU_COMPILE = False
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = ("float16", "bfloat16", "float32")  # the compute dtypes, by torch name
 
 
 def _compute_dtype(dtype) -> torch.dtype | None:
     """A torch dtype or its name ("float16", "torch.bfloat16", ...) -> one of DTYPES, else a ValueError."""
-    if dtype is None or dtype in DTYPES.values():
+    import torch
+
+    if dtype is None or dtype in [getattr(torch, name) for name in DTYPES]:
         return dtype
     name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
     if name in DTYPES:
-        return DTYPES[name]
+        return getattr(torch, name)
     raise ValueError(f"dtype={dtype!r} is not a compute dtype tritonq runs in; expected one of "
                      f"{list(DTYPES)} (a torch.dtype or its name), or None for the default.")
 
@@ -124,6 +166,8 @@ def _capture_graphs(cuda_graphs: bool | None, world: int) -> bool:
 def _check_device_dtype(dtype: torch.dtype | None, device: torch.device) -> None:
     """On CUDA, a ValueError unless dtype (None: the default) is one the GPU kernels run in there
     (`kernels.common.gpu_compute_dtypes`): fp32 never, bf16 from sm_80 on."""
+    import torch
+
     from tritonq.kernels.common import compute_capability, gpu_compute_dtypes
 
     if device.type != "cuda" or dtype is None:
@@ -147,6 +191,8 @@ def _default_dtype(stored, device: torch.device) -> torch.dtype:
     """The compute dtype when load() is given none, said in the log: on CPU bf16 where the CPU has native
     bf16 (as vLLM's CPU build), else fp32; on CUDA the checkpoint's (`stored`: config.json's dtype, a
     torch.dtype or its name) fp16, else bf16; but fp16 before sm_80, which has no bf16 arithmetic."""
+    import torch
+
     from tritonq.kernels.common import compute_capability, gpu_compute_dtypes
 
     if device.type == "cpu":
@@ -170,6 +216,8 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 dot products or AMX-BF16 tiles), as torch's
     oneDNN GEMMs use them: there bf16 runs ~2x+ faster than fp32 (half the bytes, native products);
     without them torch emulates bf16 through fp32 conversions and it is slower than fp32."""
+    import torch
+
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
@@ -302,12 +350,14 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     (presence, dtype, shape: the model is first built against the safetensors headers alone, on the meta
     device). NaN / inf in any float tensor read is refused once the weights are read, naming the tensors.
     """
+    import torch
     from transformers import AutoConfig
 
     from tritonq import distributed
     from tritonq.engine.engine import Engine
     from tritonq.engine.runner import kv_cache_blocks
     from tritonq.formats.registry import get_loader
+    from tritonq.generate import Model
     from tritonq.hub import resolve
     from tritonq.models import model_class
 

@@ -239,10 +239,10 @@ def calibrate(src: str | Path, method: str, ids: torch.Tensor, *, bits: int = 4,
     with their inputs recomputed after the earlier ones were quantized; the layer's output on the
     quantized weights is the next layer's input.
     """
-    from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tritonq.formats.checkpoint import Weights
+    from tritonq.progress import progress_bar
 
     if method not in ("gptq", "awq"):
         raise ValueError(f"calibrate: method {method!r} is not supported (supported: gptq, awq)")
@@ -260,7 +260,8 @@ def calibrate(src: str | Path, method: str, ids: torch.Tensor, *, bits: int = 4,
         hidden = torch.nn.functional.embedding(ids, weights.get_tensor("model.embed_tokens.weight").float())
         position_embeddings = rotary(hidden, positions)
     result = Calibrated()
-    for i in tqdm(range(config.num_hidden_layers), desc=f"{method} calibration", unit="layer", disable=not progress):
+    for i in progress_bar(total=None, desc=f"{method} calibration", unit="layer", enabled=progress,
+                          iterable=range(config.num_hidden_layers)):
         prefix = f"model.layers.{i}"
         layer = skeleton.model.layers[i].to_empty(device="cpu")
         state = {name: weights.get_tensor(f"{prefix}.{name}").float() for name in layer.state_dict()}

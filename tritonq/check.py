@@ -151,24 +151,34 @@ def run_pytest(args: list[str], on_line: Callable[[str], None] = print) -> tuple
         return returncode, counts, log.read()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    ours, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="python -m tritonq.check", description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "python -m tritonq.check") -> argparse.ArgumentParser:
+    from tritonq.cli import new_parser
+
+    parser = new_parser(prog, __doc__.split("\n\n")[0],
+                        epilog="Arguments after -- go to pytest as they are, e.g. -- -k int4 -x.")
     parser.add_argument("--quick", action="store_true", help="the `kernels` tests only (not the `gpu` ones)")
     parser.add_argument("--workers", type=int, default=1,
                         help="pytest-xdist processes (default 1: no xdist)")
     parser.add_argument("--timeout", type=float, default=300,
                         help="seconds a test may run before it fails (pytest-timeout; 0: no limit; default 300)")
     parser.add_argument("--junitxml", default=None, help="keep pytest's JUnit XML report here")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m tritonq.check") -> int:
+    from tritonq.cli import fail, require
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ours, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = build_parser(prog)
     args = parser.parse_args(ours)
     if args.workers < 1:
         parser.error(f"--workers {args.workers}: expected 1 or more processes")
     args.pytest_args = extra
     if not (ROOT / "tests" / "kernels").is_dir():
-        print(f"python -m tritonq.check: no kernel tests at {ROOT / 'tests' / 'kernels'}; it runs the repository's "
-              "tests, so run it from a source checkout of tritonq", file=sys.stderr)
-        return 2
+        fail(parser, f"no kernel tests at {ROOT / 'tests' / 'kernels'}; it runs the repository's tests, so run it "
+                     "from a source checkout of tritonq")
+    require(parser, ("pytest",), "test")  # the check is pytest over tests/kernels
     import torch
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter)"

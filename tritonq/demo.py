@@ -1,18 +1,15 @@
-"""python -m tritonq.demo: quantize the shipped default model to AWQ, load it with tritonq and generate.
+"""python -m tritonq.demo (tritonq demo): quantize the shipped default model to AWQ int4, load it and generate.
 
 Needs no download: the default model (tritonq/default_model/checkpoint, ~1M parameters) is a
 small Llama trained on Shakespeare's plays (see tritonq/default_model/train.py); the demo
-AWQ-calibrates it on the shipped calibration text, writes the int4 checkpoint, loads it and
-generates play-like text. write_tiny_llama (a seeded random model with a byte tokenizer) is what
-the tests use.
+AWQ-calibrates it on the shipped calibration text, writes the int4 checkpoint to --output (kept, and
+its path printed), loads it and generates play-like text: a streamed continuation of the prompt, then
+a chat reply. write_tiny_llama (a seeded random model with a byte tokenizer) is what the tests use.
 """
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
-
-import torch
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
@@ -36,6 +33,7 @@ def byte_tokenizer():
 
 def write_tiny_llama(folder: str | Path, hidden_size: int = 128, num_layers: int = 2, seed: int = 0) -> Path:
     """Save a seeded random LlamaForCausalLM (GQA, tied embeddings) and the byte tokenizer to folder."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = Path(folder)
@@ -62,27 +60,41 @@ HELDOUT_TEXT = Path(__file__).parent / "default_model" / "heldout.txt"
 CALIBRATION_TEXT = Path(__file__).parent / "default_model" / "calibration.txt"
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser(prog: str = "python -m tritonq.demo") -> argparse.ArgumentParser:
+    from tritonq.cli import new_parser
+
+    parser = new_parser(prog, __doc__.split("\n\n")[0])
+    parser.add_argument("--prompt", default="HAMLET:\nTo be, or not to be", help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate for each output")
+    parser.add_argument("--output", type=Path, default=Path("tritonq-demo-awq-int4"),
+                        help="folder the AWQ int4 checkpoint is written to (kept; overwritten if there)")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m tritonq.demo") -> None:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens {args.max_new_tokens}: expected 1 or more")
+    if args.output.exists() and not args.output.is_dir():
+        parser.error(f"--output {args.output} is a file; give a folder for the checkpoint")
     import tritonq
     from tritonq.quantize import write_quantized
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt", default="HAMLET:\nTo be, or not to be")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        awq = write_quantized(DEFAULT_MODEL, Path(tmp) / "awq", "awq", group_size=128, method="awq",
-                              calibration={"file": CALIBRATION_TEXT, "samples": 32, "seq_len": 128})
-        model = tritonq.load(awq)
-        print(f"default model (1M-parameter Llama trained on Shakespeare), AWQ int4, on {model.model.device}")
-        print(args.prompt, end="", flush=True)
-        for piece in model.generate(args.prompt, max_new_tokens=args.max_new_tokens, stream=True,
-                                    temperature=0.8, top_k=20, seed=0):
-            print(piece, end="", flush=True)
-        print()
-        reply = model.chat([{"role": "user", "content": args.prompt}], max_new_tokens=args.max_new_tokens,
-                           temperature=0.8, top_k=20, seed=0, return_dict=True)
-        print(f"chat reply: {reply.text[0]!r} ({reply.decode_tokens_per_s:.0f} decode tokens/s)")
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=0.8, top_k=20, seed=0)
+    awq = write_quantized(DEFAULT_MODEL, args.output, "awq", group_size=128, method="awq",
+                          calibration={"file": CALIBRATION_TEXT, "samples": 32, "seq_len": 128}).resolve()
+    print(f"wrote the AWQ int4 checkpoint of the default model (1M-parameter Llama trained on Shakespeare) to {awq}")
+    model = tritonq.load(awq)
+    print(f"loaded it on {model.model.device}; sampling: temperature 0.8, top-k 20, seed 0, "
+          f"{args.max_new_tokens} new tokens\n")
+    print("prompt:", args.prompt, "", "continuation (streamed):", sep="\n")
+    for piece in model.generate(args.prompt, stream=True, **sampling):
+        print(piece, end="", flush=True)
+    reply = model.chat([{"role": "user", "content": args.prompt}], return_dict=True, **sampling)
+    print("\n\nchat reply (the same prompt as a user message, through the chat template):",
+          reply.text[0], f"({reply.decode_tokens_per_s:.0f} decode tokens/s)", sep="\n")
+    print(f"\ntry it yourself: tritonq generate {awq} 'ROMEO:' --temperature 0.8")
 
 
 if __name__ == "__main__":

@@ -364,11 +364,11 @@ class Model:
             self.engine.abort(self._to_abort.popleft())
 
     def _run(self, prompts: list[list[int]], config: GenerationConfig, progress: bool) -> GenerationOutput:
-        from tqdm.auto import tqdm
+        from tritonq.progress import progress_bar
         start = time.perf_counter()
         requests = [None] * len(prompts)
-        with tqdm(total=len(prompts), desc="Generating", unit="prompt", disable=not progress or self.rank != 0,
-                  leave=False) as bar:
+        with progress_bar(total=len(prompts), desc="Generating", unit="prompt",
+                          enabled=progress and self.rank == 0) as bar:
             for i, out in self._requests(prompts, config, stream=False):
                 if out.finished:
                     requests[i] = out.request
@@ -420,12 +420,12 @@ class Model:
 
     def _score_ids(self, prompts: list[list[int]], progress: bool, desc: str, unit: str,
                    top_logprobs: int = 0) -> list:
-        """Engine.score with a tqdm bar: per prompt (logprobs [T-1] float32, greedy [T-1] bool, top or None;
+        """Engine.score with a progress bar: per prompt (logprobs [T-1] float32, greedy [T-1] bool, top or None;
         see Engine.score). Holds the lock throughout (score runs its own prefills between steps, on free
         blocks only)."""
-        from tqdm.auto import tqdm
-        with self._lock, tqdm(total=len(prompts), desc=desc, unit=unit, disable=not progress or self.rank != 0,
-                              leave=False) as bar:
+        from tritonq.progress import progress_bar
+        with self._lock, progress_bar(total=len(prompts), desc=desc, unit=unit,
+                                      enabled=progress and self.rank == 0) as bar:
             self._apply_aborts()
             return self.engine.score(prompts, on_done=lambda i: bar.update(1), top_logprobs=top_logprobs)
 

@@ -12,7 +12,6 @@ and all other files (tokenizer, generation config) copied.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
@@ -227,46 +226,9 @@ def calibrate_for_writer(src: Path, fmt: str, method: str, q: dict, converted: s
                      is_converted=converted.__contains__)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tritonq.quantize", description=__doc__.split("\n\n")[0])
-    parser.add_argument("src", help="dense checkpoint folder (transformers save_pretrained)")
-    parser.add_argument("dst", help="output folder")
-    parser.add_argument("--format", required=True, choices=["awq", "gptq", "fp8"])
-    parser.add_argument("--group-size", type=int, default=128, help="rows per group along K (-1: one group)")
-    parser.add_argument("--sym", dest="sym", action="store_true", help="symmetric (GPTQ only; default for GPTQ)")
-    parser.add_argument("--asym", dest="sym", action="store_false", help="asymmetric zero points")
-    parser.set_defaults(sym=None)
-    parser.add_argument("--act-order", action="store_true", help="GPTQ desc_act with a g_idx")
-    parser.add_argument("--bits", type=int, default=4, choices=[4, 8], help="GPTQ bits")
-    parser.add_argument("--checkpoint-format", default="gptq", choices=["gptq", "gptq_v2"])
-    parser.add_argument("--fp8-scheme", default="tensor", choices=["tensor", "channel", "block"])
-    parser.add_argument("--modules-to-not-convert", nargs="*", default=None, help="name substrings left dense")
-    calib = parser.add_argument_group("calibration (--method gptq / awq)")
-    calib.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"],
-                       help="rtn: round to nearest; gptq (--format gptq) / awq (--format awq): calibrated")
-    calib.add_argument("--calibration", default=None, help="text file of calibration text")
-    calib.add_argument("--samples", type=int, default=128, help="calibration windows")
-    calib.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
-    calib.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean diag(H)")
-    calib.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block (columns)")
-    calib.add_argument("--awq-clip", action="store_true", help="AWQ: also search per-group weight clipping")
-    a = parser.parse_args(argv)
-    if a.format == "awq" and a.sym:
-        parser.error("AWQ GEMM checkpoints are asymmetric (zero_point: true); drop --sym")
-    options = {"group_size": a.group_size, "modules_to_not_convert": a.modules_to_not_convert}
-    if a.format == "gptq":
-        options |= {"bits": a.bits, "sym": True if a.sym is None else a.sym, "act_order": a.act_order,
-                    "checkpoint_format": a.checkpoint_format}
-    if a.format == "fp8":
-        options = {"fp8_scheme": a.fp8_scheme, "modules_to_not_convert": a.modules_to_not_convert}
-    calibration = {"file": a.calibration, "samples": a.samples, "seq_len": a.seq_len, "damp": a.damp,
-                   "block_size": a.block_size, "clip": a.awq_clip}
-    try:
-        written = write_quantized(a.src, a.dst, a.format, method=a.method, calibration=calibration, **options)
-    except (ValueError, OSError) as e:  # bad input: one line that says what to change, no traceback
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    print(f"wrote {written}")
+if __name__ == "__main__":  # `python -m tritonq.quantize` is `python -m tritonq quantize` (tritonq/cli.py's parser)
+    import runpy
+    import sys
 
-
-if __name__ == "__main__":
-    main()
+    sys.argv[1:1] = ["quantize"]
+    runpy.run_module("tritonq", run_name="__main__", alter_sys=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +29,21 @@ def device_peaks() -> tuple[str, tuple]:
         if key in name:
             return name, peaks
     return name, FALLBACK_PEAK
+
+
+def machine_label() -> str:
+    """The machine a result was measured on, in words (a stored notebook output says where it came from):
+    the GPU, or the CPU model, its logical cores, native bf16 and the load average; torch's version."""
+    if torch.cuda.is_available():
+        where = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    else:
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                     "unknown CPU")
+        load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+        bf16 = ", AVX512-BF16" if "avx512_bf16" in cpuinfo else ""
+        where = f"{model} ({os.cpu_count()} logical cores{bf16}{load}), no GPU"
+    return f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def backend_label(device: str) -> str:

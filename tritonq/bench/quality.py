@@ -158,12 +158,14 @@ def main(argv: list[str]) -> None:
     plot(rows, f"{args.out}.png", f"default model, held-out Hamlet ({scored} tokens), {device}")
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """The rows as a Markdown table (README, notebooks): perplexity to 3 decimals (the int4 gaps are small)."""
+def markdown_table(rows: list[dict], speed: bool = True) -> str:
+    """The rows as a Markdown table (README, notebooks): perplexity to 3 decimals (the int4 gaps are small);
+    speed=False leaves out decode tokens/s (a stored run's speed says little about this machine's)."""
     fmt = lambda v, spec: "n/a" if not math.isfinite(v) else format(v, spec)
-    lines = ["| variant | perplexity | gap closed | decode tok/s | note |", "|---|---:|---:|---:|---|"]
+    speed_head, speed_rule = ("decode tok/s | ", "---:|") if speed else ("", "")
+    lines = [f"| variant | perplexity | gap closed | {speed_head}note |", f"|---|---:|---:|{speed_rule}---|"]
     lines += [f"| {r['variant']} | {fmt(r['perplexity'], '.3f')} | {fmt(r['gap_closed'], '.2f')} | "
-              f"{fmt(r['decode_tok_s'], '.1f')} | {r['note']} |" for r in rows]
+              + (f"{fmt(r['decode_tok_s'], '.1f')} | " if speed else "") + f"{r['note']} |" for r in rows]
     return "\n".join(lines)
 
 

@@ -13,51 +13,41 @@ import json
 import sys
 from pathlib import Path
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+from tritonq.cli import add_load_options, fail, load_model, new_parser, require
 
 
-def _load_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="compute dtype (auto: float32 on CPU, the checkpoint's fp16/bf16 on CUDA)")
-    parser.add_argument("--quantize", default=None, help='quantize a dense checkpoint on load: "int4", "fp8", ...')
-    parser.add_argument("--group-size", type=int, default=None, help="int4 group size (default 128)")
-    parser.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
-    parser.add_argument("--revision", default=None, help="hub revision")
-    parser.add_argument("--max-seq-len", type=int, default=None,
-                        help="longest sequence (default: min(positions, 4096))")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="sequences per engine step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
-    parser.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (GiB)")
-
-
-def _load(args):
-    import tritonq
-    return tritonq.load(args.model, dtype=None if args.dtype == "auto" else args.dtype, device=args.device,
-                        quantize=args.quantize, group_size=args.group_size, revision=args.revision,
-                        max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gb=args.kv_cache_gb)
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="python -m tritonq.eval", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    ppl = commands.add_parser("perplexity", help="sliding-window perplexity of a UTF-8 text file")
+def build_parser(prog: str = "python -m tritonq.eval") -> argparse.ArgumentParser:
+    parser = new_parser(prog, __doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{perplexity,lm_eval}")
+    ppl = commands.add_parser("perplexity", help="sliding-window perplexity of a UTF-8 text file",
+                              description="Sliding-window perplexity of a UTF-8 text file.",
+                              formatter_class=parser.formatter_class)
     ppl.add_argument("model", help="checkpoint folder or Hugging Face id")
     ppl.add_argument("file", type=Path, help="UTF-8 text, scored as one text")
-    ppl.add_argument("--context", type=int, default=None, help="tokens per window (default: max_seq_len)")
+    ppl.add_argument("--context", type=int, default=None,
+                     help="tokens per window (default: max_seq_len; a model trained on shorter windows scores "
+                          "better at its training length)")
     ppl.add_argument("--stride", type=int, default=None, help="tokens each window moves on (default: context // 2)")
     ppl.add_argument("--json", type=Path, default=None, help="also write the result here")
-    _load_options(ppl)
-    harness = commands.add_parser("lm_eval", help="lm-evaluation-harness tasks (pip install 'tritonq[eval]')")
+    add_load_options(ppl)
+    harness = commands.add_parser("lm_eval", help="lm-evaluation-harness tasks (pip install 'tritonq[eval]')",
+                                  description="lm-evaluation-harness tasks on the model (pip install 'tritonq[eval]').",
+                                  formatter_class=parser.formatter_class)
     harness.add_argument("--model-path", dest="model", required=True, help="checkpoint folder or Hugging Face id")
     harness.add_argument("--tasks", required=True, help="comma-separated lm_eval task names")
     harness.add_argument("--include-path", default=None, help="folder of extra task YAML files")
-    harness.add_argument("--num-fewshot", type=int, default=None)
+    harness.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     harness.add_argument("--limit", type=float, default=None, help="examples per task (a fraction if < 1)")
-    harness.add_argument("--seed", type=int, default=0)
+    harness.add_argument("--seed", type=int, default=0, help="lm_eval's random, numpy, torch and few-shot seeds")
     harness.add_argument("--output-path", type=Path, default=None, help="write lm_eval's results JSON here")
     harness.add_argument("--log-samples", action="store_true", help="keep per-sample results in --output-path")
-    _load_options(harness)
+    add_load_options(harness)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "python -m tritonq.eval"
+               ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = build_parser(prog)
     return parser, parser.parse_args(argv)
 
 
@@ -74,21 +64,32 @@ def perplexity(parser, args) -> None:
         raise ValueError(f"{args.file} is not UTF-8 text ({e}); convert it first.") from e
     if not text.strip():
         raise ValueError(f"{args.file} has no text to score; give a non-empty file.")
-    model = _load(args)
+    model = load_model(parser, args)
     out = model.perplexity(text, context=args.context, stride=args.stride, return_dict=True, progress=True)
     print(f"perplexity {out.perplexity:.4f} (mean NLL {out.mean_nll:.4f} nats over {out.num_tokens} tokens, "
           f"{out.num_windows} windows of {out.context} tokens, stride {out.stride})")
+    if args.context is None:
+        print(_context_hint(args.model, out.context), file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "file": str(args.file), **out.__dict__}, indent=2))
 
 
+def _context_hint(model: str, context: int) -> str:
+    """What to know about the default window: its length is the model's longest, not what it was trained on."""
+    hint = (f"hint: windows of {context} tokens, the default (max_seq_len); a model trained on shorter sequences "
+            "than its position limit scores better with --context near its training length")
+    training = Path(model) / "training.json"  # tritonq.default_model.train's record: seq_len it trained on
+    if training.is_file():
+        seq_len = json.loads(training.read_text()).get("seq_len")
+        hint += f" (this one trained on {seq_len}-token windows: {training})" if seq_len else ""
+    return hint
+
+
 def lm_eval(parser, args) -> None:
-    try:
-        import lm_eval as harness
-        from lm_eval.tasks import TaskManager
-        from lm_eval.utils import make_table
-    except ImportError as e:
-        raise ValueError(f"lm-evaluation-harness is not installed ({e}); pip install 'tritonq[eval]'.") from e
+    require(parser, ("lm_eval",), "eval")
+    import lm_eval as harness
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import make_table
     from tritonq.eval.harness import TritonQLM
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -105,7 +106,8 @@ def lm_eval(parser, args) -> None:
     if unknown:
         raise ValueError(f"unknown lm_eval task(s) {unknown}; list them with `lm_eval ls tasks` "
                          "(add --include-path for your own YAML tasks).")
-    results = harness.simple_evaluate(model=TritonQLM(model=_load(args)), tasks=tasks, num_fewshot=args.num_fewshot,
+    model = TritonQLM(model=load_model(parser, args))
+    results = harness.simple_evaluate(model=model, tasks=tasks, num_fewshot=args.num_fewshot,
                                       limit=args.limit, task_manager=manager, log_samples=args.log_samples,
                                       random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
                                       fewshot_random_seed=args.seed)
@@ -114,12 +116,13 @@ def lm_eval(parser, args) -> None:
         args.output_path.write_text(json.dumps(results, indent=2, default=str))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser, args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m tritonq.eval") -> None:
+    parser, args = parse_args(argv, prog)
+    parser.prog = f"{parser.prog} {args.command}"
     try:
         {"perplexity": perplexity, "lm_eval": lm_eval}[args.command](parser, args)
     except (ValueError, OSError) as e:  # bad input: one line that says what to change, no traceback
-        parser.exit(2, f"{parser.prog} {args.command}: error: {e}\n")
+        fail(parser, e)
 
 
 if __name__ == "__main__":

@@ -136,12 +136,13 @@ class Weights:
     @contextlib.contextmanager
     def progress(self, enabled: bool = True):
         """A tqdm bar over the checkpoint's bytes while the block runs (a model being built)."""
-        from tqdm.auto import tqdm
-        with tqdm(total=sum(self._nbytes.values()), unit="B", unit_scale=True, desc=f"Loading {self.folder.name}",
-                  disable=not enabled, leave=False) as bar:
+        from tritonq.progress import progress_bar
+        with progress_bar(total=sum(self._nbytes.values()), unit="B", unit_scale=True,
+                          desc=f"Loading {self.folder.name}", enabled=enabled) as bar:
             self._bar, self._counted = bar, set()
             try:
                 yield bar
+                bar.update(bar.total - bar.n)  # tensors no module reads (refused or ignored later) count as done
             finally:
                 self._bar, self._read_buffer = None, None
 

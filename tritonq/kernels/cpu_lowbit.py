@@ -165,9 +165,7 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
         reason = "8-bit GPTQ (torch's int8 CPU kernel has per-channel scales only)"
     else:
         reason = "FP8 (no CPU fp8 GEMM faster than fp32 dense: weight-only, activations not quantized, as below sm_89)"
-    N, K = w.shape
-    _note(f"{reason}: weights dequantized once at load to float32 ({N}x{K} = {N * K * 4 / 2**20:.1f} MiB for "
-          "this layer) and run as fp32 GEMMs")
+    _note(f"{reason}: weights dequantized once at load to float32 (4 bytes a weight) and run as fp32 GEMMs")
     dense = (dequantize or w.dequantize)().float()
     return CPUDenseWeight(dense.t().contiguous().t(), bias)  # [K, N] storage: MKL's decode GEMV is faster
 
@@ -213,5 +211,6 @@ def _prepare_int4(w: Int4Weight) -> CPUInt4Weight | None:
 
 @functools.cache
 def _note(message: str) -> None:
-    """Say once per process which CPU path a kind of weight takes."""
-    log.warning("CPU backend: %s", message)
+    """Say once per process which CPU path a kind of weight takes: a fact (info), nothing to act on. The
+    message names the kind, never a layer's size, so each kind is said once."""
+    log.info("CPU backend: %s", message)

@@ -12,6 +12,12 @@ with status 1 for a supervisor to restart it.
 
 Needs the `serve` extra: pip install -e ".[serve]".
 """
-from tritonq.serve.app import create_app
-
 __all__ = ["create_app"]
+
+
+def __getattr__(name: str):
+    """create_app is imported on first use: `python -m tritonq.serve --help` runs without the extra installed."""
+    if name == "create_app":
+        from tritonq.serve.app import create_app
+        return create_app
+    raise AttributeError(f"module 'tritonq.serve' has no attribute {name!r}")

@@ -12,23 +12,18 @@ import argparse
 import asyncio
 import sys
 
-import torch
-import uvicorn
+from tritonq.cli import add_load_options, fail, load_model, new_parser, require
 
 DEAD_EXIT_DELAY_S = 2.0  # /health reports the death this long before the process exits
-DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")  # the [serve] extra
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tritonq.serve", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "python -m tritonq.serve") -> argparse.ArgumentParser:
+    parser = new_parser(prog, __doc__.splitlines()[0])
     parser.add_argument("model", help="local folder or Hugging Face id (dense, AWQ, GPTQ or FP8)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     parser.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="sequences running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
-    parser.add_argument("--max-seq-len", type=int, default=None, help="prompt + completion tokens per request")
-    parser.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (GiB)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every route but /health")
     parser.add_argument("--open-metrics", action="store_true",
@@ -38,62 +33,75 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-waiting", type=int, default=None,
                         help="answer 429 once this many sequences (prompts x n) wait for their first token "
                              "(default: 8 x --max-num-seqs, so one request cannot queue unbounded work)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
-    parser.add_argument("--quantize", default=None, help='quantize a dense checkpoint on load: "int4", "fp8", ...')
-    parser.add_argument("--tensor-parallel", type=int, default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn's log level")
+    add_load_options(parser, tensor_parallel=True)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "python -m tritonq.serve"
+               ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.max_waiting is not None and args.max_waiting < 0:
         parser.error(f"--max-waiting is {args.max_waiting}; expected >= 0")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes is {args.max_request_bytes}; expected >= 1")
-    return args
+    return parser, args
 
 
-class _Server(uvicorn.Server):
-    """uvicorn.Server that ends the running streams on the first signal and exits 0 afterwards
-    (uvicorn's own handler re-raises the signal after shutdown, which kills the process)."""
+def _server_class():
+    """uvicorn.Server subclass (defined on use: uvicorn is the [serve] extra, absent from a light install)."""
+    import uvicorn
 
-    def __init__(self, config, engine_loop):
-        super().__init__(config)
-        self.engine_loop = engine_loop
-        self.loop: asyncio.AbstractEventLoop | None = None
+    class _Server(uvicorn.Server):
+        """uvicorn.Server that ends the running streams on the first signal and exits 0 afterwards
+        (uvicorn's own handler re-raises the signal after shutdown, which kills the process)."""
 
-    async def serve(self, sockets=None):
-        self.loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        def __init__(self, config, engine_loop):
+            super().__init__(config)
+            self.engine_loop = engine_loop
+            self.loop: asyncio.AbstractEventLoop | None = None
 
-    def handle_exit(self, sig, frame) -> None:
-        if self.should_exit:  # a second signal: stop waiting for connections
-            self.force_exit = True
-            return
-        self.should_exit = True
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.engine_loop.fail_all, "the server is shutting down")
+        async def serve(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
 
-    def engine_died(self, reason: str) -> None:
-        """(engine thread) The engine cannot continue: shut down after DEAD_EXIT_DELAY_S (main exits 1)."""
-        print(f"tritonq.serve: the engine cannot continue ({reason}); shutting down to be restarted",
-              file=sys.stderr, flush=True)
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.loop.call_later, DEAD_EXIT_DELAY_S, setattr, self, "should_exit", True)
-        else:
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:  # a second signal: stop waiting for connections
+                self.force_exit = True
+                return
             self.should_exit = True
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self.engine_loop.fail_all, "the server is shutting down")
+
+        def engine_died(self, reason: str) -> None:
+            """(engine thread) The engine cannot continue: shut down after DEAD_EXIT_DELAY_S (main exits 1)."""
+            print(f"tritonq.serve: the engine cannot continue ({reason}); shutting down to be restarted",
+                  file=sys.stderr, flush=True)
+            if self.loop is not None and not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(self.loop.call_later, DEAD_EXIT_DELAY_S, setattr, self, "should_exit",
+                                               True)
+            else:
+                self.should_exit = True
+
+    return _Server
 
 
-def main(argv: list[str] | None = None) -> None:
-    import tritonq
+def main(argv: list[str] | None = None, prog: str = "python -m tritonq.serve") -> None:
+    parser, args = parse_args(argv, prog)
+    require(parser, SERVE_MODULES, "serve")
+    if args.tensor_parallel not in (None, 1):
+        fail(parser, "tensor parallel serving is not supported yet: every rank would need the same requests; "
+                     "run with --tensor-parallel 1")
+    import uvicorn
+
     from tritonq.serve.app import create_app
 
-    args = parse_args(argv)
-    model = tritonq.load(args.model, dtype=DTYPES[args.dtype], device=args.device, quantize=args.quantize,
-                         max_seq_len=args.max_seq_len, tensor_parallel=args.tensor_parallel,
-                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         kv_cache_gb=args.kv_cache_gb)
-    if model.world > 1:
-        raise SystemExit("tensor parallel serving is not supported yet: every rank would need the same requests; "
-                         "run with --tensor-parallel 1")
+    model = load_model(parser, args)
+    if model.world > 1:  # WORLD_SIZE from torchrun
+        fail(parser, "tensor parallel serving is not supported yet: every rank would need the same requests; "
+                     "run it as one process (not under torchrun), or with --tensor-parallel 1")
     server = None
     max_waiting = 8 * args.max_num_seqs if args.max_waiting is None else args.max_waiting
     app = create_app(model, args.served_model_name or args.model, api_key=args.api_key, max_waiting=max_waiting,
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                      **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=10)
-    server = _Server(config, app.state.engine_loop)
+    server = _server_class()(config, app.state.engine_loop)
     server.run()
     if app.state.engine_loop.dead is not None:
         raise SystemExit(1)  # a supervisor restarts us; status 0 would say "stopped on purpose"

@@ -4,7 +4,15 @@ Generic: what a kernel tunes (its sweep space, inputs, reference, bucket and AOT
 the kernel's own file by `tune_target()`; `TARGETS` lists them by --kernel name.
 """
 from tritonq.tune.cli import TARGETS, main, model_shapes
-from tritonq.tune.search import TuneTarget, aot_table, candidates, check_candidate, tune, write_configs
 
 __all__ = ["TARGETS", "TuneTarget", "aot_table", "candidates", "check_candidate", "main", "model_shapes", "tune",
            "write_configs"]
+_SEARCH_NAMES = ("TuneTarget", "aot_table", "candidates", "check_candidate", "tune", "write_configs")
+
+
+def __getattr__(name: str):
+    """search.py's names, imported (with torch) on first use: `python -m tritonq.tune --help` answers at once."""
+    if name in _SEARCH_NAMES:
+        from tritonq.tune import search
+        return getattr(search, name)
+    raise AttributeError(f"module 'tritonq.tune' has no attribute {name!r}")

@@ -21,22 +21,19 @@ where the launcher's `lookup` finds it at run time. Without a GPU:
 """
 from __future__ import annotations
 
-from __future__ import annotations
-
 import argparse
 import importlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    from tritonq.tune.search import TuneTarget
 
-from tritonq.bench.common import model_gemm_shapes, parse_shapes, print_table
-from tritonq.kernels import configs
-from tritonq.tune.search import TuneTarget, _config_text, aot_table, shape_fields, tune, write_configs
-
+# torch and the kernels are imported after the arguments are parsed: `--help` answers at once
+CONFIG_DIR = Path(__file__).parents[1] / "kernels" / "configs"  # tritonq.kernels.configs.CONFIG_DIR
 MODEL_M = (1, 16, 64, 256)  # decode, small batch, the int4/fp16 crossover, prefill
 
 
@@ -53,6 +50,8 @@ TARGETS: dict[str, Callable[[], TuneTarget]] = {
 
 def model_shapes(path: str | Path, ms: tuple[int, ...] = MODEL_M) -> list[tuple[int, int, int]]:
     """(M, N, K) for every linear layer of the model at `path` (folder or config.json) and M in ms."""
+    from tritonq.bench.common import model_gemm_shapes
+
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.exists():
@@ -83,11 +82,11 @@ def _reexec_with_interpreter(interpret: bool, argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "tritonq.tune", *argv], env)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m tritonq.tune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", required=True, choices=sorted(TARGETS))
+def build_parser(prog: str = "python -m tritonq.tune") -> argparse.ArgumentParser:
+    from tritonq.cli import new_parser
+
+    p = new_parser(prog, __doc__)
+    p.add_argument("--kernel", required=True, choices=sorted(TARGETS), help="the kernel whose configs are swept")
     p.add_argument("--shapes", default=None,
                    help="comma-separated shapes in the kernel's format (see above), e.g. 1x4096x4096")
     p.add_argument("--model", default=None, help="model folder or config.json: tune its GEMM shapes (GEMMs only)")
@@ -96,7 +95,13 @@ def main(argv: list[str] | None = None) -> None:
     mode.add_argument("--aot", default=None, metavar="sm_XX", help="compile every candidate for this GPU")
     p.add_argument("--where", default="", metavar="KEY=V,...",
                    help="sweep only candidates with these values, e.g. BLOCK_M=16,num_warps=4")
-    p.add_argument("--config-dir", default=str(configs.CONFIG_DIR), help="where <kernel>/<gpu>.json goes")
+    p.add_argument("--config-dir", default=str(CONFIG_DIR), help="where <kernel>/<gpu>.json goes")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m tritonq.tune") -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = build_parser(prog)
     args = p.parse_args(argv)
 
     if args.aot:
@@ -106,6 +111,12 @@ def main(argv: list[str] | None = None) -> None:
         _reexec_with_interpreter(False, argv)
     if args.dry_run:
         _reexec_with_interpreter(True, argv)
+    import torch
+
+    from tritonq.bench.common import parse_shapes, print_table
+    from tritonq.kernels import configs
+    from tritonq.tune.search import _config_text, aot_table, shape_fields, tune, write_configs
+
     if not (args.dry_run or args.aot) and not torch.cuda.is_available():
         p.error("timing needs a CUDA GPU; without one use --dry-run (interpreter check) or --aot sm_90")
 

@@ -108,11 +108,11 @@ def tune(target: TuneTarget, shapes: list[tuple[int, ...]], device: torch.device
     the geometric mean weighs each shape's relative speedup alike. timed=False (dry run) keeps the
     first such candidate in declared order.
     """
-    from tqdm import tqdm
+    from tritonq.progress import progress_bar
 
     problems = [problem for shape in shapes for problem in target.problems(shape)]
     spaces = [candidates(target, problem, timed, where) for problem in problems]
-    bar = tqdm(total=sum(map(len, spaces)), desc=target.name, disable=not progress)
+    bar = progress_bar(total=sum(map(len, spaces)), desc=target.name, unit="config", enabled=progress)
     per_bucket = Counter()
     passed: dict[str, dict[str, list]] = {}  # bucket -> config text -> [config, problems passed, sum of log ms]
     for problem, space in zip(problems, spaces):

@@ -1,0 +1,312 @@
+"""The `tritonq` command (also `python -m tritonq`): one entry point with a subcommand per job, as vLLM's.
+
+    tritonq generate MODEL "prompt"     stream one completion to stdout
+    tritonq chat MODEL                  an interactive chat (one line a turn; Ctrl-D ends)
+    tritonq serve MODEL                 the OpenAI-compatible server      (python -m tritonq.serve)
+    tritonq quantize SRC DST --format   write an AWQ / GPTQ / FP8 checkpoint (python -m tritonq.quantize)
+    tritonq eval perplexity|lm_eval     perplexity or lm-evaluation-harness tasks (python -m tritonq.eval)
+    tritonq bench NAME                  a benchmark                        (python -m tritonq.bench)
+    tritonq tune --kernel K             sweep a kernel's launch configs    (python -m tritonq.tune)
+    tritonq check                       the kernel tests, one line each    (python -m tritonq.check)
+    tritonq demo                        quantize the shipped model and generate (python -m tritonq.demo)
+
+Each subcommand runs the same main as its `python -m` form. Every parser is built before torch is
+imported (the import takes seconds), so `--help` and argument errors answer at once; a bad argument, a
+checkpoint that cannot be loaded or a missing optional dependency ends with one `error:` line and exit
+status 2, never a traceback. This module holds the options shared by the commands that load a model,
+and the generate / chat / quantize commands.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import sys
+
+QUANTIZE_ON_LOAD = ("int4", "fp8", "fp8-mlp")  # tritonq.formats.dense.QUANTIZE_ON_LOAD (a test keeps them equal)
+DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions as written and shows each option's default, unless it has none (None / a flag off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        no_default = action.default == "" or any(action.default is none for none in (None, False, argparse.SUPPRESS))
+        if "%(default)" in text or no_default or not action.option_strings:  # `is`: 0 == False, yet 0 is a default
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with one line for a bad argument (no usage block above it): `PROG: error: WHAT`."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def new_parser(prog: str, description: str, **kwargs) -> argparse.ArgumentParser:
+    """A Parser with tritonq's help format (defaults shown)."""
+    return Parser(prog=prog, description=description, formatter_class=HelpFormatter, **kwargs)
+
+
+def fail(parser: argparse.ArgumentParser, message: object) -> None:
+    """End with one line `PROG: error: MESSAGE` and exit status 2 (argparse's, without its usage lines)."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def require(parser: argparse.ArgumentParser, modules: tuple[str, ...], extra: str) -> None:
+    """fail() naming the optional dependencies that are not installed and the extra that installs them."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        fail(parser, f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed; "
+                     f"pip install 'tritonq[{extra}]'")
+
+
+def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = False) -> None:
+    """The tritonq.load() options every command that loads a model takes."""
+    group = parser.add_argument_group("loading the model")
+    group.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
+                       help="compute dtype (auto: bf16 on CPUs with AVX512-BF16 / AMX, else fp32; on CUDA the "
+                            "checkpoint's fp16, else bf16)")
+    group.add_argument("--quantize", choices=QUANTIZE_ON_LOAD, default=None,
+                       help="quantize a dense checkpoint on load (round to nearest)")
+    group.add_argument("--group-size", type=int, default=None, help="int4 group size for --quantize int4 (default 128)")
+    group.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    group.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
+    group.add_argument("--max-seq-len", type=int, default=None,
+                       help="prompt + completion tokens per sequence (default: min(the model's positions, 4096))")
+    group.add_argument("--max-num-seqs", type=int, default=128, help="sequences the engine runs at once")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens one engine step computes")
+    group.add_argument("--kv-cache-gb", type=float, default=None,
+                       help="KV cache budget in GiB (default: on CPU 4 at most, on CUDA from "
+                            "gpu_memory_utilization 0.9)")
+    if tensor_parallel:
+        group.add_argument("--tensor-parallel", type=int, default=None,
+                           help="split the model over N processes (torchrun --nproc-per-node N; default: "
+                                "WORLD_SIZE)")
+
+
+def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """tritonq.load(args.model, the load options); a checkpoint or option it refuses ends in fail()."""
+    import tritonq
+
+    options = dict(dtype=None if args.dtype == "auto" else args.dtype, device=args.device, quantize=args.quantize,
+                   group_size=args.group_size, revision=args.revision, max_seq_len=args.max_seq_len,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   kv_cache_gb=args.kv_cache_gb)
+    if getattr(args, "tensor_parallel", None) is not None:
+        options["tensor_parallel"] = args.tensor_parallel
+    try:
+        return tritonq.load(args.model, **options)
+    except (ValueError, OSError) as e:  # what load refuses says what to change; the traceback adds nothing
+        fail(parser, e)
+
+
+# --------------------------------------------------------------------------------------- generate / chat
+
+def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens to generate at most")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    group.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this mass (1: off)")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="keep tokens at least this fraction as likely as the most likely one (0: off)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL-style penalty on seen tokens")
+    group.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                       help="end the text before TEXT (repeat for several)")
+    group.add_argument("--seed", type=int, default=None, help="seed for repeatable sampling (default: random)")
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=tuple(args.stop or ()),
+                seed=args.seed)
+
+
+def _check_sampling(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """GenerationConfig's own checks, before the model loads (it imports torch, but not the model)."""
+    from tritonq.generate import GenerationConfig
+    try:
+        GenerationConfig(**_sampling(args))
+    except (TypeError, ValueError) as e:
+        fail(parser, e)
+
+
+def generate_parser(prog: str = "tritonq generate") -> argparse.ArgumentParser:
+    parser = new_parser(prog, "Generate a completion of one prompt and stream it (the continuation only) to stdout.")
+    parser.add_argument("model", help="checkpoint folder or Hugging Face id (dense, AWQ, GPTQ or FP8)")
+    parser.add_argument("prompt", help='the text to continue; "-" reads it from stdin')
+    _add_sampling_options(parser, max_new_tokens=128)
+    add_load_options(parser)
+    return parser
+
+
+def generate_main(argv: list[str] | None = None, prog: str = "tritonq generate") -> None:
+    parser = generate_parser(prog)
+    args = parser.parse_args(argv)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        fail(parser, "the prompt is empty; give the text to continue")
+    _check_sampling(parser, args)
+    model = load_model(parser, args)
+    try:
+        for piece in model.generate(prompt, stream=True, **_sampling(args)):
+            print(piece, end="", flush=True)
+    except ValueError as e:  # a prompt the engine refuses (too long for max_seq_len, ...)
+        fail(parser, e)
+    print()
+
+
+def chat_parser(prog: str = "tritonq chat") -> argparse.ArgumentParser:
+    parser = new_parser(prog, "Chat with a model through its chat template: each line read is a user turn, the "
+                              "reply streams to stdout. Ctrl-D (end of input) ends the chat.")
+    parser.add_argument("model", help="checkpoint folder or Hugging Face id whose tokenizer has a chat template")
+    parser.add_argument("--system-prompt", default=None, help="a system message before the first turn")
+    _add_sampling_options(parser, max_new_tokens=256)
+    add_load_options(parser)
+    return parser
+
+
+def chat_main(argv: list[str] | None = None, prog: str = "tritonq chat") -> None:
+    parser = chat_parser(prog)
+    args = parser.parse_args(argv)
+    _check_sampling(parser, args)
+    model = load_model(parser, args)
+    if model.tokenizer.chat_template is None:
+        fail(parser, f"{args.model}'s tokenizer has no chat template; use `tritonq generate` for plain text")
+    messages = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for piece in model.chat(messages, stream=True, **_sampling(args)):
+                reply.append(piece)
+                print(piece, end="", flush=True)
+        except ValueError as e:  # the conversation no longer fits max_seq_len, ...
+            fail(parser, e)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    if interactive:
+        print()
+
+
+# --------------------------------------------------------------------------------------- quantize
+
+def quantize_parser(prog: str = "tritonq quantize") -> argparse.ArgumentParser:
+    parser = new_parser(prog, "Write a quantized checkpoint (AWQ, GPTQ or FP8) from a dense one, in the exact "
+                              "on-disk format AutoAWQ / GPTQModel / vLLM read; see tritonq/quantize.py.")
+    parser.add_argument("src", help="dense checkpoint folder (transformers save_pretrained)")
+    parser.add_argument("dst", help="output folder")
+    parser.add_argument("--format", required=True, choices=["awq", "gptq", "fp8"], help="checkpoint format to write")
+    parser.add_argument("--group-size", type=int, default=128, help="rows per group along K (-1: one group)")
+    parser.add_argument("--sym", dest="sym", action="store_true", help="symmetric (GPTQ only; default for GPTQ)")
+    parser.add_argument("--asym", dest="sym", action="store_false", help="asymmetric zero points")
+    parser.set_defaults(sym=None)
+    parser.add_argument("--act-order", action="store_true", help="GPTQ desc_act with a g_idx")
+    parser.add_argument("--bits", type=int, default=4, choices=[4, 8], help="GPTQ bits")
+    parser.add_argument("--checkpoint-format", default="gptq", choices=["gptq", "gptq_v2"],
+                        help="GPTQ on-disk zero points: v1 (stored minus one) or v2")
+    parser.add_argument("--fp8-scheme", default="tensor", choices=["tensor", "channel", "block"],
+                        help="FP8 weight scales: one per tensor, per output channel, or per 128x128 block")
+    parser.add_argument("--modules-to-not-convert", nargs="*", default=None, help="name substrings left dense")
+    calib = parser.add_argument_group("calibration (--method gptq / awq)")
+    calib.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"],
+                       help="rtn: round to nearest; gptq (--format gptq) / awq (--format awq): calibrated")
+    calib.add_argument("--calibration", default=None, help="text file of calibration text")
+    calib.add_argument("--samples", type=int, default=128, help="calibration windows")
+    calib.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    calib.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean diag(H)")
+    calib.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block (columns)")
+    calib.add_argument("--awq-clip", action="store_true", help="AWQ: also search per-group weight clipping")
+    return parser
+
+
+def quantize_main(argv: list[str] | None = None, prog: str = "tritonq quantize") -> None:
+    parser = quantize_parser(prog)
+    a = parser.parse_args(argv)
+    if a.format == "awq" and a.sym:
+        parser.error("AWQ GEMM checkpoints are asymmetric (zero_point: true); drop --sym")
+    from tritonq.quantize import write_quantized
+
+    options = {"group_size": a.group_size, "modules_to_not_convert": a.modules_to_not_convert}
+    if a.format == "gptq":
+        options |= {"bits": a.bits, "sym": True if a.sym is None else a.sym, "act_order": a.act_order,
+                    "checkpoint_format": a.checkpoint_format}
+    if a.format == "fp8":
+        options = {"fp8_scheme": a.fp8_scheme, "modules_to_not_convert": a.modules_to_not_convert}
+    calibration = {"file": a.calibration, "samples": a.samples, "seq_len": a.seq_len, "damp": a.damp,
+                   "block_size": a.block_size, "clip": a.awq_clip}
+    try:
+        written = write_quantized(a.src, a.dst, a.format, method=a.method, calibration=calibration, **options)
+    except (ValueError, OSError) as e:  # bad input: one line that says what to change, no traceback
+        fail(parser, e)
+    print(f"wrote {written}")
+
+
+# --------------------------------------------------------------------------------------- the command
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A subcommand: its one-line summary, and where its parser and main live (imported when it runs)."""
+    summary: str
+    module: str
+    parser: str = "build_parser"
+    main: str = "main"
+
+    def parser_for(self, prog: str) -> argparse.ArgumentParser:
+        return getattr(importlib.import_module(self.module), self.parser)(prog)
+
+    def run(self, argv: list[str], prog: str):
+        return getattr(importlib.import_module(self.module), self.main)(argv, prog=prog)
+
+
+COMMANDS = {
+    "generate": Command("stream a completion of one prompt to stdout", __name__, "generate_parser", "generate_main"),
+    "chat": Command("an interactive chat through the model's chat template", __name__, "chat_parser", "chat_main"),
+    "serve": Command("the OpenAI-compatible server (pip install 'tritonq[serve]')", "tritonq.serve.__main__"),
+    "quantize": Command("write an AWQ / GPTQ / FP8 checkpoint from a dense one", __name__, "quantize_parser",
+                        "quantize_main"),
+    "eval": Command("perplexity of a text file, or lm-evaluation-harness tasks", "tritonq.eval.__main__"),
+    "bench": Command("run a benchmark (list them: tritonq bench --help)", "tritonq.bench.__main__"),
+    "tune": Command("sweep a kernel's launch configs and write the fastest", "tritonq.tune.cli"),
+    "check": Command("run the kernel tests on this machine, one line each", "tritonq.check"),
+    "demo": Command("quantize the shipped Shakespeare model to AWQ int4 and generate", "tritonq.demo"),
+}
+
+
+def build_parser(prog: str = "tritonq") -> argparse.ArgumentParser:
+    from tritonq import __version__
+
+    parser = new_parser(prog, __doc__.split("\n\n")[0], epilog=f"`{prog} COMMAND --help` shows a command's options.")
+    parser.add_argument("--version", action="version", version=f"tritonq {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, command in COMMANDS.items():
+        commands.add_parser(name, help=command.summary, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "tritonq") -> int | None:
+    """Run the command; its exit status is returned (`check`: 1 when a test failed) or raised (SystemExit)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:  # the subcommand's own parser takes everything after its name
+        return COMMANDS[argv[0]].run(argv[1:], prog=f"{prog} {argv[0]}")
+    parser = build_parser(prog)
+    if argv and not argv[0].startswith("-"):
+        fail(parser, f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
+    parser.parse_args(argv)  # --help, --version, or an unknown option (exit 2)
+    parser.print_help(sys.stderr)
+    raise SystemExit(2)  # no command given
+
+
+if __name__ == "__main__":
+    sys.exit(main())
