@@ -100,9 +100,7 @@ def test_bad_token_ids_are_refused_naming_the_id(server, vocab_size, normal_text
 
 
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
+    ("/v1/chat/completions", "tool_choice", "auto"),  # without tools
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/chat/completions", "parallel_tool_calls", True),
@@ -117,6 +115,13 @@ def test_unimplemented_and_unknown_fields_are_refused(server, path, field, value
     assert field in error["message"] and error["param"] == field, error
     if field == "no_such_field":
         assert "this server accepts" in error["message"] and "temperature" in error["message"]
+
+
+def test_tools_with_a_template_that_ignores_them_are_refused(server):
+    pytest.importorskip("xgrammar")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    error = _error(_post(server, _chat(tools=[tool]), "/v1/chat/completions"), 400)
+    assert error["param"] == "tools" and "does not render tools" in error["message"], error
 
 
 @pytest.mark.parametrize("path,extra,param,phrase", [

@@ -7,6 +7,7 @@ stop string or max_new_tokens; results come back in input order.
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -66,7 +67,13 @@ class GenerationConfig:
     top_logprobs: 0..20; also return the log-probabilities of that many most likely tokens at each
         generated position (GenerationOutput.top_logprobs).
     Order in the sampler, as vLLM: min_tokens mask, logit_bias, repetition / frequency / presence
-    penalties, temperature, min_p, top_k, top_p. Every log-probability returned is under the raw logits.
+    penalties, the structured-output grammar mask, temperature, min_p, top_k, top_p. Every log-probability
+    returned is under the raw logits.
+    json_schema / regex / choice (at most one; tritonq.structured, needs `pip install 'tritonq[structured]'`):
+        constrain the output to JSON matching a schema (a dict, or its JSON text; stored as compact JSON
+        text), to a full match of a regex, or to exactly one of a tuple of non-empty strings. EOS is
+        allowed only where the output is complete; min_tokens and ignore_eos cannot be combined with them
+        (the grammar decides where the output ends).
     """
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -83,6 +90,9 @@ class GenerationConfig:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int = 0
+    json_schema: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
 
     def __post_init__(self):
         _check_int("max_new_tokens", self.max_new_tokens, 0)
@@ -126,8 +136,40 @@ class GenerationConfig:
         _check_int("top_logprobs", self.top_logprobs, 0)
         if self.top_logprobs > MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs={self.top_logprobs}; expected an int in [0, {MAX_TOP_LOGPROBS}].")
+        self._check_constraint()
         if 0 < self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
+
+
+    def _check_constraint(self) -> None:
+        schema = self.json_schema
+        if schema is not None:
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"json_schema is not valid JSON ({exc}); pass a dict or its JSON text.") from None
+            if not isinstance(schema, dict):
+                raise TypeError(f"json_schema={self.json_schema!r:.80} ({type(schema).__name__}); expected a JSON "
+                                "schema: a dict (e.g. {'type': 'object'}) or its JSON text.")
+            # compact text: hashable, and the grammar cache key. Keys keep their order: properties are
+            # generated in the order the schema lists them.
+            object.__setattr__(self, "json_schema", json.dumps(schema, separators=(",", ":")))
+        if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
+            raise TypeError(f"regex={self.regex!r} ({type(self.regex).__name__}); expected a non-empty str.")
+        if self.choice is not None:
+            if not isinstance(self.choice, tuple):
+                raise TypeError(f"choice={self.choice!r} ({type(self.choice).__name__}); expected a tuple of str "
+                                "(Model.generate also takes a list).")
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"choice={self.choice!r}; expected at least one choice, each a non-empty str.")
+        given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} are both set; a request takes one constraint: pass one of them.")
+        if given and (self.min_tokens or self.ignore_eos):
+            name = "min_tokens" if self.min_tokens else "ignore_eos"
+            raise ValueError(f"{name} cannot be combined with {given[0]}: the grammar decides where the output "
+                             f"ends (EOS is allowed exactly when it is complete); leave {name} out.")
 
 
 @dataclass(frozen=True)
@@ -229,7 +271,7 @@ class Model:
         options are GenerationConfig fields (max_new_tokens, temperature, top_k, top_p, min_p,
         repetition_penalty, stop (a str or a list is taken too), seed, min_tokens, ignore_eos,
         stop_token_ids (a list is taken too), presence_penalty, frequency_penalty, logit_bias (a dict),
-        top_logprobs). Returns
+        top_logprobs, json_schema, regex, choice (a list is taken too)). Returns
         the text (a str for a single prompt, a list in input order otherwise) or a GenerationOutput with return_dict=True. stream=True returns an iterator of
         text pieces as they become final: str pieces for a single prompt, (index, piece) for a list.
         progress: a tqdm bar over requests (default: when there are more than 8 prompts).
@@ -241,6 +283,8 @@ class Model:
             options["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         if isinstance(options.get("stop_token_ids"), list):
             options["stop_token_ids"] = tuple(options["stop_token_ids"])
+        if isinstance(options.get("choice"), list):
+            options["choice"] = tuple(options["choice"])
         config = replace(config or GenerationConfig(), **options)
         encoded, single = self._encode(prompts)
         if stream and return_dict:

@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tritonq.engine.runner import SamplingParams, SamplingTensors, process_logits, sample_logits, sampling_noise
+from tritonq.engine.runner import (SamplingParams, SamplingTensors, open_unit_uniform, process_logits,
+                                   sample_logits, sampling_noise)
 from tritonq.generate import GenerationConfig
 
 N = 4000  # draws per distribution: frequencies within 0.03 of the probabilities
@@ -245,6 +246,15 @@ def test_min_tokens_defers_stop_strings(model):
     streamed = "".join(model.generate("hello", max_new_tokens=12, stop=stop, min_tokens=6, stream=True))
     assert streamed == later
 
+
+
+def test_uniforms_stay_inside_the_open_unit_interval_at_the_extreme_bits():
+    """The largest and smallest bit patterns give u strictly inside (0, 1), so the Gumbel noise is finite
+    (an infinite noise would turn a masked -inf logit into NaN, which argmax picks)."""
+    bits = torch.tensor([0, 1, 511, 2 ** 32 - 512, 2 ** 32 - 1], dtype=torch.int64)
+    u = open_unit_uniform(bits)
+    assert bool(((u > 0) & (u < 1)).all()), u
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
 
 
 def test_stop_token_ids_end_the_request_after_min_tokens(model):

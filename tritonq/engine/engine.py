@@ -41,6 +41,7 @@ from tritonq.engine.runner import ModelRunner, SamplingParams
 from tritonq.engine.scheduler import Scheduler
 from tritonq.engine.sequence import Sequence
 from tritonq.engine.speculative import SpeculativeStats, accept
+from tritonq.structured import Grammars, GrammarState, constraint_of, token_bitmask
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Request:
     finish_reason: str | None = None  # "eos", "stop", "length", "abort", "error"
     error: str | None = None  # with finish_reason "error": "<ExceptionType>: <message>"
     speculation: SpeculativeStats = field(default_factory=SpeculativeStats)  # its verified proposals
+    grammar: GrammarState | None = None  # structured outputs: where its output is in its grammar
 
     @property
     def time_to_first_token_s(self) -> float:
@@ -126,6 +128,18 @@ class Engine:
         self._done: list[RequestOutput] = []  # finished without a step (max_new_tokens=0): reported next
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None  # set by a device error: see step()
+        self._grammars: Grammars | None = None  # made at the first structured-output request (see grammars)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output grammar compiler and cache over this tokenizer (made on first use; made
+        again if eos_token_ids changed, since they are the grammars' stop tokens). Raises
+        ModuleNotFoundError naming the extra when xgrammar is not installed."""
+        grammars = self._grammars
+        if grammars is None or grammars.stop_token_ids != sorted(self.eos_token_ids):
+            grammars = self._grammars = Grammars(self.tokenizer, self.runner.model.config.vocab_size,
+                                                 self.eos_token_ids)
+        return grammars
 
     def use_speculation(self, proposer, num_speculative_tokens: int) -> None:
         """Speculative decoding from now on: proposer (tritonq.engine.speculative: NgramProposer /
@@ -166,9 +180,11 @@ class Engine:
     def check_request(self, prompt_ids: list[int], config, *, name: str = "the prompt") -> None:
         """Every request-level check, before anything is queued (Model and server both call it): the
         prompt is non-empty, every id an int in [0, vocab_size) (the prompt's, stop_token_ids' and
-        logit_bias's), and prompt + max_new_tokens fits max_seq_len and the KV cache. config: a GenerationConfig (its own fields were checked when it was
-        made). Raises TypeError for a wrong type, ValueError naming the numbers otherwise. Reads constants
-        only: safe to call from any thread."""
+        logit_bias's), and prompt + max_new_tokens fits max_seq_len and the KV cache, and its structured-output
+        constraint compiles (compiled here, once per distinct constraint: a bad schema is refused before anything
+        is queued). config: a GenerationConfig (its own fields were checked when it was made). Raises TypeError
+        for a wrong type, ValueError naming the numbers or the grammar error otherwise. Reads constants and the
+        thread-safe grammar cache only: safe to call from any thread."""
         self.check_token_ids(prompt_ids, name=name)
         vocab_size = self.runner.model.config.vocab_size
         for field_name, ids in (("stop_token_ids", config.stop_token_ids),
@@ -178,6 +194,9 @@ class Engine:
                 raise ValueError(f"{field_name} has token id {outside[0]} outside the vocabulary (vocab_size="
                                  f"{vocab_size}: ids 0..{vocab_size - 1}); use ids of this model's tokenizer.")
         self._check_length(len(prompt_ids), config.max_new_tokens, name)
+        constraint = constraint_of(config)
+        if constraint is not None:
+            self.grammars.compile(constraint)
 
     def add_request(self, prompt_ids: list[int], config, *, stream: bool = True) -> int:
         """Queue a request (config: a GenerationConfig); returns its id. It waits until blocks are free.
@@ -191,13 +210,17 @@ class Engine:
         request = Request(rid, prompt_ids, config, SamplingParams(config, num_prompt_tokens=len(prompt_ids)),
                           Detokenizer(self.tokenizer, config.stop, min_tokens=config.min_tokens),
                           stream=stream or bool(config.stop), arrival_s=time.perf_counter())
+        constraint = constraint_of(config)
+        if constraint is not None:
+            request.grammar = self.grammars.matcher(constraint)
         if config.max_new_tokens == 0:
             self._finish(request, "length")
             return rid
         seq = Sequence(rid, prompt_ids, config.max_new_tokens, extra=request)
         # The penalties' (repetition, presence, frequency) seen tokens are kept incrementally per request
-        # (runner.SeenTokens), which rows carrying unverified proposals would corrupt: no speculation for them.
-        if not request.sampling.penalized:
+        # (runner.SeenTokens), and so is a structured output's grammar state, which rows carrying unverified
+        # proposals would corrupt: no speculation for them.
+        if not request.sampling.penalized and request.grammar is None:
             seq.num_speculative_tokens = self.num_speculative_tokens
         self.scheduler.add(seq)
         self.requests[rid] = request
@@ -237,14 +260,16 @@ class Engine:
             logits = self.runner.run(ctx)
             # row j of a sequence samples the token after its tokens + proposals[:j], as a plain decode
             # step at that length would (same noise counter, same min_tokens EOS mask)
-            params, token_ids, mask_eos = [], [], []
+            params, token_ids, mask_eos, row_seqs = [], [], [], []
             for seq, m, p in zip(step.seqs, rows, proposals):
                 for j in range(m):
+                    row_seqs.append(seq)
                     params.append(seq.extra.sampling)
                     token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
                     mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
             tokens, logprobs, tops = self.runner.sample(logits, params, token_ids, mask_eos=mask_eos,
-                                                        eos_token_ids=self.eos_token_ids)
+                                                        eos_token_ids=self.eos_token_ids,
+                                                        token_bitmask=self._token_bitmask(row_seqs, logits.shape[1]))
         except Exception as exc:
             if _is_device_error(exc):
                 self._dead = EngineDeadError(f"the engine cannot continue after a device error: "
@@ -280,6 +305,10 @@ class Engine:
             request = seq.extra
             detokenizer, config = request.detokenizer, request.config
             for j, (token, logprob, top) in enumerate(pick):
+                if request.grammar is not None and not request.grammar.accept(token):  # (never speculated)
+                    outputs.append(self._fail(seq, f"RuntimeError: token {token} is not allowed by the request's "
+                                                   "grammar (structured output): the sampler broke its constraint."))
+                    break
                 request.token_ids.append(token)
                 request.logprobs.append(logprob)
                 if top is not None:
@@ -310,6 +339,18 @@ class Engine:
         self.runner.release(request.sampling)
         if self.proposer is not None:
             self.proposer.release(request.request_id)
+
+    @staticmethod
+    def _token_bitmask(sampling: list[Sequence], vocab_size: int) -> torch.Tensor | None:
+        """The step's structured-output bitmask int32 [R, ceil(V / 32)] (CPU) over the sampling rows: each
+        constrained row filled by its grammar, the others all allowed; None when no row is constrained."""
+        rows = [(r, seq.extra.grammar) for r, seq in enumerate(sampling) if seq.extra.grammar is not None]
+        if not rows:
+            return None
+        bitmask = token_bitmask(len(sampling), vocab_size)
+        for r, grammar in rows:
+            grammar.fill(bitmask, r)
+        return bitmask
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -10,10 +10,10 @@ value read on the host, and, with CUDA graphs captured, a replay instead of ~10 
 Prefill, and decode batches above the largest bucket, run eagerly on tensors built per step.
 
 sample() draws every row's next token in one batched pass (`SamplingTensors`: per-row EOS / stop-id
-mask below min_tokens, logit bias, repetition / frequency / presence penalties, temperature, min-p,
-top-k, top-p as tensors); only the sampled ids, their log-probabilities (and the top-N alternatives
-a request asked for) and whether each row's logits were finite come back to the host, in one transfer
-per step. A row's random numbers are a hash of (its request's seed, its
+mask below min_tokens, logit bias, repetition / frequency / presence penalties, each structured-output
+row's grammar bitmask, temperature, min-p, top-k, top-p as tensors); only the sampled ids, their
+log-probabilities (and the top-N alternatives a request asked for) and whether each row's logits were
+finite come back to the host, in one transfer per step. A row's random numbers are a hash of (its request's seed, its
 sequence length, vocabulary index) computed with torch integer ops (`sampling_noise`), so a seeded
 request draws the same tokens whatever else shares its batch, without a torch.Generator per
 request; greedy (temperature 0) is argmax.
@@ -35,6 +35,7 @@ from tritonq.distributed import broadcast_from_rank0
 from tritonq.engine.compiled import CompiledDecode
 from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_buckets
 from tritonq.models.common import StepContext
+from tritonq.structured import apply_token_bitmask
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 4.0  # the CPU default budget (capped by what max_num_seqs sequences of max_seq_len use)
@@ -153,8 +154,14 @@ def sampling_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torc
     row = _mix32((_mix32(_mix32(seeds[0]) ^ seeds[1]) + steps) & MASK32)  # [R]
     index = torch.arange(vocab, device=steps.device, dtype=torch.int64)
     bits = _mix32(_mix32(row[:, None] ^ index[None, :]))  # [R, vocab] in [0, 2^32)
-    u = ((bits >> 8).to(torch.float32) + 0.5) * 2.0 ** -24  # 24 random bits: u in (0, 1), never 0 or 1
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(open_unit_uniform(bits)))
+
+
+def open_unit_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1), never 0 or 1, from bits int64 in [0, 2^32): the top 23 bits + 0.5, over
+    2^23. (With 24 bits, 2^24 - 0.5 rounds up to 2^24 in float32: u = 1 and the noise is +inf, which beats
+    a -inf (masked) logit: inf + -inf is NaN, and argmax takes NaN.)"""
+    return ((bits >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
 
 
 @dataclass
@@ -169,6 +176,8 @@ class SamplingTensors:
     temperature [R] float32 (0: greedy), top_k [R] int64 (0: off), top_p [R] float32 (1: off),
     min_p [R] float32 (0: off), noise [R, V] float32 from `sampling_noise`: all None when every row is
     greedy. filters: some row uses top-k or top-p.
+    allowed: int32 [R, ceil(V / 32)] bitmask of the tokens each row's grammar allows (structured outputs,
+    tritonq.structured; unconstrained rows all ones).
     """
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -183,12 +192,14 @@ class SamplingTensors:
     min_p: torch.Tensor | None = None
     noise: torch.Tensor | None = None
     filters: bool = False
+    allowed: torch.Tensor | None = None
 
 
 def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """The logits [R, V] float32 every row samples from, before temperature: its masks, logit bias and
     penalties applied, each one tensor op over the batch (a new per-row mask or bias goes here).
-    Order, as vLLM: the min_tokens mask, logit_bias, then the repetition, frequency and presence penalties."""
+    Order, as vLLM: the min_tokens mask, logit_bias, then the repetition, frequency and presence penalties,
+    then the grammar bitmask."""
     if t.banned is not None:
         logits = logits.index_put(t.banned, torch.tensor(float("-inf"), device=logits.device))
     if t.bias is not None:  # OpenAI logit_bias: added to the logit of each named token
@@ -199,6 +210,8 @@ def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.counts is not None:  # OpenAI: logit - count * frequency_penalty - (count > 0) * presence_penalty
         counts = t.counts.to(logits.dtype)
         logits = logits - counts * t.frequency_penalty[:, None] - (counts > 0) * t.presence_penalty[:, None]
+    if t.allowed is not None:  # structured outputs: only what each row's grammar allows (last: nothing revives it)
+        logits = apply_token_bitmask(logits, t.allowed)
     return logits
 
 
@@ -353,7 +366,8 @@ class ModelRunner:
         return self.model(ctx, self.cache).float()
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
-               mask_eos: list[bool] | None = None, eos_token_ids: set[int] = frozenset()
+               mask_eos: list[bool] | None = None, eos_token_ids: set[int] = frozenset(),
+               token_bitmask: torch.Tensor | None = None
                ) -> tuple[list[int | None], list[float | None], list[dict[int, float] | None]]:
         """Each row's next token, its log-probability and its top alternatives, all under the raw logits
         (before any mask, bias, penalty or filter, as vLLM's default).
@@ -361,14 +375,18 @@ class ModelRunner:
         logits [R, V] float32; params[r] the row's request settings; token_ids[r] its prompt + generated
         tokens (the penalties' "seen" sets, kept in `self.seen` across steps; its length numbers the row's
         random draws); mask_eos[r]: row r may not sample an EOS id (eos_token_ids) nor one of its
-        stop_token_ids this step (min_tokens not reached). All rows are sampled at once (`sample_logits`).
+        stop_token_ids this step (min_tokens not reached); token_bitmask: int32 [R, ceil(V / 32)] on the CPU,
+        the tokens each row's grammar allows (structured outputs; None: no row is constrained). All rows are
+        sampled at once (`sample_logits`).
         The third list holds, for rows whose request asks for top_logprobs = N > 0, a dict of the N most
         likely token ids -> log-probability (most likely first), else None. A row whose logits hold NaN or
         inf anywhere gets token, logprob and top None: its distribution is meaningless. Everything comes
         back to the host in one transfer. Call release() when a request finishes."""
         R, V = logits.shape
-        tokens = sample_logits(logits, self.sampling_tensors(params, token_ids, mask_eos, eos_token_ids, V,
-                                                              logits.device))
+        tensors = self.sampling_tensors(params, token_ids, mask_eos, eos_token_ids, V, logits.device)
+        if token_bitmask is not None:
+            tensors.allowed = token_bitmask.to(logits.device, non_blocking=True)
+        tokens = sample_logits(logits, tensors)
         # -1 marks a row with non-finite logits; set before the broadcast so every rank agrees on it
         tokens = torch.where(torch.isfinite(logits).all(-1), tokens, -1)
         if self.world > 1:

@@ -24,11 +24,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tritonq.generate import text_message, top_dicts
+from tritonq.generate import GenerationConfig, text_message, top_dicts
 from tritonq.serve.engine_loop import EngineLoop, Event, QueueFull, Stream
 from tritonq.serve.metrics import ServerMetrics
 from tritonq.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                     StrictJSONResponse, dumps, finite_logprob)
+from tritonq.serve.tools import parse_tool_calls, tool_call
+from tritonq.structured import constraint_of
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 DISCONNECT_POLL_S = 0.5    # how often a request checks whether its client left (busy or not)
@@ -162,8 +164,8 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
         if first.get("type") in ("unknown_field", "unsupported_field", "lone_surrogate", "invalid_field"):
             # raised by a model validator: its loc is the object, ctx names the field inside it
             param = ".".join(filter(None, [param, str(first["ctx"]["name"])]))
-            return APIError(400, first["msg"] if "." not in param or first["type"] == "lone_surrogate"
-                            else f"{param}: {first['msg']}", param).response()
+            whole = "." not in param or first["type"] in ("lone_surrogate", "invalid_field")
+            return APIError(400, first["msg"] if whole else f"{param}: {first['msg']}", param).response()
         if first.get("type") == "json_invalid":
             param = None
             message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
@@ -207,6 +209,16 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
                                             "owned_by": "tritonq", "max_model_len": max_seq_len}]}
 
     # ---- generation ---------------------------------------------------------------------
+    async def check_output_schema(body: SamplingRequest) -> None:
+        """Compile the schema the output must follow once here (off the loop, into the engine's grammar
+        cache), so a bad one is a 400 naming its field before anything is queued."""
+        schema, field = body.output_schema()
+        if schema is not None:
+            try:
+                await off_loop(engine.grammars.compile, constraint_of(GenerationConfig(json_schema=schema)))
+            except (ValueError, TypeError, ModuleNotFoundError) as exc:
+                raise APIError(400, f"{field}: {exc}", field) from None
+
     def configs_for(body: SamplingRequest, prompts: list[list[int]]) -> list[list]:
         """Every prompt checked against the context and the engine (400 naming what is wrong): the
         GenerationConfigs of its n choices. max_tokens=0 is allowed with echo only."""
@@ -389,6 +401,7 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
         except (ValueError, TypeError) as exc:
             raise APIError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from None
         prompts = [encoded.pop(0) if isinstance(p, str) else p for p in texts]
+        await check_output_schema(body)
         configs = configs_for(body, prompts)
         want_logprobs = body.logprobs is not None
         echoes = await echo_parts(body, texts, prompts) if body.echo else None
@@ -452,14 +465,23 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            messages = [text_message(i, {"role": m.role, "content": "" if m.content is None else m.content})
-                        for i, m in enumerate(body.messages)]
+            messages = [text_message(i, m.for_template()) for i, m in enumerate(body.messages)]
             text = await off_loop(tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                                  tokenize=False)
+                                  tokenize=False, **({"tools": tools} if tools else {}))
+            if tools and text == await off_loop(tokenizer.apply_chat_template, messages,
+                                                add_generation_prompt=True, tokenize=False):
+                raise APIError(400, "this model's chat template does not render tools, so the model would "
+                                    "never see them; leave tools out (or serve a model whose template takes "
+                                    "tools, e.g. Hermes / Qwen style)", "tools")
+        except APIError:
+            raise
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's messages
             raise APIError(400, f"the messages do not fit the chat template: {exc}", "messages") from None
         prompt = await off_loop(lambda: tokenizer(text, add_special_tokens=False).input_ids)
+        named, parse_calls = body.named_tool(), body.parses_tool_calls()
+        await check_output_schema(body)
         stream = await submit(body, [prompt], configs_for(body, [prompt]))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": served_model_name}
@@ -475,20 +497,46 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
                                                 "finish_reason": finish_reason}]} | (
                         {"usage": None} if include_usage else {})
                 chunks = [one({"role": "assistant", "content": ""})] if first else []  # the role comes first
-                if text or out.finished or body.logprobs:
-                    logprobs = None
-                    if body.logprobs and out.token_id is not None:
-                        logprobs = chat_logprobs([out.token_id], [out.logprob], [out.top_logprobs])
-                    chunks.append(one({"content": text} if text else {}, logprobs,
-                                      choice.finish_reason if out.finished else None))
+                logprobs = None
+                if body.logprobs and out.token_id is not None:
+                    logprobs = chat_logprobs([out.token_id], [out.logprob], [out.top_logprobs])
+                finish = choice.finish_reason if out.finished else None
+                if named is not None:  # the text is the arguments of one call, streamed as they come
+                    call = {"index": 0, "function": {"arguments": text}}
+                    if first:
+                        call = tool_call(named.name, text) | {"index": 0}
+                    if text or first or out.finished or body.logprobs:
+                        chunks.append(one({"tool_calls": [call]} if text or first else {}, logprobs, finish))
+                elif parse_calls:  # the reply may be a tool call: its text is read whole when it ends
+                    if out.finished:
+                        content, calls = parse_tool_calls(choice.text)
+                        delta = ({"content": content} if content else {}) | (
+                            {"tool_calls": [c | {"index": k} for k, c in enumerate(calls)]} if calls else {})
+                        chunks.append(one(delta, logprobs, "tool_calls" if calls and finish == "stop" else finish))
+                    elif body.logprobs:
+                        chunks.append(one({}, logprobs))
+                elif text or out.finished or body.logprobs:
+                    chunks.append(one({"content": text} if text else {}, logprobs, finish))
                 return chunks
             return stream_events(stream, request, body.n, chunk, include_usage)
         choices = await collect(stream, request, body.n)
+
+        def reply(c: _Choice) -> tuple[dict, str]:
+            """(message, finish_reason) of a finished choice, its tool calls read out of the text."""
+            if named is not None:
+                return {"role": "assistant", "content": None, "tool_calls": [tool_call(named.name, c.text)]}, \
+                    c.finish_reason
+            content, calls = parse_tool_calls(c.text) if parse_calls else (c.text, [])
+            if not calls:
+                return {"role": "assistant", "content": c.text}, c.finish_reason
+            return ({"role": "assistant", "content": content, "tool_calls": calls},
+                    "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
+        replies = [reply(c) for c in choices]
         return base | {
             "object": "chat.completion",
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": message,
                          "logprobs": chat_logprobs(c.token_ids, c.logprobs, c.tops) if body.logprobs else None,
-                         "finish_reason": c.finish_reason} for c in choices],
+                         "finish_reason": finish} for c, (message, finish) in zip(choices, replies)],
             "usage": usage_of(choices, body.n)}
 
     return app

@@ -5,9 +5,9 @@ the field, the value and what is allowed. Every field is either honoured or refu
 silently ignored:
 
 - unknown fields are refused ("unknown field X; this server accepts: ..."),
-- OpenAI fields this server does not implement (response_format, tools, tool_choice, functions,
-  function_call, parallel_tool_calls, suffix, ...) are refused naming the field, unless their value
-  asks for nothing (null, or e.g. `tool_choice: "none"`, `response_format: {"type": "text"}`),
+- OpenAI fields this server does not implement (functions, function_call, parallel_tool_calls,
+  suffix, ...) are refused naming the field, unless their value asks for nothing (null, or e.g.
+  `function_call: "none"`),
 - types are strict (JSON types as written: `"stream": "yes"`, `max_tokens: 2.5`, `"5"` for a number
   and `true` for a token id are refused; an integer is accepted for a float field),
 - a string holding a lone UTF-16 surrogate (`"\\ud800"`, which cannot be encoded) is refused.
@@ -17,12 +17,17 @@ supported arguments is accepted. The sampling fields (OpenAI's presence / freque
 logit_bias, logprobs / top_logprobs, echo; vLLM's top_k, min_p, min_tokens, ignore_eos,
 stop_token_ids, repetition_penalty) go to GenerationConfig; logit_bias keys must be token ids (as JSON
 strings) with biases in [-100, 100], top alternatives are 0..20.
+
+Structured outputs (tritonq.structured): `response_format` {"type": "json_object"} (any JSON object) or
+{"type": "json_schema", "json_schema": {"name", "schema", ...}} becomes GenerationConfig.json_schema, on
+both routes; chat `tools` with `tool_choice` "none" / "auto" / {"type": "function", "function": {"name"}}
+(a named function: its output is constrained to the function's `parameters` schema).
 """
 from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -80,9 +85,6 @@ class _ErrorJSON(JSONResponse):
 
 # Fields of the OpenAI API this server does not implement, with the values that ask for nothing.
 UNSUPPORTED = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
     "parallel_tool_calls": lambda v: v is None,
@@ -132,14 +134,15 @@ class _Body(BaseModel):
     def _check_fields(cls, data):
         if not isinstance(data, dict):
             return data
+        fields = {f.alias or n for n, f in cls.model_fields.items()}
         for name, value in data.items():
-            if name in cls.model_fields:
+            if name in fields:
                 continue
             if name in UNSUPPORTED:
                 raise PydanticCustomError(
                     "unsupported_field", "{name}={value} is not supported by this server; leave it out",
                     {"name": name, "value": json.dumps(value)[:80]})
-            accepted = ", ".join(sorted(n for n in cls.model_fields if n not in UNSUPPORTED))
+            accepted = ", ".join(sorted(n for n in fields if n not in UNSUPPORTED))
             raise PydanticCustomError("unknown_field", "unknown field '{name}'; this server accepts: {accepted}",
                                       {"name": name, "accepted": accepted})
         return data
@@ -147,6 +150,34 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(_Body):
+    """response_format's json_schema: the schema (field `schema`) and its OpenAI metadata."""
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema here (the grammar enforces it)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise field_error("json_schema", 'response_format {"type": "json_schema"} needs a "json_schema": '
+                                              '{"name": ..., "schema": {...}}, and only that type takes one')
+        return self
+
+    def schema(self) -> dict | None:
+        """The JSON schema the output must follow, or None (text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+        return None
 
 
 class SamplingRequest(_Body):
@@ -173,6 +204,7 @@ class SamplingRequest(_Body):
     user: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -210,6 +242,11 @@ class SamplingRequest(_Body):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def output_schema(self) -> tuple[dict | None, str | None]:
+        """(the JSON schema the output must follow, the field that asks for it), or (None, None)."""
+        schema = self.response_format.schema() if self.response_format is not None else None
+        return (schema, "response_format") if schema is not None else (None, None)
+
     def top_logprobs_wanted(self) -> int:
         """How many alternatives each generated token's logprobs carry (0: the sampled token's only)."""
         return 0
@@ -217,6 +254,7 @@ class SamplingRequest(_Body):
     def generation_configs(self, max_new_tokens: int) -> list[GenerationConfig]:
         """One config per choice; with a seed and n > 1 choice i samples with seed + i so the
         choices differ but the whole response is repeatable."""
+        schema, _ = self.output_schema()
         bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         return [GenerationConfig(max_new_tokens=max_new_tokens, temperature=self.temperature,
                                  top_k=max(self.top_k, 0), top_p=self.top_p,
@@ -225,7 +263,8 @@ class SamplingRequest(_Body):
                                  min_p=self.min_p, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                                  stop_token_ids=tuple(self.stop_token_ids or ()),
                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                 logit_bias=bias, top_logprobs=self.top_logprobs_wanted())
+                                 logit_bias=bias, top_logprobs=self.top_logprobs_wanted(),
+                                 json_schema=schema)
                 for i in range(self.n)]
 
 
@@ -272,6 +311,48 @@ class CompletionRequest(SamplingRequest):
 class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None                 # a "tool" turn: the call it answers
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: tool-call arguments as a dict (OpenAI sends JSON text;
+        Hermes / Qwen templates write them with `tojson`)."""
+        message = {"role": self.role, "content": "" if self.content is None else self.content}
+        message.update({k: v for k in ("name", "tool_call_id") if (v := getattr(self, k)) is not None})
+        if self.tool_calls is not None:
+            calls = []
+            for call in self.tool_calls:
+                function = dict(call.get("function") or {})
+                if isinstance(function.get("arguments"), str):
+                    try:
+                        function["arguments"] = json.loads(function["arguments"])
+                    except json.JSONDecodeError:
+                        pass  # the template gets the text as sent
+                calls.append({**call, "function": function})
+            message["tool_calls"] = calls
+        return message
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -279,10 +360,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: Any = None
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -295,7 +375,43 @@ class ChatCompletionRequest(SamplingRequest):
             raise field_error("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true (the "
                                               "alternatives come with each token's logprob); pass logprobs=true or "
                                               "leave top_logprobs out")
+        choice = self.tool_choice
+        if choice == "required":
+            raise field_error("tool_choice", 'tool_choice="required" is not supported; use "auto" or name the '
+                                              'function: {"type": "function", "function": {"name": ...}}')
+        if choice not in (None, "none") and not self.tools:
+            raise field_error("tool_choice", f"tool_choice={json.dumps(_plain(choice))} needs tools; pass "
+                                              "tools or leave tool_choice out")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if choice.function.name not in names:
+                raise field_error("tool_choice", f"tool_choice names the function {choice.function.name!r}, "
+                                                  f"which is not in tools ({', '.join(map(repr, names))}); "
+                                                  "name one of them")
+            if self.response_format is not None and self.response_format.type != "text":
+                raise field_error("response_format", "tool_choice naming a function and response_format both "
+                                                      "constrain the output; pass one of them")
         return self
 
     def top_logprobs_wanted(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else 0
+
+    def named_tool(self) -> FunctionDefinition | None:
+        """The function tool_choice names (its call is the whole reply), or None."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return next(t.function for t in self.tools if t.function.name == self.tool_choice.function.name)
+        return None
+
+    def parses_tool_calls(self) -> bool:
+        """tools with tool_choice "auto" (the default when tools are given): tool calls are read from the text."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def output_schema(self) -> tuple[dict | None, str | None]:
+        named = self.named_tool()
+        if named is not None:  # the reply is this function's arguments
+            return (named.parameters if named.parameters is not None else {"type": "object"}), "tool_choice"
+        return super().output_schema()
+
+
+def _plain(value):
+    return value.model_dump(by_alias=True) if isinstance(value, BaseModel) else value
