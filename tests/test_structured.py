@@ -205,3 +205,28 @@ def test_missing_xgrammar_names_the_extra(monkeypatch, tiny_llama_model):
     monkeypatch.setattr(tiny_llama_model.engine, "_grammars", None)
     with pytest.raises(ModuleNotFoundError, match=re.escape("pip install 'tritonq[structured]'")):
         tiny_llama_model.generate("x", regex="a+", max_new_tokens=4)
+
+
+def test_structured_requests_are_not_speculated_and_still_validate(tmp_path):
+    """With n-gram speculation on, a constrained request decodes one verified token per step (its grammar
+    state advances per token; unverified proposals would corrupt it) and its output still parses; an
+    unconstrained request in the same batch is speculated."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITONQ_BACKEND", "torch")
+        model = tritonq.load(DEFAULT_MODEL, max_num_seqs=4, max_seq_len=256, dtype=torch.float32,
+                             speculative={"method": "ngram", "num_tokens": 3})
+    engine = model.engine
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    constrained = engine.add_request(model.tokenizer("To be, or not to be").input_ids,
+                                     GenerationConfig(max_new_tokens=64, json_schema=schema))
+    free = engine.add_request(model.tokenizer("To be, or not to be, to be, or not to be").input_ids * 3,
+                              GenerationConfig(max_new_tokens=40, ignore_eos=True))
+    requests = {rid: engine.requests[rid] for rid in (constrained, free)}
+    while engine.has_unfinished():
+        engine.step()
+    assert requests[constrained].speculation.proposed == 0
+    assert requests[free].speculation.proposed > 0
+    assert requests[constrained].finish_reason == "eos"
+    text = model.tokenizer.decode(requests[constrained].token_ids, skip_special_tokens=True)
+    assert isinstance(json.loads(text)["a"], bool)
