@@ -1,11 +1,13 @@
 """The CPU backend (kernels/cpu_lowbit.py) against the float32 torch references, every format variant,
-at odd shapes: M = 1, 3, 17, 64; N not a multiple of the int4 kernel's 16 columns; K three groups
-(not a multiple of the larger kernel groups) or, per-channel, not a multiple of 32 at all.
+at odd shapes: M = 1, 3, 17 (int4 kernel), 64, 130 (int4: per-call dequantize + bf16 GEMM); N not a
+multiple of the packed layout's 64 columns; K three groups (not a multiple of the larger kernel groups)
+or, per-channel, not a multiple of 32 at all.
 
 Tolerances (stated once, justified in kernels/cpu_lowbit.py):
-  int4 (bf16 activations, scales, float zeros and output; fp32 accumulation): elementwise
-      |y - ref| <= 2^-7 * (|x| @ T^T), T[n, k] = scale * (|q - 8| + |8 - z|): three bf16
-      roundings (2^-9 each) of the magnitude of the terms summed, plus the reference's fp16 W.
+  int4 (bf16 activations, scales, float zeros, output and, above 32 rows, W; fp32 accumulation):
+      elementwise |y - ref| <= INT4_BOUND * (|x| @ T^T), T[n, k] = scale * (|q - 8| + |8 - z|): four
+      bf16 roundings (unit roundoff 2^-8 each) of the magnitude of the terms summed, plus the reference's
+      fp16 W (2^-11); the relative norm of the error is also checked (< 2^-6: it is ~3e-3, RMS).
   fp32 paths (8-bit GPTQ, FP8, int4 groups the kernel cannot take): the same dequantized values
       and arithmetic as the reference, summation order only: rtol 1e-5, atol 1e-5 * max |ref|.
       FP8 runs weight-only by default on CPU (as below sm_89): compared with the weight-only reference.
@@ -26,8 +28,9 @@ from tritonq.packing import unpack_int32
 from tritonq.quantize import quantize_fp8, quantize_int4
 from tritonq.weights import FP8Weight, Int4Weight, stack_experts
 
-MS = [1, 3, 17, 64]
-N = 72  # not a multiple of 16: the packed weight gets padded columns
+MS = [1, 3, 17, 64, 130]
+N = 72  # not a multiple of 64: the packed weight gets padded columns
+INT4_BOUND = 2**-6 + 2**-11
 
 INT4_CASES = {  # name: (K, quantize_int4 options)
     "awq_g128_asym": (384, dict(group_size=128, sym=False)),
@@ -88,7 +91,7 @@ def test_int4_cpu_kernel_matches_reference(name, M):
     x = torch.randn(M, K)
     y, ref = int4_gemm(x, w), int4_gemm_reference(x, w)
     assert y.shape == (M, N) and y.dtype == torch.float32
-    bound = 2**-7 * (x.abs() @ int4_term_magnitudes(w).t())
+    bound = INT4_BOUND * (x.abs() @ int4_term_magnitudes(w).t())
     excess = ((y - ref).abs() - bound).max().item()
     assert excess <= 0, f"error exceeds the bf16 bound by {excess}"
     assert ((y - ref).norm() / ref.norm()).item() < 2**-6  # and is not just inside a loose bound
@@ -97,17 +100,45 @@ def test_int4_cpu_kernel_matches_reference(name, M):
 @pytest.mark.parametrize("act_order", [False, True])
 def test_int4_repacked_in_row_blocks_equals_one_repack(monkeypatch, act_order):
     """The load-time repack runs PACK_ROWS output rows at a time (small int32 temporaries); N = 600 spans
-    three blocks, the last partial and padded to 608: the packed bytes equal one repack of the whole
+    three blocks, the last partial and padded to 640: the packed bytes equal one repack of the whole
     weight, and the GEMM still matches the reference."""
     w = quantize_int4(torch.randn(600, 256), group_size=64, sym=False, act_order=act_order)
     blocked = cpu_lowbit._prepare_int4(w)
     monkeypatch.setattr(cpu_lowbit, "PACK_ROWS", 1 << 30)
     whole = cpu_lowbit._prepare_int4(w)
-    assert blocked.packed.shape == whole.packed.shape == (608, 128)
+    assert blocked.packed.shape == whole.packed.shape == (640, 128)
     assert torch.equal(blocked.packed, whole.packed)
-    x = torch.randn(3, 256)
-    y, ref = cpu_lowbit.linear(x, blocked), int4_gemm_reference(x, w)
-    assert ((y - ref).norm() / ref.norm()).item() < 2**-6
+    for M in (3, 40):  # the int4 kernel and the dequantize path
+        x = torch.randn(M, 256)
+        y, ref = cpu_lowbit.linear(x, blocked), int4_gemm_reference(x, w)
+        assert ((y - ref).norm() / ref.norm()).item() < 2**-6
+
+
+@pytest.mark.parametrize("name", list(INT4_CASES))
+def test_int4_unpacked_from_cpu_layout_matches_dequantize(name):
+    """The per-call unpack of the CPU layout (prefill path) gives w.dequantize() in the kernel's K order,
+    within bf16 rounding of the scale and float zero, then of W (|error| <= 2 * 2^-8 * T + the reference's
+    fp16 W, 2^-11)."""
+    K, options = INT4_CASES[name]
+    w = quantize_int4(torch.randn(N, K), **options)
+    p = cpu_lowbit.prepare(w)
+    w_t = cpu_lowbit._dequantize_bf16(p).float()
+    assert w_t.shape == (p.packed.shape[1] * 2, p.packed.shape[0])
+    order = p.perm if p.perm is not None else torch.arange(K)
+    ref, terms = w.dequantize().float()[:, order].t(), int4_term_magnitudes(w)[:, order].t()
+    assert ((w_t[:K, :N] - ref).abs() <= (2**-7 + 2**-11) * terms + 1e-30).all()
+    assert (w_t[:, N:] == 0).all()  # padded outputs are 0 (padded K rows meet x's zero padding)
+
+
+def test_int4_kernel_up_to_32_rows_dequantize_above(monkeypatch):
+    calls = []
+    real = cpu_lowbit._dequantize_bf16
+    monkeypatch.setattr(cpu_lowbit, "_dequantize_bf16", lambda p: calls.append(1) or real(p))
+    w = quantize_int4(torch.randn(N, 128), group_size=32)
+    int4_gemm(torch.randn(cpu_lowbit.DEQUANTIZE_ABOVE_M, 128), w)
+    assert not calls
+    int4_gemm(torch.randn(cpu_lowbit.DEQUANTIZE_ABOVE_M + 1, 128), w)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -116,7 +147,7 @@ def test_int4_cpu_kernel_keeps_16_bit_activations(dtype):
     x = torch.randn(5, 128).to(dtype)
     y, ref = int4_gemm(x, w), int4_gemm_reference(x, w)
     assert y.dtype == dtype
-    bound = 2**-7 * (x.float().abs() @ int4_term_magnitudes(w).t()) + 2**-8 * ref.float().abs()  # + output rounding
+    bound = INT4_BOUND * (x.float().abs() @ int4_term_magnitudes(w).t()) + 2**-8 * ref.float().abs()  # + output rounding
     assert ((y.float() - ref.float()).abs() <= bound).all()
 
 

@@ -6,8 +6,8 @@ Tolerances, stated once (the per-GEMM ones are in kernels/cpu_lowbit.py and test
   fp32 paths (GPTQ 8-bit, FP8 weight-only as on GPUs below sm_89): the same arithmetic in another
       summation order, as test_llama.py / test_deepseek_v2.py on the torch references: Llama atol 1e-4,
       DeepSeek atol 2e-4 rtol 1e-4 (|logits| <= ~1).
-  int4 (bf16 activations): each int4 GEMM's output is off by ~3e-3 of its scale (RMS of three bf16
-      roundings, 2^-9 each; test_cpu_lowbit.py), bounded by 2^-8; independent errors of the n int4 GEMMs
+  int4 (bf16 activations): each int4 GEMM's output is off by ~3e-3 of its scale (RMS of the bf16
+      roundings of test_cpu_lowbit.py), below 2^-8; independent errors of the n int4 GEMMs
       on the longest path add like a random walk, so the logits' relative L2 error is below
       2^-8 * sqrt(n) (Llama, 2 layers: n = 8 -> 1.1e-2; DeepSeek-V2, 3 layers of q_a, q_b, kv_a, kv_b, o,
       gate_up, down: n = 21 -> 1.8e-2), and each logit within that fraction of max |logit|.

@@ -237,7 +237,8 @@ def server_rounds(fmt: str, folder: Path, args, logs: Path, record) -> None:
             print(f"[{fmt}] starting the {engine} server (log: {log})", flush=True)
             servers[engine] = launch(commands[engine][0], ports[engine], log, commands[engine][1], timeout_s=900)
             url = f"http://127.0.0.1:{ports[engine]}/v1/completions"
-            asyncio.run(_run_rate(url, [[1, 2, 3, 4]], [2], float("inf"), 0, ignore_eos=True))  # warm-up
+            # warm-up; a 64-token prefill compiles tritonq's int4 dequantize (M > 32) before anything is timed
+            asyncio.run(_run_rate(url, [list(range(1, 65))], [2], float("inf"), 0, ignore_eos=True))
         for repeat in range(args.repeats):
             base = args.seed + 1000 * (repeat + 1) + 500
             prompts = make_prompts(base, args.num_requests, args.min_in, args.max_in, args.vocab)

@@ -14,11 +14,21 @@ Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels
   zero (8 - z) * scale). Activations, scales and float zeros in **bf16** (its only fast dtype:
   fp32 activations take a scalar fallback ~10x slower than fp32 dense), fp32 accumulation,
   output in bf16, then x.dtype.
-  Tolerance: |y - ref| <= 2^-7 * (|x| @ T^T) with T[n, k] = scale * (|q - 8| + |8 - z|): each of
-  x, scale, float zero and y is rounded once to bf16 (unit roundoff 2^-9), so the error is at
-  most ~3 * 2^-9 of the magnitude of the terms summed (plus the reference's own fp16 rounding
-  of W, 2^-11).
+  Tolerance: |y - ref| <= (2^-6 + 2^-11) * (|x| @ T^T) with T[n, k] = scale * (|q - 8| + |8 - z|):
+  x, the scale and float zero (together), W (dequantize path only) and y are each rounded once to
+  bf16 (unit roundoff 2^-8: 7 stored mantissa bits), so the error is at most 4 * 2^-8 of the
+  magnitude of the terms summed, plus the reference's own fp16 rounding of W (2^-11). In practice
+  the roundings cancel: the error's norm is ~3e-3 of the output's.
   Act-order: K is permuted once at load so that groups are contiguous; x is gathered per call.
+  Above DEQUANTIZE_ABOVE_M rows (prefill, large decode batches) the kernel, which re-dequantizes the
+  weight for every tile of rows, loses to unpacking the whole weight once per call to bf16 (one fused
+  loop compiled by torch.compile, 2-4 ms for 2816 x 1024 on one core; eager torch takes 6-25 ms: six
+  passes) and a bf16 GEMM (oneDNN). `linear` on one core of the shared 2-core AVX512-BF16 box (load
+  5-7), 2816 x 1024 g128, min of 11, ms, kernel vs dequantize + GEMM: M = 16: 1.2 vs 3.8; 32: 2.3 vs
+  4.2; 64: 4.5-8.7 vs 2.5-5; 128: 17 vs 14; 256: 30 vs 10.5 (bf16 dense: 0.8 at M = 32, 2.2 at 256).
+  torch's `_weight_int4pack_mm_with_scales_and_zeros` has no CPU kernel in torch 2.13.
+  The bf16 copy lives for one call only (memory stays at 4 bits a weight). W is rounded once more
+  (to bf16): four bf16 roundings in all (the tolerance below).
 * `CPUDenseWeight` — 8-bit GPTQ, FP8 (tensor / channel / block), and any int4 layout the kernel
   cannot take (groups not a multiple of 32, act-order groups of unequal size): the weight is
   dequantized **once** to fp32 (stated in the load log, with its size) and runs as an fp32
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +58,11 @@ from tritonq.weights import DenseWeight, Int4Weight, Weight
 log = logging.getLogger(__name__)
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts, largest first
-N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0: N is padded with zero columns
+# _convert_weight_to_int4pack_for_cpu needs N % 16 == 0; with N % 64 == 0 its layout is one block form
+# throughout (bytes [N / 64, K, 32]: low nibble row n0 + i, high nibble row n0 + 32 + i), the one that
+# _dequantize_bf16 unpacks. N is padded with zero columns.
+N_MULTIPLE = 64
+DEQUANTIZE_ABOVE_M = 32  # rows above which a per-call dequantize + bf16 GEMM beats the int4 kernel (docstring)
 # Rows repacked per call at load. The packed layout groups rows in blocks of 32 (a 256-row slice packs
 # to exactly its rows of the whole weight, checked in tests/kernels/test_cpu_lowbit.py); a slice's
 # int32 temporaries are 2 x 256 x K x 4 bytes instead of 2 x N x K x 4 (8x the packed weight each).
@@ -58,8 +73,10 @@ PACK_ROWS = 256
 class CPUInt4Weight:
     """A 4-bit weight in torch's CPU int4 layout.
 
-    packed        uint8 [N_pad, K_pad / 2] (from _convert_weight_to_int4pack_for_cpu)
+    packed        uint8 [N_pad, K_pad / 2] (from _convert_weight_to_int4pack_for_cpu; N_pad % 64 == 0)
     scales_zeros  bf16 [K_pad / group_size, N_pad, 2]: (scale, float zero), W = (q - 8) * scale + zero
+    scales, zeros bf16 [K_pad / group_size, N_pad] each: the same, contiguous, for the dequantize path
+                  (its fused loop runs ~4x faster than over the interleaved pairs; 1/16 of packed at g128)
     group_size    the kernel's group (one of KERNEL_GROUPS); may be smaller than the checkpoint's
     perm          int64 [K] or None: x[:, perm] is x in the permuted K order (act-order)
     bias          fp32 [N] or None
@@ -67,6 +84,8 @@ class CPUInt4Weight:
     """
     packed: torch.Tensor
     scales_zeros: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
     group_size: int
     out_features: int
     in_features: int
@@ -117,7 +136,10 @@ def linear(x: torch.Tensor, p: CPUWeight) -> torch.Tensor:
     pad = p.packed.shape[1] * 2 - p.in_features
     if pad:
         xb = F.pad(xb, (0, pad))
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), p.packed, p.group_size, p.scales_zeros)
+    if M > DEQUANTIZE_ABOVE_M:
+        y = xb @ _dequantize_bf16(p)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), p.packed, p.group_size, p.scales_zeros)
     if y.shape[1] != N:
         y = y[:, :N]
     if p.bias is not None:
@@ -139,6 +161,34 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
         y = linear((F.silu(gate) * up).to(x.dtype), down_e[e]).float()
         out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
     return out.to(x.dtype)
+
+
+def _unpack_dequantize_bf16(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            group_size: int) -> torch.Tensor:
+    """W^T [K_pad, N_pad] bf16 from CPUInt4Weight.packed [N_pad, K_pad / 2], scales and zeros
+    [K_pad / group_size, N_pad]: W = (q - 8) * scale + zero in fp32, rounded once to bf16."""
+    n_pad, k_pad = packed.shape[0], packed.shape[1] * 2
+    blocks = packed.view(n_pad // 64, k_pad, 32).permute(1, 0, 2)  # [K, N / 64, 32]: rows n0 + i | n0 + 32 + i
+    q = torch.cat((blocks & 15, blocks >> 4), dim=2).view(k_pad // group_size, group_size, n_pad).float()
+    return ((q - 8) * scales[:, None].float() + zeros[:, None].float()).to(torch.bfloat16).view(k_pad, n_pad)
+
+
+_dequantize_compiled = None
+
+
+def _dequantize_bf16(p: CPUInt4Weight) -> torch.Tensor:
+    """W^T [K_pad, N_pad] bf16 of p, by _unpack_dequantize_bf16 as one fused C++ loop (torch.compile, dynamic shapes: one compile per
+    process, ~5-15 s, stated in the log; eager it is ~4x slower: six passes over the weight)."""
+    global _dequantize_compiled
+    if _dequantize_compiled is None:
+        compiled = torch.compile(_unpack_dequantize_bf16, dynamic=True, fullgraph=True)
+        start = time.perf_counter()
+        w = compiled(p.packed, p.scales, p.zeros, p.group_size)
+        log.info("CPU backend: int4 dequantize (prefill, M > %d) compiled in %.1f s", DEQUANTIZE_ABOVE_M,
+                 time.perf_counter() - start)
+        _dequantize_compiled = compiled
+        return w
+    return _dequantize_compiled(p.packed, p.scales, p.zeros, p.group_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,9 +253,10 @@ def _prepare_int4(w: Int4Weight) -> CPUInt4Weight | None:
     zeros = (8.0 - w.zeros.float()[groups]) * scales if w.zeros is not None else torch.zeros_like(scales)
     scales_zeros = torch.zeros(K_pad // kernel_group, N_pad, 2)
     scales_zeros[:, :N, 0], scales_zeros[:, :N, 1] = scales, zeros
+    scales_zeros = scales_zeros.to(torch.bfloat16)
     return CPUInt4Weight(
-        packed=packed,
-        scales_zeros=scales_zeros.to(torch.bfloat16).contiguous(), group_size=kernel_group,
+        packed=packed, scales_zeros=scales_zeros.contiguous(), scales=scales_zeros[..., 0].contiguous(),
+        zeros=scales_zeros[..., 1].contiguous(), group_size=kernel_group,
         out_features=N, in_features=K, perm=perm, bias=None if w.bias is None else w.bias.float())
 
 

@@ -29,8 +29,9 @@ row as a [BLOCK_K, BLOCK_N] tile; these rows hit L1/L2 since G << K. We gather r
 permute x by a sorted g_idx at run time: no extra kernel or activation copy per call, and the
 Int4Weight contract stays one layout.
 
-CPU (no interpreter): torch's int4 CPU kernel (4-bit) or a once-dequantized fp32 weight (8-bit)
-over the weight prepared once per object, see kernels/cpu_lowbit.py; `int4_gemm_reference`
+CPU (no interpreter): torch's int4 CPU kernel (4-bit, M <= 32; above, the weight unpacked per call to
+bf16 and a bf16 GEMM) or a once-dequantized fp32 weight (8-bit) over the weight prepared once per
+object, see kernels/cpu_lowbit.py; `int4_gemm_reference`
 (TRITONQ_BACKEND=torch) is the oracle.
 
 Launch configs: `Int4GemmConfig`; defaults in `default_config`, tuned JSON overrides through
