@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 from engine.test_scheduler import BS, Simulator, assert_all_blocks_free, fake_kv, fake_next_token, reference_tokens
-from tolerances import assert_greedy_equal
+from tolerances import assert_greedy_equal, first_near_tie
 
 import tritonq
 from tritonq.demo import DEFAULT_MODEL, HELDOUT_TEXT
@@ -422,6 +422,9 @@ def test_eos_and_stop_strings_inside_the_accepted_tokens_end_the_request_as_with
     for options in ({}, {"stop": [stop]}, {"stop_token_ids": (stop_token,), "top_logprobs": 2}):
         want = plain.generate(prompts, max_new_tokens=24, return_dict=True, progress=False, **options)
         got = spec.generate(prompts, max_new_tokens=24, return_dict=True, progress=False, **options)
+        # exact equality across step shapes (k + 1 verified rows vs one decode row) holds on any BLAS path only
+        # where no greedy token won by less than GREEDY_TIE: these prompts have none
+        assert all(first_near_tie(plain, p, ids) == len(ids) for p, ids in zip(prompts, want.token_ids))
         assert got.token_ids == want.token_ids and got.text == want.text
         assert got.finish_reasons == want.finish_reasons
         assert [[list(t) for t in tops] for tops in got.top_logprobs] == \
