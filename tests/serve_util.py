@@ -16,6 +16,20 @@ MODEL_NAME = "tiny"
 KEY = "sk-test-key"
 
 
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The tiny Llama the server tests serve (hidden 128, byte tokenizer), written once per module."""
+    from tritonq.demo import write_tiny_llama
+    return write_tiny_llama(tmp_path_factory.mktemp("serve") / "tiny", hidden_size=128)
+
+
+def reference_model(checkpoint):
+    """(a fixture body) The offline Model on the same checkpoint and backend as the server."""
+    import tritonq
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITONQ_BACKEND", "torch")
+        yield tritonq.load(checkpoint, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,6 @@ on the same checkpoint and backend in this process, one prompt at a time.
 """
 import asyncio
 import json
-import os
 import signal
 import time
 
@@ -17,26 +16,17 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from serve_util import KEY, MAX_SEQ_LEN, MODEL_NAME, Server  # noqa: E402
+from serve_util import KEY, MAX_SEQ_LEN, MODEL_NAME, Server, reference_model, tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from tritonq.demo import write_tiny_llama
-    return write_tiny_llama(tmp_path_factory.mktemp("serve") / "tiny", hidden_size=128)
+    return tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    """The offline Model on the same checkpoint and backend as the server."""
-    import tritonq
-    previous = os.environ.get("TRITONQ_BACKEND")
-    os.environ["TRITONQ_BACKEND"] = "torch"
-    yield tritonq.load(checkpoint, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4)
-    if previous is None:
-        del os.environ["TRITONQ_BACKEND"]
-    else:
-        os.environ["TRITONQ_BACKEND"] = previous
+    yield from reference_model(checkpoint)
 
 
 @pytest.fixture(scope="module")

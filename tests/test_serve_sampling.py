@@ -7,14 +7,13 @@ The reference is the offline Model on the same checkpoint and backend (whose sam
 against plain references in tests/engine/test_sampler.py) and Model.score for prompt logprobs.
 """
 import concurrent.futures
-import os
 
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from serve_util import MAX_SEQ_LEN, MODEL_NAME, Server  # noqa: E402
+from serve_util import MODEL_NAME, Server, reference_model, tiny_checkpoint  # noqa: E402
 
 PROMPT = "Hello, tritonq!"
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -22,20 +21,12 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from tritonq.demo import write_tiny_llama
-    return write_tiny_llama(tmp_path_factory.mktemp("serve") / "tiny", hidden_size=128)
+    return tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    import tritonq
-    previous = os.environ.get("TRITONQ_BACKEND")
-    os.environ["TRITONQ_BACKEND"] = "torch"
-    yield tritonq.load(checkpoint, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4)
-    if previous is None:
-        del os.environ["TRITONQ_BACKEND"]
-    else:
-        os.environ["TRITONQ_BACKEND"] = previous
+    yield from reference_model(checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -206,6 +206,22 @@ def plot_gemm(json_path: str | Path, png_path: str | Path) -> None:
     print(f"wrote {png_path}")
 
 
+def add_size_args(parser, full: dict[str, int], quick: dict[str, int], quick_help: str) -> None:
+    """--quick and one int option per workload size in full (default None: `fill_sizes` puts in full's value, or
+    quick's with --quick, so an explicit value wins either way)."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    for name, default in full.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                            help=f"default {default} (--quick: {quick[name]})")
+
+
+def fill_sizes(args, full: dict[str, int], quick: dict[str, int]) -> None:
+    """The sizes left unset on the command line (see add_size_args): quick's with --quick, else full's."""
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def add_output_args(p, name: str) -> None:
     """--json (default: the checkout's bench/results/<name>.json when run inside it) and --plot."""
     p.add_argument("--json", default=results_path(f"{name}.json"),

@@ -55,7 +55,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tritonq.bench.common import print_table, results_path, write_json
+from tritonq.bench.common import add_size_args, fill_sizes, print_table, results_path, write_json
 
 # The size (defaults) and a smoke-test size (--quick); a flag given explicitly wins over both.
 FULL = {"num_prompts": 128, "min_in": 16, "max_in": 512, "min_out": 16, "max_out": 256, "hidden": 1024,
@@ -255,9 +255,7 @@ def null_model_rows(args) -> list[dict]:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m tritonq.bench engine", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke-test size (seconds), not the issue's size")
-    for name, default in FULL.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {default}")
+    add_size_args(parser, FULL, QUICK, "smoke-test size (seconds), not the issue's size")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--null-model", action="store_true",
                         help="only the host overhead: the engine over a model that costs nothing (see above)")
@@ -274,9 +272,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", default=None,
                         help="JSON path (default: bench/results/engine_<device>.json at the full size, none with --quick)")
     args = parser.parse_args(argv)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_sizes(args, FULL, QUICK)
     for low, high in (("min_in", "max_in"), ("min_out", "max_out")):
         if not 1 <= getattr(args, low) <= getattr(args, high):
             parser.error(f"--{low.replace('_', '-')} {getattr(args, low)} and --{high.replace('_', '-')} "

@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tritonq.bench.common import print_table, results_path, write_json
+from tritonq.bench.common import add_size_args, fill_sizes, print_table, results_path, write_json
 
 ENGINES = ("tritonq", "vllm")
 WORKER = Path(__file__).with_name("_vs_vllm_worker.py")
@@ -295,10 +295,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tritonq.bench vs-vllm", description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
                         help="python of a venv holding vLLM (default: $VLLM_PYTHON); none: the benchmark skips")
-    parser.add_argument("--quick", action="store_true", help="smoke-test sizes (a minute or two), not the defaults")
-    for name, default in FULL.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
-                            help=f"default {default} (--quick: {QUICK[name]})")
+    add_size_args(parser, FULL, QUICK, "smoke-test sizes (a minute or two), not the defaults")
     parser.add_argument("--formats", default="dense", help="comma list of dense,awq (AWQ int4 g128)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="both engines' dtype; auto: float32 for dense, bfloat16 for awq")
@@ -309,9 +306,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", default=None,
                         help="results file (default: the checkout's bench/results/vs_vllm_cpu.json; none with --quick)")
     args = parser.parse_args(argv)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_sizes(args, FULL, QUICK)
     if args.rate is None:
         args.rate = 4.0 if args.quick else 1.0
     small = [n for n in FULL if getattr(args, n) < 1]
