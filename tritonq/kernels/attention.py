@@ -17,6 +17,10 @@ heads, H % Hkv == 0):
       one query per sequence against positions 0..cache_lens[b]-1 (the new token's included).
 Sliding window (window > 0): key j is visible to query p iff j <= p and p - j < window,
 transformers' convention; key blocks wholly outside are not loaded.
+Attention sinks (gpt-oss; sinks [H] fp32, optional): head h's learned logit sinks[h] joins the softmax
+denominator only, as a key with a zero value row would: out = sum_j e^(s_j) v_j / (e^(sinks[h]) +
+sum_j e^(s_j)). Prefill starts each row's online softmax from that virtual key (running max sinks[h],
+sum 1); decode adds it once, in the merge of the KV splits, so the splits themselves are unchanged.
 dtypes: fp16, bf16 or fp32 (all inputs the same); accumulation and softmax are fp32; outputs are
 in q's dtype (fp32 inputs use TF32 tensor-core dots on GPUs).
 
@@ -101,7 +105,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
                           stride_ot, stride_oh, stride_bt, NUM_WORK, H, D_QK, D_V, qk_scale, window,
                           GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
-                          BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                          BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, sinks_ptr,
+                          HAS_SINKS: tl.constexpr = False):
     """One program: BLOCK_M consecutive new tokens of one sequence, one query head, over paged keys.
 
     work [2, NUM_WORK] int32 (built by the launcher on the device, no host sync): the sequence of
@@ -109,6 +114,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
     Query row i of sequence b is at position ctx - q_len + i; keys 0..ctx-1 live in the pages of
     block_table[b]. Each key of a tile looks up its own page (BLOCK_N int loads, from cache), so
     key tiles may be longer than a page: 16-token pages still get 64-key tiles.
+    HAS_SINKS: sinks_ptr [H] fp32; each row's softmax starts from the sink (max = its logit, sum = 1,
+    nothing accumulated), a key whose value row is zero.
     """
     seq = tl.load(work_ptr + tl.program_id(0))
     first_row = tl.load(work_ptr + NUM_WORK + tl.program_id(0))
@@ -130,6 +137,9 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # log2 domain, as m_i: the sink's logit times log2(e) (qk_scale carries it for scores)
+        m_i = tl.full([BLOCK_M], 1.0, tl.float32) * (tl.load(sinks_ptr + h) * 1.4426950408889634)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # Keys up to the block's last real row (causal); none if the program has no rows.
     hi = tl.where(first_row < q_len, tl.minimum(ctx, ctx - q_len + first_row + BLOCK_M), 0)
@@ -222,8 +232,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
 @triton.jit
 def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, H, D_V,
                          NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                         BLOCK_DV: tl.constexpr):
-    """Stage 2. One program per (sequence, query head): log-sum-exp weighted sum of the splits."""
+                         BLOCK_DV: tl.constexpr, sinks_ptr, HAS_SINKS: tl.constexpr = False):
+    """Stage 2. One program per (sequence, query head): log-sum-exp weighted sum of the splits.
+    HAS_SINKS: the head's sink (sinks_ptr [H] fp32) is one more split with a zero output: it adds
+    only to the total weight."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_SPLITS)
@@ -235,8 +247,13 @@ def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, 
     # A sequence with no keys (context length 0: a padding row of a CUDA-graph bucket) has every split
     # empty (lse -inf): its output is 0, not the NaN of -inf - -inf, so nothing non-finite can leak.
     top = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h) * 1.4426950408889634  # log2 domain, as lse
+        top = tl.maximum(top, sink)
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     total = tl.sum(weight, 0)
+    if HAS_SINKS:  # top >= sink is finite here
+        total += tl.exp2(sink - top)
     out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_dv, out.to(o_ptr.dtype.element_ty),
              mask=offs_dv < D_V)
@@ -442,6 +459,18 @@ def _check_window(window) -> None:
         raise ValueError(f"window = {window!r}; expected an int >= 0 (0: no sliding window).")
 
 
+def _check_sinks(sinks, heads: int, device: torch.device) -> None:
+    """sinks is None or a float32 [H] tensor on q's device (one logit per query head of this rank)."""
+    if sinks is None:
+        return
+    if (not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 or sinks.shape != (heads,)
+            or sinks.device != device):
+        found = f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor) \
+            else repr(sinks)
+        raise ValueError(f"sinks must be a float32 tensor [{heads}] (one logit per query head) on {device}; got "
+                         f"{found}. Convert once at load: sinks.float().contiguous().")
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -454,7 +483,7 @@ def head_blocks(d_qk: int, d_v: int) -> tuple[int, int, int]:
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
                      block_table: torch.Tensor, scale: float, window: int = 0, config: DecodeConfig | None = None,
-                     max_seq_len: int | None = None) -> torch.Tensor:
+                     max_seq_len: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against its paged KV cache; see the module docstring.
 
     q [B, H, Dqk]; k_pages [P, page_size, Hkv, Dqk], v_pages [P, page_size, Hkv, Dv] (strided views
@@ -466,7 +495,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     None: `decode_config`. The key tile is `paged_block_n`: BLOCK_N capped at page_size and at 32.
     max_seq_len: the capacity the launch config is chosen for (default: the block table width x
     page_size). The config never depends on cache_lens, so a growing sequence never recompiles and
-    the launch is CUDA-graph safe.
+    the launch is CUDA-graph safe. sinks [H] float32: attention sinks (see the module docstring).
     """
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(f"decode_attention: expected q [B,H,Dqk], k_pages [P,page_size,Hkv,Dqk], v_pages "
@@ -479,13 +508,14 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     if config is not None:
         check_decode_config(config, page_size)
     _check_window(window)
+    _check_sinks(sinks, H, q.device)
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
         raise ValueError(f"decode_attention: max_seq_len = {max_seq_len!r}; expected an int >= 1 (the capacity "
                          "the launch config is chosen for) or None.")
     if use_cpu_kernels(q):  # torch's CPU flash attention over each sequence's real keys (kernels/cpu_attention.py)
-        return cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window)
+        return cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window, sinks)
     if not use_triton(q):
-        return decode_attention_reference(q, k_pages, v_pages, cache_lens, block_table, scale, window)
+        return decode_attention_reference(q, k_pages, v_pages, cache_lens, block_table, scale, window, sinks)
 
     q, k_pages, v_pages = map(_last_dim_contiguous, (q, k_pages, v_pages))
     H_kv, D_V = k_pages.shape[2], v_pages.shape[-1]
@@ -496,18 +526,18 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         S_max = min(S_max, window)
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
     cfg = config or decode_config(B, H_kv, S_max, page_size, *head_blocks(D_QK, D_V), sm_count)
-    split, merge, out = decode_launches(q, k_pages, v_pages, cache_lens, block_table, scale, window, cfg)
+    split, merge, out = decode_launches(q, k_pages, v_pages, cache_lens, block_table, scale, window, cfg, sinks)
     split()
     merge()
     return out
 
 
 def decode_launches(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
-                    block_table: torch.Tensor, scale: float, window: int,
-                    cfg: DecodeConfig) -> tuple[Launch, Launch, torch.Tensor]:
+                    block_table: torch.Tensor, scale: float, window: int, cfg: DecodeConfig,
+                    sinks: torch.Tensor | None = None) -> tuple[Launch, Launch, torch.Tensor]:
     """The two launches of a decode step (_decode_split_kernel, then _decode_merge_kernel) for checked
     inputs of decode_attention (head dim contiguous), and the output o [B, H, Dv]. Over meta tensors
-    they are what tune --aot and the AOT tests compile."""
+    they are what tune --aot and the AOT tests compile. sinks [H] fp32 enter the merge only."""
     B, H, D_QK = q.shape
     H_kv, D_V = k_pages.shape[2], v_pages.shape[-1]
     group = H // H_kv
@@ -528,7 +558,7 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     block_splits = triton.next_power_of_2(cfg.NUM_SPLITS)
     merge = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, o_ptr=out, stride_ob=out.stride(0),
                  stride_oh=out.stride(1), H=H, D_V=D_V, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_SPLITS=block_splits,
-                 BLOCK_DV=block_dv)
+                 BLOCK_DV=block_dv, sinks_ptr=part_lse if sinks is None else sinks, HAS_SINKS=sinks is not None)
     # The merge holds all partial outputs [BLOCK_SPLITS, BLOCK_DV] fp32 at once: a warp per 4096 of them
     # keeps it at <= 128 per thread (MLA's 64 x 512 spills 5.4 KB with 4 warps on sm_90, none with 8: AOT).
     merge_warps = min(16, max(4, block_splits * block_dv // 4096))
@@ -592,7 +622,7 @@ def write_kv_slots_launch(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
                             scale: float, window: int = 0, config: PrefillConfig | None = None, *,
-                            check_values: bool = True) -> torch.Tensor:
+                            check_values: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over a paged cache that already holds them.
 
     q [T, H, Dqk]: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 (varlen,
@@ -606,6 +636,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     `paged_prefill_config` for this GPU. check_values=False skips the check that cu_seqlens_q and
     context_lens agree with T and the block table (~8 small kernels and an assert on CUDA, a host read on
     CPU): for callers that checked them already (models: the engine's runner checks each step once).
+    sinks [H] float32: attention sinks (see the module docstring).
     """
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(f"paged_prefill_attention: expected q [T,H,Dqk], k_pages [P,page_size,Hkv,Dqk], "
@@ -613,6 +644,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
                          f"v_pages {tuple(v_pages.shape)}.")
     _check_heads(q, k_pages, v_pages, "paged prefill")
     _check_window(window)
+    _check_sinks(sinks, q.shape[1], q.device)
     B = context_lens.shape[0] if context_lens.dim() == 1 else -1
     _check_lens("context_lens", context_lens, B, q.device)
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (B + 1,) or cu_seqlens_q.device != q.device:
@@ -626,10 +658,10 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
         _check_prefill_lens(cu_seqlens_q, context_lens, q.shape[0], block_table.shape[1] * page_size)
     if use_cpu_kernels(q):  # kernels/cpu_attention.py
         return cpu_attention.paged_prefill_attention(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
-                                                     scale, window)
+                                                     scale, window, sinks)
     if not use_triton(q):
         return paged_prefill_attention_reference(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
-                                                 scale, window)
+                                                 scale, window, sinks)
 
     T, D_V = q.shape[0], v_pages.shape[-1]
     if config is None:
@@ -637,14 +669,14 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     if T == 0 or B == 0:
         return torch.empty(T, q.shape[1], D_V, dtype=q.dtype, device=q.device)
     launch, out = paged_prefill_launch(_last_dim_contiguous(q), k_pages, v_pages, cu_seqlens_q, context_lens,
-                                       block_table, scale, window, config)
+                                       block_table, scale, window, config, sinks)
     launch()
     return out
 
 
 def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cu_seqlens_q: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, scale: float, window: int,
-                         cfg: PrefillConfig) -> tuple[Launch, torch.Tensor]:
+                         cfg: PrefillConfig, sinks: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
     """The launch of _paged_prefill_kernel for checked inputs of paged_prefill_attention (q head dim
     contiguous, T and B > 0) and its output [T, H, Dv]. Over meta tensors it is what the AOT tests compile.
 
@@ -671,7 +703,8 @@ def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
                 stride_oh=out.stride(1), stride_bt=block_table.stride(0), NUM_WORK=num_work, H=H, D_QK=D_QK,
                 D_V=D_V, qk_scale=scale * LOG2E, window=window, GROUP=H // k_pages.shape[2],
                 HAS_WINDOW=window > 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
-                BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=k_pages.shape[1])
+                BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=k_pages.shape[1],
+                sinks_ptr=q if sinks is None else sinks, HAS_SINKS=sinks is not None)
     return Launch(_paged_prefill_kernel, (num_work, H), args, cfg.num_warps, cfg.num_stages), out
 
 
@@ -683,9 +716,10 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
 
 def decode_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                cache_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                               window: int = 0) -> torch.Tensor:
+                               window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch, float32: each sequence's pages gathered into rows, softmax over its positions
-    < cache_lens[b] (and, if window > 0, >= cache_lens[b] - window).
+    < cache_lens[b] (and, if window > 0, >= cache_lens[b] - window); sinks [H]: one more logit per head
+    in the softmax, whose probability is dropped (transformers' gpt-oss eager attention).
 
     Query heads are grouped by kv head ([B, Hkv, group, Dqk] @ [B, Hkv, Dqk, Smax]), so GQA copies
     no cache rows.
@@ -701,10 +735,20 @@ def decode_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     if window:
         pad = pad | (pos < cache_lens[:, None] - window)
     scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v_cache.float().transpose(1, 2)  # [B, Hkv, group, Dv]
+    probs = _softmax_with_sinks(scores, None if sinks is None else sinks.view(H_kv, H // H_kv, 1))
+    out = probs @ v_cache.float().transpose(1, 2)  # [B, Hkv, group, Dv]
     # A sequence with no keys (a padding row, context length 0) gets zeros, as the kernel gives, not NaN.
     out = torch.where(cache_lens[:, None, None, None] > 0, out, 0.0)
     return out.reshape(B, H, -1).to(q.dtype)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim; with sinks (broadcast to scores[..., :1]) a sink column joins the
+    softmax and is then dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink_column = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
 
 
 def write_kv_slots_reference(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -727,9 +771,11 @@ def write_kv_slots_reference(k_pages: torch.Tensor, v_pages: torch.Tensor, k: to
 
 def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                                      block_table: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                                      block_table: torch.Tensor, scale: float, window: int = 0,
+                                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch, float32, one sequence at a time: gather its context_lens[b] keys from its pages,
-    masked softmax with query i at position context_lens[b] - q_len + i (causal, optional window)."""
+    masked softmax with query i at position context_lens[b] - q_len + i (causal, optional window),
+    sinks [H] as decode_attention_reference's."""
     H, group = q.shape[1], q.shape[1] // k_pages.shape[2]
     block_size = k_pages.shape[1]
     out = torch.zeros(q.shape[0], H, v_pages.shape[-1], dtype=torch.float32, device=q.device)
@@ -746,7 +792,8 @@ def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_
         j = torch.arange(n_k, device=q.device)[None, :]
         visible = (j <= p) & ((p - j < window) if window else True)
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+        probs = _softmax_with_sinks(scores, None if sinks is None else sinks.view(H, 1, 1))
+        out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
     return out.to(q.dtype)
 
 

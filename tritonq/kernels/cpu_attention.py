@@ -41,6 +41,10 @@ position n of sequence b in page block_table[b, n // page_size], row n % page_si
   13.9 vs 11.9 ms (batch 64), 5.5 vs 5.3 ms (the prompts). Larger sequences keep torch's threads
   (a long prompt gains from a second core when the box is quiet).
 * A decode row with no keys (cache length 0) gets zeros, as the kernels and references give.
+* Attention sinks (sinks [H] fp32, gpt-oss): the flash kernel's own log-sum-exp of the scores (its
+  aten op `_scaled_dot_product_flash_attention_for_cpu` returns it) rescales its output, since a sink
+  only adds e^sink to the denominator: out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink).
+  No extra key, no copy of K/V; calls without sinks take F.scaled_dot_product_attention as before.
 
 `write_kv_slots` is one `index_copy_` per cache into the pages viewed as rows [P * page_size, Hkv, D]
 (slot = page * page_size + row), instead of the reference's shape-static index_put, which redirects
@@ -63,20 +67,24 @@ PARALLEL_WORK = 1 << 20  # query heads x query rows x keys of a sequence from wh
 
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
-                     block_table: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                     block_table: torch.Tensor, scale: float, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, Dqk] -> [B, H, Dv]: query b (at position cache_lens[b] - 1) over its keys
-    max(0, cache_lens[b] - window) .. cache_lens[b] - 1 (window 0: all)."""
+    max(0, cache_lens[b] - window) .. cache_lens[b] - 1 (window 0: all); sinks [H] fp32 or None."""
     if torch.compiler.is_compiling():  # an opaque op in the compiled graph (see _decode_attention_op)
-        return torch.ops.tritonq.cpu_decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window)
-    return _decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window)
+        return torch.ops.tritonq.cpu_decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window,
+                                                      sinks)
+    return _decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window, sinks)
 
 
 def _decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
-                      block_table: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+                      block_table: torch.Tensor, scale: float, window: int,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     B, H, _ = q.shape
     H_kv = k_pages.shape[2]
     out = q.new_zeros(B, H, v_pages.shape[-1])
     grouped = q.view(B, H_kv, H // H_kv, -1)  # a kv head's query heads as its query rows
+    grouped_sinks = None if sinks is None else sinks.view(H_kv, H // H_kv)  # one per query row
     lens = cache_lens.tolist()
     with _threads_for(H * max(lens, default=0)):
         for b, n in enumerate(lens):
@@ -84,15 +92,17 @@ def _decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
                 continue
             first = max(0, n - window) if window else 0
             k, v = (_gather(pages, block_table[b], first, n) for pages in (k_pages, v_pages))
-            out[b] = _sdpa(grouped[b], k, v, scale).reshape(H, -1)
+            out[b] = _sdpa(grouped[b], k, v, scale, sinks=grouped_sinks).reshape(H, -1)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
-                            scale: float, window: int = 0) -> torch.Tensor:
+                            scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, Dqk] packed -> [T, H, Dv]: sequence b's rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1
-    at positions ctx - n_q .. ctx - 1 (ctx = context_lens[b]), causal over keys 0 .. ctx - 1."""
+    at positions ctx - n_q .. ctx - 1 (ctx = context_lens[b]), causal over keys 0 .. ctx - 1;
+    sinks [H] fp32 or None."""
+    head_sinks = None if sinks is None else sinks[:, None]  # [H, 1]: one per query row of a head
     out = q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1])
     cu, contexts = cu_seqlens_q.tolist(), context_lens.tolist()
     largest = max(((b - a) * ctx for a, b, ctx in zip(cu, cu[1:], contexts)), default=0)
@@ -109,7 +119,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
                 pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
                 key = torch.arange(first, ctx, device=q.device)[None, :]
                 mask = (key <= pos) & (pos - key < win) if win else key <= pos
-            rows = _sdpa(q[cu[b]:cu[b + 1]].transpose(0, 1), k, v, scale, mask, causal=mask is None)
+            rows = _sdpa(q[cu[b]:cu[b + 1]].transpose(0, 1), k, v, scale, mask, causal=mask is None,
+                         sinks=head_sinks)
             out[cu[b]:cu[b + 1]] = rows.transpose(0, 1)
     return out
 
@@ -156,14 +167,22 @@ def _gather(pages: torch.Tensor, table_row: torch.Tensor, first: int, last: int)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
-          causal: bool = False) -> torch.Tensor:
+          causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """F.scaled_dot_product_attention on [heads, rows, D] (GQA through enable_gqa) as one batch of the
-    CPU flash kernel, Dqk != Dv zero-padded to one head dim so that it takes them; returns [H, rows, Dv]."""
+    CPU flash kernel, Dqk != Dv zero-padded to one head dim so that it takes them; returns [H, rows, Dv].
+    sinks [H, rows] or [H, 1] fp32: each row's output scaled by sigmoid(lse - sink) (module docstring)."""
     d_qk, d_v = q.shape[-1], v.shape[-1]
     if d_v < d_qk:
         v = F.pad(v, (0, d_qk - d_v))
     elif d_qk < d_v:
         q, k = F.pad(q, (0, d_v - d_qk)), F.pad(k, (0, d_v - d_qk))
+    if sinks is not None:  # the flash kernel itself (GQA indexed natively), for its log-sum-exp [1, H, rows]
+        if mask is not None:  # the op takes an additive mask (F.sdpa converts a boolean one the same way)
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], 0.0, causal, attn_mask=mask, scale=scale)
+        keep = torch.sigmoid(lse[0].float() - sinks)  # e^lse / (e^lse + e^sink), in fp32
+        return (out[0, ..., :d_v].float() * keep[..., None]).to(q.dtype)
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale,
                                          enable_gqa=q.shape[0] != k.shape[0])  # 4-D: the flash kernel's
     return out[0, ..., :d_v]
@@ -176,9 +195,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask:
 # Python wrapper measured ~25 us, a real share of a small model's step); eager calls skip even that.
 _ops = torch.library.Library("tritonq", "FRAGMENT")
 _ops.define("cpu_decode_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor cache_lens, Tensor block_table, "
-            "float scale, int window) -> Tensor")
+            "float scale, int window, Tensor? sinks=None) -> Tensor")
 _ops.impl("cpu_decode_attention", _decode_attention, "CPU")
-_ops.impl("cpu_decode_attention", lambda q, k_pages, v_pages, cache_lens, block_table, scale, window:
+_ops.impl("cpu_decode_attention", lambda q, k_pages, v_pages, cache_lens, block_table, scale, window, sinks=None:
           q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1]), "Meta")
 _ops.define("cpu_write_kv_slots(Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor k, Tensor v, Tensor slot_mapping) -> ()")
 _ops.impl("cpu_write_kv_slots", _write_kv_slots, "CPU")
