@@ -3,7 +3,7 @@
     tritonq generate MODEL "prompt"     stream one completion to stdout
     tritonq chat MODEL                  an interactive chat (one line a turn; Ctrl-D ends)
     tritonq serve MODEL                 the OpenAI-compatible server      (python -m tritonq.serve)
-    tritonq quantize SRC DST --format   write an AWQ / GPTQ / FP8 checkpoint (python -m tritonq.quantize)
+    tritonq quantize SRC DST --format   write an AWQ / GPTQ / FP8 / MXFP4 checkpoint (python -m tritonq.quantize)
     tritonq eval perplexity|lm_eval     perplexity or lm-evaluation-harness tasks (python -m tritonq.eval)
     tritonq bench NAME                  a benchmark                        (python -m tritonq.bench)
     tritonq tune --kernel K             sweep a kernel's launch configs    (python -m tritonq.tune)
@@ -209,7 +209,8 @@ def quantize_parser(prog: str = "tritonq quantize") -> argparse.ArgumentParser:
                               "on-disk format AutoAWQ / GPTQModel / vLLM read; see tritonq/quantize.py.")
     parser.add_argument("src", help="dense checkpoint folder (transformers save_pretrained)")
     parser.add_argument("dst", help="output folder")
-    parser.add_argument("--format", required=True, choices=["awq", "gptq", "fp8"], help="checkpoint format to write")
+    parser.add_argument("--format", required=True, choices=["awq", "gptq", "fp8", "mxfp4"],
+                        help="checkpoint format to write (mxfp4: gpt-oss's MoE experts)")
     parser.add_argument("--group-size", type=int, default=128, help="rows per group along K (-1: one group)")
     parser.add_argument("--sym", dest="sym", action="store_true", help="symmetric (GPTQ only; default for GPTQ)")
     parser.add_argument("--asym", dest="sym", action="store_false", help="asymmetric zero points")
@@ -246,6 +247,8 @@ def quantize_main(argv: list[str] | None = None, prog: str = "tritonq quantize")
                     "checkpoint_format": a.checkpoint_format}
     if a.format == "fp8":
         options = {"fp8_scheme": a.fp8_scheme, "modules_to_not_convert": a.modules_to_not_convert}
+    if a.format == "mxfp4":
+        options = {"modules_to_not_convert": a.modules_to_not_convert}
     calibration = {"file": a.calibration, "samples": a.samples, "seq_len": a.seq_len, "damp": a.damp,
                    "block_size": a.block_size, "clip": a.awq_clip}
     try:

@@ -1,14 +1,15 @@
 """Round-to-nearest quantizers and the quantized-checkpoint writer.
 
-    python -m tritonq.quantize SRC DST --format awq|gptq|fp8 [--group-size 128] [--sym|--asym]
+    python -m tritonq.quantize SRC DST --format awq|gptq|fp8|mxfp4 [--group-size 128] [--sym|--asym]
         [--act-order] [--bits 4|8] [--checkpoint-format gptq|gptq_v2] [--fp8-scheme tensor|channel|block]
         [--modules-to-not-convert lm_head ...]
 
 SRC is a dense folder written by transformers' save_pretrained. DST gets the exact on-disk format
 AutoAWQ / GPTQModel / vLLM read (each layout is spelled out in the docstring of its loader,
-tritonq/formats/awq.py, gptq.py, fp8.py): quantized linears, every other tensor
+tritonq/formats/awq.py, gptq.py, fp8.py, mxfp4.py): quantized linears, every other tensor
 copied unchanged (embeddings, norms, lm_head, routers), config.json with quantization_config,
-and all other files (tokenizer, generation config) copied.
+and all other files (tokenizer, generation config) copied. mxfp4 (gpt-oss) quantizes the fused MoE
+experts only (`MXFP4_EXPERTS`), as OpenAI's checkpoints do; every linear stays dense.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tritonq.formats.awq import int4_to_awq
 from tritonq.formats.base import always_dense
 from tritonq.formats.checkpoint import Weights
 from tritonq.packing import group_grid, pack_int32, quantize_column
-from tritonq.weights import FP8Weight, Int4Weight
+from tritonq.weights import E2M1_VALUES, MXFP4_GROUP, FP8Weight, Int4Weight, MXFP4Weight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Linears the models fuse with the next one along N (q|k|v, gate|up): with block-fp8 their N must be
@@ -89,6 +90,36 @@ def quantize_fp8(w: torch.Tensor, scheme: str = "tensor", block_size: tuple[int,
     return FP8Weight(weight, scale.contiguous(), tuple(block_size) if scheme == "block" else None)
 
 
+# gpt-oss's fused expert tensors [E, K, N] that mxfp4 checkpoints store as `_blocks` / `_scales`.
+MXFP4_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# What OpenAI's gpt-oss checkpoints list as kept in bf16 (informative: only the experts are converted).
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+# Largest E8M0 scale the MoE kernel builds with integer ops (kernels/moe.py: 2^(s - 127) x 2^14 as fp32 bits).
+MXFP4_MAX_SCALE = 240
+
+
+def quantize_mxfp4(w: torch.Tensor) -> MXFP4Weight:
+    """RTN-quantize w [..., N, K] float (K a multiple of 32) into MXFP4 blocks and E8M0 scales.
+
+    Each group of 32 along K gets the smallest power-of-two scale 2^(s - 127) with amax / scale <= 6
+    (e2m1's largest value, so nothing clips); each element is rounded to the nearest e2m1 value (ties
+    to the larger magnitude)."""
+    if w.ndim < 2 or not w.is_floating_point() or w.shape[-1] % MXFP4_GROUP:
+        raise ValueError(f"quantize_mxfp4 expects a float [..., N, K] weight with K a multiple of {MXFP4_GROUP}, got "
+                         f"{w.dtype} {list(w.shape)}")
+    groups = w.float().contiguous().unflatten(-1, (-1, MXFP4_GROUP))  # [..., N, G, 32]
+    amax = groups.abs().amax(-1)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    scales = torch.where(amax > 0, exponent + 127, torch.full_like(amax, 127)).clamp(0, MXFP4_MAX_SCALE)
+    scaled = torch.ldexp(groups, 127 - scales[..., None].to(torch.int32)).clamp(-6.0, 6.0)
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
+    codes = torch.bucketize(scaled.abs(), midpoints, right=True) | ((scaled < 0).to(torch.int64) << 3)
+    pairs = codes.to(torch.uint8).unflatten(-1, (-1, 2))  # [..., N, G, 16, 2]: elements 2j, 2j + 1
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    return MXFP4Weight(blocks.contiguous(), scales.to(torch.uint8).contiguous())
+
+
 def quantization_config(fmt: str, bits: int = 4, group_size: int = 128, sym: bool = False, act_order: bool = False,
                         checkpoint_format: str = "gptq", fp8_scheme: str = "tensor",
                         modules_to_not_convert: list[str] | None = None) -> dict:
@@ -110,7 +141,9 @@ def quantization_config(fmt: str, bits: int = 4, group_size: int = 128, sym: boo
         if fp8_scheme == "block":
             config["weight_block_size"] = [128, 128]
         return config
-    raise ValueError(f"unknown format {fmt!r} (supported: awq, gptq, fp8)")
+    if fmt == "mxfp4":  # transformers' Mxfp4Config
+        return {"quant_method": "mxfp4", "modules_to_not_convert": modules_to_not_convert or MXFP4_NOT_CONVERTED}
+    raise ValueError(f"unknown format {fmt!r} (supported: awq, gptq, fp8, mxfp4)")
 
 
 def quantized_tensors(prefix: str, w: torch.Tensor, q: dict, bias: torch.Tensor | None,
@@ -169,7 +202,12 @@ def write_quantized(src: str | Path, dst: str | Path, fmt: str, *, method: str =
                          f"({config['quantization_config'].get('quant_method')}); the writer needs a dense checkpoint")
     q = quantization_config(fmt, **options)
     weights = Weights(src)
-    converted = converted_modules(weights, q.get("modules_to_not_convert") or [])
+    mxfp4 = fmt == "mxfp4"
+    converted = set() if mxfp4 else converted_modules(weights, q.get("modules_to_not_convert") or [])
+    experts = {n for n in weights.names() if n.endswith(MXFP4_EXPERTS)} if mxfp4 else set()
+    if mxfp4 and not experts:
+        raise ValueError(f"{src}: --format mxfp4 quantizes gpt-oss's fused experts ({', '.join(MXFP4_EXPERTS)}); "
+                         "this checkpoint has none")
     if q.get("weight_block_size"):
         bn = q["weight_block_size"][0]
         for prefix in sorted(converted):
@@ -185,7 +223,10 @@ def write_quantized(src: str | Path, dst: str | Path, fmt: str, *, method: str =
         prefix, _, leaf = name.rpartition(".")
         tensor = lambda n: calibrated.replaced[n].to(weights.get_tensor(n).dtype) if n in calibrated.replaced \
             else weights.get_tensor(n)  # noqa: E731
-        if prefix not in converted:
+        if name in experts:  # [E, K, N] as transformers stores them: MXFP4 runs along K per output row
+            mw = quantize_mxfp4(tensor(name).transpose(-1, -2))
+            tensors |= {f"{name}_blocks": mw.blocks, f"{name}_scales": mw.scales}
+        elif prefix not in converted:
             tensors[name] = tensor(name)
         elif leaf == "weight":
             bias = tensor(f"{prefix}.bias") if weights.has_tensor(f"{prefix}.bias") else None

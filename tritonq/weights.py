@@ -58,12 +58,23 @@ class _TypedWeight:
         """Expert e of a stacked weight, as a 2-D typed weight of the same type (views, no copies)."""
         return replace(self, **{name: t[e] for name, t in self.tensors().items()})
 
+    def take_outputs(self, index: torch.Tensor):
+        """The weight with output rows (N) reordered / selected by index [N'] (every tensor field whose
+        N dim is `output_dims` names; the bias too). For the types that declare their N dims."""
+        dims = getattr(self, "output_dims", None)
+        if dims is None:
+            raise ValueError(f"{type(self).__name__} cannot reorder its output rows (take_outputs)")
+        stacked = self.values.dim() - dims["values_rank"]  # 1 for a stacked weight (leading E), else 0
+        return replace(self, **{name: t.index_select(dims[name] + stacked, index.to(t.device))
+                                for name, t in self.tensors().items() if name in dims})
+
 
 @dataclass(frozen=True)
 class DenseWeight(_TypedWeight):
     """weight [N, K] fp16/bf16/fp32; bias [N] or None."""
     weight: torch.Tensor
     bias: torch.Tensor | None = None
+    output_dims = {"weight": 0, "bias": 0, "values_rank": 2}  # each field's N dim, unstacked (take_outputs)
 
     @property
     def values(self) -> torch.Tensor:
@@ -262,8 +273,71 @@ class FP8Weight(_TypedWeight):
                    _stack(parts, "input_scale"), _stack(parts, "bias"), first.weight_only)
 
 
-Weight = DenseWeight | Int4Weight | FP8Weight
-WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight)
+# e2m1 code -> value (sign bit 3, exponent bits 1-2, mantissa bit 0): the OCP microscaling FP4 element.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_GROUP = 32  # elements along K sharing one E8M0 scale
+
+
+@dataclass(frozen=True)
+class MXFP4Weight(_TypedWeight):
+    """OCP microscaling FP4 (MXFP4) as gpt-oss checkpoints store their experts (quant_method "mxfp4").
+
+    blocks [N, K / 32, 16] uint8: two e2m1 codes per byte, element 2j of a group in the low nibble and
+           2j + 1 in the high one (transformers' integrations/mxfp4.py).
+    scales [N, K / 32] uint8 E8M0: group g of row n is multiplied by 2^(scales[n, g] - 127).
+    bias   [N] or None.
+    Dequant: W[n, k] = E2M1_VALUES[code(n, k)] * 2^(scales[n, k // 32] - 127), exact in fp32.
+    Stacked (experts): blocks [E, N, K / 32, 16], scales [E, N, K / 32], bias [E, N]. Experts only: Linear
+    refuses it (no dense-layer GEMM reads it; gpt-oss keeps attention and the head in bf16).
+    """
+    blocks: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None = None
+    output_dims = {"blocks": 0, "scales": 0, "bias": 0, "values_rank": 3}  # each field's N dim, unstacked
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.blocks
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.blocks.shape[-3], self.blocks.shape[-2] * MXFP4_GROUP)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W [N, K] (or [E, N, K] stacked) in dtype (None: float32): table lookup and ldexp, exact in fp32
+        up to scales of 2^127 (fp32's range; E8M0 reaches 2^127 x 6)."""
+        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=self.blocks.device)
+        codes = torch.stack([self.blocks & 15, self.blocks >> 4], dim=-1).long()  # [..., G, 16, 2]: k order
+        values = table[codes].flatten(-2)  # [..., N, G, 32]
+        w = torch.ldexp(values, self.scales.to(torch.int32)[..., None] - 127).flatten(-2)
+        return w if dtype is None else w.to(dtype)
+
+    def scales_constant_over(self, block_k: int) -> bool:
+        return MXFP4_GROUP % block_k == 0
+
+    def stacked_shape(self, what: str) -> tuple[int, int, int]:
+        """(E, N, K) of a stacked weight, checking the blocks and scales layout."""
+        if self.blocks.dim() != 4:
+            _not_stacked(self, what)
+        E, N, G, width = self.blocks.shape
+        if (width != 16 or self.blocks.dtype != torch.uint8 or self.scales.dtype != torch.uint8
+                or self.scales.shape != (E, N, G) or not self.blocks.is_contiguous()):
+            raise ValueError(f"{what} MXFP4 blocks {self.blocks.dtype} {tuple(self.blocks.shape)} / scales "
+                             f"{self.scales.dtype} {tuple(self.scales.shape)}: expected contiguous uint8 blocks "
+                             f"[E, N, K/32, 16] and uint8 scales [E, N, K/32]")
+        return E, N, G * MXFP4_GROUP
+
+    @classmethod
+    def _concat_outputs(cls, parts: list[MXFP4Weight], bias: torch.Tensor | None) -> MXFP4Weight:
+        return cls(torch.cat([p.blocks for p in parts]), torch.cat([p.scales for p in parts]), bias)
+
+    @classmethod
+    def _stack_experts(cls, parts: list[MXFP4Weight]) -> MXFP4Weight:
+        return cls(_stack(parts, "blocks"), _stack(parts, "scales"), _stack(parts, "bias"))
+
+
+Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight
+WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight, MXFP4Weight)
 
 
 def k_major(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -309,5 +383,5 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def _not_stacked(w, what: str):
-    raise ValueError(f"{what} must be a stacked DenseWeight/Int4Weight/FP8Weight with a leading expert "
+    raise ValueError(f"{what} must be a stacked DenseWeight/Int4Weight/FP8Weight/MXFP4Weight with a leading expert "
                      f"dim (loader.get_stacked), got a {w.values.dim()}-D {type(w).__name__}")

@@ -287,7 +287,7 @@ def test_fused_moe_rejects_bad_inputs():
     with pytest.raises(ValueError, match="gate_up"):
         fused_moe(x, down, down, weights, ids)
     with pytest.raises(ValueError, match="bias"):
-        fused_moe(x, DenseWeight(gate_up.weight, torch.zeros(E_TEST, 2 * INTER)), down, weights, ids)
+        fused_moe(x, DenseWeight(gate_up.weight, torch.zeros(2 * INTER)), down, weights, ids)
     with pytest.raises(ValueError, match="fp16/bf16/fp32"):
         fused_moe(x.double(), gate_up, down, weights, ids)
     with pytest.raises(ValueError, match=r"\[T=2, k\]"):

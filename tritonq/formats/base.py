@@ -212,6 +212,30 @@ class WeightsLoader:
             self._read_float(f"{prefix}.weight", None, column=None, row=None, out=out[e])
         return DenseWeight(out)
 
+    def get_fused_experts(self, name: str, shape: tuple[int, int, int], interleaved: bool = False) -> Weight:
+        """Experts stored fused in one module as transformers' gpt-oss does, as a stacked typed weight
+        [E, N, K] with its bias [E, N] (`{name}_bias`).
+
+        Dense: `{name}` [E, K, N] (x @ W per expert, transformers' layout), transposed once to [E, N, K].
+        Quantized formats override `quantized_experts` (mxfp4: `{name}_blocks` / `_scales`).
+        interleaved: output rows alternate gate, up (gpt-oss's gate_up_proj); they come back as all gate
+        rows then all up rows, the order fused_moe's gate/up GEMM reads. Read whole (no tensor parallel)."""
+        E, N, K = shape
+        if self.is_quantized(name):
+            w = self.quantized_experts(name, shape)
+        else:
+            self._check_tensor_shape(name, (E, K, N))
+            w = DenseWeight(self._read_float(name, None, None, None).transpose(1, 2).contiguous())
+        bias = self._read_float(f"{name}_bias", None, None, None, shape=(E, N))
+        if interleaved:
+            order = torch.cat([torch.arange(0, N, 2), torch.arange(1, N, 2)]).to(bias.device)
+            w = w.take_outputs(order)
+            bias = bias[:, order]
+        return replace(w, bias=bias.contiguous())
+
+    def quantized_experts(self, name: str, shape: tuple[int, int, int]) -> Weight:
+        raise NotImplementedError
+
     def get_tensor(self, name: str, dim: int | None = None, shape: tuple | None = None,
                    layout: str = "contiguous") -> torch.Tensor:
         """A float tensor in the compute dtype on the device; with dim, this rank's 1/world slice along it

@@ -13,6 +13,7 @@ from tritonq.formats.compressed_tensors import CompressedTensorsLoader
 from tritonq.formats.dense import DenseLoader
 from tritonq.formats.fp8 import FP8Loader
 from tritonq.formats.gptq import GPTQLoader
+from tritonq.formats.mxfp4 import MXFP4Loader
 
 # Older AutoGPTQ / AutoAWQ exports keep the quantizer settings in a side file instead of
 # config.json's quantization_config; the file name says which quantizer wrote it.
@@ -24,6 +25,7 @@ LOADERS = {
     "fp8": FP8Loader,
     "fbgemm_fp8": FP8Loader,
     "compressed-tensors": CompressedTensorsLoader,
+    "mxfp4": MXFP4Loader,
 }
 
 

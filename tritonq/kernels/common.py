@@ -2,6 +2,7 @@
 
 @triton.jit helpers (called from the kernels, inlined by Triton):
   dequantize_int_tile  int32 words packed along K -> fp32 (q - zero) * scale tile (int4_gemm, moe)
+  e2m1_bits_to_fp16    MXFP4 (e2m1) codes -> fp16 / 2^14 with integer ops (moe's mxfp4 experts)
   e4m3_bits_to_fp16    float8_e4m3fn bytes -> fp16 / 2^8 with integer ops, for GPUs without fp8
                        types (fp8_gemm's weight-only path, moe's fp8 experts)
   ieee_dot             tl.dot that multiplies fp32 operands in IEEE fp32, not tf32 (attention,
@@ -80,12 +81,34 @@ def e4m3_bits_to_fp16(u):
 
 
 @triton.jit
+def e2m1_bits_to_fp16(code):
+    """MXFP4 element codes [...] int32 (0..15: sign bit 3, exponent bits 1-2, mantissa bit 0) -> fp16
+    value / 2^14, with integer ops only (no table, no fp4 type: any GPU). The exponent and mantissa bits
+    land in fp16's lowest exponent bits and top mantissa bit, so fp16 reads 2^(e - 15) (1 + m/2), or
+    m 2^-15 for e = 0 (subnormal), i.e. the e2m1 value 2^(e - 1) (1 + m/2) / m/2 times 2^-14, exactly."""
+    return (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def ieee_dot(a, b, acc):
     """tl.dot(a, b, acc); fp32 operands are multiplied in IEEE fp32. Triton's default for them is
     tf32 on sm_80+ (10-bit mantissas: ~1e-3 relative error), and fp32 is the exact check path."""
     if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (transformers' GptOssExperts._apply_gate), in place of SiLU-and-mul:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit).
+    fused_moe's Triton epilogue computes the same in fp32; `apply` is the torch form (CPU, references)."""
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def apply(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * g * torch.sigmoid(self.alpha * g)
 
 
 def on_gpu(x: torch.Tensor) -> bool:

@@ -29,7 +29,7 @@ Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels
   torch's `_weight_int4pack_mm_with_scales_and_zeros` has no CPU kernel in torch 2.13.
   The bf16 copy lives for one call only (memory stays at 4 bits a weight). W is rounded once more
   (to bf16): four bf16 roundings in all (the tolerance below).
-* `CPUDenseWeight` — 8-bit GPTQ, FP8 (tensor / channel / block), and any int4 layout the kernel
+* `CPUDenseWeight` — 8-bit GPTQ, FP8 (tensor / channel / block), MXFP4 experts, and any int4 layout the kernel
   cannot take (groups not a multiple of 32, act-order groups of unequal size): the weight is
   dequantized **once** to fp32 (stated in the load log, with its size) and runs as an fp32
   GEMM, stored [K, N]-contiguous like Linear's dense fp32 weights (faster MKL GEMV at decode).
@@ -52,8 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tritonq.kernels.common import ClampedSwiGLU
 from tritonq.packing import unpack_int32
-from tritonq.weights import DenseWeight, Int4Weight, Weight
+from tritonq.weights import DenseWeight, Int4Weight, MXFP4Weight, Weight
 
 log = logging.getLogger(__name__)
 
@@ -148,17 +149,19 @@ def linear(x: torch.Tensor, p: CPUWeight) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """kernels.moe.fused_moe on CPU: each routed expert runs its MLP on its tokens through `linear`.
 
-    x [T, D]; gate_up / down stacked typed weights [E, 2I, D] / [E, D, I]; topk_* [T, k] -> [T, D] in x.dtype.
+    x [T, D]; gate_up / down stacked typed weights [E, 2I, D] / [E, D, I] (stacked biases [E, N] are added
+    by `linear`); topk_* [T, k] -> [T, D] in x.dtype. activation None: SiLU-and-mul.
     """
     gate_up_e, down_e = prepare_experts(gate_up), prepare_experts(down)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         gate, up = linear(x[token], gate_up_e[e]).float().chunk(2, dim=1)
-        y = linear((F.silu(gate) * up).to(x.dtype), down_e[e]).float()
+        hidden = F.silu(gate) * up if activation is None else activation.apply(gate, up)
+        y = linear(hidden.to(x.dtype), down_e[e]).float()
         out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
     return out.to(x.dtype)
 
@@ -213,6 +216,8 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
                   f"its groups of {KERNEL_GROUPS}")
     elif isinstance(w, Int4Weight):
         reason = "8-bit GPTQ (torch's int8 CPU kernel has per-channel scales only)"
+    elif isinstance(w, MXFP4Weight):
+        reason = "MXFP4 (torch has no CPU fp4 GEMM)"
     else:
         reason = "FP8 (no CPU fp8 GEMM faster than fp32 dense: weight-only, activations not quantized, as below sm_89)"
     _note(f"{reason}: weights dequantized once at load to float32 (4 bytes a weight) and run as fp32 GEMMs")

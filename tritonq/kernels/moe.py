@@ -14,8 +14,14 @@ Expert MLP `fused_moe(x [T, D], gate_up [E, 2I, D], down [E, D, I], topk_weights
 Weights are stacked typed weights (tritonq/weights.py, with a leading expert dim E):
   DenseWeight weight [E, N, K]; Int4Weight qweight [E, K*bits/32, N], scales/zeros [E, G, N],
   g_idx [E, K] or None; FP8Weight weight [E, N, K] fp8 with weight_scale [E] (per tensor),
-  [E, N, 1] (per channel) or [E, ceil(N/bn), ceil(K/bk)] (block_size (bn, bk)).
+  [E, N, 1] (per channel) or [E, ceil(N/bn), ceil(K/bk)] (block_size (bn, bk));
+  MXFP4Weight blocks [E, N, K/32, 16] uint8 (two e2m1 codes a byte), scales [E, N, K/32] E8M0: the
+  codes are decoded with integer ops (`e2m1_bits_to_fp16`) and scaled per 32 along K in the tile load,
+  then the dot runs in the activations' dtype (fp16 on sm_75, bf16 above), as for int4.
 Shared experts are not part of this: the model runs them as an ordinary MLP and adds them.
+gpt-oss experts: stacked biases (gate_up.bias [E, 2I], down.bias [E, D]; each added to its GEMM's
+output before the activation / the routing weight, as transformers' GptOssExperts) and
+`activation=ClampedSwiGLU(alpha, limit)` in place of SiLU-and-mul, fused in the same epilogue.
 On CPU (no interpreter) each routed expert runs through kernels/cpu_lowbit.py (its weights
 prepared once, on the first call); `fused_moe_reference` (TRITONQ_BACKEND=torch) is the oracle.
 FP8 experts are weight-only here (dequantized to x.dtype in-kernel); input_scale is not used.
@@ -38,18 +44,20 @@ import triton.language as tl
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.common import (
     E4M3_TO_FP16_BIAS,
+    ClampedSwiGLU,
     Launch,
     check_launch_config,
     dequantize_int_tile,
+    e2m1_bits_to_fp16,
     e4m3_bits_to_fp16,
     has_fp8_tensor_cores,
     tuned_or_default,
     unpack_int_tile,
     upcast_dot,
 )
-from tritonq.weights import WEIGHT_TYPES, DenseWeight, Int4Weight, Weight
+from tritonq.weights import WEIGHT_TYPES, DenseWeight, Int4Weight, MXFP4Weight, Weight
 
-DENSE, INT4, FP8 = 0, 1, 2  # the kernel's KIND: how the weight tile is loaded
+DENSE, INT4, FP8, MXFP4 = 0, 1, 2, 3  # the kernel's KIND: how the weight tile is loaded
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,6 +230,20 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         if HAS_ZEROS:
             zero = tl.load(zero_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
         w = dequantize_int_tile(q, scale, zero, BITS, HAS_ZEROS).to(COMPUTE)
+    elif KIND == 3:  # mxfp4: blocks [E, N, K/2] bytes (stride_wk = 1), scales [E, N, K/32] uint8 E8M0
+        BLOCK_K: tl.constexpr = offs_k.shape[0]
+        offs_byte = tl.min(offs_k, axis=0) // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_base + offs_n[None, :] * stride_wn + offs_byte[:, None],
+                         mask=(offs_byte[:, None] < K // 2) & (offs_n[None, :] < N), other=0).to(tl.int32)
+        # byte j holds elements 2j (low nibble) and 2j + 1 (high): [BLOCK_K/2, 2, BLOCK_N] -> K order
+        codes = (packed[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 15
+        codes = tl.reshape(codes, (BLOCK_K, offs_n.shape[0]))
+        scale_bits = tl.load(scale_ptr + expert.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn
+                             + (offs_k[:, None] // 32) * stride_sk, mask=mask, other=0).to(tl.int32)
+        # e2m1_bits_to_fp16 gives value / 2^14; fp32 bits (s + 14) << 23 are 2^(s - 127) x 2^14 for s <= 240
+        # (the loader refuses larger scales)
+        scale = ((scale_bits + 14) << 23).to(tl.float32, bitcast=True)
+        w = (e2m1_bits_to_fp16(codes).to(tl.float32) * scale).to(COMPUTE)
     else:  # fp8 [E, N, K]; scale index (n // SCALE_BN, k // SCALE_BK), strides 0 where constant
         w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         if FP8_AS_BITS:  # no fp8 types below sm_89: decode the bytes (exact; x 2^8 in fp32 undoes the bias)
@@ -256,12 +278,16 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      GATE_UP: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                      HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, TILE_SCALE_ROW: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr,
-                     UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     bias_ptr, stride_be, swiglu_alpha, swiglu_limit, HAS_BIAS: tl.constexpr = False,
+                     CLAMPED_SWIGLU: tl.constexpr = False):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
 
     A row of sorted row r is sorted_ids[r] // a_row_divisor (the token for gate/up, the
     (token, slot) row itself for down); the output row is sorted_ids[r].
     GATE_UP: out[:, n] = silu(A @ W[n]) * (A @ W[n + up_offset]); else out = w_route * (A @ W^T).
+    HAS_BIAS: bias [E, N (+ up_offset)] (stride_be per expert) added to each GEMM output first;
+    CLAMPED_SWIGLU: gpt-oss's activation (`ClampedSwiGLU`) in place of SiLU-and-mul.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -292,8 +318,18 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                                      group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW,
                                      SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE)
             acc_up = _dot(a, w_up, acc_up, UPCAST_DOT)
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert.to(tl.int64) * stride_be
+        acc += tl.load(bias_row + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        if GATE_UP:
+            acc_up += tl.load(bias_row + up_offset + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if GATE_UP:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
+        if CLAMPED_SWIGLU:  # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+            gate = tl.minimum(acc, swiglu_limit)
+            up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+            acc = gate / (1.0 + tl.exp(-swiglu_alpha * gate)) * (up + 1.0)
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
     else:
         acc = acc * tl.load(routing_weight_ptr + rows, mask=row_ok, other=0.0)[:, None]
     out_mask = row_ok[:, None] & (offs_n[None, :] < N)
@@ -367,6 +403,11 @@ def _weight_args(w: Weight, native_fp8: bool) -> dict:
                     stride_se=s.stride(0), stride_sn=s.stride(2), stride_sk=s.stride(1), group_size=w.group_size,
                     KIND=INT4, BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
                     SCALE_BN=1, SCALE_BK=1, FP8_AS_BITS=False)
+    if isinstance(w, MXFP4Weight):
+        b, s = w.blocks, w.scales
+        return dict(w_ptr=b, scale_ptr=s, zero_ptr=s, g_idx_ptr=s, stride_we=b.stride(0), stride_wn=b.stride(1),
+                    stride_wk=1, stride_se=s.stride(0), stride_sn=s.stride(1), stride_sk=s.stride(2), group_size=32,
+                    KIND=MXFP4, BITS=4, HAS_ZEROS=False, HAS_G_IDX=False, SCALE_BN=1, SCALE_BK=1, FP8_AS_BITS=False)
     t, s = w.weight, w.weight_scale.float()
     if w.block_size is not None:
         scale_bn, scale_bk = w.block_size
@@ -387,9 +428,11 @@ def _stacked_shape(w: Weight, name: str) -> tuple[int, int, int]:
     if not isinstance(w, WEIGHT_TYPES):
         raise ValueError(f"fused_moe: {name} must be a stacked DenseWeight/Int4Weight/FP8Weight with a leading "
                          f"expert dim (loader.get_stacked), got {type(w).__name__}")
-    if w.bias is not None:
-        raise ValueError(f"fused_moe: {name} has a bias; expert biases are not supported (MoE experts have none)")
-    return w.stacked_shape(f"fused_moe: {name}")
+    E, N, K = w.stacked_shape(f"fused_moe: {name}")
+    if w.bias is not None and (w.bias.shape != (E, N) or not w.bias.is_contiguous()):
+        raise ValueError(f"fused_moe: {name} bias has shape {tuple(w.bias.shape)}; expected a contiguous [E={E}, "
+                         f"N={N}] (one bias row per expert, as gpt-oss's gate_up_proj_bias / down_proj_bias)")
+    return E, N, K
 
 
 def _check_moe(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]:
@@ -412,19 +455,24 @@ def _check_moe(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]
 
 
 def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoEConfig | tuple[MoEConfig, MoEConfig] | None = None
-              ) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoEConfig | tuple[MoEConfig, MoEConfig] | None = None,
+              activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """x [T, D] -> [T, D] in x.dtype: sum_k topk_weights[:, k] * down_e(silu(gate_e x) * up_e x).
+
+    Biases of the stacked weights (if any) are added to each GEMM's output; activation: None
+    (SiLU-and-mul) or ClampedSwiGLU (gpt-oss).
 
     config: one MoEConfig for both GEMMs or a (gate_up, down) pair with equal BLOCK_M (the
     tuner's candidates); None: each GEMM's tuned config (`_config`), sharing the smaller BLOCK_M.
     """
     E, inter, D = _check_moe(x, gate_up, down, topk_weights, topk_ids)
     explicit = check_config(config) if config is not None else None
+    if activation is not None and not isinstance(activation, ClampedSwiGLU):
+        raise ValueError(f"fused_moe: activation must be None (SiLU-and-mul) or a ClampedSwiGLU, got {activation!r}")
     if use_cpu_kernels(x):  # per expert, torch's CPU kernels over weights prepared once (cpu_lowbit)
-        return cpu_lowbit.fused_moe(x, gate_up, down, topk_weights, topk_ids)
+        return cpu_lowbit.fused_moe(x, gate_up, down, topk_weights, topk_ids, activation)
     if not use_triton(x):
-        return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids)
+        return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids, activation)
     T, top_k = topk_ids.shape
     if T == 0:
         return x.new_zeros(T, D)
@@ -439,20 +487,22 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
     native_fp8 = has_fp8_tensor_cores(x.device)
     hidden = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(numel, D, dtype=x.dtype, device=x.device)
-    moe_gemm_launch(x, hidden, gate_up, routing, alignment, top_k, cfg1, block_m, True, native_fp8)()
+    moe_gemm_launch(x, hidden, gate_up, routing, alignment, top_k, cfg1, block_m, True, native_fp8, activation)()
     moe_gemm_launch(hidden, out, down, routing, alignment, top_k, cfg2, block_m, False, native_fp8)()
     return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing: torch.Tensor, alignment: tuple,
-                    top_k: int, config: MoEConfig, block_m: int, gate_up: bool, native_fp8: bool) -> Launch:
+                    top_k: int, config: MoEConfig, block_m: int, gate_up: bool, native_fp8: bool,
+                    activation: ClampedSwiGLU | None = None) -> Launch:
     """The launch of _moe_gemm_kernel for one of the two GEMMs, over all experts.
 
     gate_up: a = x [T, D], weight [E, 2I, D], out = hidden [T*k, I] (SiLU-and-mul fused); else
     a = hidden [T*k, I], weight [E, D, I], out [T*k, D] times the routing weights [T*k] fp32.
     alignment: (sorted_ids, expert_ids, num_tokens_post_padded) of `moe_align_block_size(.., block_m)`.
     native_fp8: load fp8 weights as float8e4nv (`has_fp8_tensor_cores`), else decode their bytes.
-    Over meta tensors this is the launch tune --aot compiles.
+    weight.bias [E, N_w] (if any) is added to the GEMM output; activation (gate_up only): ClampedSwiGLU or
+    None (SiLU-and-mul). Over meta tensors this is the launch tune --aot compiles.
     """
     sorted_ids, expert_ids, post_padded = alignment
     N, K = out.shape[1], a.shape[1]
@@ -461,7 +511,11 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
                 num_valid=routing.numel(), N=N, K=K, up_offset=N if gate_up else K,  # the I of gate_up
                 a_row_divisor=top_k if gate_up else 1, stride_am=a.stride(0), stride_om=out.stride(0),
                 GATE_UP=gate_up, TILE_SCALE_ROW=weight.scales_constant_over(config.BLOCK_K), UPCAST_DOT=upcast_dot(a),
-                BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, **_weight_args(weight, native_fp8))
+                BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, **_weight_args(weight, native_fp8),
+                bias_ptr=routing if weight.bias is None else weight.bias,
+                stride_be=0 if weight.bias is None else weight.bias.stride(0),
+                swiglu_alpha=activation.alpha if activation else 1.0, swiglu_limit=activation.limit if activation else 0.0,
+                HAS_BIAS=weight.bias is not None, CLAMPED_SWIGLU=activation is not None)
     grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
     return Launch(_moe_gemm_kernel, grid, args, config.num_warps, config.num_stages)
 
@@ -471,17 +525,23 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
 # ----------------------------------------------------------------------------------------------
 
 def fused_moe_reference(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
-    """Loop over experts in float32: each expert runs its MLP on the tokens routed to it."""
+                        topk_ids: torch.Tensor, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """Loop over experts in float32: each expert runs its MLP (biases included) on the tokens routed to it."""
     E, inter, D = _check_moe(x, gate_up, down, topk_weights, topk_ids)
     xf = x.float()
     out = torch.zeros(x.shape[0], D, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        gate, up = (xf[token] @ gate_up.expert(e).dequantize(torch.float32).t()).split(inter, dim=1)
-        y = (F.silu(gate) * up) @ down.expert(e).dequantize(torch.float32).t()
+        gu, dn = gate_up.expert(e), down.expert(e)
+        gate, up = F.linear(xf[token], gu.dequantize(torch.float32), _float(gu.bias)).split(inter, dim=1)
+        hidden = F.silu(gate) * up if activation is None else activation.apply(gate, up)
+        y = F.linear(hidden, dn.dequantize(torch.float32), _float(dn.bias))
         out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
     return out.to(x.dtype)
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
 
 
 # ----------------------------------------------------------------------------------------------

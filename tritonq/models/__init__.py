@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
+from tritonq.models.gpt_oss import GptOssForCausalLM
 from tritonq.models.llama import LlamaForCausalLM, MistralForCausalLM
 from tritonq.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
-          "qwen3": Qwen3ForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM}
+          "qwen3": Qwen3ForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM, "gpt_oss": GptOssForCausalLM}
 
 
 def model_class(model_type: str):

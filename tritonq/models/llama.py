@@ -40,12 +40,14 @@ class LlamaVariant:
     qkv_bias / o_bias / mlp_bias: biases on q,k,v / o_proj / gate,up,down (Llama: attention_bias covers
     q,k,v,o; Qwen2: q,k,v always, o never). qk_norm: an RMSNorm over each q and k head (weights
     self_attn.q_norm / k_norm [head_dim]) before rope (Qwen3). windows[i]: layer i's sliding window,
-    0 for full attention (a key at position j is seen from position p iff p - j < window)."""
+    0 for full attention (a key at position j is seen from position p iff p - j < window).
+    sinks: a learned logit per query head (self_attn.sinks [H]) in every softmax denominator (gpt-oss)."""
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
     windows: tuple[int, ...] = ()
+    sinks: bool = False
 
 
 def layer_windows(config, sliding_layers: list[bool]) -> tuple[int, ...]:
@@ -95,6 +97,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(loader.get_tensor(f"{prefix}.k_norm.weight", shape=head), config.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
         self.window = window  # 0 = full attention
+        self.sinks = None
+        if variant.sinks:  # this rank's query heads' sinks, fp32 as the kernels take them
+            self.sinks = loader.get_tensor(f"{prefix}.sinks", dim=0, shape=(heads,)).float().contiguous()
 
     def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
         """x [T, hidden] -> [T, hidden]; cos/sin [1, T, D] at the rows' positions."""
@@ -109,10 +114,10 @@ class LlamaAttention(nn.Module):
         write_kv_slots(k_pages, v_pages, k, v, ctx.slot_mapping, check_values=False)
         if ctx.is_prefill:
             out = paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
-                                          self.scale, window=self.window, check_values=False)
+                                          self.scale, window=self.window, check_values=False, sinks=self.sinks)
         else:  # one new token per sequence: rows are sequences
             out = decode_attention(q, k_pages, v_pages, ctx.context_lens, ctx.block_table, self.scale,
-                                   window=self.window)
+                                   window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(T, H * self.head_dim))
 
 
@@ -134,7 +139,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, loader, prefix: str, variant: LlamaVariant, window: int):
+    def __init__(self, config, loader, prefix: str, variant: LlamaVariant, window: int, mlp_class=LlamaMLP):
         super().__init__()
         eps = config.rms_norm_eps
         D = (config.hidden_size,)
@@ -142,7 +147,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, loader, f"{prefix}.self_attn", variant, window)
         self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight", shape=D),
                                                 eps)
-        self.mlp = LlamaMLP(config, loader, f"{prefix}.mlp", variant)
+        self.mlp = mlp_class(config, loader, f"{prefix}.mlp", variant)
 
     def forward(self, x, cos, sin, ctx, k_pages, v_pages):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
@@ -157,6 +162,7 @@ class LlamaForCausalLM(nn.Module):
     """
     supports_tensor_parallel = True
     supports_compile = True  # a decode step reads no device value on the host (tritonq.engine.compiled)
+    mlp_class = LlamaMLP  # built as mlp_class(config, loader, prefix, variant); MoE variants swap it
 
     @classmethod
     def variant(cls, config) -> LlamaVariant:
@@ -177,7 +183,8 @@ class LlamaForCausalLM(nn.Module):
         # Vocab-parallel: this rank's V/world rows of the embedding and of lm_head (tied: the same rows).
         table = (config.vocab_size, config.hidden_size)
         self.embed_tokens = Embedding(loader.get_embedding("model.embed_tokens", table, dim=0), loader.rank, world)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, loader, f"model.layers.{i}", variant, variant.windows[i])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, loader, f"model.layers.{i}", variant, variant.windows[i],
+                                                      self.mlp_class)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(loader.get_tensor("model.norm.weight", shape=table[1:]), config.rms_norm_eps)
         # None: tied to the embedding; a quantized head on disk is always used; untied without one is an error.

@@ -1,0 +1,64 @@
+"""gpt-oss (OpenAI's gpt-oss-20b / 120b, model_type gpt_oss): the Llama decoder of tritonq.models.llama
+with these differences, as transformers' GptOssForCausalLM runs them:
+
+  attention  biases on q, k, v and o; a learned sink logit per query head (self_attn.sinks [H]) that
+             joins every softmax denominator only (kernels/attention.py); sliding window
+             config.sliding_window (128) on the layers whose layer_types entry is "sliding_attention"
+             (alternating, starting with layer 0), full attention on the others; yarn rope.
+  MLP        a mixture of experts in every layer, no shared expert:
+             router   logits = x @ router.weight^T + router.bias [T, E]; the top-k logits softmaxed
+                      (= softmax over all E, the top k renormalized: `grouped_topk(renormalize=True)`).
+             experts  stored fused per layer: experts.gate_up_proj [E, D, 2I] with gate and up rows
+                      interleaved (even = gate, odd = up), gate_up_proj_bias [E, 2I], down_proj [E, I, D],
+                      down_proj_bias [E, D] (dense checkpoints), or their MXFP4 `_blocks` / `_scales`
+                      (formats/mxfp4.py); the loader hands them over as [E, N, K] typed weights with the
+                      gate rows first. Activation `ClampedSwiGLU(swiglu_alpha, swiglu_limit)`:
+                      (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = clamp(gate, max=7), each expert's
+                      output plus its down bias, times its routing weight.
+Tensor parallelism is not supported yet (the experts are read whole on each rank).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tritonq.kernels.common import ClampedSwiGLU
+from tritonq.kernels.moe import fused_moe, grouped_topk
+from tritonq.models.llama import LlamaForCausalLM, LlamaVariant, layer_windows, sliding_layers_from_layer_types
+
+
+class GptOssMoE(nn.Module):
+    """Router (with bias) and routed experts of one layer; see the module docstring."""
+
+    def __init__(self, config, loader, prefix: str, variant: LlamaVariant):
+        super().__init__()
+        E, D, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.top_k = config.num_experts_per_tok
+        # The router in fp32: its top-k picks experts, and a bf16 near tie would flip between runs.
+        self.router_weight = loader.get_tensor(f"{prefix}.router.weight", shape=(E, D)).float()
+        self.router_bias = loader.get_tensor(f"{prefix}.router.bias", shape=(E,)).float()
+        self.gate_up = loader.get_fused_experts(f"{prefix}.experts.gate_up_proj", (E, 2 * inter, D), interleaved=True)
+        self.down = loader.get_fused_experts(f"{prefix}.experts.down_proj", (E, D, inter))
+        self.activation = ClampedSwiGLU(float(config.swiglu_alpha), float(config.swiglu_limit))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]."""
+        logits = torch.addmm(self.router_bias, x.float(), self.router_weight.t())
+        topk_weights, topk_ids = grouped_topk(logits, self.top_k, scoring="softmax", renormalize=True)
+        return fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids, activation=self.activation)
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """gpt-oss (model_type gpt_oss); see the module docstring."""
+    supports_tensor_parallel = False
+    supports_compile = False  # MoE routing reads device values on the host (as DeepSeek-V2)
+    mlp_class = GptOssMoE
+
+    @classmethod
+    def variant(cls, config) -> LlamaVariant:
+        if getattr(config, "hidden_act", "silu") != "silu":  # transformers ignores it: the clamped SwiGLU is fixed
+            raise ValueError(f"gpt-oss: hidden_act={config.hidden_act!r}; expected 'silu' (the experts run the "
+                             "clamped SwiGLU of swiglu_alpha / swiglu_limit)")
+        bias = bool(getattr(config, "attention_bias", True))
+        return LlamaVariant(qkv_bias=bias, o_bias=bias, sinks=True,
+                            windows=layer_windows(config, sliding_layers_from_layer_types(config)))
