@@ -4,8 +4,9 @@ The launches are the launchers' own (each kernel file's builder over meta tensor
 divisibility hints and default config as at run time), at representative shapes: int4 / fp8 GEMMs at
 M = 1, 16, 256 (a 4096 x 4096 layer), paged prefill and split-KV decode attention for head dims 64,
 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token pages, a sliding
-window), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8), rms_norm and the fp8 activation
-quantization. Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
+window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split and
+merge), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8) and on gpt-oss-20b's MXFP4 experts
+(biases, clamped SwiGLU), rms_norm and the fp8 activation quantization. Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
 no GPU) for sm_75 (T4), sm_80 (A100), sm_89 (L4/L40) and sm_90 (H100/H200) x `gpu_compute_dtypes(cc)`,
 and must:
   * fit the target's shared memory per block (`aot.SHARED_MEMORY_LIMIT`, CUDA's opt-in maximum: 64 KB,
@@ -46,6 +47,8 @@ TARGETS = (75, 80, 89, 90)
 TRITON_36 = ROOT / "build" / "triton-3.6.0"
 N = K = 4096  # a Llama-7B-sized layer
 MOE_PROBLEM = (512, 64, 6, 2048, 1408)  # tokens, experts, top-k, D, I: DeepSeek-V2-Lite's experts
+GPT_OSS_MOE_PROBLEM = (512, 32, 4, 2880, 2880)  # gpt-oss-20b's experts (MXFP4, biases, clamped SwiGLU)
+GPT_OSS_WINDOW = 128  # gpt-oss attention: 64 / 64 heads, sinks, 128-token window on alternate layers
 # (Dqk, Dv), page size, window: Llama/Qwen 128, small models 64, DeepSeek's expanded 192 / 128 and
 # latent 576 / 512; 64-token pages and sliding windows change the key gather (registers).
 PREFILL = [((64, 64), 16, 0), ((128, 128), 16, 0), ((192, 128), 16, 0), ((576, 512), 16, 0),
@@ -56,7 +59,8 @@ DECODE = [((64, 64), 16, 0), ((128, 128), 16, 0), ((192, 128), 16, 0), ((576, 51
 # family. fp16 and bf16 compiled to the same shared memory, spills and tensor-core use in all 149 cases of
 # the full set on sm_80/89/90 (Triton 3.9), so the full set runs in the default dtype only (CI time).
 OTHER_DTYPE_CASES = ("int4 M256", "fp8 block M256", "fp8 weight-only block M256", "prefill 128/128 page16 window0",
-                     "decode 576/512 page16 window0", "moe int4 gate_up M64", "rms_norm 8192")
+                     "decode 576/512 page16 window0", "moe int4 gate_up M64", "rms_norm 8192",
+                     "moe mxfp4 gpt-oss gate_up M64")
 
 # {(cc, case): bytes}: the register spills accepted (the most measured under Triton 3.9.0 and 3.6.0).
 # sm_75 (T4) only: its dots run on FMA (no mma before sm_80), and the GEMM / MoE tiles are the sm_80+
@@ -78,6 +82,8 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "moe fp8 gate_up M16"): 1968,  # 3.9: 1968, 3.6: 1856
     (75, "moe fp8 gate_up M64"): 1624,  # 3.9: 1624, 3.6: 1092
     (75, "moe fp8 down M64"): 456,  # 3.9: 456, 3.6: 376
+    (75, "moe mxfp4 gpt-oss gate_up M16"): 2604,  # 3.9: 2604, 3.6: 2524
+    (75, "moe mxfp4 gpt-oss gate_up M64"): 2560,  # 3.9: 2560, 3.6: 2512
 }
 
 
@@ -137,6 +143,19 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         out[f"decode {d_qk}/{d_v} page{page_size} window{window}"] = split
         if page_size == 16 and not window:
             out[f"decode merge {d_qk}/{d_v}"] = merge
+    # gpt-oss: attention sinks (prefill's initial state, decode's merge) over the 128-token window
+    H, H_kv = _heads(64)
+    sinks = _meta(H, dtype=torch.float32)
+    k, v = _pages(64, 64, 16, 1024, dtype)
+    config = attention.paged_prefill_config(*attention.head_blocks(64, 64), cc)
+    out[f"prefill 64/64 page16 window{GPT_OSS_WINDOW} sinks"] = attention.paged_prefill_launch(
+        _meta(2048, H, 64, dtype=dtype), k, v, _meta(5, **i32), _meta(4, **i32), _meta(4, 256, **i32), 0.125,
+        GPT_OSS_WINDOW, config, sinks)[0]
+    config = attention.decode_config(1, H_kv, GPT_OSS_WINDOW, 16, *attention.head_blocks(64, 64), SM_COUNT[cc])
+    split, merge, _ = attention.decode_launches(_meta(1, H, 64, dtype=dtype), k, v, _meta(1, **i32),
+                                                _meta(1, 256, **i32), 0.125, GPT_OSS_WINDOW, config, sinks)
+    out[f"decode 64/64 page16 window{GPT_OSS_WINDOW} sinks"] = split
+    out["decode merge 64/64 sinks"] = merge
     for d_qk, d_v in ((128, 128), (576, 512)):
         if cc < 80 and d_qk == 576:
             continue
@@ -149,6 +168,10 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
                                 (False, moe.DEFAULT_CONFIGS[-1][1])):
             out[f"moe {kind} {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = moe.aot_launch(
                 config, (*MOE_PROBLEM, 0 if gate_up else 1), kind, native_fp8=cc >= 89, dtype=dtype)
+    for gate_up, config in ((True, moe.DEFAULT_CONFIGS[0][1]), (True, moe.DEFAULT_CONFIGS[-1][1]),
+                            (False, moe.DEFAULT_CONFIGS[-1][1])):
+        out[f"moe mxfp4 gpt-oss {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = moe.aot_launch(
+            config, (*GPT_OSS_MOE_PROBLEM, 0 if gate_up else 1), "mxfp4", dtype=dtype, gpt_oss=True)
     out["rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5)[0]
     return out
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from tritonq.packing import pack_int32
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, Weight
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
 
 FP8_SCHEMES = ("tensor", "channel", "block")
-EXPERT_KINDS = ("dense", "int4", "fp8")
+EXPERT_KINDS = ("dense", "int4", "fp8", "mxfp4")
 
 
 def random_int4_weight(N: int, K: int, dtype: torch.dtype, device, group_size: int = 128) -> Int4Weight:
@@ -53,7 +53,8 @@ def random_experts(kind: str, E: int, N: int, K: int, dtype: torch.dtype, device
     on the device, scaled so that x ~ N(0, 1) gives outputs of about unit size.
 
     int4: asymmetric, group 128 (32 if K is not a multiple), random nibbles (random int32 words) and
-    zeros in [6, 10]; fp8: e4m3 codes with 128x128 block scales.
+    zeros in [6, 10]; fp8: e4m3 codes with 128x128 block scales; mxfp4: random e2m1 bytes (K a multiple
+    of 32) with E8M0 scales around 2^-log2(3 sqrt K) (e2m1 codes have std ~3).
     """
     if kind == "dense":
         return DenseWeight((torch.randn(E, N, K, device=device) / K ** 0.5).to(dtype))
@@ -69,4 +70,9 @@ def random_experts(kind: str, E: int, N: int, K: int, dtype: torch.dtype, device
         codes = (torch.randn(E, N, K, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
         scales = (torch.rand(E, -(-N // 128), -(-K // 128), device=device) * 0.5 + 0.75) / (64 * K ** 0.5)
         return FP8Weight(codes, scales, block_size=(128, 128))
+    if kind == "mxfp4":
+        blocks = torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8, device=device)
+        center = 127 - round(torch.log2(torch.tensor(3 * K ** 0.5)).item())
+        scales = torch.randint(center - 1, center + 2, (E, N, K // 32), device=device).to(torch.uint8)
+        return MXFP4Weight(blocks, scales)
     raise ValueError(f"random_experts: kind {kind!r}; choose one of {EXPERT_KINDS}")

@@ -212,28 +212,45 @@ class WeightsLoader:
             self._read_float(f"{prefix}.weight", None, column=None, row=None, out=out[e])
         return DenseWeight(out)
 
-    def get_fused_experts(self, name: str, shape: tuple[int, int, int], interleaved: bool = False) -> Weight:
+    def get_fused_experts(self, name: str, shape: tuple[int, int, int], interleaved: bool = False,
+                          parallel: str | None = None) -> Weight:
         """Experts stored fused in one module as transformers' gpt-oss does, as a stacked typed weight
         [E, N, K] with its bias [E, N] (`{name}_bias`).
 
         Dense: `{name}` [E, K, N] (x @ W per expert, transformers' layout), transposed once to [E, N, K].
         Quantized formats override `quantized_experts` (mxfp4: `{name}_blocks` / `_scales`).
         interleaved: output rows alternate gate, up (gpt-oss's gate_up_proj); they come back as all gate
-        rows then all up rows, the order fused_moe's gate/up GEMM reads. Read whole (no tensor parallel)."""
+        rows then all up rows, the order fused_moe's gate/up GEMM reads.
+        parallel: "column" reads this rank's N/world outputs of every expert (interleaved: whole gate/up
+        pairs, so its gate rows and up rows are the same intermediate slice), "row" its K/world inputs
+        (the bias on rank 0 only: the all-reduce adds it once)."""
         E, N, K = shape
+        shard = self.shard(parallel)
+        if shard is not None:
+            self.check_split(name, shard, N if shard.parallel == "column" else K, 2 if interleaved else 1,
+                             "a gate/up pair" if interleaved else "whole rows or columns")
         if self.is_quantized(name):
-            w = self.quantized_experts(name, shape)
+            w = self.quantized_experts(name, shape, shard)
         else:
             self._check_tensor_shape(name, (E, K, N))
-            w = DenseWeight(self._read_float(name, None, None, None).transpose(1, 2).contiguous())
-        bias = self._read_float(f"{name}_bias", None, None, None, shape=(E, N))
+            w = DenseWeight(self._read_float(name, shard, column=2, row=1).transpose(1, 2).contiguous())
+        bias = self._expert_bias(f"{name}_bias", shard, (E, N))
         if interleaved:
-            order = torch.cat([torch.arange(0, N, 2), torch.arange(1, N, 2)]).to(bias.device)
+            local_N = N // shard.count if shard is not None and shard.parallel == "column" else N
+            order = torch.cat([torch.arange(0, local_N, 2), torch.arange(1, local_N, 2)])
             w = w.take_outputs(order)
-            bias = bias[:, order]
-        return replace(w, bias=bias.contiguous())
+            bias = bias[:, order.to(bias.device)]
+        return replace(w, bias=None if bias is None else bias.contiguous())
 
-    def quantized_experts(self, name: str, shape: tuple[int, int, int]) -> Weight:
+    def _expert_bias(self, name: str, shard: Shard | None, shape: tuple[int, int]) -> torch.Tensor | None:
+        """Expert biases [E, N] (this rank's N slice), or None on ranks > 0 of a row split."""
+        if shard is None or shard.parallel == "column" or shard.index == 0:
+            return self._read_float(name, shard, column=1, row=None, shape=shape)
+        self._check_tensor_shape(name, shape)
+        self.weights.mark_read(name)  # rank 0 adds it once after the all-reduce
+        return None
+
+    def quantized_experts(self, name: str, shape: tuple[int, int, int], shard: Shard | None) -> Weight:
         raise NotImplementedError
 
     def get_tensor(self, name: str, dim: int | None = None, shape: tuple | None = None,

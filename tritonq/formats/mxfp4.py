@@ -35,13 +35,18 @@ class MXFP4Loader(WeightsLoader):
     def is_quantized(self, prefix: str) -> bool:
         return not self.is_ignored(prefix) and self.weights.has_tensor(f"{prefix}_blocks")
 
-    def quantized_experts(self, name: str, shape: tuple[int, int, int]) -> MXFP4Weight:
+    def quantized_experts(self, name: str, shape: tuple[int, int, int], shard: Shard | None) -> MXFP4Weight:
+        """This rank's experts: a column shard takes output rows (dim 1), a row shard whole 32-element groups
+        along K (dim 2 of both blocks and scales)."""
         E, N, K = shape
         if K % MXFP4_GROUP:
             raise ValueError(f"{self.weights.folder}: {name} has K={K} inputs, not a multiple of the MXFP4 group "
                              f"{MXFP4_GROUP}; the config does not match an MXFP4 checkpoint")
-        blocks = self.weights.get_tensor(f"{name}_blocks", torch.uint8, (E, N, K // MXFP4_GROUP, 16))
-        scales = self.weights.get_tensor(f"{name}_scales", torch.uint8, (E, N, K // MXFP4_GROUP))
+        if shard is not None and shard.parallel == "row":
+            self.check_split(name, shard, K, MXFP4_GROUP, f"an MXFP4 group of {MXFP4_GROUP} inputs")
+        blocks = self.read(f"{name}_blocks", shard, column=1, row=2, dtype=torch.uint8,
+                           shape=(E, N, K // MXFP4_GROUP, 16))
+        scales = self.read(f"{name}_scales", shard, column=1, row=2, dtype=torch.uint8, shape=(E, N, K // MXFP4_GROUP))
         if not scales.is_meta and int(scales.max()) > MXFP4_MAX_SCALE:
             raise ValueError(f"{self.weights.folder}: {name}_scales holds E8M0 exponent {int(scales.max())} "
                              f"(a scale of 2^{int(scales.max()) - 127}); the MXFP4 kernels take exponents up to "

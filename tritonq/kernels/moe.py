@@ -238,12 +238,18 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         # byte j holds elements 2j (low nibble) and 2j + 1 (high): [BLOCK_K/2, 2, BLOCK_N] -> K order
         codes = (packed[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 15
         codes = tl.reshape(codes, (BLOCK_K, offs_n.shape[0]))
+        # One scale per 32 rows of the tile (BLOCK_K % 32 == 0, checked by the launcher), broadcast in registers:
+        # a per-element gather would hold a [BLOCK_K, BLOCK_N] tile of 64-bit addresses (spills at 16 rows).
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        offs_group = tl.min(offs_k, axis=0) // 32 + tl.arange(0, GROUPS)
         scale_bits = tl.load(scale_ptr + expert.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn
-                             + (offs_k[:, None] // 32) * stride_sk, mask=mask, other=0).to(tl.int32)
+                             + offs_group[:, None] * stride_sk,
+                             mask=(offs_group[:, None] < K // 32) & (offs_n[None, :] < N), other=0).to(tl.int32)
         # e2m1_bits_to_fp16 gives value / 2^14; fp32 bits (s + 14) << 23 are 2^(s - 127) x 2^14 for s <= 240
         # (the loader refuses larger scales)
         scale = ((scale_bits + 14) << 23).to(tl.float32, bitcast=True)
-        w = (e2m1_bits_to_fp16(codes).to(tl.float32) * scale).to(COMPUTE)
+        w = tl.reshape(e2m1_bits_to_fp16(codes).to(tl.float32), (GROUPS, 32, offs_n.shape[0])) * scale[:, None, :]
+        w = tl.reshape(w, (BLOCK_K, offs_n.shape[0])).to(COMPUTE)
     else:  # fp8 [E, N, K]; scale index (n // SCALE_BN, k // SCALE_BK), strides 0 where constant
         w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         if FP8_AS_BITS:  # no fp8 types below sm_89: decode the bytes (exact; x 2^8 in fp32 undoes the bias)
@@ -506,6 +512,9 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
     """
     sorted_ids, expert_ids, post_padded = alignment
     N, K = out.shape[1], a.shape[1]
+    if isinstance(weight, MXFP4Weight) and config.BLOCK_K % 32:
+        raise ValueError(f"fused_moe: BLOCK_K={config.BLOCK_K} with MXFP4 experts; it must be a multiple of the "
+                         "32-element scale group (use 32, 64 or 128)")
     args = dict(a_ptr=a, out_ptr=out, routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids,
                 expert_ids_ptr=expert_ids, num_tokens_post_padded_ptr=post_padded,
                 num_valid=routing.numel(), N=N, K=K, up_offset=N if gate_up else K,  # the I of gate_up
@@ -582,16 +591,21 @@ def sweep_space(problem) -> list[dict]:
 
 
 def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool = True,
-               dtype: torch.dtype = torch.bfloat16) -> Launch:
+               dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False) -> Launch:
     """`moe_gemm_launch` over meta tensors for one GEMM of a tuning problem: activations in dtype, experts
     as `random_weights.random_experts` makes them of `kind` (int4: asymmetric, grouped as the tuner's;
-    fp8: 128 x 128 block scales, loaded as float8e4nv if native_fp8, else decoded from their bytes)."""
+    fp8: 128 x 128 block scales, loaded as float8e4nv if native_fp8, else decoded from their bytes;
+    mxfp4: e2m1 blocks and E8M0 scales). gpt_oss: expert biases and the ClampedSwiGLU epilogue."""
+    from dataclasses import replace
+
     from tritonq.random_weights import random_experts
 
     T, E, top_k, D, inter, gemm = tune_problem(problem)
     gate = gemm == 0
     N, K, w_rows = (inter, D, 2 * inter) if gate else (D, inter, D)  # w_rows: the stacked weight's N
     weight = random_experts(kind, E, w_rows, K, dtype, "meta")
+    if gpt_oss:
+        weight = replace(weight, bias=torch.empty(E, w_rows, dtype=dtype, device="meta"))
     meta = torch.device("meta")
     numel = T * top_k
     max_blocks = min(numel, triton.cdiv(numel, config.BLOCK_M) + E)  # as moe_align_block_size
@@ -600,7 +614,8 @@ def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool 
     a = torch.empty(T if gate else numel, K, dtype=dtype, device=meta)
     out = torch.empty(numel, N, dtype=dtype, device=meta)
     routing = torch.empty(numel, dtype=torch.float32, device=meta)
-    return moe_gemm_launch(a, out, weight, routing, alignment, top_k, config, config.BLOCK_M, gate, native_fp8)
+    return moe_gemm_launch(a, out, weight, routing, alignment, top_k, config, config.BLOCK_M, gate, native_fp8,
+                           ClampedSwiGLU() if gpt_oss and gate else None)
 
 
 def tune_target():

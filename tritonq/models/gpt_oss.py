@@ -15,13 +15,16 @@ with these differences, as transformers' GptOssForCausalLM runs them:
                       gate rows first. Activation `ClampedSwiGLU(swiglu_alpha, swiglu_limit)`:
                       (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = clamp(gate, max=7), each expert's
                       output plus its down bias, times its routing weight.
-Tensor parallelism is not supported yet (the experts are read whole on each rank).
+Tensor parallel as Llama (heads; the sinks split with their heads) plus the experts: every rank holds
+each expert's I/world slice (gate/up rows, down inputs: whole MXFP4 groups) and the MoE output is
+all-reduced, the down bias added on rank 0 only; the router is replicated.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from tritonq.distributed import all_reduce
 from tritonq.kernels.common import ClampedSwiGLU
 from tritonq.kernels.moe import fused_moe, grouped_topk
 from tritonq.models.llama import LlamaForCausalLM, LlamaVariant, layer_windows, sliding_layers_from_layer_types
@@ -37,20 +40,25 @@ class GptOssMoE(nn.Module):
         # The router in fp32: its top-k picks experts, and a bf16 near tie would flip between runs.
         self.router_weight = loader.get_tensor(f"{prefix}.router.weight", shape=(E, D)).float()
         self.router_bias = loader.get_tensor(f"{prefix}.router.bias", shape=(E,)).float()
-        self.gate_up = loader.get_fused_experts(f"{prefix}.experts.gate_up_proj", (E, 2 * inter, D), interleaved=True)
-        self.down = loader.get_fused_experts(f"{prefix}.experts.down_proj", (E, D, inter))
+        # Tensor parallel: each rank holds every expert's I/world slice (gate/up by output, down by input) and
+        # the partial outputs are summed; the router is replicated.
+        self.gate_up = loader.get_fused_experts(f"{prefix}.experts.gate_up_proj", (E, 2 * inter, D), interleaved=True,
+                                                parallel="column")
+        self.down = loader.get_fused_experts(f"{prefix}.experts.down_proj", (E, D, inter), parallel="row")
         self.activation = ClampedSwiGLU(float(config.swiglu_alpha), float(config.swiglu_limit))
+        self.world = loader.world
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
         logits = torch.addmm(self.router_bias, x.float(), self.router_weight.t())
         topk_weights, topk_ids = grouped_topk(logits, self.top_k, scoring="softmax", renormalize=True)
-        return fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids, activation=self.activation)
+        out = fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids, activation=self.activation)
+        return all_reduce(out) if self.world > 1 else out
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
     """gpt-oss (model_type gpt_oss); see the module docstring."""
-    supports_tensor_parallel = False
+    supports_tensor_parallel = True
     supports_compile = False  # MoE routing reads device values on the host (as DeepSeek-V2)
     mlp_class = GptOssMoE
 
