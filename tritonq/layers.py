@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonq.distributed import all_gather_last_dim, all_reduce
-from tritonq.kernels import cpu_lowbit, use_cpu_kernels
+from tritonq.kernels import cpu_dense, cpu_lowbit, use_cpu_kernels
 from tritonq.kernels.fp8_gemm import fp8_gemm
 from tritonq.kernels.int4_gemm import int4_gemm
 from tritonq.kernels.norm_rope import rms_norm
@@ -20,9 +20,14 @@ def _int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     return int4_gemm(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
 
 
+def _dense_linear(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:
+    packed = None if torch.compiler.is_compiling() else cpu_dense.packed(w)  # bf16 on CPU (kernels/cpu_dense.py)
+    return F.linear(x, w.weight, w.bias) if packed is None else cpu_dense.linear(x, packed, w.bias)
+
+
 # y [..., N] = x [..., K] @ W^T (+ bias) for each weight type.
 GEMMS = {
-    DenseWeight: lambda x, w: F.linear(x, w.weight, w.bias),
+    DenseWeight: _dense_linear,
     Int4Weight: _int4_linear,
     FP8Weight: fp8_gemm,  # takes [..., K] itself
 }
@@ -46,11 +51,15 @@ class Linear(nn.Module):
         self._prepare_cpu()
 
     def _prepare_cpu(self) -> None:
-        """On the CPU backend, repack / dequantize a quantized weight once, at load (kernels/cpu_lowbit.py);
-        the kernel launchers find it there on every call."""
+        """On the CPU backend, repack / dequantize a quantized weight once, at load (kernels/cpu_lowbit.py), and
+        reorder a bf16 one for oneDNN (kernels/cpu_dense.py); the kernels find it there on every call."""
         w = self.weight
-        if not isinstance(w, DenseWeight) and use_cpu_kernels(w.values):
+        if not use_cpu_kernels(w.values):
+            return
+        if not isinstance(w, DenseWeight):
             cpu_lowbit.prepare(w)
+        elif cpu_dense.packs(w):
+            cpu_dense.pack(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return GEMMS[type(self.weight)](x, self.weight)

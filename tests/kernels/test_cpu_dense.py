@@ -1,0 +1,73 @@
+"""The bf16 dense linear over a weight packed once for oneDNN (kernels/cpu_dense.py) against the fp32
+product of the same bf16 values (x and W are exact in fp32, so the only error is the output's one
+rounding to bf16 after fp32 accumulation: half an ulp, plus summation order; checked at one ulp, eps)
+and against torch's own F.linear, which it must equal bit for bit (same oneDNN kernel, weight reordered
+once instead of per call); M = 0, 1, 3, 33, 300 rows; K and N not multiples of the kernel's blocks."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tritonq.kernels import cpu_dense
+from tritonq.layers import Linear
+from tritonq.weights import DenseWeight
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and (
+                  torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())),
+                  reason="packed bf16 linears need oneDNN and a CPU with AVX512-BF16 or AMX")]
+N, K = 200, 328
+EPS = torch.finfo(torch.bfloat16).eps
+
+
+@pytest.fixture(autouse=True)
+def _cpu_backend(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITONQ_BACKEND", raising=False)
+
+
+def weight(bias: bool) -> DenseWeight:
+    g = torch.Generator().manual_seed(0)
+    return DenseWeight(torch.randn(N, K, generator=g).bfloat16(),
+                       torch.randn(N, generator=g).bfloat16() if bias else None)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("M", [0, 1, 3, 33, 300])
+def test_packed_linear_matches_fp32_product_and_equals_f_linear(M, bias):
+    w = weight(bias)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
+    got = cpu_dense.linear(x, cpu_dense.pack(w), w.bias)
+    ref = x.float() @ w.weight.float().T + (w.bias.float() if bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    torch.testing.assert_close(got.float(), ref, rtol=EPS, atol=EPS * float(ref.abs().max()) if M else 0)
+    assert torch.equal(got, F.linear(x, w.weight, w.bias))
+
+
+def test_packed_linear_rows_do_not_depend_on_the_batch_and_keep_leading_dims():
+    w = weight(bias=True)
+    p = cpu_dense.pack(w)
+    x = torch.randn(2, 37, K, generator=torch.Generator().manual_seed(1)).bfloat16()
+    batch = cpu_dense.linear(x, p, w.bias)
+    assert batch.shape == (2, 37, N)
+    for row in (0, 5, 36):
+        assert torch.equal(cpu_dense.linear(x[1, row:row + 1], p, w.bias)[0], batch[1, row])
+
+
+def test_linear_packs_bf16_weights_on_the_cpu_backend_only(monkeypatch):
+    """Linear packs a bf16 weight at construction and runs the packed GEMM; fp32 weights and
+    TRITONQ_BACKEND=torch (the reference backend) keep F.linear over the plain weight."""
+    calls = []
+    run = cpu_dense.linear
+    monkeypatch.setattr(cpu_dense, "linear", lambda *a: calls.append(1) or run(*a))
+    x = torch.randn(4, K).bfloat16()
+    bf16 = Linear(weight(bias=True))
+    assert cpu_dense.packed(bf16.weight) is not None
+    assert torch.equal(bf16(x), F.linear(x, bf16.weight.weight, bf16.weight.bias)) and calls == [1]
+    fp32 = Linear(DenseWeight(torch.randn(N, K)))
+    assert cpu_dense.packed(fp32.weight) is None
+    fp32(x.float())
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    reference = Linear(weight(bias=False))
+    assert cpu_dense.packed(reference.weight) is None
+    reference(x)
+    assert calls == [1]
