@@ -12,8 +12,9 @@ from tritonq.distributed import all_gather_last_dim, all_reduce
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels
 from tritonq.kernels.fp8_gemm import fp8_gemm
 from tritonq.kernels.int4_gemm import int4_gemm
+from tritonq.kernels.int8_gemm import int8_gemm
 from tritonq.kernels.norm_rope import rms_norm
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, Weight, k_major
+from tritonq.weights import WEIGHT_TYPES, DenseWeight, FP8Weight, Int4Weight, W8A8Weight, Weight, k_major
 
 
 def _int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -25,6 +26,7 @@ GEMMS = {
     DenseWeight: lambda x, w: F.linear(x, w.weight, w.bias),
     Int4Weight: _int4_linear,
     FP8Weight: fp8_gemm,  # takes [..., K] itself
+    W8A8Weight: int8_gemm,  # takes [..., K] itself
 }
 
 
@@ -33,8 +35,8 @@ class Linear(nn.Module):
 
     def __init__(self, weight: Weight):
         super().__init__()
-        if not isinstance(weight, (DenseWeight, Int4Weight, FP8Weight)):
-            raise TypeError(f"Linear needs a DenseWeight, Int4Weight or FP8Weight; got {type(weight).__name__}.")
+        if not isinstance(weight, WEIGHT_TYPES):
+            raise TypeError(f"Linear needs one of {[t.__name__ for t in WEIGHT_TYPES]}; got {type(weight).__name__}.")
         if (isinstance(weight, DenseWeight) and k_major(weight.weight.device, weight.weight.dtype)
                 and not weight.weight.t().is_contiguous()):
             # CPU fp32 runs W stored [K, N] (tritonq.weights.k_major: faster decode GEMV). Loaders read weights
@@ -47,9 +49,10 @@ class Linear(nn.Module):
 
     def _prepare_cpu(self) -> None:
         """On the CPU backend, repack / dequantize a quantized weight once, at load (kernels/cpu_lowbit.py);
-        the kernel launchers find it there on every call."""
+        the kernel launchers find it there on every call. W8A8 weights run as stored (torch._int_mm on the int8
+        codes, kernels/int8_gemm.py)."""
         w = self.weight
-        if not isinstance(w, DenseWeight) and use_cpu_kernels(w.values):
+        if not isinstance(w, (DenseWeight, W8A8Weight)) and use_cpu_kernels(w.values):
             cpu_lowbit.prepare(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
