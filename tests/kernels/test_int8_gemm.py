@@ -90,12 +90,13 @@ def test_int8_gemm_matches_reference(M, scheme, dtype):
 
 @pytest.mark.parametrize("config", [Int8GemmConfig(16, 32, 32, 1, SPLIT_K=3), Int8GemmConfig(32, 64, 64, 2),
                                     Int8GemmConfig(64, 128, 128, 8, SPLIT_K=2)])
-def test_int8_gemm_configs_match_reference(config):
+@pytest.mark.parametrize("fp16_dot", [False, True])
+def test_int8_gemm_configs_match_reference(config, fp16_dot):
     """Split-K planes, grouped ordering and tiles wider than N's remainder, asymmetric with a bias (every
-    epilogue term per slice)."""
+    epilogue term per slice); fp16_dot: sm_75's dot of the int8 codes in fp16 (exact products, fp32 sums)."""
     w = make_weight(asymmetric=True, bias=True)
     x = activations(17, torch.float16)
-    assert_matches_reference(int8_gemm(x, w, config=config), int8_gemm_reference(x, w))
+    assert_matches_reference(int8_gemm(x, w, config=config, fp16_dot=fp16_dot), int8_gemm_reference(x, w))
 
 
 @pytest.mark.parametrize("M", [1, 17])

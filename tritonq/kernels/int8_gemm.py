@@ -13,9 +13,12 @@ One @triton.jit GEMM kernel: tl.dot on int8 operands with an int32 accumulator (
 the epilogue the asymmetric correction acc - zero_point * sum_k W[n, k] (the column sums are
 accumulated from the same weight tiles, so no extra pass over W), the scales a_scale[m] *
 w_scale[n] in fp32, and the bias. sm_80/86/89 run mma.sync s8 and sm_90 wgmma s8 (checked by
-tests/test_fit.py); on sm_75 Triton 3.x lowers every tl.dot to FMAs (no mma there), so the same
-kernel runs as int32 multiply-adds: it still reads half the bytes of fp16 weights (decode is
-memory bound) and no faster path compiles there (fp16 dots lower to FMAs too).
+tests/test_fit.py). sm_75: Triton 3.x lowers every tl.dot to FMAs there and its int8 FMA lowering
+does not compile (TritonGPUAccelerateMatmul emits an fp extension of the i8 operands; Triton 3.9),
+so FP16_DOT converts the int8 tiles to fp16 in registers (exact: |code| <= 128) and dots them into
+an fp32 accumulator: the same codes and the same products (exact in fp32), sums exact below 2^24.
+It still reads one byte per weight (half of fp16; decode is memory bound); a weight-only variant
+would skip the activation pass too, but would give other numbers than every other GPU.
 Decode-sized M splits K across programs (SPLIT_K), each slice writing its scaled fp32 partial to
 its own plane of a [SPLIT_K, M, N] buffer that the launcher sums, as fp8_gemm does.
 
@@ -92,7 +95,7 @@ def _quantize_activation_int8_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, zero
 @triton.jit
 def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
                       stride_am, stride_wn, stride_ym, stride_asm, stride_wsn,
-                      ASYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      ASYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, FP16_DOT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """y[M, N] = ((a - a_zero) @ w^T) * a_scale[m] * w_scale[n] (+ bias).
@@ -126,20 +129,30 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
     a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if FP16_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     w_sum = tl.zeros((BLOCK_N,), dtype=tl.int32)  # sum_k w[n, k] over this slice (asymmetric correction)
     for k0 in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
-        acc = tl.dot(a, w, acc, out_dtype=tl.int32)  # int8 x int8 -> int32: exact
+        if FP16_DOT:  # sm_75 (module docstring): int8 codes are exact in fp16, their products in fp32
+            acc = tl.dot(a.to(tl.float16), w.to(tl.float16), acc)
+        else:
+            acc = tl.dot(a, w, acc, out_dtype=tl.int32)  # int8 x int8 -> int32: exact
         if ASYMMETRIC:
             w_sum += tl.sum(w.to(tl.int32), axis=0)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    if ASYMMETRIC:  # (q - z) @ w = q @ w - z * sum_k w, still exact in int32
-        acc -= tl.load(a_zero_ptr) * w_sum[None, :]
+    if ASYMMETRIC:  # (q - z) @ w = q @ w - z * sum_k w, the correction exact in int32
+        correction = tl.load(a_zero_ptr) * w_sum
+        if FP16_DOT:
+            acc -= correction.to(tl.float32)[None, :]
+        else:
+            acc -= correction[None, :]
     out = acc.to(tl.float32)
     out *= tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)[:, None]
     out *= tl.load(w_scale_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)[None, :]
@@ -221,10 +234,12 @@ def quantized_activations(x: torch.Tensor, w: W8A8Weight) -> torch.Tensor:
 # GEMM
 # ----------------------------------------------------------------------------------------------
 
-def int8_gemm(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None = None) -> torch.Tensor:
+def int8_gemm(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None = None,
+              fp16_dot: bool | None = None) -> torch.Tensor:
     """x [..., K] fp16/bf16/fp32 @ w [N, K] -> [..., N] in x.dtype (+ w.bias): activations quantized to int8
     (per token, or w's static scale / zero point), int8 x int8 products summed exactly in int32.
-    config None: the tuned config for this shape if stored, else `default_config`."""
+    config None: the tuned config for this shape if stored, else `default_config`. fp16_dot None: the fp16
+    dot of the int8 codes below sm_80 only (module docstring); True/False force it (tests)."""
     _check_weight(w)
     N, K = w.shape
     if x.shape[-1] != K:
@@ -241,23 +256,25 @@ def int8_gemm(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None = No
     elif not use_triton(x):
         y = int8_gemm_reference(x, w)
     else:
-        y = _launch(x, w, config)
+        y = _launch(x, w, config, fp16_dot)
     return y.reshape(*lead, N)
 
 
-def _launch(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None, fp16_dot: bool | None) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0]
-    cfg = config or tuned_config(M, N, K, compute_capability(x.device))
+    cc = compute_capability(x.device)
+    cfg = config or tuned_config(M, N, K, cc)
     check_launch_config("int8_gemm", cfg, Int8GemmConfig)
     a, a_scale = quantize_activation_int8(x, w.input_scale, w.input_zero_point)
-    launch, y = int8_gemm_launch(a, a_scale, w, cfg, x.dtype)
+    fp16_dot = cc is not None and cc < 80 if fp16_dot is None else fp16_dot
+    launch, y = int8_gemm_launch(a, a_scale, w, cfg, x.dtype, fp16_dot)
     launch()
     return y.sum(0).to(x.dtype) if cfg.SPLIT_K > 1 else y
 
 
 def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig,
-                     out_dtype: torch.dtype) -> tuple[Launch, torch.Tensor]:
+                     out_dtype: torch.dtype, fp16_dot: bool = False) -> tuple[Launch, torch.Tensor]:
     """The launch of _int8_gemm_kernel and its output buffer: y [M, N] in out_dtype, or with SPLIT_K > 1
     the fp32 [SPLIT_K, M, N] partials that the caller sums. a [M, K] int8 contiguous with a_scale from
     `quantize_activation_int8` ([M] per token, [] static). Over meta tensors this is what the AOT tests compile."""
@@ -275,7 +292,7 @@ def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, conf
                 stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N,
                 stride_asm=1 if a_scale.dim() else 0,  # a static scale is shared by every row
                 stride_wsn=1 if w_scale.numel() > 1 else 0,
-                ASYMMETRIC=w.input_zero_point is not None, HAS_BIAS=w.bias is not None,
+                ASYMMETRIC=w.input_zero_point is not None, HAS_BIAS=w.bias is not None, FP16_DOT=fp16_dot,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
                 SPLIT_K=config.SPLIT_K)
     grid = (triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
@@ -295,15 +312,19 @@ def tuned_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfig:
 
 def default_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfig:
     """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight; prefill takes
-    128 x 128 int8 tiles (64 x 64 on sm_75, whose FMA-lowered dot holds the int32 accumulator and
-    operands in registers)."""
+    128 x 128 int8 tiles. sm_75 (FMA dots, module docstring) takes 32-deep K tiles: 16 x 64 at decode,
+    64 x 64 with 8 warps at prefill; 64- and 128-deep ones spill there (336-7600 bytes, AOT, Triton 3.9)."""
+    fma = cc is not None and cc < 80
+    block_k = 32 if fma else 128
     if M <= 16:
         k_tiles = triton.cdiv(K, 128)
         n_tiles = triton.cdiv(N, 64)
-        split_k = max(1, min(k_tiles // 4, 256 // n_tiles))  # >= 4 K tiles per split to pipeline
-        return Int8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=split_k,
+        split_k = max(1, min(k_tiles // 4, 256 // n_tiles))  # >= 4 K tiles of 128 per split to pipeline
+        return Int8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=split_k,
                               num_warps=4, num_stages=4)
-    if M <= 64 or (cc is not None and cc < 80):
+    if fma:
+        return Int8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2)
+    if M <= 64:
         return Int8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     return Int8GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
 
@@ -375,10 +396,10 @@ def _check_activation(x: torch.Tensor, input_scale: torch.Tensor | None,
         raise ValueError("input_zero_point must hold one value and needs a static input_scale")
 
 
-def aot_launch(config: Int8GemmConfig, M: int, N: int, K: int, dtype: torch.dtype = torch.float16,
+def aot_launch(config: Int8GemmConfig, M: int, N: int, K: int, cc: int, dtype: torch.dtype = torch.float16,
                asymmetric: bool = False, bias: bool = False) -> Launch:
-    """`int8_gemm_launch` over meta tensors: an N x K int8 weight with per-channel scales, int8 activations
-    with per-token scales (or a static scale and zero point with asymmetric), output in dtype."""
+    """`int8_gemm_launch` over meta tensors for sm_`cc`: an N x K int8 weight with per-channel scales, int8
+    activations with per-token scales (or a static scale and zero point with asymmetric), output in dtype."""
     meta = torch.device("meta")
     f32 = dict(dtype=torch.float32, device=meta)
     w = W8A8Weight(torch.empty(N, K, dtype=torch.int8, device=meta), torch.empty(N, 1, **f32),
@@ -387,4 +408,4 @@ def aot_launch(config: Int8GemmConfig, M: int, N: int, K: int, dtype: torch.dtyp
                    bias=torch.empty(N, dtype=dtype, device=meta) if bias else None)
     a = torch.empty(M, K, dtype=torch.int8, device=meta)
     a_scale = torch.empty((), **f32) if asymmetric else torch.empty(M, **f32)
-    return int8_gemm_launch(a, a_scale, w, config, dtype)[0]
+    return int8_gemm_launch(a, a_scale, w, config, dtype, fp16_dot=cc < 80)[0]
