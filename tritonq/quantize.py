@@ -1,19 +1,24 @@
 """Round-to-nearest quantizers and the quantized-checkpoint writer.
 
-    python -m tritonq.quantize SRC DST --format awq|gptq|fp8 [--group-size 128] [--sym|--asym]
+    python -m tritonq.quantize SRC DST --format awq|gptq|fp8|w8a8 [--group-size 128] [--sym|--asym]
         [--act-order] [--bits 4|8] [--checkpoint-format gptq|gptq_v2] [--fp8-scheme tensor|channel|block]
-        [--modules-to-not-convert lm_head ...]
+        [--w8a8-scheme channel|tensor] [--smooth 0.5 --calibration FILE] [--modules-to-not-convert lm_head ...]
 
 SRC is a dense folder written by transformers' save_pretrained. DST gets the exact on-disk format
 AutoAWQ / GPTQModel / vLLM read (each layout is spelled out in the docstring of its loader,
-tritonq/formats/awq.py, gptq.py, fp8.py): quantized linears, every other tensor
+tritonq/formats/awq.py, gptq.py, fp8.py, compressed_tensors.py for w8a8): quantized linears, every other tensor
 copied unchanged (embeddings, norms, lm_head, routers), config.json with quantization_config,
 and all other files (tokenizer, generation config) copied.
+w8a8 writes compressed-tensors `int-quantized` (what llm-compressor's W8A8 INT8 scheme saves, and vLLM
+reads): int8 weights RTN-rounded per output channel (or per tensor) as compressed-tensors' min-max observer
+does, activations dynamic per token. --smooth ALPHA first folds SmoothQuant scales (tritonq.calibrate) into
+the norms before q|k|v and gate|up, from the activations of --calibration text.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -24,7 +29,7 @@ from tritonq.formats.awq import int4_to_awq
 from tritonq.formats.base import always_dense
 from tritonq.formats.checkpoint import Weights
 from tritonq.packing import group_grid, pack_int32, quantize_column
-from tritonq.weights import FP8Weight, Int4Weight
+from tritonq.weights import FP8Weight, Int4Weight, W8A8Weight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Linears the models fuse with the next one along N (q|k|v, gate|up): with block-fp8 their N must be
@@ -89,8 +94,24 @@ def quantize_fp8(w: torch.Tensor, scheme: str = "tensor", block_size: tuple[int,
     return FP8Weight(weight, scale.contiguous(), tuple(block_size) if scheme == "block" else None)
 
 
+def quantize_w8a8(w: torch.Tensor, scheme: str = "channel") -> W8A8Weight:
+    """RTN-quantize w [N, K] float to int8 codes for W8A8 as compressed-tensors does (calculate_qparams,
+    symmetric): scale = absmax / 127.5 per output row (channel) or tensor, q = round(clamp(w / scale,
+    -128, 127)) half to even; a zero scale becomes float32's eps. Activations: dynamic per token."""
+    if w.ndim != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_w8a8 expects a float [N, K] weight, got {w.dtype} {list(w.shape)}")
+    if scheme not in ("channel", "tensor"):
+        raise ValueError(f"quantize_w8a8: scheme={scheme!r} is not supported (supported: channel, tensor)")
+    w = w.float()
+    absmax = w.abs().amax(dim=1, keepdim=True) if scheme == "channel" else w.abs().amax()
+    scale = absmax / torch.full_like(absmax, 127.5)
+    scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(torch.float32).eps), scale)
+    codes = torch.round((w / scale).clamp(-128, 127)).to(torch.int8)
+    return W8A8Weight(codes, scale.contiguous())
+
+
 def quantization_config(fmt: str, bits: int = 4, group_size: int = 128, sym: bool = False, act_order: bool = False,
-                        checkpoint_format: str = "gptq", fp8_scheme: str = "tensor",
+                        checkpoint_format: str = "gptq", fp8_scheme: str = "tensor", w8a8_scheme: str = "channel",
                         modules_to_not_convert: list[str] | None = None) -> dict:
     """The config.json `quantization_config` that AutoAWQ / GPTQModel / vLLM expect for `fmt`."""
     if fmt == "awq":
@@ -110,7 +131,17 @@ def quantization_config(fmt: str, bits: int = 4, group_size: int = 128, sym: boo
         if fp8_scheme == "block":
             config["weight_block_size"] = [128, 128]
         return config
-    raise ValueError(f"unknown format {fmt!r} (supported: awq, gptq, fp8)")
+    if fmt == "w8a8":  # compressed-tensors int-quantized, as llm-compressor's W8A8 preset saves it
+        int8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None}
+        scheme = {"targets": ["Linear"], "format": "int-quantized", "output_activations": None,
+                  "weights": int8 | {"strategy": w8a8_scheme, "dynamic": False},
+                  "input_activations": int8 | {"strategy": "token", "dynamic": True}}
+        # compressed-tensors' ignore holds module names or "re:" regexes; ours are name substrings
+        ignore = ["lm_head"] + [f"re:.*{re.escape(m)}.*" for m in modules_to_not_convert or []]
+        return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": scheme}, "ignore": ignore, "kv_cache_scheme": None,
+                "global_compression_ratio": None}
+    raise ValueError(f"unknown format {fmt!r} (supported: awq, gptq, fp8, w8a8)")
 
 
 def quantized_tensors(prefix: str, w: torch.Tensor, q: dict, bias: torch.Tensor | None,
@@ -132,6 +163,11 @@ def quantized_tensors(prefix: str, w: torch.Tensor, q: dict, bias: torch.Tensor 
         g_idx = iw.g_idx if iw.g_idx is not None else (torch.arange(K) // iw.group_size).to(torch.int32)
         out |= {f"{prefix}.qweight": iw.qweight, f"{prefix}.scales": iw.scales, f"{prefix}.g_idx": g_idx,
                 f"{prefix}.qzeros": pack_int32(zeros.to(torch.int32) - int(v1), iw.bits, dim=1)}
+    elif method == "compressed-tensors":  # w8a8
+        strategy = q["config_groups"]["group_0"]["weights"]["strategy"]
+        ww = quantize_w8a8(w, strategy)
+        out |= {f"{prefix}.weight": ww.weight,
+                f"{prefix}.weight_scale": ww.weight_scale.reshape(1) if strategy == "tensor" else ww.weight_scale}
     elif method in ("fp8", "fbgemm_fp8"):
         block = q.get("weight_block_size")
         scheme = "channel" if method == "fbgemm_fp8" else "block" if block else "tensor"
@@ -169,7 +205,7 @@ def write_quantized(src: str | Path, dst: str | Path, fmt: str, *, method: str =
                          f"({config['quantization_config'].get('quant_method')}); the writer needs a dense checkpoint")
     q = quantization_config(fmt, **options)
     weights = Weights(src)
-    converted = converted_modules(weights, q.get("modules_to_not_convert") or [])
+    converted = converted_modules(weights, options.get("modules_to_not_convert") or [])
     if q.get("weight_block_size"):
         bn = q["weight_block_size"][0]
         for prefix in sorted(converted):
@@ -207,6 +243,19 @@ def calibrate_for_writer(src: Path, fmt: str, method: str, q: dict, converted: s
     """Run the calibration `method` for format `fmt` (nothing for rtn); sets q's meta.method for GPTQ."""
     from tritonq.calibrate import Calibrated, calibrate, calibration_ids
 
+    if fmt == "w8a8":
+        if method != "rtn":
+            raise ValueError(f"--method {method} does not apply to --format w8a8 (RTN; add --smooth ALPHA for "
+                             "SmoothQuant scales)")
+        alpha = (calibration or {}).get("smooth")
+        if alpha is None:
+            return Calibrated()
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"--smooth {alpha}: the SmoothQuant migration strength must be in [0, 1] (usually 0.5)")
+        if not calibration.get("file"):
+            raise ValueError("--smooth needs calibration text (the activations it balances): pass --calibration FILE")
+        ids = calibration_ids(src, calibration["file"], calibration.get("samples", 128), calibration.get("seq_len", 512))
+        return calibrate(src, "smoothquant", ids, alpha=alpha, is_converted=converted.__contains__)
     if method == "rtn":
         return Calibrated()
     if (fmt, method) not in (("gptq", "gptq"), ("awq", "awq")):
