@@ -33,7 +33,7 @@ import sys
 import pytest
 import torch
 
-from tritonq.kernels import attention, fp8_gemm, int4_gemm, moe
+from tritonq.kernels import attention, fp8_gemm, int4_gemm, int8_gemm, moe
 from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, SM_COUNT
 from tritonq.kernels.common import Launch, gpu_compute_dtypes
 from tritonq.kernels.norm_rope import rms_norm_launch
@@ -58,9 +58,9 @@ DECODE = [((64, 64), 16, 0), ((128, 128), 16, 0), ((192, 128), 16, 0), ((576, 51
 # The launches compiled for a target's other dtype (fp16 beside the default bf16 from sm_80): one per kernel
 # family. fp16 and bf16 compiled to the same shared memory, spills and tensor-core use in all 149 cases of
 # the full set on sm_80/89/90 (Triton 3.9), so the full set runs in the default dtype only (CI time).
-OTHER_DTYPE_CASES = ("int4 M256", "fp8 block M256", "fp8 weight-only block M256", "prefill 128/128 page16 window0",
-                     "decode 576/512 page16 window0", "moe int4 gate_up M64", "rms_norm 8192",
-                     "moe mxfp4 gpt-oss gate_up M64")
+OTHER_DTYPE_CASES = ("int4 M256", "w8a8 M256", "fp8 block M256", "fp8 weight-only block M256",
+                     "prefill 128/128 page16 window0", "decode 576/512 page16 window0", "moe int4 gate_up M64",
+                     "rms_norm 8192", "moe mxfp4 gpt-oss gate_up M64")
 
 # {(cc, case): bytes}: the register spills accepted (the most measured under Triton 3.9.0 and 3.6.0).
 # sm_75 (T4) only: its dots run on FMA (no mma before sm_80), and the GEMM / MoE tiles are the sm_80+
@@ -119,6 +119,14 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
             config = fp8_gemm.default_config(M, N, K, cc=cc, block_scaled=block, weight_only=weight_only)
             out[f"{path} {'block' if block else 'channel'} M{M}"] = fp8_gemm.aot_launch(
                 config, M, N, K, 80 if weight_only else cc, dtype, block, bias=True)
+    # W8A8 int8: int8 x int8 dots (fp16 dots of the int8 codes on sm_75), per-token activations, and the static
+    # asymmetric epilogue (zero-point correction from the weight tiles' column sums)
+    for M in (1, 16, 256):
+        out[f"w8a8 M{M}"] = int8_gemm.aot_launch(int8_gemm.default_config(M, N, K, cc), M, N, K, cc, dtype, bias=True)
+    out["w8a8 asymmetric M256"] = int8_gemm.aot_launch(int8_gemm.default_config(256, N, K, cc), 256, N, K, cc, dtype,
+                                                       asymmetric=True)
+    out["w8a8 quantize per token"] = int8_gemm.quantize_activation_int8_launch(
+        _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.int8), _meta(256, dtype=torch.float32), None, static=False)
     if cc >= 89:  # activations quantized per 128-group (block-scaled weights)
         out["fp8 quantize group128"] = fp8_gemm.quantize_activation_launch(
             _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.float8_e4m3fn),

@@ -16,6 +16,9 @@ TOLERANCE = {
         "int4_gemm": 2 ** -11,
         # Products of e4m3 values are exact in fp32: summation order, K * 2^-24 of sum |terms|.
         "fp8_gemm": 2 ** -14,
+        # Same int8 codes, exact int32 dot: only the fp32 epilogue (int -> fp32, two scale products) and the
+        # split-K sum of fp32 partials, a few 2^-24 of max|y|.
+        "int8_gemm": 2 ** -18,
         # Summation order, and exp2 (the kernels) vs exp (the references).
         "attention": 1e-4,
         # Exact fp32 dots: summation order only.
@@ -33,6 +36,8 @@ TOLERANCE = {
         "int4_gemm": 2 ** -10,
         # fp32 summation order can move y across one rounding boundary of fp16: 1 ulp (eps).
         "fp8_gemm": torch.finfo(torch.float16).eps,
+        # As fp8_gemm: the same exact fp32 values rounded once to fp16 (split-K order moves it 1 ulp at most).
+        "int8_gemm": torch.finfo(torch.float16).eps,
         # Probabilities rounded to fp16 before the PV dot (as every flash kernel), output rounded once.
         "attention": 4e-3,
         # x, the dequantized weights and the SiLU-and-mul hidden each rounded to fp16 before a GEMM.
@@ -51,6 +56,8 @@ TOLERANCE = {
         "int4_gemm": 2 ** -7,
         # As fp16: 1 ulp (eps) of bf16.
         "fp8_gemm": torch.finfo(torch.bfloat16).eps,
+        # As fp16: 1 ulp (eps) of bf16.
+        "int8_gemm": torch.finfo(torch.bfloat16).eps,
         # As fp16, 8x coarser (probabilities rounded to bf16 before the PV dot, output rounded once).
         "attention": 3e-2,
         # As fp16, 8x coarser (8-bit mantissa).

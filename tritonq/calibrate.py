@@ -227,7 +227,7 @@ def _forward(layer, hidden, position_embeddings) -> torch.Tensor:
 
 def calibrate(src: str | Path, method: str, ids: torch.Tensor, *, bits: int = 4, group_size: int = 128,
               sym: bool = True, act_order: bool = False, damp: float = 0.01, block_size: int = 128,
-              min_zero: int = 0, clip: bool = False, is_converted=lambda prefix: True,
+              min_zero: int = 0, clip: bool = False, alpha: float = 0.5, is_converted=lambda prefix: True,
               progress: bool = True) -> Calibrated:
     """Calibrate the dense checkpoint src on token ids [B, L], one decoder layer at a time.
 
@@ -235,6 +235,9 @@ def calibrate(src: str | Path, method: str, ids: torch.Tensor, *, bits: int = 4,
     gptq_quantize). method "awq": per group of linears sharing an input, the activation-aware scale
     is searched, folded into the preceding norm / linear, optional clip values applied; returns the
     changed dense tensors (the writer RTN-quantizes them, which reproduces the searched codes).
+    method "smoothquant" (W8A8): per group behind a norm (q|k|v, gate|up), s_j = max|x_j|^alpha /
+    max|W[:, j]|^(1 - alpha) is folded into the norm (divided) and the linears (multiplied): the same
+    function with activations easier to round to int8; returns the changed dense tensors.
     Within a layer the linears are handled in order (attention inputs, o_proj, gate/up, down_proj)
     with their inputs recomputed after the earlier ones were quantized; the layer's output on the
     quantized weights is the next layer's input.
@@ -244,8 +247,8 @@ def calibrate(src: str | Path, method: str, ids: torch.Tensor, *, bits: int = 4,
     from tritonq.formats.checkpoint import Weights
     from tritonq.progress import progress_bar
 
-    if method not in ("gptq", "awq"):
-        raise ValueError(f"calibrate: method {method!r} is not supported (supported: gptq, awq)")
+    if method not in ("gptq", "awq", "smoothquant"):
+        raise ValueError(f"calibrate: method {method!r} is not supported (supported: gptq, awq, smoothquant)")
     config = AutoConfig.from_pretrained(src)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"calibrated quantization supports model_type {', '.join(SUPPORTED_MODEL_TYPES)}; "
@@ -281,11 +284,38 @@ def calibrate(src: str | Path, method: str, ids: torch.Tensor, *, bits: int = 4,
                                        block_size, min_zero=min_zero)
                     result.int4[f"{prefix}.{name}"] = iw
                     linear.weight.data = iw.dequantize().float()
+        elif method == "smoothquant":
+            _smooth_layer(layer, prefix, groups, hidden, position_embeddings, alpha, result)
         else:
             _awq_layer(layer, prefix, groups, hidden, position_embeddings, group_size, clip, result)
         hidden = _forward(layer, hidden, position_embeddings)
         layer.to("meta")  # free this layer's weights
     return result
+
+
+SMOOTH_MIN = 1e-5  # floor on activation / weight maxima and on the scale (dead channels stay finite)
+
+
+def _smooth_layer(layer, prefix, groups, hidden, position_embeddings, alpha: float, result: Calibrated) -> None:
+    """SmoothQuant one decoder layer in place: for each group whose inputs come out of a norm, fold
+    s = max|x|^alpha / max|W|^(1 - alpha) (per input channel) into the norm weight and the linears, and record
+    the changed dense tensors. The layer computes the same function, so its output feeds the next layer."""
+    norm_groups = [(prev, names) for prev, names in groups
+                   if prev is not None and layer.get_submodule(prev).weight.ndim == 1]
+    captured = _capture_inputs(layer, hidden, position_embeddings, [names[0] for _, names in norm_groups])
+    for prev, names in norm_groups:
+        linears = [layer.get_submodule(n) for n in names]
+        act_max = captured[names[0]].abs().amax(dim=0).clamp(min=SMOOTH_MIN)
+        weight_max = torch.stack([lin.weight.abs().amax(dim=0) for lin in linears]).amax(dim=0).clamp(min=SMOOTH_MIN)
+        scale = (act_max.pow(alpha) / weight_max.pow(1 - alpha)).clamp(min=SMOOTH_MIN)
+        norm = layer.get_submodule(prev)
+        with torch.no_grad():
+            norm.weight.div_(scale)
+            for lin in linears:
+                lin.weight.mul_(scale)
+        result.replaced[f"{prefix}.{prev}.weight"] = norm.weight.data.clone()
+        for name, lin in zip(names, linears):
+            result.replaced[f"{prefix}.{name}.weight"] = lin.weight.data.clone()
 
 
 def _awq_layer(layer, prefix, groups, hidden, position_embeddings, group_size, clip, result: Calibrated) -> None:

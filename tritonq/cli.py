@@ -3,7 +3,7 @@
     tritonq generate MODEL "prompt"     stream one completion to stdout
     tritonq chat MODEL                  an interactive chat (one line a turn; Ctrl-D ends)
     tritonq serve MODEL                 the OpenAI-compatible server      (python -m tritonq.serve)
-    tritonq quantize SRC DST --format   write an AWQ / GPTQ / FP8 / MXFP4 checkpoint (python -m tritonq.quantize)
+    tritonq quantize SRC DST --format   write an AWQ / GPTQ / FP8 / MXFP4 / W8A8 checkpoint (python -m tritonq.quantize)
     tritonq eval perplexity|lm_eval     perplexity or lm-evaluation-harness tasks (python -m tritonq.eval)
     tritonq bench NAME                  a benchmark                        (python -m tritonq.bench)
     tritonq tune --kernel K             sweep a kernel's launch configs    (python -m tritonq.tune)
@@ -205,12 +205,14 @@ def chat_main(argv: list[str] | None = None, prog: str = "tritonq chat") -> None
 # --------------------------------------------------------------------------------------- quantize
 
 def quantize_parser(prog: str = "tritonq quantize") -> argparse.ArgumentParser:
-    parser = new_parser(prog, "Write a quantized checkpoint (AWQ, GPTQ or FP8) from a dense one, in the exact "
-                              "on-disk format AutoAWQ / GPTQModel / vLLM read; see tritonq/quantize.py.")
+    parser = new_parser(prog, "Write a quantized checkpoint (AWQ, GPTQ, FP8, MXFP4 or W8A8 INT8) from a dense one, in the "
+                              "exact on-disk format AutoAWQ / GPTQModel / llm-compressor / vLLM read; see "
+                              "tritonq/quantize.py.")
     parser.add_argument("src", help="dense checkpoint folder (transformers save_pretrained)")
     parser.add_argument("dst", help="output folder")
-    parser.add_argument("--format", required=True, choices=["awq", "gptq", "fp8", "mxfp4"],
-                        help="checkpoint format to write (mxfp4: gpt-oss's MoE experts)")
+    parser.add_argument("--format", required=True, choices=["awq", "gptq", "fp8", "mxfp4", "w8a8"],
+                        help="checkpoint format to write (mxfp4: gpt-oss's MoE experts; w8a8: compressed-tensors "
+                             "int-quantized, INT8 weights and activations)")
     parser.add_argument("--group-size", type=int, default=128, help="rows per group along K (-1: one group)")
     parser.add_argument("--sym", dest="sym", action="store_true", help="symmetric (GPTQ only; default for GPTQ)")
     parser.add_argument("--asym", dest="sym", action="store_false", help="asymmetric zero points")
@@ -221,6 +223,8 @@ def quantize_parser(prog: str = "tritonq quantize") -> argparse.ArgumentParser:
                         help="GPTQ on-disk zero points: v1 (stored minus one) or v2")
     parser.add_argument("--fp8-scheme", default="tensor", choices=["tensor", "channel", "block"],
                         help="FP8 weight scales: one per tensor, per output channel, or per 128x128 block")
+    parser.add_argument("--w8a8-scheme", default="channel", choices=["channel", "tensor"],
+                        help="W8A8 weight scales: one per output channel or one per tensor")
     parser.add_argument("--modules-to-not-convert", nargs="*", default=None, help="name substrings left dense")
     calib = parser.add_argument_group("calibration (--method gptq / awq)")
     calib.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"],
@@ -231,6 +235,9 @@ def quantize_parser(prog: str = "tritonq quantize") -> argparse.ArgumentParser:
     calib.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean diag(H)")
     calib.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block (columns)")
     calib.add_argument("--awq-clip", action="store_true", help="AWQ: also search per-group weight clipping")
+    calib.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
+                       help="W8A8: fold SmoothQuant scales (migration strength ALPHA, usually 0.5) into the norms "
+                            "before q|k|v and gate|up, from --calibration text")
     return parser
 
 
@@ -249,8 +256,12 @@ def quantize_main(argv: list[str] | None = None, prog: str = "tritonq quantize")
         options = {"fp8_scheme": a.fp8_scheme, "modules_to_not_convert": a.modules_to_not_convert}
     if a.format == "mxfp4":
         options = {"modules_to_not_convert": a.modules_to_not_convert}
+    if a.format == "w8a8":
+        options = {"w8a8_scheme": a.w8a8_scheme, "modules_to_not_convert": a.modules_to_not_convert}
+    elif a.smooth is not None:
+        parser.error("--smooth applies to --format w8a8 only")
     calibration = {"file": a.calibration, "samples": a.samples, "seq_len": a.seq_len, "damp": a.damp,
-                   "block_size": a.block_size, "clip": a.awq_clip}
+                   "block_size": a.block_size, "clip": a.awq_clip, "smooth": a.smooth}
     try:
         written = write_quantized(a.src, a.dst, a.format, method=a.method, calibration=calibration, **options)
     except (ValueError, OSError) as e:  # bad input: one line that says what to change, no traceback

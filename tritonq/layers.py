@@ -12,8 +12,9 @@ from tritonq.distributed import all_gather_last_dim, all_reduce
 from tritonq.kernels import cpu_dense, cpu_lowbit, use_cpu_kernels
 from tritonq.kernels.fp8_gemm import fp8_gemm
 from tritonq.kernels.int4_gemm import int4_gemm
+from tritonq.kernels.int8_gemm import int8_gemm
 from tritonq.kernels.norm_rope import rms_norm
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, Weight, k_major
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, W8A8Weight, Weight, k_major
 
 
 def _int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -30,6 +31,7 @@ GEMMS = {
     DenseWeight: _dense_linear,
     Int4Weight: _int4_linear,
     FP8Weight: fp8_gemm,  # takes [..., K] itself
+    W8A8Weight: int8_gemm,  # takes [..., K] itself
 }
 
 
@@ -38,8 +40,8 @@ class Linear(nn.Module):
 
     def __init__(self, weight: Weight):
         super().__init__()
-        if not isinstance(weight, (DenseWeight, Int4Weight, FP8Weight)):
-            raise TypeError(f"Linear needs a DenseWeight, Int4Weight or FP8Weight; got {type(weight).__name__}.")
+        if not isinstance(weight, tuple(GEMMS)):  # MXFP4 is experts-only (kernels/moe.py)
+            raise TypeError(f"Linear needs one of {[t.__name__ for t in GEMMS]}; got {type(weight).__name__}.")
         if (isinstance(weight, DenseWeight) and k_major(weight.weight.device, weight.weight.dtype)
                 and not weight.weight.t().is_contiguous()):
             # CPU fp32 runs W stored [K, N] (tritonq.weights.k_major: faster decode GEMV). Loaders read weights
@@ -52,9 +54,10 @@ class Linear(nn.Module):
 
     def _prepare_cpu(self) -> None:
         """On the CPU backend, repack / dequantize a quantized weight once, at load (kernels/cpu_lowbit.py), and
-        reorder a bf16 one for oneDNN (kernels/cpu_dense.py); the kernels find it there on every call."""
+        reorder a bf16 one for oneDNN (kernels/cpu_dense.py); the kernels find it there on every call. W8A8
+        weights run as stored (torch._int_mm on the int8 codes, kernels/int8_gemm.py)."""
         w = self.weight
-        if not use_cpu_kernels(w.values):
+        if not use_cpu_kernels(w.values) or isinstance(w, W8A8Weight):
             return
         if not isinstance(w, DenseWeight):
             cpu_lowbit.prepare(w)

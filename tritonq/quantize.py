@@ -1,20 +1,25 @@
 """Round-to-nearest quantizers and the quantized-checkpoint writer.
 
-    python -m tritonq.quantize SRC DST --format awq|gptq|fp8|mxfp4 [--group-size 128] [--sym|--asym]
+    python -m tritonq.quantize SRC DST --format awq|gptq|fp8|mxfp4|w8a8 [--group-size 128] [--sym|--asym]
         [--act-order] [--bits 4|8] [--checkpoint-format gptq|gptq_v2] [--fp8-scheme tensor|channel|block]
-        [--modules-to-not-convert lm_head ...]
+        [--w8a8-scheme channel|tensor] [--smooth 0.5 --calibration FILE] [--modules-to-not-convert lm_head ...]
 
 SRC is a dense folder written by transformers' save_pretrained. DST gets the exact on-disk format
 AutoAWQ / GPTQModel / vLLM read (each layout is spelled out in the docstring of its loader,
-tritonq/formats/awq.py, gptq.py, fp8.py, mxfp4.py): quantized linears, every other tensor
-copied unchanged (embeddings, norms, lm_head, routers), config.json with quantization_config,
+tritonq/formats/awq.py, gptq.py, fp8.py, mxfp4.py, compressed_tensors.py for w8a8): quantized linears, every
+other tensor copied unchanged (embeddings, norms, lm_head, routers), config.json with quantization_config,
 and all other files (tokenizer, generation config) copied. mxfp4 (gpt-oss) quantizes the fused MoE
 experts only (`MXFP4_EXPERTS`), as OpenAI's checkpoints do; every linear stays dense.
+w8a8 writes compressed-tensors `int-quantized` (what llm-compressor's W8A8 INT8 scheme saves, and vLLM
+reads): int8 weights RTN-rounded per output channel (or per tensor) as compressed-tensors' min-max observer
+does, activations dynamic per token. --smooth ALPHA first folds SmoothQuant scales (tritonq.calibrate) into
+the norms before q|k|v and gate|up, from the activations of --calibration text.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -25,7 +30,7 @@ from tritonq.formats.awq import int4_to_awq
 from tritonq.formats.base import always_dense
 from tritonq.formats.checkpoint import Weights
 from tritonq.packing import group_grid, pack_int32, quantize_column
-from tritonq.weights import E2M1_VALUES, MXFP4_GROUP, FP8Weight, Int4Weight, MXFP4Weight
+from tritonq.weights import E2M1_VALUES, MXFP4_GROUP, FP8Weight, Int4Weight, MXFP4Weight, W8A8Weight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Linears the models fuse with the next one along N (q|k|v, gate|up): with block-fp8 their N must be
@@ -118,10 +123,24 @@ def quantize_mxfp4(w: torch.Tensor) -> MXFP4Weight:
     pairs = codes.to(torch.uint8).unflatten(-1, (-1, 2))  # [..., N, G, 16, 2]: elements 2j, 2j + 1
     blocks = pairs[..., 0] | (pairs[..., 1] << 4)
     return MXFP4Weight(blocks.contiguous(), scales.to(torch.uint8).contiguous())
+def quantize_w8a8(w: torch.Tensor, scheme: str = "channel") -> W8A8Weight:
+    """RTN-quantize w [N, K] float to int8 codes for W8A8 as compressed-tensors does (calculate_qparams,
+    symmetric): scale = absmax / 127.5 per output row (channel) or tensor, q = round(clamp(w / scale,
+    -128, 127)) half to even; a zero scale becomes float32's eps. Activations: dynamic per token."""
+    if w.ndim != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_w8a8 expects a float [N, K] weight, got {w.dtype} {list(w.shape)}")
+    if scheme not in ("channel", "tensor"):
+        raise ValueError(f"quantize_w8a8: scheme={scheme!r} is not supported (supported: channel, tensor)")
+    w = w.float()
+    absmax = w.abs().amax(dim=1, keepdim=True) if scheme == "channel" else w.abs().amax()
+    scale = absmax / torch.full_like(absmax, 127.5)
+    scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(torch.float32).eps), scale)
+    codes = torch.round((w / scale).clamp(-128, 127)).to(torch.int8)
+    return W8A8Weight(codes, scale.contiguous())
 
 
 def quantization_config(fmt: str, bits: int = 4, group_size: int = 128, sym: bool = False, act_order: bool = False,
-                        checkpoint_format: str = "gptq", fp8_scheme: str = "tensor",
+                        checkpoint_format: str = "gptq", fp8_scheme: str = "tensor", w8a8_scheme: str = "channel",
                         modules_to_not_convert: list[str] | None = None) -> dict:
     """The config.json `quantization_config` that AutoAWQ / GPTQModel / vLLM expect for `fmt`."""
     if fmt == "awq":
@@ -143,7 +162,17 @@ def quantization_config(fmt: str, bits: int = 4, group_size: int = 128, sym: boo
         return config
     if fmt == "mxfp4":  # transformers' Mxfp4Config
         return {"quant_method": "mxfp4", "modules_to_not_convert": modules_to_not_convert or MXFP4_NOT_CONVERTED}
-    raise ValueError(f"unknown format {fmt!r} (supported: awq, gptq, fp8, mxfp4)")
+    if fmt == "w8a8":  # compressed-tensors int-quantized, as llm-compressor's W8A8 preset saves it
+        int8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None}
+        scheme = {"targets": ["Linear"], "format": "int-quantized", "output_activations": None,
+                  "weights": int8 | {"strategy": w8a8_scheme, "dynamic": False},
+                  "input_activations": int8 | {"strategy": "token", "dynamic": True}}
+        # compressed-tensors' ignore holds module names or "re:" regexes; ours are name substrings
+        ignore = ["lm_head"] + [f"re:.*{re.escape(m)}.*" for m in modules_to_not_convert or []]
+        return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": scheme}, "ignore": ignore, "kv_cache_scheme": None,
+                "global_compression_ratio": None}
+    raise ValueError(f"unknown format {fmt!r} (supported: awq, gptq, fp8, mxfp4, w8a8)")
 
 
 def quantized_tensors(prefix: str, w: torch.Tensor, q: dict, bias: torch.Tensor | None,
@@ -165,6 +194,11 @@ def quantized_tensors(prefix: str, w: torch.Tensor, q: dict, bias: torch.Tensor 
         g_idx = iw.g_idx if iw.g_idx is not None else (torch.arange(K) // iw.group_size).to(torch.int32)
         out |= {f"{prefix}.qweight": iw.qweight, f"{prefix}.scales": iw.scales, f"{prefix}.g_idx": g_idx,
                 f"{prefix}.qzeros": pack_int32(zeros.to(torch.int32) - int(v1), iw.bits, dim=1)}
+    elif method == "compressed-tensors":  # w8a8
+        strategy = q["config_groups"]["group_0"]["weights"]["strategy"]
+        ww = quantize_w8a8(w, strategy)
+        out |= {f"{prefix}.weight": ww.weight,
+                f"{prefix}.weight_scale": ww.weight_scale.reshape(1) if strategy == "tensor" else ww.weight_scale}
     elif method in ("fp8", "fbgemm_fp8"):
         block = q.get("weight_block_size")
         scheme = "channel" if method == "fbgemm_fp8" else "block" if block else "tensor"
@@ -203,7 +237,7 @@ def write_quantized(src: str | Path, dst: str | Path, fmt: str, *, method: str =
     q = quantization_config(fmt, **options)
     weights = Weights(src)
     mxfp4 = fmt == "mxfp4"
-    converted = set() if mxfp4 else converted_modules(weights, q.get("modules_to_not_convert") or [])
+    converted = set() if mxfp4 else converted_modules(weights, options.get("modules_to_not_convert") or [])
     experts = {n for n in weights.names() if n.endswith(MXFP4_EXPERTS)} if mxfp4 else set()
     if mxfp4 and not experts:
         raise ValueError(f"{src}: --format mxfp4 quantizes gpt-oss's fused experts ({', '.join(MXFP4_EXPERTS)}); "
@@ -248,6 +282,19 @@ def calibrate_for_writer(src: Path, fmt: str, method: str, q: dict, converted: s
     """Run the calibration `method` for format `fmt` (nothing for rtn); sets q's meta.method for GPTQ."""
     from tritonq.calibrate import Calibrated, calibrate, calibration_ids
 
+    if fmt == "w8a8":
+        if method != "rtn":
+            raise ValueError(f"--method {method} does not apply to --format w8a8 (RTN; add --smooth ALPHA for "
+                             "SmoothQuant scales)")
+        alpha = (calibration or {}).get("smooth")
+        if alpha is None:
+            return Calibrated()
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"--smooth {alpha}: the SmoothQuant migration strength must be in [0, 1] (usually 0.5)")
+        if not calibration.get("file"):
+            raise ValueError("--smooth needs calibration text (the activations it balances): pass --calibration FILE")
+        ids = calibration_ids(src, calibration["file"], calibration.get("samples", 128), calibration.get("seq_len", 512))
+        return calibrate(src, "smoothquant", ids, alpha=alpha, is_converted=converted.__contains__)
     if method == "rtn":
         return Calibrated()
     if (fmt, method) not in (("gptq", "gptq"), ("awq", "awq")):

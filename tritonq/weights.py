@@ -336,8 +336,74 @@ class MXFP4Weight(_TypedWeight):
         return cls(_stack(parts, "blocks"), _stack(parts, "scales"), _stack(parts, "bias"))
 
 
-Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight
-WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight, MXFP4Weight)
+
+
+@dataclass(frozen=True)
+class W8A8Weight(_TypedWeight):
+    """INT8 weights with INT8 activations (compressed-tensors `int-quantized`, llm-compressor's W8A8).
+
+    weight:       int8 [N, K] signed codes in [-128, 127]; W = weight * weight_scale.
+    weight_scale: fp32 [] (per tensor) or [N, 1] (per output channel).
+    input_scale:  fp32 [] static per-tensor activation scale, or None: activations are quantized
+                  dynamically per token (one scale per row of x, absmax / 127.5 as compressed-tensors).
+    input_zero_point: int32 [] (static asymmetric activations, with input_scale) or None (symmetric):
+                  x ~= (q - input_zero_point) * input_scale.
+    Activation codes: q = clamp(round_half_even(x / scale + zero_point), -128, 127).
+    """
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor | None = None
+    input_zero_point: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.weight
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W [N, K] = weight * weight_scale in float32 (exact: an integer times one scale), returned in dtype
+        (None: float32)."""
+        s = self.weight_scale.float()
+        w = self.weight.float() * (s if s.numel() == 1 else s.reshape(-1, 1))
+        return w if dtype is None else w.to(dtype)
+
+    def scales_constant_over(self, block_k: int) -> bool:
+        return True  # per tensor / channel: one scale along all of K
+
+    def stacked_shape(self, what: str) -> tuple[int, int, int]:
+        raise ValueError(f"{what}: W8A8 (int8 x int8) MoE experts are not supported; the fused MoE kernel runs "
+                         "dense, int4/int8 weight-only and fp8 experts")
+
+    @classmethod
+    def _concat_outputs(cls, parts: list[W8A8Weight], bias: torch.Tensor | None) -> W8A8Weight:
+        first = parts[0]
+        if len({(p.input_scale is None, p.input_zero_point is None) for p in parts}) != 1:
+            raise ValueError("cannot fuse W8A8 linears with different activation schemes (dynamic / static, "
+                             "symmetric / asymmetric)")
+        if all(p.weight_scale.numel() == 1 for p in parts) and (first.weight_scale.is_meta  # meta: a dry run
+                                                               or len({float(p.weight_scale) for p in parts}) == 1):
+            scale = first.weight_scale
+        else:  # different per-tensor scales become exact per-channel scales of the fused weight
+            scale = torch.cat([p.weight_scale.reshape(-1, 1).expand(p.weight.shape[0], 1) for p in parts])
+        input_scale, zero_point = first.input_scale, first.input_zero_point
+        if input_scale is not None and zero_point is None:  # one symmetric scale: the largest keeps all in range
+            input_scale = torch.stack([p.input_scale.reshape(()) for p in parts]).max()
+        elif zero_point is not None:  # one asymmetric grid covering every part's range [lo, hi]
+            s = torch.stack([p.input_scale.reshape(()).float() for p in parts])
+            z = torch.stack([p.input_zero_point.reshape(()).float() for p in parts])
+            lo, hi = ((-128 - z) * s).min(), ((127 - z) * s).max()
+            input_scale = (hi - lo) / 255
+            zero_point = torch.round(-128 - lo / input_scale).clamp(-128, 127).to(torch.int32)
+        return cls(torch.cat([p.weight for p in parts]), scale, input_scale, zero_point, bias)
+
+    @classmethod
+    def _stack_experts(cls, parts: list[W8A8Weight]) -> W8A8Weight:
+        raise ValueError("W8A8 (int8 x int8) MoE experts are not supported; the fused MoE kernel runs dense, "
+                         "int4/int8 weight-only and fp8 experts")
+
+
+Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight | W8A8Weight
+WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight, MXFP4Weight, W8A8Weight)
 
 
 def k_major(device: torch.device | str, dtype: torch.dtype) -> bool:

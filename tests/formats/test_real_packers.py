@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 import tritonq
 from tritonq.formats.registry import get_loader
 from tritonq.layers import Linear
-from tritonq.weights import FP8Weight, Int4Weight
+from tritonq.weights import FP8Weight, Int4Weight, W8A8Weight
 
 ATOL = 1e-4  # float32 on both sides with the same dequantized weights: rounding over two layers
 LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -60,10 +60,11 @@ def assert_same_model(folder, reference: torch.nn.Module, steps: int = 24) -> tr
 # ---------------------------------------------------------------- compressed-tensors (the real packer)
 
 def ct_checkpoint(folder, weights: dict, fmt: str, inputs: dict | None = None, ignore=("lm_head",),
-                  targets=("Linear",), **model_options) -> None:
+                  targets=("Linear",), input_range: tuple[float, float] | None = None, **model_options) -> None:
     """Quantize a tiny Llama with compressed-tensors: scales from its own `calculate_qparams` on each
     weight's min/max (what llm-compressor's default min-max observer feeds it), then its
-    ModelCompressor compresses and writes the config, as llm-compressor's save does."""
+    ModelCompressor compresses and writes the config, as llm-compressor's save does. Static activation
+    scales (and zero points) come from `calculate_qparams` on input_range (what a calibration observed)."""
     ct = pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -99,6 +100,12 @@ def ct_checkpoint(folder, weights: dict, fmt: str, inputs: dict | None = None, i
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+            if input_range is not None and hasattr(module, "input_scale"):
+                scale, zero = calculate_qparams(torch.tensor(input_range[0]), torch.tensor(input_range[1]),
+                                                module.quantization_scheme.input_activations)
+                module.input_scale.copy_(scale.reshape(module.input_scale.shape))
+                if hasattr(module, "input_zero_point"):
+                    module.input_zero_point.copy_(zero.reshape(module.input_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     save(model, folder)
@@ -206,6 +213,74 @@ def test_compressed_tensors_fp8_activations_match_per_layer(tmp_path, case):
             with torch.no_grad():
                 expected = module(x)
             torch.testing.assert_close(Linear(w)(x), expected, atol=1e-4, rtol=1e-5)
+
+
+INT8 = dict(num_bits=8, type="int")
+CT_W8A8 = {  # int-quantized (W8A8 INT8) schemes: (weights, input_activations, static input range)
+    "channel-dynamic-per-token": (dict(INT8, symmetric=True, strategy="channel"),
+                                  dict(INT8, symmetric=True, strategy="token", dynamic=True), None),
+    "tensor-static-per-tensor": (dict(INT8, symmetric=True, strategy="tensor"),
+                                 dict(INT8, symmetric=True, strategy="tensor", dynamic=False), (-4.0, 4.0)),
+    "channel-static-asymmetric": (dict(INT8, symmetric=True, strategy="channel"),
+                                  dict(INT8, symmetric=False, strategy="tensor", dynamic=False), (-3.0, 5.0)),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("case", list(CT_W8A8))
+def test_compressed_tensors_w8a8_int8_matches_per_layer(tmp_path, monkeypatch, case, backend):
+    """W8A8 INT8 written by compressed-tensors' own IntQuantizationCompressor, compared per linear with its own
+    forward (the weight decompressed, the input fake-quantized to int8 by its own code): the int8 codes are the
+    same, so what is left is fp32 summation order. backend torch: the reference; auto: torch._int_mm on CPU."""
+    monkeypatch.setenv("TRITONQ_BACKEND", backend)
+    weights, inputs, input_range = CT_W8A8[case]
+    ct_checkpoint(tmp_path, weights, "int-quantized", inputs, input_range=input_range)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert stored["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    reference = ct_reference(tmp_path)
+    loader = get_loader(tmp_path, torch.float32, "cpu")
+    for i in range(2):
+        for name in LINEAR_NAMES:
+            prefix = f"model.layers.{i}.{name}"
+            w = loader.get_linear(prefix)
+            assert isinstance(w, W8A8Weight)
+            assert (w.input_scale is None) == (input_range is None)
+            assert (w.input_zero_point is not None) == (not inputs["symmetric"])
+            module = reference.get_submodule(prefix)
+            x = torch.randn(2, 5, w.shape[1]) * 2  # [B, S, K]: compressed-tensors' per-token scales need both dims
+            x[0, 0] *= 4  # past the static range: clamped to the int8 grid on both sides
+            with torch.no_grad():
+                expected = module(x)
+            torch.testing.assert_close(Linear(w)(x), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_compressed_tensors_w8a8_model_follows_its_int8_rounding(tmp_path, monkeypatch):
+    """The whole W8A8 tiny Llama (dynamic per-token activations, fused q|k|v and gate|up, torch._int_mm on CPU)
+    against transformers with compressed-tensors' own fake quantization. Where the two sides' fp32 hidden states
+    differ in the last bits next to a rounding tie, a code flips by one step (1/127.5 of the token's absmax) and
+    moves the logits; over 8 prompts that was 0 (no flip) to 0.15 of the quantization effect itself (the distance
+    to the dense model). The bound 0.35 still tells a runtime that models the int8 rounding from one that does
+    not (ratio 1)."""
+    weights, inputs, _ = CT_W8A8["channel-dynamic-per-token"]
+    ct_checkpoint(tmp_path, weights, "int-quantized", inputs)
+    reference, dense = ct_reference(tmp_path), dense_llama()
+    monkeypatch.setenv("TRITONQ_BACKEND", "auto")
+    ours = tritonq.load(tmp_path, dtype=torch.float32, max_num_seqs=1, max_seq_len=64)
+    assert isinstance(ours.model.layers[0].self_attn.qkv_proj.weight, W8A8Weight)
+    ids = torch.randint(0, 258, (1, 13), generator=torch.Generator().manual_seed(1))
+    got = ours.engine.prompt_logits(ids[0].tolist())
+    with torch.no_grad():
+        expected, unquantized = reference(ids).logits[0], dense(ids).logits[0]
+    assert (got - expected).norm() <= 0.35 * (unquantized - expected).norm()
+
+
+def test_compressed_tensors_int8_activation_schemes_refused(tmp_path):
+    """int8 activations the int8 kernel does not run (dynamic per tensor), and int8 activations with a weight
+    format other than int-quantized, are refused naming the config field."""
+    ct_checkpoint(tmp_path, dict(INT8, symmetric=True, strategy="channel"), "int-quantized",
+                  dict(INT8, symmetric=True, strategy="tensor", dynamic=True))
+    with pytest.raises(ValueError, match=r"group_0'\]: input_activations .*not supported for int8 weights"):
+        get_loader(tmp_path, torch.float32, "cpu")
 
 
 def test_compressed_tensors_unsupported_activation_scheme_is_refused(tmp_path):

@@ -13,10 +13,16 @@ format, ignore.
       P.weight_zero_point int8 [N, G] when asymmetric); P.weight_scale as for the other formats.
   float-quantized (fp8): P.weight float8_e4m3fn [N, K]; P.weight_scale fp32 [1] / [] (tensor),
       [N, 1] (channel) or [ceil(N/bn), ceil(K/bk)] (block); static activations add P.input_scale.
+  int-quantized (W8A8 int8, compressed-tensors' IntQuantizationCompressor: the naive layout with int8
+      activations): P.weight int8 [N, K] signed codes, symmetric; P.weight_scale [1] (tensor) or [N, 1]
+      (channel), any float dtype; static activations add P.input_scale [1], asymmetric ones
+      P.input_zero_point [1] (int8, compressed-tensors' zp_dtype for int). -> W8A8Weight.
 Activations: `input_activations: null` is weight-only (activations are never rounded, FP8Weight
 .weight_only); fp8 dynamic per token (tensor/channel weights) or per 1 x bk group (block weights),
-or static per tensor (P.input_scale), are what the fp8 kernel runs; anything else (int8 activations,
-per-tensor dynamic, a group that is not the weight block) is refused naming the config field.
+or static per tensor (P.input_scale), are what the fp8 kernel runs; int8 activations with int-quantized
+weights: dynamic per token (symmetric), static per tensor (symmetric, or asymmetric with a zero point),
+what the int8 kernel runs; anything else (per-tensor dynamic, a group that is not the weight block,
+int8 activations with other formats) is refused naming the config field.
 ignore: exact module names or "re:<regex>".
 """
 from __future__ import annotations
@@ -30,14 +36,15 @@ import torch
 from tritonq.formats.base import WeightsLoader
 from tritonq.formats.checkpoint import Shard, Weights
 from tritonq.packing import pack_int32, unpack_int32
-from tritonq.weights import FP8Weight, Int4Weight, Weight
+from tritonq.weights import FP8Weight, Int4Weight, W8A8Weight, Weight
 
-SUPPORTED_FORMATS = ("pack-quantized", "naive-quantized", "float-quantized")
+SUPPORTED_FORMATS = ("pack-quantized", "naive-quantized", "float-quantized", "int-quantized")
 SUPPORTED_KINDS = {  # (format, weights.type, num_bits) -> weight strategies
     ("pack-quantized", "int", 4): ("channel", "group"), ("pack-quantized", "int", 8): ("channel", "group"),
     ("naive-quantized", "int", 4): ("channel", "group"), ("naive-quantized", "int", 8): ("channel", "group"),
     ("naive-quantized", "float", 8): ("tensor", "channel", "block"),
     ("float-quantized", "float", 8): ("tensor", "channel", "block"),
+    ("int-quantized", "int", 8): ("tensor", "channel"),
 }
 
 
@@ -53,6 +60,7 @@ class Scheme:
     block_size: tuple[int, int] | None
     static_input: bool
     weight_only: bool
+    input_zero_point: bool = False  # static asymmetric int8 activations (P.input_zero_point)
 
 
 def _matches(pattern: str, prefix: str) -> bool:
@@ -65,12 +73,25 @@ def _matches_class(target: str, prefix: str) -> bool:
     return (target == "Linear" and not embedding) or (target == "Embedding" and embedding)
 
 
+def _check_int8_activations(where: str, a: dict) -> tuple[bool, bool]:
+    """Refuse int8 input_activations the int8 kernel does not run; (static per-tensor scale, asymmetric)."""
+    found = {k: a.get(k) for k in ("type", "num_bits", "strategy", "dynamic", "symmetric")}
+    dynamic, strategy, symmetric = a.get("dynamic"), a.get("strategy"), a.get("symmetric", True)
+    if dynamic is True and strategy == "token" and symmetric:
+        return False, False
+    if dynamic is False and strategy == "tensor":
+        return True, not symmetric
+    raise ValueError(f"{where}: input_activations {found} are not supported for int8 weights: supported are "
+                     "dynamic per token (symmetric) and static per tensor (symmetric or asymmetric)")
+
+
 def _check_activations(where: str, a: dict, weight_type: str, block: tuple[int, int] | None) -> bool:
     """Refuse input_activations the fp8 kernel does not run exactly; True for a static per-tensor scale."""
     found = {k: a.get(k) for k in ("type", "num_bits", "strategy", "dynamic", "group_size")}
     if weight_type != "float" or (a.get("type"), a.get("num_bits")) != ("float", 8):
         raise ValueError(f"{where}: input_activations {found} are not supported: only fp8 activations with fp8 "
-                         "weights (or input_activations null: weight-only) run here")
+                         "weights, int8 activations with format int-quantized int8 weights (or input_activations "
+                         "null: weight-only) run here")
     dynamic, strategy = a.get("dynamic"), a.get("strategy")
     if dynamic is False and strategy == "tensor":
         return True
@@ -117,11 +138,20 @@ class CompressedTensorsLoader(WeightsLoader):
         if w.get("type") == "float" and not w.get("symmetric", True):
             raise ValueError(f"{where}: weights.symmetric=false is not supported for fp8 weights (no zero point)")
         inputs = group.get("input_activations")
-        static = False
-        if inputs is not None:
+        static = asymmetric_input = False
+        if fmt == "int-quantized":  # W8A8 int8: int8 activations required, symmetric weights
+            if inputs is None or (inputs.get("type"), inputs.get("num_bits")) != ("int", 8):
+                raise ValueError(f"{where}: format int-quantized needs int8 input_activations (W8A8), found "
+                                 f"{inputs!r}; weight-only int8 checkpoints use pack-quantized / naive-quantized")
+            if not w.get("symmetric", True):
+                raise ValueError(f"{where}: weights.symmetric=false is not supported for int-quantized (W8A8) "
+                                 "weights; the int8 kernel takes symmetric weights (as vLLM)")
+            static, asymmetric_input = _check_int8_activations(where, inputs)
+        elif inputs is not None:
             static = _check_activations(where, inputs, w.get("type"), block)
         return Scheme(tuple(group.get("targets", ())), fmt, w["type"], w["num_bits"], strategy,
-                      bool(w.get("symmetric", True)), w.get("group_size"), block, static, inputs is None)
+                      bool(w.get("symmetric", True)), w.get("group_size"), block, static, inputs is None,
+                      asymmetric_input)
 
     def is_ignored(self, prefix: str) -> bool:
         return any(_matches(entry, prefix) for entry in self.ignore)
@@ -145,6 +175,8 @@ class CompressedTensorsLoader(WeightsLoader):
 
     def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
         s = self.scheme(prefix)
+        if s.format == "int-quantized":
+            return self._w8a8(prefix, s)
         if s.type == "float":
             return self._fp8(prefix, s)
         return self._int(prefix, s) if s.format == "pack-quantized" else self._naive_int(prefix, s)
@@ -210,3 +242,32 @@ class CompressedTensorsLoader(WeightsLoader):
             input_scale = self.weights.get_tensor(f"{prefix}.input_scale").float().reshape(()).to(self.device)
         return FP8Weight(weight.to(self.device), scale.float().to(self.device), s.block_size, input_scale,
                          weight_only=s.weight_only)
+
+    def _w8a8(self, prefix: str, s: Scheme) -> W8A8Weight:
+        """int-quantized: int8 [N, K] codes, weight_scale [1] / [N, 1], input_scale / input_zero_point [1]."""
+        weight = self.weights.get_tensor(f"{prefix}.weight", dtype=torch.int8)
+        N, K = weight.shape
+        scale = self.weights.get_tensor(f"{prefix}.weight_scale")
+        if s.strategy == "tensor" and scale.numel() == 1:
+            scale = scale.reshape(())
+        elif s.strategy != "channel" or tuple(scale.shape) != (N, 1):
+            raise ValueError(f"{self.weights.folder}: tensor '{prefix}.weight_scale' has shape {list(scale.shape)}, "
+                             f"expected {[1] if s.strategy == 'tensor' else [N, 1]} for strategy {s.strategy!r}")
+        input_scale = zero_point = None
+        if s.static_input:
+            input_scale = self._one_value(f"{prefix}.input_scale").float().to(self.device)
+        if s.input_zero_point:
+            zero_point = self._one_value(f"{prefix}.input_zero_point")
+            if zero_point.is_floating_point() and not zero_point.is_meta and zero_point != zero_point.round():
+                raise ValueError(f"{self.weights.folder}: tensor '{prefix}.input_zero_point' holds "
+                                 f"{float(zero_point)}; expected an integer zero point")
+            zero_point = zero_point.reshape(()).to(device=self.device, dtype=torch.int32)
+        return W8A8Weight(weight.to(self.device), scale.float().to(self.device), input_scale, zero_point)
+
+    def _one_value(self, name: str) -> torch.Tensor:
+        """Tensor `name` holding one value ([1] as compressed-tensors writes it, or []), as a [] tensor."""
+        t = self.weights.get_tensor(name)
+        if t.numel() != 1:
+            raise ValueError(f"{self.weights.folder}: tensor '{name}' has shape {list(t.shape)}, expected [1] "
+                             "(one static per-tensor value)")
+        return t.reshape(())

@@ -1,0 +1,411 @@
+"""W8A8 INT8 GEMM: y [M, N] = x [M, K] @ W^T for int8 weights W [N, K] and int8 activations.
+
+Weights (W8A8Weight): int8 codes, W = weight * weight_scale, scale [] (tensor) or [N, 1] (channel).
+Activations are quantized to int8 by `quantize_activation_int8` (a Triton kernel, one program per
+row), as compressed-tensors defines it (compressed_tensors.quantization: calculate_qparams, and
+round_to_quantized_type_args: clamp to [-128, 127], then torch.round, i.e. half to even):
+  dynamic per token   scale = absmax(row) / 127.5, q = round(x / scale)
+  static per tensor   scale = W8A8Weight.input_scale, q = round(x / scale)
+  static asymmetric   q = round(x / scale + input_zero_point), x ~= (q - zero_point) * scale
+Division is IEEE (div_rn), so the codes equal the torch reference's bit for bit.
+
+One @triton.jit GEMM kernel: tl.dot on int8 operands with an int32 accumulator (exact), then in
+the epilogue the asymmetric correction acc - zero_point * sum_k W[n, k] (the column sums are
+accumulated from the same weight tiles, so no extra pass over W), the scales a_scale[m] *
+w_scale[n] in fp32, and the bias. sm_80/86/89 run mma.sync s8 and sm_90 wgmma s8 (checked by
+tests/test_fit.py). sm_75: Triton 3.x lowers every tl.dot to FMAs there and its int8 FMA lowering
+does not compile (TritonGPUAccelerateMatmul emits an fp extension of the i8 operands; Triton 3.9),
+so FP16_DOT converts the int8 tiles to fp16 in registers (exact: |code| <= 128) and dots them into
+an fp32 accumulator: the same codes and the same products (exact in fp32), sums exact below 2^24.
+It still reads one byte per weight (half of fp16; decode is memory bound); a weight-only variant
+would skip the activation pass too, but would give other numbers than every other GPU.
+Decode-sized M splits K across programs (SPLIT_K), each slice writing its scaled fp32 partial to
+its own plane of a [SPLIT_K, M, N] buffer that the launcher sums, as fp8_gemm does.
+
+CPU tensors (no interpreter) run torch's int8 GEMM `torch._int_mm` (int8 x int8 -> int32, oneDNN) on
+the activations quantized by the torch reference quantizer, with the weight passed as a transposed view
+of its [N, K] storage. Measured on one core of the shared box (N = 2816, K = 1024, min of 31, ms):
+_int_mm vs fp32 GEMM on the weight dequantized once vs bf16 GEMM: M = 1: 0.25 / 0.44 / 0.39;
+M = 16: 0.25 / 0.82 / 0.43; M = 64: 0.37 / 2.6 / 0.73; M = 256: 1.1-1.8 / 22 / 1.6-2.1
+(`_weight_int8pack_mm`, int8 weights with fp32 activations, is 2-1000x slower); and it keeps weights
+at one byte. `int8_gemm_reference` (TRITONQ_BACKEND=torch) is the oracle: the same activation codes,
+an exact integer product (float64), the same fp32 epilogue.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tritonq.kernels import use_cpu_kernels, use_triton
+from tritonq.kernels.common import Launch, check_launch_config, compute_capability, tuned_or_default
+from tritonq.weights import W8A8Weight
+
+INT8_MIN, INT8_MAX = -128.0, 127.0
+DYNAMIC_DIVISOR = 127.5  # compressed-tensors' symmetric int8 scale: absmax / ((127 - (-128)) / 2)
+SCALE_EPS = 1e-10  # floor on absmax so all-zero rows get a finite scale (and quantize to 0)
+# Adding and removing 1.5 * 2^23 rounds an fp32 |v| < 2^22 to an integer, ties to even (torch.round's rule):
+# at that magnitude the fp32 ulp is 1.
+_ROUND_MAGIC = tl.constexpr(12582912.0)
+_INT8_MIN, _INT8_MAX = tl.constexpr(INT8_MIN), tl.constexpr(INT8_MAX)
+_DYNAMIC_DIVISOR = tl.constexpr(DYNAMIC_DIVISOR)
+_SCALE_EPS = tl.constexpr(SCALE_EPS)
+
+
+@dataclass(frozen=True)
+class Int8GemmConfig:
+    """Launch config of _int8_gemm_kernel."""
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int = 128
+    GROUP_M: int = 8
+    SPLIT_K: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _quantize_activation_int8_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, zero_point_ptr, K, stride_xm,
+                                     stride_qm, BLOCK: tl.constexpr, STATIC: tl.constexpr,
+                                     ASYMMETRIC: tl.constexpr):
+    """One program per row: (absmax -> scale, or the static scale) -> x / scale (+ zero point) -> clamp ->
+    round half to even -> int8."""
+    row = tl.program_id(0).to(tl.int64)  # row x stride: past 2^31 elements for M * K >= 2^31
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    if STATIC:
+        scale = tl.load(static_scale_ptr)
+    else:
+        absmax = tl.maximum(tl.max(tl.abs(x), axis=0), _SCALE_EPS)
+        scale = tl.math.div_rn(absmax, tl.zeros_like(absmax) + _DYNAMIC_DIVISOR)
+        tl.store(s_ptr + row, scale)
+    # div_rn: IEEE division, so the GPU rounds exactly like torch (plain `/` is approximate on NVIDIA)
+    v = tl.math.div_rn(x, tl.zeros([BLOCK], tl.float32) + scale)
+    if ASYMMETRIC:
+        v += tl.load(zero_point_ptr).to(tl.float32)
+    v = tl.clamp(v, _INT8_MIN, _INT8_MAX)
+    v = (v + _ROUND_MAGIC) - _ROUND_MAGIC
+    tl.store(q_ptr + row * stride_qm + offs, v.to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
+                      stride_am, stride_wn, stride_ym, stride_asm, stride_wsn,
+                      ASYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, FP16_DOT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """y[M, N] = ((a - a_zero) @ w^T) * a_scale[m] * w_scale[n] (+ bias).
+
+    a int8 [M, K], a_scale fp32 [M] (stride_asm 0: one static scale), a_zero int32 [] (ASYMMETRIC),
+    w int8 [N, K], w_scale fp32 [N] (stride_wsn 0: per tensor). SPLIT_K > 1 (decode): program_id(1) takes
+    one K slice and stores its scaled partial in plane program_id(1) of y, then an fp32 [SPLIT_K, M, N]
+    buffer (stride_ym = N) that the caller sums.
+    """
+    # Grouped ordering: GROUP_M row-blocks share each weight column-block while it is in L2.
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * grid_n)) * GROUP_M
+    group_rows = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_rows
+    pid_n = (pid % (GROUP_M * grid_n)) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = 0
+    k_end = K
+    if SPLIT_K > 1:
+        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_start = tl.program_id(1) * k_per_split
+        k_end = min(k_start + k_per_split, K)
+    rows = offs_m.to(tl.int64)  # row x stride reaches 2^31 elements for M * K or M * N >= 2^31 (long prefills)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N]
+
+    if FP16_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    w_sum = tl.zeros((BLOCK_N,), dtype=tl.int32)  # sum_k w[n, k] over this slice (asymmetric correction)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k < k_end - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
+        if FP16_DOT:  # sm_75 (module docstring): int8 codes are exact in fp16, their products in fp32
+            acc = tl.dot(a.to(tl.float16), w.to(tl.float16), acc)
+        else:
+            acc = tl.dot(a, w, acc, out_dtype=tl.int32)  # int8 x int8 -> int32: exact
+        if ASYMMETRIC:
+            w_sum += tl.sum(w.to(tl.int32), axis=0)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if ASYMMETRIC:  # (q - z) @ w = q @ w - z * sum_k w, the correction exact in int32
+        correction = tl.load(a_zero_ptr) * w_sum
+        if FP16_DOT:
+            acc -= correction.to(tl.float32)[None, :]
+        else:
+            acc -= correction[None, :]
+    out = acc.to(tl.float32)
+    out *= tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)[:, None]
+    out *= tl.load(w_scale_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:  # added by the first K slice only
+        first_slice = (tl.zeros([BLOCK_N], tl.int32) + tl.program_id(1)) == 0
+        out += tl.load(bias_ptr + offs_n, mask=mask_n & first_slice, other=0.0).to(tl.float32)[None, :]
+    if SPLIT_K > 1:  # this K slice's plane of the partials buffer
+        y_ptr += tl.program_id(1).to(tl.int64) * M * N
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation quantization
+# ----------------------------------------------------------------------------------------------
+
+def quantize_activation_int8(x: torch.Tensor, input_scale: torch.Tensor | None = None,
+                             input_zero_point: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp16/bf16/fp32 -> (q [M, K] int8, scales fp32), x ~= (q - input_zero_point) * scales.
+
+    Dynamic per token (input_scale None): scales [M] (absmax / 127.5 per row). Static: scales = input_scale
+    (one value, fp32 []), with input_zero_point (one integer) for asymmetric activations.
+    """
+    _check_activation(x, input_scale, input_zero_point)
+    if not use_triton(x):
+        return quantize_activation_int8_reference(x, input_scale, input_zero_point)
+    x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    if input_scale is not None:
+        scales = input_scale.reshape(()).to(device=x.device, dtype=torch.float32)
+    else:
+        scales = torch.empty((M,), dtype=torch.float32, device=x.device)
+    zero = None if input_zero_point is None else input_zero_point.reshape(()).to(device=x.device, dtype=torch.int32)
+    quantize_activation_int8_launch(x, q, scales, zero, static=input_scale is not None)()
+    return q, scales
+
+
+def quantize_activation_int8_launch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                                    zero_point: torch.Tensor | None, static: bool) -> Launch:
+    """The launch of _quantize_activation_int8_kernel: x [M, K] (contiguous) into q [M, K] int8 and scales
+    ([M] fp32, or the static one-element scale), one program per row. Over meta tensors it is what the AOT
+    tests compile."""
+    M, K = x.shape
+    block = triton.next_power_of_2(K)
+    args = dict(x_ptr=x, q_ptr=q, s_ptr=scales, static_scale_ptr=scales,
+                zero_point_ptr=zero_point if zero_point is not None else scales, K=K, stride_xm=x.stride(0),
+                stride_qm=q.stride(0), BLOCK=block, STATIC=static, ASYMMETRIC=zero_point is not None)
+    return Launch(_quantize_activation_int8_kernel, (M,), args, max(1, min(8, block // 256)), 3)
+
+
+def quantize_activation_int8_reference(x: torch.Tensor, input_scale: torch.Tensor | None = None,
+                                       input_zero_point: torch.Tensor | None = None
+                                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch version of `quantize_activation_int8` (same arithmetic, float32)."""
+    xf = x.float()
+    if input_scale is not None:
+        scales = input_scale.reshape(()).to(device=x.device, dtype=torch.float32)
+        v = xf / scales
+    else:
+        absmax = xf.abs().amax(dim=1).clamp(min=SCALE_EPS)
+        # By a tensor, not the number: CUDA torch computes `t / number` as t * (1 / number), which rounds
+        # twice; tensor / tensor is IEEE division everywhere, as in the kernel (div_rn).
+        scales = absmax / torch.full_like(absmax, DYNAMIC_DIVISOR)
+        v = xf / scales[:, None]
+    if input_zero_point is not None:
+        v = v + input_zero_point.reshape(()).to(device=x.device, dtype=torch.float32)
+    return torch.round(v.clamp(INT8_MIN, INT8_MAX)).to(torch.int8), scales
+
+
+def quantized_activations(x: torch.Tensor, w: W8A8Weight) -> torch.Tensor:
+    """x [M, K] as the int8 GEMM sees it, float32: its int8 codes scaled back, (q - zero_point) * scale."""
+    q, scales = quantize_activation_int8_reference(x, w.input_scale, w.input_zero_point)
+    zero = 0.0 if w.input_zero_point is None else w.input_zero_point.reshape(()).float()
+    return (q.float() - zero) * (scales if scales.dim() == 0 else scales[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMM
+# ----------------------------------------------------------------------------------------------
+
+def int8_gemm(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None = None,
+              fp16_dot: bool | None = None) -> torch.Tensor:
+    """x [..., K] fp16/bf16/fp32 @ w [N, K] -> [..., N] in x.dtype (+ w.bias): activations quantized to int8
+    (per token, or w's static scale / zero point), int8 x int8 products summed exactly in int32.
+    config None: the tuned config for this shape if stored, else `default_config`. fp16_dot None: the fp16
+    dot of the int8 codes below sm_80 only (module docstring); True/False force it (tests)."""
+    _check_weight(w)
+    N, K = w.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"int8_gemm: x has K={x.shape[-1]} columns but the weight is [N={N}, K={K}]; "
+                         "pass activations whose last dim equals the weight's input size")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"int8_gemm: x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
+    if x.device != w.weight.device:
+        raise ValueError(f"int8_gemm: x is on {x.device} but the weight is on {w.weight.device}; move one of them")
+    lead = x.shape[:-1]
+    x = x.reshape(-1, K)
+    if use_cpu_kernels(x):
+        y = _cpu_int_mm(x, w)
+    elif not use_triton(x):
+        y = int8_gemm_reference(x, w)
+    else:
+        y = _launch(x, w, config, fp16_dot)
+    return y.reshape(*lead, N)
+
+
+def _launch(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None, fp16_dot: bool | None) -> torch.Tensor:
+    M, K = x.shape
+    N = w.shape[0]
+    cc = compute_capability(x.device)
+    cfg = config or tuned_config(M, N, K, cc)
+    check_launch_config("int8_gemm", cfg, Int8GemmConfig)
+    a, a_scale = quantize_activation_int8(x, w.input_scale, w.input_zero_point)
+    fp16_dot = cc is not None and cc < 80 if fp16_dot is None else fp16_dot
+    launch, y = int8_gemm_launch(a, a_scale, w, cfg, x.dtype, fp16_dot)
+    launch()
+    return y.sum(0).to(x.dtype) if cfg.SPLIT_K > 1 else y
+
+
+def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig,
+                     out_dtype: torch.dtype, fp16_dot: bool = False) -> tuple[Launch, torch.Tensor]:
+    """The launch of _int8_gemm_kernel and its output buffer: y [M, N] in out_dtype, or with SPLIT_K > 1
+    the fp32 [SPLIT_K, M, N] partials that the caller sums. a [M, K] int8 contiguous with a_scale from
+    `quantize_activation_int8` ([M] per token, [] static). Over meta tensors this is what the AOT tests compile."""
+    (M, K), N = a.shape, w.shape[0]
+    weight = w.weight.contiguous()
+    w_scale = w.weight_scale.to(torch.float32).reshape(-1)
+    zero = (w.input_zero_point.reshape(()).to(device=a.device, dtype=torch.int32)
+            if w.input_zero_point is not None else w_scale)  # unused unless ASYMMETRIC
+    if config.SPLIT_K > 1:
+        y = torch.empty((config.SPLIT_K, M, N), dtype=torch.float32, device=a.device)
+    else:
+        y = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    args = dict(a_ptr=a, a_scale_ptr=a_scale.reshape(-1), a_zero_ptr=zero, w_ptr=weight, w_scale_ptr=w_scale,
+                bias_ptr=w.bias if w.bias is not None else y, y_ptr=y, M=M, N=N, K=K,
+                stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N,
+                stride_asm=1 if a_scale.dim() else 0,  # a static scale is shared by every row
+                stride_wsn=1 if w_scale.numel() > 1 else 0,
+                ASYMMETRIC=w.input_zero_point is not None, HAS_BIAS=w.bias is not None, FP16_DOT=fp16_dot,
+                BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
+                SPLIT_K=config.SPLIT_K)
+    grid = (triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
+    return Launch(_int8_gemm_kernel, grid, args, config.num_warps, config.num_stages), y
+
+
+def config_bucket(M: int, N: int, K: int) -> str:
+    """Key of a tuned config: M rounded up to a power of two (capped at 4096), exact N and K."""
+    return f"M{min(triton.next_power_of_2(M), 4096)}_N{N}_K{K}"
+
+
+def tuned_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfig:
+    """The launcher's config: the one tuned for this shape's bucket (configs/int8_gemm/<gpu>.json), else
+    `default_config` for sm_`cc` (None: the interpreter)."""
+    return tuned_or_default("int8_gemm", config_bucket(M, N, K), default_config(M, N, K, cc))
+
+
+def default_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfig:
+    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight; prefill takes
+    128 x 128 int8 tiles. sm_75 (FMA dots, module docstring) takes 32-deep K tiles: 16 x 64 at decode,
+    64 x 64 with 8 warps at prefill; 64- and 128-deep ones spill there (336-7600 bytes, AOT, Triton 3.9)."""
+    fma = cc is not None and cc < 80
+    block_k = 32 if fma else 128
+    if M <= 16:
+        k_tiles = triton.cdiv(K, 128)
+        n_tiles = triton.cdiv(N, 64)
+        split_k = max(1, min(k_tiles // 4, 256 // n_tiles))  # >= 4 K tiles of 128 per split to pipeline
+        return Int8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=split_k,
+                              num_warps=4, num_stages=4)
+    if fma:
+        return Int8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2)
+    if M <= 64:
+        return Int8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    return Int8GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+
+
+def int8_gemm_reference(x: torch.Tensor, w: W8A8Weight) -> torch.Tensor:
+    """Torch version of `int8_gemm` for x [M, K]: the same activation codes, the integer product exact
+    (float64 holds every int8 x int8 sum below 2^53), the same fp32 epilogue, plus bias."""
+    q, scales = quantize_activation_int8_reference(x, w.input_scale, w.input_zero_point)
+    acc = q.double() @ w.weight.double().T
+    if w.input_zero_point is not None:
+        acc = acc - w.input_zero_point.reshape(()).double() * w.weight.double().sum(1)
+    y = acc.float() * (scales if scales.dim() == 0 else scales[:, None])
+    y = y * w.weight_scale.float().reshape(1, -1)
+    if w.bias is not None:
+        y = y + w.bias.float()
+    return y.to(x.dtype)
+
+
+_weight_sums: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight tensor -> int32 [N] row sums (CPU asymmetric)
+
+
+def _cpu_int_mm(x: torch.Tensor, w: W8A8Weight) -> torch.Tensor:
+    """The CPU backend: torch._int_mm (int8 x int8 -> int32) on the reference quantizer's codes, then the
+    reference's fp32 epilogue (see the module docstring for the measurement)."""
+    q, scales = quantize_activation_int8_reference(x, w.input_scale, w.input_zero_point)
+    acc = torch._int_mm(q, w.weight.t())  # [N, K] storage as a [K, N] view: the fastest layout measured
+    if w.input_zero_point is not None:
+        sums = _weight_sums.get(w.weight)
+        if sums is None:
+            sums = _weight_sums[w.weight] = w.weight.sum(1, dtype=torch.int32)
+        acc = acc - w.input_zero_point.reshape(()).to(torch.int32) * sums
+    y = acc.float() * (scales if scales.dim() == 0 else scales[:, None])
+    y = y * w.weight_scale.float().reshape(1, -1)
+    if w.bias is not None:
+        y = y + w.bias.float()
+    return y.to(x.dtype)
+
+
+def _check_weight(w: W8A8Weight) -> None:
+    if not isinstance(w, W8A8Weight):
+        raise ValueError(f"int8_gemm expects a W8A8Weight, got {type(w).__name__}")
+    if w.weight.dtype != torch.int8 or w.weight.dim() != 2:
+        raise ValueError(f"W8A8Weight.weight must be a 2-D int8 [N, K] tensor, got {w.weight.dtype} "
+                         f"{tuple(w.weight.shape)}")
+    N, K = w.shape
+    s = w.weight_scale
+    if not s.is_floating_point() or (s.numel() != 1 and tuple(s.shape) not in ((N, 1), (N,))):
+        raise ValueError(f"W8A8Weight.weight_scale has {s.dtype} shape {tuple(s.shape)}; expected a float [] "
+                         f"(per tensor) or [{N}, 1] (per channel)")
+    if w.input_scale is not None and w.input_scale.numel() != 1:
+        raise ValueError(f"W8A8Weight.input_scale must hold one value (static per-tensor activation scale), "
+                         f"got shape {tuple(w.input_scale.shape)}")
+    if w.input_zero_point is not None and (w.input_scale is None or w.input_zero_point.numel() != 1
+                                           or w.input_zero_point.is_floating_point()):
+        raise ValueError("W8A8Weight.input_zero_point must be one integer and comes with a static input_scale; "
+                         f"got {w.input_zero_point.dtype} shape {tuple(w.input_zero_point.shape)} with input_scale "
+                         f"{'None' if w.input_scale is None else 'set'}")
+    if w.bias is not None and tuple(w.bias.shape) != (N,):
+        raise ValueError(f"W8A8Weight.bias has shape {tuple(w.bias.shape)}, expected [{N}]")
+
+
+def _check_activation(x: torch.Tensor, input_scale: torch.Tensor | None,
+                      input_zero_point: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"quantize_activation_int8 expects x [M, K] fp16/bf16/fp32, got {x.dtype} {tuple(x.shape)}")
+    if input_scale is not None and input_scale.numel() != 1:
+        raise ValueError(f"input_scale must hold one value, got shape {tuple(input_scale.shape)}")
+    if input_zero_point is not None and (input_scale is None or input_zero_point.numel() != 1):
+        raise ValueError("input_zero_point must hold one value and needs a static input_scale")
+
+
+def aot_launch(config: Int8GemmConfig, M: int, N: int, K: int, cc: int, dtype: torch.dtype = torch.float16,
+               asymmetric: bool = False, bias: bool = False) -> Launch:
+    """`int8_gemm_launch` over meta tensors for sm_`cc`: an N x K int8 weight with per-channel scales, int8
+    activations with per-token scales (or a static scale and zero point with asymmetric), output in dtype."""
+    meta = torch.device("meta")
+    f32 = dict(dtype=torch.float32, device=meta)
+    w = W8A8Weight(torch.empty(N, K, dtype=torch.int8, device=meta), torch.empty(N, 1, **f32),
+                   input_scale=torch.empty((), **f32) if asymmetric else None,
+                   input_zero_point=torch.empty((), dtype=torch.int32, device=meta) if asymmetric else None,
+                   bias=torch.empty(N, dtype=dtype, device=meta) if bias else None)
+    a = torch.empty(M, K, dtype=torch.int8, device=meta)
+    a_scale = torch.empty((), **f32) if asymmetric else torch.empty(M, **f32)
+    return int8_gemm_launch(a, a_scale, w, config, dtype, fp16_dot=cc < 80)[0]
