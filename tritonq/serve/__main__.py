@@ -109,7 +109,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.serve") -
     from tritonq.serve.app import create_app
     from tritonq.serve.ranks import IDLE_TIMEOUT, LeaderEngine, follow
 
-    if args.tensor_parallel != 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: join the
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tensor_parallel not in (None, 1) and world == 1:
+        fail(parser, f"--tensor-parallel {args.tensor_parallel} needs {args.tensor_parallel} processes: start the "
+                     f"server with `torchrun --nproc-per-node {args.tensor_parallel} -m tritonq.serve MODEL ...`")
+    if args.tensor_parallel != 1 and world > 1:  # under torchrun: join the
         try:  # group here, with the long timeout of followers idling between requests (load() then joins it)
             distributed.init_tensor_parallel(args.tensor_parallel, distributed.resolve_device(args.device),
                                              timeout=IDLE_TIMEOUT)
