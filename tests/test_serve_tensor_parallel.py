@@ -85,3 +85,51 @@ def test_two_rank_server_answers_like_one_process(two_node_server, reference):
     expected = reference.generate(prompts, max_new_tokens=12, temperature=0, return_dict=True)
     assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == expected.text
     assert node_b.poll() is None  # the other rank is still stepping with rank 0
+
+
+def test_followers_replay_exactly_what_rank_0_forwarded(checkpoint, monkeypatch):
+    """In one process, with the broadcast recorded: LeaderEngine forwards its successful adds, aborts, steps and
+    scores in order (a refused add is not forwarded), and a second engine replaying the record through
+    follow() numbers the requests alike and produces the same outputs, step by step."""
+    import torch
+
+    import tritonq
+    from tritonq.generate import GenerationConfig
+    from tritonq.serve import ranks
+
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    leader_model, follower_model = (tritonq.load(checkpoint, max_seq_len=64, max_num_seqs=4, dtype=torch.float32,
+                                                 device="cpu") for _ in range(2))
+    sent = []
+    monkeypatch.setattr(ranks.dist, "broadcast_object_list", lambda box, src, group: sent.append(box[0]))
+    leader = ranks.LeaderEngine(leader_model.engine, group=None)
+    config = GenerationConfig(max_new_tokens=6, temperature=0)
+    first = leader.add_request([5, 6, 7], config)
+    with pytest.raises(ValueError):
+        leader.add_request([10 ** 6], config)  # not a token id: refused on rank 0, never forwarded
+    second = leader.add_request([8, 9], config)
+    expected = [leader.step() for _ in range(3)]
+    leader.abort(first)
+    while leader.has_unfinished():
+        expected.append(leader.step())
+    expected_scores = leader.score([[65, 66, 67, 68]])
+    leader.close()
+    assert [[c[0] for c in calls if c] for calls in sent][:2] == [["add_request", "add_request", "step"], ["step"]]
+
+    replayed, record = [], iter(sent)
+
+    def receive(box, src, group):
+        box[0] = next(record)
+    monkeypatch.setattr(ranks.dist, "broadcast_object_list", receive)
+    engine = follower_model.engine
+    step, score = engine.step, engine.score
+    monkeypatch.setattr(engine, "step", lambda: replayed.append(step()) or replayed[-1])
+    monkeypatch.setattr(engine, "score", lambda *a, **k: replayed.append(score(*a, **k)) or replayed[-1])
+    ranks.follow(engine, group=None)
+    assert next(record, None) is None and not engine.has_unfinished()
+    scores = replayed.pop()
+    assert [[(o.request_id, o.token_id, o.finished) for o in outs] for outs in replayed] == \
+        [[(o.request_id, o.token_id, o.finished) for o in outs] for outs in expected]
+    assert {o.request_id for outs in expected for o in outs} == {first, second}
+    for (got, *_), (want, *_) in zip(scores, expected_scores, strict=True):
+        assert torch.equal(got, want)

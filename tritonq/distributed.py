@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,12 +27,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
 
 
-def init_tensor_parallel(tensor_parallel: int | None, device: torch.device,
-                         timeout: timedelta | None = None) -> tuple[int, int]:
+def init_tensor_parallel(tensor_parallel: int | None, device: torch.device) -> tuple[int, int]:
     """(rank, world) for loading: tensor_parallel=None follows the launcher (an initialized process
-    group, else WORLD_SIZE from torchrun, else 1); 1 stays single-process even under torchrun.
-    timeout: how long a collective may wait when this call creates the group (None: torch's default;
-    the server's followers wait for requests far longer)."""
+    group, else WORLD_SIZE from torchrun, else 1); 1 stays single-process even under torchrun."""
     if tensor_parallel is not None and tensor_parallel < 1:
         raise ValueError(f"tensor_parallel={tensor_parallel}; expected a positive number of processes")
     if tensor_parallel == 1:
@@ -43,8 +39,7 @@ def init_tensor_parallel(tensor_parallel: int | None, device: torch.device,
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",  # env://: torchrun's variables
-                                **({} if timeout is None else {"timeout": timeout}))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # env://: torchrun's variables
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank, world = 0, 1

@@ -105,27 +105,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.serve") -
     require(parser, SERVE_MODULES, "serve")
     import uvicorn
 
-    from tritonq import distributed
     from tritonq.serve.app import create_app
-    from tritonq.serve.ranks import IDLE_TIMEOUT, LeaderEngine, follow
+    from tritonq.serve.ranks import LeaderEngine, control_group, follow
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.tensor_parallel not in (None, 1) and world == 1:
+    if args.tensor_parallel not in (None, 1) and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         fail(parser, f"--tensor-parallel {args.tensor_parallel} needs {args.tensor_parallel} processes: start the "
                      f"server with `torchrun --nproc-per-node {args.tensor_parallel} -m tritonq.serve MODEL ...`")
-    if args.tensor_parallel != 1 and world > 1:  # under torchrun: join the
-        try:  # group here, with the long timeout of followers idling between requests (load() then joins it)
-            distributed.init_tensor_parallel(args.tensor_parallel, distributed.resolve_device(args.device),
-                                             timeout=IDLE_TIMEOUT)
-        except ValueError as e:
-            fail(parser, e)
     model = load_model(parser, args)
-    if model.rank > 0:  # every rank but 0 replays rank 0's engine calls until it stops
-        follow(model.engine)
-        return
     leader = None
     if model.world > 1:
-        leader = model.engine = LeaderEngine(model.engine)
+        group = control_group()
+        if model.rank > 0:  # every rank but 0 replays rank 0's engine calls until it stops
+            follow(model.engine, group)
+            return
+        leader = model.engine = LeaderEngine(model.engine, group)
     server = None
     max_waiting = 8 * args.max_num_seqs if args.max_waiting is None else args.max_waiting
     app = create_app(model, args.served_model_name or args.model, api_key=args.api_key, max_waiting=max_waiting,
