@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tritonq.distributed import all_reduce
 from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
 from tritonq.kernels.common import compute_capability
 from tritonq.kernels.moe import grouped_topk
 from tritonq.kernels.norm_rope import apply_rope
-from tritonq.distributed import all_reduce
 from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RoutedExperts, RowParallelLinear
 from tritonq.models.common import KVLayout, PagedKVCache, RopeTables, StepContext, logit_rows
 from tritonq.weights import DenseWeight

@@ -5,10 +5,11 @@ Under torchrun (`torchrun --nproc-per-node N -m tritonq.serve MODEL`; across mac
 `LeaderEngine`: the calls that change the schedule (add_request, abort, step, score) run on rank 0 and are
 forwarded, in order, to the other ranks, which replay them in `follow`. Adds and aborts travel with the next
 step or score: one broadcast_object_list per step, over a gloo group of its own (`control_group`: host
-memory, and an idle follower waits in a CPU socket read rather than a GPU collective). The same calls in the same order on engines built alike give
-the same schedule on every rank, so the model's collectives line up; sampled tokens are rank 0's
-(ModelRunner.sample broadcasts them). An add that rank 0 refuses raises there and is never forwarded.
-A rank whose step raises out of the engine (a device error) ends its process; torchrun then stops the others.
+memory, and an idle follower waits in a CPU socket read rather than a GPU collective). The same calls in the
+same order on engines built alike give the same schedule on every rank, so the model's collectives line up;
+sampled tokens are rank 0's (ModelRunner.sample broadcasts them). An add that rank 0 refuses raises there
+and is never forwarded. A rank whose step raises out of the engine (a device error) ends its process;
+torchrun then stops the others.
 """
 from __future__ import annotations
 
