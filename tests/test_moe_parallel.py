@@ -1,5 +1,6 @@
 """DeepSeek-V2 across ranks: heads split, latent projections replicated, experts split by intermediate size
-(tensor parallel) or whole per rank (expert parallel), against one process; refused splits.
+(tensor parallel) or whole per rank (expert parallel), against one process; refused splits. Also a
+compressed-tensors Llama (int4 group 32, asymmetric, written by compressed-tensors itself) on 2 ranks.
 
 Ranks are CPU processes (gloo) spawned with torch.multiprocessing, as tests/test_tensor_parallel.py does; the
 reference is the single-process tritonq model (itself checked against transformers in
@@ -10,6 +11,7 @@ logits differ by float32 rounding of O(1) values over three layers: atol 1e-4, a
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -95,6 +97,8 @@ def _rank_main(rank: int, world: int, port: int, folders: dict[str, str], runs: 
         model = tritonq.load(folders["lite"], device="cpu", dtype=torch.float32, max_num_seqs=2, max_seq_len=32,
                              expert_parallel=True)
         results["generate"] = model.generate(PROMPTS, max_new_tokens=6)
+        if "llama-ct" in folders:
+            results["llama-ct"] = compressed_tensors_logits(folders["llama-ct"])
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -114,7 +118,17 @@ def folders(tmp_path_factory):
         byte_tokenizer().save_pretrained(root / name)
         folders[name] = root / name
     folders["v2-awq"] = write_quantized(folders["v2"], root / "v2-awq", "awq", group_size=32)
+    if importlib.util.find_spec("compressed_tensors") is not None:  # the test extra (Python >= 3.11)
+        from formats.test_real_packers import CT_WEIGHT_ONLY, ct_checkpoint
+        weights, fmt, _ = CT_WEIGHT_ONLY["pack-int4-group-asym"]
+        ct_checkpoint(root / "llama-ct", weights, fmt, hidden=128, inter=256, heads=4, kv_heads=4)
+        folders["llama-ct"] = root / "llama-ct"
     return folders
+
+
+def compressed_tensors_logits(folder) -> list[torch.Tensor]:
+    model = tritonq.load(folder, device="cpu", dtype=torch.float32, max_num_seqs=2, max_seq_len=32)
+    return [model.engine.prompt_logits(prompt) for prompt in PROMPTS]
 
 
 def spawn(folders, world: int) -> list[dict]:
@@ -136,6 +150,8 @@ def single(folders):
             results[name] = {"logits": run_steps(model), "layout": layout(model)}
         model = tritonq.load(folders["lite"], device="cpu", dtype=torch.float32, max_num_seqs=2, max_seq_len=32)
         results["generate"] = model.generate(PROMPTS, max_new_tokens=6)
+        if "llama-ct" in folders:
+            results["llama-ct"] = compressed_tensors_logits(folders["llama-ct"])
     return results
 
 
@@ -184,6 +200,14 @@ def test_four_ranks_match_one_process(four_ranks, single, name):
 def test_expert_parallel_load_generates_on_rank_0_only(two_ranks, single):
     assert two_ranks[0]["generate"] == single["generate"] and single["generate"]
     assert two_ranks[1]["generate"] is None
+
+
+def test_compressed_tensors_on_two_ranks_match_one_process(folders, two_ranks, single):
+    if "llama-ct" not in folders:
+        pytest.skip("compressed-tensors is not installed (the test extra)")
+    for result in two_ranks:
+        for got, expected in zip(result["llama-ct"], single["llama-ct"], strict=True):
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
 BAD = {  # (checkpoint, world, expert_parallel, error message)
