@@ -7,7 +7,8 @@ reference is the single-process tritonq model (itself checked against transforme
 tests/models/test_deepseek_v2.py, both attention modes). Both sides compute in float32 from the same weights;
 the ranks only regroup sums (o_proj, down_proj and every expert's down add `world` partial dot products,
 all-reduced in rank order; expert parallel adds each token's k expert outputs in another grouping), so
-logits differ by float32 rounding of O(1) values over three layers: atol 1e-4, as in test_tensor_parallel.
+logits differ by float32 rounding of O(1) values over three layers (measured: at most 2.4e-6 for logits up to
+2.6, 2 and 4 ranks): atol 1e-4, as in test_tensor_parallel.
 """
 from __future__ import annotations
 
