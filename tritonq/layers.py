@@ -14,7 +14,7 @@ from tritonq.kernels.fp8_gemm import fp8_gemm
 from tritonq.kernels.int4_gemm import int4_gemm
 from tritonq.kernels.moe import fused_moe
 from tritonq.kernels.norm_rope import rms_norm
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, Weight, k_major
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, RankExperts, Weight, k_major
 
 
 def _int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -93,11 +93,11 @@ class RoutedExperts(nn.Module):
     skips them). world 1: the whole output.
     """
 
-    def __init__(self, experts: tuple[Weight, Weight, int], num_experts: int):
+    def __init__(self, experts: RankExperts):
         super().__init__()
-        self.gate_up, self.down, self.first = experts
+        self.gate_up, self.down, self.first = experts.gate_up, experts.down, experts.first
         self.num_local = self.gate_up.stacked_shape("RoutedExperts gate_up")[0]
-        self.expert_parallel = self.num_local < num_experts
+        self.expert_parallel = self.num_local < experts.num_experts
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.expert_parallel:

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from tritonq.formats.checkpoint import Shard, Weights
-from tritonq.weights import DenseWeight, Int4Weight, Weight, concat_outputs, empty_linear, stack_experts
+from tritonq.weights import DenseWeight, Int4Weight, RankExperts, Weight, concat_outputs, empty_linear, stack_experts
 
 # Layers that stay dense whatever the format: embeddings, output head, MoE routers (name endings).
 # Loaders that quantize on load (formats/dense.py) and the checkpoint writer (tritonq/quantize.py) skip them.
@@ -221,10 +221,9 @@ class WeightsLoader:
         return DenseWeight(out)
 
     def get_experts(self, prefix: str, num_experts: int, hidden: int, inter: int,
-                    expert_parallel: bool = False) -> tuple[Weight, Weight, int]:
-        """This rank's routed experts `prefix.experts.{e}.{gate,up,down}_proj` of one MoE layer, for fused_moe:
-        (gate_up [E', 2I', D] (each expert's gate rows, then its up rows), down [E', D, I'], first), where
-        index i holds expert first + i.
+                    expert_parallel: bool = False) -> RankExperts:
+        """This rank's routed experts `prefix.experts.{e}.{gate,up,down}_proj` of one MoE layer, stacked for
+        fused_moe (RankExperts: E' experts from global expert `first`, intermediate size I').
 
         world 1: all E experts whole. Tensor parallel: all E experts, each split by its intermediate size
         (gate/up column-parallel, down row-parallel: I' = I / world; a split through a pack, group or fp8
@@ -250,7 +249,7 @@ class WeightsLoader:
                                                        shapes=[(inter, hidden), (inter, hidden)]) for p in experts])
         down = self.get_stacked([f"{p}.down_proj" for p in experts], shape=(hidden, inter),
                                 parallel=None if parallel is None else "row")
-        return gate_up, down, first
+        return RankExperts(gate_up, down, first, num_experts)
 
     def get_tensor(self, name: str, dim: int | None = None, shape: tuple | None = None,
                    layout: str = "contiguous") -> torch.Tensor:

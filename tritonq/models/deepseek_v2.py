@@ -135,8 +135,7 @@ class DeepseekV2MoE(nn.Module):
         self.routed_scaling_factor = 1.0 if self.renormalize else config.routed_scaling_factor
         D, inter = config.hidden_size, config.moe_intermediate_size
         self.router = loader.get_tensor(f"{prefix}.gate.weight", shape=(config.n_routed_experts, D)).float()  # fp32
-        self.experts = RoutedExperts(loader.get_experts(prefix, config.n_routed_experts, D, inter, expert_parallel),
-                                     config.n_routed_experts)
+        self.experts = RoutedExperts(loader.get_experts(prefix, config.n_routed_experts, D, inter, expert_parallel))
         self.shared_experts = MLP(loader, f"{prefix}.shared_experts", D, inter * config.n_shared_experts,
                                   reduce=False) if config.n_shared_experts else None
 
