@@ -99,7 +99,7 @@ def cli_error(argv: list[str], capsys) -> str:
     (["serve", "tritonq/default_modl/checkpoint"], "is not a checkpoint folder"),
     (["serve", MODEL, "--quantize", "int5"], "invalid choice: 'int5'"),
     (["serve", MODEL, "--port", "http"], "--port: invalid int value"),
-    (["serve", MODEL, "--tensor-parallel", "2"], "tensor parallel serving is not supported"),
+    (["serve", MODEL, "--tensor-parallel", "2"], "needs 2 processes: start the server with `torchrun --nproc-per-node 2"),
     (["generate", MODEL, "Hi", "--top-p", "2"], "top_p"),
     (["generate", "no/such-model-here", "Hi"], "no/such-model-here"),
     (["chat", MODEL, "--temperature", "-1"], "temperature"),

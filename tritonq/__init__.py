@@ -330,7 +330,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
          group_size: int | None = None, max_seq_len: int | None = None, tensor_parallel: int | None = None,
          max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, kv_cache_gb: float | None = None,
          gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
-         cuda_graphs: bool | None = None, compile: bool | None = None, speculative: dict | str | None = None) -> Model:
+         cuda_graphs: bool | None = None, compile: bool | None = None, speculative: dict | str | None = None,
+         expert_parallel: bool = False) -> Model:
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
 
     device defaults to CUDA when available, else CPU. dtype (torch.float16 / bfloat16 / float32, or
@@ -343,7 +344,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     4096); more than max_position_embeddings is refused unless the config scales rope) bounds
     prompt + max_new_tokens of one request.
     tensor_parallel=N splits the model over N processes started by `torchrun --nproc-per-node N`
-    (each reads only its shard, on GPU LOCAL_RANK); None follows the launcher, 1 opts out.
+    (each reads only its shard, on GPU LOCAL_RANK); None follows the launcher, 1 opts out. Across machines, start
+    torchrun on each with --nnodes and a shared --rdzv-endpoint (README). expert_parallel=True (MoE models under
+    tensor parallelism): each rank holds E/N whole routed experts instead of every expert's 1/N slice.
 
     Engine options (see tritonq.engine): at most max_num_seqs sequences run at once and one step
     computes at most max_num_batched_tokens tokens (a longer prompt is prefilled in chunks). The
@@ -433,15 +436,21 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     if world > 1 and not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"model_type {config.model_type!r} does not support tensor parallelism yet; "
                          "load it with tensor_parallel=1")
+    if expert_parallel not in (True, False):
+        raise ValueError(f"expert_parallel={expert_parallel!r}; expected True or False")
+    if expert_parallel and not getattr(cls, "supports_expert_parallel", False):
+        raise ValueError(f"expert_parallel=True needs a mixture-of-experts model; model_type {config.model_type!r} "
+                         "has no routed experts: leave expert_parallel off")
+    build = {"expert_parallel": True} if expert_parallel else {}  # models without experts take no such argument
     if dtype is None:
         dtype = _default_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
     loader = get_loader(folder, dtype, device, quantize, 128 if group_size is None else group_size,
                         rank=rank, world=world)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)
     with loader.dry_run():  # every tensor the model asks for, checked from the headers before any is read
-        cls(config, loader, dtype, torch.device("meta"), max_seq_len=max_seq_len)
+        cls(config, loader, dtype, torch.device("meta"), max_seq_len=max_seq_len, **build)
     with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
-        model = cls(config, loader, dtype, device, max_seq_len=max_seq_len)  # rope tables sized once for it
+        model = cls(config, loader, dtype, device, max_seq_len=max_seq_len, **build)  # rope tables sized once
     loader.finish()  # no NaN/inf read, every stored tensor used by some module; else an error naming them
     draft = None
     if speculative is not None and speculative.method == "draft":  # before the KV sizing: its weights count as used

@@ -86,6 +86,9 @@ def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = Fa
         group.add_argument("--tensor-parallel", type=int, default=None,
                            help="split the model over N processes (torchrun --nproc-per-node N; default: "
                                 "WORLD_SIZE)")
+        group.add_argument("--expert-parallel", action="store_true",
+                           help="MoE models under tensor parallelism: whole routed experts per rank (E/N each) "
+                                "instead of every expert split by its intermediate size")
 
 
 def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -98,6 +101,8 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
                    kv_cache_gb=args.kv_cache_gb)
     if getattr(args, "tensor_parallel", None) is not None:
         options["tensor_parallel"] = args.tensor_parallel
+    if getattr(args, "expert_parallel", False):
+        options["expert_parallel"] = True
     if getattr(args, "speculative_config", None) is not None:
         options["speculative"] = args.speculative_config
     try:

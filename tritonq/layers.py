@@ -13,8 +13,9 @@ from tritonq.kernels import cpu_dense, cpu_lowbit, use_cpu_kernels
 from tritonq.kernels.fp8_gemm import fp8_gemm
 from tritonq.kernels.int4_gemm import int4_gemm
 from tritonq.kernels.int8_gemm import int8_gemm
+from tritonq.kernels.moe import fused_moe
 from tritonq.kernels.norm_rope import rms_norm
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, W8A8Weight, Weight, k_major
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, RankExperts, W8A8Weight, Weight, k_major
 
 
 def _int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -92,6 +93,29 @@ class ParallelLMHead(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         return all_gather_last_dim(y) if self.world > 1 else y
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts of one MoE layer that this rank holds (WeightsLoader.get_experts), run by fused_moe.
+
+    forward(x [T, D], topk_weights [T, k] fp32, topk_ids [T, k] int32 of the E global experts) -> [T, D]:
+    this rank's part of the routed output, NOT summed over ranks: the MoE layer adds its shared experts'
+    part and all-reduces once. Tensor parallel: every expert's I/world slice (partial sums of every slot).
+    Expert parallel: experts [first, first + E/world) whole; slots routed elsewhere become -1 (fused_moe
+    skips them). world 1: the whole output.
+    """
+
+    def __init__(self, experts: RankExperts):
+        super().__init__()
+        self.gate_up, self.down, self.first = experts.gate_up, experts.down, experts.first
+        self.num_local = self.gate_up.stacked_shape("RoutedExperts gate_up")[0]
+        self.expert_parallel = self.num_local < experts.num_experts
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.expert_parallel:
+            local = topk_ids - self.first
+            topk_ids = torch.where((local >= 0) & (local < self.num_local), local, -1)
+        return fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids)
 
 
 class Embedding(nn.Module):

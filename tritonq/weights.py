@@ -406,6 +406,17 @@ Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight | W8A8Weight
 WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight, MXFP4Weight, W8A8Weight)
 
 
+@dataclass(frozen=True)
+class RankExperts:
+    """The routed experts of one MoE layer one rank holds (WeightsLoader.get_experts), stacked for fused_moe:
+    gate_up [E', 2I', D] (each expert's gate rows, then its up rows), down [E', D, I']; index i is global
+    expert first + i. num_experts: E, the layer's routed experts over all ranks."""
+    gate_up: Weight
+    down: Weight
+    first: int
+    num_experts: int
+
+
 def k_major(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether dense linear weights W [N, K] on `device` in `dtype` are stored [K, N]-contiguous (W a
     transposed view): on CPU in fp32, MKL's decode GEMV (M = 1..8) streams W ~1.3x faster that way.

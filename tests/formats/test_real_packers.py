@@ -12,6 +12,7 @@ Shapes are odd on purpose: hidden 96, intermediate 160, vocab 258, GQA with 3 KV
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -498,3 +499,46 @@ def test_gptq_sym_claim_with_asymmetric_zeros_uses_the_stored_zeros(tmp_path):
 def test_fact_packer_layout():
     """pack_fields puts column j of a word at bits 4j, stored as a signed int32 (one word, by hand)."""
     assert pack_fields(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 15]]), 4).item() == 0xF7654321 - 2**32
+
+
+# Tensor parallelism: each rank's shard of every linear, dequantized, concatenates back to the whole layer (itself
+# checked against compressed-tensors' own decompression above). hidden 128, inter 256: every q/k/v/o and gate/up/down
+# splits over 2 ranks into whole groups of 32, packs of 8 and, for the block case, 128x128 blocks (gate/up column,
+# down row); the 128-wide q/k/v/o column splits would cut a block, refused below.
+CT_TP = {"pack-int4-group-asym": ["column", "row"], "naive-int4-group-asym": ["column", "row"],
+         "naive-int8-channel": ["column", "row"], "float-quantized-fp8-channel": ["column", "row"],
+         "float-quantized-fp8-tensor": ["row"], "naive-fp8-block": ["column", "row"]}
+TP_MODEL = dict(hidden=128, inter=256, heads=4, kv_heads=4)
+
+
+@pytest.mark.parametrize("case", list(CT_TP))
+def test_compressed_tensors_rank_shards_concatenate_to_the_whole_layer(tmp_path, case):
+    weights, fmt, _ = CT_WEIGHT_ONLY[case]
+    ct_checkpoint(tmp_path, weights, fmt, **TP_MODEL)
+    whole = get_loader(tmp_path, torch.float32, "cpu")
+    ranks = [get_loader(tmp_path, torch.float32, "cpu", rank=r, world=2) for r in range(2)]
+    prefixes = {"column": ["model.layers.0.mlp.gate_proj", "model.layers.1.mlp.up_proj"],
+                "row": ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"]}
+    for parallel in CT_TP[case]:
+        for prefix in prefixes[parallel] if weights.get("strategy") != "block" else prefixes[parallel][:1]:
+            expected = whole.get_linear(prefix).dequantize(torch.float32)
+            shards = [loader.get_linear(prefix, parallel=parallel) for loader in ranks]
+            assert all(type(s) is (FP8Weight if weights["type"] == "float" else Int4Weight) for s in shards)
+            got = torch.cat([s.dequantize(torch.float32) for s in shards], dim=0 if parallel == "column" else 1)
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("case, prefix, parallel, message", [
+    # the default tiny Llama (hidden 96): o_proj's 96 inputs over 2 ranks cut the groups of 32
+    ("pack-int4-group-asym", "model.layers.0.self_attn.o_proj", "row",
+     "K (inputs)=96 row-parallel into 2 parts of 48: each part must be a multiple of 32 (a quantization group"),
+    ("naive-fp8-block", "model.layers.0.self_attn.q_proj", "column",
+     "N (outputs)=128 column-parallel into 2 parts of 64: each part must be a multiple of 128 (a 128x128 "
+     "weight_scale block"),
+])
+def test_compressed_tensors_split_through_a_group_or_block_is_refused(tmp_path, case, prefix, parallel, message):
+    weights, fmt, options = CT_WEIGHT_ONLY[case]
+    ct_checkpoint(tmp_path, weights, fmt, **options)
+    loader = get_loader(tmp_path, torch.float32, "cpu", rank=0, world=2)
+    with pytest.raises(ValueError, match="^" + re.escape(f"{prefix}: cannot split {message}")):
+        loader.get_linear(prefix, parallel=parallel)

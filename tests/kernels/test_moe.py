@@ -251,6 +251,26 @@ def test_fused_moe_matches_loop_reference(kind, T, top_k, dtype):
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("backend", ["triton", "cpu", "torch"])
+@pytest.mark.parametrize("kind,T,top_k", [("dense", 33, 6), ("int4", 5, 2), ("dense", 3, 1)])
+def test_dropped_slots_contribute_nothing(monkeypatch, backend, kind, T, top_k):
+    """Expert parallelism marks slots of another rank's experts -1: the result is the per-token loop with those
+    slots' weights zero (every path: Triton kernels, CPU backend, torch reference). A whole dropped row included."""
+    monkeypatch.setenv("TRITONQ_BACKEND", {"cpu": "auto"}.get(backend, backend))
+    if backend == "cpu":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gate_up, gate_up_dense = _stacked(kind, E_TEST, 2 * INTER, D)
+    down, down_dense = _stacked(kind, E_TEST, D, INTER)
+    x = torch.randn(T, D)
+    weights, ids = _routing(T, E_TEST, top_k)
+    dropped = ids >= E_TEST // 2  # this "rank" holds experts 0..3
+    dropped[0] = True
+    expected = _per_token_moe(x, gate_up_dense, down_dense, weights.masked_fill(dropped, 0.0), ids)
+    out = fused_moe(x, gate_up, down, weights, ids.masked_fill(dropped, -1))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[0], torch.zeros(D))
+
+
 def test_fp8_native_and_bit_decoding_agree(monkeypatch):
     """The interpreter loads float8 natively (as sm_89+); force the bit decoding of older GPUs to check it too."""
     gate_up, _ = _stacked("fp8_tensor", E_TEST, 2 * INTER, D)

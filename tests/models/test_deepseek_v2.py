@@ -284,7 +284,7 @@ def test_quantized_matches_transformers_on_dequantized_weights(checkpoint, fmt, 
     (tmp_path / "ref").mkdir()
     reference = dequantized_reference(folder, quantized, tmp_path / "ref")
     model = DeepseekV2ForCausalLM(hf.config, get_loader(quantized, torch.float32, "cpu"), torch.float32, "cpu")
-    assert isinstance(model.layers[1].mlp.down, FP8Weight if fmt == "fp8" else Int4Weight)  # experts quantized
+    assert isinstance(model.layers[1].mlp.experts.down, FP8Weight if fmt == "fp8" else Int4Weight)  # experts quantized
     prompt = PROMPTS[0]
     ours = prefill(model, prompt)
     if fmt == "fp8":  # after our forward: the patch replaces F.linear for everyone

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from tritonq.formats.checkpoint import Shard, Weights
-from tritonq.weights import DenseWeight, Int4Weight, Weight, concat_outputs, empty_linear, stack_experts
+from tritonq.weights import DenseWeight, Int4Weight, RankExperts, Weight, concat_outputs, empty_linear, stack_experts
 
 # Layers that stay dense whatever the format: embeddings, output head, MoE routers (name endings).
 # Loaders that quantize on load (formats/dense.py) and the checkpoint writer (tritonq/quantize.py) skip them.
@@ -196,20 +196,28 @@ class WeightsLoader:
         biases = [self._bias(p, s, n) for p, s, n in zip(prefixes, shards, sizes)] if bias else [None]
         return DenseWeight(weight, None if biases[0] is None else torch.cat(biases))
 
-    def get_stacked(self, prefixes: list[str], shape: tuple[int, int] | None = None) -> Weight:
-        """Expert linears stacked along a leading E. Dense experts are read straight into one contiguous
-        [E, N, K] tensor (the MoE kernels' layout); quantized ones are stacked."""
+    def get_stacked(self, prefixes: list[str], shape: tuple[int, int] | None = None,
+                    parallel: str | None = None) -> Weight:
+        """Expert linears stacked along a leading E, each this rank's slice by `parallel` (as get_linear).
+        Dense experts are read straight into one contiguous [E, N, K] tensor (the MoE kernels' layout);
+        quantized ones are stacked."""
         if any(self.is_quantized(p) for p in prefixes):
-            return stack_experts([self.get_linear(p, shape=shape) for p in prefixes])
+            return stack_experts([self.get_linear(p, parallel=parallel, shape=shape) for p in prefixes])
         shapes = {p: self.stored_shape(p)[0] for p in prefixes}
         if len(set(shapes.values())) != 1:
             raise ValueError(f"{self.weights.folder}: experts of one MoE layer must have one shape; found {shapes}")
+        shard = self.shard(parallel)
+        N, K = shapes[prefixes[0]]
         for prefix in prefixes:
             self.check_shape(prefix, shape)
             self._check_float(f"{prefix}.weight")
-        out = torch.empty(len(prefixes), *shapes[prefixes[0]], dtype=self.dtype, device=self.device)
+            if shard is not None:
+                self.check_split(prefix, shard, N if shard.parallel == "column" else K, 1, "whole rows or columns")
+        if shard is not None:
+            N, K = (N // shard.count, K) if shard.parallel == "column" else (N, K // shard.count)
+        out = torch.empty(len(prefixes), N, K, dtype=self.dtype, device=self.device)
         for e, prefix in enumerate(prefixes):
-            self._read_float(f"{prefix}.weight", None, column=None, row=None, out=out[e])
+            self._read_float(f"{prefix}.weight", shard, column=0, row=1, out=out[e])
         return DenseWeight(out)
 
     def get_fused_experts(self, name: str, shape: tuple[int, int, int], interleaved: bool = False,
@@ -252,6 +260,36 @@ class WeightsLoader:
 
     def quantized_experts(self, name: str, shape: tuple[int, int, int], shard: Shard | None) -> Weight:
         raise NotImplementedError
+    def get_experts(self, prefix: str, num_experts: int, hidden: int, inter: int,
+                    expert_parallel: bool = False) -> RankExperts:
+        """This rank's routed experts `prefix.experts.{e}.{gate,up,down}_proj` of one MoE layer, stacked for
+        fused_moe (RankExperts: E' experts from global expert `first`, intermediate size I').
+
+        world 1: all E experts whole. Tensor parallel: all E experts, each split by its intermediate size
+        (gate/up column-parallel, down row-parallel: I' = I / world; a split through a pack, group or fp8
+        block is refused naming the expert). expert_parallel: experts [rank * E/world, (rank + 1) * E/world)
+        whole; the other ranks' expert tensors are counted as read (their ranks read them)."""
+        experts = [f"{prefix}.experts.{e}" for e in range(num_experts)]
+        first, parallel = 0, "column"
+        if expert_parallel and self.world > 1:
+            if num_experts % self.world:
+                raise ValueError(f"{prefix}: cannot place n_routed_experts={num_experts} experts on "
+                                 f"tensor_parallel={self.world} ranks (expert_parallel=True needs the same number "
+                                 "on each); use a tensor_parallel that divides it, or expert_parallel=False to "
+                                 "split every expert by its intermediate size")
+            count = num_experts // self.world
+            first, parallel = self.rank * count, None
+            mine = experts[first:first + count]
+            others = tuple(f"{p}." for p in experts if p not in mine)
+            for name in self.weights.names():
+                if name.startswith(others):
+                    self.weights.mark_read(name)
+            experts = mine
+        gate_up = stack_experts([self.get_fused_linear([f"{p}.gate_proj", f"{p}.up_proj"], parallel=parallel,
+                                                       shapes=[(inter, hidden), (inter, hidden)]) for p in experts])
+        down = self.get_stacked([f"{p}.down_proj" for p in experts], shape=(hidden, inter),
+                                parallel=None if parallel is None else "row")
+        return RankExperts(gate_up, down, first, num_experts)
 
     def get_tensor(self, name: str, dim: int | None = None, shape: tuple | None = None,
                    layout: str = "contiguous") -> torch.Tensor:

@@ -109,12 +109,9 @@ class CompressedTensorsLoader(WeightsLoader):
     marker = "weight_scale"
 
     def __init__(self, weights: Weights, config: dict, dtype: torch.dtype, device, *, rank: int = 0, world: int = 1):
-        if world > 1:
-            raise ValueError("tensor parallelism is not supported for compressed-tensors checkpoints yet; "
-                             "load this model on one device (tensor_parallel=1)")
         q = config["quantization_config"]
         self.schemes = [self._scheme(name, group, q.get("format")) for name, group in q.get("config_groups", {}).items()]
-        super().__init__(weights, config, dtype, device, q.get("ignore"))
+        super().__init__(weights, config, dtype, device, q.get("ignore"), rank=rank, world=world)
 
     @staticmethod
     def _scheme(name: str, group: dict, default_format: str | None) -> Scheme:
@@ -174,69 +171,115 @@ class CompressedTensorsLoader(WeightsLoader):
         return super().is_quantized(prefix) and self.scheme(prefix) is not None
 
     def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
+        """Shards: column ones cut N (weight rows, scale and zero-point rows; packed zero points in whole
+        packs), row ones cut K (weight columns in whole packs; scales and zero points by group, whole for
+        per-channel scales or act-order, whose sliced g_idx still indexes them); fp8 block scales by block."""
         s = self.scheme(prefix)
         if s.format == "int-quantized":
             return self._w8a8(prefix, s)
         if s.type == "float":
-            return self._fp8(prefix, s)
-        return self._int(prefix, s) if s.format == "pack-quantized" else self._naive_int(prefix, s)
+            return self._fp8(prefix, s, shard)
+        return self._int(prefix, s, shard) if s.format == "pack-quantized" else self._naive_int(prefix, s, shard)
 
-    def _naive_int(self, prefix: str, s: Scheme) -> Int4Weight:
+    def _int_split(self, prefix: str, s: Scheme, shard: Shard | None, N: int, K: int, group_size: int,
+                   ) -> tuple[int | None, int, torch.Tensor | None]:
+        """How a shard cuts an int layer: (the dim of scales / zero points [N, G] a row shard cuts: 1 for
+        contiguous groups, None to keep them whole; this rank's group_size; this rank's g_idx or None)."""
+        per = 32 // s.bits
+        G = K // group_size
+        column, row = shard is not None and shard.parallel == "column", shard is not None and shard.parallel == "row"
+        if column:  # packed zero points hold `per` output rows per int32 (pack-quantized, asymmetric)
+            multiple = per if s.format == "pack-quantized" and not s.symmetric else 1
+            self.check_split(prefix, shard, N, multiple, f"compressed-tensors weight_zero_point packs {per} output "
+                             "rows per int32 along N" if multiple > 1 else "whole rows")
+        if row:
+            self.check_split(prefix, shard, K, per, f"{per} {s.bits}-bit input columns per int32 along K")
+        g_idx = None
+        if self.weights.has_tensor(f"{prefix}.weight_g_idx"):
+            g_idx = self.read(f"{prefix}.weight_g_idx", shard, column=None, row=0, shape=(K,))
+            g_idx = g_idx.to(device=self.device, dtype=torch.int32)
+        if not row:
+            return 1, group_size, self._act_order(g_idx, K, group_size)
+        part = K // shard.count
+        if G == 1:  # per channel: one scale row for any K
+            return None, part, None
+        own_groups = torch.arange(shard.index * part, (shard.index + 1) * part) // group_size
+        if g_idx is None or g_idx.is_meta or torch.equal(g_idx.cpu().long(), own_groups):  # contiguous groups
+            self.check_split(prefix, shard, K, group_size, f"a quantization group of {group_size} input rows")
+            return 1, group_size, None
+        return None, group_size, g_idx  # act-order: every group may hold rows of this rank
+
+    @staticmethod
+    def _act_order(g_idx: torch.Tensor | None, K: int, group_size: int) -> torch.Tensor | None:
+        """g_idx, or None when it is the trivial k // group_size (meta in a dry run: kept, no values)."""
+        if g_idx is None or g_idx.is_meta:
+            return g_idx
+        return None if torch.equal(g_idx.cpu().long(), torch.arange(K) // group_size) else g_idx
+
+    def _naive_int(self, prefix: str, s: Scheme, shard: Shard | None) -> Int4Weight:
         """naive-quantized int: int8 [N, K] signed codes (and int8 [N, G] zero points) -> Int4Weight."""
-        weight = self.weights.get_tensor(f"{prefix}.weight", dtype=torch.int8)
-        N, K = weight.shape
+        N, K = self.weights.get_shape(f"{prefix}.weight")
         offset = 2 ** (s.bits - 1)  # signed codes -> the unsigned codes Int4Weight holds
         group_size = K if s.strategy == "channel" else s.group_size
         if K % group_size or K % (32 // s.bits):
             raise ValueError(f"{prefix}.weight: K={K} is not a multiple of group_size={group_size} and of {32 // s.bits}")
         G = K // group_size
-        scales = self.weights.get_tensor(f"{prefix}.weight_scale", shape=(N, G)).T
+        group_dim, group_size, g_idx = self._int_split(prefix, s, shard, N, K, group_size)
+        weight = self.read(f"{prefix}.weight", shard, column=0, row=1, dtype=torch.int8)
+        scales = self.read(f"{prefix}.weight_scale", shard, column=0, row=group_dim, shape=(N, G)).T
         zeros = None
         if not s.symmetric:
-            zp = self.weights.get_tensor(f"{prefix}.weight_zero_point", dtype=torch.int8, shape=(N, G))
+            zp = self.read(f"{prefix}.weight_zero_point", shard, column=0, row=group_dim, dtype=torch.int8,
+                           shape=(N, G))
             zeros = (zp.T.to(torch.int32) + offset).to(device=self.device, dtype=self.dtype).contiguous()
         codes = weight.to(self.device).to(torch.int32) + offset
         return Int4Weight(pack_int32(codes.T, s.bits, dim=0), scales.to(device=self.device, dtype=self.dtype).contiguous(),
-                          zeros, self._g_idx(prefix, K, group_size), group_size, s.bits)
+                          zeros, g_idx, group_size, s.bits)
 
-    def _g_idx(self, prefix: str, K: int, group_size: int) -> torch.Tensor | None:
-        if not self.weights.has_tensor(f"{prefix}.weight_g_idx"):
-            return None
-        g_idx = self.weights.get_tensor(f"{prefix}.weight_g_idx", shape=(K,)).to(device=self.device, dtype=torch.int32)
-        if g_idx.is_meta:  # a dry run: no values to compare
-            return g_idx
-        return None if torch.equal(g_idx.cpu().long(), torch.arange(K) // group_size) else g_idx
-
-    def _int(self, prefix: str, s: Scheme) -> Int4Weight:
+    def _int(self, prefix: str, s: Scheme, shard: Shard | None) -> Int4Weight:
         get, per = self.weights.get_tensor, 32 // s.bits
-        packed = get(f"{prefix}.weight_packed", dtype=torch.int32)
+        packed_shape = self.weights.get_shape(f"{prefix}.weight_packed")
         stored = get(f"{prefix}.weight_shape")  # meta in a dry run: its values are known only once read
-        N, K = (packed.shape[0], packed.shape[1] * per) if stored.is_meta else (int(v) for v in stored)
-        if K % per or N % per or tuple(packed.shape) != (N, K // per):
-            raise ValueError(f"{prefix}.weight_packed: shape {list(packed.shape)} for weight_shape [{N}, {K}]; "
+        N, K = (packed_shape[0], packed_shape[1] * per) if stored.is_meta else (int(v) for v in stored)
+        if K % per or N % per or tuple(packed_shape) != (N, K // per):
+            raise ValueError(f"{prefix}.weight_packed: shape {list(packed_shape)} for weight_shape [{N}, {K}]; "
                              f"supported: N and K multiples of {per}, packed shape [N, K/{per}]")
         group_size = K if s.strategy == "channel" else s.group_size
         G = K // group_size
-        scales = get(f"{prefix}.weight_scale", shape=(N, G)).T.to(device=self.device, dtype=self.dtype)
-        codes = unpack_int32(packed.to(self.device), s.bits, dim=1)  # [N, K] unsigned = signed + 2^(b-1)
+        group_dim, group_size, g_idx = self._int_split(prefix, s, shard, N, K, group_size)
+        packed = self.read(f"{prefix}.weight_packed", shard, column=0, row=1, dtype=torch.int32)
+        scales = self.read(f"{prefix}.weight_scale", shard, column=0, row=group_dim, shape=(N, G))
+        scales = scales.T.to(device=self.device, dtype=self.dtype)
+        codes = unpack_int32(packed.to(self.device), s.bits, dim=1)  # [N', K'] unsigned = signed + 2^(b-1)
         zeros = None
         if not s.symmetric:
-            zero_point = get(f"{prefix}.weight_zero_point", dtype=torch.int32, shape=(N // per, G))
+            zero_point = self.read(f"{prefix}.weight_zero_point", shard, column=0, row=group_dim, dtype=torch.int32,
+                                   shape=(N // per, G))
             zeros = unpack_int32(zero_point.to(self.device), s.bits, dim=0).T.to(self.dtype)
         return Int4Weight(pack_int32(codes.T, s.bits, dim=0), scales.contiguous(),
-                          None if zeros is None else zeros.contiguous(), self._g_idx(prefix, K, group_size), group_size, s.bits)
+                          None if zeros is None else zeros.contiguous(), g_idx, group_size, s.bits)
 
-    def _fp8(self, prefix: str, s: Scheme) -> FP8Weight:
-        weight = self.weights.get_tensor(f"{prefix}.weight", dtype=torch.float8_e4m3fn)
-        N, K = weight.shape
+    def _fp8(self, prefix: str, s: Scheme, shard: Shard | None) -> FP8Weight:
+        N, K = self.weights.get_shape(f"{prefix}.weight")
+        if shard is not None:
+            size = N if shard.parallel == "column" else K
+            if s.block_size is None:
+                self.check_split(prefix, shard, size, 1, "whole rows or columns")
+            else:
+                bn, bk = s.block_size
+                self.check_split(prefix, shard, size, bn if shard.parallel == "column" else bk,
+                                 f"a {bn}x{bk} weight_scale block")
+        weight = self.read(f"{prefix}.weight", shard, column=0, row=1, dtype=torch.float8_e4m3fn)
         expected = {"tensor": (1,), "channel": (N, 1)}.get(s.strategy) or \
             (math.ceil(N / s.block_size[0]), math.ceil(K / s.block_size[1]))
-        scale = self.weights.get_tensor(f"{prefix}.weight_scale")
-        if scale.numel() == 1 and s.strategy == "tensor":
-            scale = scale.reshape(())
-        elif tuple(scale.shape) != expected:
-            raise ValueError(f"{self.weights.folder}: tensor '{prefix}.weight_scale' has shape {list(scale.shape)}, "
+        stored = self.weights.get_shape(f"{prefix}.weight_scale")
+        if math.prod(stored) == 1 and s.strategy == "tensor":
+            scale = self.weights.get_tensor(f"{prefix}.weight_scale").reshape(())
+        elif tuple(stored) != expected:
+            raise ValueError(f"{self.weights.folder}: tensor '{prefix}.weight_scale' has shape {list(stored)}, "
                              f"expected {list(expected)} for strategy {s.strategy!r}")
+        else:  # per channel: rows with N (whole for a row shard); block: by block
+            scale = self.read(f"{prefix}.weight_scale", shard, column=0, row=1 if s.strategy == "block" else None)
         input_scale = None
         if s.static_input:
             input_scale = self.weights.get_tensor(f"{prefix}.input_scale").float().reshape(()).to(self.device)

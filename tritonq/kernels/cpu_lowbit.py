@@ -157,7 +157,7 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
     """
     gate_up_e, down_e = prepare_experts(gate_up), prepare_experts(down)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    for e in torch.unique(topk_ids).tolist():
+    for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():  # -1: another rank's expert (kernels.moe)
         token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         gate, up = linear(x[token], gate_up_e[e]).float().chunk(2, dim=1)
         hidden = F.silu(gate) * up if activation is None else activation.apply(gate, up)

@@ -22,6 +22,8 @@ Shared experts are not part of this: the model runs them as an ordinary MLP and 
 gpt-oss experts: stacked biases (gate_up.bias [E, 2I], down.bias [E, D]; each added to its GEMM's
 output before the activation / the routing weight, as transformers' GptOssExperts) and
 `activation=ClampedSwiGLU(alpha, limit)` in place of SiLU-and-mul, fused in the same epilogue.
+A topk_ids entry of -1 is a slot whose expert this process does not hold (expert parallelism, see
+layers.RoutedExperts): it contributes zero, and no kernel computes it.
 On CPU (no interpreter) each routed expert runs through kernels/cpu_lowbit.py (its weights
 prepared once, on the first call); `fused_moe_reference` (TRITONQ_BACKEND=torch) is the oracle.
 FP8 experts are weight-only here (dequantized to x.dtype in-kernel); input_scale is not used.
@@ -487,12 +489,16 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
     cfg1, cfg2 = explicit or (_config(T, top_k, E, inter, D), _config(T, top_k, E, D, inter))
     # Both GEMMs share one alignment, so they use the smaller BLOCK_M of the two configs.
     block_m = min(cfg1.BLOCK_M, cfg2.BLOCK_M)
-    sorted_ids, expert_ids, post_padded = moe_align_block_size(topk_ids, block_m, E)
+    # Slots of other ranks' experts (-1) go to a virtual expert E, sorted last; the kernels stop before its
+    # blocks (num_tokens_post_padded less its padded run), so those rows stay zero. No host read.
+    dropped = topk_ids < 0
+    sorted_ids, expert_ids, post_padded = moe_align_block_size(torch.where(dropped, E, topk_ids), block_m, E + 1)
+    post_padded = post_padded - (dropped.sum(dtype=torch.int32) + block_m - 1) // block_m * block_m
     routing = topk_weights.float().contiguous().flatten()
     alignment = (sorted_ids, expert_ids, post_padded)
     native_fp8 = has_fp8_tensor_cores(x.device)
     hidden = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
-    out = torch.empty(numel, D, dtype=x.dtype, device=x.device)
+    out = torch.zeros(numel, D, dtype=x.dtype, device=x.device)  # zeros: the rows of dropped slots stay 0
     moe_gemm_launch(x, hidden, gate_up, routing, alignment, top_k, cfg1, block_m, True, native_fp8, activation)()
     moe_gemm_launch(hidden, out, down, routing, alignment, top_k, cfg2, block_m, False, native_fp8)()
     return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
@@ -539,7 +545,7 @@ def fused_moe_reference(x: torch.Tensor, gate_up: Weight, down: Weight, topk_wei
     E, inter, D = _check_moe(x, gate_up, down, topk_weights, topk_ids)
     xf = x.float()
     out = torch.zeros(x.shape[0], D, dtype=torch.float32, device=x.device)
-    for e in torch.unique(topk_ids).tolist():
+    for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():  # -1: another rank's expert
         token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         gu, dn = gate_up.expert(e), down.expert(e)
         gate, up = F.linear(xf[token], gu.dequantize(torch.float32), _float(gu.bias)).split(inter, dim=1)

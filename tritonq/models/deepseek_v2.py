@@ -21,6 +21,14 @@ Two attention modes (`attention_mode`), both over the paged cache of tritonq.mod
               cached prefix included, from the latent pages into temporary pages.
 DeepSeek-V2-Lite in bf16 (`kv_bytes_per_token`): latent 31,104 B/token, expanded 276,480 (8.9x).
 
+Tensor parallel (loader.world > 1, every rank runs forward on the same inputs): each rank holds H/world
+heads: q_proj / q_b_proj and kv_b_proj column-parallel (whole heads), o_proj row-parallel; q_a_proj,
+kv_a_proj_with_mqa and their norms are replicated (the latent is shared by all heads), so the latent cache
+is whole on every rank and the expanded cache holds the rank's heads. Dense MLPs and shared experts are
+split by intermediate size; routed experts by intermediate size too, or, with expert_parallel=True, whole
+experts E/world per rank (every rank routes every token, runs its experts). A MoE layer all-reduces once
+(routed + shared parts), an attention once (o_proj); embedding and lm_head are vocab-parallel.
+
 Behaviour follows transformers' DeepseekV2 where it agrees with DeepSeek's original modeling
 code; for the config fields transformers ignores we follow the original: moe_layer_freq (see
 `_is_moe_layer`) and norm_topk_prob (see `DeepseekV2MoE`). Yarn's attention factor follows
@@ -34,13 +42,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tritonq.distributed import all_reduce
 from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
 from tritonq.kernels.common import compute_capability
-from tritonq.kernels.moe import fused_moe, grouped_topk
+from tritonq.kernels.moe import grouped_topk
 from tritonq.kernels.norm_rope import apply_rope
-from tritonq.layers import Embedding, Linear, RMSNorm
+from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RoutedExperts, RowParallelLinear
 from tritonq.models.common import KVLayout, PagedKVCache, RopeTables, StepContext, logit_rows
-from tritonq.weights import DenseWeight, stack_experts
+from tritonq.weights import DenseWeight
 
 ATTENTION_MODES = ("expanded", "latent")
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -83,13 +92,17 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate x) * up x), gate/up fused into one GEMM."""
+    """SwiGLU MLP: down(silu(gate x) * up x), gate/up fused into one GEMM; split by intermediate size over the
+    ranks (gate/up column-, down row-parallel). reduce=False leaves the rank's partial sum for the caller to
+    all-reduce (shared experts: the MoE layer reduces them with the routed experts, once)."""
 
-    def __init__(self, loader, prefix: str, hidden: int | None = None, inter: int | None = None):
+    def __init__(self, loader, prefix: str, hidden: int | None = None, inter: int | None = None, reduce: bool = True):
         super().__init__()
         up, down = ((inter, hidden), (hidden, inter)) if hidden else (None, None)  # expected (N, K), from the config
-        self.gate_up = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], shapes=[up, up]))
-        self.down = Linear(loader.get_linear(f"{prefix}.down_proj", shape=down))
+        self.gate_up = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], parallel="column",
+                                                      shapes=[up, up]))
+        down_weight = loader.get_linear(f"{prefix}.down_proj", parallel="row", shape=down)
+        self.down = RowParallelLinear(down_weight, loader.world) if reduce else Linear(down_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -104,8 +117,9 @@ class DeepseekV2MoE(nn.Module):
     routed_scaling_factor. (transformers 5 ignores norm_topk_prob and always scales.)
     """
 
-    def __init__(self, config, loader, prefix: str):
+    def __init__(self, config, loader, prefix: str, expert_parallel: bool = False):
         super().__init__()
+        self.world = loader.world
         self.top_k = config.num_experts_per_tok
         if config.topk_method == "greedy":
             self.n_group, self.topk_group = 1, 1
@@ -121,20 +135,19 @@ class DeepseekV2MoE(nn.Module):
         self.routed_scaling_factor = 1.0 if self.renormalize else config.routed_scaling_factor
         D, inter = config.hidden_size, config.moe_intermediate_size
         self.router = loader.get_tensor(f"{prefix}.gate.weight", shape=(config.n_routed_experts, D)).float()  # fp32
-        experts = [f"{prefix}.experts.{e}" for e in range(config.n_routed_experts)]
-        self.gate_up = stack_experts([loader.get_fused_linear([f"{p}.gate_proj", f"{p}.up_proj"],
-                                                              shapes=[(inter, D), (inter, D)]) for p in experts])
-        self.down = loader.get_stacked([f"{p}.down_proj" for p in experts], shape=(D, inter))
-        self.shared_experts = MLP(loader, f"{prefix}.shared_experts", D, inter * config.n_shared_experts) \
-            if config.n_shared_experts else None
+        self.experts = RoutedExperts(loader.get_experts(prefix, config.n_routed_experts, D, inter, expert_parallel))
+        self.shared_experts = MLP(loader, f"{prefix}.shared_experts", D, inter * config.n_shared_experts,
+                                  reduce=False) if config.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
         topk_weights, topk_ids = grouped_topk(
             x.float() @ self.router.T, self.top_k, n_group=self.n_group, topk_group=self.topk_group,
             scoring="softmax", renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor)
-        out = fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        out = self.experts(x, topk_weights, topk_ids)  # this rank's part; with the shared part, reduced once
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return all_reduce(out) if self.world > 1 else out
 
 
 class MLAttention(nn.Module):
@@ -142,27 +155,34 @@ class MLAttention(nn.Module):
 
     def __init__(self, config, loader, prefix: str, attention_mode: str, scale: float):
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        heads, world = config.num_attention_heads, loader.world
+        if heads % world:
+            raise ValueError(f"{prefix}: num_attention_heads={heads} cannot be divided across tensor_parallel={world} "
+                             "ranks (each holds whole heads); use a tensor_parallel that divides it")
+        self.num_heads = heads // world  # this rank's heads
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         self.attention_mode, self.scale = attention_mode, scale
         bias = bool(config.attention_bias)
-        D, H, R, Q = config.hidden_size, self.num_heads, self.kv_lora_rank, config.q_lora_rank
-        q_out = H * (self.nope_dim + self.rope_dim)
-        # q_a_proj / kv_a_proj_with_mqa are replicated (never sharded) under tensor parallelism.
+        D, R, Q = config.hidden_size, self.kv_lora_rank, config.q_lora_rank
+        q_out = heads * (self.nope_dim + self.rope_dim)  # full sizes: the loader checks them, then slices heads
+        # q_a_proj / kv_a_proj_with_mqa (and their norms) are replicated (never sharded) under tensor
+        # parallelism: their outputs (the q and kv latents) feed every head.
         if Q is None:
-            self.q_proj = Linear(loader.get_linear(f"{prefix}.q_proj", shape=(q_out, D)))
+            self.q_proj = Linear(loader.get_linear(f"{prefix}.q_proj", parallel="column", shape=(q_out, D)))
         else:
             self.q_a_proj = Linear(loader.get_linear(f"{prefix}.q_a_proj", bias=bias, shape=(Q, D)))
             self.q_a_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.q_a_layernorm.weight", shape=(Q,)), LORA_NORM_EPS)
-            self.q_b_proj = Linear(loader.get_linear(f"{prefix}.q_b_proj", shape=(q_out, Q)))
+            self.q_b_proj = Linear(loader.get_linear(f"{prefix}.q_b_proj", parallel="column", shape=(q_out, Q)))
         self.q_lora_rank = config.q_lora_rank
         self.kv_a_proj_with_mqa = Linear(loader.get_linear(f"{prefix}.kv_a_proj_with_mqa", bias=bias,
                                                            shape=(R + self.rope_dim, D)))
         self.kv_a_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.kv_a_layernorm.weight", shape=(R,)), LORA_NORM_EPS)
-        kv_b = loader.get_linear(f"{prefix}.kv_b_proj", shape=(H * (self.nope_dim + self.v_dim), R))
+        kv_b = loader.get_linear(f"{prefix}.kv_b_proj", parallel="column",
+                                 shape=(heads * (self.nope_dim + self.v_dim), R))
         self.kv_b_proj = Linear(kv_b)
-        self.o_proj = Linear(loader.get_linear(f"{prefix}.o_proj", bias=bias, shape=(D, H * self.v_dim)))
+        self.o_proj = RowParallelLinear(loader.get_linear(f"{prefix}.o_proj", bias=bias, parallel="row",
+                                                          shape=(D, heads * self.v_dim)), world)
         if attention_mode == "latent":
             # Absorbed decode needs kv_b per head as plain matrices in the compute dtype (converted once here,
             # not in every step): W_uk [H, Dn, R], W_uv^T [H, R, Dv] (laid out for the output bmm).
@@ -236,7 +256,7 @@ def _is_moe_layer(config, layer: int) -> bool:
 
 
 class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config, loader, layer: int, attention_mode: str, scale: float):
+    def __init__(self, config, loader, layer: int, attention_mode: str, scale: float, expert_parallel: bool = False):
         super().__init__()
         prefix = f"model.layers.{layer}"
         eps = config.rms_norm_eps
@@ -245,7 +265,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.self_attn = MLAttention(config, loader, f"{prefix}.self_attn", attention_mode, scale)
         self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight",
                                                                   shape=(D,)), eps)
-        self.mlp = DeepseekV2MoE(config, loader, f"{prefix}.mlp") if _is_moe_layer(config, layer) \
+        self.mlp = DeepseekV2MoE(config, loader, f"{prefix}.mlp", expert_parallel) if _is_moe_layer(config, layer) \
             else MLP(loader, f"{prefix}.mlp", D, config.intermediate_size)
 
     def forward(self, x, cos, sin, ctx, k_pages, v_pages):
@@ -268,32 +288,38 @@ def default_attention_mode(device: torch.device | str) -> str:
 
 class DeepseekV2ForCausalLM(nn.Module):
     """Built as DeepseekV2ForCausalLM(config, loader, dtype, device, attention_mode=None), None meaning
-    `default_attention_mode(device)`.
+    `default_attention_mode(device)`; expert_parallel: see the module docstring (tensor parallel only).
 
     forward(ctx: StepContext, cache: PagedKVCache) -> logits [R, V] (compute dtype), as in
-    tritonq.models.common; kv_layout says what its cache pages hold per token.
+    tritonq.models.common; kv_layout says what its cache pages hold per token (on this rank).
     """
+    supports_tensor_parallel = True
+    supports_expert_parallel = True
 
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str,
-                 attention_mode: str | None = None, max_seq_len: int | None = None):
+                 attention_mode: str | None = None, max_seq_len: int | None = None, expert_parallel: bool = False):
         super().__init__()
         if attention_mode is None:
             attention_mode = default_attention_mode(device)
         if attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode={attention_mode!r}; expected one of {ATTENTION_MODES}")
         self.config, self.dtype, self.device, self.attention_mode = config, dtype, torch.device(device), attention_mode
+        world = loader.world
+        if config.vocab_size % world:
+            raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tensor_parallel={world}: the "
+                             "embedding and lm_head are split by vocabulary rows; use a tensor_parallel that divides it")
         table = (config.vocab_size, config.hidden_size)
-        self.embed_tokens = Embedding(loader.get_embedding("model.embed_tokens", table))
+        self.embed_tokens = Embedding(loader.get_embedding("model.embed_tokens", table, dim=0), loader.rank, world)
         scale = softmax_scale(config)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, loader, i, attention_mode, scale)
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, loader, i, attention_mode, scale, expert_parallel)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(loader.get_tensor("model.norm.weight", shape=table[1:]), config.rms_norm_eps)
-        head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", False)), table)
+        head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", False)), table, parallel="column")
         if head is None:  # tied (a quantized head on disk is always used; untied without one is an error)
-            self.lm_head = Linear(DenseWeight(self.embed_tokens.weight))
+            self.lm_head = ParallelLMHead(DenseWeight(self.embed_tokens.weight), world)
             self.embed_tokens.weight = self.lm_head.weight.weight  # one table, in Linear's layout
         else:
-            self.lm_head = Linear(head)
+            self.lm_head = ParallelLMHead(head, world)
         rope = _rope_parameters(config)
         self.rope = RopeTables(config.qk_rope_head_dim, rope["rope_theta"], rope, config.max_position_embeddings,
                                max_seq_len or config.max_position_embeddings, self.device,
@@ -302,7 +328,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.kv_layout = KVLayout(len(self.layers), 1, config.kv_lora_rank + config.qk_rope_head_dim,
                                       config.kv_lora_rank, v_in_k=True)
         else:
-            self.kv_layout = KVLayout(len(self.layers), config.num_attention_heads,
+            self.kv_layout = KVLayout(len(self.layers), self.layers[0].self_attn.num_heads,  # this rank's heads
                                       config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
 
     @torch.inference_mode()

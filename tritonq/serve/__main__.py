@@ -5,11 +5,14 @@ uvicorn closes the connections, the engine thread stops and the process exits wi
 If the engine cannot continue (a device error, or its thread died), every request gets an error,
 /health answers 503 with the reason for DEAD_EXIT_DELAY_S, then uvicorn shuts down and the process
 exits with status 1, so a supervisor (systemd, Kubernetes) restarts it.
+Tensor parallel: `torchrun --nproc-per-node N -m tritonq.serve MODEL` (several machines: --nnodes and
+--rdzv-endpoint); rank 0 serves, the other ranks step the same schedule (tritonq.serve.ranks).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from tritonq.cli import add_load_options, fail, load_model, new_parser, require
@@ -100,17 +103,22 @@ def _server_class():
 def main(argv: list[str] | None = None, prog: str = "python -m tritonq.serve") -> None:
     parser, args = parse_args(argv, prog)
     require(parser, SERVE_MODULES, "serve")
-    if args.tensor_parallel not in (None, 1):
-        fail(parser, "tensor parallel serving is not supported yet: every rank would need the same requests; "
-                     "run with --tensor-parallel 1")
     import uvicorn
 
     from tritonq.serve.app import create_app
+    from tritonq.serve.ranks import LeaderEngine, control_group, follow
 
+    if args.tensor_parallel not in (None, 1) and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        fail(parser, f"--tensor-parallel {args.tensor_parallel} needs {args.tensor_parallel} processes: start the "
+                     f"server with `torchrun --nproc-per-node {args.tensor_parallel} -m tritonq.serve MODEL ...`")
     model = load_model(parser, args)
-    if model.world > 1:  # WORLD_SIZE from torchrun
-        fail(parser, "tensor parallel serving is not supported yet: every rank would need the same requests; "
-                     "run it as one process (not under torchrun), or with --tensor-parallel 1")
+    leader = None
+    if model.world > 1:
+        group = control_group()
+        if model.rank > 0:  # every rank but 0 replays rank 0's engine calls until it stops
+            follow(model.engine, group)
+            return
+        leader = model.engine = LeaderEngine(model.engine, group)
     server = None
     max_waiting = 8 * args.max_num_seqs if args.max_waiting is None else args.max_waiting
     app = create_app(model, args.served_model_name or args.model, api_key=args.api_key, max_waiting=max_waiting,
@@ -121,7 +129,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.serve") -
     server = _server_class()(config, app.state.engine_loop)
     server.run()
     if app.state.engine_loop.dead is not None:
-        raise SystemExit(1)  # a supervisor restarts us; status 0 would say "stopped on purpose"
+        raise SystemExit(1)  # a supervisor restarts us; status 0 would say "stopped on purpose" (torchrun: all ranks)
+    if leader is not None:  # the engine thread has stopped (app shutdown): release the other ranks
+        try:
+            leader.close()
+        except RuntimeError:  # torchrun's SIGTERM reached them first: they have stopped already
+            print("tritonq.serve: the other ranks had already stopped", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
