@@ -496,8 +496,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
         cls(config, loader, dtype, torch.device("meta"), max_seq_len=max_seq_len)
     with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
         model = cls(config, loader, dtype, device, max_seq_len=max_seq_len)  # rope tables sized once for it
-    loader.finish()  # no NaN/inf read, every stored tensor used by some module; else an error naming them
+    # before finish(): fp8 reads the checkpoint's k_scale / v_scale, which then count as used
     model.kv_layout = _kv_cache_layout(model.kv_layout, kv_cache_dtype, loader.weights, raw_config, folder)
+    loader.finish()  # no NaN/inf read, every stored tensor used by some module; else an error naming them
     draft = None
     if speculative is not None and speculative.method == "draft":  # before the KV sizing: its weights count as used
         draft = _load_draft(speculative.model, tokenizer, config.vocab_size, dtype=dtype, device=device,
