@@ -143,3 +143,33 @@ def test_fp8_takes_the_checkpoints_kv_scales_else_one(tmp_path, caplog, recwarn)
 def test_bad_kv_cache_dtype_is_refused_before_anything_is_read(bad):
     with pytest.raises(ValueError, match=r"kv_cache_dtype=.*expected one of \('auto', 'fp8', 'int8'\)"):
         tritonq.load("/nonexistent/folder", kv_cache_dtype=bad)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mla_latent_cache_in_8_bits_gives_each_prompt_its_solo_run(tmp_path, kind):
+    """DeepSeek-V2's latent cache (one kv head of latent + rope, v a view of it, one shared scale): prompts batched
+    and prefilled in 8-token chunks (the latent prefill reads the cached chunks back, dequantized) give their solo
+    runs, and the pages are 8-bit with the latent's single scale tensor."""
+    from transformers import DeepseekV2Config
+    from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
+
+    from tritonq.demo import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    config = DeepseekV2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                              qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256, initializer_range=0.1,
+                              first_k_dense_replace=1, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+                              q_lora_rank=None, topk_method="greedy", bos_token_id=None, eos_token_id=None,
+                              pad_token_id=0)
+    torch.manual_seed(0)
+    HFDeepseekV2(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model = tritonq.load(tmp_path, dtype=torch.float32, max_seq_len=64, max_num_seqs=3, max_num_batched_tokens=8,
+                         kv_cache_dtype=kind)
+    k, v = model.engine.runner.cache.k[0], model.engine.runner.cache.v[0]
+    assert isinstance(k, QuantizedPages) and k.data.shape[2:] == (1, 32 + 8) and v.scale is k.scale
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (19, 5, 12)]
+    batched = model.generate(prompts, max_new_tokens=6, return_dict=True)
+    assert_greedy_equal(model, prompts, batched, solo_runs(model, prompts, max_new_tokens=6))
