@@ -141,18 +141,22 @@ def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs
                          other=0.0)
         s = ieee_dot(q_tail, _kv_tile(k_tail, q.dtype, KV_FP8), s)
     if KV_INT8:  # each key's scale multiplies its score column (exact: the codes entered the dot unscaled)
-        s = s * tl.load(k_scale_ptr + scale_rows, mask=key_ok, other=0.0)[None, :]
-    s = tl.where(visible, s * qk_scale, float("-inf"))
+        s = tl.where(visible, s * (tl.load(k_scale_ptr + scale_rows, mask=key_ok, other=0.0) * qk_scale)[None, :],
+                     float("-inf"))
+    else:
+        s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=key_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-    p_v = p
     if KV_INT8:  # each value row's scale multiplies its probability column: [M, BLOCK_N] products, not [BLOCK_N, Dv]
-        p_v = p * tl.load(v_scale_ptr + scale_rows, mask=key_ok, other=0.0)[None, :]
-    acc = acc * alpha[:, None] + ieee_dot(p_v.to(q.dtype), _kv_tile(v, q.dtype, KV_FP8), None)
-    l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # first, so that the scaled p replaces p (128-row tiles spilled otherwise)
+        p = p * tl.load(v_scale_ptr + scale_rows, mask=key_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + ieee_dot(p.to(q.dtype), v.to(q.dtype), None)
+    else:
+        acc = acc * alpha[:, None] + ieee_dot(p.to(q.dtype), _kv_tile(v, q.dtype, KV_FP8), None)
+        l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
 
 
