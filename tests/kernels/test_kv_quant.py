@@ -36,7 +36,8 @@ LAYOUTS = [(16, 0, torch.float32), (32, 7, torch.float16)]
 
 
 def randn(*shape, generator, scale=1.0):
-    return (torch.randn(*shape, generator=generator) * scale).to(torch.get_default_device())
+    """Seeded N(0, scale^2) drawn on the CPU (a CPU generator cannot fill a device tensor), moved to the test's device."""
+    return (torch.randn(*shape, generator=generator, device="cpu") * scale).to(torch.get_default_device())
 
 
 def empty_pages(kind, num_pages, page_size, h_kv, d_qk, d_v, latent, fp8_scales=(0.02, 0.03)):
@@ -56,20 +57,25 @@ def empty_pages(kind, num_pages, page_size, h_kv, d_qk, d_v, latent, fp8_scales=
 
 def filled_cache(kind, d_qk, d_v, h_kv, latent, lens, page_size, g):
     """Pages written by write_kv_slots with len(lens) sequences of lens[b] tokens in shuffled pages, their block
-    table, and the float32 values each sequence's keys dequantize to: (k, v, table, k_seq [b][n, Hkv, Dqk], v_seq)."""
+    table, and each sequence's (page, row) per position: (k, v, table, rows)."""
     per_seq = -(-max(lens) // page_size)
     num_pages = len(lens) * per_seq + 3
     k_pages, v_pages = empty_pages(kind, num_pages, page_size, h_kv, d_qk, d_v, latent)
-    order = torch.randperm(num_pages, generator=g)[:len(lens) * per_seq].view(len(lens), per_seq)
+    order = torch.randperm(num_pages, generator=g, device="cpu")[:len(lens) * per_seq].view(len(lens), per_seq)
     table = order.to(torch.int32).to(torch.get_default_device())
     k = randn(sum(lens), h_kv, d_qk, generator=g, scale=2.0)
     v = k[..., :d_v].contiguous() if latent else randn(sum(lens), h_kv, d_v, generator=g)
-    slots = torch.cat([order[b, torch.arange(n) // page_size] * page_size + torch.arange(n) % page_size
-                       for b, n in enumerate(lens)])
+    pos = [torch.arange(n, device="cpu") for n in lens]
+    slots = torch.cat([order[b, p // page_size] * page_size + p % page_size for b, p in enumerate(pos)])
     write_kv_slots(k_pages, v_pages, k, v, slots.to(torch.get_default_device()))  # one step writes them all
-    rows = [(order[b, torch.arange(n) // page_size], torch.arange(n) % page_size) for b, n in enumerate(lens)]
-    k_all, v_all = dequantize_pages(k_pages).cpu(), dequantize_pages(v_pages).cpu()
-    return k_pages, v_pages, table, [k_all[p, r] for p, r in rows], [v_all[p, r] for p, r in rows]
+    return k_pages, v_pages, table, [(order[b, p // page_size], p % page_size) for b, p in enumerate(pos)]
+
+
+def sequence_values(pages: QuantizedPages, rows) -> list[torch.Tensor]:
+    """float32 [n, Hkv, D] per sequence: what its positions' codes x scales are (read back after the kernel ran,
+    so that a run without data, tests/fake_gpu.py, still reaches the launch)."""
+    values = dequantize_pages(pages).cpu()
+    return [values[page, row] for page, row in rows]
 
 
 def sdpa(q, k, v, scale, visible):
@@ -89,7 +95,7 @@ def test_write_quantizes_each_row_to_its_nearest_code(kind, latent):
     k[0, 0, 0] = 50.0  # beyond fp8's 448 x 0.02: saturates to 448
     k[1] = 0.0  # an all-zero row: finite scale, zero codes
     v = k[..., :d_v].contiguous() if latent else randn(9, h_kv, d_v, generator=g)
-    slots = torch.tensor([3, 17, -1, 40, 63, 0, 20, -1, 33]).to(torch.get_default_device())
+    slots = torch.tensor([3, 17, -1, 40, 63, 0, 20, -1, 33], device="cpu").to(torch.get_default_device())
     write_kv_slots(k_pages, v_pages, k, v, slots)
     kept = slots >= 0
     for pages, x in ((k_pages, k), (v_pages, v)):
@@ -116,15 +122,16 @@ def test_decode_over_quantized_pages_matches_sdpa_over_their_values(kind, d_qk, 
                                                                    window, dtype):
     g = torch.Generator().manual_seed(2)
     lens = [1, 21, 40]
-    k_pages, v_pages, table, k_seq, v_seq = filled_cache(kind, d_qk, d_v, h_kv, latent, lens, page_size, g)
+    k_pages, v_pages, table, rows = filled_cache(kind, d_qk, d_v, h_kv, latent, lens, page_size, g)
     q = randn(len(lens), h, d_qk, generator=g).to(dtype)
     scale = 0.8 / d_qk ** 0.5
     out = decode_attention(q, k_pages, v_pages, torch.tensor(lens, dtype=torch.int32).to(q.device), table, scale,
                            window=window)
+    k_seq, v_seq = sequence_values(k_pages, rows), sequence_values(v_pages, rows)
     assert out.shape == (len(lens), h, d_v) and out.dtype == dtype
     for b, n in enumerate(lens):
-        pos = torch.arange(n)
-        visible = (pos >= n - window) if window else torch.ones(n, dtype=torch.bool)
+        pos = torch.arange(n, device="cpu")
+        visible = (pos >= n - window) if window else torch.ones(n, dtype=torch.bool, device="cpu")
         ref = sdpa(q[b:b + 1].float().cpu(), k_seq[b], v_seq[b], scale, visible[None])
         torch.testing.assert_close(out[b:b + 1].float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -137,14 +144,15 @@ def test_prefill_over_quantized_pages_matches_sdpa_over_their_values(kind, d_qk,
     """Sequences of 5 new tokens after 0, 15 and 36 cached ones (context 5, 20, 41), causal over the cache."""
     g = torch.Generator().manual_seed(3)
     lens, new = [5, 20, 41], 5
-    k_pages, v_pages, table, k_seq, v_seq = filled_cache(kind, d_qk, d_v, h_kv, latent, lens, page_size, g)
+    k_pages, v_pages, table, rows = filled_cache(kind, d_qk, d_v, h_kv, latent, lens, page_size, g)
     q = randn(new * len(lens), h, d_qk, generator=g).to(dtype)
     cu = torch.arange(0, new * len(lens) + 1, new, dtype=torch.int32).to(q.device)
     scale = 0.8 / d_qk ** 0.5
     out = paged_prefill_attention(q, k_pages, v_pages, cu, torch.tensor(lens, dtype=torch.int32).to(q.device),
                                   table, scale, window=window)
+    k_seq, v_seq = sequence_values(k_pages, rows), sequence_values(v_pages, rows)
     for b, n in enumerate(lens):
-        p, j = torch.arange(n - new, n)[:, None], torch.arange(n)[None, :]
+        p, j = torch.arange(n - new, n, device="cpu")[:, None], torch.arange(n, device="cpu")[None, :]
         visible = (j <= p) & ((p - j < window) if window else True)
         ref = sdpa(q[b * new:(b + 1) * new].float().cpu(), k_seq[b], v_seq[b], scale, visible)
         torch.testing.assert_close(out[b * new:(b + 1) * new].float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
