@@ -128,3 +128,31 @@ def test_spec_bench_reports_plain_and_ngram_on_both_workloads(tmp_path, monkeypa
                                                             ("free", "plain"), ("free", "ngram")]
     for r in rows:
         assert r["decode_tok_s"] > 0 and (r["speedup"] == 1 if r["method"] == "plain" else r["acceptance_rate"] is not None)
+
+
+def test_quality_bench_kv_cache_rows_state_their_perplexity_change_and_capacity(tmp_path, monkeypatch):
+    """The dense_kv_fp8 / dense_kv_int8 rows: the dense weights over 8-bit K/V (a perplexity close to dense, not
+    equal), the change stated in the note, and tokens per GiB as the config's sizes count them (1 byte per K/V
+    value; int8 adds one fp32 scale per layer, kv head and k / v)."""
+    import json
+
+    from tritonq import demo
+    from tritonq.bench import quality
+
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    quality.main(["--variants", "dense", "dense_kv_fp8", "dense_kv_int8", "--window", "128", "--max-tokens", "400",
+                  "--new-tokens", "2", "--repeat", "1", "--out", str(tmp_path / "q")])
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "q.json").read_text())["rows"]}
+    dense = rows["dense"]
+    config = json.loads((demo.DEFAULT_MODEL / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    layers_x_kv_heads = config["num_hidden_layers"] * (config.get("num_key_value_heads") or heads)
+    values = layers_x_kv_heads * 2 * (config.get("head_dim") or config["hidden_size"] // heads)  # K and V per token
+    scales = layers_x_kv_heads * 2  # int8: one fp32 scale per layer, kv head and k / v
+    assert rows["dense_kv_fp8"]["kv_tokens_per_gib"] == 2 ** 30 // values
+    assert rows["dense_kv_int8"]["kv_tokens_per_gib"] == 2 ** 30 // (values + 4 * scales)
+    for name in ("dense_kv_fp8", "dense_kv_int8"):
+        row = rows[name]
+        assert row["perplexity"] != dense["perplexity"]  # the cache really is 8-bit
+        assert row["perplexity"] == pytest.approx(dense["perplexity"], rel=0.05)
+        assert f"ppl {row['perplexity'] - dense['perplexity']:+.4f} vs dense" in row["note"]

@@ -151,6 +151,8 @@ main(["serve", "--help"])
 def test_quantize_choices_match_the_loader():
     from tritonq.formats.dense import QUANTIZE_ON_LOAD
     assert set(cli.QUANTIZE_ON_LOAD) == set(QUANTIZE_ON_LOAD) - {None}
+    from tritonq.models.common import KV_CACHE_DTYPES
+    assert cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
 
 
 SAMPLING = ["--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "20", "--seed", "3", "--dtype", "float32"]

@@ -6,7 +6,10 @@ M = 1, 16, 256 (a 4096 x 4096 layer), paged prefill and split-KV decode attentio
 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token pages, a sliding
 window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split and
 merge), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8) and on gpt-oss-20b's MXFP4 experts
-(biases, clamped SwiGLU), rms_norm and the fp8 activation quantization. Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
+(biases, clamped SwiGLU), rms_norm and the fp8 activation quantization, and the KV-cache launches over
+8-bit pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and MLA's latent decode; e4m3
+travels as bytes, decoded with integer ops on every target).
+Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
 no GPU) for sm_75 (T4), sm_80 (A100), sm_89 (L4/L40) and sm_90 (H100/H200) x `gpu_compute_dtypes(cc)`,
 and must:
   * fit the target's shared memory per block (`aot.SHARED_MEMORY_LIMIT`, CUDA's opt-in maximum: 64 KB,
@@ -84,6 +87,9 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "moe fp8 down M64"): 456,  # 3.9: 456, 3.6: 376
     (75, "moe mxfp4 gpt-oss gate_up M16"): 2604,  # 3.9: 2604, 3.6: 2524
     (75, "moe mxfp4 gpt-oss gate_up M64"): 2560,  # 3.9: 2560, 3.6: 2512
+    # int8 KV pages: the per-key scales of a 128 x 32 score tile take the last registers on sm_89 (255; sm_80 183,
+    # no spill); 4 bytes, measured under 3.9 (3.6 not measured here).
+    (89, "prefill 128/128 kv int8"): 4,
 }
 
 
@@ -100,6 +106,17 @@ def _pages(d_qk: int, d_v: int, page_size: int, num_pages: int, dtype) -> tuple[
     """k, v pages as the model allocates them: MLA's v is a view of the latent pages."""
     k = _meta(num_pages, page_size, _heads(d_qk)[1], d_qk, dtype=dtype)
     return k, (k[..., :d_v] if d_qk == 576 else _meta(*k.shape[:3], d_v, dtype=dtype))
+
+
+def _quantized_pages(kind: str, d_qk: int, d_v: int, page_size: int,
+                     num_pages: int) -> tuple[attention.QuantizedPages, attention.QuantizedPages]:
+    """8-bit k, v pages with their scales as KVLayout allocates them (MLA: v a view sharing k's scale)."""
+    k, v = _pages(d_qk, d_v, page_size, num_pages, torch.int8 if kind == "int8" else torch.float8_e4m3fn)
+
+    def scale():
+        return _meta(*k.shape[:3], dtype=torch.float32) if kind == "int8" else _meta((), dtype=torch.float32)
+    k_pages = attention.QuantizedPages(k, scale())
+    return k_pages, attention.QuantizedPages(v, k_pages.scale if d_qk == 576 else scale())
 
 
 def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
@@ -171,6 +188,23 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         out[f"write_kv_slots {d_qk}/{d_v}"] = attention.write_kv_slots_launch(
             k, v, _meta(64, _heads(d_qk)[1], d_qk, dtype=dtype), _meta(64, _heads(d_qk)[1], d_v, dtype=dtype),
             _meta(64, dtype=torch.int64))
+    for kind in ("int8", "fp8"):  # 8-bit KV pages (kv_cache_dtype): the same default configs over QuantizedPages
+        for d_qk, d_v in ((128, 128), (576, 512)):
+            if cc < 80 and d_qk == 576:
+                continue  # DeepSeek runs expanded there (above)
+            H, H_kv = _heads(d_qk)
+            k, v = _quantized_pages(kind, d_qk, d_v, 16, 1024)
+            if d_qk == 128:  # MLA's latent prefill expands the (dequantized) latent into plain pages
+                config = attention.paged_prefill_config(*attention.head_blocks(d_qk, d_v), cc)
+                out[f"prefill {d_qk}/{d_v} kv {kind}"] = attention.paged_prefill_launch(
+                    _meta(2048, H, d_qk, dtype=dtype), k, v, _meta(5, **i32), _meta(4, **i32), _meta(4, 256, **i32),
+                    d_qk ** -0.5, 0, config)[0]
+            config = attention.decode_config(1, H_kv, 32768, 16, *attention.head_blocks(d_qk, d_v), SM_COUNT[cc])
+            out[f"decode {d_qk}/{d_v} kv {kind}"] = attention.decode_launches(
+                _meta(1, H, d_qk, dtype=dtype), k, v, _meta(1, **i32), _meta(1, 2048, **i32), d_qk ** -0.5, 0,
+                config)[0]
+            out[f"write_kv_slots {d_qk}/{d_v} kv {kind}"] = attention.write_kv_slots_launch(
+                k, v, _meta(64, H_kv, d_qk, dtype=dtype), _meta(64, H_kv, d_v, dtype=dtype), _meta(64, dtype=torch.int64))
     for kind in ("dense", "int4", "fp8"):  # gate/up (two accumulators) at the smallest and largest tile, down
         for gate_up, config in ((True, moe.DEFAULT_CONFIGS[0][1]), (True, moe.DEFAULT_CONFIGS[-1][1]),
                                 (False, moe.DEFAULT_CONFIGS[-1][1])):

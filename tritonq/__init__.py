@@ -221,9 +221,57 @@ def cpu_has_native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def _kv_cache_layout(layout, kv_cache_dtype: str, weights, raw_config: dict, folder: Path):
+    """The model's KVLayout stored as kv_cache_dtype; fp8 takes its per-layer scales from the checkpoint's
+    model.layers.N.self_attn.k_scale / v_scale (one value each) where it has them, else 1.0, as vLLM does."""
+    import dataclasses
+
+    log = logging.getLogger("tritonq")
+    scheme = (raw_config.get("quantization_config") or {}).get("kv_cache_scheme")
+    if kv_cache_dtype == "auto":
+        if scheme:
+            log.info("the checkpoint has a kv_cache_scheme; kv_cache_dtype='auto' keeps the KV cache in the model "
+                     "dtype (pass kv_cache_dtype='fp8' to use its scales)")
+        return layout
+    if kv_cache_dtype == "int8":
+        log.info("KV cache: int8, one scale per token and kv head (absmax / 127, computed as K/V are written)")
+        return dataclasses.replace(layout, cache_dtype="int8")
+    if scheme and (scheme.get("type", "float") != "float" or scheme.get("num_bits", 8) != 8
+                   or scheme.get("strategy", "tensor") != "tensor"):
+        raise ValueError(f"{folder / 'config.json'}: kv_cache_scheme {scheme} is not fp8 per tensor; "
+                         "kv_cache_dtype='fp8' takes float 8-bit scales per tensor only. Use kv_cache_dtype='int8' "
+                         "(scales computed per token and head) or 'auto'.")
+    scales, found = [], 0
+    for layer in range(layout.num_layers):
+        pair = []
+        for which in ("k_scale", "v_scale"):
+            name = f"model.layers.{layer}.self_attn.{which}"
+            value = 1.0
+            if weights.has_tensor(name):
+                tensor = weights.get_tensor(name).float()
+                if tensor.numel() != 1 or not (math.isfinite(tensor.item()) and tensor.item() > 0):
+                    raise ValueError(f"{folder}: {name} is {tuple(tensor.shape)} {tensor.flatten()[:4].tolist()}; "
+                                     "kv_cache_dtype='fp8' expects one positive finite scale per tensor.")
+                value, found = tensor.item(), found + 1
+            pair.append(value)
+        scales.append(tuple(pair))
+    if found:
+        log.info("KV cache: fp8 e4m3 with the checkpoint's per-tensor scales (self_attn.k_scale / v_scale, %d of "
+                 "%d)%s", found, 2 * layout.num_layers, "; MLA's latent takes k_scale" if layout.v_in_k else "")
+    else:
+        log.info("KV cache: fp8 e4m3, scale 1.0 (the checkpoint has no self_attn.k_scale / v_scale; vLLM's default): "
+                 "K/V values beyond +-448 saturate")
+    return dataclasses.replace(layout, cache_dtype="fp8", fp8_scales=tuple(scales))
+
+
 def _check_options(max_seq_len, quantize, group_size, max_num_seqs, max_num_batched_tokens, kv_cache_gb,
-                   gpu_memory_utilization, block_size) -> None:
+                   gpu_memory_utilization, block_size, kv_cache_dtype="auto") -> None:
     """Argument checks that need no file: raised before anything is read."""
+    from tritonq.models.common import KV_CACHE_DTYPES
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected one of {KV_CACHE_DTYPES} (auto: the model "
+                         "dtype; fp8: e4m3 with per-tensor scales; int8: per token-head scales).")
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
         raise ValueError(f"max_seq_len={max_seq_len!r}; expected a positive int (tokens of one request: prompt + "
                          "max_new_tokens), or None for min(max_position_embeddings, 4096).")
@@ -331,7 +379,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
          max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, kv_cache_gb: float | None = None,
          gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
          cuda_graphs: bool | None = None, compile: bool | None = None, speculative: dict | str | None = None,
-         expert_parallel: bool = False) -> Model:
+         expert_parallel: bool = False, kv_cache_dtype: str = "auto") -> Model:
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
 
     device defaults to CUDA when available, else CPU. dtype (torch.float16 / bfloat16 / float32, or
@@ -356,6 +404,11 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     most what max_num_seqs sequences of max_seq_len need.
     kv_cache_gb, when given, is the budget on CUDA too. enable_prefix_caching reuses the KV of
     prompt prefixes (whole blocks) that earlier requests computed.
+    kv_cache_dtype: "auto" stores K/V in the compute dtype; "fp8" as float8_e4m3fn with one scale per layer for
+    k and for v (the checkpoint's self_attn.k_scale / v_scale, e.g. llm-compressor's kv_cache_scheme; 1.0 where
+    it has none, as vLLM does: values then saturate at +-448); "int8" with one scale per token and kv head
+    (absmax / 127, written with the values). 8-bit caches hold ~2x (fp16/bf16) or ~4x (fp32) the tokens in the
+    same memory; the load log says how many sequences fit. Outputs change by the rounding (README: quality).
     cuda_graphs (default: True on one CUDA GPU, False under tensor parallelism until a multi-GPU run has
     checked NCCL collectives inside captured graphs): decode steps run at fixed batch buckets (1, 2, 4, 8, 16, 24,
     ... up to max_num_seqs) and each bucket's step is captured as a CUDA graph here, at load (the log
@@ -390,7 +443,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
 
     dtype = _compute_dtype(dtype)
     _check_options(max_seq_len, quantize, group_size, max_num_seqs, max_num_batched_tokens, kv_cache_gb,
-                   gpu_memory_utilization, block_size)
+                   gpu_memory_utilization, block_size, kv_cache_dtype)
     device = distributed.resolve_device(device)
     _check_device_dtype(dtype, device)
     if cuda_graphs not in (None, True, False):
@@ -451,6 +504,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
         cls(config, loader, dtype, torch.device("meta"), max_seq_len=max_seq_len, **build)
     with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
         model = cls(config, loader, dtype, device, max_seq_len=max_seq_len, **build)  # rope tables sized once
+    # before finish(): fp8 reads the checkpoint's k_scale / v_scale, which then count as used
+    model.kv_layout = _kv_cache_layout(model.kv_layout, kv_cache_dtype, loader.weights, raw_config, folder)
     loader.finish()  # no NaN/inf read, every stored tensor used by some module; else an error naming them
     draft = None
     if speculative is not None and speculative.method == "draft":  # before the KV sizing: its weights count as used

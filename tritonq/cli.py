@@ -26,6 +26,7 @@ import sys
 
 QUANTIZE_ON_LOAD = ("int4", "fp8", "fp8-mlp")  # tritonq.formats.dense.QUANTIZE_ON_LOAD (a test keeps them equal)
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # tritonq.models.common.KV_CACHE_DTYPES (a test keeps them equal)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -82,6 +83,9 @@ def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = Fa
     group.add_argument("--kv-cache-gb", type=float, default=None,
                        help="KV cache budget in GiB (default: on CPU 4 at most, on CUDA from "
                             "gpu_memory_utilization 0.9)")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="KV cache storage (auto: the model dtype; fp8: e4m3, per-tensor scales from the "
+                            "checkpoint or 1.0; int8: per token-head scales); 8-bit holds ~2x the tokens")
     if tensor_parallel:
         group.add_argument("--tensor-parallel", type=int, default=None,
                            help="split the model over N processes (torchrun --nproc-per-node N; default: "
@@ -98,7 +102,7 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
     options = dict(dtype=None if args.dtype == "auto" else args.dtype, device=args.device, quantize=args.quantize,
                    group_size=args.group_size, revision=args.revision, max_seq_len=args.max_seq_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_gb=args.kv_cache_gb)
+                   kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype)
     if getattr(args, "tensor_parallel", None) is not None:
         options["tensor_parallel"] = args.tensor_parallel
     if getattr(args, "expert_parallel", False):

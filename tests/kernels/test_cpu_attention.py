@@ -171,3 +171,66 @@ def test_small_calls_run_on_one_thread_and_restore_the_thread_count(monkeypatch)
         assert seen[2:] == [2, 2]
     finally:
         torch.set_num_threads(before)
+
+
+# ---- quantized pages (kernels/attention.py QuantizedPages): the same layout, dequantized per sequence --------
+
+def quantized(pages: torch.Tensor, kind: str, g: torch.Generator, scale_of=None) -> attention.QuantizedPages:
+    """Random 8-bit pages shaped as `pages` (a view of scale_of's data when given: MLA's latent, shared scale)."""
+    if scale_of is not None:
+        return attention.QuantizedPages(scale_of.data[..., :pages.shape[-1]], scale_of.scale)
+    if kind == "int8":
+        data = torch.randint(-127, 128, pages.shape, generator=g, dtype=torch.int8)
+        return attention.QuantizedPages(data, torch.rand(pages.shape[:3], generator=g) / 50)
+    return attention.QuantizedPages((torch.randn(pages.shape, generator=g) * 50).to(torch.float8_e4m3fn),
+                                    torch.tensor(0.02))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv", [(72, 72, 8, 2), (576, 512, 4, 1)])
+def test_quantized_pages_decode_and_prefill_match_the_reference(kind, dtype, d_qk, d_v, h, h_kv):
+    """Over random codes and scales; bf16: the dequantized rows are rounded to bf16 once (as bf16 K/V are), within
+    the attention tolerance."""
+    g = torch.Generator().manual_seed(6)
+    k_plain, v_plain, table = cache(d_qk, d_v, h_kv, DECODE_LENS, dtype, g)
+    k_pages = quantized(k_plain, kind, g)
+    v_pages = quantized(v_plain, kind, g, scale_of=k_pages if d_v == 512 else None)
+    lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
+    q = torch.randn(len(DECODE_LENS), h, d_qk, generator=g).to(dtype)
+    scale = 0.7 / d_qk ** 0.5
+    for window in (0, 5):
+        got = cpu_attention.decode_attention(q, k_pages.data, v_pages.data, lens, table, scale, window,
+                                             k_pages.scale, v_pages.scale)
+        assert_close(got, decode_attention_reference(q, k_pages, v_pages, lens, table, scale, window), dtype)
+    q_lens, ctx = zip(*PREFILL)
+    k_plain, v_plain, table = cache(d_qk, d_v, h_kv, ctx, dtype, g)
+    k_pages = quantized(k_plain, kind, g)
+    v_pages = quantized(v_plain, kind, g, scale_of=k_pages if d_v == 512 else None)
+    q = torch.randn(sum(q_lens), h, d_qk, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    context_lens = torch.tensor(ctx, dtype=torch.int32)
+    got = cpu_attention.paged_prefill_attention(q, k_pages.data, v_pages.data, cu, context_lens, table, scale, 0,
+                                                k_pages.scale, v_pages.scale)
+    assert_close(got, paged_prefill_attention_reference(q, k_pages, v_pages, cu, context_lens, table, scale), dtype)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv", [(72, 72, 8, 2), (576, 512, 4, 1)])
+def test_quantized_write_equals_reference_bitwise(kind, d_qk, d_v, h, h_kv):
+    """Codes and int8 scales as the reference's quantization gives them (MLA: one scale for latent and rope)."""
+    g = torch.Generator().manual_seed(8)
+    plain_k, plain_v, _ = cache(d_qk, d_v, h_kv, [40, 40], torch.float32, g)
+    ref_k = quantized(plain_k, kind, g)
+    ref_v = quantized(plain_v, kind, g, scale_of=ref_k if d_v == 512 else None)
+    got_k = attention.QuantizedPages(ref_k.data.clone(), ref_k.scale.clone())
+    got_v = (attention.QuantizedPages(got_k.data[..., :512], got_k.scale) if d_v == 512
+             else attention.QuantizedPages(ref_v.data.clone(), ref_v.scale.clone()))
+    k = torch.randn(9, h_kv, d_qk, generator=g) * 3
+    v = k[..., :d_v] if d_v == 512 else torch.randn(9, h_kv, d_v, generator=g)
+    slots = torch.randperm(ref_k.shape[0] * PAGE, generator=g)[:9]
+    slots[4] = -1
+    write_kv_slots_reference(ref_k, ref_v, k, v, slots)
+    cpu_attention.write_kv_slots(got_k.data, got_v.data, k, v, slots, got_k.scale, got_v.scale)
+    for got, ref in ((got_k, ref_k), (got_v, ref_v)):
+        assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(got.scale, ref.scale)

@@ -10,6 +10,9 @@ Decode tokens/s: greedy generate of --new-tokens tokens (median of --repeat), on
 FP8 block (128x128): a fused group (q|k|v, gate|up) with an N below/not a multiple of 128 cannot be
 written (the default model's k/v have N = 64), so that group stays dense and the row's note says so;
 a variant that cannot be written or loaded at all keeps its row with NaNs and the reason.
+KV-cache rows (dense_kv_fp8, dense_kv_int8): the dense weights loaded with kv_cache_dtype fp8 / int8, so every
+window's attention reads 8-bit K/V; the note gives the perplexity change against the dense row. Every row has
+kv_tokens_per_gib: the tokens one GiB of its KV cache holds (per-token bytes of all layers, scales included).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ VARIANTS = {  # name: (format, writer options)
     "fp8_channel": ("fp8", {"fp8_scheme": "channel"}),
     "fp8_block": ("fp8", {"fp8_scheme": "block"}),
 }
+KV_CACHE_VARIANTS = {"dense_kv_fp8": "fp8", "dense_kv_int8": "int8"}  # name: kv_cache_dtype (dense weights)
 
 
 def window_perplexity(logits_fn, ids: torch.Tensor, window: int) -> float:
@@ -83,7 +87,7 @@ def variant_checkpoint(name: str, tmp: Path, calibration: dict) -> tuple[Path, s
     from tritonq.demo import DEFAULT_MODEL
     from tritonq.quantize import write_quantized
 
-    fmt, options = VARIANTS[name]
+    fmt, options = VARIANTS.get(name, (None, {}))  # KV_CACHE_VARIANTS: the dense weights
     options, note = dict(options), ""
     if fmt is None:
         return DEFAULT_MODEL, note
@@ -99,8 +103,9 @@ def variant_checkpoint(name: str, tmp: Path, calibration: dict) -> tuple[Path, s
 def quality_rows(variants: list[str], *, window: int = 256, new_tokens: int = 32, repeat: int = 3, samples: int = 64,
                  seq_len: int = 128, max_tokens: int | None = None, device: str | None = None,
                  verbose: bool = True) -> tuple[list[dict], int]:
-    """The table: one row per variant {variant, perplexity, decode_tok_s, gap_closed, note} and the number of
-    held-out tokens scored. A variant that cannot be written or loaded keeps its row, with NaNs and the error."""
+    """The table: one row per variant {variant, perplexity, decode_tok_s, gap_closed, kv_tokens_per_gib, note} and
+    the number of held-out tokens scored. A variant that cannot be written or loaded keeps its row, with NaNs and the
+    error."""
     import tritonq
     from tritonq.demo import CALIBRATION_TEXT, HELDOUT_TEXT
 
@@ -113,10 +118,11 @@ def quality_rows(variants: list[str], *, window: int = 256, new_tokens: int = 32
             try:
                 folder, note = variant_checkpoint(name, Path(tmp), calibration)
                 # a window scores `window` tokens; the speed run is a short prompt + new_tokens
-                model = tritonq.load(folder, device=device, max_num_seqs=1, max_seq_len=max(window, new_tokens + 16))
+                model = tritonq.load(folder, device=device, max_num_seqs=1, max_seq_len=max(window, new_tokens + 16),
+                                     kv_cache_dtype=KV_CACHE_VARIANTS.get(name, "auto"))
             except ValueError as e:  # a format this model cannot take: the row says why
                 rows.append({"variant": name, "perplexity": float("nan"), "decode_tok_s": float("nan"),
-                             "note": f"not available: {e}"})
+                             "kv_tokens_per_gib": float("nan"), "note": f"not available: {e}"})
                 if verbose:
                     print(f"{name}: not available: {e}")
                 continue
@@ -124,15 +130,22 @@ def quality_rows(variants: list[str], *, window: int = 256, new_tokens: int = 32
             model.eos_token_ids = set()  # exactly new_tokens tokens each run
             speeds = [model.generate("HAMLET:\n", max_new_tokens=new_tokens, return_dict=True).decode_tokens_per_s
                       for _ in range(repeat)]
-            rows.append({"variant": name, "perplexity": ppl, "decode_tok_s": statistics.median(speeds), "note": note})
+            per_gib = 2 ** 30 // model.model.kv_layout.bytes_per_token(model.model.dtype)
+            rows.append({"variant": name, "perplexity": ppl, "decode_tok_s": statistics.median(speeds),
+                         "kv_tokens_per_gib": per_gib, "note": note})
             if verbose:
                 print_table(rows[-1:])
     by = {r["variant"]: r["perplexity"] for r in rows}
     rtn = by.get("rtn_int4_g128", float("nan"))
     gap = rtn - by.get("dense", float("nan"))  # NaN unless both rows were measured
+    dense = by.get("dense", float("nan"))
+    for r in rows:  # the KV rows' cost: their perplexity change against the same weights with a model-dtype cache
+        if r["variant"] in KV_CACHE_VARIANTS and math.isfinite(dense) and math.isfinite(r["perplexity"]):
+            r["note"] = (f"ppl {r['perplexity'] - dense:+.4f} vs dense; KV cache holds {r['kv_tokens_per_gib']:,} "
+                         f"tokens/GiB (dense: {next(d['kv_tokens_per_gib'] for d in rows if d['variant'] == 'dense'):,})")
     rows = [{"variant": r["variant"], "perplexity": r["perplexity"], "decode_tok_s": r["decode_tok_s"],
              "gap_closed": (rtn - r["perplexity"]) / gap if math.isfinite(gap) and gap else float("nan"),
-             "note": r["note"]} for r in rows]
+             "kv_tokens_per_gib": r["kv_tokens_per_gib"], "note": r["note"]} for r in rows]
     return rows, scored
 
 
@@ -144,7 +157,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--samples", type=int, default=64, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per calibration window")
-    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="*", default=[*VARIANTS, *KV_CACHE_VARIANTS],
+                        choices=[*VARIANTS, *KV_CACHE_VARIANTS])
     parser.add_argument("--out", default="bench/results/quality", help="path prefix for .json and .png")
     args = parser.parse_args(argv)
 

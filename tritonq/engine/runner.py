@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 from types import SimpleNamespace
@@ -487,13 +488,15 @@ def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: i
     cap = f"capped by max_num_seqs={max_num_seqs} x max_seq_len"
     if kv_cache_gb is not None:
         budget, source = kv_cache_gb * 2 ** 30, f"kv_cache_gb={kv_cache_gb}"
+        memory = budget  # before the max_num_seqs cap
     elif model.device.type == "cuda":
         free = _free_gpu_bytes(model, block_size, max_seq_len, max_num_seqs, max_num_batched_tokens,
                                gpu_memory_utilization, cuda_graphs)
-        budget = min(free, needed)
+        budget, memory = min(free, needed), free
         source = f"gpu_memory_utilization={gpu_memory_utilization}: {free / 2 ** 30:.2f} GiB free, {cap}"
     else:
-        budget = min(CPU_KV_CACHE_GB * 2 ** 30, needed)
+        memory = CPU_KV_CACHE_GB * 2 ** 30
+        budget = min(memory, needed)
         source = f"CPU default: {CPU_KV_CACHE_GB:g} GiB at most, {cap}"
     blocks = int(budget // block_bytes)
     if world > 1:
@@ -507,6 +510,13 @@ def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: i
     log.info("KV cache: %d blocks of %d tokens = %d tokens (%.3f GiB, %s); %.1f sequences of max_seq_len=%d at once",
              blocks, block_size, blocks * block_size, blocks * block_bytes / 2 ** 30, source,
              blocks / blocks_per_seq, max_seq_len)
+    layout = model.kv_layout
+    if layout.cache_dtype != "auto":  # what the smaller pages buy, before the max_num_seqs cap
+        wide = dataclasses.replace(layout, cache_dtype="auto").bytes_per_token(model.dtype) + extra_bytes_per_token
+        log.info("KV cache dtype %s: %d bytes per token (%d in %s); the memory holds %.1f sequences of "
+                 "max_seq_len=%d, %.1f in %s", layout.cache_dtype, per_token, wide, model.dtype,
+                 memory / (blocks_per_seq * block_bytes), max_seq_len,
+                 memory / (blocks_per_seq * wide * block_size), model.dtype)
     if blocks < blocks_per_seq:
         log.warning("the KV cache holds %d tokens, fewer than max_seq_len=%d: longer requests will be refused",
                     blocks * block_size, max_seq_len)

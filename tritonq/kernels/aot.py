@@ -114,13 +114,14 @@ def _launch_signature(launch) -> tuple[dict, dict, tuple[str, ...]]:
     """(signature, constexprs, 16-divisible names) of a `kernels.common.Launch`: tensors become typed
     pointers, Python floats fp32, ints i32 (i64 when they need it); as the runtime specializes real
     launches, pointers and ints divisible by 16 get the divisibility hint. Constexpr parameters take
-    their values."""
+    their values; parameters the launch leaves out take their defaults (an optional pointer's None is a
+    constexpr, as the runtime specializes it)."""
     import torch
 
     signature, constexprs, aligned = {}, {}, []
     for p in launch.kernel.params:
-        value = launch.args[p.name]
-        if p.is_constexpr:
+        value = launch.args[p.name] if p.name in launch.args or not p.has_default else p.default
+        if p.is_constexpr or value is None:  # None: an optional pointer left out, specialized away as at run time
             constexprs[p.name] = value
         elif isinstance(value, torch.Tensor):
             signature[p.name] = "*" + _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]

@@ -34,6 +34,21 @@ its masked lanes through the dot. Dv is one block of next_pow2(Dv): 128 and 512 
 while e.g. Dv = 96 pads to 128, i.e. 33% extra PV FLOPs, accumulator registers and V tile
 shared memory.
 
+Quantized KV cache (`QuantizedPages`, kv_cache_dtype "fp8" / "int8" in tritonq.load): pages hold 8-bit
+values and a scale (value = page x scale), 1 byte per element instead of 2:
+  fp8   float8_e4m3fn pages, one fp32 scale per tensor (per layer, for k and for v; the checkpoint's
+        self_attn.k_scale / v_scale, else 1.0 as vLLM does). The kernels read and write the bytes with
+        integer ops (`common.e4m3_bits_to_fp16` / `e4m3_bits_from_fp32`, exact), so sm_75 / sm_80, where
+        Triton has no e4m3 type, run the same kernels as sm_89 / sm_90.
+  int8  int8 pages and fp32 scales [P, page_size, Hkv] beside them, one per token and kv head:
+        scale = absmax(row) / 127, values rounded half up (floor(x / scale + 0.5)). A cache whose
+        k and v share one scale tensor (MLA's latent, v = k[..., :Dv]) takes one scale for both rows.
+write_kv_slots quantizes; the attention kernels load the 8-bit tile, convert it to the dot's dtype
+(exact: |int8| <= 127 and every e4m3 value are fp16 / bf16 values) and apply the scales in registers
+to what they multiply: per-key scales to the score columns (k) and to the probabilities before the PV
+dot (v); fp8's per-tensor scales once, to qk_scale and to the output. Without QuantizedPages the
+kernels compile exactly as before (KV_FP8 / KV_INT8 False, no scale pointers).
+
 On CPU tensors (unless TRITON_INTERPRET=1) the CPU backend runs instead: torch's fused CPU attention
 over each sequence's real keys and an index_copy_ of the new keys (kernels/cpu_attention.py).
 TRITONQ_BACKEND=torch runs the torch references (float32 compute), the test oracle.
@@ -48,14 +63,68 @@ import triton
 import triton.language as tl
 
 from tritonq.kernels import cpu_attention, use_cpu_kernels, use_triton
-from tritonq.kernels.common import Launch, check_launch_config, compute_capability, ieee_dot, tuned_or_default
+from tritonq.kernels.common import (
+    E4M3_TO_FP16_BIAS,
+    Launch,
+    check_launch_config,
+    compute_capability,
+    e4m3_bits_from_fp32,
+    e4m3_bits_to_fp16,
+    ieee_dot,
+    tuned_or_default,
+)
 
 LOG2E = 1.4426950408889634
+KV_INT8_MAX = 127.0  # int8 KV codes are symmetric, -127 .. 127
+KV_FP8_MAX = 448.0  # largest finite float8_e4m3fn: fp8 KV values saturate there
+KV_SCALE_EPS = 1e-10  # floor on an int8 row's absmax, so an all-zero row gets a finite scale (and codes 0)
+_KV_INT8_MAX = tl.constexpr(KV_INT8_MAX)  # the same numbers as seen from inside @triton.jit
+_KV_FP8_MAX = tl.constexpr(KV_FP8_MAX)
+_KV_SCALE_EPS = tl.constexpr(KV_SCALE_EPS)
+
+
+@dataclass(frozen=True)
+class QuantizedPages:
+    """One layer's k (or v) pages in 8 bits with the scales that dequantize them: value = data x scale.
+
+    data [P, page_size, Hkv, D]: float8_e4m3fn with scale [] fp32 (per tensor), or int8 with scale
+    [P, page_size, Hkv] fp32 contiguous (per token and kv head, written with the values). MLA's latent
+    v is QuantizedPages(k.data[..., :Dv], k.scale): the same scale tensor, so k and v share it.
+    Passed wherever the kernels take k_pages / v_pages; models pass them on without looking inside."""
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+def dequantize_pages(pages: torch.Tensor | QuantizedPages) -> torch.Tensor:
+    """Plain torch: QuantizedPages -> float32 values [P, page_size, Hkv, D] (data x scale); plain pages as they are."""
+    if not isinstance(pages, QuantizedPages):
+        return pages
+    scale = pages.scale if pages.scale.dim() == 0 else pages.scale[..., None]
+    return pages.data.float() * scale
+
+
+def read_kv_rows(pages: torch.Tensor | QuantizedPages, page_index: torch.Tensor, row_index: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Rows pages[page_index, row_index] ([N, Hkv, D]) in dtype, dequantized from QuantizedPages (MLA's prefill
+    reads the latent rows it expands this way)."""
+    if not isinstance(pages, QuantizedPages):
+        return pages[page_index, row_index].to(dtype)
+    scale = pages.scale if pages.scale.dim() == 0 else pages.scale[page_index, row_index][..., None]
+    return (pages.data[page_index, row_index].float() * scale).to(dtype)
 
 
 @triton.jit
 def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv,
-                 D_QK, D_V, qk_scale, BLOCK_DR: tl.constexpr):
+                 D_QK, D_V, qk_scale, BLOCK_DR: tl.constexpr, k_scale_ptr=None, v_scale_ptr=None, scale_rows=None,
+                 KV_FP8: tl.constexpr = False, KV_INT8: tl.constexpr = False):
     """One online-softmax step (flash-attention 2) of a query tile over BLOCK_N keys; every kernel's loop body.
 
     q [M, BLOCK_D] (and q_tail [M, BLOCK_DR] if BLOCK_DR > 0): the query tile, scale not applied.
@@ -65,22 +134,43 @@ def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs
     m_i, l_i [M]: running max (log2 domain) and sum; acc [M, BLOCK_DV]. Returns (m_i, l_i, acc) updated.
     A row that has seen no visible key yet (a sliding window's leading tiles) keeps m_i = -inf and
     gains nothing: its max is taken as 0 for the exponentials, so exp2(-inf) = 0 and no NaN appears.
+    Quantized pages (module docstring): KV_FP8 tiles are e4m3 bytes (decoded to value / 256; the caller
+    folds scale x 256 into qk_scale and the output), KV_INT8 tiles int8 codes whose per-key scales
+    [BLOCK_N] are read at k_scale_ptr / v_scale_ptr + scale_rows.
     """
     k = tl.load(k_rows[None, :] + offs_d[:, None], mask=key_ok[None, :] & (offs_d[:, None] < D_QK), other=0.0)
-    s = ieee_dot(q, k, None)
+    s = ieee_dot(q, _kv_tile(k, q.dtype, KV_FP8), None)
     if BLOCK_DR > 0:
         k_tail = tl.load(k_rows[None, :] + offs_dr[:, None], mask=key_ok[None, :] & (offs_dr[:, None] < D_QK),
                          other=0.0)
-        s = ieee_dot(q_tail, k_tail, s)
-    s = tl.where(visible, s * qk_scale, float("-inf"))
+        s = ieee_dot(q_tail, _kv_tile(k_tail, q.dtype, KV_FP8), s)
+    if KV_INT8:  # each key's scale multiplies its score column (exact: the codes entered the dot unscaled)
+        s = tl.where(visible, s * (tl.load(k_scale_ptr + scale_rows, mask=key_ok, other=0.0) * qk_scale)[None, :],
+                     float("-inf"))
+    else:
+        s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=key_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-    acc = acc * alpha[:, None] + ieee_dot(p.to(v.dtype), v, None)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_INT8:  # each value row's scale multiplies its probability column: [M, BLOCK_N] products, not [BLOCK_N, Dv]
+        l_i = l_i * alpha + tl.sum(p, 1)  # first, so that the scaled p replaces p (128-row tiles spilled otherwise)
+        p = p * tl.load(v_scale_ptr + scale_rows, mask=key_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + ieee_dot(p.to(q.dtype), v.to(q.dtype), None)
+    else:
+        acc = acc * alpha[:, None] + ieee_dot(p.to(q.dtype), _kv_tile(v, q.dtype, KV_FP8), None)
+        l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_tile(x, dtype, KV_FP8: tl.constexpr):
+    """A loaded K/V tile in the dot's dtype: e4m3 bytes decoded with integer ops (value / 256), int8 codes
+    converted; both exact in fp16 / bf16 / fp32. Unquantized tiles are already in dtype."""
+    if KV_FP8:
+        x = e4m3_bits_to_fp16(x)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -105,8 +195,9 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
                           stride_ot, stride_oh, stride_bt, NUM_WORK, H, D_QK, D_V, qk_scale, window,
                           GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
-                          BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, sinks_ptr,
-                          HAS_SINKS: tl.constexpr = False):
+                          BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, sinks_ptr=None,
+                          HAS_SINKS: tl.constexpr = False, k_scale_ptr=None, v_scale_ptr=None,
+                          KV_FP8: tl.constexpr = False, KV_INT8: tl.constexpr = False):
     """One program: BLOCK_M consecutive new tokens of one sequence, one query head, over paged keys.
 
     work [2, NUM_WORK] int32 (built by the launcher on the device, no host sync): the sequence of
@@ -116,6 +207,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
     key tiles may be longer than a page: 16-token pages still get 64-key tiles.
     HAS_SINKS: sinks_ptr [H] fp32; each row's softmax starts from the sink (max = its logit, sum = 1,
     nothing accumulated), a key whose value row is zero.
+    KV_FP8 / KV_INT8: quantized pages with their scales (module docstring).
     """
     seq = tl.load(work_ptr + tl.program_id(0))
     first_row = tl.load(work_ptr + NUM_WORK + tl.program_id(0))
@@ -141,6 +233,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
         m_i = tl.full([BLOCK_M], 1.0, tl.float32) * (tl.load(sinks_ptr + h) * 1.4426950408889634)
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if KV_FP8:  # per-tensor k scale (and the decode's 2^-8) on every score
+        qk_scale = qk_scale * tl.load(k_scale_ptr) * E4M3_TO_FP16_BIAS
     # Keys up to the block's last real row (causal); none if the program has no rows.
     hi = tl.where(first_row < q_len, tl.minimum(ctx, ctx - q_len + first_row + BLOCK_M), 0)
     first_key = 0  # the oldest key any row of the block sees
@@ -159,9 +253,12 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
         m_i, l_i, acc = _attend_tile(q, q_tail, k_ptr + page * stride_kp + kv_h * stride_kh + page_rows * stride_ks,
                                      v_ptr + page * stride_vp + kv_h * stride_vh + page_rows * stride_vs,
                                      key_ok, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv, D_QK, D_V,
-                                     qk_scale, BLOCK_DR)
+                                     qk_scale, BLOCK_DR, k_scale_ptr, v_scale_ptr,
+                                     (page * PAGE_SIZE + page_rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * (tl.load(v_scale_ptr) * E4M3_TO_FP16_BIAS)
     tl.store(o_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
 
@@ -172,7 +269,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
                          stride_vp, stride_vs, stride_vh, stride_bt, H, D_QK, D_V, qk_scale, window,
                          GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
-                         BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                         BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
+                         KV_INT8: tl.constexpr = False):
     """Stage 1. One program: one KV split of one (sequence, kv head, block of its query heads).
 
     All query heads sharing a kv head are one tl.dot operand, so each K/V tile is read once per
@@ -182,6 +281,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
     lives in page block_table[b, n // PAGE_SIZE]; a key tile never straddles two pages, so paging costs
     one scalar load per tile.
     HAS_WINDOW: only keys >= cache_len - window exist for the query; the splits divide that range.
+    KV_FP8 / KV_INT8: quantized pages with their scales (module docstring).
     """
     b = tl.program_id(0)
     head_blocks = tl.cdiv(GROUP, BLOCK_H)
@@ -209,6 +309,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    if KV_FP8:  # per-tensor k scale (and the decode's 2^-8) on every score
+        qk_scale = qk_scale * tl.load(k_scale_ptr) * E4M3_TO_FP16_BIAS
     for start_n in range(lo, hi, BLOCK_N):
         n = start_n + offs_n
         page = tl.load(block_table_ptr + b * stride_bt + start_n // PAGE_SIZE).to(tl.int64)
@@ -217,11 +319,14 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
         m_i, l_i, acc = _attend_tile(q, q_tail, k_ptr + page * stride_kp + kv_h * stride_kh + rows * stride_ks,
                                      v_ptr + page * stride_vp + kv_h * stride_vh + rows * stride_vs, key_ok,
                                      key_ok[None, :], m_i, l_i, acc, offs_d, offs_dr,
-                                     offs_dv, D_QK, D_V, qk_scale, BLOCK_DR)
+                                     offs_dv, D_QK, D_V, qk_scale, BLOCK_DR, k_scale_ptr, v_scale_ptr,
+                                     (page * PAGE_SIZE + rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8)
 
     # An empty split stores lse = -inf and a zero output; the merge gives it weight 0.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * (tl.load(v_scale_ptr) * E4M3_TO_FP16_BIAS)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
     row = (b * H + heads) * NUM_SPLITS + split
     tl.store(part_o_ptr + row[:, None] * D_V + offs_dv[None, :], out,
@@ -263,8 +368,14 @@ def _decode_merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, 
 def _write_slots_kernel(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr,
                         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                         stride_kt, stride_kth, stride_vt, stride_vth, D_QK, D_V,
-                        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """One program copies the k and v rows of one (token, kv head) to its slot; a slot < 0 writes nothing."""
+                        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                        k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
+                        KV_INT8: tl.constexpr = False, SHARED_SCALE: tl.constexpr = False):
+    """One program copies the k and v rows of one (token, kv head) to its slot; a slot < 0 writes nothing.
+
+    KV_FP8: the rows are divided by the per-tensor scales and stored as e4m3 bytes (saturating at +-448).
+    KV_INT8: each row gets scale = absmax / 127 (SHARED_SCALE: one for k and v, the larger absmax),
+    stored at scales[slot, head], and codes floor(x / scale + 0.5)."""
     t = tl.program_id(0).to(tl.int64)  # t x stride_kt: past 2^31 elements for MLA prefill's long contexts
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
@@ -272,10 +383,31 @@ def _write_slots_kernel(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     # slot is broadcast to a vector first because the interpreter rejects scalar & vector masks.
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kth + offs_d, mask=offs_d < D_QK)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kth + offs_d, mask=offs_d < D_QK, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vth + offs_dv, mask=offs_dv < D_V, other=0.0)
+    if KV_FP8:
+        k = e4m3_bits_from_fp32(tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.zeros([BLOCK_D], tl.float32)
+                                                        + tl.load(k_scale_ptr)), -_KV_FP8_MAX, _KV_FP8_MAX))
+        v = e4m3_bits_from_fp32(tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.zeros([BLOCK_DV], tl.float32)
+                                                        + tl.load(v_scale_ptr)), -_KV_FP8_MAX, _KV_FP8_MAX))
+    if KV_INT8:
+        k_absmax = tl.max(tl.abs(k.to(tl.float32)), 0)
+        v_absmax = tl.max(tl.abs(v.to(tl.float32)), 0)
+        if SHARED_SCALE:  # MLA's latent: v is k's first D_V values, stored once under one scale
+            k_absmax = tl.maximum(k_absmax, v_absmax)
+            v_absmax = k_absmax
+        k_scale = tl.maximum(k_absmax, _KV_SCALE_EPS) / _KV_INT8_MAX
+        v_scale = tl.maximum(v_absmax, _KV_SCALE_EPS) / _KV_INT8_MAX
+        # div_rn: Triton's fp32 `/` is approximate on NVIDIA, and a code must not depend on that rounding
+        k = tl.clamp(tl.floor(tl.math.div_rn(k.to(tl.float32), tl.zeros([BLOCK_D], tl.float32) + k_scale) + 0.5),
+                     -_KV_INT8_MAX, _KV_INT8_MAX).to(tl.int8)
+        v = tl.clamp(tl.floor(tl.math.div_rn(v.to(tl.float32), tl.zeros([BLOCK_DV], tl.float32) + v_scale) + 0.5),
+                     -_KV_INT8_MAX, _KV_INT8_MAX).to(tl.int8)
+        scale_row = slot * tl.num_programs(1) + h  # scales [P, PAGE_SIZE, Hkv] contiguous: slot x Hkv + head
+        tl.store(k_scale_ptr + scale_row, k_scale, mask=slot >= 0)
+        tl.store(v_scale_ptr + scale_row, v_scale, mask=slot >= 0)
     tl.store(k_pages_ptr + page * stride_kp + row * stride_ks + h * stride_kh + offs_d, k,
              mask=(offs_d < D_QK) & (slot + 0 * offs_d >= 0))
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vth + offs_dv, mask=offs_dv < D_V)
     tl.store(v_pages_ptr + page * stride_vp + row * stride_vs + h * stride_vh + offs_dv, v,
              mask=(offs_dv < D_V) & (slot + 0 * offs_dv >= 0))
 
@@ -442,8 +574,10 @@ def _check_prefill_lens(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, 
                          f"{context_lens.tolist()}. context_lens counts the cached prefix plus the new tokens.")
 
 
-def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str, quantized: bool = False) -> None:
+    # 8-bit pages (checked by _unpack_pages) dequantize into q's dtype
+    page_dtypes_ok = quantized or q.dtype == k.dtype == v.dtype
+    if not page_dtypes_ok or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}. Cast them (or the KV cache) to the model dtype.")
     H, Hkv = q.shape[-2], k.shape[2]
@@ -475,6 +609,44 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _unpack_pages(k_pages, v_pages, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                        torch.Tensor | None]:
+    """(k data, v data, k scale, v scale) of a checked pair of pages: plain tensors (scales None) or
+    QuantizedPages (module docstring); a ValueError naming what is wrong otherwise."""
+    quantized = isinstance(k_pages, QuantizedPages), isinstance(v_pages, QuantizedPages)
+    if not any(quantized):
+        return k_pages, v_pages, None, None
+    if not all(quantized):
+        raise ValueError(f"{what}: k_pages and v_pages must both be QuantizedPages or both plain tensors; got "
+                         f"{type(k_pages).__name__} and {type(v_pages).__name__}.")
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        data, scale = pages.data, pages.scale
+        if data.dim() != 4 or data.dtype not in (torch.int8, torch.float8_e4m3fn) or data.stride(-1) != 1:
+            raise ValueError(f"{what}: {name}.data must be int8 or float8_e4m3fn pages [P, page_size, Hkv, D], "
+                             f"contiguous in D; got {data.dtype} {tuple(data.shape)} strides {data.stride()}.")
+        expected = () if data.dtype == torch.float8_e4m3fn else tuple(data.shape[:3])
+        if (scale.dtype != torch.float32 or tuple(scale.shape) != expected or scale.device != data.device
+                or not scale.is_contiguous()):
+            kind = "per tensor, []" if not expected else f"per token and kv head, {list(expected)} contiguous"
+            raise ValueError(f"{what}: {name}.scale must be float32 ({kind}) on {data.device} for {data.dtype} "
+                             f"pages; got {scale.dtype} {tuple(scale.shape)} on {scale.device}.")
+    if k_pages.data.dtype != v_pages.data.dtype:
+        raise ValueError(f"{what}: k and v pages differ in dtype ({k_pages.data.dtype}, {v_pages.data.dtype}); "
+                         "one KV cache dtype per layer.")
+    return k_pages.data, v_pages.data, k_pages.scale, v_pages.scale
+
+
+def _kv_launch_args(k_pages, v_pages) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The kernels' (k, v, quantization args) for plain or quantized pages: e4m3 pages travel as their bytes
+    (uint8: the kernels decode them with integer ops on every GPU); no extra args for plain pages, so their
+    launches are the same as before KV quantization existed."""
+    if not isinstance(k_pages, QuantizedPages):
+        return k_pages, v_pages, {}
+    fp8 = k_pages.data.dtype == torch.float8_e4m3fn
+    k, v = (p.data.view(torch.uint8) if fp8 else p.data for p in (k_pages, v_pages))
+    return k, v, dict(k_scale_ptr=k_pages.scale, v_scale_ptr=v_pages.scale, KV_FP8=fp8, KV_INT8=not fp8)
+
+
 def head_blocks(d_qk: int, d_v: int) -> tuple[int, int, int]:
     """(BLOCK_D, BLOCK_DR, BLOCK_DV): the register blocks of the qk head dim (`qk_blocks`) and of the
     v head dim (a power of two >= 16); they key the tuned configs (`config_bucket`)."""
@@ -496,12 +668,15 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     max_seq_len: the capacity the launch config is chosen for (default: the block table width x
     page_size). The config never depends on cache_lens, so a growing sequence never recompiles and
     the launch is CUDA-graph safe. sinks [H] float32: attention sinks (see the module docstring).
+    the launch is CUDA-graph safe. k_pages / v_pages may be QuantizedPages (8-bit, dequantized in registers).
     """
+    given = k_pages, v_pages
+    k_pages, v_pages, k_scale, v_scale = _unpack_pages(k_pages, v_pages, "decode_attention")
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(f"decode_attention: expected q [B,H,Dqk], k_pages [P,page_size,Hkv,Dqk], v_pages "
                          f"[P,page_size,Hkv,Dv]; got q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, "
                          f"v_pages {tuple(v_pages.shape)}.")
-    _check_heads(q, k_pages, v_pages, "decode")
+    _check_heads(q, k_pages, v_pages, "decode", k_scale is not None)
     B, H, D_QK = q.shape
     _check_lens("cache_lens", cache_lens, B, q.device)
     page_size = _check_block_table(block_table, k_pages, B, q.device)
@@ -513,11 +688,16 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         raise ValueError(f"decode_attention: max_seq_len = {max_seq_len!r}; expected an int >= 1 (the capacity "
                          "the launch config is chosen for) or None.")
     if use_cpu_kernels(q):  # torch's CPU flash attention over each sequence's real keys (kernels/cpu_attention.py)
-        return cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window, sinks)
+        return cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window,
+                                              k_scale, v_scale, sinks)
     if not use_triton(q):
-        return decode_attention_reference(q, k_pages, v_pages, cache_lens, block_table, scale, window, sinks)
+        return decode_attention_reference(q, *given, cache_lens, block_table, scale, window, sinks)
 
-    q, k_pages, v_pages = map(_last_dim_contiguous, (q, k_pages, v_pages))
+    q = _last_dim_contiguous(q)
+    if k_scale is None:
+        k_pages, v_pages = map(_last_dim_contiguous, (k_pages, v_pages))
+    else:  # 8-bit pages (contiguous in the head dim: _unpack_pages) travel with their scales
+        k_pages, v_pages = given
     H_kv, D_V = k_pages.shape[2], v_pages.shape[-1]
     # The config depends on capacity only (never cache_lens): a growing sequence keeps one compiled
     # kernel and the launch reads nothing from the device. A window bounds the keys any query sees.
@@ -532,12 +712,13 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     return out
 
 
-def decode_launches(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
-                    block_table: torch.Tensor, scale: float, window: int, cfg: DecodeConfig,
-                    sinks: torch.Tensor | None = None) -> tuple[Launch, Launch, torch.Tensor]:
+def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_pages: torch.Tensor | QuantizedPages,
+                    cache_lens: torch.Tensor, block_table: torch.Tensor, scale: float, window: int,
+                    cfg: DecodeConfig, sinks: torch.Tensor | None = None) -> tuple[Launch, Launch, torch.Tensor]:
     """The two launches of a decode step (_decode_split_kernel, then _decode_merge_kernel) for checked
     inputs of decode_attention (head dim contiguous), and the output o [B, H, Dv]. Over meta tensors
     they are what tune --aot and the AOT tests compile. sinks [H] fp32 enter the merge only."""
+    k_pages, v_pages, kv_args = _kv_launch_args(k_pages, v_pages)
     B, H, D_QK = q.shape
     H_kv, D_V = k_pages.shape[2], v_pages.shape[-1]
     group = H // H_kv
@@ -553,7 +734,7 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
                  stride_vp=v_pages.stride(0), stride_vs=v_pages.stride(1), stride_vh=v_pages.stride(2),
                  stride_bt=block_table.stride(0), H=H, D_QK=D_QK, D_V=D_V, qk_scale=scale * LOG2E, window=window,
                  GROUP=group, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window > 0)
+                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window > 0, **kv_args)
     out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
     block_splits = triton.next_power_of_2(cfg.NUM_SPLITS)
     merge = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, o_ptr=out, stride_ob=out.stride(0),
@@ -578,7 +759,10 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
     check_values=False skips the check of the slots' values (a device reduction and assert on CUDA):
     for callers that checked them already, e.g. models, whose steps the engine's runner checks once
     on the host (every layer would otherwise repeat it). Shapes, dtypes and devices are always checked.
+    QuantizedPages: k and v (in the model dtype) are quantized as they are written (module docstring).
     """
+    given = k_pages, v_pages
+    k_pages, v_pages, k_scale, v_scale = _unpack_pages(k_pages, v_pages, "write_kv_slots")
     if (k.dim() != 3 or v.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k.shape[:2] != v.shape[:2]
             or k_pages.shape[:3] != v_pages.shape[:3] or k_pages.shape[2:] != k.shape[1:]
             or v_pages.shape[2:] != v.shape[1:]):
@@ -586,7 +770,11 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
                          f"[num_blocks,block_size,Hkv,Dqk], v_pages [num_blocks,block_size,Hkv,Dv]; got k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)}, k_pages {tuple(k_pages.shape)}, "
                          f"v_pages {tuple(v_pages.shape)}.")
-    if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
+    if k_scale is not None:
+        if k.dtype != v.dtype or k.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"write_kv_slots: k/v dtypes {k.dtype}/{v.dtype}; 8-bit pages take fp16/bf16/fp32 "
+                             "k and v of one dtype (the model's), quantized as they are written.")
+    elif k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
         raise ValueError(f"write_kv_slots: k/v dtypes {k.dtype}/{v.dtype} differ from the cache's "
                          f"{k_pages.dtype}/{v_pages.dtype}; cast k and v to the cache dtype first.")
     if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
@@ -600,22 +788,32 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
     if check_values:
         _check_slots(slot_mapping, k_pages.shape[0] * k_pages.shape[1])
     if use_cpu_kernels(k_pages):  # one index_copy_ per cache (kernels/cpu_attention.py)
-        return cpu_attention.write_kv_slots(k_pages, v_pages, k, v, slot_mapping)
+        return cpu_attention.write_kv_slots(k_pages, v_pages, k, v, slot_mapping, k_scale, v_scale)
     if not use_triton(k_pages):
-        return write_kv_slots_reference(k_pages, v_pages, k, v, slot_mapping)
-    write_kv_slots_launch(k_pages, v_pages, _last_dim_contiguous(k), _last_dim_contiguous(v), slot_mapping)()
+        return write_kv_slots_reference(*given, k, v, slot_mapping)
+    write_kv_slots_launch(*given, _last_dim_contiguous(k), _last_dim_contiguous(v), slot_mapping)()
 
 
-def write_kv_slots_launch(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> Launch:
+def shares_scale(k_pages: QuantizedPages, v_pages: QuantizedPages) -> bool:
+    """Whether k and v pages share one scale tensor (MLA's latent cache: v = k[..., :Dv])."""
+    k_scale, v_scale = k_pages.scale, v_pages.scale
+    return k_scale is v_scale or (k_scale.device.type != "meta" and k_scale.data_ptr() == v_scale.data_ptr())
+
+
+def write_kv_slots_launch(k_pages: torch.Tensor | QuantizedPages, v_pages: torch.Tensor | QuantizedPages,
+                          k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> Launch:
     """The launch of _write_slots_kernel for checked inputs of write_kv_slots (k, v head dim contiguous):
     one program per (token, kv head). Over meta tensors it is what the AOT tests compile."""
+    shared = isinstance(k_pages, QuantizedPages) and shares_scale(k_pages, v_pages)
+    k_pages, v_pages, kv_args = _kv_launch_args(k_pages, v_pages)
+    if shared:
+        kv_args["SHARED_SCALE"] = True
     args = dict(k_pages_ptr=k_pages, v_pages_ptr=v_pages, k_ptr=k, v_ptr=v, slot_ptr=slot_mapping,
                 stride_kp=k_pages.stride(0), stride_ks=k_pages.stride(1), stride_kh=k_pages.stride(2),
                 stride_vp=v_pages.stride(0), stride_vs=v_pages.stride(1), stride_vh=v_pages.stride(2),
                 stride_kt=k.stride(0), stride_kth=k.stride(1), stride_vt=v.stride(0), stride_vth=v.stride(1),
                 D_QK=k.shape[-1], D_V=v.shape[-1], BLOCK_D=triton.next_power_of_2(k.shape[-1]),
-                BLOCK_DV=triton.next_power_of_2(v.shape[-1]), PAGE_SIZE=k_pages.shape[1])
+                BLOCK_DV=triton.next_power_of_2(v.shape[-1]), PAGE_SIZE=k_pages.shape[1], **kv_args)
     return Launch(_write_slots_kernel, (k.shape[0], k.shape[1]), args, 4, 3)  # Triton's default warps, stages
 
 
@@ -637,12 +835,15 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     context_lens agree with T and the block table (~8 small kernels and an assert on CUDA, a host read on
     CPU): for callers that checked them already (models: the engine's runner checks each step once).
     sinks [H] float32: attention sinks (see the module docstring).
+    k_pages / v_pages may be QuantizedPages (8-bit, dequantized in registers).
     """
+    given = k_pages, v_pages
+    k_pages, v_pages, k_scale, v_scale = _unpack_pages(k_pages, v_pages, "paged_prefill_attention")
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(f"paged_prefill_attention: expected q [T,H,Dqk], k_pages [P,page_size,Hkv,Dqk], "
                          f"v_pages [P,page_size,Hkv,Dv]; got q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, "
                          f"v_pages {tuple(v_pages.shape)}.")
-    _check_heads(q, k_pages, v_pages, "paged prefill")
+    _check_heads(q, k_pages, v_pages, "paged prefill", k_scale is not None)
     _check_window(window)
     _check_sinks(sinks, q.shape[1], q.device)
     B = context_lens.shape[0] if context_lens.dim() == 1 else -1
@@ -658,23 +859,24 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
         _check_prefill_lens(cu_seqlens_q, context_lens, q.shape[0], block_table.shape[1] * page_size)
     if use_cpu_kernels(q):  # kernels/cpu_attention.py
         return cpu_attention.paged_prefill_attention(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
-                                                     scale, window, sinks)
+                                                     scale, window, k_scale, v_scale, sinks)
     if not use_triton(q):
-        return paged_prefill_attention_reference(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
-                                                 scale, window, sinks)
+        return paged_prefill_attention_reference(q, *given, cu_seqlens_q, context_lens, block_table, scale, window,
+                                                 sinks)
 
     T, D_V = q.shape[0], v_pages.shape[-1]
     if config is None:
         config = paged_prefill_config(*head_blocks(q.shape[-1], D_V), compute_capability(q.device))
     if T == 0 or B == 0:
         return torch.empty(T, q.shape[1], D_V, dtype=q.dtype, device=q.device)
-    launch, out = paged_prefill_launch(_last_dim_contiguous(q), k_pages, v_pages, cu_seqlens_q, context_lens,
+    launch, out = paged_prefill_launch(_last_dim_contiguous(q), *given, cu_seqlens_q, context_lens,
                                        block_table, scale, window, config, sinks)
     launch()
     return out
 
 
-def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages,
+                         v_pages: torch.Tensor | QuantizedPages, cu_seqlens_q: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, scale: float, window: int,
                          cfg: PrefillConfig, sinks: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
     """The launch of _paged_prefill_kernel for checked inputs of paged_prefill_attention (q head dim
@@ -684,6 +886,7 @@ def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
     so a grid of that upper bound needs no host read of the lengths; a `work` table [2, programs] int32
     gives each program its (sequence, first query row), sequence -1 for the spare ones.
     """
+    k_pages, v_pages, kv_args = _kv_launch_args(k_pages, v_pages)
     T, H, D_QK = q.shape
     B, D_V = context_lens.shape[0], v_pages.shape[-1]
     block_d, block_dr, block_dv = head_blocks(D_QK, D_V)
@@ -704,7 +907,7 @@ def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
                 D_V=D_V, qk_scale=scale * LOG2E, window=window, GROUP=H // k_pages.shape[2],
                 HAS_WINDOW=window > 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=k_pages.shape[1],
-                sinks_ptr=q if sinks is None else sinks, HAS_SINKS=sinks is not None)
+                sinks_ptr=q if sinks is None else sinks, HAS_SINKS=sinks is not None, **kv_args)
     return Launch(_paged_prefill_kernel, (num_work, H), args, cfg.num_warps, cfg.num_stages), out
 
 
@@ -722,9 +925,9 @@ def decode_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     in the softmax, whose probability is dropped (transformers' gpt-oss eager attention).
 
     Query heads are grouped by kv head ([B, Hkv, group, Dqk] @ [B, Hkv, Dqk, Smax]), so GQA copies
-    no cache rows.
+    no cache rows. QuantizedPages are dequantized to float32 first.
     """
-    k_cache, v_cache = gather_pages(k_pages, block_table), gather_pages(v_pages, block_table)
+    k_cache, v_cache = (gather_pages(dequantize_pages(pages), block_table) for pages in (k_pages, v_pages))
     B, H, _ = q.shape
     S_max, H_kv = k_cache.shape[1], k_cache.shape[2]
     scores = q.float().reshape(B, H_kv, H // H_kv, -1) @ k_cache.float().permute(0, 2, 3, 1) * scale
@@ -751,22 +954,46 @@ def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> tor
     return torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
 
 
-def write_kv_slots_reference(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             slot_mapping: torch.Tensor) -> None:
+def quantize_kv_reference(k_pages: QuantizedPages, v_pages: QuantizedPages, k: torch.Tensor,
+                          v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Plain torch: k [T, Hkv, Dqk], v [T, Hkv, Dv] -> (k codes, v codes) in the pages' dtype and, for int8,
+    their scales [T, Hkv] (None for fp8's per-tensor scales), as the module docstring defines them."""
+    if k_pages.data.dtype == torch.float8_e4m3fn:
+        return (*((x.float() / pages.scale).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(torch.float8_e4m3fn)
+                  for x, pages in ((k, k_pages), (v, v_pages))), None, None)
+    k_absmax, v_absmax = k.float().abs().amax(-1), v.float().abs().amax(-1)
+    if shares_scale(k_pages, v_pages):
+        k_absmax = v_absmax = torch.maximum(k_absmax, v_absmax)
+    scales = [absmax.clamp(min=KV_SCALE_EPS) / KV_INT8_MAX for absmax in (k_absmax, v_absmax)]
+    codes = [torch.floor(x.float() / s[..., None] + 0.5).clamp(-KV_INT8_MAX, KV_INT8_MAX).to(torch.int8)
+             for x, s in zip((k, v), scales)]
+    return codes[0], codes[1], scales[0], scales[1]
+
+
+def write_kv_slots_reference(k_pages: torch.Tensor | QuantizedPages, v_pages: torch.Tensor | QuantizedPages,
+                             k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """index_put: token t to page slot_mapping[t] // block_size, row slot_mapping[t] % block_size;
     negative slots (padding) are skipped.
 
     Shape-static, with no host read (TRITONQ_BACKEND=torch runs it on any device): rather than selecting
     the kept rows (a data-dependent shape), every skipped row is redirected to the slot of the first kept
     row with that row's own values, so the duplicate writes agree; with no kept row at all they all
-    write slot 0's current values back."""
+    write slot 0's current values back. QuantizedPages get `quantize_kv_reference`'s codes (fp8 as its
+    bytes) and, for int8, its scales at the same [page, row]."""
     keep = slot_mapping >= 0
     first = keep.to(torch.int8).argmax(0, keepdim=True)  # [1]: the first kept row (0 when there is none)
     target = torch.where(keep, slot_mapping, slot_mapping[first].clamp(min=0)).long()
     page, row = target // k_pages.shape[1], target % k_pages.shape[1]
-    for pages, new in ((k_pages, k), (v_pages, v)):
+    writes = [(k_pages, k), (v_pages, v)]
+    if isinstance(k_pages, QuantizedPages):
+        k_codes, v_codes, k_scales, v_scales = quantize_kv_reference(k_pages, v_pages, k, v)
+        writes = [(k_pages.data.view(torch.uint8), k_codes.view(torch.uint8)),
+                  (v_pages.data.view(torch.uint8), v_codes.view(torch.uint8))]
+        if k_scales is not None:
+            writes += [(k_pages.scale, k_scales), (v_pages.scale, v_scales)]
+    for pages, new in writes:
         fill = torch.where(keep[first], new[first], pages[0, 0])  # what skipped rows write (to `target`)
-        pages[page, row] = torch.where(keep[:, None, None], new, fill)
+        pages[page, row] = torch.where(keep.view(-1, *[1] * (new.dim() - 1)), new, fill)
 
 
 def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -775,7 +1002,8 @@ def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_
                                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch, float32, one sequence at a time: gather its context_lens[b] keys from its pages,
     masked softmax with query i at position context_lens[b] - q_len + i (causal, optional window),
-    sinks [H] as decode_attention_reference's."""
+    sinks [H] as decode_attention_reference's. QuantizedPages are dequantized to float32 first."""
+    k_pages, v_pages = dequantize_pages(k_pages), dequantize_pages(v_pages)
     H, group = q.shape[1], q.shape[1] // k_pages.shape[2]
     block_size = k_pages.shape[1]
     out = torch.zeros(q.shape[0], H, v_pages.shape[-1], dtype=torch.float32, device=q.device)

@@ -4,7 +4,9 @@
   dequantize_int_tile  int32 words packed along K -> fp32 (q - zero) * scale tile (int4_gemm, moe)
   e2m1_bits_to_fp16    MXFP4 (e2m1) codes -> fp16 / 2^14 with integer ops (moe's mxfp4 experts)
   e4m3_bits_to_fp16    float8_e4m3fn bytes -> fp16 / 2^8 with integer ops, for GPUs without fp8
-                       types (fp8_gemm's weight-only path, moe's fp8 experts)
+                       types (fp8_gemm's weight-only path, moe's fp8 experts, the fp8 KV cache)
+  round_to_e4m3        fp32 -> the nearest e4m3 value, still fp32 (fp8_gemm's activations)
+  e4m3_bits_from_fp32  fp32 -> e4m3 bytes with integer ops (the fp8 KV cache's write, any GPU)
   ieee_dot             tl.dot that multiplies fp32 operands in IEEE fp32, not tf32 (attention,
                        fp8_gemm's weight-only path; int4_gemm and moe upcast via UPCAST_DOT)
 The attention kernels' online-softmax step is `attention._attend_tile`, shared by all three of them.
@@ -87,6 +89,34 @@ def e2m1_bits_to_fp16(code):
     land in fp16's lowest exponent bits and top mantissa bit, so fp16 reads 2^(e - 15) (1 + m/2), or
     m 2^-15 for e = 0 (subnormal), i.e. the e2m1 value 2^(e - 1) (1 + m/2) / m/2 times 2^-14, exactly."""
     return (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """Round fp32 v (|v| <= 448) to the nearest e4m3 value, ties to even, still as fp32.
+
+    The cast that follows is then exact everywhere; Triton's interpreter rounds wrongly when
+    the mantissa carries into the exponent (124.3 -> 64), the GPU's cvt.rn would agree.
+    Normals keep 3 of fp32's 23 mantissa bits (add half an ulp minus one plus the kept lsb,
+    truncate); below 2^-6 e4m3 is subnormal with a fixed step 2^-9, and adding and removing
+    1.5 * 2^14 (whose fp32 ulp is 2^-9) rounds to that step.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (v + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def e4m3_bits_from_fp32(v):
+    """fp32 v (|v| <= 448) -> uint8 e4m3 bit patterns of v rounded to nearest (ties to even), with
+    integer ops only: the inverse of `e4m3_bits_to_fp16`, for GPUs without Triton's e4m3 type.
+
+    round_to_e4m3 makes v an e4m3 value; v * 2^-8 is then an fp16 value (normal or subnormal) whose
+    exponent and top 3 mantissa bits are e4m3's fields, moved down by 7 (sign from bit 15)."""
+    h = (round_to_e4m3(v) * 0.00390625).to(tl.float16)  # x 2^-8, exact
+    h = h.to(tl.uint16, bitcast=True)
+    return (((h >> 7) & 0x7F) | ((h >> 8) & 0x80)).to(tl.uint8)
 
 
 @triton.jit

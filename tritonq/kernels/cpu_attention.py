@@ -54,6 +54,11 @@ dropped first, and only when there are any: selecting by the mask took 2-4x the 
 of 64 sequences), ~2.5x (544 prompt tokens). The MLA latent v pages (a strided view of k) view as
 rows too; k is written before v, as the reference and the kernel do.
 
+Quantized pages (kernels/attention.py's QuantizedPages, passed here as data + scale tensors): the same
+layout as on GPUs, int8 codes with scales [P, page_size, Hkv] or float8_e4m3fn with per-tensor scales.
+Each sequence's gathered rows are dequantized (codes x scale in fp32, then rounded to q's dtype once) before
+torch's attention; the write quantizes as the Triton kernel does (int8: absmax / 127, floor(x / s + 0.5)).
+
 Host reads of the lengths and slots are free here (CPU tensors): they pick each sequence's slice.
 """
 from __future__ import annotations
@@ -67,19 +72,20 @@ PARALLEL_WORK = 1 << 20  # query heads x query rows x keys of a sequence from wh
 
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
-                     block_table: torch.Tensor, scale: float, window: int = 0,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     block_table: torch.Tensor, scale: float, window: int = 0, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, Dqk] -> [B, H, Dv]: query b (at position cache_lens[b] - 1) over its keys
-    max(0, cache_lens[b] - window) .. cache_lens[b] - 1 (window 0: all); sinks [H] fp32 or None."""
+    max(0, cache_lens[b] - window) .. cache_lens[b] - 1 (window 0: all). k_scale / v_scale: the scales of
+    8-bit pages (None: pages in q's dtype); sinks [H] fp32 or None."""
     if torch.compiler.is_compiling():  # an opaque op in the compiled graph (see _decode_attention_op)
         return torch.ops.tritonq.cpu_decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window,
-                                                      sinks)
-    return _decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window, sinks)
+                                                      k_scale, v_scale, sinks)
+    return _decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window, k_scale, v_scale, sinks)
 
 
 def _decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
-                      block_table: torch.Tensor, scale: float, window: int,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      block_table: torch.Tensor, scale: float, window: int, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     B, H, _ = q.shape
     H_kv = k_pages.shape[2]
     out = q.new_zeros(B, H, v_pages.shape[-1])
@@ -91,17 +97,19 @@ def _decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
             if n == 0:
                 continue
             first = max(0, n - window) if window else 0
-            k, v = (_gather(pages, block_table[b], first, n) for pages in (k_pages, v_pages))
+            k, v = (_gather(pages, block_table[b], first, n, page_scale, q.dtype)
+                    for pages, page_scale in ((k_pages, k_scale), (v_pages, v_scale)))
             out[b] = _sdpa(grouped[b], k, v, scale, sinks=grouped_sinks).reshape(H, -1)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
-                            scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, window: int = 0, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, Dqk] packed -> [T, H, Dv]: sequence b's rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1
-    at positions ctx - n_q .. ctx - 1 (ctx = context_lens[b]), causal over keys 0 .. ctx - 1;
-    sinks [H] fp32 or None."""
+    at positions ctx - n_q .. ctx - 1 (ctx = context_lens[b]), causal over keys 0 .. ctx - 1. k_scale /
+    v_scale: the scales of 8-bit pages (None: pages in q's dtype); sinks [H] fp32 or None."""
     head_sinks = None if sinks is None else sinks[:, None]  # [H, 1]: one per query row of a head
     out = q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1])
     cu, contexts = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -113,7 +121,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
                 continue
             win = window if 0 < window < ctx else 0  # a window as long as the context hides nothing
             first = max(0, ctx - n_q - win + 1) if win else 0  # the oldest key any query sees
-            k, v = (_gather(pages, block_table[b], first, ctx) for pages in (k_pages, v_pages))
+            k, v = (_gather(pages, block_table[b], first, ctx, page_scale, q.dtype)
+                    for pages, page_scale in ((k_pages, k_scale), (v_pages, v_scale)))
             mask = None
             if win or n_q != ctx:  # not a whole prompt with full causal attention: mask by position
                 pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
@@ -126,21 +135,48 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
 
 
 def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
     """Token t's k [T, Hkv, Dqk] / v [T, Hkv, Dv] into row slot_mapping[t] of the pages seen as rows,
-    in place; tokens with slot < 0 are skipped."""
+    in place; tokens with slot < 0 are skipped. k_scale / v_scale: 8-bit pages' scales (int8: written too)."""
     if torch.compiler.is_compiling():  # an opaque op in the compiled graph (see _write_kv_slots_op)
-        return torch.ops.tritonq.cpu_write_kv_slots(k_pages, v_pages, k, v, slot_mapping)
-    _write_kv_slots(k_pages, v_pages, k, v, slot_mapping)
+        return torch.ops.tritonq.cpu_write_kv_slots(k_pages, v_pages, k, v, slot_mapping, k_scale, v_scale)
+    _write_kv_slots(k_pages, v_pages, k, v, slot_mapping, k_scale, v_scale)
 
 
 def _write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-    for pages, new in ((k_pages, k), (v_pages, v)):
+    writes = [(k_pages, k), (v_pages, v)]
+    if k_scale is not None:
+        k, v, k_rows, v_rows = quantize_kv(k, v, k_pages.dtype, k_scale, v_scale)
+        writes = [(k_pages.view(torch.uint8), k.view(torch.uint8)), (v_pages.view(torch.uint8), v.view(torch.uint8))]
+        if k_rows is not None:  # int8: the rows' scales beside them
+            writes += [(k_scale, k_rows), (v_scale, v_rows)]
+    for pages, new in writes:
         pages.view(-1, *pages.shape[2:]).index_copy_(0, slot_mapping, new)  # view: raises rather than copy
+
+
+INT8_MAX, FP8_MAX, SCALE_EPS = 127.0, 448.0, 1e-10  # as kernels/attention.py's KV_INT8_MAX, KV_FP8_MAX, KV_SCALE_EPS
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, k_scale: torch.Tensor,
+                v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """k [T, Hkv, Dqk], v [T, Hkv, Dv] -> (k codes, v codes) in dtype (int8 / float8_e4m3fn) and, for int8,
+    the rows' scales [T, Hkv] (fp32 absmax / 127; one for k and v when k_scale and v_scale are one tensor,
+    MLA's latent); fp8 divides by the per-tensor scales and saturates at +-448."""
+    if dtype == torch.float8_e4m3fn:
+        return (*((x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(dtype) for x, s in ((k, k_scale), (v, v_scale))),
+                None, None)
+    k_absmax, v_absmax = k.float().abs().amax(-1), v.float().abs().amax(-1)
+    if k_scale.data_ptr() == v_scale.data_ptr():
+        k_absmax = v_absmax = torch.maximum(k_absmax, v_absmax)
+    k_rows, v_rows = (absmax.clamp(min=SCALE_EPS) / INT8_MAX for absmax in (k_absmax, v_absmax))
+    return (*(torch.floor(x.float() / s[..., None] + 0.5).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+              for x, s in ((k, k_rows), (v, v_rows))), k_rows, v_rows)
 
 
 @contextmanager
@@ -157,13 +193,19 @@ def _threads_for(work: int):
         torch.set_num_threads(threads)
 
 
-def _gather(pages: torch.Tensor, table_row: torch.Tensor, first: int, last: int) -> torch.Tensor:
+def _gather(pages: torch.Tensor, table_row: torch.Tensor, first: int, last: int,
+            scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Keys first .. last-1 of one sequence, [Hkv, last - first, D] (a strided view of one copy of
-    the pages that hold them)."""
+    the pages that hold them); 8-bit pages (scale given) dequantized to dtype."""
     page_size = pages.shape[1]
     p0 = first // page_size
-    held = pages.index_select(0, table_row[p0:-(-last // page_size)].long()).flatten(0, 1)
-    return held[first - p0 * page_size:last - p0 * page_size].transpose(0, 1)
+    index = table_row[p0:-(-last // page_size)].long()
+    held = pages.index_select(0, index).flatten(0, 1)[first - p0 * page_size:last - p0 * page_size]
+    if scale is not None:
+        if scale.dim():  # int8: each row's scale, gathered alike
+            scale = scale.index_select(0, index).flatten(0, 1)[first - p0 * page_size:last - p0 * page_size, :, None]
+        held = (held.float() * scale).to(dtype)
+    return held.transpose(0, 1)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
@@ -195,10 +237,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask:
 # Python wrapper measured ~25 us, a real share of a small model's step); eager calls skip even that.
 _ops = torch.library.Library("tritonq", "FRAGMENT")
 _ops.define("cpu_decode_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor cache_lens, Tensor block_table, "
-            "float scale, int window, Tensor? sinks=None) -> Tensor")
+            "float scale, int window, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? sinks=None) -> Tensor")
 _ops.impl("cpu_decode_attention", _decode_attention, "CPU")
-_ops.impl("cpu_decode_attention", lambda q, k_pages, v_pages, cache_lens, block_table, scale, window, sinks=None:
-          q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1]), "Meta")
-_ops.define("cpu_write_kv_slots(Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor k, Tensor v, Tensor slot_mapping) -> ()")
+_ops.impl("cpu_decode_attention", lambda q, k_pages, v_pages, cache_lens, block_table, scale, window, k_scale=None,
+          v_scale=None, sinks=None: q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1]), "Meta")
+_ops.define("cpu_write_kv_slots(Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor k, Tensor v, Tensor slot_mapping, "
+            "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()")
 _ops.impl("cpu_write_kv_slots", _write_kv_slots, "CPU")
-_ops.impl("cpu_write_kv_slots", lambda k_pages, v_pages, k, v, slot_mapping: None, "Meta")
+_ops.impl("cpu_write_kv_slots", lambda k_pages, v_pages, k, v, slot_mapping, k_scale=None, v_scale=None: None, "Meta")

@@ -45,6 +45,7 @@ from tritonq.kernels.common import (
     e4m3_bits_to_fp16,
     has_fp8_tensor_cores,
     ieee_dot,
+    round_to_e4m3,
     tuned_or_default,
 )
 from tritonq.weights import FP8Weight
@@ -99,23 +100,7 @@ def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride
     # div_rn: IEEE division, so the GPU rounds exactly like the torch reference (plain `/` is
     # an approximate division on NVIDIA); the clamp makes out-of-range values saturate.
     q = tl.clamp(tl.math.div_rn(x, tl.zeros([BLOCK], tl.float32) + scale), -_FP8_MAX, _FP8_MAX)
-    tl.store(q_ptr + row * stride_qm + offs, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """Round fp32 v (|v| <= 448) to the nearest e4m3 value, ties to even, still as fp32.
-
-    The cast that follows is then exact everywhere; Triton's interpreter rounds wrongly when
-    the mantissa carries into the exponent (124.3 -> 64), the GPU's cvt.rn would agree.
-    Normals keep 3 of fp32's 23 mantissa bits (add half an ulp minus one plus the kept lsb,
-    truncate); below 2^-6 e4m3 is subnormal with a fixed step 2^-9, and adding and removing
-    1.5 * 2^14 (whose fp32 ulp is 2^-9) rounds to that step.
-    """
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    subnormal = (v + 24576.0) - 24576.0
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+    tl.store(q_ptr + row * stride_qm + offs, round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
 
 
 @triton.jit

@@ -33,7 +33,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonq.kernels.attention import QuantizedPages
 from tritonq.kernels.norm_rope import rope_cos_sin
+
+# tritonq.load's kv_cache_dtype: "auto" stores K/V in the model dtype; "fp8" (float8_e4m3fn, one scale per layer
+# for k and for v) and "int8" (one scale per token and kv head) store 1 byte per value (kernels/attention.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+KV_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token, kv head and k / v
 
 
 @dataclass(frozen=True)
@@ -55,12 +61,13 @@ class StepContext:
 
 @dataclass(frozen=True)
 class PagedKVCache:
-    """Per layer k pages [num_blocks, block_size, Hkv, Dqk] and v pages [num_blocks, block_size, Hkv, Dv].
+    """Per layer k pages [num_blocks, block_size, Hkv, Dqk] and v pages [num_blocks, block_size, Hkv, Dv]
+    (QuantizedPages for kv_cache_dtype fp8 / int8).
 
     Pages are shared by all sequences; a sequence's block_table names its pages. With a latent
     (MLA) cache, v is a strided view of k (v = k[..., :Dv]): the latent is stored once."""
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
+    k: tuple[torch.Tensor | QuantizedPages, ...]
+    v: tuple[torch.Tensor | QuantizedPages, ...]
 
     @property
     def num_blocks(self) -> int:
@@ -74,27 +81,52 @@ class PagedKVCache:
 @dataclass(frozen=True)
 class KVLayout:
     """What one layer's cache holds per token: Hkv heads of Dqk (k) and Dv (v) values; v_in_k: v is
-    the first Dv values of k (MLA's latent), so only k is allocated."""
+    the first Dv values of k (MLA's latent), so only k is allocated.
+    cache_dtype (KV_CACHE_DTYPES): "auto" stores the model dtype; "fp8" / "int8" 8-bit QuantizedPages.
+    fp8_scales: fp8's per-layer (k_scale, v_scale) (tritonq.load reads them from the checkpoint, else 1.0)."""
     num_layers: int
     num_kv_heads: int
     d_qk: int
     d_v: int
     v_in_k: bool = False
+    cache_dtype: str = "auto"
+    fp8_scales: tuple[tuple[float, float], ...] | None = None
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV-cache bytes one token costs across all layers."""
+        """KV-cache bytes one token costs across all layers (with a compute dtype of `dtype`): values, plus
+        an int8 cache's scales (one per kv head for k and one for v; one for MLA's shared latent)."""
         per_head = self.d_qk if self.v_in_k else self.d_qk + self.d_v
-        return self.num_layers * self.num_kv_heads * per_head * torch.empty((), dtype=dtype).element_size()
+        if self.cache_dtype == "auto":
+            return self.num_layers * self.num_kv_heads * per_head * torch.empty((), dtype=dtype).element_size()
+        scales = 0 if self.cache_dtype == "fp8" else KV_SCALE_BYTES * (1 if self.v_in_k else 2)
+        return self.num_layers * self.num_kv_heads * (per_head + scales)
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> PagedKVCache:
-        """Zeroed pages for num_blocks blocks of block_size tokens in every layer."""
+        """Zeroed pages for num_blocks blocks of block_size tokens in every layer (8-bit with their scales
+        unless cache_dtype is "auto")."""
+        shape = (num_blocks, block_size, self.num_kv_heads)
+        page_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[self.cache_dtype]
+
         def pages(dim: int) -> torch.Tensor:
-            return torch.zeros(num_blocks, block_size, self.num_kv_heads, dim, dtype=dtype, device=device)
-        k = tuple(pages(self.d_qk) for _ in range(self.num_layers))
-        if self.v_in_k:
-            return PagedKVCache(k=k, v=tuple(t[..., :self.d_v] for t in k))
-        return PagedKVCache(k=k, v=tuple(pages(self.d_v) for _ in range(self.num_layers)))
+            return torch.zeros(*shape, dim, dtype=page_dtype, device=device)
+
+        def scale(layer: int, which: int) -> torch.Tensor:
+            if self.cache_dtype == "int8":
+                return torch.zeros(shape, dtype=torch.float32, device=device)
+            value = self.fp8_scales[layer][which] if self.fp8_scales else 1.0
+            return torch.tensor(value, dtype=torch.float32, device=device)
+
+        k, v = [], []
+        for layer in range(self.num_layers):
+            k_pages = pages(self.d_qk)
+            v_pages = k_pages[..., :self.d_v] if self.v_in_k else pages(self.d_v)
+            if self.cache_dtype != "auto":  # MLA's latent v shares k's bytes and scale tensor
+                k_pages = QuantizedPages(k_pages, scale(layer, 0))
+                v_pages = QuantizedPages(v_pages, k_pages.scale if self.v_in_k else scale(layer, 1))
+            k.append(k_pages)
+            v.append(v_pages)
+        return PagedKVCache(k=tuple(k), v=tuple(v))
 
 
 class RopeTables:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonq.distributed import all_reduce
-from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
+from tritonq.kernels.attention import decode_attention, paged_prefill_attention, read_kv_rows, write_kv_slots
 from tritonq.kernels.common import compute_capability
 from tritonq.kernels.moe import grouped_topk
 from tritonq.kernels.norm_rope import apply_rope
@@ -202,11 +202,11 @@ class MLAttention(nn.Module):
         total, num_new = ctx.num_context_tokens, ctx.num_context_blocks  # host ints: no device read
         seq = torch.repeat_interleave(torch.arange(B, device=lens.device), lens, output_size=total)
         pos = torch.arange(total, device=lens.device) - (torch.cumsum(lens, 0) - lens)[seq]
-        rows = pages[ctx.block_table[seq, pos // bs].long(), pos % bs, 0]  # [N, R + Dr]
+        rows = read_kv_rows(pages, ctx.block_table[seq, pos // bs].long(), pos % bs, self.w_uk.dtype)[:, 0]  # [N, R + Dr]
         k_nope, v = self.kv_b_proj(rows[:, :R]).view(total, H, Dn + Dv).split([Dn, Dv], dim=-1)
         k = torch.cat([k_nope, rows[:, None, R:].expand(total, H, Dr)], dim=-1)
-        k_ctx = torch.empty(num_new, bs, H, Dn + Dr, dtype=pages.dtype, device=pages.device)
-        v_ctx = torch.empty(num_new, bs, H, Dv, dtype=pages.dtype, device=pages.device)
+        k_ctx = torch.empty(num_new, bs, H, Dn + Dr, dtype=rows.dtype, device=pages.device)
+        v_ctx = torch.empty(num_new, bs, H, Dv, dtype=rows.dtype, device=pages.device)
         write_kv_slots(k_ctx, v_ctx, k, v.contiguous(), first_page[seq] * bs + pos, check_values=False)
         width = ctx.block_table.shape[1]
         table = (first_page[:, None] + torch.arange(width, device=lens.device)).to(torch.int32)
