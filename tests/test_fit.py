@@ -141,6 +141,16 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         out[f"decode {d_qk}/{d_v} page{page_size} window{window}"] = split
         if page_size == 16 and not window:
             out[f"decode merge {d_qk}/{d_v}"] = merge
+    # ALiBi (MPT-7B: 32 heads of 128, multi-head): the bias tile beside the scores in prefill and decode
+    slopes = _meta(32, dtype=torch.float32)
+    k, v = _meta(1024, 16, 32, 128, dtype=dtype), _meta(1024, 16, 32, 128, dtype=dtype)
+    out["prefill alibi 128/128 page16"] = attention.paged_prefill_launch(
+        _meta(2048, 32, 128, dtype=dtype), k, v, _meta(5, **i32), _meta(4, **i32), _meta(4, 256, **i32), 128 ** -0.5,
+        0, attention.paged_prefill_config(*attention.head_blocks(128, 128), cc), alibi_slopes=slopes)[0]
+    config = attention.decode_config(1, 32, 32768, 16, *attention.head_blocks(128, 128), SM_COUNT[cc])
+    out["decode alibi 128/128 page16"] = attention.decode_launches(
+        _meta(1, 32, 128, dtype=dtype), k, v, _meta(1, **i32), _meta(1, 2048, **i32), 128 ** -0.5, 0, config,
+        alibi_slopes=slopes)[0]
     for d_qk, d_v in ((128, 128), (576, 512)):
         if cc < 80 and d_qk == 576:
             continue

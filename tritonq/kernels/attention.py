@@ -17,6 +17,8 @@ heads, H % Hkv == 0):
       one query per sequence against positions 0..cache_lens[b]-1 (the new token's included).
 Sliding window (window > 0): key j is visible to query p iff j <= p and p - j < window,
 transformers' convention; key blocks wholly outside are not loaded.
+ALiBi (alibi_slopes [H] fp32, keyword-only, MPT): query head h's score of key j at query position p gains
+slopes[h] * (j - p) after the scale (softmax ignores the per-row constant, so this equals MPT's slopes * j).
 dtypes: fp16, bf16 or fp32 (all inputs the same); accumulation and softmax are fp32; outputs are
 in q's dtype (fp32 inputs use TF32 tensor-core dots on GPUs).
 
@@ -51,7 +53,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv,
-                 D_QK, D_V, qk_scale, BLOCK_DR: tl.constexpr):
+                 D_QK, D_V, qk_scale, BLOCK_DR: tl.constexpr, bias=None):
     """One online-softmax step (flash-attention 2) of a query tile over BLOCK_N keys; every kernel's loop body.
 
     q [M, BLOCK_D] (and q_tail [M, BLOCK_DR] if BLOCK_DR > 0): the query tile, scale not applied.
@@ -59,6 +61,7 @@ def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs
     key_ok [BLOCK_N]: keys that exist (others are not loaded: unused cache rows may hold NaN garbage).
     visible [M, BLOCK_N]: the scores kept (causal, window, length). qk_scale includes log2(e).
     m_i, l_i [M]: running max (log2 domain) and sum; acc [M, BLOCK_DV]. Returns (m_i, l_i, acc) updated.
+    bias [M, BLOCK_N] fp32 or None: added to the scaled scores, in the log2 domain (ALiBi).
     A row that has seen no visible key yet (a sliding window's leading tiles) keeps m_i = -inf and
     gains nothing: its max is taken as 0 for the exponentials, so exp2(-inf) = 0 and no NaN appears.
     """
@@ -68,7 +71,10 @@ def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs
         k_tail = tl.load(k_rows[None, :] + offs_dr[:, None], mask=key_ok[None, :] & (offs_dr[:, None] < D_QK),
                          other=0.0)
         s = ieee_dot(q_tail, k_tail, s)
-    s = tl.where(visible, s * qk_scale, float("-inf"))
+    s = s * qk_scale
+    if bias is not None:
+        s += bias
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -101,7 +107,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
                           stride_ot, stride_oh, stride_bt, NUM_WORK, H, D_QK, D_V, qk_scale, window,
                           GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
-                          BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                          BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, alibi_ptr, HAS_ALIBI: tl.constexpr):
     """One program: BLOCK_M consecutive new tokens of one sequence, one query head, over paged keys.
 
     work [2, NUM_WORK] int32 (built by the launcher on the device, no host sync): the sequence of
@@ -109,6 +115,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
     Query row i of sequence b is at position ctx - q_len + i; keys 0..ctx-1 live in the pages of
     block_table[b]. Each key of a tile looks up its own page (BLOCK_N int loads, from cache), so
     key tiles may be longer than a page: 16-token pages still get 64-key tiles.
+    HAS_ALIBI: score of key n for the query at position p gains alibi[h] * (n - p) (alibi: slopes * log2 e).
     """
     seq = tl.load(work_ptr + tl.program_id(0))
     first_row = tl.load(work_ptr + NUM_WORK + tl.program_id(0))
@@ -146,10 +153,13 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
         visible = n[None, :] <= pos[:, None]
         if HAS_WINDOW:
             visible = visible & (pos[:, None] - n[None, :] < window)
+        bias = None
+        if HAS_ALIBI:
+            bias = tl.load(alibi_ptr + h) * (n[None, :] - pos[:, None]).to(tl.float32)
         m_i, l_i, acc = _attend_tile(q, q_tail, k_ptr + page * stride_kp + kv_h * stride_kh + page_rows * stride_ks,
                                      v_ptr + page * stride_vp + kv_h * stride_vh + page_rows * stride_vs,
                                      key_ok, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv, D_QK, D_V,
-                                     qk_scale, BLOCK_DR)
+                                     qk_scale, BLOCK_DR, bias)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
@@ -162,7 +172,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
                          stride_vp, stride_vs, stride_vh, stride_bt, H, D_QK, D_V, qk_scale, window,
                          GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
-                         BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                         BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         alibi_ptr, HAS_ALIBI: tl.constexpr):
     """Stage 1. One program: one KV split of one (sequence, kv head, block of its query heads).
 
     All query heads sharing a kv head are one tl.dot operand, so each K/V tile is read once per
@@ -172,6 +183,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
     lives in page block_table[b, n // PAGE_SIZE]; a key tile never straddles two pages, so paging costs
     one scalar load per tile.
     HAS_WINDOW: only keys >= cache_len - window exist for the query; the splits divide that range.
+    HAS_ALIBI: key n's score gains alibi[head] * (n - (cache_len - 1)) (alibi: slopes * log2 e).
     """
     b = tl.program_id(0)
     head_blocks = tl.cdiv(GROUP, BLOCK_H)
@@ -199,15 +211,21 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    slopes = None
+    if HAS_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=head_mask, other=0.0)
     for start_n in range(lo, hi, BLOCK_N):
         n = start_n + offs_n
         page = tl.load(block_table_ptr + b * stride_bt + start_n // PAGE_SIZE).to(tl.int64)
         rows = start_n % PAGE_SIZE + offs_n  # the tile's rows in its page
         key_ok = (n < hi) & (n >= first)
+        bias = None
+        if HAS_ALIBI:
+            bias = slopes[:, None] * (n - (cache_len - 1)).to(tl.float32)[None, :]
         m_i, l_i, acc = _attend_tile(q, q_tail, k_ptr + page * stride_kp + kv_h * stride_kh + rows * stride_ks,
                                      v_ptr + page * stride_vp + kv_h * stride_vh + rows * stride_vs, key_ok,
                                      key_ok[None, :], m_i, l_i, acc, offs_d, offs_dr,
-                                     offs_dv, D_QK, D_V, qk_scale, BLOCK_DR)
+                                     offs_dv, D_QK, D_V, qk_scale, BLOCK_DR, bias)
 
     # An empty split stores lse = -inf and a zero output; the merge gives it weight 0.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -442,6 +460,25 @@ def _check_window(window) -> None:
         raise ValueError(f"window = {window!r}; expected an int >= 0 (0: no sliding window).")
 
 
+def _check_alibi(alibi_slopes: torch.Tensor | None, H: int, device: torch.device) -> None:
+    if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or tuple(alibi_slopes.shape) != (H,)
+                                     or alibi_slopes.device != device or not alibi_slopes.is_contiguous()):
+        raise ValueError(f"alibi_slopes is {alibi_slopes.dtype} {tuple(alibi_slopes.shape)} on {alibi_slopes.device}; "
+                         f"expected a contiguous float32 [{H}] (one slope per query head) on {device} "
+                         "(tritonq.kernels.attention.alibi_slopes builds MPT's)")
+
+
+def alibi_slopes(num_heads: int, bias_max: float = 8.0, device=None) -> torch.Tensor:
+    """MPT's ALiBi slopes [num_heads] fp32: 2^(-bias_max * i / n) for i = 1..n, n = num_heads rounded up to a
+    power of two; for other head counts the odd-indexed slopes of that list, then the even ones, cut to
+    num_heads (MPT's rule, as transformers' build_mpt_alibi_tensor)."""
+    n = 1 << max(0, num_heads - 1).bit_length()
+    slopes = 1.0 / torch.pow(2.0, torch.arange(1, n + 1, dtype=torch.float32, device=device) * (bias_max / n))
+    if n != num_heads:
+        slopes = torch.cat([slopes[1::2], slopes[::2]])[:num_heads]
+    return slopes.contiguous()
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -454,7 +491,7 @@ def head_blocks(d_qk: int, d_v: int) -> tuple[int, int, int]:
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
                      block_table: torch.Tensor, scale: float, window: int = 0, config: DecodeConfig | None = None,
-                     max_seq_len: int | None = None) -> torch.Tensor:
+                     max_seq_len: int | None = None, *, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against its paged KV cache; see the module docstring.
 
     q [B, H, Dqk]; k_pages [P, page_size, Hkv, Dqk], v_pages [P, page_size, Hkv, Dv] (strided views
@@ -466,7 +503,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     None: `decode_config`. The key tile is `paged_block_n`: BLOCK_N capped at page_size and at 32.
     max_seq_len: the capacity the launch config is chosen for (default: the block table width x
     page_size). The config never depends on cache_lens, so a growing sequence never recompiles and
-    the launch is CUDA-graph safe.
+    the launch is CUDA-graph safe. alibi_slopes [H] fp32: ALiBi (module docstring); None: none.
     """
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(f"decode_attention: expected q [B,H,Dqk], k_pages [P,page_size,Hkv,Dqk], v_pages "
@@ -479,13 +516,16 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     if config is not None:
         check_decode_config(config, page_size)
     _check_window(window)
+    _check_alibi(alibi_slopes, H, q.device)
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
         raise ValueError(f"decode_attention: max_seq_len = {max_seq_len!r}; expected an int >= 1 (the capacity "
                          "the launch config is chosen for) or None.")
     if use_cpu_kernels(q):  # torch's CPU flash attention over each sequence's real keys (kernels/cpu_attention.py)
-        return cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window)
+        return cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window,
+                                              alibi_slopes=alibi_slopes)
     if not use_triton(q):
-        return decode_attention_reference(q, k_pages, v_pages, cache_lens, block_table, scale, window)
+        return decode_attention_reference(q, k_pages, v_pages, cache_lens, block_table, scale, window,
+                                          alibi_slopes=alibi_slopes)
 
     q, k_pages, v_pages = map(_last_dim_contiguous, (q, k_pages, v_pages))
     H_kv, D_V = k_pages.shape[2], v_pages.shape[-1]
@@ -496,7 +536,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         S_max = min(S_max, window)
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
     cfg = config or decode_config(B, H_kv, S_max, page_size, *head_blocks(D_QK, D_V), sm_count)
-    split, merge, out = decode_launches(q, k_pages, v_pages, cache_lens, block_table, scale, window, cfg)
+    split, merge, out = decode_launches(q, k_pages, v_pages, cache_lens, block_table, scale, window, cfg,
+                                        alibi_slopes=alibi_slopes)
     split()
     merge()
     return out
@@ -504,7 +545,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
 
 def decode_launches(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
                     block_table: torch.Tensor, scale: float, window: int,
-                    cfg: DecodeConfig) -> tuple[Launch, Launch, torch.Tensor]:
+                    cfg: DecodeConfig, *, alibi_slopes: torch.Tensor | None = None
+                    ) -> tuple[Launch, Launch, torch.Tensor]:
     """The two launches of a decode step (_decode_split_kernel, then _decode_merge_kernel) for checked
     inputs of decode_attention (head dim contiguous), and the output o [B, H, Dv]. Over meta tensors
     they are what tune --aot and the AOT tests compile."""
@@ -523,7 +565,8 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
                  stride_vp=v_pages.stride(0), stride_vs=v_pages.stride(1), stride_vh=v_pages.stride(2),
                  stride_bt=block_table.stride(0), H=H, D_QK=D_QK, D_V=D_V, qk_scale=scale * LOG2E, window=window,
                  GROUP=group, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window > 0)
+                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window > 0,
+                 alibi_ptr=q if alibi_slopes is None else alibi_slopes * LOG2E, HAS_ALIBI=alibi_slopes is not None)
     out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
     block_splits = triton.next_power_of_2(cfg.NUM_SPLITS)
     merge = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, o_ptr=out, stride_ob=out.stride(0),
@@ -592,7 +635,7 @@ def write_kv_slots_launch(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
                             scale: float, window: int = 0, config: PrefillConfig | None = None, *,
-                            check_values: bool = True) -> torch.Tensor:
+                            check_values: bool = True, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over a paged cache that already holds them.
 
     q [T, H, Dqk]: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 (varlen,
@@ -606,6 +649,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     `paged_prefill_config` for this GPU. check_values=False skips the check that cu_seqlens_q and
     context_lens agree with T and the block table (~8 small kernels and an assert on CUDA, a host read on
     CPU): for callers that checked them already (models: the engine's runner checks each step once).
+    alibi_slopes [H] fp32: ALiBi (module docstring); None: none.
     """
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(f"paged_prefill_attention: expected q [T,H,Dqk], k_pages [P,page_size,Hkv,Dqk], "
@@ -613,6 +657,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
                          f"v_pages {tuple(v_pages.shape)}.")
     _check_heads(q, k_pages, v_pages, "paged prefill")
     _check_window(window)
+    _check_alibi(alibi_slopes, q.shape[1], q.device)
     B = context_lens.shape[0] if context_lens.dim() == 1 else -1
     _check_lens("context_lens", context_lens, B, q.device)
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (B + 1,) or cu_seqlens_q.device != q.device:
@@ -626,10 +671,10 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
         _check_prefill_lens(cu_seqlens_q, context_lens, q.shape[0], block_table.shape[1] * page_size)
     if use_cpu_kernels(q):  # kernels/cpu_attention.py
         return cpu_attention.paged_prefill_attention(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
-                                                     scale, window)
+                                                     scale, window, alibi_slopes=alibi_slopes)
     if not use_triton(q):
         return paged_prefill_attention_reference(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
-                                                 scale, window)
+                                                 scale, window, alibi_slopes=alibi_slopes)
 
     T, D_V = q.shape[0], v_pages.shape[-1]
     if config is None:
@@ -637,14 +682,14 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     if T == 0 or B == 0:
         return torch.empty(T, q.shape[1], D_V, dtype=q.dtype, device=q.device)
     launch, out = paged_prefill_launch(_last_dim_contiguous(q), k_pages, v_pages, cu_seqlens_q, context_lens,
-                                       block_table, scale, window, config)
+                                       block_table, scale, window, config, alibi_slopes=alibi_slopes)
     launch()
     return out
 
 
 def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cu_seqlens_q: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, scale: float, window: int,
-                         cfg: PrefillConfig) -> tuple[Launch, torch.Tensor]:
+                         cfg: PrefillConfig, *, alibi_slopes: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
     """The launch of _paged_prefill_kernel for checked inputs of paged_prefill_attention (q head dim
     contiguous, T and B > 0) and its output [T, H, Dv]. Over meta tensors it is what the AOT tests compile.
 
@@ -671,7 +716,8 @@ def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
                 stride_oh=out.stride(1), stride_bt=block_table.stride(0), NUM_WORK=num_work, H=H, D_QK=D_QK,
                 D_V=D_V, qk_scale=scale * LOG2E, window=window, GROUP=H // k_pages.shape[2],
                 HAS_WINDOW=window > 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
-                BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=k_pages.shape[1])
+                BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=k_pages.shape[1],
+                alibi_ptr=q if alibi_slopes is None else alibi_slopes * LOG2E, HAS_ALIBI=alibi_slopes is not None)
     return Launch(_paged_prefill_kernel, (num_work, H), args, cfg.num_warps, cfg.num_stages), out
 
 
@@ -683,7 +729,7 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
 
 def decode_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                cache_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                               window: int = 0) -> torch.Tensor:
+                               window: int = 0, *, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch, float32: each sequence's pages gathered into rows, softmax over its positions
     < cache_lens[b] (and, if window > 0, >= cache_lens[b] - window).
 
@@ -700,6 +746,9 @@ def decode_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     pad = pos >= cache_lens[:, None]
     if window:
         pad = pad | (pos < cache_lens[:, None] - window)
+    if alibi_slopes is not None:  # slope[h] * (key - query position), the query at cache_lens - 1
+        offset = (pos[None, :] - (cache_lens[:, None] - 1)).float()  # [B, Smax]
+        scores = scores + alibi_slopes.float().view(1, H_kv, H // H_kv, 1) * offset[:, None, None, :]
     scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v_cache.float().transpose(1, 2)  # [B, Hkv, group, Dv]
     # A sequence with no keys (a padding row, context length 0) gets zeros, as the kernel gives, not NaN.
@@ -727,7 +776,8 @@ def write_kv_slots_reference(k_pages: torch.Tensor, v_pages: torch.Tensor, k: to
 
 def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                                      block_table: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                                      block_table: torch.Tensor, scale: float, window: int = 0, *,
+                                      alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch, float32, one sequence at a time: gather its context_lens[b] keys from its pages,
     masked softmax with query i at position context_lens[b] - q_len + i (causal, optional window)."""
     H, group = q.shape[1], q.shape[1] // k_pages.shape[2]
@@ -745,6 +795,8 @@ def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_
         p = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
         j = torch.arange(n_k, device=q.device)[None, :]
         visible = (j <= p) & ((p - j < window) if window else True)
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float()[:, None, None] * (j - p).float()
         scores = scores.masked_fill(~visible, float("-inf"))
         out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
     return out.to(q.dtype)

@@ -63,16 +63,21 @@ PARALLEL_WORK = 1 << 20  # query heads x query rows x keys of a sequence from wh
 
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
-                     block_table: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                     block_table: torch.Tensor, scale: float, window: int = 0, *,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, Dqk] -> [B, H, Dv]: query b (at position cache_lens[b] - 1) over its keys
-    max(0, cache_lens[b] - window) .. cache_lens[b] - 1 (window 0: all)."""
+    max(0, cache_lens[b] - window) .. cache_lens[b] - 1 (window 0: all); alibi_slopes [H]: ALiBi bias
+    slope * (key - position) as a float mask (eager only: models with ALiBi do not compile)."""
+    if alibi_slopes is not None:
+        return _decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window, alibi_slopes)
     if torch.compiler.is_compiling():  # an opaque op in the compiled graph (see _decode_attention_op)
         return torch.ops.tritonq.cpu_decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window)
     return _decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window)
 
 
 def _decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
-                      block_table: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+                      block_table: torch.Tensor, scale: float, window: int,
+                      alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     B, H, _ = q.shape
     H_kv = k_pages.shape[2]
     out = q.new_zeros(B, H, v_pages.shape[-1])
@@ -84,15 +89,23 @@ def _decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
                 continue
             first = max(0, n - window) if window else 0
             k, v = (_gather(pages, block_table[b], first, n) for pages in (k_pages, v_pages))
-            out[b] = _sdpa(grouped[b], k, v, scale).reshape(H, -1)
+            if alibi_slopes is None:
+                out[b] = _sdpa(grouped[b], k, v, scale).reshape(H, -1)
+                continue
+            # ALiBi: bias [Hkv, group, keys]; in fp32 throughout (SDPA wants the mask in q's dtype, and a bf16
+            # bias of -slope * distance would be off by up to 2^-9 of it)
+            keys = torch.arange(first - (n - 1), 1, device=q.device, dtype=torch.float32)
+            bias = alibi_slopes.view(H_kv, -1, 1) * keys
+            out[b] = _sdpa(grouped[b].float(), k.float(), v.float(), scale, bias).reshape(H, -1).to(q.dtype)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
-                            scale: float, window: int = 0) -> torch.Tensor:
+                            scale: float, window: int = 0, *, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, Dqk] packed -> [T, H, Dv]: sequence b's rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1
-    at positions ctx - n_q .. ctx - 1 (ctx = context_lens[b]), causal over keys 0 .. ctx - 1."""
+    at positions ctx - n_q .. ctx - 1 (ctx = context_lens[b]), causal over keys 0 .. ctx - 1.
+    alibi_slopes [H]: ALiBi, a float mask slope * (key - position) with -inf above the diagonal."""
     out = q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1])
     cu, contexts = cu_seqlens_q.tolist(), context_lens.tolist()
     largest = max(((b - a) * ctx for a, b, ctx in zip(cu, cu[1:], contexts)), default=0)
@@ -105,11 +118,15 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
             first = max(0, ctx - n_q - win + 1) if win else 0  # the oldest key any query sees
             k, v = (_gather(pages, block_table[b], first, ctx) for pages in (k_pages, v_pages))
             mask = None
-            if win or n_q != ctx:  # not a whole prompt with full causal attention: mask by position
+            if win or n_q != ctx or alibi_slopes is not None:  # not plain causal attention: mask by position
                 pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
                 key = torch.arange(first, ctx, device=q.device)[None, :]
                 mask = (key <= pos) & (pos - key < win) if win else key <= pos
-            rows = _sdpa(q[cu[b]:cu[b + 1]].transpose(0, 1), k, v, scale, mask, causal=mask is None)
+            queries = q[cu[b]:cu[b + 1]].transpose(0, 1)
+            if alibi_slopes is not None:  # [H, n_q, keys] fp32 bias, -inf where not visible; fp32 as in decode
+                mask = (alibi_slopes[:, None, None] * (key - pos).float()).masked_fill(~mask, float("-inf"))
+                queries, k, v = queries.float(), k.float(), v.float()
+            rows = _sdpa(queries, k, v, scale, mask, causal=mask is None).to(q.dtype)
             out[cu[b]:cu[b + 1]] = rows.transpose(0, 1)
     return out
 
