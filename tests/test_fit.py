@@ -73,6 +73,8 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "int4 M256"): 196,  # 3.9: 196, 3.6: 88
     (75, "int4 act-order M256"): 9734,  # 3.9: 9734, 3.6: 9276
     (75, "int8 M256"): 200,  # 3.9: 200, 3.6: 88
+    (75, "nf4 M1"): 364,  # 3.9: 364, 3.6: 312
+    (75, "nf4 M256"): 11476,  # 3.9: 9992, 3.6: 11476: the code-table gather of a whole tile (like act-order's scales)
     (75, "fp8 weight-only block M1"): 2236,  # 3.9: 2236, 3.6: 2184 (IEEE dots: 2228 before)
     (75, "fp8 weight-only block M16"): 2236,  # 3.9: 2236, 3.6: 2180
     (75, "fp8 weight-only block M256"): 7628,  # 3.9: 7628, 3.6: 6836
@@ -127,6 +129,8 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     config = int4_gemm.default_config(256, N, K)  # GPTQ act-order (a per-row scale gather) and 8-bit
     out["int4 act-order M256"] = int4_gemm.aot_launch(config, 256, N, K, dtype, zeros=False, act_order=True)
     out["int8 M256"] = int4_gemm.aot_launch(config, 256, N, K, dtype, bits=8)
+    for M in (1, 256):  # bitsandbytes nf4 / fp4: a code-table gather per weight, fp32 absmax per 64 rows
+        out[f"nf4 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K), M, N, K, dtype, code=True)
     # fp8: e4m3 x e4m3 dots from sm_89 (block-scaled and per-channel weights), the weight-only path (weights
     # decoded in the kernel) below sm_89 and for weight-only checkpoints everywhere.
     paths = [("fp8", False), ("fp8 weight-only", True)] if cc >= 89 else [("fp8 weight-only", True)]
@@ -181,6 +185,16 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
                                                 _meta(1, 256, **i32), 0.125, GPT_OSS_WINDOW, config, sinks)
     out[f"decode 64/64 page16 window{GPT_OSS_WINDOW} sinks"] = split
     out["decode merge 64/64 sinks"] = merge
+    # ALiBi (MPT-7B: 32 heads of 128, multi-head): the bias tile beside the scores in prefill and decode
+    slopes = _meta(32, dtype=torch.float32)
+    k, v = _meta(1024, 16, 32, 128, dtype=dtype), _meta(1024, 16, 32, 128, dtype=dtype)
+    out["prefill alibi 128/128 page16"] = attention.paged_prefill_launch(
+        _meta(2048, 32, 128, dtype=dtype), k, v, _meta(5, **i32), _meta(4, **i32), _meta(4, 256, **i32), 128 ** -0.5,
+        0, attention.paged_prefill_config(*attention.head_blocks(128, 128), cc), alibi_slopes=slopes)[0]
+    config = attention.decode_config(1, 32, 32768, 16, *attention.head_blocks(128, 128), SM_COUNT[cc])
+    out["decode alibi 128/128 page16"] = attention.decode_launches(
+        _meta(1, 32, 128, dtype=dtype), k, v, _meta(1, **i32), _meta(1, 2048, **i32), 128 ** -0.5, 0, config,
+        alibi_slopes=slopes)[0]
     for d_qk, d_v in ((128, 128), (576, 512)):
         if cc < 80 and d_qk == 576:
             continue

@@ -456,7 +456,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     raw_config = _read_config(folder)
     cls = model_class(raw_config["model_type"])
     config = AutoConfig.from_pretrained(folder)
-    positions = getattr(config, "max_position_embeddings", None)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None)  # MPT's name
     if max_seq_len is not None and positions is not None and max_seq_len > positions:
         where = (f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={positions} "
                  f"({folder / 'config.json'})")
@@ -499,7 +499,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
         dtype = _default_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
     loader = get_loader(folder, dtype, device, quantize, 128 if group_size is None else group_size,
                         rank=rank, world=world)
-    max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)
+    max_seq_len = max_seq_len or min(positions, 4096)
     with loader.dry_run():  # every tensor the model asks for, checked from the headers before any is read
         cls(config, loader, dtype, torch.device("meta"), max_seq_len=max_seq_len, **build)
     with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints

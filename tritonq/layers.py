@@ -148,3 +148,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """x [..., D] -> (x - mean) / sqrt(var + eps) * weight [D] + bias [D] (bias None: none), as torch.nn.LayerNorm;
+    torch's kernel accumulates the statistics in fp32 for 16-bit x (Falcon, MPT)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
+        super().__init__()
+        self.weight, self.bias, self.eps = weight, bias, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)

@@ -113,7 +113,9 @@ class Int4Weight(_TypedWeight):
             or None for symmetric weights (zero = 2^(bits-1)).
     g_idx   [K] int32 group of each input row (act-order), or None: group of row k = k // group_size.
     group_size: rows per group (K for per-channel quantization).
-    Dequant: W[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n].
+    code    fp32 [16] or None. With it (bitsandbytes nf4 / fp4: bits 4, zeros and g_idx None) a 4-bit q is
+            an index into this code table, not an integer level, and scales are the blocks' absmax.
+    Dequant: W[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n];  with code: code[q[k, n]] * scales[g(k), n].
     """
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -122,6 +124,7 @@ class Int4Weight(_TypedWeight):
     group_size: int
     bits: int = 4
     bias: torch.Tensor | None = None
+    code: torch.Tensor | None = None
 
     @property
     def values(self) -> torch.Tensor:
@@ -141,12 +144,15 @@ class Int4Weight(_TypedWeight):
                                  f"[0, {self.scales.shape[0]}); g_idx must index scales rows")
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """W [N, K] = (q - zero) * scale, computed in fp32 (exact: integers times one rounding of
-        the scale), returned in dtype (None: the scales' dtype)."""
+        """W [N, K] = (q - zero) * scale (or code[q] * scale), computed in fp32 (exact: integers times one
+        rounding of the scale; one fp32 product with a code), returned in dtype (None: the scales' dtype)."""
         self.check_g_idx()
         K = self.shape[1]
-        q = unpack_int32(self.qweight, self.bits, dim=0).float()  # [K, N]
+        q = unpack_int32(self.qweight, self.bits, dim=0)  # [K, N]
         g = self.g_idx.long() if self.g_idx is not None else torch.arange(K, device=q.device) // self.group_size
+        if self.code is not None:
+            return (self.code.float()[q.long()] * self.scales.float()[g]).t().to(dtype or self.scales.dtype)
+        q = q.float()
         zeros = self.zeros.float()[g] if self.zeros is not None else 2.0 ** (self.bits - 1)
         return ((q - zeros) * self.scales.float()[g]).t().to(dtype or self.scales.dtype)
 
@@ -173,16 +179,19 @@ class Int4Weight(_TypedWeight):
     def _concat_outputs(cls, parts: list[Int4Weight], bias: torch.Tensor | None) -> Int4Weight:
         first = parts[0]
         keys = {(p.bits, p.group_size, p.zeros is None) for p in parts}
-        if len(keys) != 1 or any(not _same(p.g_idx, first.g_idx) for p in parts):
-            raise ValueError("cannot fuse int4 linears with different bits / group_size / symmetry / g_idx: "
-                             f"found (bits, group_size, symmetric) {sorted(keys)}")
+        if len(keys) != 1 or any(not _same(p.g_idx, first.g_idx) or not _same(p.code, first.code) for p in parts):
+            raise ValueError("cannot fuse int4 linears with different bits / group_size / symmetry / g_idx / code "
+                             f"table: found (bits, group_size, symmetric) {sorted(keys)}")
         return cls(torch.cat([p.qweight for p in parts], dim=-1), torch.cat([p.scales for p in parts], dim=-1),
                    None if first.zeros is None else torch.cat([p.zeros for p in parts], dim=-1),
-                   first.g_idx, first.group_size, first.bits, bias)
+                   first.g_idx, first.group_size, first.bits, bias, first.code)
 
     @classmethod
     def _stack_experts(cls, parts: list[Int4Weight]) -> Int4Weight:
         first = parts[0]
+        if first.code is not None:  # the expert kernel (kernels/moe.py) dequantizes integer levels only
+            raise ValueError("MoE experts with a 4-bit code table (bitsandbytes nf4/fp4) are not supported; "
+                             "load a dense, AWQ, GPTQ or FP8 checkpoint of this MoE model")
         if len({(p.bits, p.group_size, p.zeros is None, p.g_idx is None) for p in parts}) != 1:
             raise ValueError("experts of one MoE layer must share bits, group_size, symmetry and act-order")
         return cls(_stack(parts, "qweight"), _stack(parts, "scales"), _stack(parts, "zeros"), _stack(parts, "g_idx"),

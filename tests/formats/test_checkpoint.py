@@ -1,6 +1,7 @@
 """Weights (safetensors access over a folder) and the error paths of loading: every bad input
 raises an error that names the file and/or tensor, before anything is handed to the model."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -87,7 +88,9 @@ def edit_config(folder, **changes):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"quant_method": "bitsandbytes"}, r"quant_method='bitsandbytes' is not supported \(supported: \['awq', "),
+    ({"quant_method": "hqq"}, r"quant_method='hqq' is not supported \(supported: \['awq', 'bitsandbytes', "),
+    ({"quant_method": "exl2", "bits": 4.25}, r"quant_method='exl2'. EXL2 \(ExLlamaV2's mixed-bit format\) is not "
+                                            r"supported: .* Load a GPTQ, AWQ, bitsandbytes or FP8 upload"),
     ({"version": "gemv"}, r"AWQ version 'gemv' is not supported \(supported: 'gemm'\)"),
     ({"bits": 3}, r"AWQ bits=3 is not supported \(supported: 4\)"),
     ({"group_size": 48}, r"AWQ group_size=48 is not supported \(supported: \(-1, 32, 64, 128, 256\)\)"),
@@ -99,6 +102,17 @@ def test_unsupported_quantization_config(awq, changes, message):
     edit_config(awq, **changes)
     with pytest.raises(ValueError, match=message):
         get_loader(awq, torch.float16, "cpu")
+
+
+def test_exl2_tensors_without_a_quantization_config_are_refused(tiny_llama, tmp_path):
+    """Older EXL2 uploads have no quantization_config: their '*.q_groups' tensors say what they are."""
+    folder = tmp_path / "exl2"
+    shutil.copytree(tiny_llama, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.q_groups"] = torch.tensor([4, 0], dtype=torch.int16)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"tensors named '\*.q_groups' are EXL2's. EXL2 .* is not supported"):
+        get_loader(folder, torch.float16, "cpu")
 
 
 def test_quantize_on_load_needs_a_dense_checkpoint(awq, tiny_llama):

@@ -18,6 +18,7 @@ from tritonq.kernels.attention import (
     paged_cache,
     paged_prefill_attention,
     paged_prefill_attention_reference,
+    alibi_slopes,
     paged_prompts,
     write_kv_slots,
     write_kv_slots_reference,
@@ -496,3 +497,67 @@ def test_paged_prefill_sequence_without_new_tokens_is_skipped():
         rows = slice(int(cu[b]), int(cu[b + 1]))
         mask = visible_mask(torch.arange(ctx[b] - new[b], ctx[b]), ctx[b], 0)
         assert_close(out[rows], masked_sdpa(q[rows], ks[b], vs[b], 0.2, mask), torch.float32)
+
+
+# ---------------------------------------------------------------- ALiBi (MPT)
+
+def mpt_alibi(h: int, n_keys: int) -> torch.Tensor:
+    """transformers' MPT bias [H, 1, n_keys]: slope_h * (j - (n_keys - 1)), the independent reference."""
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+    return build_mpt_alibi_tensor(h, n_keys).float()
+
+
+def alibi_sdpa(q, k, v, scale, positions, n_keys, h):
+    """Causal attention with MPT's bias through torch SDPA: a float mask of the bias, -inf above the diagonal."""
+    bias = mpt_alibi(h, n_keys).expand(h, len(positions), n_keys)
+    mask = bias.masked_fill(~visible_mask(positions, n_keys, 0), float("-inf"))
+    return masked_sdpa(q, k, v, scale, mask)
+
+
+@pytest.mark.parametrize("h", [1, 2, 3, 5, 6, 8, 12, 16, 20])
+def test_alibi_slopes_are_mpts_for_any_head_count(h):
+    assert torch.equal(alibi_slopes(h, device="cpu"), -mpt_alibi(h, 2)[:, 0, 0].cpu())
+
+
+@pytest.mark.parametrize("h,h_kv,d", [(6, 2, 64), (5, 5, 72), (12, 4, 64), (3, 1, 96)])
+def test_paged_prefill_alibi_matches_mpt_bias_in_sdpa(h, h_kv, d):
+    """Odd head counts (3, 5, 6, 12 use the non-power-of-two slope rule), GQA / MQA, cached prefixes of 0, 17
+    and 300 tokens with 20, 5 and 1 new ones: each query's bias is slope * (key - its position)."""
+    g = torch.Generator().manual_seed(11)
+    ctx = [p + n for p, n in zip(PREFIXES, NEW_TOKENS)]
+    ks, vs, k_pages, v_pages, table = paged_context(ctx, h_kv, d, d, 16, torch.float32, g)
+    q, cu = packed_queries(NEW_TOKENS, h, d, torch.float32, g)
+    slopes = alibi_slopes(h, device=q.device)
+    out = paged_prefill_attention(q, k_pages, v_pages, cu, lens(ctx), table, 0.125, alibi_slopes=slopes)
+    ref = paged_prefill_attention_reference(q, k_pages, v_pages, cu, lens(ctx), table, 0.125, alibi_slopes=slopes)
+    for b, (prefix, n) in enumerate(zip(PREFIXES, NEW_TOKENS)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        expected = alibi_sdpa(q[rows], ks[b], vs[b], 0.125, torch.arange(prefix, prefix + n), ctx[b], h)
+        assert_close(out[rows], expected, torch.float32)
+        assert_close(ref[rows], expected, torch.float32)
+    plain = paged_prefill_attention(q, k_pages, v_pages, cu, lens(ctx), table, 0.125)
+    assert (plain - out).abs().max() > 1e-2  # the bias matters at these lengths
+
+
+@pytest.mark.parametrize("h,h_kv,dtype", [(6, 3, torch.float32), (5, 1, torch.float16), (12, 12, torch.float32)])
+def test_decode_alibi_matches_mpt_bias_in_sdpa(h, h_kv, dtype):
+    g = torch.Generator().manual_seed(12)
+    d = 64
+    q = randn(len(CACHE_LENS), h, d, generator=g).to(dtype)
+    ks, vs, k_pages, v_pages, table = paged_context(CACHE_LENS, h_kv, d, d, 16, dtype, g)
+    slopes = alibi_slopes(h, device=q.device)
+    out = decode_attention(q, k_pages, v_pages, lens(CACHE_LENS), table, 0.1, alibi_slopes=slopes)
+    ref = decode_attention_reference(q, torch.nan_to_num(k_pages), torch.nan_to_num(v_pages), lens(CACHE_LENS),
+                                     table, 0.1, alibi_slopes=slopes)
+    for b, n in enumerate(CACHE_LENS):
+        expected = alibi_sdpa(q[b, None], ks[b], vs[b], 0.1, torch.tensor([n - 1]), n, h)[0]
+        assert_close(out[b], expected, dtype)
+        assert_close(ref[b], expected, dtype)
+
+
+def test_alibi_slopes_are_checked(device):
+    g = torch.Generator().manual_seed(13)
+    ks, vs, k_pages, v_pages, table = paged_context([5], 2, 64, 64, 16, torch.float32, g)
+    q = randn(1, 4, 64, generator=g)
+    with pytest.raises(ValueError, match=r"alibi_slopes is torch.float32 \(3,\).*expected a contiguous float32 \[4\]"):
+        decode_attention(q, k_pages, v_pages, lens([5]), table, 0.1, alibi_slopes=alibi_slopes(3, device=q.device))

@@ -234,3 +234,30 @@ def test_quantized_write_equals_reference_bitwise(kind, d_qk, d_v, h, h_kv):
     cpu_attention.write_kv_slots(got_k.data, got_v.data, k, v, slots, got_k.scale, got_v.scale)
     for got, ref in ((got_k, ref_k), (got_v, ref_v)):
         assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(got.scale, ref.scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,h_kv", [(6, 2), (5, 5), (12, 4), (3, 1)])
+def test_alibi_prefill_and_decode_match_reference(h, h_kv, dtype):
+    """ALiBi (MPT's slopes, odd head counts) on the CPU path, through the public launchers, vs the references:
+    prefill of whole prompts and chunks after a cached prefix, decode with a padding row; poisoned caches."""
+    g = torch.Generator().manual_seed(2)
+    slopes = attention.alibi_slopes(h)
+    q_lens, ctx = zip(*PREFILL)
+    k_pages, v_pages, table = cache(64, 64, h_kv, ctx, dtype, g)
+    q = torch.randn(sum(q_lens), h, 64, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    context_lens = torch.tensor(ctx, dtype=torch.int32)
+    ref = paged_prefill_attention_reference(q, k_pages, v_pages, cu, context_lens, table, 0.125, alibi_slopes=slopes)
+    k_bad, v_bad, table_bad = poisoned(k_pages, v_pages, table, [(0, c) for c in ctx])
+    got = paged_prefill_attention(q, k_bad, v_bad, cu, context_lens, table_bad, 0.125, alibi_slopes=slopes)
+    assert_close(got, ref, dtype)
+
+    k_pages, v_pages, table = cache(64, 64, h_kv, DECODE_LENS, dtype, g)
+    q = torch.randn(len(DECODE_LENS), h, 64, generator=g).to(dtype)
+    lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
+    ref = decode_attention_reference(q, k_pages, v_pages, lens, table, 0.125, alibi_slopes=slopes)
+    k_bad, v_bad, table_bad = poisoned(k_pages, v_pages, table, [(0, n) for n in DECODE_LENS])
+    got = decode_attention(q, k_bad, v_bad, lens, table_bad, 0.125, alibi_slopes=slopes)
+    assert_close(got, ref, dtype)
+    assert (got[DECODE_LENS.index(0)] == 0).all()

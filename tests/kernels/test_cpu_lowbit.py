@@ -49,6 +49,8 @@ FP32_CASES = {  # typed weights the CPU backend dequantizes once to fp32
                                                      act_order=True),
     "gptq8_per_channel": lambda: quantize_int4(torch.randn(N, 200), group_size=-1, bits=8),
     "int4_g16": lambda: quantize_int4(torch.randn(N, 96), group_size=16),
+    "nf4_code_table_g64": lambda: replace(quantize_int4(torch.randn(N, 192), group_size=64, sym=True), zeros=None,
+                                          scales=torch.rand(3, N) + 0.1, code=torch.linspace(-1, 1, 16) ** 3),
 }
 FP8_CASES = {
     "fp8_tensor": lambda: quantize_fp8(torch.randn(N, 200), "tensor"),

@@ -23,6 +23,7 @@ from tritonq.kernels.int4_gemm import (
     int4_gemm_reference,
 )
 from tritonq.packing import AWQ_ORDER
+from tritonq.weights import Int4Weight
 
 TOL = tolerances.table("int4_gemm")  # tests/tolerances.py: the reason of each dtype's bound
 
@@ -223,3 +224,50 @@ def test_bad_config_raises_value_error():
     w, _ = awq_case(128, 40, 32, torch.float16)
     with pytest.raises(ValueError, match=r"config.BLOCK_N = 24, expected a power of two >= 16"):
         int4_gemm(torch.ones(2, 128, dtype=torch.float16), w, config=Int4GemmConfig(16, 24, 32))
+
+
+# ---------------------------------------------------------------- code-table weights (bitsandbytes nf4 / fp4)
+
+NF4_TABLE = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+             0.24611230731010437, 0.33791524742126465, 0.44070982933044434, 0.5626170039176941,
+             0.7229568362236023, 1.0]  # bitsandbytes' nf4 quant_map (functional.get_4bit_type("nf4"))
+
+
+@built_on_cpu
+def codebook_case(K, N, group_size):
+    """An nf4-style Int4Weight (codes packed along K, fp32 absmax per group, the nf4 table) and the dense
+    W [N, K] by hand (float64): W[n, k] = table[q[k, n]] * absmax[k // group_size, n]."""
+    q = torch.randint(0, 16, (K, N), dtype=torch.int32)
+    absmax = torch.rand(K // group_size, N) + 0.05
+    table = np.array(NF4_TABLE, dtype=np.float32).astype(np.float64)
+    dense = (table[q.numpy()] * absmax.double().numpy()[np.arange(K) // group_size]).T
+    words = torch.zeros(K // 8, N, dtype=torch.int64)  # by hand: row 8j + f in bits [4f, 4f + 4) of word j
+    for f in range(8):
+        words |= q[f::8].long() << (4 * f)
+    qweight = (words - (words >= 2**31).long() * 2**32).to(torch.int32)
+    w = Int4Weight(qweight, absmax, None, None, group_size, 4, code=torch.tensor(NF4_TABLE))
+    return w, dense
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M, K, N, group_size", [(1, 136, 40, 8), (3, 192, 72, 64), (17, 256, 24, 32),
+                                                 (64, 320, 104, 64), (3, 1024, 40, 512)])
+def test_code_table_kernel_matches_hand_dequantized(M, K, N, group_size, dtype):
+    """int4_gemm with a code table (HAS_CODE) at odd shapes (K, N off the tiles; groups below, at and above
+    BLOCK_K) against x @ W^T over W dequantized by hand and rounded to x's dtype, as the kernel feeds its dots."""
+    w, dense = codebook_case(K, N, group_size)
+    assert torch.equal(w.dequantize(), dense.float())  # table value times absmax: one correctly rounded fp32 product
+    x = torch.randn(M, K).to(dtype)
+    ref = x.double() @ dense.to(dtype).double().T
+    assert_close(int4_gemm(x, w), ref)
+    assert_close(int4_gemm_reference(x, w), x.double() @ dense.T)
+
+
+def test_code_table_needs_fp32_16_entries_and_no_zeros(device):
+    w, _ = codebook_case(64, 32, 32)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="code is torch.float16 of shape .16.*expected fp32 \\[16\\]"):
+        int4_gemm(x, replace(w, code=w.code.half()))
+    with pytest.raises(ValueError, match="code is .*zeros/g_idx set: True/False"):
+        int4_gemm(x, replace(w, zeros=torch.zeros_like(w.scales)))

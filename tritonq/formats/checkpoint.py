@@ -218,6 +218,13 @@ class Weights:
         self._advance(name)
         return tensor
 
+    def get_metadata(self, name: str) -> torch.Tensor:
+        """A small tensor that describes other tensors (bitsandbytes' JSON quant state), read even inside
+        `dry_run`: the shapes a dry run checks come from it. Recorded as read."""
+        tensor = self._handle(name).get_tensor(name)
+        self._advance(name)
+        return tensor
+
     def read_into(self, name: str, out: torch.Tensor, chunk_bytes: int = 4 << 20) -> torch.Tensor:
         """Tensor `name` written into `out` (its stored shape; any float dtype, strides and device: converted
         while copying), a block of rows at a time through one buffer of at most ~chunk_bytes. The stored

@@ -8,6 +8,7 @@ import torch
 
 from tritonq.formats.awq import AWQLoader
 from tritonq.formats.base import WeightsLoader
+from tritonq.formats.bitsandbytes import BitsAndBytesLoader
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.compressed_tensors import CompressedTensorsLoader
 from tritonq.formats.dense import DenseLoader
@@ -19,8 +20,22 @@ from tritonq.formats.mxfp4 import MXFP4Loader
 # config.json's quantization_config; the file name says which quantizer wrote it.
 SIDE_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 
+# Formats recognised and refused with the reason and what to load instead.
+# EXL2 (ExLlamaV2, config quantization_config {quant_method: exl2, bits, head_bits} from `convert.py -cf`;
+# per linear P.q_weight, q_invperm, q_scale, q_scale_max, q_groups): its rows mix 2-8 bit widths per group and
+# are unpacked by ExLlamaV2's CUDA extension (make_q_matrix), which cannot run here to check a reimplementation
+# against, so tritonq does not guess at it.
+REFUSED = {
+    "exl2": "EXL2 (ExLlamaV2's mixed-bit format) is not supported: its packed rows are decoded by ExLlamaV2's CUDA "
+            "extension, with no independent reference to check a reimplementation against. Load a GPTQ, AWQ, "
+            "bitsandbytes or FP8 upload of the same model, or quantize the original weights with "
+            "`python -m tritonq.quantize`",
+}
+EXL2_MARKER = ".q_groups"  # a tensor every EXL2 linear stores (older uploads have no quantization_config)
+
 LOADERS = {
     "awq": AWQLoader,
+    "bitsandbytes": BitsAndBytesLoader,
     "gptq": GPTQLoader,
     "fp8": FP8Loader,
     "fbgemm_fp8": FP8Loader,
@@ -45,8 +60,13 @@ def get_loader(folder: str | Path, dtype: torch.dtype, device, quantize: str | N
     if q is not None:
         config["quantization_config"] = q
     if q is None:
-        return DenseLoader(Weights(folder), config, dtype, device, quantize, group_size, rank=rank, world=world)
+        weights = Weights(folder)
+        if any(name.endswith(EXL2_MARKER) for name in weights.names()):
+            raise ValueError(f"{folder}: tensors named '*{EXL2_MARKER}' are EXL2's. {REFUSED['exl2']}")
+        return DenseLoader(weights, config, dtype, device, quantize, group_size, rank=rank, world=world)
     method = q.get("quant_method")
+    if method in REFUSED:
+        raise ValueError(f"{path}: quant_method={method!r}. {REFUSED[method]}")
     if method not in LOADERS:
         raise ValueError(f"{path}: quant_method={method!r} is not supported (supported: {sorted(LOADERS)}, "
                          "or no quantization_config for a dense checkpoint)")

@@ -21,6 +21,8 @@ Attention sinks (gpt-oss; sinks [H] fp32, optional): head h's learned logit sink
 denominator only, as a key with a zero value row would: out = sum_j e^(s_j) v_j / (e^(sinks[h]) +
 sum_j e^(s_j)). Prefill starts each row's online softmax from that virtual key (running max sinks[h],
 sum 1); decode adds it once, in the merge of the KV splits, so the splits themselves are unchanged.
+ALiBi (alibi_slopes [H] fp32, keyword-only, MPT): query head h's score of key j at query position p gains
+slopes[h] * (j - p) after the scale (softmax ignores the per-row constant, so this equals MPT's slopes * j).
 dtypes: fp16, bf16 or fp32 (all inputs the same); accumulation and softmax are fp32; outputs are
 in q's dtype (fp32 inputs use TF32 tensor-core dots on GPUs).
 
@@ -124,7 +126,7 @@ def read_kv_rows(pages: torch.Tensor | QuantizedPages, page_index: torch.Tensor,
 @triton.jit
 def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv,
                  D_QK, D_V, qk_scale, BLOCK_DR: tl.constexpr, k_scale_ptr=None, v_scale_ptr=None, scale_rows=None,
-                 KV_FP8: tl.constexpr = False, KV_INT8: tl.constexpr = False):
+                 KV_FP8: tl.constexpr = False, KV_INT8: tl.constexpr = False, bias=None):
     """One online-softmax step (flash-attention 2) of a query tile over BLOCK_N keys; every kernel's loop body.
 
     q [M, BLOCK_D] (and q_tail [M, BLOCK_DR] if BLOCK_DR > 0): the query tile, scale not applied.
@@ -132,6 +134,7 @@ def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs
     key_ok [BLOCK_N]: keys that exist (others are not loaded: unused cache rows may hold NaN garbage).
     visible [M, BLOCK_N]: the scores kept (causal, window, length). qk_scale includes log2(e).
     m_i, l_i [M]: running max (log2 domain) and sum; acc [M, BLOCK_DV]. Returns (m_i, l_i, acc) updated.
+    bias [M, BLOCK_N] fp32 or None: added to the scaled scores, in the log2 domain (ALiBi).
     A row that has seen no visible key yet (a sliding window's leading tiles) keeps m_i = -inf and
     gains nothing: its max is taken as 0 for the exponentials, so exp2(-inf) = 0 and no NaN appears.
     Quantized pages (module docstring): KV_FP8 tiles are e4m3 bytes (decoded to value / 256; the caller
@@ -145,10 +148,12 @@ def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs
                          other=0.0)
         s = ieee_dot(q_tail, _kv_tile(k_tail, q.dtype, KV_FP8), s)
     if KV_INT8:  # each key's scale multiplies its score column (exact: the codes entered the dot unscaled)
-        s = tl.where(visible, s * (tl.load(k_scale_ptr + scale_rows, mask=key_ok, other=0.0) * qk_scale)[None, :],
-                     float("-inf"))
+        s = s * (tl.load(k_scale_ptr + scale_rows, mask=key_ok, other=0.0) * qk_scale)[None, :]
     else:
-        s = tl.where(visible, s * qk_scale, float("-inf"))
+        s = s * qk_scale
+    if bias is not None:
+        s += bias
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -197,7 +202,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
                           BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, sinks_ptr=None,
                           HAS_SINKS: tl.constexpr = False, k_scale_ptr=None, v_scale_ptr=None,
-                          KV_FP8: tl.constexpr = False, KV_INT8: tl.constexpr = False):
+                          KV_FP8: tl.constexpr = False, KV_INT8: tl.constexpr = False, alibi_ptr=None,
+                          HAS_ALIBI: tl.constexpr = False):
     """One program: BLOCK_M consecutive new tokens of one sequence, one query head, over paged keys.
 
     work [2, NUM_WORK] int32 (built by the launcher on the device, no host sync): the sequence of
@@ -208,6 +214,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
     HAS_SINKS: sinks_ptr [H] fp32; each row's softmax starts from the sink (max = its logit, sum = 1,
     nothing accumulated), a key whose value row is zero.
     KV_FP8 / KV_INT8: quantized pages with their scales (module docstring).
+    HAS_ALIBI: score of key n for the query at position p gains alibi[h] * (n - p) (alibi: slopes * log2 e).
     """
     seq = tl.load(work_ptr + tl.program_id(0))
     first_row = tl.load(work_ptr + NUM_WORK + tl.program_id(0))
@@ -250,11 +257,14 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
         visible = n[None, :] <= pos[:, None]
         if HAS_WINDOW:
             visible = visible & (pos[:, None] - n[None, :] < window)
+        bias = None
+        if HAS_ALIBI:
+            bias = tl.load(alibi_ptr + h) * (n[None, :] - pos[:, None]).to(tl.float32)
         m_i, l_i, acc = _attend_tile(q, q_tail, k_ptr + page * stride_kp + kv_h * stride_kh + page_rows * stride_ks,
                                      v_ptr + page * stride_vp + kv_h * stride_vh + page_rows * stride_vs,
                                      key_ok, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv, D_QK, D_V,
                                      qk_scale, BLOCK_DR, k_scale_ptr, v_scale_ptr,
-                                     (page * PAGE_SIZE + page_rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8)
+                                     (page * PAGE_SIZE + page_rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8, bias)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_FP8:
@@ -271,7 +281,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
                          BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
                          k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
-                         KV_INT8: tl.constexpr = False):
+                         KV_INT8: tl.constexpr = False, alibi_ptr=None, HAS_ALIBI: tl.constexpr = False):
     """Stage 1. One program: one KV split of one (sequence, kv head, block of its query heads).
 
     All query heads sharing a kv head are one tl.dot operand, so each K/V tile is read once per
@@ -282,6 +292,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
     one scalar load per tile.
     HAS_WINDOW: only keys >= cache_len - window exist for the query; the splits divide that range.
     KV_FP8 / KV_INT8: quantized pages with their scales (module docstring).
+    HAS_ALIBI: key n's score gains alibi[head] * (n - (cache_len - 1)) (alibi: slopes * log2 e).
     """
     b = tl.program_id(0)
     head_blocks = tl.cdiv(GROUP, BLOCK_H)
@@ -311,16 +322,22 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     if KV_FP8:  # per-tensor k scale (and the decode's 2^-8) on every score
         qk_scale = qk_scale * tl.load(k_scale_ptr) * E4M3_TO_FP16_BIAS
+    slopes = None
+    if HAS_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=head_mask, other=0.0)
     for start_n in range(lo, hi, BLOCK_N):
         n = start_n + offs_n
         page = tl.load(block_table_ptr + b * stride_bt + start_n // PAGE_SIZE).to(tl.int64)
         rows = start_n % PAGE_SIZE + offs_n  # the tile's rows in its page
         key_ok = (n < hi) & (n >= first)
+        bias = None
+        if HAS_ALIBI:
+            bias = slopes[:, None] * (n - (cache_len - 1)).to(tl.float32)[None, :]
         m_i, l_i, acc = _attend_tile(q, q_tail, k_ptr + page * stride_kp + kv_h * stride_kh + rows * stride_ks,
                                      v_ptr + page * stride_vp + kv_h * stride_vh + rows * stride_vs, key_ok,
                                      key_ok[None, :], m_i, l_i, acc, offs_d, offs_dr,
                                      offs_dv, D_QK, D_V, qk_scale, BLOCK_DR, k_scale_ptr, v_scale_ptr,
-                                     (page * PAGE_SIZE + rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8)
+                                     (page * PAGE_SIZE + rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8, bias)
 
     # An empty split stores lse = -inf and a zero output; the merge gives it weight 0.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -605,6 +622,25 @@ def _check_sinks(sinks, heads: int, device: torch.device) -> None:
                          f"{found}. Convert once at load: sinks.float().contiguous().")
 
 
+def _check_alibi(alibi_slopes: torch.Tensor | None, H: int, device: torch.device) -> None:
+    if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or tuple(alibi_slopes.shape) != (H,)
+                                     or alibi_slopes.device != device or not alibi_slopes.is_contiguous()):
+        raise ValueError(f"alibi_slopes is {alibi_slopes.dtype} {tuple(alibi_slopes.shape)} on {alibi_slopes.device}; "
+                         f"expected a contiguous float32 [{H}] (one slope per query head) on {device} "
+                         "(tritonq.kernels.attention.alibi_slopes builds MPT's)")
+
+
+def alibi_slopes(num_heads: int, bias_max: float = 8.0, device=None) -> torch.Tensor:
+    """MPT's ALiBi slopes [num_heads] fp32: 2^(-bias_max * i / n) for i = 1..n, n = num_heads rounded up to a
+    power of two; for other head counts the odd-indexed slopes of that list, then the even ones, cut to
+    num_heads (MPT's rule, as transformers' build_mpt_alibi_tensor)."""
+    n = 1 << max(0, num_heads - 1).bit_length()
+    slopes = 1.0 / torch.pow(2.0, torch.arange(1, n + 1, dtype=torch.float32, device=device) * (bias_max / n))
+    if n != num_heads:
+        slopes = torch.cat([slopes[1::2], slopes[::2]])[:num_heads]
+    return slopes.contiguous()
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -655,7 +691,8 @@ def head_blocks(d_qk: int, d_v: int) -> tuple[int, int, int]:
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
                      block_table: torch.Tensor, scale: float, window: int = 0, config: DecodeConfig | None = None,
-                     max_seq_len: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     max_seq_len: int | None = None, sinks: torch.Tensor | None = None, *,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against its paged KV cache; see the module docstring.
 
     q [B, H, Dqk]; k_pages [P, page_size, Hkv, Dqk], v_pages [P, page_size, Hkv, Dv] (strided views
@@ -669,6 +706,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     page_size). The config never depends on cache_lens, so a growing sequence never recompiles and
     the launch is CUDA-graph safe. sinks [H] float32: attention sinks (see the module docstring).
     the launch is CUDA-graph safe. k_pages / v_pages may be QuantizedPages (8-bit, dequantized in registers).
+    the launch is CUDA-graph safe. alibi_slopes [H] fp32: ALiBi (module docstring); None: none.
     """
     given = k_pages, v_pages
     k_pages, v_pages, k_scale, v_scale = _unpack_pages(k_pages, v_pages, "decode_attention")
@@ -684,14 +722,16 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         check_decode_config(config, page_size)
     _check_window(window)
     _check_sinks(sinks, H, q.device)
+    _check_alibi(alibi_slopes, H, q.device)
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
         raise ValueError(f"decode_attention: max_seq_len = {max_seq_len!r}; expected an int >= 1 (the capacity "
                          "the launch config is chosen for) or None.")
     if use_cpu_kernels(q):  # torch's CPU flash attention over each sequence's real keys (kernels/cpu_attention.py)
         return cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window,
-                                              k_scale, v_scale, sinks)
+                                              k_scale, v_scale, sinks, alibi_slopes=alibi_slopes)
     if not use_triton(q):
-        return decode_attention_reference(q, *given, cache_lens, block_table, scale, window, sinks)
+        return decode_attention_reference(q, *given, cache_lens, block_table, scale, window, sinks,
+                                          alibi_slopes=alibi_slopes)
 
     q = _last_dim_contiguous(q)
     if k_scale is None:
@@ -706,7 +746,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         S_max = min(S_max, window)
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
     cfg = config or decode_config(B, H_kv, S_max, page_size, *head_blocks(D_QK, D_V), sm_count)
-    split, merge, out = decode_launches(q, k_pages, v_pages, cache_lens, block_table, scale, window, cfg, sinks)
+    split, merge, out = decode_launches(q, k_pages, v_pages, cache_lens, block_table, scale, window, cfg, sinks,
+                                        alibi_slopes=alibi_slopes)
     split()
     merge()
     return out
@@ -714,7 +755,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
 
 def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_pages: torch.Tensor | QuantizedPages,
                     cache_lens: torch.Tensor, block_table: torch.Tensor, scale: float, window: int,
-                    cfg: DecodeConfig, sinks: torch.Tensor | None = None) -> tuple[Launch, Launch, torch.Tensor]:
+                    cfg: DecodeConfig, sinks: torch.Tensor | None = None, *,
+                    alibi_slopes: torch.Tensor | None = None) -> tuple[Launch, Launch, torch.Tensor]:
     """The two launches of a decode step (_decode_split_kernel, then _decode_merge_kernel) for checked
     inputs of decode_attention (head dim contiguous), and the output o [B, H, Dv]. Over meta tensors
     they are what tune --aot and the AOT tests compile. sinks [H] fp32 enter the merge only."""
@@ -734,7 +776,8 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_p
                  stride_vp=v_pages.stride(0), stride_vs=v_pages.stride(1), stride_vh=v_pages.stride(2),
                  stride_bt=block_table.stride(0), H=H, D_QK=D_QK, D_V=D_V, qk_scale=scale * LOG2E, window=window,
                  GROUP=group, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window > 0, **kv_args)
+                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window > 0, **kv_args,
+                 alibi_ptr=q if alibi_slopes is None else alibi_slopes * LOG2E, HAS_ALIBI=alibi_slopes is not None)
     out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
     block_splits = triton.next_power_of_2(cfg.NUM_SPLITS)
     merge = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, o_ptr=out, stride_ob=out.stride(0),
@@ -820,7 +863,8 @@ def write_kv_slots_launch(k_pages: torch.Tensor | QuantizedPages, v_pages: torch
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
                             scale: float, window: int = 0, config: PrefillConfig | None = None, *,
-                            check_values: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            check_values: bool = True, sinks: torch.Tensor | None = None,
+                            alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over a paged cache that already holds them.
 
     q [T, H, Dqk]: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 (varlen,
@@ -836,6 +880,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     CPU): for callers that checked them already (models: the engine's runner checks each step once).
     sinks [H] float32: attention sinks (see the module docstring).
     k_pages / v_pages may be QuantizedPages (8-bit, dequantized in registers).
+    alibi_slopes [H] fp32: ALiBi (module docstring); None: none.
     """
     given = k_pages, v_pages
     k_pages, v_pages, k_scale, v_scale = _unpack_pages(k_pages, v_pages, "paged_prefill_attention")
@@ -846,6 +891,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     _check_heads(q, k_pages, v_pages, "paged prefill", k_scale is not None)
     _check_window(window)
     _check_sinks(sinks, q.shape[1], q.device)
+    _check_alibi(alibi_slopes, q.shape[1], q.device)
     B = context_lens.shape[0] if context_lens.dim() == 1 else -1
     _check_lens("context_lens", context_lens, B, q.device)
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (B + 1,) or cu_seqlens_q.device != q.device:
@@ -859,10 +905,10 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
         _check_prefill_lens(cu_seqlens_q, context_lens, q.shape[0], block_table.shape[1] * page_size)
     if use_cpu_kernels(q):  # kernels/cpu_attention.py
         return cpu_attention.paged_prefill_attention(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
-                                                     scale, window, k_scale, v_scale, sinks)
+                                                     scale, window, k_scale, v_scale, sinks, alibi_slopes=alibi_slopes)
     if not use_triton(q):
         return paged_prefill_attention_reference(q, *given, cu_seqlens_q, context_lens, block_table, scale, window,
-                                                 sinks)
+                                                 sinks, alibi_slopes=alibi_slopes)
 
     T, D_V = q.shape[0], v_pages.shape[-1]
     if config is None:
@@ -870,7 +916,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     if T == 0 or B == 0:
         return torch.empty(T, q.shape[1], D_V, dtype=q.dtype, device=q.device)
     launch, out = paged_prefill_launch(_last_dim_contiguous(q), *given, cu_seqlens_q, context_lens,
-                                       block_table, scale, window, config, sinks)
+                                       block_table, scale, window, config, sinks, alibi_slopes=alibi_slopes)
     launch()
     return out
 
@@ -878,7 +924,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
 def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages,
                          v_pages: torch.Tensor | QuantizedPages, cu_seqlens_q: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, scale: float, window: int,
-                         cfg: PrefillConfig, sinks: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
+                         cfg: PrefillConfig, sinks: torch.Tensor | None = None, *,
+                         alibi_slopes: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
     """The launch of _paged_prefill_kernel for checked inputs of paged_prefill_attention (q head dim
     contiguous, T and B > 0) and its output [T, H, Dv]. Over meta tensors it is what the AOT tests compile.
 
@@ -907,7 +954,8 @@ def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages
                 D_V=D_V, qk_scale=scale * LOG2E, window=window, GROUP=H // k_pages.shape[2],
                 HAS_WINDOW=window > 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=k_pages.shape[1],
-                sinks_ptr=q if sinks is None else sinks, HAS_SINKS=sinks is not None, **kv_args)
+                sinks_ptr=q if sinks is None else sinks, HAS_SINKS=sinks is not None, **kv_args,
+                alibi_ptr=q if alibi_slopes is None else alibi_slopes * LOG2E, HAS_ALIBI=alibi_slopes is not None)
     return Launch(_paged_prefill_kernel, (num_work, H), args, cfg.num_warps, cfg.num_stages), out
 
 
@@ -919,7 +967,8 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
 
 def decode_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                cache_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                               window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                               window: int = 0, sinks: torch.Tensor | None = None, *,
+                               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch, float32: each sequence's pages gathered into rows, softmax over its positions
     < cache_lens[b] (and, if window > 0, >= cache_lens[b] - window); sinks [H]: one more logit per head
     in the softmax, whose probability is dropped (transformers' gpt-oss eager attention).
@@ -937,6 +986,9 @@ def decode_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     pad = pos >= cache_lens[:, None]
     if window:
         pad = pad | (pos < cache_lens[:, None] - window)
+    if alibi_slopes is not None:  # slope[h] * (key - query position), the query at cache_lens - 1
+        offset = (pos[None, :] - (cache_lens[:, None] - 1)).float()  # [B, Smax]
+        scores = scores + alibi_slopes.float().view(1, H_kv, H // H_kv, 1) * offset[:, None, None, :]
     scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
     probs = _softmax_with_sinks(scores, None if sinks is None else sinks.view(H_kv, H // H_kv, 1))
     out = probs @ v_cache.float().transpose(1, 2)  # [B, Hkv, group, Dv]
@@ -999,7 +1051,8 @@ def write_kv_slots_reference(k_pages: torch.Tensor | QuantizedPages, v_pages: to
 def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                                       block_table: torch.Tensor, scale: float, window: int = 0,
-                                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                                      sinks: torch.Tensor | None = None, *,
+                                      alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch, float32, one sequence at a time: gather its context_lens[b] keys from its pages,
     masked softmax with query i at position context_lens[b] - q_len + i (causal, optional window),
     sinks [H] as decode_attention_reference's. QuantizedPages are dequantized to float32 first."""
@@ -1019,6 +1072,8 @@ def paged_prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_
         p = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
         j = torch.arange(n_k, device=q.device)[None, :]
         visible = (j <= p) & ((p - j < window) if window else True)
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float()[:, None, None] * (j - p).float()
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = _softmax_with_sinks(scores, None if sinks is None else sinks.view(H, 1, 1))
         out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v)

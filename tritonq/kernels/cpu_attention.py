@@ -73,10 +73,15 @@ PARALLEL_WORK = 1 << 20  # query heads x query rows x keys of a sequence from wh
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
                      block_table: torch.Tensor, scale: float, window: int = 0, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None, *,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, Dqk] -> [B, H, Dv]: query b (at position cache_lens[b] - 1) over its keys
     max(0, cache_lens[b] - window) .. cache_lens[b] - 1 (window 0: all). k_scale / v_scale: the scales of
-    8-bit pages (None: pages in q's dtype); sinks [H] fp32 or None."""
+    8-bit pages (None: pages in q's dtype); sinks [H] fp32 or None; alibi_slopes [H]: ALiBi bias
+    slope * (key - position) as a float mask (eager only: models with ALiBi do not compile)."""
+    if alibi_slopes is not None:
+        return _decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window, k_scale, v_scale,
+                                 sinks, alibi_slopes)
     if torch.compiler.is_compiling():  # an opaque op in the compiled graph (see _decode_attention_op)
         return torch.ops.tritonq.cpu_decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window,
                                                       k_scale, v_scale, sinks)
@@ -85,7 +90,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
 
 def _decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_lens: torch.Tensor,
                       block_table: torch.Tensor, scale: float, window: int, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                      alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     B, H, _ = q.shape
     H_kv = k_pages.shape[2]
     out = q.new_zeros(B, H, v_pages.shape[-1])
@@ -99,17 +105,26 @@ def _decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
             first = max(0, n - window) if window else 0
             k, v = (_gather(pages, block_table[b], first, n, page_scale, q.dtype)
                     for pages, page_scale in ((k_pages, k_scale), (v_pages, v_scale)))
-            out[b] = _sdpa(grouped[b], k, v, scale, sinks=grouped_sinks).reshape(H, -1)
+            if alibi_slopes is None:
+                out[b] = _sdpa(grouped[b], k, v, scale, sinks=grouped_sinks).reshape(H, -1)
+                continue
+            # ALiBi: bias [Hkv, group, keys]; in fp32 throughout (SDPA wants the mask in q's dtype, and a bf16
+            # bias of -slope * distance would be off by up to 2^-9 of it)
+            keys = torch.arange(first - (n - 1), 1, device=q.device, dtype=torch.float32)
+            bias = alibi_slopes.view(H_kv, -1, 1) * keys
+            out[b] = _sdpa(grouped[b].float(), k.float(), v.float(), scale, bias).reshape(H, -1).to(q.dtype)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
                             scale: float, window: int = 0, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None, *,
+                            alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, Dqk] packed -> [T, H, Dv]: sequence b's rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1
     at positions ctx - n_q .. ctx - 1 (ctx = context_lens[b]), causal over keys 0 .. ctx - 1. k_scale /
-    v_scale: the scales of 8-bit pages (None: pages in q's dtype); sinks [H] fp32 or None."""
+    v_scale: the scales of 8-bit pages (None: pages in q's dtype); sinks [H] fp32 or None.
+    alibi_slopes [H]: ALiBi, a float mask slope * (key - position) with -inf above the diagonal."""
     head_sinks = None if sinks is None else sinks[:, None]  # [H, 1]: one per query row of a head
     out = q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1])
     cu, contexts = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -124,12 +139,15 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
             k, v = (_gather(pages, block_table[b], first, ctx, page_scale, q.dtype)
                     for pages, page_scale in ((k_pages, k_scale), (v_pages, v_scale)))
             mask = None
-            if win or n_q != ctx:  # not a whole prompt with full causal attention: mask by position
+            if win or n_q != ctx or alibi_slopes is not None:  # not plain causal attention: mask by position
                 pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
                 key = torch.arange(first, ctx, device=q.device)[None, :]
                 mask = (key <= pos) & (pos - key < win) if win else key <= pos
-            rows = _sdpa(q[cu[b]:cu[b + 1]].transpose(0, 1), k, v, scale, mask, causal=mask is None,
-                         sinks=head_sinks)
+            queries = q[cu[b]:cu[b + 1]].transpose(0, 1)
+            if alibi_slopes is not None:  # [H, n_q, keys] fp32 bias, -inf where not visible; fp32 as in decode
+                mask = (alibi_slopes[:, None, None] * (key - pos).float()).masked_fill(~mask, float("-inf"))
+                queries, k, v = queries.float(), k.float(), v.float()
+            rows = _sdpa(queries, k, v, scale, mask, causal=mask is None, sinks=head_sinks).to(q.dtype)
             out[cu[b]:cu[b + 1]] = rows.transpose(0, 1)
     return out
 

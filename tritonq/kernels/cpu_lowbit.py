@@ -29,7 +29,8 @@ Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels
   torch's `_weight_int4pack_mm_with_scales_and_zeros` has no CPU kernel in torch 2.13.
   The bf16 copy lives for one call only (memory stays at 4 bits a weight). W is rounded once more
   (to bf16): four bf16 roundings in all (the tolerance below).
-* `CPUDenseWeight` — 8-bit GPTQ, FP8 (tensor / channel / block), MXFP4 experts, and any int4 layout the kernel
+* `CPUDenseWeight` — 8-bit GPTQ and bitsandbytes, bitsandbytes nf4 / fp4 (a code table, not integer levels),
+  FP8 (tensor / channel / block), MXFP4 experts, and any int4 layout the kernel
   cannot take (groups not a multiple of 32, act-order groups of unequal size): the weight is
   dequantized **once** to fp32 (stated in the load log, with its size) and runs as an fp32
   GEMM, stored [K, N]-contiguous like Linear's dense fp32 weights (faster MKL GEMV at decode).
@@ -206,7 +207,9 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
         return CPUDenseWeight(w.weight.float(), bias)
     if isinstance(w, Int4Weight):
         w.check_g_idx()  # every g_idx entry names a scales row (what the reference checks per call)
-    if isinstance(w, Int4Weight) and w.bits == 4:
+    if isinstance(w, Int4Weight) and w.code is not None:
+        reason = "bitsandbytes nf4/fp4 (a code table, not the integer levels torch's int4 kernel takes)"
+    elif isinstance(w, Int4Weight) and w.bits == 4:
         p = _prepare_int4(w)
         if p is not None:
             _note("4-bit weights run torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu) with bf16 activations, "
@@ -215,7 +218,7 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
         reason = (f"4-bit group_size={w.group_size}{' with act-order' if w.g_idx is not None else ''} does not fit "
                   f"its groups of {KERNEL_GROUPS}")
     elif isinstance(w, Int4Weight):
-        reason = "8-bit GPTQ (torch's int8 CPU kernel has per-channel scales only)"
+        reason = "8-bit GPTQ / bitsandbytes LLM.int8()"
     elif isinstance(w, MXFP4Weight):
         reason = "MXFP4 (torch has no CPU fp4 GEMM)"
     else:

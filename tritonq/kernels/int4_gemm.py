@@ -4,7 +4,8 @@ Shapes and dtypes:
     x       [M, K] fp16 / bf16 / fp32
     w       Int4Weight (tritonq.formats.base): qweight [K*bits/32, N] int32 packed along K in
             sequential order, scales [G, N] fp16/bf16/fp32, zeros [G, N] (same dtype) or None for
-            symmetric weights (zero = 2^(bits-1)), g_idx [K] int32 or None.
+            symmetric weights (zero = 2^(bits-1)), g_idx [K] int32 or None; or, for bitsandbytes
+            nf4 / fp4, code [16] fp32 (the 4-bit q indexes it) with fp32 block absmax as scales.
     y       [M, N] in x.dtype; accumulation in fp32.
 
 Layout choice: AWQ and GPTQ are both repacked at load time (formats/awq.py, formats/gptq.py) into GPTQ's
@@ -25,7 +26,8 @@ Two paths over the same kernel, chosen by M (`SPLIT_K_MAX_M`):
 Groups: when there is no g_idx and group_size is a multiple of BLOCK_K, every K tile lies in
 one group, so one [BLOCK_N] row of scales/zeros is loaded per tile (TILE_GROUPS). Otherwise
 (act-order g_idx, or a group size that BLOCK_K does not divide) scales/zeros are gathered per
-row as a [BLOCK_K, BLOCK_N] tile; these rows hit L1/L2 since G << K. We gather rather than
+row as a [BLOCK_K, BLOCK_N] tile; these rows hit L1/L2 since G << K. A code table (HAS_CODE) is
+gathered per element from its 64 bytes, which stay in L1: W = code[q] * absmax. We gather rather than
 permute x by a sorted g_idx at run time: no extra kernel or activation copy per call, and the
 Int4Weight contract stays one layout.
 
@@ -92,6 +94,7 @@ def _int4_gemm_kernel(
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, TILE_GROUPS: tl.constexpr,
     HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    code_ptr, HAS_CODE: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K).
 
@@ -134,7 +137,10 @@ def _int4_gemm_kernel(
             z = s
             if HAS_ZEROS:
                 z = tl.load(zeros_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0).to(tl.float32)
-        w = dequantize_int_tile(q, s, z, BITS, HAS_ZEROS)
+        if HAS_CODE:  # bitsandbytes nf4 / fp4: q indexes a 16-entry code table, s is the block's absmax
+            w = tl.load(code_ptr + q.to(tl.int32)) * s
+        else:
+            w = dequantize_int_tile(q, s, z, BITS, HAS_ZEROS)
         w = w.to(x.dtype)  # weights meet the activations in x's dtype, as on the tensor cores
         if UPCAST_DOT:  # fp32 x (exact ieee dot), or bf16 under the interpreter (common.upcast_dot)
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -201,9 +207,14 @@ def _check_weight(w: Int4Weight) -> tuple[int, int]:
     if w.g_idx is not None and (w.g_idx.dtype != torch.int32 or tuple(w.g_idx.shape) != (K,)):
         _fail("g_idx", f"{w.g_idx.dtype} of shape {tuple(w.g_idx.shape)}", f"int32 [{K}]",
               "g_idx holds the group of each input row")
+    if w.code is not None and (w.code.dtype != torch.float32 or tuple(w.code.shape) != (16,) or w.bits != 4
+                               or w.zeros is not None or w.g_idx is not None):
+        _fail("code", f"{w.code.dtype} of shape {tuple(w.code.shape)} (bits={w.bits}, zeros/g_idx set: "
+              f"{w.zeros is not None}/{w.g_idx is not None})", "fp32 [16] with bits 4 and no zeros or g_idx",
+              "a code table indexes 4-bit codes times a block absmax (formats/bitsandbytes.py)")
     if w.bias is not None and tuple(w.bias.shape) != (N,):
         _fail("bias", f"of shape {tuple(w.bias.shape)}", f"[{N}]", "one bias per output")
-    for name in ("qweight", "scales", "zeros", "g_idx", "bias"):  # the kernel indexes them densely
+    for name in ("qweight", "scales", "zeros", "g_idx", "bias", "code"):  # the kernel indexes them densely
         t = getattr(w, name)
         if t is not None and not t.is_contiguous():
             _fail(name, f"non-contiguous with strides {t.stride()}", "a contiguous tensor",
@@ -254,7 +265,8 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig) -> 
         out_ptr=out, M=M, N=N, K=K, group_size=w.group_size, stride_xm=x.stride(0), stride_xk=x.stride(1),
         BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
         TILE_GROUPS=w.g_idx is None and w.group_size % block_k == 0, HAS_BIAS=w.bias is not None,
-        UPCAST_DOT=upcast_dot(x), BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k)
+        UPCAST_DOT=upcast_dot(x), BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
+        code_ptr=w.code if w.code is not None else w.scales, HAS_CODE=w.code is not None)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split_k)
     return Launch(_int4_gemm_kernel, grid, args, config.num_warps, config.num_stages), out
 
@@ -296,16 +308,18 @@ def sweep_space(shape: tuple[int, int, int]) -> list[dict]:
 
 
 def aot_launch(config: Int4GemmConfig, M: int, N: int, K: int, dtype: torch.dtype = torch.float16, bits: int = 4,
-               zeros: bool = True, act_order: bool = False) -> Launch:
+               zeros: bool = True, act_order: bool = False, code: bool = False) -> Launch:
     """`int4_gemm_launch` over meta tensors: x [M, K] in dtype, an N x K weight of `bits` with group
-    `tune_group_size(K)`, asymmetric (zeros) or not, act-order (g_idx) or not, no bias."""
-    group_size = tune_group_size(K)
+    `tune_group_size(K)`, asymmetric (zeros) or not, act-order (g_idx) or not, no bias; code: a
+    bitsandbytes nf4 weight (code table, fp32 absmax per 64-row block, no zeros)."""
+    group_size = 64 if code else tune_group_size(K)
     meta = torch.device("meta")
-    scales = torch.empty(K // group_size, N, dtype=dtype, device=meta)
+    scales = torch.empty(K // group_size, N, dtype=torch.float32 if code else dtype, device=meta)
     w = Int4Weight(qweight=torch.empty(K * bits // 32, N, dtype=torch.int32, device=meta), scales=scales,
-                   zeros=torch.empty_like(scales) if zeros else None,
+                   zeros=torch.empty_like(scales) if zeros and not code else None,
                    g_idx=torch.empty(K, dtype=torch.int32, device=meta) if act_order else None,
-                   group_size=group_size, bits=bits)
+                   group_size=group_size, bits=bits,
+                   code=torch.empty(16, dtype=torch.float32, device=meta) if code else None)
     return int4_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config)[0]
 
 

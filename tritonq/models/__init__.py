@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
+from tritonq.models.falcon import FalconForCausalLM
 from tritonq.models.gpt_oss import GptOssForCausalLM
 from tritonq.models.llama import LlamaForCausalLM, MistralForCausalLM
+from tritonq.models.mpt import MptForCausalLM
 from tritonq.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
-          "qwen3": Qwen3ForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM, "gpt_oss": GptOssForCausalLM}
+          "qwen3": Qwen3ForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM, "gpt_oss": GptOssForCausalLM,
+          "falcon": FalconForCausalLM, "mpt": MptForCausalLM}
 
 
 def model_class(model_type: str):
