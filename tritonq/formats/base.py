@@ -14,9 +14,10 @@ import torch
 from tritonq.formats.checkpoint import Shard, Weights
 from tritonq.weights import DenseWeight, Int4Weight, Weight, concat_outputs, empty_linear, stack_experts
 
-# Layers that stay dense whatever the format: embeddings, output head, MoE routers (name endings).
-# Loaders that quantize on load (formats/dense.py) and the checkpoint writer (tritonq/quantize.py) skip them.
-ALWAYS_DENSE = ("embed_tokens", "lm_head", "mlp.gate")
+# Layers that stay dense whatever the format: embeddings, output head, MoE routers and Qwen2-MoE's [1, D]
+# shared-expert gate (name endings). Loaders that quantize on load (formats/dense.py) and the checkpoint
+# writer (tritonq/quantize.py) skip them.
+ALWAYS_DENSE = ("embed_tokens", "lm_head", "mlp.gate", "block_sparse_moe.gate", "mlp.shared_expert_gate")
 
 
 def always_dense(prefix: str) -> bool:
@@ -48,6 +49,15 @@ class WeightsLoader:
         self.weights, self.config, self.dtype, self.device = weights, config, dtype, torch.device(device)
         self.ignore = list(ignore or [])
         self.rank, self.world = rank, world
+        self.left_unread: dict[str, list[str]] = {}  # reason -> stored names a model chose not to read
+
+    def leave_unread(self, names: list[str], reason: str) -> None:
+        """Stored tensors the model knowingly does not use (e.g. DeepSeek-V3's multi-token-prediction layer):
+        they do not count as unused in `check_all_read`; `finish` warns once, naming them and the reason.
+        Called again with the same reason (the model built twice: dry run, then load), it replaces the list."""
+        self.left_unread[reason] = sorted(names)
+        for name in names:
+            self.weights.mark_read(name)
 
     def is_ignored(self, prefix: str) -> bool:
         # vLLM / AutoAWQ semantics: an entry matches any module whose name contains it.
@@ -286,6 +296,9 @@ class WeightsLoader:
     def finish(self) -> None:
         """Called once the model is built: format-specific warnings, then non-finite values (Weights.check_finite)
         and `check_all_read`."""
+        for reason, names in self.left_unread.items():
+            warnings.warn(f"{self.weights.folder}: not reading {len(names)} stored tensor(s) of {reason}: "
+                          f"{_listing(names)}", stacklevel=3)
         self.weights.check_finite()
         self.check_all_read()
 

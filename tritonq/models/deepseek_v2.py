@@ -23,7 +23,7 @@ DeepSeek-V2-Lite in bf16 (`kv_bytes_per_token`): latent 31,104 B/token, expanded
 
 Behaviour follows transformers' DeepseekV2 where it agrees with DeepSeek's original modeling
 code; for the config fields transformers ignores we follow the original: moe_layer_freq (see
-`_is_moe_layer`) and norm_topk_prob (see `DeepseekV2MoE`). Yarn's attention factor follows
+`_is_moe_layer`) and norm_topk_prob (see `deepseek_v2_routing`). Yarn's attention factor follows
 transformers (the original differs only when just one of mscale / mscale_all_dim is set).
 """
 from __future__ import annotations
@@ -31,16 +31,15 @@ from __future__ import annotations
 import logging
 import math
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
 from tritonq.kernels.common import compute_capability
-from tritonq.kernels.moe import fused_moe, grouped_topk
 from tritonq.kernels.norm_rope import apply_rope
 from tritonq.layers import Embedding, Linear, RMSNorm
 from tritonq.models.common import KVLayout, PagedKVCache, RopeTables, StepContext, logit_rows
-from tritonq.weights import DenseWeight, stack_experts
+from tritonq.models.moe import MLP, MoERouting, SparseMoE
+from tritonq.weights import DenseWeight
 
 ATTENTION_MODES = ("expanded", "latent")
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -82,66 +81,43 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
-class MLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate x) * up x), gate/up fused into one GEMM."""
+def deepseek_v2_routing(config) -> MoERouting:
+    """Softmax scores; topk_method "greedy" (all experts) or "group_limited_greedy" (n_group / topk_group,
+    a group scored by its best expert).
 
-    def __init__(self, loader, prefix: str, hidden: int | None = None, inter: int | None = None):
-        super().__init__()
-        up, down = ((inter, hidden), (hidden, inter)) if hidden else (None, None)  # expected (N, K), from the config
-        self.gate_up = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], shapes=[up, up]))
-        self.down = Linear(loader.get_linear(f"{prefix}.down_proj", shape=down))
+    norm_topk_prob follows DeepSeek's original code: with top_k > 1 the top-k weights are renormalized
+    and routed_scaling_factor is then NOT applied; otherwise they are multiplied by routed_scaling_factor.
+    (transformers 5 ignores norm_topk_prob and always scales.) DeepSeek-V2 configs were written for
+    DeepSeek's own modeling code (their auto_map), which the published weights were trained and evaluated
+    with; V2 and V2-Lite ship `false`, where both rules agree."""
+    top_k = config.num_experts_per_tok
+    if config.topk_method == "greedy":
+        n_group, topk_group = 1, 1
+    elif config.topk_method == "group_limited_greedy":
+        n_group, topk_group = config.n_group, config.topk_group
+    else:
+        raise ValueError(f"DeepSeek-V2 topk_method={config.topk_method!r} is not supported; "
+                         "expected 'greedy' or 'group_limited_greedy'")
+    renormalize = bool(config.norm_topk_prob) and top_k > 1
+    return MoERouting(top_k, "softmax", n_group, topk_group, renormalize,
+                      1.0 if renormalize else config.routed_scaling_factor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
 
-
-class DeepseekV2MoE(nn.Module):
-    """Routed experts (grouped top-k over a softmax router) plus always-on shared experts.
-
-    norm_topk_prob follows DeepSeek's original code: with top_k > 1 the top-k weights are
-    renormalized and routed_scaling_factor is then NOT applied; otherwise they are multiplied by
-    routed_scaling_factor. (transformers 5 ignores norm_topk_prob and always scales.)
-    """
-
-    def __init__(self, config, loader, prefix: str):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        if config.topk_method == "greedy":
-            self.n_group, self.topk_group = 1, 1
-        elif config.topk_method == "group_limited_greedy":
-            self.n_group, self.topk_group = config.n_group, config.topk_group
-        else:
-            raise ValueError(f"DeepSeek-V2 topk_method={config.topk_method!r} is not supported; "
-                             "expected 'greedy' or 'group_limited_greedy'")
-        # norm_topk_prob: DeepSeek's rule (renormalize, then no routed_scaling_factor), not transformers' (always
-        # scale): DeepSeek-V2 configs were written for DeepSeek's own modeling code (their auto_map), which the
-        # published weights were trained and evaluated with; V2 and V2-Lite ship `false`, where both rules agree.
-        self.renormalize = bool(config.norm_topk_prob) and self.top_k > 1
-        self.routed_scaling_factor = 1.0 if self.renormalize else config.routed_scaling_factor
-        D, inter = config.hidden_size, config.moe_intermediate_size
-        self.router = loader.get_tensor(f"{prefix}.gate.weight", shape=(config.n_routed_experts, D)).float()  # fp32
-        experts = [f"{prefix}.experts.{e}" for e in range(config.n_routed_experts)]
-        self.gate_up = stack_experts([loader.get_fused_linear([f"{p}.gate_proj", f"{p}.up_proj"],
-                                                              shapes=[(inter, D), (inter, D)]) for p in experts])
-        self.down = loader.get_stacked([f"{p}.down_proj" for p in experts], shape=(D, inter))
-        self.shared_experts = MLP(loader, f"{prefix}.shared_experts", D, inter * config.n_shared_experts) \
-            if config.n_shared_experts else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
-        topk_weights, topk_ids = grouped_topk(
-            x.float() @ self.router.T, self.top_k, n_group=self.n_group, topk_group=self.topk_group,
-            scoring="softmax", renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor)
-        out = fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+def deepseek_moe(config, loader, prefix: str, routing: MoERouting) -> SparseMoE:
+    """DeepSeekMoE: n_routed_experts routed experts plus n_shared_experts always-on ones (one MLP of
+    n_shared_experts * moe_intermediate_size)."""
+    D, inter = config.hidden_size, config.moe_intermediate_size
+    shared = MLP(loader, f"{prefix}.shared_experts", D, inter * config.n_shared_experts) \
+        if config.n_shared_experts else None
+    return SparseMoE(loader, prefix, routing, config.n_routed_experts, D, inter, shared=shared)
 
 
 class MLAttention(nn.Module):
     """Multi-head latent attention for one layer; see the module docstring for the two modes."""
 
-    def __init__(self, config, loader, prefix: str, attention_mode: str, scale: float):
+    def __init__(self, config, loader, prefix: str, attention_mode: str, scale: float, interleaved_rope: bool = True):
         super().__init__()
+        self.interleaved_rope = interleaved_rope  # rope dims stored as pairs (x0, x1), (x2, x3)... (see above)
         self.num_heads = config.num_attention_heads
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
@@ -206,8 +182,10 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.view(T, H, Dn + Dr).split([Dn, Dr], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([R, Dr], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, R]
-        q_rope = apply_rope(_deinterleave(q_rope)[None], cos, sin)[0]
-        k_rope = apply_rope(_deinterleave(k_rope)[None, :, None], cos, sin)[0]  # [T, 1, Dr]
+        if self.interleaved_rope:
+            q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
+        q_rope = apply_rope(q_rope[None], cos, sin)[0]
+        k_rope = apply_rope(k_rope[None, :, None], cos, sin)[0]  # [T, 1, Dr]
 
         if self.attention_mode == "expanded":
             k_nope, v = self.kv_b_proj(latent).view(T, H, Dn + Dv).split([Dn, Dv], dim=-1)
@@ -236,16 +214,17 @@ def _is_moe_layer(config, layer: int) -> bool:
 
 
 class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config, loader, layer: int, attention_mode: str, scale: float):
+    def __init__(self, config, loader, layer: int, attention_mode: str, scale: float, routing: MoERouting,
+                 interleaved_rope: bool = True):
         super().__init__()
         prefix = f"model.layers.{layer}"
         eps = config.rms_norm_eps
         D = config.hidden_size
         self.input_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.input_layernorm.weight", shape=(D,)), eps)
-        self.self_attn = MLAttention(config, loader, f"{prefix}.self_attn", attention_mode, scale)
+        self.self_attn = MLAttention(config, loader, f"{prefix}.self_attn", attention_mode, scale, interleaved_rope)
         self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight",
                                                                   shape=(D,)), eps)
-        self.mlp = DeepseekV2MoE(config, loader, f"{prefix}.mlp") if _is_moe_layer(config, layer) \
+        self.mlp = deepseek_moe(config, loader, f"{prefix}.mlp", routing) if _is_moe_layer(config, layer) \
             else MLP(loader, f"{prefix}.mlp", D, config.intermediate_size)
 
     def forward(self, x, cos, sin, ctx, k_pages, v_pages):
@@ -274,6 +253,13 @@ class DeepseekV2ForCausalLM(nn.Module):
     tritonq.models.common; kv_layout says what its cache pages hold per token.
     """
 
+    routing = staticmethod(deepseek_v2_routing)
+
+    @staticmethod
+    def interleaved_rope(config) -> bool:
+        """V2 checkpoints always store the rope dims as interleaved pairs."""
+        return True
+
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str,
                  attention_mode: str | None = None, max_seq_len: int | None = None):
         super().__init__()
@@ -285,8 +271,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         table = (config.vocab_size, config.hidden_size)
         self.embed_tokens = Embedding(loader.get_embedding("model.embed_tokens", table))
         scale = softmax_scale(config)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, loader, i, attention_mode, scale)
-                                    for i in range(config.num_hidden_layers))
+        routing, interleaved = self.routing(config), self.interleaved_rope(config)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, loader, i, attention_mode, scale, routing, interleaved)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(loader.get_tensor("model.norm.weight", shape=table[1:]), config.rms_norm_eps)
         head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", False)), table)
         if head is None:  # tied (a quantized head on disk is always used; untied without one is an error)

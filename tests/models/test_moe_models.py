@@ -1,0 +1,212 @@
+"""Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 against transformers' own models on tiny random checkpoints.
+
+Each case batches a short prompt with a long one (3x the window and more where layers slide) and compares
+each prompt with transformers run on it alone: prefill logits over interleaved pages, greedy tokens and
+logprobs through the engine, and a run that the KV cache is too small for (preemption). Both sides compute
+in float32 with the same weights, so they differ by summation order only (ATOL 1e-4 on O(1) logits);
+initializer_range 0.1 keeps the router scores of different experts far apart, so no expert choice is a
+near tie that summation order could flip. Quantized experts are compared with transformers on the
+dequantized weights (tests/models/test_deepseek_v2.py does the same for V2).
+"""
+import copy
+import json
+
+import pytest
+import torch
+from models.paged import PagedRun
+from models.test_llama import hf_greedy
+from safetensors.torch import load_file, save_file
+from transformers import (AutoConfig, DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+import tritonq
+from tritonq.demo import byte_tokenizer
+from tritonq.formats.registry import get_loader
+from tritonq.models import model_class
+from tritonq.models.moe import SparseMoE
+from tritonq.quantize import write_quantized
+from tritonq.weights import FP8Weight, Int4Weight
+
+ATOL = 1e-4
+MAX_LEN = 128
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=MAX_LEN, rms_norm_eps=1e-6, initializer_range=0.1)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+           moe_intermediate_size=32)
+CASES = {  # name: (transformers config, transformers model, config fields beyond COMMON)
+    # Layer 1 dense (mlp_only_layers), renormalized top-3 of 8, biases on q/k/v/o, head_dim != hidden / heads.
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+        attention_bias=True, head_dim=24)),
+    # decoder_sparse_step 2: only layer 1 is MoE; unnormalized top-2; every layer slides (window < a page).
+    "qwen3_moe_step2_window": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False, decoder_sparse_step=2,
+        use_sliding_window=True, sliding_window=6, tie_word_embeddings=True)),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False)),
+    "mixtral_window": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2,
+                                                               sliding_window=6)),
+    # q LoRA, 8 experts in 4 groups of which 2 are kept, renormalized and scaled, 1 dense layer first.
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(
+        MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, n_shared_experts=1)),
+    # One q_proj, half-split rope dims (rope_interleave false), one group, no renormalization, biases.
+    "deepseek_v3_lite": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(
+        MLA, q_lora_rank=None, rope_interleave=False, n_routed_experts=6, num_experts_per_tok=2, n_group=1,
+        topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=False, first_k_dense_replace=0, n_shared_experts=2,
+        attention_bias=True)),
+}
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend(monkeypatch):
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+
+
+def write_checkpoint(folder, name: str, seed: int = 0, **overrides):
+    """Save a tiny random model of CASES[name] with the byte tokenizer; returns the transformers model. Biases,
+    norm weights and DeepSeek-V3's e_score_correction_bias are random, so those paths matter."""
+    config_cls, model_cls, fields = CASES[name]
+    tokenizer = byte_tokenizer()
+    config = config_cls(**{**COMMON, **fields, **overrides}, vocab_size=len(tokenizer),
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for key, p in [*model.named_parameters(), *model.named_buffers()]:
+            if key.endswith("e_score_correction_bias"):  # ~ the spread of the sigmoid scores: moves the choice
+                p.normal_(0, 0.1)
+            elif key.endswith("bias") or "norm" in key:
+                p.normal_(0, 0.5 if "bias" in key else 1.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def build(folder, **options):
+    """Our model for a checkpoint folder, every stored tensor checked as read (as load() does)."""
+    config = AutoConfig.from_pretrained(folder)
+    loader = get_loader(folder, torch.float32, "cpu")
+    model = model_class(config.model_type)(config, loader, torch.float32, "cpu", max_seq_len=MAX_LEN, **options)
+    loader.finish()
+    return model
+
+
+def prompts_for(config) -> list[list[int]]:
+    window = getattr(config, "sliding_window", None)
+    long = 3 * window + 3 if window else 40
+    return [torch.randint(0, 256, (5,)).tolist(), torch.randint(0, 256, (long,)).tolist()]
+
+
+def assert_batched_prefill_matches(ours, hf, prompts):
+    got = PagedRun(ours, len(prompts), MAX_LEN).prefill(prompts)
+    for prompt, logits in zip(prompts, got):
+        with torch.no_grad():
+            expected = copy.deepcopy(hf)(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def assert_greedy_matches(folder, hf, prompts, n=12, **engine_options):
+    """Batched generation of n greedy tokens; each prompt's tokens and logprobs vs transformers alone.
+    Returns our tritonq.Model."""
+    ours = tritonq.load(folder, max_num_seqs=len(prompts), max_seq_len=MAX_LEN, **engine_options)
+    eos = ours.tokenizer.eos_token_id
+    expected = [hf_greedy(copy.deepcopy(hf), p, n, eos) for p in prompts]
+    assert max(len(t) for t, _ in expected) == n  # not all stopped early at EOS
+    got = ours.generate(prompts, max_new_tokens=n, return_dict=True)
+    for (tokens, logprobs), got_tokens, got_logprobs in zip(expected, got.token_ids, got.logprobs):
+        assert got_tokens == tokens
+        torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(logprobs), atol=ATOL, rtol=0)
+    return ours
+
+
+def moe_layers(model) -> list[bool]:
+    return [isinstance(layer.mlp, SparseMoE) for layer in model.layers]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_prefill_and_greedy_match_transformers(tmp_path, name):
+    hf = write_checkpoint(tmp_path, name)
+    prompts = prompts_for(hf.config)
+    ours = build(tmp_path)
+    expected_moe = {"qwen3_moe": [True, False, True], "qwen3_moe_step2_window": [False, True, False],
+                    "deepseek_v3": [False, True, True]}.get(name, [True, True, True])
+    assert moe_layers(ours) == expected_moe
+    assert_batched_prefill_matches(ours, hf, prompts)
+    assert_greedy_matches(tmp_path, hf, prompts)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_lite"])
+def test_deepseek_v3_expanded_attention_matches_transformers(tmp_path, name):
+    """V3 in MLA's other cache mode (the latent one is the CPU default, run above)."""
+    hf = write_checkpoint(tmp_path, name)
+    assert_batched_prefill_matches(build(tmp_path, attention_mode="expanded"), hf, prompts_for(hf.config))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral_window", "deepseek_v3"])
+def test_preempted_and_chunked_requests_give_transformers_tokens(tmp_path, name):
+    """Four prompts (two short, two long) in a KV cache of 6 blocks with an 8-token step budget: long prompts
+    are prefilled in chunks beside running decodes, and sequences are preempted and resumed; every request
+    still gives transformers' greedy tokens for its prompt alone."""
+    hf = write_checkpoint(tmp_path, name)
+    per_block = build(tmp_path).kv_layout.bytes_per_token(torch.float32) * 16
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 30, 3, 26)]
+    ours = assert_greedy_matches(tmp_path, hf, prompts, kv_cache_gb=6 * per_block / 2 ** 30,
+                                 max_num_batched_tokens=8)
+    assert ours.engine.block_manager.num_blocks == 6
+    assert ours.engine.scheduler.num_preemptions > 0
+
+
+def test_deepseek_v3_router_bias_only_chooses(tmp_path):
+    """e_score_correction_bias moves which experts are chosen but not their weights: with the bias set to
+    zero the logits change (the choice did), and transformers agrees in both cases (checked above with it)."""
+    hf = write_checkpoint(tmp_path / "biased", "deepseek_v3")
+    config = json.loads((tmp_path / "biased" / "config.json").read_text())
+    tensors = load_file(tmp_path / "biased" / "model.safetensors")
+    for key in tensors:
+        if key.endswith("e_score_correction_bias"):
+            tensors[key] = torch.zeros_like(tensors[key])
+    (tmp_path / "plain").mkdir()
+    save_file(tensors, str(tmp_path / "plain" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(config))
+    prompt = prompts_for(hf.config)[1]
+    biased, plain = (PagedRun(build(tmp_path / d), 1, MAX_LEN).prefill([prompt])[0] for d in ("biased", "plain"))
+    assert (biased - plain).abs().max() > 1e-2
+
+
+def test_deepseek_v3_mtp_layer_is_left_unread_with_a_warning(tmp_path):
+    """A checkpoint with DeepSeek's multi-token-prediction layer (model.layers.<num_hidden_layers>.*) loads,
+    warns naming those tensors, and gives the same logits; a tensor of any other extra layer is refused."""
+    hf = write_checkpoint(tmp_path, "deepseek_v3")
+    tensors = load_file(tmp_path / "model.safetensors")
+    L = hf.config.num_hidden_layers
+    mtp = {f"model.layers.{L}.{k.split('.', 3)[3]}": v.clone()  # a copy of layer 1 as the MTP's decoder layer
+           for k, v in tensors.items() if k.startswith("model.layers.1.")}
+    mtp.update({f"model.layers.{L}.eh_proj.weight": torch.randn(64, 128), f"model.layers.{L}.enorm.weight":
+                torch.ones(64), f"model.layers.{L}.hnorm.weight": torch.ones(64),
+                f"model.layers.{L}.shared_head.norm.weight": torch.ones(64)})
+    save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    with pytest.warns(UserWarning, match=rf"multi-token-prediction.*model\.layers\.{L}\.eh_proj\.weight"):
+        model = build(tmp_path)
+    assert_batched_prefill_matches(model, hf, prompts_for(hf.config))
+    config["num_nextn_predict_layers"] = 0  # now nothing explains layer L: refused, naming it
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"not used by any module.*model\.layers\.{L}\."):
+        build(tmp_path)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("topk_method", "group_limited_greedy", "topk_method"), ("scoring_func", "softmax", "scoring_func"),
+    ("hidden_act", "gelu", "hidden_act")])
+def test_unsupported_config_fields_are_refused(tmp_path, field, value, match):
+    write_checkpoint(tmp_path, "deepseek_v3" if field != "hidden_act" else "mixtral_window")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        tritonq.load(tmp_path, max_num_seqs=1, max_seq_len=32)
