@@ -210,3 +210,76 @@ def test_unsupported_config_fields_are_refused(tmp_path, field, value, match):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
         tritonq.load(tmp_path, max_num_seqs=1, max_seq_len=32)
+
+
+# ---- quantized experts: each checkpoint vs transformers on its dequantized weights -------------------------
+
+def reference_from_dequantized(folder, dequantized: dict[str, torch.Tensor], out):
+    """transformers' model for quantized checkpoint `folder` in which every quantized module `prefix` holds
+    dequantized[prefix] (W [N, K]) and every other tensor is as stored (biases AWQ / GPTQ keep in fp16)."""
+    stored = load_file(folder / "model.safetensors")
+    tensors = {k: v.float() for k, v in stored.items()
+               if k.rpartition(".")[0] not in dequantized or k.endswith(".bias")}
+    tensors.update({f"{prefix}.weight": w.float().contiguous() for prefix, w in dequantized.items()})
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(config))
+    config_cls, model_cls, _ = next(c for c in CASES.values() if c[0].model_type == config["model_type"])
+    return model_cls.from_pretrained(out, dtype=torch.float32).eval()
+
+
+def module_prefixes(folder) -> set[str]:
+    return {k.rpartition(".")[0] for k in load_file(folder / "model.safetensors")}
+
+
+def assert_experts_quantized(model, kind) -> None:
+    moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert moe and all(isinstance(m.gate_up, kind) and isinstance(m.down, kind) for m in moe)
+
+
+def fp8_input(module, args):
+    """Forward pre-hook: round a linear's input per token to e4m3 (scale = absmax / 448), as fp8 checkpoints
+    with activation_scheme "dynamic" run (and as our fp8 GEMM does)."""
+    x = args[0]
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448
+    return ((x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale,)
+
+
+def round_inputs_to_fp8(hf, prefixes: set[str]) -> None:
+    """Make transformers round the input of each nn.Linear named in prefixes to fp8 (`fp8_input`; hooks survive
+    the deepcopy each comparison makes). Experts are 3-D parameters in transformers 5, not nn.Linear: they stay
+    weight-only, as our fused_moe runs fp8 experts."""
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear) and name in prefixes:
+            module.register_forward_pre_hook(fp8_input)
+
+
+WRITER = {  # name: (case, format, options) written by tritonq's own writer (tritonq.quantize)
+    "qwen3_moe_awq": ("qwen3_moe", "awq", {"group_size": 32}),
+    "mixtral_gptq_act_order": ("mixtral_window", "gptq", {"group_size": 32, "sym": True, "act_order": True}),
+    "deepseek_v3_gptq_8bit": ("deepseek_v3", "gptq", {"group_size": 32, "bits": 8}),
+    "qwen2_moe_fp8_tensor": ("qwen2_moe", "fp8", {"fp8_scheme": "tensor"}),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITER))
+def test_writer_quantized_experts_match_transformers_on_dequantized_weights(tmp_path, name):
+    """Per-expert AWQ / GPTQ / fp8 linears (experts.N.gate_proj.qweight ...) are stacked at load into the
+    fused-MoE layout; our prefill logits and greedy tokens equal transformers on the dequantized weights
+    (fp8: transformers' dense linears also round their inputs per token to e4m3, as our fp8 GEMM does; the
+    experts run weight-only on both sides)."""
+    case, fmt, options = WRITER[name]
+    write_checkpoint(tmp_path / "dense", case)
+    folder = write_quantized(tmp_path / "dense", tmp_path / name, fmt, **options)
+    loader = get_loader(folder, torch.float32, "cpu")
+    dequantized = {p: loader.get_linear(p).dequantize() for p in module_prefixes(folder) if loader.is_quantized(p)}
+    reference = reference_from_dequantized(folder, dequantized, tmp_path / "reference")
+    ours = build(folder)
+    assert_experts_quantized(ours, FP8Weight if fmt == "fp8" else Int4Weight)
+    prompts = prompts_for(reference.config)
+    if fmt == "fp8":
+        round_inputs_to_fp8(reference, set(dequantized))
+    assert_batched_prefill_matches(ours, reference, prompts)
+    assert_greedy_matches(folder, reference, prompts, n=8)
