@@ -72,13 +72,23 @@ def ct_checkpoint(folder, weights: dict, fmt: str, inputs: dict | None = None, i
         QuantizationScheme,
         apply_quantization_config,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
     assert ct  # the import is the point
     model = dense_llama(**model_options)
     scheme = QuantizationScheme(targets=list(targets), weights=QuantizationArgs(**weights),
                                 input_activations=None if inputs is None else QuantizationArgs(**inputs))
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)),
                               show_progress=False)
+    ct_min_max_qparams(model)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    save(model, folder)
+    compressor.update_config(folder)
+
+
+def ct_min_max_qparams(model: torch.nn.Module) -> None:
+    """Set every quantized module's weight_scale / weight_zero_point from compressed-tensors' own
+    `calculate_qparams` on the weight's min/max (llm-compressor's default min-max observer)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
     with torch.no_grad():
         for module in model.modules():
             if not hasattr(module, "weight_scale"):
@@ -99,10 +109,6 @@ def ct_checkpoint(folder, weights: dict, fmt: str, inputs: dict | None = None, i
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
-    compressor.compress_model(model)
-    save(model, folder)
-    compressor.update_config(folder)
 
 
 def ct_reference(folder) -> torch.nn.Module:

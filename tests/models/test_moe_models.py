@@ -10,6 +10,7 @@ dequantized weights (tests/models/test_deepseek_v2.py does the same for V2).
 """
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -283,3 +284,96 @@ def test_writer_quantized_experts_match_transformers_on_dequantized_weights(tmp_
         round_inputs_to_fp8(reference, set(dequantized))
     assert_batched_prefill_matches(ours, reference, prompts)
     assert_greedy_matches(folder, reference, prompts, n=8)
+
+
+# ---- quantized experts from the real packers, against the packer's own dequantization ----------------------
+
+def linear_tree(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module tree holding an nn.Linear (no bias) at every 2-D `<prefix>.weight` of a checkpoint (embeddings
+    aside): a checkpoint's per-expert layout (experts.N.gate_proj ...), which packers quantize module by module
+    (transformers 5 keeps experts as 3-D parameters, which no Linear-targeting packer sees)."""
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf != "weight" or t.ndim != 2 or prefix.endswith("embed_tokens"):
+            continue
+        *parents, last = prefix.split(".")
+        module = root
+        for part in parents:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        linear = torch.nn.Linear(t.shape[1], t.shape[0], bias=False)
+        linear.weight.data = t.clone()
+        module.add_module(last, linear)
+    return root
+
+
+def ct_moe_checkpoint(dense, folder, weights: dict, fmt: str, ignore: list[str]) -> dict[str, torch.Tensor]:
+    """Quantize checkpoint `dense` module by module with compressed-tensors (its apply_quantization_config,
+    min-max qparams, ModelCompressor, as llm-compressor saves) into `folder`; returns compressed-tensors' own
+    decompression (its compressor's `decompress`) of every module it quantized, by prefix."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from formats.test_real_packers import ct_min_max_qparams
+    stored = load_file(dense / "model.safetensors")
+    tree = linear_tree(stored)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    apply_quantization_config(tree, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore),
+                              show_progress=False)
+    ct_min_max_qparams(tree)
+    compressor = ModelCompressor.from_pretrained_model(tree, quantization_format=fmt)
+    compressor.compress_model(tree)
+    compressed = {k: v.contiguous() for k, v in tree.state_dict().items()}
+    folder.mkdir()
+    replaced = {k for k in stored if k in compressed or (k.endswith(".weight") and k[:-7] + ".weight_scale" in compressed)}
+    save_file({**{k: v for k, v in stored.items() if k not in replaced}, **compressed},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    for path in dense.iterdir():  # config.json and the tokenizer files
+        if path.suffix != ".safetensors":
+            shutil.copy(path, folder / path.name)
+    compressor.update_config(folder)
+    quantized = {k.rpartition(".")[0] for k in compressed if k.endswith(".weight_scale")}
+    decompressor = BaseCompressor.get_value_from_registry(fmt)
+    return {p: decompressor.decompress({k.rpartition(".")[2]: v for k, v in compressed.items()
+                                        if k.rpartition(".")[0] == p}, scheme)["weight"].float() for p in quantized}
+
+
+INT = dict(type="int", symmetric=True)
+FP8_WEIGHTS = dict(num_bits=8, type="float", symmetric=True)
+COMPRESSED_TENSORS = {  # name: (case, weights, format, ignore); every scheme weight-only (input_activations null)
+    "qwen3_moe_w4a16": ("qwen3_moe", dict(INT, num_bits=4, strategy="group", group_size=32), "pack-quantized",
+                        ["lm_head", "re:.*mlp.gate$"]),
+    "qwen2_moe_w4a16_asym": ("qwen2_moe", dict(INT, num_bits=4, symmetric=False, strategy="group", group_size=32),
+                             "pack-quantized", ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert.*"]),
+    "mixtral_w8a16": ("mixtral_window", dict(INT, num_bits=8, strategy="channel"), "pack-quantized",
+                      ["lm_head", "re:.*block_sparse_moe.gate$"]),
+    "deepseek_v3_fp8_block": ("deepseek_v3", dict(FP8_WEIGHTS, strategy="block", block_structure=[32, 32]),
+                              "float-quantized", ["lm_head", "re:.*mlp.gate$", "re:.*shared_experts.*"]),
+    "deepseek_v3_fp8_channel": ("deepseek_v3", dict(FP8_WEIGHTS, strategy="channel"), "float-quantized",
+                                ["lm_head", "re:.*mlp.gate$"]),
+    "qwen3_moe_fp8_tensor": ("qwen3_moe", dict(FP8_WEIGHTS, strategy="tensor"), "float-quantized",
+                             ["lm_head", "re:.*mlp.gate$"]),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPRESSED_TENSORS))
+def test_compressed_tensors_experts_match_its_own_dequantization(tmp_path, name):
+    """compressed-tensors W4A16 / W8A16 / FP8 (tensor, channel, block) experts, with `ignore` lists that keep
+    the router (and shared experts) dense: prefill and greedy tokens equal transformers holding
+    compressed-tensors' own decompression of every module."""
+    case, weights, fmt, ignore = COMPRESSED_TENSORS[name]
+    write_checkpoint(tmp_path / "dense", case)
+    dequantized = ct_moe_checkpoint(tmp_path / "dense", tmp_path / name, weights, fmt, ignore)
+    assert not [p for p in dequantized if p.endswith(".gate")]  # the ignore list kept every router dense
+    assert any(".experts." in p for p in dequantized)
+    if any("shared_expert" in entry for entry in ignore):
+        assert not [p for p in dequantized if "shared_expert" in p]
+    reference = reference_from_dequantized(tmp_path / name, dequantized, tmp_path / "reference")
+    ours = build(tmp_path / name)
+    assert_experts_quantized(ours, FP8Weight if weights["type"] == "float" else Int4Weight)
+    prompts = prompts_for(reference.config)
+    assert_batched_prefill_matches(ours, reference, prompts)
+    assert_greedy_matches(tmp_path / name, reference, prompts, n=8)
