@@ -11,6 +11,7 @@ dequantized weights (tests/models/test_deepseek_v2.py does the same for V2).
 import copy
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -377,3 +378,63 @@ def test_compressed_tensors_experts_match_its_own_dequantization(tmp_path, name)
     prompts = prompts_for(reference.config)
     assert_batched_prefill_matches(ours, reference, prompts)
     assert_greedy_matches(tmp_path / name, reference, prompts, n=8)
+
+
+def awq_moe_checkpoint(dense, folder, group_size: int, modules_to_not_convert: list[str] | None
+                       ) -> dict[str, torch.Tensor]:
+    """Pack every decoder linear of checkpoint `dense` whose name contains no entry of modules_to_not_convert
+    (AutoAWQ's own rule, `exclude_layers_to_not_quantize`) with AutoAWQ (its pseudo-quantizer's scales / zeros,
+    WQLinear_GEMM's packer) into `folder`; returns AutoAWQ's own dequantization (`dequantize_gemm`) of each
+    packed module, by prefix."""
+    from formats.test_real_packers import awq_imports
+    WQLinear_GEMM, AwqQuantizer, dequantize_gemm = awq_imports()
+    tensors = load_file(dense / "model.safetensors")
+    quantizer = SimpleNamespace(w_bit=4, group_size=group_size, zero_point=True)
+    dequantized = {}
+    for name in sorted(tensors):
+        prefix, _, leaf = name.rpartition(".")
+        if leaf != "weight" or tensors[name].ndim != 2 or not prefix.startswith("model.layers.") \
+                or any(entry in prefix for entry in modules_to_not_convert or []):
+            continue
+        linear = torch.nn.Linear(tensors[name].shape[1], tensors[name].shape[0], bias=False)
+        # as AutoAWQ's _apply_quant: the layer takes the pseudo-quantized weight, then is packed
+        linear.weight.data, scales, zeros = AwqQuantizer.pseudo_quantize_tensor(quantizer, tensors.pop(name).float())
+        packed = WQLinear_GEMM.from_linear(linear, 4, group_size, False, scales.t().contiguous(), zeros.t().contiguous())
+        tensors |= {f"{prefix}.qweight": packed.qweight, f"{prefix}.qzeros": packed.qzeros,
+                    f"{prefix}.scales": packed.scales}
+        # fed the fp16 scales as float32 (exact), so that it does not round W to fp16
+        dequantized[prefix] = dequantize_gemm(packed.qweight, packed.qzeros, packed.scales.float(), 4, group_size).t()
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    for path in dense.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, folder / path.name)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+                                     "version": "gemm", "modules_to_not_convert": modules_to_not_convert}
+    (folder / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+AUTOAWQ = {  # case: (config overrides, AutoAWQ's modules_to_not_convert for that architecture)
+    # AutoAWQ's Qwen3-MoE model names no exclusion: the router is packed too (32 experts: AutoAWQ packs N in
+    # multiples of 32, and so are the attention widths with head_dim 16).
+    "qwen3_moe": (dict(num_experts=32, head_dim=16), None),
+    "mixtral_window": (dict(head_dim=16), ["gate"]),  # awq/models/mixtral.py: the router stays dense
+}
+
+
+@pytest.mark.parametrize("case", list(AUTOAWQ))
+def test_autoawq_experts_match_its_own_dequantization(tmp_path, case):
+    """Experts (and attention, and Qwen3-MoE's router) packed by AutoAWQ's GEMM packer under AutoAWQ's own
+    exclusion rules: prefill and greedy tokens equal transformers on AutoAWQ's own dequantization."""
+    overrides, not_convert = AUTOAWQ[case]
+    write_checkpoint(tmp_path / "dense", case, **overrides)
+    dequantized = awq_moe_checkpoint(tmp_path / "dense", tmp_path / "awq", 32, not_convert)
+    assert any(p.endswith(".gate") for p in dequantized) == (not_convert is None)
+    reference = reference_from_dequantized(tmp_path / "awq", dequantized, tmp_path / "reference")
+    ours = build(tmp_path / "awq")
+    assert_experts_quantized(ours, Int4Weight)
+    prompts = prompts_for(reference.config)
+    assert_batched_prefill_matches(ours, reference, prompts)
+    assert_greedy_matches(tmp_path / "awq", reference, prompts, n=8)

@@ -68,8 +68,16 @@ class MLP(nn.Module):
 def _float32_tensor(loader, name: str, shape: tuple) -> torch.Tensor:
     """A router tensor in float32 whatever the compute dtype: the scores choose experts, and a bf16 rounding
     of the weights (or of V3's correction bias, ~1e-3 apart between experts) would change the choice."""
-    loader._check_float(name)  # a quantized router (an ignore list that missed it) is refused, not misread
+    loader._check_float(name)
     return loader.weights.get_tensor(name, shape=shape).to(device=loader.device, dtype=torch.float32)
+
+
+def _router_weight(loader, prefix: str, shape: tuple[int, int]) -> torch.Tensor:
+    """The router [E, D] in float32. Packers that quantize every linear (AutoAWQ's Qwen-MoE and DeepSeek models
+    have no exclusion for it) store it quantized: it is then dequantized once, here."""
+    if loader.is_quantized(prefix):
+        return loader.get_linear(prefix, shape=shape).dequantize(torch.float32)
+    return _float32_tensor(loader, f"{prefix}.weight", shape)
 
 
 class SparseMoE(nn.Module):
@@ -84,7 +92,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.routing = routing
         D = hidden
-        self.router = _float32_tensor(loader, f"{prefix}.{names.router}.weight", (num_experts, D))
+        self.router = _router_weight(loader, f"{prefix}.{names.router}", (num_experts, D))
         self.correction_bias = (_float32_tensor(loader, f"{prefix}.{names.router}.e_score_correction_bias",
                                                 (num_experts,)) if routing.correction_bias else None)
         experts = [f"{prefix}.experts.{e}" for e in range(num_experts)]
