@@ -438,3 +438,69 @@ def test_autoawq_experts_match_its_own_dequantization(tmp_path, case):
     prompts = prompts_for(reference.config)
     assert_batched_prefill_matches(ours, reference, prompts)
     assert_greedy_matches(tmp_path / "awq", reference, prompts, n=8)
+
+
+def gptqmodel_moe_checkpoint(dense, folder, dynamic: dict, bits: int = 4, group_size: int = 32
+                             ) -> dict[str, torch.Tensor]:
+    """A GPTQ checkpoint of `dense` laid out as GPTQModel writes one (v1 zeros minus 0x11.. per word, its meta
+    quantizer named) with `dynamic` per-module overrides ("-:regex" dense, "+:regex" other bits / group_size),
+    built from the published format with test_real_packers' independent quantizer; routers stay dense (GPTQModel's
+    MoE definitions never quantize them). Returns the independent dequantization of each packed module."""
+    import re
+
+    from formats.test_real_packers import dequantize_gptq, gptq_layer, pack_fields
+    tensors = load_file(dense / "model.safetensors")
+    dequantized = {}
+    for name in sorted(tensors):
+        prefix, _, leaf = name.rpartition(".")
+        if leaf != "weight" or tensors[name].ndim != 2 or not prefix.startswith("model.layers.") \
+                or prefix.endswith(".gate"):
+            continue
+        rule = next((key for key in dynamic if re.match(key[2:], prefix)), None)
+        if rule is not None and rule.startswith("-:"):
+            continue
+        p = {"bits": bits, "group_size": group_size, **(dynamic[rule] if rule else {})}
+        q, zeros, scales = gptq_layer(tensors.pop(name).float(), p["bits"], p["group_size"], seed=len(dequantized))
+        ones = sum(1 << (p["bits"] * j) for j in range(32 // p["bits"]))
+        words = (pack_fields(zeros, p["bits"]).to(torch.int64) - ones) & 0xFFFFFFFF
+        tensors |= {f"{prefix}.qweight": pack_fields(q.T, p["bits"]).T.contiguous(),
+                    f"{prefix}.qzeros": (words - (words >= 2**31) * 2**32).to(torch.int32), f"{prefix}.scales": scales,
+                    f"{prefix}.g_idx": torch.zeros(q.shape[0], dtype=torch.int32) if p["group_size"] == -1 else
+                    (torch.arange(q.shape[0]) // p["group_size"]).to(torch.int32)}
+        dequantized[prefix] = dequantize_gptq(q, zeros, scales, p["group_size"])
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    for path in dense.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, folder / path.name)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": False, "sym": False,
+        "checkpoint_format": "gptq", "meta": {"quantizer": ["gptqmodel:4.0.0"]}, "dynamic": dynamic}
+    (folder / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+GPTQMODEL_DYNAMIC = {  # case: dynamic
+    # attention 8-bit per channel, experts 4-bit group 32, the dense MLP of layer 1 left dense
+    "qwen3_moe": {r"+:.*self_attn\..*": {"bits": 8, "group_size": -1}, r"-:.*layers\.1\.mlp\..*": {}},
+    # the shared expert (and its gate) left dense, experts 8-bit
+    "qwen2_moe": {r"-:.*shared_expert.*": {}, r"+:.*experts\..*": {"bits": 8}},
+}
+
+
+@pytest.mark.parametrize("case", list(GPTQMODEL_DYNAMIC))
+def test_gptqmodel_dynamic_overrides_on_experts(tmp_path, case):
+    """GPTQModel `dynamic` per-module overrides across a MoE model (other bits / group size for some modules, others
+    left dense): every module is read with its own parameters, and the model equals transformers on the
+    independent dequantization."""
+    write_checkpoint(tmp_path / "dense", case)
+    dequantized = gptqmodel_moe_checkpoint(tmp_path / "dense", tmp_path / "gptq", GPTQMODEL_DYNAMIC[case])
+    reference = reference_from_dequantized(tmp_path / "gptq", dequantized, tmp_path / "reference")
+    ours = build(tmp_path / "gptq")
+    assert_experts_quantized(ours, Int4Weight)
+    attention, moe = ours.layers[0].self_attn.qkv_proj.weight, ours.layers[0].mlp
+    assert attention.bits == (8 if case == "qwen3_moe" else 4) and moe.gate_up.bits == (4 if case == "qwen3_moe" else 8)
+    prompts = prompts_for(reference.config)
+    assert_batched_prefill_matches(ours, reference, prompts)
+    assert_greedy_matches(tmp_path / "gptq", reference, prompts, n=8)
