@@ -58,10 +58,11 @@ def _route(layer: MoELayer, E: int, T: int, device) -> tuple[torch.Tensor, torch
     n_group = min(layer.n_group, E // 2) if layer.scoring == "sigmoid" else 1
     while E % n_group:
         n_group -= 1
+    topk_group = min(layer.topk_group, n_group)
+    top_k = min(layer.top_k, topk_group * (E // n_group))  # a few stored experts: at most all of them
     bias = torch.randn(E, device=device) * 0.01 if layer.scoring == "sigmoid" else None
-    return grouped_topk(torch.randn(T, E, device=device), layer.top_k, n_group=n_group,
-                        topk_group=min(layer.topk_group, n_group), scoring=layer.scoring, correction_bias=bias,
-                        renormalize=True)
+    return grouped_topk(torch.randn(T, E, device=device), top_k, n_group=n_group, topk_group=topk_group,
+                        scoring=layer.scoring, correction_bias=bias, renormalize=True)
 
 
 def main(argv: list[str]) -> None:
