@@ -504,3 +504,12 @@ def test_gptqmodel_dynamic_overrides_on_experts(tmp_path, case):
     prompts = prompts_for(reference.config)
     assert_batched_prefill_matches(ours, reference, prompts)
     assert_greedy_matches(tmp_path / "gptq", reference, prompts, n=8)
+
+
+def test_experts_quantized_differently_within_a_layer_are_refused_naming_it(tmp_path):
+    """One fused kernel runs all experts of a layer: a `dynamic` rule giving expert 0 other bits is refused, naming
+    the layer and the sizes found."""
+    write_checkpoint(tmp_path / "dense", "qwen3_moe")
+    gptqmodel_moe_checkpoint(tmp_path / "dense", tmp_path / "gptq", {r"+:.*layers\.2\.mlp\.experts\.0\..*": {"bits": 8}})
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts: .*\(bits, group_size\) \[\(4, 32\), \(8, 32\)\]"):
+        build(tmp_path / "gptq")

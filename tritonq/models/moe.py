@@ -96,9 +96,12 @@ class SparseMoE(nn.Module):
         self.correction_bias = (_float32_tensor(loader, f"{prefix}.{names.router}.e_score_correction_bias",
                                                 (num_experts,)) if routing.correction_bias else None)
         experts = [f"{prefix}.experts.{e}" for e in range(num_experts)]
-        self.gate_up = stack_experts([loader.get_fused_linear([f"{p}.{names.gate}", f"{p}.{names.up}"],
-                                                              shapes=[(inter, D), (inter, D)]) for p in experts])
-        self.down = loader.get_stacked([f"{p}.{names.down}" for p in experts], shape=(D, inter))
+        try:  # stacked once, here: the fused-MoE layout [E, N, K]
+            self.gate_up = stack_experts([loader.get_fused_linear([f"{p}.{names.gate}", f"{p}.{names.up}"],
+                                                                  shapes=[(inter, D), (inter, D)]) for p in experts])
+            self.down = loader.get_stacked([f"{p}.{names.down}" for p in experts], shape=(D, inter))
+        except ValueError as e:
+            raise ValueError(f"{prefix}.experts: {e}") from e
         self.shared = shared
         self.shared_gate = (loader.get_tensor(f"{prefix}.shared_expert_gate.weight", shape=(1, D))
                             if shared_gate else None)
