@@ -329,7 +329,8 @@ def ct_moe_checkpoint(dense, folder, weights: dict, fmt: str, ignore: list[str])
     compressor.compress_model(tree)
     compressed = {k: v.contiguous() for k, v in tree.state_dict().items()}
     folder.mkdir()
-    replaced = {k for k in stored if k in compressed or (k.endswith(".weight") and k[:-7] + ".weight_scale" in compressed)}
+    replaced = {k for k in stored
+                if k in compressed or (k.endswith(".weight") and k[:-7] + ".weight_scale" in compressed)}
     save_file({**{k: v for k, v in stored.items() if k not in replaced}, **compressed},
               str(folder / "model.safetensors"), metadata={"format": "pt"})
     for path in dense.iterdir():  # config.json and the tokenizer files
@@ -399,7 +400,8 @@ def awq_moe_checkpoint(dense, folder, group_size: int, modules_to_not_convert: l
         linear = torch.nn.Linear(tensors[name].shape[1], tensors[name].shape[0], bias=False)
         # as AutoAWQ's _apply_quant: the layer takes the pseudo-quantized weight, then is packed
         linear.weight.data, scales, zeros = AwqQuantizer.pseudo_quantize_tensor(quantizer, tensors.pop(name).float())
-        packed = WQLinear_GEMM.from_linear(linear, 4, group_size, False, scales.t().contiguous(), zeros.t().contiguous())
+        packed = WQLinear_GEMM.from_linear(linear, 4, group_size, False, scales.t().contiguous(),
+                                           zeros.t().contiguous())
         tensors |= {f"{prefix}.qweight": packed.qweight, f"{prefix}.qzeros": packed.qzeros,
                     f"{prefix}.scales": packed.scales}
         # fed the fp16 scales as float32 (exact), so that it does not round W to fp16
@@ -510,6 +512,8 @@ def test_experts_quantized_differently_within_a_layer_are_refused_naming_it(tmp_
     """One fused kernel runs all experts of a layer: a `dynamic` rule giving expert 0 other bits is refused, naming
     the layer and the sizes found."""
     write_checkpoint(tmp_path / "dense", "qwen3_moe")
-    gptqmodel_moe_checkpoint(tmp_path / "dense", tmp_path / "gptq", {r"+:.*layers\.2\.mlp\.experts\.0\..*": {"bits": 8}})
-    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts: .*\(bits, group_size\) \[\(4, 32\), \(8, 32\)\]"):
+    dynamic = {r"+:.*layers\.2\.mlp\.experts\.0\..*": {"bits": 8}}
+    gptqmodel_moe_checkpoint(tmp_path / "dense", tmp_path / "gptq", dynamic)
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts: .*"
+                                         r"\(bits, group_size\) \[\(4, 32\), \(8, 32\)\]"):
         build(tmp_path / "gptq")
