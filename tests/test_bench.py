@@ -156,3 +156,28 @@ def test_quality_bench_kv_cache_rows_state_their_perplexity_change_and_capacity(
         assert row["perplexity"] != dense["perplexity"]  # the cache really is 8-bit
         assert row["perplexity"] == pytest.approx(dense["perplexity"], rel=0.05)
         assert f"ppl {row['perplexity'] - dense['perplexity']:+.4f} vs dense" in row["note"]
+
+
+def test_moe_bench_layers_match_the_published_configs():
+    """transformers' config defaults are the published Qwen3-30B-A3B and DeepSeek-V3 sizes."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+
+    from tritonq.bench.moe import LAYERS
+    qwen, v3 = Qwen3MoeConfig(), DeepseekV3Config()
+    assert LAYERS["qwen3-30b-a3b"] == LAYERS["qwen3-30b-a3b"].__class__(
+        qwen.num_experts, qwen.num_experts_per_tok, qwen.hidden_size, qwen.moe_intermediate_size)
+    assert LAYERS["deepseek-v3"] == LAYERS["deepseek-v3"].__class__(
+        v3.n_routed_experts, v3.num_experts_per_tok, v3.hidden_size, v3.moe_intermediate_size, "sigmoid", v3.n_group,
+        v3.topk_group)
+
+
+def test_moe_bench_cli_on_cpu_writes_json(tmp_path, monkeypatch):
+    from tritonq.bench import moe as bench_moe
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU bench measures the CPU backend (kernels/cpu_lowbit.py)
+    out = tmp_path / "moe.json"
+    bench_moe.main(["--models", "qwen3-30b-a3b", "--tokens", "1", "3", "--experts", "2", "--rep", "1",
+                    "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert [(r["model"], r["experts"], r["weights"], r["tokens"]) for r in data["rows"]] == [
+        ("qwen3-30b-a3b", 2, "int4", 1), ("qwen3-30b-a3b", 2, "int4", 3)]
+    assert all(r["vs_loop"] == pytest.approx(r["loop_ms"] / r["ours_ms"]) for r in data["rows"])

@@ -71,6 +71,14 @@ OTHER_DTYPE_CASES = ("int4 M256", "w8a8 M256", "fp8 block M256", "fp8 weight-onl
 # correctness. A T4 tile set for them is the next step (measure on a T4 first). Attention fits without.
 SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "int4 M256"): 196,  # 3.9: 196, 3.6: 88
+    (75, "moe int8 gate_up M64"): 2472,  # 3.9: 2328, 3.6: 2472
+    (75, "moe int4-act-order gate_up M64"): 1324,  # 3.9: 1232, 3.6: 1324
+    (75, "moe fp8-channel gate_up M64"): 1784,  # 3.9: 1784, 3.6: 1364
+    (75, "moe fp8-tensor gate_up M64"): 1784,  # 3.9: 1784, 3.6: 1364
+    # Triton 3.6 only (3.9: none) on sm_80/89: a few bytes in the per-row scale / g_idx gathers of these experts
+    (80, "moe int4-act-order gate_up M64"): 20, (89, "moe int4-act-order gate_up M64"): 8,
+    (80, "moe fp8-channel gate_up M64"): 56, (89, "moe fp8-channel gate_up M64"): 24,
+    (80, "moe fp8-tensor gate_up M64"): 56, (89, "moe fp8-tensor gate_up M64"): 24,
     (75, "int4 act-order M256"): 9734,  # 3.9: 9734, 3.6: 9276
     (75, "int8 M256"): 200,  # 3.9: 200, 3.6: 88
     (75, "nf4 M1"): 364,  # 3.9: 364, 3.6: 312
@@ -228,6 +236,10 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
                             (False, moe.DEFAULT_CONFIGS[-1][1])):
         out[f"moe mxfp4 gpt-oss {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = moe.aot_launch(
             config, (*GPT_OSS_MOE_PROBLEM, 0 if gate_up else 1), "mxfp4", dtype=dtype, gpt_oss=True)
+    for kind in ("int8", "int4-act-order", "fp8-channel", "fp8-tensor"):  # the other experts packers write: gate/up
+        config = moe.DEFAULT_CONFIGS[-1][1]  # at the largest tile (two accumulators: the most registers)
+        out[f"moe {kind} gate_up M{config.BLOCK_M}"] = moe.aot_launch(config, (*MOE_PROBLEM, 0), kind,
+                                                                     native_fp8=cc >= 89, dtype=dtype)
     out["rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5)[0]
     return out
 

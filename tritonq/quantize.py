@@ -35,7 +35,7 @@ from tritonq.weights import E2M1_VALUES, MXFP4_GROUP, FP8Weight, Int4Weight, MXF
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Linears the models fuse with the next one along N (q|k|v, gate|up): with block-fp8 their N must be
 # whole blocks, or the fused scale rows would not line up (tritonq.weights.concat_outputs).
-FUSED_BEFORE_ANOTHER = ("q_proj", "k_proj", "gate_proj")
+FUSED_BEFORE_ANOTHER = ("q_proj", "k_proj", "gate_proj", ".w1")  # .w1: Mixtral's expert gate
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 128, sym: bool = False, bits: int = 4, act_order: bool = False,

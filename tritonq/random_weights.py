@@ -13,7 +13,10 @@ from tritonq.packing import pack_int32
 from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
 
 FP8_SCHEMES = ("tensor", "channel", "block")
-EXPERT_KINDS = ("dense", "int4", "fp8", "mxfp4")
+# "int4" / "fp8" (asymmetric group 128, 128x128 blocks: the tuner's and bench's), then the other layouts the
+# packers give experts: 8-bit (GPTQ 8-bit, W8A16), symmetric act-order (GPTQ desc_act), fp8 per channel / tensor;
+# "mxfp4": gpt-oss's experts.
+EXPERT_KINDS = ("dense", "int4", "fp8", "int8", "int4-act-order", "fp8-channel", "fp8-tensor", "mxfp4")
 
 
 def random_int4_weight(N: int, K: int, dtype: torch.dtype, device, group_size: int = 128) -> Int4Weight:
@@ -49,27 +52,38 @@ def int4_expert_group_size(K: int) -> int:
 
 
 def random_experts(kind: str, E: int, N: int, K: int, dtype: torch.dtype, device) -> Weight:
-    """A stacked expert weight [E, N, K] of `kind` ("dense", "int4", "fp8") with random contents made
+    """A stacked expert weight [E, N, K] of `kind` (EXPERT_KINDS) with random contents made
     on the device, scaled so that x ~ N(0, 1) gives outputs of about unit size.
 
     int4: asymmetric, group 128 (32 if K is not a multiple), random nibbles (random int32 words) and
-    zeros in [6, 10]; fp8: e4m3 codes with 128x128 block scales; mxfp4: random e2m1 bytes (K a multiple
+    zeros in [6, 10]; int8: the same with 8-bit codes and zeros in [118, 138]; int4-act-order: symmetric,
+    each expert's input rows in a random group order (g_idx); fp8: e4m3 codes with 128x128 block scales,
+    fp8-channel / fp8-tensor: one scale per output channel / per expert; mxfp4: random e2m1 bytes (K a multiple
     of 32) with E8M0 scales around 2^-log2(3 sqrt K) (e2m1 codes have std ~3).
     """
     if kind == "dense":
         return DenseWeight((torch.randn(E, N, K, device=device) / K ** 0.5).to(dtype))
-    if kind == "int4":
+    if kind in ("int4", "int8", "int4-act-order"):
+        bits = 8 if kind == "int8" else 4
         group_size = int4_expert_group_size(K)
         G = K // group_size
-        qweight = torch.randint(-2**31, 2**31 - 1, (E, K // 8, N), dtype=torch.int32, device=device)
-        # (nibble - zero) has std ~4.6, so these scales make dequantized weights ~N(0, 1/K)
-        scales = ((torch.rand(E, G, N, device=device) * 0.5 + 0.75) / (4.6 * K ** 0.5)).to(dtype)
-        zeros = torch.randint(6, 11, (E, G, N), device=device).to(dtype)
-        return Int4Weight(qweight, scales, zeros, None, group_size, 4)
-    if kind == "fp8":  # codes of std ~64 times scales ~1/(64 sqrt K)
+        qweight = torch.randint(-2**31, 2**31 - 1, (E, K * bits // 32, N), dtype=torch.int32, device=device)
+        # (code - zero) has std ~4.6 (4-bit) / ~74 (8-bit), so these scales make dequantized weights ~N(0, 1/K)
+        spread = 4.6 if bits == 4 else 74.0
+        scales = ((torch.rand(E, G, N, device=device) * 0.5 + 0.75) / (spread * K ** 0.5)).to(dtype)
+        if kind == "int4-act-order":  # symmetric (zero 8); row k of expert e in group g_idx[e, k], groups shuffled
+            groups = torch.arange(K, device=device) // group_size
+            g_idx = torch.stack([groups[torch.randperm(K, device=device)] for _ in range(E)]).to(torch.int32)
+            return Int4Weight(qweight, scales, None, g_idx, group_size, 4)
+        middle = 2 ** (bits - 1)
+        zeros = torch.randint(middle - 2 * bits + 6, middle + 2 * bits - 5, (E, G, N), device=device).to(dtype)
+        return Int4Weight(qweight, scales, zeros, None, group_size, bits)
+    if kind.startswith("fp8"):  # codes of std ~64 times scales ~1/(64 sqrt K)
         codes = (torch.randn(E, N, K, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-        scales = (torch.rand(E, -(-N // 128), -(-K // 128), device=device) * 0.5 + 0.75) / (64 * K ** 0.5)
-        return FP8Weight(codes, scales, block_size=(128, 128))
+        shape = {"fp8": (E, -(-N // 128), -(-K // 128)), "fp8-channel": (E, N, 1), "fp8-tensor": (E,)}.get(kind)
+        if shape is not None:
+            scales = (torch.rand(shape, device=device) * 0.5 + 0.75) / (64 * K ** 0.5)
+            return FP8Weight(codes, scales, block_size=(128, 128) if kind == "fp8" else None)
     if kind == "mxfp4":
         blocks = torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8, device=device)
         center = 127 - round(torch.log2(torch.tensor(3 * K ** 0.5)).item())

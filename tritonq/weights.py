@@ -192,8 +192,19 @@ class Int4Weight(_TypedWeight):
         if first.code is not None:  # the expert kernel (kernels/moe.py) dequantizes integer levels only
             raise ValueError("MoE experts with a 4-bit code table (bitsandbytes nf4/fp4) are not supported; "
                              "load a dense, AWQ, GPTQ or FP8 checkpoint of this MoE model")
-        if len({(p.bits, p.group_size, p.zeros is None, p.g_idx is None) for p in parts}) != 1:
-            raise ValueError("experts of one MoE layer must share bits, group_size, symmetry and act-order")
+        found = sorted({(p.bits, p.group_size) for p in parts})
+        if len(found) != 1:
+            raise ValueError(f"experts of one MoE layer must share bits and group_size (one fused kernel runs them "
+                             f"all); found (bits, group_size) {found}: quantize every expert of a layer alike")
+        # Loaders drop zeros that are all 2^(bits-1) and a g_idx that is k // group_size, per expert; when only
+        # some experts of a layer had them dropped, they are written back out (the same values) for all.
+        if len({p.zeros is None for p in parts}) > 1:
+            parts = [p if p.zeros is not None else replace(p, zeros=torch.full_like(p.scales, 2 ** (p.bits - 1)))
+                     for p in parts]
+        if len({p.g_idx is None for p in parts}) > 1:
+            parts = [p if p.g_idx is not None else replace(p, g_idx=(torch.arange(
+                p.shape[1], device=p.qweight.device) // p.group_size).to(torch.int32)) for p in parts]
+        first = parts[0]
         return cls(_stack(parts, "qweight"), _stack(parts, "scales"), _stack(parts, "zeros"), _stack(parts, "g_idx"),
                    first.group_size, first.bits, _stack(parts, "bias"))
 
@@ -275,6 +286,11 @@ class FP8Weight(_TypedWeight):
 
     @classmethod
     def _stack_experts(cls, parts: list[FP8Weight]) -> FP8Weight:
+        if parts[0].block_size is None and len({p.weight_scale.dim() for p in parts}) > 1:
+            # per-tensor scales of some experts and per-channel ones of others (a fused gate|up whose two scales
+            # differ becomes per channel): the per-tensor ones as the same value on every channel
+            parts = [p if p.weight_scale.dim() else replace(
+                p, weight_scale=p.weight_scale.reshape(1, 1).expand(p.weight.shape[0], 1).contiguous()) for p in parts]
         first = parts[0]
         if len({(p.block_size, p.weight_scale.shape, p.weight_only) for p in parts}) != 1:
             raise ValueError("experts of one MoE layer must share the fp8 scale layout and activation scheme")

@@ -74,13 +74,24 @@ def ct_checkpoint(folder, weights: dict, fmt: str, inputs: dict | None = None, i
         QuantizationScheme,
         apply_quantization_config,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
     assert ct  # the import is the point
     model = dense_llama(**model_options)
     scheme = QuantizationScheme(targets=list(targets), weights=QuantizationArgs(**weights),
                                 input_activations=None if inputs is None else QuantizationArgs(**inputs))
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)),
                               show_progress=False)
+    ct_min_max_qparams(model, input_range)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    save(model, folder)
+    compressor.update_config(folder)
+
+
+def ct_min_max_qparams(model: torch.nn.Module, input_range: tuple[float, float] | None = None) -> None:
+    """Set every quantized module's weight_scale / weight_zero_point from compressed-tensors' own
+    `calculate_qparams` on the weight's min/max (llm-compressor's default min-max observer), and static
+    input_scale / input_zero_point from input_range when given."""
+    from compressed_tensors.quantization.utils import calculate_qparams
     with torch.no_grad():
         for module in model.modules():
             if not hasattr(module, "weight_scale"):
@@ -107,10 +118,6 @@ def ct_checkpoint(folder, weights: dict, fmt: str, inputs: dict | None = None, i
                 module.input_scale.copy_(scale.reshape(module.input_scale.shape))
                 if hasattr(module, "input_zero_point"):
                     module.input_zero_point.copy_(zero.reshape(module.input_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
-    compressor.compress_model(model)
-    save(model, folder)
-    compressor.update_config(folder)
 
 
 def ct_reference(folder) -> torch.nn.Module:

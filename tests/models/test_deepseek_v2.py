@@ -204,7 +204,7 @@ def test_moe_layer_freq_puts_dense_mlps_between_moe_layers(tmp_path):
     hf.model.layers[1].mlp = DeepseekV2MLP(config)
     hf.save_pretrained(tmp_path)
     model = load(tmp_path, hf, "latent")
-    assert [type(layer.mlp).__name__ for layer in model.layers] == ["DeepseekV2MoE", "MLP", "DeepseekV2MoE"]
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["SparseMoE", "MLP", "SparseMoE"]
     prompt = PROMPTS[0]
     ours = prefill(model, prompt)
     with torch.no_grad():

@@ -14,9 +14,10 @@ import torch
 from tritonq.formats.checkpoint import Shard, Weights
 from tritonq.weights import DenseWeight, Int4Weight, RankExperts, Weight, concat_outputs, empty_linear, stack_experts
 
-# Layers that stay dense whatever the format: embeddings, output head, MoE routers (name endings).
-# Loaders that quantize on load (formats/dense.py) and the checkpoint writer (tritonq/quantize.py) skip them.
-ALWAYS_DENSE = ("embed_tokens", "lm_head", "mlp.gate")
+# Layers that stay dense whatever the format: embeddings, output head, MoE routers and Qwen2-MoE's [1, D]
+# shared-expert gate (name endings). Loaders that quantize on load (formats/dense.py) and the checkpoint
+# writer (tritonq/quantize.py) skip them.
+ALWAYS_DENSE = ("embed_tokens", "lm_head", "mlp.gate", "block_sparse_moe.gate", "mlp.shared_expert_gate")
 
 
 def always_dense(prefix: str) -> bool:
@@ -48,6 +49,15 @@ class WeightsLoader:
         self.weights, self.config, self.dtype, self.device = weights, config, dtype, torch.device(device)
         self.ignore = list(ignore or [])
         self.rank, self.world = rank, world
+        self.left_unread: dict[str, list[str]] = {}  # reason -> stored names a model chose not to read
+
+    def leave_unread(self, names: list[str], reason: str) -> None:
+        """Stored tensors the model knowingly does not use (e.g. DeepSeek-V3's multi-token-prediction layer):
+        they do not count as unused in `check_all_read`; `finish` warns once, naming them and the reason.
+        Called again with the same reason (the model built twice: dry run, then load), it replaces the list."""
+        self.left_unread[reason] = sorted(names)
+        for name in names:
+            self.weights.mark_read(name)
 
     def is_ignored(self, prefix: str) -> bool:
         # vLLM / AutoAWQ semantics: an entry matches any module whose name contains it.
@@ -260,10 +270,11 @@ class WeightsLoader:
 
     def quantized_experts(self, name: str, shape: tuple[int, int, int], shard: Shard | None) -> Weight:
         raise NotImplementedError
-    def get_experts(self, prefix: str, num_experts: int, hidden: int, inter: int,
-                    expert_parallel: bool = False) -> RankExperts:
+    def get_experts(self, prefix: str, num_experts: int, hidden: int, inter: int, expert_parallel: bool = False,
+                    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> RankExperts:
         """This rank's routed experts `prefix.experts.{e}.{gate,up,down}_proj` of one MoE layer, stacked for
-        fused_moe (RankExperts: E' experts from global expert `first`, intermediate size I').
+        fused_moe (RankExperts: E' experts from global expert `first`, intermediate size I'). names: the
+        (gate, up, down) module names inside one expert (Mixtral: w1, w3, w2).
 
         world 1: all E experts whole. Tensor parallel: all E experts, each split by its intermediate size
         (gate/up column-parallel, down row-parallel: I' = I / world; a split through a pack, group or fp8
@@ -285,9 +296,10 @@ class WeightsLoader:
                 if name.startswith(others):
                     self.weights.mark_read(name)
             experts = mine
-        gate_up = stack_experts([self.get_fused_linear([f"{p}.gate_proj", f"{p}.up_proj"], parallel=parallel,
+        gate, up, down = names
+        gate_up = stack_experts([self.get_fused_linear([f"{p}.{gate}", f"{p}.{up}"], parallel=parallel,
                                                        shapes=[(inter, hidden), (inter, hidden)]) for p in experts])
-        down = self.get_stacked([f"{p}.down_proj" for p in experts], shape=(hidden, inter),
+        down = self.get_stacked([f"{p}.{down}" for p in experts], shape=(hidden, inter),
                                 parallel=None if parallel is None else "row")
         return RankExperts(gate_up, down, first, num_experts)
 
@@ -365,6 +377,9 @@ class WeightsLoader:
     def finish(self) -> None:
         """Called once the model is built: format-specific warnings, then non-finite values (Weights.check_finite)
         and `check_all_read`."""
+        for reason, names in self.left_unread.items():
+            warnings.warn(f"{self.weights.folder}: not reading {len(names)} stored tensor(s) of {reason}: "
+                          f"{_listing(names)}", stacklevel=3)
         self.weights.check_finite()
         self.check_all_read()
 

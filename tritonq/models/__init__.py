@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
+from tritonq.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tritonq.models.falcon import FalconForCausalLM
 from tritonq.models.gpt_oss import GptOssForCausalLM
 from tritonq.models.llama import LlamaForCausalLM, MistralForCausalLM
 from tritonq.models.mpt import MptForCausalLM
 from tritonq.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from tritonq.models.qwen_moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
           "qwen3": Qwen3ForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM, "gpt_oss": GptOssForCausalLM,
           "falcon": FalconForCausalLM, "mpt": MptForCausalLM}
+MODELS.update({"qwen3_moe": Qwen3MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM, "mixtral": MixtralForCausalLM,
+               "deepseek_v3": DeepseekV3ForCausalLM})
 
 
 def model_class(model_type: str):

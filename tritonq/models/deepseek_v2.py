@@ -31,7 +31,7 @@ experts E/world per rank (every rank routes every token, runs its experts). A Mo
 
 Behaviour follows transformers' DeepseekV2 where it agrees with DeepSeek's original modeling
 code; for the config fields transformers ignores we follow the original: moe_layer_freq (see
-`_is_moe_layer`) and norm_topk_prob (see `DeepseekV2MoE`). Yarn's attention factor follows
+`_is_moe_layer`) and norm_topk_prob (see `deepseek_v2_routing`). Yarn's attention factor follows
 transformers (the original differs only when just one of mscale / mscale_all_dim is set).
 """
 from __future__ import annotations
@@ -39,16 +39,14 @@ from __future__ import annotations
 import logging
 import math
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tritonq.distributed import all_reduce
 from tritonq.kernels.attention import decode_attention, paged_prefill_attention, read_kv_rows, write_kv_slots
 from tritonq.kernels.common import compute_capability
-from tritonq.kernels.moe import grouped_topk
 from tritonq.kernels.norm_rope import apply_rope
-from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RoutedExperts, RowParallelLinear
+from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear
 from tritonq.models.common import KVLayout, PagedKVCache, RopeTables, StepContext, logit_rows
+from tritonq.models.moe import MLP, MoERouting, SparseMoE
 from tritonq.weights import DenseWeight
 
 ATTENTION_MODES = ("expanded", "latent")
@@ -91,70 +89,44 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
-class MLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate x) * up x), gate/up fused into one GEMM; split by intermediate size over the
-    ranks (gate/up column-, down row-parallel). reduce=False leaves the rank's partial sum for the caller to
-    all-reduce (shared experts: the MoE layer reduces them with the routed experts, once)."""
+def deepseek_v2_routing(config) -> MoERouting:
+    """Softmax scores; topk_method "greedy" (all experts) or "group_limited_greedy" (n_group / topk_group,
+    a group scored by its best expert).
 
-    def __init__(self, loader, prefix: str, hidden: int | None = None, inter: int | None = None, reduce: bool = True):
-        super().__init__()
-        up, down = ((inter, hidden), (hidden, inter)) if hidden else (None, None)  # expected (N, K), from the config
-        self.gate_up = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], parallel="column",
-                                                      shapes=[up, up]))
-        down_weight = loader.get_linear(f"{prefix}.down_proj", parallel="row", shape=down)
-        self.down = RowParallelLinear(down_weight, loader.world) if reduce else Linear(down_weight)
+    norm_topk_prob follows DeepSeek's original code: with top_k > 1 the top-k weights are renormalized
+    and routed_scaling_factor is then NOT applied; otherwise they are multiplied by routed_scaling_factor.
+    (transformers 5 ignores norm_topk_prob and always scales.) DeepSeek-V2 configs were written for
+    DeepSeek's own modeling code (their auto_map), which the published weights were trained and evaluated
+    with; V2 and V2-Lite ship `false`, where both rules agree."""
+    top_k = config.num_experts_per_tok
+    if config.topk_method == "greedy":
+        n_group, topk_group = 1, 1
+    elif config.topk_method == "group_limited_greedy":
+        n_group, topk_group = config.n_group, config.topk_group
+    else:
+        raise ValueError(f"DeepSeek-V2 topk_method={config.topk_method!r} is not supported; "
+                         "expected 'greedy' or 'group_limited_greedy'")
+    renormalize = bool(config.norm_topk_prob) and top_k > 1
+    return MoERouting(top_k, "softmax", n_group, topk_group, renormalize,
+                      1.0 if renormalize else config.routed_scaling_factor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
 
-
-class DeepseekV2MoE(nn.Module):
-    """Routed experts (grouped top-k over a softmax router) plus always-on shared experts.
-
-    norm_topk_prob follows DeepSeek's original code: with top_k > 1 the top-k weights are
-    renormalized and routed_scaling_factor is then NOT applied; otherwise they are multiplied by
-    routed_scaling_factor. (transformers 5 ignores norm_topk_prob and always scales.)
-    """
-
-    def __init__(self, config, loader, prefix: str, expert_parallel: bool = False):
-        super().__init__()
-        self.world = loader.world
-        self.top_k = config.num_experts_per_tok
-        if config.topk_method == "greedy":
-            self.n_group, self.topk_group = 1, 1
-        elif config.topk_method == "group_limited_greedy":
-            self.n_group, self.topk_group = config.n_group, config.topk_group
-        else:
-            raise ValueError(f"DeepSeek-V2 topk_method={config.topk_method!r} is not supported; "
-                             "expected 'greedy' or 'group_limited_greedy'")
-        # norm_topk_prob: DeepSeek's rule (renormalize, then no routed_scaling_factor), not transformers' (always
-        # scale): DeepSeek-V2 configs were written for DeepSeek's own modeling code (their auto_map), which the
-        # published weights were trained and evaluated with; V2 and V2-Lite ship `false`, where both rules agree.
-        self.renormalize = bool(config.norm_topk_prob) and self.top_k > 1
-        self.routed_scaling_factor = 1.0 if self.renormalize else config.routed_scaling_factor
-        D, inter = config.hidden_size, config.moe_intermediate_size
-        self.router = loader.get_tensor(f"{prefix}.gate.weight", shape=(config.n_routed_experts, D)).float()  # fp32
-        self.experts = RoutedExperts(loader.get_experts(prefix, config.n_routed_experts, D, inter, expert_parallel))
-        self.shared_experts = MLP(loader, f"{prefix}.shared_experts", D, inter * config.n_shared_experts,
-                                  reduce=False) if config.n_shared_experts else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
-        topk_weights, topk_ids = grouped_topk(
-            x.float() @ self.router.T, self.top_k, n_group=self.n_group, topk_group=self.topk_group,
-            scoring="softmax", renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor)
-        out = self.experts(x, topk_weights, topk_ids)  # this rank's part; with the shared part, reduced once
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return all_reduce(out) if self.world > 1 else out
+def deepseek_moe(config, loader, prefix: str, routing: MoERouting, expert_parallel: bool = False) -> SparseMoE:
+    """DeepSeekMoE: n_routed_experts routed experts plus n_shared_experts always-on ones (one MLP of
+    n_shared_experts * moe_intermediate_size)."""
+    D, inter = config.hidden_size, config.moe_intermediate_size
+    shared = MLP(loader, f"{prefix}.shared_experts", D, inter * config.n_shared_experts, reduce=False) \
+        if config.n_shared_experts else None  # reduced with the routed experts, once
+    return SparseMoE(loader, prefix, routing, config.n_routed_experts, D, inter, shared=shared,
+                     expert_parallel=expert_parallel)
 
 
 class MLAttention(nn.Module):
     """Multi-head latent attention for one layer; see the module docstring for the two modes."""
 
-    def __init__(self, config, loader, prefix: str, attention_mode: str, scale: float):
+    def __init__(self, config, loader, prefix: str, attention_mode: str, scale: float, interleaved_rope: bool = True):
         super().__init__()
+        self.interleaved_rope = interleaved_rope  # rope dims stored as pairs (x0, x1), (x2, x3)... (see above)
         heads, world = config.num_attention_heads, loader.world
         if heads % world:
             raise ValueError(f"{prefix}: num_attention_heads={heads} cannot be divided across tensor_parallel={world} "
@@ -226,8 +198,10 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.view(T, H, Dn + Dr).split([Dn, Dr], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([R, Dr], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, R]
-        q_rope = apply_rope(_deinterleave(q_rope)[None], cos, sin)[0]
-        k_rope = apply_rope(_deinterleave(k_rope)[None, :, None], cos, sin)[0]  # [T, 1, Dr]
+        if self.interleaved_rope:
+            q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
+        q_rope = apply_rope(q_rope[None], cos, sin)[0]
+        k_rope = apply_rope(k_rope[None, :, None], cos, sin)[0]  # [T, 1, Dr]
 
         if self.attention_mode == "expanded":
             k_nope, v = self.kv_b_proj(latent).view(T, H, Dn + Dv).split([Dn, Dv], dim=-1)
@@ -256,17 +230,18 @@ def _is_moe_layer(config, layer: int) -> bool:
 
 
 class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config, loader, layer: int, attention_mode: str, scale: float, expert_parallel: bool = False):
+    def __init__(self, config, loader, layer: int, attention_mode: str, scale: float, routing: MoERouting,
+                 interleaved_rope: bool = True, expert_parallel: bool = False):
         super().__init__()
         prefix = f"model.layers.{layer}"
         eps = config.rms_norm_eps
         D = config.hidden_size
         self.input_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.input_layernorm.weight", shape=(D,)), eps)
-        self.self_attn = MLAttention(config, loader, f"{prefix}.self_attn", attention_mode, scale)
+        self.self_attn = MLAttention(config, loader, f"{prefix}.self_attn", attention_mode, scale, interleaved_rope)
         self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight",
                                                                   shape=(D,)), eps)
-        self.mlp = DeepseekV2MoE(config, loader, f"{prefix}.mlp", expert_parallel) if _is_moe_layer(config, layer) \
-            else MLP(loader, f"{prefix}.mlp", D, config.intermediate_size)
+        self.mlp = (deepseek_moe(config, loader, f"{prefix}.mlp", routing, expert_parallel) if _is_moe_layer(config, layer)
+                    else MLP(loader, f"{prefix}.mlp", D, config.intermediate_size))
 
     def forward(self, x, cos, sin, ctx, k_pages, v_pages):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
@@ -296,6 +271,13 @@ class DeepseekV2ForCausalLM(nn.Module):
     supports_tensor_parallel = True
     supports_expert_parallel = True
 
+    routing = staticmethod(deepseek_v2_routing)
+
+    @staticmethod
+    def interleaved_rope(config) -> bool:
+        """V2 checkpoints always store the rope dims as interleaved pairs."""
+        return True
+
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str,
                  attention_mode: str | None = None, max_seq_len: int | None = None, expert_parallel: bool = False):
         super().__init__()
@@ -311,8 +293,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         table = (config.vocab_size, config.hidden_size)
         self.embed_tokens = Embedding(loader.get_embedding("model.embed_tokens", table, dim=0), loader.rank, world)
         scale = softmax_scale(config)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, loader, i, attention_mode, scale, expert_parallel)
-                                    for i in range(config.num_hidden_layers))
+        routing, interleaved = self.routing(config), self.interleaved_rope(config)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, loader, i, attention_mode, scale, routing, interleaved, expert_parallel)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(loader.get_tensor("model.norm.weight", shape=table[1:]), config.rms_norm_eps)
         head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", False)), table, parallel="column")
         if head is None:  # tied (a quantized head on disk is always used; untied without one is an error)

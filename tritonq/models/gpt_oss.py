@@ -60,7 +60,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """gpt-oss (model_type gpt_oss); see the module docstring."""
     supports_tensor_parallel = True
     supports_compile = False  # MoE routing reads device values on the host (as DeepSeek-V2)
-    mlp_class = GptOssMoE
+
+    @classmethod
+    def build_mlp(cls, config, loader, layer: int, variant: LlamaVariant) -> nn.Module:
+        return GptOssMoE(config, loader, f"model.layers.{layer}.mlp", variant)
 
     @classmethod
     def variant(cls, config) -> LlamaVariant:

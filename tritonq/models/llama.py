@@ -139,7 +139,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, loader, prefix: str, variant: LlamaVariant, window: int, mlp_class=LlamaMLP):
+    """mlp: the layer's feed-forward block (x [T, D] -> [T, D]); None: LlamaMLP at `<prefix>.mlp`."""
+
+    def __init__(self, config, loader, prefix: str, variant: LlamaVariant, window: int, mlp: nn.Module | None = None):
         super().__init__()
         eps = config.rms_norm_eps
         D = (config.hidden_size,)
@@ -147,7 +149,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, loader, f"{prefix}.self_attn", variant, window)
         self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight", shape=D),
                                                 eps)
-        self.mlp = mlp_class(config, loader, f"{prefix}.mlp", variant)
+        self.mlp = LlamaMLP(config, loader, f"{prefix}.mlp", variant) if mlp is None else mlp
 
     def forward(self, x, cos, sin, ctx, k_pages, v_pages):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
@@ -162,7 +164,6 @@ class LlamaForCausalLM(nn.Module):
     """
     supports_tensor_parallel = True
     supports_compile = True  # a decode step reads no device value on the host (tritonq.engine.compiled)
-    mlp_class = LlamaMLP  # built as mlp_class(config, loader, prefix, variant); MoE variants swap it
 
     @classmethod
     def variant(cls, config) -> LlamaVariant:
@@ -170,6 +171,11 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)),
                             windows=(0,) * config.num_hidden_layers)
+
+    @classmethod
+    def build_mlp(cls, config, loader, layer: int, variant: LlamaVariant) -> nn.Module | None:
+        """Layer `layer`'s feed-forward block; None: the dense LlamaMLP (MoE variants return their expert block)."""
+        return None
 
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str, max_seq_len: int | None = None):
         """max_seq_len (default max_position_embeddings): the longest sequence the rope tables cover."""
@@ -184,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         table = (config.vocab_size, config.hidden_size)
         self.embed_tokens = Embedding(loader.get_embedding("model.embed_tokens", table, dim=0), loader.rank, world)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, loader, f"model.layers.{i}", variant, variant.windows[i],
-                                                      self.mlp_class)
+                                                      self.build_mlp(config, loader, i, variant))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(loader.get_tensor("model.norm.weight", shape=table[1:]), config.rms_norm_eps)
         # None: tied to the embedding; a quantized head on disk is always used; untied without one is an error.
