@@ -140,7 +140,7 @@ def test_deepseek_v2_on_cpu_backend_matches_transformers(deepseek, name, tmp_pat
     prompt = [5, 17, 3, 88, 41, 9, 60]
     got = our_prefill_logits(ours, torch.tensor([prompt]))[0]
     moe = ours.model.layers[1].mlp
-    assert all(isinstance(p, path) for p in cpu_lowbit.prepare_experts(moe.down))  # experts on the same CPU path
+    assert all(isinstance(p, path) for p in cpu_lowbit.prepare_experts(moe.experts.down))  # experts on the same CPU path
     tokens = ours.generate(prompt, max_new_tokens=12, return_dict=True).token_ids[0]
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0]

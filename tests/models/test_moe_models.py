@@ -238,7 +238,7 @@ def module_prefixes(folder) -> set[str]:
 
 def assert_experts_quantized(model, kind) -> None:
     moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert moe and all(isinstance(m.gate_up, kind) and isinstance(m.down, kind) for m in moe)
+    assert moe and all(isinstance(m.experts.gate_up, kind) and isinstance(m.experts.down, kind) for m in moe)
 
 
 def fp8_input(module, args):
@@ -502,7 +502,7 @@ def test_gptqmodel_dynamic_overrides_on_experts(tmp_path, case):
     ours = build(tmp_path / "gptq")
     assert_experts_quantized(ours, Int4Weight)
     attention, moe = ours.layers[0].self_attn.qkv_proj.weight, ours.layers[0].mlp
-    assert attention.bits == (8 if case == "qwen3_moe" else 4) and moe.gate_up.bits == (4 if case == "qwen3_moe" else 8)
+    assert attention.bits == (8 if case == "qwen3_moe" else 4) and moe.experts.gate_up.bits == (4 if case == "qwen3_moe" else 8)
     prompts = prompts_for(reference.config)
     assert_batched_prefill_matches(ours, reference, prompts)
     assert_greedy_matches(tmp_path / "gptq", reference, prompts, n=8)

@@ -1,7 +1,8 @@
 """python -m tritonq.bench quality: perplexity and decode tokens/s of each quantization of the default model.
 
 Variants: dense, RTN int4 (AWQ layout, asymmetric, g128 and g32), GPTQ int4 (g128, asymmetric,
-gptq_v2), AWQ int4 (g128), GPTQ int8 (g128), FP8 (tensor, channel, block), all written by
+gptq_v2), AWQ int4 (g128), GPTQ int8 (g128), FP8 (tensor, channel, block), W8A8 INT8 (per-channel weights,
+dynamic per-token activations; plain RTN and with SmoothQuant alpha 0.5), all written by
 `tritonq.quantize` from the shipped default model and loaded with `tritonq.load`. GPTQ and AWQ
 calibrate on tritonq/default_model/calibration.txt (Macbeth, training text); perplexity is
 measured on heldout.txt (Hamlet, never trained on) in non-overlapping windows of --window tokens
@@ -36,6 +37,8 @@ VARIANTS = {  # name: (format, writer options)
     "fp8_tensor": ("fp8", {"fp8_scheme": "tensor"}),
     "fp8_channel": ("fp8", {"fp8_scheme": "channel"}),
     "fp8_block": ("fp8", {"fp8_scheme": "block"}),
+    "w8a8_channel": ("w8a8", {"w8a8_scheme": "channel"}),
+    "w8a8_smooth0.5": ("w8a8", {"w8a8_scheme": "channel", "smooth": 0.5}),
 }
 KV_CACHE_VARIANTS = {"dense_kv_fp8": "fp8", "dense_kv_int8": "int8"}  # name: kv_cache_dtype (dense weights)
 
@@ -97,6 +100,8 @@ def variant_checkpoint(name: str, tmp: Path, calibration: dict) -> tuple[Path, s
             options["modules_to_not_convert"] = dense
             note = f"N < 128-row block: {', '.join(n.split('.')[-1] for n in dense)} kept dense"
     method = options.pop("method", "rtn")
+    if "smooth" in options:  # SmoothQuant folding reads the calibration text's activations
+        calibration = {**calibration, "smooth": options.pop("smooth")}
     return write_quantized(DEFAULT_MODEL, tmp / name, fmt, method=method, calibration=calibration, **options), note
 
 
