@@ -100,6 +100,7 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     # int8 KV pages: the per-key scales of a 128 x 32 score tile take the last registers on sm_89 (255; sm_80 183,
     # no spill); 4 bytes, measured under 3.9 (3.6 not measured here).
     (89, "prefill 128/128 kv int8"): 4,
+    (89, "decode 576/512 kv int8"): 4,  # MLA latent decode over int8 pages: 3.6: 4 B (3.9: none)
 }
 
 
