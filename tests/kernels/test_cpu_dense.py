@@ -1,8 +1,10 @@
 """The bf16 dense linear over a weight packed once for oneDNN (kernels/cpu_dense.py) against the fp32
 product of the same bf16 values (x and W are exact in fp32, so the only error is the output's one
 rounding to bf16 after fp32 accumulation: half an ulp, plus summation order; checked at one ulp, eps)
-and against torch's own F.linear, which it must equal bit for bit (same oneDNN kernel, weight reordered
-once instead of per call); M = 0, 1, 3, 33, 300 rows; K and N not multiples of the kernel's blocks."""
+and against torch's own F.linear and its own rows run alone, within that same one bf16 rounding: both are
+fp32 sums of the same products rounded once, and only the summation order may differ (oneDNN picks its
+blocking per CPU and batch size, so bit equality would hold on this CPU only); M = 0, 1, 3, 33, 300 rows;
+K and N not multiples of the kernel's blocks."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,12 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
                   reason="packed bf16 linears need oneDNN and a CPU with AVX512-BF16 or AMX")]
 N, K = 200, 328
 EPS = torch.finfo(torch.bfloat16).eps
+
+
+def assert_one_bf16_rounding_apart(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Two bf16 results of the same fp32-accumulated products: at most one bf16 ulp apart."""
+    scale = float(want.float().abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got.float(), want.float(), rtol=EPS, atol=EPS * scale)
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +48,7 @@ def test_packed_linear_matches_fp32_product_and_equals_f_linear(M, bias):
     ref = x.float() @ w.weight.float().T + (w.bias.float() if bias else 0)
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
     torch.testing.assert_close(got.float(), ref, rtol=EPS, atol=EPS * float(ref.abs().max()) if M else 0)
-    assert torch.equal(got, F.linear(x, w.weight, w.bias))
+    assert_one_bf16_rounding_apart(got, F.linear(x, w.weight, w.bias))
 
 
 def test_packed_linear_rows_do_not_depend_on_the_batch_and_keep_leading_dims():
@@ -50,7 +58,7 @@ def test_packed_linear_rows_do_not_depend_on_the_batch_and_keep_leading_dims():
     batch = cpu_dense.linear(x, p, w.bias)
     assert batch.shape == (2, 37, N)
     for row in (0, 5, 36):
-        assert torch.equal(cpu_dense.linear(x[1, row:row + 1], p, w.bias)[0], batch[1, row])
+        assert_one_bf16_rounding_apart(cpu_dense.linear(x[1, row:row + 1], p, w.bias)[0], batch[1, row])
 
 
 def test_linear_packs_bf16_weights_on_the_cpu_backend_only(monkeypatch):
@@ -62,7 +70,8 @@ def test_linear_packs_bf16_weights_on_the_cpu_backend_only(monkeypatch):
     x = torch.randn(4, K).bfloat16()
     bf16 = Linear(weight(bias=True))
     assert cpu_dense.packed(bf16.weight) is not None
-    assert torch.equal(bf16(x), F.linear(x, bf16.weight.weight, bf16.weight.bias)) and calls == [1]
+    assert_one_bf16_rounding_apart(bf16(x), F.linear(x, bf16.weight.weight, bf16.weight.bias))
+    assert calls == [1]
     fp32 = Linear(DenseWeight(torch.randn(N, K)))
     assert cpu_dense.packed(fp32.weight) is None
     fp32(x.float())

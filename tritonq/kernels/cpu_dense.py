@@ -4,9 +4,9 @@ torch's bf16 `F.linear` on CPU calls oneDNN too, but with the plain [N, K] weigh
 reorders into its blocked AMX / AVX512-BF16 layout again on every call: for a decode step's few
 rows that reorder is most of the GEMM. `pack(w)` reorders once (`torch.ops.mkldnn._reorder_linear_weight`,
 what inductor's freezing pass does) and `linear` runs `torch.ops.mkldnn._linear_pointwise` on it
-(vLLM's CPU build does the same through its own `onednn_mm` handle). Same kernel, same summation
-order: the outputs equal F.linear's bit for bit (tests/kernels/test_cpu_dense.py), and a row's
-output does not depend on the other rows of the batch.
+(vLLM's CPU build does the same through its own `onednn_mm` handle). The same kernel: outputs are
+F.linear's within one bf16 rounding (the summation order is oneDNN's choice per CPU and batch size, so
+neither bit equality with F.linear nor batch invariance is promised; tests/kernels/test_cpu_dense.py).
 
 Measured (one core of the shared 2-core Sapphire Rapids box, load 14-18, thread CPU time, min of
 15), F.linear vs packed, ms: 2048 x 1024, M = 1: 0.31-0.37 vs 0.19; M = 32: 0.38-0.45 vs 0.23-0.26;
