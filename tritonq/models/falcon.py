@@ -25,10 +25,9 @@ from torch import nn
 
 from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
 from tritonq.kernels.norm_rope import apply_rope
-from tritonq.layers import Embedding, LayerNorm, Linear, ParallelLMHead, RowParallelLinear
-from tritonq.models.common import KVLayout, PagedKVCache, RopeTables, StepContext, logit_rows
-from tritonq.models.llama import _rope_scaling
-from tritonq.weights import DenseWeight
+from tritonq.layers import Embedding, LayerNorm, Linear, RowParallelLinear
+from tritonq.models.common import KVLayout, PagedKVCache, StepContext, logit_rows
+from tritonq.models.llama import rope_tables, vocab_parallel_head
 
 
 def paged_attention(q, k, v, ctx: StepContext, k_pages, v_pages, scale: float, **bias) -> torch.Tensor:
@@ -154,17 +153,10 @@ class FalconForCausalLM(nn.Module):
         self.layers = nn.ModuleList(FalconDecoderLayer(config, loader, f"transformer.h.{i}")
                                     for i in range(config.num_hidden_layers))
         self.ln_f = layer_norm(loader, "transformer.ln_f", config.hidden_size, config.layer_norm_epsilon)
-        head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", True)), table, parallel="column")
-        tied = head is None
-        self.lm_head = ParallelLMHead(DenseWeight(self.word_embeddings.weight) if tied else head, world)
-        if tied:  # one table (see LlamaForCausalLM)
-            self.word_embeddings.weight = self.lm_head.weight.weight
+        self.lm_head = vocab_parallel_head(loader, self.word_embeddings, config, table, tie_default=True)
         attn = self.layers[0].self_attention
         self.kv_layout = KVLayout(len(self.layers), attn.num_kv_heads, attn.head_dim, attn.head_dim)
-        scaling = _rope_scaling(config)
-        theta = (scaling or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        self.rope = RopeTables(attn.head_dim, theta, scaling, config.max_position_embeddings,
-                               max_seq_len or config.max_position_embeddings, self.device, dtype)
+        self.rope = rope_tables(config, attn.head_dim, max_seq_len, self.device, dtype)
 
     @torch.inference_mode()
     def forward(self, ctx: StepContext, cache: PagedKVCache) -> torch.Tensor:

@@ -33,6 +33,27 @@ def _rope_scaling(config) -> dict | None:
     return dict(scaling) if scaling else None
 
 
+def rope_tables(config, head_dim: int, max_seq_len: int | None, device: torch.device, dtype: torch.dtype) -> RopeTables:
+    """The cos/sin tables of a rotary model, sized for max_seq_len (default max_position_embeddings)."""
+    scaling = _rope_scaling(config)
+    theta = (scaling or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return RopeTables(head_dim, theta, scaling, config.max_position_embeddings,
+                      max_seq_len or config.max_position_embeddings, device, dtype)
+
+
+def vocab_parallel_head(loader, embedding: Embedding, config, table: tuple[int, int],
+                        tie_default: bool) -> ParallelLMHead:
+    """lm_head over this rank's vocabulary rows: the checkpoint's own (a quantized head on disk is always used),
+    or, when tie_word_embeddings (default tie_default) holds and there is none, the embedding's table itself; then
+    the embedding reads the head's tensor (one table: Linear may have re-laid it out for the CPU GEMV, and the
+    lookup reads either layout). Untied without a head on disk is an error (loader.get_lm_head)."""
+    head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", tie_default)), table, parallel="column")
+    lm_head = ParallelLMHead(DenseWeight(embedding.weight) if head is None else head, loader.world)
+    if head is None:
+        embedding.weight = lm_head.weight.weight
+    return lm_head
+
+
 @dataclass(frozen=True)
 class LlamaVariant:
     """How a Llama-family architecture differs from Llama, one named field per difference.
@@ -193,18 +214,10 @@ class LlamaForCausalLM(nn.Module):
                                                       self.build_mlp(config, loader, i, variant))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(loader.get_tensor("model.norm.weight", shape=table[1:]), config.rms_norm_eps)
-        # None: tied to the embedding; a quantized head on disk is always used; untied without one is an error.
-        head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", False)), table, parallel="column")
-        tied = head is None
-        self.lm_head = ParallelLMHead(DenseWeight(self.embed_tokens.weight) if tied else head, world)
-        if tied:  # one table: Linear may have re-laid it out for the CPU GEMV; the lookup reads either layout
-            self.embed_tokens.weight = self.lm_head.weight.weight
+        self.lm_head = vocab_parallel_head(loader, self.embed_tokens, config, table, tie_default=False)
         attn = self.layers[0].self_attn
         self.kv_layout = KVLayout(len(self.layers), attn.num_kv_heads, attn.head_dim, attn.head_dim)
-        scaling = _rope_scaling(config)
-        theta = (scaling or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        self.rope = RopeTables(attn.head_dim, theta, scaling, config.max_position_embeddings,
-                               max_seq_len or config.max_position_embeddings, self.device, dtype)
+        self.rope = rope_tables(config, attn.head_dim, max_seq_len, self.device, dtype)
 
     @torch.inference_mode()
     def forward(self, ctx: StepContext, cache: PagedKVCache) -> torch.Tensor:
