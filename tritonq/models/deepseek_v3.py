@@ -51,11 +51,12 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         return bool(getattr(config, "rope_interleave", True))
 
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str,
-                 attention_mode: str | None = None, max_seq_len: int | None = None):
+                 attention_mode: str | None = None, max_seq_len: int | None = None, expert_parallel: bool = False):
         num_mtp = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
         mtp = mtp_tensors(loader.weights.names(), config.num_hidden_layers, num_mtp)
         if mtp:
             loader.leave_unread(mtp, f"DeepSeek-V3 multi-token-prediction layer(s) (num_nextn_predict_layers="
                                      f"{num_mtp}): only a speculative MTP head reads them, which this runtime "
                                      "does not run")
-        super().__init__(config, loader, dtype, device, attention_mode=attention_mode, max_seq_len=max_seq_len)
+        super().__init__(config, loader, dtype, device, attention_mode=attention_mode, max_seq_len=max_seq_len,
+                         expert_parallel=expert_parallel)

@@ -13,6 +13,9 @@ block (tritonq.models.moe.SparseMoE) as the feed-forward of some or all layers.
              num_local_experts experts under `block_sparse_moe`, named w1 / w3 / w2 (gate / up / down),
              softmax top num_experts_per_tok, always renormalized.
 Routing ties go to the lower expert index (grouped_topk); transformers' torch.topk promises no order.
+Tensor parallel: attention as Llama's; every expert split by its intermediate size, Qwen2-MoE's shared expert
+split like an MLP (its [1, D] sigmoid gate replicated: it scales each rank's partial sum alike), one
+all-reduce per MoE layer (SparseMoE).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def _qwen_routing(config) -> MoERouting:
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE (model_type qwen3_moe, e.g. Qwen3-30B-A3B); see the module docstring."""
-    supports_tensor_parallel = False  # the expert block is not sharded yet
+    supports_tensor_parallel = True  # experts split by intermediate size (SparseMoE, one all-reduce)
     supports_compile = False  # routing reads the chosen experts on the host
 
     @classmethod
@@ -60,7 +63,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     """Qwen2-MoE (model_type qwen2_moe, e.g. Qwen1.5-MoE-A2.7B); see the module docstring."""
-    supports_tensor_parallel = False
+    supports_tensor_parallel = True
     supports_compile = False
 
     @classmethod
@@ -80,7 +83,7 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 
 class MixtralForCausalLM(MistralForCausalLM):
     """Mixtral (model_type mixtral, e.g. Mixtral-8x7B); see the module docstring."""
-    supports_tensor_parallel = False
+    supports_tensor_parallel = True
     supports_compile = False
 
     @classmethod

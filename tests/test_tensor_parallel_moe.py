@@ -1,0 +1,92 @@
+"""Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 on 2 ranks (tensor parallel; DeepSeek-V3 also expert parallel)
+against one process, through tritonq.load.
+
+Ranks are CPU processes (gloo) spawned as in tests/test_tensor_parallel.py, with the tiny random checkpoints of
+tests/models/test_moe_models.py (there checked against transformers in one process: the independent reference).
+Both sides compute in float32 from the same weights; the ranks only regroup sums (o_proj, down_proj, every
+expert's and the shared expert's down add 2 partial dot products, all-reduced), so logits differ by float32
+rounding of O(1) values over three layers: atol 1e-4, as in test_tensor_parallel and test_moe_parallel; greedy
+tokens must be equal.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from models.test_moe_models import write_checkpoint
+from test_tensor_parallel import _free_port
+
+import tritonq
+from tritonq.models.moe import SparseMoE
+
+ATOL = 1e-4
+WORLD = 2
+RUNS = {  # name: (tests/models/test_moe_models.CASES checkpoint, expert_parallel)
+    "qwen3_moe-tp": ("qwen3_moe", False),
+    "qwen3_moe_step2_window-tp": ("qwen3_moe_step2_window", False),
+    "qwen2_moe-tp": ("qwen2_moe", False),
+    "mixtral_window-tp": ("mixtral_window", False),
+    "deepseek_v3-tp": ("deepseek_v3", False),
+    "deepseek_v3-ep": ("deepseek_v3", True),
+}
+PROMPTS = [[5, 17, 200, 3, 99, 42, 7, 1, 250], [64, 65, 66, 67]]
+
+
+def run_steps(model: tritonq.Model) -> dict:
+    """Every prompt's prefill logits [S, V], greedy tokens (decoded through the paged cache), and the stacked
+    expert shape [E, 2 * I, D] this process holds for the first MoE layer."""
+    moe = next(m for m in model.model.modules() if isinstance(m, SparseMoE))
+    greedy = model.generate(PROMPTS, max_new_tokens=5, return_dict=True)
+    return {"logits": [model.engine.prompt_logits(p) for p in PROMPTS],
+            "greedy": None if greedy is None else greedy.token_ids,
+            "experts": tuple(moe.experts.gate_up.stacked_shape("gate_up"))}
+
+
+def _load(folder, expert_parallel: bool, **options) -> tritonq.Model:
+    return tritonq.load(folder, device="cpu", dtype=torch.float32, max_num_seqs=2, max_seq_len=32,
+                        **({"expert_parallel": True} if expert_parallel else {}), **options)
+
+
+def _rank_main(rank: int, port: int, folders: dict[str, str], out: str) -> None:
+    os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TRITONQ_BACKEND": "torch"}
+    torch.set_num_threads(1)
+    results = {name: run_steps(_load(folders[checkpoint], ep, tensor_parallel=WORLD))
+               for name, (checkpoint, ep) in RUNS.items()}
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{run name: (single-process result, [rank results])}: one spawn for all runs."""
+    root = tmp_path_factory.mktemp("tp_moe")
+    folders, single = {}, {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITONQ_BACKEND", "torch")
+        for checkpoint in {c for c, _ in RUNS.values()}:
+            write_checkpoint(root / checkpoint, checkpoint)
+            folders[checkpoint] = str(root / checkpoint)
+        for name, (checkpoint, _) in RUNS.items():
+            single[name] = run_steps(_load(folders[checkpoint], False))
+        out = root / "out"
+        out.mkdir()
+        torch.multiprocessing.spawn(_rank_main, args=(_free_port(), folders, str(out)), nprocs=WORLD, join=True)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return {name: (single[name], [r[name] for r in ranks]) for name in RUNS}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_ranks_match_single_process(runs, name):
+    single, ranks = runs[name]
+    for result in ranks:
+        for got, expected in zip(result["logits"], single["logits"], strict=True):
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert ranks[0]["greedy"] == single["greedy"]
+    assert ranks[1]["greedy"] is None  # only rank 0 returns generated text
+    E, two_i, D = single["experts"]
+    held = (E // WORLD, two_i, D) if RUNS[name][1] else (E, two_i // WORLD, D)  # whole experts, or split by I
+    assert all(result["experts"] == held for result in ranks)
