@@ -1,4 +1,4 @@
-"""Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 on 2 ranks (tensor parallel; DeepSeek-V3 also expert parallel)
+"""Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 on 2 ranks (tensor parallel and expert parallel)
 against one process, through tritonq.load.
 
 Ranks are CPU processes (gloo) spawned as in tests/test_tensor_parallel.py, with the tiny random checkpoints of
@@ -27,8 +27,11 @@ WORLD = 2
 RUNS = {  # name: (tests/models/test_moe_models.CASES checkpoint, expert_parallel)
     "qwen3_moe-tp": ("qwen3_moe", False),
     "qwen3_moe_step2_window-tp": ("qwen3_moe_step2_window", False),
+    "qwen3_moe-ep": ("qwen3_moe", True),
     "qwen2_moe-tp": ("qwen2_moe", False),
+    "qwen2_moe-ep": ("qwen2_moe", True),
     "mixtral_window-tp": ("mixtral_window", False),
+    "mixtral_window-ep": ("mixtral_window", True),
     "deepseek_v3-tp": ("deepseek_v3", False),
     "deepseek_v3-ep": ("deepseek_v3", True),
 }

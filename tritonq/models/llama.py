@@ -198,8 +198,10 @@ class LlamaForCausalLM(nn.Module):
         """Layer `layer`'s feed-forward block; None: the dense LlamaMLP (MoE variants return their expert block)."""
         return None
 
-    def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str, max_seq_len: int | None = None):
-        """max_seq_len (default max_position_embeddings): the longest sequence the rope tables cover."""
+    def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str, max_seq_len: int | None = None,
+                 expert_parallel: bool = False):
+        """max_seq_len (default max_position_embeddings): the longest sequence the rope tables cover;
+        expert_parallel: handed to build_mlp (only MoE variants, which set supports_expert_parallel, get it)."""
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         variant = self.variant(config)
@@ -210,8 +212,10 @@ class LlamaForCausalLM(nn.Module):
         # Vocab-parallel: this rank's V/world rows of the embedding and of lm_head (tied: the same rows).
         table = (config.vocab_size, config.hidden_size)
         self.embed_tokens = Embedding(loader.get_embedding("model.embed_tokens", table, dim=0), loader.rank, world)
+        moe_options = {"expert_parallel": True} if expert_parallel else {}  # dense variants take no such argument
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, loader, f"model.layers.{i}", variant, variant.windows[i],
-                                                      self.build_mlp(config, loader, i, variant))
+                                                      self.build_mlp(config, loader, i, variant,
+                                                                     **moe_options))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(loader.get_tensor("model.norm.weight", shape=table[1:]), config.rms_norm_eps)
         self.lm_head = vocab_parallel_head(loader, self.embed_tokens, config, table, tie_default=False)

@@ -15,7 +15,7 @@ block (tritonq.models.moe.SparseMoE) as the feed-forward of some or all layers.
 Routing ties go to the lower expert index (grouped_topk); transformers' torch.topk promises no order.
 Tensor parallel: attention as Llama's; every expert split by its intermediate size, Qwen2-MoE's shared expert
 split like an MLP (its [1, D] sigmoid gate replicated: it scales each rank's partial sum alike), one
-all-reduce per MoE layer (SparseMoE).
+all-reduce per MoE layer (SparseMoE); or, expert_parallel=True, whole experts per rank (routing on every rank).
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def _qwen_routing(config) -> MoERouting:
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE (model_type qwen3_moe, e.g. Qwen3-30B-A3B); see the module docstring."""
     supports_tensor_parallel = True  # experts split by intermediate size (SparseMoE, one all-reduce)
+    supports_expert_parallel = True  # or whole experts per rank
     supports_compile = False  # routing reads the chosen experts on the host
 
     @classmethod
@@ -53,17 +54,18 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                             windows=layer_windows(config, [bool(window)] * config.num_hidden_layers))
 
     @classmethod
-    def build_mlp(cls, config, loader, layer: int, variant: LlamaVariant):
+    def build_mlp(cls, config, loader, layer: int, variant: LlamaVariant, expert_parallel: bool = False):
         _check_silu(config)
         if not _qwen_moe_layer(config, layer):
             return None  # the dense LlamaMLP of intermediate_size
         return SparseMoE(loader, f"model.layers.{layer}.mlp", _qwen_routing(config), config.num_experts,
-                         config.hidden_size, config.moe_intermediate_size)
+                         config.hidden_size, config.moe_intermediate_size, expert_parallel=expert_parallel)
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     """Qwen2-MoE (model_type qwen2_moe, e.g. Qwen1.5-MoE-A2.7B); see the module docstring."""
     supports_tensor_parallel = True
+    supports_expert_parallel = True
     supports_compile = False
 
     @classmethod
@@ -71,24 +73,26 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         return LlamaVariant(**{**vars(super().variant(config)), "qkv_bias": bool(getattr(config, "qkv_bias", True))})
 
     @classmethod
-    def build_mlp(cls, config, loader, layer: int, variant: LlamaVariant):
+    def build_mlp(cls, config, loader, layer: int, variant: LlamaVariant, expert_parallel: bool = False):
         _check_silu(config)
         if not _qwen_moe_layer(config, layer):
             return None
         prefix, D = f"model.layers.{layer}.mlp", config.hidden_size
         shared = MLP(loader, f"{prefix}.shared_expert", D, config.shared_expert_intermediate_size, reduce=False)
         return SparseMoE(loader, prefix, _qwen_routing(config), config.num_experts, D, config.moe_intermediate_size,
-                         shared=shared, shared_gate=True)
+                         shared=shared, shared_gate=True, expert_parallel=expert_parallel)
 
 
 class MixtralForCausalLM(MistralForCausalLM):
     """Mixtral (model_type mixtral, e.g. Mixtral-8x7B); see the module docstring."""
     supports_tensor_parallel = True
+    supports_expert_parallel = True
     supports_compile = False
 
     @classmethod
-    def build_mlp(cls, config, loader, layer: int, variant: LlamaVariant):
+    def build_mlp(cls, config, loader, layer: int, variant: LlamaVariant, expert_parallel: bool = False):
         _check_silu(config)
         routing = MoERouting(config.num_experts_per_tok, "softmax", renormalize=True)
         return SparseMoE(loader, f"model.layers.{layer}.block_sparse_moe", routing, config.num_local_experts,
-                         config.hidden_size, config.intermediate_size, names=MIXTRAL_NAMES)
+                         config.hidden_size, config.intermediate_size, names=MIXTRAL_NAMES,
+                         expert_parallel=expert_parallel)
