@@ -2,7 +2,7 @@
 against one process, through tritonq.load.
 
 Ranks are CPU processes (gloo) spawned as in tests/test_tensor_parallel.py, with the tiny random checkpoints of
-tests/models/test_moe_models.py (there checked against transformers in one process: the independent reference).
+tests/models/test_moe_models.py (dense, AWQ and GPTQ experts written by tritonq's writer; there checked against transformers in one process: the independent reference).
 Both sides compute in float32 from the same weights; the ranks only regroup sums (o_proj, down_proj, every
 expert's and the shared expert's down add 2 partial dot products, all-reduced), so logits differ by float32
 rounding of O(1) values over three layers: atol 1e-4, as in test_tensor_parallel and test_moe_parallel; greedy
@@ -21,19 +21,31 @@ from test_tensor_parallel import _free_port
 
 import tritonq
 from tritonq.models.moe import SparseMoE
+from tritonq.quantize import write_quantized
 
 ATOL = 1e-4
 WORLD = 2
-RUNS = {  # name: (tests/models/test_moe_models.CASES checkpoint, expert_parallel)
+CHECKPOINTS = {  # name: (tests/models/test_moe_models.CASES name, config overrides, write_quantized format, options)
+    **{case: (case, {}, None, {}) for case in ("qwen3_moe", "qwen3_moe_step2_window", "qwen2_moe", "mixtral_window",
+                                               "deepseek_v3")},
+    # AWQ group 32: o_proj K 128 and experts' I 64 split into whole groups and packs at 2 ranks (TP), whole experts (EP)
+    "qwen3_moe_awq": ("qwen3_moe", {"moe_intermediate_size": 64, "intermediate_size": 128, "head_dim": 32}, "awq", {"group_size": 32}),
+    # GPTQ act-order: Mixtral's I 96 would cut a 32-group at 2 ranks, so expert parallel (whole experts)
+    "mixtral_gptq": ("mixtral_window", {}, "gptq", {"group_size": 32, "sym": True, "act_order": True}),
+}
+RUNS = {  # name: (checkpoint, expert_parallel)
     "qwen3_moe-tp": ("qwen3_moe", False),
-    "qwen3_moe_step2_window-tp": ("qwen3_moe_step2_window", False),
     "qwen3_moe-ep": ("qwen3_moe", True),
+    "qwen3_moe_step2_window-tp": ("qwen3_moe_step2_window", False),
     "qwen2_moe-tp": ("qwen2_moe", False),
     "qwen2_moe-ep": ("qwen2_moe", True),
     "mixtral_window-tp": ("mixtral_window", False),
     "mixtral_window-ep": ("mixtral_window", True),
     "deepseek_v3-tp": ("deepseek_v3", False),
     "deepseek_v3-ep": ("deepseek_v3", True),
+    "qwen3_moe_awq-tp": ("qwen3_moe_awq", False),
+    "qwen3_moe_awq-ep": ("qwen3_moe_awq", True),
+    "mixtral_gptq-ep": ("mixtral_gptq", True),
 }
 PROMPTS = [[5, 17, 200, 3, 99, 42, 7, 1, 250], [64, 65, 66, 67]]
 
@@ -70,9 +82,10 @@ def runs(tmp_path_factory):
     folders, single = {}, {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITONQ_BACKEND", "torch")
-        for checkpoint in {c for c, _ in RUNS.values()}:
-            write_checkpoint(root / checkpoint, checkpoint)
-            folders[checkpoint] = str(root / checkpoint)
+        for checkpoint, (case, overrides, fmt, options) in CHECKPOINTS.items():
+            write_checkpoint(root / f"{checkpoint}_dense", case, **overrides)
+            folders[checkpoint] = str(root / f"{checkpoint}_dense" if fmt is None else
+                                      write_quantized(root / f"{checkpoint}_dense", root / checkpoint, fmt, **options))
         for name, (checkpoint, _) in RUNS.items():
             single[name] = run_steps(_load(folders[checkpoint], False))
         out = root / "out"
