@@ -27,6 +27,7 @@ FALCON = {  # name: FalconConfig fields
                                           num_ln_in_parallel_attn=1, bias=True, tie_word_embeddings=False),
     "falcon_multi_query_parallel": dict(multi_query=True, parallel_attn=True, num_attention_heads=4),
     "falcon_mha_sequential_bias": dict(multi_query=False, parallel_attn=False, num_attention_heads=4, bias=True),
+    "falcon_mha_parallel": dict(multi_query=False, parallel_attn=True, num_attention_heads=4),  # the older parallel form
 }
 
 
@@ -202,13 +203,14 @@ def _falcon_rank_main(rank: int, port: int, folders: dict[str, str], out: str) -
 
 
 def test_falcon_tensor_parallel_two_ranks_match_one_process(tmp_path):
-    """Falcon GQA (two norms) and MHA (sequential, biases) on 2 CPU ranks, each holding whole QKV groups:
+    """Falcon GQA (two norms), MHA (sequential, biases) and MHA in the older parallel form on 2 CPU ranks, each holding whole QKV groups:
     prefill logits and greedy tokens equal the single process (checked against transformers above), and
     each rank holds about half of the split layers' bytes (row-parallel biases stay on rank 0)."""
     import test_tensor_parallel as tp
     write_falcon(tmp_path / "gqa", "falcon_new_arch_gqa_two_norms")
     write_falcon(tmp_path / "mha", "falcon_mha_sequential_bias")
-    folders = {name: str(tmp_path / name) for name in ("gqa", "mha")}
+    write_falcon(tmp_path / "mha_parallel", "falcon_mha_parallel")
+    folders = {name: str(tmp_path / name) for name in ("gqa", "mha", "mha_parallel")}
     single = {name: tp_run(tritonq.load(folder, device="cpu", max_num_seqs=2, max_seq_len=24))
               for name, folder in folders.items()}
     (tmp_path / "out").mkdir()
