@@ -73,7 +73,7 @@ def write_checkpoint(folder, name: str, seed: int = 0, **overrides):
     norm weights and DeepSeek-V3's e_score_correction_bias are random, so those paths matter."""
     config_cls, model_cls, fields = CASES[name]
     tokenizer = byte_tokenizer()
-    config = config_cls(**{**COMMON, **fields, **overrides}, vocab_size=len(tokenizer),
+    config = config_cls(**{"vocab_size": len(tokenizer), **COMMON, **fields, **overrides},
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
