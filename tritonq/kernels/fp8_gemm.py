@@ -410,17 +410,23 @@ def quantize_activation_fp8_reference(x: torch.Tensor, group_size: int | None = 
     return q, scales
 
 
+def fp8_round_trip(x: torch.Tensor, group_size: int | None = None,
+                   input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] as an fp8 x fp8 GEMM sees it, float32: quantized to e4m3 exactly as `quantize_activation_fp8`
+    (per token, per 1 x group_size group, or by the static input_scale) and scaled back."""
+    K = x.shape[1]
+    q, scales = quantize_activation_fp8_reference(x, group_size, input_scale)
+    if scales.dim() == 2:
+        scales = scales.repeat_interleave(group_size or K, dim=1)[:, :K]
+    return q.float() * scales
+
+
 def quantized_activations(x: torch.Tensor, w: FP8Weight, weight_only: bool = False) -> torch.Tensor:
     """x [M, K] as the fp8 GEMM sees it, float32: quantized to e4m3 and scaled back (per token, per
     block_size[1] group for block weights, or by w.input_scale), or just x.float() with weight_only."""
     if weight_only:
         return x.float()
-    K = x.shape[1]
-    group = w.block_size[1] if w.block_size is not None else None
-    q, scales = quantize_activation_fp8_reference(x, group, w.input_scale)
-    if scales.dim() == 2:
-        scales = scales.repeat_interleave(group or K, dim=1)[:, :K]
-    return q.float() * scales
+    return fp8_round_trip(x, w.block_size[1] if w.block_size is not None else None, w.input_scale)
 
 
 def fp8_gemm_reference(x: torch.Tensor, w: FP8Weight, weight_only: bool = False) -> torch.Tensor:
