@@ -469,6 +469,38 @@ def test_w8a8_or_weight_only_follows_checkpoint_and_capability(monkeypatch):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("inter,one_scale", [(64, [True, True]), (96, [False, True])])
+def test_fused_moe_w8a8_scale_block_spanning_the_tile(monkeypatch, inter, one_scale):
+    """Scale blocks as wide as the N tile or wider (as 128 x 128 checkpoints under BLOCK_N 64): the kernel loads one
+    weight scale per K tile (ONE_W_SCALE) where every tile, gate/up's up half included, lies in one block; an I
+    that is no multiple of the block (96 rows: up's tiles straddle blocks) keeps the per-column scales."""
+    E, dim, bn, bk = 4, 72, 64, 32
+
+    def stacked(N, K):
+        w8 = (torch.randn(E, N, K) * 2).to(torch.float8_e4m3fn)
+        s = torch.rand(E, -(-N // bn), -(-K // bk)) * 0.1 + 0.05
+        full = s.repeat_interleave(bn, 1)[:, :N].repeat_interleave(bk, 2)[:, :, :K]
+        return FP8Weight(w8, s, block_size=(bn, bk)), w8.float() * full
+    gate_up, gate_up_dense = stacked(2 * inter, dim)
+    down, down_dense = stacked(dim, inter)
+    x = torch.randn(17, dim)
+    weights, ids = grouped_topk(torch.randn(17, E), 2, renormalize=True)
+    seen = []
+    kernel = moe._moe_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["ONE_W_SCALE"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(moe, "_moe_gemm_kernel", Spy())
+    out = fused_moe(x, gate_up, down, weights, ids, config=moe.MoEConfig(16, 64, 32, 4, 2))
+    assert seen == one_scale
+    torch.testing.assert_close(out, _w8a8_reference(x, gate_up_dense, down_dense, weights, ids, bk),
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_w8a8_block_k_must_fit_the_scale_block():
     """Explicit configs for W8A8 block weights: BLOCK_K must divide the K block and be >= 32; the defaults are
     narrowed to the K block instead (fp8_block: 32-wide K blocks under a default BLOCK_K of 64)."""
@@ -481,6 +513,8 @@ def test_w8a8_block_k_must_fit_the_scale_block():
         with pytest.raises(ValueError, match=f"BLOCK_K={block_k} with W8A8 fp8 experts"):
             fused_moe(x, gate_up, down, weights, ids, config=MoEConfig(16, 32, block_k, 4, 2))
     fused_moe(x, gate_up, down, weights, ids, config=MoEConfig(16, 32, 32, 4, 2))
+    with pytest.raises(ValueError, match="W8A8 .* needs FP8 experts, float8_e4m3fn activations and fp8 tensor cores"):
+        moe.aot_launch(MoEConfig(16, 64, 64, 4, 3), (16, 8, 2, 256, 128, 0), "fp8", native_fp8=False, w8a8=True)
 
 
 # ------------------------------------------------------------------ explicit configs

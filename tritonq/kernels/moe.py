@@ -283,11 +283,19 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
 
 
 @triton.jit
-def _fp8_scale_row(scale_ptr, expert, k0, offs_n, N, stride_se, stride_sn, stride_sk, SCALE_BN: tl.constexpr,
-                   SCALE_BK: tl.constexpr):
-    """[BLOCK_N] fp32 weight scales of columns offs_n at input row k0 (per tensor / channel: strides 0)."""
-    s_off = expert.to(tl.int64) * stride_se + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk
-    return tl.load(scale_ptr + s_off, mask=offs_n < N, other=0.0)
+def _fp8_scale_row(scale_ptr, expert, k0, n0, N, stride_se, stride_sn, stride_sk, SCALE_BN: tl.constexpr,
+                   SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, ONE_W_SCALE: tl.constexpr):
+    """The fp32 weight scales of columns n0 .. n0 + BLOCK_N at input row k0, as a [1, BLOCK_N] row, or, with
+    ONE_W_SCALE (the tile lies inside one scale block: 128 x 128 blocks, BLOCK_N <= 128), one scalar: one load
+    and no registers for a row of equal values (without it gate/up spills 16 B on sm_89). Per tensor /
+    channel: SCALE_BN = SCALE_BK = 1, strides 0 where constant."""
+    base = scale_ptr + expert.to(tl.int64) * stride_se + (k0 // SCALE_BK) * stride_sk
+    if ONE_W_SCALE:
+        scale = tl.load(base + (n0 // SCALE_BN) * stride_sn)
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        scale = tl.load(base + (offs_n // SCALE_BN) * stride_sn, mask=offs_n < N, other=0.0)[None, :]
+    return scale
 
 
 @triton.jit
@@ -309,7 +317,8 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      bias_ptr, stride_be, swiglu_alpha, swiglu_limit, HAS_BIAS: tl.constexpr = False,
                      CLAMPED_SWIGLU: tl.constexpr = False, a_scale_ptr=None, stride_asm=0, stride_asg=0,
-                     A_GROUP: tl.constexpr = 1, A_FP8: tl.constexpr = False, SCALE_PER_TILE: tl.constexpr = False):
+                     A_GROUP: tl.constexpr = 1, A_FP8: tl.constexpr = False, SCALE_PER_TILE: tl.constexpr = False,
+                     ONE_W_SCALE: tl.constexpr = False):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
 
     A row of sorted row r is sorted_ids[r] // a_row_divisor (the token for gate/up, the
@@ -320,7 +329,8 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
     A_FP8 (W8A8, fp8 experts on sm_89+): A is e4m3 with fp32 scales a_scale[row, k // A_GROUP] (strides 0 for a
     static scale), W the e4m3 codes; e4m3 x e4m3 dots accumulate in fp32. Block-scaled weights (SCALE_PER_TILE:
     BLOCK_K divides SCALE_BK = A_GROUP) scale each K tile's partial sum by a_scale * w_scale; per-tensor /
-    per-channel weights scale the accumulators once, after the K loop.
+    per-channel weights scale the accumulators once, after the K loop. ONE_W_SCALE: every N tile (the up
+    half's too) lies inside one weight scale block (`_fp8_scale_row`).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -346,9 +356,9 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
         if A_FP8 and SCALE_PER_TILE:  # block scales: this K tile's partial sum, scaled by a_scale * w_scale
             a_scale = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // A_GROUP) * stride_asg, mask=row_ok,
                               other=0.0)
-            w_scale = _fp8_scale_row(scale_ptr, expert, k0, offs_n, N, stride_se, stride_sn, stride_sk,
-                                     SCALE_BN, SCALE_BK)
-            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+            w_scale = _fp8_scale_row(scale_ptr, expert, k0, pid_n * BLOCK_N, N, stride_se, stride_sn, stride_sk,
+                                     SCALE_BN, SCALE_BK, BLOCK_N, ONE_W_SCALE)
+            acc += tl.dot(a, w) * (a_scale[:, None] * w_scale)
         else:
             acc = _dot(a, w, acc, UPCAST_DOT)
         if GATE_UP:
@@ -358,18 +368,18 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                                      group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW,
                                      SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE, A_FP8)
             if A_FP8 and SCALE_PER_TILE:
-                w_scale_up = _fp8_scale_row(scale_ptr, expert, k0, offs_n + up_offset, N + up_offset, stride_se,
-                                            stride_sn, stride_sk, SCALE_BN, SCALE_BK)
-                acc_up += tl.dot(a, w_up) * a_scale[:, None] * w_scale_up[None, :]
+                w_scale_up = _fp8_scale_row(scale_ptr, expert, k0, pid_n * BLOCK_N + up_offset, N + up_offset,
+                                            stride_se, stride_sn, stride_sk, SCALE_BN, SCALE_BK, BLOCK_N, ONE_W_SCALE)
+                acc_up += tl.dot(a, w_up) * (a_scale[:, None] * w_scale_up)
             else:
                 acc_up = _dot(a, w_up, acc_up, UPCAST_DOT)
     if A_FP8 and not SCALE_PER_TILE:  # per-token (or static) and per-tensor / per-channel scales: constant along K
         a_scale = tl.load(a_scale_ptr + a_rows * stride_asm, mask=row_ok, other=0.0)[:, None]
-        acc *= a_scale * _fp8_scale_row(scale_ptr, expert, 0, offs_n, N, stride_se, stride_sn, stride_sk,
-                                        SCALE_BN, SCALE_BK)[None, :]
+        acc *= a_scale * _fp8_scale_row(scale_ptr, expert, 0, pid_n * BLOCK_N, N, stride_se, stride_sn, stride_sk,
+                                        SCALE_BN, SCALE_BK, BLOCK_N, ONE_W_SCALE)
         if GATE_UP:
-            acc_up *= a_scale * _fp8_scale_row(scale_ptr, expert, 0, offs_n + up_offset, N + up_offset, stride_se,
-                                               stride_sn, stride_sk, SCALE_BN, SCALE_BK)[None, :]
+            acc_up *= a_scale * _fp8_scale_row(scale_ptr, expert, 0, pid_n * BLOCK_N + up_offset, N + up_offset,
+                                               stride_se, stride_sn, stride_sk, SCALE_BN, SCALE_BK, BLOCK_N, ONE_W_SCALE)
     if HAS_BIAS:
         bias_row = bias_ptr + expert.to(tl.int64) * stride_be
         acc += tl.load(bias_row + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -624,7 +634,9 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
                 swiglu_alpha=activation.alpha if activation else 1.0, swiglu_limit=activation.limit if activation else 0.0,
                 HAS_BIAS=weight.bias is not None, CLAMPED_SWIGLU=activation is not None,
                 a_scale_ptr=a_scale if w8a8 else routing, stride_asm=a_scale_strides[0], stride_asg=a_scale_strides[1],
-                A_GROUP=weight.block_size[1] if block_scaled else K, A_FP8=w8a8, SCALE_PER_TILE=block_scaled)
+                A_GROUP=weight.block_size[1] if block_scaled else K, A_FP8=w8a8, SCALE_PER_TILE=block_scaled,
+                ONE_W_SCALE=block_scaled and weight.block_size[0] % config.BLOCK_N == 0
+                and (not gate_up or N % weight.block_size[0] == 0))
     grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
     return Launch(_moe_gemm_kernel, grid, args, config.num_warps, config.num_stages)
 
@@ -707,11 +719,12 @@ def sweep_space(problem) -> list[dict]:
 
 
 def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool = True,
-               dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False) -> Launch:
+               dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False, w8a8: bool = False) -> Launch:
     """`moe_gemm_launch` over meta tensors for one GEMM of a tuning problem: activations in dtype, experts
     as `random_weights.random_experts` makes them of `kind` (int4: asymmetric, grouped as the tuner's;
     fp8: 128 x 128 block scales, loaded as float8e4nv if native_fp8, else decoded from their bytes;
-    mxfp4: e2m1 blocks and E8M0 scales). gpt_oss: expert biases and the ClampedSwiGLU epilogue."""
+    mxfp4: e2m1 blocks and E8M0 scales). gpt_oss: expert biases and the ClampedSwiGLU epilogue. w8a8 (fp8 kinds,
+    sm_89+): e4m3 activations with fp32 scales per 1 x 128 group (block weights) or per token, as fused_moe."""
     from dataclasses import replace
 
     from tritonq.random_weights import random_experts
@@ -727,11 +740,16 @@ def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool 
     max_blocks = min(numel, triton.cdiv(numel, config.BLOCK_M) + E)  # as moe_align_block_size
     alignment = (torch.empty(max_blocks * config.BLOCK_M, dtype=torch.int32, device=meta),
                  torch.empty(max_blocks, dtype=torch.int32, device=meta), torch.empty(1, dtype=torch.int32, device=meta))
-    a = torch.empty(T if gate else numel, K, dtype=dtype, device=meta)
+    rows = T if gate else numel
+    a = torch.empty(rows, K, dtype=torch.float8_e4m3fn if w8a8 else dtype, device=meta)
+    a_scale = None
+    if w8a8:
+        group = weight.block_size[1] if weight.block_size is not None else K
+        a_scale = torch.empty(rows, triton.cdiv(K, group), dtype=torch.float32, device=meta)
     out = torch.empty(numel, N, dtype=dtype, device=meta)
     routing = torch.empty(numel, dtype=torch.float32, device=meta)
     return moe_gemm_launch(a, out, weight, routing, alignment, top_k, config, config.BLOCK_M, gate, native_fp8,
-                           ClampedSwiGLU() if gpt_oss and gate else None)
+                           ClampedSwiGLU() if gpt_oss and gate else None, a_scale)
 
 
 def tune_target():
