@@ -524,10 +524,11 @@ def fp8_w8a8(w: Weight, x: torch.Tensor) -> bool:
     K block that is a power of two >= FP8_DOT_MIN_K (real checkpoints: 128). Otherwise weight-only (codes
     dequantized to x.dtype in the kernel): below sm_89, and on the CPU backend and the CPU torch reference,
     which have no fp8 GEMM (as fp8_gemm's CPU path)."""
-    block_ok = w.block_size is None or (w.block_size[1] >= FP8_DOT_MIN_K and w.block_size[1] & (w.block_size[1] - 1) == 0
-                                        ) if isinstance(w, FP8Weight) else False
-    return (isinstance(w, FP8Weight) and not w.weight_only and block_ok and (on_gpu(x) or use_triton(x))
-            and has_fp8_tensor_cores(x.device))
+    if not isinstance(w, FP8Weight) or w.weight_only:
+        return False
+    if w.block_size is not None and (w.block_size[1] < FP8_DOT_MIN_K or w.block_size[1] & (w.block_size[1] - 1)):
+        return False
+    return (on_gpu(x) or use_triton(x)) and has_fp8_tensor_cores(x.device)
 
 
 def fp8_activation_scheme(w: FP8Weight) -> tuple[int | None, torch.Tensor | None]:
