@@ -6,10 +6,9 @@ M = 1, 16, 256 (a 4096 x 4096 layer), paged prefill and split-KV decode attentio
 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token pages, a sliding
 window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split and
 merge), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8 from sm_89) and on
-gpt-oss-20b's MXFP4 experts
-(biases, clamped SwiGLU), rms_norm and the fp8 activation quantization, and the KV-cache launches over
-8-bit pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and MLA's latent decode; e4m3
-travels as bytes, decoded with integer ops on every target).
+gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm and the fp8 activation quantization, and
+the KV-cache launches over 8-bit pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and
+MLA's latent decode; e4m3 travels as bytes, decoded with integer ops on every target).
 Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
 no GPU) for sm_75 (T4), sm_80 (A100), sm_89 (L4/L40) and sm_90 (H100/H200) x `gpu_compute_dtypes(cc)`,
 and must:
