@@ -5,10 +5,10 @@ divisibility hints and default config as at run time), at representative shapes:
 M = 1, 16, 256 (a 4096 x 4096 layer), paged prefill and split-KV decode attention for head dims 64,
 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token pages, a sliding
 window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split and
-merge), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8) and on gpt-oss-20b's MXFP4 experts
-(biases, clamped SwiGLU), rms_norm and the fp8 activation quantization, and the KV-cache launches over
-8-bit pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and MLA's latent decode; e4m3
-travels as bytes, decoded with integer ops on every target).
+merge), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8 from sm_89) and on
+gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm and the fp8 activation quantization, and
+the KV-cache launches over 8-bit pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and
+MLA's latent decode; e4m3 travels as bytes, decoded with integer ops on every target).
 Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
 no GPU) for sm_75 (T4), sm_80 (A100), sm_89 (L4/L40) and sm_90 (H100/H200) x `gpu_compute_dtypes(cc)`,
 and must:
@@ -241,6 +241,16 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         config = moe.DEFAULT_CONFIGS[-1][1]  # at the largest tile (two accumulators: the most registers)
         out[f"moe {kind} gate_up M{config.BLOCK_M}"] = moe.aot_launch(config, (*MOE_PROBLEM, 0), kind,
                                                                      native_fp8=cc >= 89, dtype=dtype)
+    if cc >= 89:  # W8A8 fp8 experts (e4m3 x e4m3 dots): block-scaled (per-tile scales, 1 x 128 activation groups)
+        # and per-channel (per-token activations); below sm_89 fused_moe runs them weight-only (the cases above)
+        for kind, gate_up, config in (("fp8", True, moe.DEFAULT_CONFIGS[0][1]), ("fp8", True, moe.DEFAULT_CONFIGS[-1][1]),
+                                      ("fp8", False, moe.DEFAULT_CONFIGS[-1][1]),
+                                      ("fp8-channel", True, moe.DEFAULT_CONFIGS[-1][1])):
+            out[f"moe {kind} w8a8 {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = moe.aot_launch(
+                config, (*MOE_PROBLEM, 0 if gate_up else 1), kind, dtype=dtype, w8a8=True)
+        out["fp8 quantize per token"] = fp8_gemm.quantize_activation_launch(  # the MoE hidden [T*k, I]
+            _meta(3072, 1408, dtype=dtype), _meta(3072, 1408, dtype=torch.float8_e4m3fn),
+            _meta(3072, 1, dtype=torch.float32), 1408, static=False)
     out["rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5)[0]
     return out
 

@@ -32,20 +32,24 @@ N, K = 200, 300  # off every tile (16 / 32 / 64 / 128)
 
 def make_weight(n: int = N, k: int = K, per_channel: bool = True, static: bool = False, asymmetric: bool = False,
                 bias: bool = False, device=None) -> W8A8Weight:
-    """Random int8 codes over the whole range with random positive scales, on the test's device."""
+    """Random int8 codes over the whole range with random positive scales, drawn on the CPU (a seeded CPU
+    generator) and moved to `device` (None: the test's device, torch's default)."""
+    device = device or torch.get_default_device()
     g = torch.Generator().manual_seed(n * k)
-    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    scale = torch.rand(n, 1, generator=g) * 1e-2 + 1e-3 if per_channel else torch.tensor(4e-3)
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8, device="cpu")
+    scale = (torch.rand(n, 1, generator=g, device="cpu") * 1e-2 + 1e-3 if per_channel
+             else torch.tensor(4e-3, device="cpu"))
     w = W8A8Weight(codes.to(device), scale.to(device),
                    input_scale=torch.tensor(0.02, device=device) if static or asymmetric else None,
                    input_zero_point=torch.tensor(-7, dtype=torch.int32, device=device) if asymmetric else None)
-    return replace(w, bias=torch.randn(n, generator=g).to(device=device, dtype=torch.bfloat16)) if bias else w
+    return replace(w, bias=torch.randn(n, generator=g, device="cpu").to(device=device, dtype=torch.bfloat16)) if bias else w
 
 
 def activations(M: int, dtype=torch.float32, device=None) -> torch.Tensor:
-    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 1.5
+    """[M, K] activations drawn on the CPU and moved to `device` (None: the test's device)."""
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M), device="cpu") * 1.5
     x[0, 3] = 9.0  # past the static grid (0.02 * 127 = 2.54): clamped
-    return x.to(device=device, dtype=dtype)
+    return x.to(device=device or torch.get_default_device(), dtype=dtype)
 
 
 def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor) -> None:

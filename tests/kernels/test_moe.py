@@ -3,7 +3,8 @@
 Tolerances (stated once): fp32 activations -> the kernel and the float32 loop reference differ
 only in summation order: rtol/atol 1e-4. fp16 activations -> the kernel rounds x, the dequantized
 weights and the SiLU-and-mul hidden to fp16 (11-bit mantissa) before each GEMM: 2e-2; bf16
-(8-bit mantissa, 8x coarser than fp16): 5e-2.
+(8-bit mantissa, 8x coarser than fp16): 5e-2. W8A8 fp8 experts (fp32 activations): kernel and reference quantize
+the same inputs identically and products of e4m3 values are exact in fp32: summation order only, 1e-4.
 Routing is compared exactly (same fp32 scores, deterministic tie rule).
 """
 import pytest
@@ -239,13 +240,14 @@ def test_reference_matches_per_token_dense(kind):
     ("fp8_block64", 17, 2, torch.float32),
 ])
 def test_fused_moe_matches_loop_reference(kind, T, top_k, dtype):
+    """fp8 experts weight-only here (as below sm_89 and for weight-only checkpoints); W8A8: the tests below."""
     gate_up, _ = _stacked(kind, E_TEST, 2 * INTER, D)
     down, _ = _stacked(kind, E_TEST, D, INTER)
     if kind == "dense":
         gate_up, down = DenseWeight(gate_up.weight.to(dtype)), DenseWeight(down.weight.to(dtype))
     x = torch.randn(T, D).to(dtype)
     weights, ids = _routing(T, E_TEST, top_k)
-    out = fused_moe(x, gate_up, down, weights, ids)
+    out = fused_moe(x, gate_up, down, weights, ids, weight_only=True if kind.startswith("fp8") else None)
     assert out.dtype == dtype and out.shape == (T, D)
     ref = fused_moe_reference(x, gate_up, down, weights, ids)
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
@@ -277,9 +279,9 @@ def test_fp8_native_and_bit_decoding_agree(monkeypatch):
     down, _ = _stacked("fp8_tensor", E_TEST, D, INTER)
     x = torch.randn(3, D)
     weights, ids = _routing(3, E_TEST, 2)
-    native = fused_moe(x, gate_up, down, weights, ids)
+    native = fused_moe(x, gate_up, down, weights, ids, weight_only=True)
     monkeypatch.setattr(moe, "has_fp8_tensor_cores", lambda device: False)
-    bits = fused_moe(x, gate_up, down, weights, ids)
+    bits = fused_moe(x, gate_up, down, weights, ids, weight_only=True)
     torch.testing.assert_close(bits, native, rtol=TOL[torch.float32], atol=TOL[torch.float32])
 
 
@@ -312,6 +314,208 @@ def test_fused_moe_rejects_bad_inputs():
         fused_moe(x.double(), gate_up, down, weights, ids)
     with pytest.raises(ValueError, match=r"\[T=2, k\]"):
         fused_moe(x, gate_up, down, weights[:, :1], ids)
+
+
+# ------------------------------------------------------------------ fp8 W8A8 experts
+
+def _w8a8_reference(x, gate_up_dense, down_dense, weights, ids, group):
+    """Independent W8A8 reference: each GEMM input rounded to e4m3 per token (group None) or per 1 x group
+    columns (scale = absmax / 448, torch's own float8 cast), the hidden first rounded to x.dtype (where the
+    kernel stores it); then the per-token loop over dense fp32 weights."""
+    def round_trip(a):
+        a = a.float()
+        g = a.shape[1] if group is None else group
+        out = torch.empty_like(a)
+        for start in range(0, a.shape[1], g):
+            part = a[:, start:start + g]
+            scale = part.abs().amax(1, keepdim=True).clamp(min=1e-10) / torch.tensor(448.0)
+            out[:, start:start + g] = (part / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+        return out
+    inter = down_dense.shape[2]
+    xq = round_trip(x)
+    out = torch.zeros(x.shape[0], down_dense.shape[1])
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            h = gate_up_dense[e] @ xq[t]
+            hidden = round_trip((F.silu(h[:inter]) * h[inter:]).to(x.dtype)[None])[0]
+            out[t] += w * (down_dense[e] @ hidden)
+    return out
+
+
+@pytest.mark.parametrize("kind,group", [("fp8_tensor", None), ("fp8_channel", None), ("fp8_block", 32),
+                                        ("fp8_block64", 64)])
+@pytest.mark.parametrize("T", [1, 3, 17, 64])
+def test_fused_moe_w8a8_matches_per_token_reference(kind, group, T):
+    """fp8 experts from an activation-quantizing checkpoint run W8A8 where the kernel has e4m3 tensor cores
+    (the interpreter, as sm_89+): activations per token (per-tensor / per-channel weights) or per 1 x bk group
+    (block weights), e4m3 x e4m3 dots in fp32. D = 40, I = 24: N and K off the tiles. Products of e4m3 values are
+    exact in fp32, so kernel and reference differ by summation order, unless that moves a hidden value across
+    an e4m3 rounding boundary (one code: 2^-3 relative), which these seeded cases do not."""
+    gate_up, gate_up_dense = _stacked(kind, E_TEST, 2 * INTER, D)
+    down, down_dense = _stacked(kind, E_TEST, D, INTER)
+    x = torch.randn(T, D) * 3
+    weights, ids = _routing(T, E_TEST, 2)
+    assert moe.fp8_w8a8(gate_up, x) and moe.fp8_w8a8(down, x)
+    out = fused_moe(x, gate_up, down, weights, ids)
+    expected = _w8a8_reference(x, gate_up_dense, down_dense, weights, ids, group)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, fused_moe_reference(x, gate_up, down, weights, ids, w8a8=(True, True)),
+                               rtol=1e-4, atol=1e-4)
+    # and the activations were rounded: the weight-only result is measurably different
+    assert (out - fused_moe_reference(x, gate_up, down, weights, ids)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_moe_w8a8_half_activations(dtype):
+    """fp16 / bf16 models: the same quantization of x (exact in either) and of the hidden, stored in dtype."""
+    gate_up, gate_up_dense = _stacked("fp8_block64", E_TEST, 2 * INTER, D)
+    down, down_dense = _stacked("fp8_block64", E_TEST, D, INTER)
+    x = torch.randn(17, D).to(dtype)
+    weights, ids = _routing(17, E_TEST, 2)
+    out = fused_moe(x, gate_up, down, weights, ids)
+    assert out.dtype == dtype
+    expected = _w8a8_reference(x, gate_up_dense, down_dense, weights, ids, 64)
+    torch.testing.assert_close(out.float(), expected, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_fused_moe_w8a8_static_input_scale_is_the_largest_over_experts():
+    """A static checkpoint (input_scale per expert): the input is quantized once, before sorting by expert,
+    with the largest of the experts' scales (every expert's input in range)."""
+    gate_up, gate_up_dense = _stacked("fp8_channel", E_TEST, 2 * INTER, D)
+    down, down_dense = _stacked("fp8_channel", E_TEST, D, INTER)
+    gate_up = FP8Weight(gate_up.weight, gate_up.weight_scale, input_scale=torch.rand(E_TEST) * 0.01 + 0.01)
+    down = FP8Weight(down.weight, down.weight_scale, input_scale=torch.rand(E_TEST) * 0.05 + 0.05)
+    x = torch.randn(5, D)
+    weights, ids = _routing(5, E_TEST, 2)
+    out = fused_moe(x, gate_up, down, weights, ids)
+    assert moe.fp8_activation_scheme(gate_up) == (None, gate_up.input_scale.max())
+
+    def static(a, scale):
+        return (a.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    expected = torch.zeros(5, D)
+    inter = INTER
+    for t in range(5):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            h = gate_up_dense[e] @ static(x[t], gate_up.input_scale.max())
+            expected[t] += w * (down_dense[e] @ static(F.silu(h[:inter]) * h[inter:], down.input_scale.max()))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def _a_fp8_spy(monkeypatch):
+    """The A_FP8 flag (W8A8) of each _moe_gemm_kernel launch."""
+    flags = []
+    kernel = moe._moe_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                flags.append(kwargs["A_FP8"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(moe, "_moe_gemm_kernel", Spy())
+    return flags
+
+
+def test_w8a8_or_weight_only_follows_checkpoint_and_capability(monkeypatch):
+    """The selection rule (`fp8_w8a8`), per GEMM: W8A8 for fp8 experts whose checkpoint quantizes activations on
+    e4m3 tensor cores; weight-only for a weight-only checkpoint (FP8Weight.weight_only, kept through the
+    loader's fuse and stack), below sm_89, for K blocks below tl.dot's e4m3 minimum, for other expert types, and
+    on the CPU backend and the CPU torch reference."""
+    from tritonq.weights import concat_outputs, stack_experts
+
+    gate_up, _ = _stacked("fp8_channel", E_TEST, 2 * INTER, D)
+    down, _ = _stacked("fp8_channel", E_TEST, D, INTER)
+    x = torch.randn(3, D)
+    weights, ids = _routing(3, E_TEST, 2)
+    flags = _a_fp8_spy(monkeypatch)
+    fused_moe(x, gate_up, down, weights, ids)
+    assert flags == [True, True]
+
+    # a weight-only checkpoint (compressed-tensors input_activations: null): the flag survives fuse and stack
+    def per_expert(w):
+        return [FP8Weight(w.weight[e], w.weight_scale[e], weight_only=True) for e in range(E_TEST)]
+    gu_parts = [concat_outputs([g, u]) for g, u in zip(
+        per_expert(FP8Weight(gate_up.weight[:, :INTER], gate_up.weight_scale[:, :INTER])),
+        per_expert(FP8Weight(gate_up.weight[:, INTER:], gate_up.weight_scale[:, INTER:])))]
+    wo_gate_up, wo_down = stack_experts(gu_parts), stack_experts(per_expert(down))
+    assert wo_gate_up.weight_only and wo_down.weight_only
+    flags.clear()
+    out = fused_moe(x, wo_gate_up, down, weights, ids)  # the rule is per GEMM: gate/up weight-only, down W8A8
+    assert flags == [False, True]
+    flags.clear()
+    fused_moe(x, gate_up, down, weights, ids, weight_only=True)
+    assert flags == [False, False]
+
+    assert not moe.fp8_w8a8(_stacked("int4", E_TEST, D, INTER)[0], x)
+    assert not moe.fp8_w8a8(_stacked("dense", E_TEST, D, INTER)[0], x)
+    small_block = FP8Weight(down.weight, torch.ones(E_TEST, 3, 2), block_size=(16, 16))  # K block 16 < 32
+    assert not moe.fp8_w8a8(small_block, x)
+    assert moe.fp8_w8a8(down, torch.empty(3, D, device="meta"))  # AOT: compiled for a GPU with fp8 tensor cores
+    with monkeypatch.context() as mp:  # below sm_89
+        mp.setattr(moe, "has_fp8_tensor_cores", lambda device: False)
+        assert not moe.fp8_w8a8(down, x)
+        flags.clear()
+        fused_moe(x, gate_up, down, weights, ids)
+        assert flags == [False, False]
+    x_cpu = torch.randn(3, D, device="cpu")
+    with monkeypatch.context() as mp:  # the CPU backend (no interpreter): weight-only, as before
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        mp.setenv("TRITONQ_BACKEND", "auto")
+        assert not moe.fp8_w8a8(down.to("cpu"), x_cpu)
+        mp.setenv("TRITONQ_BACKEND", "torch")
+        assert not moe.fp8_w8a8(down.to("cpu"), x_cpu)
+    # the fused, stacked weight-only experts are the same codes, run weight-only in gate/up only
+    assert torch.equal(wo_gate_up.weight, gate_up.weight)
+    torch.testing.assert_close(out, fused_moe_reference(x, gate_up, down, weights, ids, w8a8=(False, True)),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("inter,one_scale", [(64, [True, True]), (96, [False, True])])
+def test_fused_moe_w8a8_scale_block_spanning_the_tile(monkeypatch, inter, one_scale):
+    """Scale blocks as wide as the N tile or wider (as 128 x 128 checkpoints under BLOCK_N 64): the kernel loads one
+    weight scale per K tile (ONE_W_SCALE) where every tile, gate/up's up half included, lies in one block; an I
+    that is no multiple of the block (96 rows: up's tiles straddle blocks) keeps the per-column scales."""
+    E, dim, bn, bk = 4, 72, 64, 32
+
+    def stacked(N, K):
+        w8 = (torch.randn(E, N, K) * 2).to(torch.float8_e4m3fn)
+        s = torch.rand(E, -(-N // bn), -(-K // bk)) * 0.1 + 0.05
+        full = s.repeat_interleave(bn, 1)[:, :N].repeat_interleave(bk, 2)[:, :, :K]
+        return FP8Weight(w8, s, block_size=(bn, bk)), w8.float() * full
+    gate_up, gate_up_dense = stacked(2 * inter, dim)
+    down, down_dense = stacked(dim, inter)
+    x = torch.randn(17, dim)
+    weights, ids = grouped_topk(torch.randn(17, E), 2, renormalize=True)
+    seen = []
+    kernel = moe._moe_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["ONE_W_SCALE"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(moe, "_moe_gemm_kernel", Spy())
+    out = fused_moe(x, gate_up, down, weights, ids, config=moe.MoEConfig(16, 64, 32, 4, 2))
+    assert seen == one_scale
+    torch.testing.assert_close(out, _w8a8_reference(x, gate_up_dense, down_dense, weights, ids, bk),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_w8a8_block_k_must_fit_the_scale_block():
+    """Explicit configs for W8A8 block weights: BLOCK_K must divide the K block and be >= 32; the defaults are
+    narrowed to the K block instead (fp8_block: 32-wide K blocks under a default BLOCK_K of 64)."""
+    from tritonq.kernels.moe import MoEConfig
+    gate_up, _ = _stacked("fp8_block", E_TEST, 2 * INTER, D)
+    down, _ = _stacked("fp8_block", E_TEST, D, INTER)
+    x = torch.randn(3, D)
+    weights, ids = _routing(3, E_TEST, 2)
+    for block_k in (64, 16):
+        with pytest.raises(ValueError, match=f"BLOCK_K={block_k} with W8A8 fp8 experts"):
+            fused_moe(x, gate_up, down, weights, ids, config=MoEConfig(16, 32, block_k, 4, 2))
+    fused_moe(x, gate_up, down, weights, ids, config=MoEConfig(16, 32, 32, 4, 2))
+    with pytest.raises(ValueError, match="W8A8 .* needs FP8 experts, float8_e4m3fn activations and fp8 tensor cores"):
+        moe.aot_launch(MoEConfig(16, 64, 64, 4, 3), (16, 8, 2, 256, 128, 0), "fp8", native_fp8=False, w8a8=True)
 
 
 # ------------------------------------------------------------------ explicit configs

@@ -161,12 +161,15 @@ def test_mxfp4_dequantize_matches_transformers_and_the_writer_round_trips():
     from tritonq.quantize import quantize_mxfp4
     from tritonq.weights import E2M1_VALUES, MXFP4Weight
 
+    device = torch.get_default_device()  # the test's device; data drawn on the CPU (transformers' side runs there)
     g = torch.Generator().manual_seed(7)
     blocks = torch.randint(0, 256, (3, 5, 4, 16), dtype=torch.uint8, generator=g, device="cpu")
     scales = torch.randint(100, 140, (3, 5, 4), dtype=torch.uint8, generator=g, device="cpu")
-    ours = MXFP4Weight(blocks, scales).dequantize()
-    assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2))
-    grid = torch.tensor(E2M1_VALUES)[torch.randint(0, 16, (4, 64), generator=g, device="cpu")]
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    ours = MXFP4Weight(blocks.to(device), scales.to(device)).dequantize()
+    assert ours.device == device and torch.equal(ours.cpu(), expected)
+    grid = torch.tensor(E2M1_VALUES, device="cpu")[torch.randint(0, 16, (4, 64), generator=g, device="cpu")]
     grid[:, ::32] = 6.0  # each group's amax on the top of the grid: its scale is exact
-    w = torch.ldexp(grid, torch.randint(-8, 3, (4, 2, 1), generator=g, device="cpu").repeat_interleave(32, 1)[..., 0])
-    assert torch.equal(quantize_mxfp4(w).dequantize(), w)
+    exponents = torch.randint(-8, 3, (4, 2, 1), generator=g, device="cpu").repeat_interleave(32, 1)[..., 0]
+    w = torch.ldexp(grid, exponents).to(device)
+    assert torch.equal(quantize_mxfp4(w).dequantize().cpu(), w.cpu())

@@ -17,6 +17,11 @@ launch options are named as Triton's (num_warps, num_stages). Tuned JSON entries
 (configs/<kernel>/<gpu>.json) use the same names, so `tuned_or_default` overlays one on the default
 and `check_launch_config` checks any of them.
 
+The dense-GEMM families with activation quantization (fp8_gemm, int8_gemm) share their launch shape: a
+`GemmConfig` (tiles, GROUP_M swizzle, SPLIT_K), one program per output tile and K slice (`gemm_grid`), split-K
+partials in an fp32 [SPLIT_K, M, N] buffer that the launcher sums (`gemm_output`, `sum_split_k`), buckets keyed
+by (M rounded up, N, K) (`gemm_config_bucket`), and the decode split (`decode_split_k`).
+
 Launch: a kernel's launcher builds a `Launch` (grid + every argument by parameter name) with a builder
 in the kernel's own file, then calls it (on its tensors' CUDA device, whatever the thread's current
 one). `tritonq.tune --aot` builds the same object over "meta" tensors (shapes, strides and dtypes
@@ -221,6 +226,48 @@ def check_launch_config(kernel: str, config, config_type: type) -> None:
         raise ValueError(f"{kernel}: config.num_warps = {config.num_warps!r}, expected a power of two in [1, 32]")
     if not isinstance(config.num_stages, int) or config.num_stages < 1:
         raise ValueError(f"{kernel}: config.num_stages = {config.num_stages!r}, expected an int >= 1")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch config of a tiled GEMM kernel with grouped ordering and split-K (fp8_gemm and int8_gemm subclass
+    it, one type per kernel so that `check_launch_config` tells them apart)."""
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int = 128
+    GROUP_M: int = 8
+    SPLIT_K: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemm_config_bucket(M: int, N: int, K: int) -> str:
+    """Key of a tuned GEMM config: M rounded up to a power of two (capped at 4096), exact N and K."""
+    return f"M{min(triton.next_power_of_2(M), 4096)}_N{N}_K{K}"
+
+
+def decode_split_k(N: int, K: int, block_k: int) -> int:
+    """SPLIT_K of a decode-sized GEMM (BLOCK_N 64): about 256 programs (~2 waves) stream the weight, with at
+    least 4 K tiles of block_k per slice so that each slice still pipelines its loads."""
+    return max(1, min(triton.cdiv(K, block_k) // 4, 256 // triton.cdiv(N, 64)))
+
+
+def gemm_grid(M: int, N: int, config: GemmConfig) -> tuple[int, int]:
+    """One program per (output tile, K slice): (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K)."""
+    return triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N), config.SPLIT_K
+
+
+def gemm_output(M: int, N: int, config: GemmConfig, out_dtype: torch.dtype, device) -> torch.Tensor:
+    """The GEMM kernel's output buffer: y [M, N] in out_dtype, or with SPLIT_K > 1 the fp32 [SPLIT_K, M, N]
+    partials (one plane per K slice: deterministic, unlike fp32 atomics) that `sum_split_k` adds up."""
+    if config.SPLIT_K > 1:
+        return torch.empty((config.SPLIT_K, M, N), dtype=torch.float32, device=device)
+    return torch.empty((M, N), dtype=out_dtype, device=device)
+
+
+def sum_split_k(y: torch.Tensor, config: GemmConfig, out_dtype: torch.dtype) -> torch.Tensor:
+    """y [M, N] from `gemm_output`'s buffer after the launch: the K slices' partials summed in fp32."""
+    return y.sum(0).to(out_dtype) if config.SPLIT_K > 1 else y
 
 
 @dataclass

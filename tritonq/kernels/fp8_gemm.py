@@ -30,7 +30,6 @@ oracle; it quantizes activations unless weight_only=True.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,15 +38,21 @@ import triton.language as tl
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.common import (
     E4M3_TO_FP16_BIAS,
+    GemmConfig,
     Launch,
     check_launch_config,
     compute_capability,
+    decode_split_k,
     e4m3_bits_to_fp16,
+    gemm_grid,
+    gemm_output,
     has_fp8_tensor_cores,
     ieee_dot,
     round_to_e4m3,
+    sum_split_k,
     tuned_or_default,
 )
+from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import FP8Weight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -69,16 +74,9 @@ CONFIG_SPACE = {
 }
 
 
-@dataclass(frozen=True)
-class FP8GemmConfig:
-    """Launch config of _fp8_gemm_kernel. With block scales BLOCK_K must divide the K block."""
-    BLOCK_M: int
-    BLOCK_N: int
-    BLOCK_K: int = 128
-    GROUP_M: int = 8
-    SPLIT_K: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
+class FP8GemmConfig(GemmConfig):
+    """Launch config of _fp8_gemm_kernel (the fields of `common.GemmConfig`). With block scales BLOCK_K must
+    divide the K block."""
 
 
 @triton.jit
@@ -269,7 +267,7 @@ def _launch(x: torch.Tensor, w: FP8Weight, weight_only: bool, config: FP8GemmCon
         a, a_scale = quantize_activation_fp8(x, scale_bk, w.input_scale)
     launch, y = fp8_gemm_launch(a, a_scale, w, cfg, x.dtype)
     launch()
-    return y.sum(0).to(x.dtype) if cfg.SPLIT_K > 1 else y
+    return sum_split_k(y, cfg, x.dtype)
 
 
 def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight, config: FP8GemmConfig,
@@ -294,10 +292,7 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
         a_group = scale_bk if w.block_size is not None else K
         # a static scale is shared by every row and group
         stride_asm, stride_asg = a_scale.stride() if a_scale.dim() else (0, 0)
-    if config.SPLIT_K > 1:
-        y = torch.empty((config.SPLIT_K, M, N), dtype=torch.float32, device=a.device)
-    else:
-        y = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    y = gemm_output(M, N, config, out_dtype, a.device)
     args = dict(a_ptr=a, a_scale_ptr=a_scale, w_ptr=weight, w_scale_ptr=w_scale,
                 bias_ptr=w.bias if w.bias is not None else y, y_ptr=y, M=M, N=N, K=K,
                 stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N, stride_asm=stride_asm,
@@ -306,13 +301,7 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
                 SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only, HAS_BIAS=w.bias is not None,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
                 SPLIT_K=config.SPLIT_K)
-    grid = (triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
-    return Launch(_fp8_gemm_kernel, grid, args, config.num_warps, config.num_stages), y
-
-
-def config_bucket(M: int, N: int, K: int) -> str:
-    """Key of a tuned config: M rounded up to a power of two (capped at 4096), exact N and K."""
-    return f"M{min(triton.next_power_of_2(M), 4096)}_N{N}_K{K}"
+    return Launch(_fp8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
 
 
 def tuned_config(M: int, N: int, K: int, weight_only: bool, block_k: int = 128, cc: int | None = 90,
@@ -330,10 +319,7 @@ def default_config(M: int, N: int, K: int, block_k: int = 128, cc: int | None = 
     weight-only path (the in-kernel e4m3 decode), whose registers make 128 x 128 spill: 8 bytes on
     sm_89 block-scaled, 24-32 bytes weight-only on sm_80 (AOT, Triton 3.7.1 and 3.9); 128 x 64 none."""
     if M <= 16:
-        k_tiles = triton.cdiv(K, block_k)
-        n_tiles = triton.cdiv(N, 64)
-        split_k = max(1, min(k_tiles // 4, 256 // n_tiles))  # >= 4 K tiles per split to pipeline
-        return FP8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=split_k,
+        return FP8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=decode_split_k(N, K, block_k),
                              num_warps=4, num_stages=4)
     if M <= 64:
         return FP8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4)
@@ -410,17 +396,23 @@ def quantize_activation_fp8_reference(x: torch.Tensor, group_size: int | None = 
     return q, scales
 
 
+def fp8_round_trip(x: torch.Tensor, group_size: int | None = None,
+                   input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] as an fp8 x fp8 GEMM sees it, float32: quantized to e4m3 exactly as `quantize_activation_fp8`
+    (per token, per 1 x group_size group, or by the static input_scale) and scaled back."""
+    K = x.shape[1]
+    q, scales = quantize_activation_fp8_reference(x, group_size, input_scale)
+    if scales.dim() == 2:
+        scales = scales.repeat_interleave(group_size or K, dim=1)[:, :K]
+    return q.float() * scales
+
+
 def quantized_activations(x: torch.Tensor, w: FP8Weight, weight_only: bool = False) -> torch.Tensor:
     """x [M, K] as the fp8 GEMM sees it, float32: quantized to e4m3 and scaled back (per token, per
     block_size[1] group for block weights, or by w.input_scale), or just x.float() with weight_only."""
     if weight_only:
         return x.float()
-    K = x.shape[1]
-    group = w.block_size[1] if w.block_size is not None else None
-    q, scales = quantize_activation_fp8_reference(x, group, w.input_scale)
-    if scales.dim() == 2:
-        scales = scales.repeat_interleave(group or K, dim=1)[:, :K]
-    return q.float() * scales
+    return fp8_round_trip(x, w.block_size[1] if w.block_size is not None else None, w.input_scale)
 
 
 def fp8_gemm_reference(x: torch.Tensor, w: FP8Weight, weight_only: bool = False) -> torch.Tensor:

@@ -33,15 +33,24 @@ an exact integer product (float64), the same fp32 epilogue.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import use_cpu_kernels, use_triton
-from tritonq.kernels.common import Launch, check_launch_config, compute_capability, tuned_or_default
+from tritonq.kernels.common import (
+    GemmConfig,
+    Launch,
+    check_launch_config,
+    compute_capability,
+    decode_split_k,
+    gemm_grid,
+    gemm_output,
+    sum_split_k,
+    tuned_or_default,
+)
+from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import W8A8Weight
 
 INT8_MIN, INT8_MAX = -128.0, 127.0
@@ -55,16 +64,8 @@ _DYNAMIC_DIVISOR = tl.constexpr(DYNAMIC_DIVISOR)
 _SCALE_EPS = tl.constexpr(SCALE_EPS)
 
 
-@dataclass(frozen=True)
-class Int8GemmConfig:
-    """Launch config of _int8_gemm_kernel."""
-    BLOCK_M: int
-    BLOCK_N: int
-    BLOCK_K: int = 128
-    GROUP_M: int = 8
-    SPLIT_K: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
+class Int8GemmConfig(GemmConfig):
+    """Launch config of _int8_gemm_kernel (the fields of `common.GemmConfig`)."""
 
 
 @triton.jit
@@ -270,7 +271,7 @@ def _launch(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None, fp16_
     fp16_dot = cc is not None and cc < 80 if fp16_dot is None else fp16_dot
     launch, y = int8_gemm_launch(a, a_scale, w, cfg, x.dtype, fp16_dot)
     launch()
-    return y.sum(0).to(x.dtype) if cfg.SPLIT_K > 1 else y
+    return sum_split_k(y, cfg, x.dtype)
 
 
 def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig,
@@ -283,10 +284,7 @@ def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, conf
     w_scale = w.weight_scale.to(torch.float32).reshape(-1)
     zero = (w.input_zero_point.reshape(()).to(device=a.device, dtype=torch.int32)
             if w.input_zero_point is not None else w_scale)  # unused unless ASYMMETRIC
-    if config.SPLIT_K > 1:
-        y = torch.empty((config.SPLIT_K, M, N), dtype=torch.float32, device=a.device)
-    else:
-        y = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    y = gemm_output(M, N, config, out_dtype, a.device)
     args = dict(a_ptr=a, a_scale_ptr=a_scale.reshape(-1), a_zero_ptr=zero, w_ptr=weight, w_scale_ptr=w_scale,
                 bias_ptr=w.bias if w.bias is not None else y, y_ptr=y, M=M, N=N, K=K,
                 stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N,
@@ -295,13 +293,7 @@ def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, conf
                 ASYMMETRIC=w.input_zero_point is not None, HAS_BIAS=w.bias is not None, FP16_DOT=fp16_dot,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
                 SPLIT_K=config.SPLIT_K)
-    grid = (triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
-    return Launch(_int8_gemm_kernel, grid, args, config.num_warps, config.num_stages), y
-
-
-def config_bucket(M: int, N: int, K: int) -> str:
-    """Key of a tuned config: M rounded up to a power of two (capped at 4096), exact N and K."""
-    return f"M{min(triton.next_power_of_2(M), 4096)}_N{N}_K{K}"
+    return Launch(_int8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
 
 
 def tuned_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfig:
@@ -316,11 +308,8 @@ def default_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfi
     64 x 64 with 8 warps at prefill; 64- and 128-deep ones spill there (336-7600 bytes, AOT, Triton 3.9)."""
     fma = cc is not None and cc < 80
     block_k = 32 if fma else 128
-    if M <= 16:
-        k_tiles = triton.cdiv(K, 128)
-        n_tiles = triton.cdiv(N, 64)
-        split_k = max(1, min(k_tiles // 4, 256 // n_tiles))  # >= 4 K tiles of 128 per split to pipeline
-        return Int8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=split_k,
+    if M <= 16:  # the split counts 128-deep K tiles, also for sm_75's 32-deep ones
+        return Int8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=decode_split_k(N, K, 128),
                               num_warps=4, num_stages=4)
     if fma:
         return Int8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2)

@@ -26,7 +26,12 @@ A topk_ids entry of -1 is a slot whose expert this process does not hold (expert
 layers.RoutedExperts): it contributes zero, and no kernel computes it.
 On CPU (no interpreter) each routed expert runs through kernels/cpu_lowbit.py (its weights
 prepared once, on the first call); `fused_moe_reference` (TRITONQ_BACKEND=torch) is the oracle.
-FP8 experts are weight-only here (dequantized to x.dtype in-kernel); input_scale is not used.
+FP8 experts run W8A8 where the checkpoint quantizes activations and the GPU has e4m3 tensor cores (sm_89+;
+`fp8_w8a8`): each GEMM's input is quantized by fp8_gemm's `quantize_activation_fp8` per token (per-tensor /
+per-channel weights), per 1 x 128 group (128 x 128 block weights) or with the static input_scale (the largest
+over the experts), and the dot runs on e4m3 operands in fp32, scales applied after each K tile (block) or once
+(per token x per channel). Weight-only otherwise (codes dequantized to x.dtype in-kernel): weight-only
+checkpoints, below sm_89, and on the CPU backend / CPU torch reference.
 Pipeline: `moe_align_block_size` sorts the T*k (token, slot) pairs by expert and pads each
 expert's run to BLOCK_M, so each M block of rows belongs to one expert; `_moe_gemm_kernel`
 then runs once for gate/up (two accumulators, SiLU-and-mul fused in the epilogue) and once
@@ -36,7 +41,7 @@ k slots puts the result back in token order.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -53,13 +58,16 @@ from tritonq.kernels.common import (
     e2m1_bits_to_fp16,
     e4m3_bits_to_fp16,
     has_fp8_tensor_cores,
+    on_gpu,
     tuned_or_default,
     unpack_int_tile,
     upcast_dot,
 )
-from tritonq.weights import WEIGHT_TYPES, DenseWeight, Int4Weight, MXFP4Weight, Weight
+from tritonq.kernels.fp8_gemm import fp8_round_trip, quantize_activation_fp8
+from tritonq.weights import WEIGHT_TYPES, DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
 
 DENSE, INT4, FP8, MXFP4 = 0, 1, 2, 3  # the kernel's KIND: how the weight tile is loaded
+FP8_DOT_MIN_K = 32  # tl.dot's smallest K for e4m3 operands (Triton's min_dot_size for 8-bit types)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,8 +210,10 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
                       stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                       group_size, KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       HAS_G_IDX: tl.constexpr, TILE_SCALE_ROW: tl.constexpr, SCALE_BN: tl.constexpr,
-                      SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr, COMPUTE: tl.constexpr):
-    """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N)."""
+                      SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr, COMPUTE: tl.constexpr,
+                      FP8_CODES: tl.constexpr = False):
+    """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N).
+    FP8_CODES (W8A8 fp8 experts): the e4m3 codes themselves, unscaled (the kernel applies `_fp8_scale_row`)."""
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     if KIND == 0:  # dense [E, N, K]
@@ -252,6 +262,8 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         scale = ((scale_bits + 14) << 23).to(tl.float32, bitcast=True)
         w = tl.reshape(e2m1_bits_to_fp16(codes).to(tl.float32), (GROUPS, 32, offs_n.shape[0])) * scale[:, None, :]
         w = tl.reshape(w, (BLOCK_K, offs_n.shape[0])).to(COMPUTE)
+    elif FP8_CODES:  # fp8 [E, N, K] as float8e4nv, for an e4m3 x e4m3 dot
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=mask, other=0.0)
     else:  # fp8 [E, N, K]; scale index (n // SCALE_BN, k // SCALE_BK), strides 0 where constant
         w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         if FP8_AS_BITS:  # no fp8 types below sm_89: decode the bytes (exact; x 2^8 in fp32 undoes the bias)
@@ -268,6 +280,22 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
             scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
         w = (w.to(tl.float32) * scale).to(COMPUTE)
     return w
+
+
+@triton.jit
+def _fp8_scale_row(scale_ptr, expert, k0, n0, N, stride_se, stride_sn, stride_sk, SCALE_BN: tl.constexpr,
+                   SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, ONE_W_SCALE: tl.constexpr):
+    """The fp32 weight scales of columns n0 .. n0 + BLOCK_N at input row k0, as a [1, BLOCK_N] row, or, with
+    ONE_W_SCALE (the tile lies inside one scale block: 128 x 128 blocks, BLOCK_N <= 128), one scalar: one load
+    and no registers for a row of equal values (without it gate/up spills 16 B on sm_89). Per tensor /
+    channel: SCALE_BN = SCALE_BK = 1, strides 0 where constant."""
+    base = scale_ptr + expert.to(tl.int64) * stride_se + (k0 // SCALE_BK) * stride_sk
+    if ONE_W_SCALE:
+        scale = tl.load(base + (n0 // SCALE_BN) * stride_sn)
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        scale = tl.load(base + (offs_n // SCALE_BN) * stride_sn, mask=offs_n < N, other=0.0)[None, :]
+    return scale
 
 
 @triton.jit
@@ -288,7 +316,9 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr,
                      UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      bias_ptr, stride_be, swiglu_alpha, swiglu_limit, HAS_BIAS: tl.constexpr = False,
-                     CLAMPED_SWIGLU: tl.constexpr = False):
+                     CLAMPED_SWIGLU: tl.constexpr = False, a_scale_ptr=None, stride_asm=0, stride_asg=0,
+                     A_GROUP: tl.constexpr = 1, A_FP8: tl.constexpr = False, SCALE_PER_TILE: tl.constexpr = False,
+                     ONE_W_SCALE: tl.constexpr = False):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
 
     A row of sorted row r is sorted_ids[r] // a_row_divisor (the token for gate/up, the
@@ -296,6 +326,11 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
     GATE_UP: out[:, n] = silu(A @ W[n]) * (A @ W[n + up_offset]); else out = w_route * (A @ W^T).
     HAS_BIAS: bias [E, N (+ up_offset)] (stride_be per expert) added to each GEMM output first;
     CLAMPED_SWIGLU: gpt-oss's activation (`ClampedSwiGLU`) in place of SiLU-and-mul.
+    A_FP8 (W8A8, fp8 experts on sm_89+): A is e4m3 with fp32 scales a_scale[row, k // A_GROUP] (strides 0 for a
+    static scale), W the e4m3 codes; e4m3 x e4m3 dots accumulate in fp32. Block-scaled weights (SCALE_PER_TILE:
+    BLOCK_K divides SCALE_BK = A_GROUP) scale each K tile's partial sum by a_scale * w_scale; per-tensor /
+    per-channel weights scale the accumulators once, after the K loop. ONE_W_SCALE: every N tile (the up
+    half's too) lies inside one weight scale block (`_fp8_scale_row`).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -317,15 +352,34 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
         w = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
                               stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
                               KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW, SCALE_BN, SCALE_BK, FP8_AS_BITS,
-                              COMPUTE)
-        acc = _dot(a, w, acc, UPCAST_DOT)
+                              COMPUTE, A_FP8)
+        if A_FP8 and SCALE_PER_TILE:  # block scales: this K tile's partial sum, scaled by a_scale * w_scale
+            a_scale = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // A_GROUP) * stride_asg, mask=row_ok,
+                              other=0.0)
+            w_scale = _fp8_scale_row(scale_ptr, expert, k0, pid_n * BLOCK_N, N, stride_se, stride_sn, stride_sk,
+                                     SCALE_BN, SCALE_BK, BLOCK_N, ONE_W_SCALE)
+            acc += tl.dot(a, w) * (a_scale[:, None] * w_scale)
+        else:
+            acc = _dot(a, w, acc, UPCAST_DOT)
         if GATE_UP:
             w_up = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k,
                                      offs_n + up_offset, K, N + up_offset,
                                      stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                                      group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW,
-                                     SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE)
-            acc_up = _dot(a, w_up, acc_up, UPCAST_DOT)
+                                     SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE, A_FP8)
+            if A_FP8 and SCALE_PER_TILE:
+                w_scale_up = _fp8_scale_row(scale_ptr, expert, k0, pid_n * BLOCK_N + up_offset, N + up_offset,
+                                            stride_se, stride_sn, stride_sk, SCALE_BN, SCALE_BK, BLOCK_N, ONE_W_SCALE)
+                acc_up += tl.dot(a, w_up) * (a_scale[:, None] * w_scale_up)
+            else:
+                acc_up = _dot(a, w_up, acc_up, UPCAST_DOT)
+    if A_FP8 and not SCALE_PER_TILE:  # per-token (or static) and per-tensor / per-channel scales: constant along K
+        a_scale = tl.load(a_scale_ptr + a_rows * stride_asm, mask=row_ok, other=0.0)[:, None]
+        acc *= a_scale * _fp8_scale_row(scale_ptr, expert, 0, pid_n * BLOCK_N, N, stride_se, stride_sn, stride_sk,
+                                        SCALE_BN, SCALE_BK, BLOCK_N, ONE_W_SCALE)
+        if GATE_UP:
+            acc_up *= a_scale * _fp8_scale_row(scale_ptr, expert, 0, pid_n * BLOCK_N + up_offset, N + up_offset,
+                                               stride_se, stride_sn, stride_sk, SCALE_BN, SCALE_BK, BLOCK_N, ONE_W_SCALE)
     if HAS_BIAS:
         bias_row = bias_ptr + expert.to(tl.int64) * stride_be
         acc += tl.load(bias_row + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -462,9 +516,40 @@ def _check_moe(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]
     return E, inter, D
 
 
+def fp8_w8a8(w: Weight, x: torch.Tensor) -> bool:
+    """Whether fused_moe runs its GEMM over the stacked experts w as W8A8 (e4m3 activations x e4m3 codes) for
+    activations like x: FP8 experts whose checkpoint quantizes activations (not w.weight_only, which e.g.
+    compressed-tensors' `input_activations: null` sets), on a kernel with e4m3 tensor cores
+    (`has_fp8_tensor_cores`: CUDA sm_89+, meta tensors (AOT), Triton's interpreter), and, for block weights, a
+    K block that is a power of two >= FP8_DOT_MIN_K (real checkpoints: 128). Otherwise weight-only (codes
+    dequantized to x.dtype in the kernel): below sm_89, and on the CPU backend and the CPU torch reference,
+    which have no fp8 GEMM (as fp8_gemm's CPU path)."""
+    if not isinstance(w, FP8Weight) or w.weight_only:
+        return False
+    if w.block_size is not None and (w.block_size[1] < FP8_DOT_MIN_K or w.block_size[1] & (w.block_size[1] - 1)):
+        return False
+    return (on_gpu(x) or use_triton(x)) and has_fp8_tensor_cores(x.device)
+
+
+def fp8_activation_scheme(w: FP8Weight) -> tuple[int | None, torch.Tensor | None]:
+    """(group_size, input_scale) for `quantize_activation_fp8` of a W8A8 GEMM's input over stacked fp8 experts w,
+    as the checkpoint says: per 1 x bk group for block weights (block_size (bn, bk)), else per token (None);
+    a static checkpoint's per-expert input_scale [E] becomes one scale, the largest (every expert's input stays
+    in range; the input is quantized once, before the tokens are sorted by expert; as vLLM)."""
+    group = w.block_size[1] if w.block_size is not None else None
+    return group, None if w.input_scale is None else w.input_scale.float().max()
+
+
+def _fit_block_k(config: MoEConfig, w: Weight, w8a8: bool) -> MoEConfig:
+    """A default or tuned config with BLOCK_K narrowed to a W8A8 block weight's K block (a tile in one block)."""
+    if w8a8 and w.block_size is not None and config.BLOCK_K > w.block_size[1]:
+        return replace(config, BLOCK_K=w.block_size[1])
+    return config
+
+
 def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoEConfig | tuple[MoEConfig, MoEConfig] | None = None,
-              activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+              activation: ClampedSwiGLU | None = None, weight_only: bool | None = None) -> torch.Tensor:
     """x [T, D] -> [T, D] in x.dtype: sum_k topk_weights[:, k] * down_e(silu(gate_e x) * up_e x).
 
     Biases of the stacked weights (if any) are added to each GEMM's output; activation: None
@@ -472,21 +557,27 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
 
     config: one MoEConfig for both GEMMs or a (gate_up, down) pair with equal BLOCK_M (the
     tuner's candidates); None: each GEMM's tuned config (`_config`), sharing the smaller BLOCK_M.
+    FP8 experts: each GEMM runs W8A8 where `fp8_w8a8` says (its input quantized per token or per 1 x bk group,
+    `fp8_activation_scheme`), else weight-only; weight_only=True forces weight-only (tests, benchmarks).
     """
     E, inter, D = _check_moe(x, gate_up, down, topk_weights, topk_ids)
     explicit = check_config(config) if config is not None else None
     if activation is not None and not isinstance(activation, ClampedSwiGLU):
         raise ValueError(f"fused_moe: activation must be None (SiLU-and-mul) or a ClampedSwiGLU, got {activation!r}")
+    if weight_only not in (None, True):
+        raise ValueError(f"fused_moe: weight_only must be None (W8A8 where `fp8_w8a8` says) or True, got {weight_only!r}")
     if use_cpu_kernels(x):  # per expert, torch's CPU kernels over weights prepared once (cpu_lowbit)
         return cpu_lowbit.fused_moe(x, gate_up, down, topk_weights, topk_ids, activation)
+    w8a8 = (False, False) if weight_only else (fp8_w8a8(gate_up, x), fp8_w8a8(down, x))
     if not use_triton(x):
-        return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids, activation)
+        return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids, activation, w8a8)
     T, top_k = topk_ids.shape
     if T == 0:
         return x.new_zeros(T, D)
     x = x.contiguous()
     numel = T * top_k
-    cfg1, cfg2 = explicit or (_config(T, top_k, E, inter, D), _config(T, top_k, E, D, inter))
+    cfg1, cfg2 = explicit or (_fit_block_k(_config(T, top_k, E, inter, D), gate_up, w8a8[0]),
+                              _fit_block_k(_config(T, top_k, E, D, inter), down, w8a8[1]))
     # Both GEMMs share one alignment, so they use the smaller BLOCK_M of the two configs.
     block_m = min(cfg1.BLOCK_M, cfg2.BLOCK_M)
     # Slots of other ranks' experts (-1) go to a virtual expert E, sorted last; the kernels stop before its
@@ -499,14 +590,18 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
     native_fp8 = has_fp8_tensor_cores(x.device)
     hidden = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(numel, D, dtype=x.dtype, device=x.device)  # zeros: the rows of dropped slots stay 0
-    moe_gemm_launch(x, hidden, gate_up, routing, alignment, top_k, cfg1, block_m, True, native_fp8, activation)()
-    moe_gemm_launch(hidden, out, down, routing, alignment, top_k, cfg2, block_m, False, native_fp8)()
+    # W8A8: each GEMM's input quantized once, row by row (x per token; hidden per (token, slot) row)
+    a, a_scale = quantize_activation_fp8(x, *fp8_activation_scheme(gate_up)) if w8a8[0] else (x, None)
+    moe_gemm_launch(a, hidden, gate_up, routing, alignment, top_k, cfg1, block_m, True, native_fp8, activation,
+                    a_scale)()
+    a, a_scale = quantize_activation_fp8(hidden, *fp8_activation_scheme(down)) if w8a8[1] else (hidden, None)
+    moe_gemm_launch(a, out, down, routing, alignment, top_k, cfg2, block_m, False, native_fp8, None, a_scale)()
     return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing: torch.Tensor, alignment: tuple,
                     top_k: int, config: MoEConfig, block_m: int, gate_up: bool, native_fp8: bool,
-                    activation: ClampedSwiGLU | None = None) -> Launch:
+                    activation: ClampedSwiGLU | None = None, a_scale: torch.Tensor | None = None) -> Launch:
     """The launch of _moe_gemm_kernel for one of the two GEMMs, over all experts.
 
     gate_up: a = x [T, D], weight [E, 2I, D], out = hidden [T*k, I] (SiLU-and-mul fused); else
@@ -515,12 +610,20 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
     native_fp8: load fp8 weights as float8e4nv (`has_fp8_tensor_cores`), else decode their bytes.
     weight.bias [E, N_w] (if any) is added to the GEMM output; activation (gate_up only): ClampedSwiGLU or
     None (SiLU-and-mul). Over meta tensors this is the launch tune --aot compiles.
+    a_scale (W8A8, fp8 experts with fp8 tensor cores): a is e4m3 from `fp8_gemm.quantize_activation_fp8` and
+    a_scale its fp32 scales ([rows, 1] per token, [rows, ceil(K/bk)] per 1 x bk group for block weights, []
+    static); the weight's codes are loaded as e4m3 (native_fp8 must be True) and the dot runs in e4m3.
     """
     sorted_ids, expert_ids, post_padded = alignment
     N, K = out.shape[1], a.shape[1]
     if isinstance(weight, MXFP4Weight) and config.BLOCK_K % 32:
         raise ValueError(f"fused_moe: BLOCK_K={config.BLOCK_K} with MXFP4 experts; it must be a multiple of the "
                          "32-element scale group (use 32, 64 or 128)")
+    w8a8 = a_scale is not None
+    if w8a8:
+        _check_w8a8_launch(a, weight, config, native_fp8)
+    block_scaled = w8a8 and weight.block_size is not None
+    a_scale_strides = (0, 0) if not w8a8 or a_scale.dim() == 0 else a_scale.stride()
     args = dict(a_ptr=a, out_ptr=out, routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids,
                 expert_ids_ptr=expert_ids, num_tokens_post_padded_ptr=post_padded,
                 num_valid=routing.numel(), N=N, K=K, up_offset=N if gate_up else K,  # the I of gate_up
@@ -530,9 +633,23 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
                 bias_ptr=routing if weight.bias is None else weight.bias,
                 stride_be=0 if weight.bias is None else weight.bias.stride(0),
                 swiglu_alpha=activation.alpha if activation else 1.0, swiglu_limit=activation.limit if activation else 0.0,
-                HAS_BIAS=weight.bias is not None, CLAMPED_SWIGLU=activation is not None)
+                HAS_BIAS=weight.bias is not None, CLAMPED_SWIGLU=activation is not None,
+                a_scale_ptr=a_scale if w8a8 else routing, stride_asm=a_scale_strides[0], stride_asg=a_scale_strides[1],
+                A_GROUP=weight.block_size[1] if block_scaled else K, A_FP8=w8a8, SCALE_PER_TILE=block_scaled,
+                ONE_W_SCALE=block_scaled and weight.block_size[0] % config.BLOCK_N == 0
+                and (not gate_up or N % weight.block_size[0] == 0))
     grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
     return Launch(_moe_gemm_kernel, grid, args, config.num_warps, config.num_stages)
+
+
+def _check_w8a8_launch(a: torch.Tensor, weight: Weight, config: MoEConfig, native_fp8: bool) -> None:
+    if not isinstance(weight, FP8Weight) or a.dtype != torch.float8_e4m3fn or not native_fp8:
+        raise ValueError(f"fused_moe: W8A8 (a_scale given) needs FP8 experts, float8_e4m3fn activations and fp8 "
+                         f"tensor cores (native_fp8), got {type(weight).__name__}, {a.dtype}, native_fp8={native_fp8}")
+    if config.BLOCK_K < FP8_DOT_MIN_K or (weight.block_size is not None and weight.block_size[1] % config.BLOCK_K):
+        raise ValueError(f"fused_moe: BLOCK_K={config.BLOCK_K} with W8A8 fp8 experts (block_size {weight.block_size}); "
+                         f"it must be >= {FP8_DOT_MIN_K} (tl.dot's smallest e4m3 K) and divide the weight's K block, so "
+                         "that a K tile lies inside one scale block")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -540,16 +657,22 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
 # ----------------------------------------------------------------------------------------------
 
 def fused_moe_reference(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
-    """Loop over experts in float32: each expert runs its MLP (biases included) on the tokens routed to it."""
+                        topk_ids: torch.Tensor, activation: ClampedSwiGLU | None = None,
+                        w8a8: tuple[bool, bool] = (False, False)) -> torch.Tensor:
+    """Loop over experts in float32: each expert runs its MLP (biases included) on the tokens routed to it.
+
+    w8a8 (gate_up, down): that GEMM's input is rounded as the W8A8 kernel quantizes it (`fp8_activation_scheme`,
+    `fp8_gemm.fp8_round_trip`; the hidden first rounded to x.dtype, the dtype the kernel stores it in)."""
     E, inter, D = _check_moe(x, gate_up, down, topk_weights, topk_ids)
-    xf = x.float()
+    xf = fp8_round_trip(x, *fp8_activation_scheme(gate_up)) if w8a8[0] else x.float()
     out = torch.zeros(x.shape[0], D, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():  # -1: another rank's expert
         token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         gu, dn = gate_up.expert(e), down.expert(e)
         gate, up = F.linear(xf[token], gu.dequantize(torch.float32), _float(gu.bias)).split(inter, dim=1)
         hidden = F.silu(gate) * up if activation is None else activation.apply(gate, up)
+        if w8a8[1]:
+            hidden = fp8_round_trip(hidden.to(x.dtype), *fp8_activation_scheme(down))
         y = F.linear(hidden, dn.dequantize(torch.float32), _float(dn.bias))
         out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
     return out.to(x.dtype)
@@ -597,11 +720,12 @@ def sweep_space(problem) -> list[dict]:
 
 
 def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool = True,
-               dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False) -> Launch:
+               dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False, w8a8: bool = False) -> Launch:
     """`moe_gemm_launch` over meta tensors for one GEMM of a tuning problem: activations in dtype, experts
     as `random_weights.random_experts` makes them of `kind` (int4: asymmetric, grouped as the tuner's;
     fp8: 128 x 128 block scales, loaded as float8e4nv if native_fp8, else decoded from their bytes;
-    mxfp4: e2m1 blocks and E8M0 scales). gpt_oss: expert biases and the ClampedSwiGLU epilogue."""
+    mxfp4: e2m1 blocks and E8M0 scales). gpt_oss: expert biases and the ClampedSwiGLU epilogue. w8a8 (fp8 kinds,
+    sm_89+): e4m3 activations with fp32 scales per 1 x 128 group (block weights) or per token, as fused_moe."""
     from dataclasses import replace
 
     from tritonq.random_weights import random_experts
@@ -617,11 +741,16 @@ def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool 
     max_blocks = min(numel, triton.cdiv(numel, config.BLOCK_M) + E)  # as moe_align_block_size
     alignment = (torch.empty(max_blocks * config.BLOCK_M, dtype=torch.int32, device=meta),
                  torch.empty(max_blocks, dtype=torch.int32, device=meta), torch.empty(1, dtype=torch.int32, device=meta))
-    a = torch.empty(T if gate else numel, K, dtype=dtype, device=meta)
+    rows = T if gate else numel
+    a = torch.empty(rows, K, dtype=torch.float8_e4m3fn if w8a8 else dtype, device=meta)
+    a_scale = None
+    if w8a8:
+        group = weight.block_size[1] if weight.block_size is not None else K
+        a_scale = torch.empty(rows, triton.cdiv(K, group), dtype=torch.float32, device=meta)
     out = torch.empty(numel, N, dtype=dtype, device=meta)
     routing = torch.empty(numel, dtype=torch.float32, device=meta)
     return moe_gemm_launch(a, out, weight, routing, alignment, top_k, config, config.BLOCK_M, gate, native_fp8,
-                           ClampedSwiGLU() if gpt_oss and gate else None)
+                           ClampedSwiGLU() if gpt_oss and gate else None, a_scale)
 
 
 def tune_target():
