@@ -170,7 +170,7 @@ def test_int4_on_load_takes_a_group_size(tiny, monkeypatch):
     weights as quantize_int4 at that group size (the writer's RTN, an independent call)."""
     from safetensors.torch import load_file
 
-    from tritonq.quantize import quantize_int4
+    from tritonq.rtn import quantize_int4
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")
     model = tritonq.load(tiny, quantize="int4", group_size=16, max_seq_len=16)
     down = model.model.layers[0].mlp.down_proj.weight

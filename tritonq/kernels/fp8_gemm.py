@@ -476,7 +476,7 @@ def tune_target():
     """fp8_gemm for `tritonq.tune`: the path the runtime takes on this device, fp8 x fp8 (sm_89+) or
     weight-only below, stored under the kernel name the launcher looks up for that path."""
     from tritonq.kernels.aot import compile_launch
-    from tritonq.quantize import quantize_fp8
+    from tritonq.rtn import quantize_fp8
     from tritonq.tune.search import TuneTarget
 
     weight_only = torch.cuda.is_available() and not has_fp8_tensor_cores(torch.device("cuda"))
