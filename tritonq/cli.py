@@ -164,7 +164,7 @@ def generate_main(argv: list[str] | None = None, prog: str = "tritonq generate")
     _check_sampling(parser, args)
     model = load_model(parser, args)
     try:
-        for piece in model.generate(prompt, stream=True, **_sampling(args)):
+        for piece in model.stream(prompt, **_sampling(args)):
             print(piece, end="", flush=True)
     except ValueError as e:  # a prompt the engine refuses (too long for max_seq_len, ...)
         fail(parser, e)
@@ -200,7 +200,7 @@ def chat_main(argv: list[str] | None = None, prog: str = "tritonq chat") -> None
         messages.append({"role": "user", "content": line})
         reply = []
         try:
-            for piece in model.chat(messages, stream=True, **_sampling(args)):
+            for piece in model.stream_chat(messages, **_sampling(args)):
                 reply.append(piece)
                 print(piece, end="", flush=True)
         except ValueError as e:  # the conversation no longer fits max_seq_len, ...

@@ -59,9 +59,8 @@ class ScoreOutput:
 class Model:
     """A loaded model with its tokenizer and its engine (paged KV cache); built by tritonq.load().
 
-    Tensor parallel (world > 1): every rank must call generate / chat with the same arguments (they run
-    in lockstep); only rank 0 returns the result, the others return None (stream=True: they run the
-    whole generation inside the call and return an empty iterator).
+    Tensor parallel (world > 1): every rank must call generate / stream / chat with the same arguments (they
+    run in lockstep); only rank 0 gets results (`_on_this_rank`: the one place that says what the others get).
 
     Many callers: generate / stream / chat / score may be called concurrently on one Model, from several
     threads or as interleaved generators of one thread; each gets exactly its own outputs. The engine is
@@ -112,20 +111,12 @@ class Model:
         for i, p in enumerate(prompts):
             self.engine.check_request(p, config, name=f"prompt {i}")
 
-    def generate(self, prompts, config: GenerationConfig | None = None, *, stream: bool = False,
-                 return_dict: bool = False, progress: bool | None = None, **options):
-        """Generate from prompts (str, list of str, token ids or list of token id lists), any number of them.
-
-        options are GenerationConfig fields (max_new_tokens, temperature, top_k, top_p, min_p,
-        repetition_penalty, stop (a str or a list is taken too), seed, min_tokens, ignore_eos,
-        stop_token_ids (a list is taken too), presence_penalty, frequency_penalty, logit_bias (a dict),
-        top_logprobs, json_schema, regex, choice (a list is taken too)). Returns
-        the text (a str for a single prompt, a list in input order otherwise) or a GenerationOutput with return_dict=True. stream=True returns an iterator of
-        text pieces as they become final: str pieces for a single prompt, (index, piece) for a list.
-        progress: a tqdm bar over requests (default: when there are more than 8 prompts).
-        A request that fails in the engine raises RuntimeError with its error (a stream: when reached).
-        Tensor parallel: None on ranks other than 0.
-        """
+    def _config(self, config: GenerationConfig | None, options: dict) -> GenerationConfig:
+        """config (default: GenerationConfig()) with options replacing fields; a str / list for stop, a list
+        for stop_token_ids and choice are taken too."""
+        if "stream" in options:
+            raise TypeError("generate() returns whole texts; for pieces as they are generated call "
+                            "Model.stream(prompts, ...) (Model.stream_chat(messages, ...) for a chat).")
         stop = options.get("stop")
         if isinstance(stop, (str, list)):
             options["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -133,26 +124,54 @@ class Model:
             options["stop_token_ids"] = tuple(options["stop_token_ids"])
         if isinstance(options.get("choice"), list):
             options["choice"] = tuple(options["choice"])
-        config = replace(config or GenerationConfig(), **options)
+        return replace(config or GenerationConfig(), **options)
+
+    def _on_this_rank(self, result):
+        """What a generate / stream call returns on this rank. Rank 0 (and a single process): result. Other
+        tensor-parallel ranks ran the same requests in lockstep and return None from generate; a stream,
+        which rank 0 consumes lazily, is run to its end here (collectives pair up step by step) and an empty
+        iterator returned."""
+        if self.rank == 0:
+            return result
+        if isinstance(result, Iterator):
+            for _ in result:
+                pass
+            return iter(())
+        return None
+
+    def generate(self, prompts, config: GenerationConfig | None = None, *, return_dict: bool = False,
+                 progress: bool | None = None, **options):
+        """Generate from prompts (str, list of str, token ids or list of token id lists), any number of them.
+
+        options are GenerationConfig fields (max_new_tokens, temperature, top_k, top_p, min_p,
+        repetition_penalty, stop (a str or a list is taken too), seed, min_tokens, ignore_eos,
+        stop_token_ids (a list is taken too), presence_penalty, frequency_penalty, logit_bias (a dict),
+        top_logprobs, json_schema, regex, choice (a list is taken too)).
+        Returns the texts shaped like the prompts: a str for a single prompt (a str or one token id list), a
+        list in input order for a list of them; return_dict=True: a GenerationOutput (per-prompt lists in input
+        order) instead. Pieces as they are generated: `stream`.
+        progress: a tqdm bar over requests (default: when there are more than 8 prompts).
+        A request that fails in the engine raises RuntimeError with its error.
+        Tensor parallel: None on ranks other than 0 (`_on_this_rank`).
+        """
+        config = self._config(config, options)
         encoded, single = self._encode(prompts)
-        if stream and return_dict:
-            raise ValueError("stream=True yields text pieces; it cannot also return_dict. Use one of them.")
         self._check(encoded, config)
-        if stream:
-            pieces = self._stream(encoded, config, single)
-            if self.rank != 0:  # keep step with rank 0, which streams lazily: collectives pair up step by step
-                for _ in pieces:
-                    pass
-                return iter(())
-            return pieces
         if not encoded:
             return GenerationOutput([], [], [], [], [], 0.0) if return_dict else []
         out = self._run(encoded, config, len(encoded) > 8 if progress is None else progress)
-        if self.rank != 0:
-            return None
-        if return_dict:
-            return out
-        return out.text[0] if single else out.text
+        return self._on_this_rank(out if return_dict else out.text[0] if single else out.text)
+
+    def stream(self, prompts, config: GenerationConfig | None = None, **options) -> Iterator:
+        """generate(), as an iterator of text pieces as they become final: str pieces for a single prompt,
+        (prompt index, piece) for a list of prompts. options: as generate(). A request that fails in the engine
+        raises RuntimeError when its output is reached. Closing the iterator early aborts the unfinished
+        requests. Tensor parallel: an empty iterator on ranks other than 0, returned once they have run their
+        part (`_on_this_rank`)."""
+        config = self._config(config, options)
+        encoded, single = self._encode(prompts)
+        self._check(encoded, config)
+        return self._on_this_rank(self._stream(encoded, config, single))
 
     def _requests(self, prompts: list[list[int]], config: GenerationConfig, stream: bool) -> Iterator:
         """Queue the prompts and yield (prompt index, RequestOutput) for each output of theirs, in step
@@ -305,14 +324,22 @@ class Model:
                           return_dict=return_dict, progress=progress)
 
     def chat(self, messages: list[dict], **options):
-        """Generate the assistant reply to messages [{"role": ..., "content": ...}] via the chat template.
+        """Generate the assistant reply (a str) to messages [{"role": ..., "content": ...}] via the chat template.
 
         content is a str or a list of OpenAI content parts; text parts ({"type": "text", "text": ...}) are
         joined with newlines (as vLLM does), any other part type is refused (this model takes text only).
         options: as generate()."""
+        return self.generate(self._chat_ids(messages), **options)
+
+    def stream_chat(self, messages: list[dict], **options) -> Iterator[str]:
+        """chat(), as an iterator of str pieces of the reply as they become final (see stream)."""
+        return self.stream(self._chat_ids(messages), **options)
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        """The token ids of messages under the chat template, ending with the assistant's turn."""
         text = self.tokenizer.apply_chat_template([text_message(i, m) for i, m in enumerate(messages)],
                                                   add_generation_prompt=True, tokenize=False)
-        return self.generate(self.tokenizer(text, add_special_tokens=False).input_ids, **options)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
 
 
 def top_dicts(top: tuple[torch.Tensor, torch.Tensor]) -> list[dict[int, float]]:
