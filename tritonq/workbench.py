@@ -1,5 +1,5 @@
 """What the workbench commands share (bench, tune, check): shape arguments, GEMM shapes of a model
-config, result tables. The runtime never imports this module; bench/common.py holds what only the
+config, result tables. The runtime never imports this module; tritonq/bench/common.py holds what only the
 benchmarks share.
 """
 from __future__ import annotations
