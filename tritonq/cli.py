@@ -24,9 +24,10 @@ import importlib
 import importlib.util
 import sys
 
+from tritonq.config import KV_CACHE_DTYPES  # torch-free: the parsers are built before torch loads
+
 QUANTIZE_ON_LOAD = ("int4", "fp8", "fp8-mlp")  # tritonq.formats.dense.QUANTIZE_ON_LOAD (a test keeps them equal)
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # tritonq.models.common.KV_CACHE_DTYPES (a test keeps them equal)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -139,7 +140,7 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 def _check_sampling(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """GenerationConfig's own checks, before the model loads (it imports torch, but not the model)."""
-    from tritonq.generate import GenerationConfig
+    from tritonq.config import GenerationConfig
     try:
         GenerationConfig(**_sampling(args))
     except (TypeError, ValueError) as e:

@@ -3,7 +3,8 @@ work): `EngineConfig` (what `tritonq.load` takes for the engine and the KV cache
 (how one request generates). tritonq.loading builds the EngineConfig, the engine and the runner take
 both as made, and nothing re-checks them.
 
-Sits above the models (kv_cache_dtype's choices are theirs) and below the engine that imports it.
+Imports neither torch nor any other tritonq module: the models, the engine and the command lines
+(before torch loads) all import it.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import json
 import math
 from dataclasses import dataclass
 
-from tritonq.models.common import KV_CACHE_DTYPES
+# tritonq.load's kv_cache_dtype: "auto" stores K/V in the model dtype; "fp8" (float8_e4m3fn, one scale per layer
+# for k and for v) and "int8" (one scale per token and kv head) store 1 byte per value (kernels/attention.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) are taken as 0 (greedy); see GenerationConfig
