@@ -363,11 +363,12 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
                            kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
                            block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                            enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs, compile=compile,
-                           tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)  # checks them all
-    return _load(name_or_path, options, dtype=dtype, device=device, revision=revision, speculative=speculative)
+                           tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                           speculative=speculative)  # checks them all
+    return _load(name_or_path, options, dtype=dtype, device=device, revision=revision)
 
 
-def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, revision, speculative) -> Model:
+def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, revision) -> Model:
     """load() with its engine options checked (EngineConfig); the dtype, device, files and model checks here."""
     import torch
     from transformers import AutoConfig
@@ -375,7 +376,7 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     from tritonq import distributed
     from tritonq.engine.engine import Engine
     from tritonq.engine.runner import kv_cache_blocks
-    from tritonq.engine.speculative import SpeculativeConfig, make_proposer
+    from tritonq.engine.speculative import make_proposer
     from tritonq.formats.registry import get_loader
     from tritonq.generate import Model
     from tritonq.hub import resolve
@@ -384,11 +385,10 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     o = options
     max_seq_len, block_size, max_num_seqs, max_num_batched_tokens = (o.max_seq_len, o.block_size, o.max_num_seqs,
                                                                      o.max_num_batched_tokens)
-    cuda_graphs, compile, expert_parallel = o.cuda_graphs, o.compile, o.expert_parallel
+    cuda_graphs, compile, expert_parallel, speculative = o.cuda_graphs, o.compile, o.expert_parallel, o.speculative
     dtype = _compute_dtype(dtype)
     device = distributed.resolve_device(device)
     _check_device_dtype(dtype, device)
-    speculative = SpeculativeConfig.parse(speculative)
     folder = resolve(name_or_path, revision=revision)
     _check_files(folder)
     raw_config = _read_config(folder)
