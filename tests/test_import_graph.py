@@ -3,8 +3,10 @@ inside functions too (a function-level import can hide a cycle that a module-lev
 
 Edges: module -> every tritonq module it names in an import. `from package import name` counts as
 an import of package.name when that is a module, else of the package. The implicit import of each
-parent package is not an edge (tritonq/__init__.py imports the public API, which imports most of
-the package, so every module would trivially close a loop through it).
+parent package is not an edge (tritonq/__init__.py re-exports the public API, so every module would
+trivially close a loop through it).
+
+Then the layering: every module sits on one floor of LAYERS and no import points to a higher floor.
 """
 import ast
 import importlib.util
