@@ -43,11 +43,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def _fp32_cpu_default():
     """load() without dtype= computes in fp32 on CPU in every test, whatever the CPU: bf16 is the default only
-    where the CPU has native bf16 (tritonq.cpu_has_native_bf16), and the tests compare against fp32
+    where the CPU has native bf16 (tritonq.loading.cpu_has_native_bf16), and the tests compare against fp32
     references with fp32 tolerances. Tests of that choice patch it themselves; subprocesses pass dtype."""
-    import tritonq
+    from tritonq import loading
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tritonq, "cpu_has_native_bf16", lambda: False)
+        mp.setattr(loading, "cpu_has_native_bf16", lambda: False)
         yield
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import tritonq
 from tritonq.calibrate import awq_search_clip, awq_search_scale, calibrate, calibration_ids, gptq_quantize
 from tritonq.cli import quantize_main as main
-from tritonq.quantize import quantize_int4
+from tritonq.rtn import quantize_int4
 
 
 def correlated_activations(T=768, K=160, seed=0) -> torch.Tensor:

@@ -151,7 +151,7 @@ main(["serve", "--help"])
 def test_quantize_choices_match_the_loader():
     from tritonq.formats.dense import QUANTIZE_ON_LOAD
     assert set(cli.QUANTIZE_ON_LOAD) == set(QUANTIZE_ON_LOAD) - {None}
-    from tritonq.models.common import KV_CACHE_DTYPES
+    from tritonq.config import KV_CACHE_DTYPES  # what EngineConfig (and so load) accepts
     assert cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
 
 

@@ -74,20 +74,26 @@ def test_batch_equals_each_prompt_alone(model):
 
 
 def test_stream_pieces_concatenate_to_the_text(model):
-    pieces = list(model.generate("hello", max_new_tokens=8, stream=True))
+    pieces = list(model.stream("hello", max_new_tokens=8))
     assert len(pieces) > 1 and "".join(pieces) == model.generate("hello", max_new_tokens=8)
 
 
 def test_stream_of_several_prompts_yields_index_and_piece(model):
     prompts = ["hello", "xy", "a"]
     texts = ["", "", ""]
-    for index, piece in model.generate(prompts, max_new_tokens=8, stream=True):
+    for index, piece in model.stream(prompts, max_new_tokens=8):
         texts[index] += piece
     assert texts == model.generate(prompts, max_new_tokens=8)
 
 
+def test_stream_chat_pieces_concatenate_to_the_chat_reply(model):
+    messages = [{"role": "user", "content": "hi"}]
+    pieces = list(model.stream_chat(messages, max_new_tokens=4))
+    assert all(isinstance(p, str) for p in pieces) and "".join(pieces) == model.chat(messages, max_new_tokens=4)
+
+
 def test_closing_a_stream_early_frees_its_blocks(model):
-    stream = model.generate(["hello", "xy"], max_new_tokens=8, stream=True)
+    stream = model.stream(["hello", "xy"], max_new_tokens=8)
     next(stream)
     stream.close()
     assert not model.engine.has_unfinished()
@@ -106,7 +112,7 @@ def test_stream_with_stop_strings_equals_the_text(model):
     only start to occur (the held character must still be flushed): streamed == non-streamed."""
     text = model.generate("hello", max_new_tokens=12)
     for stop in [text[3:5], text[5:8], text[3] + "\x00", text[-1] + "\x00", [text[6:8], text[2:4]]]:
-        streamed = "".join(model.generate("hello", max_new_tokens=12, stop=stop, stream=True))
+        streamed = "".join(model.stream("hello", max_new_tokens=12, stop=stop))
         plain = model.generate("hello", max_new_tokens=12, stop=stop)
         stops = [stop] if isinstance(stop, str) else stop
         cut = min([text.index(s) for s in stops if s in text], default=len(text))
@@ -149,7 +155,7 @@ def test_return_dict_has_logprobs_and_timing(model):
 def test_bad_options_raise(model):
     with pytest.raises(ValueError, match="top_p"):
         model.generate("a", top_p=0.0)
-    with pytest.raises(ValueError, match="cannot also return_dict"):
+    with pytest.raises(TypeError, match=r"Model\.stream\(prompts"):  # one return type per method
         model.generate("a", stream=True, return_dict=True)
     with pytest.raises(TypeError, match="prompts must be"):
         model.generate(3.5)
@@ -193,17 +199,17 @@ def assert_no_near_tie(model, prompts, alone):
 
 
 def test_interleaved_generators_each_get_their_own_output(shared, prompts):
-    """g = generate(A, stream=True); next(g); generate(B); list(g) looped forever, and two interleaved
+    """g = stream(A); next(g); generate(B); list(g) looped forever, and two interleaved
     streams exchanged text: now each caller's outputs are routed to it by request id."""
     alone = solo_runs(shared, prompts, max_new_tokens=8)
     texts = alone.text
     assert_no_near_tie(shared, prompts, alone)  # so texts compare exactly
-    g = shared.generate(prompts[0], max_new_tokens=8, stream=True)
+    g = shared.stream(prompts[0], max_new_tokens=8)
     first = next(g)
     b = shared.generate(prompts[1], max_new_tokens=8, return_dict=True)
     assert b.text == texts[1:2]
     assert first + "".join(g) == texts[0]
-    streams = [shared.generate(p, max_new_tokens=8, stream=True) for p in prompts[2:4]]
+    streams = [shared.stream(p, max_new_tokens=8) for p in prompts[2:4]]
     got = ["", ""]
     for pieces in itertools.zip_longest(*streams, fillvalue=""):
         got = [t + p for t, p in zip(got, pieces)]
@@ -215,9 +221,9 @@ def test_interleaved_generators_each_get_their_own_output(shared, prompts):
 def test_an_abandoned_generator_aborts_only_its_requests(shared, prompts):
     alone = solo_runs(shared, prompts[:2], max_new_tokens=8)
     assert_no_near_tie(shared, prompts[:2], alone)
-    g = shared.generate(prompts[0], max_new_tokens=8, stream=True)
+    g = shared.stream(prompts[0], max_new_tokens=8)
     next(g)
-    h = shared.generate(prompts[1], max_new_tokens=8, stream=True)
+    h = shared.stream(prompts[1], max_new_tokens=8)
     first = next(h)
     del g  # closed by the garbage collector: its request is aborted, h's goes on
     assert first + "".join(h) == alone.text[1]
@@ -240,7 +246,7 @@ def test_threads_calling_one_model_each_get_their_solo_output(shared, prompts):
 
     def stream():
         barrier.wait()
-        return ["".join(shared.generate(prompts[3], max_new_tokens=8, stream=True)) for _ in range(2)]
+        return ["".join(shared.stream(prompts[3], max_new_tokens=8)) for _ in range(2)]
 
     def chat():
         barrier.wait()

@@ -3,8 +3,10 @@ inside functions too (a function-level import can hide a cycle that a module-lev
 
 Edges: module -> every tritonq module it names in an import. `from package import name` counts as
 an import of package.name when that is a module, else of the package. The implicit import of each
-parent package is not an edge (tritonq/__init__.py imports the public API, which imports most of
-the package, so every module would trivially close a loop through it).
+parent package is not an edge (tritonq/__init__.py re-exports the public API, so every module would
+trivially close a loop through it).
+
+Then the layering: every module sits on one floor of LAYERS and no import points to a higher floor.
 """
 import ast
 import importlib.util
@@ -83,3 +85,70 @@ def test_typed_weights_import_no_kernel_and_no_format():
     """Kernels and formats import tritonq.weights, so it must import neither of them."""
     imported = import_graph()["tritonq.weights"]
     assert not {m for m in imported if m.startswith(("tritonq.kernels", "tritonq.formats"))}, imported
+
+
+# The package's floors, bottom first. A module belongs to the entry naming it or its nearest enclosing
+# package (so `tritonq.kernels` places every kernels.* module, new ones too); `tritonq` alone is the package's
+# __init__. An import may point within its floor (the cycle test above guards those) or down, never up.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("typed data and plumbing", ("tritonq.packing", "tritonq.weights", "tritonq.progress", "tritonq.hub",
+                                 "tritonq.distributed", "tritonq.detokenize", "tritonq.structured",
+                                 "tritonq.eval.perplexity")),
+    ("config", ("tritonq.config",)),
+    ("kernels", ("tritonq.kernels",)),
+    ("quantizers and formats", ("tritonq.rtn", "tritonq.formats")),
+    ("layers", ("tritonq.layers",)),
+    ("models", ("tritonq.models",)),
+    ("engine", ("tritonq.engine",)),
+    ("model api", ("tritonq.generate", "tritonq.loading", "tritonq")),
+    ("checkpoint writer", ("tritonq.calibrate", "tritonq.quantize")),
+    ("command line", ("tritonq.cli", "tritonq.__main__")),
+    ("server and eval", ("tritonq.serve", "tritonq.eval")),
+    ("workbench", ("tritonq.workbench", "tritonq.random_weights", "tritonq.demo", "tritonq.check", "tritonq.tune",
+                   "tritonq.bench", "tritonq.default_model")),
+]
+
+
+def layer_of(module: str) -> int | None:
+    """Index in LAYERS of the entry naming module or its nearest enclosing package; None if none does."""
+    floors = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
+    parts = module.split(".")
+    for end in range(len(parts), 1, -1):
+        if ".".join(parts[:end]) in floors:
+            return floors[".".join(parts[:end])]
+    return floors.get(module)  # only `tritonq` itself is named whole
+
+
+def test_layer_of_matches_the_nearest_entry():
+    assert layer_of("tritonq.kernels.attention.decode") == layer_of("tritonq.kernels")  # a new kernels module
+    assert layer_of("tritonq.eval.perplexity") < layer_of("tritonq.generate") < layer_of("tritonq.eval.harness")
+    assert layer_of("tritonq") == layer_of("tritonq.loading")
+    assert layer_of("tritonq.newthing") is None
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in import_graph() if layer_of(m) is None)
+    assert not missing, (f"modules without a layer: {missing}; add each to LAYERS in tests/test_import_graph.py, "
+                         "on the floor of the lowest module that imports it, above everything it imports")
+
+
+def test_imports_point_down():
+    """No import, module-level or inside a function, goes from a lower floor to a higher one: the runtime
+    never imports the writer, the commands or the workbench, the kernels never the tuner."""
+    upward = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+                    for m, targets in import_graph().items() for t in targets
+                    if layer_of(m) is not None and layer_of(t) is not None and layer_of(t) > layer_of(m))
+    assert not upward, "imports that point up:\n" + "\n".join(upward)
+
+
+def test_import_tritonq_imports_no_torch():
+    """`import tritonq` is cheap: load, Model and the configs are imported on first use (tritonq.__getattr__)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tritonq; assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert not [m for m in sys.modules if m.startswith('tritonq.')], 'a submodule imported'; "
+            "assert tritonq.load.__module__ == 'tritonq.loading' and tritonq.GenerationConfig.__module__ == "
+            "'tritonq.config'")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

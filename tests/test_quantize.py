@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import tritonq
 from tritonq.cli import quantize_main as main
 from tritonq.demo import byte_tokenizer
-from tritonq.quantize import quantize_fp8, quantize_int4
+from tritonq.rtn import quantize_fp8, quantize_int4
 from tritonq.weights import FP8Weight
 
 

@@ -72,7 +72,7 @@ def _generate(model, stream: bool, **options) -> list[str]:
         assert out.finish_reasons == ["eos"] * GENERATIONS, out.text  # every output complete
         return out.text
     texts = [""] * GENERATIONS
-    for i, piece in model.generate(prompts, stream=True, **options):
+    for i, piece in model.stream(prompts, **options):
         texts[i] += piece
     return texts
 

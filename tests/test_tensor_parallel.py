@@ -211,7 +211,7 @@ def run_steps(model: tritonq.Model) -> dict:
         logits.append(model.engine.prompt_logits(prompt + fixed))
     greedy = model.generate(PROMPTS, max_new_tokens=4, return_dict=True)
     sampled = model.generate(PROMPTS[0], max_new_tokens=4, temperature=1.0, seed=0)
-    streamed = list(model.generate(PROMPTS[1], max_new_tokens=3, stream=True))
+    streamed = list(model.stream(PROMPTS[1], max_new_tokens=3))
     return {"logits": logits, "bytes": sharded_bytes(model.model), "sampled": sampled, "streamed": streamed,
             "greedy": None if greedy is None else greedy.token_ids,
             "greedy_logprobs": None if greedy is None else greedy.logprobs}

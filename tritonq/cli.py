@@ -24,9 +24,10 @@ import importlib
 import importlib.util
 import sys
 
+from tritonq.config import KV_CACHE_DTYPES  # torch-free: the parsers are built before torch loads
+
 QUANTIZE_ON_LOAD = ("int4", "fp8", "fp8-mlp")  # tritonq.formats.dense.QUANTIZE_ON_LOAD (a test keeps them equal)
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # tritonq.models.common.KV_CACHE_DTYPES (a test keeps them equal)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -139,7 +140,7 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 def _check_sampling(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """GenerationConfig's own checks, before the model loads (it imports torch, but not the model)."""
-    from tritonq.generate import GenerationConfig
+    from tritonq.config import GenerationConfig
     try:
         GenerationConfig(**_sampling(args))
     except (TypeError, ValueError) as e:
@@ -164,7 +165,7 @@ def generate_main(argv: list[str] | None = None, prog: str = "tritonq generate")
     _check_sampling(parser, args)
     model = load_model(parser, args)
     try:
-        for piece in model.generate(prompt, stream=True, **_sampling(args)):
+        for piece in model.stream(prompt, **_sampling(args)):
             print(piece, end="", flush=True)
     except ValueError as e:  # a prompt the engine refuses (too long for max_seq_len, ...)
         fail(parser, e)
@@ -200,7 +201,7 @@ def chat_main(argv: list[str] | None = None, prog: str = "tritonq chat") -> None
         messages.append({"role": "user", "content": line})
         reply = []
         try:
-            for piece in model.chat(messages, stream=True, **_sampling(args)):
+            for piece in model.stream_chat(messages, **_sampling(args)):
                 reply.append(piece)
                 print(piece, end="", flush=True)
         except ValueError as e:  # the conversation no longer fits max_seq_len, ...

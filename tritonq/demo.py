@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.demo") ->
     print(f"loaded it on {model.model.device}; sampling: temperature 0.8, top-k 20, seed 0, "
           f"{args.max_new_tokens} new tokens\n")
     print("prompt:", args.prompt, "", "continuation (streamed):", sep="\n")
-    for piece in model.generate(args.prompt, stream=True, **sampling):
+    for piece in model.stream(args.prompt, **sampling):
         print(piece, end="", flush=True)
     reply = model.chat([{"role": "user", "content": args.prompt}], return_dict=True, **sampling)
     print("\n\nchat reply (the same prompt as a user message, through the chat template):",

@@ -7,8 +7,6 @@ stop string or max_new_tokens; results come back in input order.
 """
 from __future__ import annotations
 
-import json
-import math
 import threading
 import time
 from collections import deque
@@ -17,159 +15,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tritonq.config import MAX_TOP_LOGPROBS, GenerationConfig, check_int
 from tritonq.engine.engine import Engine
-from tritonq.engine.runner import MAX_TOP_LOGPROBS
 from tritonq.engine.speculative import SpeculativeStats
-
-GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) are taken as 0 (greedy); see GenerationConfig
-
-
-def _check_int(name: str, value, low: int) -> None:
-    # bool is an int subclass: True would silently mean 1, so it is refused like a str or a float
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} ({type(value).__name__}); expected an int >= {low}.")
-    if value < low:
-        raise ValueError(f"{name}={value}; expected an int >= {low}.")
-
-
-def _check_float(name: str, value, ok, expected: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} ({type(value).__name__}); expected a number {expected}.")
-    if not (math.isfinite(value) and ok(value)):
-        raise ValueError(f"{name}={value}; expected a finite number {expected}.")
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """How one request generates; every field is checked (types strictly: True is not an int, "3" not a
-    number) when the config is made, so a bad value never reaches the engine.
-
-    max_new_tokens: tokens to generate at most (>= 0).
-    temperature: >= 0; 0 is greedy (argmax). Values below GREEDY_BELOW (1e-5) are stored as 0.0:
-        dividing logits by them overflows float32 to inf, which breaks sampling and the top-k filter.
-    top_k: keep the k most likely tokens (0: off). top_p: keep the smallest set of most likely tokens
-        whose probability reaches top_p (1.0: off). min_p in [0, 1]: keep tokens whose probability is
-        >= min_p x the most likely one's (0.0: off). All three apply after temperature, min_p first (as vLLM).
-    repetition_penalty: > 0, CTRL-style on every token seen (prompt and generated); 1.0 is off.
-    stop: a tuple of non-empty strings; the text ends before the earliest one that appears.
-    seed: an int makes sampling repeatable whatever shares the batch; None draws one.
-    min_tokens: EOS and stop strings cannot end the request before this many tokens are generated
-        (EOS is masked out of sampling until then); 0 <= min_tokens <= max_new_tokens.
-    ignore_eos: EOS does not end the request (it runs to max_new_tokens, a stop string or a stop token).
-    stop_token_ids: a tuple of token ids that end the request like EOS (finish reason "stop"; the token
-        is kept in token_ids), also masked until min_tokens; not affected by ignore_eos.
-    presence_penalty, frequency_penalty in [-2, 2] (OpenAI): each token's logit is lowered by
-        frequency_penalty x (times it was generated) + presence_penalty x (1 if it was generated); the
-        prompt does not count (as OpenAI and vLLM). 0.0 is off; negative values favour repeats.
-    logit_bias: {token id: bias in [-100, 100]} (OpenAI), added to those logits before the penalties,
-        temperature and filters (-100 bans a token in practice, 100 all but forces it). Stored as a tuple
-        of (token id, bias) pairs sorted by id (a dict or such pairs are accepted).
-    top_logprobs: 0..20; also return the log-probabilities of that many most likely tokens at each
-        generated position (GenerationOutput.top_logprobs).
-    Order in the sampler, as vLLM: min_tokens mask, logit_bias, repetition / frequency / presence
-    penalties, the structured-output grammar mask, temperature, min_p, top_k, top_p. Every log-probability
-    returned is under the raw logits.
-    json_schema / regex / choice (at most one; tritonq.structured, needs `pip install 'tritonq[structured]'`):
-        constrain the output to JSON matching a schema (a dict, or its JSON text; stored as compact JSON
-        text), to a full match of a regex, or to exactly one of a tuple of non-empty strings. EOS is
-        allowed only where the output is complete; min_tokens and ignore_eos cannot be combined with them
-        (the grammar decides where the output ends).
-    """
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    min_p: float = 0.0  # the new fields come last: positional construction keeps its meaning
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    top_logprobs: int = 0
-    json_schema: str | None = None
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-
-    def __post_init__(self):
-        _check_int("max_new_tokens", self.max_new_tokens, 0)
-        _check_int("min_tokens", self.min_tokens, 0)
-        if self.min_tokens > self.max_new_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens} > max_new_tokens={self.max_new_tokens}; the request "
-                             "would end at max_new_tokens first. Lower min_tokens or raise max_new_tokens.")
-        _check_int("top_k", self.top_k, 0)
-        _check_float("temperature", self.temperature, lambda t: t >= 0, ">= 0 (0 means greedy)")
-        _check_float("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1] (1.0 disables it)")
-        _check_float("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1] (0.0 disables it)")
-        _check_float("repetition_penalty", self.repetition_penalty, lambda p: p > 0, "> 0 (1.0 disables it)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise TypeError(f"seed={self.seed!r} ({type(self.seed).__name__}); expected an int or None.")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos={self.ignore_eos!r} ({type(self.ignore_eos).__name__}); expected True "
-                            "or False.")
-        if not isinstance(self.stop, tuple):
-            raise TypeError(f"stop={self.stop!r} ({type(self.stop).__name__}); expected a tuple of str "
-                            "(Model.generate also takes a str or a list).")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty str (an empty one would stop before any text); "
-                             f"got stop={self.stop!r}.")
-        if not isinstance(self.stop_token_ids, tuple):
-            raise TypeError(f"stop_token_ids={self.stop_token_ids!r} ({type(self.stop_token_ids).__name__}); "
-                            "expected a tuple of int token ids (Model.generate also takes a list).")
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids entry", t, 0)
-        _check_float("presence_penalty", self.presence_penalty, lambda p: -2 <= p <= 2, "in [-2, 2] (0.0 disables it)")
-        _check_float("frequency_penalty", self.frequency_penalty, lambda p: -2 <= p <= 2,
-                     "in [-2, 2] (0.0 disables it)")
-        bias = self.logit_bias
-        pairs = bias.items() if isinstance(bias, dict) else bias
-        if not isinstance(bias, (dict, tuple)) or not all(isinstance(e, tuple) and len(e) == 2 for e in pairs):
-            raise TypeError(f"logit_bias={bias!r}; expected a dict {{token id: bias}} (or a tuple of "
-                            "(token id, bias) pairs).")
-        for t, b in pairs:
-            _check_int("logit_bias token id", t, 0)
-            _check_float(f"logit_bias[{t}]", b, lambda v: -100 <= v <= 100, "in [-100, 100]")
-        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in dict(pairs).items())))
-        _check_int("top_logprobs", self.top_logprobs, 0)
-        if self.top_logprobs > MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs={self.top_logprobs}; expected an int in [0, {MAX_TOP_LOGPROBS}].")
-        self._check_constraint()
-        if 0 < self.temperature < GREEDY_BELOW:
-            object.__setattr__(self, "temperature", 0.0)
-
-
-    def _check_constraint(self) -> None:
-        schema = self.json_schema
-        if schema is not None:
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"json_schema is not valid JSON ({exc}); pass a dict or its JSON text.") from None
-            if not isinstance(schema, dict):
-                raise TypeError(f"json_schema={self.json_schema!r:.80} ({type(schema).__name__}); expected a JSON "
-                                "schema: a dict (e.g. {'type': 'object'}) or its JSON text.")
-            # compact text: hashable, and the grammar cache key. Keys keep their order: properties are
-            # generated in the order the schema lists them.
-            object.__setattr__(self, "json_schema", json.dumps(schema, separators=(",", ":")))
-        if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
-            raise TypeError(f"regex={self.regex!r} ({type(self.regex).__name__}); expected a non-empty str.")
-        if self.choice is not None:
-            if not isinstance(self.choice, tuple):
-                raise TypeError(f"choice={self.choice!r} ({type(self.choice).__name__}); expected a tuple of str "
-                                "(Model.generate also takes a list).")
-            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError(f"choice={self.choice!r}; expected at least one choice, each a non-empty str.")
-        given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
-        if len(given) > 1:
-            raise ValueError(f"{' and '.join(given)} are both set; a request takes one constraint: pass one of them.")
-        if given and (self.min_tokens or self.ignore_eos):
-            name = "min_tokens" if self.min_tokens else "ignore_eos"
-            raise ValueError(f"{name} cannot be combined with {given[0]}: the grammar decides where the output "
-                             f"ends (EOS is allowed exactly when it is complete); leave {name} out.")
 
 
 @dataclass(frozen=True)
@@ -211,9 +59,8 @@ class ScoreOutput:
 class Model:
     """A loaded model with its tokenizer and its engine (paged KV cache); built by tritonq.load().
 
-    Tensor parallel (world > 1): every rank must call generate / chat with the same arguments (they run
-    in lockstep); only rank 0 returns the result, the others return None (stream=True: they run the
-    whole generation inside the call and return an empty iterator).
+    Tensor parallel (world > 1): every rank must call generate / stream / chat with the same arguments (they
+    run in lockstep); only rank 0 gets results (`_on_this_rank`: the one place that says what the others get).
 
     Many callers: generate / stream / chat / score may be called concurrently on one Model, from several
     threads or as interleaved generators of one thread; each gets exactly its own outputs. The engine is
@@ -264,20 +111,12 @@ class Model:
         for i, p in enumerate(prompts):
             self.engine.check_request(p, config, name=f"prompt {i}")
 
-    def generate(self, prompts, config: GenerationConfig | None = None, *, stream: bool = False,
-                 return_dict: bool = False, progress: bool | None = None, **options):
-        """Generate from prompts (str, list of str, token ids or list of token id lists), any number of them.
-
-        options are GenerationConfig fields (max_new_tokens, temperature, top_k, top_p, min_p,
-        repetition_penalty, stop (a str or a list is taken too), seed, min_tokens, ignore_eos,
-        stop_token_ids (a list is taken too), presence_penalty, frequency_penalty, logit_bias (a dict),
-        top_logprobs, json_schema, regex, choice (a list is taken too)). Returns
-        the text (a str for a single prompt, a list in input order otherwise) or a GenerationOutput with return_dict=True. stream=True returns an iterator of
-        text pieces as they become final: str pieces for a single prompt, (index, piece) for a list.
-        progress: a tqdm bar over requests (default: when there are more than 8 prompts).
-        A request that fails in the engine raises RuntimeError with its error (a stream: when reached).
-        Tensor parallel: None on ranks other than 0.
-        """
+    def _config(self, config: GenerationConfig | None, options: dict) -> GenerationConfig:
+        """config (default: GenerationConfig()) with options replacing fields; a str / list for stop, a list
+        for stop_token_ids and choice are taken too."""
+        if "stream" in options:
+            raise TypeError("generate() returns whole texts; for pieces as they are generated call "
+                            "Model.stream(prompts, ...) (Model.stream_chat(messages, ...) for a chat).")
         stop = options.get("stop")
         if isinstance(stop, (str, list)):
             options["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -285,26 +124,54 @@ class Model:
             options["stop_token_ids"] = tuple(options["stop_token_ids"])
         if isinstance(options.get("choice"), list):
             options["choice"] = tuple(options["choice"])
-        config = replace(config or GenerationConfig(), **options)
+        return replace(config or GenerationConfig(), **options)
+
+    def _on_this_rank(self, result):
+        """What a generate / stream call returns on this rank. Rank 0 (and a single process): result. Other
+        tensor-parallel ranks ran the same requests in lockstep and return None from generate; a stream,
+        which rank 0 consumes lazily, is run to its end here (collectives pair up step by step) and an empty
+        iterator returned."""
+        if self.rank == 0:
+            return result
+        if isinstance(result, Iterator):
+            for _ in result:
+                pass
+            return iter(())
+        return None
+
+    def generate(self, prompts, config: GenerationConfig | None = None, *, return_dict: bool = False,
+                 progress: bool | None = None, **options):
+        """Generate from prompts (str, list of str, token ids or list of token id lists), any number of them.
+
+        options are GenerationConfig fields (max_new_tokens, temperature, top_k, top_p, min_p,
+        repetition_penalty, stop (a str or a list is taken too), seed, min_tokens, ignore_eos,
+        stop_token_ids (a list is taken too), presence_penalty, frequency_penalty, logit_bias (a dict),
+        top_logprobs, json_schema, regex, choice (a list is taken too)).
+        Returns the texts shaped like the prompts: a str for a single prompt (a str or one token id list), a
+        list in input order for a list of them; return_dict=True: a GenerationOutput (per-prompt lists in input
+        order) instead. Pieces as they are generated: `stream`.
+        progress: a tqdm bar over requests (default: when there are more than 8 prompts).
+        A request that fails in the engine raises RuntimeError with its error.
+        Tensor parallel: None on ranks other than 0 (`_on_this_rank`).
+        """
+        config = self._config(config, options)
         encoded, single = self._encode(prompts)
-        if stream and return_dict:
-            raise ValueError("stream=True yields text pieces; it cannot also return_dict. Use one of them.")
         self._check(encoded, config)
-        if stream:
-            pieces = self._stream(encoded, config, single)
-            if self.rank != 0:  # keep step with rank 0, which streams lazily: collectives pair up step by step
-                for _ in pieces:
-                    pass
-                return iter(())
-            return pieces
         if not encoded:
             return GenerationOutput([], [], [], [], [], 0.0) if return_dict else []
         out = self._run(encoded, config, len(encoded) > 8 if progress is None else progress)
-        if self.rank != 0:
-            return None
-        if return_dict:
-            return out
-        return out.text[0] if single else out.text
+        return self._on_this_rank(out if return_dict else out.text[0] if single else out.text)
+
+    def stream(self, prompts, config: GenerationConfig | None = None, **options) -> Iterator:
+        """generate(), as an iterator of text pieces as they become final: str pieces for a single prompt,
+        (prompt index, piece) for a list of prompts. options: as generate(). A request that fails in the engine
+        raises RuntimeError when its output is reached. Closing the iterator early aborts the unfinished
+        requests. Tensor parallel: an empty iterator on ranks other than 0, returned once they have run their
+        part (`_on_this_rank`)."""
+        config = self._config(config, options)
+        encoded, single = self._encode(prompts)
+        self._check(encoded, config)
+        return self._on_this_rank(self._stream(encoded, config, single))
 
     def _requests(self, prompts: list[list[int]], config: GenerationConfig, stream: bool) -> Iterator:
         """Queue the prompts and yield (prompt index, RequestOutput) for each output of theirs, in step
@@ -416,7 +283,7 @@ class Model:
         top_logprobs: 0..20; with return_dict, also the log-probabilities of that many most likely tokens at
         each position (ScoreOutput.top_logprobs).
         """
-        _check_int("top_logprobs", top_logprobs, 0)
+        check_int("top_logprobs", top_logprobs, 0)
         if top_logprobs > MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs={top_logprobs}; expected an int in [0, {MAX_TOP_LOGPROBS}].")
         if top_logprobs and not return_dict:
@@ -457,14 +324,22 @@ class Model:
                           return_dict=return_dict, progress=progress)
 
     def chat(self, messages: list[dict], **options):
-        """Generate the assistant reply to messages [{"role": ..., "content": ...}] via the chat template.
+        """Generate the assistant reply (a str) to messages [{"role": ..., "content": ...}] via the chat template.
 
         content is a str or a list of OpenAI content parts; text parts ({"type": "text", "text": ...}) are
         joined with newlines (as vLLM does), any other part type is refused (this model takes text only).
         options: as generate()."""
+        return self.generate(self._chat_ids(messages), **options)
+
+    def stream_chat(self, messages: list[dict], **options) -> Iterator[str]:
+        """chat(), as an iterator of str pieces of the reply as they become final (see stream)."""
+        return self.stream(self._chat_ids(messages), **options)
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        """The token ids of messages under the chat template, ending with the assistant's turn."""
         text = self.tokenizer.apply_chat_template([text_message(i, m) for i, m in enumerate(messages)],
                                                   add_generation_prompt=True, tokenize=False)
-        return self.generate(self.tokenizer(text, add_special_tokens=False).input_ids, **options)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
 
 
 def top_dicts(top: tuple[torch.Tensor, torch.Tensor]) -> list[dict[int, float]]:

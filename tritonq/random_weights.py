@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from tritonq.kernels.common import tune_group_size
+from tritonq.kernels.moe import EXPERT_KINDS
 from tritonq.packing import pack_int32
 from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
 
 FP8_SCHEMES = ("tensor", "channel", "block")
-# "int4" / "fp8" (asymmetric group 128, 128x128 blocks: the tuner's and bench's), then the other layouts the
-# packers give experts: 8-bit (GPTQ 8-bit, W8A16), symmetric act-order (GPTQ desc_act), fp8 per channel / tensor;
-# "mxfp4": gpt-oss's experts.
-EXPERT_KINDS = ("dense", "int4", "fp8", "int8", "int4-act-order", "fp8-channel", "fp8-tensor", "mxfp4")
 
 
 def random_int4_weight(N: int, K: int, dtype: torch.dtype, device, group_size: int = 128) -> Int4Weight:
@@ -46,11 +44,6 @@ def random_fp8_weight(N: int, K: int, scheme: str, device) -> FP8Weight:
                      block_size=(128, 128))
 
 
-def int4_expert_group_size(K: int) -> int:
-    """The group size random_experts gives int4 experts with K inputs: 128, or 32 if K is not a multiple."""
-    return 128 if K % 128 == 0 else 32
-
-
 def random_experts(kind: str, E: int, N: int, K: int, dtype: torch.dtype, device) -> Weight:
     """A stacked expert weight [E, N, K] of `kind` (EXPERT_KINDS) with random contents made
     on the device, scaled so that x ~ N(0, 1) gives outputs of about unit size.
@@ -65,7 +58,7 @@ def random_experts(kind: str, E: int, N: int, K: int, dtype: torch.dtype, device
         return DenseWeight((torch.randn(E, N, K, device=device) / K ** 0.5).to(dtype))
     if kind in ("int4", "int8", "int4-act-order"):
         bits = 8 if kind == "int8" else 4
-        group_size = int4_expert_group_size(K)
+        group_size = tune_group_size(K)
         G = K // group_size
         qweight = torch.randint(-2**31, 2**31 - 1, (E, K * bits // 32, N), dtype=torch.int32, device=device)
         # (code - zero) has std ~4.6 (4-bit) / ~74 (8-bit), so these scales make dequantized weights ~N(0, 1/K)

@@ -13,6 +13,7 @@ from tolerances import TOLERANCE
 from torch._dynamo.utils import counters
 
 import tritonq
+import tritonq.loading
 from tritonq import GenerationConfig
 from tritonq.demo import write_tiny_llama
 
@@ -70,13 +71,13 @@ def test_compile_option_is_checked(folder):
 
 
 def test_compile_is_off_by_default_on_cpu(folder):
-    """It measured no faster than eager (README, tritonq.CPU_COMPILE): the default runs eagerly."""
+    """It measured no faster than eager (README, tritonq.loading.CPU_COMPILE): the default runs eagerly."""
     assert _load(folder, None).engine.runner.compiled is None
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_cpu_default_dtype_follows_native_bf16(folder, monkeypatch, caplog, native):
-    monkeypatch.setattr(tritonq, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(tritonq.loading, "cpu_has_native_bf16", lambda: native)
     with caplog.at_level(logging.INFO, logger="tritonq"):
         model = tritonq.load(folder, max_seq_len=32, max_num_seqs=1)
     assert model.model.dtype == (torch.bfloat16 if native else torch.float32)

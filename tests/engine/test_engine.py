@@ -270,7 +270,7 @@ def test_model_calls_raise_the_request_error(folder, monkeypatch):
     monkeypatch.setattr(model.engine.runner, "run", lambda ctx: (_ for _ in ()).throw(ValueError("bad step")))
     with pytest.raises(RuntimeError, match="prompt 0 failed in the engine: ValueError: bad step"):
         model.generate(PROMPTS[0], max_new_tokens=3)
-    stream = model.generate(PROMPTS[:2], max_new_tokens=3, stream=True)
+    stream = model.stream(PROMPTS[:2], max_new_tokens=3)
     with pytest.raises(RuntimeError, match="ValueError: bad step"):
         next(stream)
     assert not model.engine.has_unfinished()

@@ -243,7 +243,7 @@ def test_min_tokens_defers_stop_strings(model):
     later = model.generate("hello", max_new_tokens=12, stop=stop, min_tokens=6)
     cut = text.find(stop, 6 - len(stop))  # the first occurrence that ends at token 6 or later
     assert later == (text if cut < 0 else text[:cut]) and len(later) >= 6 - len(stop)
-    streamed = "".join(model.generate("hello", max_new_tokens=12, stop=stop, min_tokens=6, stream=True))
+    streamed = "".join(model.stream("hello", max_new_tokens=12, stop=stop, min_tokens=6))
     assert streamed == later
 
 

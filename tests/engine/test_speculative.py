@@ -17,7 +17,8 @@ from tritonq.demo import DEFAULT_MODEL, HELDOUT_TEXT
 from tritonq.engine.block_manager import BlockManager, chained_hash
 from tritonq.engine.scheduler import Scheduler
 from tritonq.engine.sequence import Sequence, SequenceStatus
-from tritonq.engine.speculative import NgramProposer, SpeculativeConfig, accept
+from tritonq.config import SpeculativeConfig
+from tritonq.engine.speculative import NgramProposer, accept
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

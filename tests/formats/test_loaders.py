@@ -15,7 +15,8 @@ from tritonq.formats.fp8 import FP8Loader
 from tritonq.formats.gptq import GPTQLoader
 from tritonq.formats.registry import get_loader
 from tritonq.packing import pack_int32, unpack_int32
-from tritonq.quantize import quantize_fp8, quantize_int4, write_quantized
+from tritonq.rtn import quantize_fp8, quantize_int4
+from tritonq.quantize import write_quantized
 from tritonq.weights import DenseWeight, FP8Weight, Int4Weight
 
 INT4_CASES = {  # name: (writer options, loader class, quantize_int4 arguments of the original)

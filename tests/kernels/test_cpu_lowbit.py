@@ -25,7 +25,7 @@ from tritonq.kernels.int4_gemm import int4_gemm, int4_gemm_reference
 from tritonq.kernels.moe import fused_moe, fused_moe_reference
 from tritonq.layers import Linear
 from tritonq.packing import unpack_int32
-from tritonq.quantize import quantize_fp8, quantize_int4
+from tritonq.rtn import quantize_fp8, quantize_int4
 from tritonq.weights import FP8Weight, Int4Weight, stack_experts
 
 MS = [1, 3, 17, 64, 130]

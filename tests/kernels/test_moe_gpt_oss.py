@@ -116,7 +116,7 @@ def mxfp4_experts(generator):
     `convert_moe_packed_tensors`, handed to fused_moe as the loader does (gate rows first)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tritonq.quantize import quantize_mxfp4
+    from tritonq.rtn import quantize_mxfp4
     from tritonq.weights import MXFP4Weight
 
     config = GptOssConfig(hidden_size=MX_D, intermediate_size=MX_INTER, num_local_experts=E, num_attention_heads=2,
@@ -158,7 +158,7 @@ def test_mxfp4_dequantize_matches_transformers_and_the_writer_round_trips():
     values already on the grid (e2m1 x a power of two per group) back to themselves exactly."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tritonq.quantize import quantize_mxfp4
+    from tritonq.rtn import quantize_mxfp4
     from tritonq.weights import E2M1_VALUES, MXFP4Weight
 
     device = torch.get_default_device()  # the test's device; data drawn on the CPU (transformers' side runs there)

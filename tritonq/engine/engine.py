@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tritonq.config import GenerationConfig
 from tritonq.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner, SamplingParams
@@ -49,7 +50,7 @@ class Request:
     """The engine's state of one request (kept in its Sequence's `extra`)."""
     request_id: int
     prompt_ids: list[int]
-    config: object  # its GenerationConfig
+    config: GenerationConfig
     sampling: SamplingParams
     detokenizer: Detokenizer
     stream: bool = True  # its text is read as it grows (False and no stop strings: detokenized when it ends)

@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from tritonq.config import MAX_TOP_LOGPROBS, GenerationConfig
 from tritonq.distributed import broadcast_from_rank0
 from tritonq.engine.compiled import CompiledDecode
 from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_buckets
@@ -44,7 +45,6 @@ MASK32 = 0xFFFFFFFF
 
 
 _sampling_keys = itertools.count(1)
-MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's limit)
 
 
 @dataclass
@@ -55,7 +55,7 @@ class SamplingParams:
     request is created (so torch.manual_seed still makes a run repeatable). The flags below are read
     from the config once, so a step tests each row with an attribute read; key names the request in
     the runner's SeenTokens."""
-    config: object
+    config: GenerationConfig
     seed: int | None = None
     num_prompt_tokens: int = 0
 

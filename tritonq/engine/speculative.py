@@ -24,66 +24,12 @@ token ids per sequence (possibly empty). `make_proposer` builds one from a `Spec
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
+from tritonq.config import SpeculativeConfig
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner
 from tritonq.engine.sequence import Sequence, SequenceStatus
-
-METHODS = ("ngram", "draft")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """method "ngram" (prompt lookup: the continuation of the latest earlier match of the last n tokens,
-    n from max_n down to min_n) or "draft" (model: a smaller model with the same tokenizer, run greedily k
-    tokens ahead over its own paged cache); num_tokens: k, the most tokens proposed per sequence and step."""
-    method: str
-    num_tokens: int
-    min_n: int = 1
-    max_n: int = 4
-    model: str | None = None
-
-    @classmethod
-    def parse(cls, value) -> SpeculativeConfig | None:
-        """From a dict, a JSON object string (the server's --speculative-config), a SpeculativeConfig or
-        None; ValueError / TypeError naming the bad key or value."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative config {value!r} is not valid JSON ({e}); expected e.g. "
-                                 '\'{"method": "ngram", "num_tokens": 4}\'.') from e
-        if not isinstance(value, dict):
-            raise TypeError(f"speculative={value!r} ({type(value).__name__}); expected a dict such as "
-                            '{"method": "ngram", "num_tokens": 4} or {"method": "draft", "model": PATH, '
-                            '"num_tokens": 4}.')
-        unknown = set(value) - {"method", "num_tokens", "min_n", "max_n", "model"}
-        if unknown:
-            raise ValueError(f"speculative config has unknown keys {sorted(unknown)}; expected method, "
-                             "num_tokens, and min_n / max_n (ngram) or model (draft).")
-        method = value.get("method")
-        if method not in METHODS:
-            raise ValueError(f"speculative method is {method!r}; expected one of {METHODS}.")
-        for key in ("num_tokens", "min_n", "max_n"):
-            v = value.get(key, 1)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"speculative {key}={v!r}; expected an int >= 1.")
-        if "num_tokens" not in value:
-            raise ValueError("the speculative config needs num_tokens (the most tokens proposed per step), e.g. 4.")
-        config = cls(method, value["num_tokens"], value.get("min_n", 1), value.get("max_n", 4), value.get("model"))
-        if config.min_n > config.max_n:
-            raise ValueError(f"speculative min_n={config.min_n} > max_n={config.max_n}; expected min_n <= max_n.")
-        if method == "draft" and not (isinstance(config.model, str) and config.model):
-            raise ValueError('speculative method "draft" needs "model": a folder or Hugging Face id of a smaller '
-                             "model with the target's tokenizer.")
-        if method == "ngram" and config.model is not None:
-            raise ValueError('speculative method "ngram" takes no "model" (did you mean method "draft"?).')
-        return config
-
 
 @dataclass
 class SpeculativeStats:

@@ -10,7 +10,7 @@ import torch
 
 from tritonq.formats.base import WeightsLoader, always_dense
 from tritonq.formats.checkpoint import Shard, Weights
-from tritonq.quantize import quantize_fp8, quantize_int4
+from tritonq.rtn import quantize_fp8, quantize_int4
 from tritonq.weights import Weight
 
 QUANTIZE_ON_LOAD = (None, "fp8", "fp8-mlp", "int4")

@@ -17,7 +17,7 @@ import torch
 
 from tritonq.formats.base import WeightsLoader
 from tritonq.formats.checkpoint import Shard, Weights
-from tritonq.quantize import MXFP4_MAX_SCALE
+from tritonq.rtn import MXFP4_MAX_SCALE
 from tritonq.weights import MXFP4_GROUP, MXFP4Weight, Weight
 
 

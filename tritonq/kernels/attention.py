@@ -1135,18 +1135,13 @@ def paged_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: l
 
 
 def _tune_shape(shape, target: str, shape_format: str) -> tuple[int, ...]:
-    from tritonq.tune.search import unpack_shape
+    from tritonq.kernels.common import unpack_shape
 
     shape = unpack_shape(shape, target, shape_format)
     if shape[2] % shape[3]:
         raise ValueError(f"{target} shape {'x'.join(map(str, shape))}: query heads H={shape[2]} must be a "
                          f"multiple of kv heads Hkv={shape[3]}")
     return shape
-
-
-def _tune_lengths(batch: int, full: int) -> list[int]:
-    """[batch] lengths: the first sequence at full length, the others random in [1, full]."""
-    return [full] + torch.randint(1, full + 1, (batch - 1,)).tolist()
 
 
 def _candidates(space: dict, keep) -> list[dict]:
@@ -1199,61 +1194,3 @@ def decode_aot_launch(config: dict, shape, cc: int) -> Launch:
     q = torch.empty(B, H, d_qk, dtype=torch.bfloat16, device="meta")
     lens = torch.empty(B, dtype=torch.int32, device="meta")
     return decode_launches(q, k_pages, v_pages, lens, table, d_qk ** -0.5, 0, cfg)[0]
-
-
-def prefill_tune_target():
-    """Causal prefill of whole sequences over 16-token pages (what the models run for a new prompt),
-    bucketed by head-dim blocks like `paged_prefill_config`."""
-    from tritonq.kernels.aot import compile_launch
-    from tritonq.tune.search import TuneTarget, kernel_dtype
-
-    def make_inputs(shape, device):
-        B, S, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_prefill", PREFILL_FORMAT)
-        dtype = kernel_dtype(device)
-        q, k, v = (torch.randn(B, S, heads, d, dtype=dtype, device=device)
-                   for heads, d in ((H, d_qk), (H_kv, d_qk), (H_kv, d_v)))
-        return *paged_prompts(q, k, v, _tune_lengths(B, S), TUNE_PAGE_SIZE), d_qk ** -0.5
-
-    tol = TUNE_TOL[kernel_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))]
-    return TuneTarget(
-        name="attention_prefill", space=prefill_sweep_space, make_inputs=make_inputs,
-        run=lambda inputs, config: paged_prefill_attention(*inputs, config=PrefillConfig(**config)),
-        reference=lambda inputs: paged_prefill_attention_reference(*inputs),
-        bucket=lambda inputs: config_bucket(*head_blocks(inputs[0].shape[-1], inputs[2].shape[-1])),
-        aot=lambda config, shape, cc: compile_launch(prefill_aot_launch(PrefillConfig(**config), shape), cc),
-        atol=tol, rtol=tol, dry_run_shapes=((2, 40, 4, 2, 72, 40), (1, 130, 2, 1, 64, 64)),
-        shape_format=PREFILL_FORMAT)
-
-
-def decode_tune_target():
-    """Split-KV decode over 16-token pages; NUM_SPLITS is not swept: the launcher derives it
-    (`fit_decode_config`)."""
-    from tritonq.kernels.aot import compile_launch
-    from tritonq.tune.search import TuneTarget, kernel_dtype
-
-    def make_inputs(shape, device):
-        B, S_max, H, H_kv, d_qk, d_v = _tune_shape(shape, "attention_decode", DECODE_FORMAT)
-        dtype = kernel_dtype(device)
-        k_pages, v_pages, table = paged_cache(torch.randn(B, S_max, H_kv, d_qk, dtype=dtype, device=device),
-                                              torch.randn(B, S_max, H_kv, d_v, dtype=dtype, device=device),
-                                              TUNE_PAGE_SIZE)
-        q = torch.randn(B, H, d_qk, dtype=dtype, device=device)
-        lens = torch.tensor(_tune_lengths(B, S_max), dtype=torch.int32, device=device)
-        return q, k_pages, v_pages, lens, table, d_qk ** -0.5
-
-    def run(inputs, config):
-        q, k_pages, _, _, table, _ = inputs
-        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
-        capacity = table.shape[1] * k_pages.shape[1]
-        cfg = fit_decode_config(DecodeConfig(NUM_SPLITS=1, **config), q.shape[0], k_pages.shape[2], capacity,
-                                k_pages.shape[1], sm_count)
-        return decode_attention(*inputs, config=cfg)
-
-    tol = TUNE_TOL[kernel_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))]
-    return TuneTarget(
-        name="attention_decode", space=decode_sweep_space, make_inputs=make_inputs, run=run,
-        reference=lambda inputs: decode_attention_reference(*inputs),
-        bucket=lambda inputs: config_bucket(*head_blocks(inputs[0].shape[-1], inputs[2].shape[-1])),
-        aot=lambda config, shape, cc: compile_launch(decode_aot_launch(config, shape, cc), cc),
-        atol=tol, rtol=tol, dry_run_shapes=((3, 100, 8, 2, 72, 40), (2, 64, 16, 1, 576, 512)),
-        shape_format=DECODE_FORMAT)

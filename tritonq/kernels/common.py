@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -291,3 +292,24 @@ class Launch:
         on_cuda = device is not None and device.type == "cuda"  # the interpreter (CPU tensors) has no context
         with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
             self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def shape_fields(shape_format: str) -> list[str]:
+    """"BxSmaxxHxHkvxDqkxDv" -> ["B", "Smax", "H", "Hkv", "Dqk", "Dv"]: an x before a capital separates.
+    A kernel's tuning shapes are written in its format (`tritonq.tune --shapes`)."""
+    return re.split(r"x(?=[A-Z])", shape_format)
+
+
+def unpack_shape(shape: tuple[int, ...], target: str, shape_format: str) -> tuple[int, ...]:
+    """shape, checked to have one positive int per field of shape_format (ValueError otherwise)."""
+    fields = shape_fields(shape_format)
+    if len(shape) != len(fields) or min(shape) < 1:
+        raise ValueError(f"{target} shape {'x'.join(map(str, shape))}: expected {len(fields)} positive ints "
+                         f"{shape_format}")
+    return shape
+
+
+def tune_group_size(K: int) -> int:
+    """Group size of the int4 weights the tuner and the AOT checks make with K inputs: 128 (AWQ/GPTQ's
+    usual) where it divides K, else 32."""
+    return 128 if K % 128 == 0 else 32

@@ -13,7 +13,7 @@ Measured (one core of the shared 2-core Sapphire Rapids box, load 14-18, thread 
 M = 256: 1.2 vs 1.0. 5632 x 1024: M = 1: 0.76-0.94 vs 0.49-0.55; M = 32: 1.0-1.5 vs 0.57-0.80;
 M = 256: 11.7-20 vs 3.0-7.7. Prefill-sized M (1024-2048) measured within the noise of each other.
 
-Only bf16, on CPUs with native bf16 (AVX512-BF16 / AMX, `tritonq.cpu_has_native_bf16`'s test):
+Only bf16, on CPUs with native bf16 (AVX512-BF16 / AMX, `tritonq.loading.cpu_has_native_bf16`'s test):
 fp32 stays on MKL ([K, N]-stored, tritonq.weights.k_major), fp16 has no AMX on these CPUs. The
 packed copy is kept beside the plain weight (a tied embedding reads the plain table; the CUDA and
 torch-reference paths read it too): bf16 linear weights take twice their bytes in host memory.

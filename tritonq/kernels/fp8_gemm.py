@@ -20,8 +20,8 @@ K slice writes its fp32 partial into its own plane of a [SPLIT_K, M, N] buffer a
 sums them, as int4_gemm does: deterministic (fp32 atomics add in whatever order the slices finish)
 and the buffer is tiny at decode M. Launch configs come from kernels/configs/fp8_gemm*/<gpu>.json
 when tuned (`common.tuned_or_default`), else `default_config`; `fp8_gemm_launch` builds every
-launch (the launcher's, and tune --aot's over meta tensors); `tune_target` is what
-`python -m tritonq.tune --kernel fp8_gemm` sweeps.
+launch (the launcher's, and tune --aot's over meta tensors); `sweep_space` is what
+`python -m tritonq.tune --kernel fp8_gemm` sweeps (tune/targets.py).
 fp32 accumulation throughout; output in x.dtype, plus bias. CPU tensors (no interpreter) run
 weight-only by default, like GPUs below sm_89: fp32 activations times the weight dequantized once
 to fp32 (kernels/cpu_lowbit.py). `fp8_gemm_reference` (TRITONQ_BACKEND=torch, float32) is the
@@ -462,30 +462,3 @@ def aot_launch(config: FP8GemmConfig, M: int, N: int, K: int, cc: int, dtype: to
         a = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=meta)
         a_scale = torch.empty(M, triton.cdiv(K, 128) if block else 1, dtype=torch.float32, device=meta)
     return fp8_gemm_launch(a, a_scale, w, config, dtype)[0]
-
-
-def tune_target():
-    """fp8_gemm for `tritonq.tune`: the path the runtime takes on this device, fp8 x fp8 (sm_89+) or
-    weight-only below, stored under the kernel name the launcher looks up for that path."""
-    from tritonq.kernels.aot import compile_launch
-    from tritonq.quantize import quantize_fp8
-    from tritonq.tune.search import TuneTarget
-
-    weight_only = torch.cuda.is_available() and not has_fp8_tensor_cores(torch.device("cuda"))
-
-    def make_inputs(shape, device):
-        M, N, K = shape
-        dtype = torch.float16 if device.type == "cuda" else torch.float32
-        w = quantize_fp8(torch.randn(N, K) * 0.05, scheme="block" if K % 128 == 0 else "channel").to(device)
-        return torch.randn(M, K, dtype=dtype, device=device), w
-
-    return TuneTarget(
-        name="fp8_gemm_weight_only" if weight_only else "fp8_gemm", space=sweep_space, make_inputs=make_inputs,
-        run=lambda inputs, config: fp8_gemm(*inputs, weight_only=weight_only, config=FP8GemmConfig(**config)),
-        reference=lambda inputs: fp8_gemm_reference(*inputs, weight_only=weight_only),
-        bucket=lambda inputs: config_bucket(inputs[0].shape[0], *inputs[1].shape),
-        aot=lambda config, shape, cc: compile_launch(aot_launch(FP8GemmConfig(**config), *shape, cc), cc),
-        # Kernel and reference quantize activations identically and accumulate in fp32; what is
-        # left is summation order and the fp16 output rounding, far below this at |y| ~ 1.
-        atol=2e-2, rtol=2e-2,
-        dry_run_shapes=((1, 64, 256), (17, 96, 256)))

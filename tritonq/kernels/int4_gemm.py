@@ -38,8 +38,8 @@ object, see kernels/cpu_lowbit.py; `int4_gemm_reference`
 
 Launch configs: `Int4GemmConfig`; defaults in `default_config`, tuned JSON overrides through
 `common.tuned_or_default("int4_gemm", config_bucket(M, N, K, w), ...)`. `int4_gemm_launch` builds
-every launch (the launcher's, tune --aot's over meta tensors); `tune_target` is what
-`python -m tritonq.tune --kernel int4_gemm` sweeps (`CONFIG_SPACE` restricted per shape).
+every launch (the launcher's, tune --aot's over meta tensors); `sweep_space` is what
+`python -m tritonq.tune --kernel int4_gemm` sweeps (`CONFIG_SPACE` restricted per shape; tune/targets.py).
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ from tritonq.kernels.common import (
     Launch,
     check_launch_config,
     dequantize_int_tile,
+    tune_group_size,
     tuned_or_default,
     unpack_int_tile,
     upcast_dot,
@@ -284,11 +285,6 @@ def int4_gemm_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 # Tuning (python -m tritonq.tune --kernel int4_gemm): shapes MxNxK
 # ----------------------------------------------------------------------------------------------
 
-def tune_group_size(K: int) -> int:
-    """Group size of the tuner's weights: 128 (AWQ/GPTQ's usual) where it divides K, else 32."""
-    return 128 if K % 128 == 0 else 32
-
-
 def sweep_space(shape: tuple[int, int, int]) -> list[dict]:
     """CONFIG_SPACE restricted to what is legal and useful for shape (M, N, K): the decode path
     (M <= SPLIT_K_MAX_M) uses BLOCK_M 16 with split-K, larger M no split-K and BLOCK_M <= M;
@@ -321,27 +317,3 @@ def aot_launch(config: Int4GemmConfig, M: int, N: int, K: int, dtype: torch.dtyp
                    group_size=group_size, bits=bits,
                    code=torch.empty(16, dtype=torch.float32, device=meta) if code else None)
     return int4_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config)[0]
-
-
-def tune_target():
-    """int4_gemm for `tritonq.tune`: asymmetric int4 weights (AWQ/GPTQ), fp16 on GPUs."""
-    from tritonq.random_weights import random_int4_weight
-    from tritonq.kernels.aot import compile_launch
-    from tritonq.tune.search import TuneTarget
-
-    def make_inputs(shape, device):
-        M, N, K = shape
-        dtype = torch.float16 if device.type == "cuda" else torch.float32
-        return torch.randn(M, K, dtype=dtype, device=device), random_int4_weight(N, K, dtype, device,
-                                                                                  tune_group_size(K))
-
-    return TuneTarget(
-        name="int4_gemm", space=sweep_space, make_inputs=make_inputs,
-        run=lambda inputs, config: int4_gemm(*inputs, config=Int4GemmConfig(**config)),
-        reference=lambda inputs: int4_gemm_reference(*inputs),
-        bucket=lambda inputs: config_bucket(inputs[0].shape[0], *inputs[1].shape, inputs[1]),
-        aot=lambda config, shape, cc: compile_launch(aot_launch(Int4GemmConfig(**config), *shape), cc),
-        # fp16 products summed in fp32 vs the fp32 reference: K * eps_fp16 * |x||w| stays well under this
-        # at the |y| ~ 1 these inputs give; fp32 inputs (CPU dry run) are far tighter.
-        atol=2e-2, rtol=2e-2,
-        dry_run_shapes=((1, 64, 128), (17, 96, 256)))

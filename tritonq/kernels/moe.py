@@ -59,8 +59,10 @@ from tritonq.kernels.common import (
     e4m3_bits_to_fp16,
     has_fp8_tensor_cores,
     on_gpu,
+    tune_group_size,
     tuned_or_default,
     unpack_int_tile,
+    unpack_shape,
     upcast_dot,
 )
 from tritonq.kernels.fp8_gemm import fp8_round_trip, quantize_activation_fp8
@@ -695,8 +697,6 @@ TUNE_GEMMS = ("gate_up", "down")  # a tuning problem is (T, E, TOPK, D, I, index
 
 def tune_problem(shape) -> tuple[int, ...]:
     """(T, E, TOPK, D, I, gemm) checked: TOPK <= E; D and I multiples of 32 (int4 groups)."""
-    from tritonq.tune.search import unpack_shape
-
     *dims, gemm = shape if len(shape) == 6 else (*shape, 0)
     T, E, top_k, D, inter = unpack_shape(tuple(dims), "moe", TUNE_FORMAT)
     if top_k > E or D % 32 or inter % 32 or gemm not in (0, 1):
@@ -719,21 +719,52 @@ def sweep_space(problem) -> list[dict]:
     return out
 
 
+# The expert layouts the packers give a MoE layer (and tritonq.random_weights.random_experts fills):
+# "int4" / "fp8" (asymmetric group `tune_group_size`, 128x128 blocks: the tuner's and bench's), 8-bit
+# (GPTQ 8-bit, W8A16), symmetric act-order (GPTQ desc_act), fp8 per channel / tensor, gpt-oss's mxfp4.
+EXPERT_KINDS = ("dense", "int4", "fp8", "int8", "int4-act-order", "fp8-channel", "fp8-tensor", "mxfp4")
+
+
+def meta_experts(kind: str, E: int, N: int, K: int, dtype: torch.dtype) -> Weight:
+    """A stacked expert weight [E, N, K] of `kind` (EXPERT_KINDS) over meta tensors (shapes and dtypes, no
+    memory): int4 / int8 asymmetric with groups of `tune_group_size(K)`, int4-act-order symmetric with g_idx
+    [E, K], fp8 with 128x128 block scales, fp8-channel [E, N, 1] / fp8-tensor [E] scales, mxfp4 e2m1 blocks
+    [E, N, K/32, 16] with E8M0 scales [E, N, K/32]."""
+    meta = torch.device("meta")
+    if kind == "dense":
+        return DenseWeight(torch.empty(E, N, K, dtype=dtype, device=meta))
+    if kind in ("int4", "int8", "int4-act-order"):
+        bits = 8 if kind == "int8" else 4
+        group_size = tune_group_size(K)
+        qweight = torch.empty(E, K * bits // 32, N, dtype=torch.int32, device=meta)
+        scales = torch.empty(E, K // group_size, N, dtype=dtype, device=meta)
+        if kind == "int4-act-order":
+            return Int4Weight(qweight, scales, None, torch.empty(E, K, dtype=torch.int32, device=meta), group_size, 4)
+        return Int4Weight(qweight, scales, torch.empty_like(scales), None, group_size, bits)
+    scale_shape = {"fp8": (E, triton.cdiv(N, 128), triton.cdiv(K, 128)), "fp8-channel": (E, N, 1),
+                   "fp8-tensor": (E,)}.get(kind)
+    if scale_shape is not None:
+        return FP8Weight(torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=meta),
+                         torch.empty(scale_shape, dtype=torch.float32, device=meta),
+                         block_size=(128, 128) if kind == "fp8" else None)
+    if kind == "mxfp4":
+        return MXFP4Weight(torch.empty(E, N, K // 32, 16, dtype=torch.uint8, device=meta),
+                           torch.empty(E, N, K // 32, dtype=torch.uint8, device=meta))
+    raise ValueError(f"meta_experts: kind {kind!r}; choose one of {EXPERT_KINDS}")
+
+
 def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool = True,
                dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False, w8a8: bool = False) -> Launch:
     """`moe_gemm_launch` over meta tensors for one GEMM of a tuning problem: activations in dtype, experts
-    as `random_weights.random_experts` makes them of `kind` (int4: asymmetric, grouped as the tuner's;
-    fp8: 128 x 128 block scales, loaded as float8e4nv if native_fp8, else decoded from their bytes;
-    mxfp4: e2m1 blocks and E8M0 scales). gpt_oss: expert biases and the ClampedSwiGLU epilogue. w8a8 (fp8 kinds,
-    sm_89+): e4m3 activations with fp32 scales per 1 x 128 group (block weights) or per token, as fused_moe."""
+    of `kind` laid out as `meta_experts` gives them (fp8 loaded as float8e4nv if native_fp8, else decoded
+    from their bytes). gpt_oss: expert biases and the ClampedSwiGLU epilogue. w8a8 (fp8 kinds, sm_89+): e4m3
+    activations with fp32 scales per 1 x 128 group (block weights) or per token, as fused_moe."""
     from dataclasses import replace
-
-    from tritonq.random_weights import random_experts
 
     T, E, top_k, D, inter, gemm = tune_problem(problem)
     gate = gemm == 0
     N, K, w_rows = (inter, D, 2 * inter) if gate else (D, inter, D)  # w_rows: the stacked weight's N
-    weight = random_experts(kind, E, w_rows, K, dtype, "meta")
+    weight = meta_experts(kind, E, w_rows, K, dtype)
     if gpt_oss:
         weight = replace(weight, bias=torch.empty(E, w_rows, dtype=dtype, device="meta"))
     meta = torch.device("meta")
@@ -751,50 +782,3 @@ def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool 
     routing = torch.empty(numel, dtype=torch.float32, device=meta)
     return moe_gemm_launch(a, out, weight, routing, alignment, top_k, config, config.BLOCK_M, gate, native_fp8,
                            ClampedSwiGLU() if gpt_oss and gate else None, a_scale)
-
-
-def tune_target():
-    """Fused MoE with int4 experts (group 128, asymmetric: AWQ/GPTQ checkpoints, as `bench moe`).
-
-    The launcher looks up each GEMM under its own bucket (gate/up: N=I, K=D; down: N=D, K=I), so
-    a shape is two problems. A candidate for one GEMM runs with the other GEMM's default config
-    (`default_config`) at the candidate's BLOCK_M, since both share one token alignment; the
-    whole fused_moe is checked and timed.
-    """
-    from dataclasses import replace
-
-    from tritonq.random_weights import random_experts
-    from tritonq.kernels.aot import compile_launch
-    from tritonq.tune.search import TuneTarget, kernel_dtype
-
-    def make_inputs(problem, device):
-        T, E, top_k, D, inter, gemm = tune_problem(problem)
-        dtype = kernel_dtype(device)
-        x = torch.randn(T, D, dtype=dtype, device=device)
-        gate_up = random_experts("int4", E, 2 * inter, D, dtype, device)
-        down = random_experts("int4", E, D, inter, dtype, device)
-        weights, ids = grouped_topk(torch.randn(T, E, device=device), top_k, renormalize=True)
-        return x, gate_up, down, weights, ids, gemm
-
-    def run(inputs, config):
-        x, gate_up, down, weights, ids, gemm = inputs
-        tuned = MoEConfig(**config)
-        other = replace(default_config(*ids.shape, gate_up.qweight.shape[0]), BLOCK_M=tuned.BLOCK_M)
-        return fused_moe(x, gate_up, down, weights, ids, config=(tuned, other) if gemm == 0 else (other, tuned))
-
-    def bucket(inputs):
-        x, _, down, _, _, gemm = inputs
-        (T, D), (E, inter) = x.shape, (down.qweight.shape[0], down.qweight.shape[1] * 8)
-        return config_bucket(T, E, inter, D) if gemm == 0 else config_bucket(T, E, D, inter)
-
-    on_gpu = torch.cuda.is_available()
-    return TuneTarget(
-        name="moe", space=sweep_space, make_inputs=make_inputs, run=run,
-        reference=lambda inputs: fused_moe_reference(*inputs[:5]), bucket=bucket,
-        aot=lambda config, problem, cc: compile_launch(aot_launch(MoEConfig(**config), problem), cc),
-        # bf16: x, the dequantized weights and the SiLU-and-mul hidden are each rounded to bf16 (8-bit
-        # mantissa) before a GEMM, at unit-scale outputs (tests/kernels/test_moe.py's bound); fp32
-        # (interpreter, exact fp32 dots) differs only by summation order.
-        atol=5e-2 if on_gpu else 1e-4, rtol=5e-2 if on_gpu else 1e-4,
-        dry_run_shapes=((3, 8, 2, 64, 96), (40, 4, 2, 128, 64)), shape_format=TUNE_FORMAT,
-        problems=lambda shape: [(*tune_problem(shape)[:5], gemm) for gemm in range(len(TUNE_GEMMS))])

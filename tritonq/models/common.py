@@ -36,9 +36,6 @@ import torch
 from tritonq.kernels.attention import QuantizedPages
 from tritonq.kernels.norm_rope import rope_cos_sin
 
-# tritonq.load's kv_cache_dtype: "auto" stores K/V in the model dtype; "fp8" (float8_e4m3fn, one scale per layer
-# for k and for v) and "int8" (one scale per token and kv head) store 1 byte per value (kernels/attention.py).
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 KV_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token, kv head and k / v
 
 
@@ -82,7 +79,7 @@ class PagedKVCache:
 class KVLayout:
     """What one layer's cache holds per token: Hkv heads of Dqk (k) and Dv (v) values; v_in_k: v is
     the first Dv values of k (MLA's latent), so only k is allocated.
-    cache_dtype (KV_CACHE_DTYPES): "auto" stores the model dtype; "fp8" / "int8" 8-bit QuantizedPages.
+    cache_dtype (tritonq.config.KV_CACHE_DTYPES): "auto" stores the model dtype; "fp8" / "int8" 8-bit QuantizedPages.
     fp8_scales: fp8's per-layer (k_scale, v_scale) (tritonq.load reads them from the checkpoint, else 1.0)."""
     num_layers: int
     num_kv_heads: int

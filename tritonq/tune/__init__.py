@@ -1,7 +1,7 @@
 """Launch-config tuner, `python -m tritonq.tune` (see cli.py for the command, search.py for the search).
 
-Generic: what a kernel tunes (its sweep space, inputs, reference, bucket and AOT launch) is declared in
-the kernel's own file by `tune_target()`; `TARGETS` lists them by --kernel name.
+A kernel declares its sweep space and AOT launch builder in its own file; targets.py builds each
+kernel's `TuneTarget` from them (inputs, reference, bucket); `TARGETS` lists them by --kernel name.
 """
 from tritonq.tune.cli import TARGETS, main, model_shapes
 

@@ -6,9 +6,10 @@ Kernels and their --shapes format (x-separated ints):
   attention_decode     BxSmaxxHxHkvxDqkxDv     batch, cache capacity, heads, head dims (16-token pages)
   moe                  TxExTOPKxDxI            tokens, experts, experts per token, hidden, intermediate
                                                (int4 group-128 experts; its two GEMMs are tuned apart)
-Each kernel declares what is tuned in its own file (`tune_target()`: sweep space, inputs, reference,
-shape bucket, the AOT launch built by its launch builder); this package is the generic part
-(search.py: check, time, pick, write; cli.py: this command).
+Each kernel declares in its own file what is swept (its sweep space, shape format and AOT launch
+builder); targets.py adds what only the tuner needs (random inputs, the torch reference, the tolerance)
+into one `TuneTarget` per kernel; search.py is the generic part (check, time, pick, write); cli.py
+this command.
 For each shape, every candidate config of the kernel's declared search space is first checked
 against the torch reference, then timed (triton.testing.do_bench); the fastest correct one is
 written to tritonq/kernels/configs/<kernel>/<gpu-name>.json under the kernel's shape bucket,
@@ -37,20 +38,18 @@ CONFIG_DIR = Path(__file__).parents[1] / "kernels" / "configs"  # tritonq.kernel
 MODEL_M = (1, 16, 64, 256)  # decode, small batch, the int4/fp16 crossover, prefill
 
 
-def _declared(module: str, function: str = "tune_target") -> Callable[[], TuneTarget]:
-    """The target a kernel file declares, imported when asked for (a kernel import compiles nothing)."""
-    return lambda: getattr(importlib.import_module(f"tritonq.kernels.{module}"), function)()
+def _target(kernel: str) -> Callable[[], TuneTarget]:
+    """The builder of `kernel`'s target in tune/targets.py, imported (with torch) when asked for."""
+    return lambda: getattr(importlib.import_module("tritonq.tune.targets"), kernel)()
 
 
 TARGETS: dict[str, Callable[[], TuneTarget]] = {
-    "int4_gemm": _declared("int4_gemm"), "fp8_gemm": _declared("fp8_gemm"),
-    "attention_prefill": _declared("attention", "prefill_tune_target"),
-    "attention_decode": _declared("attention", "decode_tune_target"), "moe": _declared("moe")}
+    kernel: _target(kernel) for kernel in ("int4_gemm", "fp8_gemm", "attention_prefill", "attention_decode", "moe")}
 
 
 def model_shapes(path: str | Path, ms: tuple[int, ...] = MODEL_M) -> list[tuple[int, int, int]]:
     """(M, N, K) for every linear layer of the model at `path` (folder or config.json) and M in ms."""
-    from tritonq.bench.common import model_gemm_shapes
+    from tritonq.workbench import model_gemm_shapes
 
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
@@ -113,9 +112,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.tune") ->
         _reexec_with_interpreter(True, argv)
     import torch
 
-    from tritonq.bench.common import parse_shapes, print_table
+    from tritonq.workbench import parse_shapes, print_table
     from tritonq.kernels import configs
-    from tritonq.tune.search import _config_text, aot_table, shape_fields, tune, write_configs
+    from tritonq.kernels.common import shape_fields
+    from tritonq.tune.search import _config_text, aot_table, tune, write_configs
 
     if not (args.dry_run or args.aot) and not torch.cuda.is_available():
         p.error("timing needs a CUDA GPU; without one use --dry-run (interpreter check) or --aot sm_90")

@@ -1,4 +1,4 @@
-"""The search: a kernel's `TuneTarget` (declared in the kernel's own file, `tune_target()`) swept over
+"""The search: a kernel's `TuneTarget` (built in tune/targets.py from what the kernel declares) swept over
 shapes, every candidate checked against the reference, then timed; winners written where the
 launchers' `common.tuned_or_default` reads them. `aot_table` compiles candidates instead (no GPU).
 """
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,20 +45,6 @@ class TuneTarget:
     launch_only: tuple[str, ...] = ("num_warps", "num_stages")
     shape_format: str = "MxNxK"
     problems: Callable[[tuple[int, ...]], list[tuple[int, ...]]] = lambda shape: [shape]
-
-
-def shape_fields(shape_format: str) -> list[str]:
-    """"BxSmaxxHxHkvxDqkxDv" -> ["B", "Smax", "H", "Hkv", "Dqk", "Dv"]: an x before a capital separates."""
-    return re.split(r"x(?=[A-Z])", shape_format)
-
-
-def unpack_shape(shape: tuple[int, ...], target: str, shape_format: str) -> tuple[int, ...]:
-    """shape, checked to have one positive int per field of shape_format (ValueError otherwise)."""
-    fields = shape_fields(shape_format)
-    if len(shape) != len(fields) or min(shape) < 1:
-        raise ValueError(f"{target} shape {'x'.join(map(str, shape))}: expected {len(fields)} positive ints "
-                         f"{shape_format}")
-    return shape
 
 
 def kernel_dtype(device: torch.device) -> torch.dtype:
