@@ -168,8 +168,8 @@ def test_decode_launches_are_the_same_for_every_length_up_to_max_seq_len(llama_f
     launches one kernel config (grid, NUM_SPLITS, blocks) for every length 1..max_seq_len: no recompiles."""
     from tritonq.kernels import attention
     split, merge = RecordingSpy(), RecordingSpy()
-    monkeypatch.setattr(attention, "_decode_split_kernel", split)
-    monkeypatch.setattr(attention, "_decode_merge_kernel", merge)
+    monkeypatch.setattr(attention.launch, "_decode_split_kernel", split)
+    monkeypatch.setattr(attention.launch, "_decode_merge_kernel", merge)
     model = llama(llama_folder)
     runner = ModelRunner(model, num_blocks=2 * MAX_SEQ_LEN // BLOCK, block_size=BLOCK, max_seq_len=MAX_SEQ_LEN)
     runner.use_static_decode(max_num_seqs=2)
