@@ -20,7 +20,8 @@ from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 
 import tritonq
 from tritonq.engine.cuda_graphs import decode_buckets
-from tritonq.engine.runner import ModelRunner, SamplingTensors, sample_logits, sampling_noise
+from tritonq.engine.runner import ModelRunner
+from tritonq.engine.sampler import SamplingTensors, sample_logits, sampling_noise
 from tritonq.formats.registry import get_loader
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
 

@@ -434,7 +434,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
 
     from tritonq import distributed
     from tritonq.engine.engine import Engine
-    from tritonq.engine.runner import kv_cache_blocks
+    from tritonq.engine.kv_sizing import kv_cache_blocks
     from tritonq.engine.speculative import SpeculativeConfig, make_proposer
     from tritonq.formats.registry import get_loader
     from tritonq.generate import Model

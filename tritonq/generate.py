@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tritonq.engine.engine import Engine
-from tritonq.engine.runner import MAX_TOP_LOGPROBS
+from tritonq.engine.sampler import MAX_TOP_LOGPROBS
 from tritonq.engine.speculative import SpeculativeStats
 
 GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) are taken as 0 (greedy); see GenerationConfig

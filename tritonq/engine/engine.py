@@ -37,7 +37,8 @@ import torch
 
 from tritonq.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
-from tritonq.engine.runner import ModelRunner, SamplingParams
+from tritonq.engine.runner import ModelRunner
+from tritonq.engine.sampler import Sampler, SamplingParams
 from tritonq.engine.scheduler import Scheduler
 from tritonq.engine.sequence import Sequence
 from tritonq.engine.speculative import SpeculativeStats, accept
@@ -123,7 +124,8 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, block_size, world, max_seq_len)
+        self.runner = ModelRunner(model, num_blocks, block_size, max_seq_len)
+        self.sampler = Sampler(world)
         self.requests: dict[int, Request] = {}  # unfinished requests
         self._done: list[RequestOutput] = []  # finished without a step (max_new_tokens=0): reported next
         self._ids = itertools.count()
@@ -267,7 +269,7 @@ class Engine:
                     params.append(seq.extra.sampling)
                     token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
                     mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
-            tokens, logprobs, tops = self.runner.sample(logits, params, token_ids, mask_eos=mask_eos,
+            tokens, logprobs, tops = self.sampler.sample(logits, params, token_ids, mask_eos=mask_eos,
                                                         eos_token_ids=self.eos_token_ids,
                                                         token_bitmask=self._token_bitmask(row_seqs, logits.shape[1]))
         except Exception as exc:
@@ -336,7 +338,7 @@ class Engine:
 
     def _release(self, request: Request) -> None:
         """A request ended: drop what the runner (and a draft proposer) keep for it."""
-        self.runner.release(request.sampling)
+        self.sampler.release(request.sampling)
         if self.proposer is not None:
             self.proposer.release(request.request_id)
 

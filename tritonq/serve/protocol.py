@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from tritonq.engine.runner import MAX_TOP_LOGPROBS
+from tritonq.engine.sampler import MAX_TOP_LOGPROBS
 from tritonq.generate import GenerationConfig
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
