@@ -61,7 +61,7 @@ kernels), `configs.py` (launch configs and how one is chosen), `launch.py` (chec
 """
 from tritonq.kernels.attention.configs import (DecodeConfig, PrefillConfig, check_decode_config, check_prefill_config,
                                                config_bucket, decode_config, fit_decode_config, head_blocks,
-                                               paged_block_n, paged_prefill_config, qk_blocks)
+                                               launch_config, paged_block_n, paged_prefill_config, qk_blocks)
 from tritonq.kernels.attention.jit import (_decode_merge_kernel, _decode_split_kernel, _paged_prefill_kernel,
                                            _write_slots_kernel)
 from tritonq.kernels.attention.launch import (_check_prefill_lens, _check_slots, alibi_slopes, decode_attention,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
 import triton
 
-from tritonq.kernels.common import check_launch_config, tuned_or_default
+from tritonq.kernels.common import check_launch_config, compute_capability, tuned_or_default
 
 
 @dataclass(frozen=True)
@@ -128,3 +129,23 @@ def head_blocks(d_qk: int, d_v: int) -> tuple[int, int, int]:
     """(BLOCK_D, BLOCK_DR, BLOCK_DV): the register blocks of the qk head dim (`qk_blocks`) and of the
     v head dim (a power of two >= 16); they key the tuned configs (`config_bucket`)."""
     return (*qk_blocks(d_qk), max(16, triton.next_power_of_2(d_v)))
+
+
+def launch_config(kind: type[PrefillConfig] | type[DecodeConfig], q: torch.Tensor, k_pages: torch.Tensor,
+                  v_pages: torch.Tensor, block_table: torch.Tensor, window: int = 0,
+                  max_seq_len: int | None = None) -> PrefillConfig | DecodeConfig:
+    """The one route from a launch's checked inputs to its config when the caller gives none: the head-dim
+    bucket (`head_blocks`), the device (compute capability for prefill, SM count for decode), then the
+    tuned JSON or the default (`paged_prefill_config` / `decode_config`). q [T or B, H, Dqk]; k_pages,
+    v_pages [P, page_size, Hkv, D] (8-bit pages' data). A decode config follows the capacity, never
+    cache_lens: max_seq_len, else the block table's width x page_size, capped by a window (the keys any
+    query sees), so a growing sequence keeps one compiled kernel and the launch reads nothing from the device."""
+    blocks = head_blocks(q.shape[-1], v_pages.shape[-1])
+    if kind is PrefillConfig:
+        return paged_prefill_config(*blocks, compute_capability(q.device))
+    page_size = k_pages.shape[1]
+    capacity = max_seq_len or block_table.shape[1] * page_size
+    if window:
+        capacity = min(capacity, window)
+    sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
+    return decode_config(q.shape[0], k_pages.shape[2], capacity, page_size, *blocks, sm_count)

@@ -8,13 +8,13 @@ import triton
 
 from tritonq.kernels import cpu_attention, use_cpu_kernels, use_triton
 from tritonq.kernels.attention.configs import (DecodeConfig, PrefillConfig, check_decode_config, check_prefill_config,
-                                               decode_config, head_blocks, paged_block_n, paged_prefill_config)
+                                               head_blocks, launch_config, paged_block_n)
 from tritonq.kernels.attention.jit import (_decode_merge_kernel, _decode_split_kernel, _paged_prefill_kernel,
                                            _write_slots_kernel)
 from tritonq.kernels.attention.pages import LOG2E, QuantizedPages, shares_scale
 from tritonq.kernels.attention.reference import (decode_attention_reference, paged_prefill_attention_reference,
                                                  write_kv_slots_reference)
-from tritonq.kernels.common import Launch, compute_capability
+from tritonq.kernels.common import Launch
 
 def _check_lens(name: str, lens: torch.Tensor, batch: int, device: torch.device) -> None:
     if lens.dtype != torch.int32 or lens.shape != (batch,) or lens.device != device:
@@ -167,7 +167,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     sequence b is in page block_table[b, n // page_size]. Returns [B, H, Dv] in q's dtype.
     window > 0: sliding window, the query (at position cache_lens[b] - 1) sees the last `window` keys.
     config: launch config for the Triton kernels (the tuner's candidates; BLOCK_N <= page_size);
-    None: `decode_config`. The key tile is `paged_block_n`: BLOCK_N capped at page_size and at 32.
+    None: `launch_config` (`decode_config`). The key tile is `paged_block_n`: BLOCK_N capped at page_size and at 32.
     max_seq_len: the capacity the launch config is chosen for (default: the block table width x
     page_size). The config never depends on cache_lens, so a growing sequence never recompiles and
     the launch is CUDA-graph safe. sinks [H] float32: attention sinks (see the module docstring).
@@ -204,14 +204,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         k_pages, v_pages = map(_last_dim_contiguous, (k_pages, v_pages))
     else:  # 8-bit pages (contiguous in the head dim: _unpack_pages) travel with their scales
         k_pages, v_pages = given
-    H_kv, D_V = k_pages.shape[2], v_pages.shape[-1]
-    # The config depends on capacity only (never cache_lens): a growing sequence keeps one compiled
-    # kernel and the launch reads nothing from the device. A window bounds the keys any query sees.
-    S_max = max_seq_len or block_table.shape[1] * page_size
-    if window:
-        S_max = min(S_max, window)
-    sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
-    cfg = config or decode_config(B, H_kv, S_max, page_size, *head_blocks(D_QK, D_V), sm_count)
+    cfg = config or launch_config(DecodeConfig, q, k_pages, v_pages, block_table, window, max_seq_len)
     split, merge, out = decode_launches(q, k_pages, v_pages, cache_lens, block_table, scale, window, cfg, sinks,
                                         alibi_slopes=alibi_slopes)
     split()
@@ -335,7 +328,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     cu_seqlens_q [B+1] int32, context_lens [B] int32, block_table [B, max_pages] int32.
     A query at position p sees keys j <= p and, if window > 0, p - j < window.
     Returns [T, H, Dv] in q's dtype. config: a PrefillConfig (key tiles may span pages); None:
-    `paged_prefill_config` for this GPU. check_values=False skips the check that cu_seqlens_q and
+    `launch_config` (`paged_prefill_config` for this GPU). check_values=False skips the check that cu_seqlens_q and
     context_lens agree with T and the block table (~8 small kernels and an assert on CUDA, a host read on
     CPU): for callers that checked them already (models: the engine's runner checks each step once).
     sinks [H] float32: attention sinks (see the module docstring).
@@ -371,8 +364,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
                                                  sinks, alibi_slopes=alibi_slopes)
 
     T, D_V = q.shape[0], v_pages.shape[-1]
-    if config is None:
-        config = paged_prefill_config(*head_blocks(q.shape[-1], D_V), compute_capability(q.device))
+    config = config or launch_config(PrefillConfig, q, k_pages, v_pages, block_table)
     if T == 0 or B == 0:
         return torch.empty(T, q.shape[1], D_V, dtype=q.dtype, device=q.device)
     launch, out = paged_prefill_launch(_last_dim_contiguous(q), *given, cu_seqlens_q, context_lens,
