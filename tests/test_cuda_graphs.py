@@ -20,7 +20,8 @@ from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 
 import tritonq
 from tritonq.engine.cuda_graphs import decode_buckets
-from tritonq.engine.runner import ModelRunner, SamplingTensors, sample_logits, sampling_noise
+from tritonq.engine.runner import ModelRunner
+from tritonq.engine.sampler import SamplingTensors, sample_logits, sampling_noise
 from tritonq.formats.registry import get_loader
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
 
@@ -168,8 +169,8 @@ def test_decode_launches_are_the_same_for_every_length_up_to_max_seq_len(llama_f
     launches one kernel config (grid, NUM_SPLITS, blocks) for every length 1..max_seq_len: no recompiles."""
     from tritonq.kernels import attention
     split, merge = RecordingSpy(), RecordingSpy()
-    monkeypatch.setattr(attention, "_decode_split_kernel", split)
-    monkeypatch.setattr(attention, "_decode_merge_kernel", merge)
+    monkeypatch.setattr(attention.launch, "_decode_split_kernel", split)
+    monkeypatch.setattr(attention.launch, "_decode_merge_kernel", merge)
     model = llama(llama_folder)
     runner = ModelRunner(model, num_blocks=2 * MAX_SEQ_LEN // BLOCK, block_size=BLOCK, max_seq_len=MAX_SEQ_LEN)
     runner.use_static_decode(max_num_seqs=2)

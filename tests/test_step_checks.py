@@ -32,8 +32,8 @@ def value_checks(monkeypatch):
             calls[name] += 1
             return check(*args)
         return counted
-    monkeypatch.setattr(attention, "_check_slots", count("slots", check_slots))
-    monkeypatch.setattr(attention, "_check_prefill_lens", count("prefill", check_prefill))
+    monkeypatch.setattr(attention.launch, "_check_slots", count("slots", check_slots))
+    monkeypatch.setattr(attention.launch, "_check_prefill_lens", count("prefill", check_prefill))
     return calls
 
 

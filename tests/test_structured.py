@@ -18,7 +18,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 import tritonq  # noqa: E402
 from tritonq.demo import DEFAULT_MODEL, write_tiny_llama  # noqa: E402
-from tritonq.engine.runner import ModelRunner, SamplingParams  # noqa: E402
+from tritonq.engine.sampler import Sampler, SamplingParams  # noqa: E402
 from tritonq.generate import GenerationConfig  # noqa: E402
 from tritonq.structured import Grammars, apply_token_bitmask, constraint_of, token_bitmask  # noqa: E402
 
@@ -144,21 +144,20 @@ def test_bitmask_op_matches_xgrammar_apply_inplace():
 
 
 def test_sampler_draws_only_allowed_tokens():
-    """runner.sample with a bitmask: greedy rows take the argmax over the allowed tokens, sampled rows
+    """Sampler.sample with a bitmask: greedy rows take the argmax over the allowed tokens, sampled rows
     never leave them, unconstrained (all-ones) rows are untouched; logprobs come from the raw logits."""
     V, allowed = 300, [3, 77, 256, 299]
     bitmask = token_bitmask(4, V)
     bitmask[:2] = 0
     for t in allowed:
         bitmask[:2, t // 32] |= (1 << (t % 32)) if t % 32 != 31 else -2 ** 31
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.world, runner.seen = 1, None
+    sampler = Sampler()
     greedy, sampled = GenerationConfig(), GenerationConfig(temperature=1.0)
     for trial in range(20):
         logits = torch.randn(4, V)
         params = [SamplingParams(greedy), SamplingParams(sampled, seed=trial),
                   SamplingParams(greedy), SamplingParams(sampled, seed=trial)]
-        tokens, logprobs, _ = runner.sample(logits, params, [[1]] * 4, token_bitmask=bitmask)
+        tokens, logprobs, _ = sampler.sample(logits, params, [[1]] * 4, token_bitmask=bitmask)
         assert tokens[0] == allowed[int(logits[0, allowed].argmax())]
         assert tokens[1] in allowed
         assert tokens[2] == int(logits[2].argmax())

@@ -375,7 +375,7 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
 
     from tritonq import distributed
     from tritonq.engine.engine import Engine
-    from tritonq.engine.runner import kv_cache_blocks
+    from tritonq.engine.kv_sizing import kv_cache_blocks
     from tritonq.engine.speculative import make_proposer
     from tritonq.formats.registry import get_loader
     from tritonq.generate import Model

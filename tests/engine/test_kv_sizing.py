@@ -11,9 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tritonq.engine import runner as runner_module
+from tritonq.engine import kv_sizing
 from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_buckets
-from tritonq.engine.runner import ModelRunner, kv_cache_blocks, warmup_prompt_lengths
+from tritonq.engine.kv_sizing import kv_cache_blocks, warmup_prompt_lengths
+from tritonq.engine.runner import ModelRunner
+from tritonq.engine.sampler import Sampler
 from tritonq.models.common import KVLayout
 
 GiB = 2 ** 30
@@ -28,14 +30,14 @@ def fake_cuda_model(bytes_per_token: int = 1024):
 def test_cuda_block_count_is_capped_by_the_sequences_it_can_hold(monkeypatch):
     """An H200's ~125 GiB free for a 1 KiB/token model would be ~8 M blocks; 128 x 4096 tokens need 32,768."""
     seen = {}
-    monkeypatch.setattr(runner_module, "_free_gpu_bytes",
+    monkeypatch.setattr(kv_sizing, "_free_gpu_bytes",
                         lambda model, *args: seen.setdefault("args", args) and 125 * GiB)
     blocks = kv_cache_blocks(fake_cuda_model(), block_size=16, max_seq_len=4096, max_num_seqs=128,
                              max_num_batched_tokens=2048, cuda_graphs=True)
     assert blocks == 128 * 4096 // 16
     assert seen["args"] == (16, 4096, 128, 2048, 0.9, True)
     # less free memory than the sequences need: the free memory decides
-    monkeypatch.setattr(runner_module, "_free_gpu_bytes", lambda model, *args: GiB / 4)
+    monkeypatch.setattr(kv_sizing, "_free_gpu_bytes", lambda model, *args: GiB / 4)
     assert kv_cache_blocks(fake_cuda_model(), block_size=16, max_seq_len=4096, max_num_seqs=128,
                            max_num_batched_tokens=2048) == GiB // 4 // (16 * 1024)
 
@@ -64,7 +66,7 @@ def fake_cuda_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state.peak)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GiB, 80 * GiB))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: setattr(state, "empty_cache", state.empty_cache + 1))
-    run, sample = ModelRunner.run, ModelRunner.sample
+    run, sample = ModelRunner.run, Sampler.sample
 
     def spy_run(self, ctx):
         state.steps.append((ctx.is_prefill, ctx.cu_seqlens_q.diff().tolist(), ctx.input_ids.shape[0],
@@ -76,7 +78,7 @@ def fake_cuda_memory(monkeypatch):
         state.peak = max(state.peak, logits.shape[0] * 2 ** 20)
         return sample(self, logits, params, token_ids, *args, **kwargs)
     monkeypatch.setattr(ModelRunner, "run", spy_run)
-    monkeypatch.setattr(ModelRunner, "sample", spy_sample)
+    monkeypatch.setattr(Sampler, "sample", spy_sample)
     return state
 
 
@@ -87,7 +89,7 @@ def test_warmup_runs_the_largest_steps_and_the_budget_subtracts_them(tiny_llama_
     a decode step of 8 sequences (a static bucket of 8); free = 0.9 x 80 - 20 GiB - the largest peak
     - the graph pool (decode peak + every bucket's logits)."""
     model = tiny_llama_model.model
-    free = runner_module._free_gpu_bytes(model, 16, 32, 8, 100, 0.9, cuda_graphs)
+    free = kv_sizing._free_gpu_bytes(model, 16, 32, 8, 100, 0.9, cuda_graphs)
     prefill, decode = fake_cuda_memory.steps
     assert prefill == (True, [25, 25, 25, 25], 100, False)
     assert decode == (False, [1] * 8, 8, True)

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tritonq.engine.runner import (SamplingParams, SamplingTensors, open_unit_uniform, process_logits,
+from tritonq.engine.sampler import (SamplingParams, SamplingTensors, open_unit_uniform, process_logits,
                                    sample_logits, sampling_noise)
 from tritonq.generate import GenerationConfig
 
@@ -104,7 +104,7 @@ def test_processed_logits_tokens_and_top_logprobs_match_the_reference(model):
     """Three steps of a batch of mixed settings on fixed random logits: each step's processed logits equal
     the reference's, the tokens are their argmax, the logprob and the top-N are those of the raw logits
     (and counts carry over steps: a generated token is counted once per time it was generated)."""
-    runner = model.engine.runner
+    sampler = model.engine.sampler
     params = [SamplingParams(c, num_prompt_tokens=len(p)) for c, p in zip(MIXED, PROMPTS)]
     token_ids = [list(p) for p in PROMPTS]
     generator = torch.Generator().manual_seed(0)
@@ -116,10 +116,10 @@ def test_processed_logits_tokens_and_top_logprobs_match_the_reference(model):
             mask_eos = [len(ids) - len(p) < c.min_tokens for ids, p, c in zip(token_ids, PROMPTS, MIXED)]
             want = [reference_logits(row, p, ids[len(p):], c, m)
                     for row, p, ids, c, m in zip(logits.tolist(), PROMPTS, token_ids, MIXED, mask_eos)]
-            tensors = runner.sampling_tensors(params, token_ids, mask_eos, EOS, V, logits.device)
+            tensors = sampler.sampling_tensors(params, token_ids, mask_eos, EOS, V, logits.device)
             got = process_logits(logits, tensors)
             torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-5)
-            tokens, logprobs, tops = runner.sample(logits, params, token_ids, mask_eos, EOS)
+            tokens, logprobs, tops = sampler.sample(logits, params, token_ids, mask_eos, EOS)
             for r, (row, config) in enumerate(zip(want, MIXED)):
                 assert tokens[r] == max(range(V), key=row.__getitem__)
                 raw = reference_log_softmax(logits[r].tolist())
@@ -135,7 +135,7 @@ def test_processed_logits_tokens_and_top_logprobs_match_the_reference(model):
         assert any(n >= 2 for n in Counter(token_ids[2][3:]).values())  # a count of 2 was exercised
     finally:
         for p in params:
-            runner.release(p)
+            sampler.release(p)
 
 
 def test_logit_bias_and_penalties_sample_the_reference_distribution():
@@ -162,7 +162,7 @@ def test_logit_bias_and_penalties_sample_the_reference_distribution():
 def test_a_mixed_batch_samples_what_each_row_samples_alone(model):
     """Seeded sampled rows with different settings: batched together, each row draws the tokens it draws
     alone (its noise is its own; its masks, biases and penalties are per row)."""
-    runner = model.engine.runner
+    sampler = model.engine.sampler
     configs = [GenerationConfig(temperature=1.0, seed=s, **extra) for s, extra in enumerate([
         {}, {"logit_bias": {2: 3.0}}, {"presence_penalty": 1.0, "top_k": 4}, {"frequency_penalty": 1.5, "min_p": 0.1},
         {"repetition_penalty": 1.4, "top_p": 0.8, "min_tokens": 3, "stop_token_ids": (5,)}])]
@@ -173,10 +173,10 @@ def test_a_mixed_batch_samples_what_each_row_samples_alone(model):
     def draw(rows):
         params = [SamplingParams(configs[r], num_prompt_tokens=1) for r in rows]
         try:
-            return runner.sample(logits[rows], params, [token_ids[r] for r in rows], [mask_eos[r] for r in rows], EOS)
+            return sampler.sample(logits[rows], params, [token_ids[r] for r in rows], [mask_eos[r] for r in rows], EOS)
         finally:
             for p in params:
-                runner.release(p)
+                sampler.release(p)
     together = draw(list(range(len(configs))))
     alone = [draw([r]) for r in range(len(configs))]
     assert together[0] == [a[0][0] for a in alone] and together[1] == [a[1][0] for a in alone]

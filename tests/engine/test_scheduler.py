@@ -100,8 +100,8 @@ def assert_all_blocks_free(bm: BlockManager):
 
 def test_add_refuses_a_sequence_that_can_never_fit_naming_the_numbers():
     sched = make(num_blocks=4)
-    with pytest.raises(ValueError, match=r"50 prompt tokens \+ 15 max_new_tokens = 65 tokens need 5 KV "
-                                         r"blocks of 16, but the cache has 4 blocks \(64 tokens\)"):
+    with pytest.raises(ValueError, match=r"sequence 0 has 50 tokens \+ max_new_tokens=15 = 65 tokens, which need 5 KV "
+                                         r"blocks of 16, but the cache has 4 \(64 tokens\)"):
         sched.add(Sequence(0, [1] * 50, max_new_tokens=15))
     assert not sched.has_unfinished()
     sched.add(Sequence(1, [1] * 50, max_new_tokens=14))           # exactly 64 tokens fits

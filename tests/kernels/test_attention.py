@@ -204,7 +204,7 @@ def test_prefill_explicit_config_is_launched_and_matches_reference(monkeypatch):
     B, S, h, h_kv, d_qk, d_v = 3, 33, 4, 2, 72, 40  # a ragged qk tail, Dv off the block size
     q, k, v = torch.randn(B, S, h, d_qk), torch.randn(B, S, h_kv, d_qk), torch.randn(B, S, h_kv, d_v)
     spy = LaunchSpy(attention._paged_prefill_kernel)
-    monkeypatch.setattr(attention, "_paged_prefill_kernel", spy)
+    monkeypatch.setattr(attention.launch, "_paged_prefill_kernel", spy)
     args = paged_prompts(q, k, v, SEQ_LENS, 16)
     out = paged_prefill_attention(*args, 0.2, config=attention.PrefillConfig(32, 16, 8, 3))
     assert [(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) for c in spy.launches] == [(32, 16, 8, 3)]
@@ -223,7 +223,7 @@ def test_decode_explicit_config_is_launched_and_matches_reference(monkeypatch, p
     k, v = randn(B, S_MAX, h_kv, d_qk, generator=g), randn(B, S_MAX, h_kv, d_v, generator=g)
     k, v, table = paged_cache(k, v, page_size, 80, g)
     spy = LaunchSpy(attention._decode_split_kernel)
-    monkeypatch.setattr(attention, "_decode_split_kernel", spy)
+    monkeypatch.setattr(attention.launch, "_decode_split_kernel", spy)
     cfg = attention.DecodeConfig(BLOCK_N=16, NUM_SPLITS=3, num_warps=8, num_stages=3)
     out = decode_attention(q, k, v, lens(CACHE_LENS), table, 0.15, config=cfg)
     assert [(c["BLOCK_N"], c["NUM_SPLITS"], c["num_warps"], c["num_stages"]) for c in spy.launches] == [(16, 3, 8, 3)]
@@ -420,8 +420,8 @@ def test_decode_launch_config_is_the_same_for_every_cache_length(monkeypatch, pa
     takes on a GPU, so there are several splits on every device (the interpreter's tiles are 16 keys)."""
     from tritonq.kernels import attention
     split, merge = RecordingSpy(), RecordingSpy()
-    monkeypatch.setattr(attention, "_decode_split_kernel", split)
-    monkeypatch.setattr(attention, "_decode_merge_kernel", merge)
+    monkeypatch.setattr(attention.launch, "_decode_split_kernel", split)
+    monkeypatch.setattr(attention.launch, "_decode_merge_kernel", merge)
     max_seq_len, B, h, h_kv, d = 320, 2, 4, 2, 64
     q = torch.randn(B, h, d)
     for n in range(1, max_seq_len + 1):

@@ -142,7 +142,8 @@ def test_cpu_tensors_run_the_fast_path_and_torch_backend_the_reference(monkeypat
     names = ("decode_attention", "paged_prefill_attention", "write_kv_slots")
     for name in names:
         monkeypatch.setattr(cpu_attention, name, lambda *a, name=name, **k: calls.append(f"cpu {name}"))
-        monkeypatch.setattr(attention, f"{name}_reference", lambda *a, name=name, **k: calls.append(f"ref {name}"))
+        monkeypatch.setattr(attention.launch, f"{name}_reference",  # where the launchers look it up
+                            lambda *a, name=name, **k: calls.append(f"ref {name}"))
     for backend in ("auto", "torch"):
         monkeypatch.setenv("TRITONQ_BACKEND", backend)
         decode_attention(q, k_pages, v_pages, lens, table, 0.1)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -38,9 +37,10 @@ import torch
 from tritonq.config import GenerationConfig
 from tritonq.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
-from tritonq.engine.runner import ModelRunner, SamplingParams
+from tritonq.engine.runner import ModelRunner
+from tritonq.engine.sampler import Sampler, SamplingParams
 from tritonq.engine.scheduler import Scheduler
-from tritonq.engine.sequence import Sequence
+from tritonq.engine.sequence import Sequence, check_fits
 from tritonq.engine.speculative import SpeculativeStats, accept
 from tritonq.structured import Grammars, GrammarState, constraint_of, token_bitmask
 
@@ -124,7 +124,8 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, block_size, world, max_seq_len)
+        self.runner = ModelRunner(model, num_blocks, block_size, max_seq_len)
+        self.sampler = Sampler(world)
         self.requests: dict[int, Request] = {}  # unfinished requests
         self._done: list[RequestOutput] = []  # finished without a step (max_new_tokens=0): reported next
         self._ids = itertools.count()
@@ -164,19 +165,9 @@ class Engine:
                                  f"0..{vocab_size - 1}); encode prompts with this model's tokenizer.")
 
     def _check_length(self, num_prompt_tokens: int, max_new_tokens: int, name: str) -> None:
-        if num_prompt_tokens == 0:
-            raise ValueError(f"{name} has no tokens; give at least one token.")
-        total = num_prompt_tokens + max_new_tokens
-        if self.max_seq_len is not None and total > self.max_seq_len:
-            raise ValueError(f"{name} has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
-                             f"{total} > max_seq_len={self.max_seq_len}; shorten the prompt, lower max_new_tokens "
-                             "or load with a larger max_seq_len.")
         bm = self.block_manager
-        if bm.blocks_needed(total) > bm.num_blocks:
-            raise ValueError(f"{name} has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
-                             f"{total} tokens, which need {bm.blocks_needed(total)} KV blocks of {bm.block_size}, "
-                             f"but the cache has {bm.num_blocks} ({bm.num_blocks * bm.block_size} tokens); shorten "
-                             "the request or give the KV cache more memory (kv_cache_gb / gpu_memory_utilization).")
+        check_fits(name, num_prompt_tokens, max_new_tokens, num_blocks=bm.num_blocks, block_size=bm.block_size,
+                   max_seq_len=self.max_seq_len)
 
     def check_request(self, prompt_ids: list[int], config, *, name: str = "the prompt") -> None:
         """Every request-level check, before anything is queued (Model and server both call it): the
@@ -253,9 +244,7 @@ class Engine:
             if step.lookahead is not None:  # decoding sequences get proposals in their reserved slots
                 step = step.with_proposals(self.proposer.propose(step.seqs, step.lookahead))
             proposals = step.proposals or [[]] * len(step.seqs)
-            # rows of logits per sequence: 1 + its proposals where it samples, 0 for a chunk short of its end
-            rows = [1 + len(p) if seq.num_computed_tokens + n - len(p) == seq.num_tokens else 0
-                    for seq, n, p in zip(step.seqs, step.num_new_tokens, proposals)]
+            rows = step.logits_for()  # 1 + its proposals where a sequence samples, 0 for a chunk short of its end
             ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
                                       proposals=step.proposals)
             logits = self.runner.run(ctx)
@@ -268,7 +257,7 @@ class Engine:
                     params.append(seq.extra.sampling)
                     token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
                     mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
-            tokens, logprobs, tops = self.runner.sample(logits, params, token_ids, mask_eos=mask_eos,
+            tokens, logprobs, tops = self.sampler.sample(logits, params, token_ids, mask_eos=mask_eos,
                                                         eos_token_ids=self.eos_token_ids,
                                                         token_bitmask=self._token_bitmask(row_seqs, logits.shape[1]))
         except Exception as exc:
@@ -337,7 +326,7 @@ class Engine:
 
     def _release(self, request: Request) -> None:
         """A request ended: drop what the runner (and a draft proposer) keep for it."""
-        self.runner.release(request.sampling)
+        self.sampler.release(request.sampling)
         if self.proposer is not None:
             self.proposer.release(request.request_id)
 
@@ -403,7 +392,6 @@ class Engine:
         called as prompt i finishes (progress bars). Not concurrent with step(): call it between steps.
         """
         self._check_alive()
-        bm, sched = self.block_manager, self.scheduler
         for i, p in enumerate(prompts):  # every prompt checked before any runs
             self.check_token_ids(p, name=f"prompt {i}")
             if len(p) == 0:
@@ -415,73 +403,44 @@ class Engine:
         top_n = min(top_logprobs, vocab)
         empty = (torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bool),
                  (torch.empty(0, top_n, dtype=torch.int64), torch.empty(0, top_n)) if top_n else None)
-        waiting = deque()
+        # Full-row logits cost rows * vocab * 4 bytes (twice, with log_softmax): cap a step at ~512 MiB of them.
+        budget = max(1, min(self.scheduler.max_num_batched_tokens, (512 << 20) // (8 * vocab)))
+        # A scheduler of its own over the same blocks: the scoring sequences run alone (requests in the
+        # engine's scheduler keep their blocks and wait for the next step()).
+        sched = Scheduler(self.block_manager, min(self.scheduler.max_num_seqs, budget), budget)
         for i, p in enumerate(prompts):
             if len(p) == 1:  # nothing to predict: no context for the only token
                 results[i] = empty
                 if on_done:
                     on_done(i)
-            else:
-                waiting.append(i)
-        # Full-row logits cost rows * vocab * 4 bytes (twice, with log_softmax): cap a step at ~512 MiB of them.
-        budget = max(1, min(sched.max_num_batched_tokens, (512 << 20) // (8 * vocab)))
-        running: list[tuple[int, Sequence, int]] = []  # (prompt index, sequence of its inputs, next position)
+            else:  # the last token is only a target: the model runs over the others
+                sched.add(Sequence(i, list(p[:-1]), 0, scoring=True))
         parts: dict[int, list] = {}
         try:
-            while waiting or running:
-                pending = sum(seq.num_tokens - pos for _, seq, pos in running)
-                while waiting and len(running) < sched.max_num_seqs and pending < budget:
-                    i = waiting[0]
-                    seq = Sequence(-1 - i, list(prompts[i][:-1]), 1)
-                    if not bm.can_allocate(seq):
-                        break
-                    waiting.popleft()
-                    bm.allocate(seq)
-                    running.append((i, seq, 0))
-                    pending += seq.num_tokens
-                if not running:
-                    need = bm.blocks_needed(len(prompts[waiting[0]]) - 1)
-                    raise RuntimeError(f"score: prompt {waiting[0]} needs {need} free KV blocks; {bm.num_free_blocks} "
-                                       "are free while other requests hold the rest. Finish or abort them first.")
-                seqs, counts, starts, left = [], [], [], budget
-                for i, seq, pos in running:
-                    if left == 0:
-                        break
-                    n = min(seq.num_tokens - pos, left)
-                    seqs.append(seq)
-                    counts.append(n)
-                    starts.append(pos)
-                    left -= n
-                # start=pos recomputes rows below num_computed_tokens (prefix-cache hits) without writing them
-                logits = self.runner.run(self.runner.prepare(seqs, counts, True, start=starts))
-                row, still = 0, []
-                for k, (i, seq, pos) in enumerate(running):
-                    if k >= len(seqs):
-                        still.append((i, seq, pos))
-                        continue
-                    n = counts[k]
+            while (step := sched.schedule()) is not None:
+                rows_per_seq = step.logits_for()
+                logits = self.runner.run(self.runner.prepare(step.seqs, step.num_new_tokens, True,
+                                                             logits_for=rows_per_seq, start=step.start))
+                row = 0
+                for seq, n in zip(step.seqs, rows_per_seq):
+                    i, first = seq.seq_id, seq.num_scored  # first position whose logits these rows are
                     rows = logits[row:row + n]
                     row += n
-                    targets = torch.tensor(prompts[i][pos + 1:pos + 1 + n], dtype=torch.int64, device=rows.device)
+                    targets = torch.tensor(prompts[i][first + 1:first + 1 + n], dtype=torch.int64, device=rows.device)
                     log_probs = rows.log_softmax(-1)
                     logprobs = log_probs.gather(1, targets[:, None])[:, 0]
                     top = log_probs.topk(top_n, dim=-1) if top_n else None
                     parts.setdefault(i, []).append((logprobs.cpu(), (rows.argmax(-1) == targets).cpu(),
                                                     None if top is None else (top.indices.cpu(), top.values.cpu())))
-                    seq.num_computed_tokens = max(seq.num_computed_tokens, pos + n)
-                    bm.mark_computed(seq)  # full blocks become prefix-cache entries, as after a generation prefill
-                    if pos + n < seq.num_tokens:
-                        still.append((i, seq, pos + n))
-                        continue
-                    bm.free(seq)
-                    chunks = parts.pop(i)
+                # full blocks become prefix-cache entries, as after a generation prefill; done ones are freed
+                for seq in sched.postprocess(step, [None] * len(step.seqs)):
+                    i, chunks = seq.seq_id, parts.pop(seq.seq_id)
                     results[i] = (torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]),
                                   (torch.cat([c[2][0] for c in chunks]), torch.cat([c[2][1] for c in chunks]))
                                   if top_n else None)
                     if on_done:
                         on_done(i)
-                running = still
         finally:  # an error or Ctrl-C: give back the blocks of unfinished prompts
-            for _, seq, _ in running:
-                bm.free(seq)
+            for seq_id in list(sched.seqs):
+                sched.abort(seq_id)
         return results

@@ -19,6 +19,11 @@ sequence is a query of length 1 after its cached context.
 A sequence is ready to decode when exactly its last token lacks KV (num_computed == num_tokens - 1);
 after a step the token sampled from the logits at its last token is appended.
 
+Scoring (`Engine.score`): a scoring sequence (`Sequence(..., scoring=True)`) is admitted like a prompt
+but only ever prefills, with logits at every position it computes (`ScheduledStep.logits_for`) and no
+sampled token; it finishes (blocks freed, full blocks prefix-cached) once every position has its logits.
+Its prefix-cache hits are recomputed for their logits but not rewritten (`ScheduledStep.start`).
+
 Speculative decoding (tritonq.engine.speculative): a decoding sequence with num_speculative_tokens > 0
 also gets KV slots (and budget) for `lookahead(seq)` tokens after its last one; the engine then puts
 up to that many proposals in the step (`ScheduledStep.with_proposals`), and `postprocess` takes the
@@ -34,22 +39,31 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from tritonq.engine.block_manager import BlockManager
-from tritonq.engine.sequence import Sequence, SequenceStatus
-
-def _ready_to_decode(seq: Sequence) -> bool:
-    return seq.num_computed_tokens == seq.num_tokens - 1
-
+from tritonq.engine.sequence import Sequence, SequenceStatus, check_fits
 
 @dataclass(frozen=True)
 class ScheduledStep:
     """One model step. Sequence i computes token_ids[c : c + num_new_tokens[i]] with c its
     num_computed_tokens (read before `postprocess`); it samples when c + n == num_tokens. Decoding
-    sequences come first, then prefill chunks. is_prefill: not every sequence decodes (see above)."""
+    sequences come first, then prefill chunks. is_prefill: not every sequence decodes (see above).
+    start: each sequence's first position when a scoring sequence is in the step (its `next_position`,
+    which may lie below num_computed_tokens: recomputed, not rewritten); None: num_computed_tokens."""
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
     lookahead: list[int] | None = None  # KV slots reserved past each sequence's tokens (None: none)
     proposals: list[list[int]] | None = None  # draft tokens computed after each one's last token
+    start: list[int] | None = None
+
+    def logits_for(self) -> list[int]:
+        """Rows of logits per sequence, its last ones: a scoring sequence's positions not scored yet, 1 +
+        its proposals for a sequence that samples, 0 for a prompt chunk short of its end. Read before
+        `postprocess`."""
+        proposals = self.proposals or [[]] * len(self.seqs)
+        start = self.start or [seq.num_computed_tokens for seq in self.seqs]
+        return [max(0, c + n - seq.num_scored) if seq.scoring
+                else 1 + len(p) if c + n - len(p) == seq.num_tokens else 0
+                for seq, c, n, p in zip(self.seqs, start, self.num_new_tokens, proposals)]
 
     @property
     def num_batched_tokens(self) -> int:
@@ -98,17 +112,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; it runs when blocks and the budget allow.
 
-        Raises ValueError, before queueing, if it could never fit: prompt + max_new_tokens needs
-        more blocks than the cache has.
+        Raises ValueError, before queueing, if it could never fit (`check_fits`): prompt + max_new_tokens
+        needs more blocks than the cache has.
         """
         bm = self.block_manager
-        total = seq.num_prompt_tokens + seq.max_new_tokens
-        if bm.blocks_needed(total) > bm.num_blocks:
-            raise ValueError(
-                f"sequence {seq.seq_id}: {seq.num_prompt_tokens} prompt tokens + {seq.max_new_tokens} "
-                f"max_new_tokens = {total} tokens need {bm.blocks_needed(total)} KV blocks of "
-                f"{bm.block_size}, but the cache has {bm.num_blocks} blocks ({bm.num_blocks * bm.block_size} "
-                "tokens); shorten the request or give the KV cache more memory.")
+        check_fits(f"sequence {seq.seq_id}", seq.num_prompt_tokens, seq.max_new_tokens, num_blocks=bm.num_blocks,
+                   block_size=bm.block_size)
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already queued or running; ids must be unique.")
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_generated:
@@ -125,8 +134,10 @@ class Scheduler:
             if step is not None:
                 return step
             if not self.running and self.waiting and not self._can_admit(self.waiting[0]):
-                raise RuntimeError(f"scheduler stalled: nothing running and {self.waiting[0]} cannot be "
-                                   f"admitted with {self.block_manager.num_free_blocks} free blocks.")
+                seq, bm = self.waiting[0], self.block_manager
+                raise RuntimeError(f"scheduler stalled: nothing running and {seq} needs "
+                                   f"{bm.blocks_needed(seq.num_tokens)} KV blocks; {bm.num_free_blocks} are free "
+                                   "while other requests hold the rest. Finish or abort them first.")
         return None
 
     def postprocess(self, step: ScheduledStep, sampled: list[int | list[int] | None]) -> list[Sequence]:
@@ -142,6 +153,10 @@ class Scheduler:
         for seq, n, token, p in zip(step.seqs, step.num_new_tokens, sampled, proposals):  # check all, then apply
             if seq.is_finished:
                 continue
+            if seq.scoring:
+                if token is not None:
+                    raise ValueError(f"postprocess: {seq} is scored, not sampled; expected None, got {token}.")
+                continue
             reached_end = seq.num_computed_tokens + n - len(p) == seq.num_tokens
             if reached_end != (token is not None):
                 raise ValueError(f"postprocess: {seq} {'needs' if reached_end else 'must not get'} a "
@@ -155,10 +170,20 @@ class Scheduler:
                 raise ValueError(f"postprocess: {seq} had no proposals in this step; expected one token, got {token}.")
         finished = []
         bm, block_size = self.block_manager, self.block_manager.block_size
-        for seq, n, token, p in zip(step.seqs, step.num_new_tokens, sampled, proposals):
+        starts = step.start or [seq.num_computed_tokens for seq in step.seqs]
+        for seq, c, n, token, p in zip(step.seqs, starts, step.num_new_tokens, sampled, proposals):
             if seq.is_finished:
                 continue
             before = seq.num_computed_tokens
+            if seq.scoring:  # positions c .. c + n - 1 now have KV and logits
+                seq.num_scored = max(seq.num_scored, c + n)
+                seq.num_computed_tokens = max(before, c + n)
+                if seq.num_computed_tokens // block_size != before // block_size:
+                    bm.mark_computed(seq)
+                if seq.num_scored == seq.num_tokens:
+                    self.finish(seq)
+                    finished.append(seq)
+                continue
             tokens = token if isinstance(token, list) else [] if token is None else [token]
             n -= len(p) - (len(tokens) - 1 if p else 0)  # KV of rejected proposals is not computed
             seq.num_computed_tokens += n
@@ -204,7 +229,7 @@ class Scheduler:
         for seq in list(self.running):  # victims come from the end: never one already scheduled
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted in this loop
-            if seq.num_computed_tokens != seq.num_tokens - 1:
+            if seq.scoring or seq.num_computed_tokens != seq.num_tokens - 1:
                 chunks.append(seq)  # still prefilling: after every decode
                 continue
             if seq.num_tokens > len(seq.block_table) * block_size:  # its last token starts a new block
@@ -232,7 +257,7 @@ class Scheduler:
             if budget == 0:
                 break
             seqs.append(seq)
-            counts.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
+            counts.append(min(seq.num_tokens - seq.next_position, budget))
             budget -= counts[-1]
             is_prefill = True
         while not preempted and self.waiting and budget > 0 and self._can_admit(self.waiting[0]):
@@ -241,13 +266,15 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
-            counts.append(min(seq.num_tokens - seq.num_computed_tokens, budget))
+            counts.append(min(seq.num_tokens - seq.next_position, budget))
             budget -= counts[-1]
-            is_prefill = is_prefill or counts[-1] != 1 or seq.num_computed_tokens != seq.num_tokens - 1
+            is_prefill = (is_prefill or seq.scoring or counts[-1] != 1
+                          or seq.num_computed_tokens != seq.num_tokens - 1)
         if not seqs:
             return None
         lookahead = lookaheads + [0] * (len(seqs) - len(lookaheads)) if any(lookaheads) else None
-        return ScheduledStep(seqs, counts, is_prefill, lookahead)
+        start = [seq.next_position for seq in seqs] if any(seq.scoring for seq in seqs) else None
+        return ScheduledStep(seqs, counts, is_prefill, lookahead, start=start)
 
     def lookahead(self, seq: Sequence) -> int:
         """Proposals a decode step of seq may verify: num_speculative_tokens, fewer near max_new_tokens (the

@@ -8,6 +8,27 @@ from __future__ import annotations
 import enum
 
 
+def check_fits(name: str, num_prompt_tokens: int, max_new_tokens: int, *, num_blocks: int, block_size: int,
+               max_seq_len: int | None = None) -> None:
+    """The one request-fit rule (the engine's request checks, `Scheduler.add` and the server call it):
+    ValueError, naming the numbers, unless the request has a token and num_prompt_tokens + max_new_tokens
+    fits max_seq_len (None: no limit) and a KV cache of num_blocks blocks of block_size tokens. name says
+    what is checked ("the prompt", "prompt 3", "sequence 7")."""
+    if num_prompt_tokens == 0:
+        raise ValueError(f"{name} has no tokens; give at least one token.")
+    total = num_prompt_tokens + max_new_tokens
+    if max_seq_len is not None and total > max_seq_len:
+        raise ValueError(f"{name} has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
+                         f"{total} > max_seq_len={max_seq_len}; shorten the prompt, lower max_new_tokens "
+                         "or load with a larger max_seq_len.")
+    needed = -(-total // block_size)
+    if needed > num_blocks:
+        raise ValueError(f"{name} has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
+                         f"{total} tokens, which need {needed} KV blocks of {block_size}, "
+                         f"but the cache has {num_blocks} ({num_blocks * block_size} tokens); shorten "
+                         "the request or give the KV cache more memory (kv_cache_gb / gpu_memory_utilization).")
+
+
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()   # queued, holds no blocks (new, or preempted and waiting to recompute)
     RUNNING = enum.auto()   # holds blocks; being prefilled (possibly in chunks) or decoded
@@ -26,12 +47,19 @@ class Sequence:
     extra: anything the engine wants to carry with the request.
     num_speculative_tokens: the most draft tokens a step may verify for it (0: no speculation); the
         scheduler reserves KV slots for them (see tritonq.engine.speculative).
+    scoring: a scoring request (`Engine.score`): prefill only, logits at every one of its positions, no
+        token sampled (max_new_tokens 0). Positions its admission found prefix-cached are recomputed (their
+        logits are needed) but not rewritten; num_scored counts the positions whose logits were computed.
     """
 
-    def __init__(self, seq_id: int, token_ids: list[int], max_new_tokens: int, extra: object = None):
+    def __init__(self, seq_id: int, token_ids: list[int], max_new_tokens: int, extra: object = None, *,
+                 scoring: bool = False):
         if len(token_ids) == 0:
             raise ValueError(f"sequence {seq_id}: the prompt is empty; pass at least one token id.")
-        if max_new_tokens < 1:
+        if scoring and max_new_tokens != 0:
+            raise ValueError(f"sequence {seq_id}: a scoring sequence generates nothing; max_new_tokens is "
+                             f"{max_new_tokens}, expected 0.")
+        if max_new_tokens < 1 and not scoring:
             raise ValueError(f"sequence {seq_id}: max_new_tokens is {max_new_tokens}, expected >= 1 "
                              "(a request that generates nothing needs no scheduling).")
         self.seq_id = seq_id
@@ -45,6 +73,15 @@ class Sequence:
         self.arrival = 0
         self.extra = extra
         self.num_speculative_tokens = 0
+        self.scoring = scoring
+        self.num_scored = 0
+
+    @property
+    def next_position(self) -> int:
+        """The first position the next step computes: num_computed_tokens, or for a scoring sequence the
+        first position without logits (prefix-cached positions are recomputed for theirs) unless its KV
+        is missing further back (its blocks were freed by a preemption)."""
+        return min(self.num_scored, self.num_computed_tokens) if self.scoring else self.num_computed_tokens
 
     @property
     def num_tokens(self) -> int:
