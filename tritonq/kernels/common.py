@@ -9,6 +9,9 @@
   e4m3_bits_from_fp32  fp32 -> e4m3 bytes with integer ops (the fp8 KV cache's write, any GPU)
   ieee_dot             tl.dot that multiplies fp32 operands in IEEE fp32, not tf32 (attention,
                        fp8_gemm's weight-only path; int4_gemm and moe upcast via UPCAST_DOT)
+  gemm_tile / gemm_k_slice / store_gemm_tile
+                       the GemmConfig kernels' (fp8_gemm, int8_gemm) grouped tile order, K slice and
+                       epilogue (bias on the first slice, the slice's plane of the split-K buffer)
 The attention kernels' online-softmax step is `attention._attend_tile`, shared by all three of them.
 
 Launch configs (the one convention): a frozen dataclass per kernel whose tile fields are named as the
@@ -132,6 +135,47 @@ def ieee_dot(a, b, acc):
     if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n): the output tile of program_id(0) in grouped order, GROUP_M row-blocks sharing each
+    weight column-block while it is in L2."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * grid_n)) * GROUP_M
+    group_rows = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_rows
+    pid_n = (pid % (GROUP_M * grid_n)) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def gemm_k_slice(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """[k_start, k_end): program_id(1)'s K slice, in whole BLOCK_K tiles (so a tile never straddles a
+    scale block); all of K when SPLIT_K is 1."""
+    k_start = 0
+    k_end = K
+    if SPLIT_K > 1:
+        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_start = tl.program_id(1) * k_per_split
+        k_end = min(k_start + k_per_split, K)
+    return k_start, k_end
+
+
+@triton.jit
+def store_gemm_tile(y_ptr, out, bias_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
+                    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Store the fp32 tile out [BLOCK_M, BLOCK_N] at rows (int64) x offs_n of y, adding the bias in the
+    first K slice only; with SPLIT_K > 1, into program_id(1)'s plane of the fp32 [SPLIT_K, M, N] buffer."""
+    if HAS_BIAS:
+        first_slice = (tl.zeros(offs_n.shape, tl.int32) + tl.program_id(1)) == 0
+        out += tl.load(bias_ptr + offs_n, mask=mask_n & first_slice, other=0.0).to(tl.float32)[None, :]
+    if SPLIT_K > 1:
+        y_ptr += tl.program_id(1).to(tl.int64) * M * N
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,10 @@ from tritonq.kernels.common import (
     compute_capability,
     decode_split_k,
     gemm_grid,
+    gemm_k_slice,
     gemm_output,
+    gemm_tile,
+    store_gemm_tile,
     sum_split_k,
     tuned_or_default,
 )
@@ -106,26 +109,14 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
     one K slice and stores its scaled partial in plane program_id(1) of y, then an fp32 [SPLIT_K, M, N]
     buffer (stride_ym = N) that the caller sums.
     """
-    # Grouped ordering: GROUP_M row-blocks share each weight column-block while it is in L2.
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    first_m = (pid // (GROUP_M * grid_n)) * GROUP_M
-    group_rows = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_rows
-    pid_n = (pid % (GROUP_M * grid_n)) // group_rows
+    pid_m, pid_n = gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    k_start = 0
-    k_end = K
-    if SPLIT_K > 1:
-        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_start = tl.program_id(1) * k_per_split
-        k_end = min(k_start + k_per_split, K)
+    k_start, k_end = gemm_k_slice(K, BLOCK_K, SPLIT_K)
     rows = offs_m.to(tl.int64)  # row x stride reaches 2^31 elements for M * K or M * N >= 2^31 (long prefills)
     a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N]
@@ -157,13 +148,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
     out = acc.to(tl.float32)
     out *= tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)[:, None]
     out *= tl.load(w_scale_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)[None, :]
-    if HAS_BIAS:  # added by the first K slice only
-        first_slice = (tl.zeros([BLOCK_N], tl.int32) + tl.program_id(1)) == 0
-        out += tl.load(bias_ptr + offs_n, mask=mask_n & first_slice, other=0.0).to(tl.float32)[None, :]
-    if SPLIT_K > 1:  # this K slice's plane of the partials buffer
-        y_ptr += tl.program_id(1).to(tl.int64) * M * N
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_gemm_tile(y_ptr, out, bias_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N, HAS_BIAS, SPLIT_K)
 
 
 # ----------------------------------------------------------------------------------------------
