@@ -9,8 +9,9 @@
   e4m3_bits_from_fp32  fp32 -> e4m3 bytes with integer ops (the fp8 KV cache's write, any GPU)
   ieee_dot             tl.dot that multiplies fp32 operands in IEEE fp32, not tf32 (attention,
                        fp8_gemm's weight-only path; int4_gemm and moe upcast via UPCAST_DOT)
-  gemm_tile / gemm_k_slice / store_gemm_tile
-                       the GemmConfig kernels' (fp8_gemm, int8_gemm) grouped tile order, K slice and
+  activation_scale     per-token / per-group activation scale (fp8_gemm's and int8_gemm's quantizers)
+  gemm_tile / store_gemm_tile
+                       the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice and
                        epilogue (bias on the first slice, the slice's plane of the split-K buffer)
 The attention kernels' online-softmax step is `attention._attend_tile`, shared by all three of them.
 
@@ -138,9 +139,27 @@ def ieee_dot(a, b, acc):
 
 
 @triton.jit
-def gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n): the output tile of program_id(0) in grouped order, GROUP_M row-blocks sharing each
-    weight column-block while it is in L2."""
+def activation_scale(x, static_scale_ptr, STATIC: tl.constexpr, Q_MAX: tl.constexpr, EPS: tl.constexpr):
+    """The scale quantizing the fp32 activations x [BLOCK] (masked lanes 0): the static one at static_scale_ptr,
+    or absmax / Q_MAX with absmax floored at EPS (an all-zero row gets a finite scale). div_rn: IEEE division,
+    so the GPU rounds exactly like the torch references (plain `/` is approximate on NVIDIA)."""
+    if STATIC:
+        scale = tl.load(static_scale_ptr)
+    else:
+        absmax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
+        scale = tl.math.div_rn(absmax, tl.zeros_like(absmax) + Q_MAX)
+    return scale
+
+
+@triton.jit
+def gemm_tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """What program (program_id(0), program_id(1)) computes: rows [BLOCK_M] (int64: row x stride reaches
+    2^31 elements for M * K or M * N >= 2^31, long prefills), offs_n [BLOCK_N], offs_k [BLOCK_K], their masks,
+    and [k_start, k_end), its K slice.
+
+    Tiles in grouped order: GROUP_M row-blocks share each weight column-block while it is in L2. The K slice
+    is whole BLOCK_K tiles (a tile never straddles a scale block); all of K when SPLIT_K is 1."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -148,20 +167,15 @@ def gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
     group_rows = min(grid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_rows
     pid_n = (pid % (GROUP_M * grid_n)) // group_rows
-    return pid_m, pid_n
-
-
-@triton.jit
-def gemm_k_slice(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """[k_start, k_end): program_id(1)'s K slice, in whole BLOCK_K tiles (so a tile never straddles a
-    scale block); all of K when SPLIT_K is 1."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = 0
     k_end = K
     if SPLIT_K > 1:
         k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_start = tl.program_id(1) * k_per_split
         k_end = min(k_start + k_per_split, K)
-    return k_start, k_end
+    return offs_m.to(tl.int64), offs_n, tl.arange(0, BLOCK_K), offs_m < M, offs_n < N, k_start, k_end
 
 
 @triton.jit
@@ -295,6 +309,27 @@ def decode_split_k(N: int, K: int, block_k: int) -> int:
     """SPLIT_K of a decode-sized GEMM (BLOCK_N 64): about 256 programs (~2 waves) stream the weight, with at
     least 4 K tiles of block_k per slice so that each slice still pipelines its loads."""
     return max(1, min(triton.cdiv(K, block_k) // 4, 256 // triton.cdiv(N, 64)))
+
+
+def check_gemm_weight(kernel: str, w, weight_type: type, dtype: torch.dtype, fix: str = "") -> None:
+    """A ValueError naming kernel unless w is a weight_type whose .weight is a 2-D dtype [N, K] tensor."""
+    if not isinstance(w, weight_type):
+        raise ValueError(f"{kernel} expects a {weight_type.__name__}, got {type(w).__name__}")
+    if w.weight.dtype != dtype or w.weight.dim() != 2:
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{weight_type.__name__}.weight must be a 2-D {name} [N, K] tensor, got {w.weight.dtype} "
+                         f"{tuple(w.weight.shape)}{fix}")
+
+
+def check_gemm_activations(kernel: str, x: torch.Tensor, N: int, K: int, device: torch.device) -> None:
+    """A ValueError naming kernel unless x [..., K] is fp16/bf16/fp32 on the weight's device."""
+    if x.shape[-1] != K:
+        raise ValueError(f"{kernel}: x has K={x.shape[-1]} columns but the weight is [N={N}, K={K}]; "
+                         "pass activations whose last dim equals the weight's input size")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{kernel}: x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
+    if x.device != device:
+        raise ValueError(f"{kernel}: x is on {x.device} but the weight is on {device}; move one of them")
 
 
 def gemm_grid(M: int, N: int, config: GemmConfig) -> tuple[int, int]:

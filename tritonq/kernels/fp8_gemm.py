@@ -36,25 +36,10 @@ import triton
 import triton.language as tl
 
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
-from tritonq.kernels.common import (
-    E4M3_TO_FP16_BIAS,
-    GemmConfig,
-    Launch,
-    check_launch_config,
-    compute_capability,
-    decode_split_k,
-    e4m3_bits_to_fp16,
-    gemm_grid,
-    gemm_k_slice,
-    gemm_output,
-    gemm_tile,
-    has_fp8_tensor_cores,
-    ieee_dot,
-    round_to_e4m3,
-    store_gemm_tile,
-    sum_split_k,
-    tuned_or_default,
-)
+from tritonq.kernels.common import (E4M3_TO_FP16_BIAS, GemmConfig, Launch, activation_scale, check_gemm_activations,
+    check_gemm_weight, check_launch_config, compute_capability, decode_split_k, e4m3_bits_to_fp16, gemm_grid,
+    gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot, round_to_e4m3, store_gemm_tile, sum_split_k,
+    tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import FP8Weight
 
@@ -92,11 +77,8 @@ def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride
     offs = group * GROUP + tl.arange(0, BLOCK)
     mask = (offs < K) & (tl.arange(0, BLOCK) < GROUP)
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    if STATIC:
-        scale = tl.load(static_scale_ptr)
-    else:
-        absmax = tl.maximum(tl.max(tl.abs(x), axis=0), _SCALE_EPS)
-        scale = tl.math.div_rn(absmax, tl.zeros_like(absmax) + _FP8_MAX)
+    scale = activation_scale(x, static_scale_ptr, STATIC, _FP8_MAX, _SCALE_EPS)
+    if not STATIC:
         tl.store(s_ptr + row * stride_sm + group, scale)
     # div_rn: IEEE division, so the GPU rounds exactly like the torch reference (plain `/` is
     # an approximate division on NVIDIA); the clamp makes out-of-range values saturate.
@@ -119,18 +101,11 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
     SPLIT_K > 1 (decode): program_id(1) takes one K slice and stores its scaled partial sum in
     plane program_id(1) of y, then an fp32 [SPLIT_K, M, N] buffer (stride_ym = N) that the caller sums.
     """
-    pid_m, pid_n = gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    k_start, k_end = gemm_k_slice(K, BLOCK_K, SPLIT_K)
-    rows = offs_m.to(tl.int64)  # row x stride reaches 2^31 elements for M * K or M * N >= 2^31 (long prefills)
+    rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                                                     SPLIT_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N], K-major
-    a_scale_ptrs = a_scale_ptr + offs_m * stride_asm
+    a_scale_ptrs = a_scale_ptr + rows * stride_asm
     w_scale_ptrs = w_scale_ptr + (offs_n // W_SCALE_BN) * stride_wsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -211,13 +186,7 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
     """
     _check_weight(w)
     N, K = w.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"fp8_gemm: x has K={x.shape[-1]} columns but the weight is [N={N}, K={K}]; "
-                         "pass activations whose last dim equals the weight's input size")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"fp8_gemm: x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
-    if x.device != w.weight.device:
-        raise ValueError(f"fp8_gemm: x is on {x.device} but the weight is on {w.weight.device}; move one of them")
+    check_gemm_activations("fp8_gemm", x, N, K, w.weight.device)
     if weight_only is None and w.weight_only:  # a weight-only checkpoint never rounds activations, whatever the device
         weight_only = True
     lead = x.shape[:-1]
@@ -323,11 +292,8 @@ def _weight_scale_layout(w: FP8Weight) -> tuple[int, int, int, int]:
 
 
 def _check_weight(w: FP8Weight) -> None:
-    if not isinstance(w, FP8Weight):
-        raise ValueError(f"fp8_gemm expects an FP8Weight, got {type(w).__name__}")
-    if w.weight.dtype != torch.float8_e4m3fn or w.weight.dim() != 2:
-        raise ValueError(f"FP8Weight.weight must be a 2-D float8_e4m3fn [N, K] tensor, got {w.weight.dtype} "
-                         f"{tuple(w.weight.shape)}; convert e5m2/fnuz checkpoints to e4m3fn when loading")
+    check_gemm_weight("fp8_gemm", w, FP8Weight, torch.float8_e4m3fn,
+                      "; convert e5m2/fnuz checkpoints to e4m3fn when loading")
     N, K = w.shape
     s = w.weight_scale
     if s.dtype != torch.float32:

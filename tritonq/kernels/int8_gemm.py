@@ -39,20 +39,9 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import use_cpu_kernels, use_triton
-from tritonq.kernels.common import (
-    GemmConfig,
-    Launch,
-    check_launch_config,
-    compute_capability,
-    decode_split_k,
-    gemm_grid,
-    gemm_k_slice,
-    gemm_output,
-    gemm_tile,
-    store_gemm_tile,
-    sum_split_k,
-    tuned_or_default,
-)
+from tritonq.kernels.common import (GemmConfig, Launch, activation_scale, check_gemm_activations, check_gemm_weight,
+    check_launch_config, compute_capability, decode_split_k, gemm_grid, gemm_output, gemm_tile, store_gemm_tile,
+    sum_split_k, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import W8A8Weight
 
@@ -81,11 +70,8 @@ def _quantize_activation_int8_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, zero
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    if STATIC:
-        scale = tl.load(static_scale_ptr)
-    else:
-        absmax = tl.maximum(tl.max(tl.abs(x), axis=0), _SCALE_EPS)
-        scale = tl.math.div_rn(absmax, tl.zeros_like(absmax) + _DYNAMIC_DIVISOR)
+    scale = activation_scale(x, static_scale_ptr, STATIC, _DYNAMIC_DIVISOR, _SCALE_EPS)
+    if not STATIC:
         tl.store(s_ptr + row, scale)
     # div_rn: IEEE division, so the GPU rounds exactly like torch (plain `/` is approximate on NVIDIA)
     v = tl.math.div_rn(x, tl.zeros([BLOCK], tl.float32) + scale)
@@ -109,15 +95,8 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
     one K slice and stores its scaled partial in plane program_id(1) of y, then an fp32 [SPLIT_K, M, N]
     buffer (stride_ym = N) that the caller sums.
     """
-    pid_m, pid_n = gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    k_start, k_end = gemm_k_slice(K, BLOCK_K, SPLIT_K)
-    rows = offs_m.to(tl.int64)  # row x stride reaches 2^31 elements for M * K or M * N >= 2^31 (long prefills)
+    rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                                                     SPLIT_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N]
 
@@ -146,7 +125,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
         else:
             acc -= correction[None, :]
     out = acc.to(tl.float32)
-    out *= tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)[:, None]
+    out *= tl.load(a_scale_ptr + rows * stride_asm, mask=mask_m, other=0.0)[:, None]
     out *= tl.load(w_scale_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)[None, :]
     store_gemm_tile(y_ptr, out, bias_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N, HAS_BIAS, SPLIT_K)
 
@@ -228,13 +207,7 @@ def int8_gemm(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None = No
     dot of the int8 codes below sm_80 only (module docstring); True/False force it (tests)."""
     _check_weight(w)
     N, K = w.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"int8_gemm: x has K={x.shape[-1]} columns but the weight is [N={N}, K={K}]; "
-                         "pass activations whose last dim equals the weight's input size")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"int8_gemm: x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
-    if x.device != w.weight.device:
-        raise ValueError(f"int8_gemm: x is on {x.device} but the weight is on {w.weight.device}; move one of them")
+    check_gemm_activations("int8_gemm", x, N, K, w.weight.device)
     lead = x.shape[:-1]
     x = x.reshape(-1, K)
     if use_cpu_kernels(x):
@@ -303,6 +276,16 @@ def default_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfi
     return Int8GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
 
 
+def _epilogue(acc: torch.Tensor, scales: torch.Tensor, w: W8A8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The torch paths' fp32 epilogue: acc [M, N] (integer sums) x activation scales x w's scales (+ bias),
+    in dtype."""
+    y = acc.float() * (scales if scales.dim() == 0 else scales[:, None])
+    y = y * w.weight_scale.float().reshape(1, -1)
+    if w.bias is not None:
+        y = y + w.bias.float()
+    return y.to(dtype)
+
+
 def int8_gemm_reference(x: torch.Tensor, w: W8A8Weight) -> torch.Tensor:
     """Torch version of `int8_gemm` for x [M, K]: the same activation codes, the integer product exact
     (float64 holds every int8 x int8 sum below 2^53), the same fp32 epilogue, plus bias."""
@@ -310,11 +293,7 @@ def int8_gemm_reference(x: torch.Tensor, w: W8A8Weight) -> torch.Tensor:
     acc = q.double() @ w.weight.double().T
     if w.input_zero_point is not None:
         acc = acc - w.input_zero_point.reshape(()).double() * w.weight.double().sum(1)
-    y = acc.float() * (scales if scales.dim() == 0 else scales[:, None])
-    y = y * w.weight_scale.float().reshape(1, -1)
-    if w.bias is not None:
-        y = y + w.bias.float()
-    return y.to(x.dtype)
+    return _epilogue(acc, scales, w, x.dtype)
 
 
 _weight_sums: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight tensor -> int32 [N] row sums (CPU asymmetric)
@@ -330,19 +309,11 @@ def _cpu_int_mm(x: torch.Tensor, w: W8A8Weight) -> torch.Tensor:
         if sums is None:
             sums = _weight_sums[w.weight] = w.weight.sum(1, dtype=torch.int32)
         acc = acc - w.input_zero_point.reshape(()).to(torch.int32) * sums
-    y = acc.float() * (scales if scales.dim() == 0 else scales[:, None])
-    y = y * w.weight_scale.float().reshape(1, -1)
-    if w.bias is not None:
-        y = y + w.bias.float()
-    return y.to(x.dtype)
+    return _epilogue(acc, scales, w, x.dtype)
 
 
 def _check_weight(w: W8A8Weight) -> None:
-    if not isinstance(w, W8A8Weight):
-        raise ValueError(f"int8_gemm expects a W8A8Weight, got {type(w).__name__}")
-    if w.weight.dtype != torch.int8 or w.weight.dim() != 2:
-        raise ValueError(f"W8A8Weight.weight must be a 2-D int8 [N, K] tensor, got {w.weight.dtype} "
-                         f"{tuple(w.weight.shape)}")
+    check_gemm_weight("int8_gemm", w, W8A8Weight, torch.int8)
     N, K = w.shape
     s = w.weight_scale
     if not s.is_floating_point() or (s.numel() != 1 and tuple(s.shape) not in ((N, 1), (N,))):
