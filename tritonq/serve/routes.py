@@ -84,8 +84,11 @@ def _sampling_configs(model, body: SamplingRequest, prompts: list[list[int]]) ->
             choices = body.generation_configs(max_tokens)
             for config in choices:
                 model.engine.check_request(prompt, config, name=name)
-        except RequestTooLong as exc:
-            raise APIError(400, str(exc), "max_tokens" if body.max_tokens is not None else "prompt") from None
+        except RequestTooLong as exc:  # the fit rule's numbers, led by OpenAI's words (clients match on them)
+            given = body.max_tokens is not None
+            raise APIError(400, f"This model's maximum context length is {model.max_seq_len} tokens; {exc}"
+                                + (" (max_new_tokens is max_tokens)" if given else ""),
+                           "max_tokens" if given else "prompt") from None
         except (GrammarError, ModuleNotFoundError) as exc:  # the schema, or xgrammar not installed
             raise APIError(400, f"{schema_field}: {exc}", schema_field) from None
         except (ValueError, TypeError) as exc:  # the engine's checks name the field first
