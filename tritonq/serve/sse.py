@@ -140,8 +140,8 @@ class ChatChunks:
             logprobs = chat_logprobs(self.tokenizer, [out.token_id], [out.logprob], [out.top_logprobs])
         finish = choice.finish_reason if out.finished else None
         if self.named is not None:  # the text is the arguments of one call: the first delta names it
-            call = tool_call(self.named.name, text) | {"index": 0} if first else \
-                {"index": 0, "function": {"arguments": text}}
+            call = ((tool_call(self.named.name, text) | {"index": 0}) if first
+                    else {"index": 0, "function": {"arguments": text}})
             if text or first or out.finished or self.logprobs:
                 chunks.append(one({"tool_calls": [call]} if text or first else {}, logprobs, finish))
         elif self.parse_calls:  # the reply may be a tool call: its text is read whole when it ends
