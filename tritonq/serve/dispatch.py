@@ -57,7 +57,7 @@ def choices_of(stream: Stream, n: int) -> dict[int, Choice]:
     return {next(rids): Choice(p * n + c, len(prompt)) for p, prompt in enumerate(stream.prompts) for c in range(n)}
 
 
-def apply(engine_loop: EngineLoop, stream: Stream, choice: Choice, out) -> str:
+def apply_output(engine_loop: EngineLoop, stream: Stream, choice: Choice, out) -> str:
     """choice.apply(out), telling the loop when the choice's first output came (it no longer waits)."""
     if not choice.started:
         engine_loop.mark_started(stream)
@@ -118,7 +118,7 @@ async def collect(engine_loop: EngineLoop, stream: Stream, request: Request, n: 
             if event.error is not None:
                 raise APIError(event.status, event.error)
             for out in event.outputs:
-                apply(engine_loop, stream, choices[out.request_id], out)
+                apply_output(engine_loop, stream, choices[out.request_id], out)
     except Failed as exc:
         raise APIError(500, f"generation failed: {exc}") from None
     finally:

@@ -22,7 +22,8 @@ def completion(body: CompletionRequest, choices: list[Choice], tokenizer, *, id:
         if body.logprobs is not None:
             logprobs = completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.tops, len(echo_text))
             logprobs = echo_logprobs.then(logprobs) if echoes else logprobs
-        return CompletionChoice(index=c.index, text=echo_text + c.text, logprobs=logprobs, finish_reason=c.finish_reason)
+        return CompletionChoice(index=c.index, text=echo_text + c.text, logprobs=logprobs,
+                                finish_reason=c.finish_reason)
     return Completion(id=id, created=created, model=model, choices=[one(c) for c in choices],
                       usage=usage(choices, body.n))
 

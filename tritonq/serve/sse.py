@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from tritonq.serve.dispatch import Choice, Failed, apply, choices_of, next_event, usage
+from tritonq.serve.dispatch import Choice, Failed, apply_output, choices_of, next_event, usage
 from tritonq.serve.engine_loop import EngineLoop, Stream
 from tritonq.serve.logprobs import chat_logprobs, completion_logprobs
 from tritonq.serve.protocol import APIError, FunctionDefinition, dumps
@@ -62,7 +62,7 @@ def stream_response(engine_loop: EngineLoop, stream: Stream, request: Request, n
                 choice = choices[out.request_id]
                 first = not choice.started
                 try:
-                    text = apply(engine_loop, stream, choice, out)
+                    text = apply_output(engine_loop, stream, choice, out)
                 except Failed as exc:
                     yield event(APIError(500, f"generation failed: {exc}").body())
                     yield DONE
