@@ -144,6 +144,23 @@ def test_chat_uses_the_template(model):
     assert model.chat(messages, max_new_tokens=5) == model.generate(ids, max_new_tokens=5)
 
 
+def test_chat_prompt_renders_tools_and_refuses_a_template_that_ignores_them(model, monkeypatch):
+    """Model.chat_prompt (Model.chat's and the server's one templating path) against the tokenizer's own
+    apply_chat_template: the same ids, with and without tools; a template without a tools block is refused."""
+    messages = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    tokenizer = model.tokenizer
+    plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert model.chat_prompt(messages) == tokenizer(plain, add_special_tokens=False).input_ids
+    with pytest.raises(ValueError, match="^tools: this model's chat template does not render tools"):
+        model.chat_prompt(messages, tools=[tool])
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for t in tools or [] %}tool {{ t.function.name }}\n"
+                        "{% endfor %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
+    with_tools = tokenizer.apply_chat_template(messages, tools=[tool], add_generation_prompt=True, tokenize=False)
+    assert with_tools.startswith("tool get_time\n")
+    assert model.chat_prompt(messages, tools=[tool]) == tokenizer(with_tools, add_special_tokens=False).input_ids
+
+
 def test_return_dict_has_logprobs_and_timing(model):
     out = model.generate(["hello", "a"], max_new_tokens=5, return_dict=True)
     assert [len(t) for t in out.token_ids] == [len(lp) for lp in out.logprobs]

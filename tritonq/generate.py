@@ -323,22 +323,36 @@ class Model:
         return perplexity(self, texts, context=context, stride=stride, add_special_tokens=add_special_tokens,
                           return_dict=return_dict, progress=progress)
 
-    def chat(self, messages: list[dict], **options):
+    def chat(self, messages: list[dict], *, tools: list[dict] | None = None, **options):
         """Generate the assistant reply (a str) to messages [{"role": ..., "content": ...}] via the chat template.
 
         content is a str or a list of OpenAI content parts; text parts ({"type": "text", "text": ...}) are
         joined with newlines (as vLLM does), any other part type is refused (this model takes text only).
+        tools: OpenAI function tools the template renders into the prompt (see chat_prompt).
         options: as generate()."""
-        return self.generate(self._chat_ids(messages), **options)
+        return self.generate(self.chat_prompt(messages, tools=tools), **options)
 
-    def stream_chat(self, messages: list[dict], **options) -> Iterator[str]:
+    def stream_chat(self, messages: list[dict], *, tools: list[dict] | None = None, **options) -> Iterator[str]:
         """chat(), as an iterator of str pieces of the reply as they become final (see stream)."""
-        return self.stream(self._chat_ids(messages), **options)
+        return self.stream(self.chat_prompt(messages, tools=tools), **options)
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
-        """The token ids of messages under the chat template, ending with the assistant's turn."""
-        text = self.tokenizer.apply_chat_template([text_message(i, m) for i, m in enumerate(messages)],
-                                                  add_generation_prompt=True, tokenize=False)
+    def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None) -> list[int]:
+        """The prompt token ids of messages under the chat template, ending with the assistant's turn (chat,
+        stream_chat and the server's chat route all template through here).
+
+        tools: OpenAI function tools ([{"type": "function", "function": {"name", "parameters", ...}}]) passed
+        to the template (Hermes / Qwen style templates list them in a system turn). Raises ValueError starting
+        "tools:" when the template does not render them (the model would never see them), and whatever the
+        template raises (TypeError / ValueError / jinja errors) for messages it cannot take."""
+        messages = [text_message(i, m) for i, m in enumerate(messages)]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  **({"tools": tools} if tools else {}))
+        # A template without a tools block renders them as nothing: refuse rather than silently drop them.
+        if tools and text == self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False):
+            raise ValueError("tools: this model's chat template does not render tools, so the model would never "
+                             "see them; leave tools out (or serve a model whose template takes tools, e.g. "
+                             "Hermes / Qwen style)")
+        # the template wrote the special tokens (BOS, turn markers) itself: the tokenizer must not add more
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -350,7 +364,7 @@ def top_dicts(top: tuple[torch.Tensor, torch.Tensor]) -> list[dict[int, float]]:
 
 def text_message(i: int, message: dict) -> dict:
     """message with its content as one str: a list of OpenAI content parts has its text parts joined with
-    newlines (as vLLM does); other part types are refused. Model.chat and the server's chat route both use it."""
+    newlines (as vLLM does); other part types are refused. Model.chat_prompt uses it."""
     if not isinstance(message, dict):
         raise TypeError(f"message {i} is a {type(message).__name__}; expected a dict with 'role' and 'content'.")
     content = message.get("content")

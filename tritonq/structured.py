@@ -50,6 +50,11 @@ def constraint_of(config) -> tuple[str, str] | None:
     return None
 
 
+class GrammarError(ValueError):
+    """A constraint that does not compile into a grammar (a ValueError: callers that need not tell it apart
+    catch that); the server answers it naming the field that asked for the constraint."""
+
+
 def _message(exc: Exception) -> str:
     """xgrammar's error text without its '[time] /path/file.cc:line: ' prefix."""
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip()).strip()
@@ -108,7 +113,7 @@ class Grammars:
 
     def compile(self, constraint: tuple[str, str]):
         """The compiled grammar of a (kind, text) constraint (from the cache when seen before). Raises
-        ValueError naming the constraint and xgrammar's reason when it does not compile."""
+        GrammarError (a ValueError) naming the constraint and xgrammar's reason when it does not compile."""
         with self._lock:
             if constraint in self._cache:
                 self._cache.move_to_end(constraint)
@@ -123,8 +128,8 @@ class Grammars:
                 grammar = self._compiler.compile_grammar(text)
         except RuntimeError as exc:
             shown = text if len(text) <= 200 else text[:200] + "..."
-            raise ValueError(f"the {kind} {shown} cannot be compiled into a grammar: {_message(exc)}; "
-                             f"fix the {kind}.") from None
+            raise GrammarError(f"the {kind} {shown} cannot be compiled into a grammar: {_message(exc)}; "
+                               f"fix the {kind}.") from None
         with self._lock:
             self.compiles += 1
             self._cache[constraint] = grammar

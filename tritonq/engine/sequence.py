@@ -8,25 +8,30 @@ from __future__ import annotations
 import enum
 
 
+class RequestTooLong(ValueError):
+    """check_fits' refusal of a request whose prompt + max_new_tokens does not fit (a ValueError: callers that
+    need not tell it apart catch that); the server answers it naming max_tokens."""
+
+
 def check_fits(name: str, num_prompt_tokens: int, max_new_tokens: int, *, num_blocks: int, block_size: int,
                max_seq_len: int | None = None) -> None:
-    """The one request-fit rule (the engine's request checks, `Scheduler.add` and the server call it):
-    ValueError, naming the numbers, unless the request has a token and num_prompt_tokens + max_new_tokens
-    fits max_seq_len (None: no limit) and a KV cache of num_blocks blocks of block_size tokens. name says
-    what is checked ("the prompt", "prompt 3", "sequence 7")."""
+    """The one request-fit rule (`Engine.check_request`, which Model and the server call, and `Scheduler.add`):
+    ValueError, naming the numbers, unless the request has a token, and RequestTooLong unless
+    num_prompt_tokens + max_new_tokens fits max_seq_len (None: no limit) and a KV cache of num_blocks blocks
+    of block_size tokens. name says what is checked ("the prompt", "prompt 3", "sequence 7")."""
     if num_prompt_tokens == 0:
         raise ValueError(f"{name} has no tokens; give at least one token.")
     total = num_prompt_tokens + max_new_tokens
     if max_seq_len is not None and total > max_seq_len:
-        raise ValueError(f"{name} has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
-                         f"{total} > max_seq_len={max_seq_len}; shorten the prompt, lower max_new_tokens "
-                         "or load with a larger max_seq_len.")
+        raise RequestTooLong(f"{name} has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
+                             f"{total} > max_seq_len={max_seq_len}; shorten the prompt, lower max_new_tokens "
+                             "or load with a larger max_seq_len.")
     needed = -(-total // block_size)
     if needed > num_blocks:
-        raise ValueError(f"{name} has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
-                         f"{total} tokens, which need {needed} KV blocks of {block_size}, "
-                         f"but the cache has {num_blocks} ({num_blocks * block_size} tokens); shorten "
-                         "the request or give the KV cache more memory (kv_cache_gb / gpu_memory_utilization).")
+        raise RequestTooLong(f"{name} has {num_prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
+                             f"{total} tokens, which need {needed} KV blocks of {block_size}, "
+                             f"but the cache has {num_blocks} ({num_blocks * block_size} tokens); shorten the "
+                             "request or give the KV cache more memory (kv_cache_gb / gpu_memory_utilization).")
 
 
 class SequenceStatus(enum.Enum):

@@ -35,6 +35,7 @@ from pydantic_core import PydanticCustomError
 
 from tritonq.config import MAX_TOP_LOGPROBS
 from tritonq.generate import GenerationConfig
+from tritonq.serve.responses import ErrorBody, ErrorDetail
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
@@ -70,8 +71,8 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.status}}
+        return ErrorBody(error=ErrorDetail(message=self.message, type=ERROR_TYPES.get(self.status, "error"),
+                                           param=self.param, code=self.status)).to_json()
 
     def response(self) -> JSONResponse:
         # ensure_ascii: an error message may quote the caller's input, which may not be valid UTF-8

@@ -39,3 +39,10 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         return text, []
     kept.append(text[at:])
     return "".join(kept).strip() or None, calls
+
+
+def read_reply(text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
+    """(content, tool_calls, finish_reason) of a finished reply that may call tools (parse_tool_calls); a
+    reply that ended on its own ("stop") with calls finishes with "tool_calls", as OpenAI's do."""
+    content, calls = parse_tool_calls(text)
+    return content, calls, "tool_calls" if calls and finish_reason == "stop" else finish_reason
