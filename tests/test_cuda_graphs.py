@@ -132,9 +132,9 @@ def test_llama_decode_step_reads_no_device_value_on_the_host(llama_folder, monke
     assert logits.device.type == "meta" and logits.shape == (4, 258)  # a bucket of 4; the byte tokenizer's vocabulary
 
     # The same step with one injected host read fails: the test can see one.
-    from tritonq.models import llama as llama_module
-    forward = llama_module.LlamaMLP.forward
-    monkeypatch.setattr(llama_module.LlamaMLP, "forward", lambda self, x: forward(self, x) * int(x.sum() > 0))
+    from tritonq.models.common import MLP
+    forward = MLP.forward
+    monkeypatch.setattr(MLP, "forward", lambda self, x: forward(self, x) * int(x.sum() > 0))
     with pytest.raises((RuntimeError, NotImplementedError)):
         meta_decode_step(llama(llama_folder), prompts)
 

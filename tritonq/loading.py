@@ -381,6 +381,7 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     from tritonq.generate import Model
     from tritonq.hub import resolve
     from tritonq.models import model_class
+    from tritonq.models.common import rope_parameters
 
     o = options
     max_seq_len, block_size, max_num_seqs, max_num_batched_tokens = (o.max_seq_len, o.block_size, o.max_num_seqs,
@@ -398,7 +399,7 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     if max_seq_len is not None and positions is not None and max_seq_len > positions:
         where = (f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={positions} "
                  f"({folder / 'config.json'})")
-        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope = rope_parameters(config)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "default":
             raise ValueError(f"{where}: positions past it were never trained and the config declares no rope "

@@ -37,3 +37,13 @@ class PagedRun:
     def decode(self, tokens: list[int]) -> torch.Tensor:
         """One token per sequence -> logits [B, V]."""
         return self._step([[t] for t in tokens], False, False)
+
+    def prefill_then_decode(self, prompts: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:
+        """Prefill the prompts as one batch, then decode step i with token steps[b][i] for each sequence b: each
+        sequence's logits at all its positions, [len(prompts[b]) + len(steps[b]), V]."""
+        ours = [[rows] for rows in self.prefill(prompts)]
+        for i in range(len(steps[0])):
+            logits = self.decode([s[i] for s in steps])
+            for b, rows in enumerate(ours):
+                rows.append(logits[b:b + 1])
+        return [torch.cat(rows) for rows in ours]

@@ -184,7 +184,7 @@ def tp_run(model: tritonq.Model) -> dict:
     (all of which tensor parallelism splits)."""
     logits = [model.engine.prompt_logits(p) for p in TP_PROMPTS]
     greedy = model.generate(TP_PROMPTS, max_new_tokens=4, return_dict=True)  # None on ranks > 0
-    tensors = {id(model.model.word_embeddings.weight): model.model.word_embeddings.weight}
+    tensors = {id(model.model.embed_tokens.weight): model.model.embed_tokens.weight}
     for module in model.model.modules():
         if isinstance(module, Linear):
             tensors |= {id(t): t for t in module.weight.tensors().values()}

@@ -91,15 +91,10 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint, backend):
     folder, hf = checkpoint
     run = PagedRun(load(folder, hf), 2, 16)
     steps = [[30, 31, 32, 33], [50, 51, 52, 53]]
-    ours = [[rows] for rows in run.prefill(PROMPTS)]
-    for i in range(len(steps[0])):
-        logits = run.decode([s[i] for s in steps])
-        for b in range(2):
-            ours[b].append(logits[b:b + 1])
-    for b in range(2):
+    for b, ours in enumerate(run.prefill_then_decode(PROMPTS, steps)):
         with torch.no_grad():
             expected = hf(torch.tensor([PROMPTS[b] + steps[b]])).logits[0]
-        torch.testing.assert_close(torch.cat(ours[b]), expected, **TOL)
+        torch.testing.assert_close(ours, expected, **TOL)
 
 
 def test_chunked_prefill_past_the_window_matches_transformers(checkpoint, backend):
@@ -186,15 +181,10 @@ def test_mxfp4_checkpoint_matches_transformers_dequantized(mxfp4_checkpoint, ker
     quantized, reference = mxfp4_checkpoint
     run = PagedRun(load(quantized, reference), 2, 16)
     steps = [[30, 31, 32], [50, 51, 52]]
-    ours = [[rows] for rows in run.prefill(PROMPTS)]
-    for i in range(len(steps[0])):
-        logits = run.decode([s[i] for s in steps])
-        for b in range(2):
-            ours[b].append(logits[b:b + 1])
-    for b in range(2):
+    for b, ours in enumerate(run.prefill_then_decode(PROMPTS, steps)):
         with torch.no_grad():
             expected = reference(torch.tensor([PROMPTS[b] + steps[b]])).logits[0]
-        torch.testing.assert_close(torch.cat(ours[b]), expected, **TOL)
+        torch.testing.assert_close(ours, expected, **TOL)
 
 
 def test_mxfp4_greedy_tokens_identical_to_transformers(mxfp4_checkpoint, backend):

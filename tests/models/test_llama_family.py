@@ -62,11 +62,12 @@ def write_checkpoint(folder, name: str, seed: int = 0, **overrides):
     return save_with_random_biases_and_norms(model_cls(config).eval(), tokenizer, folder)
 
 
-def build(folder):
-    """Our model for a checkpoint folder, every stored tensor checked as read (as load() does)."""
+def build(folder, **options):
+    """Our model for a checkpoint folder, every stored tensor checked as read (as load() does); options: the model
+    class's own (attention_mode, ...)."""
     config = AutoConfig.from_pretrained(folder)
     loader = get_loader(folder, torch.float32, "cpu")
-    model = model_class(config.model_type)(config, loader, torch.float32, "cpu", max_seq_len=MAX_LEN)
+    model = model_class(config.model_type)(config, loader, torch.float32, "cpu", max_seq_len=MAX_LEN, **options)
     loader.finish()
     return model
 

@@ -17,20 +17,19 @@ import pytest
 import torch
 from models.paged import PagedRun
 from models.test_llama import hf_greedy
+from models.test_llama_family import MAX_LEN, assert_batched_prefill_matches, build, prompts_for
 from safetensors.torch import load_file, save_file
-from transformers import (AutoConfig, DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM,
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM,
                           Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 import tritonq
 from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
-from tritonq.models import model_class
 from tritonq.models.moe import SparseMoE
 from tritonq.quantize import write_quantized
 from tritonq.weights import FP8Weight, Int4Weight
 
 ATOL = 1e-4
-MAX_LEN = 128
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=MAX_LEN, rms_norm_eps=1e-6, initializer_range=0.1)
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -86,29 +85,6 @@ def write_checkpoint(folder, name: str, seed: int = 0, **overrides):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model
-
-
-def build(folder, **options):
-    """Our model for a checkpoint folder, every stored tensor checked as read (as load() does)."""
-    config = AutoConfig.from_pretrained(folder)
-    loader = get_loader(folder, torch.float32, "cpu")
-    model = model_class(config.model_type)(config, loader, torch.float32, "cpu", max_seq_len=MAX_LEN, **options)
-    loader.finish()
-    return model
-
-
-def prompts_for(config) -> list[list[int]]:
-    window = getattr(config, "sliding_window", None)
-    long = 3 * window + 3 if window else 40
-    return [torch.randint(0, 256, (5,)).tolist(), torch.randint(0, 256, (long,)).tolist()]
-
-
-def assert_batched_prefill_matches(ours, hf, prompts):
-    got = PagedRun(ours, len(prompts), MAX_LEN).prefill(prompts)
-    for prompt, logits in zip(prompts, got):
-        with torch.no_grad():
-            expected = copy.deepcopy(hf)(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
 def assert_greedy_matches(folder, hf, prompts, n=12, **engine_options):

@@ -26,15 +26,26 @@ A step (built by tritonq.engine.runner) packs the new tokens of B sequences into
 
 A model's forward(ctx, cache) writes each layer's new K/V into its pages, attends, and returns
 logits [R, V] (or [T, V]) in the compute dtype.
+
+The skeleton the rotary models share is here too, once: `CausalLM` (vocab-parallel embedding, the decoder
+layers, final norm, tied or untied lm_head, the forward over the layers), `DecoderLayer` (pre-norm attention
+and feed-forward with RMSNorms), `MLP` (SwiGLU), `paged_attention` (write a layer's K/V, then prefill or decode
+attention) and `rope_parameters` / `rope_tables` (the only reader of a config's rope settings). A model
+class states what differs: its attention, its feed-forward (MLP or a mixture of experts), its norms and names.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from tritonq.kernels.attention import QuantizedPages
+from tritonq.kernels.attention import QuantizedPages, decode_attention, paged_prefill_attention, write_kv_slots
 from tritonq.kernels.norm_rope import rope_cos_sin
+from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear
+from tritonq.weights import DenseWeight
 
 KV_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token, kv head and k / v
 
@@ -190,3 +201,149 @@ class RopeTables:
 def logit_rows(x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """The hidden rows whose logits are wanted: x [T, D] -> [R, D] (all of x when ctx.logit_rows is None)."""
     return x if ctx.logit_rows is None else x[ctx.logit_rows]
+
+
+def rope_parameters(config) -> dict:
+    """The config's rope settings, read here only: the dict whichever transformers version wrote it
+    (rope_parameters or rope_scaling; {} when neither), with rope_theta (the dict's own, else config.rope_theta,
+    else 10000)."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return rope
+
+
+def rope_tables(config, head_dim: int, max_seq_len: int | None, device: torch.device, dtype: torch.dtype) -> RopeTables:
+    """The cos / sin tables of a rotary model over head_dim dims per head, sized for max_seq_len (default
+    max_position_embeddings); yarn's tables include its attention factor."""
+    rope = rope_parameters(config)
+    return RopeTables(head_dim, rope["rope_theta"], rope, config.max_position_embeddings,
+                      max_seq_len or config.max_position_embeddings, device, dtype)
+
+
+def paged_attention(q, k, v, ctx: StepContext, k_pages, v_pages, scale: float, **options) -> torch.Tensor:
+    """Write the step's k [T, Hkv, Dqk], v [T, Hkv, Dv] into this layer's pages and attend q [T, H, Dqk] over each
+    sequence's cached keys (prefill: varlen over cached pages + new tokens; decode: one row per sequence)
+    -> [T, H, Dv]. options: what both kernels take beyond that (window, sinks, alibi_slopes)."""
+    write_kv_slots(k_pages, v_pages, k, v, ctx.slot_mapping, check_values=False)  # checked once by the runner
+    if ctx.is_prefill:
+        return paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
+                                       scale, check_values=False, **options)
+    return decode_attention(q, k_pages, v_pages, ctx.context_lens, ctx.block_table, scale, **options)
+
+
+def rms_norm(loader, prefix: str, config) -> RMSNorm:
+    """The RMSNorm `<prefix>.weight` [hidden_size] with eps config.rms_norm_eps."""
+    return RMSNorm(loader.get_tensor(f"{prefix}.weight", shape=(config.hidden_size,)), config.rms_norm_eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate x) * up x) [T, D] -> [T, D], gate/up fused into one GEMM (a dense layer or a
+    shared expert); split by intermediate size over the ranks (gate/up column-, down row-parallel).
+    bias: gate/up/down carry biases (Llama's mlp_bias). reduce=False leaves the rank's partial sum for the caller
+    to all-reduce (shared experts: the MoE block reduces them with the routed experts, once). hidden / inter:
+    the expected sizes from the config (None: take the stored ones)."""
+
+    def __init__(self, loader, prefix: str, hidden: int | None = None, inter: int | None = None, bias: bool = False,
+                 reduce: bool = True):
+        super().__init__()
+        up, down = ((inter, hidden), (hidden, inter)) if hidden else (None, None)  # expected (N, K)
+        self.gate_up_proj = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias,
+                                                           parallel="column", shapes=[up, up]))
+        down_weight = loader.get_linear(f"{prefix}.down_proj", bias=bias, parallel="row", shape=down)
+        self.down_proj = RowParallelLinear(down_weight, loader.world) if reduce else Linear(down_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer: x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)), with
+    RMSNorms at `<prefix>.input_layernorm` / `<prefix>.post_attention_layernorm` (Llama's, Qwen's, DeepSeek's).
+
+    self_attn(x, cos, sin, ctx, k_pages, v_pages) and mlp(x) map [T, D] -> [T, D]; the model builds them."""
+
+    def __init__(self, config, loader, prefix: str, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = rms_norm(loader, f"{prefix}.input_layernorm", config)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = rms_norm(loader, f"{prefix}.post_attention_layernorm", config)
+        self.mlp = mlp
+
+    def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """The rotary causal LM every such model class is: built as Cls(config, loader, dtype, device, max_seq_len=None,
+    **options), forward(ctx, cache) -> logits [R, V] (compute dtype; see the module docstring).
+
+    embed_tokens (vocab-parallel: this rank's V/world rows) -> each of `layers`, layer(x, cos, sin, ctx, k_pages,
+    v_pages), on its own pages -> norm over the logit rows -> lm_head (vocab-parallel, logits gathered to [R, V]).
+    A model class states what differs: build_layers (its layers; **options go there), build_norm (the final norm),
+    the class attributes `embedding` (the stored embedding's name) and `tie_word_embeddings` (the default when the
+    config has no such key), and, when its first layer's `self_attn` is not a plain multi-head attention,
+    cache_layout / rope_dim.
+
+    Tensor parallel when loader.world > 1: every rank runs forward on the same inputs and gets the full logits;
+    its KV cache holds only its KV heads (kv_layout is per rank).
+    """
+    supports_tensor_parallel = True
+    embedding = "model.embed_tokens"
+    tie_word_embeddings = False
+
+    def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str, max_seq_len: int | None = None,
+                 **options):
+        """max_seq_len (default max_position_embeddings): the longest sequence the rope tables cover."""
+        super().__init__()
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        world = loader.world
+        if config.vocab_size % world:
+            raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tensor_parallel={world}: the "
+                             "embedding and lm_head are split by vocabulary rows; use a tensor_parallel that divides it")
+        table = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(loader.get_embedding(self.embedding, table, dim=0), loader.rank, world)
+        self.layers = nn.ModuleList(self.build_layers(config, loader, **options))
+        self.norm = self.build_norm(config, loader)
+        self.lm_head = self._vocab_parallel_head(config, loader, table)
+        self.kv_layout = self.cache_layout()
+        self.rope = rope_tables(config, self.rope_dim(), max_seq_len, self.device, dtype)
+
+    def build_layers(self, config, loader, **options) -> Iterable[nn.Module]:
+        """The decoder layers, in order."""
+        raise NotImplementedError
+
+    def build_norm(self, config, loader) -> nn.Module:
+        """The final norm before lm_head: the RMSNorm model.norm."""
+        return rms_norm(loader, "model.norm", config)
+
+    def cache_layout(self) -> KVLayout:
+        """What each layer's cache holds per token on this rank: its self_attn's num_kv_heads heads of head_dim."""
+        attn = self.layers[0].self_attn
+        return KVLayout(len(self.layers), attn.num_kv_heads, attn.head_dim, attn.head_dim)
+
+    def rope_dim(self) -> int:
+        """The dims per head that rope rotates: the whole head."""
+        return self.layers[0].self_attn.head_dim
+
+    def _vocab_parallel_head(self, config, loader, table: tuple[int, int]) -> ParallelLMHead:
+        """lm_head over this rank's vocabulary rows: the checkpoint's own (a quantized head on disk is always used),
+        or, when tie_word_embeddings holds and there is none, the embedding's table itself; then the embedding reads
+        the head's tensor (one table: Linear may have re-laid it out for the CPU GEMV, and the lookup reads either
+        layout). Untied without a head on disk is an error (loader.get_lm_head)."""
+        tied = bool(getattr(config, "tie_word_embeddings", self.tie_word_embeddings))
+        head = loader.get_lm_head(tied, table, parallel="column")
+        lm_head = ParallelLMHead(DenseWeight(self.embed_tokens.weight) if head is None else head, loader.world)
+        if head is None:
+            self.embed_tokens.weight = lm_head.weight.weight
+        return lm_head
+
+    @torch.inference_mode()
+    def forward(self, ctx: StepContext, cache: PagedKVCache) -> torch.Tensor:
+        """Logits [R, V] at ctx.logit_rows (every row when None); writes the step's K/V into cache."""
+        cos, sin = self.rope(ctx)  # gathered once for all layers
+        x = self.embed_tokens(ctx.input_ids)
+        for layer, k_pages, v_pages in zip(self.layers, cache.k, cache.v):
+            x = layer(x, cos, sin, ctx, k_pages, v_pages)
+        return self.lm_head(self.norm(logit_rows(x, ctx)))

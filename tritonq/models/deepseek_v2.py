@@ -44,10 +44,10 @@ from torch import nn
 from tritonq.kernels.attention import decode_attention, paged_prefill_attention, read_kv_rows, write_kv_slots
 from tritonq.kernels.common import compute_capability
 from tritonq.kernels.norm_rope import apply_rope
-from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear
-from tritonq.models.common import KVLayout, PagedKVCache, RopeTables, StepContext, logit_rows
-from tritonq.models.moe import MLP, MoERouting, SparseMoE
-from tritonq.weights import DenseWeight
+from tritonq.layers import Linear, RMSNorm, RowParallelLinear
+from tritonq.models.common import (MLP, CausalLM, DecoderLayer, KVLayout, PagedKVCache, StepContext, paged_attention,
+                                   rope_parameters)
+from tritonq.models.moe import MoERouting, SparseMoE
 
 ATTENTION_MODES = ("expanded", "latent")
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -66,18 +66,11 @@ def kv_bytes_per_token(config, attention_mode: str, dtype: torch.dtype = torch.b
     return per_layer * config.num_hidden_layers * element_size
 
 
-def _rope_parameters(config) -> dict:
-    """The rope dict whichever transformers version wrote the config (rope_parameters or rope_scaling)."""
-    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return rope
-
-
 def softmax_scale(config) -> float:
     """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under yarn with mscale_all_dim set
     (DeepSeek's long-context correction; the cos/sin carry the matching attention factor)."""
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-    rope = _rope_parameters(config)
+    rope = rope_parameters(config)
     if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
         factor = rope["factor"]
         scale *= (0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
@@ -184,12 +177,6 @@ class MLAttention(nn.Module):
         table = (first_page[:, None] + torch.arange(width, device=lens.device)).to(torch.int32)
         return k_ctx, v_ctx, table
 
-    def _attend(self, q, k_pages, v_pages, ctx: StepContext) -> torch.Tensor:
-        if ctx.is_prefill:  # the step's values were checked once by the runner (see StepContext)
-            return paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
-                                           self.scale, check_values=False)
-        return decode_attention(q, k_pages, v_pages, ctx.context_lens, ctx.block_table, self.scale)
-
     def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
         """x [T, D] -> [T, D]; cos/sin [1, T, Dr] at the rows' positions."""
         T = x.shape[0]
@@ -205,9 +192,9 @@ class MLAttention(nn.Module):
 
         if self.attention_mode == "expanded":
             k_nope, v = self.kv_b_proj(latent).view(T, H, Dn + Dv).split([Dn, Dv], dim=-1)
-            write_kv_slots(k_pages, v_pages, torch.cat([k_nope, k_rope.expand(T, H, Dr)], dim=-1), v.contiguous(),
-                           ctx.slot_mapping, check_values=False)
-            out = self._attend(torch.cat([q_nope, q_rope], dim=-1), k_pages, v_pages, ctx)
+            k = torch.cat([k_nope, k_rope.expand(T, H, Dr)], dim=-1)
+            out = paged_attention(torch.cat([q_nope, q_rope], dim=-1), k, v.contiguous(), ctx, k_pages, v_pages,
+                                  self.scale)
         else:  # latent: v_pages views k_pages[..., :R], so writing k stores the latent as the value too
             write_kv_slots(k_pages, v_pages, torch.cat([latent[:, None], k_rope], dim=-1), latent[:, None],
                            ctx.slot_mapping, check_values=False)
@@ -218,7 +205,8 @@ class MLAttention(nn.Module):
             else:  # one query per sequence: attend in the latent space, one shared kv head of width R + Dr
                 # Per-head GEMMs in the compute dtype (fp32 accumulation on the tensor cores), heads as the batch.
                 q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, R]
-                out_latent = self._attend(torch.cat([q_latent, q_rope], dim=-1), k_pages, v_pages, ctx)
+                out_latent = decode_attention(torch.cat([q_latent, q_rope], dim=-1), k_pages, v_pages,
+                                              ctx.context_lens, ctx.block_table, self.scale)
                 out = torch.bmm(out_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, Dv]
         return self.o_proj(out.reshape(T, H * Dv))
 
@@ -227,25 +215,6 @@ def _is_moe_layer(config, layer: int) -> bool:
     """DeepSeek's rule; transformers 5 ignores moe_layer_freq (treats it as 1)."""
     return (config.n_routed_experts is not None and layer >= config.first_k_dense_replace
             and layer % getattr(config, "moe_layer_freq", 1) == 0)
-
-
-class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config, loader, layer: int, attention_mode: str, scale: float, routing: MoERouting,
-                 interleaved_rope: bool = True, expert_parallel: bool = False):
-        super().__init__()
-        prefix = f"model.layers.{layer}"
-        eps = config.rms_norm_eps
-        D = config.hidden_size
-        self.input_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.input_layernorm.weight", shape=(D,)), eps)
-        self.self_attn = MLAttention(config, loader, f"{prefix}.self_attn", attention_mode, scale, interleaved_rope)
-        self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight",
-                                                                  shape=(D,)), eps)
-        self.mlp = (deepseek_moe(config, loader, f"{prefix}.mlp", routing, expert_parallel) if _is_moe_layer(config, layer)
-                    else MLP(loader, f"{prefix}.mlp", D, config.intermediate_size))
-
-    def forward(self, x, cos, sin, ctx, k_pages, v_pages):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def default_attention_mode(device: torch.device | str) -> str:
@@ -261,14 +230,13 @@ def default_attention_mode(device: torch.device | str) -> str:
     return "latent"
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     """Built as DeepseekV2ForCausalLM(config, loader, dtype, device, attention_mode=None), None meaning
     `default_attention_mode(device)`; expert_parallel: see the module docstring (tensor parallel only).
 
     forward(ctx: StepContext, cache: PagedKVCache) -> logits [R, V] (compute dtype), as in
-    tritonq.models.common; kv_layout says what its cache pages hold per token (on this rank).
+    tritonq.models.common.CausalLM; kv_layout says what its cache pages hold per token (on this rank).
     """
-    supports_tensor_parallel = True
     supports_expert_parallel = True
 
     routing = staticmethod(deepseek_v2_routing)
@@ -280,52 +248,44 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str,
                  attention_mode: str | None = None, max_seq_len: int | None = None, expert_parallel: bool = False):
-        super().__init__()
         if attention_mode is None:
             attention_mode = default_attention_mode(device)
         if attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode={attention_mode!r}; expected one of {ATTENTION_MODES}")
-        self.config, self.dtype, self.device, self.attention_mode = config, dtype, torch.device(device), attention_mode
-        world = loader.world
-        if config.vocab_size % world:
-            raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tensor_parallel={world}: the "
-                             "embedding and lm_head are split by vocabulary rows; use a tensor_parallel that divides it")
-        table = (config.vocab_size, config.hidden_size)
-        self.embed_tokens = Embedding(loader.get_embedding("model.embed_tokens", table, dim=0), loader.rank, world)
+        super().__init__(config, loader, dtype, device, max_seq_len, attention_mode=attention_mode,
+                         expert_parallel=expert_parallel)
+        self.attention_mode = attention_mode
+
+    def build_layers(self, config, loader, attention_mode: str, expert_parallel: bool):
+        """MLA in every layer; DeepSeekMoE from first_k_dense_replace on (see `_is_moe_layer`), else a dense MLP."""
         scale = softmax_scale(config)
         routing, interleaved = self.routing(config), self.interleaved_rope(config)
-        self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, loader, i, attention_mode, scale, routing, interleaved, expert_parallel)
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(loader.get_tensor("model.norm.weight", shape=table[1:]), config.rms_norm_eps)
-        head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", False)), table, parallel="column")
-        if head is None:  # tied (a quantized head on disk is always used; untied without one is an error)
-            self.lm_head = ParallelLMHead(DenseWeight(self.embed_tokens.weight), world)
-            self.embed_tokens.weight = self.lm_head.weight.weight  # one table, in Linear's layout
-        else:
-            self.lm_head = ParallelLMHead(head, world)
-        rope = _rope_parameters(config)
-        self.rope = RopeTables(config.qk_rope_head_dim, rope["rope_theta"], rope, config.max_position_embeddings,
-                               max_seq_len or config.max_position_embeddings, self.device,
-                               dtype)  # yarn's tables include its attention factor
-        if attention_mode == "latent":
-            self.kv_layout = KVLayout(len(self.layers), 1, config.kv_lora_rank + config.qk_rope_head_dim,
-                                      config.kv_lora_rank, v_in_k=True)
-        else:
-            self.kv_layout = KVLayout(len(self.layers), self.layers[0].self_attn.num_heads,  # this rank's heads
-                                      config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}"
+            attn = MLAttention(config, loader, f"{prefix}.self_attn", attention_mode, scale, interleaved)
+            mlp = (deepseek_moe(config, loader, f"{prefix}.mlp", routing, expert_parallel) if _is_moe_layer(config, i)
+                   else MLP(loader, f"{prefix}.mlp", config.hidden_size, config.intermediate_size))
+            yield DecoderLayer(config, loader, prefix, attn, mlp)
 
-    @torch.inference_mode()
+    def cache_layout(self) -> KVLayout:
+        """latent: [latent | k_rope] in one kv head, v its first kv_lora_rank dims; expanded: this rank's heads."""
+        config, attn = self.config, self.layers[0].self_attn
+        if attn.attention_mode == "latent":
+            return KVLayout(len(self.layers), 1, config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank,
+                            v_in_k=True)
+        return KVLayout(len(self.layers), attn.num_heads, config.qk_nope_head_dim + config.qk_rope_head_dim,
+                        config.v_head_dim)
+
+    def rope_dim(self) -> int:
+        """Rope rotates the qk_rope_head_dim part of each head only."""
+        return self.config.qk_rope_head_dim
+
     def forward(self, ctx: StepContext, cache: PagedKVCache) -> torch.Tensor:
-        """Logits [R, V] at ctx.logit_rows (every row when None); writes the step's K/V into cache."""
+        """CausalLM.forward, after checking that the cache pages are this attention mode's."""
         layout = self.kv_layout
         if cache.k[0].shape[2:] != (layout.num_kv_heads, layout.d_qk):
             other = "expanded" if self.attention_mode == "latent" else "latent"
             raise ValueError(f"cache pages [..., {cache.k[0].shape[2]}, {cache.k[0].shape[3]}] do not match this "
                              f"model's {self.attention_mode!r} attention, whose pages are [..., {layout.num_kv_heads}, "
                              f"{layout.d_qk}] (pages of the {other!r} mode?); allocate them with model.kv_layout")
-        cos, sin = self.rope(ctx)  # gathered once for all layers
-        x = self.embed_tokens(ctx.input_ids)
-        for layer, k_pages, v_pages in zip(self.layers, cache.k, cache.v):
-            x = layer(x, cos, sin, ctx, k_pages, v_pages)
-        return self.lm_head(self.norm(logit_rows(x, ctx)))
+        return super().forward(ctx, cache)

@@ -1,4 +1,4 @@
-"""Falcon (model_type falcon): the paged decoder of tritonq.models.llama with Falcon's layer.
+"""Falcon (model_type falcon): the causal LM of tritonq.models.common with Falcon's layer.
 
 Differences from Llama (transformers 5.25 modeling_falcon.py, checked by tests/models/test_falcon_mpt.py):
   * one fused `self_attention.query_key_value` weight, laid out in groups along N:
@@ -23,25 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
 from tritonq.kernels.norm_rope import apply_rope
-from tritonq.layers import Embedding, LayerNorm, Linear, RowParallelLinear
-from tritonq.models.common import KVLayout, PagedKVCache, StepContext, logit_rows
-from tritonq.models.llama import rope_tables, vocab_parallel_head
-
-
-def paged_attention(q, k, v, ctx: StepContext, k_pages, v_pages, scale: float, **bias) -> torch.Tensor:
-    """Write the step's k, v [T, Hkv, D] into this layer's pages and attend q [T, H, D] over each sequence's
-    cached keys (prefill: varlen; decode: one row per sequence) -> [T, H, D]. bias: attention-bias options
-    the kernels take (alibi_slopes for MPT)."""
-    write_kv_slots(k_pages, v_pages, k, v, ctx.slot_mapping, check_values=False)  # checked once by the runner
-    if ctx.is_prefill:
-        return paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
-                                       scale, check_values=False, **bias)
-    return decode_attention(q, k_pages, v_pages, ctx.context_lens, ctx.block_table, scale, **bias)
+from tritonq.layers import LayerNorm, Linear, RowParallelLinear
+from tritonq.models.common import CausalLM, StepContext, paged_attention
 
 
 def layer_norm(loader, prefix: str, size: int, eps: float, bias: bool = True) -> LayerNorm:
+    """The LayerNorm `<prefix>.weight` [size] (and `<prefix>.bias` when bias)."""
     shape = (size,)
     return LayerNorm(loader.get_tensor(f"{prefix}.weight", shape=shape),
                      loader.get_tensor(f"{prefix}.bias", shape=shape) if bias else None, eps)
@@ -121,48 +109,33 @@ class FalconDecoderLayer(nn.Module):
             self.mlp_norm = layer_norm(loader, f"{prefix}.ln_mlp", D, eps)
         elif not self.parallel:
             self.mlp_norm = layer_norm(loader, f"{prefix}.post_attention_layernorm", D, eps)
-        self.self_attention = FalconAttention(config, loader, f"{prefix}.self_attention")
+        self.self_attn = FalconAttention(config, loader, f"{prefix}.self_attention")
         self.mlp = FalconMLP(config, loader, f"{prefix}.mlp")
 
     def forward(self, x, cos, sin, ctx, k_pages, v_pages):
         normed = self.attn_norm(x)
-        attn = self.self_attention(normed, cos, sin, ctx, k_pages, v_pages)
+        attn = self.self_attn(normed, cos, sin, ctx, k_pages, v_pages)
         if not self.parallel:
             x = x + attn
             return x + self.mlp(self.mlp_norm(x))
         return x + attn + self.mlp(normed if self.mlp_norm is None else self.mlp_norm(x))
 
 
-class FalconForCausalLM(nn.Module):
-    """Built as FalconForCausalLM(config, loader, dtype, device); see the module docstring."""
-    supports_tensor_parallel = True
+class FalconForCausalLM(CausalLM):
+    """Built as FalconForCausalLM(config, loader, dtype, device); see the module docstring and
+    tritonq.models.common.CausalLM (the embedding transformer.word_embeddings, the final LayerNorm transformer.ln_f,
+    lm_head tied by default)."""
     supports_compile = True
+    embedding = "transformer.word_embeddings"
+    tie_word_embeddings = True
 
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str, max_seq_len: int | None = None):
-        super().__init__()
         if config.alibi:
             raise ValueError("Falcon with alibi=true (Falcon-RW) is not supported; rotary Falcon models are")
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        world = loader.world
-        if config.vocab_size % world:
-            raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tensor_parallel={world}: the "
-                             "embedding and lm_head are split by vocabulary rows; use a tensor_parallel that divides it")
-        table = (config.vocab_size, config.hidden_size)
-        self.word_embeddings = Embedding(loader.get_embedding("transformer.word_embeddings", table, dim=0),
-                                         loader.rank, world)
-        self.layers = nn.ModuleList(FalconDecoderLayer(config, loader, f"transformer.h.{i}")
-                                    for i in range(config.num_hidden_layers))
-        self.ln_f = layer_norm(loader, "transformer.ln_f", config.hidden_size, config.layer_norm_epsilon)
-        self.lm_head = vocab_parallel_head(loader, self.word_embeddings, config, table, tie_default=True)
-        attn = self.layers[0].self_attention
-        self.kv_layout = KVLayout(len(self.layers), attn.num_kv_heads, attn.head_dim, attn.head_dim)
-        self.rope = rope_tables(config, attn.head_dim, max_seq_len, self.device, dtype)
+        super().__init__(config, loader, dtype, device, max_seq_len)
 
-    @torch.inference_mode()
-    def forward(self, ctx: StepContext, cache: PagedKVCache) -> torch.Tensor:
-        """Logits [R, V] at ctx.logit_rows (every row when None); writes the step's K/V into cache."""
-        cos, sin = self.rope(ctx)
-        x = self.word_embeddings(ctx.input_ids)
-        for layer, k_pages, v_pages in zip(self.layers, cache.k, cache.v):
-            x = layer(x, cos, sin, ctx, k_pages, v_pages)
-        return self.lm_head(self.ln_f(logit_rows(x, ctx)))
+    def build_layers(self, config, loader):
+        return (FalconDecoderLayer(config, loader, f"transformer.h.{i}") for i in range(config.num_hidden_layers))
+
+    def build_norm(self, config, loader) -> LayerNorm:
+        return layer_norm(loader, "transformer.ln_f", config.hidden_size, config.layer_norm_epsilon)

@@ -15,43 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tritonq.kernels.attention import decode_attention, paged_prefill_attention, write_kv_slots
 from tritonq.kernels.norm_rope import apply_rope
-from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear
-from tritonq.models.common import KVLayout, PagedKVCache, RopeTables, StepContext, logit_rows
-from tritonq.weights import DenseWeight
+from tritonq.layers import Linear, RMSNorm, RowParallelLinear
+from tritonq.models.common import MLP, CausalLM, DecoderLayer, StepContext, paged_attention
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def _rope_scaling(config) -> dict | None:
-    """The rope dict whichever transformers version wrote the config (rope_parameters or rope_scaling)."""
-    scaling = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    return dict(scaling) if scaling else None
-
-
-def rope_tables(config, head_dim: int, max_seq_len: int | None, device: torch.device, dtype: torch.dtype) -> RopeTables:
-    """The cos/sin tables of a rotary model, sized for max_seq_len (default max_position_embeddings)."""
-    scaling = _rope_scaling(config)
-    theta = (scaling or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return RopeTables(head_dim, theta, scaling, config.max_position_embeddings,
-                      max_seq_len or config.max_position_embeddings, device, dtype)
-
-
-def vocab_parallel_head(loader, embedding: Embedding, config, table: tuple[int, int],
-                        tie_default: bool) -> ParallelLMHead:
-    """lm_head over this rank's vocabulary rows: the checkpoint's own (a quantized head on disk is always used),
-    or, when tie_word_embeddings (default tie_default) holds and there is none, the embedding's table itself; then
-    the embedding reads the head's tensor (one table: Linear may have re-laid it out for the CPU GEMV, and the
-    lookup reads either layout). Untied without a head on disk is an error (loader.get_lm_head)."""
-    head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", tie_default)), table, parallel="column")
-    lm_head = ParallelLMHead(DenseWeight(embedding.weight) if head is None else head, loader.world)
-    if head is None:
-        embedding.weight = lm_head.weight.weight
-    return lm_head
 
 
 @dataclass(frozen=True)
@@ -131,59 +101,13 @@ class LlamaAttention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
         q, k = apply_rope(qk, cos, sin)[0].split([H, H_kv], dim=1)  # q and k heads in one call
         v = qkv[0, :, H + H_kv:]
-        # The step's values were checked once by the runner (see StepContext), not again in every layer.
-        write_kv_slots(k_pages, v_pages, k, v, ctx.slot_mapping, check_values=False)
-        if ctx.is_prefill:
-            out = paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
-                                          self.scale, window=self.window, check_values=False, sinks=self.sinks)
-        else:  # one new token per sequence: rows are sequences
-            out = decode_attention(q, k_pages, v_pages, ctx.context_lens, ctx.block_table, self.scale,
-                                   window=self.window, sinks=self.sinks)
+        out = paged_attention(q, k, v, ctx, k_pages, v_pages, self.scale, window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(T, H * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config, loader, prefix: str, variant: LlamaVariant):
-        super().__init__()
-        bias = variant.mlp_bias
-        D, inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias,
-                                                           parallel="column", shapes=[(inter, D), (inter, D)]))
-        self.down_proj = RowParallelLinear(loader.get_linear(f"{prefix}.down_proj", bias=bias, parallel="row",
-                                                             shape=(D, inter)), loader.world)
-        if config.hidden_act != "silu":
-            raise ValueError(f"Llama MLP supports hidden_act='silu'; the config says {config.hidden_act!r}.")
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class LlamaDecoderLayer(nn.Module):
-    """mlp: the layer's feed-forward block (x [T, D] -> [T, D]); None: LlamaMLP at `<prefix>.mlp`."""
-
-    def __init__(self, config, loader, prefix: str, variant: LlamaVariant, window: int, mlp: nn.Module | None = None):
-        super().__init__()
-        eps = config.rms_norm_eps
-        D = (config.hidden_size,)
-        self.input_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.input_layernorm.weight", shape=D), eps)
-        self.self_attn = LlamaAttention(config, loader, f"{prefix}.self_attn", variant, window)
-        self.post_attention_layernorm = RMSNorm(loader.get_tensor(f"{prefix}.post_attention_layernorm.weight", shape=D),
-                                                eps)
-        self.mlp = LlamaMLP(config, loader, f"{prefix}.mlp", variant) if mlp is None else mlp
-
-    def forward(self, x, cos, sin, ctx, k_pages, v_pages):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class LlamaForCausalLM(nn.Module):
-    """Built as LlamaForCausalLM(config, loader, dtype, device); see the module docstring.
-
-    Tensor parallel when loader.world > 1: every rank runs forward on the same inputs and gets the
-    full logits; its KV cache holds only its KV heads (kv_layout is per rank).
-    """
-    supports_tensor_parallel = True
+class LlamaForCausalLM(CausalLM):
+    """Built as LlamaForCausalLM(config, loader, dtype, device, max_seq_len=None); see the module docstring and
+    tritonq.models.common.CausalLM (embedding, final norm model.norm, lm_head untied by default, tensor parallel)."""
     supports_compile = True  # a decode step reads no device value on the host (tritonq.engine.compiled)
 
     @classmethod
@@ -195,42 +119,22 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def build_mlp(cls, config, loader, layer: int, variant: LlamaVariant) -> nn.Module | None:
-        """Layer `layer`'s feed-forward block; None: the dense LlamaMLP (MoE variants return their expert block)."""
+        """Layer `layer`'s feed-forward block; None: the dense MLP (MoE variants return their expert block)."""
         return None
 
-    def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str, max_seq_len: int | None = None,
-                 expert_parallel: bool = False):
-        """max_seq_len (default max_position_embeddings): the longest sequence the rope tables cover;
-        expert_parallel: handed to build_mlp (only MoE variants, which set supports_expert_parallel, get it)."""
-        super().__init__()
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+    def build_layers(self, config, loader, expert_parallel: bool = False):
+        """expert_parallel: handed to build_mlp (only MoE variants, which set supports_expert_parallel, get it)."""
         variant = self.variant(config)
-        world = loader.world
-        if config.vocab_size % world:
-            raise ValueError(f"vocab_size={config.vocab_size} is not divisible by tensor_parallel={world}: the "
-                             "embedding and lm_head are split by vocabulary rows; use a tensor_parallel that divides it")
-        # Vocab-parallel: this rank's V/world rows of the embedding and of lm_head (tied: the same rows).
-        table = (config.vocab_size, config.hidden_size)
-        self.embed_tokens = Embedding(loader.get_embedding("model.embed_tokens", table, dim=0), loader.rank, world)
         moe_options = {"expert_parallel": True} if expert_parallel else {}  # dense variants take no such argument
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, loader, f"model.layers.{i}", variant, variant.windows[i],
-                                                      self.build_mlp(config, loader, i, variant,
-                                                                     **moe_options))
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(loader.get_tensor("model.norm.weight", shape=table[1:]), config.rms_norm_eps)
-        self.lm_head = vocab_parallel_head(loader, self.embed_tokens, config, table, tie_default=False)
-        attn = self.layers[0].self_attn
-        self.kv_layout = KVLayout(len(self.layers), attn.num_kv_heads, attn.head_dim, attn.head_dim)
-        self.rope = rope_tables(config, attn.head_dim, max_seq_len, self.device, dtype)
-
-    @torch.inference_mode()
-    def forward(self, ctx: StepContext, cache: PagedKVCache) -> torch.Tensor:
-        """Logits [R, V] at ctx.logit_rows (every row when None); writes the step's K/V into cache."""
-        cos, sin = self.rope(ctx)  # gathered once for all layers
-        x = self.embed_tokens(ctx.input_ids)
-        for layer, k_pages, v_pages in zip(self.layers, cache.k, cache.v):
-            x = layer(x, cos, sin, ctx, k_pages, v_pages)
-        return self.lm_head(self.norm(logit_rows(x, ctx)))
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}"
+            mlp = self.build_mlp(config, loader, i, variant, **moe_options)
+            attn = LlamaAttention(config, loader, f"{prefix}.self_attn", variant, variant.windows[i])
+            if mlp is None:
+                if config.hidden_act != "silu":
+                    raise ValueError(f"Llama MLP supports hidden_act='silu'; the config says {config.hidden_act!r}.")
+                mlp = MLP(loader, f"{prefix}.mlp", config.hidden_size, config.intermediate_size, bias=variant.mlp_bias)
+            yield DecoderLayer(config, loader, prefix, attn, mlp)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

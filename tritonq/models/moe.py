@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tritonq.distributed import all_reduce
 from tritonq.kernels.moe import grouped_topk
-from tritonq.layers import Linear, RoutedExperts, RowParallelLinear
+from tritonq.layers import RoutedExperts
 
 
 @dataclass(frozen=True)
@@ -51,25 +50,6 @@ class ExpertNames:
 MIXTRAL_NAMES = ExpertNames(gate="w1", up="w3", down="w2")
 
 
-class MLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate x) * up x), gate/up fused into one GEMM (a dense layer or a shared expert); split
-    by intermediate size over the ranks (gate/up column-, down row-parallel). reduce=False leaves the rank's
-    partial sum for the caller to all-reduce (shared experts: the MoE block reduces them with the routed experts,
-    once)."""
-
-    def __init__(self, loader, prefix: str, hidden: int | None = None, inter: int | None = None, reduce: bool = True):
-        super().__init__()
-        up, down = ((inter, hidden), (hidden, inter)) if hidden else (None, None)  # expected (N, K), from the config
-        self.gate_up = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], parallel="column",
-                                                      shapes=[up, up]))
-        down_weight = loader.get_linear(f"{prefix}.down_proj", parallel="row", shape=down)
-        self.down = RowParallelLinear(down_weight, loader.world) if reduce else Linear(down_weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
-
-
 def _float32_tensor(loader, name: str, shape: tuple) -> torch.Tensor:
     """A router tensor in float32 whatever the compute dtype: the scores choose experts, and a bf16 rounding
     of the weights (or of V3's correction bias, ~1e-3 apart between experts) would change the choice."""
@@ -88,9 +68,9 @@ def _router_weight(loader, prefix: str, shape: tuple[int, int]) -> torch.Tensor:
 class SparseMoE(nn.Module):
     """Routed experts (+ shared experts) of one layer; see the module docstring.
 
-    shared: an always-on MLP added to the routed output (DeepSeek's shared_experts, Qwen2-MoE's shared_expert),
-    or None. shared_gate: the shared output is scaled by sigmoid(x @ <prefix>.shared_expert_gate.weight^T)
-    ([1, D], Qwen2-MoE)."""
+    shared: an always-on MLP added to the routed output (DeepSeek's shared_experts, Qwen2-MoE's shared_expert: a
+    tritonq.models.common.MLP with reduce=False), or None. shared_gate: the shared output is scaled by
+    sigmoid(x @ <prefix>.shared_expert_gate.weight^T) ([1, D], Qwen2-MoE)."""
 
     def __init__(self, loader, prefix: str, routing: MoERouting, num_experts: int, hidden: int, inter: int,
                  names: ExpertNames = ExpertNames(), shared: nn.Module | None = None, shared_gate: bool = False,

@@ -19,8 +19,9 @@ all-reduce per MoE layer (SparseMoE); or, expert_parallel=True, whole experts pe
 """
 from __future__ import annotations
 
+from tritonq.models.common import MLP
 from tritonq.models.llama import LlamaVariant, MistralForCausalLM, layer_windows
-from tritonq.models.moe import MIXTRAL_NAMES, MLP, MoERouting, SparseMoE
+from tritonq.models.moe import MIXTRAL_NAMES, MoERouting, SparseMoE
 from tritonq.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 
