@@ -62,18 +62,48 @@ def launches():
     }
 
 
+def ir_functions(ttir: str) -> dict[str, tuple[list[str], list[str]]]:
+    """{function name: (its parameter SSA names, its body lines)} of every tt.func in the IR."""
+    functions, current = {}, None
+    for line in ttir.splitlines():
+        m = re.match(r"\s*tt\.func (?:public|private) @([\w.]+)\((.*?)\)(?: ->| attributes|\s*\{)", line)
+        if m:
+            current = m.group(1)
+            functions[current] = (re.findall(r"(%arg\d+):", m.group(2)), [])
+        elif current is not None:
+            functions[current][1].append(line)
+    return functions
+
+
 def row_offset_types(ttir: str, arguments: list[str], pointer: str, strides: tuple[str, ...]) -> list[str]:
     """The offset type ('i64', 'tensor<64x1xi32>', ...) of every tt.addptr reached from the kernel argument
-    `pointer` (through splat, broadcast, expand_dims, reshape and earlier tt.addptr) whose offset is computed
-    from one of the `strides` arguments. arguments: the kernel's non-constexpr parameters, in order (the IR
-    names them %arg0, %arg1, ...)."""
-    body = ttir[ttir.index("tt.func public"):]
-    body = body[:body.find("tt.func private") if "tt.func private" in body else None]
+    `pointer` (through splat, broadcast, expand_dims, reshape, earlier tt.addptr, and into the @triton.jit
+    helpers it is passed to) whose offset is computed from one of the `strides` arguments. arguments: the
+    kernel's non-constexpr parameters, in order (the IR names them %arg0, %arg1, ...)."""
+    functions = ir_functions(ttir)
+    kernel = next(name for name in functions if f"tt.func public @{name}(" in ttir)
     name = {a: f"%arg{i}" for i, a in enumerate(arguments)}
+    return _offset_types(functions, kernel, {name[pointer]}, {name[s] for s in strides})
+
+
+def _offset_types(functions, function: str, pointers: set[str], stride_values: set[str]) -> list[str]:
+    """row_offset_types within one IR function, given the SSA values that are the pointer and the strides."""
     depends: dict[str, set[str]] = {}  # SSA value -> the values it is computed from (transitively)
-    pointers, types = {name[pointer]}, []
-    stride_values = {name[s] for s in strides}
-    for line in body.splitlines():
+    types = []
+    pointers = set(pointers)
+
+    def from_stride(value):
+        return bool(stride_values & (depends.get(value, set()) | {value}))
+
+    for line in functions[function][1]:
+        call = re.match(r"\s*(?:%[\w.]+(?::\d+)? = )?tt\.call @([\w.]+)\((.*?)\)", line)
+        if call is not None:  # follow the pointer into the helper it is passed to
+            operands = re.findall(r"%[\w.#]+", call.group(2))
+            params = functions[call.group(1)][0]
+            if pointers & set(operands):
+                types += _offset_types(functions, call.group(1),
+                                       {p for p, o in zip(params, operands) if o in pointers},
+                                       {p for p, o in zip(params, operands) if from_stride(o.split("#")[0])})
         m = re.match(r"\s*(%[\w.]+)(?::\d+)? = ([\w.]+) (.*)$", line)
         if m is None:
             continue
@@ -83,7 +113,7 @@ def row_offset_types(ttir: str, arguments: list[str], pointer: str, strides: tup
         if op in ("tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape", "tt.addptr") and operands[0] in pointers:
             pointers.add(result)
             offset = operands[1] if op == "tt.addptr" else None
-            if offset is not None and stride_values & (depends.get(offset, set()) | {offset}):
+            if offset is not None and from_stride(offset):
                 types.append(rest.rsplit(", ", 1)[1].strip())
     return types
 
@@ -114,3 +144,23 @@ def test_token_row_addresses_are_int64(offsets, name):
         narrow = [t for t in types if not re.search(r"i64>?$", t)]
         assert not narrow, f"{name}: {pointer} is offset by {narrow} (int32 wraps at 2^31 elements); cast the row " \
                            "index to tl.int64 before multiplying by its stride"
+
+
+def test_reader_follows_helpers_and_sees_int32():
+    """The IR reader on a hand-written kernel that passes its pointer and stride into a helper which offsets
+    by an i32 product: the narrow offset is found (the reader can fail)."""
+    ttir = """module {
+  tt.func public @kernel(%arg0: !tt.ptr<f32>, %arg1: i32) attributes {noinline = false} {
+    %0 = tt.make_range {end = 64 : i32, start = 0 : i32} : tensor<64xi32>
+    tt.call @helper(%arg0, %0, %arg1) : (!tt.ptr<f32>, tensor<64xi32>, i32) -> ()
+    tt.return
+  }
+  tt.func private @helper(%arg0: !tt.ptr<f32>, %arg1: tensor<64xi32>, %arg2: i32) attributes {noinline = false} {
+    %0 = tt.splat %arg2 : i32 -> tensor<64xi32>
+    %1 = arith.muli %arg1, %0 : tensor<64xi32>
+    %2 = tt.splat %arg0 : !tt.ptr<f32> -> tensor<64x!tt.ptr<f32>>
+    %3 = tt.addptr %2, %1 : tensor<64x!tt.ptr<f32>>, tensor<64xi32>
+    tt.return
+  }
+}"""
+    assert row_offset_types(ttir, ["y_ptr", "stride_ym"], "y_ptr", ("stride_ym",)) == ["tensor<64xi32>"]
