@@ -118,6 +118,20 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
 
 # --------------------------------------------------------------------------------------- generate / chat
 
+def _with_generation_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> argparse.ArgumentParser:
+    """parser with the sampling options (checked by `_parse_generation`) and the load options added."""
+    _add_sampling_options(parser, max_new_tokens)
+    add_load_options(parser)
+    return parser
+
+
+def _parse_generation(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parser's arguments from argv, the sampling options checked (a usage error otherwise)."""
+    args = parser.parse_args(argv)
+    _check_sampling(parser, args)
+    return args
+
+
 def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens to generate at most")
@@ -151,18 +165,15 @@ def generate_parser(prog: str = "tritonq generate") -> argparse.ArgumentParser:
     parser = new_parser(prog, "Generate a completion of one prompt and stream it (the continuation only) to stdout.")
     parser.add_argument("model", help="checkpoint folder or Hugging Face id (dense, AWQ, GPTQ or FP8)")
     parser.add_argument("prompt", help='the text to continue; "-" reads it from stdin')
-    _add_sampling_options(parser, max_new_tokens=128)
-    add_load_options(parser)
-    return parser
+    return _with_generation_options(parser, max_new_tokens=128)
 
 
 def generate_main(argv: list[str] | None = None, prog: str = "tritonq generate") -> None:
     parser = generate_parser(prog)
-    args = parser.parse_args(argv)
+    args = _parse_generation(parser, argv)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         fail(parser, "the prompt is empty; give the text to continue")
-    _check_sampling(parser, args)
     model = load_model(parser, args)
     try:
         for piece in model.stream(prompt, **_sampling(args)):
@@ -177,15 +188,12 @@ def chat_parser(prog: str = "tritonq chat") -> argparse.ArgumentParser:
                               "reply streams to stdout. Ctrl-D (end of input) ends the chat.")
     parser.add_argument("model", help="checkpoint folder or Hugging Face id whose tokenizer has a chat template")
     parser.add_argument("--system-prompt", default=None, help="a system message before the first turn")
-    _add_sampling_options(parser, max_new_tokens=256)
-    add_load_options(parser)
-    return parser
+    return _with_generation_options(parser, max_new_tokens=256)
 
 
 def chat_main(argv: list[str] | None = None, prog: str = "tritonq chat") -> None:
     parser = chat_parser(prog)
-    args = parser.parse_args(argv)
-    _check_sampling(parser, args)
+    args = _parse_generation(parser, argv)
     model = load_model(parser, args)
     if model.tokenizer.chat_template is None:
         fail(parser, f"{args.model}'s tokenizer has no chat template; use `tritonq generate` for plain text")

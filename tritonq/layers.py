@@ -69,30 +69,32 @@ class Linear(nn.Module):
         return GEMMS[type(self.weight)](x, self.weight)
 
 
-class RowParallelLinear(Linear):
+class _CollectiveLinear(Linear):
+    """A Linear whose per-rank outputs are combined by `combine` (a collective) when world > 1."""
+
+    combine = None  # staticmethod: [..., n] per rank -> the combined output
+
+    def __init__(self, weight: Weight, world: int = 1):
+        super().__init__(weight)
+        self.world = world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return self.combine(y) if self.world > 1 else y
+
+
+class RowParallelLinear(_CollectiveLinear):
     """Linear over this rank's K/world inputs: partial outputs [..., N] are summed across ranks
     (the bias lives on rank 0 only, see WeightsLoader). world 1 is a plain Linear."""
 
-    def __init__(self, weight: Weight, world: int = 1):
-        super().__init__(weight)
-        self.world = world
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        return all_reduce(y) if self.world > 1 else y
+    combine = staticmethod(all_reduce)
 
 
-class ParallelLMHead(Linear):
+class ParallelLMHead(_CollectiveLinear):
     """Output head over this rank's V/world vocabulary rows: logits [..., V/world] are gathered
     to [..., V] on every rank (rank r's rows come r-th). world 1 is a plain Linear."""
 
-    def __init__(self, weight: Weight, world: int = 1):
-        super().__init__(weight)
-        self.world = world
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        return all_gather_last_dim(y) if self.world > 1 else y
+    combine = staticmethod(all_gather_last_dim)
 
 
 class RoutedExperts(nn.Module):

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from tritonq.bench.common import add_output_args, backend_label, gemm_row, parse_output_args, report_gemm, time_ms
+from tritonq.bench.common import add_output_args, backend_label, parse_output_args, report_gemm, time_gemm, time_ms
 from tritonq.random_weights import random_fp8_weight
 from tritonq.weights import FP8Weight
 
@@ -47,13 +47,9 @@ def run(ms: list[int], shapes, schemes: list[str], weight_only: bool, dtype: tor
         for scheme in schemes:
             w = random_fp8_weight(N, K, scheme, device)
             dense = w.dequantize().to(dtype)  # the baseline multiplies the same weight dense
-            for M in ms:
-                x = torch.randn(M, K, dtype=dtype, device=device)
-                ours = time_ms(lambda: fp8_gemm(x, w, weight_only=weight_only))
-                base = time_ms(lambda: x @ dense.T)
-                moved = fp8_bytes(w) + x.numel() * x.element_size() + M * N * x.element_size()
-                row = gemm_row(f"{label} {scheme}", M, N, K, ours, base, moved, fp8=not weight_only)
-                if on_gpu and scheme == "channel" and not weight_only and M % 16 == 0:  # cuBLASLt fp8 needs M % 16 == 0
+            run = lambda x: fp8_gemm(x, w, weight_only=weight_only)  # noqa: E731
+            for x, row in time_gemm(f"{label} {scheme}", ms, dense, run, fp8_bytes(w), fp8=not weight_only):
+                if on_gpu and scheme == "channel" and not weight_only and row["M"] % 16 == 0:  # cuBLASLt: M % 16 == 0
                     row["scaled_mm_ms"] = scaled_mm_ms(x, w)
                 rows.append(row)
             del dense

@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
-from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, add_output_args, backend_label, gemm_row,
-                                  model_gemm_shapes, parse_output_args, report_gemm, time_ms)
+from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, add_output_args, backend_label,
+                                  model_gemm_shapes, parse_output_args, report_gemm, time_gemm)
 from tritonq.random_weights import random_int4_weight
 from tritonq.weights import Int4Weight
 
@@ -41,12 +41,7 @@ def run(ms: list[int], shapes: list[tuple[str, int, int]], dtype: torch.dtype, d
     for label, N, K in shapes:
         w = random_int4_weight(N, K, dtype, device, group_size=128 if K % 128 == 0 else 64)
         dense = w.dequantize().to(dtype)  # [N, K]: the baseline multiplies the same weight dense
-        for M in ms:
-            x = torch.randn(M, K, dtype=dtype, device=device)
-            ours = time_ms(lambda: int4_gemm(x, w))
-            base = time_ms(lambda: x @ dense.T)
-            moved = int4_bytes(w) + x.numel() * x.element_size() + M * N * x.element_size()
-            rows.append(gemm_row(label, M, N, K, ours, base, moved))
+        rows += [row for _, row in time_gemm(label, ms, dense, lambda x: int4_gemm(x, w), int4_bytes(w))]
         del dense
     backend = backend_label(device)
     for r in rows:

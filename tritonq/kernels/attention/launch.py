@@ -117,6 +117,18 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _checked_pages(q: torch.Tensor, k_pages, v_pages, kernel: str, rows: str, what: str):
+    """`_unpack_pages` of k_pages / v_pages after checking q [rows, H, Dqk] against them (ranks, page shapes,
+    heads, dtypes); a ValueError naming kernel otherwise."""
+    k_pages, v_pages, k_scale, v_scale = _unpack_pages(k_pages, v_pages, kernel)
+    if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(f"{kernel}: expected q [{rows},H,Dqk], k_pages [P,page_size,Hkv,Dqk], v_pages "
+                         f"[P,page_size,Hkv,Dv]; got q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, "
+                         f"v_pages {tuple(v_pages.shape)}.")
+    _check_heads(q, k_pages, v_pages, what, k_scale is not None)
+    return k_pages, v_pages, k_scale, v_scale
+
+
 def _unpack_pages(k_pages, v_pages, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                         torch.Tensor | None]:
     """(k data, v data, k scale, v scale) of a checked pair of pages: plain tensors (scales None) or
@@ -171,16 +183,11 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     max_seq_len: the capacity the launch config is chosen for (default: the block table width x
     page_size). The config never depends on cache_lens, so a growing sequence never recompiles and
     the launch is CUDA-graph safe. sinks [H] float32: attention sinks (see the module docstring).
-    the launch is CUDA-graph safe. k_pages / v_pages may be QuantizedPages (8-bit, dequantized in registers).
-    the launch is CUDA-graph safe. alibi_slopes [H] fp32: ALiBi (module docstring); None: none.
+    k_pages / v_pages may be QuantizedPages (8-bit, dequantized in registers).
+    alibi_slopes [H] fp32: ALiBi (module docstring); None: none.
     """
     given = k_pages, v_pages
-    k_pages, v_pages, k_scale, v_scale = _unpack_pages(k_pages, v_pages, "decode_attention")
-    if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
-        raise ValueError(f"decode_attention: expected q [B,H,Dqk], k_pages [P,page_size,Hkv,Dqk], v_pages "
-                         f"[P,page_size,Hkv,Dv]; got q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, "
-                         f"v_pages {tuple(v_pages.shape)}.")
-    _check_heads(q, k_pages, v_pages, "decode", k_scale is not None)
+    k_pages, v_pages, k_scale, v_scale = _checked_pages(q, k_pages, v_pages, "decode_attention", "B", "decode")
     B, H, D_QK = q.shape
     _check_lens("cache_lens", cache_lens, B, q.device)
     page_size = _check_block_table(block_table, k_pages, B, q.device)
@@ -336,12 +343,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     alibi_slopes [H] fp32: ALiBi (module docstring); None: none.
     """
     given = k_pages, v_pages
-    k_pages, v_pages, k_scale, v_scale = _unpack_pages(k_pages, v_pages, "paged_prefill_attention")
-    if q.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
-        raise ValueError(f"paged_prefill_attention: expected q [T,H,Dqk], k_pages [P,page_size,Hkv,Dqk], "
-                         f"v_pages [P,page_size,Hkv,Dv]; got q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, "
-                         f"v_pages {tuple(v_pages.shape)}.")
-    _check_heads(q, k_pages, v_pages, "paged prefill", k_scale is not None)
+    k_pages, v_pages, k_scale, v_scale = _checked_pages(q, k_pages, v_pages, "paged_prefill_attention", "T",
+                                                        "paged prefill")
     _check_window(window)
     _check_sinks(sinks, q.shape[1], q.device)
     _check_alibi(alibi_slopes, q.shape[1], q.device)
