@@ -23,6 +23,17 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
 
+if INTERPRETER:
+    # @triton.jit reads TRITON_INTERPRET when a kernel module is imported, not when it runs: import every
+    # kernel module now, so that a test which deletes TRITON_INTERPRET (to measure the CPU backend) and is the
+    # first to import one does not leave real-GPU kernels behind for the tests after it.
+    import importlib  # noqa: E402
+    import pkgutil  # noqa: E402
+
+    import tritonq.kernels  # noqa: E402
+    for _module in pkgutil.walk_packages(tritonq.kernels.__path__, "tritonq.kernels."):
+        importlib.import_module(_module.name)
+
 # test_int4_kernel_compiles_within_shared_memory, test_moe_gemm_kernel_aot_compiles, ...
 AOT_NAME = re.compile(r"(^|_)(aot|compiles?)(_|$)")
 

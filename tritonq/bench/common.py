@@ -126,16 +126,16 @@ def gemm_row(label: str, M: int, N: int, K: int, ours_ms: float, baseline_ms: fl
             "bw_pct": 100 * gbs / peak_gbs, "roofline_pct": 100 * roofline_ms / ours_ms}
 
 
-def time_gemm(label: str, ms, dense: torch.Tensor, run, weight_bytes: int, fp8: bool = False):
-    """For each M in ms: (x, its `gemm_row`), x random [M, K] in dense's dtype and device, run(x) (the
-    quantized GEMM) timed against x @ dense.T, dense [N, K] the same weight dequantized."""
+def time_gemm(label: str, ms, dense: torch.Tensor, run, weight_bytes: int, backend: str, fp8: bool = False):
+    """For each M in ms: (x, its `gemm_row` with `backend` named), x random [M, K] in dense's dtype and
+    device, run(x) (the quantized GEMM) timed against x @ dense.T, dense [N, K] the same weight dequantized."""
     N, K = dense.shape
     for M in ms:
         x = torch.randn(M, K, dtype=dense.dtype, device=dense.device)
         ours = time_ms(lambda: run(x))
         base = time_ms(lambda: x @ dense.T)
         moved = weight_bytes + x.numel() * x.element_size() + M * N * x.element_size()
-        yield x, gemm_row(label, M, N, K, ours, base, moved, fp8=fp8)
+        yield x, gemm_row(label, M, N, K, ours, base, moved, fp8=fp8) | {"backend": backend}
 
 
 def plot_gemm(json_path: str | Path, png_path: str | Path) -> None:

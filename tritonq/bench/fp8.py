@@ -42,21 +42,19 @@ def run(ms: list[int], shapes, schemes: list[str], weight_only: bool, dtype: tor
     from tritonq.kernels.fp8_gemm import fp8_gemm
 
     on_gpu = device == "cuda"
+    backend = backend_label(device) + (" weight-only" if weight_only else " fp8 x fp8")
     rows = []
     for label, N, K in shapes:
         for scheme in schemes:
             w = random_fp8_weight(N, K, scheme, device)
             dense = w.dequantize().to(dtype)  # the baseline multiplies the same weight dense
             run = lambda x: fp8_gemm(x, w, weight_only=weight_only)  # noqa: E731
-            for x, row in time_gemm(f"{label} {scheme}", ms, dense, run, fp8_bytes(w), fp8=not weight_only):
+            for x, row in time_gemm(f"{label} {scheme}", ms, dense, run, fp8_bytes(w), backend,
+                                  fp8=not weight_only):
                 if on_gpu and scheme == "channel" and not weight_only and row["M"] % 16 == 0:  # cuBLASLt: M % 16 == 0
                     row["scaled_mm_ms"] = scaled_mm_ms(x, w)
                 rows.append(row)
             del dense
-    backend = backend_label(device)
-    backend += " weight-only" if weight_only else " fp8 x fp8"
-    for r in rows:
-        r["backend"] = backend
     return rows
 
 

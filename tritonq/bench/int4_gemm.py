@@ -37,15 +37,12 @@ def weight_shapes(models: list[str], square: int) -> list[tuple[str, int, int]]:
 def run(ms: list[int], shapes: list[tuple[str, int, int]], dtype: torch.dtype, device: str) -> list[dict]:
     from tritonq.kernels.int4_gemm import int4_gemm
 
-    rows = []
+    rows, backend = [], backend_label(device)
     for label, N, K in shapes:
         w = random_int4_weight(N, K, dtype, device, group_size=128 if K % 128 == 0 else 64)
         dense = w.dequantize().to(dtype)  # [N, K]: the baseline multiplies the same weight dense
-        rows += [row for _, row in time_gemm(label, ms, dense, lambda x: int4_gemm(x, w), int4_bytes(w))]
+        rows += [row for _, row in time_gemm(label, ms, dense, lambda x: int4_gemm(x, w), int4_bytes(w), backend)]
         del dense
-    backend = backend_label(device)
-    for r in rows:
-        r["backend"] = backend
     return rows
 
 
