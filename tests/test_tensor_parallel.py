@@ -15,6 +15,7 @@ import json
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import fields
 from fractions import Fraction
 from pathlib import Path
@@ -119,6 +120,25 @@ def test_rank_shards_concatenate_to_the_whole_layer(tmp_path, name, parallel, re
     if name.startswith("gptq_act_order") and parallel == "row":  # every group stays: rows of any group per rank
         assert all(torch.equal(s.scales, whole.scales) for s in shards)
         assert torch.equal(torch.cat([s.g_idx for s in shards]), whole.g_idx)
+
+
+@pytest.mark.parametrize("name", ["dense", "dense_int4_on_load", "awq", "gptq_sym", "gptq_asym_8bit", "fp8_channel"])
+def test_fused_blocks_are_split_block_by_block(tmp_path, name, read_whole):
+    """segments=3 (MPT's Wqkv: all q rows, then all k, then all v): each rank holds its slice of every block, in block
+    order, read slice by slice from disk; the ranks' slices of each block concatenate back to that block of the
+    whole layer, bias included. N = 96: three blocks of 32, 16 columns of each per rank (whole packs of 8)."""
+    fmt, _, K, options, loading = LINEARS[name]
+    folder = write_linear(tmp_path, fmt, 96, K, **options)
+    whole = get_loader(folder, torch.float32, "cpu", **loading).get_linear(PREFIX, bias=True)
+    read_whole.clear()
+    shards = [get_loader(folder, torch.float32, "cpu", **loading, rank=r, world=WORLD).get_linear(
+        PREFIX, bias=True, parallel="column", segments=3) for r in range(WORLD)]
+    assert not [n for n in read_whole if n.endswith((".weight", ".qweight"))]
+    pieces = [dequantize(s).chunk(3) for s in shards]  # [rank][block]
+    rebuilt = torch.cat([pieces[r][b] for b in range(3) for r in range(WORLD)])
+    torch.testing.assert_close(rebuilt, dequantize(whole), atol=0, rtol=0)
+    biases = [s.bias.chunk(3) for s in shards]
+    assert torch.equal(torch.cat([biases[r][b] for b in range(3) for r in range(WORLD)]), whole.bias)
 
 
 def test_kv_heads_fewer_than_ranks_are_replicated(tmp_path):
@@ -262,13 +282,14 @@ def expected_rank_bytes(single: LlamaForCausalLM, rank: int) -> Fraction:
     return total
 
 
-def _rank_main(rank: int, port: int, folders: dict[str, str], out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, run: Callable[[tritonq.Model], dict], folders: dict[str, str],
+               out: str) -> None:
     """One rank, joined the way torchrun starts it (environment variables; load() creates the group)."""
-    os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+    os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TRITONQ_BACKEND": "torch"}
     torch.set_num_threads(1)
-    results = {name: run_steps(tritonq.load(folder, device="cpu", dtype=torch.float32, max_num_seqs=2, max_seq_len=24,
-                                            tensor_parallel=WORLD))
+    results = {name: run(tritonq.load(folder, device="cpu", dtype=torch.float32, max_num_seqs=2, max_seq_len=24,
+                                      tensor_parallel=world))
                for name, folder in folders.items()}
     assert dist.get_backend() == "gloo"
     torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -279,6 +300,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_on_ranks(run: Callable[[tritonq.Model], dict], folders: dict[str, str | Path], out: Path,
+                 world: int = WORLD) -> list[dict]:
+    """Each checkpoint of `folders` loaded with tritonq.load(tensor_parallel=world) in `world` CPU processes (gloo;
+    float32, max_num_seqs 2, max_seq_len 24) and `run(model)` called on every rank: [rank r's {name: result}].
+    run must be a module-level function (the spawned ranks import it); out: a new folder for the results."""
+    out.mkdir()
+    torch.multiprocessing.spawn(_rank_main, args=(world, _free_port(), run, {k: str(v) for k, v in folders.items()},
+                                                  str(out)), nprocs=world, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -297,11 +329,7 @@ def runs(tmp_path_factory):
                 write_quantized(root / f"{name}_dense", folders[name], quantized[0], **quantized[1])
             model = tritonq.load(folders[name], device="cpu", max_num_seqs=2, max_seq_len=24)
             single[name] = run_steps(model) | {"expected": [expected_rank_bytes(model.model, r) for r in range(WORLD)]}
-        out = root / "out"
-        out.mkdir()
-        torch.multiprocessing.spawn(_rank_main, args=(_free_port(), {k: str(v) for k, v in folders.items()}, str(out)),
-                                    nprocs=WORLD, join=True)
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        ranks = run_on_ranks(run_steps, folders, root / "out")
     return {name: (single[name], [r[name] for r in ranks]) for name in MODELS}
 
 

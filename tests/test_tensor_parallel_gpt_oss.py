@@ -9,13 +9,11 @@ differ by float32 rounding only (atol 1e-4). A split through an MXFP4 group is r
 """
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from test_tensor_parallel import run_on_ranks
 from transformers import GptOssConfig
 from transformers import GptOssForCausalLM as HFGptOss
 
@@ -58,23 +56,6 @@ def run_steps(model: tritonq.Model) -> dict:
             "inter": model.model.layers[0].mlp.down.stacked_shape("down")[2]}
 
 
-def _rank_main(rank: int, port: int, folders: dict[str, str], out: str) -> None:
-    os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TRITONQ_BACKEND": "torch"}
-    torch.set_num_threads(1)
-    results = {name: run_steps(tritonq.load(folder, device="cpu", dtype=torch.float32, max_num_seqs=2,
-                                            max_seq_len=24, tensor_parallel=WORLD))
-               for name, folder in folders.items()}
-    torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{"dense" | "mxfp4": (single-process result, [rank 0, rank 1 results])}."""
@@ -87,11 +68,7 @@ def runs(tmp_path_factory):
         for name, folder in folders.items():
             single[name] = run_steps(tritonq.load(folder, device="cpu", dtype=torch.float32, max_num_seqs=2,
                                                   max_seq_len=24))
-        out = root / "out"
-        out.mkdir()
-        torch.multiprocessing.spawn(_rank_main, args=(_free_port(), {k: str(v) for k, v in folders.items()}, str(out)),
-                                    nprocs=WORLD, join=True)
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        ranks = run_on_ranks(run_steps, folders, root / "out")
     return {name: (single[name], [r[name] for r in ranks]) for name in folders}
 
 

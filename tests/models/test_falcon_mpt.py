@@ -2,9 +2,9 @@
 sequential layers) and MPT (ALiBi, clip_qkv) against transformers' FalconForCausalLM / MptForCausalLM on tiny
 random checkpoints: a short and a long prompt prefilled in one batch over interleaved pages vs each alone in
 transformers, batched greedy tokens and their logprobs, and generation through a KV cache small enough to
-preempt. float32 on both sides with the same weights: ATOL 1e-4 (as tests/models/test_llama_family.py)."""
-import os
-from pathlib import Path
+preempt; then both families on 2 tensor-parallel CPU ranks against one process (and MPT's refused splits).
+float32 on both sides with the same weights: ATOL 1e-4 (as tests/models/test_llama_family.py)."""
+import re
 
 import pytest
 import torch
@@ -18,6 +18,8 @@ from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
 from tritonq.layers import Linear
 from tritonq.models.falcon import FalconForCausalLM as OurFalcon
+from tritonq.models.mpt import MptForCausalLM as OurMpt
+from tritonq.quantize import write_quantized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -191,35 +193,64 @@ def tp_run(model: tritonq.Model) -> dict:
     return {"logits": logits, "greedy": None if greedy is None else greedy.token_ids, "bytes": sum(t.nbytes for t in tensors.values())}
 
 
-def _falcon_rank_main(rank: int, port: int, folders: dict[str, str], out: str) -> None:
-    """One of 2 ranks, joined as torchrun starts it (environment variables; load() creates the group)."""
-    os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "TRITONQ_BACKEND": "torch"}
-    torch.set_num_threads(1)
-    results = {name: tp_run(tritonq.load(folder, device="cpu", dtype=torch.float32, max_num_seqs=2, max_seq_len=24,
-                                         tensor_parallel=2)) for name, folder in folders.items()}
-    torch.save(results, Path(out) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
-
-
 def test_falcon_tensor_parallel_two_ranks_match_one_process(tmp_path):
     """Falcon GQA (two norms), MHA (sequential, biases) and MHA in the older parallel form on 2 CPU ranks, each holding whole QKV groups:
     prefill logits and greedy tokens equal the single process (checked against transformers above), and
     each rank holds about half of the split layers' bytes (row-parallel biases stay on rank 0)."""
-    import test_tensor_parallel as tp
     write_falcon(tmp_path / "gqa", "falcon_new_arch_gqa_two_norms")
     write_falcon(tmp_path / "mha", "falcon_mha_sequential_bias")
     write_falcon(tmp_path / "mha_parallel", "falcon_mha_parallel")
-    folders = {name: str(tmp_path / name) for name in ("gqa", "mha", "mha_parallel")}
+    assert_two_ranks_match_one_process({name: tmp_path / name for name in ("gqa", "mha", "mha_parallel")},
+                                       tmp_path / "out")
+
+
+def assert_two_ranks_match_one_process(folders: dict, out) -> None:
+    """Each checkpoint on 2 CPU ranks (tests/test_tensor_parallel.py's run_on_ranks) vs one process, both float32:
+    prefill logits within ATOL (the ranks only regroup the row-parallel sums), rank 0's greedy tokens equal, and
+    each rank holding about half of the split layers' bytes."""
+    import test_tensor_parallel as tp
     single = {name: tp_run(tritonq.load(folder, device="cpu", max_num_seqs=2, max_seq_len=24))
               for name, folder in folders.items()}
-    (tmp_path / "out").mkdir()
-    torch.multiprocessing.spawn(_falcon_rank_main, args=(tp._free_port(), folders, str(tmp_path / "out")), nprocs=2,
-                                join=True)
-    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = tp.run_on_ranks(tp_run, folders, out)
     for name in folders:
         for result in ranks:
             for got, expected in zip(result[name]["logits"], single[name]["logits"], strict=True):
                 torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
             assert 0.45 < result[name]["bytes"] / single[name]["bytes"] < 0.55
         assert ranks[0][name]["greedy"] == single[name]["greedy"]
+
+
+def test_mpt_tensor_parallel_two_ranks_match_one_process(tmp_path):
+    """MPT on 2 CPU ranks: 6 heads tied, 6 heads untied with clip_qkv, and 4 heads AWQ (group 32; d_model 64, so each
+    rank's q, k and v blocks of Wqkv are 32 columns, whole packs of 8, and out_proj's 32 inputs a whole group). Each
+    rank holds its heads of q, k and v of the fused Wqkv and their ALiBi slopes (rank 1's heads have other slopes
+    than rank 0's, so a wrong cut or wrong slopes change the logits); logits and greedy tokens equal the single
+    process, itself checked against transformers above."""
+    write_mpt(tmp_path / "tied", "mpt_6_heads")
+    write_mpt(tmp_path / "untied_clip", "mpt_6_heads", attn_config={"clip_qkv": 0.05}, tie_word_embeddings=False)
+    write_mpt(tmp_path / "awq_dense", "mpt_4_heads_tied", d_model=64)
+    # AutoAWQ converts the blocks' linears only; the embedding stays dense (split by vocabulary rows)
+    write_quantized(tmp_path / "awq_dense", tmp_path / "awq", "awq", group_size=32,
+                    modules_to_not_convert=["transformer.wte"])
+    assert_two_ranks_match_one_process({name: tmp_path / name for name in ("tied", "untied_clip", "awq")},
+                                       tmp_path / "out")
+
+
+def test_mpt_tensor_parallel_refusals(tmp_path):
+    """Heads that do not divide over the ranks, and an AWQ Wqkv whose q / k / v blocks would be cut through a pack
+    (d_model 40: 20 columns of each block per rank), are refused naming the layer before anything is read."""
+    write_mpt(tmp_path / "five", "mpt_5_heads_clip_qkv_untied")
+    with pytest.raises(ValueError, match="n_heads=5 cannot be divided across tensor_parallel=2"):
+        build_on_rank_0_of_2(tmp_path / "five")
+    write_mpt(tmp_path / "dense40", "mpt_4_heads_tied", d_model=40)
+    write_quantized(tmp_path / "dense40", tmp_path / "awq40", "awq", group_size=-1,
+                    modules_to_not_convert=["transformer.wte"])
+    with pytest.raises(ValueError, match=re.escape(
+            "transformer.blocks.0.attn.Wqkv: cannot split N (outputs)=120 (fused blocks of 40) column-parallel into "
+            "2 parts of each block, of 20: each part must be a multiple of 8 (AWQ packs 8 output columns")):
+        build_on_rank_0_of_2(tmp_path / "awq40")
+
+
+def build_on_rank_0_of_2(folder):
+    return OurMpt(AutoConfig.from_pretrained(folder), get_loader(folder, torch.float32, "cpu", rank=0, world=2),
+                  torch.float32, "cpu")

@@ -303,10 +303,7 @@ def test_tensor_parallel_two_ranks_match_one_process(tmp_path):
     folders = {name: str(tmp_path / name) for name in ("qwen2", "qwen3_awq")}
     single = {name: tp.run_steps(tritonq.load(folder, device="cpu", max_num_seqs=2, max_seq_len=24))
               for name, folder in folders.items()}
-    (tmp_path / "out").mkdir()
-    torch.multiprocessing.spawn(tp._rank_main, args=(tp._free_port(), folders, str(tmp_path / "out")), nprocs=tp.WORLD,
-                                join=True)
-    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in range(tp.WORLD)]
+    ranks = tp.run_on_ranks(tp.run_steps, folders, tmp_path / "out")
     for name in folders:
         for result in ranks:
             for got, expected in zip(result[name]["logits"], single[name]["logits"], strict=True):

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from tritonq.formats.base import WeightsLoader
-from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.checkpoint import Weights
+from tritonq.formats.tensor_parallel import Shard, check_split, read_shard
 from tritonq.packing import AWQ_ORDER, AWQ_REVERSE_ORDER, pack_int32, unpack_int32
 from tritonq.weights import Int4Weight
 
@@ -54,18 +55,18 @@ class AWQLoader(WeightsLoader):
             raise ValueError(f"{prefix}.qweight: K={K} is not a multiple of group_size={group_size}")
         G = K // group_size
         if shard is not None and shard.parallel == "column":
-            self.check_split(prefix, shard, N, 8, "AWQ packs 8 output columns per int32 along N")
+            check_split(prefix, shard, N, 8, "AWQ packs 8 output columns per int32 along N")
         elif shard is not None and G > 1:
-            self.check_split(prefix, shard, K, group_size, f"a quantization group of {group_size} input rows")
+            check_split(prefix, shard, K, group_size, f"a quantization group of {group_size} input rows")
         elif shard is not None:
-            self.check_split(prefix, shard, K, 8, "the int4 layout packs 8 input rows per int32")
+            check_split(prefix, shard, K, 8, "the int4 layout packs 8 input rows per int32")
             group_size = K // shard.count
         group_row = 0 if G > 1 else None  # a row shard cuts the groups; per-channel scales stay whole
-        qweight = self.read(f"{prefix}.qweight", shard, column=1, row=0, dtype=torch.int32)
-        scales = self.read(f"{prefix}.scales", shard, column=1, row=group_row, dtype=torch.float16, shape=(G, N))
+        qweight = read_shard(self.weights, f"{prefix}.qweight", shard, column=1, row=0, dtype=torch.int32)
+        scales = read_shard(self.weights, f"{prefix}.scales", shard, column=1, row=group_row, dtype=torch.float16, shape=(G, N))
         qzeros = None
         if self.zero_point or self.weights.has_tensor(f"{prefix}.qzeros"):
-            qzeros = self.read(f"{prefix}.qzeros", shard, column=1, row=group_row, dtype=torch.int32,
+            qzeros = read_shard(self.weights, f"{prefix}.qzeros", shard, column=1, row=group_row, dtype=torch.int32,
                                shape=(G, n_packed)).to(self.device)
         return awq_to_int4(qweight.to(self.device), qzeros, scales.to(device=self.device, dtype=self.dtype),
                            group_size)

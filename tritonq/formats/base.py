@@ -1,6 +1,7 @@
 """The loader base: `WeightsLoader` turns the tensors of one checkpoint into the typed weights
 (tritonq/weights.py) the model asks for, by Hugging Face module prefix; one subclass per format
-(awq.py, gptq.py, fp8.py, compressed_tensors.py, dense.py) reads its quantized layout.
+(awq.py, gptq.py, fp8.py, compressed_tensors.py, dense.py, ...) reads its quantized layout. Which part
+of a layer a tensor-parallel rank reads, and which splits are refused: formats/tensor_parallel.py.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from dataclasses import replace
 
 import torch
 
-from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.checkpoint import Weights
+from tritonq.formats.tensor_parallel import (Shard, check_split, expert_range, holds_bias, rank_shard, read_shard,
+                                             split_dim)
 from tritonq.weights import DenseWeight, Int4Weight, RankExperts, Weight, concat_outputs, empty_linear, stack_experts
 
 # Layers that stay dense whatever the format: embeddings, output head, MoE routers and Qwen2-MoE's [1, D]
@@ -33,8 +36,9 @@ class WeightsLoader:
 
     Tensor parallelism: with world > 1 the model asks for parallel="column" (this rank's N/world
     outputs, bias sliced with them) or parallel="row" (its K/world inputs; the bias only on rank 0,
-    so the all-reduce adds it once). A subclass reads just its slice from disk (`read`) and refuses
-    a split through a pack or a group (`check_split`). world == 1 reads every layer whole.
+    so the all-reduce adds it once); see formats/tensor_parallel.py. A subclass reads just its slice
+    from disk (`read_shard`) and refuses a split through a pack or a group (`check_split`). world == 1
+    reads every layer whole.
     """
     marker = ""  # tensor suffix that marks a quantized module, e.g. "qweight"
     # Stored tensors a model may leave unread with only a warning: rotary tables some exporters saved,
@@ -66,42 +70,6 @@ class WeightsLoader:
     def is_quantized(self, prefix: str) -> bool:
         return not self.is_ignored(prefix) and self.weights.has_tensor(f"{prefix}.{self.marker}")
 
-    def shard(self, parallel: str | None, parts: int | None = None) -> Shard | None:
-        """This rank's Shard for parallel None / "column" / "row"; None when the layer is read whole.
-
-        parts: how many equal slices the layer may be cut into (default world; e.g. the number of KV
-        heads). With parts < world (fewer KV heads than ranks, world a multiple of parts) rank r holds
-        slice r * parts // world, so each slice is replicated on world / parts ranks.
-        """
-        if parallel not in (None, "column", "row"):
-            raise ValueError(f"parallel={parallel!r}; expected None, 'column' or 'row'")
-        if parallel is None or self.world == 1:
-            return None
-        parts = parts or self.world
-        if parts >= self.world:
-            return Shard(parallel, self.rank, self.world)
-        if parallel == "row" or self.world % parts:
-            raise ValueError(f"cannot replicate {parts} {parallel} slices over {self.world} ranks: "
-                             "a column split with world a multiple of parts is needed")
-        return Shard(parallel, self.rank * parts // self.world, parts)
-
-    def check_split(self, prefix: str, shard: Shard, size: int, multiple: int, unit: str) -> None:
-        """Refuse a split of `size` (N for column, K for row) into shard.count parts that are not whole `unit`s."""
-        if size % (shard.count * multiple):
-            what = "N (outputs)" if shard.parallel == "column" else "K (inputs)"
-            raise ValueError(f"{prefix}: cannot split {what}={size} {shard.parallel}-parallel into {shard.count} parts "
-                             f"of {size / shard.count:g}: each part must be a multiple of {multiple} ({unit}); "
-                             "use a tensor_parallel size that keeps whole packs and groups on each rank")
-
-    def read(self, name: str, shard: Shard | None, column: int | None, row: int | None,
-             dtype: torch.dtype | None = None, shape: tuple | None = None) -> torch.Tensor:
-        """Tensor `name` as stored (checked against dtype and the full shape); with a shard, only this
-        rank's slice along dim `column` or `row` (by shard.parallel) is read; a None dim reads it whole."""
-        dim = None if shard is None else column if shard.parallel == "column" else row
-        if dim is None:
-            return self.weights.get_tensor(name, dtype, shape)
-        return self.weights.get_sharded(name, dim, shard.index, shard.count, dtype, shape)
-
     def stored_shape(self, prefix: str) -> tuple[tuple[int, int], str, tuple[int, ...]]:
         """((N, K), tensor name, its stored shape) of linear `prefix`, from the safetensors header only.
 
@@ -109,11 +77,16 @@ class WeightsLoader:
         if self.is_quantized(prefix):
             return self.quantized_shape(prefix)
         name = f"{prefix}.weight"
+        stored = self.dense_shape(name)
+        return stored, name, stored
+
+    def dense_shape(self, name: str) -> tuple[int, int]:
+        """(N, K) of the dense linear weight `name`, from the header; refused unless 2-D."""
         stored = self.weights.get_shape(name)
         if len(stored) != 2:
             raise ValueError(f"{self.weights.folder}: tensor {name!r} has shape {list(stored)}, expected a 2-D "
                              "[N, K] linear weight")
-        return stored, name, stored
+        return stored
 
     def quantized_shape(self, prefix: str) -> tuple[tuple[int, int], str, tuple[int, ...]]:
         name = f"{prefix}.weight"
@@ -132,30 +105,35 @@ class WeightsLoader:
                              "weights: fix config.json or load the checkpoint it belongs to")
 
     def get_linear(self, prefix: str, bias: bool = False, parallel: str | None = None,
-                   parts: int | None = None, shape: tuple[int, int] | None = None) -> Weight:
-        """The linear `prefix` (see the class docstring for parallel and `shard` for parts).
+                   parts: int | None = None, shape: tuple[int, int] | None = None, segments: int = 1) -> Weight:
+        """The linear `prefix` (see the class docstring for parallel, tensor_parallel.rank_shard for parts and
+        segments: a fused output of that many blocks, each split on its own).
 
         shape: the full (N, K) the model expects, checked against the header before reading."""
         self.check_shape(prefix, shape)
-        shard = self.shard(parallel, parts)
+        shard = self.shard(parallel, parts, segments)
         if self.is_quantized(prefix):
             w = self.quantized_linear(prefix, shard)
             row = shard is not None and shard.parallel == "row"
             if row and isinstance(w, Int4Weight) and w.shape[1] % w.group_size:
                 # act-order keeps every group's scales on each row shard, but the int4 kernels still need
                 # whole groups of rows on each rank (K % group_size == 0).
-                self.check_split(prefix, shard, w.shape[1] * shard.count, w.group_size,
-                                 f"a quantization group of {w.group_size} input rows, act-order included")
+                check_split(prefix, shard, w.shape[1] * shard.count, w.group_size,
+                            f"a quantization group of {w.group_size} input rows, act-order included")
         else:
             w = DenseWeight(self._dense_matrix([prefix], [shard])[0])
         if bias:
             w = replace(w, bias=self._bias(prefix, shard, w.shape[0]))
         return w
 
+    def shard(self, parallel: str | None, parts: int | None = None, segments: int = 1) -> Shard | None:
+        """This rank's Shard of a layer (tensor_parallel.rank_shard); None when it is read whole."""
+        return rank_shard(parallel, self.rank, self.world, parts, segments)
+
     def _bias(self, prefix: str, shard: Shard | None, local_N: int) -> torch.Tensor | None:
         """Bias [local_N] of linear `prefix` (this rank's outputs), or None on ranks > 0 of a row split."""
         N = local_N if shard is None or shard.parallel == "row" else local_N * shard.count
-        if shard is None or shard.parallel == "column" or shard.index == 0:
+        if holds_bias(shard):
             return self._read_float(f"{prefix}.bias", shard, column=0, row=None, shape=(N,))
         if self.has_tensor(f"{prefix}.bias"):
             self.weights.mark_read(f"{prefix}.bias")  # rank 0 adds it once after the all-reduce
@@ -168,15 +146,11 @@ class WeightsLoader:
         parts = []
         for prefix, shard in zip(prefixes, shards):
             name = f"{prefix}.weight"
-            stored = self.weights.get_shape(name)
-            if len(stored) != 2:
-                raise ValueError(f"{self.weights.folder}: tensor {name!r} has shape {list(stored)}, expected a 2-D "
-                                 "[N, K] linear weight")
-            N, K = stored
+            N, K = self.dense_shape(name)
             if shard is not None:
-                self.check_split(prefix, shard, N if shard.parallel == "column" else K, 1, "whole rows or columns")
-                N, K = (N // shard.count, K) if shard.parallel == "column" else (N, K // shard.count)
-            self._check_float(name)
+                check_split(prefix, shard, N if shard.parallel == "column" else K, 1, "whole rows or columns")
+                N, K = shard.local_shape(N, K)
+            self.check_float(name)
             parts.append((name, shard, N, K))
         if len({K for *_, K in parts}) != 1:
             raise ValueError(f"{self.weights.folder}: cannot fuse linears {prefixes} with different input sizes K "
@@ -220,11 +194,11 @@ class WeightsLoader:
         N, K = shapes[prefixes[0]]
         for prefix in prefixes:
             self.check_shape(prefix, shape)
-            self._check_float(f"{prefix}.weight")
+            self.check_float(f"{prefix}.weight")
             if shard is not None:
-                self.check_split(prefix, shard, N if shard.parallel == "column" else K, 1, "whole rows or columns")
+                check_split(prefix, shard, N if shard.parallel == "column" else K, 1, "whole rows or columns")
         if shard is not None:
-            N, K = (N // shard.count, K) if shard.parallel == "column" else (N, K // shard.count)
+            N, K = shard.local_shape(N, K)
         out = torch.empty(len(prefixes), N, K, dtype=self.dtype, device=self.device)
         for e, prefix in enumerate(prefixes):
             self._read_float(f"{prefix}.weight", shard, column=0, row=1, out=out[e])
@@ -245,8 +219,8 @@ class WeightsLoader:
         E, N, K = shape
         shard = self.shard(parallel)
         if shard is not None:
-            self.check_split(name, shard, N if shard.parallel == "column" else K, 2 if interleaved else 1,
-                             "a gate/up pair" if interleaved else "whole rows or columns")
+            check_split(name, shard, N if shard.parallel == "column" else K, 2 if interleaved else 1,
+                        "a gate/up pair" if interleaved else "whole rows or columns")
         if self.is_quantized(name):
             w = self.quantized_experts(name, shape, shard)
         else:
@@ -262,7 +236,7 @@ class WeightsLoader:
 
     def _expert_bias(self, name: str, shard: Shard | None, shape: tuple[int, int]) -> torch.Tensor | None:
         """Expert biases [E, N] (this rank's N slice), or None on ranks > 0 of a row split."""
-        if shard is None or shard.parallel == "column" or shard.index == 0:
+        if holds_bias(shard):
             return self._read_float(name, shard, column=1, row=None, shape=shape)
         self._check_tensor_shape(name, shape)
         self.weights.mark_read(name)  # rank 0 adds it once after the all-reduce
@@ -283,13 +257,8 @@ class WeightsLoader:
         experts = [f"{prefix}.experts.{e}" for e in range(num_experts)]
         first, parallel = 0, "column"
         if expert_parallel and self.world > 1:
-            if num_experts % self.world:
-                raise ValueError(f"{prefix}: cannot place n_routed_experts={num_experts} experts on "
-                                 f"tensor_parallel={self.world} ranks (expert_parallel=True needs the same number "
-                                 "on each); use a tensor_parallel that divides it, or expert_parallel=False to "
-                                 "split every expert by its intermediate size")
-            count = num_experts // self.world
-            first, parallel = self.rank * count, None
+            first, count = expert_range(prefix, num_experts, self.rank, self.world)
+            parallel = None
             mine = experts[first:first + count]
             others = tuple(f"{p}." for p in experts if p not in mine)
             for name in self.weights.names():
@@ -379,7 +348,7 @@ class WeightsLoader:
         and `check_all_read`."""
         for reason, names in self.left_unread.items():
             warnings.warn(f"{self.weights.folder}: not reading {len(names)} stored tensor(s) of {reason}: "
-                          f"{_listing(names)}", stacklevel=3)
+                          f"{listing(names)}", stacklevel=3)
         self.weights.check_finite()
         self.check_all_read()
 
@@ -392,15 +361,15 @@ class WeightsLoader:
         unused = [n for n in unread if n not in harmless]
         if harmless:
             warnings.warn(f"{self.weights.folder}: ignoring {len(harmless)} stored tensor(s) this runtime does not "
-                          f"use: {_listing(harmless)}", stacklevel=3)
+                          f"use: {listing(harmless)}", stacklevel=3)
         if unused:
             raise ValueError(f"{self.weights.folder}: {len(unused)} stored tensor(s) were not used by any module of "
-                             f"the model: {_listing(unused)}; the checkpoint holds modules this model/config does not "
+                             f"the model: {listing(unused)}; the checkpoint holds modules this model/config does not "
                              "have (or quantizes a module in a way this loader does not read), so it would run a "
                              "different model. Check config.json (layer counts, tie_word_embeddings) and the "
                              "quantization_config")
 
-    def _check_float(self, name: str) -> None:
+    def check_float(self, name: str) -> None:
         """Refuse tensor `name` unless stored as a 2+-byte float (from the header, before reading it)."""
         dtype = self.weights.get_dtype(name)
         if not dtype.is_floating_point or dtype.itemsize == 1:
@@ -410,20 +379,19 @@ class WeightsLoader:
 
     def _read_float(self, name: str, shard: Shard | None, column: int | None, row: int | None,
                     shape: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Float tensor `name` (this rank's slice, as `read` takes shard/column/row) in the compute dtype on the
+        """Float tensor `name` (this rank's slice, as `read_shard` takes shard/column/row) in the compute dtype on the
         device, written into `out` when given (else a new contiguous tensor). Read whole, it streams into
         `out` through a small buffer (Weights.read_into), so the stored tensor and the result never coexist;
         a slice is read and then copied. shape: the full stored shape expected."""
         stored = self.weights.get_shape(name)  # a missing tensor: KeyError naming it and the checkpoint
         if shape is not None:
-            self.weights._check(name, None, stored, None, shape)
-        self._check_float(name)
-        dim = None if shard is None else column if shard.parallel == "column" else row
-        if dim is None:
+            self.weights.check_shape(name, shape)
+        self.check_float(name)
+        if split_dim(shard, column, row) is None:
             if out is None:
                 out = torch.empty(stored, dtype=self.dtype, device=self.device)
             return self.weights.read_into(name, out)
-        part = self.read(name, shard, column, row)
+        part = read_shard(self.weights, name, shard, column, row)
         return part.to(device=self.device, dtype=self.dtype) if out is None else out.copy_(part)
 
     def has_tensor(self, name: str) -> bool:
@@ -433,6 +401,7 @@ class WeightsLoader:
         raise NotImplementedError
 
 
-def _listing(names: list[str], limit: int = 8) -> str:
+def listing(names: list[str], limit: int = 8) -> str:
+    """The first `limit` names, comma-separated, and how many more (for warnings and errors)."""
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -36,7 +36,8 @@ import math
 import torch
 
 from tritonq.formats.base import WeightsLoader
-from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.checkpoint import Weights
+from tritonq.formats.tensor_parallel import Shard, check_split, read_shard
 from tritonq.weights import Int4Weight
 
 QUANT_TYPES = ("nf4", "fp4")
@@ -156,28 +157,22 @@ class BitsAndBytesLoader(WeightsLoader):
     def _slice(self, prefix: str, w: Int4Weight, shard: Shard) -> Int4Weight:
         """This rank's part of a whole 4-bit weight: whole output columns, or whole blocks of input rows."""
         N, K = w.shape
-        i, count = shard.index, shard.count
         if shard.parallel == "column":
-            self.check_split(prefix, shard, N, 1, "whole output rows")
-            n = slice(i * N // count, (i + 1) * N // count)
-            return Int4Weight(w.qweight[:, n].contiguous(), w.scales[:, n].contiguous(), None, None,
-                              w.group_size, 4, code=w.code)
+            check_split(prefix, shard, N, 1, "whole output rows")
+            return Int4Weight(shard.take(w.qweight, 1), shard.take(w.scales, 1), None, None, w.group_size, 4,
+                              code=w.code)
         if w.group_size == K:  # one scale per row: any cut into whole packs of 8 rows keeps it
-            self.check_split(prefix, shard, K, 8, "the int4 layout packs 8 input rows per int32")
-            local = K // count
-            return Int4Weight(w.qweight[i * local // 8:(i + 1) * local // 8].contiguous(), w.scales, None, None,
-                              local, 4, code=w.code)
-        self.check_split(prefix, shard, K, w.group_size, f"a bitsandbytes block of {w.group_size} input rows")
-        local, g = K // count, K // count // w.group_size
-        return Int4Weight(w.qweight[i * local // 8:(i + 1) * local // 8].contiguous(),
-                          w.scales[i * g:(i + 1) * g].contiguous(), None, None, w.group_size, 4, code=w.code)
+            check_split(prefix, shard, K, 8, "the int4 layout packs 8 input rows per int32")
+            return Int4Weight(shard.take(w.qweight, 0), w.scales, None, None, K // shard.count, 4, code=w.code)
+        check_split(prefix, shard, K, w.group_size, f"a bitsandbytes block of {w.group_size} input rows")
+        return Int4Weight(shard.take(w.qweight, 0), shard.take(w.scales, 0), None, None, w.group_size, 4, code=w.code)
 
     # ------------------------------------------------------------------ 8-bit
 
     def _int8(self, prefix: str, shard: Shard | None) -> Int4Weight:
         N, K = self.weights.get_shape(f"{prefix}.weight")
         if shard is not None:
-            self.check_split(prefix, shard, N if shard.parallel == "column" else K,
+            check_split(prefix, shard, N if shard.parallel == "column" else K,
                              1 if shard.parallel == "column" else 4, "whole rows; 4 input rows per int32")
         elif K % 4:
             raise ValueError(f"{self.weights.folder}: {prefix} has K={K}, not a multiple of 4 (the 8-bit layout packs "
@@ -189,8 +184,8 @@ class BitsAndBytesLoader(WeightsLoader):
                 raise ValueError(f"{self.weights.folder}: {fmt} is {value.tolist()}, expected {INT8_ROW_FORMAT} "
                                  "('row'): the turing/ampere tile layouts of old bitsandbytes are not read; re-save "
                                  "the model with bitsandbytes >= 0.45")
-        weight = self.read(f"{prefix}.weight", shard, column=0, row=1, dtype=torch.int8)
-        scb = self.read(f"{prefix}.SCB", shard, column=0, row=None, dtype=torch.float32, shape=(N,))
+        weight = read_shard(self.weights, f"{prefix}.weight", shard, column=0, row=1, dtype=torch.int8)
+        scb = read_shard(self.weights, f"{prefix}.SCB", shard, column=0, row=None, dtype=torch.float32, shape=(N,))
         local_K = weight.shape[1]
         if weight.is_meta:
             qweight = torch.empty(local_K // 4, weight.shape[0], dtype=torch.int32, device="meta")

@@ -1,8 +1,8 @@
-"""Reading one safetensors checkpoint folder: `Weights` (the tensors, whole or one rank's slice)
-and `Shard` (which slice of a linear a tensor-parallel rank holds).
+"""Reading one safetensors checkpoint folder: `Weights` (the tensors, whole or one slice along a dim).
 
 No format knowledge here: the loaders (formats/base.py and one file per format) turn these
-tensors into typed weights (tritonq/weights.py).
+tensors into typed weights (tritonq/weights.py); which slice a tensor-parallel rank reads is
+decided in formats/tensor_parallel.py.
 """
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import contextlib
 import json
 import math
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -295,31 +294,43 @@ class Weights:
         return SAFETENSORS_DTYPES[code]
 
     def get_sharded(self, name: str, dim: int, rank: int, world: int, dtype: torch.dtype | None = None,
-                    shape: tuple | None = None) -> torch.Tensor:
+                    shape: tuple | None = None, segments: int = 1) -> torch.Tensor:
         """Slice `rank` of `world` equal parts along `dim`, reading only that slice from disk.
 
-        dtype / shape (the full stored shape) are checked as in get_tensor.
+        segments: the dim holds that many equal blocks (a fused q | k | v); slice `rank` of each block is read and
+        the slices are concatenated in block order. dtype / shape (the full stored shape) are checked as in
+        get_tensor.
         """
         view = self._handle(name).get_slice(name)
         full = tuple(view.get_shape())
         if shape is not None:
             self._check(name, None, full, None, shape)
-        if full[dim] % world:
-            raise ValueError(f"{self._file_of[name]}: tensor {name!r} has size {full[dim]} along dim {dim}, "
+        if full[dim] % (world * segments):
+            blocks = "" if segments == 1 else f" ({segments} blocks)"
+            raise ValueError(f"{self._file_of[name]}: tensor {name!r} has size {full[dim]} along dim {dim}{blocks}, "
                              f"not divisible by world size {world}")
-        part = full[dim] // world
-        index = [slice(None)] * len(full)
-        index[dim] = slice(rank * part, (rank + 1) * part)
+        block = full[dim] // segments
+        part = block // world
         if self._dry:
             self._check(name, self.get_dtype(name), None, dtype, None)
             sliced = list(full)
-            sliced[dim] = part
+            sliced[dim] = part * segments
             return torch.empty(sliced, dtype=self.get_dtype(name), device="meta")
-        tensor = view[tuple(index)]
+        pieces = []
+        for segment in range(segments):
+            index = [slice(None)] * len(full)
+            start = segment * block + rank * part
+            index[dim] = slice(start, start + part)
+            pieces.append(view[tuple(index)])
+        tensor = pieces[0] if segments == 1 else torch.cat(pieces, dim)
         self._check(name, tensor.dtype, None, dtype, None)
         self._count_nonfinite(name, nonfinite_count(tensor))
         self._advance(name)
         return tensor
+
+    def check_shape(self, name: str, shape: tuple) -> None:
+        """Refuse tensor `name` unless its stored shape is `shape` (from the header, nothing read)."""
+        self._check(name, None, self.get_shape(name), None, shape)
 
     def _check(self, name, found_dtype, found_shape, dtype, shape):
         where = f"{self.folder / self._file_of[name]}: tensor {name!r}"
@@ -328,11 +339,3 @@ class Weights:
         if shape is not None and found_shape != tuple(shape):
             raise ValueError(f"{where} has shape {list(found_shape)}, expected {list(shape)}")
 
-
-@dataclass(frozen=True)
-class Shard:
-    """The part of one linear this rank holds: part `index` of `count` equal slices of N (parallel
-    "column": outputs) or of K ("row": inputs)."""
-    parallel: str
-    index: int
-    count: int

@@ -34,7 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from tritonq.formats.base import WeightsLoader
-from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.checkpoint import Weights
+from tritonq.formats.tensor_parallel import (Shard, check_fp8_split, check_split, read_shard,
+                                             row_split_cuts_groups)
 from tritonq.packing import pack_int32, unpack_int32
 from tritonq.weights import FP8Weight, Int4Weight, W8A8Weight, Weight
 
@@ -190,22 +192,20 @@ class CompressedTensorsLoader(WeightsLoader):
         column, row = shard is not None and shard.parallel == "column", shard is not None and shard.parallel == "row"
         if column:  # packed zero points hold `per` output rows per int32 (pack-quantized, asymmetric)
             multiple = per if s.format == "pack-quantized" and not s.symmetric else 1
-            self.check_split(prefix, shard, N, multiple, f"compressed-tensors weight_zero_point packs {per} output "
+            check_split(prefix, shard, N, multiple, f"compressed-tensors weight_zero_point packs {per} output "
                              "rows per int32 along N" if multiple > 1 else "whole rows")
         if row:
-            self.check_split(prefix, shard, K, per, f"{per} {s.bits}-bit input columns per int32 along K")
+            check_split(prefix, shard, K, per, f"{per} {s.bits}-bit input columns per int32 along K")
         g_idx = None
         if self.weights.has_tensor(f"{prefix}.weight_g_idx"):
-            g_idx = self.read(f"{prefix}.weight_g_idx", shard, column=None, row=0, shape=(K,))
+            g_idx = read_shard(self.weights, f"{prefix}.weight_g_idx", shard, column=None, row=0, shape=(K,))
             g_idx = g_idx.to(device=self.device, dtype=torch.int32)
         if not row:
             return 1, group_size, self._act_order(g_idx, K, group_size)
-        part = K // shard.count
         if G == 1:  # per channel: one scale row for any K
-            return None, part, None
-        own_groups = torch.arange(shard.index * part, (shard.index + 1) * part) // group_size
-        if g_idx is None or g_idx.is_meta or torch.equal(g_idx.cpu().long(), own_groups):  # contiguous groups
-            self.check_split(prefix, shard, K, group_size, f"a quantization group of {group_size} input rows")
+            return None, K // shard.count, None
+        if row_split_cuts_groups(shard, K, group_size, g_idx):
+            check_split(prefix, shard, K, group_size, f"a quantization group of {group_size} input rows")
             return 1, group_size, None
         return None, group_size, g_idx  # act-order: every group may hold rows of this rank
 
@@ -225,11 +225,11 @@ class CompressedTensorsLoader(WeightsLoader):
             raise ValueError(f"{prefix}.weight: K={K} is not a multiple of group_size={group_size} and of {32 // s.bits}")
         G = K // group_size
         group_dim, group_size, g_idx = self._int_split(prefix, s, shard, N, K, group_size)
-        weight = self.read(f"{prefix}.weight", shard, column=0, row=1, dtype=torch.int8)
-        scales = self.read(f"{prefix}.weight_scale", shard, column=0, row=group_dim, shape=(N, G)).T
+        weight = read_shard(self.weights, f"{prefix}.weight", shard, column=0, row=1, dtype=torch.int8)
+        scales = read_shard(self.weights, f"{prefix}.weight_scale", shard, column=0, row=group_dim, shape=(N, G)).T
         zeros = None
         if not s.symmetric:
-            zp = self.read(f"{prefix}.weight_zero_point", shard, column=0, row=group_dim, dtype=torch.int8,
+            zp = read_shard(self.weights, f"{prefix}.weight_zero_point", shard, column=0, row=group_dim, dtype=torch.int8,
                            shape=(N, G))
             zeros = (zp.T.to(torch.int32) + offset).to(device=self.device, dtype=self.dtype).contiguous()
         codes = weight.to(self.device).to(torch.int32) + offset
@@ -247,13 +247,13 @@ class CompressedTensorsLoader(WeightsLoader):
         group_size = K if s.strategy == "channel" else s.group_size
         G = K // group_size
         group_dim, group_size, g_idx = self._int_split(prefix, s, shard, N, K, group_size)
-        packed = self.read(f"{prefix}.weight_packed", shard, column=0, row=1, dtype=torch.int32)
-        scales = self.read(f"{prefix}.weight_scale", shard, column=0, row=group_dim, shape=(N, G))
+        packed = read_shard(self.weights, f"{prefix}.weight_packed", shard, column=0, row=1, dtype=torch.int32)
+        scales = read_shard(self.weights, f"{prefix}.weight_scale", shard, column=0, row=group_dim, shape=(N, G))
         scales = scales.T.to(device=self.device, dtype=self.dtype)
         codes = unpack_int32(packed.to(self.device), s.bits, dim=1)  # [N', K'] unsigned = signed + 2^(b-1)
         zeros = None
         if not s.symmetric:
-            zero_point = self.read(f"{prefix}.weight_zero_point", shard, column=0, row=group_dim, dtype=torch.int32,
+            zero_point = read_shard(self.weights, f"{prefix}.weight_zero_point", shard, column=0, row=group_dim, dtype=torch.int32,
                                    shape=(N // per, G))
             zeros = unpack_int32(zero_point.to(self.device), s.bits, dim=0).T.to(self.dtype)
         return Int4Weight(pack_int32(codes.T, s.bits, dim=0), scales.contiguous(),
@@ -261,15 +261,8 @@ class CompressedTensorsLoader(WeightsLoader):
 
     def _fp8(self, prefix: str, s: Scheme, shard: Shard | None) -> FP8Weight:
         N, K = self.weights.get_shape(f"{prefix}.weight")
-        if shard is not None:
-            size = N if shard.parallel == "column" else K
-            if s.block_size is None:
-                self.check_split(prefix, shard, size, 1, "whole rows or columns")
-            else:
-                bn, bk = s.block_size
-                self.check_split(prefix, shard, size, bn if shard.parallel == "column" else bk,
-                                 f"a {bn}x{bk} weight_scale block")
-        weight = self.read(f"{prefix}.weight", shard, column=0, row=1, dtype=torch.float8_e4m3fn)
+        check_fp8_split(prefix, shard, N, K, s.block_size, "weight_scale")
+        weight = read_shard(self.weights, f"{prefix}.weight", shard, column=0, row=1, dtype=torch.float8_e4m3fn)
         expected = {"tensor": (1,), "channel": (N, 1)}.get(s.strategy) or \
             (math.ceil(N / s.block_size[0]), math.ceil(K / s.block_size[1]))
         stored = self.weights.get_shape(f"{prefix}.weight_scale")
@@ -279,7 +272,7 @@ class CompressedTensorsLoader(WeightsLoader):
             raise ValueError(f"{self.weights.folder}: tensor '{prefix}.weight_scale' has shape {list(stored)}, "
                              f"expected {list(expected)} for strategy {s.strategy!r}")
         else:  # per channel: rows with N (whole for a row shard); block: by block
-            scale = self.read(f"{prefix}.weight_scale", shard, column=0, row=1 if s.strategy == "block" else None)
+            scale = read_shard(self.weights, f"{prefix}.weight_scale", shard, column=0, row=1 if s.strategy == "block" else None)
         input_scale = None
         if s.static_input:
             input_scale = self.weights.get_tensor(f"{prefix}.input_scale").float().reshape(()).to(self.device)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from tritonq.formats.base import WeightsLoader, always_dense
-from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.checkpoint import Weights
+from tritonq.formats.tensor_parallel import Shard, check_split, read_shard
 from tritonq.rtn import quantize_fp8, quantize_int4
 from tritonq.weights import Weight
 
@@ -37,9 +38,9 @@ class DenseLoader(WeightsLoader):
         N, K = self.weights.get_shape(f"{prefix}.weight")
         if shard is not None:
             int4_row = self.quantize == "int4" and shard.parallel == "row" and self.group_size != -1
-            self.check_split(prefix, shard, N if shard.parallel == "column" else K,
+            check_split(prefix, shard, N if shard.parallel == "column" else K,
                              self.group_size if int4_row else 1, "a quantization group" if int4_row else "whole rows")
-        w = self.read(f"{prefix}.weight", shard, column=0, row=1)
+        w = read_shard(self.weights, f"{prefix}.weight", shard, column=0, row=1)
         if not w.is_floating_point() or w.ndim != 2:
             raise ValueError(f"{prefix}.weight in {self.weights.folder}: expected a float [N, K] matrix, "
                              f"got {w.dtype} {list(w.shape)}")

@@ -15,7 +15,8 @@ import math
 import torch
 
 from tritonq.formats.base import WeightsLoader
-from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.checkpoint import Weights
+from tritonq.formats.tensor_parallel import Shard, check_fp8_split, read_shard
 from tritonq.weights import FP8Weight
 
 SUPPORTED_FMTS = ("e4m3",)
@@ -44,25 +45,18 @@ class FP8Loader(WeightsLoader):
         """Shards slice the weight; a per-tensor scale is replicated, a per-channel one sliced with N
         (kept whole by a row shard), block scales sliced by block (a shard never cuts a block)."""
         N, K = self.weights.get_shape(f"{prefix}.weight")
-        if shard is not None:
-            size = N if shard.parallel == "column" else K
-            if self.block_size is None:
-                self.check_split(prefix, shard, size, 1, "whole rows or columns")
-            else:
-                bn, bk = self.block_size
-                block = bn if shard.parallel == "column" else bk
-                self.check_split(prefix, shard, size, block, f"a {bn}x{bk} weight_scale_inv block")
-        weight = self.read(f"{prefix}.weight", shard, column=0, row=1, dtype=torch.float8_e4m3fn)
+        check_fp8_split(prefix, shard, N, K, self.block_size, "weight_scale_inv")
+        weight = read_shard(self.weights, f"{prefix}.weight", shard, column=0, row=1, dtype=torch.float8_e4m3fn)
         if self.block_size is not None:
             bn, bk = self.block_size
-            scale = self.read(f"{prefix}.weight_scale_inv", shard, column=0, row=1, dtype=torch.float32,
+            scale = read_shard(self.weights, f"{prefix}.weight_scale_inv", shard, column=0, row=1, dtype=torch.float32,
                               shape=(math.ceil(N / bn), math.ceil(K / bk)))
         else:
             shape = self.weights.get_shape(f"{prefix}.weight_scale")
             if math.prod(shape) == 1:
                 scale = self.weights.get_tensor(f"{prefix}.weight_scale", dtype=torch.float32).reshape(())
             elif shape == (N, 1):
-                scale = self.read(f"{prefix}.weight_scale", shard, column=0, row=None, dtype=torch.float32)
+                scale = read_shard(self.weights, f"{prefix}.weight_scale", shard, column=0, row=None, dtype=torch.float32)
             else:
                 raise ValueError(f"{self.weights.folder}: tensor '{prefix}.weight_scale' has shape {list(shape)}, "
                                  f"expected [] (per tensor) or [{N}, 1] (per channel)")

@@ -28,8 +28,9 @@ import warnings
 
 import torch
 
-from tritonq.formats.base import WeightsLoader, _listing
-from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.base import WeightsLoader, listing
+from tritonq.formats.checkpoint import Weights
+from tritonq.formats.tensor_parallel import Shard, check_split, read_shard, row_split_cuts_groups
 from tritonq.packing import pack_int32, unpack_int32
 from tritonq.weights import Int4Weight
 
@@ -89,7 +90,7 @@ class GPTQLoader(WeightsLoader):
         if self.v1_ambiguous:
             warnings.warn(
                 f"{self.weights.folder}: GPTQ v1 zero points with an all-ones field below the top of their int32 "
-                f"word in {_listing(self.v1_ambiguous)}: read as a zero of 0 without a borrow from the next field "
+                f"word in {listing(self.v1_ambiguous)}: read as a zero of 0 without a borrow from the next field "
                 "(AutoGPTQ's rule). If GPTQModel wrote this checkpoint (it borrows), add \"meta\": {\"quantizer\": "
                 "[\"gptqmodel:<version>\"]} to its quantization_config", stacklevel=3)
         super().finish()
@@ -121,33 +122,31 @@ class GPTQLoader(WeightsLoader):
         G = K // group_size
         column, row = shard is not None and shard.parallel == "column", shard is not None and shard.parallel == "row"
         if column:
-            self.check_split(prefix, shard, N, per, f"GPTQ qzeros pack {per} output columns per int32 along N")
+            check_split(prefix, shard, N, per, f"GPTQ qzeros pack {per} output columns per int32 along N")
         if row:
-            self.check_split(prefix, shard, K, per, f"GPTQ qweight packs {per} input rows per int32 along K")
+            check_split(prefix, shard, K, per, f"GPTQ qweight packs {per} input rows per int32 along K")
         g_idx = None
         if self.weights.has_tensor(f"{prefix}.g_idx"):
-            g_idx = self.read(f"{prefix}.g_idx", shard, column=None, row=0, dtype=torch.int32, shape=(K,))
+            g_idx = read_shard(self.weights, f"{prefix}.g_idx", shard, column=None, row=0, dtype=torch.int32, shape=(K,))
             if not g_idx.is_meta and (g_idx.min() < 0 or g_idx.max() >= G):  # meta: a dry run, no values
                 raise ValueError(f"{prefix}.g_idx: groups must lie in [0, {G}), found [{g_idx.min()}, {g_idx.max()}]")
         group_row = None  # the dim of scales/qzeros a row shard cuts: groups, only when they are contiguous
         if row and G == 1:
             group_size, g_idx = K // shard.count, None
         elif row:
-            part = K // shard.count
-            own_groups = torch.arange(shard.index * part, (shard.index + 1) * part) // group_size
-            if g_idx is None or g_idx.is_meta or torch.equal(g_idx.long(), own_groups):  # no act-order: this rank's groups in order
-                self.check_split(prefix, shard, K, group_size, f"a quantization group of {group_size} input rows")
+            if row_split_cuts_groups(shard, K, group_size, g_idx):  # no act-order: this rank's groups in order
+                check_split(prefix, shard, K, group_size, f"a quantization group of {group_size} input rows")
                 group_row, g_idx = 0, None
-        scales = self.read(f"{prefix}.scales", shard, column=1, row=group_row, dtype=torch.float16, shape=(G, N))
+        scales = read_shard(self.weights, f"{prefix}.scales", shard, column=1, row=group_row, dtype=torch.float16, shape=(G, N))
         qzeros, sym = None, p["sym"]
         if self.weights.has_tensor(f"{prefix}.qzeros") or not sym:
-            qzeros = self.read(f"{prefix}.qzeros", shard, column=1, row=group_row, dtype=torch.int32,
+            qzeros = read_shard(self.weights, f"{prefix}.qzeros", shard, column=1, row=group_row, dtype=torch.int32,
                                shape=(G, N // per))
             if self.format == "gptq" and not qzeros.is_meta:  # meta: a dry run, no values to decode
                 qzeros = self.v1_zeros(prefix, qzeros, bits)
             # The zeros as stored are what the packer's dequantization uses, whatever `sym` claims.
             sym = not qzeros.is_meta and bool((unpack_int32(qzeros, bits, dim=1) == 2 ** (bits - 1)).all())
-        qweight = self.read(f"{prefix}.qweight", shard, column=1, row=0, dtype=torch.int32)
+        qweight = read_shard(self.weights, f"{prefix}.qweight", shard, column=1, row=0, dtype=torch.int32)
         to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
         w = gptq_to_int4(to(qweight), None if sym else to(qzeros), to(scales), to(g_idx), bits, group_size, sym,
                          zero_offset=0)

@@ -16,7 +16,8 @@ from fnmatch import fnmatchcase
 import torch
 
 from tritonq.formats.base import WeightsLoader
-from tritonq.formats.checkpoint import Shard, Weights
+from tritonq.formats.checkpoint import Weights
+from tritonq.formats.tensor_parallel import Shard, check_split, read_shard
 from tritonq.rtn import MXFP4_MAX_SCALE
 from tritonq.weights import MXFP4_GROUP, MXFP4Weight, Weight
 
@@ -43,10 +44,10 @@ class MXFP4Loader(WeightsLoader):
             raise ValueError(f"{self.weights.folder}: {name} has K={K} inputs, not a multiple of the MXFP4 group "
                              f"{MXFP4_GROUP}; the config does not match an MXFP4 checkpoint")
         if shard is not None and shard.parallel == "row":
-            self.check_split(name, shard, K, MXFP4_GROUP, f"an MXFP4 group of {MXFP4_GROUP} inputs")
-        blocks = self.read(f"{name}_blocks", shard, column=1, row=2, dtype=torch.uint8,
+            check_split(name, shard, K, MXFP4_GROUP, f"an MXFP4 group of {MXFP4_GROUP} inputs")
+        blocks = read_shard(self.weights, f"{name}_blocks", shard, column=1, row=2, dtype=torch.uint8,
                            shape=(E, N, K // MXFP4_GROUP, 16))
-        scales = self.read(f"{name}_scales", shard, column=1, row=2, dtype=torch.uint8, shape=(E, N, K // MXFP4_GROUP))
+        scales = read_shard(self.weights, f"{name}_scales", shard, column=1, row=2, dtype=torch.uint8, shape=(E, N, K // MXFP4_GROUP))
         if not scales.is_meta and int(scales.max()) > MXFP4_MAX_SCALE:
             raise ValueError(f"{self.weights.folder}: {name}_scales holds E8M0 exponent {int(scales.max())} "
                              f"(a scale of 2^{int(scales.max()) - 127}); the MXFP4 kernels take exponents up to "

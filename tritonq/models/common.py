@@ -198,6 +198,20 @@ class RopeTables:
         return angles.cos().to(self.dtype)[None], angles.sin().to(self.dtype)[None]
 
 
+class NoRope:
+    """What a model without rotary positions (ALiBi: MPT) gives its layers for a step: cos = sin = None. As
+    RopeTables, it refuses a step past max_seq_len."""
+
+    def __init__(self, max_seq_len: int):
+        self.max_seq_len = max_seq_len
+
+    def __call__(self, ctx: StepContext) -> tuple[None, None]:
+        if ctx.max_position >= self.max_seq_len:  # a host int: no device read
+            raise ValueError(f"position {ctx.max_position} is past max_seq_len={self.max_seq_len}; build the model "
+                             "with a larger max_seq_len.")
+        return None, None
+
+
 def logit_rows(x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """The hidden rows whose logits are wanted: x [T, D] -> [R, D] (all of x when ctx.logit_rows is None)."""
     return x if ctx.logit_rows is None else x[ctx.logit_rows]
@@ -284,7 +298,7 @@ class CausalLM(nn.Module):
     A model class states what differs: build_layers (its layers; **options go there), build_norm (the final norm),
     the class attributes `embedding` (the stored embedding's name) and `tie_word_embeddings` (the default when the
     config has no such key), and, when its first layer's `self_attn` is not a plain multi-head attention,
-    cache_layout / rope_dim.
+    cache_layout / rope_dim; a model without rope (ALiBi) overrides position_tables.
 
     Tensor parallel when loader.world > 1: every rank runs forward on the same inputs and gets the full logits;
     its KV cache holds only its KV heads (kv_layout is per rank).
@@ -308,7 +322,7 @@ class CausalLM(nn.Module):
         self.norm = self.build_norm(config, loader)
         self.lm_head = self._vocab_parallel_head(config, loader, table)
         self.kv_layout = self.cache_layout()
-        self.rope = rope_tables(config, self.rope_dim(), max_seq_len, self.device, dtype)
+        self.rope = self.position_tables(config, max_seq_len, dtype)
 
     def build_layers(self, config, loader, **options) -> Iterable[nn.Module]:
         """The decoder layers, in order."""
@@ -327,6 +341,10 @@ class CausalLM(nn.Module):
         """The dims per head that rope rotates: the whole head."""
         return self.layers[0].self_attn.head_dim
 
+    def position_tables(self, config, max_seq_len: int | None, dtype: torch.dtype) -> RopeTables | NoRope:
+        """What each step's layers get for the positions (cos, sin): rope tables over rope_dim() dims per head."""
+        return rope_tables(config, self.rope_dim(), max_seq_len, self.device, dtype)
+
     def _vocab_parallel_head(self, config, loader, table: tuple[int, int]) -> ParallelLMHead:
         """lm_head over this rank's vocabulary rows: the checkpoint's own (a quantized head on disk is always used),
         or, when tie_word_embeddings holds and there is none, the embedding's table itself; then the embedding reads
@@ -342,7 +360,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, ctx: StepContext, cache: PagedKVCache) -> torch.Tensor:
         """Logits [R, V] at ctx.logit_rows (every row when None); writes the step's K/V into cache."""
-        cos, sin = self.rope(ctx)  # gathered once for all layers
+        cos, sin = self.rope(ctx)  # gathered once for all layers (None without rope)
         x = self.embed_tokens(ctx.input_ids)
         for layer, k_pages, v_pages in zip(self.layers, cache.k, cache.v):
             x = layer(x, cos, sin, ctx, k_pages, v_pages)

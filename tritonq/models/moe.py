@@ -53,7 +53,7 @@ MIXTRAL_NAMES = ExpertNames(gate="w1", up="w3", down="w2")
 def _float32_tensor(loader, name: str, shape: tuple) -> torch.Tensor:
     """A router tensor in float32 whatever the compute dtype: the scores choose experts, and a bf16 rounding
     of the weights (or of V3's correction bias, ~1e-3 apart between experts) would change the choice."""
-    loader._check_float(name)
+    loader.check_float(name)
     return loader.weights.get_tensor(name, shape=shape).to(device=loader.device, dtype=torch.float32)
 
 

@@ -1,4 +1,4 @@
-"""MPT (model_type mpt): the paged decoder of tritonq.models.llama with MPT's layer and ALiBi instead of rope.
+"""MPT (model_type mpt): the causal LM of tritonq.models.common with MPT's layer and ALiBi instead of rope.
 
 From transformers 5.25 modeling_mpt.py (checked by tests/models/test_falcon_mpt.py):
   * no position embedding: each head h adds slope_h * (key position) to its scores after the scale (ALiBi;
@@ -13,9 +13,12 @@ Weights: transformer.wte, transformer.blocks.N.{norm_1, attn.Wqkv, attn.out_proj
 ffn.down_proj}, transformer.norm_f, lm_head. Refused: attn_config alibi false (learned positions), qk_ln,
 prefix_lm, attn_uses_sequence_id, a multiquery attn_type (transformers' MPT runs none of them).
 
-Not tensor parallel yet: Wqkv stores all q rows, then k, then v, so the loader's column cut is not per head
-(reading it as three row blocks, each cut by heads, is the missing piece; AWQ/GPTQ packing allows it, N is
-3 x d_model). The CPU step is not compiled (ALiBi's CPU attention runs eagerly).
+Tensor parallel (tritonq.models.common.CausalLM: vocab-parallel wte and lm_head): each rank holds n_heads / world
+heads. Wqkv stores all q rows, then all k, then all v, so it is read as three blocks each cut by heads (the
+loader's `segments`; a contiguous cut of the fused rows would give one rank all of q); each rank's ALiBi slopes
+are its heads' slopes; out_proj and ffn.down_proj are row-parallel, ffn.up_proj column-parallel. Quantized
+checkpoints split as the format allows (AWQ: whole packs of 8 columns in each of q, k, v; refused otherwise,
+naming the layer). The CPU step is not compiled (ALiBi's CPU attention runs eagerly).
 """
 from __future__ import annotations
 
@@ -24,10 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonq.kernels.attention import alibi_slopes
-from tritonq.layers import Embedding, Linear
-from tritonq.models.common import KVLayout, PagedKVCache, StepContext, logit_rows
-from tritonq.models.falcon import layer_norm, paged_attention
-from tritonq.weights import DenseWeight
+from tritonq.layers import Linear, RowParallelLinear
+from tritonq.models.common import CausalLM, NoRope, StepContext, paged_attention
+from tritonq.models.falcon import layer_norm
 
 REFUSED_ATTN = {"qk_ln": False, "prefix_lm": False, "attn_uses_sequence_id": False}
 ALIBI_BIAS_MAX = 8  # every MPT checkpoint's; transformers' MPT uses 8 whatever the config says
@@ -40,18 +42,27 @@ def attn_option(config, key: str, default=None):
 
 
 class MptAttention(nn.Module):
+    """This rank's n_heads / world heads (see the module docstring): x [T, d_model] -> [T, d_model] (this rank's
+    partial sum of out_proj, all-reduced)."""
+
     def __init__(self, config, loader, prefix: str):
         super().__init__()
-        heads, D = config.n_heads, config.d_model
+        heads, D, world = config.n_heads, config.d_model, loader.world
         if D % heads:
             raise ValueError(f"{prefix}: d_model={D} is not a multiple of n_heads={heads}")
-        self.head_dim, self.num_heads = D // heads, heads
-        self.Wqkv = Linear(loader.get_linear(f"{prefix}.Wqkv", shape=(3 * D, D)))  # rows: all q, then k, then v
-        self.out_proj = Linear(loader.get_linear(f"{prefix}.out_proj", shape=(D, D)))
+        if heads % world:
+            raise ValueError(f"{prefix}: n_heads={heads} cannot be divided across tensor_parallel={world} ranks "
+                             "(each rank holds whole heads); use a tensor_parallel that divides it")
+        self.head_dim = D // heads
+        self.num_heads = self.num_kv_heads = heads // world  # multi-head: a key and a value per query head
+        # rows: all q, then k, then v; each block cut by heads, so this rank's rows are its q, k, v heads in order
+        self.Wqkv = Linear(loader.get_linear(f"{prefix}.Wqkv", parallel="column", segments=3, shape=(3 * D, D)))
+        self.out_proj = RowParallelLinear(loader.get_linear(f"{prefix}.out_proj", parallel="row", shape=(D, D)), world)
         self.clip_qkv = attn_option(config, "clip_qkv")
         self.scale = attn_option(config, "softmax_scale") or self.head_dim ** -0.5
-        slopes = alibi_slopes(heads, ALIBI_BIAS_MAX)
-        self.register_buffer("slopes", slopes.to(loader.device), persistent=False)
+        first = loader.rank * self.num_heads
+        slopes = alibi_slopes(heads, ALIBI_BIAS_MAX)[first:first + self.num_heads]  # this rank's heads' slopes
+        self.register_buffer("slopes", slopes.contiguous().to(loader.device), persistent=False)
 
     def forward(self, x, ctx: StepContext, k_pages, v_pages):
         T, H = x.shape[0], self.num_heads
@@ -64,27 +75,33 @@ class MptAttention(nn.Module):
 
 
 class MptBlock(nn.Module):
+    """norm_1 -> attention -> residual, norm_2 -> GELU FFN (up_proj column-, down_proj row-parallel) -> residual."""
+
     def __init__(self, config, loader, prefix: str):
         super().__init__()
         D, eps, inter = config.d_model, config.layer_norm_epsilon, config.expansion_ratio * config.d_model
         self.norm_1 = layer_norm(loader, f"{prefix}.norm_1", D, eps, bias=False)
-        self.attn = MptAttention(config, loader, f"{prefix}.attn")
+        self.self_attn = MptAttention(config, loader, f"{prefix}.attn")
         self.norm_2 = layer_norm(loader, f"{prefix}.norm_2", D, eps, bias=False)
-        self.up_proj = Linear(loader.get_linear(f"{prefix}.ffn.up_proj", shape=(inter, D)))
-        self.down_proj = Linear(loader.get_linear(f"{prefix}.ffn.down_proj", shape=(D, inter)))
+        self.up_proj = Linear(loader.get_linear(f"{prefix}.ffn.up_proj", parallel="column", shape=(inter, D)))
+        self.down_proj = RowParallelLinear(loader.get_linear(f"{prefix}.ffn.down_proj", parallel="row",
+                                                             shape=(D, inter)), loader.world)
 
-    def forward(self, x, ctx, k_pages, v_pages):
-        x = x + self.attn(self.norm_1(x), ctx, k_pages, v_pages)
+    def forward(self, x, cos, sin, ctx, k_pages, v_pages):
+        """cos, sin: None (ALiBi; the CausalLM skeleton passes them to every layer)."""
+        x = x + self.self_attn(self.norm_1(x), ctx, k_pages, v_pages)
         return x + self.down_proj(F.gelu(self.up_proj(self.norm_2(x))))
 
 
-class MptForCausalLM(nn.Module):
-    """Built as MptForCausalLM(config, loader, dtype, device); see the module docstring."""
-    supports_tensor_parallel = False  # Wqkv stores all q rows, then k, then v: a column cut is not per head
+class MptForCausalLM(CausalLM):
+    """Built as MptForCausalLM(config, loader, dtype, device); see the module docstring and
+    tritonq.models.common.CausalLM (the embedding transformer.wte, the final LayerNorm transformer.norm_f, lm_head
+    tied by default)."""
     supports_compile = False  # the CPU ALiBi attention runs eagerly (kernels/cpu_attention.py)
+    embedding = "transformer.wte"
+    tie_word_embeddings = True
 
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str, max_seq_len: int | None = None):
-        super().__init__()
         if not attn_option(config, "alibi", True):
             raise ValueError("MPT with attn_config.alibi=false (learned position embeddings) is not supported")
         for key, default in REFUSED_ATTN.items():
@@ -98,30 +115,14 @@ class MptForCausalLM(nn.Module):
         if attn_option(config, "attn_type", "multihead_attention") != "multihead_attention":
             raise ValueError(f"MPT attn_config.attn_type={attn_option(config, 'attn_type')!r} is not supported "
                              "(supported: 'multihead_attention')")
-        if loader.world > 1:
-            raise ValueError(f"MPT does not support tensor_parallel={loader.world} yet (its fused Wqkv holds all query "
-                             "rows, then all key rows, then all value rows); load it with tensor_parallel=1")
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.max_seq_len = max_seq_len or config.max_seq_len
-        table = (config.vocab_size, config.d_model)
-        self.wte = Embedding(loader.get_embedding("transformer.wte", table))
-        self.blocks = nn.ModuleList(MptBlock(config, loader, f"transformer.blocks.{i}") for i in range(config.n_layers))
-        self.norm_f = layer_norm(loader, "transformer.norm_f", config.d_model, config.layer_norm_epsilon, bias=False)
-        head = loader.get_lm_head(bool(getattr(config, "tie_word_embeddings", True)), table)
-        tied = head is None
-        self.lm_head = Linear(DenseWeight(self.wte.weight) if tied else head)
-        if tied:  # one table (see LlamaForCausalLM)
-            self.wte.weight = self.lm_head.weight.weight
-        attn = self.blocks[0].attn
-        self.kv_layout = KVLayout(len(self.blocks), attn.num_heads, attn.head_dim, attn.head_dim)
+        super().__init__(config, loader, dtype, device, max_seq_len or config.max_seq_len)
 
-    @torch.inference_mode()
-    def forward(self, ctx: StepContext, cache: PagedKVCache) -> torch.Tensor:
-        """Logits [R, V] at ctx.logit_rows (every row when None); writes the step's K/V into cache."""
-        if ctx.max_position >= self.max_seq_len:  # a host int: no device read
-            raise ValueError(f"position {ctx.max_position} is past max_seq_len={self.max_seq_len}; build the model "
-                             "with a larger max_seq_len")
-        x = self.wte(ctx.input_ids)
-        for block, k_pages, v_pages in zip(self.blocks, cache.k, cache.v):
-            x = block(x, ctx, k_pages, v_pages)
-        return self.lm_head(self.norm_f(logit_rows(x, ctx)))
+    def build_layers(self, config, loader):
+        return (MptBlock(config, loader, f"transformer.blocks.{i}") for i in range(config.n_layers))
+
+    def build_norm(self, config, loader) -> nn.Module:
+        return layer_norm(loader, "transformer.norm_f", config.d_model, config.layer_norm_epsilon, bias=False)
+
+    def position_tables(self, config, max_seq_len: int, dtype: torch.dtype) -> NoRope:
+        """No rope: ALiBi's per-head bias is applied inside attention."""
+        return NoRope(max_seq_len)
