@@ -229,9 +229,8 @@ def test_mpt_tensor_parallel_two_ranks_match_one_process(tmp_path):
     write_mpt(tmp_path / "tied", "mpt_6_heads")
     write_mpt(tmp_path / "untied_clip", "mpt_6_heads", attn_config={"clip_qkv": 0.05}, tie_word_embeddings=False)
     write_mpt(tmp_path / "awq_dense", "mpt_4_heads_tied", d_model=64)
-    # AutoAWQ converts the blocks' linears only; the embedding stays dense (split by vocabulary rows)
-    write_quantized(tmp_path / "awq_dense", tmp_path / "awq", "awq", group_size=32,
-                    modules_to_not_convert=["transformer.wte"])
+    # the embedding stays dense (formats.base.ALWAYS_DENSE, as AutoAWQ does): split by vocabulary rows
+    write_quantized(tmp_path / "awq_dense", tmp_path / "awq", "awq", group_size=32)
     assert_two_ranks_match_one_process({name: tmp_path / name for name in ("tied", "untied_clip", "awq")},
                                        tmp_path / "out")
 
@@ -243,8 +242,7 @@ def test_mpt_tensor_parallel_refusals(tmp_path):
     with pytest.raises(ValueError, match="n_heads=5 cannot be divided across tensor_parallel=2"):
         build_on_rank_0_of_2(tmp_path / "five")
     write_mpt(tmp_path / "dense40", "mpt_4_heads_tied", d_model=40)
-    write_quantized(tmp_path / "dense40", tmp_path / "awq40", "awq", group_size=-1,
-                    modules_to_not_convert=["transformer.wte"])
+    write_quantized(tmp_path / "dense40", tmp_path / "awq40", "awq", group_size=-1)
     with pytest.raises(ValueError, match=re.escape(
             "transformer.blocks.0.attn.Wqkv: cannot split N (outputs)=120 (fused blocks of 40) column-parallel into "
             "2 parts of each block, of 20: each part must be a multiple of 8 (AWQ packs 8 output columns")):

@@ -17,10 +17,11 @@ from tritonq.formats.tensor_parallel import (Shard, check_split, expert_range, h
                                              split_dim)
 from tritonq.weights import DenseWeight, Int4Weight, RankExperts, Weight, concat_outputs, empty_linear, stack_experts
 
-# Layers that stay dense whatever the format: embeddings, output head, MoE routers and Qwen2-MoE's [1, D]
-# shared-expert gate (name endings). Loaders that quantize on load (formats/dense.py) and the checkpoint
-# writer (tritonq/quantize.py) skip them.
-ALWAYS_DENSE = ("embed_tokens", "lm_head", "mlp.gate", "block_sparse_moe.gate", "mlp.shared_expert_gate")
+# Layers that stay dense whatever the format (no packer quantizes them): embeddings (embed_tokens, MPT's wte,
+# Falcon's word_embeddings), output head, MoE routers and Qwen2-MoE's [1, D] shared-expert gate (name endings).
+# Loaders that quantize on load (formats/dense.py) and the checkpoint writer (tritonq/quantize.py) skip them.
+ALWAYS_DENSE = ("embed_tokens", "transformer.wte", "transformer.word_embeddings", "lm_head", "mlp.gate",
+                "block_sparse_moe.gate", "mlp.shared_expert_gate")
 
 
 def always_dense(prefix: str) -> bool:
