@@ -63,10 +63,10 @@ Host reads of the lengths and slots are free here (CPU tensors): they pick each 
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
+
+from tritonq.kernels import threads_for
 
 PARALLEL_WORK = 1 << 20  # query heads x query rows x keys of a sequence from which its op runs multithreaded
 
@@ -98,7 +98,7 @@ def _decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
     grouped = q.view(B, H_kv, H // H_kv, -1)  # a kv head's query heads as its query rows
     grouped_sinks = None if sinks is None else sinks.view(H_kv, H // H_kv)  # one per query row
     lens = cache_lens.tolist()
-    with _threads_for(H * max(lens, default=0)):
+    with threads_for(H * max(lens, default=0), PARALLEL_WORK):
         for b, n in enumerate(lens):
             if n == 0:
                 continue
@@ -129,7 +129,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     out = q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1])
     cu, contexts = cu_seqlens_q.tolist(), context_lens.tolist()
     largest = max(((b - a) * ctx for a, b, ctx in zip(cu, cu[1:], contexts)), default=0)
-    with _threads_for(q.shape[1] * largest):
+    with threads_for(q.shape[1] * largest, PARALLEL_WORK):
         for b, ctx in enumerate(contexts):
             n_q = cu[b + 1] - cu[b]
             if n_q == 0:
@@ -195,20 +195,6 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, k_scale: t
     k_rows, v_rows = (absmax.clamp(min=SCALE_EPS) / INT8_MAX for absmax in (k_absmax, v_absmax))
     return (*(torch.floor(x.float() / s[..., None] + 0.5).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
               for x, s in ((k, k_rows), (v, v_rows))), k_rows, v_rows)
-
-
-@contextmanager
-def _threads_for(work: int):
-    """One intra-op thread inside the block when the largest sequence's work is below PARALLEL_WORK."""
-    threads = torch.get_num_threads()
-    if work >= PARALLEL_WORK or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _gather(pages: torch.Tensor, table_row: torch.Tensor, first: int, last: int,
