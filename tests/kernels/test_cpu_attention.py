@@ -8,7 +8,8 @@ is poisoned: the rows of its pages outside its keys hold NaN and the block table
 them are -1, so a path that read them would fail; the reference runs on the clean cache.
 Tolerances (tests/tolerances.py "attention"): fp32 summation order; bf16 the probabilities
 rounded to bf16 before the PV product and the output rounded once, as the Triton kernels.
-The write of new keys into the pages is a copy: bitwise equal to the reference.
+The write of new keys into the pages is a copy: bitwise equal to the reference. The gather plan shared by
+the layers of a step is reused only while its lengths, window and block table are unchanged.
 """
 import pytest
 import torch
@@ -172,6 +173,32 @@ def test_small_calls_run_on_one_thread_and_restore_the_thread_count(monkeypatch)
         assert seen[2:] == [2, 2]
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_key_plan_is_reused_only_while_lengths_window_and_table_are_the_same(dtype):
+    """The gather plan (cpu_attention.key_plan) is shared by the layers of a step: calls with the same lengths,
+    window and block table get the same plan; another table (pages shuffled again), lengths or window get a new
+    one, and every call matches the reference over its own poisoned cache (a stale plan would read NaN)."""
+    g = torch.Generator().manual_seed(5)
+    h, h_kv, d = 8, 2, 64
+    lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
+    q = torch.randn(len(DECODE_LENS), h, d, generator=g).to(dtype)
+    plans = []
+    for table_seed, window in ((0, 0), (0, 0), (0, 5), (0, 0), (1, 0), (1, 0)):
+        k_pages, v_pages, table = cache(d, d, h_kv, DECODE_LENS, dtype, torch.Generator().manual_seed(table_seed))
+        seen = [(max(0, n - window) if window else 0, n) for n in DECODE_LENS]
+        k_bad, v_bad, table_bad = poisoned(k_pages, v_pages, table, seen)
+        for layer in range(2):  # two "layers" of one step
+            got = cpu_attention.decode_attention(q, k_bad, v_bad, lens, table_bad, 0.1, window)
+            assert_close(got, decode_attention_reference(q, k_pages, v_pages, lens, table, 0.1, window), dtype)
+        plans.append(cpu_attention.key_plan(*zip(*seen), table_bad, PAGE))
+    assert plans[0] is plans[1] is plans[3]  # same values: the cached plan (window 5's kept beside it)
+    assert plans[2] is not plans[0] and plans[4] is not plans[0] and plans[4] is plans[5]
+    for b, (first, last) in enumerate(seen):  # the last plan's slots are exactly the rows of each sequence's keys
+        slots = plans[5].slots[b]
+        expected = [int(table_bad[b, n // PAGE]) * PAGE + n % PAGE for n in range(first, last)]
+        assert (slots is None and not expected) or slots.tolist() == expected
 
 
 # ---- quantized pages (kernels/attention.py QuantizedPages): the same layout, dequantized per sequence --------
