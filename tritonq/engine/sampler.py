@@ -24,9 +24,9 @@ from tritonq.kernels import threads_for
 from tritonq.structured import apply_token_bitmask
 
 MASK32 = 0xFFFFFFFF
-# rows x vocabulary of a step from which its sampling ops run on torch's threads; below it on one (a decode step
-# of 256 rows over a 512-token vocabulary took ~2x the CPU time on two threads for the same wall time: each small
-# op's parallel region wakes and waits for the other thread)
+# rows x vocabulary of a step from which its sampling ops run on torch's threads; below it on one: each small op's
+# parallel region wakes and waits for the other threads (the null-model bench's 256-row steps over 512 tokens took
+# twice their wall time in CPU time on two threads before)
 PARALLEL_WORK = 1 << 21
 
 
