@@ -208,6 +208,19 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.max(-1).indices
 
 
+SMALL_LOGITS = 4096  # elements below which finite_rows checks each logit (measured faster there, 1 x 512)
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> [R] bool: every logit of the row is finite. A row's largest and smallest logit are finite
+    iff all are (NaN propagates through both reductions), and those two vectorized reductions took 1/25 of
+    isfinite(logits).all(-1)'s time at 256 x 512 and 1/4 at 1 x 32000; below SMALL_LOGITS elements the plain check
+    is the faster (6 vs 11 us at 1 x 512)."""
+    if logits.numel() < SMALL_LOGITS:
+        return torch.isfinite(logits).all(-1)
+    return torch.isfinite(logits.amax(-1)) & torch.isfinite(logits.amin(-1))
+
+
 def sample_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Next tokens [R] int64 from logits [R, V] float32 with the step's settings t: `process_logits`,
     then greedy rows take the argmax and sampled rows, as vLLM: temperature, min_p (relative to the most
@@ -269,10 +282,7 @@ class Sampler:
             tensors.allowed = token_bitmask.to(logits.device, non_blocking=True)
         tokens = sample_logits(logits, tensors)
         # -1 marks a row with non-finite logits; set before the broadcast so every rank agrees on it
-        # (a row's largest and smallest logit are finite iff all are: NaN propagates through both reductions, which
-        # are vectorized where isfinite(logits).all(-1) took 25x as long at 256 x 512)
-        finite = torch.isfinite(logits.amax(-1)) & torch.isfinite(logits.amin(-1))
-        tokens = torch.where(finite, tokens, -1)
+        tokens = torch.where(finite_rows(logits), tokens, -1)
         if self.world > 1:
             tokens = broadcast_from_rank0(tokens)
         top = min(max(p.top_logprobs for p in params), V) if params else 0
