@@ -153,3 +153,14 @@ def test_empty_stop_string_is_refused(stop):
         Detokenizer(byte_tokenizer(), stop)
     with pytest.raises(ValueError, match="non-empty"):
         GenerationConfig(stop=(stop,) if isinstance(stop, str) else tuple(stop))
+
+
+def test_decodes_through_the_tokenizers_backend_only_where_that_is_decode():
+    """The backend's decode is called directly only for a fast tokenizer whose decode adds nothing to it (no
+    clean-up of spaces, no overridden _decode); other tokenizers go through tokenizer.decode."""
+    assert all(Detokenizer(tok)._backend is not None for tok in TOKENIZERS.values())
+    cleaned = sentencepiece_tokenizer()
+    cleaned.clean_up_tokenization_spaces = True
+    assert Detokenizer(cleaned)._backend is None
+    ids = cleaned("he ll !=", add_special_tokens=False).input_ids
+    assert "".join(stream(cleaned, ids)[0]) == reference(cleaned, ids)

@@ -187,6 +187,30 @@ def test_mixed_steps_under_preemption_and_shared_prefixes_give_the_solo_greedy_r
     assert_greedy_equal(plain, prompts, got, solo_runs(plain, prompts, max_new_tokens=12))
 
 
+def test_grouped_decode_on_two_threads_gives_the_solo_greedy_runs(folder, monkeypatch):
+    """The CPU backend's decode in padded groups of sequences (kernels/cpu_attention.py, several threads; forced
+    here at this tiny size) gives every request its solo greedy run (one prompt alone decodes per sequence)."""
+    from tritonq.kernels import cpu_attention
+    monkeypatch.delenv("TRITONQ_BACKEND")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU backend, not the Triton kernels interpreted
+    monkeypatch.setattr(cpu_attention, "GROUPED_WORK", 1)
+    plan, groups = cpu_attention.key_plan, []
+    monkeypatch.setattr(cpu_attention, "key_plan", lambda *a: groups.extend(plan(*a).groups) or plan(*a))
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in (5, 40, 41, 17, 90, 3)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = load(folder, max_num_seqs=6, max_num_batched_tokens=256)
+        got = model.generate(prompts, max_new_tokens=12, return_dict=True)
+        assert any(group.index is not None for group in groups)  # decode steps ran padded groups
+        plain = load(folder, enable_prefix_caching=False)
+        monkeypatch.setattr(cpu_attention, "GROUPED_WORK", 1 << 60)
+        assert_greedy_equal(plain, prompts, got, solo_runs(plain, prompts, max_new_tokens=12))
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---- failures: a step that raises, non-finite logits, a dead device ------------------------------------
 
 def run_engine(engine, ids) -> dict[int, list]:

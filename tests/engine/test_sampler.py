@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tritonq.engine.sampler import (SamplingParams, SamplingTensors, open_unit_uniform, process_logits,
-                                   sample_logits, sampling_noise)
+from tritonq.engine.sampler import (SamplingParams, SamplingTensors, argmax_rows, finite_rows, open_unit_uniform,
+                                   process_logits, sample_logits, sampling_noise)
 from tritonq.generate import GenerationConfig
 
 N = 4000  # draws per distribution: frequencies within 0.03 of the probabilities
@@ -293,3 +293,17 @@ def test_score_returns_top_logprobs_of_every_prompt_position(model):
         assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-5)
     with pytest.raises(ValueError, match="return_dict=True"):
         model.score(ids, top_logprobs=3)
+
+
+@pytest.mark.parametrize("rows,vocab", [(6, 7), (6, 1000)])  # below and above SMALL_LOGITS
+def test_finite_rows_and_argmax_rows_equal_their_plain_torch_forms(rows, vocab):
+    """finite_rows marks exactly the rows holding NaN, +inf or -inf (as isfinite(x).all(-1)); argmax_rows takes the
+    first largest index (ties included) as x.argmax(-1)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, vocab, generator=g)
+    x[1, 3], x[2, -1], x[3, 0], x[4, 2] = float("nan"), float("inf"), float("-inf"), x[4].max() + 1
+    x[4, vocab - 1] = x[4, 2]  # a tie: the first wins
+    assert torch.equal(finite_rows(x), torch.isfinite(x).all(-1))
+    assert finite_rows(x).tolist() == [True, False, False, False, True, True]
+    finite = torch.isfinite(x).all(-1)
+    assert torch.equal(argmax_rows(x)[finite], x.argmax(-1)[finite]) and int(argmax_rows(x)[4]) == 2

@@ -8,7 +8,8 @@ is poisoned: the rows of its pages outside its keys hold NaN and the block table
 them are -1, so a path that read them would fail; the reference runs on the clean cache.
 Tolerances (tests/tolerances.py "attention"): fp32 summation order; bf16 the probabilities
 rounded to bf16 before the PV product and the output rounded once, as the Triton kernels.
-The write of new keys into the pages is a copy: bitwise equal to the reference.
+The write of new keys into the pages is a copy: bitwise equal to the reference. The gather plan shared by
+the layers of a step is reused only while its lengths, window and block table are unchanged.
 """
 import pytest
 import torch
@@ -174,6 +175,65 @@ def test_small_calls_run_on_one_thread_and_restore_the_thread_count(monkeypatch)
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_key_plan_is_reused_only_while_lengths_window_and_table_are_the_same(dtype):
+    """The gather plan (cpu_attention.key_plan) is shared by the layers of a step: calls with the same lengths,
+    window and block table get the same plan; another table (pages shuffled again), lengths or window get a new
+    one, and every call matches the reference over its own poisoned cache (a stale plan would read NaN)."""
+    g = torch.Generator().manual_seed(5)
+    h, h_kv, d = 8, 2, 64
+    lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
+    q = torch.randn(len(DECODE_LENS), h, d, generator=g).to(dtype)
+    plans = []
+    for table_seed, window in ((0, 0), (0, 0), (0, 5), (0, 0), (1, 0), (1, 0)):
+        k_pages, v_pages, table = cache(d, d, h_kv, DECODE_LENS, dtype, torch.Generator().manual_seed(table_seed))
+        seen = [(max(0, n - window) if window else 0, n) for n in DECODE_LENS]
+        k_bad, v_bad, table_bad = poisoned(k_pages, v_pages, table, seen)
+        for layer in range(2):  # two "layers" of one step
+            got = cpu_attention.decode_attention(q, k_bad, v_bad, lens, table_bad, 0.1, window)
+            assert_close(got, decode_attention_reference(q, k_pages, v_pages, lens, table, 0.1, window), dtype)
+        plans.append(cpu_attention.key_plan(*zip(*seen), table_bad, PAGE))
+    assert plans[0] is plans[1] is plans[3]  # same values: the cached plan (window 5's kept beside it)
+    assert plans[2] is not plans[0] and plans[4] is not plans[0] and plans[4] is plans[5]
+    slots = {group.rows[0]: group.slots.tolist() for group in plans[5].groups}  # one sequence per group
+    for b, (first, last) in enumerate(seen):  # the last plan's slots are exactly the rows of each sequence's keys
+        expected = [int(table_bad[b, n // PAGE]) * PAGE + n % PAGE for n in range(first, last)]
+        assert slots.get(b, []) == expected
+
+
+GROUPED_LENS = [1, 3, 17, 64, 100, 0, 17, 90, 3]  # groups (slack 1.25): 100+90+64 padded, 17+17, 3+3, 1 alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
+def test_grouped_decode_on_several_threads_matches_reference(d_qk, d_v, h, h_kv, window, dtype, monkeypatch):
+    """A decode step above GROUPED_WORK on several threads runs sequences of similar lengths in one padded flash
+    call each (the padding repeats a sequence's own last key and is masked): equal to the reference over a
+    poisoned cache, the row without keys zero; the plan holds padded groups, an unpadded one and a single."""
+    monkeypatch.setattr(cpu_attention, "GROUPED_WORK", 1)
+    g = torch.Generator().manual_seed(7)
+    k_pages, v_pages, table = cache(d_qk, d_v, h_kv, GROUPED_LENS, dtype, g)
+    q = torch.randn(len(GROUPED_LENS), h, d_qk, generator=g).to(dtype)
+    lens = torch.tensor(GROUPED_LENS, dtype=torch.int32)
+    ref = decode_attention_reference(q, k_pages, v_pages, lens, table, 0.1, window)
+    seen = [(max(0, n - window) if window else 0, n) for n in GROUPED_LENS]
+    k_bad, v_bad, table_bad = poisoned(k_pages, v_pages, table, seen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = cpu_attention.decode_attention(q, k_bad, v_bad, lens, table_bad, 0.1, window)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(got, ref, dtype)
+    assert (got[GROUPED_LENS.index(0)] == 0).all()
+    groups = cpu_attention.key_plan(*zip(*seen), table_bad, PAGE, cpu_attention.GROUP_KEYS).groups
+    assert sum(len(group.rows) for group in groups) == len(GROUPED_LENS) - 1
+    if window == 0:
+        assert [sorted(group.rows) for group in groups] == [[3, 4, 7], [2, 6], [1, 8], [0]]
+        assert groups[0].mask is not None and groups[1].mask is None and groups[3].index is None
+
+
 # ---- quantized pages (kernels/attention.py QuantizedPages): the same layout, dequantized per sequence --------
 
 def quantized(pages: torch.Tensor, kind: str, g: torch.Generator, scale_of=None) -> attention.QuantizedPages:
@@ -190,9 +250,9 @@ def quantized(pages: torch.Tensor, kind: str, g: torch.Generator, scale_of=None)
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d_qk,d_v,h,h_kv", [(72, 72, 8, 2), (576, 512, 4, 1)])
-def test_quantized_pages_decode_and_prefill_match_the_reference(kind, dtype, d_qk, d_v, h, h_kv):
+def test_quantized_pages_decode_and_prefill_match_the_reference(kind, dtype, d_qk, d_v, h, h_kv, monkeypatch):
     """Over random codes and scales; bf16: the dequantized rows are rounded to bf16 once (as bf16 K/V are), within
-    the attention tolerance."""
+    the attention tolerance. Decode per sequence on one thread and in padded groups on two."""
     g = torch.Generator().manual_seed(6)
     k_plain, v_plain, table = cache(d_qk, d_v, h_kv, DECODE_LENS, dtype, g)
     k_pages = quantized(k_plain, kind, g)
@@ -200,9 +260,15 @@ def test_quantized_pages_decode_and_prefill_match_the_reference(kind, dtype, d_q
     lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
     q = torch.randn(len(DECODE_LENS), h, d_qk, generator=g).to(dtype)
     scale = 0.7 / d_qk ** 0.5
-    for window in (0, 5):
-        got = cpu_attention.decode_attention(q, k_pages.data, v_pages.data, lens, table, scale, window,
-                                             k_pages.scale, v_pages.scale)
+    monkeypatch.setattr(cpu_attention, "GROUPED_WORK", 1)
+    before = torch.get_num_threads()
+    for threads, window in ((1, 0), (1, 5), (2, 0), (2, 5)):
+        torch.set_num_threads(threads)
+        try:
+            got = cpu_attention.decode_attention(q, k_pages.data, v_pages.data, lens, table, scale, window,
+                                                 k_pages.scale, v_pages.scale)
+        finally:
+            torch.set_num_threads(before)
         assert_close(got, decode_attention_reference(q, k_pages, v_pages, lens, table, scale, window), dtype)
     q_lens, ctx = zip(*PREFILL)
     k_plain, v_plain, table = cache(d_qk, d_v, h_kv, ctx, dtype, g)

@@ -243,20 +243,11 @@ class Engine:
         try:
             if step.lookahead is not None:  # decoding sequences get proposals in their reserved slots
                 step = step.with_proposals(self.proposer.propose(step.seqs, step.lookahead))
-            proposals = step.proposals or [[]] * len(step.seqs)
             rows = step.logits_for()  # 1 + its proposals where a sequence samples, 0 for a chunk short of its end
             ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
                                       proposals=step.proposals)
             logits = self.runner.run(ctx)
-            # row j of a sequence samples the token after its tokens + proposals[:j], as a plain decode
-            # step at that length would (same noise counter, same min_tokens EOS mask)
-            params, token_ids, mask_eos, row_seqs = [], [], [], []
-            for seq, m, p in zip(step.seqs, rows, proposals):
-                for j in range(m):
-                    row_seqs.append(seq)
-                    params.append(seq.extra.sampling)
-                    token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
-                    mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
+            row_seqs, params, token_ids, mask_eos = self._sampling_rows(step, rows)
             tokens, logprobs, tops = self.sampler.sample(logits, params, token_ids, mask_eos=mask_eos,
                                                         eos_token_ids=self.eos_token_ids,
                                                         token_bitmask=self._token_bitmask(row_seqs, logits.shape[1]))
@@ -267,26 +258,10 @@ class Engine:
                 raise self._dead from exc
             error = f"{type(exc).__name__}: {exc}"
             return outputs + [self._fail(seq, error) for seq in step.seqs if not seq.is_finished]
-        # per sequence: the (token, logprob, top logprobs) it emits (None: a chunk short of its end, or a failed row)
-        picks: list[list[tuple] | None] = []
-        row = 0
-        for seq, m, p in zip(step.seqs, rows, proposals):
-            drawn = list(zip(tokens[row:row + m], logprobs[row:row + m], tops[row:row + m]))
-            row += m
-            if not m:
-                picks.append(None)
-            elif any(t is None for t, _, _ in drawn):  # non-finite logits: no token
-                picks.append(None)
-                if not seq.is_finished:
-                    outputs.append(self._fail(seq, NONFINITE_ERROR))
-            else:
-                emitted = accept(p, [t for t, _, _ in drawn])
-                if p:
-                    self.speculation.add(len(p), len(emitted) - 1)
-                    seq.extra.speculation.add(len(p), len(emitted) - 1)
-                picks.append([(t, lp, top) for t, (_, lp, top) in zip(emitted, drawn)])  # t: also the drawn token
+        picks = self._picks(step, rows, tokens, logprobs, tops, outputs)
         self.scheduler.postprocess(step, [  # skips the failed (finished)
-            None if pick is None else [t for t, _, _ in pick] if p else pick[0][0] for pick, p in zip(picks, proposals)])
+            None if pick is None else [t for t, _, _ in pick] if p else pick[0][0]
+            for pick, p in zip(picks, step.proposals or itertools.repeat(None))])
         now = time.perf_counter()
         eos_ids, requests = self.eos_token_ids, self.requests
         for seq, pick in zip(step.seqs, picks):
@@ -303,13 +278,14 @@ class Engine:
                 request.logprobs.append(logprob)
                 if top is not None:
                     request.top_logprobs.append(top)
-                request.first_token_s = request.first_token_s or now
-                text = detokenizer.add(token) if request.stream else ""
+                if request.first_token_s is None:
+                    request.first_token_s = now
+                text = detokenizer.add(token) if request.stream else ""  # others: detokenized once, at the end
                 may_stop = len(request.token_ids) >= config.min_tokens
                 eos = token in eos_ids and not config.ignore_eos and may_stop
-                stop_token = token in config.stop_token_ids and may_stop
-                reason = ("eos" if eos else "stop" if detokenizer.stopped or stop_token
-                          else "length" if seq.is_finished and j == len(pick) - 1 else None)
+                stop_token = may_stop and token in config.stop_token_ids
+                reason = ("eos" if eos else "stop" if stop_token or detokenizer.stopped
+                          else "length" if j == len(pick) - 1 and seq.is_finished else None)
                 if reason is not None:  # tokens verified after it are dropped
                     self.scheduler.finish(seq)  # no-op when postprocess already finished it (length)
                     self._release(request)
@@ -323,6 +299,56 @@ class Engine:
                 if reason is not None:
                     break
         return outputs
+
+    @staticmethod
+    def _sampling_rows(step, rows: list[int]) -> tuple[list[Sequence], list[SamplingParams], list[list[int]],
+                                                        list[bool] | None]:
+        """Per logits row of the step: its sequence, sampling params, tokens before it and whether EOS / stop ids
+        are masked (min_tokens not reached; None when no row's request has min_tokens). Row j of a sequence
+        samples the token after its tokens + proposals[:j], as a plain decode step at that length would (same
+        noise counter, same min_tokens mask)."""
+        if step.proposals is None:  # one row per sampling sequence (all of a decode step): no per-row work
+            row_seqs = step.seqs if all(rows) else [seq for seq, m in zip(step.seqs, rows) if m]
+            params = [seq.extra.sampling for seq in row_seqs]
+            token_ids = [seq.token_ids for seq in row_seqs]
+            mask_eos = None
+            if any(p.config.min_tokens for p in params):
+                mask_eos = [seq.num_generated < p.config.min_tokens for seq, p in zip(row_seqs, params)]
+            return row_seqs, params, token_ids, mask_eos
+        row_seqs, params, token_ids, mask_eos = [], [], [], []
+        for seq, m, p in zip(step.seqs, rows, step.proposals):
+            for j in range(m):
+                row_seqs.append(seq)
+                params.append(seq.extra.sampling)
+                token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
+                mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
+        return row_seqs, params, token_ids, mask_eos
+
+    def _picks(self, step, rows: list[int], tokens: list, logprobs: list, tops: list,
+               outputs: list[RequestOutput]) -> list[list[tuple] | None]:
+        """Per sequence of the step: the (token, logprob, top logprobs) it emits, in order (None: a chunk short of
+        its end, or a failed row, whose failure output is appended to outputs). With proposals, the tokens its
+        verification accepted (tritonq.engine.speculative.accept), then the target's own."""
+        picks: list[list[tuple] | None] = []
+        proposals = step.proposals or itertools.repeat([])
+        drawn_rows = iter(zip(tokens, logprobs, tops))
+        for seq, m, p in zip(step.seqs, rows, proposals):
+            if not m:
+                picks.append(None)
+                continue
+            drawn = [next(drawn_rows)] if m == 1 else list(itertools.islice(drawn_rows, m))
+            if drawn[0][0] is None or m > 1 and any(t is None for t, _, _ in drawn):  # non-finite logits: no token
+                picks.append(None)
+                if not seq.is_finished:
+                    outputs.append(self._fail(seq, NONFINITE_ERROR))
+            elif not p:
+                picks.append(drawn)
+            else:
+                emitted = accept(p, [t for t, _, _ in drawn])
+                self.speculation.add(len(p), len(emitted) - 1)
+                seq.extra.speculation.add(len(p), len(emitted) - 1)
+                picks.append([(t, lp, top) for t, (_, lp, top) in zip(emitted, drawn)])  # t: also the drawn token
+        return picks
 
     def _release(self, request: Request) -> None:
         """A request ended: drop what the runner (and a draft proposer) keep for it."""

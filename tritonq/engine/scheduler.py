@@ -59,6 +59,8 @@ class ScheduledStep:
         """Rows of logits per sequence, its last ones: a scoring sequence's positions not scored yet, 1 +
         its proposals for a sequence that samples, 0 for a prompt chunk short of its end. Read before
         `postprocess`."""
+        if not self.is_prefill and self.proposals is None and self.start is None:  # a decode step: one row each
+            return [1] * len(self.seqs)
         proposals = self.proposals or [[]] * len(self.seqs)
         start = self.start or [seq.num_computed_tokens for seq in self.seqs]
         return [max(0, c + n - seq.num_scored) if seq.scoring
@@ -149,6 +151,8 @@ class Scheduler:
         freed) and returned; sequences aborted since `schedule` are skipped."""
         if len(sampled) != len(step.seqs):
             raise ValueError(f"postprocess: {len(sampled)} sampled tokens for {len(step.seqs)} sequences.")
+        if not step.is_prefill and step.lookahead is None and step.proposals is None and step.start is None:
+            return self._postprocess_decode(step.seqs, sampled)
         proposals = step.proposals or [[]] * len(step.seqs)
         for seq, n, token, p in zip(step.seqs, step.num_new_tokens, sampled, proposals):  # check all, then apply
             if seq.is_finished:
@@ -193,6 +197,27 @@ class Scheduler:
             if (before + n) // block_size != before // block_size:  # a block became full
                 bm.mark_computed(seq)
             if seq.num_generated >= seq.max_new_tokens:
+                self.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _postprocess_decode(self, seqs: list[Sequence], sampled: list[int | None]) -> list[Sequence]:
+        """postprocess of a plain decode step (every sequence computed its last token, none has proposals or a
+        lookahead): the same checks and updates without the per-sequence branches of mixed steps."""
+        for seq, token in zip(seqs, sampled):  # check all, then apply
+            if (token is None or isinstance(token, list)) and not seq.is_finished:
+                raise ValueError(f"postprocess: {seq} decoded its last token in this step; expected one sampled "
+                                 f"token, got {token}.")
+        finished = []
+        bm, block_size = self.block_manager, self.block_manager.block_size
+        for seq, token in zip(seqs, sampled):
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(token)
+            if seq.num_computed_tokens % block_size == 0:  # a block became full
+                bm.mark_computed(seq)
+            if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_new_tokens:
                 self.finish(seq)
                 finished.append(seq)
         return finished
@@ -244,12 +269,16 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
             seqs.append(seq)
-        for seq in seqs:  # lookahead slots only from blocks left once every decode has its own
-            lookahead = self.lookahead(seq)
-            if lookahead and not bm.can_append(seq, lookahead):
-                lookahead = 0  # speculation never preempts: decode this one without it
-            bm.append_slot(seq, lookahead)
-            lookaheads.append(lookahead)
+        # lookahead slots only from blocks left once every decode has its own; no pass at all without speculation
+        speculating = [i for i, seq in enumerate(seqs) if seq.num_speculative_tokens]
+        if speculating:
+            lookaheads = [0] * len(seqs)
+            for i in speculating:
+                seq = seqs[i]
+                lookahead = self.lookahead(seq)
+                if lookahead and bm.can_append(seq, lookahead):  # speculation never preempts: else decode without
+                    bm.append_slot(seq, lookahead)
+                    lookaheads[i] = lookahead
         is_prefill = False
         counts = [1] * len(seqs)
         budget = max(0, self.max_num_batched_tokens - len(seqs) - sum(lookaheads))

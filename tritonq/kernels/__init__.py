@@ -10,6 +10,7 @@ Pieces the kernel families share (jit helpers, launch configs, `Launch`) are in 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -28,3 +29,20 @@ def use_cpu_kernels(x: torch.Tensor) -> bool:
     """True if a tensor on x's device should run the CPU backend (kernels/cpu_lowbit.py, cpu_attention.py)."""
     return (x.device.type == "cpu" and not use_triton(x)
             and os.environ.get("TRITONQ_BACKEND", "auto") != "torch")
+
+
+@contextmanager
+def threads_for(work: int, parallel_work: int):
+    """One intra-op thread inside the block when work (the caller's count of its largest op) is below
+    parallel_work, the caller's threads otherwise; the thread count comes back afterwards. Each small op is
+    one OpenMP parallel region that waits for every thread: on a shared machine a descheduled worker stalls
+    it, and even on a quiet one waking threads for a tiny tensor costs more than the op."""
+    threads = torch.get_num_threads()
+    if work >= parallel_work or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
