@@ -41,7 +41,7 @@ class Linear(nn.Module):
 
     def __init__(self, weight: Weight):
         super().__init__()
-        if not isinstance(weight, tuple(GEMMS)):  # MXFP4 is experts-only (kernels/moe.py)
+        if not isinstance(weight, tuple(GEMMS)):  # MXFP4 is experts-only (kernels/moe/)
             raise TypeError(f"Linear needs one of {[t.__name__ for t in GEMMS]}; got {type(weight).__name__}.")
         if (isinstance(weight, DenseWeight) and k_major(weight.weight.device, weight.weight.dtype)
                 and not weight.weight.t().is_contiguous()):

@@ -74,7 +74,7 @@ def quantize_fp8(w: torch.Tensor, scheme: str = "tensor", block_size: tuple[int,
     return FP8Weight(weight, scale.contiguous(), tuple(block_size) if scheme == "block" else None)
 
 
-# Largest E8M0 scale the MoE kernel builds with integer ops (kernels/moe.py: 2^(s - 127) x 2^14 as fp32 bits).
+# Largest E8M0 scale the MoE kernel builds with integer ops (kernels/moe/jit.py: 2^(s - 127) x 2^14 as fp32 bits).
 MXFP4_MAX_SCALE = 240
 
 

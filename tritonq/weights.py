@@ -8,7 +8,7 @@ layout: shape, the device move, dequantization, fusing along N (`concat_outputs`
 experts and taking one back out (`expert`), the checks of a stacked layout.
 
 Adding a weight type: its class here, its GEMM kernel in tritonq/kernels/, and its row in
-`tritonq.layers.GEMMS`, the one table that picks a GEMM by type (kernels/moe.py's `_weight_args`
+`tritonq.layers.GEMMS`, the one table that picks a GEMM by type (kernels/moe/launch.py's `_weight_args`
 and kernels/cpu_lowbit.py's `_prepare` too, if MoE experts or the CPU backend should run it).
 The kernels import these types for their signatures and checks, so this module imports no kernel
 (the GEMM table sits in layers.py, above both): tests/test_import_graph.py keeps the graph acyclic.
@@ -189,7 +189,7 @@ class Int4Weight(_TypedWeight):
     @classmethod
     def _stack_experts(cls, parts: list[Int4Weight]) -> Int4Weight:
         first = parts[0]
-        if first.code is not None:  # the expert kernel (kernels/moe.py) dequantizes integer levels only
+        if first.code is not None:  # the expert kernel (kernels/moe/jit.py) dequantizes integer levels only
             raise ValueError("MoE experts with a 4-bit code table (bitsandbytes nf4/fp4) are not supported; "
                              "load a dense, AWQ, GPTQ or FP8 checkpoint of this MoE model")
         found = sorted({(p.bits, p.group_size) for p in parts})

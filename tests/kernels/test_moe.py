@@ -280,7 +280,7 @@ def test_fp8_native_and_bit_decoding_agree(monkeypatch):
     x = torch.randn(3, D)
     weights, ids = _routing(3, E_TEST, 2)
     native = fused_moe(x, gate_up, down, weights, ids, weight_only=True)
-    monkeypatch.setattr(moe, "has_fp8_tensor_cores", lambda device: False)
+    monkeypatch.setattr(moe.launch, "has_fp8_tensor_cores", lambda device: False)
     bits = fused_moe(x, gate_up, down, weights, ids, weight_only=True)
     torch.testing.assert_close(bits, native, rtol=TOL[torch.float32], atol=TOL[torch.float32])
 
@@ -412,7 +412,7 @@ def _a_fp8_spy(monkeypatch):
                 flags.append(kwargs["A_FP8"])
                 return kernel[grid](*args, **kwargs)
             return launch
-    monkeypatch.setattr(moe, "_moe_gemm_kernel", Spy())
+    monkeypatch.setattr(moe.launch, "_moe_gemm_kernel", Spy())
     return flags
 
 
@@ -452,7 +452,7 @@ def test_w8a8_or_weight_only_follows_checkpoint_and_capability(monkeypatch):
     assert not moe.fp8_w8a8(small_block, x)
     assert moe.fp8_w8a8(down, torch.empty(3, D, device="meta"))  # AOT: compiled for a GPU with fp8 tensor cores
     with monkeypatch.context() as mp:  # below sm_89
-        mp.setattr(moe, "has_fp8_tensor_cores", lambda device: False)
+        mp.setattr(moe.launch, "has_fp8_tensor_cores", lambda device: False)
         assert not moe.fp8_w8a8(down, x)
         flags.clear()
         fused_moe(x, gate_up, down, weights, ids)
@@ -495,7 +495,7 @@ def test_fused_moe_w8a8_scale_block_spanning_the_tile(monkeypatch, inter, one_sc
                 seen.append(kwargs["ONE_W_SCALE"])
                 return kernel[grid](*args, **kwargs)
             return launch
-    monkeypatch.setattr(moe, "_moe_gemm_kernel", Spy())
+    monkeypatch.setattr(moe.launch, "_moe_gemm_kernel", Spy())
     out = fused_moe(x, gate_up, down, weights, ids, config=moe.MoEConfig(16, 64, 32, 4, 2))
     assert seen == one_scale
     torch.testing.assert_close(out, _w8a8_reference(x, gate_up_dense, down_dense, weights, ids, bk),
@@ -531,7 +531,7 @@ def _moe_launch_spy(monkeypatch):
                                                              "num_stages")})
                 return kernel[grid](*args, **kwargs)
             return launch
-    monkeypatch.setattr(moe, "_moe_gemm_kernel", Spy())
+    monkeypatch.setattr(moe.launch, "_moe_gemm_kernel", Spy())
     return launches
 
 

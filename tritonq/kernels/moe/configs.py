@@ -1,0 +1,60 @@
+"""Launch configs of the expert GEMM: MoEConfig, the defaults in code by tokens per expert, the tuned
+JSON's bucket key (configs/moe/<gpu>.json), and how a launch's config is chosen and checked."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+from tritonq.kernels.common import check_launch_config, tuned_or_default
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Launch config of one _moe_gemm_kernel GEMM (the fields of its tuned JSON entry)."""
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+
+
+# Defaults by tokens per expert (T * k / E), checked by AOT to compile without register spills
+# on sm_80 and sm_90 for dense, int4 and fp8 weights.
+DEFAULT_CONFIGS = (  # (min tokens per expert, config)
+    (0, MoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
+    (16, MoEConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)),
+    (64, MoEConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)),
+)
+
+
+def config_bucket(tokens: int, num_experts: int, N: int, K: int) -> str:
+    """Key of a tuned configs/moe/<gpu>.json entry for one of the two GEMMs (gate/up: N = I, K = D;
+    down: N = D, K = I): tokens rounded up to a power of two, exact E, N, K."""
+    return f"M{triton.next_power_of_2(tokens)}_E{num_experts}_N{N}_K{K}"
+
+
+def default_config(tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+    """The default in code for this many tokens per expert."""
+    per_expert = tokens * top_k / num_experts
+    return [config for threshold, config in DEFAULT_CONFIGS if per_expert >= threshold][-1]
+
+
+def _config(tokens: int, top_k: int, num_experts: int, N: int, K: int) -> MoEConfig:
+    """Tuned config for this GEMM's shape bucket, else the default for its tokens per expert."""
+    return tuned_or_default("moe", config_bucket(tokens, num_experts, N, K),
+                            default_config(tokens, top_k, num_experts))
+
+
+def check_config(config) -> tuple[MoEConfig, MoEConfig]:
+    """A MoEConfig (both GEMMs) or a (gate_up, down) pair -> the pair; ValueError if not launchable."""
+    pair = (config, config) if isinstance(config, MoEConfig) else config
+    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(c, MoEConfig) for c in pair)):
+        raise ValueError(f"fused_moe: config must be a MoEConfig or a (gate_up, down) pair of them, "
+                         f"got {type(config).__name__}")
+    for c in pair:
+        check_launch_config("fused_moe", c, MoEConfig)
+    if pair[0].BLOCK_M != pair[1].BLOCK_M:
+        raise ValueError(f"fused_moe: the gate_up and down configs have BLOCK_M {pair[0].BLOCK_M} and "
+                         f"{pair[1].BLOCK_M}; both GEMMs share one token alignment, so BLOCK_M must match")
+    return pair

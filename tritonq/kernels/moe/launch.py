@@ -1,0 +1,193 @@
+"""Launchers: `fused_moe` (input checks, the backend choice, the token alignment, the two GEMM launches and the
+sum over the k slots) and `moe_gemm_launch`, one GEMM's `Launch` over all experts (over meta tensors: the launch
+tune --aot compiles).
+
+FP8 experts run W8A8 where the checkpoint quantizes activations and the GPU has e4m3 tensor cores (sm_89+;
+`fp8_w8a8`): each GEMM's input is quantized by fp8_gemm's `quantize_activation_fp8` per token (per-tensor /
+per-channel weights), per 1 x 128 group (128 x 128 block weights) or with the static input_scale (the largest
+over the experts), and the dot runs on e4m3 operands in fp32, scales applied after each K tile (block) or once
+(per token x per channel). Weight-only otherwise (codes dequantized to x.dtype in-kernel): weight-only
+checkpoints, below sm_89, and on the CPU backend / CPU torch reference.
+On CPU (no interpreter) each routed expert runs through kernels/cpu_lowbit.py (its weights
+prepared once, on the first call); TRITONQ_BACKEND=torch runs `fused_moe_reference` (`reference.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import triton
+
+from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
+from tritonq.kernels.common import ClampedSwiGLU, Launch, has_fp8_tensor_cores, on_gpu, upcast_dot
+from tritonq.kernels.fp8_gemm import quantize_activation_fp8
+from tritonq.kernels.moe.configs import MoEConfig, _config, check_config
+from tritonq.kernels.moe.experts import _check_moe, fp8_activation_scheme
+from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
+from tritonq.kernels.moe.reference import fused_moe_reference
+from tritonq.kernels.moe.routing import moe_align_block_size
+from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
+
+FP8_DOT_MIN_K = 32  # tl.dot's smallest K for e4m3 operands (Triton's min_dot_size for 8-bit types)
+
+
+def _weight_args(w: Weight, native_fp8: bool) -> dict:
+    """Kernel arguments describing a stacked weight whose per-expert matrix is W [N, K]."""
+    if isinstance(w, DenseWeight):
+        t = w.weight
+        return dict(w_ptr=t, scale_ptr=t, zero_ptr=t, g_idx_ptr=t, stride_we=t.stride(0), stride_wn=t.stride(1),
+                    stride_wk=t.stride(2), stride_se=0, stride_sn=0, stride_sk=0, group_size=1,
+                    KIND=DENSE, BITS=4, HAS_ZEROS=False, HAS_G_IDX=False, SCALE_BN=1, SCALE_BK=1, FP8_AS_BITS=False)
+    if isinstance(w, Int4Weight):
+        q, s = w.qweight, w.scales
+        return dict(w_ptr=q, scale_ptr=s, zero_ptr=s if w.zeros is None else w.zeros,
+                    g_idx_ptr=q if w.g_idx is None else w.g_idx,
+                    stride_we=q.stride(0), stride_wn=q.stride(2), stride_wk=q.stride(1),
+                    stride_se=s.stride(0), stride_sn=s.stride(2), stride_sk=s.stride(1), group_size=w.group_size,
+                    KIND=INT4, BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
+                    SCALE_BN=1, SCALE_BK=1, FP8_AS_BITS=False)
+    if isinstance(w, MXFP4Weight):
+        b, s = w.blocks, w.scales
+        return dict(w_ptr=b, scale_ptr=s, zero_ptr=s, g_idx_ptr=s, stride_we=b.stride(0), stride_wn=b.stride(1),
+                    stride_wk=1, stride_se=s.stride(0), stride_sn=s.stride(1), stride_sk=s.stride(2), group_size=32,
+                    KIND=MXFP4, BITS=4, HAS_ZEROS=False, HAS_G_IDX=False, SCALE_BN=1, SCALE_BK=1, FP8_AS_BITS=False)
+    t, s = w.weight, w.weight_scale.float()
+    if w.block_size is not None:
+        scale_bn, scale_bk = w.block_size
+        strides = (s.stride(0), s.stride(1), s.stride(2))
+    elif s.dim() == 1:  # per tensor: one scale per expert
+        scale_bn, scale_bk, strides = 1, 1, (s.stride(0), 0, 0)
+    else:  # per channel [E, N, 1]
+        scale_bn, scale_bk, strides = 1, 1, (s.stride(0), s.stride(1), 0)
+    return dict(w_ptr=t if native_fp8 else t.view(torch.uint8), scale_ptr=s, zero_ptr=s, g_idx_ptr=s,
+                stride_we=t.stride(0), stride_wn=t.stride(1),
+                stride_wk=t.stride(2), stride_se=strides[0], stride_sn=strides[1], stride_sk=strides[2],
+                group_size=1, KIND=FP8, BITS=4, HAS_ZEROS=False, HAS_G_IDX=False,
+                SCALE_BN=scale_bn, SCALE_BK=scale_bk, FP8_AS_BITS=not native_fp8)
+
+
+def fp8_w8a8(w: Weight, x: torch.Tensor) -> bool:
+    """Whether fused_moe runs its GEMM over the stacked experts w as W8A8 (e4m3 activations x e4m3 codes) for
+    activations like x: FP8 experts whose checkpoint quantizes activations (not w.weight_only, which e.g.
+    compressed-tensors' `input_activations: null` sets), on a kernel with e4m3 tensor cores
+    (`has_fp8_tensor_cores`: CUDA sm_89+, meta tensors (AOT), Triton's interpreter), and, for block weights, a
+    K block that is a power of two >= FP8_DOT_MIN_K (real checkpoints: 128). Otherwise weight-only (codes
+    dequantized to x.dtype in the kernel): below sm_89, and on the CPU backend and the CPU torch reference,
+    which have no fp8 GEMM (as fp8_gemm's CPU path)."""
+    if not isinstance(w, FP8Weight) or w.weight_only:
+        return False
+    if w.block_size is not None and (w.block_size[1] < FP8_DOT_MIN_K or w.block_size[1] & (w.block_size[1] - 1)):
+        return False
+    return (on_gpu(x) or use_triton(x)) and has_fp8_tensor_cores(x.device)
+
+
+def _fit_block_k(config: MoEConfig, w: Weight, w8a8: bool) -> MoEConfig:
+    """A default or tuned config with BLOCK_K narrowed to a W8A8 block weight's K block (a tile in one block)."""
+    if w8a8 and w.block_size is not None and config.BLOCK_K > w.block_size[1]:
+        return replace(config, BLOCK_K=w.block_size[1])
+    return config
+
+
+def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: MoEConfig | tuple[MoEConfig, MoEConfig] | None = None,
+              activation: ClampedSwiGLU | None = None, weight_only: bool | None = None) -> torch.Tensor:
+    """x [T, D] -> [T, D] in x.dtype: sum_k topk_weights[:, k] * down_e(silu(gate_e x) * up_e x).
+
+    Biases of the stacked weights (if any) are added to each GEMM's output; activation: None
+    (SiLU-and-mul) or ClampedSwiGLU (gpt-oss).
+
+    config: one MoEConfig for both GEMMs or a (gate_up, down) pair with equal BLOCK_M (the
+    tuner's candidates); None: each GEMM's tuned config (`_config`), sharing the smaller BLOCK_M.
+    FP8 experts: each GEMM runs W8A8 where `fp8_w8a8` says (its input quantized per token or per 1 x bk group,
+    `fp8_activation_scheme`), else weight-only; weight_only=True forces weight-only (tests, benchmarks).
+    """
+    E, inter, D = _check_moe(x, gate_up, down, topk_weights, topk_ids)
+    explicit = check_config(config) if config is not None else None
+    if activation is not None and not isinstance(activation, ClampedSwiGLU):
+        raise ValueError(f"fused_moe: activation must be None (SiLU-and-mul) or a ClampedSwiGLU, got {activation!r}")
+    if weight_only not in (None, True):
+        raise ValueError(f"fused_moe: weight_only must be None (W8A8 where `fp8_w8a8` says) or True, got {weight_only!r}")
+    if use_cpu_kernels(x):  # per expert, torch's CPU kernels over weights prepared once (cpu_lowbit)
+        return cpu_lowbit.fused_moe(x, gate_up, down, topk_weights, topk_ids, activation)
+    w8a8 = (False, False) if weight_only else (fp8_w8a8(gate_up, x), fp8_w8a8(down, x))
+    if not use_triton(x):
+        return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids, activation, w8a8)
+    T, top_k = topk_ids.shape
+    if T == 0:
+        return x.new_zeros(T, D)
+    x = x.contiguous()
+    numel = T * top_k
+    cfg1, cfg2 = explicit or (_fit_block_k(_config(T, top_k, E, inter, D), gate_up, w8a8[0]),
+                              _fit_block_k(_config(T, top_k, E, D, inter), down, w8a8[1]))
+    # Both GEMMs share one alignment, so they use the smaller BLOCK_M of the two configs.
+    block_m = min(cfg1.BLOCK_M, cfg2.BLOCK_M)
+    # Slots of other ranks' experts (-1) go to a virtual expert E, sorted last; the kernels stop before its
+    # blocks (num_tokens_post_padded less its padded run), so those rows stay zero. No host read.
+    dropped = topk_ids < 0
+    sorted_ids, expert_ids, post_padded = moe_align_block_size(torch.where(dropped, E, topk_ids), block_m, E + 1)
+    post_padded = post_padded - (dropped.sum(dtype=torch.int32) + block_m - 1) // block_m * block_m
+    routing = topk_weights.float().contiguous().flatten()
+    alignment = (sorted_ids, expert_ids, post_padded)
+    native_fp8 = has_fp8_tensor_cores(x.device)
+    hidden = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
+    out = torch.zeros(numel, D, dtype=x.dtype, device=x.device)  # zeros: the rows of dropped slots stay 0
+    # W8A8: each GEMM's input quantized once, row by row (x per token; hidden per (token, slot) row)
+    a, a_scale = quantize_activation_fp8(x, *fp8_activation_scheme(gate_up)) if w8a8[0] else (x, None)
+    moe_gemm_launch(a, hidden, gate_up, routing, alignment, top_k, cfg1, block_m, True, native_fp8, activation,
+                    a_scale)()
+    a, a_scale = quantize_activation_fp8(hidden, *fp8_activation_scheme(down)) if w8a8[1] else (hidden, None)
+    moe_gemm_launch(a, out, down, routing, alignment, top_k, cfg2, block_m, False, native_fp8, None, a_scale)()
+    return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing: torch.Tensor, alignment: tuple,
+                    top_k: int, config: MoEConfig, block_m: int, gate_up: bool, native_fp8: bool,
+                    activation: ClampedSwiGLU | None = None, a_scale: torch.Tensor | None = None) -> Launch:
+    """The launch of _moe_gemm_kernel for one of the two GEMMs, over all experts.
+
+    gate_up: a = x [T, D], weight [E, 2I, D], out = hidden [T*k, I] (SiLU-and-mul fused); else
+    a = hidden [T*k, I], weight [E, D, I], out [T*k, D] times the routing weights [T*k] fp32.
+    alignment: (sorted_ids, expert_ids, num_tokens_post_padded) of `moe_align_block_size(.., block_m)`.
+    native_fp8: load fp8 weights as float8e4nv (`has_fp8_tensor_cores`), else decode their bytes.
+    weight.bias [E, N_w] (if any) is added to the GEMM output; activation (gate_up only): ClampedSwiGLU or
+    None (SiLU-and-mul). Over meta tensors this is the launch tune --aot compiles.
+    a_scale (W8A8, fp8 experts with fp8 tensor cores): a is e4m3 from `fp8_gemm.quantize_activation_fp8` and
+    a_scale its fp32 scales ([rows, 1] per token, [rows, ceil(K/bk)] per 1 x bk group for block weights, []
+    static); the weight's codes are loaded as e4m3 (native_fp8 must be True) and the dot runs in e4m3.
+    """
+    sorted_ids, expert_ids, post_padded = alignment
+    N, K = out.shape[1], a.shape[1]
+    if isinstance(weight, MXFP4Weight) and config.BLOCK_K % 32:
+        raise ValueError(f"fused_moe: BLOCK_K={config.BLOCK_K} with MXFP4 experts; it must be a multiple of the "
+                         "32-element scale group (use 32, 64 or 128)")
+    w8a8 = a_scale is not None
+    if w8a8:
+        _check_w8a8_launch(a, weight, config, native_fp8)
+    block_scaled = w8a8 and weight.block_size is not None
+    a_scale_strides = (0, 0) if not w8a8 or a_scale.dim() == 0 else a_scale.stride()
+    args = dict(a_ptr=a, out_ptr=out, routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids,
+                expert_ids_ptr=expert_ids, num_tokens_post_padded_ptr=post_padded,
+                num_valid=routing.numel(), N=N, K=K, up_offset=N if gate_up else K,  # the I of gate_up
+                a_row_divisor=top_k if gate_up else 1, stride_am=a.stride(0), stride_om=out.stride(0),
+                GATE_UP=gate_up, TILE_SCALE_ROW=weight.scales_constant_over(config.BLOCK_K), UPCAST_DOT=upcast_dot(a),
+                BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, **_weight_args(weight, native_fp8),
+                bias_ptr=routing if weight.bias is None else weight.bias,
+                stride_be=0 if weight.bias is None else weight.bias.stride(0),
+                swiglu_alpha=activation.alpha if activation else 1.0, swiglu_limit=activation.limit if activation else 0.0,
+                HAS_BIAS=weight.bias is not None, CLAMPED_SWIGLU=activation is not None,
+                a_scale_ptr=a_scale if w8a8 else routing, stride_asm=a_scale_strides[0], stride_asg=a_scale_strides[1],
+                A_GROUP=weight.block_size[1] if block_scaled else K, A_FP8=w8a8, SCALE_PER_TILE=block_scaled,
+                ONE_W_SCALE=block_scaled and weight.block_size[0] % config.BLOCK_N == 0
+                and (not gate_up or N % weight.block_size[0] == 0))
+    grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
+    return Launch(_moe_gemm_kernel, grid, args, config.num_warps, config.num_stages)
+
+
+def _check_w8a8_launch(a: torch.Tensor, weight: Weight, config: MoEConfig, native_fp8: bool) -> None:
+    if not isinstance(weight, FP8Weight) or a.dtype != torch.float8_e4m3fn or not native_fp8:
+        raise ValueError(f"fused_moe: W8A8 (a_scale given) needs FP8 experts, float8_e4m3fn activations and fp8 "
+                         f"tensor cores (native_fp8), got {type(weight).__name__}, {a.dtype}, native_fp8={native_fp8}")
+    if config.BLOCK_K < FP8_DOT_MIN_K or (weight.block_size is not None and weight.block_size[1] % config.BLOCK_K):
+        raise ValueError(f"fused_moe: BLOCK_K={config.BLOCK_K} with W8A8 fp8 experts (block_size {weight.block_size}); "
+                         f"it must be >= {FP8_DOT_MIN_K} (tl.dot's smallest e4m3 K) and divide the weight's K block, so "
+                         "that a K tile lies inside one scale block")
