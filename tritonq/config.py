@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 # tritonq.load's kv_cache_dtype: "auto" stores K/V in the model dtype; "fp8" (float8_e4m3fn, one scale per layer
-# for k and for v) and "int8" (one scale per token and kv head) store 1 byte per value (kernels/attention.py).
+# for k and for v) and "int8" (one scale per token and kv head) store 1 byte per value (kernels/attention/pages.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's limit)

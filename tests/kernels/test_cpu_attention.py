@@ -234,7 +234,7 @@ def test_grouped_decode_on_several_threads_matches_reference(d_qk, d_v, h, h_kv,
         assert groups[0].mask is not None and groups[1].mask is None and groups[3].index is None
 
 
-# ---- quantized pages (kernels/attention.py QuantizedPages): the same layout, dequantized per sequence --------
+# ---- quantized pages (kernels/attention/pages.py QuantizedPages): the same layout, dequantized per sequence --------
 
 def quantized(pages: torch.Tensor, kind: str, g: torch.Generator, scale_of=None) -> attention.QuantizedPages:
     """Random 8-bit pages shaped as `pages` (a view of scale_of's data when given: MLA's latent, shared scale)."""

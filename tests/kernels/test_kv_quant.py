@@ -1,4 +1,4 @@
-"""Quantized KV pages (kernels/attention.py QuantizedPages: fp8 e4m3 per tensor, int8 per token and kv head)
+"""Quantized KV pages (kernels/attention/pages.py QuantizedPages: fp8 e4m3 per tensor, int8 per token and kv head)
 through the Triton kernels (the interpreter on CPU, natively on a GPU).
 
 The write is checked against what the format means, not against our reference: fp8 bytes equal torch's own

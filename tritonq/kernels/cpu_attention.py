@@ -2,12 +2,12 @@
 the write of new keys into the pages.
 
 Without a GPU (and outside TRITON_INTERPRET=1), `decode_attention` and `paged_prefill_attention`
-(kernels/attention.py, which checks the inputs) run here instead of their torch references, which
+(kernels/attention/, which checks the inputs) run here instead of their torch references, which
 gather every page of the block table (decode: the whole table width), mask and softmax in unfused
 float32 ops, and for prefill repeat K/V per query head (GQA). TRITONQ_BACKEND=torch still runs the references, which
 stay the test oracle.
 
-Shapes as kernels/attention.py: pages [P, page_size, Hkv, D], block_table [B, max_pages] int32,
+Shapes as kernels/attention/: pages [P, page_size, Hkv, D], block_table [B, max_pages] int32,
 position n of sequence b in page block_table[b, n // page_size], row n % page_size.
 
 * Per sequence, the keys it sees (its real length, or the last `window` keys) are gathered into
@@ -67,7 +67,7 @@ dropped first, and only when there are any: selecting by the mask took 2-4x the 
 of 64 sequences), ~2.5x (544 prompt tokens). The MLA latent v pages (a strided view of k) view as
 rows too; k is written before v, as the reference and the kernel do.
 
-Quantized pages (kernels/attention.py's QuantizedPages, passed here as data + scale tensors): the same
+Quantized pages (kernels/attention/pages.py's QuantizedPages, passed here as data + scale tensors): the same
 layout as on GPUs, int8 codes with scales [P, page_size, Hkv] or float8_e4m3fn with per-tensor scales.
 Each sequence's gathered rows are dequantized (codes x scale in fp32, then rounded to q's dtype once) before
 torch's attention; the write quantizes as the Triton kernel does (int8: absmax / 127, floor(x / s + 0.5)).
@@ -206,7 +206,7 @@ def _write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tenso
         pages.view(-1, *pages.shape[2:]).index_copy_(0, slot_mapping, new)  # view: raises rather than copy
 
 
-INT8_MAX, FP8_MAX, SCALE_EPS = 127.0, 448.0, 1e-10  # as kernels/attention.py's KV_INT8_MAX, KV_FP8_MAX, KV_SCALE_EPS
+INT8_MAX, FP8_MAX, SCALE_EPS = 127.0, 448.0, 1e-10  # as kernels/attention/pages.py's KV_INT8_MAX, KV_FP8_MAX, KV_SCALE_EPS
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, k_scale: torch.Tensor,

@@ -2,7 +2,7 @@
 with these differences, as transformers' GptOssForCausalLM runs them:
 
   attention  biases on q, k, v and o; a learned sink logit per query head (self_attn.sinks [H]) that
-             joins every softmax denominator only (kernels/attention.py); sliding window
+             joins every softmax denominator only (kernels/attention/jit.py); sliding window
              config.sliding_window (128) on the layers whose layer_types entry is "sliding_attention"
              (alternating, starting with layer 0), full attention on the others; yarn rope.
   MLP        a mixture of experts in every layer, no shared expert:

@@ -2,7 +2,7 @@
 
 From transformers 5.25 modeling_mpt.py (checked by tests/models/test_falcon_mpt.py):
   * no position embedding: each head h adds slope_h * (key position) to its scores after the scale (ALiBi;
-    slopes from alibi_bias_max 8 (others refused), by MPT's rule for any head count: kernels/attention.py's
+    slopes from alibi_bias_max 8 (others refused), by MPT's rule for any head count: kernels/attention/launch.py's
     `alibi_slopes`, applied inside the paged prefill and decode kernels);
   * one fused `attn.Wqkv` [3 * d_model, d_model] (q, k, v each d_model), clamped to +-attn_config.clip_qkv when
     set; multi-head attention; scale attn_config.softmax_scale or 1 / sqrt(head_dim); `attn.out_proj`;
