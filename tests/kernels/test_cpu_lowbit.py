@@ -1,10 +1,11 @@
 """The CPU backend (kernels/cpu_lowbit.py) against the float32 torch references, every format variant,
-at odd shapes: M = 1, 3, 17 (int4 kernel), 64, 130 (int4: per-call dequantize + bf16 GEMM); N not a
+at odd shapes: M = 1, 3 (int4 kernel), 17, 64, 130 (int4: inductor's int4 GEMM template; the per-call
+dequantize + bf16 GEMM where it cannot run, tested apart); N not a
 multiple of the packed layout's 64 columns; K three groups (not a multiple of the larger kernel groups)
 or, per-channel, not a multiple of 32 at all.
 
 Tolerances (stated once, justified in kernels/cpu_lowbit.py):
-  int4 (bf16 activations, scales, float zeros, output and, above 32 rows, W; fp32 accumulation):
+  int4 (bf16 activations, scales, float zeros, output and, dequantize path, W; fp32 accumulation):
       elementwise |y - ref| <= INT4_BOUND * (|x| @ T^T), T[n, k] = scale * (|q - 8| + |8 - z|): four
       bf16 roundings (unit roundoff 2^-8 each) of the magnitude of the terms summed, plus the reference's
       fp16 W (2^-11); the relative norm of the error is also checked (< 2^-6: it is ~3e-3, RMS).
@@ -132,15 +133,56 @@ def test_int4_unpacked_from_cpu_layout_matches_dequantize(name):
     assert (w_t[:, N:] == 0).all()  # padded outputs are 0 (padded K rows meet x's zero padding)
 
 
-def test_int4_kernel_up_to_32_rows_dequantize_above(monkeypatch):
-    calls = []
-    real = cpu_lowbit._dequantize_bf16
-    monkeypatch.setattr(cpu_lowbit, "_dequantize_bf16", lambda p: calls.append(1) or real(p))
+def test_int4_paths_by_rows(monkeypatch):
+    """Up to TEMPLATE_ABOVE_M rows the eager kernel; above, inductor's template; where the template cannot run,
+    the kernel up to DEQUANTIZE_ABOVE_M rows and dequantize + bf16 GEMM above."""
+    dequantized, templated = [], []
+    real_dequantize, real_template = cpu_lowbit._dequantize_bf16, cpu_lowbit._template_gemm
+    monkeypatch.setattr(cpu_lowbit, "_dequantize_bf16", lambda p: dequantized.append(1) or real_dequantize(p))
+    monkeypatch.setattr(cpu_lowbit, "_template_gemm", lambda p: templated.append(1) or real_template(p))
     w = quantize_int4(torch.randn(N, 128), group_size=32)
-    int4_gemm(torch.randn(cpu_lowbit.DEQUANTIZE_ABOVE_M, 128), w)
-    assert not calls
+    int4_gemm(torch.randn(cpu_lowbit.TEMPLATE_ABOVE_M, 128), w)
+    assert not templated and not dequantized
     int4_gemm(torch.randn(cpu_lowbit.DEQUANTIZE_ABOVE_M + 1, 128), w)
-    assert calls == [1]
+    assert templated == [1] and not dequantized
+    monkeypatch.setattr(cpu_lowbit, "_template_gemm", lambda p: None)  # no AVX512, or the compile failed
+    int4_gemm(torch.randn(cpu_lowbit.DEQUANTIZE_ABOVE_M, 128), w)
+    assert not dequantized
+    int4_gemm(torch.randn(cpu_lowbit.DEQUANTIZE_ABOVE_M + 1, 128), w)
+    assert dequantized == [1]
+
+
+@pytest.mark.parametrize("M", [40, 130])
+@pytest.mark.parametrize("name", ["awq_g128_asym", "gptq_g256_sym", "act_order_g32_sym"])
+def test_int4_dequantize_path_matches_reference(monkeypatch, name, M):
+    """The fallback above DEQUANTIZE_ABOVE_M rows where the template cannot run (MS's rows above 8 take the
+    template): same bound as the kernel."""
+    monkeypatch.setattr(cpu_lowbit, "_template_gemm", lambda p: None)
+    K, options = INT4_CASES[name]
+    w = with_bias(quantize_int4(torch.randn(N, K), **options))
+    x = torch.randn(M, K)
+    y, ref = int4_gemm(x, w), int4_gemm_reference(x, w)
+    assert ((y - ref).abs() - INT4_BOUND * (x.abs() @ int4_term_magnitudes(w).t())).max().item() <= 0
+    assert ((y - ref).norm() / ref.norm()).item() < 2**-6
+
+
+def test_int4_template_compiles_once_per_weight_and_keeps_weights_apart():
+    """Two weights of one shape each get their own compiled GEMM (freezing bakes the weight in: a shared graph
+    would give the second weight the first one's products), and row counts after the first compile nothing."""
+    if cpu_lowbit._template_gemm(cpu_lowbit.prepare(quantize_int4(torch.randn(N, 256), group_size=128))) is None:
+        pytest.skip("inductor's int4 template does not compile on this CPU (no AVX512): the eager paths run")
+    weights = [quantize_int4(torch.randn(N, 256), group_size=128) for _ in range(2)]
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for w in weights:
+        int4_gemm(torch.randn(cpu_lowbit.TEMPLATE_ABOVE_M + 1, 256), w)  # compiles w's GEMM
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles + 2
+    compiles += 2
+    for M in (17, 64, 130, 300):
+        x = torch.randn(M, 256)
+        for w in weights:
+            y, ref = int4_gemm(x, w), int4_gemm_reference(x, w)
+            assert ((y - ref).norm() / ref.norm()).item() < 2**-6
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -125,8 +126,12 @@ def prepare_experts(w: Weight) -> tuple[CPUWeight, ...]:
     return p
 
 
-def linear(x: torch.Tensor, p: CPUWeight) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T (+ bias) in x.dtype (see the module docstring for the numerics)."""
+def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T (+ bias) in x.dtype (see the module docstring for the numerics).
+
+    compiled: above TEMPLATE_ABOVE_M rows a 4-bit weight may run inductor's int4 GEMM template, compiled for
+    this weight on its first such call (`_template_gemm`); False keeps to the eager paths (MoE experts: one
+    compile per expert would cost more than it saves)."""
     if isinstance(p, CPUDenseWeight):
         return F.linear(x.float(), p.weight, p.bias).to(x.dtype)
     M, N = x.shape[0], p.out_features
@@ -138,7 +143,10 @@ def linear(x: torch.Tensor, p: CPUWeight) -> torch.Tensor:
     pad = p.packed.shape[1] * 2 - p.in_features
     if pad:
         xb = F.pad(xb, (0, pad))
-    if M > DEQUANTIZE_ABOVE_M:
+    template = _template_gemm(p) if M > TEMPLATE_ABOVE_M and compiled else None
+    if template is not None:
+        y = template(xb.contiguous())
+    elif M > DEQUANTIZE_ABOVE_M:
         y = xb @ _dequantize_bf16(p)
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), p.packed, p.group_size, p.scales_zeros)
@@ -160,9 +168,9 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():  # -1: another rank's expert (kernels.moe)
         token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        gate, up = linear(x[token], gate_up_e[e]).float().chunk(2, dim=1)
+        gate, up = linear(x[token], gate_up_e[e], compiled=False).float().chunk(2, dim=1)
         hidden = F.silu(gate) * up if activation is None else activation.apply(gate, up)
-        y = linear(hidden.to(x.dtype), down_e[e]).float()
+        y = linear(hidden.to(x.dtype), down_e[e], compiled=False).float()
         out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
     return out.to(x.dtype)
 
@@ -193,6 +201,72 @@ def _dequantize_bf16(p: CPUInt4Weight) -> torch.Tensor:
         _dequantize_compiled = compiled
         return w
     return _dequantize_compiled(p.packed, p.scales, p.zeros, p.group_size)
+
+
+TEMPLATE_ABOVE_M = 8  # rows above which inductor's int4 GEMM template beats the eager kernel (docstring)
+TEMPLATE_GROUPS = (32, 64, 128)  # the groups its micro-kernels take; larger kernel groups are split
+_templates: WeakIdKeyDictionary = WeakIdKeyDictionary()  # CPUInt4Weight -> its compiled GEMM, or None
+_template_failed = False  # set by the first failed compile: the others would fail the same way
+
+
+class _Int4Matmul(torch.nn.Module):
+    """x [M, K_pad] bf16 -> [M, N_pad] bf16 by _weight_int4pack_mm_for_cpu over one weight. The weight is held
+    as buffers because inductor's freezing turns a module's buffers into constants, and its int4 GEMM template
+    only takes a constant weight."""
+
+    def __init__(self, p: CPUInt4Weight):
+        super().__init__()
+        split = p.group_size // min(p.group_size, TEMPLATE_GROUPS[-1])  # 256 -> two groups of 128, same values
+        self.group_size = p.group_size // split
+        self.register_buffer("packed", p.packed)
+        self.register_buffer("scales_zeros", p.scales_zeros.repeat_interleave(split, dim=0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+
+
+def _template_gemm(p: CPUInt4Weight):
+    """p's GEMM compiled by torch.compile into inductor's C++ WoQ int4 template (AMX or AVX512 micro-kernels
+    that unpack 4-bit tiles in registers: as fast as a bf16 GEMM above ~16 rows, where the eager kernel
+    re-dequantizes the weight for every tile of rows), compiled on p's first call above TEMPLATE_ABOVE_M rows
+    with the row count dynamic, so it never recompiles; None where the template cannot run (no AVX512, or the
+    compile failed: said once in the log, and the eager paths run)."""
+    global _template_failed
+    if p in _templates:
+        return _templates[p]
+    if _template_failed:
+        return None
+    module = _Int4Matmul(p)
+    # One code object per weight: dynamo keeps its compiled graphs per code object (a shared forward would
+    # check every weight's guards on every call), and freezing bakes this weight into this graph.
+    forward = _Int4Matmul.forward
+    module.forward = types.MethodType(types.FunctionType(forward.__code__.replace(), forward.__globals__), module)
+    compiled = torch.compile(module.forward, dynamic=False, fullgraph=True)
+
+    def gemm(x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.mark_dynamic(x, 0)
+        # fx_graph_cache off: its key ignores the frozen constants' values, so two weights of one shape
+        # would share the first one's graph, weights included.
+        with torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP",
+                                          fx_graph_cache=False), torch.no_grad():
+            return compiled(x)
+
+    start = time.perf_counter()
+    try:
+        gemm(torch.zeros(TEMPLATE_ABOVE_M + 1, p.packed.shape[1] * 2, dtype=torch.bfloat16))
+    except Exception as error:  # noqa: BLE001 - any compile failure leaves the eager paths, which always run
+        _template_failed = True
+        log.warning("CPU backend: inductor's int4 GEMM template did not compile (%s: %s); 4-bit linears above "
+                    "%d rows dequantize to bf16 per call instead (slower prefill)", type(error).__name__,
+                    str(error).splitlines()[0][:200], TEMPLATE_ABOVE_M)
+        _templates[p] = None
+        return None
+    _note(f"4-bit linears above {TEMPLATE_ABOVE_M} rows run inductor's int4 GEMM template (torch.compile), "
+          "compiled once per weight on its first use (~0.3 s a weight; a new shape ~1.5-4 s)")
+    log.debug("CPU backend: int4 GEMM template for [%d, %d] compiled in %.2f s", p.out_features, p.in_features,
+              time.perf_counter() - start)
+    _templates[p] = gemm
+    return gemm
 
 
 # ----------------------------------------------------------------------------------------------
