@@ -58,14 +58,19 @@ class Linear(nn.Module):
         reorder a bf16 one for oneDNN (kernels/cpu_dense.py); the kernels find it there on every call. W8A8
         weights run as stored (torch._int_mm on the int8 codes, kernels/int8_gemm.py)."""
         w = self.weight
+        self.cpu_int4 = None  # Int4Weight's CPU form, held here: a compiled step cannot look it up (weak dict)
         if not use_cpu_kernels(w.values) or isinstance(w, W8A8Weight):
             return
-        if not isinstance(w, DenseWeight):
+        if isinstance(w, Int4Weight):
+            self.cpu_int4 = cpu_lowbit.prepare(w)
+        elif not isinstance(w, DenseWeight):
             cpu_lowbit.prepare(w)
         elif cpu_dense.packs(w):
             cpu_dense.pack(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_int4 is not None and use_cpu_kernels(x):
+            return cpu_lowbit.linear(x.reshape(-1, x.shape[-1]), self.cpu_int4).view(*x.shape[:-1], self.out_features)
         return GEMMS[type(self.weight)](x, self.weight)
 
 

@@ -143,7 +143,9 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     pad = p.packed.shape[1] * 2 - p.in_features
     if pad:
         xb = F.pad(xb, (0, pad))
-    template = _template_gemm(p) if M > TEMPLATE_ABOVE_M and compiled else None
+    # inside a compiled decode step (engine/compiled.py) the op is traced into that graph instead
+    template = (_template_gemm(p) if M > TEMPLATE_ABOVE_M and compiled and not torch.compiler.is_compiling()
+                else None)
     if template is not None:
         y = template(xb.contiguous())
     elif M > DEQUANTIZE_ABOVE_M:
