@@ -35,11 +35,11 @@ def folder(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("compiled"), hidden_size=64, num_layers=2)
 
 
-def _load(folder, compile):
+def _load(folder, compile, max_num_seqs=4):
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TRITON_INTERPRET", raising=False)
         mp.delenv("TRITONQ_BACKEND", raising=False)
-        return tritonq.load(folder, dtype=torch.float32, max_num_seqs=4, max_seq_len=512, compile=compile)
+        return tritonq.load(folder, dtype=torch.float32, max_num_seqs=max_num_seqs, max_seq_len=512, compile=compile)
 
 
 @pytest.mark.compile
@@ -66,23 +66,29 @@ def test_compiled_decode_matches_eager_without_recompiling(folder):
 
 
 @pytest.mark.compile
-def test_compiled_decode_runs_int4_weights(folder, tmp_path):
+@pytest.mark.parametrize("num_prompts", [3, 10])
+def test_compiled_decode_runs_int4_weights(folder, tmp_path, num_prompts):
     """An AWQ int4 model compiles too (its linears hold their CPU form: the step reads no weak dict), with the
-    same tokens as eager and one step's logits within the int4 path's bf16 tolerance."""
+    same tokens as eager and one step's logits within the int4 path's bf16 tolerance. Bucket 4 traces the int4
+    kernel into the graph; bucket 16 (above TEMPLATE_ABOVE_M rows) calls the template through an opaque op."""
     from tritonq.quantize import write_quantized
     awq = write_quantized(folder, tmp_path / "awq", "awq", group_size=64)
-    compiled, eager = _load(awq, True), _load(awq, False)
+    compiled, eager = _load(awq, True, max_num_seqs=16), _load(awq, False, max_num_seqs=16)
+    prompts = [[5 + 7 * i + j for j in range(2 + i % 4)] for i in range(num_prompts)]
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    ours = compiled.generate(PROMPTS, config, return_dict=True)
-    assert list(compiled.engine.runner.compiled.compile_s) == [4]
-    assert ours.token_ids == eager.generate(PROMPTS, config, return_dict=True).token_ids
+    ours = compiled.generate(prompts, config, return_dict=True)
+    bucket = 4 if num_prompts == 3 else 16
+    assert bucket in compiled.engine.runner.compiled.compile_s
+    assert ours.token_ids == eager.generate(prompts, config, return_dict=True).token_ids
     runner = compiled.engine.runner
-    ctx = runner.static.fill(4, [1, 2, 3], [9, 9, 9], [-1, -1, -1], [10, 10, 10], [[0], [40], [80]])
+    rows = list(range(num_prompts))
+    ctx = runner.static.fill(bucket, [1 + r for r in rows], [9] * num_prompts, [-1] * num_prompts,
+                             [10] * num_prompts, [[r * 4] for r in rows])
     got, want = runner.compiled(ctx, runner.cache), runner.model(ctx, runner.cache)
-    # The same int4 op in both; the fused fp32 elementwise ops differ in summation order only, which can move
+    # The same int4 products in both; the fused fp32 elementwise ops differ in summation order only, which can move
     # an activation across one bf16 rounding (2^-8) where the int4 linear rounds its input: 2 bf16 ulps.
     tol = TOLERANCE[torch.bfloat16]["int4_gemm"] * want.abs().max().item()
-    torch.testing.assert_close(got[:3], want[:3], atol=tol, rtol=0)
+    torch.testing.assert_close(got[:num_prompts], want[:num_prompts], atol=tol, rtol=0)
 
 
 def test_compile_option_is_checked(folder):

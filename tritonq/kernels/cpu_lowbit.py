@@ -48,6 +48,7 @@ import functools
 import logging
 import time
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -143,20 +144,40 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     pad = p.packed.shape[1] * 2 - p.in_features
     if pad:
         xb = F.pad(xb, (0, pad))
-    # inside a compiled decode step (engine/compiled.py) the op is traced into that graph instead
-    template = (_template_gemm(p) if M > TEMPLATE_ABOVE_M and compiled and not torch.compiler.is_compiling()
-                else None)
-    if template is not None:
-        y = template(xb.contiguous())
-    elif M > DEQUANTIZE_ABOVE_M:
-        y = xb @ _dequantize_bf16(p)
+    if torch.compiler.is_compiling() and compiled and M > TEMPLATE_ABOVE_M:  # a compiled step's bucket (static M)
+        y = torch.ops.tritonq.cpu_int4_matmul(xb.contiguous(), id(p))  # registered in _by_id by _prepare_int4
     else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), p.packed, p.group_size, p.scales_zeros)
+        y = _int4_matmul(xb.contiguous(), p, compiled)
     if y.shape[1] != N:
         y = y[:, :N]
     if p.bias is not None:
         y = y + p.bias  # bf16 + fp32 -> fp32: the bias is added unrounded
     return y.to(x.dtype).contiguous()
+
+
+def _int4_matmul(xb: torch.Tensor, p: CPUInt4Weight, compiled: bool = True) -> torch.Tensor:
+    """[M, N_pad] bf16 = xb [M, K_pad] bf16 (contiguous, K permuted and padded) @ W^T by the path for M rows."""
+    M = xb.shape[0]
+    template = _template_gemm(p) if M > TEMPLATE_ABOVE_M and compiled else None
+    if template is not None:
+        return template(xb)
+    if M > DEQUANTIZE_ABOVE_M:
+        return xb @ _dequantize_bf16(p)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p.packed, p.group_size, p.scales_zeros)
+
+
+# A compiled decode step (tritonq.engine.compiled) of more than TEMPLATE_ABOVE_M rows calls _int4_matmul as one
+# opaque op, so that it runs the template, itself a compiled graph that the step's trace could not hold (its
+# weight is frozen in); the op names the weight by an id into _by_id. Smaller buckets trace the int4 kernel
+# itself: inductor then fuses the casts and padding around it (measured: the opaque op there cost the batch-1
+# AWQ step 8.1 instead of 6.4 ms).
+_by_id: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(CPUInt4Weight) -> it
+
+
+_ops = torch.library.Library("tritonq", "FRAGMENT")
+_ops.define("cpu_int4_matmul(Tensor xb, int weight) -> Tensor")
+_ops.impl("cpu_int4_matmul", lambda xb, weight: _int4_matmul(xb, _by_id[weight]), "CPU")
+_ops.impl("cpu_int4_matmul", lambda xb, weight: xb.new_empty(xb.shape[0], _by_id[weight].packed.shape[0]), "Meta")
 
 
 def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
@@ -338,10 +359,12 @@ def _prepare_int4(w: Int4Weight) -> CPUInt4Weight | None:
     scales_zeros = torch.zeros(K_pad // kernel_group, N_pad, 2)
     scales_zeros[:, :N, 0], scales_zeros[:, :N, 1] = scales, zeros
     scales_zeros = scales_zeros.to(torch.bfloat16)
-    return CPUInt4Weight(
+    p = CPUInt4Weight(
         packed=packed, scales_zeros=scales_zeros.contiguous(), scales=scales_zeros[..., 0].contiguous(),
         zeros=scales_zeros[..., 1].contiguous(), group_size=kernel_group,
         out_features=N, in_features=K, perm=perm, bias=None if w.bias is None else w.bias.float())
+    _by_id[id(p)] = p
+    return p
 
 
 @functools.cache
