@@ -340,7 +340,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     checked NCCL collectives inside captured graphs): decode steps run at fixed batch buckets (1, 2, 4, 8, 16, 24,
     ... up to max_num_seqs) and each bucket's step is captured as a CUDA graph here, at load (the log
     says how many and how long it took), then replayed; False runs every step eagerly (debugging).
-    compile (CPU, Llama family; default CPU_COMPILE, off: measured no faster than eager, see README):
+    compile (CPU, Llama family; default CPU_COMPILE, off: a compile per bucket for a small gain, see README):
     decode steps run at the same buckets, each torch.compile'd on its first use (tritonq.engine.compiled;
     the log says how long); False runs them eagerly.
     speculative: speculative decoding (tritonq.engine.speculative; greedy outputs unchanged, sampled ones keep

@@ -58,7 +58,7 @@ def main() -> None:
     os.dup2(2, 1)  # logs written to stdout (vLLM's, its engine core's) go to stderr, not into the answers
     start = time.perf_counter()
     generate = {"tritonq": tritonq_engine, "vllm": vllm_engine}[which](spec)
-    generate([list(range(1, 65))], 2)  # warm-up: a 64-token prefill compiles tritonq's int4 dequantize (M > 32)
+    generate([list(range(1, 65))], 2)  # warm-up: a 64-token prefill compiles tritonq's int4 GEMM templates (M > 8)
     answers.write(json.dumps({"ready": True, "load_s": time.perf_counter() - start}) + "\n")
     for line in sys.stdin:
         command = json.loads(line)

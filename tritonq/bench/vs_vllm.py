@@ -237,7 +237,7 @@ def server_rounds(fmt: str, folder: Path, args, logs: Path, record) -> None:
             print(f"[{fmt}] starting the {engine} server (log: {log})", flush=True)
             servers[engine] = launch(commands[engine][0], ports[engine], log, commands[engine][1], timeout_s=900)
             url = f"http://127.0.0.1:{ports[engine]}/v1/completions"
-            # warm-up; a 64-token prefill compiles tritonq's int4 dequantize (M > 32) before anything is timed
+            # warm-up; a 64-token prefill compiles tritonq's int4 GEMM templates (M > 8) before anything is timed
             asyncio.run(_run_rate(url, [list(range(1, 65))], [2], float("inf"), 0, ignore_eos=True))
         for repeat in range(args.repeats):
             base = args.seed + 1000 * (repeat + 1) + 500

@@ -15,20 +15,27 @@ Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels
   fp32 activations take a scalar fallback ~10x slower than fp32 dense), fp32 accumulation,
   output in bf16, then x.dtype.
   Tolerance: |y - ref| <= (2^-6 + 2^-11) * (|x| @ T^T) with T[n, k] = scale * (|q - 8| + |8 - z|):
-  x, the scale and float zero (together), W (dequantize path only) and y are each rounded once to
+  x, the scale and float zero (together), W (dequantize path only, below) and y are each rounded once to
   bf16 (unit roundoff 2^-8: 7 stored mantissa bits), so the error is at most 4 * 2^-8 of the
   magnitude of the terms summed, plus the reference's own fp16 rounding of W (2^-11). In practice
   the roundings cancel: the error's norm is ~3e-3 of the output's.
   Act-order: K is permuted once at load so that groups are contiguous; x is gathered per call.
-  Above DEQUANTIZE_ABOVE_M rows (prefill, large decode batches) the kernel, which re-dequantizes the
-  weight for every tile of rows, loses to unpacking the whole weight once per call to bf16 (one fused
-  loop compiled by torch.compile, 2-4 ms for 2816 x 1024 on one core; eager torch takes 6-25 ms: six
-  passes) and a bf16 GEMM (oneDNN). `linear` on one core of the shared 2-core AVX512-BF16 box (load
-  5-7), 2816 x 1024 g128, min of 11, ms, kernel vs dequantize + GEMM: M = 16: 1.2 vs 3.8; 32: 2.3 vs
-  4.2; 64: 4.5-8.7 vs 2.5-5; 128: 17 vs 14; 256: 30 vs 10.5 (bf16 dense: 0.8 at M = 32, 2.2 at 256).
-  torch's `_weight_int4pack_mm_with_scales_and_zeros` has no CPU kernel in torch 2.13.
-  The bf16 copy lives for one call only (memory stays at 4 bits a weight). W is rounded once more
-  (to bf16): four bf16 roundings in all (the tolerance below).
+  Rows: the eager kernel re-dequantizes the weight for every tile of rows, so it only wins at decode
+  batches. Above TEMPLATE_ABOVE_M (8) rows `linear` runs inductor's C++ WoQ int4 GEMM template instead
+  (`_template_gemm`: torch.compile of this one op with the weight frozen in as a constant, its AMX or
+  AVX512 micro-kernel unpacking 4-bit tiles in registers; groups 32 / 64 / 128, larger kernel groups split
+  into 128s), compiled once per weight on its first call above 8 rows with the row count dynamic (~0.3 s
+  a weight, a new shape 1.5-4 s; stated in the log). Where it cannot compile (no AVX512), the kernel runs
+  up to DEQUANTIZE_ABOVE_M (32) rows and above that the whole weight is unpacked once per call to bf16
+  (one fused loop compiled by torch.compile) for a oneDNN bf16 GEMM; that bf16 copy lives for one call.
+  Measured on the quiet 2-core AVX512-BF16 / AMX box, 2 threads, 2816 x 1024 g128, median ms, eager
+  kernel / template / dequantize + GEMM / bf16 dense GEMM: M = 16: 0.50 / 0.23 / - / -; 64: 1.97 / 0.34 /
+  1.19 / 0.37; 256: 7.9 / 0.82 / 1.57 / 0.66-0.76; at M = 4 the kernel wins (0.13 vs 0.23). An AWQ
+  hidden-1024 8-layer model's step with a 256-token prefill: 147 ms (dequantize path) -> 70 ms (dense bf16:
+  76 ms). MoE experts keep to the eager paths (`linear(..., compiled=False)`: a compile per expert would
+  cost more than it saves). The template's numerics are the kernel's (bf16 operands, fp32 accumulation,
+  bf16 output): the same bound. torch's `_weight_int4pack_mm_with_scales_and_zeros` has no CPU kernel in
+  torch 2.13. The dequantize path rounds W once more (to bf16): four bf16 roundings in all (the bound).
 * `CPUDenseWeight` — 8-bit GPTQ and bitsandbytes, bitsandbytes nf4 / fp4 (a code table, not integer levels),
   FP8 (tensor / channel / block), MXFP4 experts, and any int4 layout the kernel
   cannot take (groups not a multiple of 32, act-order groups of unequal size): the weight is
@@ -66,7 +73,7 @@ KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu ac
 # throughout (bytes [N / 64, K, 32]: low nibble row n0 + i, high nibble row n0 + 32 + i), the one that
 # _dequantize_bf16 unpacks. N is padded with zero columns.
 N_MULTIPLE = 64
-DEQUANTIZE_ABOVE_M = 32  # rows above which a per-call dequantize + bf16 GEMM beats the int4 kernel (docstring)
+DEQUANTIZE_ABOVE_M = 32  # without the template: rows above which dequantize + bf16 GEMM beats the kernel (docstring)
 # Rows repacked per call at load. The packed layout groups rows in blocks of 32 (a 256-row slice packs
 # to exactly its rows of the whole weight, checked in tests/kernels/test_cpu_lowbit.py); a slice's
 # int32 temporaries are 2 x 256 x K x 4 bytes instead of 2 x N x K x 4 (8x the packed weight each).

@@ -4,7 +4,8 @@ The engine is not thread-safe, so only this thread calls it. Handlers (on the as
 put commands (add, abort, score) on a thread-safe queue; the thread drains them between steps, runs
 `engine.step()` while anything is unfinished, and hands each request's outputs back to its
 asyncio.Queue with `loop.call_soon_threadsafe`. An abort is applied before the next step, so a
-disconnected client's blocks are free within one step.
+disconnected client's blocks are free within one step. Every torch op runs on this thread: `python -m
+tritonq.serve` loads the model on a thread that has ended by then (serve/__main__.py says why: OpenMP).
 
 Failures, from the smallest:
 - an output with finish_reason "error" (the engine failed that request: a failed step, non-finite
