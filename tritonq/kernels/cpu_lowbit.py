@@ -33,7 +33,11 @@ Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels
   1.19 / 0.37; 256: 7.9 / 0.82 / 1.57 / 0.66-0.76; at M = 4 the kernel wins (0.13 vs 0.23). An AWQ
   hidden-1024 8-layer model's step with a 256-token prefill: 147 ms (dequantize path) -> 70 ms (dense bf16:
   76 ms). MoE experts keep to the eager paths (`linear(..., compiled=False)`: a compile per expert would
-  cost more than it saves). The template's numerics are the kernel's (bf16 operands, fp32 accumulation,
+  cost more than it saves). Memory: the compiled template holds its own blocked copy of the weight (and
+  inductor more besides), so a weight that has run it takes ~2-4x its packed bytes of host memory (measured
+  RSS per weight: +2.4 MiB for a 2 MiB packed 2048 x 2048, +24 for 8 MiB at 4096, +38 for 18 MiB at 6144),
+  still below the 4x of bf16 for the larger ones; the eager kernel keeps the packed original for decode.
+  The template's numerics are the kernel's (bf16 operands, fp32 accumulation,
   bf16 output): the same bound. torch's `_weight_int4pack_mm_with_scales_and_zeros` has no CPU kernel in
   torch 2.13. The dequantize path rounds W once more (to bf16): four bf16 roundings in all (the bound).
 * `CPUDenseWeight` — 8-bit GPTQ and bitsandbytes, bitsandbytes nf4 / fp4 (a code table, not integer levels),
@@ -292,7 +296,9 @@ def _template_gemm(p: CPUInt4Weight):
         _templates[p] = None
         return None
     _note(f"4-bit linears above {TEMPLATE_ABOVE_M} rows run inductor's int4 GEMM template (torch.compile), "
-          "compiled once per weight on its first use (~0.3 s a weight; a new shape ~1.5-4 s)")
+          "compiled once per weight on its first use (~0.3 s a weight; a new shape ~1.5-4 s); each compiled "
+          "weight keeps its own blocked copy besides the kernel's: 4-bit weights then take ~2-4x their packed "
+          "bytes of host memory (still below bf16's 4x)")
     log.debug("CPU backend: int4 GEMM template for [%d, %d] compiled in %.2f s", p.out_features, p.in_features,
               time.perf_counter() - start)
     _templates[p] = gemm
