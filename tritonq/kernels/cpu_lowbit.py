@@ -276,13 +276,15 @@ def _template_gemm(p: CPUInt4Weight):
     forward = _Int4Matmul.forward
     module.forward = types.MethodType(types.FunctionType(forward.__code__.replace(), forward.__globals__), module)
     compiled = torch.compile(module.forward, dynamic=False, fullgraph=True)
+    # In force on every call, since any call may (re)compile; made once (building a patch costs ~12 us of the
+    # ~28 us entering it on every call took). fx_graph_cache off: its key ignores the frozen constants'
+    # values, so two weights of one shape would share the first one's graph, weights included.
+    config = torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP",
+                                          fx_graph_cache=False)
 
     def gemm(x: torch.Tensor) -> torch.Tensor:
         torch._dynamo.mark_dynamic(x, 0)
-        # fx_graph_cache off: its key ignores the frozen constants' values, so two weights of one shape
-        # would share the first one's graph, weights included.
-        with torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP",
-                                          fx_graph_cache=False), torch.no_grad():
+        with config, torch.no_grad():
             return compiled(x)
 
     start = time.perf_counter()
