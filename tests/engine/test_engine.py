@@ -189,10 +189,12 @@ def test_mixed_steps_under_preemption_and_shared_prefixes_give_the_solo_greedy_r
 
 def test_grouped_decode_on_two_threads_gives_the_solo_greedy_runs(folder, monkeypatch):
     """The CPU backend's decode in padded groups of sequences (kernels/cpu_attention.py, several threads; forced
-    here at this tiny size) gives every request its solo greedy run (one prompt alone decodes per sequence)."""
-    from tritonq.kernels import cpu_attention
+    here at this tiny size; the torch path, as where the C kernel is not built) gives every request its solo greedy
+    run (one prompt alone decodes per sequence)."""
+    from tritonq.kernels import cpu_attention, cpu_native
     monkeypatch.delenv("TRITONQ_BACKEND")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU backend, not the Triton kernels interpreted
+    monkeypatch.setattr(cpu_native, "decode_attention", lambda *args, **kwargs: None)
     monkeypatch.setattr(cpu_attention, "GROUPED_WORK", 1)
     plan, groups = cpu_attention.key_plan, []
     monkeypatch.setattr(cpu_attention, "key_plan", lambda *a: groups.extend(plan(*a).groups) or plan(*a))
@@ -209,6 +211,30 @@ def test_grouped_decode_on_two_threads_gives_the_solo_greedy_runs(folder, monkey
         assert_greedy_equal(plain, prompts, got, solo_runs(plain, prompts, max_new_tokens=12))
     finally:
         torch.set_num_threads(before)
+
+
+def test_native_decode_on_two_threads_gives_the_solo_greedy_runs(folder, monkeypatch):
+    """Decode through the C kernel (kernels/cpu_native.py) with its helper thread claiming work items beside the
+    engine's thread: every request gets its solo greedy run on the torch path (one thread, per sequence)."""
+    from tritonq.kernels import cpu_native
+    monkeypatch.delenv("TRITONQ_BACKEND")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    calls = []
+    native = cpu_native.decode_attention
+    monkeypatch.setattr(cpu_native, "decode_attention", lambda *a: calls.append(native(*a)) or calls[-1])
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in (5, 40, 41, 17, 90, 3, 64, 9, 33)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = load(folder, max_num_seqs=9, max_num_batched_tokens=256).generate(prompts, max_new_tokens=12,
+                                                                                return_dict=True)
+    finally:
+        torch.set_num_threads(before)
+    assert calls and all(out is not None for out in calls)  # every decode ran the C kernel
+    monkeypatch.setattr(cpu_native, "decode_attention", lambda *args, **kwargs: None)
+    plain = load(folder, enable_prefix_caching=False)
+    assert_greedy_equal(plain, prompts, got, solo_runs(plain, prompts, max_new_tokens=12))
 
 
 # ---- failures: a step that raises, non-finite logits, a dead device ------------------------------------

@@ -10,12 +10,15 @@ Tolerances (tests/tolerances.py "attention"): fp32 summation order; bf16 the pro
 rounded to bf16 before the PV product and the output rounded once, as the Triton kernels.
 The write of new keys into the pages is a copy: bitwise equal to the reference. The gather plan shared by
 the layers of a step is reused only while its lengths, window and block table are unchanged.
+Decode runs the C kernel (kernels/cpu_native.py) where it takes the call and torch's flash kernel over gathered
+keys otherwise: the decode test runs both (`path`); the tests of the gather plan, the grouped calls and the thread
+count are about the torch path and pin it. tests/kernels/test_cpu_native.py tests the C kernel's own cases.
 """
 import pytest
 import torch
 import tolerances
 
-from tritonq.kernels import attention, cpu_attention
+from tritonq.kernels import attention, cpu_attention, cpu_native
 from tritonq.kernels.attention import (decode_attention, decode_attention_reference, paged_cache,
                                        paged_prefill_attention, paged_prefill_attention_reference, write_kv_slots,
                                        write_kv_slots_reference)
@@ -36,6 +39,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _cpu_backend(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("TRITONQ_BACKEND", raising=False)
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Decode through torch's flash kernel over gathered keys, as where the C kernel cannot be built."""
+    monkeypatch.setattr(cpu_native, "decode_attention", lambda *args, **kwargs: None)
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request, monkeypatch):
+    """Decode through the C kernel where it takes the call (it must, for plain pages of q's dtype), or the torch
+    path."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_native, "decode_attention", lambda *args, **kwargs: None)
+    return request.param
 
 
 def cache(d_qk, d_v, h_kv, lens, dtype, g):
@@ -74,7 +92,7 @@ def assert_close(got, ref, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
-def test_decode_matches_reference_reading_only_each_sequences_keys(d_qk, d_v, h, h_kv, window, dtype):
+def test_decode_matches_reference_reading_only_each_sequences_keys(d_qk, d_v, h, h_kv, window, dtype, path):
     g = torch.Generator().manual_seed(0)
     k_pages, v_pages, table = cache(d_qk, d_v, h_kv, DECODE_LENS, dtype, g)
     q = torch.randn(len(DECODE_LENS), h, d_qk, generator=g).to(dtype)
@@ -86,6 +104,8 @@ def test_decode_matches_reference_reading_only_each_sequences_keys(d_qk, d_v, h,
     got = cpu_attention.decode_attention(q, k_bad, v_bad, lens, table_bad, scale, window)
     assert_close(got, ref, dtype)
     assert (got[DECODE_LENS.index(0)] == 0).all()
+    if path == "native" and d_qk == d_v:  # the C kernel takes plain pages of q's dtype
+        assert cpu_native.decode_attention(q, k_bad, v_bad, lens, table_bad, scale, window) is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -153,6 +173,7 @@ def test_cpu_tensors_run_the_fast_path_and_torch_backend_the_reference(monkeypat
     assert calls == [f"{path} {name}" for path in ("cpu", "ref") for name in names]
 
 
+@pytest.mark.usefixtures("torch_path")
 def test_small_calls_run_on_one_thread_and_restore_the_thread_count(monkeypatch):
     """Below PARALLEL_WORK the per-sequence loop runs on one intra-op thread (see cpu_attention's docstring);
     the caller's thread count comes back afterwards."""
@@ -176,6 +197,7 @@ def test_small_calls_run_on_one_thread_and_restore_the_thread_count(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.usefixtures("torch_path")
 def test_key_plan_is_reused_only_while_lengths_window_and_table_are_the_same(dtype):
     """The gather plan (cpu_attention.key_plan) is shared by the layers of a step: calls with the same lengths,
     window and block table get the same plan; another table (pages shuffled again), lengths or window get a new
@@ -207,6 +229,7 @@ GROUPED_LENS = [1, 3, 17, 64, 100, 0, 17, 90, 3]  # groups (slack 1.25): 100+90+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
+@pytest.mark.usefixtures("torch_path")
 def test_grouped_decode_on_several_threads_matches_reference(d_qk, d_v, h, h_kv, window, dtype, monkeypatch):
     """A decode step above GROUPED_WORK on several threads runs sequences of similar lengths in one padded flash
     call each (the padding repeats a sequence's own last key and is masked): equal to the reference over a

@@ -1,0 +1,135 @@
+"""The C decode-attention kernel (kernels/cpu_decode_attention.c through kernels/cpu_native.py) against the float32
+torch reference, and its build: cached per source and machine, and a missing or failing compiler falls back to the
+torch path with one warning.
+
+Cases: float32, bfloat16 and float16; head dims 32, 64 and 128 (the compile-time sizes) and 80 (the generic loop);
+MHA, GQA 4 and MQA; windows; page sizes 16 and 32; lengths 0 (zeros), 1, a page, a page + 1 and several pages; on
+1, 2 and 3 threads, with few sequences (a work item per kv head) and many (an item per sequence). Everything
+outside a query's keys is poisoned (NaN rows, -1 table entries) as in test_cpu_attention.py.
+Tolerances (tests/tolerances.py "attention"): float32 the summation order; bf16 / fp16 the probabilities rounded
+before the PV product and the output rounded once, as the Triton kernels and the flash path.
+"""
+import logging
+
+import pytest
+import torch
+import tolerances
+
+from tritonq.kernels import cpu_attention, cpu_native
+from tritonq.kernels.attention import decode_attention_reference, paged_cache
+
+TOL = tolerances.table("attention")
+FEW = [0, 1, 17]  # fewer sequences than FEW_SEQUENCES per thread: an item per kv head
+MANY = [5, 16, 1, 33, 0, 100, 2, 47, 16, 64, 9, 31, 3, 80]  # an item per sequence (up to 3 threads)
+
+
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """An empty cache folder and no library loaded yet; the process's own library comes back afterwards."""
+    monkeypatch.setenv("TRITONQ_CACHE_DIR", str(tmp_path))
+    cpu_native.library.cache_clear()
+    yield tmp_path
+    cpu_native.library.cache_clear()
+
+
+def case(lens, d, h, h_kv, page, dtype, window, seed=0):
+    """q, poisoned pages and table, lengths, and the reference over the clean pages."""
+    g = torch.Generator().manual_seed(seed)
+    S = max(max(lens), 1)
+    k = torch.randn(len(lens), S, h_kv, d, generator=g).to(dtype)
+    v = torch.randn(len(lens), S, h_kv, d, generator=g).to(dtype)
+    k_pages, v_pages, table = paged_cache(k, v, page, num_pages=len(lens) * -(-S // page) + 3, generator=g)
+    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
+    cache_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = 0.7 / d ** 0.5
+    ref = decode_attention_reference(q, k_pages, v_pages, cache_lens, table, scale, window)
+    k_bad, v_bad = torch.full_like(k_pages, float("nan")), torch.full_like(v_pages, float("nan"))
+    table_bad = torch.full_like(table, -1)
+    for b, n in enumerate(lens):
+        first = max(0, n - window) if window else 0
+        for t in range(first, n):
+            page_id, row = int(table[b, t // page]), t % page
+            k_bad[page_id, row], v_bad[page_id, row] = k_pages[page_id, row], v_pages[page_id, row]
+        table_bad[b, first // page: -(-n // page)] = table[b, first // page: -(-n // page)]
+    return q, k_bad, v_bad, cache_lens, table_bad, scale, ref
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+@pytest.mark.parametrize("lens", [FEW, MANY], ids=["few", "many"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,h,h_kv,page,window", [(64, 8, 2, 16, 0), (128, 4, 4, 32, 0), (32, 4, 1, 16, 7),
+                                                   (80, 6, 3, 16, 20)])
+def test_matches_reference_reading_only_each_sequences_keys(threads, lens, dtype, d, h, h_kv, page, window):
+    q, k_pages, v_pages, cache_lens, table, scale, ref = case(lens, d, h, h_kv, page, dtype, window)
+    got = cpu_native.decode_attention(q, k_pages, v_pages, cache_lens, table, scale, window)
+    assert got is not None, "the C kernel did not take a call of plain pages (is it built? see the log)"
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert (got[b] == 0).all()
+
+
+def test_repeated_calls_on_several_threads_stay_equal():
+    """Items are claimed by whichever thread comes first: the result must not depend on who did which (each
+    item is computed the same way whatever thread runs it), over many calls."""
+    q, k_pages, v_pages, cache_lens, table, scale, _ = case(MANY, 64, 8, 2, 16, torch.bfloat16, 0, seed=4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first = cpu_native.decode_attention(q, k_pages, v_pages, cache_lens, table, scale, 0)
+        for _ in range(50):
+            assert torch.equal(cpu_native.decode_attention(q, k_pages, v_pages, cache_lens, table, scale, 0), first)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_calls_it_does_not_take_return_none_and_run_the_torch_path(monkeypatch):
+    """8-bit pages, Dqk != Dv, pages that are not contiguous and page sizes that are not powers of two are the
+    torch path's (cpu_attention.decode_attention falls back to it and still matches the reference)."""
+    q, k_pages, v_pages, cache_lens, table, scale, ref = case([3, 17], 64, 4, 2, 16, torch.float32, 0)
+    assert cpu_native.decode_attention(q, k_pages.to(torch.bfloat16), v_pages, cache_lens, table, scale, 0) is None
+    assert cpu_native.decode_attention(q, k_pages, v_pages[..., :32], cache_lens, table, scale, 0) is None
+    strided = torch.cat([k_pages, k_pages], -1)[..., :64]
+    assert cpu_native.decode_attention(q, strided, v_pages, cache_lens, table, scale, 0) is None
+    q24, k24, v24, lens24, table24, scale24, ref24 = case([3, 30], 64, 4, 2, 24, torch.float32, 0)
+    assert cpu_native.decode_attention(q24, k24, v24, lens24, table24, scale24, 0) is None
+    got = cpu_attention.decode_attention(q24, k24, v24, lens24, table24, scale24, 0)
+    torch.testing.assert_close(got, ref24, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+def test_builds_once_into_the_cache_folder_and_reuses_it(fresh_library, caplog):
+    with caplog.at_level(logging.INFO, logger="tritonq.kernels.cpu_native"):
+        assert cpu_native.library() is not None
+    built = list((fresh_library / "native").glob("cpu_decode_attention-*.so"))
+    assert len(built) == 1 and any("built cpu_decode_attention.c" in r.getMessage() for r in caplog.records)
+    cpu_native.library.cache_clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tritonq.kernels.cpu_native"):
+        assert cpu_native.library() is not None  # another process: loads the cached build, no compiler run
+    assert not caplog.records and list((fresh_library / "native").glob("*.so")) == built
+
+
+@pytest.mark.parametrize("compiler", ["missing", "failing"])
+def test_without_a_working_compiler_decode_falls_back_with_one_warning(fresh_library, monkeypatch, caplog, compiler):
+    if compiler == "missing":
+        monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
+    else:  # `false` exits 1 without building anything
+        monkeypatch.setenv("CC", "false")
+    q, k_pages, v_pages, cache_lens, table, scale, ref = case(MANY, 64, 8, 2, 16, torch.float32, 0)
+    with caplog.at_level(logging.WARNING, logger="tritonq.kernels.cpu_native"):
+        for _ in range(2):
+            got = cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, table, scale, 0)
+            torch.testing.assert_close(got, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "torch's flash kernel" in warnings[0]
+    assert ("no C compiler" if compiler == "missing" else "false exited with 1") in warnings[0]
+    assert cpu_native.decode_attention(q, k_pages, v_pages, cache_lens, table, scale, 0) is None
