@@ -307,3 +307,49 @@ def test_finite_rows_and_argmax_rows_equal_their_plain_torch_forms(rows, vocab):
     assert finite_rows(x).tolist() == [True, False, False, False, True, True]
     finite = torch.isfinite(x).all(-1)
     assert torch.equal(argmax_rows(x)[finite], x.argmax(-1)[finite]) and int(argmax_rows(x)[4]) == 2
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (7, 5), (9, 64), (6, 1000), (3, 32000)])
+def test_greedy_rows_in_c_equal_argmax_and_log_softmax(rows, vocab):
+    """kernels/cpu_native.greedy_rows (an all-greedy CPU step's C loop): each row's first largest index (ties: the
+    first, also across the 64-wide blocks it scans) and log_softmax there, in float64 from float32 sums
+    (within 1e-5); -1 for rows holding NaN, +inf or -inf; strided rows (a slice of a wider tensor) read right."""
+    from tritonq.kernels import cpu_native
+    g = torch.Generator().manual_seed(rows * vocab)
+    wide = torch.randn(rows, vocab + 3, generator=g) * 4
+    x = wide[:, 1:vocab + 1]  # rows stride vocab + 3 apart
+    if rows >= 6:
+        x[1, vocab // 2], x[2, -1], x[3, 0] = float("nan"), float("inf"), float("-inf")
+        x[4, vocab - 1] = x[4, 0] = x[4].max() + 1  # a tie: the first wins
+        x[5, vocab // 3 + 64 if vocab > 200 else 0] = x[5].max() + 2
+    got = cpu_native.greedy_rows(x)
+    assert got is not None, "the C kernels did not build (see the log)"
+    tokens, logprobs = got
+    finite = torch.isfinite(x).all(-1)
+    expected = torch.where(finite, x.argmax(-1), -1)
+    assert tokens == expected.tolist()
+    reference = x.double().log_softmax(-1).gather(1, x.argmax(-1, keepdim=True))[:, 0]
+    for t, lp, ref in zip(tokens, logprobs, reference.tolist()):
+        if t >= 0:
+            assert abs(lp - ref) < 1e-5
+
+
+def test_an_all_greedy_step_samples_the_same_in_c_and_torch(monkeypatch):
+    """Sampler.sample on an all-greedy step without top logprobs takes the C loop; with it unavailable, torch's ops
+    give the same tokens, the same logprobs (within 1e-5) and None for a non-finite row."""
+    from tritonq.engine.sampler import Sampler
+    from tritonq.kernels import cpu_native
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 300, generator=g) * 3
+    logits[2, 7] = float("nan")
+    params = [SamplingParams(GenerationConfig(max_new_tokens=4)) for _ in range(5)]
+    ids = [[1, 2, 3]] * 5
+    calls = []
+    native = cpu_native.greedy_rows
+    monkeypatch.setattr(cpu_native, "greedy_rows", lambda x: calls.append(1) or native(x))
+    c_tokens, c_logprobs, c_top = Sampler().sample(logits, params, ids)
+    assert calls == [1]
+    monkeypatch.setattr(cpu_native, "greedy_rows", lambda x: None)
+    t_tokens, t_logprobs, t_top = Sampler().sample(logits, params, ids)
+    assert c_tokens == t_tokens and c_tokens[2] is None and c_logprobs[2] is None and c_top == t_top == [None] * 5
+    assert all(abs(a - b) < 1e-5 for a, b in zip(c_logprobs, t_logprobs) if a is not None)

@@ -1,6 +1,6 @@
-"""The C decode-attention kernel (kernels/cpu_decode_attention.c through kernels/cpu_native.py) against the float32
-torch reference, and its build: cached per source and machine, and a missing or failing compiler falls back to the
-torch path with one warning.
+"""The C decode-attention kernel (kernels/cpu_native.c through kernels/cpu_native.py) against the float32 torch
+reference, and the build: cached per source and machine, and a missing or failing compiler falls back to the torch
+path with one warning. (Its greedy-rows loop is tested with the sampler: tests/engine/test_sampler.py.)
 
 Cases: float32, bfloat16 and float16; head dims 32, 64 and 128 (the compile-time sizes) and 80 (the generic loop);
 MHA, GQA 4 and MQA; windows; page sizes 16 and 32; lengths 0 (zeros), 1, a page, a page + 1 and several pages; on
@@ -109,8 +109,8 @@ def test_calls_it_does_not_take_return_none_and_run_the_torch_path(monkeypatch):
 def test_builds_once_into_the_cache_folder_and_reuses_it(fresh_library, caplog):
     with caplog.at_level(logging.INFO, logger="tritonq.kernels.cpu_native"):
         assert cpu_native.library() is not None
-    built = list((fresh_library / "native").glob("cpu_decode_attention-*.so"))
-    assert len(built) == 1 and any("built cpu_decode_attention.c" in r.getMessage() for r in caplog.records)
+    built = list((fresh_library / "native").glob("cpu_native-*.so"))
+    assert len(built) == 1 and any("built cpu_native.c" in r.getMessage() for r in caplog.records)
     cpu_native.library.cache_clear()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tritonq.kernels.cpu_native"):

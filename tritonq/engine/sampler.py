@@ -20,7 +20,7 @@ import torch
 
 from tritonq.config import MAX_TOP_LOGPROBS, GenerationConfig
 from tritonq.distributed import broadcast_from_rank0
-from tritonq.kernels import threads_for
+from tritonq.kernels import cpu_native, threads_for
 from tritonq.structured import apply_token_bitmask
 
 MASK32 = 0xFFFFFFFF
@@ -181,6 +181,12 @@ class SamplingTensors:
     filters: bool = False
     allowed: torch.Tensor | None = None
 
+    @property
+    def argmax_only(self) -> bool:
+        """No row masks, biases, penalises, constrains or samples: every row takes its argmax of the raw logits."""
+        return (self.banned is None and self.bias is None and self.repetition_penalty is None and self.counts is None
+                and self.noise is None and self.allowed is None)
+
 
 def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """The logits [R, V] float32 every row samples from, before temperature: its masks, logit bias and
@@ -269,7 +275,8 @@ class Sampler:
         likely token ids -> log-probability (most likely first), else None. A row whose logits hold NaN or
         inf anywhere gets token, logprob and top None: its distribution is meaningless. Everything comes
         back to the host in one transfer. Call release() when a request finishes. A step below
-        PARALLEL_WORK (rows x vocabulary) samples on one intra-op thread."""
+        PARALLEL_WORK (rows x vocabulary) samples on one intra-op thread. A CPU step whose rows all take the
+        argmax of their raw logits with no top logprobs runs one C loop instead (kernels/cpu_native.py)."""
         with threads_for(logits.numel(), PARALLEL_WORK):
             return self._sample(logits, params, token_ids, mask_eos, eos_token_ids, token_bitmask)
 
@@ -280,12 +287,18 @@ class Sampler:
         tensors = self.sampling_tensors(params, token_ids, mask_eos, eos_token_ids, V, logits.device)
         if token_bitmask is not None:
             tensors.allowed = token_bitmask.to(logits.device, non_blocking=True)
+        top = min(max(p.top_logprobs for p in params), V) if params else 0
+        if tensors.argmax_only and not top and self.world == 1:  # the C loop (kernels/cpu_native.py), where built
+            greedy = cpu_native.greedy_rows(logits)
+            if greedy is not None:
+                tokens, logprobs = greedy  # token -1: the row's logits are not all finite
+                return ([t if t >= 0 else None for t in tokens],
+                        [lp if t >= 0 else None for t, lp in zip(tokens, logprobs)], [None] * R)
         tokens = sample_logits(logits, tensors)
         # -1 marks a row with non-finite logits; set before the broadcast so every rank agrees on it
         tokens = torch.where(finite_rows(logits), tokens, -1)
         if self.world > 1:
             tokens = broadcast_from_rank0(tokens)
-        top = min(max(p.top_logprobs for p in params), V) if params else 0
         log_normalizer = logits.logsumexp(-1, keepdim=True)  # [R, 1]: no [R, V] log_softmax unless top-N is asked
         columns = [tokens.double()[:, None], (logits.gather(1, tokens.clamp(min=0)[:, None]) - log_normalizer).double()]
         if top:

@@ -1,4 +1,4 @@
-"""Paged decode attention on the CPU in a small C kernel (cpu_decode_attention.c), built on first use.
+"""The CPU backend's C kernels (cpu_native.c), built on first use: paged decode attention and greedy sampling rows.
 
 Why C: a decode step attends one query per sequence over a few hundred keys, and torch has no op for that
 over pages. cpu_attention's torch path gathers each sequence's keys (`index_select`) and runs the CPU flash
@@ -7,20 +7,24 @@ sequence and layer, made for long query blocks. The C kernel reads each sequence
 they lie, in one call per layer for the whole batch. Measured on the 2-core box (bf16, pages shuffled, one
 layer, median of 30, torch path vs this kernel on 2 threads): 32 sequences of 56..296 keys, 16/8 heads of 64:
 3.7 -> 1.2 ms; 256 sequences, 4/2 heads of 32 (the shipped model's size): 5.5 -> 2.0 ms; one sequence:
-0.26 -> 0.11 ms.
+0.26 -> 0.11 ms. Likewise an all-greedy sampling step needs each row's first argmax and its log-probability:
+torch's max, logsumexp and gather read the logits four times (1.0 ms at 256 x 2048 on one thread), the C loop
+twice (0.28 ms).
 
 Build: the system C compiler (`$CC`, else cc / gcc / clang), -O3 -march=native, into the cache folder
 (`$TRITONQ_CACHE_DIR`, else ~/.cache/tritonq) under a name hashed from the source, the flags, the compiler's
 version and this CPU's flags: ~0.5 s once per machine, then a dlopen. Without a compiler (or when the build
-fails: the log says why, once) decode attention keeps cpu_attention's torch path, which is also what runs
-for what this kernel does not take (float8 / int8 pages, attention sinks, ALiBi, Dqk != Dv, pages that are
-not contiguous). `decode_attention` returns None then.
+fails: the log says why, once) decode attention keeps cpu_attention's torch path and sampling torch's ops, which
+also run for what these kernels do not take (float8 / int8 pages, attention sinks, ALiBi, Dqk != Dv, pages
+that are not contiguous; penalties, biases, masks, top logprobs, sampled rows). The functions here return None
+then.
 
-Threads: ctypes releases the GIL, so the caller runs the kernel while torch.get_num_threads() - 1 helper
-threads (started on first use, idle on a queue otherwise) run it too; work items (a sequence and its kv
-heads, or one kv head when there are few sequences) are claimed from a shared atomic counter. The caller
-never waits for a helper that has not started: it only waits for items a helper has claimed, one item at
-most each; on a loaded machine a descheduled helper costs nothing but its item. No OpenMP team is involved.
+Threads (decode attention): ctypes releases the GIL, so the caller runs the kernel while
+torch.get_num_threads() - 1 helper threads (started on first use, idle on a queue otherwise) run it too; work
+items (a sequence and its kv heads, or one kv head when there are few sequences) are claimed from a shared
+atomic counter. The caller never waits for a helper that has not started: it only waits for items a helper
+has claimed, one item at most each; on a loaded machine a descheduled helper costs nothing but its item. No
+OpenMP team is involved.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+SOURCE = Path(__file__).with_name("cpu_native.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]  # reassociation: vectorised dot products
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -73,17 +77,18 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built kernel, loaded; None (logged once) when there is no C compiler or the build fails."""
+    """The built kernels, loaded; None (logged once) when there is no C compiler or the build fails."""
     compiler = _compiler()
     if compiler is None:
-        log.warning("CPU decode attention: no C compiler found ($CC, cc, gcc, clang); decode runs torch's flash "
-                    "kernel over gathered keys instead (slower: see tritonq/kernels/cpu_native.py)")
+        log.warning("CPU kernels: no C compiler found ($CC, cc, gcc, clang); decode attention runs torch's flash "
+                    "kernel over gathered keys instead, and sampling torch's ops (slower: see "
+                    "tritonq/kernels/cpu_native.py)")
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags(), platform.machine()])
                              .encode()).hexdigest()[:16]
-        target = cache_dir() / "native" / f"cpu_decode_attention-{key}.so"
+        target = cache_dir() / "native" / f"cpu_native-{key}.so"
         if not target.exists():
             start = time.perf_counter()
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -95,12 +100,12 @@ def library() -> ctypes.CDLL | None:
                     raise RuntimeError(f"{compiler} exited with {done.returncode}: "
                                        f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}")
                 os.replace(built, target)
-            log.info("CPU decode attention: built %s with %s in %.1f s (%s)", SOURCE.name, compiler,
+            log.info("CPU kernels: built %s with %s in %.1f s (%s)", SOURCE.name, compiler,
                      time.perf_counter() - start, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        log.warning("CPU decode attention: building %s failed (%s); decode runs torch's flash kernel over "
-                    "gathered keys instead (slower)", SOURCE.name, error)
+        log.warning("CPU kernels: building %s failed (%s); decode attention runs torch's flash kernel over "
+                    "gathered keys instead, and sampling torch's ops (slower)", SOURCE.name, error)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tritonq_decode_attention.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
@@ -109,6 +114,8 @@ def library() -> ctypes.CDLL | None:
     lib.tritonq_wait_done.argtypes = [ptr, i64]
     lib.tritonq_wait_done.restype = None
     lib.tritonq_has_float16.restype = ctypes.c_int
+    lib.tritonq_greedy_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+    lib.tritonq_greedy_rows.restype = None
     return lib
 
 
@@ -181,3 +188,19 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
 def _keep(call, _tensors):
     """Run call; _tensors (what its pointers point into) stay alive until it returns."""
     call()
+
+
+def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
+    """logits [R, V] float32 on the CPU -> (tokens, logprobs): each row's first index of its largest logit and that
+    token's log-probability under the row's softmax; token -1 for a row holding NaN or inf. None when the kernels
+    are not built or the tensor is not one this takes (another dtype or device, rows not contiguous)."""
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.shape[1]
+            or logits.stride(1) != 1):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    R, V = logits.shape
+    tokens, logprobs = np.empty(R, dtype=np.int64), np.empty(R, dtype=np.float64)
+    lib.tritonq_greedy_rows(logits.data_ptr(), R, V, logits.stride(0), tokens.ctypes.data, logprobs.ctypes.data)
+    return tokens.tolist(), logprobs.tolist()

@@ -1,11 +1,12 @@
-/* Paged decode attention on the CPU: one query token per sequence over its cached keys.
+/* The CPU backend's C kernels, built and called by tritonq/kernels/cpu_native.py (its docstring says why and how
+ * fast): paged decode attention and the greedy rows of a sampling step.
  *
- * Built and called by tritonq/kernels/cpu_native.py (its docstring says why and how fast). Shapes as
- * tritonq/kernels/attention/: q and out [B, H, D]; k and v pages [P, page_size, Hkv, D] contiguous, so one
- * token's row holds every kv head (Hkv * D values); block_table [B, table_w] int32; lens [B] int32. Sequence b
- * attends keys max(0, lens[b] - window) .. lens[b] - 1 (window 0: all of them); query head i reads kv head
- * i / (H / Hkv) (GQA). Scores, softmax and the sums are float32; the probabilities are rounded to the input
- * dtype before the PV product and the output is rounded once, as in the Triton kernels.
+ * Decode attention. Shapes as tritonq/kernels/attention/: q and out [B, H, D]; k and v pages
+ * [P, page_size, Hkv, D] contiguous, so one token's row holds every kv head (Hkv * D values); block_table
+ * [B, table_w] int32; lens [B] int32. Sequence b attends keys max(0, lens[b] - window) .. lens[b] - 1 (window 0:
+ * all of them); query head i reads kv head i / (H / Hkv) (GQA). Scores, softmax and the sums are float32; the
+ * probabilities are rounded to the input dtype before the PV product and the output is rounded once, as in the
+ * Triton kernels.
  */
 #include <math.h>
 #include <sched.h>
@@ -21,6 +22,26 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even; a NaN stays
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+/* e^x in float32 (Cephes' expf: Cody-Waite reduction by ln 2, a degree-7 polynomial; within 2 ulp) in plain
+ * arithmetic, so that loops over it vectorise (libm's expf is a call per element). x below -87.3 gives e^-87.3
+ * (~1e-38, nothing next to the 1 of a row's largest term), +inf overflows to inf, NaN stays NaN. */
+static inline float exp_f32(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
 #ifdef __FLT16_MAX__
 static inline float from_f16(uint16_t h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
 static inline uint16_t to_f16(float f) { _Float16 x = (_Float16)f; uint16_t h; memcpy(&h, &x, 2); return h; }
@@ -60,7 +81,7 @@ static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int
         float* sc = scores + r * count;                                                                         \
         float m = -INFINITY, sum = 0.f;                                                                         \
         for (int64_t j = 0; j < count; j++) m = sc[j] > m ? sc[j] : m;                                          \
-        for (int64_t j = 0; j < count; j++) { float e = expf(sc[j] - m); sum += e; sc[j] = LOAD(STORE(e)); }   \
+        for (int64_t j = 0; j < count; j++) { float e = exp_f32(sc[j] - m); sum += e; sc[j] = LOAD(STORE(e)); }\
         qf[r] = 1.f / sum;  /* q is no longer needed: its first rows hold the normalisers */                   \
     }                                                                                                           \
     for (int64_t j = 0, p = first; j < count; j++, p++) {                                                       \
@@ -137,4 +158,42 @@ int tritonq_has_float16(void) {
 void tritonq_wait_done(int64_t* counters, int64_t total) {
     for (int spins = 0; __atomic_load_n(&counters[1], __ATOMIC_ACQUIRE) < total; spins++)
         if (spins > 64) sched_yield();
+}
+
+/* The largest of x[0 .. n - 1], for rows without NaN or infinities (the caller checks): finite-math lets the
+ * reduction vectorise. */
+__attribute__((optimize("finite-math-only"))) static float row_max(const float* x, int64_t n) {
+    float m = x[0];
+    for (int64_t j = 1; j < n; j++) m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+/* Greedy rows of a sampling step: for each row r of logits [R, V] float32 (rows `stride` floats apart), tokens[r] =
+ * the first index of its largest logit and logprobs[r] = that token's log-probability, log_softmax(row)[token] =
+ * -log(sum_j e^(x_j - max)); tokens[r] = -1 when the row holds a NaN or an infinity (its distribution means
+ * nothing). One pass for the maximum, one for the sum: the sum vectorises through exp_f32. */
+void tritonq_greedy_rows(const float* logits, int64_t R, int64_t V, int64_t stride, int64_t* tokens, double* logprobs) {
+    for (int64_t r = 0; r < R; r++) {
+        const float* x = logits + r * stride;
+        int bad = 0;  /* a NaN or an infinity: all exponent bits set (integer test: no float flag can fold it) */
+        for (int64_t j = 0; j < V; j++) {
+            uint32_t u;
+            memcpy(&u, &x[j], 4);
+            bad |= (u & 0x7f800000u) == 0x7f800000u;
+        }
+        if (bad) { tokens[r] = -1; logprobs[r] = 0.0; continue; }
+        const float m = row_max(x, V);
+        int64_t first = 0;  /* the first index of m: the first block of 64 holding it (vectorised test), then in it */
+        for (;; first += 64) {
+            int found = 0;
+            const int64_t n = V - first < 64 ? V - first : 64;
+            for (int64_t l = 0; l < n; l++) found |= x[first + l] == m;
+            if (found) break;
+        }
+        while (x[first] != m) first++;
+        float sum = 0.f;
+        for (int64_t j = 0; j < V; j++) sum += exp_f32(x[j] - m);
+        tokens[r] = first;
+        logprobs[r] = -log((double)sum);
+    }
 }
