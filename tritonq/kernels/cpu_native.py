@@ -48,8 +48,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fno-math-errno",
-         "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]  # reassociation: vectorised dot products
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros"]  # reassociation: vectorised dot products and sums
+if platform.machine().lower() in ("x86_64", "amd64"):
+    FLAGS.append("-mprefer-vector-width=512")  # AVX-512 registers where the CPU has them (gcc/clang default to 256)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FEW_SEQUENCES = 4  # per thread: with fewer sequences a work item is one kv head, not all of a sequence's
 
