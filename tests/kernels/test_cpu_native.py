@@ -1,6 +1,7 @@
 """The C decode-attention kernel (kernels/cpu_native.c through kernels/cpu_native.py) against the float32 torch
 reference, and the build: cached per source and machine, and a missing or failing compiler falls back to the torch
-path with one warning. (Its greedy-rows loop is tested with the sampler: tests/engine/test_sampler.py.)
+path with one warning; its RMSNorm against the torch reference. (Its greedy-rows loop is tested with the sampler:
+tests/engine/test_sampler.py.)
 
 Cases: float32, bfloat16 and float16; head dims 32, 64 and 128 (the compile-time sizes) and 80 (the generic loop);
 MHA, GQA 4 and MQA; windows; page sizes 16 and 32; lengths 0 (zeros), 1, a page, a page + 1 and several pages; on
@@ -16,6 +17,7 @@ import torch
 import tolerances
 
 from tritonq.kernels import cpu_attention, cpu_native
+from tritonq.kernels.norm_rope import rms_norm_reference
 from tritonq.kernels.attention import decode_attention_reference, paged_cache
 
 TOL = tolerances.table("attention")
@@ -133,3 +135,28 @@ def test_without_a_working_compiler_decode_falls_back_with_one_warning(fresh_lib
     assert len(warnings) == 1 and "torch's flash kernel" in warnings[0]
     assert ("no C compiler" if compiler == "missing" else "false exited with 1") in warnings[0]
     assert cpu_native.decode_attention(q, k_pages, v_pages, cache_lens, table, scale, 0) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 64), (3, 7, 100), (17, 1000)])
+def test_rms_norm_matches_the_torch_reference(dtype, shape):
+    """The C RMSNorm against norm_rope.rms_norm_reference (upcast, torch's rms_norm, round, times the weight), rows
+    contiguous and strided (a slice of wider rows). float32: the sum of squares in another order (1e-5); bf16 /
+    fp16: the same two roundings, each possibly one ulp apart where the float32 statistics round differently
+    (2 ulps: 2^-7 / 2^-10 relative)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    wide = (torch.randn(*shape[:-1], shape[-1] + 5, generator=g) * 3).to(dtype)
+    weight = torch.randn(shape[-1], generator=g).to(dtype)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    for x in (wide[..., :shape[-1]].contiguous(), wide[..., 2:shape[-1] + 2]):
+        got = cpu_native.rms_norm(x, weight, 1e-6)
+        assert got is not None and got.dtype == dtype and got.shape == x.shape
+        torch.testing.assert_close(got.float(), rms_norm_reference(x, weight, 1e-6).float(), atol=tol, rtol=tol)
+
+
+def test_rms_norm_leaves_other_calls_to_the_reference():
+    """A weight of another dtype than x (the reference promotes) and non-CPU-backend dtypes are not taken."""
+    x = torch.randn(2, 8)
+    assert cpu_native.rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
+    assert cpu_native.rms_norm(x.double(), torch.ones(8, dtype=torch.float64), 1e-6) is None
+    assert cpu_native.rms_norm(x, torch.ones(8, 1), 1e-6) is None

@@ -18,9 +18,11 @@ TOL = tolerances.table("rms_norm")
 
 @pytest.mark.parametrize("rows,dim", [(1, 64), (3, 100), (17, 257)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("backend", ["triton", "torch"])  # the kernel (interpreted) and the CPU runtime path
-def test_rms_norm_matches_formula(rows, dim, dtype, backend, monkeypatch):
+@pytest.mark.parametrize("backend", ["triton", "torch", "auto"])  # the kernel (interpreted), the reference, the CPU
+def test_rms_norm_matches_formula(rows, dim, dtype, backend, monkeypatch):       # backend's C loop (on a GPU: Triton)
     monkeypatch.setenv("TRITONQ_BACKEND", backend)
+    if backend == "auto":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(rows, dim).to(dtype)
     w = torch.randn(dim).to(dtype)
     xf = x.double()

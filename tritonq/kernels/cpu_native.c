@@ -1,5 +1,5 @@
 /* The CPU backend's C kernels, built and called by tritonq/kernels/cpu_native.py (its docstring says why and how
- * fast): paged decode attention and the greedy rows of a sampling step.
+ * fast): paged decode attention, RMSNorm and the greedy rows of a sampling step.
  *
  * Decode attention. Shapes as tritonq/kernels/attention/: q and out [B, H, D]; k and v pages
  * [P, page_size, Hkv, D] contiguous, so one token's row holds every kv head (Hkv * D values); block_table
@@ -196,4 +196,38 @@ void tritonq_greedy_rows(const float* logits, int64_t R, int64_t V, int64_t stri
         tokens[r] = first;
         logprobs[r] = -log((double)sum);
     }
+}
+
+/* RMSNorm of rows: y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the statistics in float32, the normalised row
+ * rounded to the dtype and then multiplied by the weight in the dtype (one more rounding), as the torch reference
+ * (kernels/norm_rope.rms_norm_reference, HF Llama's order). x rows stride_x elements apart, y [R, D] contiguous,
+ * w [D]; dtype as tritonq_decode_attention's. */
+#define RMS_NORM(SUFFIX, T, LOAD, STORE)                                                                          \
+static void rms_norm_##SUFFIX(const T* x, int64_t R, int64_t D, int64_t stride_x, const T* w, float eps, T* y) { \
+    for (int64_t r = 0; r < R; r++) {                                                                            \
+        const T* xr = x + r * stride_x;                                                                          \
+        T* yr = y + r * D;                                                                                       \
+        float squares = 0.f;                                                                                     \
+        for (int64_t d = 0; d < D; d++) { const float v = LOAD(xr[d]); squares += v * v; }                     \
+        const float rstd = 1.f / sqrtf(squares / (float)D + eps);                                                \
+        for (int64_t d = 0; d < D; d++) yr[d] = STORE(LOAD(w[d]) * LOAD(STORE(LOAD(xr[d]) * rstd)));           \
+    }                                                                                                            \
+}
+RMS_NORM(f32, float, from_f32, to_f32)
+RMS_NORM(bf16, uint16_t, from_bf16, to_bf16)
+#ifdef __FLT16_MAX__
+RMS_NORM(f16, uint16_t, from_f16, to_f16)
+#endif
+
+/* Returns 0, or -2 for float16 in a build without it. */
+int tritonq_rms_norm(int dtype, const void* x, int64_t R, int64_t D, int64_t stride_x, const void* w, float eps,
+                     void* y) {
+    if (dtype == 1) rms_norm_bf16((const uint16_t*)x, R, D, stride_x, (const uint16_t*)w, eps, (uint16_t*)y);
+#ifdef __FLT16_MAX__
+    else if (dtype == 2) rms_norm_f16((const uint16_t*)x, R, D, stride_x, (const uint16_t*)w, eps, (uint16_t*)y);
+#else
+    else if (dtype == 2) return -2;
+#endif
+    else rms_norm_f32((const float*)x, R, D, stride_x, (const float*)w, eps, (float*)y);
+    return 0;
 }

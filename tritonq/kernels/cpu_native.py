@@ -1,4 +1,5 @@
-"""The CPU backend's C kernels (cpu_native.c), built on first use: paged decode attention and greedy sampling rows.
+"""The CPU backend's C kernels (cpu_native.c), built on first use: paged decode attention, RMSNorm and greedy
+sampling rows.
 
 Why C: a decode step attends one query per sequence over a few hundred keys, and torch has no op for that
 over pages. cpu_attention's torch path gathers each sequence's keys (`index_select`) and runs the CPU flash
@@ -9,7 +10,8 @@ layer, median of 30, torch path vs this kernel on 2 threads): 32 sequences of 56
 3.7 -> 1.2 ms; 256 sequences, 4/2 heads of 32 (the shipped model's size): 5.5 -> 2.0 ms; one sequence:
 0.26 -> 0.11 ms. Likewise an all-greedy sampling step needs each row's first argmax and its log-probability:
 torch's max, logsumexp and gather read the logits four times (1.0 ms at 256 x 2048 on one thread), the C loop
-twice (0.28 ms).
+twice (0.28 ms). And RMSNorm, which the torch reference runs as ~8 ops (upcast, square, mean, rsqrt, scale,
+downcast, weight), each a dispatch of ~5-50 us on a decode step's few rows, is one loop over each row.
 
 Build: the system C compiler (`$CC`, else cc / gcc / clang), -O3 -march=native, into the cache folder
 (`$TRITONQ_CACHE_DIR`, else ~/.cache/tritonq) under a name hashed from the source, the flags, the compiler's
@@ -118,6 +120,8 @@ def library() -> ctypes.CDLL | None:
     lib.tritonq_has_float16.restype = ctypes.c_int
     lib.tritonq_greedy_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.tritonq_greedy_rows.restype = None
+    lib.tritonq_rms_norm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_float, ptr]
+    lib.tritonq_rms_norm.restype = ctypes.c_int
     return lib
 
 
@@ -206,3 +210,25 @@ def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
     tokens, logprobs = np.empty(R, dtype=np.int64), np.empty(R, dtype=np.float64)
     lib.tritonq_greedy_rows(logits.data_ptr(), R, V, logits.stride(0), tokens.ctypes.data, logprobs.ctypes.data)
     return tokens.tolist(), logprobs.tolist()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of x [..., D] (fp32 / bf16 / fp16 on the CPU) with weight [D] of x's dtype, as
+    norm_rope.rms_norm_reference computes it (statistics in float32, the normalised rows rounded, then times the
+    weight in x's dtype); None when the kernels are not built or the call is not one this takes."""
+    dtype = DTYPES.get(x.dtype)
+    if (dtype is None or x.device.type != "cpu" or weight.dtype != x.dtype or weight.dim() != 1
+            or weight.shape[0] != x.shape[-1] or not x.shape[-1]):
+        return None
+    lib = library()
+    if lib is None or (dtype == 2 and not lib.tritonq_has_float16()):
+        return None
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    weight = weight.contiguous()
+    y = torch.empty(rows.shape, dtype=x.dtype)
+    lib.tritonq_rms_norm(dtype, rows.data_ptr(), rows.shape[0], D, rows.stride(0), weight.data_ptr(), eps,
+                         y.data_ptr())
+    return y.view(x.shape)

@@ -8,7 +8,8 @@ rope_cos_sin(head_dim, base, num_positions, rope_scaling, max_position_embedding
 apply_rope(x [B, S, H, D], cos [B, S, D], sin [B, S, D]) -> [B, S, H, D] in x.dtype:
     x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]), where cos/sin are the
     table rows at x's positions (cos_table[positions]): models gather them once per forward for all layers.
-RMSNorm has a Triton kernel (one program per row); the rope tables are tiny and built in torch.
+RMSNorm has a Triton kernel (one program per row), and on the CPU backend a C loop per row
+(kernels/cpu_native.py); the rope tables are tiny and built in torch.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tritonq.kernels import use_triton
+from tritonq.kernels import cpu_native, use_cpu_kernels, use_triton
 from tritonq.kernels.common import Launch
 
 
@@ -42,7 +43,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rms_norm: weight must be [D] with D = x.shape[-1]; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}.")
     if not use_triton(x):
-        return rms_norm_reference(x, weight, eps)
+        # the C loop where it is built; a compiled step (torch.compile) traces the reference, which inductor fuses
+        native = use_cpu_kernels(x) and not torch.compiler.is_compiling()
+        y = cpu_native.rms_norm(x, weight, eps) if native else None
+        return rms_norm_reference(x, weight, eps) if y is None else y
     D = x.shape[-1]
     if D > 16384:
         raise ValueError(f"rms_norm: hidden size {D} exceeds the one-block kernel's limit of 16384.")
