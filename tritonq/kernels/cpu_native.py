@@ -16,10 +16,10 @@ downcast, weight), each a dispatch of ~5-50 us on a decode step's few rows, is o
 Build: the system C compiler (`$CC`, else cc / gcc / clang), -O3 -march=native, into the cache folder
 (`$TRITONQ_CACHE_DIR`, else ~/.cache/tritonq) under a name hashed from the source, the flags, the compiler's
 version and this CPU's flags: ~0.5 s once per machine, then a dlopen. Without a compiler (or when the build
-fails: the log says why, once) decode attention keeps cpu_attention's torch path and sampling torch's ops, which
-also run for what these kernels do not take (float8 / int8 pages, attention sinks, ALiBi, Dqk != Dv, pages
-that are not contiguous; penalties, biases, masks, top logprobs, sampled rows). The functions here return None
-then.
+fails: the log says why, once) decode attention keeps cpu_attention's torch path, RMSNorm and sampling torch's
+ops, which also run for what these kernels do not take (float8 / int8 pages, attention sinks, ALiBi, Dqk != Dv,
+pages that are not contiguous; penalties, biases, masks, top logprobs, sampled rows). The functions here return
+None then.
 
 Threads (decode attention): ctypes releases the GIL, so the caller runs the kernel while
 torch.get_num_threads() - 1 helper threads (started on first use, idle on a queue otherwise) run it too; work
@@ -85,7 +85,7 @@ def library() -> ctypes.CDLL | None:
     compiler = _compiler()
     if compiler is None:
         log.warning("CPU kernels: no C compiler found ($CC, cc, gcc, clang); decode attention runs torch's flash "
-                    "kernel over gathered keys instead, and sampling torch's ops (slower: see "
+                    "kernel over gathered keys instead, and RMSNorm and greedy sampling torch's ops (slower: see "
                     "tritonq/kernels/cpu_native.py)")
         return None
     try:
@@ -109,7 +109,7 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning("CPU kernels: building %s failed (%s); decode attention runs torch's flash kernel over "
-                    "gathered keys instead, and sampling torch's ops (slower)", SOURCE.name, error)
+                    "gathered keys instead, and RMSNorm and greedy sampling torch's ops (slower)", SOURCE.name, error)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tritonq_decode_attention.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
@@ -123,6 +123,13 @@ def library() -> ctypes.CDLL | None:
     lib.tritonq_rms_norm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_float, ptr]
     lib.tritonq_rms_norm.restype = ctypes.c_int
     return lib
+
+
+def _library_for(dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The built kernels when they compute dtype (float32, bfloat16, float16 where the compiler has _Float16), else
+    None."""
+    lib = library() if dtype in DTYPES else None
+    return None if lib is None or (dtype == torch.float16 and not lib.tritonq_has_float16()) else lib
 
 
 class _Helpers:
@@ -156,14 +163,14 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     cpu_attention.decode_attention for the rest), or None when this kernel does not take the call (a dtype
     other than q's in the pages, Dqk != Dv, pages not contiguous, a page size not a power of two) or is not
     built."""
-    dtype = DTYPES.get(q.dtype)
-    if (dtype is None or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype or k_pages.shape != v_pages.shape
+    if (k_pages.dtype != q.dtype or v_pages.dtype != q.dtype or k_pages.shape != v_pages.shape
             or k_pages.shape[-1] != q.shape[-1] or not (k_pages.is_contiguous() and v_pages.is_contiguous())
             or q.shape[1] % k_pages.shape[2] or k_pages.shape[1] & (k_pages.shape[1] - 1)):
         return None
-    lib = library()
-    if lib is None or (q.dtype == torch.float16 and not lib.tritonq_has_float16()):
+    lib = _library_for(q.dtype)
+    if lib is None:
         return None
+    dtype = DTYPES[q.dtype]
     B, H, D = q.shape
     H_kv, page_size = k_pages.shape[2], k_pages.shape[1]
     q = q.contiguous()
@@ -203,7 +210,7 @@ def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
     if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.shape[1]
             or logits.stride(1) != 1):
         return None
-    lib = library()
+    lib = _library_for(torch.float32)
     if lib is None:
         return None
     R, V = logits.shape
@@ -216,12 +223,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """RMSNorm of x [..., D] (fp32 / bf16 / fp16 on the CPU) with weight [D] of x's dtype, as
     norm_rope.rms_norm_reference computes it (statistics in float32, the normalised rows rounded, then times the
     weight in x's dtype); None when the kernels are not built or the call is not one this takes."""
-    dtype = DTYPES.get(x.dtype)
-    if (dtype is None or x.device.type != "cpu" or weight.dtype != x.dtype or weight.dim() != 1
-            or weight.shape[0] != x.shape[-1] or not x.shape[-1]):
+    if (x.device.type != "cpu" or weight.dtype != x.dtype or weight.dim() != 1 or weight.shape[0] != x.shape[-1]
+            or not x.shape[-1]):
         return None
-    lib = library()
-    if lib is None or (dtype == 2 and not lib.tritonq_has_float16()):
+    lib = _library_for(x.dtype)
+    if lib is None:
         return None
     D = x.shape[-1]
     rows = x.reshape(-1, D)
@@ -229,6 +235,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         rows = rows.contiguous()
     weight = weight.contiguous()
     y = torch.empty(rows.shape, dtype=x.dtype)
-    lib.tritonq_rms_norm(dtype, rows.data_ptr(), rows.shape[0], D, rows.stride(0), weight.data_ptr(), eps,
+    lib.tritonq_rms_norm(DTYPES[x.dtype], rows.data_ptr(), rows.shape[0], D, rows.stride(0), weight.data_ptr(), eps,
                          y.data_ptr())
     return y.view(x.shape)
