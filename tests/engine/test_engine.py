@@ -194,7 +194,7 @@ def test_grouped_decode_on_two_threads_gives_the_solo_greedy_runs(folder, monkey
     from tritonq.kernels import cpu_attention, cpu_native
     monkeypatch.delenv("TRITONQ_BACKEND")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU backend, not the Triton kernels interpreted
-    monkeypatch.setattr(cpu_native, "decode_attention", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cpu_native, "paged_attention", lambda *args, **kwargs: None)
     monkeypatch.setattr(cpu_attention, "GROUPED_WORK", 1)
     plan, groups = cpu_attention.key_plan, []
     monkeypatch.setattr(cpu_attention, "key_plan", lambda *a: groups.extend(plan(*a).groups) or plan(*a))
@@ -213,15 +213,16 @@ def test_grouped_decode_on_two_threads_gives_the_solo_greedy_runs(folder, monkey
         torch.set_num_threads(before)
 
 
-def test_native_decode_on_two_threads_gives_the_solo_greedy_runs(folder, monkeypatch):
-    """Decode through the C kernel (kernels/cpu_native.py) with its helper thread claiming work items beside the
-    engine's thread: every request gets its solo greedy run on the torch path (one thread, per sequence)."""
+def test_native_attention_on_two_threads_gives_the_solo_greedy_runs(folder, monkeypatch):
+    """Prefill and decode through the C kernel (kernels/cpu_native.py) with its helper thread claiming work items
+    beside the engine's thread: every request gets its solo greedy run on the torch path (one thread, per
+    sequence)."""
     from tritonq.kernels import cpu_native
     monkeypatch.delenv("TRITONQ_BACKEND")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     calls = []
-    native = cpu_native.decode_attention
-    monkeypatch.setattr(cpu_native, "decode_attention", lambda *a: calls.append(native(*a)) or calls[-1])
+    native = cpu_native.paged_attention
+    monkeypatch.setattr(cpu_native, "paged_attention", lambda *a: calls.append(native(*a)) or calls[-1])
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in (5, 40, 41, 17, 90, 3, 64, 9, 33)]
     before = torch.get_num_threads()
@@ -231,8 +232,9 @@ def test_native_decode_on_two_threads_gives_the_solo_greedy_runs(folder, monkeyp
                                                                                 return_dict=True)
     finally:
         torch.set_num_threads(before)
-    assert calls and all(out is not None for out in calls)  # every decode ran the C kernel
-    monkeypatch.setattr(cpu_native, "decode_attention", lambda *args, **kwargs: None)
+    assert calls and all(out is not None for out in calls)  # every prefill and decode ran the C kernel
+    assert any(out.shape[0] > 9 for out in calls)  # prefill chunks among them (a decode step has 9 rows at most)
+    monkeypatch.setattr(cpu_native, "paged_attention", lambda *args, **kwargs: None)
     plain = load(folder, enable_prefix_caching=False)
     assert_greedy_equal(plain, prompts, got, solo_runs(plain, prompts, max_new_tokens=12))
 

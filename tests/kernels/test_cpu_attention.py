@@ -43,16 +43,16 @@ def _cpu_backend(monkeypatch):
 
 @pytest.fixture
 def torch_path(monkeypatch):
-    """Decode through torch's flash kernel over gathered keys, as where the C kernel cannot be built."""
-    monkeypatch.setattr(cpu_native, "decode_attention", lambda *args, **kwargs: None)
+    """Prefill and decode through torch's flash kernel over gathered keys, as where the C kernel cannot be built."""
+    monkeypatch.setattr(cpu_native, "paged_attention", lambda *args, **kwargs: None)
 
 
 @pytest.fixture(params=["native", "torch"])
 def path(request, monkeypatch):
-    """Decode through the C kernel where it takes the call (it must, for plain pages of q's dtype), or the torch
-    path."""
+    """Prefill and decode through the C kernel where it takes the call (it must, for plain pages of q's dtype), or
+    the torch path."""
     if request.param == "torch":
-        monkeypatch.setattr(cpu_native, "decode_attention", lambda *args, **kwargs: None)
+        monkeypatch.setattr(cpu_native, "paged_attention", lambda *args, **kwargs: None)
     return request.param
 
 
@@ -112,7 +112,7 @@ def test_decode_matches_reference_reading_only_each_sequences_keys(d_qk, d_v, h,
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("d_qk,d_v,h,h_kv", HEADS)
 def test_prefill_after_cached_prefix_matches_reference_reading_only_visible_keys(d_qk, d_v, h, h_kv, window,
-                                                                                  dtype):
+                                                                                  dtype, path):
     g = torch.Generator().manual_seed(1)
     q_lens, ctx = zip(*PREFILL)
     k_pages, v_pages, table = cache(d_qk, d_v, h_kv, ctx, dtype, g)
@@ -125,6 +125,8 @@ def test_prefill_after_cached_prefix_matches_reference_reading_only_visible_keys
     k_bad, v_bad, table_bad = poisoned(k_pages, v_pages, table, seen)
     got = cpu_attention.paged_prefill_attention(q, k_bad, v_bad, cu, context_lens, table_bad, scale, window)
     assert_close(got, ref, dtype)
+    if path == "native" and d_qk == d_v:  # the C kernel takes plain pages of q's dtype
+        assert cpu_native.paged_attention(q, k_bad, v_bad, cu, context_lens, table_bad, scale, window) is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,16 +1,21 @@
-"""The C decode-attention kernel (kernels/cpu_native.c through kernels/cpu_native.py) against the float32 torch
-reference, and the build: cached per source and machine, and a missing or failing compiler falls back to the torch
-path with one warning; its RMSNorm against the torch reference. (Its greedy-rows loop is tested with the sampler:
-tests/engine/test_sampler.py.)
+"""The C attention kernel (kernels/cpu_native.c through kernels/cpu_native.py) against the float32 torch
+references, decode rows and prefill chunks; the build: cached per source and machine, and a missing or failing
+compiler falls back to the torch path with one warning; its RMSNorm against the torch reference. (Its greedy-rows loop
+is tested with the sampler: tests/engine/test_sampler.py.)
 
-Cases: float32, bfloat16 and float16; head dims 32, 64 and 128 (the compile-time sizes) and 80 (the generic loop);
-MHA, GQA 4 and MQA; windows; page sizes 16 and 32; lengths 0 (zeros), 1, a page, a page + 1 and several pages; on
-1, 2 and 3 threads, with few sequences (a work item per kv head) and many (an item per sequence). Everything
+Cases: float32, bfloat16 and float16; head dims 32, 64 and 128 (the AVX-512 path where the CPU has it, a multiple of
+16) and 80 (the generic loop, which every head dim takes elsewhere); MHA, GQA 4 and MQA; windows; page sizes 16 and
+32; decode lengths 0 (zeros), 1, a page, a page + 1 and several pages; prefill chunks of 1, 3, 17 and 64 queries,
+whole prompts and after a cached prefix, more queries than one work item's block; on 1, 2 and 3 threads. Everything
 outside a query's keys is poisoned (NaN rows, -1 table entries) as in test_cpu_attention.py.
 Tolerances (tests/tolerances.py "attention"): float32 the summation order; bf16 / fp16 the probabilities rounded
-before the PV product and the output rounded once, as the Triton kernels and the flash path.
+before the PV product (per key tile, against the running maximum: online softmax) and the output rounded once, as
+the Triton kernels and the flash path.
 """
 import logging
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,11 +23,13 @@ import tolerances
 
 from tritonq.kernels import cpu_attention, cpu_native
 from tritonq.kernels.norm_rope import rms_norm_reference
-from tritonq.kernels.attention import decode_attention_reference, paged_cache
+from tritonq.kernels.attention import decode_attention_reference, paged_cache, paged_prefill_attention_reference
 
 TOL = tolerances.table("attention")
-FEW = [0, 1, 17]  # fewer sequences than FEW_SEQUENCES per thread: an item per kv head
-MANY = [5, 16, 1, 33, 0, 100, 2, 47, 16, 64, 9, 31, 3, 80]  # an item per sequence (up to 3 threads)
+FEW = [0, 1, 17]  # fewer items than threads
+MANY = [5, 16, 1, 33, 0, 100, 2, 47, 16, 64, 9, 31, 3, 80]
+# prefill: (new tokens, context) per sequence; whole prompts, chunks after a cached prefix, a sequence without queries
+PREFILL = [(1, 1), (3, 3), (17, 17), (64, 64), (1, 40), (6, 100), (17, 33), (0, 12), (40, 75)]
 
 
 @pytest.fixture
@@ -78,6 +85,83 @@ def test_matches_reference_reading_only_each_sequences_keys(threads, lens, dtype
     for b, n in enumerate(lens):
         if n == 0:
             assert (got[b] == 0).all()
+
+
+def prefill_case(chunks, d, h, h_kv, page, dtype, window, seed=0):
+    """Packed q of the chunks (new tokens, context), poisoned pages and table, cu_seqlens, contexts, and the
+    reference over the clean pages."""
+    g = torch.Generator().manual_seed(seed)
+    q_lens, contexts = zip(*chunks)
+    S = max(contexts)
+    k = torch.randn(len(chunks), S, h_kv, d, generator=g).to(dtype)
+    v = torch.randn(len(chunks), S, h_kv, d, generator=g).to(dtype)
+    k_pages, v_pages, table = paged_cache(k, v, page, num_pages=len(chunks) * -(-S // page) + 3, generator=g)
+    q = torch.randn(sum(q_lens), h, d, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    context_lens = torch.tensor(contexts, dtype=torch.int32)
+    scale = 0.7 / d ** 0.5
+    ref = paged_prefill_attention_reference(q, k_pages, v_pages, cu, context_lens, table, scale, window)
+    k_bad, v_bad = torch.full_like(k_pages, float("nan")), torch.full_like(v_pages, float("nan"))
+    table_bad = torch.full_like(table, -1)
+    for b, (n_q, ctx) in enumerate(chunks):
+        if not n_q:
+            continue
+        first = max(0, ctx - n_q - window + 1) if window else 0  # the first key the earliest query sees
+        for t in range(first, ctx):
+            page_id, row = int(table[b, t // page]), t % page
+            k_bad[page_id, row], v_bad[page_id, row] = k_pages[page_id, row], v_pages[page_id, row]
+        table_bad[b, first // page: -(-ctx // page)] = table[b, first // page: -(-ctx // page)]
+    return q, k_bad, v_bad, cu, context_lens, table_bad, scale, ref
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,h,h_kv,page,window", [(64, 8, 2, 16, 0), (128, 4, 4, 32, 0), (32, 4, 1, 16, 7),
+                                                   (80, 6, 3, 16, 20), (32, 16, 2, 16, 0)])
+def test_prefill_matches_reference_reading_only_visible_keys(threads, dtype, d, h, h_kv, page, window):
+    """Packed chunks: whole prompts (causal), chunks after a cached prefix, windows, a sequence without queries;
+    (32, 16, 2): GQA 8, one query per work item's block of 4 (QUERY_ROWS 32) -> 40 queries in 10 items."""
+    q, k_pages, v_pages, cu, contexts, table, scale, ref = prefill_case(PREFILL, d, h, h_kv, page, dtype, window)
+    got = cpu_native.paged_attention(q, k_pages, v_pages, cu, contexts, table, scale, window)
+    assert got is not None, "the C kernel did not take a call of plain pages (is it built? see the log)"
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="-mno-avx512f is an x86 flag")
+def test_the_build_without_avx512_matches_the_reference_too(fresh_library, monkeypatch):
+    """A CPU without AVX-512 (most AMD Zen 2/3, many desktops) gets the generic C items for every head dim: built here
+    with -mno-avx512f, prefill and decode against the references."""
+    monkeypatch.setattr(cpu_native, "FLAGS", [*cpu_native.FLAGS, "-mno-avx512f"])
+    for d, dtype in [(64, torch.bfloat16), (32, torch.float32), (128, torch.float16)]:
+        q, k_pages, v_pages, cu, contexts, table, scale, ref = prefill_case(PREFILL, d, 8, 2, 16, dtype, 0)
+        got = cpu_native.paged_attention(q, k_pages, v_pages, cu, contexts, table, scale, 0)
+        assert got is not None
+        torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+        q, k_pages, v_pages, lens, table, scale, ref = case(MANY, d, 8, 2, 16, dtype, 5)
+        got = cpu_native.decode_attention(q, k_pages, v_pages, lens, table, scale, 5)
+        torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_a_process_that_ran_it_on_two_threads_exits_cleanly(tmp_path):
+    """The helper threads are daemons: at interpreter exit one may still be inside a call that found every item
+    claimed. Its job holds no tensor (a torch destructor run in a daemon thread while the interpreter finalizes
+    aborted the process: "terminate called without an active exception", about one run in two before)."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import torch\n"
+        "from tritonq.kernels import cpu_native\n"
+        "torch.set_num_threads(2)\n"
+        "B, P = 256, 256 * 21 + 1\n"
+        "lens = torch.randint(16, 320, (B,), dtype=torch.int32)\n"
+        "table = (torch.randperm(P - 1) + 1)[:B * 21].view(B, 21).int()\n"
+        "k, v = torch.randn(P, 16, 2, 32).bfloat16(), torch.randn(P, 16, 2, 32).bfloat16()\n"
+        "q = torch.randn(B, 4, 32).bfloat16()\n"
+        "for _ in range(30):\n"
+        "    assert cpu_native.decode_attention(q, k, v, lens, table, 0.2, 0) is not None\n")
+    for _ in range(4):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_repeated_calls_on_several_threads_stay_equal():

@@ -1,12 +1,9 @@
 /* The CPU backend's C kernels, built and called by tritonq/kernels/cpu_native.py (its docstring says why and how
- * fast): paged decode attention, RMSNorm and the greedy rows of a sampling step.
+ * fast): paged attention (prefill and decode), RMSNorm and the greedy rows of a sampling step.
  *
- * Decode attention. Shapes as tritonq/kernels/attention/: q and out [B, H, D]; k and v pages
- * [P, page_size, Hkv, D] contiguous, so one token's row holds every kv head (Hkv * D values); block_table
- * [B, table_w] int32; lens [B] int32. Sequence b attends keys max(0, lens[b] - window) .. lens[b] - 1 (window 0:
- * all of them); query head i reads kv head i / (H / Hkv) (GQA). Scores, softmax and the sums are float32; the
- * probabilities are rounded to the input dtype before the PV product and the output is rounded once, as in the
- * Triton kernels.
+ * Paged attention (prefill chunks and decode rows in one call; shapes as tritonq/kernels/attention/). Scores,
+ * softmax and the sums are float32; the probabilities are rounded to the input dtype before the PV product and the
+ * output is rounded once, as in the Triton kernels.
  */
 #include <math.h>
 #include <sched.h>
@@ -17,10 +14,10 @@
 static inline float from_f32(float x) { return x; }
 static inline float to_f32(float x) { return x; }
 static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t to_bf16(float f) {  /* round to nearest even; a NaN stays a NaN */
+static inline uint16_t to_bf16(float f) {  /* round to nearest even; a NaN stays a NaN (a select: loops vectorise) */
     uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 64;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
 /* e^x in float32 (Cephes' expf: Cody-Waite reduction by ln 2, a degree-7 polynomial; within 2 ulp) in plain
  * arithmetic, so that loops over it vectorise (libm's expf is a call per element). x below -87.3 gives e^-87.3
@@ -47,61 +44,237 @@ static inline float from_f16(uint16_t h) { _Float16 x; memcpy(&x, &h, 2); return
 static inline uint16_t to_f16(float f) { _Float16 x = (_Float16)f; uint16_t h; memcpy(&h, &x, 2); return h; }
 #endif
 
-/* One work item: sequence b, kv heads h0 .. h0 + hc - 1 (their hc * G query heads are the item's rows).
- * The keys are read token by token, all of the item's heads at once, so a page streams through in order;
- * D is a compile-time constant in the common head sizes, so the dot products unroll into vector registers. */
+/* One work item: sequence b, kv head h, its queries q0 .. q0 + nq - 1 (of n_q = cu[b + 1] - cu[b], at positions
+ * ctx - n_q + i); their nq * G query heads are the item's rows. Keys come in tiles of TILE consecutive positions
+ * (aligned, so with page_size >= TILE a tile lies in one page): the tile's keys are converted to float32 and
+ * transposed, kt[d][l], so each row's TILE scores are one vector of D fused multiply-adds (no horizontal sum per
+ * key), and its values converted, vt[l][d]. Softmax is online, per row: running max m, sum s (float32) and
+ * accumulator acc[D]; each tile's probabilities are rounded to the input dtype before the PV product, as in the
+ * Triton kernels. A key j is visible to the query at position p iff j <= p and (window 0 or p - j < window); a row
+ * with no visible key gives zeros. D is a compile-time constant for the common head sizes (the loops over d
+ * unroll into registers). */
+#define TILE 16
 #define ITEM(NAME, T, LOAD, STORE, DIM)                                                                         \
-static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int64_t table_w,                  \
-                 const int32_t* lens, int64_t H, int64_t Hkv, int64_t D_, int64_t ps, int64_t window,            \
-                 float scale, T* out, int64_t b, int64_t h0, int64_t hc, float* scores, float* acc, float* qf) { \
-    const int64_t D = DIM ? DIM : D_, G = H / Hkv, rows = hc * G, n = lens[b];                                  \
-    const int64_t first = window > 0 && n > window ? n - window : 0, count = n - first;                         \
+static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int64_t table_w, const int32_t* cu, \
+                 const int32_t* ctx_lens, int64_t H, int64_t Hkv, int64_t D_, int64_t ps, int64_t window,        \
+                 float scale, T* out, int64_t b, int64_t h, int64_t q0, int64_t nq, float* buf) {                 \
+    const int64_t D = DIM ? DIM : D_, G = H / Hkv, rows = nq * G, n_q = cu[b + 1] - cu[b], ctx = ctx_lens[b];   \
     const int64_t row_stride = Hkv * D, shift = __builtin_ctzll((unsigned long long)ps);                        \
+    const int64_t pos0 = ctx - n_q + q0, last = pos0 + nq - 1;  /* positions of the first and last query */    \
+    int64_t first = window > 0 ? pos0 - window + 1 : 0;  /* the first key any of the rows sees */               \
+    if (first < 0) first = 0;                                                                                   \
     const int32_t* pages = table + b * table_w;                                                                 \
-    T* o = out + (b * H + h0 * G) * D;                                                                          \
-    if (count <= 0) {  /* no keys: zeros, as the kernels and references give */                                 \
-        for (int64_t i = 0; i < rows * D; i++) o[i] = STORE(0.f);                                               \
-        return;                                                                                                 \
-    }                                                                                                           \
-    const T* qb = q + (b * H + h0 * G) * D;                                                                     \
-    for (int64_t i = 0; i < rows * D; i++) { qf[i] = LOAD(qb[i]) * scale; acc[i] = 0.f; }                      \
-    for (int64_t j = 0, p = first; j < count; j++, p++) {  /* key p: row p % ps of page p / ps */              \
-        const T* k = kp + ((int64_t)pages[p >> shift] * ps + (p & (ps - 1))) * row_stride + h0 * D;           \
-        for (int64_t hh = 0, r = 0; hh < hc; hh++) {                                                            \
-            const T* kh = k + hh * D;                                                                           \
-            for (int64_t g = 0; g < G; g++, r++) {                                                              \
-                const float* qr = qf + r * D;                                                                   \
-                float s = 0.f;                                                                                  \
-                for (int64_t d = 0; d < D; d++) s += qr[d] * LOAD(kh[d]);                                       \
-                scores[r * count + j] = s;                                                                      \
+    float *kt = buf, *vt = kt + D * TILE, *qf = vt + TILE * D, *acc = qf + rows * D, *mx = acc + rows * D;      \
+    float* sum = mx + rows;                                                                                     \
+    for (int64_t i = 0; i < nq; i++)                                                                            \
+        for (int64_t g = 0; g < G; g++) {                                                                       \
+            const T* qr = q + ((cu[b] + q0 + i) * H + h * G + g) * D;                                           \
+            const int64_t r = i * G + g;                                                                        \
+            for (int64_t d = 0; d < D; d++) { qf[r * D + d] = LOAD(qr[d]) * scale; acc[r * D + d] = 0.f; }     \
+            mx[r] = -INFINITY;                                                                                  \
+            sum[r] = 0.f;                                                                                       \
+        }                                                                                                       \
+    for (int64_t t0 = first & ~(int64_t)(TILE - 1); t0 <= last; t0 += TILE) {                                   \
+        for (int64_t l = 0; l < TILE; l++) {  /* keys outside first .. last are zeros (and masked below) */    \
+            const int64_t j = t0 + l;                                                                           \
+            if (j < first || j > last) {                                                                        \
+                for (int64_t d = 0; d < D; d++) { kt[d * TILE + l] = 0.f; vt[l * D + d] = 0.f; }               \
+                continue;                                                                                       \
             }                                                                                                   \
+            const int64_t at = ((int64_t)pages[j >> shift] * ps + (j & (ps - 1))) * row_stride + h * D;         \
+            const T *k = kp + at, *v = vp + at;                                                                 \
+            for (int64_t d = 0; d < D; d++) kt[d * TILE + l] = LOAD(k[d]);                                      \
+            for (int64_t d = 0; d < D; d++) vt[l * D + d] = LOAD(v[d]);                                         \
+        }                                                                                                       \
+        for (int64_t r = 0; r < rows; r++) {                                                                    \
+            const int64_t p = pos0 + r / G, lo = window > 0 && p - window + 1 > first ? p - window + 1 : first; \
+            if (p < t0 || lo > t0 + TILE - 1) continue;  /* no key of this tile is visible to the row */        \
+            const float* qr = qf + r * D;                                                                       \
+            float s[TILE], e[TILE];                                                                             \
+            for (int64_t l = 0; l < TILE; l++) s[l] = 0.f;                                                      \
+            for (int64_t d = 0; d < D; d++)                                                                     \
+                for (int64_t l = 0; l < TILE; l++) s[l] += qr[d] * kt[d * TILE + l];                           \
+            for (int64_t l = 0; l < TILE; l++) s[l] = t0 + l >= lo && t0 + l <= p ? s[l] : -INFINITY;           \
+            for (int64_t l = 0; l < TILE; l++) e[l] = s[l];                                                     \
+            for (int64_t w = TILE / 2; w > 0; w /= 2)  /* the tile's max by halving: no loop-carried reduction */  \
+                for (int64_t l = 0; l < w; l++) e[l] = e[l] > e[l + w] ? e[l] : e[l + w];                       \
+            const float m = e[0] > mx[r] ? e[0] : mx[r], correction = exp_f32(mx[r] - m);                       \
+            /* separate loops: gcc vectorises each, not their fusion */                                         \
+            for (int64_t l = 0; l < TILE; l++) e[l] = s[l] == -INFINITY ? 0.f : exp_f32(s[l] - m);             \
+            float total = 0.f;                                                                                  \
+            for (int64_t l = 0; l < TILE; l++) total += e[l];                                                   \
+            for (int64_t l = 0; l < TILE; l++) e[l] = LOAD(STORE(e[l]));                                        \
+            sum[r] = sum[r] * correction + total;                                                               \
+            mx[r] = m;                                                                                          \
+            float* a = acc + r * D;                                                                             \
+            for (int64_t d = 0; d < D; d++) a[d] *= correction;                                                 \
+            for (int64_t l = 0; l < TILE; l++)                                                                  \
+                for (int64_t d = 0; d < D; d++) a[d] += e[l] * vt[l * D + d];                                   \
         }                                                                                                       \
     }                                                                                                           \
-    for (int64_t r = 0; r < rows; r++) {  /* softmax; the sum stays float32, each probability is rounded */     \
-        float* sc = scores + r * count;                                                                         \
-        float m = -INFINITY, sum = 0.f;                                                                         \
-        for (int64_t j = 0; j < count; j++) m = sc[j] > m ? sc[j] : m;                                          \
-        for (int64_t j = 0; j < count; j++) { float e = exp_f32(sc[j] - m); sum += e; sc[j] = LOAD(STORE(e)); }\
-        qf[r] = 1.f / sum;  /* q is no longer needed: its first rows hold the normalisers */                   \
-    }                                                                                                           \
-    for (int64_t j = 0, p = first; j < count; j++, p++) {                                                       \
-        const T* v = vp + ((int64_t)pages[p >> shift] * ps + (p & (ps - 1))) * row_stride + h0 * D;           \
-        for (int64_t hh = 0, r = 0; hh < hc; hh++) {                                                            \
-            const T* vh = v + hh * D;                                                                           \
-            for (int64_t g = 0; g < G; g++, r++) {                                                              \
-                const float w = scores[r * count + j];                                                          \
-                float* a = acc + r * D;                                                                         \
-                for (int64_t d = 0; d < D; d++) a[d] += w * LOAD(vh[d]);                                        \
-            }                                                                                                   \
+    for (int64_t i = 0; i < nq; i++)                                                                            \
+        for (int64_t g = 0; g < G; g++) {                                                                       \
+            const int64_t r = i * G + g;                                                                        \
+            T* o = out + ((cu[b] + q0 + i) * H + h * G + g) * D;                                                \
+            const float norm = sum[r] > 0.f ? 1.f / sum[r] : 0.f;  /* no visible key: zeros */                  \
+            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[r * D + d] * norm);                                \
         }                                                                                                       \
-    }                                                                                                           \
-    for (int64_t r = 0; r < rows; r++)                                                                          \
-        for (int64_t d = 0; d < D; d++) o[r * D + d] = STORE(acc[r * D + d] * qf[r]);                          \
 }
 
+#ifdef __AVX512F__
+/* The same item with AVX-512 intrinsics, for D a multiple of 16: gcc does not find this schedule on its own (it
+ * spills the transposed tile through scalar stores, whose vector reloads then stall). The tile's keys are
+ * transposed in registers, 16 x 16 floats at a time; each row's 16 scores are D broadcast multiply-adds; the
+ * accumulator is a row of D floats updated with one multiply-add per key and 16 columns. */
+#include <immintrin.h>
+
+static inline void transpose16(__m512 r[16]) {  /* r[i][j] <- r[j][i] */
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44); r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44); r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88); t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88); r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+}
+static inline __m512 exp_v(__m512 x) {  /* exp_f32, 16 lanes: the same steps */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    const __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline __m512 load16_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+static inline __m512 round16_f32(__m512 x) { return x; }
+static inline __m512 round16_bf16(__m512 x) {  /* to bfloat16 and back: round to nearest even, NaN kept */
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    const __m512i kept = _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xffff0000u));
+    return _mm512_castsi512_ps(kept);  /* only probabilities in [0, 1] are rounded here: no NaN */
+}
+static inline __m512 round16_f16(__m512 x) { return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
+
+#define ITEM_AVX512(NAME, T, LOAD, STORE, LOAD16, ROUND16)                                                       \
+static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int64_t table_w, const int32_t* cu, \
+                 const int32_t* ctx_lens, int64_t H, int64_t Hkv, int64_t D, int64_t ps, int64_t window,         \
+                 float scale, T* out, int64_t b, int64_t h, int64_t q0, int64_t nq, float* buf) {                 \
+    const int64_t G = H / Hkv, rows = nq * G, n_q = cu[b + 1] - cu[b], ctx = ctx_lens[b], C = D / 16;          \
+    const int64_t row_stride = Hkv * D, shift = __builtin_ctzll((unsigned long long)ps);                        \
+    const int64_t pos0 = ctx - n_q + q0, last = pos0 + nq - 1;                                                  \
+    int64_t first = window > 0 ? pos0 - window + 1 : 0;                                                         \
+    if (first < 0) first = 0;                                                                                   \
+    const int32_t* pages = table + b * table_w;                                                                 \
+    float *kt = buf, *vt = kt + D * TILE, *qf = vt + TILE * D, *acc = qf + rows * D, *mx = acc + rows * D;      \
+    float *sum = mx + rows, e[TILE] __attribute__((aligned(64)));                                               \
+    for (int64_t i = 0; i < nq; i++)                                                                            \
+        for (int64_t g = 0; g < G; g++) {                                                                       \
+            const T* qr = q + ((cu[b] + q0 + i) * H + h * G + g) * D;                                           \
+            const int64_t r = i * G + g;                                                                        \
+            for (int64_t c = 0; c < C; c++) {                                                                   \
+                _mm512_storeu_ps(qf + r * D + c * 16, _mm512_mul_ps(LOAD16(qr + c * 16), _mm512_set1_ps(scale))); \
+                _mm512_storeu_ps(acc + r * D + c * 16, _mm512_setzero_ps());                                    \
+            }                                                                                                   \
+            mx[r] = -INFINITY;                                                                                  \
+            sum[r] = 0.f;                                                                                       \
+        }                                                                                                       \
+    for (int64_t t0 = first & ~(int64_t)(TILE - 1); t0 <= last; t0 += TILE) {                                   \
+        const T *krow[TILE], *vrow[TILE];                                                                       \
+        for (int64_t l = 0; l < TILE; l++) {                                                                    \
+            const int64_t j = t0 + l;                                                                           \
+            if (j < first || j > last) { krow[l] = vrow[l] = 0; continue; }                                     \
+            const int64_t at = ((int64_t)pages[j >> shift] * ps + (j & (ps - 1))) * row_stride + h * D;         \
+            krow[l] = kp + at;                                                                                  \
+            vrow[l] = vp + at;                                                                                  \
+        }                                                                                                       \
+        for (int64_t l = 0, j = t0 + TILE; l < TILE && j <= last; l++, j++) {  /* the next tile's rows: */     \
+            const int64_t at = ((int64_t)pages[j >> shift] * ps + (j & (ps - 1))) * row_stride + h * D;         \
+            for (int64_t x = 0; x < D * (int64_t)sizeof(T); x += 64) {  /* pages are scattered: no prefetcher */ \
+                __builtin_prefetch((const char*)(kp + at) + x);                                                 \
+                __builtin_prefetch((const char*)(vp + at) + x);                                                 \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int64_t c = 0; c < C; c++) {  /* kt[d][l] for d in c * 16 .. c * 16 + 15; vt[l][d] */              \
+            __m512 t[16];                                                                                       \
+            for (int64_t l = 0; l < TILE; l++) {                                                                \
+                t[l] = krow[l] ? LOAD16(krow[l] + c * 16) : _mm512_setzero_ps();                                \
+                _mm512_storeu_ps(vt + l * D + c * 16, vrow[l] ? LOAD16(vrow[l] + c * 16) : _mm512_setzero_ps()); \
+            }                                                                                                   \
+            transpose16(t);                                                                                     \
+            for (int64_t i = 0; i < 16; i++) _mm512_storeu_ps(kt + (c * 16 + i) * TILE, t[i]);                  \
+        }                                                                                                       \
+        for (int64_t r = 0; r < rows; r++) {                                                                    \
+            const int64_t p = pos0 + r / G, lo = window > 0 && p - window + 1 > first ? p - window + 1 : first; \
+            if (p < t0 || lo > t0 + TILE - 1) continue;  /* no key of this tile is visible to the row */        \
+            const int64_t a0 = lo > t0 ? lo - t0 : 0, a1 = p < t0 + TILE - 1 ? p - t0 : TILE - 1;              \
+            const __mmask16 visible = (__mmask16)((0xffffu >> (15 - a1)) & (0xffffu << a0));                   \
+            const float* qr = qf + r * D;                                                                       \
+            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();  /* two chains: latency */               \
+            for (int64_t d = 0; d < D; d += 2) {                                                                \
+                s0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_loadu_ps(kt + d * TILE), s0);                \
+                s1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_loadu_ps(kt + (d + 1) * TILE), s1);      \
+            }                                                                                                   \
+            const __m512 sc = _mm512_add_ps(s0, s1);                                                            \
+            const float tile_max = _mm512_mask_reduce_max_ps(visible, sc);                                      \
+            const float m = tile_max > mx[r] ? tile_max : mx[r], correction = exp_f32(mx[r] - m);               \
+            const __m512 x = _mm512_maskz_mov_ps(visible, exp_v(_mm512_sub_ps(sc, _mm512_set1_ps(m))));         \
+            sum[r] = sum[r] * correction + _mm512_reduce_add_ps(x);                                             \
+            mx[r] = m;                                                                                          \
+            _mm512_store_ps(e, ROUND16(x));                                                                     \
+            float* a = acc + r * D;                                                                             \
+            for (int64_t c = 0; c < C; c++) {                                                                   \
+                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a + c * 16), _mm512_set1_ps(correction));             \
+                for (int64_t l = a0; l <= a1; l++)                                                              \
+                    v = _mm512_fmadd_ps(_mm512_set1_ps(e[l]), _mm512_loadu_ps(vt + l * D + c * 16), v);         \
+                _mm512_storeu_ps(a + c * 16, v);                                                                \
+            }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int64_t i = 0; i < nq; i++)                                                                            \
+        for (int64_t g = 0; g < G; g++) {                                                                       \
+            const int64_t r = i * G + g;                                                                        \
+            T* o = out + ((cu[b] + q0 + i) * H + h * G + g) * D;                                                \
+            const float norm = sum[r] > 0.f ? 1.f / sum[r] : 0.f;  /* no visible key: zeros */                  \
+            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[r * D + d] * norm);                                \
+        }                                                                                                       \
+}
+ITEM_AVX512(item_avx512_f32, float, from_f32, to_f32, load16_f32, round16_f32)
+ITEM_AVX512(item_avx512_bf16, uint16_t, from_bf16, to_bf16, load16_bf16, round16_bf16)
+#ifdef __FLT16_MAX__
+ITEM_AVX512(item_avx512_f16, uint16_t, from_f16, to_f16, load16_f16, round16_f16)
+#endif
+#endif
+
+#ifdef __AVX512F__  /* head dims that are multiples of 16 take the AVX-512 item */
+#define ITEMS(SUFFIX, T, LOAD, STORE) ITEM(item_##SUFFIX##_any, T, LOAD, STORE, 0)
+#else
 #define ITEMS(SUFFIX, T, LOAD, STORE)                                                                           \
     ITEM(item_##SUFFIX##_any, T, LOAD, STORE, 0) ITEM(item_##SUFFIX##_32, T, LOAD, STORE, 32)                  \
     ITEM(item_##SUFFIX##_64, T, LOAD, STORE, 64) ITEM(item_##SUFFIX##_128, T, LOAD, STORE, 128)
+#endif
 ITEMS(f32, float, from_f32, to_f32)
 ITEMS(bf16, uint16_t, from_bf16, to_bf16)
 #ifdef __FLT16_MAX__
@@ -109,31 +282,53 @@ ITEMS(f16, uint16_t, from_f16, to_f16)
 #endif
 
 #define CALL(SUFFIX, T, DIM) item_##SUFFIX##_##DIM((const T*)q, (const T*)k_pages, (const T*)v_pages, table,  \
-    table_w, lens, H, Hkv, D, page_size, window, scale, (T*)out, item / chunks, (item % chunks) * hc, hc,       \
-    scores, acc, qf)
+    table_w, cu, ctx_lens, H, Hkv, D, page_size, window, scale, (T*)out, b, h, q0, nq, buf)
+#ifdef __AVX512F__
+#define DISPATCH(SUFFIX, T) do {                                                                                 \
+    if (D % 16 == 0) item_avx512_##SUFFIX((const T*)q, (const T*)k_pages, (const T*)v_pages, table, table_w, cu,  \
+                                          ctx_lens, H, Hkv, D, page_size, window, scale, (T*)out, b, h, q0, nq, buf); \
+    else CALL(SUFFIX, T, any); } while (0)
+#else
 #define DISPATCH(SUFFIX, T) do {                                                                                 \
     if (D == 32) CALL(SUFFIX, T, 32); else if (D == 64) CALL(SUFFIX, T, 64);                                   \
     else if (D == 128) CALL(SUFFIX, T, 128); else CALL(SUFFIX, T, any); } while (0)
+#endif
 
-/* Does work items until none is left: item i is sequence i / (Hkv / hc), kv heads (i % (Hkv / hc)) * hc ..,
- * claimed from counters[0]; counters[1] counts the items done. Several threads may run it at once on the
- * same arguments (each item is done by one of them); tritonq_wait_done waits for the others' items.
- * dtype: 0 float32, 1 bfloat16, 2 float16. max_keys: the most keys any sequence attends. Returns 0; -1 when
- * out of memory, -2 when this build has no float16 (both before claiming any item). */
-int tritonq_decode_attention(int dtype, const void* q, const void* k_pages, const void* v_pages,
-                             const int32_t* table, int64_t table_w, const int32_t* lens, int64_t B, int64_t H,
-                             int64_t Hkv, int64_t D, int64_t page_size, int64_t window, float scale, void* out,
-                             int64_t max_keys, int64_t hc, int64_t* counters) {
+/* Paged attention over packed queries, prefill and decode alike. q and out [T, H, D], sequence b's queries rows
+ * cu[b] .. cu[b + 1] - 1 at positions ctx_lens[b] - n_q .. ctx_lens[b] - 1 (a decode row: n_q = 1); k and v pages
+ * [P, page_size, Hkv, D] contiguous (one token's row holds every kv head); block_table [B, table_w] int32;
+ * query head i reads kv head i / (H / Hkv) (GQA). Work items: a block of up to `block` queries of one sequence and
+ * one kv head, numbered sequence by sequence and claimed from counters[0] from the last (a sequence's later query
+ * blocks see more keys: the larger items go first); counters[1] counts the items done; counters[2] is their number
+ * (the caller's count). Several threads may run it at once on the same arguments; tritonq_wait_done waits for the
+ * others' items. dtype: 0 float32, 1 bfloat16,
+ * 2 float16. Returns 0; -1 when out of memory, -2 when this build has no float16 (both before claiming any item). */
+int tritonq_paged_attention(int dtype, const void* q, const void* k_pages, const void* v_pages, const int32_t* table,
+                            int64_t table_w, const int32_t* cu, const int32_t* ctx_lens, int64_t B, int64_t H,
+                            int64_t Hkv, int64_t D, int64_t page_size, int64_t window, float scale, void* out,
+                            int64_t block, int64_t* counters) {
 #ifndef __FLT16_MAX__
     if (dtype == 2) return -2;
 #endif
-    const int64_t chunks = Hkv / hc, rows = hc * (H / Hkv), total = B * chunks, keys = max_keys > 0 ? max_keys : 1;
-    float* scores = malloc(sizeof(float) * (rows * keys + 2 * rows * D));
-    if (!scores) return -1;
-    float *acc = scores + rows * keys, *qf = acc + rows * D;
-    for (;;) {
-        const int64_t item = __atomic_fetch_add(&counters[0], 1, __ATOMIC_RELAXED);
-        if (item >= total) break;
+    const int64_t rows = block * (H / Hkv);
+    int64_t* starts = malloc(sizeof(int64_t) * (B + 1));  /* starts[b]: sequence b's first item */
+    float* buf = malloc(sizeof(float) * (2 * TILE * D + 2 * rows * D + 2 * rows));
+    if (!starts || !buf) { free(starts); free(buf); return -1; }
+    /* No argument memory is read before an item is claimed: a thread that comes late (every item claimed, the
+     * caller may have returned and freed them) touches nothing but the counters. */
+    for (int64_t total = -1;;) {
+        const int64_t claimed = __atomic_fetch_add(&counters[0], 1, __ATOMIC_RELAXED);
+        if (claimed >= counters[2]) break;
+        if (total < 0) {
+            starts[0] = 0;
+            for (int64_t b = 0; b < B; b++) starts[b + 1] = starts[b] + (cu[b + 1] - cu[b] + block - 1) / block * Hkv;
+            total = starts[B];
+        }
+        const int64_t item = total - 1 - claimed;
+        int64_t lo = 0, hi = B - 1;  /* the sequence b with starts[b] <= item < starts[b + 1] */
+        while (lo < hi) { const int64_t mid = (lo + hi + 1) / 2; if (starts[mid] <= item) lo = mid; else hi = mid - 1; }
+        const int64_t b = lo, h = (item - starts[b]) % Hkv, q0 = (item - starts[b]) / Hkv * block;
+        const int64_t n_q = cu[b + 1] - cu[b], nq = n_q - q0 < block ? n_q - q0 : block;
         if (dtype == 1) DISPATCH(bf16, uint16_t);
 #ifdef __FLT16_MAX__
         else if (dtype == 2) DISPATCH(f16, uint16_t);
@@ -141,7 +336,8 @@ int tritonq_decode_attention(int dtype, const void* q, const void* k_pages, cons
         else DISPATCH(f32, float);
         __atomic_fetch_add(&counters[1], 1, __ATOMIC_RELEASE);
     }
-    free(scores);
+    free(starts);
+    free(buf);
     return 0;
 }
 
