@@ -16,6 +16,7 @@ import logging
 import platform
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -144,9 +145,9 @@ def test_the_build_without_avx512_matches_the_reference_too(fresh_library, monke
 
 
 def test_a_process_that_ran_it_on_two_threads_exits_cleanly(tmp_path):
-    """The helper threads are daemons: at interpreter exit one may still be inside a call that found every item
-    claimed. Its job holds no tensor (a torch destructor run in a daemon thread while the interpreter finalizes
-    aborted the process: "terminate called without an active exception", about one run in two before)."""
+    """Calls on two threads leave nothing running at exit (an earlier design, threads of our own that could still be
+    inside a call while the interpreter finalized, aborted about one run in two: "terminate called without an active
+    exception"): the kernel's team is torch's OpenMP team, which returns with the call."""
     script = tmp_path / "run.py"
     script.write_text(
         "import torch\n"
@@ -176,6 +177,27 @@ def test_repeated_calls_on_several_threads_stay_equal():
             assert torch.equal(cpu_native.decode_attention(q, k_pages, v_pages, cache_lens, table, scale, 0), first)
     finally:
         torch.set_num_threads(before)
+
+
+def test_runs_on_torch_openmp_team_from_any_python_thread():
+    """The team is torch's OpenMP runtime's (GOMP_parallel of the library torch's ops run on), found on this build;
+    a call from another Python thread (the server's engine thread) gets its own team and the same result."""
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        assert cpu_native.omp_parallel() is not None
+    q, k_pages, v_pages, cache_lens, table, scale, ref = case(MANY, 64, 8, 2, 16, torch.bfloat16, 0, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        here = cpu_native.decode_attention(q, k_pages, v_pages, cache_lens, table, scale, 0)
+        there = []
+        worker = threading.Thread(target=lambda: there.append(
+            cpu_native.decode_attention(q, k_pages, v_pages, cache_lens, table, scale, 0)))
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(here.float(), ref.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    assert torch.equal(there[0], here)
 
 
 def test_calls_it_does_not_take_return_none_and_run_the_torch_path(monkeypatch):

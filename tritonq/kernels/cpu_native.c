@@ -6,7 +6,6 @@
  * output is rounded once, as in the Triton kernels.
  */
 #include <math.h>
-#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -294,51 +293,81 @@ ITEMS(f16, uint16_t, from_f16, to_f16)
     else if (D == 128) CALL(SUFFIX, T, 128); else CALL(SUFFIX, T, any); } while (0)
 #endif
 
+/* The arguments of one tritonq_paged_attention call, shared by the threads that run its items. */
+typedef struct {
+    int dtype;
+    const void *q, *k_pages, *v_pages;
+    const int32_t *table, *cu, *ctx_lens;
+    int64_t table_w, B, H, Hkv, D, page_size, window, block;
+    float scale;
+    void* out;
+    const int64_t* starts;  /* starts[b]: sequence b's first item; starts[B]: the number of items */
+    int64_t claimed, done;  /* items claimed, items written (atomic) */
+} attention_call;
+
+/* One thread's share of a call: items claimed one at a time from the last (a sequence's later query blocks see
+ * more keys: the larger items go first) until none is left. A thread without memory for its scratch claims none. */
+static void attention_items(void* arg) {
+    attention_call* a = arg;
+    const int64_t B = a->B, H = a->H, Hkv = a->Hkv, D = a->D, page_size = a->page_size, window = a->window;
+    const int64_t block = a->block, table_w = a->table_w, total = a->starts[B];
+    const void *q = a->q, *k_pages = a->k_pages, *v_pages = a->v_pages;
+    const int32_t *table = a->table, *cu = a->cu, *ctx_lens = a->ctx_lens;
+    const float scale = a->scale;
+    void* out = a->out;
+    float* buf = malloc(sizeof(float) * (2 * TILE * D + 2 * block * (H / Hkv) * D + 2 * block * (H / Hkv)));
+    if (!buf) return;
+    for (;;) {
+        const int64_t claimed = __atomic_fetch_add(&a->claimed, 1, __ATOMIC_RELAXED);
+        if (claimed >= total) break;
+        const int64_t item = total - 1 - claimed;
+        int64_t lo = 0, hi = B - 1;  /* the sequence b with starts[b] <= item < starts[b + 1] */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (a->starts[mid] <= item) lo = mid; else hi = mid - 1;
+        }
+        const int64_t b = lo, h = (item - a->starts[b]) % Hkv, q0 = (item - a->starts[b]) / Hkv * block;
+        const int64_t n_q = cu[b + 1] - cu[b], nq = n_q - q0 < block ? n_q - q0 : block;
+        if (a->dtype == 1) DISPATCH(bf16, uint16_t);
+#ifdef __FLT16_MAX__
+        else if (a->dtype == 2) DISPATCH(f16, uint16_t);
+#endif
+        else DISPATCH(f32, float);
+        __atomic_fetch_add(&a->done, 1, __ATOMIC_RELAXED);
+    }
+    free(buf);
+}
+
+/* libgomp's entry for a parallel region (LLVM's and Intel's OpenMP runtimes export it too): fn(data) on a team of
+ * num_threads threads, the caller one of them; returns when every thread has returned. */
+typedef void (*omp_parallel_fn)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
+
 /* Paged attention over packed queries, prefill and decode alike. q and out [T, H, D], sequence b's queries rows
  * cu[b] .. cu[b + 1] - 1 at positions ctx_lens[b] - n_q .. ctx_lens[b] - 1 (a decode row: n_q = 1); k and v pages
  * [P, page_size, Hkv, D] contiguous (one token's row holds every kv head); block_table [B, table_w] int32;
  * query head i reads kv head i / (H / Hkv) (GQA). Work items: a block of up to `block` queries of one sequence and
- * one kv head, numbered sequence by sequence and claimed from counters[0] from the last (a sequence's later query
- * blocks see more keys: the larger items go first); counters[1] counts the items done; counters[2] is their number
- * (the caller's count). Several threads may run it at once on the same arguments; tritonq_wait_done waits for the
- * others' items. dtype: 0 float32, 1 bfloat16,
- * 2 float16. Returns 0; -1 when out of memory, -2 when this build has no float16 (both before claiming any item). */
-int tritonq_paged_attention(int dtype, const void* q, const void* k_pages, const void* v_pages, const int32_t* table,
-                            int64_t table_w, const int32_t* cu, const int32_t* ctx_lens, int64_t B, int64_t H,
-                            int64_t Hkv, int64_t D, int64_t page_size, int64_t window, float scale, void* out,
-                            int64_t block, int64_t* counters) {
+ * one kv head. With omp_parallel (GOMP_parallel of the OpenMP runtime torch runs on) and threads > 1 the items are
+ * shared by a team of that runtime, i.e. torch's own worker threads, which spin for a while after each torch op: a
+ * thread of our own would compete with them for the cores instead. dtype: 0 float32, 1 bfloat16, 2 float16. Returns
+ * 0; -1 when out of memory, -2 when this build has no float16. */
+int tritonq_paged_attention(void* omp_parallel, int threads, int dtype, const void* q, const void* k_pages,
+                            const void* v_pages, const int32_t* table, int64_t table_w, const int32_t* cu,
+                            const int32_t* ctx_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t page_size,
+                            int64_t window, float scale, void* out, int64_t block) {
 #ifndef __FLT16_MAX__
     if (dtype == 2) return -2;
 #endif
-    const int64_t rows = block * (H / Hkv);
-    int64_t* starts = malloc(sizeof(int64_t) * (B + 1));  /* starts[b]: sequence b's first item */
-    float* buf = malloc(sizeof(float) * (2 * TILE * D + 2 * rows * D + 2 * rows));
-    if (!starts || !buf) { free(starts); free(buf); return -1; }
-    /* No argument memory is read before an item is claimed: a thread that comes late (every item claimed, the
-     * caller may have returned and freed them) touches nothing but the counters. */
-    for (int64_t total = -1;;) {
-        const int64_t claimed = __atomic_fetch_add(&counters[0], 1, __ATOMIC_RELAXED);
-        if (claimed >= counters[2]) break;
-        if (total < 0) {
-            starts[0] = 0;
-            for (int64_t b = 0; b < B; b++) starts[b + 1] = starts[b] + (cu[b + 1] - cu[b] + block - 1) / block * Hkv;
-            total = starts[B];
-        }
-        const int64_t item = total - 1 - claimed;
-        int64_t lo = 0, hi = B - 1;  /* the sequence b with starts[b] <= item < starts[b + 1] */
-        while (lo < hi) { const int64_t mid = (lo + hi + 1) / 2; if (starts[mid] <= item) lo = mid; else hi = mid - 1; }
-        const int64_t b = lo, h = (item - starts[b]) % Hkv, q0 = (item - starts[b]) / Hkv * block;
-        const int64_t n_q = cu[b + 1] - cu[b], nq = n_q - q0 < block ? n_q - q0 : block;
-        if (dtype == 1) DISPATCH(bf16, uint16_t);
-#ifdef __FLT16_MAX__
-        else if (dtype == 2) DISPATCH(f16, uint16_t);
-#endif
-        else DISPATCH(f32, float);
-        __atomic_fetch_add(&counters[1], 1, __ATOMIC_RELEASE);
-    }
+    int64_t* starts = malloc(sizeof(int64_t) * (B + 1));
+    if (!starts) return -1;
+    starts[0] = 0;
+    for (int64_t b = 0; b < B; b++) starts[b + 1] = starts[b] + (cu[b + 1] - cu[b] + block - 1) / block * Hkv;
+    attention_call call = {dtype, q, k_pages, v_pages, table, cu, ctx_lens, table_w, B, H, Hkv, D, page_size,
+                           window, block, scale, out, starts, 0, 0};
+    const int64_t total = starts[B], team = threads < total ? threads : total;
+    if (omp_parallel && team > 1) ((omp_parallel_fn)omp_parallel)(attention_items, &call, (unsigned)team, 0);
+    else attention_items(&call);
     free(starts);
-    free(buf);
-    return 0;
+    return call.done == total ? 0 : -1;
 }
 
 /* 1 when this build computes float16 (the compiler has _Float16), else 0. */
@@ -348,12 +377,6 @@ int tritonq_has_float16(void) {
 #else
     return 0;
 #endif
-}
-
-/* Returns once counters[1] reaches total: every claimed item is written. */
-void tritonq_wait_done(int64_t* counters, int64_t total) {
-    for (int spins = 0; __atomic_load_n(&counters[1], __ATOMIC_ACQUIRE) < total; spins++)
-        if (spins > 64) sched_yield();
 }
 
 /* The largest of x[0 .. n - 1], for rows without NaN or infinities (the caller checks): finite-math lets the
