@@ -107,3 +107,23 @@ def test_every_id_of_the_word_tokenizer_decodes_to_its_own_text():
     texts = [tok.decode([i]) for i in range(40)]
     assert all(texts) and len(set(texts)) == 40  # each token streams a non-empty chunk
     assert tok.encode(" ".join(texts), add_special_tokens=False) == list(range(40))
+
+
+def test_settle_waits_while_another_process_keeps_a_core_busy():
+    """A timed run starts on a quiet machine: while a child spins a core for 1.2 s, busy_cores sees at least half a
+    core busy and settle waits at least until the child ends (other load only makes it wait longer, up to its
+    limit)."""
+    import subprocess
+    import sys
+    import time
+    if vs_vllm.busy_cores(0.01) is None:
+        pytest.skip("no /proc/stat on this system: settle returns at once")
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.2\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.1)
+        assert vs_vllm.busy_cores(0.3) >= 0.5
+        waited = vs_vllm.settle(limit_s=6.0)
+        assert waited >= 0.6 and spin.poll() is not None
+    finally:
+        spin.kill()
+        spin.wait()

@@ -9,7 +9,8 @@ token has text. Both engines get the same prompts as token ids, greedy, EOS igno
 new tokens, at the same --dtype (default: float32 dense, bfloat16 AWQ, which vLLM's CPU AWQ needs).
 Each engine runs in its own process (tritonq.bench._vs_vllm_worker; vLLM's under its venv's python),
 both loaded and warmed before anything is timed; each of --repeats rounds runs tritonq then vLLM, or
-vLLM then tritonq (alternating who goes first), on fresh prompts (so no prefix-cache hits):
+vLLM then tritonq (alternating who goes first), on fresh prompts (so no prefix-cache hits), each timed run
+starting once the machine is idle (vLLM keeps a core busy for ~1 s after a request: `settle`):
   offline      --num-prompts prompts of --min-in..--max-in random ids, all queued at once, --new-tokens
                each: output tokens/s
   batch1       one --batch1-prompt-len prompt: decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)),
@@ -140,6 +141,36 @@ def write_checkpoints(folder: Path, args) -> dict[str, Path]:
 
 # ---- the engines' processes -------------------------------------------------------------------------
 
+def busy_cores(interval: float = 0.25) -> float | None:
+    """How many cores' worth of time the machine spent busy (all processes) over the next `interval` seconds, from
+    /proc/stat; None where there is none."""
+    def sample() -> tuple[int, int] | None:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # all, idle + iowait
+    first = sample()
+    time.sleep(interval)
+    last = sample()
+    if first is None or last is None or last[0] == first[0]:
+        return None
+    return (os.cpu_count() or 1) * (1 - (last[1] - first[1]) / (last[0] - first[0]))
+
+
+def settle(limit_s: float = 15.0, busy_below: float = 0.15) -> float:
+    """Wait until the machine is idle (under `busy_below` of a core busy over 0.25 s), at most limit_s; returns the
+    seconds waited. Each timed run starts on a quiet machine: vLLM's engine keeps a core busy for about a second
+    after each request (measured: 0.5 cpu-s in each of the next two half-seconds), which would slow whichever run
+    came next, tritonq's when vLLM went first."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        busy = busy_cores()
+        if busy is None or busy < busy_below:
+            break
+    return time.perf_counter() - start
+
+
 class Worker:
     """An engine in its own process (tritonq.bench._vs_vllm_worker): generate() sends one command, waits."""
 
@@ -161,7 +192,9 @@ class Worker:
         return json.loads(line)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-        """(wall seconds, generated ids per prompt); each prompt must get exactly max_tokens."""
+        """(wall seconds, generated ids per prompt); each prompt must get exactly max_tokens. Starts once the
+        machine is idle (settle)."""
+        settle()
         self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         answer = self._answer()
@@ -244,6 +277,7 @@ def server_rounds(fmt: str, folder: Path, args, logs: Path, record) -> None:
             prompts = make_prompts(base, args.num_requests, args.min_in, args.max_in, args.vocab)
             for engine in round_order(repeat):
                 url = f"http://127.0.0.1:{ports[engine]}/v1/completions"
+                settle()
                 row = asyncio.run(_run_rate(url, prompts, [args.server_new_tokens] * len(prompts), args.rate, base,
                                             ignore_eos=True))
                 for metric in METRICS["server"]:
