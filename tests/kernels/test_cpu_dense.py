@@ -51,6 +51,28 @@ def test_packed_linear_matches_fp32_product_and_equals_f_linear(M, bias):
     assert_one_bf16_rounding_apart(got, F.linear(x, w.weight, w.bias))
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n, k", [(200, 328), (2049, 130)])
+def test_few_rows_take_the_fp32_copy_of_small_weights_only(n, k, bias, monkeypatch):
+    """A weight of at most SMALL_WEIGHT elements keeps an fp32 copy, which 1 and 2 rows run on (MKL's GEMV); a larger
+    one (2049 x 130) keeps none and runs oneDNN. Either way the fp32 product of the bf16 values, rounded once."""
+    g = torch.Generator().manual_seed(n)
+    w = DenseWeight(torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16() if bias else None)
+    p = cpu_dense.pack(w)
+    assert (p.small is not None) == (n * k <= cpu_dense.SMALL_WEIGHT) and (p.small_bias is not None) == (
+        bias and p.small is not None)
+    fp32 = []  # rows of the calls that took the fp32 copy
+    run = F.linear
+    monkeypatch.setattr(cpu_dense.F, "linear", lambda x, *a: fp32.append(x.shape[0]) or run(x, *a))
+    for M in (1, 2, 3):
+        x = torch.randn(M, k, generator=g).bfloat16()
+        got = cpu_dense.linear(x, p, w.bias)
+        ref = x.float() @ w.weight.float().T + (w.bias.float() if bias else 0)
+        assert got.dtype == torch.bfloat16 and got.shape == (M, n)
+        torch.testing.assert_close(got.float(), ref, rtol=EPS, atol=EPS * float(ref.abs().max()))
+    assert fp32 == ([1, 2] if p.small is not None else [])
+
+
 def test_packed_linear_rows_do_not_depend_on_the_batch_and_keep_leading_dims():
     w = weight(bias=True)
     p = cpu_dense.pack(w)

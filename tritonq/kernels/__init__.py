@@ -27,8 +27,10 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def use_cpu_kernels(x: torch.Tensor) -> bool:
     """True if a tensor on x's device should run the CPU backend (kernels/cpu_lowbit.py, cpu_attention.py)."""
-    return (x.device.type == "cpu" and not use_triton(x)
-            and os.environ.get("TRITONQ_BACKEND", "auto") != "torch")
+    if x.device.type != "cpu":
+        return False
+    forced = os.environ.get("TRITONQ_BACKEND", "auto")  # not use_triton(x) and not forced to torch, read once
+    return forced not in ("torch", "triton") and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @contextmanager

@@ -19,15 +19,37 @@ packed copy is kept beside the plain weight (a tied embedding reads the plain ta
 torch-reference paths read it too): bf16 linear weights take twice their bytes in host memory.
 Under torch.compile (engine.compiled) the plain F.linear runs: the packed tensor (an opaque
 mkldnn tensor) is not traced.
+
+Small weights at one or two rows: oneDNN's bf16 call costs ~16-20 us whatever the size below ~256K elements
+(measured on the 2-core box, M = 1: 128 x 256, 128 x 768, 384 x 128, 128 x 2048 in 16-19 us), where MKL's fp32
+GEMV over the same values upcast takes 4-10 us, casts included 7-14 us; from M = 4, or above 256K elements
+(1024 x 1024: 25 vs 48 us), oneDNN wins. So a weight of at most SMALL_WEIGHT elements also keeps an fp32 copy
+([K, N]-stored, as fp32 models run; at most 1 MB each), which decode rows of at most FEW_ROWS take: bf16 inputs and
+weights are exact in fp32 and the sum is rounded to bf16 once, as oneDNN's (only the summation order differs).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.weights import DenseWeight
 
-_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # DenseWeight -> its packed mkldnn weight
+SMALL_WEIGHT = 1 << 18  # elements: weights up to this size also keep an fp32 copy for FEW_ROWS-row calls
+FEW_ROWS = 2
+
+
+class Packed(NamedTuple):
+    """A bf16 weight prepared once: onednn, the mkldnn tensor [N, K]; small, for a weight of at most SMALL_WEIGHT
+    elements, its fp32 copy [N, K] stored [K, N] (else None) and its bias in fp32 (None without one)."""
+    onednn: torch.Tensor
+    small: torch.Tensor | None
+    small_bias: torch.Tensor | None
+
+
+_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # DenseWeight -> its Packed
 
 
 def packs(w: DenseWeight) -> bool:
@@ -38,21 +60,28 @@ def packs(w: DenseWeight) -> bool:
             and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
 
 
-def pack(w: DenseWeight) -> torch.Tensor:
-    """The packed form of w (an mkldnn tensor [N, K]), made on the first call for this object."""
+def pack(w: DenseWeight) -> Packed:
+    """The packed form of w, made on the first call for this object."""
     p = _packed.get(w)
     if p is None:
-        p = _packed[w] = torch.ops.mkldnn._reorder_linear_weight(w.weight.contiguous(), None)
+        small = w.weight.numel() <= SMALL_WEIGHT
+        p = _packed[w] = Packed(torch.ops.mkldnn._reorder_linear_weight(w.weight.contiguous(), None),
+                                w.weight.float().t().contiguous().t() if small else None,
+                                w.bias.float() if small and w.bias is not None else None)
     return p
 
 
-def packed(w: DenseWeight) -> torch.Tensor | None:
-    """w's packed weight if `pack` made one, else None."""
+def packed(w: DenseWeight) -> Packed | None:
+    """w's packed form if `pack` made one, else None."""
     return _packed.get(w)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ W^T (+ bias) in bf16 (fp32 accumulation), W packed by `pack`."""
+def linear(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W^T (+ bias) in bf16 (fp32 accumulation, one rounding), W packed by `pack`:
+    oneDNN's bf16 GEMM, or MKL's fp32 one over the small copy for at most FEW_ROWS rows."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    if weight.small is not None and rows.shape[0] <= FEW_ROWS:
+        y = F.linear(rows.float(), weight.small, weight.small_bias).to(torch.bfloat16)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(rows, weight.onednn, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
