@@ -88,6 +88,17 @@ def test_matches_reference_reading_only_each_sequences_keys(threads, lens, dtype
             assert (got[b] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 70, 64, 3])
+def test_long_sequences_and_windows_across_spans_of_64_keys(dtype, window):
+    """The AVX-512 item updates a row's softmax once per span of 4 key tiles (64 keys): lengths around and past
+    several spans, windows that start inside a span's later tiles and cross into the next span."""
+    lens = [200, 130, 65, 64, 63, 129, 17]
+    q, k_pages, v_pages, cache_lens, table, scale, ref = case(lens, 64, 8, 2, 16, dtype, window, seed=3)
+    got = cpu_native.decode_attention(q, k_pages, v_pages, cache_lens, table, scale, window)
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def prefill_case(chunks, d, h, h_kv, page, dtype, window, seed=0):
     """Packed q of the chunks (new tokens, context), poisoned pages and table, cu_seqlens, contexts, and the
     reference over the clean pages."""

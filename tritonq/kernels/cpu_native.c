@@ -53,6 +53,7 @@ static inline uint16_t to_f16(float f) { _Float16 x = (_Float16)f; uint16_t h; m
  * with no visible key gives zeros. D is a compile-time constant for the common head sizes (the loops over d
  * unroll into registers). */
 #define TILE 16
+#define SUBTILES 4  /* key tiles per step of a row in the AVX-512 item: one softmax update per 64 keys */
 #define ITEM(NAME, T, LOAD, STORE, DIM)                                                                         \
 static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int64_t table_w, const int32_t* cu, \
                  const int32_t* ctx_lens, int64_t H, int64_t Hkv, int64_t D_, int64_t ps, int64_t window,        \
@@ -177,88 +178,109 @@ static inline __m512 round16_bf16(__m512 x) {  /* to bfloat16 and back: round to
 }
 static inline __m512 round16_f16(__m512 x) { return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
 
-#define ITEM_AVX512(NAME, T, LOAD, STORE, LOAD16, ROUND16)                                                       \
-static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int64_t table_w, const int32_t* cu, \
-                 const int32_t* ctx_lens, int64_t H, int64_t Hkv, int64_t D, int64_t ps, int64_t window,         \
-                 float scale, T* out, int64_t b, int64_t h, int64_t q0, int64_t nq, float* buf) {                 \
-    const int64_t G = H / Hkv, rows = nq * G, n_q = cu[b + 1] - cu[b], ctx = ctx_lens[b], C = D / 16;          \
-    const int64_t row_stride = Hkv * D, shift = __builtin_ctzll((unsigned long long)ps);                        \
-    const int64_t pos0 = ctx - n_q + q0, last = pos0 + nq - 1;                                                  \
-    int64_t first = window > 0 ? pos0 - window + 1 : 0;                                                         \
-    if (first < 0) first = 0;                                                                                   \
-    const int32_t* pages = table + b * table_w;                                                                 \
-    float *kt = buf, *vt = kt + D * TILE, *qf = vt + TILE * D, *acc = qf + rows * D, *mx = acc + rows * D;      \
-    float *sum = mx + rows, e[TILE] __attribute__((aligned(64)));                                               \
-    for (int64_t i = 0; i < nq; i++)                                                                            \
-        for (int64_t g = 0; g < G; g++) {                                                                       \
-            const T* qr = q + ((cu[b] + q0 + i) * H + h * G + g) * D;                                           \
-            const int64_t r = i * G + g;                                                                        \
-            for (int64_t c = 0; c < C; c++) {                                                                   \
-                _mm512_storeu_ps(qf + r * D + c * 16, _mm512_mul_ps(LOAD16(qr + c * 16), _mm512_set1_ps(scale))); \
-                _mm512_storeu_ps(acc + r * D + c * 16, _mm512_setzero_ps());                                    \
-            }                                                                                                   \
-            mx[r] = -INFINITY;                                                                                  \
-            sum[r] = 0.f;                                                                                       \
-        }                                                                                                       \
-    for (int64_t t0 = first & ~(int64_t)(TILE - 1); t0 <= last; t0 += TILE) {                                   \
-        const T *krow[TILE], *vrow[TILE];                                                                       \
-        for (int64_t l = 0; l < TILE; l++) {                                                                    \
-            const int64_t j = t0 + l;                                                                           \
-            if (j < first || j > last) { krow[l] = vrow[l] = 0; continue; }                                     \
-            const int64_t at = ((int64_t)pages[j >> shift] * ps + (j & (ps - 1))) * row_stride + h * D;         \
-            krow[l] = kp + at;                                                                                  \
-            vrow[l] = vp + at;                                                                                  \
-        }                                                                                                       \
-        for (int64_t l = 0, j = t0 + TILE; l < TILE && j <= last; l++, j++) {  /* the next tile's rows: */     \
-            const int64_t at = ((int64_t)pages[j >> shift] * ps + (j & (ps - 1))) * row_stride + h * D;         \
-            for (int64_t x = 0; x < D * (int64_t)sizeof(T); x += 64) {  /* pages are scattered: no prefetcher */ \
-                __builtin_prefetch((const char*)(kp + at) + x);                                                 \
-                __builtin_prefetch((const char*)(vp + at) + x);                                                 \
-            }                                                                                                   \
-        }                                                                                                       \
-        for (int64_t c = 0; c < C; c++) {  /* kt[d][l] for d in c * 16 .. c * 16 + 15; vt[l][d] */              \
-            __m512 t[16];                                                                                       \
-            for (int64_t l = 0; l < TILE; l++) {                                                                \
-                t[l] = krow[l] ? LOAD16(krow[l] + c * 16) : _mm512_setzero_ps();                                \
-                _mm512_storeu_ps(vt + l * D + c * 16, vrow[l] ? LOAD16(vrow[l] + c * 16) : _mm512_setzero_ps()); \
-            }                                                                                                   \
-            transpose16(t);                                                                                     \
-            for (int64_t i = 0; i < 16; i++) _mm512_storeu_ps(kt + (c * 16 + i) * TILE, t[i]);                  \
-        }                                                                                                       \
-        for (int64_t r = 0; r < rows; r++) {                                                                    \
-            const int64_t p = pos0 + r / G, lo = window > 0 && p - window + 1 > first ? p - window + 1 : first; \
-            if (p < t0 || lo > t0 + TILE - 1) continue;  /* no key of this tile is visible to the row */        \
-            const int64_t a0 = lo > t0 ? lo - t0 : 0, a1 = p < t0 + TILE - 1 ? p - t0 : TILE - 1;              \
-            const __mmask16 visible = (__mmask16)((0xffffu >> (15 - a1)) & (0xffffu << a0));                   \
-            const float* qr = qf + r * D;                                                                       \
-            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();  /* two chains: latency */               \
-            for (int64_t d = 0; d < D; d += 2) {                                                                \
-                s0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_loadu_ps(kt + d * TILE), s0);                \
-                s1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_loadu_ps(kt + (d + 1) * TILE), s1);      \
-            }                                                                                                   \
-            const __m512 sc = _mm512_add_ps(s0, s1);                                                            \
-            const float tile_max = _mm512_mask_reduce_max_ps(visible, sc);                                      \
-            const float m = tile_max > mx[r] ? tile_max : mx[r], correction = exp_f32(mx[r] - m);               \
-            const __m512 x = _mm512_maskz_mov_ps(visible, exp_v(_mm512_sub_ps(sc, _mm512_set1_ps(m))));         \
-            sum[r] = sum[r] * correction + _mm512_reduce_add_ps(x);                                             \
-            mx[r] = m;                                                                                          \
-            _mm512_store_ps(e, ROUND16(x));                                                                     \
-            float* a = acc + r * D;                                                                             \
-            for (int64_t c = 0; c < C; c++) {                                                                   \
-                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a + c * 16), _mm512_set1_ps(correction));             \
-                for (int64_t l = a0; l <= a1; l++)                                                              \
-                    v = _mm512_fmadd_ps(_mm512_set1_ps(e[l]), _mm512_loadu_ps(vt + l * D + c * 16), v);         \
-                _mm512_storeu_ps(a + c * 16, v);                                                                \
-            }                                                                                                   \
-        }                                                                                                       \
-    }                                                                                                           \
-    for (int64_t i = 0; i < nq; i++)                                                                            \
-        for (int64_t g = 0; g < G; g++) {                                                                       \
-            const int64_t r = i * G + g;                                                                        \
-            T* o = out + ((cu[b] + q0 + i) * H + h * G + g) * D;                                                \
-            const float norm = sum[r] > 0.f ? 1.f / sum[r] : 0.f;  /* no visible key: zeros */                  \
-            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[r * D + d] * norm);                                \
-        }                                                                                                       \
+#define ITEM_AVX512(NAME, T, LOAD, STORE, LOAD16, ROUND16)                                                             \
+static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int64_t table_w, const int32_t* cu,       \
+                 const int32_t* ctx_lens, int64_t H, int64_t Hkv, int64_t D, int64_t ps, int64_t window,               \
+                 float scale, T* out, int64_t b, int64_t h, int64_t q0, int64_t nq, float* buf) {                      \
+    const int64_t G = H / Hkv, rows = nq * G, n_q = cu[b + 1] - cu[b], ctx = ctx_lens[b], C = D / 16;                  \
+    const int64_t row_stride = Hkv * D, shift = __builtin_ctzll((unsigned long long)ps), SPAN = TILE * SUBTILES;       \
+    const int64_t pos0 = ctx - n_q + q0, last = pos0 + nq - 1;                                                         \
+    int64_t first = window > 0 ? pos0 - window + 1 : 0;                                                                \
+    if (first < 0) first = 0;                                                                                          \
+    const int32_t* pages = table + b * table_w;                                                                        \
+    float *kt = buf, *vt = kt + D * SPAN, *qf = vt + SPAN * D, *acc = qf + rows * D, *mx = acc + rows * D;             \
+    float *sum = mx + rows, e[TILE * SUBTILES] __attribute__((aligned(64)));                                           \
+    for (int64_t i = 0; i < nq; i++)                                                                                   \
+        for (int64_t g = 0; g < G; g++) {                                                                              \
+            const T* qr = q + ((cu[b] + q0 + i) * H + h * G + g) * D;                                                  \
+            const int64_t r = i * G + g;                                                                               \
+            for (int64_t c = 0; c < C; c++) {                                                                          \
+                _mm512_storeu_ps(qf + r * D + c * 16, _mm512_mul_ps(LOAD16(qr + c * 16), _mm512_set1_ps(scale)));      \
+                _mm512_storeu_ps(acc + r * D + c * 16, _mm512_setzero_ps());                                           \
+            }                                                                                                          \
+            mx[r] = -INFINITY;                                                                                         \
+            sum[r] = 0.f;                                                                                              \
+        }                                                                                                              \
+    for (int64_t t0 = first & ~(int64_t)(TILE - 1); t0 <= last; t0 += SPAN) {                                          \
+        const int64_t tiles = (last - t0) / TILE + 1 < SUBTILES ? (last - t0) / TILE + 1 : SUBTILES;                   \
+        const T *krow[TILE * SUBTILES], *vrow[TILE * SUBTILES];                                                        \
+        for (int64_t l = 0; l < TILE * tiles; l++) {                                                                   \
+            const int64_t j = t0 + l;                                                                                  \
+            if (j < first || j > last) { krow[l] = vrow[l] = 0; continue; }                                            \
+            const int64_t at = ((int64_t)pages[j >> shift] * ps + (j & (ps - 1))) * row_stride + h * D;                \
+            krow[l] = kp + at;                                                                                         \
+            vrow[l] = vp + at;                                                                                         \
+        }                                                                                                              \
+        for (int64_t l = 0, j = t0 + SPAN; l < SPAN && j <= last; l++, j++) {  /* the next span's rows: */             \
+            const int64_t at = ((int64_t)pages[j >> shift] * ps + (j & (ps - 1))) * row_stride + h * D;                \
+            for (int64_t x = 0; x < D * (int64_t)sizeof(T); x += 64) {  /* pages are scattered: no prefetcher */       \
+                __builtin_prefetch((const char*)(kp + at) + x);                                                        \
+                __builtin_prefetch((const char*)(vp + at) + x);                                                        \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (int64_t s = 0; s < tiles; s++)                                                                            \
+            for (int64_t c = 0; c < C; c++) {  /* tile s: kt[s][d][l] for d in c * 16 .. c * 16 + 15; vt[l][d] */      \
+                __m512 t[16];                                                                                          \
+                for (int64_t l = 0; l < TILE; l++) {                                                                   \
+                    const T *k = krow[s * TILE + l], *v = vrow[s * TILE + l];                                          \
+                    t[l] = k ? LOAD16(k + c * 16) : _mm512_setzero_ps();                                               \
+                    _mm512_storeu_ps(vt + (s * TILE + l) * D + c * 16, v ? LOAD16(v + c * 16) : _mm512_setzero_ps());  \
+                }                                                                                                      \
+                transpose16(t);                                                                                        \
+                for (int64_t i = 0; i < 16; i++) _mm512_storeu_ps(kt + (s * D + c * 16 + i) * TILE, t[i]);             \
+            }                                                                                                          \
+        for (int64_t r = 0; r < rows; r++) {                                                                           \
+            const int64_t p = pos0 + r / G, lo = window > 0 && p - window + 1 > first ? p - window + 1 : first;        \
+            const int64_t end = t0 + TILE * tiles - 1;                                                                 \
+            if (p < t0 || lo > end) continue;  /* no key of this span is visible to the row */                         \
+            const int64_t a0 = lo > t0 ? lo - t0 : 0, a1 = p < end ? p - t0 : end - t0;  /* visible: a0 .. a1 */       \
+            const int64_t s0 = a0 / TILE, s1 = a1 / TILE;                                                              \
+            const float* qr = qf + r * D;                                                                              \
+            __m512 sc[SUBTILES], top = _mm512_set1_ps(-INFINITY);                                                      \
+            __mmask16 visible[SUBTILES];                                                                               \
+            for (int64_t s = s0; s <= s1; s++) {                                                                       \
+                const int64_t l0 = s == s0 ? a0 - s * TILE : 0, l1 = s == s1 ? a1 - s * TILE : TILE - 1;               \
+                visible[s] = (__mmask16)((0xffffu >> (15 - l1)) & (0xffffu << l0));                                    \
+                const float* k = kt + s * D * TILE;                                                                    \
+                __m512 d0 = _mm512_setzero_ps(), d1 = _mm512_setzero_ps();  /* two chains: latency */                  \
+                for (int64_t d = 0; d < D; d += 2) {                                                                   \
+                    d0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_loadu_ps(k + d * TILE), d0);                    \
+                    d1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_loadu_ps(k + (d + 1) * TILE), d1);          \
+                }                                                                                                      \
+                sc[s] = _mm512_add_ps(d0, d1);                                                                         \
+                top = _mm512_mask_max_ps(top, visible[s], top, sc[s]);                                                 \
+            }                                                                                                          \
+            const float span_max = _mm512_reduce_max_ps(top);                                                          \
+            const float m = span_max > mx[r] ? span_max : mx[r], correction = exp_f32(mx[r] - m);                      \
+            __m512 total = _mm512_setzero_ps();                                                                        \
+            for (int64_t s = s0; s <= s1; s++) {                                                                       \
+                const __m512 x = _mm512_maskz_mov_ps(visible[s], exp_v(_mm512_sub_ps(sc[s], _mm512_set1_ps(m))));      \
+                total = _mm512_add_ps(total, x);                                                                       \
+                _mm512_store_ps(e + s * TILE, ROUND16(x));                                                             \
+            }                                                                                                          \
+            sum[r] = sum[r] * correction + _mm512_reduce_add_ps(total);                                                \
+            mx[r] = m;                                                                                                 \
+            float* a = acc + r * D;                                                                                    \
+            for (int64_t c = 0; c < C; c++) {  /* two chains over the keys: latency */                                 \
+                __m512 v0 = _mm512_mul_ps(_mm512_loadu_ps(a + c * 16), _mm512_set1_ps(correction));                    \
+                __m512 v1 = _mm512_setzero_ps();                                                                       \
+                int64_t l = a0;                                                                                        \
+                for (; l + 1 <= a1; l += 2) {                                                                          \
+                    v0 = _mm512_fmadd_ps(_mm512_set1_ps(e[l]), _mm512_loadu_ps(vt + l * D + c * 16), v0);              \
+                    v1 = _mm512_fmadd_ps(_mm512_set1_ps(e[l + 1]), _mm512_loadu_ps(vt + (l + 1) * D + c * 16), v1);    \
+                }                                                                                                      \
+                if (l <= a1) v0 = _mm512_fmadd_ps(_mm512_set1_ps(e[l]), _mm512_loadu_ps(vt + l * D + c * 16), v0);     \
+                _mm512_storeu_ps(a + c * 16, _mm512_add_ps(v0, v1));                                                   \
+            }                                                                                                          \
+        }                                                                                                              \
+    }                                                                                                                  \
+    for (int64_t i = 0; i < nq; i++)                                                                                   \
+        for (int64_t g = 0; g < G; g++) {                                                                              \
+            const int64_t r = i * G + g;                                                                               \
+            T* o = out + ((cu[b] + q0 + i) * H + h * G + g) * D;                                                       \
+            const float norm = sum[r] > 0.f ? 1.f / sum[r] : 0.f;  /* no visible key: zeros */                         \
+            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[r * D + d] * norm);                                       \
+        }                                                                                                              \
 }
 ITEM_AVX512(item_avx512_f32, float, from_f32, to_f32, load16_f32, round16_f32)
 ITEM_AVX512(item_avx512_bf16, uint16_t, from_bf16, to_bf16, load16_bf16, round16_bf16)
@@ -315,7 +337,7 @@ static void attention_items(void* arg) {
     const int32_t *table = a->table, *cu = a->cu, *ctx_lens = a->ctx_lens;
     const float scale = a->scale;
     void* out = a->out;
-    float* buf = malloc(sizeof(float) * (2 * TILE * D + 2 * block * (H / Hkv) * D + 2 * block * (H / Hkv)));
+    float* buf = malloc(sizeof(float) * (2 * TILE * SUBTILES * D + 2 * block * (H / Hkv) * D + 2 * block * (H / Hkv)));
     if (!buf) return;
     for (;;) {
         const int64_t claimed = __atomic_fetch_add(&a->claimed, 1, __ATOMIC_RELAXED);
