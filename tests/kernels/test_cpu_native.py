@@ -277,3 +277,30 @@ def test_rms_norm_leaves_other_calls_to_the_reference():
     assert cpu_native.rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
     assert cpu_native.rms_norm(x.double(), torch.ones(8, dtype=torch.float64), 1e-6) is None
     assert cpu_native.rms_norm(x, torch.ones(8, 1), 1e-6) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H,D", [(1, 6, 32), (3, 3, 64), (17, 5, 80), (64, 2, 128)])
+def test_rope_matches_the_torch_ops_on_a_view_of_the_fused_projection(monkeypatch, dtype, T, H, D):
+    """apply_rope on the CPU backend runs the C loop (cpu_native.rope) on the q/k heads of a fused qkv output (a
+    strided view), as the models call it; against the torch ops (TRITONQ_BACKEND=torch) on the same inputs: the same
+    roundings (x * cos to the dtype, then the sum), so at most one ulp of the dtype apart (the float32 sums may
+    fuse a multiply-add differently)."""
+    from tritonq.kernels.norm_rope import apply_rope
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITONQ_BACKEND", raising=False)
+    g = torch.Generator().manual_seed(T * D)
+    qkv = torch.randn(1, T, H + 2, D, generator=g).to(dtype)
+    x = qkv[:, :, :H]  # heads H + 2 apart: the v head is not rotated
+    angles = torch.randn(1, T, D // 2, generator=g) * 5
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(dtype)
+    calls = []
+    run = cpu_native.rope
+    monkeypatch.setattr(cpu_native, "rope", lambda *a: calls.append(1) or run(*a))
+    got = apply_rope(x, cos, sin)
+    assert calls == [1] and got.shape == x.shape and got.dtype == dtype
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    want = apply_rope(x, cos, sin)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=eps, atol=eps * float(want.float().abs().max()))

@@ -472,3 +472,46 @@ int tritonq_rms_norm(int dtype, const void* x, int64_t R, int64_t D, int64_t str
     else rms_norm_f32((const float*)x, R, D, stride_x, (const float*)w, eps, (float*)y);
     return 0;
 }
+
+/* Rotary embedding of rows r of x [R, H, D] (rows stride_r apart, heads stride_h apart, D contiguous) by cos / sin
+ * [R, D] (contiguous, x's dtype), into y [R, H, D] contiguous: y = x * cos + rotate_half(x) * sin with
+ * rotate_half(x) = (-x[D/2:], x[:D/2]), rounded as norm_rope.apply_rope's torch ops round it: x * cos to the dtype,
+ * then the sum (one rounding after float32 arithmetic). */
+#define ROPE(SUFFIX, T, LOAD, STORE)                                                                            \
+static void rope_##SUFFIX(const T* x, int64_t R, int64_t H, int64_t D, int64_t stride_r, int64_t stride_h,       \
+                          const T* cos, const T* sin, T* y) {                                                    \
+    const int64_t half = D / 2;                                                                                 \
+    for (int64_t r = 0; r < R; r++) {                                                                           \
+        const T *c = cos + r * D, *s = sin + r * D;                                                             \
+        for (int64_t h = 0; h < H; h++) {                                                                       \
+            const T* xr = x + r * stride_r + h * stride_h;                                                      \
+            T* yr = y + (r * H + h) * D;                                                                        \
+            for (int64_t d = 0; d < half; d++)                                                                  \
+                yr[d] = STORE(LOAD(STORE(LOAD(xr[d]) * LOAD(c[d]))) - LOAD(xr[d + half]) * LOAD(s[d]));         \
+            for (int64_t d = half; d < D; d++)                                                                  \
+                yr[d] = STORE(LOAD(STORE(LOAD(xr[d]) * LOAD(c[d]))) + LOAD(xr[d - half]) * LOAD(s[d]));         \
+        }                                                                                                       \
+    }                                                                                                           \
+}
+ROPE(f32, float, from_f32, to_f32)
+ROPE(bf16, uint16_t, from_bf16, to_bf16)
+#ifdef __FLT16_MAX__
+ROPE(f16, uint16_t, from_f16, to_f16)
+#endif
+
+/* dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0; -2 when this build has no float16. */
+int tritonq_rope(int dtype, const void* x, int64_t R, int64_t H, int64_t D, int64_t stride_r, int64_t stride_h,
+                 const void* cos, const void* sin, void* y) {
+    if (dtype == 1)
+        rope_bf16((const uint16_t*)x, R, H, D, stride_r, stride_h, (const uint16_t*)cos, (const uint16_t*)sin,
+                  (uint16_t*)y);
+#ifdef __FLT16_MAX__
+    else if (dtype == 2)
+        rope_f16((const uint16_t*)x, R, H, D, stride_r, stride_h, (const uint16_t*)cos, (const uint16_t*)sin,
+                 (uint16_t*)y);
+#else
+    else if (dtype == 2) return -2;
+#endif
+    else rope_f32((const float*)x, R, H, D, stride_r, stride_h, (const float*)cos, (const float*)sin, (float*)y);
+    return 0;
+}

@@ -153,6 +153,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if cos.shape != x.shape[:2] + x.shape[-1:] or sin.shape != cos.shape:
         raise ValueError(f"apply_rope: expected x [B,S,H,D] and cos/sin [B,S,D] (the table rows at x's positions); "
                          f"got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}.")
+    if use_cpu_kernels(x) and not torch.compiler.is_compiling():  # one C loop (a compiled step fuses the ops)
+        y = cpu_native.rope(x, cos.to(x.dtype), sin.to(x.dtype))
+        if y is not None:
+            return y
     c, s = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)  # no-ops when the model gathered in x.dtype
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
