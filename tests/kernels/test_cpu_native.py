@@ -304,3 +304,37 @@ def test_rope_matches_the_torch_ops_on_a_view_of_the_fused_projection(monkeypatc
     want = apply_rope(x, cos, sin)
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(got.float(), want.float(), rtol=eps, atol=eps * float(want.float().abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_puts_each_token_in_its_slot_and_skips_padding(dtype):
+    """cpu_attention.write_kv_slots on plain pages runs the C row copies: tokens land where index_copy_ puts them
+    (shuffled slots, k a strided view of a fused projection as the models pass it), slots < 0 are skipped, and a
+    slot past the pages raises before anything is written."""
+    g = torch.Generator().manual_seed(7)
+    P, page, h_kv, d = 6, 16, 2, 32
+    k_pages = torch.randn(P, page, h_kv, d, generator=g).to(dtype)
+    v_pages = torch.randn(P, page, h_kv, d, generator=g).to(dtype)
+    T = 9
+    fused = torch.randn(T, 3 * h_kv, d, generator=g).to(dtype)
+    k, v = fused[:, h_kv:2 * h_kv], fused[:, 2 * h_kv:]  # rows contiguous, tokens 3 * h_kv * d apart
+    slots = torch.randperm(P * page, generator=g)[:T]
+    slots[[2, 5]] = -1
+    want_k, want_v = k_pages.clone(), v_pages.clone()
+    keep = slots >= 0
+    want_k.view(-1, h_kv, d).index_copy_(0, slots[keep], k[keep])
+    want_v.view(-1, h_kv, d).index_copy_(0, slots[keep], v[keep])
+    calls = []
+    run = cpu_native.write_kv
+    try:
+        cpu_native.write_kv = lambda *a: calls.append(1) or run(*a)
+        cpu_attention.write_kv_slots(k_pages, v_pages, k, v, slots)
+    finally:
+        cpu_native.write_kv = run
+    assert calls == [1]
+    assert torch.equal(k_pages, want_k) and torch.equal(v_pages, want_v)
+    bad = slots.clone()
+    bad[-1] = P * page
+    with pytest.raises(IndexError, match="past the 96 page rows"):
+        cpu_native.write_kv(k_pages, v_pages, k + 1, v + 1, bad)
+    assert torch.equal(k_pages, want_k) and torch.equal(v_pages, want_v)

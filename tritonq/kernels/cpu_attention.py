@@ -206,6 +206,8 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
 def _write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> None:
+    if k_scale is None and cpu_native.write_kv(k_pages, v_pages, k, v, slot_mapping):  # one C loop where built
+        return
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]

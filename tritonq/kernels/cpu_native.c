@@ -515,3 +515,19 @@ int tritonq_rope(int dtype, const void* x, int64_t R, int64_t H, int64_t D, int6
     else rope_f32((const float*)x, R, H, D, stride_r, stride_h, (const float*)cos, (const float*)sin, (float*)y);
     return 0;
 }
+
+/* A step's new keys and values into their page slots: token t's rows k + t * stride_k and v + t * stride_v
+ * (row_k / row_v bytes each: all kv heads of the token) go to row slots[t] of the pages seen as rows (num_slots of
+ * them); a slot < 0 is skipped (padding). Returns 0; -1, writing nothing, when a slot is num_slots or more. */
+int tritonq_write_kv(char* k_pages, char* v_pages, const char* k, const char* v, const int64_t* slots, int64_t T,
+                     int64_t num_slots, int64_t row_k, int64_t row_v, int64_t stride_k, int64_t stride_v) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(k_pages + slot * row_k, k + t * stride_k, (size_t)row_k);
+        memcpy(v_pages + slot * row_v, v + t * stride_v, (size_t)row_v);
+    }
+    return 0;
+}

@@ -126,6 +126,8 @@ def library() -> ctypes.CDLL | None:
     lib.tritonq_rms_norm.restype = ctypes.c_int
     lib.tritonq_rope.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr]
     lib.tritonq_rope.restype = ctypes.c_int
+    lib.tritonq_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+    lib.tritonq_write_kv.restype = ctypes.c_int
     return lib
 
 
@@ -196,9 +198,14 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
                      block_table: torch.Tensor, scale: float, window: int) -> torch.Tensor | None:
     """q [B, H, D] -> [B, H, D]: query b at position cache_lens[b] - 1 over its keys (paged_attention with one query
     per sequence); None where paged_attention does not take the call."""
-    B = q.shape[0]
-    return paged_attention(q, k_pages, v_pages, torch.arange(B + 1, dtype=torch.int32), cache_lens, block_table,
-                           scale, window)
+    return paged_attention(q, k_pages, v_pages, _one_query_each(q.shape[0]), cache_lens, block_table, scale, window)
+
+
+@functools.lru_cache(maxsize=1024)
+def _one_query_each(B: int) -> torch.Tensor:
+    """cu_seqlens_q of B sequences of one query, int32 [B + 1] (0 .. B): made once per batch size, as each layer of a
+    decode step asks for it; the kernel only reads it."""
+    return torch.arange(B + 1, dtype=torch.int32)
 
 
 def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
@@ -256,3 +263,32 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     lib.tritonq_rope(DTYPES[x.dtype], x.data_ptr(), B * S, H, D, x.stride(1), x.stride(2), cos.data_ptr(),
                      sin.data_ptr(), y.data_ptr())
     return y
+
+
+def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """Token t's k [T, Hkv, Dqk] / v [T, Hkv, Dv] into row slot_mapping[t] of the pages [P, page_size, Hkv, D*] seen
+    as rows, in place, skipping slots < 0: one loop of row copies instead of a check of the slots, a host sync and
+    two index_copy_ (5 dispatches a layer). Raises IndexError (writing nothing) for a slot past the pages. False
+    (nothing written) when the kernels are not built or the call is not one this takes (dtypes that differ, pages
+    not contiguous, a token's rows not contiguous)."""
+    T = k.shape[0]
+    if (k.device.type != "cpu" or k.dim() != 3 or v.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4
+            or k.dtype != k_pages.dtype or v.dtype != v_pages.dtype or v.shape[0] != T or slot_mapping.shape != (T,)
+            or k.shape[1:] != k_pages.shape[2:] or v.shape[1:] != v_pages.shape[2:]
+            or not (k_pages.is_contiguous() and v_pages.is_contiguous())
+            or not all(x[0].is_contiguous() for x in (k, v) if T)):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    slots = slot_mapping.to(torch.int64).contiguous()
+    size = k.element_size()
+    failed = lib.tritonq_write_kv(k_pages.data_ptr(), v_pages.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                  slots.data_ptr(), T, k_pages.shape[0] * k_pages.shape[1],
+                                  k_pages.shape[2] * k_pages.shape[3] * size, v_pages.shape[2] * v_pages.shape[3] * v.element_size(),
+                                  k.stride(0) * size, v.stride(0) * v.element_size())
+    if failed:
+        raise IndexError(f"write_kv_slots: a slot in slot_mapping is past the {k_pages.shape[0] * k_pages.shape[1]} "
+                         "page rows")
+    return True
