@@ -54,6 +54,23 @@ static inline uint16_t to_f16(float f) { _Float16 x = (_Float16)f; uint16_t h; m
  * unroll into registers). */
 #define TILE 16
 #define SUBTILES 4  /* key tiles per step of a row in the AVX-512 item: one softmax update per 64 keys */
+
+/* Where key j's row of kv head h starts in the pages (elements): page pages[j / ps], row j % ps (ps = 1 << shift),
+ * each row holding every kv head's D values. */
+static inline int64_t key_row(const int32_t* pages, int64_t j, int64_t ps, int64_t shift, int64_t row_stride,
+                              int64_t h, int64_t D) {
+    return ((int64_t)pages[j >> shift] * ps + (j & (ps - 1))) * row_stride + h * D;
+}
+
+/* An item's rows out: each accumulator divided by its row's sum, in the dtype (zeros where no key was visible). */
+#define WRITE_ROWS(T, STORE)                                                                                    \
+    for (int64_t i = 0; i < nq; i++)                                                                            \
+        for (int64_t g = 0; g < G; g++) {                                                                       \
+            const int64_t r = i * G + g;                                                                        \
+            T* o = out + ((cu[b] + q0 + i) * H + h * G + g) * D;                                                \
+            const float norm = sum[r] > 0.f ? 1.f / sum[r] : 0.f;  /* no visible key: zeros */                  \
+            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[r * D + d] * norm);                                \
+        }
 #define ITEM(NAME, T, LOAD, STORE, DIM)                                                                         \
 static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int64_t table_w, const int32_t* cu, \
                  const int32_t* ctx_lens, int64_t H, int64_t Hkv, int64_t D_, int64_t ps, int64_t window,        \
@@ -81,7 +98,7 @@ static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int
                 for (int64_t d = 0; d < D; d++) { kt[d * TILE + l] = 0.f; vt[l * D + d] = 0.f; }               \
                 continue;                                                                                       \
             }                                                                                                   \
-            const int64_t at = ((int64_t)pages[j >> shift] * ps + (j & (ps - 1))) * row_stride + h * D;         \
+            const int64_t at = key_row(pages, j, ps, shift, row_stride, h, D);                                  \
             const T *k = kp + at, *v = vp + at;                                                                 \
             for (int64_t d = 0; d < D; d++) kt[d * TILE + l] = LOAD(k[d]);                                      \
             for (int64_t d = 0; d < D; d++) vt[l * D + d] = LOAD(v[d]);                                         \
@@ -112,13 +129,7 @@ static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int
                 for (int64_t d = 0; d < D; d++) a[d] += e[l] * vt[l * D + d];                                   \
         }                                                                                                       \
     }                                                                                                           \
-    for (int64_t i = 0; i < nq; i++)                                                                            \
-        for (int64_t g = 0; g < G; g++) {                                                                       \
-            const int64_t r = i * G + g;                                                                        \
-            T* o = out + ((cu[b] + q0 + i) * H + h * G + g) * D;                                                \
-            const float norm = sum[r] > 0.f ? 1.f / sum[r] : 0.f;  /* no visible key: zeros */                  \
-            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[r * D + d] * norm);                                \
-        }                                                                                                       \
+    WRITE_ROWS(T, STORE)                                                                                        \
 }
 
 #ifdef __AVX512F__
@@ -207,12 +218,12 @@ static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int
         for (int64_t l = 0; l < TILE * tiles; l++) {                                                                   \
             const int64_t j = t0 + l;                                                                                  \
             if (j < first || j > last) { krow[l] = vrow[l] = 0; continue; }                                            \
-            const int64_t at = ((int64_t)pages[j >> shift] * ps + (j & (ps - 1))) * row_stride + h * D;                \
+            const int64_t at = key_row(pages, j, ps, shift, row_stride, h, D);                                         \
             krow[l] = kp + at;                                                                                         \
             vrow[l] = vp + at;                                                                                         \
         }                                                                                                              \
         for (int64_t l = 0, j = t0 + SPAN; l < SPAN && j <= last; l++, j++) {  /* the next span's rows: */             \
-            const int64_t at = ((int64_t)pages[j >> shift] * ps + (j & (ps - 1))) * row_stride + h * D;                \
+            const int64_t at = key_row(pages, j, ps, shift, row_stride, h, D);                                         \
             for (int64_t x = 0; x < D * (int64_t)sizeof(T); x += 64) {  /* pages are scattered: no prefetcher */       \
                 __builtin_prefetch((const char*)(kp + at) + x);                                                        \
                 __builtin_prefetch((const char*)(vp + at) + x);                                                        \
@@ -274,13 +285,7 @@ static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int
             }                                                                                                          \
         }                                                                                                              \
     }                                                                                                                  \
-    for (int64_t i = 0; i < nq; i++)                                                                                   \
-        for (int64_t g = 0; g < G; g++) {                                                                              \
-            const int64_t r = i * G + g;                                                                               \
-            T* o = out + ((cu[b] + q0 + i) * H + h * G + g) * D;                                                       \
-            const float norm = sum[r] > 0.f ? 1.f / sum[r] : 0.f;  /* no visible key: zeros */                         \
-            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[r * D + d] * norm);                                       \
-        }                                                                                                              \
+    WRITE_ROWS(T, STORE)                                                                                               \
 }
 ITEM_AVX512(item_avx512_f32, float, from_f32, to_f32, load16_f32, round16_f32)
 ITEM_AVX512(item_avx512_bf16, uint16_t, from_bf16, to_bf16, load16_bf16, round16_bf16)
