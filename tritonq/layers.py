@@ -14,7 +14,8 @@ from tritonq.kernels.fp8_gemm import fp8_gemm
 from tritonq.kernels.int4_gemm import int4_gemm
 from tritonq.kernels.int8_gemm import int8_gemm
 from tritonq.kernels.moe import fused_moe
-from tritonq.kernels.norm_rope import rms_norm
+from tritonq.kernels import cpu_native
+from tritonq.kernels.norm_rope import add_rms_norm, rms_norm
 from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, RankExperts, W8A8Weight, Weight, k_major
 
 
@@ -23,8 +24,7 @@ def _int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 
 
 def _dense_linear(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:
-    packed = None if torch.compiler.is_compiling() else cpu_dense.packed(w)  # bf16 on CPU (kernels/cpu_dense.py)
-    return F.linear(x, w.weight, w.bias) if packed is None else cpu_dense.linear(x, packed, w.bias)
+    return F.linear(x, w.weight, w.bias)  # bf16 on the CPU backend: Linear's cpu_dense (kernels/cpu_dense.py)
 
 
 # y [..., N] = x [..., K] @ W^T (+ bias) for each weight type.
@@ -58,7 +58,9 @@ class Linear(nn.Module):
         reorder a bf16 one for oneDNN (kernels/cpu_dense.py); the kernels find it there on every call. W8A8
         weights run as stored (torch._int_mm on the int8 codes, kernels/int8_gemm.py)."""
         w = self.weight
-        self.cpu_int4 = None  # Int4Weight's CPU form, held here: a compiled step cannot look it up (weak dict)
+        # The CPU forms, held here (a compiled step cannot look them up in the kernels' weak dicts, and an eager one
+        # saves the lookup): Int4Weight's repacked form, a bf16 DenseWeight's oneDNN-packed one.
+        self.cpu_int4 = self.cpu_dense = None
         if not use_cpu_kernels(w.values) or isinstance(w, W8A8Weight):
             return
         if isinstance(w, Int4Weight):
@@ -66,11 +68,13 @@ class Linear(nn.Module):
         elif not isinstance(w, DenseWeight):
             cpu_lowbit.prepare(w)
         elif cpu_dense.packs(w):
-            cpu_dense.pack(w)
+            self.cpu_dense = cpu_dense.pack(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_int4 is not None and use_cpu_kernels(x):
             return cpu_lowbit.linear(x.reshape(-1, x.shape[-1]), self.cpu_int4).view(*x.shape[:-1], self.out_features)
+        if self.cpu_dense is not None and use_cpu_kernels(x) and not torch.compiler.is_compiling():
+            return cpu_dense.linear(x, self.cpu_dense, self.weight.bias)  # a compiled step traces F.linear
         return GEMMS[type(self.weight)](x, self.weight)
 
 
@@ -147,7 +151,7 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x [..., D] -> normalized x * weight [D]."""
+    """x [..., D] -> normalized x * weight [D]; add_norm(x, h) -> (x + h, the norm of x + h), one pass on the CPU."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -155,6 +159,20 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, h, self.weight, self.eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: gate_up [..., 2I] (gate first, up second) -> silu(gate) * up [..., I]; one C pass on the
+    CPU backend (the same roundings), torch's ops elsewhere and under torch.compile (inductor fuses them)."""
+    if use_cpu_kernels(gate_up) and not torch.compiler.is_compiling():
+        y = cpu_native.silu_mul(gate_up)
+        if y is not None:
+            return y
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class LayerNorm(nn.Module):

@@ -91,14 +91,14 @@ def test_linear_packs_bf16_weights_on_the_cpu_backend_only(monkeypatch):
     monkeypatch.setattr(cpu_dense, "linear", lambda *a: calls.append(1) or run(*a))
     x = torch.randn(4, K).bfloat16()
     bf16 = Linear(weight(bias=True))
-    assert cpu_dense.packed(bf16.weight) is not None
+    assert bf16.cpu_dense is not None
     assert_one_bf16_rounding_apart(bf16(x), F.linear(x, bf16.weight.weight, bf16.weight.bias))
     assert calls == [1]
     fp32 = Linear(DenseWeight(torch.randn(N, K)))
-    assert cpu_dense.packed(fp32.weight) is None
+    assert fp32.cpu_dense is None
     fp32(x.float())
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")
     reference = Linear(weight(bias=False))
-    assert cpu_dense.packed(reference.weight) is None
+    assert reference.cpu_dense is None
     reference(x)
     assert calls == [1]

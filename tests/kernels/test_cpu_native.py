@@ -1,7 +1,8 @@
 """The C attention kernel (kernels/cpu_native.c through kernels/cpu_native.py) against the float32 torch
 references, decode rows and prefill chunks; the build: cached per source and machine, and a missing or failing
-compiler falls back to the torch path with one warning; its RMSNorm against the torch reference. (Its greedy-rows loop
-is tested with the sampler: tests/engine/test_sampler.py.)
+compiler falls back to the torch path with one warning; its RMSNorm (after a residual addition or not), SwiGLU's
+silu(g) * u, rope and KV write against the torch ops. (Its greedy-rows loop is tested with the sampler:
+tests/engine/test_sampler.py.)
 
 Cases: float32, bfloat16 and float16; head dims 32, 64 and 128 (the AVX-512 path where the CPU has it, a multiple of
 16) and 80 (the generic loop, which every head dim takes elsewhere); MHA, GQA 4 and MQA; windows; page sizes 16 and
@@ -277,6 +278,61 @@ def test_rms_norm_leaves_other_calls_to_the_reference():
     assert cpu_native.rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
     assert cpu_native.rms_norm(x.double(), torch.ones(8, dtype=torch.float64), 1e-6) is None
     assert cpu_native.rms_norm(x, torch.ones(8, 1), 1e-6) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 7, 100), (17, 1000)])
+def test_add_rms_norm_is_the_addition_then_the_norm(monkeypatch, dtype, shape):
+    """norm_rope.add_rms_norm on the CPU backend (the C loop, x a strided view as a residual never is but a caller
+    may pass) against torch's addition and the torch reference (TRITONQ_BACKEND=torch): the sum is rounded as torch
+    rounds it, so equal; the norm of it within the RMSNorm test's tolerance."""
+    from tritonq.kernels.norm_rope import add_rms_norm
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITONQ_BACKEND", raising=False)
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape[:-1], shape[-1] + 3, generator=g) * 3).to(dtype)[..., 1:shape[-1] + 1]
+    h = (torch.randn(shape, generator=g) * 3).to(dtype)
+    weight = torch.randn(shape[-1], generator=g).to(dtype)
+    calls = []
+    run = cpu_native.rms_norm
+    monkeypatch.setattr(cpu_native, "rms_norm", lambda *a, **k: calls.append(1) or run(*a, **k))
+    total, normed = add_rms_norm(x, h, weight, 1e-6)
+    assert calls == [1] and total.shape == normed.shape == x.shape and total.dtype == normed.dtype == dtype
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    want_total, want_normed = add_rms_norm(x, h, weight, 1e-6)
+    assert torch.equal(total, x + h) and torch.equal(want_total, x + h)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    torch.testing.assert_close(normed.float(), want_normed.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(normed.float(), rms_norm_reference(x + h, weight, 1e-6).float(), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="must match"):
+        add_rms_norm(x, h[..., :-1], weight[:-1], 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,inter", [(1, 1), (3, 17), (17, 384), (64, 1000)])
+def test_silu_mul_matches_the_torch_ops(monkeypatch, dtype, rows, inter):
+    """layers.silu_mul on the CPU backend (the C loop) against F.silu(gate) * up (TRITONQ_BACKEND=torch) on a fused
+    gate/up projection's output and on a strided view of one, values from -30 to 30 (silu's tails) plus NaN and
+    infinities: the same two roundings over float32 silu, whose exp is within 2 ulp of torch's, so one ulp of the
+    dtype apart at most; NaN where torch gives NaN."""
+    from tritonq.layers import silu_mul
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITONQ_BACKEND", raising=False)
+    g = torch.Generator().manual_seed(rows * inter)
+    wide = (torch.rand(rows, 2 * inter + 4, generator=g) * 60 - 30).to(dtype)
+    wide[0, 0], wide[-1, inter - 1], wide[0, inter] = float("nan"), float("inf"), float("-inf")
+    calls = []
+    run = cpu_native.silu_mul
+    monkeypatch.setattr(cpu_native, "silu_mul", lambda *a: calls.append(1) or run(*a))
+    for gate_up in (wide[:, :2 * inter].contiguous(), wide[:, 2:2 * inter + 2]):
+        monkeypatch.delenv("TRITONQ_BACKEND", raising=False)
+        got = silu_mul(gate_up)
+        monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+        want = silu_mul(gate_up)
+        assert got.shape == want.shape == (rows, inter) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), equal_nan=True, rtol=torch.finfo(dtype).eps,
+                                   atol=torch.finfo(dtype).eps * float(want.float().nan_to_num(0, 0, 0).abs().max()))
+    assert calls == [1, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -71,11 +71,6 @@ def pack(w: DenseWeight) -> Packed:
     return p
 
 
-def packed(w: DenseWeight) -> Packed | None:
-    """w's packed form if `pack` made one, else None."""
-    return _packed.get(w)
-
-
 def linear(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W^T (+ bias) in bf16 (fp32 accumulation, one rounding), W packed by `pack`:
     oneDNN's bf16 GEMM, or MKL's fp32 one over the small copy for at most FEW_ROWS rows."""

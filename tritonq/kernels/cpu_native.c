@@ -1,5 +1,6 @@
 /* The CPU backend's C kernels, built and called by tritonq/kernels/cpu_native.py (its docstring says why and how
- * fast): paged attention (prefill and decode), RMSNorm and the greedy rows of a sampling step.
+ * fast): paged attention (prefill and decode), RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u,
+ * rotary embedding, the KV write and the greedy rows of a sampling step.
  *
  * Paged attention (prefill chunks and decode rows in one call; shapes as tritonq/kernels/attention/). Scores,
  * softmax and the sums are float32; the probabilities are rounded to the input dtype before the PV product and the
@@ -447,12 +448,21 @@ void tritonq_greedy_rows(const float* logits, int64_t R, int64_t V, int64_t stri
 /* RMSNorm of rows: y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the statistics in float32, the normalised row
  * rounded to the dtype and then multiplied by the weight in the dtype (one more rounding), as the torch reference
  * (kernels/norm_rope.rms_norm_reference, HF Llama's order). x rows stride_x elements apart, y [R, D] contiguous,
- * w [D]; dtype as tritonq_decode_attention's. */
+ * w [D]. With h (rows stride_h apart) the row normalised is x[r] + h[r] rounded to the dtype, as torch's addition
+ * rounds it, and that sum is written to sum [R, D] contiguous too (a pre-norm layer's residual stream: one pass
+ * instead of an addition and a norm). dtype as tritonq_paged_attention's. */
 #define RMS_NORM(SUFFIX, T, LOAD, STORE)                                                                          \
-static void rms_norm_##SUFFIX(const T* x, int64_t R, int64_t D, int64_t stride_x, const T* w, float eps, T* y) { \
+static void rms_norm_##SUFFIX(const T* x, const T* h, int64_t R, int64_t D, int64_t stride_x, int64_t stride_h,  \
+                              const T* w, float eps, T* sum, T* y) {                                             \
     for (int64_t r = 0; r < R; r++) {                                                                            \
         const T* xr = x + r * stride_x;                                                                          \
         T* yr = y + r * D;                                                                                       \
+        if (h) {                                                                                                 \
+            const T* hr = h + r * stride_h;                                                                      \
+            T* sr = sum + r * D;                                                                                 \
+            for (int64_t d = 0; d < D; d++) sr[d] = STORE(LOAD(xr[d]) + LOAD(hr[d]));                          \
+            xr = sr;                                                                                             \
+        }                                                                                                        \
         float squares = 0.f;                                                                                     \
         for (int64_t d = 0; d < D; d++) { const float v = LOAD(xr[d]); squares += v * v; }                     \
         const float rstd = 1.f / sqrtf(squares / (float)D + eps);                                                \
@@ -465,16 +475,50 @@ RMS_NORM(bf16, uint16_t, from_bf16, to_bf16)
 RMS_NORM(f16, uint16_t, from_f16, to_f16)
 #endif
 
-/* Returns 0, or -2 for float16 in a build without it. */
-int tritonq_rms_norm(int dtype, const void* x, int64_t R, int64_t D, int64_t stride_x, const void* w, float eps,
-                     void* y) {
-    if (dtype == 1) rms_norm_bf16((const uint16_t*)x, R, D, stride_x, (const uint16_t*)w, eps, (uint16_t*)y);
+/* Returns 0, or -2 for float16 in a build without it. h and sum NULL: no addition. */
+int tritonq_rms_norm(int dtype, const void* x, const void* h, int64_t R, int64_t D, int64_t stride_x, int64_t stride_h,
+                     const void* w, float eps, void* sum, void* y) {
+    if (dtype == 1)
+        rms_norm_bf16(x, h, R, D, stride_x, stride_h, w, eps, sum, y);
 #ifdef __FLT16_MAX__
-    else if (dtype == 2) rms_norm_f16((const uint16_t*)x, R, D, stride_x, (const uint16_t*)w, eps, (uint16_t*)y);
+    else if (dtype == 2)
+        rms_norm_f16(x, h, R, D, stride_x, stride_h, w, eps, sum, y);
 #else
     else if (dtype == 2) return -2;
 #endif
-    else rms_norm_f32((const float*)x, R, D, stride_x, (const float*)w, eps, (float*)y);
+    else rms_norm_f32(x, h, R, D, stride_x, stride_h, w, eps, sum, y);
+    return 0;
+}
+
+/* SwiGLU's product: y[r] = silu(g[r]) * u[r] for rows of gu [R, 2I] (g its first I values, u the rest; rows stride
+ * elements apart) into y [R, I] contiguous, rounded as torch's F.silu(g) * u rounds it: silu(g) = g / (1 + e^-g) in
+ * float32 rounded to the dtype, then the product rounded. One pass instead of a split, a silu and a multiply. */
+#define SILU_MUL(SUFFIX, T, LOAD, STORE)                                                                        \
+static void silu_mul_##SUFFIX(const T* gu, int64_t R, int64_t I, int64_t stride, T* y) {                        \
+    for (int64_t r = 0; r < R; r++) {                                                                           \
+        const T *g = gu + r * stride, *u = g + I;                                                               \
+        T* yr = y + r * I;                                                                                      \
+        for (int64_t i = 0; i < I; i++) {                                                                       \
+            const float x = LOAD(g[i]);                                                                         \
+            yr[i] = STORE(LOAD(STORE(x / (1.f + exp_f32(-x)))) * LOAD(u[i]));                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+}
+SILU_MUL(f32, float, from_f32, to_f32)
+SILU_MUL(bf16, uint16_t, from_bf16, to_bf16)
+#ifdef __FLT16_MAX__
+SILU_MUL(f16, uint16_t, from_f16, to_f16)
+#endif
+
+/* dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0; -2 when this build has no float16. */
+int tritonq_silu_mul(int dtype, const void* gu, int64_t R, int64_t I, int64_t stride, void* y) {
+    if (dtype == 1) silu_mul_bf16(gu, R, I, stride, y);
+#ifdef __FLT16_MAX__
+    else if (dtype == 2) silu_mul_f16(gu, R, I, stride, y);
+#else
+    else if (dtype == 2) return -2;
+#endif
+    else silu_mul_f32(gu, R, I, stride, y);
     return 0;
 }
 

@@ -1,5 +1,6 @@
 """The CPU backend's C kernels (cpu_native.c), built on first use: paged attention (prefill chunks and decode rows),
-RMSNorm, rotary embedding and greedy sampling rows.
+RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u, rotary embedding, the KV write and greedy sampling
+rows.
 
 Why C: torch has no attention op over pages. cpu_attention's torch path gathers each sequence's keys
 (`index_select`) and runs the CPU flash kernel on them, per sequence or per padded group: two copies of the keys
@@ -17,8 +18,9 @@ tokens: the attention took 1.24 s through torch's flash kernel per sequence, 0.2
 Likewise an all-greedy sampling step needs each row's first argmax and its log-probability: torch's max, logsumexp
 and gather read the logits four times (1.0 ms at 256 x 2048 on one thread), the C loop twice (0.28 ms).
 And RMSNorm, which the torch reference runs as ~8 ops (upcast, square, mean, rsqrt, scale,
-downcast, weight), each a dispatch of ~5-50 us on a decode step's few rows, is one loop over each row.
-Rotary embedding likewise (4 torch ops: multiply, negate, concatenate, addcmul).
+downcast, weight), each a dispatch of ~5-50 us on a decode step's few rows, is one loop over each row, which also
+does the residual addition before a layer's second norm. Rotary embedding likewise (4 torch ops: multiply, negate,
+concatenate, addcmul), and SwiGLU's activation (split, silu, multiply).
 
 Build: the system C compiler (`$CC`, else cc / gcc / clang), -O3 -march=native, into the cache folder
 (`$TRITONQ_CACHE_DIR`, else ~/.cache/tritonq) under a name hashed from the source, the flags, the compiler's
@@ -122,8 +124,10 @@ def library() -> ctypes.CDLL | None:
     lib.tritonq_has_float16.restype = ctypes.c_int
     lib.tritonq_greedy_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.tritonq_greedy_rows.restype = None
-    lib.tritonq_rms_norm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_float, ptr]
+    lib.tritonq_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ptr]
     lib.tritonq_rms_norm.restype = ctypes.c_int
+    lib.tritonq_silu_mul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
+    lib.tritonq_silu_mul.restype = ctypes.c_int
     lib.tritonq_rope.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr]
     lib.tritonq_rope.restype = ctypes.c_int
     lib.tritonq_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
@@ -224,12 +228,16 @@ def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
     return tokens.tolist(), logprobs.tolist()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm of x [..., D] (fp32 / bf16 / fp16 on the CPU) with weight [D] of x's dtype, as
     norm_rope.rms_norm_reference computes it (statistics in float32, the normalised rows rounded, then times the
-    weight in x's dtype); None when the kernels are not built or the call is not one this takes."""
+    weight in x's dtype). With add (x's shape and dtype): (x + add, RMSNorm of it), the sum rounded to the dtype as
+    torch's addition rounds it, in one pass. None when the kernels are not built or the call is not one this
+    takes."""
     if (x.device.type != "cpu" or weight.dtype != x.dtype or weight.dim() != 1 or weight.shape[0] != x.shape[-1]
-            or not x.shape[-1]):
+            or not x.shape[-1] or (add is not None and (add.shape != x.shape or add.dtype != x.dtype
+                                                         or add.device != x.device))):
         return None
     lib = _library_for(x.dtype)
     if lib is None:
@@ -240,9 +248,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         rows = rows.contiguous()
     weight = weight.contiguous()
     y = torch.empty(rows.shape, dtype=x.dtype)
-    lib.tritonq_rms_norm(DTYPES[x.dtype], rows.data_ptr(), rows.shape[0], D, rows.stride(0), weight.data_ptr(), eps,
-                         y.data_ptr())
-    return y.view(x.shape)
+    if add is None:
+        lib.tritonq_rms_norm(DTYPES[x.dtype], rows.data_ptr(), None, rows.shape[0], D, rows.stride(0), 0,
+                             weight.data_ptr(), eps, None, y.data_ptr())
+        return y.view(x.shape)
+    other = add.reshape(-1, D)
+    if other.stride(-1) != 1:
+        other = other.contiguous()
+    total = torch.empty(rows.shape, dtype=x.dtype)
+    lib.tritonq_rms_norm(DTYPES[x.dtype], rows.data_ptr(), other.data_ptr(), rows.shape[0], D, rows.stride(0),
+                         other.stride(0), weight.data_ptr(), eps, total.data_ptr(), y.data_ptr())
+    return total.view(x.shape), y.view(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """SwiGLU's product of gate_up [..., 2I] (fp32 / bf16 / fp16 on the CPU, gate the first I values of each row, up
+    the rest): silu(gate) * up [..., I], as F.silu(gate) * up rounds it (silu rounded to the dtype, then the product):
+    one pass instead of a split and two ops. None when the kernels are not built or the call is not one this takes
+    (rows not contiguous, an odd last dim)."""
+    if gate_up.device.type != "cpu" or gate_up.shape[-1] % 2 or gate_up.stride(-1) != 1:
+        return None
+    lib = _library_for(gate_up.dtype)
+    if lib is None:
+        return None
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    inter = rows.shape[1] // 2
+    y = torch.empty(rows.shape[0], inter, dtype=gate_up.dtype)
+    lib.tritonq_silu_mul(DTYPES[gate_up.dtype], rows.data_ptr(), rows.shape[0], inter, rows.stride(0), y.data_ptr())
+    return y.view(*gate_up.shape[:-1], inter)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:

@@ -2,6 +2,8 @@
 
 rms_norm(x [..., D] fp16/bf16/fp32, weight [D], eps) -> [..., D] in x.dtype:
     y = x / sqrt(mean(x^2) + eps) * weight, statistics in float32.
+add_rms_norm(x, h, weight, eps) -> (x + h, rms_norm(x + h)): a pre-norm layer's residual addition and the norm
+    after it (one pass on the CPU backend).
 rope_cos_sin(head_dim, base, num_positions, rope_scaling, max_position_embeddings)
     -> (cos, sin) tables [num_positions, head_dim] float32 for rope types
     default / linear / dynamic / llama3 / yarn (yarn's attention factor is folded into the tables).
@@ -9,7 +11,8 @@ apply_rope(x [B, S, H, D], cos [B, S, D], sin [B, S, D]) -> [B, S, H, D] in x.dt
     x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]), where cos/sin are the
     table rows at x's positions (cos_table[positions]): models gather them once per forward for all layers.
 RMSNorm has a Triton kernel (one program per row), and on the CPU backend a C loop per row
-(kernels/cpu_native.py); the rope tables are tiny and built in torch.
+(kernels/cpu_native.py), which also takes the residual addition before it; the rope tables are tiny and built in
+torch.
 """
 from __future__ import annotations
 
@@ -56,6 +59,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     launch, y = rms_norm_launch(rows, weight, eps)
     launch()
     return y.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, rms_norm(x + h, weight, eps)) for x, h [..., D] of one dtype; see the module docstring. On the CPU
+    backend one C pass (the sum rounded to the dtype as torch's addition rounds it, so the same values)."""
+    if x.shape != h.shape or x.dtype != h.dtype:
+        raise ValueError(f"add_rms_norm: x and h must match; got x {x.dtype} {tuple(x.shape)}, h {h.dtype} "
+                         f"{tuple(h.shape)}.")
+    if use_cpu_kernels(x) and not torch.compiler.is_compiling():
+        fused = cpu_native.rms_norm(x, weight, eps, add=h)
+        if fused is not None:
+            return fused
+    total = x + h
+    return total, rms_norm(total, weight, eps)
 
 
 def rms_norm_launch(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[Launch, torch.Tensor]:

@@ -39,12 +39,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tritonq.kernels.attention import QuantizedPages, decode_attention, paged_prefill_attention, write_kv_slots
 from tritonq.kernels.norm_rope import rope_cos_sin
-from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear
+from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear, silu_mul
 from tritonq.weights import DenseWeight
 
 KV_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token, kv head and k / v
@@ -267,8 +266,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(down_weight, loader.world) if reduce else Linear(down_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -285,8 +283,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
+        x, h = self.post_attention_layernorm.add_norm(x, h)  # the residual sum and its norm, in one pass on the CPU
+        return x + self.mlp(h)
 
 
 class CausalLM(nn.Module):
