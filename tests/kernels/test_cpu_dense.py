@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonq.kernels import cpu_dense
+from tritonq.kernels import cpu_dense, cpu_native
 from tritonq.layers import Linear
 from tritonq.weights import DenseWeight
 
@@ -53,24 +53,24 @@ def test_packed_linear_matches_fp32_product_and_equals_f_linear(M, bias):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n, k", [(200, 328), (2049, 130)])
-def test_few_rows_take_the_fp32_copy_of_small_weights_only(n, k, bias, monkeypatch):
-    """A weight of at most SMALL_WEIGHT elements keeps an fp32 copy, which 1 and 2 rows run on (MKL's GEMV); a larger
-    one (2049 x 130) keeps none and runs oneDNN. Either way the fp32 product of the bf16 values, rounded once."""
+def test_few_rows_take_the_small_copy_of_small_weights_only(n, k, bias, monkeypatch):
+    """A weight of at most SMALL_WEIGHT elements keeps small_linear's copy, which 1 and 2 rows run on (the C loop); a
+    larger one (2049 x 130) keeps none and runs oneDNN. Either way the fp32 product of the bf16 values, rounded once."""
     g = torch.Generator().manual_seed(n)
     w = DenseWeight(torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16() if bias else None)
     p = cpu_dense.pack(w)
     assert (p.small is not None) == (n * k <= cpu_dense.SMALL_WEIGHT) and (p.small_bias is not None) == (
         bias and p.small is not None)
-    fp32 = []  # rows of the calls that took the fp32 copy
-    run = F.linear
-    monkeypatch.setattr(cpu_dense.F, "linear", lambda x, *a: fp32.append(x.shape[0]) or run(x, *a))
+    small = []  # rows of the calls that took the small copy
+    run = cpu_native.small_linear
+    monkeypatch.setattr(cpu_native, "small_linear", lambda x, *a: small.append(x.shape[0]) or run(x, *a))
     for M in (1, 2, 3):
         x = torch.randn(M, k, generator=g).bfloat16()
         got = cpu_dense.linear(x, p, w.bias)
         ref = x.float() @ w.weight.float().T + (w.bias.float() if bias else 0)
         assert got.dtype == torch.bfloat16 and got.shape == (M, n)
         torch.testing.assert_close(got.float(), ref, rtol=EPS, atol=EPS * float(ref.abs().max()))
-    assert fp32 == ([1, 2] if p.small is not None else [])
+    assert small == ([1, 2] if p.small is not None else [])
 
 
 def test_packed_linear_rows_do_not_depend_on_the_batch_and_keep_leading_dims():
@@ -102,3 +102,23 @@ def test_linear_packs_bf16_weights_on_the_cpu_backend_only(monkeypatch):
     assert reference.cpu_dense is None
     reference(x)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize("n, k", [(1, 1), (63, 17), (64, 128), (200, 328), (129, 5)])
+def test_small_linear_is_the_fp32_product_rounded_once(M, n, k):
+    """cpu_native.small_linear (the C loop small weights take at few rows) at any row count (blocks of 4 rows and a
+    remainder), N off its 64-column block (zero-padded weight), x a strided view, with and without a bias: the fp32
+    product of the bf16 values, rounded once. fp32 x is not taken."""
+    g = torch.Generator().manual_seed(M * n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(M, k + 3, generator=g).bfloat16()[:, 2:k + 2]
+    packed = cpu_native.small_linear_weight(w)
+    assert packed.shape == (k, -(-n // 64) * 64) and not packed[:, n:].any()
+    for b in (None, bias):
+        got = cpu_native.small_linear(x, packed, n, b)
+        ref = x.float() @ w.float().T + (0 if b is None else b)
+        assert got.dtype == torch.bfloat16 and got.shape == (M, n)
+        torch.testing.assert_close(got.float(), ref, rtol=EPS, atol=EPS * float(ref.abs().max()))
+    assert cpu_native.small_linear(x.float(), packed, n, None) is None

@@ -20,33 +20,36 @@ torch-reference paths read it too): bf16 linear weights take twice their bytes i
 Under torch.compile (engine.compiled) the plain F.linear runs: the packed tensor (an opaque
 mkldnn tensor) is not traced.
 
-Small weights at one or two rows: oneDNN's bf16 call costs ~16-20 us whatever the size below ~256K elements
-(measured on the 2-core box, M = 1: 128 x 256, 128 x 768, 384 x 128, 128 x 2048 in 16-19 us), where MKL's fp32
-GEMV over the same values upcast takes 4-10 us, casts included 7-14 us; from M = 4, or above 256K elements
-(1024 x 1024: 25 vs 48 us), oneDNN wins. So a weight of at most SMALL_WEIGHT elements also keeps an fp32 copy
-([K, N]-stored, as fp32 models run; at most 1 MB each), which decode rows of at most FEW_ROWS take: bf16 inputs and
-weights are exact in fp32 and the sum is rounded to bf16 once, as oneDNN's (only the summation order differs).
+Small weights at one or two rows: oneDNN's bf16 call costs ~15-25 us whatever the size below ~256K elements (a
+decode step of a small model is mostly such calls), so a weight of at most SMALL_WEIGHT elements also keeps a k-major
+bf16 copy that calls of at most FEW_ROWS rows run through cpu_native's small_linear (one C loop, float32 sums in
+registers, one rounding, as oneDNN's; only the summation order differs). Measured here (AMD EPYC, 2 cores, AVX-512,
+min of 5 x 600 calls, call included), oneDNN vs the C loop, us: 256 x 128, M = 1: 22 vs 8; 768 x 128: 17 vs 8;
+128 x 384: 16 vs 6; 2048 x 128: 20 vs 17 (M = 2: 23 vs 18); from M = 4 on the larger of these, or 1024 x 1024 at
+M = 1 (36 vs 55), oneDNN wins.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tritonq.kernels import cpu_native
 from tritonq.weights import DenseWeight
 
-SMALL_WEIGHT = 1 << 18  # elements: weights up to this size also keep an fp32 copy for FEW_ROWS-row calls
+SMALL_WEIGHT = 1 << 18  # elements: weights up to this size also keep small_linear's copy for FEW_ROWS-row calls
 FEW_ROWS = 2
 
 
 class Packed(NamedTuple):
     """A bf16 weight prepared once: onednn, the mkldnn tensor [N, K]; small, for a weight of at most SMALL_WEIGHT
-    elements, its fp32 copy [N, K] stored [K, N] (else None) and its bias in fp32 (None without one)."""
+    elements, its copy in cpu_native.small_linear_weight's layout (else None) and its bias in fp32 (None without
+    one); out_features N."""
     onednn: torch.Tensor
     small: torch.Tensor | None
     small_bias: torch.Tensor | None
+    out_features: int
 
 
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # DenseWeight -> its Packed
@@ -66,17 +69,18 @@ def pack(w: DenseWeight) -> Packed:
     if p is None:
         small = w.weight.numel() <= SMALL_WEIGHT
         p = _packed[w] = Packed(torch.ops.mkldnn._reorder_linear_weight(w.weight.contiguous(), None),
-                                w.weight.float().t().contiguous().t() if small else None,
-                                w.bias.float() if small and w.bias is not None else None)
+                                cpu_native.small_linear_weight(w.weight) if small else None,
+                                w.bias.float() if small and w.bias is not None else None, w.weight.shape[0])
     return p
 
 
 def linear(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W^T (+ bias) in bf16 (fp32 accumulation, one rounding), W packed by `pack`:
-    oneDNN's bf16 GEMM, or MKL's fp32 one over the small copy for at most FEW_ROWS rows."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    oneDNN's bf16 GEMM, or cpu_native's small_linear over the small copy for at most FEW_ROWS rows."""
+    rows = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()  # (a 2-D x: no reshape, no view)
+    y = None
     if weight.small is not None and rows.shape[0] <= FEW_ROWS:
-        y = F.linear(rows.float(), weight.small, weight.small_bias).to(torch.bfloat16)
-    else:
+        y = cpu_native.small_linear(rows, weight.small, weight.out_features, weight.small_bias)
+    if y is None:
         y = torch.ops.mkldnn._linear_pointwise(rows, weight.onednn, bias, "none", [], "")
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])

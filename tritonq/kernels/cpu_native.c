@@ -580,3 +580,61 @@ int tritonq_write_kv(char* k_pages, char* v_pages, const char* k, const char* v,
     }
     return 0;
 }
+
+/* A bf16 linear at a few rows (a decode step of a small model): y [M, N] = x [M, K] @ w (+ bias), w stored k-major
+ * [K, Np] (Np = N rounded up to SMALL_COLS, the padding columns zero), x rows stride_x elements apart, bias float32
+ * [N] or NULL, y [M, N] contiguous; products and sums in float32 (a bf16 product is exact there), rounded to bf16
+ * once, after the bias. A block of up to SMALL_ROWS rows and SMALL_COLS columns keeps its sums in registers while
+ * the weight's rows stream by, so each weight value is read once per SMALL_ROWS rows and no horizontal sum is
+ * needed. For the weights oneDNN's per-call cost dominates (kernels/cpu_dense.py measures where). */
+#define SMALL_COLS 64
+#define SMALL_ROWS 4
+static inline __attribute__((always_inline)) void small_block_bf16(const uint16_t* x, int64_t R, int64_t K,
+                                                                    int64_t stride_x, const uint16_t* w, int64_t Np,
+                                                                    float out[SMALL_ROWS][SMALL_COLS]) {
+#ifdef __AVX512F__
+    __m512 acc[SMALL_ROWS][SMALL_COLS / 16];
+    for (int64_t r = 0; r < R; r++)
+        for (int c = 0; c < SMALL_COLS / 16; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const uint16_t* wk = w + k * Np;
+        __m512 wv[SMALL_COLS / 16];
+        for (int c = 0; c < SMALL_COLS / 16; c++) wv[c] = load16_bf16(wk + 16 * c);
+        for (int64_t r = 0; r < R; r++) {
+            const __m512 xr = _mm512_set1_ps(from_bf16(x[r * stride_x + k]));
+            for (int c = 0; c < SMALL_COLS / 16; c++) acc[r][c] = _mm512_fmadd_ps(xr, wv[c], acc[r][c]);
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int c = 0; c < SMALL_COLS / 16; c++) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
+#else
+    for (int64_t r = 0; r < R; r++)
+        for (int c = 0; c < SMALL_COLS; c++) out[r][c] = 0.f;
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t r = 0; r < R; r++) {
+            const float xr = from_bf16(x[r * stride_x + k]);
+            for (int c = 0; c < SMALL_COLS; c++) out[r][c] += xr * from_bf16(w[k * Np + c]);
+        }
+#endif
+}
+
+void tritonq_small_linear_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t stride_x, const uint16_t* w,
+                               int64_t N, int64_t Np, const float* bias, uint16_t* y) {
+    float out[SMALL_ROWS][SMALL_COLS];
+    for (int64_t m0 = 0; m0 < M; m0 += SMALL_ROWS) {
+        const int64_t R = M - m0 < SMALL_ROWS ? M - m0 : SMALL_ROWS;
+        const uint16_t* xm = x + m0 * stride_x;
+        for (int64_t n0 = 0; n0 < N; n0 += SMALL_COLS) {
+            switch (R) {  /* a constant row count: the block's loops unroll and its sums stay in registers */
+                case 1: small_block_bf16(xm, 1, K, stride_x, w + n0, Np, out); break;
+                case 2: small_block_bf16(xm, 2, K, stride_x, w + n0, Np, out); break;
+                case 3: small_block_bf16(xm, 3, K, stride_x, w + n0, Np, out); break;
+                default: small_block_bf16(xm, 4, K, stride_x, w + n0, Np, out); break;
+            }
+            const int64_t cols = N - n0 < SMALL_COLS ? N - n0 : SMALL_COLS;
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t c = 0; c < cols; c++)
+                    y[(m0 + r) * N + n0 + c] = to_bf16(out[r][c] + (bias ? bias[n0 + c] : 0.f));
+        }
+    }
+}

@@ -128,6 +128,8 @@ def library() -> ctypes.CDLL | None:
     lib.tritonq_rms_norm.restype = ctypes.c_int
     lib.tritonq_silu_mul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
     lib.tritonq_silu_mul.restype = ctypes.c_int
+    lib.tritonq_small_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr]
+    lib.tritonq_small_linear_bf16.restype = None
     lib.tritonq_rope.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr]
     lib.tritonq_rope.restype = ctypes.c_int
     lib.tritonq_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
@@ -164,6 +166,18 @@ def omp_parallel() -> int | None:
     return None
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as rows [R, D] with D contiguous (x itself when it is such rows: a reshape and a view are ~1-2 us
+    each, next to a C call of a few on a decode step's rows)."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """x as a contiguous int32 tensor (x itself when it is one)."""
+    return (x if x.dtype == torch.int32 else x.to(torch.int32)).contiguous()
+
+
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     context_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
                     window: int) -> torch.Tensor | None:
@@ -182,9 +196,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     T, H, D = q.shape
     B, H_kv, page_size = context_lens.shape[0], k_pages.shape[2], k_pages.shape[1]
     q = q.contiguous()
-    cu = cu_seqlens_q.to(torch.int32).contiguous()
-    contexts = context_lens.to(torch.int32).contiguous()
-    table = block_table.to(torch.int32).contiguous()
+    cu, contexts, table = (_int32(t) for t in (cu_seqlens_q, context_lens, block_table))
     out = torch.empty_like(q)
     if T == 0 or B == 0:
         return out
@@ -235,7 +247,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tenso
     weight in x's dtype). With add (x's shape and dtype): (x + add, RMSNorm of it), the sum rounded to the dtype as
     torch's addition rounds it, in one pass. None when the kernels are not built or the call is not one this
     takes."""
-    if (x.device.type != "cpu" or weight.dtype != x.dtype or weight.dim() != 1 or weight.shape[0] != x.shape[-1]
+    if (not x.is_cpu or weight.dtype != x.dtype or weight.dim() != 1 or weight.shape[0] != x.shape[-1]
             or not x.shape[-1] or (add is not None and (add.shape != x.shape or add.dtype != x.dtype
                                                          or add.device != x.device))):
         return None
@@ -243,22 +255,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tenso
     if lib is None:
         return None
     D = x.shape[-1]
-    rows = x.reshape(-1, D)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
     weight = weight.contiguous()
-    y = torch.empty(rows.shape, dtype=x.dtype)
+    y = torch.empty(x.shape, dtype=x.dtype)  # contiguous: rows of D
     if add is None:
         lib.tritonq_rms_norm(DTYPES[x.dtype], rows.data_ptr(), None, rows.shape[0], D, rows.stride(0), 0,
                              weight.data_ptr(), eps, None, y.data_ptr())
-        return y.view(x.shape)
-    other = add.reshape(-1, D)
-    if other.stride(-1) != 1:
-        other = other.contiguous()
-    total = torch.empty(rows.shape, dtype=x.dtype)
+        return y
+    other = _rows(add)
+    total = torch.empty(x.shape, dtype=x.dtype)
     lib.tritonq_rms_norm(DTYPES[x.dtype], rows.data_ptr(), other.data_ptr(), rows.shape[0], D, rows.stride(0),
                          other.stride(0), weight.data_ptr(), eps, total.data_ptr(), y.data_ptr())
-    return total.view(x.shape), y.view(x.shape)
+    return total, y
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -266,16 +274,44 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     the rest): silu(gate) * up [..., I], as F.silu(gate) * up rounds it (silu rounded to the dtype, then the product):
     one pass instead of a split and two ops. None when the kernels are not built or the call is not one this takes
     (rows not contiguous, an odd last dim)."""
-    if gate_up.device.type != "cpu" or gate_up.shape[-1] % 2 or gate_up.stride(-1) != 1:
+    if not gate_up.is_cpu or gate_up.shape[-1] % 2 or gate_up.stride(-1) != 1:
         return None
     lib = _library_for(gate_up.dtype)
     if lib is None:
         return None
-    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    rows = _rows(gate_up)
     inter = rows.shape[1] // 2
-    y = torch.empty(rows.shape[0], inter, dtype=gate_up.dtype)
+    y = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
     lib.tritonq_silu_mul(DTYPES[gate_up.dtype], rows.data_ptr(), rows.shape[0], inter, rows.stride(0), y.data_ptr())
-    return y.view(*gate_up.shape[:-1], inter)
+    return y
+
+
+SMALL_COLS = 64  # cpu_native.c's column block: small_linear's weight is padded to a multiple of it
+
+
+def small_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] in small_linear's layout: [K, Np] contiguous, k-major, Np = N rounded up to SMALL_COLS
+    with zero columns."""
+    N, K = weight.shape
+    padded = torch.zeros(K, -(-N // SMALL_COLS) * SMALL_COLS, dtype=torch.bfloat16)
+    padded[:, :N] = weight.t()
+    return padded
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, N: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """y [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias float32 [N]) with W in small_linear_weight's layout; float32 sums
+    rounded once (the same values as F.linear up to the order of the sum). Made for a few rows of a small weight,
+    where oneDNN's per-call cost is most of the time (kernels/cpu_dense.py). None when the kernels are not built or
+    x is not bf16 rows with a contiguous last dim."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != weight.shape[0]:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    y = torch.empty(x.shape[0], N, dtype=torch.bfloat16)
+    lib.tritonq_small_linear_bf16(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), N,
+                                  weight.shape[1], None if bias is None else bias.data_ptr(), y.data_ptr())
+    return y
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -285,17 +321,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     (4 x ~20 us a layer on a decode step of 256 rows here). A new contiguous tensor; None when the kernels are not
     built or the call is not one this takes."""
     B, S, H, D = x.shape
-    if (x.device.type != "cpu" or cos.dtype != x.dtype or sin.dtype != x.dtype or D % 2 or x.stride(3) != 1
+    if (not x.is_cpu or cos.dtype != x.dtype or sin.dtype != x.dtype or D % 2 or x.stride(3) != 1
             or x.stride(0) != S * x.stride(1)):
         return None
     lib = _library_for(x.dtype)
     if lib is None:
         return None
-    cos, sin = cos.reshape(B * S, D).contiguous(), sin.reshape(B * S, D).contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()  # [B, S, D]: rows of D
     y = torch.empty(B, S, H, D, dtype=x.dtype)
     lib.tritonq_rope(DTYPES[x.dtype], x.data_ptr(), B * S, H, D, x.stride(1), x.stride(2), cos.data_ptr(),
                      sin.data_ptr(), y.data_ptr())
     return y
+
+
+def _token_rows_contiguous(x: torch.Tensor) -> bool:
+    """Whether each token's [Hkv, D] of x [T, Hkv, D] is contiguous (x[0].is_contiguous() without making the view)."""
+    return (x.shape[2] == 1 or x.stride(2) == 1) and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
 
 
 def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -306,16 +347,17 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: t
     (nothing written) when the kernels are not built or the call is not one this takes (dtypes that differ, pages
     not contiguous, a token's rows not contiguous)."""
     T = k.shape[0]
-    if (k.device.type != "cpu" or k.dim() != 3 or v.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4
+    if (not k.is_cpu or k.dim() != 3 or v.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4
             or k.dtype != k_pages.dtype or v.dtype != v_pages.dtype or v.shape[0] != T or slot_mapping.shape != (T,)
             or k.shape[1:] != k_pages.shape[2:] or v.shape[1:] != v_pages.shape[2:]
             or not (k_pages.is_contiguous() and v_pages.is_contiguous())
-            or not all(x[0].is_contiguous() for x in (k, v) if T)):
+            or not all(_token_rows_contiguous(x) for x in (k, v))):
         return False
     lib = library()
     if lib is None:
         return False
-    slots = slot_mapping.to(torch.int64).contiguous()
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    slots = slots.contiguous()
     size = k.element_size()
     failed = lib.tritonq_write_kv(k_pages.data_ptr(), v_pages.data_ptr(), k.data_ptr(), v.data_ptr(),
                                   slots.data_ptr(), T, k_pages.shape[0] * k_pages.shape[1],
