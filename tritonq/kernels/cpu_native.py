@@ -1,6 +1,6 @@
 """The CPU backend's C kernels (cpu_native.c), built on first use: paged attention (prefill chunks and decode rows),
-RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u, rotary embedding, the KV write and greedy sampling
-rows.
+RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u, small bf16 linears at few rows, rotary embedding, the
+KV write and greedy sampling rows.
 
 Why C: torch has no attention op over pages. cpu_attention's torch path gathers each sequence's keys
 (`index_select`) and runs the CPU flash kernel on them, per sequence or per padded group: two copies of the keys
@@ -20,7 +20,8 @@ and gather read the logits four times (1.0 ms at 256 x 2048 on one thread), the 
 And RMSNorm, which the torch reference runs as ~8 ops (upcast, square, mean, rsqrt, scale,
 downcast, weight), each a dispatch of ~5-50 us on a decode step's few rows, is one loop over each row, which also
 does the residual addition before a layer's second norm. Rotary embedding likewise (4 torch ops: multiply, negate,
-concatenate, addcmul), and SwiGLU's activation (split, silu, multiply).
+concatenate, addcmul), and SwiGLU's activation (split, silu, multiply). And a bf16 linear of a small weight at one or
+two rows, where oneDNN's fixed cost per call is most of the time (kernels/cpu_dense.py has the figures).
 
 Build: the system C compiler (`$CC`, else cc / gcc / clang), -O3 -march=native, into the cache folder
 (`$TRITONQ_CACHE_DIR`, else ~/.cache/tritonq) under a name hashed from the source, the flags, the compiler's
