@@ -445,6 +445,24 @@ void tritonq_greedy_rows(const float* logits, int64_t R, int64_t V, int64_t stri
     }
 }
 
+/* The row-wise kernels below are written once as a macro F(SUFFIX, T, LOAD, STORE) of the element type and its
+ * conversions to and from float32; EACH_DTYPE(F) instantiates F for float32, bfloat16 and (where the compiler has
+ * _Float16) float16, and CALL_FOR_DTYPE(dtype, name, args...) calls name_<dtype>(args...) for the dtype code of
+ * tritonq_paged_attention (0 float32, 1 bfloat16, 2 float16), returning -2 from the caller for float16 in a build
+ * without it. */
+#ifdef __FLT16_MAX__
+#define EACH_DTYPE(F) F(f32, float, from_f32, to_f32) F(bf16, uint16_t, from_bf16, to_bf16) \
+                      F(f16, uint16_t, from_f16, to_f16)
+#define CALL_FOR_DTYPE(dtype, NAME, ...)                                                                          \
+    do { if ((dtype) == 1) NAME##_bf16(__VA_ARGS__); else if ((dtype) == 2) NAME##_f16(__VA_ARGS__);             \
+         else NAME##_f32(__VA_ARGS__); } while (0)
+#else
+#define EACH_DTYPE(F) F(f32, float, from_f32, to_f32) F(bf16, uint16_t, from_bf16, to_bf16)
+#define CALL_FOR_DTYPE(dtype, NAME, ...)                                                                          \
+    do { if ((dtype) == 2) return -2; if ((dtype) == 1) NAME##_bf16(__VA_ARGS__); else NAME##_f32(__VA_ARGS__); } \
+    while (0)
+#endif
+
 /* RMSNorm of rows: y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the statistics in float32, the normalised row
  * rounded to the dtype and then multiplied by the weight in the dtype (one more rounding), as the torch reference
  * (kernels/norm_rope.rms_norm_reference, HF Llama's order). x rows stride_x elements apart, y [R, D] contiguous,
@@ -469,24 +487,12 @@ static void rms_norm_##SUFFIX(const T* x, const T* h, int64_t R, int64_t D, int6
         for (int64_t d = 0; d < D; d++) yr[d] = STORE(LOAD(w[d]) * LOAD(STORE(LOAD(xr[d]) * rstd)));           \
     }                                                                                                            \
 }
-RMS_NORM(f32, float, from_f32, to_f32)
-RMS_NORM(bf16, uint16_t, from_bf16, to_bf16)
-#ifdef __FLT16_MAX__
-RMS_NORM(f16, uint16_t, from_f16, to_f16)
-#endif
+EACH_DTYPE(RMS_NORM)
 
 /* Returns 0, or -2 for float16 in a build without it. h and sum NULL: no addition. */
 int tritonq_rms_norm(int dtype, const void* x, const void* h, int64_t R, int64_t D, int64_t stride_x, int64_t stride_h,
                      const void* w, float eps, void* sum, void* y) {
-    if (dtype == 1)
-        rms_norm_bf16(x, h, R, D, stride_x, stride_h, w, eps, sum, y);
-#ifdef __FLT16_MAX__
-    else if (dtype == 2)
-        rms_norm_f16(x, h, R, D, stride_x, stride_h, w, eps, sum, y);
-#else
-    else if (dtype == 2) return -2;
-#endif
-    else rms_norm_f32(x, h, R, D, stride_x, stride_h, w, eps, sum, y);
+    CALL_FOR_DTYPE(dtype, rms_norm, x, h, R, D, stride_x, stride_h, w, eps, sum, y);
     return 0;
 }
 
@@ -504,21 +510,11 @@ static void silu_mul_##SUFFIX(const T* gu, int64_t R, int64_t I, int64_t stride,
         }                                                                                                       \
     }                                                                                                           \
 }
-SILU_MUL(f32, float, from_f32, to_f32)
-SILU_MUL(bf16, uint16_t, from_bf16, to_bf16)
-#ifdef __FLT16_MAX__
-SILU_MUL(f16, uint16_t, from_f16, to_f16)
-#endif
+EACH_DTYPE(SILU_MUL)
 
 /* dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0; -2 when this build has no float16. */
 int tritonq_silu_mul(int dtype, const void* gu, int64_t R, int64_t I, int64_t stride, void* y) {
-    if (dtype == 1) silu_mul_bf16(gu, R, I, stride, y);
-#ifdef __FLT16_MAX__
-    else if (dtype == 2) silu_mul_f16(gu, R, I, stride, y);
-#else
-    else if (dtype == 2) return -2;
-#endif
-    else silu_mul_f32(gu, R, I, stride, y);
+    CALL_FOR_DTYPE(dtype, silu_mul, gu, R, I, stride, y);
     return 0;
 }
 
@@ -542,26 +538,12 @@ static void rope_##SUFFIX(const T* x, int64_t R, int64_t H, int64_t D, int64_t s
         }                                                                                                       \
     }                                                                                                           \
 }
-ROPE(f32, float, from_f32, to_f32)
-ROPE(bf16, uint16_t, from_bf16, to_bf16)
-#ifdef __FLT16_MAX__
-ROPE(f16, uint16_t, from_f16, to_f16)
-#endif
+EACH_DTYPE(ROPE)
 
 /* dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0; -2 when this build has no float16. */
 int tritonq_rope(int dtype, const void* x, int64_t R, int64_t H, int64_t D, int64_t stride_r, int64_t stride_h,
                  const void* cos, const void* sin, void* y) {
-    if (dtype == 1)
-        rope_bf16((const uint16_t*)x, R, H, D, stride_r, stride_h, (const uint16_t*)cos, (const uint16_t*)sin,
-                  (uint16_t*)y);
-#ifdef __FLT16_MAX__
-    else if (dtype == 2)
-        rope_f16((const uint16_t*)x, R, H, D, stride_r, stride_h, (const uint16_t*)cos, (const uint16_t*)sin,
-                 (uint16_t*)y);
-#else
-    else if (dtype == 2) return -2;
-#endif
-    else rope_f32((const float*)x, R, H, D, stride_r, stride_h, (const float*)cos, (const float*)sin, (float*)y);
+    CALL_FOR_DTYPE(dtype, rope, x, R, H, D, stride_r, stride_h, cos, sin, y);
     return 0;
 }
 
