@@ -9,12 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonq.distributed import all_gather_last_dim, all_reduce
-from tritonq.kernels import cpu_dense, cpu_lowbit, use_cpu_kernels
+from tritonq.kernels import cpu_dense, cpu_lowbit, cpu_native, use_cpu_kernels
 from tritonq.kernels.fp8_gemm import fp8_gemm
 from tritonq.kernels.int4_gemm import int4_gemm
 from tritonq.kernels.int8_gemm import int8_gemm
 from tritonq.kernels.moe import fused_moe
-from tritonq.kernels import cpu_native
 from tritonq.kernels.norm_rope import add_rms_norm, rms_norm
 from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, RankExperts, W8A8Weight, Weight, k_major
 

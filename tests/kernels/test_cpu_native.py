@@ -299,8 +299,8 @@ def test_add_rms_norm_is_the_addition_then_the_norm(monkeypatch, dtype, shape):
     total, normed = add_rms_norm(x, h, weight, 1e-6)
     assert calls == [1] and total.shape == normed.shape == x.shape and total.dtype == normed.dtype == dtype
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")
-    want_total, want_normed = add_rms_norm(x, h, weight, 1e-6)
-    assert torch.equal(total, x + h) and torch.equal(want_total, x + h)
+    _, want_normed = add_rms_norm(x, h, weight, 1e-6)
+    assert torch.equal(total, x + h)  # elementwise: each sum rounded once to the dtype, on any CPU
     tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
     torch.testing.assert_close(normed.float(), want_normed.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(normed.float(), rms_norm_reference(x + h, weight, 1e-6).float(), atol=tol, rtol=tol)
