@@ -2,11 +2,13 @@
 
 `stream_response` reads a Stream's engine events into its choices and writes each new piece as chunks built
 by a chunker: `CompletionChunks` (/v1/completions) or `ChatChunks` (/v1/chat/completions). A request the
-engine failed, or an engine that died, ends the stream with an error chunk (the OpenAI error body) and
-[DONE]; with stream_options.include_usage every chunk carries "usage": null and the last one the usage.
+engine failed, an engine that died, or an error writing the reply ends the stream with an error chunk (the
+OpenAI error body) and [DONE]; with stream_options.include_usage every chunk carries "usage": null and the
+last one the usage.
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -63,12 +65,18 @@ def stream_response(engine_loop: EngineLoop, stream: Stream, request: Request, n
                 first = not choice.started
                 try:
                     text = apply_output(engine_loop, stream, choice, out)
+                    chunks = [event(chunk.to_json()) for chunk in chunker.chunks(choice, text, out, first)]
                 except Failed as exc:
                     yield event(APIError(500, f"generation failed: {exc}").body())
                     yield DONE
                     return
-                for chunk in chunker.chunks(choice, text, out, first):
-                    yield event(chunk.to_json())
+                except Exception as exc:  # noqa: BLE001 - a bug writing one reply: still an error chunk and [DONE]
+                    traceback.print_exc()
+                    yield event(APIError(500, f"writing the reply failed: {type(exc).__name__}: {exc}").body())
+                    yield DONE
+                    return
+                for chunk in chunks:
+                    yield chunk
         if chunker.include_usage:
             yield event(chunker.usage(usage(list(choices.values()), n)).to_json())
         yield DONE
