@@ -300,8 +300,9 @@ class Model:
     def _score_ids(self, prompts: list[list[int]], progress: bool, desc: str, unit: str,
                    top_logprobs: int = 0) -> list:
         """Engine.score with a progress bar: per prompt (logprobs [T-1] float32, greedy [T-1] bool, top or None;
-        see Engine.score). Holds the lock throughout (score runs its own prefills between steps, on free
-        blocks only)."""
+        see Engine.score). Holds the lock throughout: Engine.score steps the engine, other callers' requests
+        going on in those steps (their outputs reach them from the next step), so it waits for blocks they
+        hold."""
         from tritonq.progress import progress_bar
         with self._lock, progress_bar(total=len(prompts), desc=desc, unit=unit,
                                       enabled=progress and self.rank == 0) as bar:

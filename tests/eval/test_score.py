@@ -164,6 +164,63 @@ def test_score_reads_prefix_cached_blocks(checkpoint):
     torch.testing.assert_close(torch.tensor(got[1:]), reference_logprobs(hf, second)[0], atol=ATOL, rtol=0)
 
 
+def test_score_waits_for_blocks_a_stream_holds(checkpoint):
+    """A stream holds every KV block (8 blocks: 2 sequences of 64): score waits for them instead of failing,
+    stepping the stream meanwhile; its logprobs match transformers and the stream's text its run alone."""
+    folder, hf = checkpoint
+    model = load(folder, max_num_seqs=2, max_num_batched_tokens=128)  # both prompts prefill in one step
+    bm = model.engine.block_manager
+    prompts = [[(3 * j + i) % 256 for j in range(48)] for i in range(2)]
+    alone = model.generate(prompts, max_new_tokens=16, ignore_eos=True)
+    stream = model.stream(prompts, max_new_tokens=16, ignore_eos=True)
+    texts = ["", ""]
+    i, piece = next(stream)
+    texts[i] += piece
+    long = [(11 * j) % 256 for j in range(POSITIONS + 1)]
+    assert bm.num_free_blocks < bm.blocks_needed(len(long) - 1)  # it cannot start now
+    got = model.score(long)
+    torch.testing.assert_close(torch.tensor(got[1:]), reference_logprobs(hf, long)[0], atol=ATOL, rtol=0)
+    for i, piece in stream:
+        texts[i] += piece
+    assert texts == alone
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_long_score_runs_in_chunks_between_decode_steps(checkpoint):
+    """A 64-token score in steps of 16 tokens: the running request decodes a token in every step while the
+    score runs (chunked like a prefill), the score's output comes after several of them; both results match
+    their references (transformers; the request alone)."""
+    folder, hf = checkpoint
+    model = load(folder)
+    engine = model.engine
+    prompt = [5, 6, 7, 8]
+    alone = model.generate([prompt], max_new_tokens=12, ignore_eos=True, return_dict=True).token_ids[0]
+    rid = engine.add_request(prompt, tritonq.GenerationConfig(max_new_tokens=12, ignore_eos=True))
+    first = engine.step()
+    long = [(11 * j) % 256 for j in range(POSITIONS + 1)]
+    sid = engine.add_score(long, top_logprobs=2)
+    steps = [first]
+    while engine.has_unfinished():
+        steps.append(engine.step())
+    scored_at = next(k for k, outs in enumerate(steps) if any(o.request_id == sid for o in outs))
+    assert scored_at >= 4  # 64 rows at most 15 a step beside the decode
+    assert all(any(o.request_id == rid for o in outs) for outs in steps[:scored_at + 1])  # a token every step
+    assert [o.token_id for outs in steps for o in outs if o.request_id == rid] == alone
+    (out,) = [o for o in steps[scored_at] if o.request_id == sid]
+    assert out.finish_reason == "scored"
+    logprobs, greedy, (top_ids, top_logprobs) = out.scores
+    expected, expected_greedy = reference_logprobs(hf, long)
+    torch.testing.assert_close(logprobs, expected, atol=ATOL, rtol=0)
+    assert greedy.tolist() == expected_greedy.tolist() and top_ids.shape == (POSITIONS, 2)
+    torch.testing.assert_close(top_logprobs[:, 0], hf_top(hf, long), atol=ATOL, rtol=0)
+
+
+def hf_top(hf, ids: list[int]) -> torch.Tensor:
+    """transformers: the largest log-probability at each position but the last."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1).max(-1).values
+
+
 @pytest.mark.parametrize("context, stride", [(16, 8), (16, 16), (13, 5), (POSITIONS, 32)])
 def test_perplexity_matches_transformers_guide(checkpoint, context, stride):
     """Overlapping, disjoint and odd windows, a last window shorter than the rest, and (64, 32) where the

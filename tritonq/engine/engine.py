@@ -74,22 +74,46 @@ class Request:
         return self.detokenizer.text
 
 
+@dataclass
+class ScoreRequest:
+    """The engine's state of one scoring request (`Engine.add_score`; kept in its Sequence's `extra`)."""
+    request_id: int
+    prompt_ids: list[int]
+    top_logprobs: int
+    parts: list[tuple] = field(default_factory=list)  # per computed chunk: (logprobs, greedy, top or None)
+    finish_s: float | None = None
+    finish_reason: str | None = None  # "scored", "abort", "error"
+    error: str | None = None
+
+    def result(self, vocab_size: int) -> tuple:
+        """(logprobs [T-1] float32, greedy [T-1] bool, top or None) on CPU: see Engine.score."""
+        top_n = min(self.top_logprobs, vocab_size)
+        if not self.parts:  # a one-token prompt: nothing to predict
+            return (torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bool),
+                    (torch.empty(0, top_n, dtype=torch.int64), torch.empty(0, top_n)) if top_n else None)
+        return (torch.cat([p[0] for p in self.parts]), torch.cat([p[1] for p in self.parts]),
+                (torch.cat([p[2][0] for p in self.parts]), torch.cat([p[2][1] for p in self.parts]))
+                if top_n else None)
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """What one step did for one request: the token it sampled (None when it finished without one:
     max_new_tokens=0, or an error), its log-probability, the text that became final, whether it is
     done and why. error: with finish_reason "error", what went wrong ("<ExceptionType>: <message>").
     top_logprobs: {token id: log-probability} of the config.top_logprobs most likely tokens at this
-    position (None when not asked for or no token)."""
+    position (None when not asked for or no token). A scoring request (add_score) has one output, when it
+    ends: finish_reason "scored" with its result in `scores` (see Engine.score), or "error"."""
     request_id: int
     token_id: int | None
     logprob: float | None
     text: str
     finished: bool
     finish_reason: str | None
-    request: Request
+    request: Request | ScoreRequest
     error: str | None = None
     top_logprobs: dict[int, float] | None = None
+    scores: tuple | None = None
 
 
 class EngineDeadError(RuntimeError):
@@ -123,11 +147,16 @@ class Engine:
         self.tokenizer, self.eos_token_ids = tokenizer, set(eos_token_ids)
         self.max_seq_len = max_seq_len
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        # A scored token's full row of logits costs vocab * 4 bytes (twice, with log_softmax): ~512 MiB a step.
+        scored = max(1, min(max_num_batched_tokens, (512 << 20) // (8 * model.config.vocab_size)))
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, scored)
         self.runner = ModelRunner(model, num_blocks, block_size, max_seq_len)
         self.sampler = Sampler(world)
         self.requests: dict[int, Request] = {}  # unfinished requests
-        self._done: list[RequestOutput] = []  # finished without a step (max_new_tokens=0): reported next
+        self.scores: dict[int, ScoreRequest] = {}  # unfinished scoring requests (add_score)
+        # outputs to report at the next step(): requests finished without a step (max_new_tokens=0, one-token
+        # scores) and other requests' outputs of the steps score() ran
+        self._done: list[RequestOutput] = []
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None  # set by a device error: see step()
         self._grammars: Grammars | None = None  # made at the first structured-output request (see grammars)
@@ -218,8 +247,38 @@ class Engine:
         self.requests[rid] = request
         return rid
 
+    def check_score(self, prompt_ids: list[int], *, name: str = "the prompt") -> None:
+        """add_score's checks (safe from any thread): token ids as check_token_ids, at least one, and the
+        tokens the model runs over (all but the last, which is only a target) fit max_seq_len and the cache."""
+        self.check_token_ids(prompt_ids, name=name)
+        if len(prompt_ids) == 0:
+            raise ValueError(f"{name} has no tokens; give at least one token.")
+        if len(prompt_ids) > 1:
+            self._check_length(len(prompt_ids) - 1, 0, f"{name} (scored: its first {len(prompt_ids) - 1} tokens run)")
+
+    def add_score(self, prompt_ids: list[int], top_logprobs: int = 0) -> int:
+        """Queue a scoring request (prompt logprobs); returns its id. It waits for blocks and runs in the
+        steps' budget like a prompt (in chunks of at most max_num_scored_tokens tokens a step, so other
+        requests keep decoding); its one output (finish_reason "scored") carries Engine.score's result for
+        it in `scores`. Raises (check_score) before queueing if it could never run."""
+        self._check_alive()
+        self.check_score(prompt_ids)
+        rid = next(self._ids)
+        request = ScoreRequest(rid, list(prompt_ids), top_logprobs)
+        if len(prompt_ids) == 1:  # nothing to predict: no context for the only token
+            self._done.append(self._scored(request))
+            return rid
+        # the last token is only a target: the model runs over the others
+        self.scheduler.add(Sequence(rid, request.prompt_ids[:-1], 0, extra=request, scoring=True))
+        self.scores[rid] = request
+        return rid
+
     def abort(self, request_id: int) -> None:
         """Drop a request wherever it is; its blocks are freed. Unknown or finished ids are ignored."""
+        score = self.scores.pop(request_id, None)
+        if score is not None:
+            self.scheduler.abort(request_id)
+            score.finish_s, score.finish_reason = time.perf_counter(), "abort"
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request_id)
@@ -227,7 +286,7 @@ class Engine:
             request.finish_s, request.finish_reason = time.perf_counter(), "abort"  # the caller knows: no output
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests or self._done)
+        return bool(self.requests or self.scores or self._done)
 
     def step(self) -> list[RequestOutput]:
         """Run one model step; outputs for the requests that sampled a token or finished.
@@ -245,12 +304,15 @@ class Engine:
                 step = step.with_proposals(self.proposer.propose(step.seqs, step.lookahead))
             rows = step.logits_for()  # 1 + its proposals where a sequence samples, 0 for a chunk short of its end
             ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
-                                      proposals=step.proposals)
+                                      proposals=step.proposals, start=step.start)
             logits = self.runner.run(ctx)
+            if step.start is not None:  # scoring sequences in the step: their rows are scored, the rest sampled
+                logits, rows = self._score_rows(step, rows, logits)
             row_seqs, params, token_ids, mask_eos = self._sampling_rows(step, rows)
             tokens, logprobs, tops = self.sampler.sample(logits, params, token_ids, mask_eos=mask_eos,
                                                         eos_token_ids=self.eos_token_ids,
-                                                        token_bitmask=self._token_bitmask(row_seqs, logits.shape[1]))
+                                                        token_bitmask=self._token_bitmask(row_seqs, logits.shape[1])
+                                                        ) if row_seqs else ([], [], [])
         except Exception as exc:
             if _is_device_error(exc):
                 self._dead = EngineDeadError(f"the engine cannot continue after a device error: "
@@ -259,9 +321,12 @@ class Engine:
             error = f"{type(exc).__name__}: {exc}"
             return outputs + [self._fail(seq, error) for seq in step.seqs if not seq.is_finished]
         picks = self._picks(step, rows, tokens, logprobs, tops, outputs)
-        self.scheduler.postprocess(step, [  # skips the failed (finished)
+        finished = self.scheduler.postprocess(step, [  # skips the failed (finished)
             None if pick is None else [t for t, _, _ in pick] if p else pick[0][0]
             for pick, p in zip(picks, step.proposals or itertools.repeat(None))])
+        for seq in finished:
+            if seq.scoring and self.scores.pop(seq.seq_id, None) is not None:
+                outputs.append(self._scored(seq.extra))
         now = time.perf_counter()
         eos_ids, requests = self.eos_token_ids, self.requests
         for seq, pick in zip(step.seqs, picks):
@@ -299,6 +364,33 @@ class Engine:
                 if reason is not None:
                     break
         return outputs
+
+    def _score_rows(self, step, rows: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Score the scoring sequences' rows of a step's logits (each one's chunk appended to its request's
+        parts); returns the other rows' logits and the rows per sequence left to sample (0 for scoring ones)."""
+        keep, at = [], 0
+        for seq, n in zip(step.seqs, rows):
+            if not seq.scoring:
+                keep.extend(range(at, at + n))
+            elif n:
+                request, first = seq.extra, seq.num_scored  # the first position whose logits these rows are
+                chunk = logits[at:at + n]
+                targets = torch.tensor(request.prompt_ids[first + 1:first + 1 + n], dtype=torch.int64,
+                                       device=chunk.device)
+                log_probs = chunk.float().log_softmax(-1)
+                top_n = min(request.top_logprobs, log_probs.shape[1])
+                top = log_probs.topk(top_n, dim=-1) if top_n else None
+                request.parts.append((log_probs.gather(1, targets[:, None])[:, 0].cpu(),
+                                      (chunk.argmax(-1) == targets).cpu(),
+                                      None if top is None else (top.indices.cpu(), top.values.cpu())))
+            at += n
+        return logits[keep], [0 if seq.scoring else n for seq, n in zip(step.seqs, rows)]
+
+    def _scored(self, request: ScoreRequest) -> RequestOutput:
+        """A scoring request has every position's logprob: its output."""
+        request.finish_s, request.finish_reason = time.perf_counter(), "scored"
+        return RequestOutput(request.request_id, None, None, "", True, "scored", request,
+                             scores=request.result(self.runner.model.config.vocab_size))
 
     @staticmethod
     def _sampling_rows(step, rows: list[int]) -> tuple[list[Sequence], list[SamplingParams], list[list[int]],
@@ -375,8 +467,11 @@ class Engine:
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """Finish a request of a failed step (or row) with finish_reason "error"; its blocks are freed."""
         self.scheduler.finish(seq)
-        request = self.requests.pop(seq.seq_id)
-        self._release(request)
+        if seq.scoring:
+            request = self.scores.pop(seq.seq_id)
+        else:
+            request = self.requests.pop(seq.seq_id)
+            self._release(request)
         request.finish_s, request.finish_reason, request.error = time.perf_counter(), "error", error
         return RequestOutput(request.request_id, None, None, "", True, "error", request, error)
 
@@ -411,62 +506,34 @@ class Engine:
 
         logprobs[i] = log p(token i+1 | tokens 0..i) under the raw logits; greedy[i] says whether token i+1
         is the argmax there. The model runs over tokens 0..T-2 only (the last one is a target, never an
-        input), as prefills over the paged cache with logits for every row: prompts are packed into steps of
-        at most max_num_batched_tokens tokens and max_num_seqs sequences, a longer one split over steps
-        (chunked prefill), so many prompts cost few steps. Blocks come from the same cache as generation
-        (free ones only) and prefix-cache hits are read, not recomputed into the cache. on_done(i) is
-        called as prompt i finishes (progress bars). Not concurrent with step(): call it between steps.
+        input), as prefills over the paged cache with logits for every row: each prompt is a scoring request
+        (add_score) and steps run until all are done, packed into the steps' budget and split over steps
+        (chunked prefill), so many prompts cost few steps. Other requests in the engine go on in the same
+        steps (their outputs are reported by the next step()), so scoring waits for blocks they hold instead
+        of failing, and prefix-cache hits are read, not recomputed into the cache. Every prompt is checked
+        before any is queued. on_done(i) is called as prompt i finishes (progress bars). A scoring request the
+        engine failed raises RuntimeError; on any exit the unfinished ones are aborted.
         """
         self._check_alive()
         for i, p in enumerate(prompts):  # every prompt checked before any runs
-            self.check_token_ids(p, name=f"prompt {i}")
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} has no tokens; give at least one token.")
-            if len(p) > 1:  # the last token is only a target: the model runs over the others
-                self._check_length(len(p) - 1, 0, f"prompt {i} (scored: its first {len(p) - 1} tokens run)")
-        results: list = [None] * len(prompts)
-        vocab = self.runner.model.config.vocab_size
-        top_n = min(top_logprobs, vocab)
-        empty = (torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bool),
-                 (torch.empty(0, top_n, dtype=torch.int64), torch.empty(0, top_n)) if top_n else None)
-        # Full-row logits cost rows * vocab * 4 bytes (twice, with log_softmax): cap a step at ~512 MiB of them.
-        budget = max(1, min(self.scheduler.max_num_batched_tokens, (512 << 20) // (8 * vocab)))
-        # A scheduler of its own over the same blocks: the scoring sequences run alone (requests in the
-        # engine's scheduler keep their blocks and wait for the next step()).
-        sched = Scheduler(self.block_manager, min(self.scheduler.max_num_seqs, budget), budget)
-        for i, p in enumerate(prompts):
-            if len(p) == 1:  # nothing to predict: no context for the only token
-                results[i] = empty
-                if on_done:
-                    on_done(i)
-            else:  # the last token is only a target: the model runs over the others
-                sched.add(Sequence(i, list(p[:-1]), 0, scoring=True))
-        parts: dict[int, list] = {}
+            self.check_score(p, name=f"prompt {i}")
+        others, index, results = [], {}, [None] * len(prompts)
         try:
-            while (step := sched.schedule()) is not None:
-                rows_per_seq = step.logits_for()
-                logits = self.runner.run(self.runner.prepare(step.seqs, step.num_new_tokens, True,
-                                                             logits_for=rows_per_seq, start=step.start))
-                row = 0
-                for seq, n in zip(step.seqs, rows_per_seq):
-                    i, first = seq.seq_id, seq.num_scored  # first position whose logits these rows are
-                    rows = logits[row:row + n]
-                    row += n
-                    targets = torch.tensor(prompts[i][first + 1:first + 1 + n], dtype=torch.int64, device=rows.device)
-                    log_probs = rows.log_softmax(-1)
-                    logprobs = log_probs.gather(1, targets[:, None])[:, 0]
-                    top = log_probs.topk(top_n, dim=-1) if top_n else None
-                    parts.setdefault(i, []).append((logprobs.cpu(), (rows.argmax(-1) == targets).cpu(),
-                                                    None if top is None else (top.indices.cpu(), top.values.cpu())))
-                # full blocks become prefix-cache entries, as after a generation prefill; done ones are freed
-                for seq in sched.postprocess(step, [None] * len(step.seqs)):
-                    i, chunks = seq.seq_id, parts.pop(seq.seq_id)
-                    results[i] = (torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]),
-                                  (torch.cat([c[2][0] for c in chunks]), torch.cat([c[2][1] for c in chunks]))
-                                  if top_n else None)
-                    if on_done:
-                        on_done(i)
-        finally:  # an error or Ctrl-C: give back the blocks of unfinished prompts
-            for seq_id in list(sched.seqs):
-                sched.abort(seq_id)
+            for i, p in enumerate(prompts):
+                index[self.add_score(p, top_logprobs)] = i
+            while any(r is None for r in results):
+                for out in self.step():
+                    i = index.get(out.request_id)
+                    if i is None:
+                        others.append(out)
+                    elif out.finish_reason != "scored":
+                        raise RuntimeError(f"scoring prompt {i} failed in the engine: {out.error}")
+                    else:
+                        results[i] = out.scores
+                        if on_done:
+                            on_done(i)
+        finally:  # an error or Ctrl-C: give back the blocks of unfinished prompts; the others' outputs wait
+            for rid in index:
+                self.abort(rid)
+            self._done = others + self._done
         return results

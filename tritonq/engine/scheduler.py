@@ -19,10 +19,12 @@ sequence is a query of length 1 after its cached context.
 A sequence is ready to decode when exactly its last token lacks KV (num_computed == num_tokens - 1);
 after a step the token sampled from the logits at its last token is appended.
 
-Scoring (`Engine.score`): a scoring sequence (`Sequence(..., scoring=True)`) is admitted like a prompt
-but only ever prefills, with logits at every position it computes (`ScheduledStep.logits_for`) and no
-sampled token; it finishes (blocks freed, full blocks prefix-cached) once every position has its logits.
-Its prefix-cache hits are recomputed for their logits but not rewritten (`ScheduledStep.start`).
+Scoring (`Engine.add_score`): a scoring sequence (`Sequence(..., scoring=True)`) is queued and admitted like
+a prompt, in the same budget as generation, but only ever prefills, with logits at every position it
+computes (`ScheduledStep.logits_for`) and no sampled token; it finishes (blocks freed, full blocks
+prefix-cached) once every position has its logits. Its prefix-cache hits are recomputed for their logits
+but not rewritten (`ScheduledStep.start`). Scoring sequences compute at most `max_num_scored_tokens` tokens
+per step (each has a full row of logits), so a long one runs in chunks between other requests' decodes.
 
 Speculative decoding (tritonq.engine.speculative): a decoding sequence with num_speculative_tokens > 0
 also gets KV slots (and budget) for `lookahead(seq)` tokens after its last one; the engine then puts
@@ -86,14 +88,20 @@ class ScheduledStep:
 class Scheduler:
     """Waiting / running queues over a BlockManager."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_num_scored_tokens: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_seqs is {max_num_seqs} and max_num_batched_tokens is "
                              f"{max_num_batched_tokens}; expected 1 <= max_num_seqs <= "
                              "max_num_batched_tokens (a decode step batches one token per sequence).")
+        if max_num_scored_tokens is not None and max_num_scored_tokens < 1:
+            raise ValueError(f"max_num_scored_tokens is {max_num_scored_tokens}; expected >= 1 (or None: the "
+                             "step's token budget).")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # tokens of scoring sequences per step (each has a full row of logits): within the token budget
+        self.max_num_scored_tokens = max_num_scored_tokens or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []    # admission order: the newest is last
         self.seqs: dict[int, Sequence] = {}  # unfinished sequences by id
@@ -282,21 +290,27 @@ class Scheduler:
         is_prefill = False
         counts = [1] * len(seqs)
         budget = max(0, self.max_num_batched_tokens - len(seqs) - sum(lookaheads))
+        scored = self.max_num_scored_tokens  # what is left of it in this step
         for seq in chunks:
             if budget == 0:
                 break
+            if seq.scoring and scored == 0:
+                continue
             seqs.append(seq)
-            counts.append(min(seq.num_tokens - seq.next_position, budget))
+            counts.append(min(seq.num_tokens - seq.next_position, budget, scored if seq.scoring else budget))
             budget -= counts[-1]
+            scored -= counts[-1] if seq.scoring else 0
             is_prefill = True
-        while not preempted and self.waiting and budget > 0 and self._can_admit(self.waiting[0]):
+        while (not preempted and self.waiting and budget > 0 and not (self.waiting[0].scoring and scored == 0)
+               and self._can_admit(self.waiting[0])):
             seq = self.waiting.popleft()
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
-            counts.append(min(seq.num_tokens - seq.next_position, budget))
+            counts.append(min(seq.num_tokens - seq.next_position, budget, scored if seq.scoring else budget))
             budget -= counts[-1]
+            scored -= counts[-1] if seq.scoring else 0
             is_prefill = (is_prefill or seq.scoring or counts[-1] != 1
                           or seq.num_computed_tokens != seq.num_tokens - 1)
         if not seqs:

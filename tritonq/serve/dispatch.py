@@ -1,5 +1,6 @@
 """One HTTP request's way through the engine loop: queued (`submit`), its events read (`next_event`) into its
-choices (`Choice.apply`), or run to the end (`collect`); each engine refusal or failure becomes an APIError.
+choices (`Choice.apply`), or run to the end (`collect`); its prompts scored (`score`: echo's logprobs); each
+engine refusal or failure becomes an APIError.
 
 Choice i of prompt p has index p * n + i, as in vLLM. A request the engine failed (an output with
 finish_reason "error") raises `Failed`; the route answers it with a 500.
@@ -11,7 +12,7 @@ import time
 
 from fastapi import Request
 
-from tritonq.serve.engine_loop import EngineLoop, Event, QueueFull, Stream
+from tritonq.serve.engine_loop import EngineLoop, Event, QueueFull, Scoring, Stream
 from tritonq.serve.protocol import APIError, finite_logprob
 from tritonq.serve.responses import Usage
 
@@ -124,3 +125,26 @@ async def collect(engine_loop: EngineLoop, stream: Stream, request: Request, n: 
     finally:
         engine_loop.release(stream)
     return sorted(choices.values(), key=lambda c: c.index)
+
+
+async def score(engine_loop: EngineLoop, prompts: list[list[int]], top_logprobs: int, request: Request) -> list[tuple]:
+    """Engine.score's result per prompt (the prompt logprobs of echo), as scoring requests queued like
+    generation: they wait for KV blocks and run in the steps' budget between other requests' decodes. Refusals
+    and failures as `submit` / `collect`; aborted if the client leaves."""
+    stream = await submit(engine_loop, prompts, [[Scoring(top_logprobs)] for _ in prompts], 1)
+    scores = {}
+    try:
+        while len(scores) < len(prompts):
+            event = await next_event(engine_loop, stream, request)
+            if event is None:
+                raise APIError(499, "client disconnected")
+            if event.error is not None:
+                raise APIError(event.status, f"scoring the prompt for echo failed: {event.error}")
+            for out in event.outputs:
+                engine_loop.mark_started(stream)
+                if out.finish_reason != "scored":
+                    raise APIError(500, f"scoring the prompt for echo failed: {out.error}")
+                scores[out.request_id] = out.scores
+    finally:
+        engine_loop.release(stream)
+    return [scores[rid] for rid in stream.request_ids]

@@ -1,7 +1,7 @@
 """The engine in one background thread; HTTP handlers talk to it through queues.
 
 The engine is not thread-safe, so only this thread calls it. Handlers (on the asyncio loop)
-put commands (add, abort, score) on a thread-safe queue; the thread drains them between steps, runs
+put commands (add, abort) on a thread-safe queue; the thread drains them between steps, runs
 `engine.step()` while anything is unfinished, and hands each request's outputs back to its
 asyncio.Queue with `loop.call_soon_threadsafe`. An abort is applied before the next step, so a
 disconnected client's blocks are free within one step. Every torch op runs on this thread: `python -m
@@ -47,6 +47,13 @@ class Event:
     status: int = 503                            # HTTP status of that error: 500 failed step, 503 engine gone
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """In a Stream's configs, in place of a GenerationConfig: score the prompt (Engine.add_score: its prompt
+    logprobs, with the top_logprobs most likely tokens at each position). Its one output carries `scores`."""
+    top_logprobs: int
+
+
 class QueueFull(Exception):
     pass
 
@@ -60,9 +67,10 @@ class Refused:
 
 
 class Stream:
-    """One HTTP request's engine requests (n choices x prompts) and the queue their outputs reach."""
+    """One HTTP request's engine requests (n choices x prompts, or its prompts' scoring) and the queue their
+    outputs reach."""
 
-    def __init__(self, prompts: list[list[int]], configs: list[list[GenerationConfig]], loop):
+    def __init__(self, prompts: list[list[int]], configs: list[list[GenerationConfig | Scoring]], loop):
         self.prompts, self.configs = prompts, configs
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.loop = loop
@@ -113,7 +121,7 @@ class EngineLoop:
             self.dead = "the engine thread has exited"
         return self.dead
 
-    async def submit(self, prompts: list[list[int]], configs: list[list[GenerationConfig]],
+    async def submit(self, prompts: list[list[int]], configs: list[list[GenerationConfig | Scoring]],
                      timeout: float) -> Stream:
         """Queue prompts[p] once per config in configs[p]; returns when the engine accepted them.
 
@@ -144,24 +152,6 @@ class EngineLoop:
             self._finish(stream)
             raise {"invalid": ValueError, "dead": RuntimeError}.get(error.kind, Exception)(error.message)
         return stream
-
-    async def score(self, prompts: list[list[int]], top_logprobs: int, timeout: float) -> list:
-        """Engine.score(prompts, top_logprobs=...) run on the engine thread between steps (the prompt
-        logprobs of echo); its result, or its exception raised here. RuntimeError when the loop is dead
-        or the engine does not answer within `timeout` seconds."""
-        if self.why_dead() is not None:
-            raise RuntimeError(f"the engine loop has died: {self.dead}")
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        self._commands.put(("score", (prompts, top_logprobs, done, loop)))
-        try:
-            outcome = await asyncio.wait_for(asyncio.shield(done), timeout)
-        except asyncio.TimeoutError:
-            raise RuntimeError(f"the engine did not score the prompt within {timeout:g} s (it is busy or "
-                               "stuck); retry later") from None
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
 
     def mark_started(self, stream: Stream) -> None:
         """A handler saw the first token of one of its engine requests: that one no longer waits."""
@@ -206,8 +196,6 @@ class EngineLoop:
                 break
             if kind == "add":
                 _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
-            elif kind == "score":
-                _resolve(stream[2], RuntimeError(f"the engine loop has died: {message}"))
         for stream in list(self._live):
             _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
             stream.queue.put_nowait(Event(error=f"the engine loop has died: {message}"))
@@ -255,15 +243,6 @@ class EngineLoop:
         kind, stream = command
         if kind == "add":
             self._add(stream)
-        elif kind == "score":
-            prompts, top_logprobs, done, loop = stream
-            try:
-                outcome = self.engine.score(prompts, top_logprobs=top_logprobs)
-            except EngineDeadError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the handler answers it (400 / 503)
-                outcome = exc
-            loop.call_soon_threadsafe(_resolve, done, outcome)
         elif kind == "abort":
             for rid in stream.request_ids:
                 if self._streams.pop(rid, None) is not None:
@@ -281,7 +260,8 @@ class EngineLoop:
         try:
             for prompt, configs in zip(stream.prompts, stream.configs):
                 for config in configs:
-                    ids.append(self.engine.add_request(prompt, config))
+                    ids.append(self.engine.add_score(prompt, config.top_logprobs) if isinstance(config, Scoring)
+                               else self.engine.add_request(prompt, config))
         except Exception as exc:  # noqa: BLE001 - a request the engine cannot add must not end the server
             for rid in ids:
                 self.engine.abort(rid)

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from tritonq.engine.sequence import RequestTooLong
 from tritonq.generate import top_dicts
 from tritonq.serve import replies
-from tritonq.serve.dispatch import ACCEPT_TIMEOUT_S, collect, submit
+from tritonq.serve.dispatch import collect, score, submit
 from tritonq.serve.logprobs import completion_logprobs
 from tritonq.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from tritonq.serve.responses import CompletionLogprobs, ModelCard, ModelList
@@ -128,18 +128,13 @@ async def completions(body: CompletionRequest, request: Request):
 async def _echo_parts(request: Request, body: CompletionRequest, texts: list,
                       prompts: list[list[int]]) -> list[tuple[str, CompletionLogprobs | None]]:
     """Per prompt, what echo prepends to each of its choices: (text, its logprobs or None). The prompt's
-    logprobs come from Engine.score on the engine thread (entry 0 None: no context)."""
+    logprobs come from scoring requests on the engine (dispatch.score; entry 0 None: no context)."""
     state = request.app.state
     tokenizer = state.model.tokenizer
     echo_texts = [t if isinstance(t, str) else await _off_loop(request, tokenizer.decode, t) for t in texts]
     if body.logprobs is None:
         return [(t, None) for t in echo_texts]
-    try:
-        scored = await state.engine_loop.score(prompts, body.logprobs, ACCEPT_TIMEOUT_S)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "prompt") from None
-    except RuntimeError as exc:
-        raise APIError(503, f"scoring the prompt for echo failed: {exc}") from None
+    scored = await score(state.engine_loop, prompts, body.logprobs, request)
     parts = []
     for text, prompt, (logprobs, _, top) in zip(echo_texts, prompts, scored):
         tops = [None] + (top_dicts(top) if top is not None else [None] * len(logprobs))
