@@ -9,6 +9,7 @@
     logprobs.py     the logprobs objects; tools.py: tool calls read from replies; errors.py: error bodies
     engine_loop.py  the engine in one background thread; requests stream from it through asyncio queues
     metrics.py      Prometheus gauges, counters and latency histograms
+    limits.py       the fairness caps: stop strings, tokens per request, body read time
     ranks.py        tensor parallel: rank 0 serves, the other ranks replay its engine calls
     __main__.py     command line, uvicorn, Ctrl-C / SIGTERM handling
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 import threading
 
 from tritonq.cli import add_load_options, fail, load_model, new_parser, require
+from tritonq.serve.limits import Limits
 
 DEAD_EXIT_DELAY_S = 2.0  # /health reports the death this long before the process exits
 SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")  # the [serve] extra
@@ -37,6 +39,17 @@ def build_parser(prog: str = "python -m tritonq.serve") -> argparse.ArgumentPars
     parser.add_argument("--max-waiting", type=int, default=None,
                         help="answer 429 once this many sequences (prompts x n) wait for their first token "
                              "(default: 8 x --max-num-seqs, so one request cannot queue unbounded work)")
+    limits = parser.add_argument_group("fairness caps per request (docs/server_limits.md)")
+    limits.add_argument("--max-request-tokens", type=int, default=None,
+                        help="refuse (400) a request that may generate more tokens than this, prompts x n x "
+                             "max_tokens (max_tokens left out: the rest of the context) (default: 16 x max_seq_len)")
+    limits.add_argument("--max-stop-strings", type=int, default=Limits.max_stop_strings,
+                        help="refuse (400) a request with more stop strings than this")
+    limits.add_argument("--max-stop-chars", type=int, default=Limits.max_stop_chars,
+                        help="refuse (400) a request whose stop strings have more characters in all than this")
+    limits.add_argument("--body-timeout", type=float, default=Limits.body_timeout_s, metavar="SECONDS",
+                        help="answer 408 and close the connection when a request body has not arrived whole "
+                             "within this many seconds")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -60,6 +73,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tritonq.ser
             parser.error(f"--speculative-config: {e}")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes is {args.max_request_bytes}; expected >= 1")
+    for name in ("max_request_tokens", "max_stop_strings", "max_stop_chars"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} is {getattr(args, name)}; expected >= 1")
+    if not (args.body_timeout > 0 and math.isfinite(args.body_timeout)):
+        parser.error(f"--body-timeout is {args.body_timeout}; expected a number of seconds > 0")
     return parser, args
 
 
@@ -122,8 +140,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.serve") -
         leader = model.engine = LeaderEngine(model.engine, group)
     server = None
     max_waiting = 8 * args.max_num_seqs if args.max_waiting is None else args.max_waiting
+    limits = Limits(max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+                    max_request_tokens=args.max_request_tokens or 16 * model.max_seq_len,
+                    body_timeout_s=args.body_timeout)
     app = create_app(model, args.served_model_name or args.model, api_key=args.api_key, max_waiting=max_waiting,
                      open_metrics=args.open_metrics, on_dead=lambda reason: server.engine_died(reason),
+                     limits=limits,
                      **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=10)

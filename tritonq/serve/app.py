@@ -6,6 +6,7 @@ log-probability is written as -9999.0, as vLLM).
 """
 from __future__ import annotations
 
+import asyncio
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -14,6 +15,7 @@ from fastapi import FastAPI
 
 from tritonq.serve.engine_loop import EngineLoop
 from tritonq.serve.errors import add_error_handlers
+from tritonq.serve.limits import Limits
 from tritonq.serve.metrics import ServerMetrics
 from tritonq.serve.protocol import APIError, StrictJSONResponse
 from tritonq.serve.routes import router
@@ -24,12 +26,14 @@ OPEN_PATHS = ("/health",)  # the only routes that never need the API key
 
 
 def create_app(model, served_model_name: str, *, api_key: str | None = None, max_waiting: int | None = None,
-               max_request_bytes: int = MAX_REQUEST_BYTES, open_metrics: bool = False, on_dead=None) -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES, open_metrics: bool = False, on_dead=None,
+               limits: Limits = Limits()) -> FastAPI:
     """The app over a loaded tritonq Model (its engine runs in a background thread while the app lives).
 
     api_key: required on every route but /health (and /metrics with open_metrics). max_waiting: the most
-    sequences waiting for their first token (429 past it). on_dead(reason): called from the engine thread
-    once the engine cannot continue (the command line exits non-zero)."""
+    sequences waiting for their first token (429 past it). limits: the fairness caps (tritonq.serve.limits).
+    on_dead(reason): called from the engine thread once the engine cannot continue (the command line exits
+    non-zero)."""
     metrics = ServerMetrics(served_model_name)
     engine_loop = EngineLoop(model.engine, metrics, max_waiting, on_dead=on_dead)
     metrics.update_engine(model.engine)
@@ -45,22 +49,27 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
     app = FastAPI(title="tritonq", lifespan=lifespan, default_response_class=StrictJSONResponse)
     app.state.model, app.state.served_model_name = model, served_model_name
     app.state.engine_loop, app.state.metrics, app.state.tokenizer_pool = engine_loop, metrics, tokenizer_pool
+    app.state.limits = limits
     app.add_middleware(_Guard, api_key=api_key, max_request_bytes=max_request_bytes,
-                       open_paths=OPEN_PATHS + (("/metrics",) if open_metrics else ()))
+                       open_paths=OPEN_PATHS + (("/metrics",) if open_metrics else ()),
+                       body_timeout_s=limits.body_timeout_s)
     add_error_handlers(app)
     app.include_router(router)
     return app
 
 
 class _Guard:
-    """ASGI middleware, before routing and body parsing: the API key, then the body size.
+    """ASGI middleware, before routing and body parsing: the API key, then the body size and read time.
 
     The key is checked first so an unauthenticated caller learns nothing about bodies; the body is
-    read here (counting bytes, so a chunked body without Content-Length is bounded too) and replayed
-    to the app, whose later `receive` calls (disconnect checks) go to the client."""
+    read here (counting bytes, so a chunked body without Content-Length is bounded too; a body not whole
+    within body_timeout_s is answered 408 and its connection closed, so it cannot hold one open) and
+    replayed to the app, whose later `receive` calls (disconnect checks) go to the client."""
 
-    def __init__(self, app, api_key: str | None, open_paths: tuple[str, ...], max_request_bytes: int):
+    def __init__(self, app, api_key: str | None, open_paths: tuple[str, ...], max_request_bytes: int,
+                 body_timeout_s: float = Limits.body_timeout_s):
         self.app, self.api_key, self.open_paths, self.limit = app, api_key, open_paths, max_request_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -78,8 +87,15 @@ class _Guard:
         except ValueError:
             return await APIError(400, "the Content-Length header is not a number").response()(scope, receive, send)
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                slow = APIError(408, f"the request body did not arrive whole within {self.body_timeout_s:g} s "
+                                     "(--body-timeout); send the whole body without pauses",
+                                headers={"Connection": "close"})
+                return await slow.response()(scope, receive, send)
             if message["type"] != "http.request":  # client gone while sending
                 return
             size += len(message.get("body", b""))

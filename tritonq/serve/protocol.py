@@ -16,7 +16,8 @@ The official `openai` client sends only the fields its caller passed, so every c
 supported arguments is accepted. The sampling fields (OpenAI's presence / frequency penalties,
 logit_bias, logprobs / top_logprobs, echo; vLLM's top_k, min_p, min_tokens, ignore_eos,
 stop_token_ids, repetition_penalty) go to GenerationConfig; logit_bias keys must be token ids (as JSON
-strings) with biases in [-100, 100], top alternatives are 0..20.
+strings) with biases in [-100, 100], top alternatives are 0..20. The server's fairness caps (stop strings,
+tokens per request) are checked by the routes (tritonq.serve.limits).
 
 Structured outputs (tritonq.structured): `response_format` {"type": "json_object"} (any JSON object) or
 {"type": "json_schema", "json_schema": {"name", "schema", ...}} becomes GenerationConfig.json_schema, on
@@ -38,7 +39,7 @@ from tritonq.generate import GenerationConfig
 from tritonq.serve.responses import ErrorBody, ErrorDetail
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+               408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
                503: "service_unavailable"}
 LOGPROB_FLOOR = -9999.0  # written for a non-finite log-probability (-inf, NaN): JSON has no inf (as vLLM)
 

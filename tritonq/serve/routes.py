@@ -69,19 +69,31 @@ async def list_models(request: Request):
 
 
 # ---- generation ---------------------------------------------------------------------------
+def _max_tokens(model, body: SamplingRequest, prompt: list[int]) -> int:
+    """The most tokens a choice of this prompt may generate: max_tokens, or left out the rest of the context (at
+    least 1, 0 with echo: a prompt too long for it is refused by the fit rule, naming the numbers)."""
+    least = 0 if getattr(body, "echo", False) else 1  # max_tokens=0 generates nothing: echo only
+    return body.max_tokens if body.max_tokens is not None else max(model.max_seq_len - len(prompt), least)
+
+
+def _check_limits(request: Request, body: SamplingRequest, prompts: list[list[int]]) -> None:
+    """The server's fairness caps (tritonq.serve.limits): past one, a 400 naming it and its option."""
+    state = request.app.state
+    refused = state.limits.refusal(body.stop_strings(), body.n, [_max_tokens(state.model, body, p) for p in prompts],
+                                   body.max_tokens is not None)
+    if refused is not None:
+        raise APIError(400, refused[1], refused[0])
+
+
 def _sampling_configs(model, body: SamplingRequest, prompts: list[list[int]]) -> list[list]:
     """Per prompt, the GenerationConfigs of its n choices, each checked by Engine.check_request (run off the
     loop: it may compile the output's grammar); its refusal is a 400 naming the field to change."""
-    least = 0 if getattr(body, "echo", False) else 1  # max_tokens=0 generates nothing: echo only
     schema_field = body.output_schema()[1]
     configs = []
     for i, prompt in enumerate(prompts):
         name = f"prompt {i}" if len(prompts) > 1 else "the prompt"
-        # max_tokens left out: the rest of the context (at least `least`: a prompt too long for it is refused
-        # by the fit rule, naming the numbers)
-        max_tokens = body.max_tokens if body.max_tokens is not None else max(model.max_seq_len - len(prompt), least)
         try:
-            choices = body.generation_configs(max_tokens)
+            choices = body.generation_configs(_max_tokens(model, body, prompt))
             for config in choices:
                 model.engine.check_request(prompt, config, name=name)
         except RequestTooLong as exc:  # the fit rule's numbers, led by OpenAI's words (clients match on them)
@@ -112,6 +124,7 @@ async def completions(body: CompletionRequest, request: Request):
     except (ValueError, TypeError) as exc:
         raise APIError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from None
     prompts = [encoded.pop(0) if isinstance(p, str) else p for p in texts]
+    _check_limits(request, body, prompts)
     configs = await _off_loop(request, _sampling_configs, state.model, body, prompts)
     echoes = await _echo_parts(request, body, texts, prompts) if body.echo else None
     stream = await submit(state.engine_loop, prompts, configs, body.n)
@@ -154,6 +167,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         if str(exc).startswith("tools:"):  # Model.chat_prompt: the template does not render tools
             raise APIError(400, str(exc), "tools") from None
         raise APIError(400, f"the messages do not fit the chat template: {exc}", "messages") from None
+    _check_limits(request, body, [prompt])
     configs = await _off_loop(request, _sampling_configs, state.model, body, [prompt])
     stream = await submit(state.engine_loop, [prompt], configs, body.n)
     ids = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.served_model_name)
