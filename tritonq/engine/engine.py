@@ -14,6 +14,8 @@ max_new_tokens, freeing its blocks.
 With speculative decoding (`use_speculation`, tritonq.engine.speculative), a decoding sequence's step
 also scores up to k proposed tokens and may emit several tokens: one RequestOutput each, in order
 (tokens verified after an EOS, a stop token or a stop string are dropped).
+Scoring (`add_score`, `score`: prompt logprobs) is a request too: queued in the same scheduler, it waits for
+blocks and is prefilled in the steps' budget with logits at every position, between other requests' decodes.
 Tensor parallel note: a step failing on one rank only would leave the ranks out of step; only
 failures every rank sees alike (and rank 0's non-finite rows, broadcast with the tokens) are safe.
 Tensor parallel: every rank holds an Engine and calls it with the same requests in the same
