@@ -122,9 +122,23 @@ def test_followers_replay_exactly_what_rank_0_forwarded(checkpoint, monkeypatch)
         box[0] = next(record)
     monkeypatch.setattr(ranks.dist, "broadcast_object_list", receive)
     engine = follower_model.engine
-    step, score = engine.step, engine.score
-    monkeypatch.setattr(engine, "step", lambda: replayed.append(step()) or replayed[-1])
-    monkeypatch.setattr(engine, "score", lambda *a, **k: replayed.append(score(*a, **k)) or replayed[-1])
+    step, score, scoring = engine.step, engine.score, []
+
+    def recorded_step():  # the steps follow() replays; score() steps the engine itself (its result is recorded)
+        outs = step()
+        if not scoring:
+            replayed.append(outs)
+        return outs
+
+    def recorded_score(*args, **kwargs):
+        scoring.append(True)
+        try:
+            replayed.append(score(*args, **kwargs))
+        finally:
+            scoring.pop()
+        return replayed[-1]
+    monkeypatch.setattr(engine, "step", recorded_step)
+    monkeypatch.setattr(engine, "score", recorded_score)
     ranks.follow(engine, group=None)
     assert next(record, None) is None and not engine.has_unfinished()
     scores = replayed.pop()
