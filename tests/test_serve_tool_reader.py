@@ -102,3 +102,37 @@ def test_readable_tool_call_is_a_call(scripted):
     streamed = list(client.chat.completions.create(**_chat(stream=True)))
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
     assert streamed[-1].choices[0].delta.tool_calls[0].function.name == "f"
+
+
+def test_a_reply_whose_chunks_fail_to_build_still_ends_with_an_error_and_done():
+    """Whatever goes wrong writing a streamed reply (here a chunker that raises), the stream ends with an
+    error chunk and [DONE], never cut off."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tritonq.serve.engine_loop import EngineLoop, Event, Stream
+    from tritonq.serve.sse import stream_response
+
+    class Broken:
+        include_usage = False
+
+        def chunks(self, choice, text, out, first):
+            raise RecursionError("too deep")
+
+    class Connected:
+        async def is_disconnected(self):
+            return False
+
+    async def run():
+        engine_loop = EngineLoop(engine=None, metrics=None)
+        stream = Stream([[1]], [[None]], asyncio.get_running_loop())
+        stream.request_ids = [0]
+        out = SimpleNamespace(request_id=0, token_id=5, logprob=0.0, top_logprobs=None, text="x", finished=True,
+                              finish_reason="stop")
+        stream.queue.put_nowait(Event(outputs=[out]))
+        response = stream_response(engine_loop, stream, Connected(), 1, Broken())
+        return [piece async for piece in response.body_iterator]
+    pieces = asyncio.run(run())
+    assert pieces[-1] == "data: [DONE]\n\n" and len(pieces) == 2
+    error = json.loads(pieces[0][len("data: "):])["error"]
+    assert error["code"] == 500 and "RecursionError: too deep" in error["message"]
