@@ -278,7 +278,8 @@ class Model:
         (float32 log_softmax). A single prompt gives one list, a list of prompts a list of them;
         return_dict=True gives a ScoreOutput (token ids, logprobs, greedy flags) instead.
         Prompts run together through the engine's prefill (steps of max_num_batched_tokens tokens, longer
-        prompts split over steps), so many prompts take few steps. A prompt may have at most max_seq_len + 1
+        prompts split over steps), so many prompts take few steps; other callers' requests go on in those steps,
+        and scoring waits for the KV blocks they hold. A prompt may have at most max_seq_len + 1
         tokens (the last one is only a target). progress: tqdm bar over prompts (default: more than 8).
         top_logprobs: 0..20; with return_dict, also the log-probabilities of that many most likely tokens at
         each position (ScoreOutput.top_logprobs).
