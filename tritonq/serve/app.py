@@ -6,7 +6,7 @@ log-probability is written as -9999.0, as vLLM).
 """
 from __future__ import annotations
 
-import secrets
+import hmac
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -27,9 +27,11 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
                max_request_bytes: int = MAX_REQUEST_BYTES, open_metrics: bool = False, on_dead=None) -> FastAPI:
     """The app over a loaded tritonq Model (its engine runs in a background thread while the app lives).
 
-    api_key: required on every route but /health (and /metrics with open_metrics). max_waiting: the most
+    api_key: required on every route but /health (and /metrics with open_metrics); an empty or whitespace key
+    is refused (ValueError), since a bare 'Authorization: Bearer' would match it. max_waiting: the most
     sequences waiting for their first token (429 past it). on_dead(reason): called from the engine thread
     once the engine cannot continue (the command line exits non-zero)."""
+    check_api_key(api_key, "api_key")
     metrics = ServerMetrics(served_model_name)
     engine_loop = EngineLoop(model.engine, metrics, max_waiting, on_dead=on_dead)
     metrics.update_engine(model.engine)
@@ -52,6 +54,14 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
     return app
 
 
+def check_api_key(api_key: str | None, source: str) -> None:
+    """Refuse a key no client can send or that a bare 'Bearer' would match: empty, whitespace, or with
+    whitespace at either end (HTTP strips it from header values); source names where it came from."""
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        raise ValueError(f"{source} is {api_key!r}: an API key must be non-empty and must not start or end with "
+                         "whitespace; pass the key itself, or leave the option unset to serve without a key")
+
+
 class _Guard:
     """ASGI middleware, before routing and body parsing: the API key, then the body size.
 
@@ -60,7 +70,8 @@ class _Guard:
     to the app, whose later `receive` calls (disconnect checks) go to the client."""
 
     def __init__(self, app, api_key: str | None, open_paths: tuple[str, ...], max_request_bytes: int):
-        self.app, self.api_key, self.open_paths, self.limit = app, api_key, open_paths, max_request_bytes
+        self.app, self.open_paths, self.limit = app, open_paths, max_request_bytes
+        self.api_key = None if api_key is None else api_key.encode("utf-8")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -99,6 +110,8 @@ class _Guard:
         await self.app(scope, replay, send)
 
     def _authorized(self, scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = given.strip().partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
+        """The header's raw bytes (a UTF-8 client's non-ASCII key arrives as its UTF-8 bytes) against the
+        key's UTF-8 bytes, in constant time."""
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
