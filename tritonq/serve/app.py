@@ -19,7 +19,8 @@ from tritonq.serve.protocol import APIError, StrictJSONResponse
 from tritonq.serve.routes import router
 
 MAX_REQUEST_BYTES = 2 << 20  # default --max-request-bytes: a 128k-token prompt fits, as text or as ids
-TOKENIZER_THREADS = 2      # tokenization, chat templating, grammar compiles off the event loop (they release the GIL)
+TOKENIZER_THREADS = 2      # tokenization and chat templating off the event loop (they release the GIL)
+GRAMMAR_THREADS = 2        # checks of requests with a schema, whose grammar compiles (tritonq.structured's process)
 OPEN_PATHS = ("/health",)  # the only routes that never need the API key
 
 
@@ -36,6 +37,7 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
     engine_loop = EngineLoop(model.engine, metrics, max_waiting, on_dead=on_dead)
     metrics.update_engine(model.engine)
     tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tritonq-tokenize")
+    grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="tritonq-grammar")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -43,10 +45,12 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
         yield
         engine_loop.stop()
         tokenizer_pool.shutdown(wait=False)
+        grammar_pool.shutdown(wait=False)
 
     app = FastAPI(title="tritonq", lifespan=lifespan, default_response_class=StrictJSONResponse)
     app.state.model, app.state.served_model_name = model, served_model_name
     app.state.engine_loop, app.state.metrics, app.state.tokenizer_pool = engine_loop, metrics, tokenizer_pool
+    app.state.grammar_pool = grammar_pool
     app.add_middleware(_Guard, api_key=api_key, max_request_bytes=max_request_bytes,
                        open_paths=OPEN_PATHS + (("/metrics",) if open_metrics else ()))
     add_error_handlers(app)
