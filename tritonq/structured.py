@@ -34,8 +34,8 @@ import torch
 
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars (and refusals) kept per engine (a JSON schema compiles in ~1 ms to 100s of ms)
 # A compile's budget. Ordinary schemas and patterns compile in well under a second; a short pattern with nested
-# bounded repeats ((x{0,300}y{0,300}){0,300}: 27 bytes) builds an automaton cubic in the bounds and runs for
-# minutes, which no text-size rule predicts, so the compile runs in a child process killed past this time.
+# bounded repeats ((x{0,128}y{0,128}){0,128}: 26 bytes) builds an automaton cubic in the bounds and runs for
+# seconds to minutes, which no text-size rule predicts, so the compile runs in a child process killed past this.
 COMPILE_TIMEOUT_S = 10.0
 MAX_CONSTRAINT_CHARS = 128 << 10  # a constraint's text (schema JSON, regex, choices): larger ones are refused
 START_TIMEOUT_S = 120.0  # the compiler process's start (a Python with xgrammar imported): not the compile's budget
@@ -164,8 +164,8 @@ class Grammars:
             outcome, result, warnings = self._process.compile(
                 kind, _bounded_strings_as_patterns(text) if kind == "json_schema" else text, self.compile_timeout_s)
         except TimeoutError:
-            raise refuse(f"took longer than {self.compile_timeout_s:g} s to compile into a grammar (nested or large "
-                         "bounded repeats, such as (a{0,300}b{0,300}){0,300}, make automata that explode); "
+            raise refuse(f"took longer than {self.compile_timeout_s:g} s to compile into a grammar (nested bounded "
+                         "repeats, such as (a{0,100}b{0,100}){0,100}, make automata that explode); "
                          "simplify it") from None
         except EOFError:
             raise refuse("made the grammar compiler crash; simplify it") from None
