@@ -21,6 +21,7 @@ xgrammar is an optional dependency (`pip install 'tritonq[structured]'`), import
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -192,6 +193,7 @@ class _CompilerProcess:
         self.tokenizer_info = tokenizer_info
         self.process: subprocess.Popen | None = None
         self.conn: Connection | None = None
+        self.finalizer: weakref.finalize | None = None
         self.lock = threading.Lock()
 
     def compile(self, kind: str, text: str, timeout_s: float) -> tuple[str, str, list[str]]:
@@ -213,11 +215,14 @@ class _CompilerProcess:
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair()
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this tritonq is imported from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         with theirs:
             self.process = subprocess.Popen([sys.executable, "-m", "tritonq.structured_worker", str(theirs.fileno())],
-                                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                                            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.DEVNULL)
         self.conn = Connection(ours.detach())
-        weakref.finalize(self, _CompilerProcess._end, self.process, self.conn)
+        self.finalizer = weakref.finalize(self, _CompilerProcess._end, self.process, self.conn)  # when garbage
         try:
             self.conn.send(self.tokenizer_info)
             ready = self.conn.poll(START_TIMEOUT_S) and self.conn.recv() == "ready"
@@ -229,8 +234,8 @@ class _CompilerProcess:
                                f"within {START_TIMEOUT_S:g} s")
 
     def _stop(self) -> None:
-        _CompilerProcess._end(self.process, self.conn)
-        self.process = self.conn = None
+        self.finalizer()  # _end, once
+        self.process = self.conn = self.finalizer = None
 
     @staticmethod
     def _end(process: subprocess.Popen, conn: Connection) -> None:
