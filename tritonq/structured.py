@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-GRAMMAR_CACHE_SIZE = 64  # compiled grammars (and refusals) kept per engine (a JSON schema compiles in ~1 ms to 100s of ms)
+GRAMMAR_CACHE_SIZE = 64  # grammars (and refusals) kept per engine (a JSON schema compiles in ~1 ms to 100s of ms)
 # A compile's budget. Ordinary schemas and patterns compile in well under a second; a short pattern with nested
 # bounded repeats ((x{0,128}y{0,128}){0,128}: 26 bytes) builds an automaton cubic in the bounds and runs for
 # seconds to minutes, which no text-size rule predicts, so the compile runs in a child process killed past this.
@@ -138,7 +138,7 @@ class Grammars:
                 self._cache.move_to_end(constraint)
                 found = self._cache[constraint]
                 if isinstance(found, GrammarError):
-                    raise found
+                    raise GrammarError(str(found))  # a fresh exception: threads may raise it at once
                 return found
         try:
             grammar = self._compile(*constraint)
