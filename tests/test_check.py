@@ -101,9 +101,7 @@ def test_failures_and_time_limits_are_reported_and_the_rest_runs(tmp_path, worke
     if workers:
         pytest.importorskip("xdist")
     (tmp_path / "test_trouble.py").write_text(TROUBLE)
-    start = time.monotonic()
     returncode, counts, lines = run(tmp_path, "--timeout=3", f"--junitxml={tmp_path / 'junit.xml'}", *workers)
-    assert time.monotonic() - start < 55  # not the 60 s sleep
     assert returncode == 1 and counts == Counter(ok=1, FAIL=2, skip=1), lines
     text = "\n".join(lines)
     assert "FAIL trouble      test_fails" in text and "E   assert (1 + 1) == 3" in text

@@ -93,7 +93,7 @@ def test_typed_weights_import_no_kernel_and_no_format():
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("typed data and plumbing", ("tritonq.packing", "tritonq.weights", "tritonq.progress", "tritonq.hub",
                                  "tritonq.distributed", "tritonq.detokenize", "tritonq.structured",
-                                 "tritonq.eval.perplexity")),
+                                 "tritonq.structured_worker", "tritonq.eval.perplexity")),
     ("config", ("tritonq.config",)),
     ("kernels", ("tritonq.kernels",)),
     ("quantizers and formats", ("tritonq.rtn", "tritonq.formats")),

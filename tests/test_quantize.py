@@ -5,6 +5,7 @@ of tritonq's packing code, and must equal the RTN quantization of the dense weig
 """
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from safetensors.torch import load_file
 
 import tritonq
 from tritonq.cli import quantize_main as main
+from tritonq import quantize
 from tritonq.demo import byte_tokenizer
+from tritonq.quantize import write_quantized
 from tritonq.rtn import quantize_fp8, quantize_int4
 from tritonq.weights import FP8Weight
 
@@ -178,3 +181,58 @@ def test_writer_refuses_block_fp8_it_cannot_load(dense, tmp_path, capsys):
     model = tritonq.load(tmp_path / "b", max_seq_len=16)
     assert isinstance(model.model.layers[0].mlp.gate_up_proj.weight, FP8Weight)
     assert len(model.generate([1, 2, 3], max_new_tokens=2, return_dict=True).token_ids[0]) == 2
+
+
+def test_writer_refuses_a_non_empty_destination_before_any_work(dense, tmp_path, capsys):
+    """An existing checkpoint in DST is never overwritten silently: refused before calibrating or reading a
+    tensor (the missing calibration file would be the error otherwise), its files left byte for byte."""
+    src, _ = dense
+    dst = tmp_path / "existing"
+    dst.mkdir()
+    (dst / "config.json").write_text("{\"keep\": 1}")
+    (dst / "model.safetensors").write_bytes(b"precious")
+    err = cli_error([str(src), str(dst), "--format", "gptq", "--method", "gptq", "--calibration",
+                     str(tmp_path / "missing.txt")], capsys)
+    assert f"DST {dst} is not empty (it holds config.json, model.safetensors)" in err and "--overwrite" in err
+    assert (dst / "config.json").read_text() == "{\"keep\": 1}" and (dst / "model.safetensors").read_bytes() == b"precious"
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        write_quantized(src, dst, "awq", group_size=GROUP_SIZE)
+    (tmp_path / "file").write_text("x")
+    assert f"DST {tmp_path / 'file'} is a file" in cli_error([str(src), str(tmp_path / "file"), "--format", "fp8"], capsys)
+    assert "is SRC" in cli_error([str(src), str(src), "--format", "fp8", "--overwrite"], capsys)
+    main([str(src), str(tmp_path / "empty"), "--format", "fp8"])  # absent: written
+    (tmp_path / "made").mkdir()
+    main([str(src), str(tmp_path / "made"), "--format", "fp8"])  # empty: written
+    assert json.loads((tmp_path / "made" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_overwrite_replaces_the_whole_destination(dense, tmp_path):
+    src, _ = dense
+    dst = tmp_path / "dst"
+    main([str(src), str(dst), "--format", "fp8"])
+    (dst / "stale.bin").write_bytes(b"from an older checkpoint")
+    main([str(src), str(dst), "--format", "awq", "--group-size", str(GROUP_SIZE), "--overwrite"])
+    assert not (dst / "stale.bin").exists()
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
+    assert "model.layers.0.self_attn.q_proj.qweight" in load_file(dst / "model.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # nothing staged or set aside is left
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failed_write_leaves_no_half_checkpoint(dense, tmp_path, monkeypatch, existing):
+    """The tensors file fails half-written (a full disk): DST is as before (absent, or the old checkpoint
+    under --overwrite) and nothing staged remains beside it."""
+    src, _ = dense
+    dst = tmp_path / "dst"
+    if existing:
+        main([str(src), str(dst), "--format", "fp8"])
+    before = {p.name: p.read_bytes() for p in dst.iterdir()} if existing else None
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(quantize, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_quantized(src, dst, "awq", group_size=GROUP_SIZE, overwrite=True)
+    assert ({p.name: p.read_bytes() for p in dst.iterdir()} if dst.exists() else None) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["dst"] if existing else [])

@@ -185,9 +185,7 @@ def test_strict_types(server, field, value):
 
 def test_huge_body_is_refused_before_parsing(server, normal_text):
     big = json.dumps(NORMAL | {"prompt": "x" * (MAX_BYTES + 1)}).encode()
-    t = time.perf_counter()
     assert str(MAX_BYTES) in _error(_post(server, content=big), 413)["message"]
-    assert time.perf_counter() - t < 5
 
     def chunks():  # no Content-Length: the body is counted as it streams in
         for i in range(0, len(big), 8192):

@@ -168,6 +168,70 @@ def test_bad_structured_requests_are_400_naming_the_field(server, body, param, p
     assert error["param"] == param and phrase in error["message"], error
 
 
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+@pytest.mark.parametrize("schema, part", [
+    ({"$ref": "https://example.com/person.json"}, "but got https://example.com/person.json"),
+    ({"type": "object", "properties": {"a": {"$ref": "other.json#/a"}}}, "but got other.json#/a"),
+    ({"type": "string", "pattern": "a^b"}, "Anchor '^' in the middle of regex is ignored: a^b"),
+    ({"type": "string", "pattern": "ab$c"}, "'$'"),
+    ({"type": "string", "pattern": "(?=a)[a-z]"}, "Lookahead assertion is not supported and is ignored"),
+    ({"type": "string", "pattern": "[a-z]+", "maxLength": 4}, "ignoring minLength/maxLength"),
+    ({"type": "number", "multipleOf": 0.5}, "ignoring multipleOf"),
+])
+def test_a_constraint_xgrammar_would_loosen_is_400_naming_the_part(client, schema, part):
+    """xgrammar compiles these with a warning and drops the part (an unconstrained object for a remote $ref, `ab`
+    for a^b): refused, never answered under a looser constraint."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**_chat(response_format=_schema_format(schema)))
+    assert info.value.status_code == 400 and info.value.param == "response_format"
+    assert "cannot be compiled exactly" in info.value.message and part in info.value.message, info.value.message
+
+
+def test_a_named_tool_with_a_remote_ref_is_400_naming_tool_choice(client):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "https://example.com/f.json"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**_chat(tools=[tool], tool_choice={"type": "function",
+                                                                          "function": {"name": "f"}}))
+    assert info.value.param == "tool_choice" and "https://example.com/f.json" in info.value.message
+
+
+def test_a_grammar_past_its_budget_is_400_and_plain_requests_do_not_wait_for_it(client):
+    """Nested bounded repeats build an automaton cubic in the bounds (four groups: minutes): two such schemas (distinct, so neither is
+    the other's cached refusal) are refused past structured.COMPILE_TIMEOUT_S each, one after the other on the
+    compiler process; plain requests sent meanwhile are answered before the second refusal (they are tokenized
+    and checked on another pool). An order, not a time: the second refusal comes after two budgets."""
+    import threading
+
+    from tritonq.structured import COMPILE_TIMEOUT_S
+    slow = [{"type": "string", "pattern": "".join(f"({a}{{0,128}}{b}{{0,128}}){{0,128}}" for a, b in pairs)}
+            for pairs in (["ab", "cd", "ef", "gh"], ["ij", "kl", "mn", "op"])]  # one group: ~7 s on 2 loaded cores
+    events, errors = [], []
+
+    def refused(schema):
+        try:
+            client.chat.completions.create(**_chat(response_format=_schema_format(schema)))
+        except openai.BadRequestError as e:
+            errors.append(e.message)
+        events.append("refused")
+    threads = [threading.Thread(target=refused, args=(schema,)) for schema in slow]
+    for t in threads:
+        t.start()
+    threads[0].join(1.0)  # a head start, not a bound
+    for _ in range(3):
+        reply = client.chat.completions.create(**_chat(max_tokens=4))
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        events.append("plain")
+    for t in threads:
+        t.join()
+    assert events[-1] == "refused" and events.count("plain") == 3, events
+    assert len(errors) == 2 and all(f"took longer than {COMPILE_TIMEOUT_S:g} s" in m for m in errors), errors
+    reply = client.chat.completions.create(**_chat(response_format=_person_format()))  # the compiler restarted
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+
+
 def test_parse_tool_calls_reads_hermes_blocks():
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')

@@ -199,6 +199,41 @@ def test_bad_constraints_are_refused_before_any_work(model):
     assert not model.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("options, part", [
+    ({"regex": "a^b"}, "'^' should be at the start of the regex"),
+    ({"regex": "ab$c"}, "'$' should be at the end of the regex"),
+    ({"regex": r"\Aab"}, r"Escape sequence '\A' is not recognized"),
+    ({"json_schema": {"$ref": "https://example.com/s.json"}}, "but got https://example.com/s.json"),
+    ({"json_schema": {"type": "string", "pattern": "(?!a)[a-z]"}}, "Lookahead assertion is not supported"),
+])
+def test_a_constraint_xgrammar_would_loosen_is_refused(model, options, part):
+    """xgrammar compiles these with only a warning, dropping the part: a ValueError naming it, before any work."""
+    with pytest.raises(ValueError, match="cannot be compiled exactly") as info:
+        model.generate("x", max_new_tokens=4, **options)
+    assert part in str(info.value)
+    assert not model.engine.has_unfinished()
+
+
+def test_grammar_time_and_size_budgets_and_cached_refusals():
+    """A schema whose automaton explodes is refused past the budget (its compiler process killed), and at once
+    when sent again (the refusal is cached); the next constraint gets a fresh compiler process. A constraint
+    longer than MAX_CONSTRAINT_CHARS is refused before any compile."""
+    from tritonq.demo import byte_tokenizer
+    from tritonq.structured import MAX_CONSTRAINT_CHARS, GrammarError
+    tokenizer = byte_tokenizer()
+    grammars = Grammars(tokenizer, 258, [257], compile_timeout_s=1.0)
+    slow = ("json_schema", json.dumps({"type": "string", "pattern": "(x{0,128}y{0,128}){0,128}" * 2}))
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="took longer than 1 s to compile"):
+            grammars.compile(slow)
+    assert grammars.compiles == 1
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    ab = constraint_of(GenerationConfig(regex="ab"))
+    assert not grammars.matcher(ab).accept(b) and grammars.matcher(ab).accept(a) and grammars.compiles == 2
+    with pytest.raises(GrammarError, match=f"more than the {MAX_CONSTRAINT_CHARS} a constraint may have"):
+        grammars.compile(("regex", "a" * (MAX_CONSTRAINT_CHARS + 1)))
+
+
 def test_missing_xgrammar_names_the_extra(monkeypatch, tiny_llama_model):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
     monkeypatch.setattr(tiny_llama_model.engine, "_grammars", None)

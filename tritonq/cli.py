@@ -227,7 +227,8 @@ def quantize_parser(prog: str = "tritonq quantize") -> argparse.ArgumentParser:
                               "exact on-disk format AutoAWQ / GPTQModel / llm-compressor / vLLM read; see "
                               "tritonq/quantize.py.")
     parser.add_argument("src", help="dense checkpoint folder (transformers save_pretrained)")
-    parser.add_argument("dst", help="output folder")
+    parser.add_argument("dst", help="output folder (new or empty; written beside it, then renamed into place)")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it holds anything")
     parser.add_argument("--format", required=True, choices=["awq", "gptq", "fp8", "mxfp4", "w8a8"],
                         help="checkpoint format to write (mxfp4: gpt-oss's MoE experts; w8a8: compressed-tensors "
                              "int-quantized, INT8 weights and activations)")
@@ -281,7 +282,8 @@ def quantize_main(argv: list[str] | None = None, prog: str = "tritonq quantize")
     calibration = {"file": a.calibration, "samples": a.samples, "seq_len": a.seq_len, "damp": a.damp,
                    "block_size": a.block_size, "clip": a.awq_clip, "smooth": a.smooth}
     try:
-        written = write_quantized(a.src, a.dst, a.format, method=a.method, calibration=calibration, **options)
+        written = write_quantized(a.src, a.dst, a.format, method=a.method, calibration=calibration,
+                                  overwrite=a.overwrite, **options)
     except (ValueError, OSError) as e:  # bad input: one line that says what to change, no traceback
         fail(parser, e)
     print(f"wrote {written}")

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.demo") ->
     from tritonq.quantize import write_quantized
 
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=0.8, top_k=20, seed=0)
-    awq = write_quantized(DEFAULT_MODEL, args.output, "awq", group_size=128, method="awq",
+    awq = write_quantized(DEFAULT_MODEL, args.output, "awq", group_size=128, method="awq", overwrite=True,
                           calibration={"file": CALIBRATION_TEXT, "samples": 32, "seq_len": 128}).resolve()
     print(f"wrote the AWQ int4 checkpoint of the default model (1M-parameter Llama trained on Shakespeare) to {awq}")
     model = tritonq.load(awq)

@@ -258,16 +258,81 @@ def _check_config(config: dict, path: Path) -> None:
     if heads is not None and kv_heads is not None and heads % kv_heads:
         refuse("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads} (each KV head serves "
                "a whole group of query heads)")
-    eps = config.get("rms_norm_eps")
-    if eps is not None and not (_is_number(eps) and math.isfinite(eps) and eps > 0):
-        refuse("rms_norm_eps", eps, "a positive finite number (e.g. 1e-5 or 1e-6)")
+    for key, value in config.items():  # rms_norm_eps, layer_norm_epsilon, ...: a norm divides by sqrt(var + eps)
+        if key.endswith(("_eps", "_epsilon")) and value is not None and not _positive(value):
+            refuse(key, value, "a positive finite number (e.g. 1e-5 or 1e-6)")
     thetas = {"rope_theta": config.get("rope_theta")}
     for key in ("rope_parameters", "rope_scaling"):  # where newer / other exporters keep it
         if isinstance(config.get(key), dict):
             thetas[f"{key}.rope_theta"] = config[key].get("rope_theta")
+            _check_rope(config[key], key, refuse)
     for key, theta in thetas.items():
-        if theta is not None and not (_is_number(theta) and math.isfinite(theta) and theta > 0):
+        if theta is not None and not _positive(theta):
             refuse(key, theta, "a positive finite number (the rope base, e.g. 10000.0 or 500000.0)")
+    attn = config.get("attn_config") if isinstance(config.get("attn_config"), dict) else {}  # MPT's
+    constants = {"routed_scaling_factor": config.get("routed_scaling_factor"),  # DeepSeek: routed experts' weight
+                 "swiglu_alpha": config.get("swiglu_alpha"), "swiglu_limit": config.get("swiglu_limit"),  # gpt-oss
+                 "attn_config.softmax_scale": attn.get("softmax_scale")}
+    for key, value in constants.items():
+        if value is not None and not _positive(value):
+            refuse(key, value, "a positive finite number")
+    for key, value in {"clip_qkv": config.get("clip_qkv"), "attn_config.clip_qkv": attn.get("clip_qkv")}.items():
+        if value is not None and not (_is_number(value) and math.isfinite(value) and value >= 0):
+            refuse(key, value, "a positive finite bound on |q|, |k|, |v| (0 or null: no clipping)")
+    _check_routing(config, refuse)
+
+
+def _check_rope(rope: dict, where: str, refuse) -> None:
+    """The rope scaling constants a table is computed from (kernels.norm_rope): a factor <= 0 divides by zero
+    or flips frequencies; llama3's smoothing divides by high_freq_factor - low_freq_factor."""
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow"):
+        if rope.get(key) is not None and not _positive(rope[key]):
+            refuse(f"{where}.{key}", rope[key], "a positive finite number")
+    for key in ("mscale", "mscale_all_dim"):  # yarn's 0.1 * mscale * ln(factor) + 1: 0 means no scaling
+        if rope.get(key) is not None and not (_is_number(rope[key]) and math.isfinite(rope[key]) and rope[key] >= 0):
+            refuse(f"{where}.{key}", rope[key], "a finite number >= 0")
+    original = rope.get("original_max_position_embeddings")
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+        refuse(f"{where}.original_max_position_embeddings", original, "a positive int")
+    low, high = rope.get("low_freq_factor"), rope.get("high_freq_factor")
+    if low is not None and high is not None and not high > low:
+        refuse(f"{where}.high_freq_factor", high, f"a number > low_freq_factor={low} (llama3 rope divides by "
+               "their difference)")
+
+
+# config.json's count of routed experts, by the name each architecture uses (Qwen-MoE, Mixtral / gpt-oss, DeepSeek).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _check_routing(config: dict, refuse) -> None:
+    """MoE routing constants against the expert count E: 1 <= num_experts_per_tok <= E; with grouped routing
+    (DeepSeek; not topk_method "greedy", which ignores groups) n_group divides E, 1 <= topk_group <= n_group
+    and top-k fits in the kept groups: what kernels.moe.routing would refuse on every request. A key left out
+    takes transformers' default for the architecture and is not checked against the others."""
+    key = next((k for k in EXPERT_COUNT_KEYS if config.get(k) is not None), None)
+    E = config.get(key) if key else None
+    if key and (isinstance(E, bool) or not isinstance(E, int) or E < 0):
+        refuse(key, E, "a non-negative int (the number of routed experts)")
+    top_k = config.get("num_experts_per_tok")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or (E and top_k > E)):
+        refuse("num_experts_per_tok", top_k, f"an int in 1..{key}={E}" if E else "a positive int")
+    n_group, topk_group = config.get("n_group"), config.get("topk_group")
+    if not E or config.get("topk_method") == "greedy":
+        return
+    if n_group is not None and (isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or E % n_group):
+        refuse("n_group", n_group, f"a positive divisor of {key}={E} (experts split into equal groups)")
+    if topk_group is not None and (isinstance(topk_group, bool) or not isinstance(topk_group, int) or topk_group < 1
+                                   or (n_group is not None and topk_group > n_group)):
+        refuse("topk_group", topk_group, "a positive int" + (f" <= n_group={n_group}" if n_group is not None else "")
+               + " (the groups kept per token)")
+    if None not in (n_group, topk_group, top_k) and top_k > topk_group * (E // n_group):
+        refuse("num_experts_per_tok", top_k, f"at most topk_group * {key} / n_group = {topk_group * (E // n_group)} "
+               "(the experts in the kept groups)")
+
+
+def _positive(value) -> bool:
+    """A finite number > 0 (not a bool, a string or NaN)."""
+    return _is_number(value) and math.isfinite(value) and value > 0
 
 
 def _is_number(value) -> bool:

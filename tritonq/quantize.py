@@ -18,7 +18,9 @@ the norms before q|k|v and gate|up, from the activations of --calibration text.
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
 import shutil
 from pathlib import Path
 
@@ -122,16 +124,18 @@ def converted_modules(weights: Weights, ignore: list[str]) -> set[str]:
 
 
 def write_quantized(src: str | Path, dst: str | Path, fmt: str, *, method: str = "rtn",
-                    calibration: dict | None = None, **options) -> Path:
+                    calibration: dict | None = None, overwrite: bool = False, **options) -> Path:
     """Quantize the dense checkpoint folder src into dst (options: see quantization_config).
 
     method "gptq" / "awq" calibrates first (tritonq.calibrate) on calibration = {"file", "samples",
-    "seq_len"} and optional "damp", "block_size", "clip"; "rtn" rounds to nearest.
+    "seq_len"} and optional "damp", "block_size", "clip"; "rtn" rounds to nearest. A non-empty dst is
+    refused unless overwrite; dst appears whole or not at all (see replace_folder).
     """
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} has no config.json; SRC must be a dense checkpoint folder written by "
                                 "transformers' save_pretrained")
+    check_destination(src, dst, overwrite)
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
         raise ValueError(f"{src}/config.json already has a quantization_config "
@@ -170,14 +174,51 @@ def write_quantized(src: str | Path, dst: str | Path, fmt: str, *, method: str =
                 tensors |= quantized_tensors(prefix, tensor(name), q, bias, calibrated.int4.get(prefix))
             except ValueError as e:
                 raise ValueError(f"{src}: cannot quantize {name}: {e}") from e
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():  # tokenizer, generation config, chat template, ...
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(f, dst / f.name)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = q
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    def write(folder: Path) -> None:
+        for f in src.iterdir():  # tokenizer, generation config, chat template, ...
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+                shutil.copy2(f, folder / f.name)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    replace_folder(dst, write)
     return dst
+
+
+def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    """Refuse, before any work, a dst that is a file, is src, or holds anything unless overwrite."""
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"DST {dst} is a file; give a folder for the quantized checkpoint")
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise ValueError(f"DST {dst} is SRC; write the quantized checkpoint to another folder")
+    if dst.is_dir() and not overwrite and any(dst.iterdir()):
+        found = sorted(f.name for f in dst.iterdir())
+        raise FileExistsError(f"DST {dst} is not empty (it holds {', '.join(found[:4])}{', ...' if len(found) > 4 else ''}); "
+                              "choose a new or empty folder, or pass --overwrite (overwrite=True) to replace it")
+
+
+def replace_folder(dst: Path, write) -> None:
+    """Run write(folder) on a fresh folder beside dst, then rename it into dst's place (an existing dst is
+    renamed aside first and removed last), so an interrupted or failed write never leaves half a checkpoint."""
+    dst = dst.resolve()  # "." and "out/" have a name and a parent to stage beside
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staged = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    staged.mkdir()
+    aside = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        write(staged)
+        if dst.is_dir() and any(dst.iterdir()):  # overwrite (checked before any work)
+            os.rename(dst, aside)
+        os.replace(staged, dst)  # an absent or empty dst is replaced in one step
+    except BaseException:
+        if aside.exists() and not dst.exists():
+            os.rename(aside, dst)
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    if aside.exists():
+        shutil.rmtree(aside)
 
 
 def calibrate_for_writer(src: Path, fmt: str, method: str, q: dict, converted: set[str], calibration: dict | None):

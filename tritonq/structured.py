@@ -2,7 +2,10 @@
 
 A constraint (GenerationConfig.json_schema / regex / choice) is compiled once per distinct constraint
 into an xgrammar grammar over the model's tokenizer (an LRU cache of GRAMMAR_CACHE_SIZE grammars per
-engine); each request holds a GrammarMatcher that advances with every token it samples. Each step,
+engine); each request holds a GrammarMatcher that advances with every token it samples. Compiles run in a
+child process (tritonq.structured_worker) with a time budget, and a constraint xgrammar would compile only in
+part (it warns and drops a remote `$ref`, a mid-pattern anchor, a lookahead, ...) is refused, as is one
+past the budget: an output never follows a looser constraint than the one asked for. Each step,
 every constrained row fills its row of a token bitmask [R, ceil(V / 32)] int32 (bit v of word v // 32:
 token v may follow), and the sampler sets the logits of the disallowed tokens to -inf in one tensor op
 (`apply_token_bitmask`) before any sampling filter. The grammar's stop tokens are the engine's EOS ids, so
@@ -18,13 +21,25 @@ xgrammar is an optional dependency (`pip install 'tritonq[structured]'`), import
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import subprocess
+import sys
 import threading
+import weakref
 from collections import OrderedDict
+from multiprocessing.connection import Connection
 
 import torch
 
-GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per engine (a JSON schema compiles in ~1 ms to 100s of ms)
+GRAMMAR_CACHE_SIZE = 64  # grammars (and refusals) kept per engine (a JSON schema compiles in ~1 ms to 100s of ms)
+# A compile's budget. Ordinary schemas and patterns compile in well under a second; a short pattern with nested
+# bounded repeats ((x{0,128}y{0,128}){0,128}: 26 bytes) builds an automaton cubic in the bounds and runs for
+# seconds to minutes, which no text-size rule predicts, so the compile runs in a child process killed past this.
+COMPILE_TIMEOUT_S = 10.0
+MAX_CONSTRAINT_CHARS = 128 << 10  # a constraint's text (schema JSON, regex, choices): larger ones are refused
+START_TIMEOUT_S = 120.0  # the compiler process's start (a Python with xgrammar imported): not the compile's budget
 MISSING_XGRAMMAR = ("structured outputs (json_schema / regex / choice, response_format, tools) need the xgrammar "
                     "package; install it with: pip install 'tritonq[structured]'")
 
@@ -93,12 +108,14 @@ class Grammars:
     Thread-safe: the server compiles on its handler threads (to refuse a bad schema with a 400 before
     queueing) and the engine thread reads the same cache."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = GRAMMAR_CACHE_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = GRAMMAR_CACHE_SIZE,
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S):
         xgr = _xgrammar()
         self.vocab_size, self.stop_token_ids = vocab_size, sorted(stop_token_ids)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=self.stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # cached here (LRU)
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=self.stop_token_ids)
+        self._process = _CompilerProcess(self._info.serialize_json())
+        self.compile_timeout_s = compile_timeout_s
         # xgrammar reads special tokens (<s>, <|im_start|>, ...) as their text, so a grammar could take
         # "<s>" inside a JSON string while the detokenizer drops it: they are never allowed (EOS aside).
         self.no_special = token_bitmask(1, vocab_size)[0]
@@ -106,40 +123,126 @@ class Grammars:
             if 0 <= t < vocab_size:
                 bit = -2 ** 31 if t % 32 == 31 else 1 << (t % 32)  # bit 31 of an int32 is its sign
                 self.no_special[t // 32] &= ~bit
-        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()  # a grammar, or the GrammarError
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled so far (cache misses)
 
     def compile(self, constraint: tuple[str, str]):
         """The compiled grammar of a (kind, text) constraint (from the cache when seen before). Raises
-        GrammarError (a ValueError) naming the constraint and xgrammar's reason when it does not compile."""
+        GrammarError (a ValueError) naming the constraint and the reason when it does not compile, compiles only
+        in part, is larger than MAX_CONSTRAINT_CHARS or takes longer than compile_timeout_s (refusals are cached
+        too: a slow constraint sent again is refused at once)."""
         with self._lock:
             if constraint in self._cache:
                 self._cache.move_to_end(constraint)
-                return self._cache[constraint]
-        kind, text = constraint
+                found = self._cache[constraint]
+                if isinstance(found, GrammarError):
+                    raise GrammarError(str(found))  # a fresh exception: threads may raise it at once
+                return found
         try:
-            if kind == "json_schema":
-                grammar = self._compiler.compile_json_schema(_bounded_strings_as_patterns(text), any_whitespace=False)
-            elif kind == "regex":
-                grammar = self._compiler.compile_regex(text)
-            else:
-                grammar = self._compiler.compile_grammar(text)
-        except RuntimeError as exc:
-            shown = text if len(text) <= 200 else text[:200] + "..."
-            raise GrammarError(f"the {kind} {shown} cannot be compiled into a grammar: {_message(exc)}; "
-                               f"fix the {kind}.") from None
+            grammar = self._compile(*constraint)
+        except GrammarError as error:
+            grammar = error
         with self._lock:
             self.compiles += 1
             self._cache[constraint] = grammar
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
+        if isinstance(grammar, GrammarError):
+            raise grammar
         return grammar
+
+    def _compile(self, kind: str, text: str):
+        shown = text if len(text) <= 200 else text[:200] + "..."
+
+        def refuse(why: str) -> GrammarError:
+            return GrammarError(f"the {kind} {shown} {why}")
+        if len(text) > MAX_CONSTRAINT_CHARS:
+            raise refuse(f"is {len(text)} characters long, more than the {MAX_CONSTRAINT_CHARS} a constraint may "
+                         "have; send a smaller one")
+        try:
+            outcome, result, warnings = self._process.compile(
+                kind, _bounded_strings_as_patterns(text) if kind == "json_schema" else text, self.compile_timeout_s)
+        except TimeoutError:
+            raise refuse(f"took longer than {self.compile_timeout_s:g} s to compile into a grammar (nested bounded "
+                         "repeats, such as (a{0,100}b{0,100}){0,100}, make automata that explode); "
+                         "simplify it") from None
+        except EOFError:
+            raise refuse("made the grammar compiler crash; simplify it") from None
+        if outcome == "error":
+            raise refuse(f"cannot be compiled into a grammar: {_message(result)}; fix the {kind}.")
+        if warnings:
+            raise refuse(f"cannot be compiled exactly: the grammar compiler would drop part of it "
+                         f"({'; '.join(warnings)}); rewrite that part (only local $refs '#/...' are resolved; "
+                         "a regex may not use anchors other than a leading ^ and a trailing $, lookarounds, "
+                         "backreferences or unknown escapes).")
+        return _xgrammar().CompiledGrammar.deserialize_json(result, self._info)
 
     def matcher(self, constraint: tuple[str, str]) -> GrammarState:
         """A fresh matcher (at the start of the output) for one request."""
         return GrammarState(_xgrammar().GrammarMatcher(self.compile(constraint)), self.no_special)
+
+
+class _CompilerProcess:
+    """The compiler child process (`python -m tritonq.structured_worker`: a fresh interpreter, so nothing of the
+    caller's script or server runs again in it), one compile at a time, started on first use and again after a
+    compile past its budget killed it."""
+
+    def __init__(self, tokenizer_info: str):
+        self.tokenizer_info = tokenizer_info
+        self.process: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.finalizer: weakref.finalize | None = None
+        self.lock = threading.Lock()
+
+    def compile(self, kind: str, text: str, timeout_s: float) -> tuple[str, str, list[str]]:
+        """structured_worker's answer; TimeoutError past timeout_s (the process is killed), EOFError if it died."""
+        with self.lock:
+            if self.process is None or self.process.poll() is not None:
+                self._start()
+            try:
+                self.conn.send((kind, text))
+                if not self.conn.poll(timeout_s):
+                    raise TimeoutError
+                return self.conn.recv()
+            except TimeoutError:
+                self._stop()
+                raise
+            except (EOFError, OSError) as error:
+                self._stop()
+                raise EOFError("the grammar compiler process died") from error
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair()
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this tritonq is imported from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        with theirs:
+            self.process = subprocess.Popen([sys.executable, "-m", "tritonq.structured_worker", str(theirs.fileno())],
+                                            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.DEVNULL)
+        self.conn = Connection(ours.detach())
+        self.finalizer = weakref.finalize(self, _CompilerProcess._end, self.process, self.conn)  # when garbage
+        try:
+            self.conn.send(self.tokenizer_info)
+            ready = self.conn.poll(START_TIMEOUT_S) and self.conn.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            self._stop()
+            raise RuntimeError(f"the grammar compiler process (python -m tritonq.structured_worker) did not start "
+                               f"within {START_TIMEOUT_S:g} s")
+
+    def _stop(self) -> None:
+        self.finalizer()  # _end, once
+        self.process = self.conn = self.finalizer = None
+
+    @staticmethod
+    def _end(process: subprocess.Popen, conn: Connection) -> None:
+        conn.close()
+        if process.poll() is None:
+            process.kill()
+        process.wait()
 
 
 class GrammarState:

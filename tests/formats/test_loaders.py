@@ -132,6 +132,39 @@ def test_static_fp8_input_scale(tiny_llama, tmp_path):
     assert float(qkv.input_scale) == 2.5 and qkv.weight_scale.shape == (128, 1)
 
 
+def _static_input_scales(folder, fmt: str, scales: list[float]) -> None:
+    """Turn the written fp8 / w8a8 checkpoint in folder into static activations with these input scales (one a
+    linear, in LINEARS order; the rest 1.0)."""
+    tensors = load_file(folder / "model.safetensors")
+    for i, p in enumerate(LINEARS):
+        tensors[f"{p}.input_scale"] = torch.tensor([scales[i] if i < len(scales) else 1.0])
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    if fmt == "fp8":
+        config["quantization_config"]["activation_scheme"] = "static"
+    else:
+        config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False, "group_size": None}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "w8a8"])
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), float("inf")])
+def test_impossible_static_input_scale_is_refused_naming_the_tensor(tiny_llama, tmp_path, fmt, bad):
+    """Activations are divided by a static input scale: 0 gives inf, a negative one flips every code. A checkpoint
+    holding one is refused as the linear is read, naming the tensor; 0.25 in the same place loads."""
+    write_quantized(tiny_llama, tmp_path / "good", fmt)
+    _static_input_scales(tmp_path / "good", fmt, [1.0, 0.25])
+    assert float(get_loader(tmp_path / "good", torch.float32, "cpu").get_linear(LINEARS[1]).input_scale) == 0.25
+    write_quantized(tiny_llama, tmp_path / "bad", fmt)
+    _static_input_scales(tmp_path / "bad", fmt, [1.0, bad])
+    loader = get_loader(tmp_path / "bad", torch.float32, "cpu")
+    loader.get_linear(LINEARS[0])
+    with pytest.raises(ValueError, match=rf"'{LINEARS[1]}\.input_scale' holds {bad}; a static input scale must be "
+                                         "finite and > 0"):
+        loader.get_linear(LINEARS[1])
+
+
 def test_modules_to_not_convert_and_gptq_dynamic(tiny_llama, original, tmp_path):
     write_quantized(tiny_llama, tmp_path, "gptq", group_size=GROUP_SIZE, modules_to_not_convert=["down_proj"])
     dense_down = "model.layers.0.mlp.down_proj"

@@ -6,6 +6,7 @@ of a layer a tensor-parallel rank reads, and which splits are refused: formats/t
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import warnings
 from dataclasses import replace
@@ -397,6 +398,21 @@ class WeightsLoader:
 
     def has_tensor(self, name: str) -> bool:
         return self.weights.has_tensor(name)
+
+    def input_scale(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The static activation scale `name` (one value: [], [1]) as a float32 [] tensor on the device, refused
+        unless finite and > 0: activations are divided by it, so 0 gives inf and a negative one flips every
+        code (checked on the host as read; a meta tensor in a dry run has no value). dtype: the stored dtype
+        the format requires (None: any)."""
+        t = self.weights.get_tensor(name, dtype=dtype).float()
+        if t.numel() != 1:
+            raise ValueError(f"{self.weights.folder}: tensor '{name}' has shape {list(t.shape)}, expected [] or [1] "
+                             "(one static per-tensor value)")
+        if not t.is_meta and not (math.isfinite(t.item()) and t.item() > 0):
+            raise ValueError(f"{self.weights.folder}: tensor '{name}' holds {t.item()}; a static input scale must be "
+                             "finite and > 0 (activations are divided by it): the checkpoint's calibration is broken, "
+                             "re-export it or use dynamic activation scales")
+        return t.reshape(()).to(self.device)
 
     def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
         raise NotImplementedError

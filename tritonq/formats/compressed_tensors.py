@@ -275,7 +275,7 @@ class CompressedTensorsLoader(WeightsLoader):
             scale = read_shard(self.weights, f"{prefix}.weight_scale", shard, column=0, row=1 if s.strategy == "block" else None)
         input_scale = None
         if s.static_input:
-            input_scale = self.weights.get_tensor(f"{prefix}.input_scale").float().reshape(()).to(self.device)
+            input_scale = self.input_scale(f"{prefix}.input_scale")
         return FP8Weight(weight.to(self.device), scale.float().to(self.device), s.block_size, input_scale,
                          weight_only=s.weight_only)
 
@@ -291,7 +291,7 @@ class CompressedTensorsLoader(WeightsLoader):
                              f"expected {[1] if s.strategy == 'tensor' else [N, 1]} for strategy {s.strategy!r}")
         input_scale = zero_point = None
         if s.static_input:
-            input_scale = self._one_value(f"{prefix}.input_scale").float().to(self.device)
+            input_scale = self.input_scale(f"{prefix}.input_scale")
         if s.input_zero_point:
             zero_point = self._one_value(f"{prefix}.input_zero_point")
             if zero_point.is_floating_point() and not zero_point.is_meta and zero_point != zero_point.round():

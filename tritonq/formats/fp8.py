@@ -62,6 +62,5 @@ class FP8Loader(WeightsLoader):
                                  f"expected [] (per tensor) or [{N}, 1] (per channel)")
         input_scale = None
         if self.activation_scheme == "static":
-            input_scale = self.weights.get_tensor(f"{prefix}.input_scale", dtype=torch.float32).reshape(())
-            input_scale = input_scale.to(self.device)
+            input_scale = self.input_scale(f"{prefix}.input_scale", dtype=torch.float32)
         return FP8Weight(weight.to(self.device), scale.to(self.device), self.block_size, input_scale)

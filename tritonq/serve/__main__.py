@@ -31,7 +31,8 @@ def build_parser(prog: str = "python -m tritonq.serve") -> argparse.ArgumentPars
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     parser.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every route but /health")
+                        help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                             "TRITONQ_API_KEY environment variable if set; an empty key is refused)")
     parser.add_argument("--open-metrics", action="store_true",
                         help="leave /metrics open without the API key (for a Prometheus scraper)")
     parser.add_argument("--max-request-bytes", type=int, default=None,
@@ -78,6 +79,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tritonq.ser
             parser.error(f"--{name.replace('_', '-')} is {getattr(args, name)}; expected >= 1")
     if not (args.body_timeout > 0 and math.isfinite(args.body_timeout)):
         parser.error(f"--body-timeout is {args.body_timeout}; expected a number of seconds > 0")
+    args.api_key_source = "--api-key"
+    if args.api_key is None and "TRITONQ_API_KEY" in os.environ:
+        args.api_key, args.api_key_source = os.environ["TRITONQ_API_KEY"], "TRITONQ_API_KEY"
     return parser, args
 
 
@@ -124,8 +128,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.serve") -
     require(parser, SERVE_MODULES, "serve")
     import uvicorn
 
-    from tritonq.serve.app import create_app
+    from tritonq.serve.app import check_api_key, create_app
     from tritonq.serve.ranks import LeaderEngine, control_group, follow
+
+    try:
+        check_api_key(args.api_key, args.api_key_source)
+    except ValueError as e:
+        fail(parser, e)
 
     if args.tensor_parallel not in (None, 1) and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         fail(parser, f"--tensor-parallel {args.tensor_parallel} needs {args.tensor_parallel} processes: start the "

@@ -7,7 +7,7 @@ log-probability is written as -9999.0, as vLLM).
 from __future__ import annotations
 
 import asyncio
-import secrets
+import hmac
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -21,7 +21,8 @@ from tritonq.serve.protocol import APIError, StrictJSONResponse
 from tritonq.serve.routes import router
 
 MAX_REQUEST_BYTES = 2 << 20  # default --max-request-bytes: a 128k-token prompt fits, as text or as ids
-TOKENIZER_THREADS = 2      # tokenization, chat templating, grammar compiles off the event loop (they release the GIL)
+TOKENIZER_THREADS = 2      # tokenization and chat templating off the event loop (they release the GIL)
+GRAMMAR_THREADS = 2        # checks of requests with a schema, whose grammar compiles (tritonq.structured's process)
 OPEN_PATHS = ("/health",)  # the only routes that never need the API key
 
 
@@ -30,14 +31,17 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
                limits: Limits = Limits()) -> FastAPI:
     """The app over a loaded tritonq Model (its engine runs in a background thread while the app lives).
 
-    api_key: required on every route but /health (and /metrics with open_metrics). max_waiting: the most
+    api_key: required on every route but /health (and /metrics with open_metrics); an empty or whitespace key
+    is refused (ValueError), since a bare 'Authorization: Bearer' would match it. max_waiting: the most
     sequences waiting for their first token (429 past it). limits: the fairness caps (tritonq.serve.limits).
     on_dead(reason): called from the engine thread once the engine cannot continue (the command line exits
     non-zero)."""
+    check_api_key(api_key, "api_key")
     metrics = ServerMetrics(served_model_name)
     engine_loop = EngineLoop(model.engine, metrics, max_waiting, on_dead=on_dead)
     metrics.update_engine(model.engine)
     tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tritonq-tokenize")
+    grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="tritonq-grammar")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -45,17 +49,27 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
         yield
         engine_loop.stop()
         tokenizer_pool.shutdown(wait=False)
+        grammar_pool.shutdown(wait=False)
 
     app = FastAPI(title="tritonq", lifespan=lifespan, default_response_class=StrictJSONResponse)
     app.state.model, app.state.served_model_name = model, served_model_name
     app.state.engine_loop, app.state.metrics, app.state.tokenizer_pool = engine_loop, metrics, tokenizer_pool
     app.state.limits = limits
+    app.state.grammar_pool = grammar_pool
     app.add_middleware(_Guard, api_key=api_key, max_request_bytes=max_request_bytes,
                        open_paths=OPEN_PATHS + (("/metrics",) if open_metrics else ()),
                        body_timeout_s=limits.body_timeout_s)
     add_error_handlers(app)
     app.include_router(router)
     return app
+
+
+def check_api_key(api_key: str | None, source: str) -> None:
+    """Refuse a key no client can send or that a bare 'Bearer' would match: empty, whitespace, or with
+    whitespace at either end (HTTP strips it from header values); source names where it came from."""
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        raise ValueError(f"{source} is {api_key!r}: an API key must be non-empty and must not start or end with "
+                         "whitespace; pass the key itself, or leave the option unset to serve without a key")
 
 
 class _Guard:
@@ -68,7 +82,8 @@ class _Guard:
 
     def __init__(self, app, api_key: str | None, open_paths: tuple[str, ...], max_request_bytes: int,
                  body_timeout_s: float = Limits.body_timeout_s):
-        self.app, self.api_key, self.open_paths, self.limit = app, api_key, open_paths, max_request_bytes
+        self.app, self.open_paths, self.limit = app, open_paths, max_request_bytes
+        self.api_key = None if api_key is None else api_key.encode("utf-8")
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
@@ -115,6 +130,8 @@ class _Guard:
         await self.app(scope, replay, send)
 
     def _authorized(self, scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = given.strip().partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
+        """The header's raw bytes (a UTF-8 client's non-ASCII key arrives as its UTF-8 bytes) against the
+        key's UTF-8 bytes, in constant time."""
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)

@@ -1,12 +1,13 @@
 """The routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
 They read what they serve from `request.app.state` (set by create_app): `model` (the tritonq Model: its
-tokenizer, engine and chat_prompt), `engine_loop`, `metrics`, `served_model_name` and `tokenizer_pool`.
+tokenizer, engine and chat_prompt), `engine_loop`, `metrics`, `served_model_name`, `tokenizer_pool` and `grammar_pool`.
 
 Order of work for a request, cheapest check first: the API key and the body size (app._Guard, before the
 body is parsed), pydantic validation (protocol), tokenization and chat templating (Model.chat_prompt), then
 `Engine.check_request` on every prompt x choice (the fit rule, token ids, the output's grammar compiled),
-both in a small thread pool off the event loop, then (completions with `echo` and `logprobs`) the prompts
+in small thread pools off the event loop (a request whose output follows a schema is checked on its own
+pool: that check compiles the grammar), then (completions with `echo` and `logprobs`) the prompts
 scored by `Engine.score` on the engine thread, then the queue bound (--max-waiting); only then is anything
 queued. A response is one JSON body (replies) or server-sent events (sse).
 """
@@ -32,11 +33,18 @@ from tritonq.structured import GrammarError
 router = APIRouter()
 
 
-async def _off_loop(request: Request, fn, *args, **kwargs):
-    """Run fn (tokenizer work: up to --max-request-bytes of text; grammar compiles) in the pool, not on the
-    event loop."""
-    pool = request.app.state.tokenizer_pool
-    return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*args, **kwargs))
+async def _off_loop(request: Request, fn, *args, pool: str = "tokenizer_pool", **kwargs):
+    """Run fn (tokenizer work: up to --max-request-bytes of text) in a pool of the app's, not on the event loop."""
+    executor = getattr(request.app.state, pool)
+    return await asyncio.get_running_loop().run_in_executor(executor, lambda: fn(*args, **kwargs))
+
+
+async def _checked_configs(request: Request, body: SamplingRequest, prompts: list[list[int]]) -> list[list]:
+    """_sampling_configs off the loop: on the grammar pool when the output follows a schema (its check compiles
+    the grammar, up to structured.COMPILE_TIMEOUT_S), so plain requests never wait behind a compile."""
+    constrained = body.output_schema()[0] is not None
+    return await _off_loop(request, _sampling_configs, request.app.state.model, body, prompts,
+                           pool="grammar_pool" if constrained else "tokenizer_pool")
 
 
 def _check_model(request: Request, name: str | None) -> None:
@@ -125,7 +133,7 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from None
     prompts = [encoded.pop(0) if isinstance(p, str) else p for p in texts]
     _check_limits(request, body, prompts)
-    configs = await _off_loop(request, _sampling_configs, state.model, body, prompts)
+    configs = await _checked_configs(request, body, prompts)
     echoes = await _echo_parts(request, body, texts, prompts) if body.echo else None
     stream = await submit(state.engine_loop, prompts, configs, body.n)
     ids = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.served_model_name)
@@ -168,7 +176,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             raise APIError(400, str(exc), "tools") from None
         raise APIError(400, f"the messages do not fit the chat template: {exc}", "messages") from None
     _check_limits(request, body, [prompt])
-    configs = await _off_loop(request, _sampling_configs, state.model, body, [prompt])
+    configs = await _checked_configs(request, body, [prompt])
     stream = await submit(state.engine_loop, [prompt], configs, body.n)
     ids = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.served_model_name)
     if body.stream:
