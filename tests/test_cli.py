@@ -116,6 +116,59 @@ def test_bad_argument_is_one_error_line(argv, expected, capsys):
     assert expected in cli_error(argv, capsys)
 
 
+@pytest.fixture
+def no_load(monkeypatch):
+    """tritonq.load replaced by a failure: the error must come before the model loads."""
+    monkeypatch.setattr(tritonq, "load", lambda *a, **k: pytest.fail("the model started loading before the error"))
+
+
+@pytest.fixture
+def cpu_torch(monkeypatch):
+    """torch as a CPU-only build has it, on any machine."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+
+
+@pytest.mark.parametrize("command", [["generate", MODEL, "Hi"], ["chat", MODEL], ["serve", MODEL],
+                                     ["eval", "perplexity", MODEL, __file__]])
+def test_cuda_on_a_cpu_torch_is_one_error_line_before_the_model_loads(command, no_load, cpu_torch, capsys):
+    err = cli_error([*command, "--device", "cuda"], capsys)
+    assert "--device cuda: this torch" in err and "is built without CUDA; pass --device cpu" in err
+
+
+@pytest.mark.parametrize("device, expected", [
+    ("cuda:3", "--device cuda:3: this machine has 2 CUDA GPUs (cuda:0 to cuda:1)"),
+    ("mps", "--device mps: tritonq runs on cpu or cuda"),
+    ("cuda:x", "--device 'cuda:x' is not a device name; expected cpu, cuda or cuda:N")])
+def test_unavailable_device_is_one_error_line_before_the_model_loads(device, expected, no_load, monkeypatch, capsys):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert expected in cli_error(["generate", MODEL, "Hi", "--device", device], capsys)
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-1"])
+def test_invalid_port_is_one_error_line_before_the_model_loads(port, no_load, capsys):
+    assert f"argument --port: {port} is not a TCP port; expected 1-65535" in cli_error(["serve", MODEL, "--port", port],
+                                                                                       capsys)
+
+
+def test_busy_port_is_one_error_line_before_the_model_loads(no_load, capsys):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = cli_error(["serve", MODEL, "--port", str(port)], capsys)
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use; stop the process using it" in err
+
+
+def test_address_not_on_this_machine_is_one_error_line_before_the_model_loads(no_load, capsys):
+    err = cli_error(["serve", MODEL, "--host", "192.0.2.1"], capsys)  # TEST-NET-1: never a local address
+    assert "cannot listen on 192.0.2.1:8000: Cannot assign requested address" in err
+
+
 def test_bench_unknown_name_lists_every_benchmark(capsys):
     err = cli_error(["bench", "nope"], capsys)
     for name in ("attention", "engine", "generate", "int4_gemm", "quality", "serve", "vs-vllm"):

@@ -76,6 +76,8 @@ def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = Fa
                        help="quantize a dense checkpoint on load (round to nearest)")
     group.add_argument("--group-size", type=int, default=None, help="int4 group size for --quantize int4 (default 128)")
     group.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    group.add_argument("--threads", type=int, default=None,
+                       help="CPU threads for torch and the C kernels (default: tritonq.load's, see docs/cli_behaviour.md)")
     group.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
     group.add_argument("--max-seq-len", type=int, default=None,
                        help="prompt + completion tokens per sequence (default: min(the model's positions, 4096))")
@@ -96,10 +98,35 @@ def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = Fa
                                 "instead of every expert split by its intermediate size")
 
 
+def check_device(parser: argparse.ArgumentParser, device: str | None) -> None:
+    """fail() unless device (None: load's default) names one this machine has: cpu, or cuda / cuda:N with that
+    GPU present (checked before the model loads; torch's own errors are tracebacks from deep inside load)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        fail(parser, f"--device {device!r} is not a device name; expected cpu, cuda or cuda:N")
+    if parsed.type not in ("cpu", "cuda"):
+        fail(parser, f"--device {device}: tritonq runs on cpu or cuda (cuda:N); pass one of them")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
+               else "torch finds no CUDA GPU (check the driver and CUDA_VISIBLE_DEVICES)")
+        fail(parser, f"--device {device}: {why}; pass --device cpu, or install a CUDA build of torch")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        fail(parser, f"--device {device}: this machine has {count} CUDA GPU{'s' * (count != 1)} "
+                     f"(cuda:0 to cuda:{count - 1}); pass one of them")
+
+
 def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    """tritonq.load(args.model, the load options); a checkpoint or option it refuses ends in fail()."""
+    """tritonq.load(args.model, the load options); a device this machine lacks, or a checkpoint or option load
+    refuses, ends in fail()."""
     import tritonq
 
+    check_device(parser, args.device)
     options = dict(dtype=None if args.dtype == "auto" else args.dtype, device=args.device, quantize=args.quantize,
                    group_size=args.group_size, revision=args.revision, max_seq_len=args.max_seq_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
