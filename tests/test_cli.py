@@ -270,3 +270,42 @@ def test_demo_prints_prompt_continuation_and_reply_apart_and_keeps_its_checkpoin
     assert f"\nprompt:\n{prompt}\n\ncontinuation (streamed):\n{continuation}\n\nchat reply" in out
     assert f"through the chat template):\n{reply}\n(" in out
     assert repr(reply) not in out  # text, not a Python repr
+
+
+def test_chat_keeps_a_long_conversation_inside_the_context(default_model, capsys, monkeypatch):
+    """Ten turns on the shipped model (max_seq_len 512) with 100 new tokens each outgrow the context: the CLI
+    drops the oldest turns for good (keeping the system prompt), cuts a reply to the room a long line leaves, skips a
+    line too long for any reply, and says each once. Reference: the longest suffix of earlier turns that fits,
+    found by trying every suffix, and the Python API's reply to it."""
+    limit, new = default_model.max_seq_len, 100
+    system = [{"role": "system", "content": "You are Horatio."}]
+
+    def line_of(tokens: int) -> str:  # a user line whose prompt alone is about `tokens` tokens
+        words = 1
+        while len(default_model.chat_prompt(system + [{"role": "user", "content": "O Romeo, " * words}])) < tokens:
+            words += 1
+        return "O Romeo, " * words
+    long_line, too_long = line_of(limit - new // 2), line_of(limit + 1)
+    lines = ["Who goes there?", "Speak, man.", "What news?", "Where is the king?", long_line, "Is he well?",
+             too_long, "Then go.", "Stay!", "Farewell.", "Good night, sweet prince."]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{line}\n" for line in lines)))
+    cli.main(["chat", MODEL, "--system-prompt", "You are Horatio.", "--max-new-tokens", str(new),
+              "--dtype", "float32"])
+    captured = capsys.readouterr()
+
+    history, replies, dropped, capped = [], [], False, False
+    for line in lines:
+        user = [{"role": "user", "content": line}]
+        keep = next(k for k in range(len(history), -1, -2)  # whole (user, reply) pairs, newest kept
+                    if k == 0 or len(default_model.chat_prompt(system + history[len(history) - k:] + user)) + new <= limit)
+        prompt = default_model.chat_prompt(system + history[len(history) - keep:] + user)
+        if len(prompt) >= limit:
+            continue  # no room for a reply: the line is skipped
+        dropped |= keep < len(history)
+        capped |= limit - len(prompt) < new
+        replies.append(default_model.generate(prompt, max_new_tokens=min(new, limit - len(prompt))))
+        history = history[len(history) - keep:] + user + [{"role": "assistant", "content": replies[-1]}]
+    assert dropped and capped and len(replies) == 10  # the case covers each rule
+    assert captured.out == "".join(f"{reply}\n" for reply in replies)
+    assert captured.err.count("dropping the oldest turns") == 1 and captured.err.count("replies are cut") == 1
+    assert captured.err.count("leaves no room for a reply") == 1

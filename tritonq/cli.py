@@ -130,7 +130,7 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
     options = dict(dtype=None if args.dtype == "auto" else args.dtype, device=args.device, quantize=args.quantize,
                    group_size=args.group_size, revision=args.revision, max_seq_len=args.max_seq_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype)
+                   kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads)
     if getattr(args, "tensor_parallel", None) is not None:
         options["tensor_parallel"] = args.tensor_parallel
     if getattr(args, "expert_parallel", False):
@@ -224,7 +224,9 @@ def chat_main(argv: list[str] | None = None, prog: str = "tritonq chat") -> None
     model = load_model(parser, args)
     if model.tokenizer.chat_template is None:
         fail(parser, f"{args.model}'s tokenizer has no chat template; use `tritonq generate` for plain text")
-    messages = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+    system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+    turns: list[dict] = []  # the conversation after the system prompt, oldest first
+    said = set()  # what was said about the context, so that each is said once
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -233,18 +235,56 @@ def chat_main(argv: list[str] | None = None, prog: str = "tritonq chat") -> None
             break
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
+        turns.append({"role": "user", "content": line})
+        prompt, max_new_tokens = _fit_context(model, system, turns, args.max_new_tokens, said, prog)
+        if prompt is None:
+            turns.pop()  # this line alone leaves no room for a reply: it is not kept
+            continue
         reply = []
         try:
-            for piece in model.stream_chat(messages, **_sampling(args)):
+            for piece in model.stream(prompt, **{**_sampling(args), "max_new_tokens": max_new_tokens}):
                 reply.append(piece)
                 print(piece, end="", flush=True)
-        except ValueError as e:  # the conversation no longer fits max_seq_len, ...
+        except ValueError as e:  # a request the engine refuses for another reason than its length
             fail(parser, e)
         print(flush=True)
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        turns.append({"role": "assistant", "content": "".join(reply)})
     if interactive:
         print()
+
+
+def _fit_context(model, system: list[dict], turns: list[dict], max_new_tokens: int, said: set, prog: str
+                 ) -> tuple[list[int] | None, int]:
+    """(the prompt ids, the reply's max_new_tokens) of the conversation within model.max_seq_len: the oldest
+    turns are dropped from `turns` (the system prompt is kept) until prompt + max_new_tokens fit, and then, if the
+    newest line alone leaves less room, max_new_tokens is cut to what fits. Each of those is said on stderr the
+    first time (`said`). (None, 0), `turns` untouched, when the newest line leaves no room at all (said each time)."""
+    start = 0  # turns alternate user / reply and end with the new user line: drop whole pairs, oldest first
+    prompt = model.chat_prompt(system + turns)
+    while len(prompt) + max_new_tokens > model.max_seq_len and start < len(turns) - 1:
+        start += 2
+        prompt = model.chat_prompt(system + turns[start:])
+    room = model.max_seq_len - len(prompt)
+    if room < 1:
+        print(f"{prog}: this line makes a prompt of {len(prompt)} tokens, which leaves no room for a reply within "
+              f"max_seq_len={model.max_seq_len}; say it shorter (or raise --max-seq-len).", file=sys.stderr,
+              flush=True)
+        return None, 0
+    if start:
+        del turns[:start]
+        _say_once(said, "dropped", f"{prog}: the conversation outgrew max_seq_len={model.max_seq_len} tokens with "
+                                   f"room for {max_new_tokens} new ones; dropping the oldest turns (the system "
+                                   "prompt stays). Said once.")
+    if room < max_new_tokens:
+        _say_once(said, "capped", f"{prog}: replies are cut to the room left in max_seq_len={model.max_seq_len} "
+                                  f"(here {room} of --max-new-tokens {max_new_tokens}). Said once.")
+    return prompt, min(room, max_new_tokens)
+
+
+def _say_once(said: set, what: str, message: str) -> None:
+    if what not in said:
+        said.add(what)
+        print(message, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------- quantize
