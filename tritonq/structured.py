@@ -1,6 +1,6 @@
-"""Structured outputs: constrain generation to a JSON schema, a regex or a list of choices (xgrammar).
+"""Structured outputs: constrain generation to a JSON schema, a regex, a list of choices or an EBNF grammar (xgrammar).
 
-A constraint (GenerationConfig.json_schema / regex / choice) is compiled once per distinct constraint
+A constraint (GenerationConfig.json_schema / regex / choice / grammar) is compiled once per distinct constraint
 into an xgrammar grammar over the model's tokenizer (an LRU cache of GRAMMAR_CACHE_SIZE grammars per
 engine); each request holds a GrammarMatcher that advances with every token it samples. Each step,
 every constrained row fills its row of a token bitmask [R, ceil(V / 32)] int32 (bit v of word v // 32:
@@ -25,7 +25,7 @@ from collections import OrderedDict
 import torch
 
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per engine (a JSON schema compiles in ~1 ms to 100s of ms)
-MISSING_XGRAMMAR = ("structured outputs (json_schema / regex / choice, response_format, tools) need the xgrammar "
+MISSING_XGRAMMAR = ("structured outputs (json_schema / regex / choice / grammar, response_format, tools) need the xgrammar "
                     "package; install it with: pip install 'tritonq[structured]'")
 
 
@@ -39,7 +39,8 @@ def _xgrammar():
 
 def constraint_of(config) -> tuple[str, str] | None:
     """(kind, text) of a GenerationConfig's constraint: ("json_schema", canonical JSON text), ("regex",
-    pattern) or ("choice", EBNF grammar of the alternatives); None when it has none. Also the cache key."""
+    pattern), ("choice", EBNF grammar of the alternatives) or ("grammar", EBNF); None when it has none. Also
+    the cache key."""
     if config.json_schema is not None:
         return "json_schema", config.json_schema
     if config.regex is not None:
@@ -47,6 +48,8 @@ def constraint_of(config) -> tuple[str, str] | None:
     if config.choice is not None:
         # EBNF string literals take JSON's escapes (\" \\ \n \uXXXX)
         return "choice", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in config.choice)
+    if config.grammar is not None:
+        return "grammar", config.grammar
     return None
 
 

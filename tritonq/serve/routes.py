@@ -73,7 +73,7 @@ def _sampling_configs(model, body: SamplingRequest, prompts: list[list[int]]) ->
     """Per prompt, the GenerationConfigs of its n choices, each checked by Engine.check_request (run off the
     loop: it may compile the output's grammar); its refusal is a 400 naming the field to change."""
     least = 0 if getattr(body, "echo", False) else 1  # max_tokens=0 generates nothing: echo only
-    schema_field = body.output_schema()[1]
+    schema_field = body.output_constraint()[1]
     configs = []
     for i, prompt in enumerate(prompts):
         name = f"prompt {i}" if len(prompts) > 1 else "the prompt"
