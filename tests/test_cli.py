@@ -309,3 +309,49 @@ def test_chat_keeps_a_long_conversation_inside_the_context(default_model, capsys
     assert captured.out == "".join(f"{reply}\n" for reply in replies)
     assert captured.err.count("dropping the oldest turns") == 1 and captured.err.count("replies are cut") == 1
     assert captured.err.count("leaves no room for a reply") == 1
+
+
+@pytest.mark.parametrize("command", [["generate", MODEL, "Hi"], ["chat", MODEL], ["serve", MODEL, "--port", "1"],
+                                     ["eval", "perplexity", MODEL, __file__]])
+def test_threads_option_reaches_load(command, monkeypatch):
+    given = {}
+
+    class Stop(Exception):
+        pass
+
+    def load(*args, **options):
+        given.update(options)
+        raise Stop
+    monkeypatch.setattr(tritonq, "load", load)
+    monkeypatch.setattr("tritonq.serve.__main__._listen", lambda *args: None)  # no socket: load is stubbed
+    with pytest.raises(Stop):
+        cli.main([*command, "--threads", "3"])
+    assert given["threads"] == 3
+
+
+@pytest.mark.parametrize("command", [["generate", MODEL, "Hi"], ["quantize", MODEL, "dst", "--format", "awq"],
+                                     ["demo"]])
+def test_threads_below_one_is_one_error_line(command, no_load, capsys):
+    assert "argument --threads: 0; expected 1 or more threads" in cli_error([*command, "--threads", "0"], capsys)
+
+
+def test_load_threads_sets_the_process_threads():
+    import torch
+    before = torch.get_num_threads()
+    try:
+        tritonq.load(MODEL, threads=2, dtype="float32")
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="threads=0; expected an int >= 1"):
+            tritonq.load("no/such/model", threads=0)  # refused before the checkpoint is looked for
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_openmp_waits_passively_unless_told_otherwise():
+    """`import tritonq` before torch sets OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep; spinning ones
+    starve the working ones on shared cores: docs/cli_behaviour.md); a value already set is kept."""
+    code = "import os, tritonq, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    assert run_python(code).stdout.strip() == "PASSIVE"
+    kept = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**NO_INTERPRETER, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "ACTIVE"})
+    assert kept.stdout.strip() == "ACTIVE", kept.stderr

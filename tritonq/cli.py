@@ -66,6 +66,30 @@ def require(parser: argparse.ArgumentParser, modules: tuple[str, ...], extra: st
                      f"pip install 'tritonq[{extra}]'")
 
 
+def add_threads_option(parser) -> None:
+    """--threads: this process's CPU threads (torch's OpenMP team, which the C kernels run on too)."""
+    parser.add_argument("--threads", type=_thread_count, default=None,
+                        help="CPU threads for torch and the C kernels (default: torch's, one per physical core; on "
+                             "cores other jobs share fewer can be faster: docs/cli_behaviour.md)")
+
+
+def _thread_count(text: str) -> int:
+    try:
+        threads = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if threads < 1:
+        raise argparse.ArgumentTypeError(f"{threads}; expected 1 or more threads")
+    return threads
+
+
+def set_threads(threads: int | None) -> None:
+    """torch.set_num_threads(threads) unless None (commands that do not load a model; load() takes threads=)."""
+    if threads is not None:
+        import torch
+        torch.set_num_threads(threads)
+
+
 def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = False) -> None:
     """The tritonq.load() options every command that loads a model takes."""
     group = parser.add_argument_group("loading the model")
@@ -76,8 +100,7 @@ def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = Fa
                        help="quantize a dense checkpoint on load (round to nearest)")
     group.add_argument("--group-size", type=int, default=None, help="int4 group size for --quantize int4 (default 128)")
     group.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
-    group.add_argument("--threads", type=int, default=None,
-                       help="CPU threads for torch and the C kernels (default: tritonq.load's, see docs/cli_behaviour.md)")
+    add_threads_option(group)
     group.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
     group.add_argument("--max-seq-len", type=int, default=None,
                        help="prompt + completion tokens per sequence (default: min(the model's positions, 4096))")
@@ -311,6 +334,7 @@ def quantize_parser(prog: str = "tritonq quantize") -> argparse.ArgumentParser:
     parser.add_argument("--w8a8-scheme", default="channel", choices=["channel", "tensor"],
                         help="W8A8 weight scales: one per output channel or one per tensor")
     parser.add_argument("--modules-to-not-convert", nargs="*", default=None, help="name substrings left dense")
+    add_threads_option(parser)
     calib = parser.add_argument_group("calibration (--method gptq / awq)")
     calib.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"],
                        help="rtn: round to nearest; gptq (--format gptq) / awq (--format awq): calibrated")
@@ -347,6 +371,7 @@ def quantize_main(argv: list[str] | None = None, prog: str = "tritonq quantize")
         parser.error("--smooth applies to --format w8a8 only")
     calibration = {"file": a.calibration, "samples": a.samples, "seq_len": a.seq_len, "damp": a.damp,
                    "block_size": a.block_size, "clip": a.awq_clip, "smooth": a.smooth}
+    set_threads(a.threads)
     try:
         written = write_quantized(a.src, a.dst, a.format, method=a.method, calibration=calibration, **options)
     except (ValueError, OSError) as e:  # bad input: one line that says what to change, no traceback

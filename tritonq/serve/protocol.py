@@ -282,7 +282,7 @@ class SamplingRequest(_Body):
                     {"name": name, "value": json.dumps(getattr(self, name))[:80]})
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise ValueError("stop strings must be non-empty")
-        self.output_constraint()  # a malformed constraint or two of them: refused here, with the others
+        SamplingRequest.output_constraint(self)  # a malformed constraint or two of them: refused with the others
         for key, bias in (self.logit_bias or {}).items():
             if not (key.isascii() and key.isdigit()):
                 raise field_error("logit_bias", f"logit_bias key {key!r} is not a token id; keys are token ids "
