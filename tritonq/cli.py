@@ -144,16 +144,18 @@ def check_device(parser: argparse.ArgumentParser, device: str | None) -> None:
                      f"(cuda:0 to cuda:{count - 1}); pass one of them")
 
 
-def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    """tritonq.load(args.model, the load options); a device this machine lacks, or a checkpoint or option load
-    refuses, ends in fail()."""
+def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace, warm_up: bool | None = None):
+    """tritonq.load(args.model, the load options, warm_up); a device this machine lacks, or a checkpoint or option
+    load refuses, ends in fail(). warm_up: True for commands that serve many requests (compile at load), False
+    for one-shot ones (never compile; see tritonq.load)."""
     import tritonq
 
     check_device(parser, args.device)
     options = dict(dtype=None if args.dtype == "auto" else args.dtype, device=args.device, quantize=args.quantize,
                    group_size=args.group_size, revision=args.revision, max_seq_len=args.max_seq_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads)
+                   kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
+                   warm_up=warm_up)
     if getattr(args, "tensor_parallel", None) is not None:
         options["tensor_parallel"] = args.tensor_parallel
     if getattr(args, "expert_parallel", False):
@@ -224,7 +226,7 @@ def generate_main(argv: list[str] | None = None, prog: str = "tritonq generate")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         fail(parser, "the prompt is empty; give the text to continue")
-    model = load_model(parser, args)
+    model = load_model(parser, args, warm_up=False)  # one prompt: a compile would cost more than it saves
     try:
         for piece in model.stream(prompt, **_sampling(args)):
             print(piece, end="", flush=True)
@@ -244,7 +246,7 @@ def chat_parser(prog: str = "tritonq chat") -> argparse.ArgumentParser:
 def chat_main(argv: list[str] | None = None, prog: str = "tritonq chat") -> None:
     parser = chat_parser(prog)
     args = _parse_generation(parser, argv)
-    model = load_model(parser, args)
+    model = load_model(parser, args, warm_up=True)  # compiled now, not at the first line typed
     if model.tokenizer.chat_template is None:
         fail(parser, f"{args.model}'s tokenizer has no chat template; use `tritonq generate` for plain text")
     system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]

@@ -183,7 +183,7 @@ def _load_off_main_thread(parser, args):
 
     def load():
         try:
-            outcome["model"] = load_model(parser, args)
+            outcome["model"] = load_model(parser, args, warm_up=True)  # compiled before /health answers
         except BaseException as error:  # noqa: BLE001 - fail()'s SystemExit too: re-raised on the main thread
             outcome["error"] = error
 
