@@ -38,6 +38,9 @@ def build_parser(prog: str = "python -m tritonq.serve") -> argparse.ArgumentPars
     parser.add_argument("--max-waiting", type=int, default=None,
                         help="answer 429 once this many sequences (prompts x n) wait for their first token "
                              "(default: 8 x --max-num-seqs, so one request cannot queue unbounded work)")
+    parser.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
+                        help="while busy, log running / waiting requests, prompt and generation tokens/s and KV-cache "
+                             "use this often (0: never)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -89,6 +92,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tritonq.ser
             SpeculativeConfig.parse(args.speculative_config)
         except (ValueError, TypeError) as e:
             parser.error(f"--speculative-config: {e}")
+    if not args.log_stats_interval >= 0:
+        parser.error(f"--log-stats-interval is {args.log_stats_interval}; expected seconds >= 0")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes is {args.max_request_bytes}; expected >= 1")
     return parser, args
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.serve") -
     max_waiting = 8 * args.max_num_seqs if args.max_waiting is None else args.max_waiting
     app = create_app(model, args.served_model_name or args.model, api_key=args.api_key, max_waiting=max_waiting,
                      open_metrics=args.open_metrics, on_dead=lambda reason: server.engine_died(reason),
+                     log_interval=args.log_stats_interval,
                      **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=10)

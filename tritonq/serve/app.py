@@ -24,14 +24,16 @@ OPEN_PATHS = ("/health",)  # the only routes that never need the API key
 
 
 def create_app(model, served_model_name: str, *, api_key: str | None = None, max_waiting: int | None = None,
-               max_request_bytes: int = MAX_REQUEST_BYTES, open_metrics: bool = False, on_dead=None) -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES, open_metrics: bool = False, on_dead=None,
+               log_interval: float = 5.0) -> FastAPI:
     """The app over a loaded tritonq Model (its engine runs in a background thread while the app lives).
 
     api_key: required on every route but /health (and /metrics with open_metrics). max_waiting: the most
     sequences waiting for their first token (429 past it). on_dead(reason): called from the engine thread
-    once the engine cannot continue (the command line exits non-zero)."""
+    once the engine cannot continue (the command line exits non-zero). log_interval: seconds between the
+    throughput log lines while busy (0: none)."""
     metrics = ServerMetrics(served_model_name)
-    engine_loop = EngineLoop(model.engine, metrics, max_waiting, on_dead=on_dead)
+    engine_loop = EngineLoop(model.engine, metrics, max_waiting, on_dead=on_dead, log_interval=log_interval)
     metrics.update_engine(model.engine)
     tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tritonq-tokenize")
 
