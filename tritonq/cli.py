@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import importlib.util
 import sys
+import time
 
 from tritonq.config import KV_CACHE_DTYPES  # torch-free: the parsers are built before torch loads
 
@@ -227,12 +228,29 @@ def generate_main(argv: list[str] | None = None, prog: str = "tritonq generate")
     if not prompt:
         fail(parser, "the prompt is empty; give the text to continue")
     model = load_model(parser, args, warm_up=False)  # one prompt: a compile would cost more than it saves
+    prompt_tokens = len(model.tokenizer(prompt).input_ids)  # what stream() encodes the text to
+    text, start, first = [], time.perf_counter(), None
     try:
         for piece in model.stream(prompt, **_sampling(args)):
+            first = first or time.perf_counter()
+            text.append(piece)
             print(piece, end="", flush=True)
     except ValueError as e:  # a prompt the engine refuses (too long for max_seq_len, ...)
         fail(parser, e)
-    print()
+    print(flush=True)
+    print(_stats_line(prompt_tokens, len(model.tokenizer("".join(text), add_special_tokens=False).input_ids),
+                      start, first, time.perf_counter()), file=sys.stderr, flush=True)
+
+
+def _stats_line(prompt_tokens: int, generated_tokens: int, start: float, first: float | None, end: float) -> str:
+    """generate's last line (stderr): prompt tokens/s to the first text, time to it, decode tokens/s after it.
+    The generated count is that of the text's tokens (EOS and a stop string excluded)."""
+    if first is None:
+        return f"prompt {prompt_tokens} tokens; no text generated in {end - start:.2f} s"
+    decode = (f"{(generated_tokens - 1) / (end - first):.1f} tokens/s" if generated_tokens > 1 and end > first
+              else "-")
+    return (f"prompt {prompt_tokens} tokens, {prompt_tokens / (first - start):.1f} tokens/s; time to first token "
+            f"{first - start:.3f} s; decode {generated_tokens} tokens, {decode}")
 
 
 def chat_parser(prog: str = "tritonq chat") -> argparse.ArgumentParser:
