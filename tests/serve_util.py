@@ -47,9 +47,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.key = key
         environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        environ.update(TRITONQ_BACKEND="torch",
-                       PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")])),
-                       **(env or {}))
+        environ.update({"TRITONQ_BACKEND": "torch",  # env may override it
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")]))}
+                       | (env or {}))
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, *(entry or ["-m", "tritonq.serve"]), str(folder), "--port", str(self.port),

@@ -116,6 +116,59 @@ def test_bad_argument_is_one_error_line(argv, expected, capsys):
     assert expected in cli_error(argv, capsys)
 
 
+@pytest.fixture
+def no_load(monkeypatch):
+    """tritonq.load replaced by a failure: the error must come before the model loads."""
+    monkeypatch.setattr(tritonq, "load", lambda *a, **k: pytest.fail("the model started loading before the error"))
+
+
+@pytest.fixture
+def cpu_torch(monkeypatch):
+    """torch as a CPU-only build has it, on any machine."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+
+
+@pytest.mark.parametrize("command", [["generate", MODEL, "Hi"], ["chat", MODEL], ["serve", MODEL],
+                                     ["eval", "perplexity", MODEL, __file__]])
+def test_cuda_on_a_cpu_torch_is_one_error_line_before_the_model_loads(command, no_load, cpu_torch, capsys):
+    err = cli_error([*command, "--device", "cuda"], capsys)
+    assert "--device cuda: this torch" in err and "is built without CUDA; pass --device cpu" in err
+
+
+@pytest.mark.parametrize("device, expected", [
+    ("cuda:3", "--device cuda:3: this machine has 2 CUDA GPUs (cuda:0 to cuda:1)"),
+    ("mps", "--device mps: tritonq runs on cpu or cuda"),
+    ("cuda:x", "--device 'cuda:x' is not a device name; expected cpu, cuda or cuda:N")])
+def test_unavailable_device_is_one_error_line_before_the_model_loads(device, expected, no_load, monkeypatch, capsys):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert expected in cli_error(["generate", MODEL, "Hi", "--device", device], capsys)
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-1"])
+def test_invalid_port_is_one_error_line_before_the_model_loads(port, no_load, capsys):
+    assert f"argument --port: {port} is not a TCP port; expected 1-65535" in cli_error(["serve", MODEL, "--port", port],
+                                                                                       capsys)
+
+
+def test_busy_port_is_one_error_line_before_the_model_loads(no_load, capsys):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = cli_error(["serve", MODEL, "--port", str(port)], capsys)
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use; stop the process using it" in err
+
+
+def test_address_not_on_this_machine_is_one_error_line_before_the_model_loads(no_load, capsys):
+    err = cli_error(["serve", MODEL, "--host", "192.0.2.1"], capsys)  # TEST-NET-1: never a local address
+    assert "cannot listen on 192.0.2.1:8000: Cannot assign requested address" in err
+
+
 def test_bench_unknown_name_lists_every_benchmark(capsys):
     err = cli_error(["bench", "nope"], capsys)
     for name in ("attention", "engine", "generate", "int4_gemm", "quality", "serve", "vs-vllm"):
@@ -217,3 +270,88 @@ def test_demo_prints_prompt_continuation_and_reply_apart_and_keeps_its_checkpoin
     assert f"\nprompt:\n{prompt}\n\ncontinuation (streamed):\n{continuation}\n\nchat reply" in out
     assert f"through the chat template):\n{reply}\n(" in out
     assert repr(reply) not in out  # text, not a Python repr
+
+
+def test_chat_keeps_a_long_conversation_inside_the_context(default_model, capsys, monkeypatch):
+    """Ten turns on the shipped model (max_seq_len 512) with 100 new tokens each outgrow the context: the CLI
+    drops the oldest turns for good (keeping the system prompt), cuts a reply to the room a long line leaves, skips a
+    line too long for any reply, and says each once. Reference: the longest suffix of earlier turns that fits,
+    found by trying every suffix, and the Python API's reply to it."""
+    limit, new = default_model.max_seq_len, 100
+    system = [{"role": "system", "content": "You are Horatio."}]
+
+    def line_of(tokens: int) -> str:  # a user line whose prompt alone is about `tokens` tokens
+        words = 1
+        while len(default_model.chat_prompt(system + [{"role": "user", "content": "O Romeo, " * words}])) < tokens:
+            words += 1
+        return "O Romeo, " * words
+    long_line, too_long = line_of(limit - new // 2), line_of(limit + 1)
+    lines = ["Who goes there?", "Speak, man.", "What news?", "Where is the king?", long_line, "Is he well?",
+             too_long, "Then go.", "Stay!", "Farewell.", "Good night, sweet prince."]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{line}\n" for line in lines)))
+    cli.main(["chat", MODEL, "--system-prompt", "You are Horatio.", "--max-new-tokens", str(new),
+              "--dtype", "float32"])
+    captured = capsys.readouterr()
+
+    history, replies, dropped, capped = [], [], False, False
+    for line in lines:
+        user = [{"role": "user", "content": line}]
+        keep = next(k for k in range(len(history), -1, -2)  # whole (user, reply) pairs, newest kept
+                    if k == 0 or len(default_model.chat_prompt(system + history[len(history) - k:] + user)) + new <= limit)
+        prompt = default_model.chat_prompt(system + history[len(history) - keep:] + user)
+        if len(prompt) >= limit:
+            continue  # no room for a reply: the line is skipped
+        dropped |= keep < len(history)
+        capped |= limit - len(prompt) < new
+        replies.append(default_model.generate(prompt, max_new_tokens=min(new, limit - len(prompt))))
+        history = history[len(history) - keep:] + user + [{"role": "assistant", "content": replies[-1]}]
+    assert dropped and capped and len(replies) == 10  # the case covers each rule
+    assert captured.out == "".join(f"{reply}\n" for reply in replies)
+    assert captured.err.count("dropping the oldest turns") == 1 and captured.err.count("replies are cut") == 1
+    assert captured.err.count("leaves no room for a reply") == 1
+
+
+@pytest.mark.parametrize("command", [["generate", MODEL, "Hi"], ["chat", MODEL], ["serve", MODEL, "--port", "1"],
+                                     ["eval", "perplexity", MODEL, __file__]])
+def test_threads_option_reaches_load(command, monkeypatch):
+    given = {}
+
+    class Stop(Exception):
+        pass
+
+    def load(*args, **options):
+        given.update(options)
+        raise Stop
+    monkeypatch.setattr(tritonq, "load", load)
+    monkeypatch.setattr("tritonq.serve.__main__._listen", lambda *args: None)  # no socket: load is stubbed
+    with pytest.raises(Stop):
+        cli.main([*command, "--threads", "3"])
+    assert given["threads"] == 3
+
+
+@pytest.mark.parametrize("command", [["generate", MODEL, "Hi"], ["quantize", MODEL, "dst", "--format", "awq"],
+                                     ["demo"]])
+def test_threads_below_one_is_one_error_line(command, no_load, capsys):
+    assert "argument --threads: 0; expected 1 or more threads" in cli_error([*command, "--threads", "0"], capsys)
+
+
+def test_load_threads_sets_the_process_threads():
+    import torch
+    before = torch.get_num_threads()
+    try:
+        tritonq.load(MODEL, threads=2, dtype="float32")
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="threads=0; expected an int >= 1"):
+            tritonq.load("no/such/model", threads=0)  # refused before the checkpoint is looked for
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_openmp_waits_passively_unless_told_otherwise():
+    """`import tritonq` before torch sets OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep; spinning ones
+    starve the working ones on shared cores: docs/cli_behaviour.md); a value already set is kept."""
+    code = "import os, tritonq, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    assert run_python(code).stdout.strip() == "PASSIVE"
+    kept = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**NO_INTERPRETER, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "ACTIVE"})
+    assert kept.stdout.strip() == "ACTIVE", kept.stderr

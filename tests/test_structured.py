@@ -181,6 +181,13 @@ def test_grammar_compiled_once_per_schema_lru(tmp_path):
     assert grammars.compiles == 4
 
 
+def test_every_grammar_output_is_in_its_language(model):
+    """An EBNF grammar (xgrammar's, vLLM's guided_grammar); reference: the same language as a regex."""
+    grammar = 'root ::= ("to be" | "not to be") ", " word\nword ::= [a-z] [a-z]? [a-z]?'
+    texts = _generate(model, False, grammar=grammar, temperature=1.0, max_new_tokens=30)
+    assert all(re.fullmatch(r"(to be|not to be), [a-z]{1,3}", text) for text in texts), texts
+
+
 def test_bad_constraints_are_refused_before_any_work(model):
     with pytest.raises(ValueError, match="json_schema .* cannot be compiled into a grammar: Unsupported type"):
         model.generate("x", json_schema={"type": "wibble"})
@@ -196,6 +203,12 @@ def test_bad_constraints_are_refused_before_any_work(model):
         model.generate("x", choice=["a"], min_tokens=1)
     with pytest.raises(ValueError, match="each a non-empty str"):
         model.generate("x", choice=["a", ""])
+    with pytest.raises(ValueError, match="grammar .* cannot be compiled"):
+        model.generate("x", grammar="root ::= undefined_rule")
+    with pytest.raises(TypeError, match="grammar=''"):
+        model.generate("x", grammar="")
+    with pytest.raises(ValueError, match="regex and grammar are both set"):
+        model.generate("x", regex="a", grammar='root ::= "a"')
     assert not model.engine.has_unfinished()
 
 

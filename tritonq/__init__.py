@@ -6,6 +6,7 @@
 `import tritonq` imports neither torch nor the runtime: `load` (tritonq.loading), `Model` and the output
 types (tritonq.generate) and `GenerationConfig` / `EngineConfig` (tritonq.config) are imported on first use,
 so `tritonq --help` and the other command lines parse their arguments before the ~2 s torch import.
+Imported before torch, it makes OpenMP's idle threads sleep rather than spin (OMP_WAIT_POLICY=PASSIVE, unless set).
 """
 from __future__ import annotations
 
@@ -61,3 +62,8 @@ def _configure_logging() -> None:
 
 
 _configure_logging()
+# OpenMP threads that wait for work sleep instead of spinning: on cores other processes share, spinning threads
+# take the CPU from the ones working, and every op waits for a descheduled spinner (measured in
+# docs/cli_behaviour.md: 20-80x). Read once, when torch loads OpenMP: it takes effect if tritonq is imported
+# first (the `tritonq` command always is); an explicit OMP_WAIT_POLICY wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

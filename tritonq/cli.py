@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import importlib.util
 import sys
+import time
 
 from tritonq.config import KV_CACHE_DTYPES  # torch-free: the parsers are built before torch loads
 
@@ -66,6 +67,30 @@ def require(parser: argparse.ArgumentParser, modules: tuple[str, ...], extra: st
                      f"pip install 'tritonq[{extra}]'")
 
 
+def add_threads_option(parser) -> None:
+    """--threads: this process's CPU threads (torch's OpenMP team, which the C kernels run on too)."""
+    parser.add_argument("--threads", type=_thread_count, default=None,
+                        help="CPU threads for torch and the C kernels (default: torch's, one per physical core; on "
+                             "cores other jobs share fewer can be faster: docs/cli_behaviour.md)")
+
+
+def _thread_count(text: str) -> int:
+    try:
+        threads = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if threads < 1:
+        raise argparse.ArgumentTypeError(f"{threads}; expected 1 or more threads")
+    return threads
+
+
+def set_threads(threads: int | None) -> None:
+    """torch.set_num_threads(threads) unless None (commands that do not load a model; load() takes threads=)."""
+    if threads is not None:
+        import torch
+        torch.set_num_threads(threads)
+
+
 def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = False) -> None:
     """The tritonq.load() options every command that loads a model takes."""
     group = parser.add_argument_group("loading the model")
@@ -76,6 +101,7 @@ def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = Fa
                        help="quantize a dense checkpoint on load (round to nearest)")
     group.add_argument("--group-size", type=int, default=None, help="int4 group size for --quantize int4 (default 128)")
     group.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    add_threads_option(group)
     group.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
     group.add_argument("--max-seq-len", type=int, default=None,
                        help="prompt + completion tokens per sequence (default: min(the model's positions, 4096))")
@@ -96,14 +122,41 @@ def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = Fa
                                 "instead of every expert split by its intermediate size")
 
 
-def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    """tritonq.load(args.model, the load options); a checkpoint or option it refuses ends in fail()."""
+def check_device(parser: argparse.ArgumentParser, device: str | None) -> None:
+    """fail() unless device (None: load's default) names one this machine has: cpu, or cuda / cuda:N with that
+    GPU present (checked before the model loads; torch's own errors are tracebacks from deep inside load)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        fail(parser, f"--device {device!r} is not a device name; expected cpu, cuda or cuda:N")
+    if parsed.type not in ("cpu", "cuda"):
+        fail(parser, f"--device {device}: tritonq runs on cpu or cuda (cuda:N); pass one of them")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
+               else "torch finds no CUDA GPU (check the driver and CUDA_VISIBLE_DEVICES)")
+        fail(parser, f"--device {device}: {why}; pass --device cpu, or install a CUDA build of torch")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        fail(parser, f"--device {device}: this machine has {count} CUDA GPU{'s' * (count != 1)} "
+                     f"(cuda:0 to cuda:{count - 1}); pass one of them")
+
+
+def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace, warm_up: bool | None = None):
+    """tritonq.load(args.model, the load options, warm_up); a device this machine lacks, or a checkpoint or option
+    load refuses, ends in fail(). warm_up: True for commands that serve many requests (compile at load), False
+    for one-shot ones (never compile; see tritonq.load)."""
     import tritonq
 
+    check_device(parser, args.device)
     options = dict(dtype=None if args.dtype == "auto" else args.dtype, device=args.device, quantize=args.quantize,
                    group_size=args.group_size, revision=args.revision, max_seq_len=args.max_seq_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype)
+                   kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
+                   warm_up=warm_up)
     if getattr(args, "tensor_parallel", None) is not None:
         options["tensor_parallel"] = args.tensor_parallel
     if getattr(args, "expert_parallel", False):
@@ -174,13 +227,30 @@ def generate_main(argv: list[str] | None = None, prog: str = "tritonq generate")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         fail(parser, "the prompt is empty; give the text to continue")
-    model = load_model(parser, args)
+    model = load_model(parser, args, warm_up=False)  # one prompt: a compile would cost more than it saves
+    prompt_tokens = len(model.tokenizer(prompt).input_ids)  # what stream() encodes the text to
+    text, start, first = [], time.perf_counter(), None
     try:
         for piece in model.stream(prompt, **_sampling(args)):
+            first = first or time.perf_counter()
+            text.append(piece)
             print(piece, end="", flush=True)
     except ValueError as e:  # a prompt the engine refuses (too long for max_seq_len, ...)
         fail(parser, e)
-    print()
+    print(flush=True)
+    print(_stats_line(prompt_tokens, len(model.tokenizer("".join(text), add_special_tokens=False).input_ids),
+                      start, first, time.perf_counter()), file=sys.stderr, flush=True)
+
+
+def _stats_line(prompt_tokens: int, generated_tokens: int, start: float, first: float | None, end: float) -> str:
+    """generate's last line (stderr): prompt tokens/s to the first text, time to it, decode tokens/s after it.
+    The generated count is that of the text's tokens (EOS and a stop string excluded)."""
+    if first is None:
+        return f"prompt {prompt_tokens} tokens; no text generated in {end - start:.2f} s"
+    decode = (f"{(generated_tokens - 1) / (end - first):.1f} tokens/s" if generated_tokens > 1 and end > first
+              else "-")
+    return (f"prompt {prompt_tokens} tokens, {prompt_tokens / (first - start):.1f} tokens/s; time to first token "
+            f"{first - start:.3f} s; decode {generated_tokens} tokens, {decode}")
 
 
 def chat_parser(prog: str = "tritonq chat") -> argparse.ArgumentParser:
@@ -194,10 +264,12 @@ def chat_parser(prog: str = "tritonq chat") -> argparse.ArgumentParser:
 def chat_main(argv: list[str] | None = None, prog: str = "tritonq chat") -> None:
     parser = chat_parser(prog)
     args = _parse_generation(parser, argv)
-    model = load_model(parser, args)
+    model = load_model(parser, args, warm_up=True)  # compiled now, not at the first line typed
     if model.tokenizer.chat_template is None:
         fail(parser, f"{args.model}'s tokenizer has no chat template; use `tritonq generate` for plain text")
-    messages = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+    system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+    turns: list[dict] = []  # the conversation after the system prompt, oldest first
+    said = set()  # what was said about the context, so that each is said once
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -206,18 +278,56 @@ def chat_main(argv: list[str] | None = None, prog: str = "tritonq chat") -> None
             break
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
+        turns.append({"role": "user", "content": line})
+        prompt, max_new_tokens = _fit_context(model, system, turns, args.max_new_tokens, said, prog)
+        if prompt is None:
+            turns.pop()  # this line alone leaves no room for a reply: it is not kept
+            continue
         reply = []
         try:
-            for piece in model.stream_chat(messages, **_sampling(args)):
+            for piece in model.stream(prompt, **{**_sampling(args), "max_new_tokens": max_new_tokens}):
                 reply.append(piece)
                 print(piece, end="", flush=True)
-        except ValueError as e:  # the conversation no longer fits max_seq_len, ...
+        except ValueError as e:  # a request the engine refuses for another reason than its length
             fail(parser, e)
         print(flush=True)
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        turns.append({"role": "assistant", "content": "".join(reply)})
     if interactive:
         print()
+
+
+def _fit_context(model, system: list[dict], turns: list[dict], max_new_tokens: int, said: set, prog: str
+                 ) -> tuple[list[int] | None, int]:
+    """(the prompt ids, the reply's max_new_tokens) of the conversation within model.max_seq_len: the oldest
+    turns are dropped from `turns` (the system prompt is kept) until prompt + max_new_tokens fit, and then, if the
+    newest line alone leaves less room, max_new_tokens is cut to what fits. Each of those is said on stderr the
+    first time (`said`). (None, 0), `turns` untouched, when the newest line leaves no room at all (said each time)."""
+    start = 0  # turns alternate user / reply and end with the new user line: drop whole pairs, oldest first
+    prompt = model.chat_prompt(system + turns)
+    while len(prompt) + max_new_tokens > model.max_seq_len and start < len(turns) - 1:
+        start += 2
+        prompt = model.chat_prompt(system + turns[start:])
+    room = model.max_seq_len - len(prompt)
+    if room < 1:
+        print(f"{prog}: this line makes a prompt of {len(prompt)} tokens, which leaves no room for a reply within "
+              f"max_seq_len={model.max_seq_len}; say it shorter (or raise --max-seq-len).", file=sys.stderr,
+              flush=True)
+        return None, 0
+    if start:
+        del turns[:start]
+        _say_once(said, "dropped", f"{prog}: the conversation outgrew max_seq_len={model.max_seq_len} tokens with "
+                                   f"room for {max_new_tokens} new ones; dropping the oldest turns (the system "
+                                   "prompt stays). Said once.")
+    if room < max_new_tokens:
+        _say_once(said, "capped", f"{prog}: replies are cut to the room left in max_seq_len={model.max_seq_len} "
+                                  f"(here {room} of --max-new-tokens {max_new_tokens}). Said once.")
+    return prompt, min(room, max_new_tokens)
+
+
+def _say_once(said: set, what: str, message: str) -> None:
+    if what not in said:
+        said.add(what)
+        print(message, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------- quantize
@@ -245,6 +355,7 @@ def quantize_parser(prog: str = "tritonq quantize") -> argparse.ArgumentParser:
     parser.add_argument("--w8a8-scheme", default="channel", choices=["channel", "tensor"],
                         help="W8A8 weight scales: one per output channel or one per tensor")
     parser.add_argument("--modules-to-not-convert", nargs="*", default=None, help="name substrings left dense")
+    add_threads_option(parser)
     calib = parser.add_argument_group("calibration (--method gptq / awq)")
     calib.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"],
                        help="rtn: round to nearest; gptq (--format gptq) / awq (--format awq): calibrated")
@@ -281,6 +392,7 @@ def quantize_main(argv: list[str] | None = None, prog: str = "tritonq quantize")
         parser.error("--smooth applies to --format w8a8 only")
     calibration = {"file": a.calibration, "samples": a.samples, "seq_len": a.seq_len, "damp": a.damp,
                    "block_size": a.block_size, "clip": a.awq_clip, "smooth": a.smooth}
+    set_threads(a.threads)
     try:
         written = write_quantized(a.src, a.dst, a.format, method=a.method, calibration=calibration,
                                   overwrite=a.overwrite, **options)

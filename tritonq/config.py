@@ -65,9 +65,10 @@ class GenerationConfig:
     Order in the sampler, as vLLM: min_tokens mask, logit_bias, repetition / frequency / presence
     penalties, the structured-output grammar mask, temperature, min_p, top_k, top_p. Every log-probability
     returned is under the raw logits.
-    json_schema / regex / choice (at most one; tritonq.structured, needs `pip install 'tritonq[structured]'`):
-        constrain the output to JSON matching a schema (a dict, or its JSON text; stored as compact JSON
-        text), to a full match of a regex, or to exactly one of a tuple of non-empty strings. EOS is
+    json_schema / regex / choice / grammar (at most one; tritonq.structured, needs `pip install
+        'tritonq[structured]'`): constrain the output to JSON matching a schema (a dict, or its JSON text; stored
+        as compact JSON text), to a full match of a regex, to exactly one of a tuple of non-empty strings, or to
+        a grammar in xgrammar's EBNF (GBNF: `root ::= ...`, as vLLM's guided_grammar). EOS is
         allowed only where the output is complete; min_tokens and ignore_eos cannot be combined with them
         (the grammar decides where the output ends).
     """
@@ -89,6 +90,7 @@ class GenerationConfig:
     json_schema: str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     def __post_init__(self):
         check_int("max_new_tokens", self.max_new_tokens, 0)
@@ -153,13 +155,16 @@ class GenerationConfig:
             object.__setattr__(self, "json_schema", json.dumps(schema, separators=(",", ":")))
         if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
             raise TypeError(f"regex={self.regex!r} ({type(self.regex).__name__}); expected a non-empty str.")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise TypeError(f"grammar={self.grammar!r} ({type(self.grammar).__name__}); expected a non-empty str "
+                            "of EBNF rules (root ::= ...).")
         if self.choice is not None:
             if not isinstance(self.choice, tuple):
                 raise TypeError(f"choice={self.choice!r} ({type(self.choice).__name__}); expected a tuple of str "
                                 "(Model.generate also takes a list).")
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"choice={self.choice!r}; expected at least one choice, each a non-empty str.")
-        given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
+        given = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)} are both set; a request takes one constraint: pass one of them.")
         if given and (self.min_tokens or self.ignore_eos):

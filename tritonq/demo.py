@@ -61,13 +61,14 @@ CALIBRATION_TEXT = Path(__file__).parent / "default_model" / "calibration.txt"
 
 
 def build_parser(prog: str = "python -m tritonq.demo") -> argparse.ArgumentParser:
-    from tritonq.cli import new_parser
+    from tritonq.cli import add_threads_option, new_parser
 
     parser = new_parser(prog, __doc__.split("\n\n")[0])
     parser.add_argument("--prompt", default="HAMLET:\nTo be, or not to be", help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate for each output")
     parser.add_argument("--output", type=Path, default=Path("tritonq-demo-awq-int4"),
                         help="folder the AWQ int4 checkpoint is written to (kept; overwritten if there)")
+    add_threads_option(parser)
     return parser
 
 
@@ -79,7 +80,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.demo") ->
     if args.output.exists() and not args.output.is_dir():
         parser.error(f"--output {args.output} is a file; give a folder for the checkpoint")
     import tritonq
+    from tritonq.cli import set_threads
     from tritonq.quantize import write_quantized
+
+    set_threads(args.threads)
 
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=0.8, top_k=20, seed=0)
     awq = write_quantized(DEFAULT_MODEL, args.output, "awq", group_size=128, method="awq", overwrite=True,

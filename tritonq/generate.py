@@ -150,7 +150,8 @@ class Model:
         Returns the texts shaped like the prompts: a str for a single prompt (a str or one token id list), a
         list in input order for a list of them; return_dict=True: a GenerationOutput (per-prompt lists in input
         order) instead. Pieces as they are generated: `stream`.
-        progress: a tqdm bar over requests (default: when there are more than 8 prompts).
+        progress: a tqdm bar over requests, with the tokens generated per second so far (default: when there
+        are more than 8 prompts).
         A request that fails in the engine raises RuntimeError with its error.
         Tensor parallel: None on ranks other than 0 (`_on_this_rank`).
         """
@@ -242,9 +243,12 @@ class Model:
         requests = [None] * len(prompts)
         with progress_bar(total=len(prompts), desc="Generating", unit="prompt",
                           enabled=progress and self.rank == 0) as bar:
+            generated = 0
             for i, out in self._requests(prompts, config, stream=False):
                 if out.finished:
                     requests[i] = out.request
+                    generated += len(out.request.token_ids)
+                    bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tokens/s", refresh=False)
                     bar.update(1)
         firsts = [r.first_token_s for r in requests if r.first_token_s is not None]
         decoded = sum(max(len(r.token_ids) - 1, 0) for r in requests)

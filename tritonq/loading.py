@@ -371,7 +371,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
          max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, kv_cache_gb: float | None = None,
          gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
          cuda_graphs: bool | None = None, compile: bool | None = None, speculative: dict | str | None = None,
-         expert_parallel: bool = False, kv_cache_dtype: str = "auto") -> Model:
+         expert_parallel: bool = False, kv_cache_dtype: str = "auto", threads: int | None = None,
+         warm_up: bool | None = None) -> Model:
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
 
     device defaults to CUDA when available, else CPU. dtype (torch.float16 / bfloat16 / float32, or
@@ -416,13 +417,23 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     from the same KV budget). Steps that verify
     proposals run eagerly (on CUDA, outside the decode graphs). Requests with a repetition, presence or frequency
     penalty decode without it. Counters: Model.engine.speculation, GenerationOutput.acceptance_rate / mean_accepted_length.
+    warm_up (CPU, 4-bit weights): inductor's int4 GEMM template, which prefills above 8 rows run, is compiled
+    per weight (seconds each on a busy machine): True compiles every weight's now, so no request waits for it (a
+    server, a chat); False never compiles it (a one-shot command: its prefill runs the eager kernel); None
+    compiles each weight's on its first prefill above 8 rows.
+    threads: CPU threads of this process (torch.set_num_threads; the C kernels run on the same OpenMP team);
+    None keeps torch's (the physical cores). On cores other jobs share, fewer run faster (docs/cli_behaviour.md).
     Every argument, the checkpoint's files (readable, no symlink loops), config.json, generation_config.json
     and the tokenizer are checked before any weight is read, and so is every tensor the model asks for
     (presence, dtype, shape: the model is first built against the safetensors headers alone, on the meta
     device). NaN / inf in any float tensor read is refused once the weights are read, naming the tensors.
     """
-    from tritonq.config import EngineConfig
+    from tritonq.config import EngineConfig, check_int
 
+    if threads is not None:
+        check_int("threads", threads, 1)
+    if warm_up not in (None, True, False):
+        raise TypeError(f"warm_up={warm_up!r}; expected True, False or None.")
     options = EngineConfig(max_seq_len=max_seq_len, quantize=quantize, group_size=group_size,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
@@ -430,7 +441,16 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
                            enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs, compile=compile,
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                            speculative=speculative)  # checks them all
-    return _load(name_or_path, options, dtype=dtype, device=device, revision=revision)
+    if threads is not None:
+        import torch
+        torch.set_num_threads(threads)
+    model = _load(name_or_path, options, dtype=dtype, device=device, revision=revision)
+    if warm_up is not None:
+        from tritonq.kernels import cpu_lowbit
+        cpu_lowbit.settle_templates([m.cpu_int4 for m in model.model.modules()
+                                     if getattr(m, "cpu_int4", None) is not None],
+                                    compile=warm_up)
+    return model
 
 
 def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, revision) -> Model:

@@ -1,6 +1,6 @@
-"""Structured outputs: constrain generation to a JSON schema, a regex or a list of choices (xgrammar).
+"""Structured outputs: constrain generation to a JSON schema, a regex, a list of choices or an EBNF grammar (xgrammar).
 
-A constraint (GenerationConfig.json_schema / regex / choice) is compiled once per distinct constraint
+A constraint (GenerationConfig.json_schema / regex / choice / grammar) is compiled once per distinct constraint
 into an xgrammar grammar over the model's tokenizer (an LRU cache of GRAMMAR_CACHE_SIZE grammars per
 engine); each request holds a GrammarMatcher that advances with every token it samples. Compiles run in a
 child process (tritonq.structured_worker) with a time budget, and a constraint xgrammar would compile only in
@@ -40,7 +40,7 @@ GRAMMAR_CACHE_SIZE = 64  # grammars (and refusals) kept per engine (a JSON schem
 COMPILE_TIMEOUT_S = 10.0
 MAX_CONSTRAINT_CHARS = 128 << 10  # a constraint's text (schema JSON, regex, choices): larger ones are refused
 START_TIMEOUT_S = 120.0  # the compiler process's start (a Python with xgrammar imported): not the compile's budget
-MISSING_XGRAMMAR = ("structured outputs (json_schema / regex / choice, response_format, tools) need the xgrammar "
+MISSING_XGRAMMAR = ("structured outputs (json_schema / regex / choice / grammar, response_format, tools) need the xgrammar "
                     "package; install it with: pip install 'tritonq[structured]'")
 
 
@@ -54,7 +54,8 @@ def _xgrammar():
 
 def constraint_of(config) -> tuple[str, str] | None:
     """(kind, text) of a GenerationConfig's constraint: ("json_schema", canonical JSON text), ("regex",
-    pattern) or ("choice", EBNF grammar of the alternatives); None when it has none. Also the cache key."""
+    pattern), ("choice", EBNF grammar of the alternatives) or ("grammar", EBNF); None when it has none. Also
+    the cache key."""
     if config.json_schema is not None:
         return "json_schema", config.json_schema
     if config.regex is not None:
@@ -62,6 +63,8 @@ def constraint_of(config) -> tuple[str, str] | None:
     if config.choice is not None:
         # EBNF string literals take JSON's escapes (\" \\ \n \uXXXX)
         return "choice", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in config.choice)
+    if config.grammar is not None:
+        return "grammar", config.grammar
     return None
 
 

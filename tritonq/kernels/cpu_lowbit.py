@@ -25,7 +25,8 @@ Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels
   (`_template_gemm`: torch.compile of this one op with the weight frozen in as a constant, its AMX or
   AVX512 micro-kernel unpacking 4-bit tiles in registers; groups 32 / 64 / 128, larger kernel groups split
   into 128s), compiled once per weight on its first call above 8 rows with the row count dynamic (~0.3 s
-  a weight, a new shape 1.5-4 s; stated in the log). Where it cannot compile (no AVX512), the kernel runs
+  a weight, a new shape 1.5-4 s; stated in the log), or at load for every weight, or never (`settle_templates`,
+  from tritonq.load(warm_up=): a server compiles before it answers, a one-shot command never). Where it cannot compile (no AVX512), the kernel runs
   up to DEQUANTIZE_ABOVE_M (32) rows and above that the whole weight is unpacked once per call to bf16
   (one fused loop compiled by torch.compile) for a oneDNN bf16 GEMM; that bf16 copy lives for one call.
   Measured on the quiet 2-core AVX512-BF16 / AMX box, 2 threads, 2816 x 1024 g128, median ms, eager
@@ -173,6 +174,8 @@ def _int4_matmul(xb: torch.Tensor, p: CPUInt4Weight, compiled: bool = True) -> t
     if template is not None:
         return template(xb)
     if M > DEQUANTIZE_ABOVE_M:
+        if p in _uncompiled:
+            return xb @ _unpack_dequantize_bf16(p.packed, p.scales, p.zeros, p.group_size)
         return xb @ _dequantize_bf16(p)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p.packed, p.group_size, p.scales_zeros)
 
@@ -240,6 +243,7 @@ def _dequantize_bf16(p: CPUInt4Weight) -> torch.Tensor:
 TEMPLATE_ABOVE_M = 8  # rows above which inductor's int4 GEMM template beats the eager kernel (docstring)
 TEMPLATE_GROUPS = (32, 64, 128)  # the groups its micro-kernels take; larger kernel groups are split
 _templates: WeakIdKeyDictionary = WeakIdKeyDictionary()  # CPUInt4Weight -> its compiled GEMM, or None
+_uncompiled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # CPUInt4Weight -> True: never compile for it (settle_templates)
 _template_failed = False  # set by the first failed compile: the others would fail the same way
 
 
@@ -257,6 +261,20 @@ class _Int4Matmul(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+
+
+def settle_templates(weights, compile: bool) -> None:
+    """Decide, at load, how each 4-bit weight runs prefills (above TEMPLATE_ABOVE_M rows): compile its template
+    now (a long-lived process, so that no request waits for a compile), or never compile anything for it (a
+    one-shot command, whose prefill would not repay a compile: the eager kernel, and above DEQUANTIZE_ABOVE_M
+    rows the dequantize loop run eagerly)."""
+    for p in weights:
+        if compile:
+            if _template_gemm(p) is None and _dequantize_compiled is None:  # no template here: the path it runs
+                _dequantize_bf16(p)
+        elif p not in _templates:
+            _templates[p] = None
+            _uncompiled[p] = True
 
 
 def _template_gemm(p: CPUInt4Weight):

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import math
 import os
+import socket
 import sys
 import threading
 
@@ -28,7 +29,7 @@ def build_parser(prog: str = "python -m tritonq.serve") -> argparse.ArgumentPars
     parser = new_parser(prog, __doc__.splitlines()[0])
     parser.add_argument("model", help="local folder or Hugging Face id (dense, AWQ, GPTQ or FP8)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port to listen on (1-65535)")
     parser.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
@@ -51,6 +52,9 @@ def build_parser(prog: str = "python -m tritonq.serve") -> argparse.ArgumentPars
     limits.add_argument("--body-timeout", type=float, default=Limits.body_timeout_s, metavar="SECONDS",
                         help="answer 408 and close the connection when a request body has not arrived whole "
                              "within this many seconds")
+    parser.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
+                        help="while busy, log running / waiting requests, prompt and generation tokens/s and KV-cache "
+                             "use this often (0: never)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -58,6 +62,36 @@ def build_parser(prog: str = "python -m tritonq.serve") -> argparse.ArgumentPars
                              '\'{"method": "draft", "model": "PATH_OR_ID", "num_tokens": 4}\' (see tritonq.load)')
     add_load_options(parser, tensor_parallel=True)
     return parser
+
+
+def _port(text: str) -> int:
+    """--port's type: a TCP port number, 1-65535 (argparse turns the error into one usage line)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port; expected 1-65535")
+    return port
+
+
+def _listen(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, made before the model loads so that a busy port or an address this machine
+    does not have ends in fail() at once; uvicorn then serves on it (no second bind, so no race)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        fail(parser, f"--host {host}: {e.strerror}; pass an address of this machine (127.0.0.1, 0.0.0.0, ...)")
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a TIME_WAIT port
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        fail(parser, f"cannot listen on {host}:{port}: {e.strerror}; stop the process using it or pass another "
+                     "--port")
+    return sock
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "python -m tritonq.serve"
@@ -72,6 +106,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tritonq.ser
             SpeculativeConfig.parse(args.speculative_config)
         except (ValueError, TypeError) as e:
             parser.error(f"--speculative-config: {e}")
+    if not args.log_stats_interval >= 0:
+        parser.error(f"--log-stats-interval is {args.log_stats_interval}; expected seconds >= 0")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         parser.error(f"--max-request-bytes is {args.max_request_bytes}; expected >= 1")
     for name in ("max_request_tokens", "max_stop_strings", "max_stop_chars"):
@@ -139,6 +175,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.serve") -
     if args.tensor_parallel not in (None, 1) and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         fail(parser, f"--tensor-parallel {args.tensor_parallel} needs {args.tensor_parallel} processes: start the "
                      f"server with `torchrun --nproc-per-node {args.tensor_parallel} -m tritonq.serve MODEL ...`")
+    # rank 0 serves; the port is taken before the model loads (a busy one is refused at once)
+    sock = _listen(parser, args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
     model = _load_off_main_thread(parser, args)
     leader = None
     if model.world > 1:
@@ -155,11 +193,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.serve") -
     app = create_app(model, args.served_model_name or args.model, api_key=args.api_key, max_waiting=max_waiting,
                      open_metrics=args.open_metrics, on_dead=lambda reason: server.engine_died(reason),
                      limits=limits,
+                     log_interval=args.log_stats_interval,
                      **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=10)
     server = _server_class()(config, app.state.engine_loop)
-    server.run()
+    server.run(sockets=[sock])
     if app.state.engine_loop.dead is not None:
         raise SystemExit(1)  # a supervisor restarts us; status 0 would say "stopped on purpose" (torchrun: all ranks)
     if leader is not None:  # the engine thread has stopped (app shutdown): release the other ranks
@@ -181,7 +220,7 @@ def _load_off_main_thread(parser, args):
 
     def load():
         try:
-            outcome["model"] = load_model(parser, args)
+            outcome["model"] = load_model(parser, args, warm_up=True)  # compiled before /health answers
         except BaseException as error:  # noqa: BLE001 - fail()'s SystemExit too: re-raised on the main thread
             outcome["error"] = error
 

@@ -28,17 +28,17 @@ OPEN_PATHS = ("/health",)  # the only routes that never need the API key
 
 def create_app(model, served_model_name: str, *, api_key: str | None = None, max_waiting: int | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES, open_metrics: bool = False, on_dead=None,
-               limits: Limits = Limits()) -> FastAPI:
+               limits: Limits = Limits(), log_interval: float = 5.0) -> FastAPI:
     """The app over a loaded tritonq Model (its engine runs in a background thread while the app lives).
 
     api_key: required on every route but /health (and /metrics with open_metrics); an empty or whitespace key
     is refused (ValueError), since a bare 'Authorization: Bearer' would match it. max_waiting: the most
     sequences waiting for their first token (429 past it). limits: the fairness caps (tritonq.serve.limits).
     on_dead(reason): called from the engine thread once the engine cannot continue (the command line exits
-    non-zero)."""
+    non-zero). log_interval: seconds between the throughput log lines while busy (0: none)."""
     check_api_key(api_key, "api_key")
     metrics = ServerMetrics(served_model_name)
-    engine_loop = EngineLoop(model.engine, metrics, max_waiting, on_dead=on_dead)
+    engine_loop = EngineLoop(model.engine, metrics, max_waiting, on_dead=on_dead, log_interval=log_interval)
     metrics.update_engine(model.engine)
     tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tritonq-tokenize")
     grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="tritonq-grammar")

@@ -96,8 +96,10 @@ class _Timing:
 class EngineLoop:
     """Owns the engine thread. `submit` from the asyncio loop; `stop` from anywhere."""
 
-    def __init__(self, engine, metrics: ServerMetrics, max_waiting: int | None = None, on_dead=None):
+    def __init__(self, engine, metrics: ServerMetrics, max_waiting: int | None = None, on_dead=None,
+                 log_interval: float = 5.0):
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self.log_interval = log_interval          # seconds between throughput log lines while busy (0: none)
         self.on_dead = on_dead                    # called (engine thread) with the reason once dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, Stream] = {}   # engine request id -> its stream (thread-owned)
@@ -231,6 +233,7 @@ class EngineLoop:
                         traceback.print_exc()
                         self._fail_in_flight(f"{type(exc).__name__}: {exc}")
                 self.metrics.update_engine(self.engine)
+                self.metrics.log_throughput(time.perf_counter(), self.log_interval)
         except BaseException as exc:  # noqa: BLE001 - report any death to every waiting client
             self.dead = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()

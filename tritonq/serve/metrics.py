@@ -6,6 +6,8 @@ own CollectorRegistry, so two servers in one process (tests) do not share counts
 """
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -55,6 +57,31 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._labels = labels
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "proposed": 0, "accepted": 0, "verifications": 0}
+        self._logged = (None, 0.0, 0.0)  # (time, prompt tokens, generated tokens) at the last throughput line
+
+    def log_throughput(self, now: float, interval: float) -> None:
+        """(engine thread, after update_engine) While requests run or wait, one INFO line every `interval` seconds
+        (0: never), and one for the last stretch when they are done, as vLLM logs: running and waiting requests,
+        prompt tokens accepted and tokens generated per second over the stretch, KV-cache use. On stderr like
+        every log line: never inside streamed text."""
+        def value(name: str) -> float:
+            return self.registry.get_sample_value(f"tritonq:{name}", self._labels) or 0.0
+        if not interval:
+            return
+        totals = (value("prompt_tokens_total"), value("generation_tokens_total"))
+        running, waiting = value("num_requests_running"), value("num_requests_waiting")
+        start, *counted = self._logged
+        busy = running or waiting
+        if start is None:  # the first step after idling: the stretch starts now, with the work just accepted
+            self._logged = (now, *counted)
+        elif (now - start >= interval or not busy) and now > start and totals != tuple(counted):
+            prompt, generated = ((total - before) / (now - start) for total, before in zip(totals, counted))
+            logging.getLogger("tritonq.serve").info(
+                "running %d, waiting %d requests; prompt %.1f tokens/s, generation %.1f tokens/s; KV cache %.1f%% "
+                "used", running, waiting, prompt, generated, 100 * value("kv_cache_usage_perc"))
+            self._logged = (now, *totals)
+        if not busy:  # idle from here (the engine thread waits for work): the next stretch starts with it
+            self._logged = (None, *totals)
 
     def update_engine(self, engine) -> None:
         """Refresh gauges and the cumulative counters the engine keeps itself (engine thread)."""

@@ -21,8 +21,12 @@ tokens per request) are checked by the routes (tritonq.serve.limits).
 
 Structured outputs (tritonq.structured): `response_format` {"type": "json_object"} (any JSON object) or
 {"type": "json_schema", "json_schema": {"name", "schema", ...}} becomes GenerationConfig.json_schema, on
-both routes; chat `tools` with `tool_choice` "none" / "auto" / {"type": "function", "function": {"name"}}
-(a named function: its output is constrained to the function's `parameters` schema).
+both routes; so do vLLM's extras, each onto the GenerationConfig field of its kind: `structured_outputs`
+{"json" | "regex" | "choice" | "grammar" | "json_object": ...} (one of them) and the older `guided_json` /
+`guided_regex` / `guided_choice` / `guided_grammar`. Chat `tools` with `tool_choice` "none" / "auto" /
+{"type": "function", "function": {"name"}} (a named function: its output is constrained to the function's
+`parameters` schema). A request takes one constraint: two of these fields (or two members of
+structured_outputs) are refused with a 400 naming both.
 """
 from __future__ import annotations
 
@@ -182,6 +186,50 @@ class ResponseFormat(_Body):
         return None
 
 
+def _schema(name: str, value: dict | str) -> dict:
+    """A JSON schema given as a dict or as its JSON text (vLLM takes both), as a dict; a 400 naming `name`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise field_error(name, f"{name} is not valid JSON ({exc}); send a JSON schema object") from None
+    if not isinstance(value, dict):
+        raise field_error(name, f"{name} is a JSON {type(value).__name__}; send a JSON schema object")
+    return value
+
+
+def _choices(name: str, value: list[str]) -> tuple[str, ...]:
+    if not value or not all(value):
+        raise field_error(name, f"{name}={json.dumps(value)[:80]}; send at least one choice, each a non-empty string")
+    return tuple(value)
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, choices, an EBNF grammar, or any JSON
+    object."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+
+    def constraint(self) -> dict:
+        """The GenerationConfig fields of the one constraint set (a 400 unless exactly one is)."""
+        given = [n for n in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, "json_" if n == "json" else n) not in (None, False)]
+        if len(given) != 1:
+            found = f"sets {' and '.join(given)}" if given else "sets none"
+            raise field_error("structured_outputs", f"structured_outputs {found}; set exactly one of json, regex, "
+                                                    "choice, grammar or json_object")
+        if self.json_ is not None:
+            return {"json_schema": _schema("structured_outputs.json", self.json_)}
+        if self.choice is not None:
+            return {"choice": _choices("structured_outputs.choice", self.choice)}
+        if self.json_object:
+            return {"json_schema": {"type": "object"}}
+        return {"regex": self.regex} if self.regex is not None else {"grammar": self.grammar}
+
+
 class SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -207,6 +255,11 @@ class SamplingRequest(_Body):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM extension; so are the guided_* fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = Field(None, min_length=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -230,6 +283,7 @@ class SamplingRequest(_Body):
                     {"name": name, "value": json.dumps(getattr(self, name))[:80]})
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise ValueError("stop strings must be non-empty")
+        SamplingRequest.output_constraint(self)  # a malformed constraint or two of them: refused with the others
         for key, bias in (self.logit_bias or {}).items():
             if not (key.isascii() and key.isdigit()):
                 raise field_error("logit_bias", f"logit_bias key {key!r} is not a token id; keys are token ids "
@@ -244,10 +298,32 @@ class SamplingRequest(_Body):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def output_schema(self) -> tuple[dict | None, str | None]:
-        """(the JSON schema the output must follow, the field that asks for it), or (None, None)."""
+    def output_constraint(self) -> tuple[dict, str | None]:
+        """(the GenerationConfig fields that constrain the output, e.g. {"regex": ...}, the request field that
+        asks for it), or ({}, None). Two fields asking for one are a 400 naming both."""
+        asked = self._constraints()
+        if len(asked) > 1:
+            raise field_error(asked[1][1], f"{asked[0][1]} and {asked[1][1]} both constrain the output; pass one "
+                                           "of them")
+        return asked[0] if asked else ({}, None)
+
+    def _constraints(self) -> list[tuple[dict, str]]:
+        """Each (constraint, field) the request asks for (output_constraint refuses more than one)."""
+        asked = []
         schema = self.response_format.schema() if self.response_format is not None else None
-        return (schema, "response_format") if schema is not None else (None, None)
+        if schema is not None:
+            asked.append(({"json_schema": schema}, "response_format"))
+        if self.structured_outputs is not None:
+            asked.append((self.structured_outputs.constraint(), "structured_outputs"))
+        if self.guided_json is not None:
+            asked.append(({"json_schema": _schema("guided_json", self.guided_json)}, "guided_json"))
+        if self.guided_regex is not None:
+            asked.append(({"regex": self.guided_regex}, "guided_regex"))
+        if self.guided_choice is not None:
+            asked.append(({"choice": _choices("guided_choice", self.guided_choice)}, "guided_choice"))
+        if self.guided_grammar is not None:
+            asked.append(({"grammar": self.guided_grammar}, "guided_grammar"))
+        return asked
 
     def top_logprobs_wanted(self) -> int:
         """How many alternatives each generated token's logprobs carry (0: the sampled token's only)."""
@@ -256,7 +332,7 @@ class SamplingRequest(_Body):
     def generation_configs(self, max_new_tokens: int) -> list[GenerationConfig]:
         """One config per choice; with a seed and n > 1 choice i samples with seed + i so the
         choices differ but the whole response is repeatable."""
-        schema, _ = self.output_schema()
+        constraint, _ = self.output_constraint()
         bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         return [GenerationConfig(max_new_tokens=max_new_tokens, temperature=self.temperature,
                                  top_k=max(self.top_k, 0), top_p=self.top_p,
@@ -265,8 +341,7 @@ class SamplingRequest(_Body):
                                  min_p=self.min_p, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                                  stop_token_ids=tuple(self.stop_token_ids or ()),
                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                 logit_bias=bias, top_logprobs=self.top_logprobs_wanted(),
-                                 json_schema=schema)
+                                 logit_bias=bias, top_logprobs=self.top_logprobs_wanted(), **constraint)
                 for i in range(self.n)]
 
 
@@ -390,9 +465,10 @@ class ChatCompletionRequest(SamplingRequest):
                 raise field_error("tool_choice", f"tool_choice names the function {choice.function.name!r}, "
                                                   f"which is not in tools ({', '.join(map(repr, names))}); "
                                                   "name one of them")
-            if self.response_format is not None and self.response_format.type != "text":
-                raise field_error("response_format", "tool_choice naming a function and response_format both "
-                                                      "constrain the output; pass one of them")
+            asked = self._constraints()
+            if asked:
+                raise field_error(asked[0][1], f"tool_choice naming a function and {asked[0][1]} both constrain "
+                                               "the output; pass one of them")
         return self
 
     def top_logprobs_wanted(self) -> int:
@@ -408,11 +484,12 @@ class ChatCompletionRequest(SamplingRequest):
         """tools with tool_choice "auto" (the default when tools are given): tool calls are read from the text."""
         return bool(self.tools) and self.tool_choice in (None, "auto")
 
-    def output_schema(self) -> tuple[dict | None, str | None]:
+    def output_constraint(self) -> tuple[dict, str | None]:
         named = self.named_tool()
         if named is not None:  # the reply is this function's arguments
-            return (named.parameters if named.parameters is not None else {"type": "object"}), "tool_choice"
-        return super().output_schema()
+            return {"json_schema": named.parameters if named.parameters is not None else {"type": "object"}}, \
+                "tool_choice"
+        return super().output_constraint()
 
 
 def _plain(value):

@@ -42,7 +42,7 @@ async def _off_loop(request: Request, fn, *args, pool: str = "tokenizer_pool", *
 async def _checked_configs(request: Request, body: SamplingRequest, prompts: list[list[int]]) -> list[list]:
     """_sampling_configs off the loop: on the grammar pool when the output follows a schema (its check compiles
     the grammar, up to structured.COMPILE_TIMEOUT_S), so plain requests never wait behind a compile."""
-    constrained = body.output_schema()[0] is not None
+    constrained = bool(body.output_constraint()[0])
     return await _off_loop(request, _sampling_configs, request.app.state.model, body, prompts,
                            pool="grammar_pool" if constrained else "tokenizer_pool")
 
@@ -96,7 +96,7 @@ def _check_limits(request: Request, body: SamplingRequest, prompts: list[list[in
 def _sampling_configs(model, body: SamplingRequest, prompts: list[list[int]]) -> list[list]:
     """Per prompt, the GenerationConfigs of its n choices, each checked by Engine.check_request (run off the
     loop: it may compile the output's grammar); its refusal is a 400 naming the field to change."""
-    schema_field = body.output_schema()[1]
+    schema_field = body.output_constraint()[1]
     configs = []
     for i, prompt in enumerate(prompts):
         name = f"prompt {i}" if len(prompts) > 1 else "the prompt"
