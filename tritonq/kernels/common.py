@@ -332,6 +332,12 @@ class GemmConfig:
     num_stages: int = 3
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): the M bucket of the GEMM plans. Plain int arithmetic:
+    triton.next_power_of_2 is a constexpr function, ~10 us a call on the host."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def gemm_config_bucket(M: int, N: int, K: int) -> str:
     """Key of a tuned GEMM config: M rounded up to a power of two (capped at 4096), exact N and K."""
     return f"M{min(triton.next_power_of_2(M), 4096)}_N{N}_K{K}"

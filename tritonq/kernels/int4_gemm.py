@@ -58,6 +58,7 @@ from tritonq.kernels.common import (
     GemmPlan,
     Launch,
     gemm_output,
+    next_pow2,
     split_k_arrivals,
     check_launch_config,
     dequantize_int_tile,
@@ -165,10 +166,6 @@ def _int4_gemm_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def default_config(M: int, N: int, K: int) -> Int4GemmConfig:
     """Defaults in code, used when no tuned JSON entry exists for this GPU and shape."""
     if M <= SPLIT_K_MAX_M:
@@ -176,16 +173,16 @@ def default_config(M: int, N: int, K: int) -> Int4GemmConfig:
         n_tiles = triton.cdiv(N, block_n)
         k_tiles = triton.cdiv(K, block_k)
         # Aim for ~2 waves on a 132-SM GPU while keeping >= 2 K tiles per slice.
-        split_k = max(1, min(16, _next_pow2(triton.cdiv(264, n_tiles)), k_tiles // 2))
+        split_k = max(1, min(16, next_pow2(triton.cdiv(264, n_tiles)), k_tiles // 2))
         return Int4GemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
     if M <= 64:
-        return Int4GemmConfig(max(16, _next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
+        return Int4GemmConfig(max(16, next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
     return Int4GemmConfig(128, 128, 64, 1, num_warps=8, num_stages=3)
 
 
 def config_bucket(M: int, N: int, K: int, w: Int4Weight) -> str:
     """Key of the tuned-config JSON: M rounded up to a power of two; exact N, K, group size, bits."""
-    return f"M{_next_pow2(M)}_N{N}_K{K}_G{w.group_size}_B{w.bits}"
+    return f"M{next_pow2(M)}_N{N}_K{K}_G{w.group_size}_B{w.bits}"
 
 
 def _fail(name: str, found, expected: str, fix: str) -> NoReturn:
@@ -269,11 +266,11 @@ class Int4Gemm:
         if config is not None:
             plan = _plan(x, self.w, config, M)
         else:
-            plan = self.plans.get((_next_pow2(M), x.dtype))
+            plan = self.plans.get((next_pow2(M), x.dtype))
         if plan is None:
             config = tuned_or_default("int4_gemm", config_bucket(M, self.N, self.K, self.w),
                                       default_config(M, self.N, self.K))
-            plan = self.plans[_next_pow2(M), x.dtype] = _plan(x, self.w, config, _next_pow2(M))
+            plan = self.plans[next_pow2(M), x.dtype] = _plan(x, self.w, config, next_pow2(M))
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
 
 

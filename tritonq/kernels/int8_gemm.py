@@ -42,7 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tritonq.kernels import use_cpu_kernels, use_triton
 from tritonq.kernels.common import (GemmConfig, GemmPlan, Launch, activation_scale, check_gemm_activations,
     check_gemm_weight, check_launch_config, compute_capability, decode_split_k, gemm_grid, gemm_output, gemm_tile,
-    split_k_arrivals, store_gemm_tile, tuned_or_default)
+    next_pow2, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import W8A8Weight
 
@@ -163,7 +163,7 @@ def quantize_activation_int8_launch(x: torch.Tensor, q: torch.Tensor, scales: to
     ([M] fp32, or the static one-element scale), one program per row. Over meta tensors it is what the AOT
     tests compile."""
     M, K = x.shape
-    block = triton.next_power_of_2(K)
+    block = next_pow2(K)
     args = dict(x_ptr=x, q_ptr=q, s_ptr=scales, static_scale_ptr=scales,
                 zero_point_ptr=zero_point if zero_point is not None else scales, K=K, stride_xm=x.stride(0),
                 stride_qm=q.stride(0), BLOCK=block, STATIC=static, ASYMMETRIC=zero_point is not None)
@@ -239,7 +239,7 @@ class Int8Gemm:
         else:
             M = x.shape[0]
             fp16_dot = self.cc is not None and self.cc < 80 if fp16_dot is None else fp16_dot
-            key = (triton.next_power_of_2(M), x.dtype, fp16_dot)
+            key = (next_pow2(M), x.dtype, fp16_dot)
             plan = self.plans.get(key) if config is None else None
             if plan is None:
                 plan = self._plan(x, config or tuned_config(M, N, K, self.cc), fp16_dot, key[0])
