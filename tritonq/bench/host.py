@@ -72,21 +72,24 @@ class _KernelOps(TorchDispatchMode):
 
 
 class _StubbedLaunches:
-    """Within the block, a Triton kernel launch counts itself and returns (no interpreter run)."""
+    """Within the block, a Triton kernel launch counts itself and returns (no interpreter run, no compile)."""
 
     def __enter__(self):
         from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
 
-        self.cls, self.run, self.count = InterpretedFunction, InterpretedFunction.run, 0
+        self.runs, self.count = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}, 0
 
         def stub(fn, *args, grid, warmup, **kwargs):
             self.count += 1
 
-        InterpretedFunction.run = stub
+        for cls in self.runs:
+            cls.run = stub
         return self
 
     def __exit__(self, *exc):
-        self.cls.run = self.run
+        for cls, run in self.runs.items():
+            cls.run = run
 
 
 def measure(layer, x: torch.Tensor, calls: int, rounds: int = 5) -> tuple[float, float]:
