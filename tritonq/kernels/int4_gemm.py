@@ -18,9 +18,10 @@ bytes are negligible and the kernel avoids a second unpack.
 Two paths over the same kernel, chosen by M (`SPLIT_K_MAX_M`):
   * M <= 16 (decode): BLOCK_M = 16 and split-K. N / BLOCK_N tiles alone cannot fill the SMs at
     small M, so the K loop is cut into SPLIT_K slices; each slice writes an fp32 partial into
-    its own [SPLIT_K, M, N] buffer and the launcher sums them (a second pass). This is
-    deterministic (atomics are not) and exact to fp32 rounding; the buffer is SPLIT_K * M * N
-    fp32, tiny next to the weight at M <= 16.
+    its own plane of a [SPLIT_K, M, N] buffer and the last slice to finish adds them in slice
+    order and casts, in the same launch (`common.reduce_split_k`). This is deterministic (fp32
+    atomics are not) and exact to fp32 rounding; the buffer is SPLIT_K * M * N fp32, tiny next
+    to the weight at M <= 16.
   * M > 16: a tiled tensor-core GEMM, SPLIT_K = 1, written straight to y in x.dtype.
 
 Groups: when there is no g_idx and group_size is a multiple of BLOCK_K, every K tile lies in
@@ -37,8 +38,9 @@ object, see kernels/cpu_lowbit.py; `int4_gemm_reference`
 (TRITONQ_BACKEND=torch) is the oracle.
 
 Launch configs: `Int4GemmConfig`; defaults in `default_config`, tuned JSON overrides through
-`common.tuned_or_default("int4_gemm", config_bucket(M, N, K, w), ...)`. `int4_gemm_launch` builds
-every launch (the launcher's, tune --aot's over meta tensors); `sweep_space` is what
+`common.tuned_or_default("int4_gemm", config_bucket(M, N, K, w), ...)`, looked up once per (weight,
+M bucket) by the weight's `Int4Gemm`, which keeps the launch in a `common.GemmPlan`. `int4_gemm_launch`
+builds every launch (the plans', tune --aot's over meta tensors); `sweep_space` is what
 `python -m tritonq.tune --kernel int4_gemm` sweeps (`CONFIG_SPACE` restricted per shape; tune/targets.py).
 """
 from __future__ import annotations
