@@ -32,9 +32,10 @@ slices inside its own launch (`reduce_split_k`): one launch per GEMM.
 Launch: a kernel's launcher builds a `Launch` (grid + every argument by parameter name) with a builder
 in the kernel's own file, then calls it (on its tensors' CUDA device, whatever the thread's current
 one). The GEMMs build theirs once per (weight, M bucket) and keep it in a `GemmPlan`, which binds
-the per-call arguments (activations, output, M) at each call. `tritonq.tune --aot` builds the same object over "meta" tensors (shapes, strides and dtypes
-without memory) and compiles it (`kernels.aot.compile_launch`), so no kernel signature is written
-down anywhere else. Meta tensors stand for a GPU: `on_gpu`.
+the per-call arguments (activations, output, M) at each call. `tritonq.tune --aot` builds the same
+object over "meta" tensors (shapes, strides and dtypes without memory) and compiles it
+(`kernels.aot.compile_launch`), so no kernel signature is written down anywhere else. Meta tensors
+stand for a GPU: `on_gpu`.
 """
 from __future__ import annotations
 

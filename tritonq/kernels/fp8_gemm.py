@@ -18,9 +18,10 @@ Two kernel paths, one @triton.jit kernel:
 Decode-sized M splits K across programs (SPLIT_K) so that enough programs stream the weight; each
 K slice writes its fp32 partial into its own plane of a [SPLIT_K, M, N] buffer and the last slice
 to finish sums them in slice order in the same launch (`common.reduce_split_k`), as int4_gemm does:
-deterministic (fp32 atomics add in whatever order the slices finish) and the buffer is tiny at decode M. Launch configs come from kernels/configs/fp8_gemm*/<gpu>.json
-when tuned (`common.tuned_or_default`), else `default_config`; `fp8_gemm_launch` builds every
-launch (the launcher's, and tune --aot's over meta tensors); `sweep_space` is what
+deterministic (fp32 atomics add in whatever order the slices finish) and the buffer is tiny at decode M.
+Launch configs come from kernels/configs/fp8_gemm*/<gpu>.json when tuned (`common.tuned_or_default`),
+else `default_config`, looked up once per (weight, M bucket, path) by the weight's `FP8Gemm`;
+`fp8_gemm_launch` builds every launch (the plans', and tune --aot's over meta tensors); `sweep_space` is what
 `python -m tritonq.tune --kernel fp8_gemm` sweeps (tune/targets.py).
 fp32 accumulation throughout; output in x.dtype, plus bias. CPU tensors (no interpreter) run
 weight-only by default, like GPUs below sm_89: fp32 activations times the weight dequantized once
@@ -209,7 +210,7 @@ class FP8Gemm:
                  config: FP8GemmConfig | None = None) -> torch.Tensor:
         w, N, K = self.w, self.N, self.K
         check_gemm_activations("fp8_gemm", x, N, K, self.device)
-        if weight_only is None and w.weight_only:  # a weight-only checkpoint never rounds activations, whatever the device
+        if weight_only is None and w.weight_only:  # a weight-only checkpoint never rounds activations, on any device
             weight_only = True
         lead = x.shape[:-1]
         x = x.reshape(-1, K)

@@ -284,8 +284,8 @@ def _plan(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, max_m: int) ->
     """The GemmPlan of `int4_gemm_launch` for activations like x, at most max_m rows."""
     check_launch_config("int4_gemm", config, Int4GemmConfig)
     launch = int4_gemm_launch(x, w, config, arrivals=split_k_arrivals(max_m, w.shape[0], config, x.device))[0]
-    return GemmPlan(launch, "out_ptr", ("x_ptr", "stride_xm", "stride_xk"), w.shape[0], config.BLOCK_M, triton.cdiv(w.shape[0], config.BLOCK_N),
-                    config.SPLIT_K, flat=False)
+    return GemmPlan(launch, "out_ptr", ("x_ptr", "stride_xm", "stride_xk"), w.shape[0], config.BLOCK_M,
+                    triton.cdiv(w.shape[0], config.BLOCK_N), config.SPLIT_K, flat=False)
 
 
 def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig,

@@ -277,7 +277,8 @@ def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, conf
             if w.input_zero_point is not None else w_scale)  # unused unless ASYMMETRIC
     y, partials, arrivals = gemm_output(M, N, config, out_dtype, a.device, arrivals)
     args = dict(a_ptr=a, a_scale_ptr=a_scale.reshape(-1), a_zero_ptr=zero, w_ptr=weight, w_scale_ptr=w_scale,
-                bias_ptr=w.bias if w.bias is not None else w_scale, y_ptr=y, partials_ptr=partials, arrivals_ptr=arrivals,
+                bias_ptr=w.bias if w.bias is not None else w_scale, y_ptr=y, partials_ptr=partials,
+                arrivals_ptr=arrivals,
                 M=M, N=N, K=K, stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N,
                 stride_asm=1 if a_scale.dim() else 0,  # a static scale is shared by every row
                 stride_wsn=1 if w_scale.numel() > 1 else 0,
