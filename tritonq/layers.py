@@ -1,5 +1,5 @@
-"""Model building blocks. Linear picks the GEMM from the weight's type in `GEMMS`, the one table
-of kernels by weight type (tritonq/weights.py says what else a new type needs)."""
+"""Model building blocks. Linear runs its weight through `kernels.linear.LINEARS`, the one table of
+linears by weight type (tritonq/weights.py says what else a new type needs)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,39 +9,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonq.distributed import all_gather_last_dim, all_reduce
-from tritonq.kernels import cpu_dense, cpu_lowbit, cpu_native, use_cpu_kernels
-from tritonq.kernels.fp8_gemm import fp8_gemm
-from tritonq.kernels.int4_gemm import int4_gemm
-from tritonq.kernels.int8_gemm import int8_gemm
+from tritonq.kernels import cpu_native, use_cpu_kernels
+from tritonq.kernels.linear import kind_of
 from tritonq.kernels.moe import fused_moe
 from tritonq.kernels.norm_rope import add_rms_norm, rms_norm
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, RankExperts, W8A8Weight, Weight, k_major
-
-
-def _int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    return int4_gemm(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
-
-
-def _dense_linear(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:
-    return F.linear(x, w.weight, w.bias)  # bf16 on the CPU backend: Linear's cpu_dense (kernels/cpu_dense.py)
-
-
-# y [..., N] = x [..., K] @ W^T (+ bias) for each weight type.
-GEMMS = {
-    DenseWeight: _dense_linear,
-    Int4Weight: _int4_linear,
-    FP8Weight: fp8_gemm,  # takes [..., K] itself
-    W8A8Weight: int8_gemm,  # takes [..., K] itself
-}
+from tritonq.weights import DenseWeight, RankExperts, Weight, k_major
 
 
 class Linear(nn.Module):
-    """y = x @ W^T (+ bias) for x [..., K] -> [..., N], with the kernel picked by the weight's type."""
+    """y = x @ W^T (+ bias) for x [..., K] -> [..., N]: the weight is checked and prepared once, here
+    (`kernels.linear`: its GEMM object, its CPU form), and each call is the table row's run."""
 
     def __init__(self, weight: Weight):
         super().__init__()
-        if not isinstance(weight, tuple(GEMMS)):  # MXFP4 is experts-only (kernels/moe/)
-            raise TypeError(f"Linear needs one of {[t.__name__ for t in GEMMS]}; got {type(weight).__name__}.")
+        kind = kind_of(weight)
         if (isinstance(weight, DenseWeight) and k_major(weight.weight.device, weight.weight.dtype)
                 and not weight.weight.t().is_contiguous()):
             # CPU fp32 runs W stored [K, N] (tritonq.weights.k_major: faster decode GEMV). Loaders read weights
@@ -50,31 +31,11 @@ class Linear(nn.Module):
             weight = replace(weight, weight=weight.weight.t().contiguous().t())
         self.weight = weight
         self.out_features, self.in_features = weight.shape
-        self._prepare_cpu()
-
-    def _prepare_cpu(self) -> None:
-        """On the CPU backend, repack / dequantize a quantized weight once, at load (kernels/cpu_lowbit.py), and
-        reorder a bf16 one for oneDNN (kernels/cpu_dense.py); the kernels find it there on every call. W8A8
-        weights run as stored (torch._int_mm on the int8 codes, kernels/int8_gemm.py)."""
-        w = self.weight
-        # The CPU forms, held here (a compiled step cannot look them up in the kernels' weak dicts, and an eager one
-        # saves the lookup): Int4Weight's repacked form, a bf16 DenseWeight's oneDNN-packed one.
-        self.cpu_int4 = self.cpu_dense = None
-        if not use_cpu_kernels(w.values) or isinstance(w, W8A8Weight):
-            return
-        if isinstance(w, Int4Weight):
-            self.cpu_int4 = cpu_lowbit.prepare(w)
-        elif not isinstance(w, DenseWeight):
-            cpu_lowbit.prepare(w)
-        elif cpu_dense.packs(w):
-            self.cpu_dense = cpu_dense.pack(w)
+        # Held here, not looked up per call (a compiled step cannot look them up in the kernels' weak dicts)
+        self.prepared, self.run = kind.prepare(weight), kind.run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_int4 is not None and use_cpu_kernels(x):
-            return cpu_lowbit.linear(x.reshape(-1, x.shape[-1]), self.cpu_int4).view(*x.shape[:-1], self.out_features)
-        if self.cpu_dense is not None and use_cpu_kernels(x) and not torch.compiler.is_compiling():
-            return cpu_dense.linear(x, self.cpu_dense, self.weight.bias)  # a compiled step traces F.linear
-        return GEMMS[type(self.weight)](x, self.weight)
+        return self.run(x, self.prepared)
 
 
 class _CollectiveLinear(Linear):

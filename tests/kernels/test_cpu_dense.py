@@ -91,15 +91,15 @@ def test_linear_packs_bf16_weights_on_the_cpu_backend_only(monkeypatch):
     monkeypatch.setattr(cpu_dense, "linear", lambda *a: calls.append(1) or run(*a))
     x = torch.randn(4, K).bfloat16()
     bf16 = Linear(weight(bias=True))
-    assert bf16.cpu_dense is not None
+    assert bf16.prepared.cpu is not None
     assert_one_bf16_rounding_apart(bf16(x), F.linear(x, bf16.weight.weight, bf16.weight.bias))
     assert calls == [1]
     fp32 = Linear(DenseWeight(torch.randn(N, K)))
-    assert fp32.cpu_dense is None
+    assert fp32.prepared.cpu is None
     fp32(x.float())
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")
     reference = Linear(weight(bias=False))
-    assert reference.cpu_dense is None
+    assert reference.prepared.cpu is None
     reference(x)
     assert calls == [1]
 

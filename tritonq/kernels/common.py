@@ -12,7 +12,9 @@
   activation_scale     per-token / per-group activation scale (fp8_gemm's and int8_gemm's quantizers)
   gemm_tile / store_gemm_tile
                        the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice and
-                       epilogue (bias on the first slice, the slice's plane of the split-K buffer)
+                       epilogue (bias on the first slice, then y or the split-K sum)
+  reduce_split_k       the split-K sum in the GEMM's own launch: the last K slice to arrive adds the
+                       slices' fp32 partials in slice order and stores y (int4_gemm, store_gemm_tile)
 The attention kernels' online-softmax step is `attention._attend_tile`, shared by all three of them.
 
 Launch configs (the one convention): a frozen dataclass per kernel whose tile fields are named as the
@@ -23,14 +25,17 @@ and `check_launch_config` checks any of them.
 
 The dense-GEMM families with activation quantization (fp8_gemm, int8_gemm) share their launch shape: a
 `GemmConfig` (tiles, GROUP_M swizzle, SPLIT_K), one program per output tile and K slice (`gemm_grid`), split-K
-partials in an fp32 [SPLIT_K, M, N] buffer that the launcher sums (`gemm_output`, `sum_split_k`), buckets keyed
-by (M rounded up, N, K) (`gemm_config_bucket`), and the decode split (`decode_split_k`).
+partials in an fp32 [SPLIT_K, M, N] buffer (`gemm_output`), buckets keyed by (M rounded up, N, K)
+(`gemm_config_bucket`), and the decode split (`decode_split_k`). Every split-K GEMM (int4_gemm too) sums its
+slices inside its own launch (`reduce_split_k`): one launch per GEMM.
 
 Launch: a kernel's launcher builds a `Launch` (grid + every argument by parameter name) with a builder
 in the kernel's own file, then calls it (on its tensors' CUDA device, whatever the thread's current
-one). `tritonq.tune --aot` builds the same object over "meta" tensors (shapes, strides and dtypes
-without memory) and compiles it (`kernels.aot.compile_launch`), so no kernel signature is written
-down anywhere else. Meta tensors stand for a GPU: `on_gpu`.
+one). The GEMMs build theirs once per (weight, M bucket) and keep it in a `GemmPlan`, which binds
+the per-call arguments (activations, output, M) at each call. `tritonq.tune --aot` builds the same
+object over "meta" tensors (shapes, strides and dtypes without memory) and compiles it
+(`kernels.aot.compile_launch`), so no kernel signature is written down anywhere else. Meta tensors
+stand for a GPU: `on_gpu`.
 """
 from __future__ import annotations
 
@@ -179,17 +184,45 @@ def gemm_tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def store_gemm_tile(y_ptr, out, bias_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
+def reduce_split_k(y_ptr, acc, partials_ptr, arrivals_ptr, tile, k_slice, rows, offs_n, mask_m, mask_n, stride_ym,
+                   M, N, SPLIT_K: tl.constexpr):
+    """The split-K sum inside the GEMM's own launch (no second and third launch to add and cast).
+
+    K slice k_slice of output tile `tile` stores its fp32 tile acc in plane k_slice of partials [SPLIT_K, M, N]
+    and counts itself in arrivals[tile] (int32, one per output tile, 0 between launches). The slice that
+    arrives last adds the planes in slice order, so y is the same sum whatever order the slices ran in
+    (deterministic, unlike fp32 atomics), stores it at rows x offs_n of y in y's dtype and sets the count
+    back to 0 for the next launch. The acq_rel atomic after the block's barrier makes every slice's stores
+    visible to the last one, whose loads bypass the (incoherent) L1: .cg."""
+    mask = mask_m[:, None] & mask_n[None, :]
+    plane = rows[:, None] * N + offs_n[None, :]
+    tl.store(partials_ptr + k_slice.to(tl.int64) * M * N + plane, acc, mask=mask)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = tl.zeros_like(acc)
+        ptrs = partials_ptr + plane
+        for _ in range(SPLIT_K):
+            total += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            ptrs += M * N
+        tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(arrivals_ptr + tile, 0)
+
+
+@triton.jit
+def store_gemm_tile(y_ptr, out, bias_ptr, partials_ptr, arrivals_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
                     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Store the fp32 tile out [BLOCK_M, BLOCK_N] at rows (int64) x offs_n of y, adding the bias in the
-    first K slice only; with SPLIT_K > 1, into program_id(1)'s plane of the fp32 [SPLIT_K, M, N] buffer."""
+    first K slice only; with SPLIT_K > 1 through `reduce_split_k` (tile program_id(0), slice program_id(1))."""
     if HAS_BIAS:
         first_slice = (tl.zeros(offs_n.shape, tl.int32) + tl.program_id(1)) == 0
         out += tl.load(bias_ptr + offs_n, mask=mask_n & first_slice, other=0.0).to(tl.float32)[None, :]
     if SPLIT_K > 1:
-        y_ptr += tl.program_id(1).to(tl.int64) * M * N
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        reduce_split_k(y_ptr, out, partials_ptr, arrivals_ptr, tl.program_id(0), tl.program_id(1), rows, offs_n,
+                       mask_m, mask_n, stride_ym, M, N, SPLIT_K)
+    else:
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @dataclass(frozen=True)
@@ -300,6 +333,12 @@ class GemmConfig:
     num_stages: int = 3
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): the M bucket of the GEMM plans. Plain int arithmetic:
+    triton.next_power_of_2 is a constexpr function, ~10 us a call on the host."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def gemm_config_bucket(M: int, N: int, K: int) -> str:
     """Key of a tuned GEMM config: M rounded up to a power of two (capped at 4096), exact N and K."""
     return f"M{min(triton.next_power_of_2(M), 4096)}_N{N}_K{K}"
@@ -337,17 +376,29 @@ def gemm_grid(M: int, N: int, config: GemmConfig) -> tuple[int, int]:
     return triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N), config.SPLIT_K
 
 
-def gemm_output(M: int, N: int, config: GemmConfig, out_dtype: torch.dtype, device) -> torch.Tensor:
-    """The GEMM kernel's output buffer: y [M, N] in out_dtype, or with SPLIT_K > 1 the fp32 [SPLIT_K, M, N]
-    partials (one plane per K slice: deterministic, unlike fp32 atomics) that `sum_split_k` adds up."""
-    if config.SPLIT_K > 1:
-        return torch.empty((config.SPLIT_K, M, N), dtype=torch.float32, device=device)
-    return torch.empty((M, N), dtype=out_dtype, device=device)
+def gemm_output(M: int, N: int, config, out_dtype: torch.dtype, device, arrivals: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GEMM launch's buffers (y, partials, arrivals): y [M, N] in out_dtype; with SPLIT_K > 1 the fp32
+    [SPLIT_K, M, N] partials that `reduce_split_k` adds up in the launch and the arrival counts (`arrivals`
+    when given, a plan's, else fresh zeros); with SPLIT_K 1 both stand in as y (unused)."""
+    y = torch.empty((M, N), dtype=out_dtype, device=device)
+    if config.SPLIT_K == 1:
+        return y, y, y
+    partials = torch.empty((config.SPLIT_K, M, N), dtype=torch.float32, device=device)
+    return y, partials, arrivals if arrivals is not None else split_k_arrivals(M, N, config, device)
 
 
-def sum_split_k(y: torch.Tensor, config: GemmConfig, out_dtype: torch.dtype) -> torch.Tensor:
-    """y [M, N] from `gemm_output`'s buffer after the launch: the K slices' partials summed in fp32."""
-    return y.sum(0).to(out_dtype) if config.SPLIT_K > 1 else y
+def split_k_arrivals(max_m: int, N: int, config, device: torch.device) -> torch.Tensor | None:
+    """`reduce_split_k`'s arrival counts for up to max_m rows: one int32 zero per output tile of `config`
+    (None without split-K), made before any CUDA graph capture: inside one the zeroing would be a node
+    of the graph, not done now, and the counts garbage until a replay."""
+    if config.SPLIT_K == 1:
+        return None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a split-K GEMM met a new shape during CUDA graph capture: run each captured shape "
+                           "once before capturing it (the engine's warm-up does)")
+    tiles = triton.cdiv(max_m, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N)
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
 @dataclass
@@ -366,11 +417,46 @@ class Launch:
     num_warps: int
     num_stages: int
 
-    def __call__(self) -> None:
+    def __post_init__(self):
         device = next((v.device for v in self.args.values() if isinstance(v, torch.Tensor)), None)
-        on_cuda = device is not None and device.type == "cuda"  # the interpreter (CPU tensors) has no context
-        with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
-            self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages)
+        # the CUDA device to enter; None: the interpreter (CPU tensors) and meta tensors have no context
+        self.cuda_device = device if device is not None and device.type == "cuda" else None
+
+    def __call__(self, grid: tuple[int, ...] | None = None, **bound) -> None:
+        """Launch with `args`; a launch built once and run per call (a `GemmPlan`) passes the grid and the
+        arguments that change per call (activations, output, M) here, over the ones it holds."""
+        with torch.cuda.device(self.cuda_device) if self.cuda_device is not None else contextlib.nullcontext():
+            self.kernel[grid or self.grid](**(self.args | bound if bound else self.args),
+                                           num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+class GemmPlan:
+    """A GEMM launch resolved once per (weight, M bucket, dtype): its `Launch` holds the kernel, the launch
+    options and every argument that stays the same (weight tensors, N, K, flags, tiles, the split-K arrival
+    counts); `run` allocates y (and the split-K partials), binds what changes per call and launches once.
+    The grid is cdiv(M, block_m) row tiles by tiles_n column tiles by split_k slices, flattened to
+    (row x column tiles, split_k) for the grouped-order kernels (`gemm_tile`). `per_call` names the
+    arguments besides y, the partials and M that `run` binds each time."""
+
+    def __init__(self, launch: Launch, y_name: str, per_call: tuple[str, ...], N: int, block_m: int, tiles_n: int,
+                 split_k: int, flat: bool):
+        per_call = (y_name, "partials_ptr", "M", *per_call) + (("arrivals_ptr",) if split_k == 1 else ())
+        for name in per_call:  # bound per call: the plan keeps no activations and no output
+            del launch.args[name]
+        self.launch, self.y_name, self.N = launch, y_name, N
+        self.block_m, self.tiles_n, self.split_k, self.flat = block_m, tiles_n, split_k, flat
+
+    def run(self, M: int, out_dtype: torch.dtype, device: torch.device, **bound) -> torch.Tensor:
+        """y [M, N] in out_dtype on device, from the one launch with `bound` (activations, their strides)."""
+        y = torch.empty((M, self.N), dtype=out_dtype, device=device)
+        rows = -(M // -self.block_m)
+        grid = (rows * self.tiles_n, self.split_k) if self.flat else (rows, self.tiles_n, self.split_k)
+        if self.split_k == 1:  # y stands in for the split-K buffers (unused)
+            self.launch(grid, M=M, partials_ptr=y, arrivals_ptr=y, **{self.y_name: y}, **bound)
+        else:
+            partials = torch.empty((self.split_k, M, self.N), dtype=torch.float32, device=device)
+            self.launch(grid, M=M, partials_ptr=partials, **{self.y_name: y}, **bound)
+        return y
 
 
 def shape_fields(shape_format: str) -> list[str]:

@@ -16,11 +16,12 @@ Two kernel paths, one @triton.jit kernel:
       are turned into fp16 with integer ops (exact, see `common.e4m3_bits_to_fp16`), then tl.dot
       in x.dtype (fp32 in IEEE fp32, `common.ieee_dot`).
 Decode-sized M splits K across programs (SPLIT_K) so that enough programs stream the weight; each
-K slice writes its fp32 partial into its own plane of a [SPLIT_K, M, N] buffer and the launcher
-sums them, as int4_gemm does: deterministic (fp32 atomics add in whatever order the slices finish)
-and the buffer is tiny at decode M. Launch configs come from kernels/configs/fp8_gemm*/<gpu>.json
-when tuned (`common.tuned_or_default`), else `default_config`; `fp8_gemm_launch` builds every
-launch (the launcher's, and tune --aot's over meta tensors); `sweep_space` is what
+K slice writes its fp32 partial into its own plane of a [SPLIT_K, M, N] buffer and the last slice
+to finish sums them in slice order in the same launch (`common.reduce_split_k`), as int4_gemm does:
+deterministic (fp32 atomics add in whatever order the slices finish) and the buffer is tiny at decode M.
+Launch configs come from kernels/configs/fp8_gemm*/<gpu>.json when tuned (`common.tuned_or_default`),
+else `default_config`, looked up once per (weight, M bucket, path) by the weight's `FP8Gemm`;
+`fp8_gemm_launch` builds every launch (the plans', and tune --aot's over meta tensors); `sweep_space` is what
 `python -m tritonq.tune --kernel fp8_gemm` sweeps (tune/targets.py).
 fp32 accumulation throughout; output in x.dtype, plus bias. CPU tensors (no interpreter) run
 weight-only by default, like GPUs below sm_89: fp32 activations times the weight dequantized once
@@ -34,12 +35,13 @@ import itertools
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
-from tritonq.kernels.common import (E4M3_TO_FP16_BIAS, GemmConfig, Launch, activation_scale, check_gemm_activations,
-    check_gemm_weight, check_launch_config, compute_capability, decode_split_k, e4m3_bits_to_fp16, gemm_grid,
-    gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot, round_to_e4m3, store_gemm_tile, sum_split_k,
-    tuned_or_default)
+from tritonq.kernels.common import (E4M3_TO_FP16_BIAS, GemmConfig, GemmPlan, Launch, activation_scale,
+    check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, decode_split_k,
+    e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot, round_to_e4m3,
+    next_pow2, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import FP8Weight
 
@@ -87,7 +89,7 @@ def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, partials_ptr, arrivals_ptr, M, N, K,
                      stride_am, stride_wn, stride_ym, stride_asm, stride_asg, stride_wsn, stride_wsk,
                      A_GROUP: tl.constexpr, W_SCALE_BN: tl.constexpr, W_SCALE_BK: tl.constexpr,
                      SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -98,8 +100,8 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
     a: e4m3 [M, K] with a_scale [M, K/A_GROUP] fp32 (strides 0 where a scale is shared), or
     with WEIGHT_ONLY the fp16/bf16 activations themselves (a_scale unused). w: [N, K] e4m3, or
     its uint8 bytes with WEIGHT_ONLY. w_scale[n // W_SCALE_BN, k // W_SCALE_BK].
-    SPLIT_K > 1 (decode): program_id(1) takes one K slice and stores its scaled partial sum in
-    plane program_id(1) of y, then an fp32 [SPLIT_K, M, N] buffer (stride_ym = N) that the caller sums.
+    SPLIT_K > 1 (decode): program_id(1) takes one K slice; the slices' scaled partial sums meet in
+    `common.reduce_split_k`, in this launch.
     """
     rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                                      SPLIT_K)
@@ -135,7 +137,8 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M,
             acc *= tl.load(a_scale_ptrs, mask=mask_m, other=0.0)[:, None]
     if WEIGHT_ONLY:
         acc *= E4M3_TO_FP16_BIAS
-    store_gemm_tile(y_ptr, acc, bias_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N, HAS_BIAS, SPLIT_K)
+    store_gemm_tile(y_ptr, acc, bias_ptr, partials_ptr, arrivals_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
+                    HAS_BIAS, SPLIT_K)
 
 
 def quantize_activation_fp8(x: torch.Tensor, group_size: int | None = None,
@@ -151,7 +154,7 @@ def quantize_activation_fp8(x: torch.Tensor, group_size: int | None = None,
     x = x.contiguous()
     M, K = x.shape
     group = K if group_size is None or input_scale is not None else group_size
-    n_groups = triton.cdiv(K, group)
+    n_groups = -(K // -group)  # ceil: plain ints (triton.cdiv costs ~10 us on the host)
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     if input_scale is not None:
         scales = input_scale.reshape(()).to(device=x.device, dtype=torch.float32)
@@ -167,11 +170,11 @@ def quantize_activation_launch(x: torch.Tensor, q: torch.Tensor, scales: torch.T
     ([M, K / group] fp32, or the static one-element scale), one program per (row, group). Over meta
     tensors it is what the AOT tests compile."""
     M, K = x.shape
-    block = triton.next_power_of_2(group)
+    block = next_pow2(group)
     args = dict(x_ptr=x, q_ptr=q, s_ptr=scales, static_scale_ptr=scales, K=K, stride_xm=x.stride(0),
                 stride_qm=q.stride(0), stride_sm=scales.stride(0) if scales.dim() else 0, GROUP=group, BLOCK=block,
                 STATIC=static)
-    return Launch(_quantize_activation_kernel, (M, triton.cdiv(K, group)), args, max(1, min(8, block // 256)), 3)
+    return Launch(_quantize_activation_kernel, (M, -(K // -group)), args, max(1, min(8, block // 256)), 3)
 
 
 def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
@@ -180,53 +183,93 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
 
     weight_only None picks by weight and device: the weight-only path for a weight-only checkpoint
     (w.weight_only), below sm_89 (logged once) and on the CPU backend (no fp8 GEMM there either), else fp8
-    tensor cores; True/False force a path
-    (tests, benchmarks). config None: the tuned config
-    for this shape if stored, else the defaults in `default_config`.
+    tensor cores; True/False force a path (tests, benchmarks). config None: the tuned config for this shape
+    if stored, else the defaults in `default_config`; without one the call runs through the weight's
+    `FP8Gemm`, built once per weight object.
     """
-    _check_weight(w)
-    N, K = w.shape
-    check_gemm_activations("fp8_gemm", x, N, K, w.weight.device)
-    if weight_only is None and w.weight_only:  # a weight-only checkpoint never rounds activations, whatever the device
-        weight_only = True
-    lead = x.shape[:-1]
-    x = x.reshape(-1, K)
-    if use_cpu_kernels(x):  # weight dequantized once (cpu_lowbit); no fp8 GEMM: weight-only unless told
-        xd = quantized_activations(x, w, weight_only is None or weight_only)
-        return cpu_lowbit.linear(xd, cpu_lowbit.prepare(w)).to(x.dtype).reshape(*lead, N)
-    if weight_only is None:
-        weight_only = not has_fp8_tensor_cores(x.device)
-    if not use_triton(x):
-        return fp8_gemm_reference(x, w, weight_only).reshape(*lead, N)
-    y = _launch(x, w, weight_only, config)
-    return y.reshape(*lead, N)
+    if config is not None:
+        return FP8Gemm(w)(x, weight_only, config)
+    gemm = _gemms.get(w)
+    if gemm is None:
+        gemm = _gemms[w] = FP8Gemm(w)
+    return gemm(x, weight_only)
 
 
-def _launch(x: torch.Tensor, w: FP8Weight, weight_only: bool, config: FP8GemmConfig | None) -> torch.Tensor:
-    """Quantize x (unless weight_only), pick the config, run the GEMM; y [M, N] in x.dtype."""
-    M, K = x.shape
-    N = w.shape[0]
-    x = x.contiguous()
-    scale_bk = w.block_size[1] if w.block_size is not None else None
-    cfg = config or tuned_config(M, N, K, weight_only, min(128, scale_bk or 128), compute_capability(x.device),
-                                 scale_bk is not None)
-    check_launch_config("fp8_gemm", cfg, FP8GemmConfig)
-    if scale_bk is not None and scale_bk % cfg.BLOCK_K:
-        raise ValueError(f"fp8_gemm: BLOCK_K={cfg.BLOCK_K} does not divide the weight's K block {scale_bk}; "
-                         "a K tile must lie inside one scale block")
-    if weight_only:
-        a, a_scale = x, None
-    else:
-        a, a_scale = quantize_activation_fp8(x, scale_bk, w.input_scale)
-    launch, y = fp8_gemm_launch(a, a_scale, w, cfg, x.dtype)
-    launch()
-    return sum_split_k(y, cfg, x.dtype)
+class FP8Gemm:
+    """fp8_gemm over one weight, checked once here; per (M bucket, x dtype, path) the config, grid and launch
+    arguments are resolved once (`GemmPlan`). A call checks x, picks the backend, quantizes the activations
+    (one launch; none weight-only) and runs the GEMM (one launch, the split-K sum inside it)."""
+
+    def __init__(self, w: FP8Weight):
+        _check_weight(w)
+        self.w, self.device, self.plans = w, w.weight.device, {}
+        self.N, self.K = w.shape
+        self.scale_bk = w.block_size[1] if w.block_size is not None else None
+
+    def __call__(self, x: torch.Tensor, weight_only: bool | None = None,
+                 config: FP8GemmConfig | None = None) -> torch.Tensor:
+        w, N, K = self.w, self.N, self.K
+        check_gemm_activations("fp8_gemm", x, N, K, self.device)
+        if weight_only is None and w.weight_only:  # a weight-only checkpoint never rounds activations, on any device
+            weight_only = True
+        lead = x.shape[:-1]
+        x = x.reshape(-1, K)
+        if use_cpu_kernels(x):  # weight dequantized once (cpu_lowbit); no fp8 GEMM: weight-only unless told
+            xd = quantized_activations(x, w, weight_only is None or weight_only)
+            return cpu_lowbit.linear(xd, cpu_lowbit.prepare(w)).to(x.dtype).reshape(*lead, N)
+        if weight_only is None:
+            weight_only = not has_fp8_tensor_cores(x.device)
+        if not use_triton(x):
+            return fp8_gemm_reference(x, w, weight_only).reshape(*lead, N)
+        M = x.shape[0]
+        x = x.contiguous()
+        key = (next_pow2(M), x.dtype, weight_only)
+        plan = self.plans.get(key) if config is None else None
+        if plan is None:
+            plan = self._plan(x, weight_only, config, key[0])
+            if config is None:
+                self.plans[key] = plan
+        if weight_only:
+            y = plan.run(M, x.dtype, self.device, a_ptr=x, stride_am=x.stride(0))
+        else:
+            a, a_scale = quantize_activation_fp8(x, self.scale_bk, w.input_scale)
+            stride_asm, stride_asg = a_scale.stride() if a_scale.dim() else (0, 0)
+            y = plan.run(M, x.dtype, self.device, a_ptr=a, a_scale_ptr=a_scale, stride_am=a.stride(0),
+                         stride_asm=stride_asm, stride_asg=stride_asg)
+        return y.reshape(*lead, N)
+
+    def _plan(self, x: torch.Tensor, weight_only: bool, config: FP8GemmConfig | None, max_m: int) -> GemmPlan:
+        """The GemmPlan for activations like x (contiguous) on the path, at most max_m rows."""
+        M, K = x.shape
+        scale_bk = self.scale_bk
+        cfg = config or tuned_config(M, self.N, K, weight_only, min(128, scale_bk or 128),
+                                     compute_capability(x.device), scale_bk is not None)
+        check_launch_config("fp8_gemm", cfg, FP8GemmConfig)
+        if scale_bk is not None and scale_bk % cfg.BLOCK_K:
+            raise ValueError(f"fp8_gemm: BLOCK_K={cfg.BLOCK_K} does not divide the weight's K block {scale_bk}; "
+                             "a K tile must lie inside one scale block")
+        arrivals = split_k_arrivals(max_m, self.N, cfg, x.device)
+        if weight_only:
+            launch = fp8_gemm_launch(x, None, self.w, cfg, x.dtype, arrivals)[0]
+            per_call = ("a_ptr", "stride_am")
+        else:  # stand-ins for the quantized activations and their scales, bound per call
+            a = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+            group = K if scale_bk is None or self.w.input_scale is not None else scale_bk
+            a_scale = (torch.empty((M, triton.cdiv(K, group)), dtype=torch.float32, device=x.device)
+                       if self.w.input_scale is None else torch.empty((), dtype=torch.float32, device=x.device))
+            launch = fp8_gemm_launch(a, a_scale, self.w, cfg, x.dtype, arrivals)[0]
+            per_call = ("a_ptr", "a_scale_ptr", "stride_am", "stride_asm", "stride_asg")
+        return GemmPlan(launch, "y_ptr", per_call, self.N, cfg.BLOCK_M, triton.cdiv(self.N, cfg.BLOCK_N),
+                        cfg.SPLIT_K, flat=True)
+
+
+_gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FP8Weight -> its FP8Gemm (fp8_gemm without a Linear)
 
 
 def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight, config: FP8GemmConfig,
-                    out_dtype: torch.dtype) -> tuple[Launch, torch.Tensor]:
-    """The launch of _fp8_gemm_kernel and its output buffer: y [M, N] in out_dtype, or with SPLIT_K > 1
-    the fp32 [SPLIT_K, M, N] partials that the caller sums.
+                    out_dtype: torch.dtype, arrivals: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
+    """The launch of _fp8_gemm_kernel and its output y [M, N] in out_dtype (with SPLIT_K > 1 also the fp32
+    partials and `arrivals`, the split-K counts: `common.gemm_output`).
 
     a [M, K] contiguous: e4m3 activations with a_scale from `quantize_activation_fp8` ([] static,
     [M, 1] per token, [M, K / bk] per group), or the fp16/bf16 activations themselves with a_scale
@@ -245,9 +288,10 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
         a_group = scale_bk if w.block_size is not None else K
         # a static scale is shared by every row and group
         stride_asm, stride_asg = a_scale.stride() if a_scale.dim() else (0, 0)
-    y = gemm_output(M, N, config, out_dtype, a.device)
+    y, partials, arrivals = gemm_output(M, N, config, out_dtype, a.device, arrivals)
     args = dict(a_ptr=a, a_scale_ptr=a_scale, w_ptr=weight, w_scale_ptr=w_scale,
-                bias_ptr=w.bias if w.bias is not None else y, y_ptr=y, M=M, N=N, K=K,
+                bias_ptr=w.bias if w.bias is not None else w_scale, y_ptr=y, partials_ptr=partials,
+                arrivals_ptr=arrivals, M=M, N=N, K=K,
                 stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N, stride_asm=stride_asm,
                 stride_asg=stride_asg, stride_wsn=stride_wsn, stride_wsk=stride_wsk,
                 A_GROUP=a_group, W_SCALE_BN=scale_bn, W_SCALE_BK=scale_bk,

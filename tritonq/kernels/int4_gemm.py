@@ -18,9 +18,10 @@ bytes are negligible and the kernel avoids a second unpack.
 Two paths over the same kernel, chosen by M (`SPLIT_K_MAX_M`):
   * M <= 16 (decode): BLOCK_M = 16 and split-K. N / BLOCK_N tiles alone cannot fill the SMs at
     small M, so the K loop is cut into SPLIT_K slices; each slice writes an fp32 partial into
-    its own [SPLIT_K, M, N] buffer and the launcher sums them (a second pass). This is
-    deterministic (atomics are not) and exact to fp32 rounding; the buffer is SPLIT_K * M * N
-    fp32, tiny next to the weight at M <= 16.
+    its own plane of a [SPLIT_K, M, N] buffer and the last slice to finish adds them in slice
+    order and casts, in the same launch (`common.reduce_split_k`). This is deterministic (fp32
+    atomics are not) and exact to fp32 rounding; the buffer is SPLIT_K * M * N fp32, tiny next
+    to the weight at M <= 16.
   * M > 16: a tiled tensor-core GEMM, SPLIT_K = 1, written straight to y in x.dtype.
 
 Groups: when there is no g_idx and group_size is a multiple of BLOCK_K, every K tile lies in
@@ -37,8 +38,9 @@ object, see kernels/cpu_lowbit.py; `int4_gemm_reference`
 (TRITONQ_BACKEND=torch) is the oracle.
 
 Launch configs: `Int4GemmConfig`; defaults in `default_config`, tuned JSON overrides through
-`common.tuned_or_default("int4_gemm", config_bucket(M, N, K, w), ...)`. `int4_gemm_launch` builds
-every launch (the launcher's, tune --aot's over meta tensors); `sweep_space` is what
+`common.tuned_or_default("int4_gemm", config_bucket(M, N, K, w), ...)`, looked up once per (weight,
+M bucket) by the weight's `Int4Gemm`, which keeps the launch in a `common.GemmPlan`. `int4_gemm_launch`
+builds every launch (the plans', tune --aot's over meta tensors); `sweep_space` is what
 `python -m tritonq.tune --kernel int4_gemm` sweeps (`CONFIG_SPACE` restricted per shape; tune/targets.py).
 """
 from __future__ import annotations
@@ -51,12 +53,18 @@ from typing import NoReturn
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.common import (
+    GemmPlan,
     Launch,
+    gemm_output,
+    next_pow2,
+    split_k_arrivals,
     check_launch_config,
     dequantize_int_tile,
+    reduce_split_k,
     tune_group_size,
     tuned_or_default,
     unpack_int_tile,
@@ -95,11 +103,12 @@ def _int4_gemm_kernel(
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, TILE_GROUPS: tl.constexpr,
     HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    code_ptr, HAS_CODE: tl.constexpr,
+    code_ptr, HAS_CODE: tl.constexpr, partials_ptr, arrivals_ptr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K).
 
-    out is [SPLIT_K, M, N] (fp32 partials) when SPLIT_K > 1, else [M, N] in x's dtype.
+    out is [M, N] in x's dtype. With SPLIT_K > 1 the slices meet in `common.reduce_split_k` (fp32
+    partials [SPLIT_K, M, N], an int32 arrival count per output tile), in this launch.
     """
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m = tl.program_id(0)
@@ -151,12 +160,12 @@ def _int4_gemm_kernel(
     if HAS_BIAS:  # added once: by the first K slice only
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + (pid_k.to(tl.int64) * M * N + rows[:, None] * N + offs_n[None, :])
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    if SPLIT_K > 1:
+        reduce_split_k(out_ptr, acc, partials_ptr, arrivals_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, rows,
+                       offs_n, mask_m, mask_n, N, M, N, SPLIT_K)
+    else:
+        out = out_ptr + (rows[:, None] * N + offs_n[None, :])
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def default_config(M: int, N: int, K: int) -> Int4GemmConfig:
@@ -166,16 +175,16 @@ def default_config(M: int, N: int, K: int) -> Int4GemmConfig:
         n_tiles = triton.cdiv(N, block_n)
         k_tiles = triton.cdiv(K, block_k)
         # Aim for ~2 waves on a 132-SM GPU while keeping >= 2 K tiles per slice.
-        split_k = max(1, min(16, _next_pow2(triton.cdiv(264, n_tiles)), k_tiles // 2))
+        split_k = max(1, min(16, next_pow2(triton.cdiv(264, n_tiles)), k_tiles // 2))
         return Int4GemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
     if M <= 64:
-        return Int4GemmConfig(max(16, _next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
+        return Int4GemmConfig(max(16, next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
     return Int4GemmConfig(128, 128, 64, 1, num_warps=8, num_stages=3)
 
 
 def config_bucket(M: int, N: int, K: int, w: Int4Weight) -> str:
     """Key of the tuned-config JSON: M rounded up to a power of two; exact N, K, group size, bits."""
-    return f"M{_next_pow2(M)}_N{N}_K{K}_G{w.group_size}_B{w.bits}"
+    return f"M{next_pow2(M)}_N{N}_K{K}_G{w.group_size}_B{w.bits}"
 
 
 def _fail(name: str, found, expected: str, fix: str) -> NoReturn:
@@ -224,42 +233,74 @@ def _check_weight(w: Int4Weight) -> tuple[int, int]:
 
 
 def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ dequant(w)^T (+ w.bias), in x.dtype. `config` overrides the lookup."""
-    N, K = _check_weight(w)
-    if x.dim() != 2 or x.shape[1] != K or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        _fail("x", f"{x.dtype} of shape {tuple(x.shape)}", f"fp16/bf16/fp32 [M, {K}]",
-              "flatten leading dims to M first")
-    if x.device != w.qweight.device:
-        _fail("x", f"on {x.device}", f"on the weight's device {w.qweight.device}", "move x or the weight")
-    if use_cpu_kernels(x):  # torch's CPU kernel over the weight prepared once (kernels/cpu_lowbit.py)
-        return cpu_lowbit.linear(x, cpu_lowbit.prepare(w))
-    if not use_triton(x):
-        return int4_gemm_reference(x, w)
-    if not x.is_cuda:  # interpreter; CUDA relies on the load-time check in gptq_to_int4 (no sync)
-        w.check_g_idx()
-    M = x.shape[0]
-    if config is None:
-        config = tuned_or_default("int4_gemm", config_bucket(M, N, K, w), default_config(M, N, K))
+    """y [M, N] = x [M, K] @ dequant(w)^T (+ w.bias), in x.dtype. `config` overrides the lookup (tune, tests);
+    without one the call runs through the weight's `Int4Gemm`, built once per weight object."""
+    if config is not None:
+        return Int4Gemm(w)(x, config)
+    gemm = _gemms.get(w)
+    if gemm is None:
+        gemm = _gemms[w] = Int4Gemm(w)
+    return gemm(x)
+
+
+class Int4Gemm:
+    """int4_gemm over one weight, checked once here (`_check_weight`; off CUDA also its g_idx values). Per
+    (M bucket, x dtype) the config, grid and launch arguments are resolved once (`GemmPlan`); a call checks
+    x, picks the backend and runs one launch (the split-K sum and cast inside it, `common.reduce_split_k`)."""
+
+    def __init__(self, w: Int4Weight):
+        self.N, self.K = _check_weight(w)
+        if not w.qweight.is_cuda:  # interpreter; CUDA relies on the load-time check in gptq_to_int4 (no sync)
+            w.check_g_idx()
+        self.w, self.device, self.plans = w, w.qweight.device, {}
+
+    def __call__(self, x: torch.Tensor, config: Int4GemmConfig | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.K or x.dtype not in _X_DTYPES:
+            _fail("x", f"{x.dtype} of shape {tuple(x.shape)}", f"fp16/bf16/fp32 [M, {self.K}]",
+                  "flatten leading dims to M first")
+        if x.device != self.device:
+            _fail("x", f"on {x.device}", f"on the weight's device {self.device}", "move x or the weight")
+        if use_cpu_kernels(x):  # torch's CPU kernel over the weight prepared once (kernels/cpu_lowbit.py)
+            return cpu_lowbit.linear(x, cpu_lowbit.prepare(self.w))
+        if not use_triton(x):
+            return int4_gemm_reference(x, self.w)
+        M = x.shape[0]
+        if config is not None:
+            plan = _plan(x, self.w, config, M)
+        else:
+            plan = self.plans.get((next_pow2(M), x.dtype))
+        if plan is None:
+            config = tuned_or_default("int4_gemm", config_bucket(M, self.N, self.K, self.w),
+                                      default_config(M, self.N, self.K))
+            plan = self.plans[next_pow2(M), x.dtype] = _plan(x, self.w, config, next_pow2(M))
+        return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
+
+
+_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Int4Weight -> its Int4Gemm (int4_gemm without a Linear)
+
+
+def _plan(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, max_m: int) -> GemmPlan:
+    """The GemmPlan of `int4_gemm_launch` for activations like x, at most max_m rows."""
     check_launch_config("int4_gemm", config, Int4GemmConfig)
-    launch, out = int4_gemm_launch(x, w, config)
-    launch()
-    return out.sum(0).to(x.dtype) if config.SPLIT_K > 1 else out
+    launch = int4_gemm_launch(x, w, config, arrivals=split_k_arrivals(max_m, w.shape[0], config, x.device))[0]
+    return GemmPlan(launch, "out_ptr", ("x_ptr", "stride_xm", "stride_xk"), w.shape[0], config.BLOCK_M,
+                    triton.cdiv(w.shape[0], config.BLOCK_N), config.SPLIT_K, flat=False)
 
 
-def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig) -> tuple[Launch, torch.Tensor]:
-    """The launch of _int4_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and
-    its output: y [M, N] in x.dtype, or with SPLIT_K > 1 the [SPLIT_K, M, N] fp32 partials that the
-    caller sums. Over meta tensors it is what tune --aot and tests/test_fit.py compile."""
+def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig,
+                     arrivals: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
+    """The launch of _int4_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and its
+    output y [M, N] in x.dtype. With SPLIT_K > 1 it takes the fp32 [SPLIT_K, M, N] partials buffer and
+    `arrivals`, the zeroed int32 count per output tile that the slices share (made here when None). Over
+    meta tensors it is what tune --aot and tests/test_fit.py compile."""
     (M, K), N = x.shape, w.shape[0]
     block_k = config.BLOCK_K
     if w.g_idx is None and w.group_size % block_k:
         # A tile must not straddle two groups for TILE_GROUPS; shrink BLOCK_K to fit if it can.
         block_k = max(math.gcd(block_k, w.group_size), 16)
     split_k = config.SPLIT_K
-    if split_k > 1:
-        out = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out, partials, arrivals = gemm_output(M, N, config, x.dtype, x.device, arrivals)
     args = dict(
         x_ptr=x, qweight_ptr=w.qweight, scales_ptr=w.scales, zeros_ptr=w.zeros if w.zeros is not None else w.scales,
         g_idx_ptr=w.g_idx if w.g_idx is not None else w.qweight, bias_ptr=w.bias if w.bias is not None else w.scales,
@@ -267,7 +308,8 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig) -> 
         BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
         TILE_GROUPS=w.g_idx is None and w.group_size % block_k == 0, HAS_BIAS=w.bias is not None,
         UPCAST_DOT=upcast_dot(x), BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
-        code_ptr=w.code if w.code is not None else w.scales, HAS_CODE=w.code is not None)
+        code_ptr=w.code if w.code is not None else w.scales, HAS_CODE=w.code is not None,
+        partials_ptr=partials, arrivals_ptr=arrivals)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split_k)
     return Launch(_int4_gemm_kernel, grid, args, config.num_warps, config.num_stages), out
 

@@ -20,7 +20,8 @@ an fp32 accumulator: the same codes and the same products (exact in fp32), sums 
 It still reads one byte per weight (half of fp16; decode is memory bound); a weight-only variant
 would skip the activation pass too, but would give other numbers than every other GPU.
 Decode-sized M splits K across programs (SPLIT_K), each slice writing its scaled fp32 partial to
-its own plane of a [SPLIT_K, M, N] buffer that the launcher sums, as fp8_gemm does.
+its own plane of a [SPLIT_K, M, N] buffer that the last slice to finish sums in the same launch
+(`common.reduce_split_k`), as fp8_gemm does.
 
 CPU tensors (no interpreter) run torch's int8 GEMM `torch._int_mm` (int8 x int8 -> int32, oneDNN) on
 the activations quantized by the torch reference quantizer, with the weight passed as a transposed view
@@ -39,9 +40,9 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import use_cpu_kernels, use_triton
-from tritonq.kernels.common import (GemmConfig, Launch, activation_scale, check_gemm_activations, check_gemm_weight,
-    check_launch_config, compute_capability, decode_split_k, gemm_grid, gemm_output, gemm_tile, store_gemm_tile,
-    sum_split_k, tuned_or_default)
+from tritonq.kernels.common import (GemmConfig, GemmPlan, Launch, activation_scale, check_gemm_activations,
+    check_gemm_weight, check_launch_config, compute_capability, decode_split_k, gemm_grid, gemm_output, gemm_tile,
+    next_pow2, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import W8A8Weight
 
@@ -83,8 +84,8 @@ def _quantize_activation_int8_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, zero
 
 
 @triton.jit
-def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
-                      stride_am, stride_wn, stride_ym, stride_asm, stride_wsn,
+def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, partials_ptr, arrivals_ptr,
+                      M, N, K, stride_am, stride_wn, stride_ym, stride_asm, stride_wsn,
                       ASYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, FP16_DOT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -92,8 +93,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
 
     a int8 [M, K], a_scale fp32 [M] (stride_asm 0: one static scale), a_zero int32 [] (ASYMMETRIC),
     w int8 [N, K], w_scale fp32 [N] (stride_wsn 0: per tensor). SPLIT_K > 1 (decode): program_id(1) takes
-    one K slice and stores its scaled partial in plane program_id(1) of y, then an fp32 [SPLIT_K, M, N]
-    buffer (stride_ym = N) that the caller sums.
+    one K slice; the slices' scaled partials meet in `common.reduce_split_k`, in this launch.
     """
     rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                                      SPLIT_K)
@@ -127,7 +127,8 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
     out = acc.to(tl.float32)
     out *= tl.load(a_scale_ptr + rows * stride_asm, mask=mask_m, other=0.0)[:, None]
     out *= tl.load(w_scale_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)[None, :]
-    store_gemm_tile(y_ptr, out, bias_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N, HAS_BIAS, SPLIT_K)
+    store_gemm_tile(y_ptr, out, bias_ptr, partials_ptr, arrivals_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
+                    HAS_BIAS, SPLIT_K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,7 +163,7 @@ def quantize_activation_int8_launch(x: torch.Tensor, q: torch.Tensor, scales: to
     ([M] fp32, or the static one-element scale), one program per row. Over meta tensors it is what the AOT
     tests compile."""
     M, K = x.shape
-    block = triton.next_power_of_2(K)
+    block = next_pow2(K)
     args = dict(x_ptr=x, q_ptr=q, s_ptr=scales, static_scale_ptr=scales,
                 zero_point_ptr=zero_point if zero_point is not None else scales, K=K, stride_xm=x.stride(0),
                 stride_qm=q.stride(0), BLOCK=block, STATIC=static, ASYMMETRIC=zero_point is not None)
@@ -204,48 +205,81 @@ def int8_gemm(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None = No
     """x [..., K] fp16/bf16/fp32 @ w [N, K] -> [..., N] in x.dtype (+ w.bias): activations quantized to int8
     (per token, or w's static scale / zero point), int8 x int8 products summed exactly in int32.
     config None: the tuned config for this shape if stored, else `default_config`. fp16_dot None: the fp16
-    dot of the int8 codes below sm_80 only (module docstring); True/False force it (tests)."""
-    _check_weight(w)
-    N, K = w.shape
-    check_gemm_activations("int8_gemm", x, N, K, w.weight.device)
-    lead = x.shape[:-1]
-    x = x.reshape(-1, K)
-    if use_cpu_kernels(x):
-        y = _cpu_int_mm(x, w)
-    elif not use_triton(x):
-        y = int8_gemm_reference(x, w)
-    else:
-        y = _launch(x, w, config, fp16_dot)
-    return y.reshape(*lead, N)
+    dot of the int8 codes below sm_80 only (module docstring); True/False force it (tests). Without a
+    config the call runs through the weight's `Int8Gemm`, built once per weight object."""
+    if config is not None:
+        return Int8Gemm(w)(x, config, fp16_dot)
+    gemm = _gemms.get(w)
+    if gemm is None:
+        gemm = _gemms[w] = Int8Gemm(w)
+    return gemm(x, fp16_dot=fp16_dot)
 
 
-def _launch(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None, fp16_dot: bool | None) -> torch.Tensor:
-    M, K = x.shape
-    N = w.shape[0]
-    cc = compute_capability(x.device)
-    cfg = config or tuned_config(M, N, K, cc)
-    check_launch_config("int8_gemm", cfg, Int8GemmConfig)
-    a, a_scale = quantize_activation_int8(x, w.input_scale, w.input_zero_point)
-    fp16_dot = cc is not None and cc < 80 if fp16_dot is None else fp16_dot
-    launch, y = int8_gemm_launch(a, a_scale, w, cfg, x.dtype, fp16_dot)
-    launch()
-    return sum_split_k(y, cfg, x.dtype)
+class Int8Gemm:
+    """int8_gemm over one weight, checked once here; per (M bucket, x dtype, fp16 dot) the config, grid and
+    launch arguments are resolved once (`GemmPlan`). A call checks x, picks the backend, quantizes the
+    activations (one launch) and runs the GEMM (one launch, the split-K sum inside it)."""
+
+    def __init__(self, w: W8A8Weight):
+        _check_weight(w)
+        self.w, self.device, self.plans = w, w.weight.device, {}
+        self.N, self.K = w.shape
+        self.cc = compute_capability(self.device)
+
+    def __call__(self, x: torch.Tensor, config: Int8GemmConfig | None = None,
+                 fp16_dot: bool | None = None) -> torch.Tensor:
+        N, K, w = self.N, self.K, self.w
+        check_gemm_activations("int8_gemm", x, N, K, self.device)
+        lead = x.shape[:-1]
+        x = x.reshape(-1, K)
+        if use_cpu_kernels(x):
+            y = _cpu_int_mm(x, w)
+        elif not use_triton(x):
+            y = int8_gemm_reference(x, w)
+        else:
+            M = x.shape[0]
+            fp16_dot = self.cc is not None and self.cc < 80 if fp16_dot is None else fp16_dot
+            key = (next_pow2(M), x.dtype, fp16_dot)
+            plan = self.plans.get(key) if config is None else None
+            if plan is None:
+                plan = self._plan(x, config or tuned_config(M, N, K, self.cc), fp16_dot, key[0])
+                if config is None:
+                    self.plans[key] = plan
+            a, a_scale = quantize_activation_int8(x, w.input_scale, w.input_zero_point)
+            y = plan.run(M, x.dtype, self.device, a_ptr=a, a_scale_ptr=a_scale.reshape(-1), stride_am=a.stride(0))
+        return y.reshape(*lead, N)
+
+    def _plan(self, x: torch.Tensor, config: Int8GemmConfig, fp16_dot: bool, max_m: int) -> GemmPlan:
+        check_launch_config("int8_gemm", config, Int8GemmConfig)
+        a = torch.empty(x.shape, dtype=torch.int8, device=x.device)  # stands for the quantized activations
+        a_scale = torch.empty((x.shape[0],) if self.w.input_scale is None else (), dtype=torch.float32,
+                              device=x.device)
+        arrivals = split_k_arrivals(max_m, self.N, config, x.device)
+        launch = int8_gemm_launch(a, a_scale, self.w, config, x.dtype, fp16_dot, arrivals)[0]
+        return GemmPlan(launch, "y_ptr", ("a_ptr", "a_scale_ptr", "stride_am"), self.N, config.BLOCK_M,
+                        triton.cdiv(self.N, config.BLOCK_N), config.SPLIT_K, flat=True)
+
+
+_gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # W8A8Weight -> its Int8Gemm (int8_gemm without a Linear)
 
 
 def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig,
-                     out_dtype: torch.dtype, fp16_dot: bool = False) -> tuple[Launch, torch.Tensor]:
-    """The launch of _int8_gemm_kernel and its output buffer: y [M, N] in out_dtype, or with SPLIT_K > 1
-    the fp32 [SPLIT_K, M, N] partials that the caller sums. a [M, K] int8 contiguous with a_scale from
-    `quantize_activation_int8` ([M] per token, [] static). Over meta tensors this is what the AOT tests compile."""
+                     out_dtype: torch.dtype, fp16_dot: bool = False,
+                     arrivals: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
+    """The launch of _int8_gemm_kernel and its output y [M, N] in out_dtype (with SPLIT_K > 1 also the fp32
+    partials and `arrivals`, the split-K counts: `common.gemm_output`). a [M, K] int8 contiguous with a_scale
+    from `quantize_activation_int8` ([M] per token, [] static). Over meta tensors this is what the AOT tests
+    compile."""
     (M, K), N = a.shape, w.shape[0]
     weight = w.weight.contiguous()
     w_scale = w.weight_scale.to(torch.float32).reshape(-1)
     zero = (w.input_zero_point.reshape(()).to(device=a.device, dtype=torch.int32)
             if w.input_zero_point is not None else w_scale)  # unused unless ASYMMETRIC
-    y = gemm_output(M, N, config, out_dtype, a.device)
+    y, partials, arrivals = gemm_output(M, N, config, out_dtype, a.device, arrivals)
     args = dict(a_ptr=a, a_scale_ptr=a_scale.reshape(-1), a_zero_ptr=zero, w_ptr=weight, w_scale_ptr=w_scale,
-                bias_ptr=w.bias if w.bias is not None else y, y_ptr=y, M=M, N=N, K=K,
-                stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N,
+                bias_ptr=w.bias if w.bias is not None else w_scale, y_ptr=y, partials_ptr=partials,
+                arrivals_ptr=arrivals,
+                M=M, N=N, K=K, stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N,
                 stride_asm=1 if a_scale.dim() else 0,  # a static scale is shared by every row
                 stride_wsn=1 if w_scale.numel() > 1 else 0,
                 ASYMMETRIC=w.input_zero_point is not None, HAS_BIAS=w.bias is not None, FP16_DOT=fp16_dot,

@@ -1,0 +1,59 @@
+"""The quantized linears' host path (issue 50): a Linear checks its weight once, at construction, resolves
+kernel, config and launch arguments once per M bucket, and at decode M runs one launch (the split-K sum and
+the cast inside it). Counted on meta weights with the launch stubbed (`tritonq.bench host`), never timed."""
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tritonq.bench import host
+from tritonq.kernels import common
+from tritonq.kernels import int4_gemm as int4
+from tritonq.layers import Linear
+
+N = K = 4096  # the defaults split K at decode here (4 to 8 slices), so the one launch holds the reduction
+WEIGHTS = host.weights(N, K)
+# the activation-quantizing GEMMs add the quantization kernel in front of the GEMM (not yet fused into it)
+QUANTIZED_ACTIVATIONS = {"FP8 per-tensor", "FP8 per-channel", "FP8 block 128x128", "W8A8 (per-token)"}
+
+
+@pytest.mark.parametrize("name", list(WEIGHTS))
+@pytest.mark.parametrize("M", [1, 3, 16, 256])
+def test_one_launch_per_linear(name, M):
+    layer = Linear(WEIGHTS[name])
+    x = torch.empty(M, K, dtype=torch.float16, device="meta")
+    _, launches = host.measure(layer, x, calls=1, rounds=1)
+    assert launches == 1 + (name in QUANTIZED_ACTIVATIONS)
+    if M <= 16:  # decode: K split across programs, summed inside the GEMM's own launch
+        (plan,) = layer.prepared.gemm.plans.values()
+        assert plan.split_k > 1
+
+
+def test_a_call_does_not_look_up_or_check_again(monkeypatch):
+    """Config lookup and weight checks run once per (weight, M bucket) / weight, not per call."""
+    lookups, checks = [], []
+    lookup, check = common.lookup, int4._check_weight
+    monkeypatch.setattr(common, "lookup", lambda *a: lookups.append(a) or lookup(*a))
+    monkeypatch.setattr(int4, "_check_weight", lambda w: checks.append(1) or check(w))
+    layer = Linear(WEIGHTS["int4 AWQ (asym, g128)"])
+    with host._StubbedLaunches() as launches:
+        for M in (1, 1, 2, 1, 2, 16, 256, 200):
+            layer(torch.empty(M, K, dtype=torch.float16, device="meta"))
+    assert launches.count == 8 and checks == [1]
+    assert [bucket for _, bucket in lookups] == [f"M{m}_N{N}_K{K}_G128_B4" for m in (1, 2, 16, 256)]
+
+
+def test_a_bad_weight_fails_when_the_linear_is_built():
+    w = WEIGHTS["int4 AWQ (asym, g128)"]
+    with pytest.raises(ValueError, match=r"int4_gemm: group_size is 48, expected a positive divisor of K=4096"):
+        Linear(replace(w, group_size=48))
+
+
+def test_host_bench_cli_prints_every_weight_type(capsys, tmp_path):
+    out = tmp_path / "host.json"
+    host.main(["--n", "256", "--k", "256", "--calls", "2", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in WEIGHTS)
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == len(WEIGHTS) * len(host.MS) and all(r["host_us"] > 0 for r in rows)
