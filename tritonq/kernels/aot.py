@@ -119,7 +119,7 @@ def _ptxas_usage(ptx: str, cc: int) -> tuple[int | None, int | None]:
 def _launch_signature(launch) -> tuple[dict, dict, tuple[str, ...]]:
     """(signature, constexprs, 16-divisible names) of a `kernels.common.Launch`: tensors become typed
     pointers, Python floats fp32, ints i32 (i64 when they need it); as the runtime specializes real
-    launches, pointers and ints divisible by 16 get the divisibility hint. Constexpr parameters take
+    launches, pointers and ints divisible by 16 get the divisibility hint and ints equal to 1 are constexprs. Constexpr parameters take
     their values; parameters the launch leaves out take their defaults (an optional pointer's None is a
     constexpr, as the runtime specializes it)."""
     import torch
@@ -134,6 +134,8 @@ def _launch_signature(launch) -> tuple[dict, dict, tuple[str, ...]]:
             aligned.append(p.name)
         elif isinstance(value, float):
             signature[p.name] = "fp32"
+        elif isinstance(value, int) and value == 1 and not isinstance(value, bool):
+            constexprs[p.name] = 1  # the runtime specializes an int 1 as a constexpr (unit strides, M = 1)
         elif isinstance(value, int):
             signature[p.name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
             if value % 16 == 0:
@@ -191,6 +193,7 @@ class LoopMix:
     loop: dict[str, int]
     local_memory: int
     registers: int | None  # per thread
+    shared_bytes: int  # per program
 
     def count(self, prefix: str) -> int:
         """Loop instructions whose opcode starts with `prefix` ("I2F", "LDG.E.128", "HMMA")."""
@@ -206,9 +209,9 @@ class LoopMix:
         return sum(self.loop.values())
 
 
-def launch_sass(launch, cc: int) -> str:
-    """The SASS of a `kernels.common.Launch` compiled for sm_`cc`, after its resource usage ("REG:n ..."):
-    Triton's bundled `cuobjdump --dump-resource-usage --dump-sass`."""
+def launch_sass(launch, cc: int) -> tuple[str, int]:
+    """(SASS, shared memory bytes) of a `kernels.common.Launch` compiled for sm_`cc`: the SASS after its
+    resource usage ("REG:n ..."), from Triton's bundled `cuobjdump --dump-resource-usage --dump-sass`."""
     import os
     import subprocess
     import tempfile
@@ -222,8 +225,9 @@ def launch_sass(launch, cc: int) -> str:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        return subprocess.run([cuobjdump, "--dump-resource-usage", "--dump-sass", path], capture_output=True,
+        sass = subprocess.run([cuobjdump, "--dump-resource-usage", "--dump-sass", path], capture_output=True,
                               text=True, check=True).stdout
+    return sass, int(compiled.metadata.shared)
 
 
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -231,7 +235,7 @@ _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 
 def loop_mix(launch, cc: int) -> LoopMix:
     """`LoopMix` of a launch compiled for sm_`cc`. ValueError if its SASS has no loop."""
-    sass = launch_sass(launch, cc)
+    sass, shared = launch_sass(launch, cc)
     instructions = [(int(address, 16), op, operands) for address, op, operands in _SASS_LINE.findall(sass)]
     loops = [(int(target.group(1), 16), address) for address, op, operands in instructions
              if op.startswith("BRA") and (target := re.search(r"0x([0-9a-f]+)", operands))
@@ -245,4 +249,5 @@ def loop_mix(launch, cc: int) -> LoopMix:
             loop[op] = loop.get(op, 0) + 1
     local = sum(1 for _, op, _ in instructions if op.split(".")[0] in ("LDL", "STL"))
     registers = re.search(r"REG:(\d+)", sass)
-    return LoopMix(cc=cc, loop=loop, local_memory=local, registers=int(registers.group(1)) if registers else None)
+    return LoopMix(cc=cc, loop=loop, local_memory=local, registers=int(registers.group(1)) if registers else None,
+                   shared_bytes=shared)
