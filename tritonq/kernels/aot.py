@@ -116,12 +116,14 @@ def _ptxas_usage(ptx: str, cc: int) -> tuple[int | None, int | None]:
     return (int(regs.group(1)) if regs else None, sum(map(int, spill)) if spill else 0)
 
 
-def _launch_signature(launch) -> tuple[dict, dict, tuple[str, ...]]:
+def _launch_signature(launch, ones: bool = False) -> tuple[dict, dict, tuple[str, ...]]:
     """(signature, constexprs, 16-divisible names) of a `kernels.common.Launch`: tensors become typed
     pointers, Python floats fp32, ints i32 (i64 when they need it); as the runtime specializes real
-    launches, pointers and ints divisible by 16 get the divisibility hint and ints equal to 1 are constexprs. Constexpr parameters take
+    launches, pointers and ints divisible by 16 get the divisibility hint. Constexpr parameters take
     their values; parameters the launch leaves out take their defaults (an optional pointer's None is a
-    constexpr, as the runtime specializes it)."""
+    constexpr, as the runtime specializes it). ones: ints equal to 1 become constexprs too, as the runtime
+    makes them (unit strides, M = 1): the exact binary of a decode launch, for its SASS (`loop_mix`);
+    without it one compile stands for every M and stride (test_fit, tune --aot, the IR readers)."""
     import torch
 
     signature, constexprs, aligned = {}, {}, []
@@ -134,8 +136,8 @@ def _launch_signature(launch) -> tuple[dict, dict, tuple[str, ...]]:
             aligned.append(p.name)
         elif isinstance(value, float):
             signature[p.name] = "fp32"
-        elif isinstance(value, int) and value == 1 and not isinstance(value, bool):
-            constexprs[p.name] = 1  # the runtime specializes an int 1 as a constexpr (unit strides, M = 1)
+        elif ones and type(value) is int and value == 1:
+            constexprs[p.name] = 1
         elif isinstance(value, int):
             signature[p.name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
             if value % 16 == 0:
@@ -218,7 +220,7 @@ def launch_sass(launch, cc: int) -> tuple[str, int]:
 
     import triton
 
-    signature, constexprs, aligned = _launch_signature(launch)
+    signature, constexprs, aligned = _launch_signature(launch, ones=True)
     compiled = _compile(launch.kernel, signature, constexprs, cc, launch.num_warps, launch.num_stages, aligned)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
