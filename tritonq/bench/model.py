@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonq.bench.common import model_gemm_shapes, print_table
+from tritonq.bench.common import LLAMA_2_7B, model_gemm_shapes, print_table
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ GPUS = {"H100": Gpu(132, 1.98, 3350), "H200": Gpu(132, 1.98, 4800)}
 CC = 90
 ISSUE_PER_CLOCK = 128  # thread instructions per SM per clock: 4 schedulers x 1 warp instruction x 32 threads
 MODELS = {  # the config.json fields model_gemm_shapes reads
-    "Llama-2-7B": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32),
+    "Llama-2-7B": LLAMA_2_7B,
     "Llama-3-8B": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
     "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128),
