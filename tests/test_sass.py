@@ -1,9 +1,12 @@
 """The decode linears' main loops, read from their SASS: what each weight costs in instructions, without a GPU.
 
 Each weight type's M = 1 launch (the launcher's own builder over meta tensors, default config; a 4096 x 4096
-layer) is compiled ahead of time for sm_80 and sm_90 (kernels/aot.py, Triton's bundled ptxas) and its main loop
+layer), and the fused MoE's int4 gate/up GEMM at its smallest tile (the same dequantization helper; DeepSeek-V2-Lite's
+experts), is compiled ahead of time for sm_80 and sm_90 (kernels/aot.py, Triton's bundled ptxas) and its main loop
 (the longest backward branch of the SASS, Triton's bundled cuobjdump) must show:
-  * no int-to-float conversion (I2F*): the codes become floats by magic numbers (common.dequantize_int_tile);
+  * no int-to-float conversion (I2F*): the codes become floats by magic numbers (common.dequantize_int_tile).
+    I2F.RP is not one: it seeds the reciprocal of an integer division (the MoE tile's group index, k0 //
+    group_size with a run-time group size: one per iteration on sm_80);
   * the weight codes in 16-byte loads (LDG.E.128 / cp.async LDGSTS.*.128): enough of them for the tile;
   * no local memory anywhere in the kernel (LDL / STL: spills);
   * at most ALU_PER_WEIGHT arithmetic instructions per weight (one thread's loop body over the weights it
@@ -30,8 +33,9 @@ except ImportError:  # run as a script by the child itself
     from tests.child_process import json_from_child
 
 N = K = 4096
-CODE_BYTES = {"int4-awq": 0.5, "int4-gptq": 0.5, "int4-act-order": 0.5, "nf4": 0.5, "int8-gptq": 1, "fp8-block": 1,
-              "w8a8": 1}
+MOE_PROBLEM = (512, 64, 6, 2048, 1408, 0)  # tokens, experts, top-k, D, I, gate/up (tests/test_fit.py's)
+CODE_BYTES = {"moe-int4": 0.5, "int4-awq": 0.5, "int4-gptq": 0.5, "int4-act-order": 0.5, "nf4": 0.5, "int8-gptq": 1,
+              "fp8-block": 1, "w8a8": 1}
 # {(cc, weight type): ALU instructions per weight}: measured (Triton 3.9, bf16) + ~10%. sm_80's fp8-block is the
 # weight-only path (e4m3 bytes decoded with integer ops), sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot.
 ALU_PER_WEIGHT = {
@@ -39,8 +43,9 @@ ALU_PER_WEIGHT = {
     (80, "nf4"): 7.7, (80, "fp8-block"): 9.4, (80, "w8a8"): 2.5,
     (90, "int4-awq"): 5.6, (90, "int4-gptq"): 5.4, (90, "int4-act-order"): 6.0, (90, "int8-gptq"): 7.4,
     (90, "nf4"): 7.6, (90, "fp8-block"): 2.4, (90, "w8a8"): 0.9,
+    (80, "moe-int4"): 7.4, (90, "moe-int4"): 6.7,
 }
-CASES = [(cc, "bfloat16", kind) for cc in (80, 90) for kind in WEIGHT_TYPES] + [
+CASES = [(cc, "bfloat16", kind) for cc in (80, 90) for kind in (*WEIGHT_TYPES, "moe-int4")] + [
     (cc, "float16", kind) for cc in (80, 90) for kind in ("int4-awq", "int8-gptq")]
 
 
@@ -48,13 +53,20 @@ def _mix(case) -> dict:
     """One case's loop summary (run in the child's pool workers)."""
     from tritonq.kernels.aot import loop_mix
 
+    from tritonq.kernels import moe
+
     cc, dtype, kind = case
-    launch = weight_launch(kind, 1, N, K, cc, getattr(torch, dtype))
+    if kind == "moe-int4":  # gate/up: two weight tiles per iteration
+        launch = moe.aot_launch(moe.DEFAULT_CONFIGS[0][1], MOE_PROBLEM, "int4", dtype=getattr(torch, dtype))
+        per_thread = 2 * weights_per_iteration(launch) / (32 * launch.num_warps)
+    else:
+        launch = weight_launch(kind, 1, N, K, cc, getattr(torch, dtype))
+        per_thread = weights_per_iteration(launch) / (32 * launch.num_warps)
     mix = loop_mix(launch, cc)
-    per_thread = weights_per_iteration(launch) / (32 * launch.num_warps)
     wide = sum(n for op, n in mix.loop.items() if op.startswith(("LDG.", "LDGSTS.")) and op.endswith(".128"))
-    return dict(loop=mix.loop, alu_per_weight=mix.alu / per_thread, weights_per_thread=per_thread,
-                i2f=mix.count("I2F"), wide_loads=wide, local_memory=mix.local_memory)
+    i2f = sum(n for op, n in mix.loop.items() if op.startswith("I2F") and ".RP" not in op)
+    return dict(loop=mix.loop, alu_per_weight=mix.alu / per_thread, weights_per_thread=per_thread, i2f=i2f,
+                wide_loads=wide, local_memory=mix.local_memory)
 
 
 def compile_all() -> dict:
