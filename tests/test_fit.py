@@ -70,7 +70,7 @@ OTHER_DTYPE_CASES = ("int4 M256", "w8a8 M256", "fp8 block M256", "fp8 weight-onl
 # defaults (int4_gemm and moe pick tiles without the compute capability); spills there cost speed, not
 # correctness. A T4 tile set for them is the next step (measure on a T4 first). Attention fits without.
 SPILL_ALLOWED: dict[tuple[int, str], int] = {
-    (75, "int4 M256"): 196,  # 3.9: 196, 3.6: 88
+    (75, "int4 M256"): 200,  # 3.9: 200, 3.6: 88 (fp32 dequantization before: 196)
     (75, "moe int8 gate_up M64"): 2472,  # 3.9: 2328, 3.6: 2472
     (75, "moe int4-act-order gate_up M64"): 1324,  # 3.9: 1232, 3.6: 1324
     (75, "moe fp8-channel gate_up M64"): 1784,  # 3.9: 1784, 3.6: 1364
@@ -90,8 +90,8 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "moe dense gate_up M16"): 2138,  # 3.9: 2138, 3.6: 1404
     (75, "moe dense gate_up M64"): 1728,  # 3.9: 1728, 3.6: 1064
     (75, "moe dense down M64"): 448,  # 3.9: 448, 3.6: 408
-    (75, "moe int4 gate_up M16"): 2084,  # 3.9: 2036, 3.6: 2084
-    (75, "moe int4 gate_up M64"): 2280,  # 3.9: 2204, 3.6: 2280
+    (75, "moe int4 gate_up M16"): 2260,  # 3.9: 2172, 3.6: 2260 (fp32 dequantization before: 2036, 2084)
+    (75, "moe int4 gate_up M64"): 2304,  # 3.9: 2270, 3.6: 2304 (fp32 dequantization before: 2204, 2280)
     (75, "moe fp8 gate_up M16"): 1968,  # 3.9: 1968, 3.6: 1856
     (75, "moe fp8 gate_up M64"): 1624,  # 3.9: 1624, 3.6: 1092
     (75, "moe fp8 down M64"): 456,  # 3.9: 456, 3.6: 376

@@ -53,21 +53,7 @@ def aot_compile(kernel, signature: dict, constexprs: dict, cc: int, num_warps: i
     divisible_by_16: pointer/int args to mark 16-divisible, as the runtime launcher does for
     such values; without it loads are not vectorized and cp.async pipelining is skipped.
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = kernel
-    while not hasattr(fn, "arg_names"):  # unwrap @triton.autotune / @triton.heuristics
-        fn = fn.fn
-    sig = dict(signature)
-    for name in constexprs:
-        sig[name] = "constexpr"
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible_by_16}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
-                    attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    compiled = _compile(kernel, signature, constexprs, cc, num_warps, num_stages, divisible_by_16)
     ptx = compiled.asm.get("ptx", "")
     registers = spills = None
     n_regs = getattr(compiled, "n_regs", None)
@@ -84,6 +70,26 @@ def aot_compile(kernel, signature: dict, constexprs: dict, cc: int, num_warps: i
                          mma_types=tuple(sorted({t for instr in mma for t in re.findall(
                              r"\.(f16|bf16|tf32|e4m3|e5m2|f64|s8|u8|s4|u4)(?=\.|\s|$)", instr)})),
                          fp32_divisions=tuple(sorted(set(re.findall(r"\bdiv(?:\.[a-z]+)*\.f32\b", ptx)))))
+
+
+def _compile(kernel, signature: dict, constexprs: dict, cc: int, num_warps: int, num_stages: int,
+             divisible_by_16: tuple[str, ...]):
+    """triton.compile for sm_`cc` (see aot_compile): the compiled kernel, its PTX and cubin in .asm."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernel
+    while not hasattr(fn, "arg_names"):  # unwrap @triton.autotune / @triton.heuristics
+        fn = fn.fn
+    sig = dict(signature)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible_by_16}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def _ptxas_usage(ptx: str, cc: int) -> tuple[int | None, int | None]:
@@ -110,12 +116,14 @@ def _ptxas_usage(ptx: str, cc: int) -> tuple[int | None, int | None]:
     return (int(regs.group(1)) if regs else None, sum(map(int, spill)) if spill else 0)
 
 
-def _launch_signature(launch) -> tuple[dict, dict, tuple[str, ...]]:
+def _launch_signature(launch, ones: bool = False) -> tuple[dict, dict, tuple[str, ...]]:
     """(signature, constexprs, 16-divisible names) of a `kernels.common.Launch`: tensors become typed
     pointers, Python floats fp32, ints i32 (i64 when they need it); as the runtime specializes real
     launches, pointers and ints divisible by 16 get the divisibility hint. Constexpr parameters take
     their values; parameters the launch leaves out take their defaults (an optional pointer's None is a
-    constexpr, as the runtime specializes it)."""
+    constexpr, as the runtime specializes it). ones: ints equal to 1 become constexprs too, as the runtime
+    makes them (unit strides, M = 1): the exact binary of a decode launch, for its SASS (`loop_mix`);
+    without it one compile stands for every M and stride (test_fit, tune --aot, the IR readers)."""
     import torch
 
     signature, constexprs, aligned = {}, {}, []
@@ -128,6 +136,8 @@ def _launch_signature(launch) -> tuple[dict, dict, tuple[str, ...]]:
             aligned.append(p.name)
         elif isinstance(value, float):
             signature[p.name] = "fp32"
+        elif ones and type(value) is int and value == 1:
+            constexprs[p.name] = 1
         elif isinstance(value, int):
             signature[p.name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
             if value % 16 == 0:
@@ -168,3 +178,78 @@ def launch_ttir(launch, cc: int = 90) -> str:
     module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
                          context)
     return module.str_nodebug()
+
+
+# SASS opcodes (the name before the first dot) that are not arithmetic: memory, control flow, barriers and
+# the tensor-core instructions; `LoopMix.alu` counts every other instruction of the loop.
+_NOT_ALU = re.compile(r"^(LD\w*|ST\w*|RED|ATOM\w*|BRA|BAR|BSSY|BSYNC|DEPBAR|LDGDEPBAR|WARPSYNC|NOP|EXIT|YIELD|"
+                      r"ARRIVES|SYNCS|HMMA|IMMA|HGMMA|IGMMA|QGMMA|WARPGROUP\w*|MEMBAR|CCTL\w*|ERRBAR|FENCE)$")
+
+
+@dataclass(frozen=True)
+class LoopMix:
+    """The SASS of one compiled launch, summarized: the instructions (full opcodes with modifiers, e.g.
+    "LDG.E.128") of its main loop, the body of its longest backward branch, as one thread runs them per
+    iteration, and the local-memory instructions (LDL / STL: spills) anywhere in the kernel."""
+    cc: int
+    loop: dict[str, int]
+    local_memory: int
+    registers: int | None  # per thread
+    shared_bytes: int  # per program
+
+    def count(self, prefix: str) -> int:
+        """Loop instructions whose opcode starts with `prefix` ("I2F", "LDG.E.128", "HMMA")."""
+        return sum(n for op, n in self.loop.items() if op.startswith(prefix))
+
+    @property
+    def alu(self) -> int:
+        """Arithmetic instructions in the loop (integer, float, conversion, move, predicate)."""
+        return sum(n for op, n in self.loop.items() if not _NOT_ALU.match(op.split(".")[0]))
+
+    @property
+    def total(self) -> int:
+        return sum(self.loop.values())
+
+
+def launch_sass(launch, cc: int) -> tuple[str, int]:
+    """(SASS, shared memory bytes) of a `kernels.common.Launch` compiled for sm_`cc`: the SASS after its
+    resource usage ("REG:n ..."), from Triton's bundled `cuobjdump --dump-resource-usage --dump-sass`."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    signature, constexprs, aligned = _launch_signature(launch, ones=True)
+    compiled = _compile(launch.kernel, signature, constexprs, cc, launch.num_warps, launch.num_stages, aligned)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([cuobjdump, "--dump-resource-usage", "--dump-sass", path], capture_output=True,
+                              text=True, check=True).stdout
+    return sass, int(compiled.metadata.shared)
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def loop_mix(launch, cc: int) -> LoopMix:
+    """`LoopMix` of a launch compiled for sm_`cc`. ValueError if its SASS has no loop."""
+    sass, shared = launch_sass(launch, cc)
+    instructions = [(int(address, 16), op, operands) for address, op, operands in _SASS_LINE.findall(sass)]
+    loops = [(int(target.group(1), 16), address) for address, op, operands in instructions
+             if op.startswith("BRA") and (target := re.search(r"0x([0-9a-f]+)", operands))
+             and int(target.group(1), 16) < address]
+    if not loops:
+        raise ValueError(f"loop_mix: {launch.kernel.__name__} compiled for sm_{cc} has no backward branch (no loop)")
+    first, last = max(loops, key=lambda loop: loop[1] - loop[0])
+    loop: dict[str, int] = {}
+    for address, op, _ in instructions:
+        if first <= address <= last:
+            loop[op] = loop.get(op, 0) + 1
+    local = sum(1 for _, op, _ in instructions if op.split(".")[0] in ("LDL", "STL"))
+    registers = re.search(r"REG:(\d+)", sass)
+    return LoopMix(cc=cc, loop=loop, local_memory=local, registers=int(registers.group(1)) if registers else None,
+                   shared_bytes=shared)

@@ -1,7 +1,9 @@
 """What every kernel family shares: @triton.jit pieces, the launch-config convention, one launch object.
 
 @triton.jit helpers (called from the kernels, inlined by Triton):
-  dequantize_int_tile  int32 words packed along K -> fp32 (q - zero) * scale tile (int4_gemm, moe)
+  unpack_int_tile      int32 words packed along K -> int32 codes (int4_gemm, moe)
+  dequantize_int_tile  int32 codes -> (q - zero) * scale in the compute dtype, by magic-number floats
+                       (no int-to-float conversion; int4_gemm, moe)
   e2m1_bits_to_fp16    MXFP4 (e2m1) codes -> fp16 / 2^14 with integer ops (moe's mxfp4 experts)
   e4m3_bits_to_fp16    float8_e4m3fn bytes -> fp16 / 2^8 with integer ops, for GPUs without fp8
                        types (fp8_gemm's weight-only path, moe's fp8 experts, the fp8 KV cache)
@@ -58,31 +60,54 @@ log = logging.getLogger(__name__)
 # 2^8: the exponent-bias difference between fp16 (15) and e4m3 (7), see e4m3_bits_to_fp16; a
 # tl.constexpr so that @triton.jit code can read it.
 E4M3_TO_FP16_BIAS = tl.constexpr(256.0)
+# Whether @triton.jit functions run in Triton's interpreter (TRITON_INTERPRET=1, read by @triton.jit when this
+# module is imported, as here): the few bit tricks the interpreter mis-computes take a plain path there.
+INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 
 
 @triton.jit
 def unpack_int_tile(words, BITS: tl.constexpr):
-    """words [BLOCK_K * BITS / 32, BLOCK_N] int32, packed along K -> fp32 codes [BLOCK_K, BLOCK_N].
+    """words [BLOCK_K * BITS / 32, BLOCK_N] int32, packed along K -> int32 codes [BLOCK_K, BLOCK_N].
 
     Field i of word r is row r * (32 / BITS) + i, so the reshape keeps rows in K order: each packed
-    word is loaded once and unpacked in registers. Unpack right after the load: the kernels keep the
+    word is loaded once and unpacked in registers (a shift and a mask per code; the mask fuses with
+    `dequantize_int_tile`'s OR into one LOP3). Unpack right after the load: the kernels keep the
     words' registers short-lived that way (sm_75 spills more when scale loads come in between).
     """
     PER_WORD: tl.constexpr = 32 // BITS
     fields = (words[:, None, :] >> (tl.arange(0, PER_WORD) * BITS)[None, :, None]) & ((1 << BITS) - 1)
-    return tl.reshape(fields, (words.shape[0] * PER_WORD, words.shape[1])).to(tl.float32)
+    return tl.reshape(fields, (words.shape[0] * PER_WORD, words.shape[1]))
 
 
 @triton.jit
-def dequantize_int_tile(q, scale, zero, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """fp32 codes q [BLOCK_K, BLOCK_N] (`unpack_int_tile`) -> fp32 weights (q - zero) * scale, zero and
-    scale broadcasting against the tile ([1, BLOCK_N] rows or full tiles); without HAS_ZEROS
-    (symmetric weights) zero is 2^(BITS-1) and the `zero` argument is not read."""
-    if HAS_ZEROS:
-        w = (q - zero) * scale
+def dequantize_int_tile(q, scale, zero, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr):
+    """int32 codes q [BLOCK_K, BLOCK_N] (`unpack_int_tile`) -> weights (q - zero) * scale in DTYPE, with no
+    int-to-float conversion; zero and scale (as loaded, integer-valued zeros) broadcast against the tile
+    ([1, BLOCK_N] rows or full tiles); without HAS_ZEROS zero is 2^(BITS-1) and `zero` is not read.
+
+    The code is ORed into the mantissa of a float whose exponent makes its ulp 1: fp16 0x6400 | q is
+    1024 + q, bf16 0x4300 | q is 128 + q (codes < 128), fp32 0x4B000000 | q is 2^23 + q. Subtracting
+    magic + zero (an integer, exact) gives q - zero exactly, and the scale multiply rounds once: the
+    same bits as the fp32 (q - zero) * scale rounded to DTYPE. Half math runs where the scales are in
+    DTYPE already; otherwise (fp32 scales or activations, 8-bit codes in bf16) in fp32, then cast.
+    Triton's interpreter computes on bitcast bf16 as raw bits: there bf16 takes the fp32 path (same values).
+    """
+    if DTYPE == tl.float16 and scale.dtype == tl.float16:
+        h = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        magic: tl.constexpr = 1024.0
+    elif DTYPE == tl.bfloat16 and scale.dtype == tl.bfloat16 and BITS <= 7 and not INTERPRETED:
+        h = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        magic: tl.constexpr = 128.0
     else:
-        w = (q - (1 << (BITS - 1))) * scale
-    return w
+        h = (q | 0x4B000000).to(tl.float32, bitcast=True)
+        magic: tl.constexpr = 8388608.0
+        scale = scale.to(tl.float32)
+        zero = zero.to(tl.float32)
+    if HAS_ZEROS:
+        w = (h - (zero + magic)) * scale
+    else:
+        w = (h - (magic + (1 << (BITS - 1)))) * scale
+    return w.to(DTYPE)
 
 
 @triton.jit

@@ -134,24 +134,23 @@ def _int4_gemm_kernel(
         mask_kn = mask_k[:, None] & mask_n[None, :]
         if TILE_GROUPS:  # the whole K tile lies in group k0 // group_size
             g = k0 // group_size
-            s = tl.load(scales_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            s = tl.load(scales_ptr + g * N + offs_n, mask=mask_n, other=0.0)[None, :]
             z = s  # read only with HAS_ZEROS
             if HAS_ZEROS:
-                z = tl.load(zeros_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                z = tl.load(zeros_ptr + g * N + offs_n, mask=mask_n, other=0.0)[None, :]
         else:
             if HAS_G_IDX:
                 g = tl.load(g_idx_ptr + offs_k, mask=mask_k, other=0)
             else:
                 g = offs_k // group_size
-            s = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0).to(tl.float32)
+            s = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
             z = s
             if HAS_ZEROS:
-                z = tl.load(zeros_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0).to(tl.float32)
+                z = tl.load(zeros_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
         if HAS_CODE:  # bitsandbytes nf4 / fp4: q indexes a 16-entry code table, s is the block's absmax
-            w = tl.load(code_ptr + q.to(tl.int32)) * s
-        else:
-            w = dequantize_int_tile(q, s, z, BITS, HAS_ZEROS)
-        w = w.to(x.dtype)  # weights meet the activations in x's dtype, as on the tensor cores
+            w = (tl.load(code_ptr + q) * s.to(tl.float32)).to(x.dtype)
+        else:  # weights meet the activations in x's dtype, as on the tensor cores
+            w = dequantize_int_tile(q, s, z, BITS, HAS_ZEROS, x.dtype)
         if UPCAST_DOT:  # fp32 x (exact ieee dot), or bf16 under the interpreter (common.upcast_dot)
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:

@@ -58,11 +58,11 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
                 group = offs_k // group_size
             s_off = expert.to(tl.int64) * stride_se + group[:, None] * stride_sk + offs_n[None, :] * stride_sn
             s_mask = mask
-        scale = tl.load(scale_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + s_off, mask=s_mask, other=0.0)
         zero = scale  # read only with HAS_ZEROS (else symmetric: zero = 2^(bits-1))
         if HAS_ZEROS:
-            zero = tl.load(zero_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)
-        w = dequantize_int_tile(q, scale, zero, BITS, HAS_ZEROS).to(COMPUTE)
+            zero = tl.load(zero_ptr + s_off, mask=s_mask, other=0.0)
+        w = dequantize_int_tile(q, scale, zero, BITS, HAS_ZEROS, COMPUTE)
     elif KIND == 3:  # mxfp4: blocks [E, N, K/2] bytes (stride_wk = 1), scales [E, N, K/32] uint8 E8M0
         BLOCK_K: tl.constexpr = offs_k.shape[0]
         offs_byte = tl.min(offs_k, axis=0) // 2 + tl.arange(0, BLOCK_K // 2)
