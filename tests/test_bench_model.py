@@ -28,9 +28,11 @@ def test_bounds_follow_the_spec_sheet_arithmetic():
     tile = launch.args["BLOCK_K"] * launch.args["BLOCK_N"]
     threads = 32 * launch.num_warps
     mix = LoopMix(cc=90, loop={"HFMA2": 7 * tile // threads}, local_memory=0, registers=64, shared_bytes=0)
-    # bytes: 4-bit codes, fp16 scales and zeros per 128 rows, x in fp16, the split-K fp32 partials out
+    # bytes: 4-bit codes, fp16 scales and zeros per 128 rows, x in fp16, the split-K fp32 partials, the fp16
+    # output the last slice writes, and one int32 arrival counter per output tile
     split_k = launch.grid[2]
-    weight_bytes = N * K // 2 + 2 * (K // 128) * N * 2 + K * 2 + split_k * N * 4
+    weight_bytes = (N * K // 2 + 2 * (K // 128) * N * 2 + K * 2 + split_k * N * 4 + N * 2
+                    + 4 * launch.grid[0] * launch.grid[1])
     per_weight = weight_bytes / (N * K)
     gpu = model.GPUS["H200"]
     p = model.predict(mix, launch, N, K, gpu, latency_ns=600)

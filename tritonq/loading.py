@@ -447,8 +447,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     model = _load(name_or_path, options, dtype=dtype, device=device, revision=revision)
     if warm_up is not None:
         from tritonq.kernels import cpu_lowbit
-        cpu_lowbit.settle_templates([m.cpu_int4 for m in model.model.modules()
-                                     if getattr(m, "cpu_int4", None) is not None],
+        cpu_forms = [m.prepared.cpu for m in model.model.modules() if hasattr(m, "prepared")]  # layers.Linear's
+        cpu_lowbit.settle_templates([p for p in cpu_forms if isinstance(p, cpu_lowbit.CPUInt4Weight)],
                                     compile=warm_up)
     return model
 
