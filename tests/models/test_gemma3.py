@@ -94,8 +94,7 @@ def test_quantized_matches_transformers_on_dequantized_weights(tmp_path, fmt, op
     ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention=True"),
     ("hidden_activation", "relu", "hidden_activation='relu'"),
-    ("layer_types", ["sliding_attention", "linear_attention", "full_attention"], "layer_types="),
-    ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}, "rope_parameters=")])
+    ("layer_types", ["sliding_attention", "linear_attention", "full_attention"], "layer_types=")])
 def test_bad_config_is_refused_naming_the_key(tmp_path, field, value, match):
     write_checkpoint(tmp_path, "tied_window6_softcap")
     config = json.loads((tmp_path / "config.json").read_text())
