@@ -15,7 +15,7 @@ from models.test_llama import dequantized_transformers_model, save_with_random_b
 from models.test_llama_family import MAX_LEN, assert_batched_prefill_matches, assert_greedy_matches, build, prompts_for
 from safetensors.torch import load_file
 from test_tensor_parallel import run_on_ranks
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig
 
 import tritonq
 from tritonq.demo import byte_tokenizer
@@ -88,6 +88,33 @@ def test_quantized_matches_transformers_on_dequantized_weights(tmp_path, fmt, op
     prompts = prompts_for(hf.config)
     assert_batched_prefill_matches(build(tmp_path / fmt), hf, prompts)
     assert_greedy_matches(tmp_path / fmt, hf, prompts, n=8)
+
+
+def test_image_text_checkpoint_runs_its_language_model(tmp_path):
+    """A gemma3 (image-text) checkpoint: its language model (language_model.model.*, settings in text_config) equals
+    transformers' Gemma3ForConditionalGeneration on text prompts; the vision tower and projector are named in one
+    warning and left unread. A final logit softcap there is refused (that transformers class ignores it)."""
+    tokenizer = byte_tokenizer()
+    text = {**COMMON, **json.loads(json.dumps(CASES["tied_window6_softcap"])), "vocab_size": len(tokenizer),
+            "final_logit_softcapping": None}
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=257,
+                          boi_token_index=255, eoi_token_index=256, eos_token_id=tokenizer.eos_token_id,
+                          bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    hf = save_with_random_biases_and_norms(Gemma3ForConditionalGeneration(config).eval(), tokenizer, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma3"
+    with pytest.warns(UserWarning, match=r"vision tower.*vision_tower\.embeddings\.patch_embedding\.weight"):
+        ours = build(tmp_path)
+    prompts = prompts_for(hf.config.text_config)
+    assert_batched_prefill_matches(ours, hf, prompts)
+    assert_greedy_matches(tmp_path, hf, prompts, n=8)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["final_logit_softcapping"] = 30.0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="text_config.final_logit_softcapping=30.0"):
+        build(tmp_path)
 
 
 @pytest.mark.parametrize("field, value, match", [

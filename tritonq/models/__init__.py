@@ -4,7 +4,7 @@ from __future__ import annotations
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
 from tritonq.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tritonq.models.falcon import FalconForCausalLM
-from tritonq.models.gemma3 import Gemma3ForCausalLM
+from tritonq.models.gemma3 import Gemma3ForCausalLM, Gemma3ImageTextForCausalLM
 from tritonq.models.glm4_moe import Glm4MoeForCausalLM
 from tritonq.models.gpt_oss import GptOssForCausalLM
 from tritonq.models.llama import LlamaForCausalLM, MistralForCausalLM
@@ -17,7 +17,7 @@ MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwe
           "falcon": FalconForCausalLM, "mpt": MptForCausalLM}
 MODELS.update({"qwen3_moe": Qwen3MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM, "mixtral": MixtralForCausalLM,
                "deepseek_v3": DeepseekV3ForCausalLM, "glm4_moe": Glm4MoeForCausalLM,
-               "gemma3_text": Gemma3ForCausalLM})
+               "gemma3_text": Gemma3ForCausalLM, "gemma3": Gemma3ImageTextForCausalLM})
 
 
 def model_class(model_type: str):

@@ -92,8 +92,9 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3 text (model_type gemma3_text); see the module docstring."""
+    """Gemma 3 text (model_type gemma3_text); see the module docstring. prefix: where its tensors are stored."""
     tie_word_embeddings = True
+    prefix = "model"
 
     def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str, max_seq_len: int | None = None):
         for key, refused in (("attn_logit_softcapping", "attention logit softcapping is not implemented by the "
@@ -118,13 +119,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def build_layers(self, config, loader):
         variant = self.variant(config)
         for i in range(config.num_hidden_layers):
-            prefix = f"model.layers.{i}"
+            prefix = f"{self.prefix}.layers.{i}"
             attn = Gemma3Attention(config, loader, f"{prefix}.self_attn", variant, variant.windows[i])
             mlp = GeGLU(loader, f"{prefix}.mlp", config.hidden_size, config.intermediate_size)
             yield Gemma3DecoderLayer(config, loader, prefix, attn, mlp)
 
     def build_norm(self, config, loader) -> RMSNorm:
-        return gemma_norm(loader, "model.norm", config.hidden_size, config.rms_norm_eps)
+        return gemma_norm(loader, f"{self.prefix}.norm", config.hidden_size, config.rms_norm_eps)
 
     def position_tables(self, config, max_seq_len: int | None, dtype: torch.dtype) -> LayerTypeRope:
         """One RopeTables per layer type, from config.rope_parameters[layer type]."""
@@ -149,3 +150,23 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+class Gemma3ImageTextForCausalLM(Gemma3ForCausalLM):
+    """The language model of a Gemma 3 image-text checkpoint (model_type gemma3: 4B-27B as published): the same
+    network, its tensors under language_model.model.*, its settings in config.text_config. The vision tower and
+    the multimodal projector are left unread with one warning: prompts are text."""
+    prefix = "language_model.model"
+    embedding = "language_model.model.embed_tokens"
+
+    def __init__(self, config, loader, dtype: torch.dtype, device: torch.device | str, max_seq_len: int | None = None):
+        vision = [name for name in loader.weights.names() if not name.startswith("language_model.")]
+        if vision:
+            loader.leave_unread(vision, "Gemma 3 vision tower and multimodal projector: tritonq runs the language "
+                                        "model on text prompts")
+        text = config.get_text_config()
+        if getattr(text, "final_logit_softcapping", None):  # null in every published gemma3 checkpoint
+            raise ValueError(f"text_config.final_logit_softcapping={text.final_logit_softcapping!r} in an image-text "
+                             "checkpoint is not supported: transformers' Gemma3ForConditionalGeneration ignores it "
+                             "and its Gemma3ForCausalLM applies it, so the intended logits are ambiguous; expected null")
+        super().__init__(text, loader, dtype, device, max_seq_len=max_seq_len)
