@@ -66,6 +66,17 @@ def test_prefill_and_greedy_match_transformers(tmp_path, name):
     assert_greedy_matches(tmp_path, hf, prompts)
 
 
+def test_triton_kernels_match_transformers(tmp_path, monkeypatch):
+    """Through the Triton kernels (interpreter), small shapes: prefill of a batch over sliding and full layers and
+    4 greedy tokens of each prompt equal transformers alone."""
+    hf = write_checkpoint(tmp_path, "tied_window6_softcap", hidden_size=32, intermediate_size=64, head_dim=8,
+                          query_pre_attn_scalar=8, sliding_window=4, num_hidden_layers=2)
+    prompts = prompts_for(hf.config)  # 5 and 15 tokens, window 4
+    monkeypatch.setenv("TRITONQ_BACKEND", "triton")
+    assert_batched_prefill_matches(build(tmp_path), hf, prompts)
+    assert_greedy_matches(tmp_path, hf, prompts, n=4)
+
+
 def test_preempted_and_chunked_requests_give_transformers_tokens(tmp_path):
     """Four prompts in a KV cache of 6 blocks with an 8-token step budget: long prompts are prefilled in chunks
     beside running decodes, sequences are preempted and resumed; each gives transformers' tokens for it alone."""
