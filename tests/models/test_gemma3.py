@@ -148,7 +148,7 @@ PROMPTS = [[5, 17, 200, 3, 99, 42, 7, 1, 250, 9, 30, 31, 2, 8, 77], [64, 65, 66,
 
 
 def tp_steps(model: tritonq.Model) -> dict:
-    """Prefill logits of each prompt and greedy tokens (decoded through the paged cache); run by ranks and one process."""
+    """Each prompt's prefill logits and greedy tokens (decoded through the paged cache); ranks and one process."""
     greedy = model.generate(PROMPTS, max_new_tokens=5, return_dict=True)
     return {"logits": [model.engine.prompt_logits(p) for p in PROMPTS],
             "greedy": None if greedy is None else greedy.token_ids}

@@ -168,5 +168,5 @@ class Gemma3ImageTextForCausalLM(Gemma3ForCausalLM):
         if getattr(text, "final_logit_softcapping", None):  # null in every published gemma3 checkpoint
             raise ValueError(f"text_config.final_logit_softcapping={text.final_logit_softcapping!r} in an image-text "
                              "checkpoint is not supported: transformers' Gemma3ForConditionalGeneration ignores it "
-                             "and its Gemma3ForCausalLM applies it, so the intended logits are ambiguous; expected null")
+                             "and its Gemma3ForCausalLM applies it: the intended logits are ambiguous; expected null")
         super().__init__(text, loader, dtype, device, max_seq_len=max_seq_len)

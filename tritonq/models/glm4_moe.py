@@ -30,8 +30,8 @@ def glm4_moe_routing(config) -> MoERouting:
         raise ValueError(f"n_routed_experts={experts}, n_group={groups}, topk_group={config.topk_group}: the experts "
                          "must split into n_group equal groups and 1 <= topk_group <= n_group")
     return MoERouting(config.num_experts_per_tok, "sigmoid", groups, config.topk_group,
-                      renormalize=bool(config.norm_topk_prob), routed_scaling_factor=float(config.routed_scaling_factor),
-                      correction_bias=True)
+                      renormalize=bool(config.norm_topk_prob),
+                      routed_scaling_factor=float(config.routed_scaling_factor), correction_bias=True)
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):
