@@ -106,8 +106,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"hidden_activation={act!r} is not supported; expected 'gelu_pytorch_tanh' (Gemma 3).")
         super().__init__(config, loader, dtype, device, max_seq_len=max_seq_len)
-        # transformers: the rows times a tensor(sqrt(hidden)) cast to the table's dtype
-        self.embed_scale = torch.tensor(math.sqrt(config.hidden_size)).to(dtype)
+        # transformers: the rows times a tensor(sqrt(hidden)) cast to the table's dtype; that value as a float
+        self.embed_scale = torch.tensor(math.sqrt(config.hidden_size)).to(dtype).item()
         self.softcap = getattr(config, "final_logit_softcapping", None)
 
     @classmethod
