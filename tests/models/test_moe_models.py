@@ -368,6 +368,8 @@ COMPRESSED_TENSORS = {  # name: (case, weights, format, ignore); every scheme we
                                 ["lm_head", "re:.*mlp.gate$"]),
     "qwen3_moe_fp8_tensor": ("qwen3_moe", dict(FP8_WEIGHTS, strategy="tensor"), "float-quantized",
                              ["lm_head", "re:.*mlp.gate$"]),
+    "glm4_moe_fp8_block": ("glm4_moe", dict(FP8_WEIGHTS, strategy="block", block_structure=[32, 32]),
+                           "float-quantized", ["lm_head", "re:.*mlp.gate$"]),
 }
 
 
