@@ -53,7 +53,9 @@ LOAD_CASES = {  # name: (variant kwargs, load kwargs, exception, phrase)
     "dtype_bad_string": ({}, {"dtype": "int4"}, ValueError, "expected one of ['float16', 'bfloat16', 'float32']"),
     "no_config_json": ({"drop": ["config.json"]}, {}, FileNotFoundError, "variant has no config.json"),
     "unknown_model_type": ({"config": {"model_type": "gpt_foo"}}, {}, ValueError,
-                           "model_type 'gpt_foo' is not supported; supported: ['deepseek_v2', 'deepseek_v3', 'falcon', 'gpt_oss', 'llama', 'mistral', 'mixtral', 'mpt', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe']"),
+                           "model_type 'gpt_foo' is not supported; supported: ['deepseek_v2', 'deepseek_v3', 'falcon', "
+                           "'gemma3', 'gemma3_text', 'glm4_moe', 'gpt_oss', 'llama', 'mistral', 'mixtral', 'mpt', "
+                           "'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe']"),
     "no_tokenizer": ({"drop": TOKENIZER_FILES}, {}, ValueError, "cannot load a tokenizer"),
     "max_seq_len_zero": ({}, {"max_seq_len": 0}, ValueError, "max_seq_len=0; expected a positive int"),
     "max_seq_len_negative": ({}, {"max_seq_len": -4}, ValueError, "max_seq_len=-4; expected a positive int"),

@@ -1,4 +1,4 @@
-"""Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 on 2 ranks, Mixtral also on 4 (tensor and expert parallel)
+"""Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 on 2 ranks, Mixtral also on 4 (tensor and expert parallel)
 against one process, through tritonq.load.
 
 Ranks are CPU processes (gloo) spawned as in tests/test_tensor_parallel.py, with the tiny random checkpoints of
@@ -27,7 +27,7 @@ from tritonq.quantize import write_quantized
 ATOL = 1e-4
 CHECKPOINTS = {  # name: (tests/models/test_moe_models.CASES name, config overrides, write_quantized format, options)
     **{case: (case, {}, None, {}) for case in ("qwen3_moe", "qwen3_moe_step2_window", "qwen2_moe", "mixtral_window",
-                                               "deepseek_v3")},
+                                               "deepseek_v3", "glm4_moe")},
     # AWQ group 32: o_proj K 128 and experts' I 64 split into whole groups and packs at 2 ranks (TP), whole experts (EP)
     "qwen3_moe_awq": ("qwen3_moe", {"moe_intermediate_size": 64, "intermediate_size": 128, "head_dim": 32}, "awq", {"group_size": 32}),
     # GPTQ act-order: Mixtral's I 96 would cut a 32-group at 2 ranks, so expert parallel (whole experts)
@@ -45,6 +45,8 @@ RUNS = {  # name: (checkpoint, expert_parallel)
     "mixtral_window-ep": ("mixtral_window", True),
     "deepseek_v3-tp": ("deepseek_v3", False),
     "deepseek_v3-ep": ("deepseek_v3", True),
+    "glm4_moe-tp": ("glm4_moe", False),
+    "glm4_moe-ep": ("glm4_moe", True),
     "qwen3_moe_awq-tp": ("qwen3_moe_awq", False),
     "qwen3_moe_awq-ep": ("qwen3_moe_awq", True),
     "mixtral_gptq-ep": ("mixtral_gptq", True),

@@ -479,7 +479,7 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     _check_files(folder)
     raw_config = _read_config(folder)
     cls = model_class(raw_config["model_type"])
-    config = AutoConfig.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder).get_text_config()  # an image-text model's: its language model's
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None)  # MPT's name
     if max_seq_len is not None and positions is not None and max_seq_len > positions:
         where = (f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={positions} "

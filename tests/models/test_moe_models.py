@@ -1,4 +1,4 @@
-"""Qwen3-MoE, Qwen2-MoE, Mixtral and DeepSeek-V3 against transformers' own models on tiny random checkpoints.
+"""Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 against transformers' own models on tiny random checkpoints.
 
 Each case batches a short prompt with a long one (3x the window and more where layers slide) and compares
 each prompt with transformers run on it alone: prefill logits over interleaved pages, greedy tokens and
@@ -19,8 +19,8 @@ from models.paged import PagedRun
 from models.test_llama import hf_greedy
 from models.test_llama_family import MAX_LEN, assert_batched_prefill_matches, build, prompts_for
 from safetensors.torch import load_file, save_file
-from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 import tritonq
 from tritonq.demo import byte_tokenizer
@@ -57,6 +57,12 @@ CASES = {  # name: (transformers config, transformers model, config fields beyon
         MLA, q_lora_rank=None, rope_interleave=False, n_routed_experts=6, num_experts_per_tok=2, n_group=1,
         topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=False, first_k_dense_replace=0, n_shared_experts=2,
         attention_bias=True)),
+    # GLM-4.5: V3's router (8 experts in 4 groups, 2 kept), a shared expert, 1 dense layer first, q/k norm, biases
+    # on q/k/v, rope over half of each head (head_dim 32 != hidden / heads).
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, dict(
+        n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, n_shared_experts=1,
+        attention_bias=True, use_qk_norm=True, head_dim=32, partial_rotary_factor=0.5)),
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
@@ -111,7 +117,7 @@ def test_prefill_and_greedy_match_transformers(tmp_path, name):
     prompts = prompts_for(hf.config)
     ours = build(tmp_path)
     expected_moe = {"qwen3_moe": [True, False, True], "qwen3_moe_step2_window": [False, True, False],
-                    "deepseek_v3": [False, True, True]}.get(name, [True, True, True])
+                    "deepseek_v3": [False, True, True], "glm4_moe": [False, True, True]}.get(name, [True, True, True])
     assert moe_layers(ours) == expected_moe
     assert_batched_prefill_matches(ours, hf, prompts)
     assert_greedy_matches(tmp_path, hf, prompts)
@@ -124,7 +130,7 @@ def test_deepseek_v3_expanded_attention_matches_transformers(tmp_path, name):
     assert_batched_prefill_matches(build(tmp_path, attention_mode="expanded"), hf, prompts_for(hf.config))
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral_window", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral_window", "deepseek_v3", "glm4_moe"])
 def test_preempted_and_chunked_requests_give_transformers_tokens(tmp_path, name):
     """Four prompts (two short, two long) in a KV cache of 6 blocks with an 8-token step budget: long prompts
     are prefilled in chunks beside running decodes, and sequences are preempted and resumed; every request
@@ -136,6 +142,17 @@ def test_preempted_and_chunked_requests_give_transformers_tokens(tmp_path, name)
                                  max_num_batched_tokens=8)
     assert ours.engine.block_manager.num_blocks == 6
     assert ours.engine.scheduler.num_preemptions > 0
+
+
+def test_glm4_moe_triton_kernels_match_transformers(tmp_path, monkeypatch):
+    """GLM-4.5 (partial rotary, grouped sigmoid routing, shared expert) through the Triton kernels (interpreter),
+    small shapes: a batched prefill and 4 greedy tokens of each prompt equal transformers alone."""
+    hf = write_checkpoint(tmp_path, "glm4_moe", hidden_size=32, intermediate_size=48, head_dim=16,
+                          moe_intermediate_size=16, num_hidden_layers=2)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 13)]
+    monkeypatch.setenv("TRITONQ_BACKEND", "triton")
+    assert_batched_prefill_matches(build(tmp_path), hf, prompts)
+    assert_greedy_matches(tmp_path, hf, prompts, n=4)
 
 
 def test_deepseek_v3_router_bias_only_chooses(tmp_path):
@@ -155,10 +172,11 @@ def test_deepseek_v3_router_bias_only_chooses(tmp_path):
     assert (biased - plain).abs().max() > 1e-2
 
 
-def test_deepseek_v3_mtp_layer_is_left_unread_with_a_warning(tmp_path):
-    """A checkpoint with DeepSeek's multi-token-prediction layer (model.layers.<num_hidden_layers>.*) loads,
-    warns naming those tensors, and gives the same logits; a tensor of any other extra layer is refused."""
-    hf = write_checkpoint(tmp_path, "deepseek_v3")
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layer_is_left_unread_with_a_warning(tmp_path, name):
+    """A checkpoint with DeepSeek-V3's / GLM-4.5's multi-token-prediction layer (model.layers.<num_hidden_layers>.*)
+    loads, warns naming those tensors, and gives the same logits; a tensor of any other extra layer is refused."""
+    hf = write_checkpoint(tmp_path, name)
     tensors = load_file(tmp_path / "model.safetensors")
     L = hf.config.num_hidden_layers
     mtp = {f"model.layers.{L}.{k.split('.', 3)[3]}": v.clone()  # a copy of layer 1 as the MTP's decoder layer
@@ -183,6 +201,21 @@ def test_deepseek_v3_mtp_layer_is_left_unread_with_a_warning(tmp_path):
     ("hidden_act", "gelu", "hidden_act")])
 def test_unsupported_config_fields_are_refused(tmp_path, field, value, match):
     write_checkpoint(tmp_path, "deepseek_v3" if field != "hidden_act" else "mixtral_window")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        tritonq.load(tmp_path, max_num_seqs=1, max_seq_len=32)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("hidden_act", "gelu", "hidden_act"), ("n_group", 3, "n_group=3"), ("topk_group", 5, "topk_group=5"),
+    ("rope_parameters", {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.3},
+     "partial_rotary_factor=0.3")])
+def test_glm4_moe_bad_config_is_refused_naming_the_key(tmp_path, field, value, match):
+    """The key, what it says, what was expected: experts that do not split into n_group groups, more groups kept
+    than there are, rotary dims that are odd (32 * 0.3 = 9), an activation the experts do not run."""
+    write_checkpoint(tmp_path, "glm4_moe")
     config = json.loads((tmp_path / "config.json").read_text())
     config[field] = value
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -239,6 +272,7 @@ WRITER = {  # name: (case, format, options) written by tritonq's own writer (tri
     "mixtral_gptq_act_order": ("mixtral_window", "gptq", {"group_size": 32, "sym": True, "act_order": True}),
     "deepseek_v3_gptq_8bit": ("deepseek_v3", "gptq", {"group_size": 32, "bits": 8}),
     "qwen2_moe_fp8_tensor": ("qwen2_moe", "fp8", {"fp8_scheme": "tensor"}),
+    "glm4_moe_awq": ("glm4_moe", "awq", {"group_size": 32}),
 }
 
 
@@ -334,6 +368,8 @@ COMPRESSED_TENSORS = {  # name: (case, weights, format, ignore); every scheme we
                                 ["lm_head", "re:.*mlp.gate$"]),
     "qwen3_moe_fp8_tensor": ("qwen3_moe", dict(FP8_WEIGHTS, strategy="tensor"), "float-quantized",
                              ["lm_head", "re:.*mlp.gate$"]),
+    "glm4_moe_fp8_block": ("glm4_moe", dict(FP8_WEIGHTS, strategy="block", block_structure=[32, 32]),
+                           "float-quantized", ["lm_head", "re:.*mlp.gate$"]),
 }
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
 from tritonq.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tritonq.models.falcon import FalconForCausalLM
+from tritonq.models.gemma3 import Gemma3ForCausalLM, Gemma3ImageTextForCausalLM
+from tritonq.models.glm4_moe import Glm4MoeForCausalLM
 from tritonq.models.gpt_oss import GptOssForCausalLM
 from tritonq.models.llama import LlamaForCausalLM, MistralForCausalLM
 from tritonq.models.mpt import MptForCausalLM
@@ -14,7 +16,8 @@ MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwe
           "qwen3": Qwen3ForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM, "gpt_oss": GptOssForCausalLM,
           "falcon": FalconForCausalLM, "mpt": MptForCausalLM}
 MODELS.update({"qwen3_moe": Qwen3MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM, "mixtral": MixtralForCausalLM,
-               "deepseek_v3": DeepseekV3ForCausalLM})
+               "deepseek_v3": DeepseekV3ForCausalLM, "glm4_moe": Glm4MoeForCausalLM,
+               "gemma3_text": Gemma3ForCausalLM, "gemma3": Gemma3ImageTextForCausalLM})
 
 
 def model_class(model_type: str):

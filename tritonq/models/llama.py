@@ -32,13 +32,16 @@ class LlamaVariant:
     q,k,v,o; Qwen2: q,k,v always, o never). qk_norm: an RMSNorm over each q and k head (weights
     self_attn.q_norm / k_norm [head_dim]) before rope (Qwen3). windows[i]: layer i's sliding window,
     0 for full attention (a key at position j is seen from position p iff p - j < window).
-    sinks: a learned logit per query head (self_attn.sinks [H]) in every softmax denominator (gpt-oss)."""
+    sinks: a learned logit per query head (self_attn.sinks [H]) in every softmax denominator (gpt-oss).
+    partial_rotary: rope rotates the first int(head_dim * partial_rotary) dims of each q / k head (half-split
+    within them), the rest pass unrotated (GLM-4.5's 0.5)."""
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
     windows: tuple[int, ...] = ()
     sinks: bool = False
+    partial_rotary: float = 1.0
 
 
 def layer_windows(config, sliding_layers: list[bool]) -> tuple[int, ...]:
@@ -86,6 +89,7 @@ class LlamaAttention(nn.Module):
             head = (self.head_dim,)
             self.q_norm = RMSNorm(loader.get_tensor(f"{prefix}.q_norm.weight", shape=head), config.rms_norm_eps)
             self.k_norm = RMSNorm(loader.get_tensor(f"{prefix}.k_norm.weight", shape=head), config.rms_norm_eps)
+        self.rotary_dim = int(self.head_dim * variant.partial_rotary)
         self.scale = self.head_dim ** -0.5
         self.window = window  # 0 = full attention
         self.sinks = None
@@ -99,7 +103,12 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, :, :H + H_kv]
         if self.q_norm is not None:  # per head, before rope
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
-        q, k = apply_rope(qk, cos, sin)[0].split([H, H_kv], dim=1)  # q and k heads in one call
+        if self.rotary_dim < self.head_dim:  # rotate the first rotary_dim dims, pass the rest
+            rot = self.rotary_dim
+            qk = torch.cat([apply_rope(qk[..., :rot].contiguous(), cos, sin), qk[..., rot:]], dim=-1)
+        else:
+            qk = apply_rope(qk, cos, sin)
+        q, k = qk[0].split([H, H_kv], dim=1)  # q and k heads in one call
         v = qkv[0, :, H + H_kv:]
         out = paged_attention(q, k, v, ctx, k_pages, v_pages, self.scale, window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(T, H * self.head_dim))
