@@ -79,6 +79,8 @@ def test_the_pages_have_runnable_examples_and_every_marker_a_reason():
                     f"{page.name}:{n + 1}: a skip marker must be the line right before a python or bash block"
     unnamed = [b.id for b in ALL if not b.lang]
     assert not unnamed, f"blocks without a language (```text for output): {unnamed}"
+    portless = [b.id for b in RUN if SERVER.search(b.code) and "--port 8000" not in b.code]
+    assert not portless, f"server blocks must say `--port 8000` (the test gives each page's server a free port): {portless}"
 
 
 def test_readme_is_a_front_door():
