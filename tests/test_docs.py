@@ -106,12 +106,13 @@ def workdir(tmp_path_factory) -> Path:
     """A folder that looks like the checkout's root (links to its entries) without writing into it."""
     root = tmp_path_factory.mktemp("docs")
     for entry in REPO.iterdir():
-        if entry.name not in (".git", "build") and not entry.name.startswith("."):
+        if entry.name != "build" and not entry.name.startswith("."):
             (root / entry.name).symlink_to(entry)
     return root
 
 
 def environment() -> dict[str, str]:
+    """A reader's shell: offline, one thread, this checkout's tritonq and python first on the path."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a user's CPU backend (conftest sets it)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TRITONQ_LOG_LEVEL="WARNING",
                PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -120,6 +121,7 @@ def environment() -> dict[str, str]:
 
 
 def command(block: Block, workdir: Path) -> list[str]:
+    """bash -e for a shell block; a Python block is a script in workdir (so `import tritonq` finds the link there)."""
     if block.lang == "bash":
         return ["bash", "-e", "-o", "pipefail", "-c", block.code]
     script = workdir / f"block_{block.page.stem}_{block.line}.py"
