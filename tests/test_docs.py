@@ -28,9 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 SKIP = re.compile(r"^<!-- docs-test: skip \((.+)\) -->$")
-SERVER = re.compile(r"(^|\s)(tritonq serve|python -m tritonq\.serve)\s")
+SERVER = re.compile(r"(^|\s)(tritonq serve|python -m tritonq\.serve)\s(?!.*--help)")  # starts one (not --help)
 PORT = re.compile(r"(?<=127\.0\.0\.1:)8000\b|(?<=--port )8000\b")
 BLOCK_TIMEOUT_S = 300  # a hang guard, not a timing check: the slowest block takes ~20 s on a loaded 2-core VM
+
+
+def starts_server(code: str) -> bool:
+    return any(SERVER.search(line) for line in code.splitlines())
 
 
 @dataclass
@@ -79,7 +83,7 @@ def test_the_pages_have_runnable_examples_and_every_marker_a_reason():
                     f"{page.name}:{n + 1}: a skip marker must be the line right before a python or bash block"
     unnamed = [b.id for b in ALL if not b.lang]
     assert not unnamed, f"blocks without a language (```text for output): {unnamed}"
-    portless = [b.id for b in RUN if SERVER.search(b.code) and "--port 8000" not in b.code]
+    portless = [b.id for b in RUN if starts_server(b.code) and "--port 8000" not in b.code]
     assert not portless, f"server blocks must say `--port 8000` (the test gives each page's server a free port): {portless}"
 
 
@@ -197,12 +201,12 @@ def servers(workdir):
 
 @pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
 def test_block_runs(block: Block, workdir: Path, servers: Servers):
-    if SERVER.search(block.code):
+    if starts_server(block.code):
         servers.start(block)
         return
     port = servers.port(block.page)
     if port is None and PORT.search(block.code):
-        server = next((b for b in RUN if b.page == block.page and b.line < block.line and SERVER.search(b.code)), None)
+        server = next((b for b in RUN if b.page == block.page and b.line < block.line and starts_server(b.code)), None)
         assert server is not None, f"{block.id} talks to a server that no block before it starts"
         servers.start(server)  # run alone (-k): start the page's server first
         port = servers.port(block.page)
