@@ -10,12 +10,13 @@ import tritonq.check
 from tritonq.bench.common import results_path
 
 REPO = Path(__file__).resolve().parents[1]
-# a repository path in a docstring, comment or README (not part of a longer path); bench/results/ holds outputs
+# a repository path in a docstring, comment, the README or docs/ (not part of a longer path); bench/results/ holds outputs
 NAMED_PATH = re.compile(r"(?<![\w/.])((?:tritonq|docs|tests|bench|notebooks)/[\w/.-]+\.(?:py|md|json|ipynb))")
 
 
-def test_every_file_the_sources_and_readme_name_exists():
-    named = {(str(path.relative_to(REPO)), found) for path in [*REPO.glob("tritonq/**/*.py"), REPO / "README.md"]
+def test_every_file_the_sources_readme_and_docs_name_exists():
+    named = {(str(path.relative_to(REPO)), found)
+             for path in [*REPO.glob("tritonq/**/*.py"), REPO / "README.md", *REPO.glob("docs/*.md")]
              for found in NAMED_PATH.findall(path.read_text()) if not found.startswith("bench/results/")}
     assert len(named) > 10  # the pattern does find the paths the sources name
     missing = sorted((where, found) for where, found in named if not (REPO / found).exists())
