@@ -180,6 +180,7 @@ class EngineConfig:
     prompt-prefix blocks. cuda_graphs / compile: None (the device's default), True or False.
     tensor_parallel: None (follow the launcher) or a process count; expert_parallel: True or False.
     speculative: None, or speculative decoding's SpeculativeConfig (a dict or its JSON text is parsed).
+    batch_invariant: True or False (each sequence's results independent of what else runs in its batch).
     """
     max_seq_len: int | None = None
     quantize: str | None = None
@@ -196,6 +197,7 @@ class EngineConfig:
     tensor_parallel: int | None = None
     expert_parallel: bool = False
     speculative: SpeculativeConfig | None = None  # a dict or JSON text is parsed (SpeculativeConfig.parse)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -232,6 +234,11 @@ class EngineConfig:
             raise ValueError(f"compile={self.compile!r}; expected True, False or None (the CPU default, off).")
         if self.expert_parallel not in (True, False):
             raise ValueError(f"expert_parallel={self.expert_parallel!r}; expected True or False")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r}; expected True or False.")
+        if self.batch_invariant and self.compile:
+            raise ValueError("batch_invariant=True with compile=True: the compiled decode step runs torch's own GEMMs, "
+                             "whose summation order changes with the batch; leave compile unset.")
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
 
 

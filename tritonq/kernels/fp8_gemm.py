@@ -37,7 +37,7 @@ import triton.language as tl
 
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.common import (E4M3_TO_FP16_BIAS, GemmConfig, Launch, activation_scale, check_gemm_activations,
-    check_gemm_weight, check_launch_config, compute_capability, decode_split_k, e4m3_bits_to_fp16, gemm_grid,
+    check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k, e4m3_bits_to_fp16, gemm_grid,
     gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot, round_to_e4m3, store_gemm_tile, sum_split_k,
     tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
@@ -260,7 +260,9 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
 def tuned_config(M: int, N: int, K: int, weight_only: bool, block_k: int = 128, cc: int | None = 90,
                  block_scaled: bool = False) -> FP8GemmConfig:
     """The launcher's config: the one tuned for this shape's bucket and path (the weight-only path is
-    tuned apart, as `fp8_gemm_weight_only`), else `default_config` for sm_`cc` (None: the interpreter)."""
+    tuned apart, as `fp8_gemm_weight_only`), else `default_config` for sm_`cc` (None: the interpreter); M is
+    `config_rows`'s (one config for every M in the batch-invariant mode)."""
+    M = config_rows(M)
     return tuned_or_default("fp8_gemm_weight_only" if weight_only else "fp8_gemm", config_bucket(M, N, K),
                             default_config(M, N, K, block_k, cc, block_scaled, weight_only))
 

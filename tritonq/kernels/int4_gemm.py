@@ -56,6 +56,7 @@ from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.common import (
     Launch,
     check_launch_config,
+    config_rows,
     dequantize_int_tile,
     tune_group_size,
     tuned_or_default,
@@ -239,7 +240,8 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
         w.check_g_idx()
     M = x.shape[0]
     if config is None:
-        config = tuned_or_default("int4_gemm", config_bucket(M, N, K, w), default_config(M, N, K))
+        rows = config_rows(M)
+        config = tuned_or_default("int4_gemm", config_bucket(rows, N, K, w), default_config(rows, N, K))
     check_launch_config("int4_gemm", config, Int4GemmConfig)
     launch, out = int4_gemm_launch(x, w, config)
     launch()

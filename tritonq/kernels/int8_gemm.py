@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import use_cpu_kernels, use_triton
 from tritonq.kernels.common import (GemmConfig, Launch, activation_scale, check_gemm_activations, check_gemm_weight,
-    check_launch_config, compute_capability, decode_split_k, gemm_grid, gemm_output, gemm_tile, store_gemm_tile,
+    check_launch_config, compute_capability, config_rows, decode_split_k, gemm_grid, gemm_output, gemm_tile, store_gemm_tile,
     sum_split_k, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import W8A8Weight
@@ -256,7 +256,9 @@ def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, conf
 
 def tuned_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfig:
     """The launcher's config: the one tuned for this shape's bucket (configs/int8_gemm/<gpu>.json), else
-    `default_config` for sm_`cc` (None: the interpreter)."""
+    `default_config` for sm_`cc` (None: the interpreter); M is `config_rows`'s (one config for every M in the
+    batch-invariant mode)."""
+    M = config_rows(M)
     return tuned_or_default("int8_gemm", config_bucket(M, N, K), default_config(M, N, K, cc))
 
 
