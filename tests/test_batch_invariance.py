@@ -1,4 +1,5 @@
-"""The batch-invariant mode (tritonq.load(batch_invariant=True), kernels.batch_invariant_mode; docs/batch_invariance.md).
+"""The batch-invariant mode (tritonq.load(batch_invariant=True), kernels.batch_invariant_mode; see
+docs/batch_invariance.md).
 
 Kernel level, CPU backend: for each op the mode changes, a row's output computed inside a batch of other rows is
 bitwise the row computed alone (the mode's purpose is exact equality, so the comparison is exact), and the op still
@@ -12,10 +13,11 @@ import torch
 
 import tritonq
 from tritonq.demo import DEFAULT_MODEL
-from tritonq.kernels import batch_invariant_mode, cpu_dense, cpu_lowbit, cpu_native
+from tritonq.kernels import batch_invariant_mode, cpu_dense, cpu_lowbit, cpu_native, fp8_gemm, int4_gemm, int8_gemm
 from tritonq.kernels.attention import configs as attention_configs
 from tritonq.kernels.attention import paged_cache
-from tritonq.kernels import fp8_gemm, int4_gemm, int8_gemm
+from tritonq.kernels.dense_gemm import dense_gemm, dense_gemm_reference
+from tritonq.layers import Linear
 from tritonq.rtn import quantize_int4
 from tritonq.weights import DenseWeight
 
@@ -182,3 +184,22 @@ def test_32_prompts_alone_all_at_once_and_under_preemption_give_identical_tokens
     preempted = small.generate(PROMPTS, return_dict=True, progress=False, **options).token_ids
     assert small.engine.scheduler.num_preemptions > 0
     assert preempted == alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_dense_gemm_matches_reference_and_rows_do_not_follow_the_batch(dtype, monkeypatch):
+    """The mode's Triton dense GEMM (what dense linears run on CUDA in it; the interpreter here): x @ W^T + b within
+    one rounding of the dtype at odd shapes, and a row alone equals its row in a batch (one config for every M)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(5)
+    N, K = 72, 200
+    w = DenseWeight(torch.randn(N, K, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype))
+    x = torch.randn(70, K, generator=g).to(dtype)
+    y = dense_gemm(x, w)
+    ref = dense_gemm_reference(x, w)
+    unit = {torch.float32: 2**-20, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]  # one rounding, 2 ulp
+    torch.testing.assert_close(y.float(), ref.float(), rtol=unit, atol=unit * ref.abs().max().item())
+    for M in (1, 3, 17, 64):
+        assert torch.equal(dense_gemm(x[:M], w), y[:M]), M
+    with batch_invariant_mode():  # Linear's dense GEMM in the mode is this kernel where Triton runs
+        assert torch.equal(Linear(w)(x[:3]), y[:3])

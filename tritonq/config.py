@@ -48,7 +48,9 @@ class GenerationConfig:
         >= min_p x the most likely one's (0.0: off). All three apply after temperature, min_p first (as vLLM).
     repetition_penalty: > 0, CTRL-style on every token seen (prompt and generated); 1.0 is off.
     stop: a tuple of non-empty strings; the text ends before the earliest one that appears.
-    seed: an int makes sampling repeatable whatever shares the batch; None draws one.
+    seed: an int makes sampling repeatable: the request's random numbers are its own whatever shares the batch
+        (its logits too only in fp32, or exactly with tritonq.load(batch_invariant=True): bf16 / fp16 logits can
+        change with the batch, within their rounding, and so flip a draw). None draws one.
     min_tokens: EOS and stop strings cannot end the request before this many tokens are generated
         (EOS is masked out of sampling until then); 0 <= min_tokens <= max_new_tokens.
     ignore_eos: EOS does not end the request (it runs to max_new_tokens, a stop string or a stop token).

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonq.distributed import all_gather_last_dim, all_reduce
-from tritonq.kernels import cpu_dense, cpu_lowbit, cpu_native, use_cpu_kernels
+from tritonq.kernels import batch_invariant, cpu_dense, cpu_lowbit, cpu_native, use_cpu_kernels, use_triton
+from tritonq.kernels.dense_gemm import dense_gemm
 from tritonq.kernels.fp8_gemm import fp8_gemm
 from tritonq.kernels.int4_gemm import int4_gemm
 from tritonq.kernels.int8_gemm import int8_gemm
@@ -23,7 +24,9 @@ def _int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 
 
 def _dense_linear(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:
-    return F.linear(x, w.weight, w.bias)  # bf16 on the CPU backend: Linear's cpu_dense (kernels/cpu_dense.py)
+    if batch_invariant() and use_triton(x):  # cuBLAS picks its kernel by M: one Triton config for every M instead
+        return dense_gemm(x, w)
+    return F.linear(x, w.weight, w.bias)  # the CPU backend: Linear's cpu_dense (kernels/cpu_dense.py)
 
 
 # y [..., N] = x [..., K] @ W^T (+ bias) for each weight type.

@@ -83,8 +83,8 @@ def pack(w: DenseWeight) -> Packed:
     if p is None:
         invariant = batch_invariant()
         small = invariant or w.weight.numel() <= SMALL_WEIGHT
-        p = _packed[w] = Packed(None if invariant else torch.ops.mkldnn._reorder_linear_weight(w.weight.contiguous(), None),
-                                cpu_native.small_linear_weight(w.weight) if small else None,
+        onednn = None if invariant else torch.ops.mkldnn._reorder_linear_weight(w.weight.contiguous(), None)
+        p = _packed[w] = Packed(onednn, cpu_native.small_linear_weight(w.weight) if small else None,
                                 w.bias.float() if small and w.bias is not None else None, w.weight.shape[0])
     return p
 

@@ -1,6 +1,7 @@
 /* The CPU backend's C kernels, built and called by tritonq/kernels/cpu_native.py (its docstring says why and how
  * fast): paged attention (prefill and decode), RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u,
- * linears over rows (small bf16 ones at few rows; all in the batch-invariant mode), rotary embedding, the KV write and the greedy rows of a sampling step.
+ * linears over rows (small bf16 ones at few rows; all in the batch-invariant mode), rotary embedding, the KV write
+ * and the greedy rows of a sampling step.
  *
  * Paged attention (prefill chunks and decode rows in one call; shapes as tritonq/kernels/attention/). Scores,
  * softmax and the sums are float32; the probabilities are rounded to the input dtype before the PV product and the

@@ -37,8 +37,8 @@ import triton.language as tl
 
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.common import (E4M3_TO_FP16_BIAS, GemmConfig, Launch, activation_scale, check_gemm_activations,
-    check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k, e4m3_bits_to_fp16, gemm_grid,
-    gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot, round_to_e4m3, store_gemm_tile, sum_split_k,
+    check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k, e4m3_bits_to_fp16,
+    gemm_grid, gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot, round_to_e4m3, store_gemm_tile, sum_split_k,
     tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import FP8Weight

@@ -40,8 +40,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import use_cpu_kernels, use_triton
 from tritonq.kernels.common import (GemmConfig, Launch, activation_scale, check_gemm_activations, check_gemm_weight,
-    check_launch_config, compute_capability, config_rows, decode_split_k, gemm_grid, gemm_output, gemm_tile, store_gemm_tile,
-    sum_split_k, tuned_or_default)
+    check_launch_config, compute_capability, config_rows, decode_split_k, gemm_grid, gemm_output, gemm_tile,
+    store_gemm_tile, sum_split_k, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import W8A8Weight
 
