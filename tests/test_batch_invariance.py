@@ -203,3 +203,34 @@ def test_gpu_dense_gemm_matches_reference_and_rows_do_not_follow_the_batch(dtype
         assert torch.equal(dense_gemm(x[:M], w), y[:M]), M
     with batch_invariant_mode():  # Linear's dense GEMM in the mode is this kernel where Triton runs
         assert torch.equal(Linear(w)(x[:3]), y[:3])
+
+
+def test_server_with_batch_invariant_gives_32_concurrent_requests_their_solo_tokens(bf16_model, tmp_path):
+    """`tritonq serve --batch-invariant` in bf16 on the CPU kernels: 32 concurrent greedy completions of 64 tokens
+    (through httpx, as the openai client sends them) equal each prompt generated alone in process."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    import asyncio
+
+    from serve_util import MODEL_NAME, Server
+
+    # the CPU kernels, not the torch references that Server's environment selects
+    entry = ["-c", "import os, runpy; os.environ.pop('TRITONQ_BACKEND', None); "
+                   "runpy.run_module('tritonq.serve', run_name='__main__')"]
+    server = Server(DEFAULT_MODEL, tmp_path / "server.log", "--dtype", "bfloat16", "--batch-invariant",
+                    "--max-num-seqs", "32", entry=entry)
+    try:
+        async def complete(client, prompt):
+            r = await client.post(f"{server.url}/v1/completions", json={
+                "model": MODEL_NAME, "prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        async def run():
+            async with httpx.AsyncClient(timeout=300) as client:
+                return await asyncio.gather(*[complete(client, p) for p in PROMPTS])
+        texts = asyncio.run(run())
+    finally:
+        server.stop()
+    alone = [bf16_model.generate(p, max_new_tokens=64, ignore_eos=True) for p in PROMPTS]
+    assert texts == alone
