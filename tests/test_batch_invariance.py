@@ -234,3 +234,22 @@ def test_server_with_batch_invariant_gives_32_concurrent_requests_their_solo_tok
         server.stop()
     alone = [bf16_model.generate(p, max_new_tokens=64, ignore_eos=True) for p in PROMPTS]
     assert texts == alone
+
+
+def test_bad_batch_invariant_options_are_refused_before_loading():
+    from tritonq.config import EngineConfig
+    with pytest.raises(ValueError, match="batch_invariant=1; expected True or False"):
+        EngineConfig(batch_invariant=1)
+    with pytest.raises(ValueError, match="compile=True"):
+        EngineConfig(batch_invariant=True, compile=True)
+
+
+def test_cli_load_options_pass_batch_invariant(monkeypatch):
+    """--batch-invariant on a command that loads a model reaches tritonq.load (off without it)."""
+    from tritonq import cli
+    seen = []
+    monkeypatch.setattr(tritonq, "load", lambda path, **options: seen.append(options["batch_invariant"]))
+    for argv in (["m", "hi", "--batch-invariant"], ["m", "hi"]):
+        parser = cli.generate_parser()
+        cli.load_model(parser, parser.parse_args(argv))
+    assert seen == [True, False]
