@@ -358,8 +358,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     batch_invariance.md), so greedy and seeded outputs are the same alone, batched with any other requests, chunked
     or preempted, in bf16 / fp16 too (without it only fp32 comes close: 16-bit results can change with the batch,
     within their rounding). CPU: every linear on tritonq's C loop (needs a C compiler), 4-bit weights on torch's
-    eager int4 kernel; CUDA: one launch config for every batch (no split-K) and decode splits fixed. Slower: the
-    docs page has the cost. Not with compile=True.
+    eager int4 kernel; CUDA: dense linears on one Triton GEMM instead of cuBLAS, the quantized GEMMs at one launch
+    config for every batch (no split-K), decode attention's splits fixed. Slower: the docs page has the cost. Not
+    with compile=True.
     Every argument, the checkpoint's files (readable, no symlink loops), config.json, generation_config.json
     and the tokenizer are checked before any weight is read, and so is every tensor the model asks for
     (presence, dtype, shape: the model is first built against the safetensors headers alone, on the meta
