@@ -161,7 +161,7 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     # the batch-invariant mode's dense GEMM (one config for every M)
     out["dense batch-invariant"] = dense_gemm.dense_gemm_launch(
         _meta(256, K, dtype=dtype), DenseWeight(_meta(N, K, dtype=dtype), _meta(N, dtype=dtype)),
-        _meta(256, N, dtype=dtype))
+        _meta(256, N, dtype=dtype), cc)
     if cc >= 89:  # activations quantized per 128-group (block-scaled weights)
         out["fp8 quantize group128"] = fp8_gemm.quantize_activation_launch(
             _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.float8_e4m3fn),
