@@ -20,7 +20,6 @@ from tritonq.kernels.common import (GemmConfig, Launch, check_gemm_activations, 
 from tritonq.weights import DenseWeight
 
 
-
 def config(cc: int | None) -> GemmConfig:
     """The one launch config on sm_`cc` (None: the interpreter), whatever the row count."""
     if cc is not None and cc < 80:
