@@ -1,14 +1,14 @@
 """Every launch the runtime makes fits every GPU target it runs on, for every dtype `load()` accepts there.
 
 The launches are the launchers' own (each kernel file's builder over meta tensors: signature, strides,
-divisibility hints and default config as at run time), at representative shapes: int4 / fp8 GEMMs at
-M = 1, 16, 256 (a 4096 x 4096 layer), paged prefill and split-KV decode attention for head dims 64,
-128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token pages, a sliding
-window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split and
-merge), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8 from sm_89) and on
-gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm and the fp8 activation quantization, and
-the KV-cache launches over 8-bit pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and
-MLA's latent decode; e4m3 travels as bytes, decoded with integer ops on every target).
+divisibility hints and default config as at run time), at representative shapes: int4 / fp8 GEMMs at M = 1,
+16, 256 (a 4096 x 4096 layer), the batch-invariant mode's dense GEMM, paged prefill and split-KV decode
+attention for head dims 64, 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and
+64-token pages, a sliding window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill,
+decode split and merge), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8 from
+sm_89) and on gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm and the fp8 activation
+quantization, and the KV-cache launches over 8-bit pages (kv_cache_dtype int8 / fp8: the write, paged prefill,
+decode and MLA's latent decode; e4m3 travels as bytes, decoded with integer ops on every target).
 Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
 no GPU) for sm_75 (T4), sm_80 (A100), sm_89 (L4/L40) and sm_90 (H100/H200) x `gpu_compute_dtypes(cc)`,
 and must:
@@ -36,10 +36,11 @@ import sys
 import pytest
 import torch
 
-from tritonq.kernels import attention, fp8_gemm, int4_gemm, int8_gemm, moe
+from tritonq.kernels import attention, dense_gemm, fp8_gemm, int4_gemm, int8_gemm, moe
 from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, SM_COUNT
 from tritonq.kernels.common import Launch, gpu_compute_dtypes
 from tritonq.kernels.norm_rope import rms_norm_launch
+from tritonq.weights import DenseWeight
 
 try:
     from child_process import ROOT, json_from_child
@@ -157,6 +158,10 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
                                                        asymmetric=True)
     out["w8a8 quantize per token"] = int8_gemm.quantize_activation_int8_launch(
         _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.int8), _meta(256, dtype=torch.float32), None, static=False)
+    # the batch-invariant mode's dense GEMM (one config for every M)
+    out["dense batch-invariant"] = dense_gemm.dense_gemm_launch(
+        _meta(256, K, dtype=dtype), DenseWeight(_meta(N, K, dtype=dtype), _meta(N, dtype=dtype)),
+        _meta(256, N, dtype=dtype), cc)
     if cc >= 89:  # activations quantized per 128-group (block-scaled weights)
         out["fp8 quantize group128"] = fp8_gemm.quantize_activation_launch(
             _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.float8_e4m3fn),

@@ -113,6 +113,9 @@ def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = Fa
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="KV cache storage (auto: the model dtype; fp8: e4m3, per-tensor scales from the "
                             "checkpoint or 1.0; int8: per token-head scales); 8-bit holds ~2x the tokens")
+    group.add_argument("--batch-invariant", action="store_true",
+                       help="each sequence's tokens independent of what else is in its batch, in bf16 / fp16 too "
+                            "(fixed reduction orders; slower: docs/batch_invariance.md)")
     if tensor_parallel:
         group.add_argument("--tensor-parallel", type=int, default=None,
                            help="split the model over N processes (torchrun --nproc-per-node N; default: "
@@ -156,7 +159,7 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace, warm_u
                    group_size=args.group_size, revision=args.revision, max_seq_len=args.max_seq_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
-                   warm_up=warm_up)
+                   warm_up=warm_up, batch_invariant=args.batch_invariant)
     if getattr(args, "tensor_parallel", None) is not None:
         options["tensor_parallel"] = args.tensor_parallel
     if getattr(args, "expert_parallel", False):

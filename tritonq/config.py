@@ -48,7 +48,9 @@ class GenerationConfig:
         >= min_p x the most likely one's (0.0: off). All three apply after temperature, min_p first (as vLLM).
     repetition_penalty: > 0, CTRL-style on every token seen (prompt and generated); 1.0 is off.
     stop: a tuple of non-empty strings; the text ends before the earliest one that appears.
-    seed: an int makes sampling repeatable whatever shares the batch; None draws one.
+    seed: an int makes sampling repeatable: the request's random numbers are its own whatever shares the batch
+        (its logits too only in fp32, or exactly with tritonq.load(batch_invariant=True): bf16 / fp16 logits can
+        change with the batch, within their rounding, and so flip a draw). None draws one.
     min_tokens: EOS and stop strings cannot end the request before this many tokens are generated
         (EOS is masked out of sampling until then); 0 <= min_tokens <= max_new_tokens.
     ignore_eos: EOS does not end the request (it runs to max_new_tokens, a stop string or a stop token).
@@ -185,6 +187,7 @@ class EngineConfig:
     prompt-prefix blocks. cuda_graphs / compile: None (the device's default), True or False.
     tensor_parallel: None (follow the launcher) or a process count; expert_parallel: True or False.
     speculative: None, or speculative decoding's SpeculativeConfig (a dict or its JSON text is parsed).
+    batch_invariant: True or False (each sequence's results independent of what else runs in its batch).
     """
     max_seq_len: int | None = None
     quantize: str | None = None
@@ -201,6 +204,7 @@ class EngineConfig:
     tensor_parallel: int | None = None
     expert_parallel: bool = False
     speculative: SpeculativeConfig | None = None  # a dict or JSON text is parsed (SpeculativeConfig.parse)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -237,6 +241,11 @@ class EngineConfig:
             raise ValueError(f"compile={self.compile!r}; expected True, False or None (the CPU default, off).")
         if self.expert_parallel not in (True, False):
             raise ValueError(f"expert_parallel={self.expert_parallel!r}; expected True or False")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r}; expected True or False.")
+        if self.batch_invariant and self.compile:
+            raise ValueError("batch_invariant=True with compile=True: the compiled decode step runs torch's own GEMMs, "
+                             "whose summation order changes with the batch; leave compile unset.")
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
 
 

@@ -4,6 +4,7 @@ before any weight is read (tritonq.load re-exports it).
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -350,12 +351,14 @@ def _tokenizer(folder: Path):
                          "sentencepiece installed, plus tokenizer_config.json): copy them from the source model.") from e
 
 
-def _load_draft(name_or_path, tokenizer, vocab_size: int, *, dtype, device, max_seq_len: int, block_size: int):
+def _load_draft(name_or_path, tokenizer, vocab_size: int, *, dtype, device, max_seq_len: int, block_size: int,
+                batch_invariant: bool):
     """The draft model (nn.Module) of draft speculation, loaded like the target (same dtype and device, no graphs,
-    one sequence's throwaway cache); ValueError unless its tokenizer has the target's vocabulary."""
+    one sequence's throwaway cache, the target's batch_invariant); ValueError unless its tokenizer has the target's
+    vocabulary."""
     draft = load(name_or_path, dtype=dtype, device=device, max_seq_len=max_seq_len, max_num_seqs=1,
                  max_num_batched_tokens=block_size, block_size=block_size, tensor_parallel=1, cuda_graphs=False,
-                 compile=False)
+                 compile=False, batch_invariant=batch_invariant)
     if draft.tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"the draft model {name_or_path} has a different tokenizer vocabulary ({len(draft.tokenizer)} "
                          f"tokens) from the target's ({len(tokenizer)}); a draft must share the target's tokenizer.")
@@ -372,7 +375,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
          gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
          cuda_graphs: bool | None = None, compile: bool | None = None, speculative: dict | str | None = None,
          expert_parallel: bool = False, kv_cache_dtype: str = "auto", threads: int | None = None,
-         warm_up: bool | None = None) -> Model:
+         warm_up: bool | None = None, batch_invariant: bool = False) -> Model:
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
 
     device defaults to CUDA when available, else CPU. dtype (torch.float16 / bfloat16 / float32, or
@@ -423,6 +426,13 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     compiles each weight's on its first prefill above 8 rows.
     threads: CPU threads of this process (torch.set_num_threads; the C kernels run on the same OpenMP team);
     None keeps torch's (the physical cores). On cores other jobs share, fewer run faster (docs/cli_behaviour.md).
+    batch_invariant: every kernel sums each row in one fixed order whatever else is in the batch (docs/
+    batch_invariance.md), so greedy and seeded outputs are the same alone, batched with any other requests, chunked
+    or preempted, in bf16 / fp16 too (without it only fp32 comes close: 16-bit results can change with the batch,
+    within their rounding). CPU: every linear on tritonq's C loop (needs a C compiler), 4-bit weights on torch's
+    eager int4 kernel; CUDA: dense linears on one Triton GEMM instead of cuBLAS, the quantized GEMMs at one launch
+    config for every batch (no split-K), decode attention's splits fixed. Slower: the docs page has the cost. Not
+    with compile=True.
     Every argument, the checkpoint's files (readable, no symlink loops), config.json, generation_config.json
     and the tokenizer are checked before any weight is read, and so is every tensor the model asks for
     (presence, dtype, shape: the model is first built against the safetensors headers alone, on the meta
@@ -440,7 +450,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
                            block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                            enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs, compile=compile,
                            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                           speculative=speculative)  # checks them all
+                           speculative=speculative, batch_invariant=batch_invariant)  # checks them all
     if threads is not None:
         import torch
         torch.set_num_threads(threads)
@@ -451,6 +461,18 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
         cpu_lowbit.settle_templates([p for p in cpu_forms if isinstance(p, cpu_lowbit.CPUInt4Weight)],
                                     compile=warm_up)
     return model
+
+
+def _batch_invariant_forward(forward):
+    """forward run in the batch-invariant mode (kernels.batch_invariant_mode), wherever it is called from: engine
+    steps, CUDA graph capture, scoring."""
+    from tritonq.kernels import batch_invariant_mode
+
+    @functools.wraps(forward)
+    def invariant(*args, **kwargs):
+        with batch_invariant_mode():
+            return forward(*args, **kwargs)
+    return invariant
 
 
 def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, revision) -> Model:
@@ -465,6 +487,7 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     from tritonq.formats.registry import get_loader
     from tritonq.generate import Model
     from tritonq.hub import resolve
+    from tritonq.kernels import batch_invariant_mode, cpu_native
     from tritonq.models import model_class
     from tritonq.models.common import rope_parameters
 
@@ -522,17 +545,24 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     loader = get_loader(folder, dtype, device, o.quantize, 128 if o.group_size is None else o.group_size,
                         rank=rank, world=world)
     max_seq_len = max_seq_len or min(positions, 4096)
+    if o.batch_invariant and device.type == "cpu" and cpu_native.library() is None:
+        raise ValueError("batch_invariant=True on CPU runs the linears and attention on tritonq's C kernels "
+                         "(tritonq/kernels/cpu_native.c), which could not be built (the log says why): install a C "
+                         "compiler (gcc or clang, or set $CC), or load without batch_invariant.")
     with loader.dry_run():  # every tensor the model asks for, checked from the headers before any is read
         cls(config, loader, dtype, torch.device("meta"), max_seq_len=max_seq_len, **build)
-    with loader.weights.progress(enabled=rank == 0):  # only rank 0 prints
+    # the CPU linears keep the forms their mode runs (kernels/cpu_dense.py), made while the model is built
+    with loader.weights.progress(enabled=rank == 0), batch_invariant_mode(o.batch_invariant):  # only rank 0 prints
         model = cls(config, loader, dtype, device, max_seq_len=max_seq_len, **build)  # rope tables sized once
+    if o.batch_invariant:
+        model.forward = _batch_invariant_forward(model.forward)
     # before finish(): fp8 reads the checkpoint's k_scale / v_scale, which then count as used
     model.kv_layout = _kv_cache_layout(model.kv_layout, o.kv_cache_dtype, loader.weights, raw_config, folder)
     loader.finish()  # no NaN/inf read, every stored tensor used by some module; else an error naming them
     draft = None
     if speculative is not None and speculative.method == "draft":  # before the KV sizing: its weights count as used
         draft = _load_draft(speculative.model, tokenizer, config.vocab_size, dtype=dtype, device=device,
-                            max_seq_len=max_seq_len, block_size=block_size)
+                            max_seq_len=max_seq_len, block_size=block_size, batch_invariant=o.batch_invariant)
     capture = device.type == "cuda" and _capture_graphs(cuda_graphs, world)
     num_blocks = kv_cache_blocks(model, block_size=block_size, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=o.kv_cache_gb,
@@ -553,6 +583,7 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
                                           f" (n = {speculative.max_n} .. {speculative.min_n})")
     if device.type == "cuda":  # fixed-shape decode buckets; graphs captured after the process group exists
         engine.runner.use_static_decode(max_num_seqs, cuda_graphs=capture)
-    elif compile or (compile is None and CPU_COMPILE and world == 1 and getattr(cls, "supports_compile", False)):
+    elif compile or (compile is None and CPU_COMPILE and world == 1 and not o.batch_invariant
+                     and getattr(cls, "supports_compile", False)):
         engine.runner.use_static_decode(max_num_seqs, compile=True)
     return Model(model, tokenizer, engine, max_seq_len, rank, world)

@@ -62,8 +62,11 @@ def test_chunked_prefill_gives_the_same_tokens(folder):
     assert_greedy_equal(whole, prompts, b, a)
 
 
-def test_seeded_request_samples_the_same_tokens_whatever_else_runs(folder):
-    model = load(folder)
+def test_seeded_request_samples_the_same_tokens_whatever_else_runs(folder, monkeypatch):
+    """Exact equality of a sampled run beside others: the batch-invariant mode's promise, on the CPU kernels (without
+    it bf16 rows can change with the batch, within their rounding, and flip a draw near a boundary)."""
+    monkeypatch.delenv("TRITONQ_BACKEND")  # the mode's kernels, not the torch references
+    model = load(folder, batch_invariant=True)
     engine = model.engine
     prompt = [5, 6, 7, 8]
     seeded = GenerationConfig(max_new_tokens=10, temperature=1.0, top_p=0.95, seed=11)

@@ -6,8 +6,9 @@ row's grammar bitmask, temperature, min-p, top-k, top-p as tensors); only the sa
 log-probabilities (and the top-N alternatives a request asked for) and whether each row's logits were
 finite come back to the host, in one transfer per step. A row's random numbers are a hash of (its request's
 seed, its sequence length, vocabulary index) computed with torch integer ops (`sampling_noise`), so a seeded
-request draws the same tokens whatever else shares its batch, without a torch.Generator per
-request; greedy (temperature 0) is argmax.
+request draws the same tokens from the same logits whatever else shares its batch, without a torch.Generator per
+request; greedy (temperature 0) is argmax. (The logits themselves are the same whatever the batch only in the
+batch-invariant mode: outside it bf16 / fp16 ones can change with the batch, docs/batch_invariance.md.)
 Tensor parallel: every rank samples; rank 0's tokens are broadcast, so all ranks append the same tokens
 even where their sampling would differ.
 """

@@ -6,11 +6,17 @@ kernel over each sequence's real keys (`cpu_attention`), except under TRITON_INT
 Triton kernel itself runs on CPU (that is how the tests exercise it). TRITONQ_BACKEND=torch
 forces the plain torch references (float32 compute, the test oracle); =triton forces Triton.
 Pieces the kernel families share (jit helpers, launch configs, `Launch`) are in common.py.
+
+Batch-invariant mode (`batch_invariant()`, on inside `batch_invariant_mode()`; tritonq.load(batch_invariant=True)
+runs the model's forward in it): every kernel computes a row with one reduction order whatever the other rows of the
+call (docs/batch_invariance.md). Outside it, kernels pick paths, tiles and splits by the row count, so bf16 / fp16
+results can change with what shares the batch.
 """
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -65,3 +71,22 @@ def threads_for(work: int, parallel_work: int):
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+_BATCH_INVARIANT = ContextVar("tritonq_batch_invariant", default=False)
+
+
+def batch_invariant() -> bool:
+    """True inside batch_invariant_mode(): kernels then choose their paths and launch configs independently of the
+    number of rows (docs/batch_invariance.md)."""
+    return _BATCH_INVARIANT.get()
+
+
+@contextmanager
+def batch_invariant_mode(on: bool = True):
+    """batch_invariant() is `on` inside the block (this thread and context only), as before afterwards."""
+    token = _BATCH_INVARIANT.set(on)
+    try:
+        yield
+    finally:
+        _BATCH_INVARIANT.reset(token)

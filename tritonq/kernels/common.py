@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonq.kernels import batch_invariant
 from tritonq.kernels.configs import lookup
 
 log = logging.getLogger(__name__)
@@ -312,6 +313,14 @@ def has_fp8_tensor_cores(device: torch.device) -> bool:
 
 
 C = TypeVar("C")
+INVARIANT_ROWS = 64  # the row count every launch config is chosen for in the batch-invariant mode
+
+
+def config_rows(M: int) -> int:
+    """The row count a GEMM's launch config is chosen for: M, or in the batch-invariant mode INVARIANT_ROWS whatever
+    M (one tile shape, no split-K: each row's sums in one order whatever else is in the batch, as vLLM's and SGLang's
+    deterministic modes fix their GEMM configs; docs/batch_invariance.md)."""
+    return INVARIANT_ROWS if batch_invariant() else M
 
 
 def tuned_or_default(kernel: str, bucket: str, default: C) -> C:

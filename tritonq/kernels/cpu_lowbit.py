@@ -53,6 +53,12 @@ Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels
   to e4m3 exactly as the reference does; measured at decode, that costs ~15% of a token).
   Tolerance: fp32 rounding only (same dequantized values, same arithmetic): rtol 1e-5,
   atol 1e-5 * max |ref|.
+
+Batch-invariant mode (kernels.batch_invariant(), docs/batch_invariance.md): the paths above are chosen by the row
+count, and the template, the dequantize + oneDNN path and MKL each sum a row in their own order, so a row's result
+depends on the rows beside it. In the mode 4-bit weights run the eager kernel at every row count (blocks of rows, each
+row's groups summed in the same order whatever the others: checked bit for bit in tests/test_batch_invariance.py)
+and dequantized ones cpu_native's C loop over an fp32 k-major copy made on first use (2x their fp32 bytes).
 """
 from __future__ import annotations
 
@@ -67,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tritonq.kernels import batch_invariant, cpu_dense, cpu_native
 from tritonq.kernels.common import ClampedSwiGLU
 from tritonq.packing import unpack_int32
 from tritonq.weights import DenseWeight, Int4Weight, MXFP4Weight, Weight
@@ -146,6 +153,10 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     this weight on its first such call (`_template_gemm`); False keeps to the eager paths (MoE experts: one
     compile per expert would cost more than it saves)."""
     if isinstance(p, CPUDenseWeight):
+        if batch_invariant():  # MKL's sums change with the row count: the C loop's (kernels/cpu_dense.py)
+            y = cpu_native.small_linear(x.float().contiguous(), _rows_copy(p), p.weight.shape[0], p.bias,
+                                        parallel=x.shape[0] * p.weight.numel() >= cpu_dense.PARALLEL_WORK)
+            return y.to(x.dtype)
         return F.linear(x.float(), p.weight, p.bias).to(x.dtype)
     M, N = x.shape[0], p.out_features
     if M == 0:
@@ -167,9 +178,22 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     return y.to(x.dtype).contiguous()
 
 
+_rows_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # CPUDenseWeight -> its copy for the C loop
+
+
+def _rows_copy(p: CPUDenseWeight) -> torch.Tensor:
+    """p's weight in cpu_native.small_linear_weight's layout (fp32), made on its first batch-invariant call."""
+    copy = _rows_copies.get(p)
+    if copy is None:
+        copy = _rows_copies[p] = cpu_native.small_linear_weight(p.weight)
+    return copy
+
+
 def _int4_matmul(xb: torch.Tensor, p: CPUInt4Weight, compiled: bool = True) -> torch.Tensor:
     """[M, N_pad] bf16 = xb [M, K_pad] bf16 (contiguous, K permuted and padded) @ W^T by the path for M rows."""
     M = xb.shape[0]
+    if batch_invariant():  # the eager kernel at every M: each row's sums in one order whatever the other rows
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p.packed, p.group_size, p.scales_zeros)
     template = _template_gemm(p) if M > TEMPLATE_ABOVE_M and compiled else None
     if template is not None:
         return template(xb)

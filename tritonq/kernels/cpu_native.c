@@ -1,6 +1,7 @@
 /* The CPU backend's C kernels, built and called by tritonq/kernels/cpu_native.py (its docstring says why and how
  * fast): paged attention (prefill and decode), RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u,
- * small bf16 linears at few rows, rotary embedding, the KV write and the greedy rows of a sampling step.
+ * linears over rows (small bf16 ones at few rows; all in the batch-invariant mode), rotary embedding, the KV write
+ * and the greedy rows of a sampling step.
  *
  * Paged attention (prefill chunks and decode rows in one call; shapes as tritonq/kernels/attention/). Scores,
  * softmax and the sums are float32; the probabilities are rounded to the input dtype before the PV product and the
@@ -137,7 +138,9 @@ static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int
 /* The same item with AVX-512 intrinsics, for D a multiple of 16: gcc does not find this schedule on its own (it
  * spills the transposed tile through scalar stores, whose vector reloads then stall). The tile's keys are
  * transposed in registers, 16 x 16 floats at a time; each row's 16 scores are D broadcast multiply-adds; the
- * accumulator is a row of D floats updated with one multiply-add per key and 16 columns. */
+ * accumulator is a row of D floats updated with one multiply-add per key and 16 columns. Spans start at multiples
+ * of 64 keys, so a query's softmax updates group the same keys whichever item computes it (a decode row or a row of
+ * a prefill chunk, with a sliding window too): a row's result does not depend on the other queries of the step. */
 #include <immintrin.h>
 
 static inline void transpose16(__m512 r[16]) {  /* r[i][j] <- r[j][i] */
@@ -213,7 +216,7 @@ static void NAME(const T* q, const T* kp, const T* vp, const int32_t* table, int
             mx[r] = -INFINITY;                                                                                         \
             sum[r] = 0.f;                                                                                              \
         }                                                                                                              \
-    for (int64_t t0 = first & ~(int64_t)(TILE - 1); t0 <= last; t0 += SPAN) {                                          \
+    for (int64_t t0 = first & ~(SPAN - 1); t0 <= last; t0 += SPAN) {  /* spans at multiples of 64: see above */        \
         const int64_t tiles = (last - t0) / TILE + 1 < SUBTILES ? (last - t0) / TILE + 1 : SUBTILES;                   \
         const T *krow[TILE * SUBTILES], *vrow[TILE * SUBTILES];                                                        \
         for (int64_t l = 0; l < TILE * tiles; l++) {                                                                   \
@@ -563,60 +566,118 @@ int tritonq_write_kv(char* k_pages, char* v_pages, const char* k, const char* v,
     return 0;
 }
 
-/* A bf16 linear at a few rows (a decode step of a small model): y [M, N] = x [M, K] @ w (+ bias), w stored k-major
- * [K, Np] (Np = N rounded up to SMALL_COLS, the padding columns zero), x rows stride_x elements apart, bias float32
- * [N] or NULL, y [M, N] contiguous; products and sums in float32 (a bf16 product is exact there), rounded to bf16
- * once, after the bias. A block of up to SMALL_ROWS rows and SMALL_COLS columns keeps its sums in registers while
- * the weight's rows stream by, so each weight value is read once per SMALL_ROWS rows and no horizontal sum is
- * needed. For the weights oneDNN's per-call cost dominates (kernels/cpu_dense.py measures where). */
+/* A linear over rows (a decode step of a small model; every linear in the batch-invariant mode): y [M, N] = x [M, K]
+ * @ w (+ bias), w stored k-major [K, Np] (Np = N rounded up to SMALL_COLS, the padding columns zero), x rows stride_x
+ * elements apart, bias float32 [N] or NULL, y [M, N] contiguous; products and sums in float32 (a bf16 or fp16
+ * product is exact there), rounded to the dtype once, after the bias. A block of up to SMALL_ROWS rows and SMALL_COLS
+ * columns keeps its sums in registers while the weight's rows stream by, so each weight value is read once per
+ * SMALL_ROWS rows and no horizontal sum is needed. Each output is one chain of multiply-adds in k order, whatever
+ * the row count, the block a row falls in or the thread that runs it: a row's result does not depend on the other
+ * rows (kernels/cpu_dense.py: where oneDNN's per-call cost dominates, and the batch-invariant mode). */
 #define SMALL_COLS 64
 #define SMALL_ROWS 4
-static inline __attribute__((always_inline)) void small_block_bf16(const uint16_t* x, int64_t R, int64_t K,
-                                                                    int64_t stride_x, const uint16_t* w, int64_t Np,
-                                                                    float out[SMALL_ROWS][SMALL_COLS]) {
 #ifdef __AVX512F__
-    __m512 acc[SMALL_ROWS][SMALL_COLS / 16];
-    for (int64_t r = 0; r < R; r++)
-        for (int c = 0; c < SMALL_COLS / 16; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        const uint16_t* wk = w + k * Np;
-        __m512 wv[SMALL_COLS / 16];
-        for (int c = 0; c < SMALL_COLS / 16; c++) wv[c] = load16_bf16(wk + 16 * c);
-        for (int64_t r = 0; r < R; r++) {
-            const __m512 xr = _mm512_set1_ps(from_bf16(x[r * stride_x + k]));
-            for (int c = 0; c < SMALL_COLS / 16; c++) acc[r][c] = _mm512_fmadd_ps(xr, wv[c], acc[r][c]);
-        }
-    }
-    for (int64_t r = 0; r < R; r++)
-        for (int c = 0; c < SMALL_COLS / 16; c++) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
+#define SMALL_BLOCK(SUFFIX, T, LOAD, STORE, LOAD16)                                                               \
+static inline __attribute__((always_inline)) void small_block_##SUFFIX(const T* x, int64_t R, int64_t K,        \
+        int64_t stride_x, const T* w, int64_t Np, float out[SMALL_ROWS][SMALL_COLS]) {                          \
+    __m512 acc[SMALL_ROWS][SMALL_COLS / 16];                                                                     \
+    for (int64_t r = 0; r < R; r++)                                                                              \
+        for (int c = 0; c < SMALL_COLS / 16; c++) acc[r][c] = _mm512_setzero_ps();                               \
+    for (int64_t k = 0; k < K; k++) {                                                                            \
+        const T* wk = w + k * Np;                                                                                \
+        __m512 wv[SMALL_COLS / 16];                                                                              \
+        for (int c = 0; c < SMALL_COLS / 16; c++) wv[c] = LOAD16(wk + 16 * c);                                   \
+        for (int64_t r = 0; r < R; r++) {                                                                        \
+            const __m512 xr = _mm512_set1_ps(LOAD(x[r * stride_x + k]));                                         \
+            for (int c = 0; c < SMALL_COLS / 16; c++) acc[r][c] = _mm512_fmadd_ps(xr, wv[c], acc[r][c]);         \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int64_t r = 0; r < R; r++)                                                                              \
+        for (int c = 0; c < SMALL_COLS / 16; c++) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);                  \
+}
+#define SMALL_BLOCKS(F) F(f32, float, from_f32, to_f32, load16_f32) F(bf16, uint16_t, from_bf16, to_bf16, load16_bf16)
+#define SMALL_BLOCKS_F16(F) F(f16, uint16_t, from_f16, to_f16, load16_f16)
 #else
-    for (int64_t r = 0; r < R; r++)
-        for (int c = 0; c < SMALL_COLS; c++) out[r][c] = 0.f;
-    for (int64_t k = 0; k < K; k++)
-        for (int64_t r = 0; r < R; r++) {
-            const float xr = from_bf16(x[r * stride_x + k]);
-            for (int c = 0; c < SMALL_COLS; c++) out[r][c] += xr * from_bf16(w[k * Np + c]);
-        }
+#define SMALL_BLOCK(SUFFIX, T, LOAD, STORE, LOAD16)                                                               \
+static inline __attribute__((always_inline)) void small_block_##SUFFIX(const T* x, int64_t R, int64_t K,        \
+        int64_t stride_x, const T* w, int64_t Np, float out[SMALL_ROWS][SMALL_COLS]) {                          \
+    for (int64_t r = 0; r < R; r++)                                                                              \
+        for (int c = 0; c < SMALL_COLS; c++) out[r][c] = 0.f;                                                    \
+    for (int64_t k = 0; k < K; k++)                                                                              \
+        for (int64_t r = 0; r < R; r++) {                                                                        \
+            const float xr = LOAD(x[r * stride_x + k]);                                                          \
+            for (int c = 0; c < SMALL_COLS; c++) out[r][c] += xr * LOAD(w[k * Np + c]);                         \
+        }                                                                                                        \
+}
+#define SMALL_BLOCKS(F) F(f32, float, from_f32, to_f32, 0) F(bf16, uint16_t, from_bf16, to_bf16, 0)
+#define SMALL_BLOCKS_F16(F) F(f16, uint16_t, from_f16, to_f16, 0)
 #endif
+
+/* One item of a call: rows m0 .. m0 + R - 1 (R <= SMALL_ROWS), columns n0 .. n0 + SMALL_COLS - 1. */
+#define SMALL_ITEM(SUFFIX, T, LOAD, STORE, LOAD16)                                                                \
+SMALL_BLOCK(SUFFIX, T, LOAD, STORE, LOAD16)                                                                      \
+static void small_item_##SUFFIX(const T* x, int64_t M, int64_t K, int64_t stride_x, const T* w, int64_t N,       \
+                                int64_t Np, const float* bias, T* y, int64_t m0, int64_t n0) {                   \
+    float out[SMALL_ROWS][SMALL_COLS];                                                                           \
+    const int64_t R = M - m0 < SMALL_ROWS ? M - m0 : SMALL_ROWS;                                                 \
+    const T* xm = x + m0 * stride_x;                                                                             \
+    switch (R) {  /* a constant row count: the block's loops unroll and its sums stay in registers */           \
+        case 1: small_block_##SUFFIX(xm, 1, K, stride_x, w + n0, Np, out); break;                                \
+        case 2: small_block_##SUFFIX(xm, 2, K, stride_x, w + n0, Np, out); break;                                \
+        case 3: small_block_##SUFFIX(xm, 3, K, stride_x, w + n0, Np, out); break;                                \
+        default: small_block_##SUFFIX(xm, 4, K, stride_x, w + n0, Np, out); break;                               \
+    }                                                                                                            \
+    const int64_t cols = N - n0 < SMALL_COLS ? N - n0 : SMALL_COLS;                                              \
+    for (int64_t r = 0; r < R; r++)                                                                              \
+        for (int64_t c = 0; c < cols; c++)                                                                       \
+            y[(m0 + r) * N + n0 + c] = STORE(out[r][c] + (bias ? bias[n0 + c] : 0.f));                           \
+}
+SMALL_BLOCKS(SMALL_ITEM)
+#ifdef __FLT16_MAX__
+SMALL_BLOCKS_F16(SMALL_ITEM)
+#endif
+
+/* The arguments of one tritonq_small_linear call, shared by the threads that run its items. */
+typedef struct {
+    int dtype;
+    const void *x, *w;
+    int64_t M, K, stride_x, N, Np;
+    const float* bias;
+    void* y;
+    int64_t claimed;  /* items claimed (atomic) */
+} small_linear_call;
+
+/* One thread's share of a call: items (row block, column block) claimed one at a time until none is left. */
+static void small_linear_items(void* arg) {
+    small_linear_call* a = arg;
+    const int64_t col_blocks = (a->N + SMALL_COLS - 1) / SMALL_COLS;
+    const int64_t total = (a->M + SMALL_ROWS - 1) / SMALL_ROWS * col_blocks;
+    for (;;) {
+        const int64_t item = __atomic_fetch_add(&a->claimed, 1, __ATOMIC_RELAXED);
+        if (item >= total) break;
+        const int64_t m0 = item / col_blocks * SMALL_ROWS, n0 = item % col_blocks * SMALL_COLS;
+#define SMALL_ARGS(T) (const T*)a->x, a->M, a->K, a->stride_x, (const T*)a->w, a->N, a->Np, a->bias, (T*)a->y, m0, n0
+        if (a->dtype == 1) small_item_bf16(SMALL_ARGS(uint16_t));
+#ifdef __FLT16_MAX__
+        else if (a->dtype == 2) small_item_f16(SMALL_ARGS(uint16_t));
+#endif
+        else small_item_f32(SMALL_ARGS(float));
+#undef SMALL_ARGS
+    }
 }
 
-void tritonq_small_linear_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t stride_x, const uint16_t* w,
-                               int64_t N, int64_t Np, const float* bias, uint16_t* y) {
-    float out[SMALL_ROWS][SMALL_COLS];
-    for (int64_t m0 = 0; m0 < M; m0 += SMALL_ROWS) {
-        const int64_t R = M - m0 < SMALL_ROWS ? M - m0 : SMALL_ROWS;
-        const uint16_t* xm = x + m0 * stride_x;
-        for (int64_t n0 = 0; n0 < N; n0 += SMALL_COLS) {
-            switch (R) {  /* a constant row count: the block's loops unroll and its sums stay in registers */
-                case 1: small_block_bf16(xm, 1, K, stride_x, w + n0, Np, out); break;
-                case 2: small_block_bf16(xm, 2, K, stride_x, w + n0, Np, out); break;
-                case 3: small_block_bf16(xm, 3, K, stride_x, w + n0, Np, out); break;
-                default: small_block_bf16(xm, 4, K, stride_x, w + n0, Np, out); break;
-            }
-            const int64_t cols = N - n0 < SMALL_COLS ? N - n0 : SMALL_COLS;
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t c = 0; c < cols; c++)
-                    y[(m0 + r) * N + n0 + c] = to_bf16(out[r][c] + (bias ? bias[n0 + c] : 0.f));
-        }
-    }
+/* dtype as tritonq_paged_attention's (x, w and y of it). With omp_parallel (GOMP_parallel, as
+ * tritonq_paged_attention takes it) and threads > 1 the items are shared by a team of torch's OpenMP threads.
+ * Returns 0; -2 when this build has no float16. */
+int tritonq_small_linear(void* omp_parallel, int threads, int dtype, const void* x, int64_t M, int64_t K,
+                         int64_t stride_x, const void* w, int64_t N, int64_t Np, const float* bias, void* y) {
+#ifndef __FLT16_MAX__
+    if (dtype == 2) return -2;
+#endif
+    small_linear_call call = {dtype, x, w, M, K, stride_x, N, Np, bias, y, 0};
+    const int64_t items = (M + SMALL_ROWS - 1) / SMALL_ROWS * ((N + SMALL_COLS - 1) / SMALL_COLS);
+    const int64_t team = threads < items ? threads : items;
+    if (omp_parallel && team > 1) ((omp_parallel_fn)omp_parallel)(small_linear_items, &call, (unsigned)team, 0);
+    else small_linear_items(&call);
+    return 0;
 }

@@ -1,5 +1,5 @@
 """The CPU backend's C kernels (cpu_native.c), built on first use: paged attention (prefill chunks and decode rows),
-RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u, small bf16 linears at few rows, rotary embedding, the
+RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u, linears over rows, rotary embedding, the
 KV write and greedy sampling rows.
 
 Why C: torch has no attention op over pages. cpu_attention's torch path gathers each sequence's keys
@@ -21,7 +21,8 @@ And RMSNorm, which the torch reference runs as ~8 ops (upcast, square, mean, rsq
 downcast, weight), each a dispatch of ~5-50 us on a decode step's few rows, is one loop over each row, which also
 does the residual addition before a layer's second norm. Rotary embedding likewise (4 torch ops: multiply, negate,
 concatenate, addcmul), and SwiGLU's activation (split, silu, multiply). And a bf16 linear of a small weight at one or
-two rows, where oneDNN's fixed cost per call is most of the time (kernels/cpu_dense.py has the figures).
+two rows, where oneDNN's fixed cost per call is most of the time (kernels/cpu_dense.py has the figures), and every
+linear of the batch-invariant mode (any rows, fp32 / bf16 / fp16: each row one multiply-add chain in k order).
 
 Build: the system C compiler (`$CC`, else cc / gcc / clang), -O3 -march=native, into the cache folder
 (`$TRITONQ_CACHE_DIR`, else ~/.cache/tritonq) under a name hashed from the source, the flags, the compiler's
@@ -129,8 +130,8 @@ def library() -> ctypes.CDLL | None:
     lib.tritonq_rms_norm.restype = ctypes.c_int
     lib.tritonq_silu_mul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
     lib.tritonq_silu_mul.restype = ctypes.c_int
-    lib.tritonq_small_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr]
-    lib.tritonq_small_linear_bf16.restype = None
+    lib.tritonq_small_linear.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr]
+    lib.tritonq_small_linear.restype = ctypes.c_int
     lib.tritonq_rope.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr]
     lib.tritonq_rope.restype = ctypes.c_int
     lib.tritonq_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
@@ -291,27 +292,32 @@ SMALL_COLS = 64  # cpu_native.c's column block: small_linear's weight is padded 
 
 
 def small_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] in small_linear's layout: [K, Np] contiguous, k-major, Np = N rounded up to SMALL_COLS
-    with zero columns."""
+    """A weight [N, K] (fp32 / bf16 / fp16) in small_linear's layout: [K, Np] contiguous, k-major, of its dtype, Np = N
+    rounded up to SMALL_COLS with zero columns."""
     N, K = weight.shape
-    padded = torch.zeros(K, -(-N // SMALL_COLS) * SMALL_COLS, dtype=torch.bfloat16)
+    padded = torch.zeros(K, -(-N // SMALL_COLS) * SMALL_COLS, dtype=weight.dtype)
     padded[:, :N] = weight.t()
     return padded
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, N: int, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """y [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias float32 [N]) with W in small_linear_weight's layout; float32 sums
-    rounded once (the same values as F.linear up to the order of the sum). Made for a few rows of a small weight,
-    where oneDNN's per-call cost is most of the time (kernels/cpu_dense.py). None when the kernels are not built or
-    x is not bf16 rows with a contiguous last dim."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != weight.shape[0]:
+def small_linear(x: torch.Tensor, weight: torch.Tensor, N: int, bias: torch.Tensor | None,
+                 parallel: bool = False) -> torch.Tensor | None:
+    """y [M, N] = x [M, K] @ W^T (+ bias float32 [N]) in x's dtype, W in small_linear_weight's layout and dtype;
+    float32 sums in k order, rounded once (the same values as F.linear up to the order of the sum). Each row's
+    result is the same whatever the other rows: made for a few rows of a small weight, where oneDNN's per-call cost
+    is most of the time, and for every linear of the batch-invariant mode (kernels/cpu_dense.py). parallel: the
+    blocks of rows and columns are shared by torch's OpenMP threads (the values do not change). None when the kernels
+    are not built or x is not rows of the weight's dtype with a contiguous last dim."""
+    if (x.dtype != weight.dtype or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != weight.shape[0]
+            or not x.is_cpu):
         return None
-    lib = library()
+    lib = _library_for(x.dtype)
     if lib is None:
         return None
-    y = torch.empty(x.shape[0], N, dtype=torch.bfloat16)
-    lib.tritonq_small_linear_bf16(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), N,
-                                  weight.shape[1], None if bias is None else bias.data_ptr(), y.data_ptr())
+    y = torch.empty(x.shape[0], N, dtype=x.dtype)
+    lib.tritonq_small_linear(omp_parallel() if parallel else None, torch.get_num_threads(), DTYPES[x.dtype],
+                             x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), N, weight.shape[1],
+                             None if bias is None else bias.data_ptr(), y.data_ptr())
     return y
 
 

@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
+from tritonq.kernels import batch_invariant, cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.common import (E4M3_TO_FP16_BIAS, GemmConfig, GemmPlan, Launch, activation_scale,
-    check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, decode_split_k,
+    check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k,
     e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot, round_to_e4m3,
     next_pow2, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
@@ -223,7 +223,7 @@ class FP8Gemm:
             return fp8_gemm_reference(x, w, weight_only).reshape(*lead, N)
         M = x.shape[0]
         x = x.contiguous()
-        key = (next_pow2(M), x.dtype, weight_only)
+        key = (next_pow2(M), x.dtype, weight_only, batch_invariant())
         plan = self.plans.get(key) if config is None else None
         if plan is None:
             plan = self._plan(x, weight_only, config, key[0])
@@ -304,7 +304,9 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
 def tuned_config(M: int, N: int, K: int, weight_only: bool, block_k: int = 128, cc: int | None = 90,
                  block_scaled: bool = False) -> FP8GemmConfig:
     """The launcher's config: the one tuned for this shape's bucket and path (the weight-only path is
-    tuned apart, as `fp8_gemm_weight_only`), else `default_config` for sm_`cc` (None: the interpreter)."""
+    tuned apart, as `fp8_gemm_weight_only`), else `default_config` for sm_`cc` (None: the interpreter); M is
+    `config_rows`'s (one config for every M in the batch-invariant mode)."""
+    M = config_rows(M)
     return tuned_or_default("fp8_gemm_weight_only" if weight_only else "fp8_gemm", config_bucket(M, N, K),
                             default_config(M, N, K, block_k, cc, block_scaled, weight_only))
 

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
+from tritonq.kernels import batch_invariant, cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.common import (
     GemmPlan,
     Launch,
@@ -63,6 +63,7 @@ from tritonq.kernels.common import (
     next_pow2,
     split_k_arrivals,
     check_launch_config,
+    config_rows,
     dequantize_int_tile,
     reduce_split_k,
     tune_group_size,
@@ -267,11 +268,13 @@ class Int4Gemm:
         if config is not None:
             plan = _plan(x, self.w, config, M)
         else:
-            plan = self.plans.get((next_pow2(M), x.dtype))
-        if plan is None:
-            config = tuned_or_default("int4_gemm", config_bucket(M, self.N, self.K, self.w),
-                                      default_config(M, self.N, self.K))
-            plan = self.plans[next_pow2(M), x.dtype] = _plan(x, self.w, config, next_pow2(M))
+            key = (next_pow2(M), x.dtype, batch_invariant())
+            plan = self.plans.get(key)
+            if plan is None:
+                rows = config_rows(M)  # M, or one row count for every M in the batch-invariant mode
+                config = tuned_or_default("int4_gemm", config_bucket(rows, self.N, self.K, self.w),
+                                          default_config(rows, self.N, self.K))
+                plan = self.plans[key] = _plan(x, self.w, config, key[0])
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
 
 

@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.kernels import use_cpu_kernels, use_triton
+from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
 from tritonq.kernels.common import (GemmConfig, GemmPlan, Launch, activation_scale, check_gemm_activations,
-    check_gemm_weight, check_launch_config, compute_capability, decode_split_k, gemm_grid, gemm_output, gemm_tile,
+    check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k, gemm_grid, gemm_output, gemm_tile,
     next_pow2, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import W8A8Weight
@@ -239,7 +239,7 @@ class Int8Gemm:
         else:
             M = x.shape[0]
             fp16_dot = self.cc is not None and self.cc < 80 if fp16_dot is None else fp16_dot
-            key = (next_pow2(M), x.dtype, fp16_dot)
+            key = (next_pow2(M), x.dtype, fp16_dot, batch_invariant())
             plan = self.plans.get(key) if config is None else None
             if plan is None:
                 plan = self._plan(x, config or tuned_config(M, N, K, self.cc), fp16_dot, key[0])
@@ -290,7 +290,9 @@ def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, conf
 
 def tuned_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfig:
     """The launcher's config: the one tuned for this shape's bucket (configs/int8_gemm/<gpu>.json), else
-    `default_config` for sm_`cc` (None: the interpreter)."""
+    `default_config` for sm_`cc` (None: the interpreter); M is `config_rows`'s (one config for every M in the
+    batch-invariant mode)."""
+    M = config_rows(M)
     return tuned_or_default("int8_gemm", config_bucket(M, N, K), default_config(M, N, K, cc))
 
 

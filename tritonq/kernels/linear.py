@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from tritonq.kernels import cpu_dense, cpu_lowbit, use_cpu_kernels
+from tritonq.kernels import batch_invariant, cpu_dense, cpu_lowbit, use_cpu_kernels, use_triton
+from tritonq.kernels.dense_gemm import dense_gemm
 from tritonq.kernels.fp8_gemm import FP8Gemm
 from tritonq.kernels.int4_gemm import Int4Gemm
 from tritonq.kernels.int8_gemm import Int8Gemm
@@ -45,6 +46,8 @@ def _prepare_dense(w: DenseWeight) -> Prepared:
 def _dense(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     if p.cpu is not None and use_cpu_kernels(x) and not torch.compiler.is_compiling():
         return cpu_dense.linear(x, p.cpu, p.weight.bias)  # a compiled step traces F.linear
+    if batch_invariant() and use_triton(x):  # cuBLAS picks its kernel by M: one Triton config for every M instead
+        return dense_gemm(x, p.weight)
     return F.linear(x, p.weight.weight, p.weight.bias)  # bf16 on the CPU backend: cpu_dense above
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from tritonq.kernels import batch_invariant
 from tritonq.kernels.common import check_launch_config, compute_capability, tuned_or_default
 
 
@@ -82,7 +83,10 @@ def decode_config(batch: int, kv_heads: int, max_len: int, page_size: int, block
     no host sync and stays CUDA-graph friendly; each split keeps at least 4 key tiles.
     sm_count None means the interpreter: 16-token tiles and up to 4 splits, so that small test
     caches span several tiles, several splits and empty splits.
+    In the batch-invariant mode the splits are chosen as for a batch of one whatever the batch: a row's keys are then
+    split at the same places (each split's length follows its own cache length) and merged in the same order.
     """
+    batch = 1 if batch_invariant() else batch
     if sm_count is None:
         return fit_decode_config(DecodeConfig(16, 1, 1, 1), batch, kv_heads, max_len, page_size, None)
     # 32-key tiles (the most a page lookup allows, `paged_block_n`); 256-wide and MLA latent 576 / 512

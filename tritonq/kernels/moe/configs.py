@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import triton
 
-from tritonq.kernels.common import check_launch_config, tuned_or_default
+from tritonq.kernels.common import check_launch_config, config_rows, tuned_or_default
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,9 @@ def default_config(tokens: int, top_k: int, num_experts: int) -> MoEConfig:
 
 
 def _config(tokens: int, top_k: int, num_experts: int, N: int, K: int) -> MoEConfig:
-    """Tuned config for this GEMM's shape bucket, else the default for its tokens per expert."""
+    """Tuned config for this GEMM's shape bucket, else the default for its tokens per expert; tokens is
+    `config_rows`'s (one config for every batch in the batch-invariant mode)."""
+    tokens = config_rows(tokens)
     return tuned_or_default("moe", config_bucket(tokens, num_experts, N, K),
                             default_config(tokens, top_k, num_experts))
 
