@@ -39,7 +39,7 @@ import torch
 from tritonq.kernels import attention, fp8_gemm, int4_gemm, int8_gemm, moe
 from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, SM_COUNT
 from tritonq.kernels.common import Launch, gpu_compute_dtypes
-from tritonq.kernels.norm_rope import rms_norm_launch
+from tritonq.kernels.norm_rope import rms_norm_launch, silu_mul_launch
 
 try:
     from child_process import ROOT, json_from_child
@@ -210,7 +210,13 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         k, v = _pages(d_qk, d_v, 16, 1024, dtype)
         out[f"write_kv_slots {d_qk}/{d_v}"] = attention.write_kv_slots_launch(
             k, v, _meta(64, _heads(d_qk)[1], d_qk, dtype=dtype), _meta(64, _heads(d_qk)[1], d_v, dtype=dtype),
-            _meta(64, dtype=torch.int64))
+            _meta(64, dtype=torch.int64))[0]
+    # rope + qk-norm + the KV write in one launch (Qwen3-style 32 / 8 heads of 128)
+    cos = _meta(64, 128, dtype=dtype)
+    out["rope_write_kv_slots 128/128 qk-norm"] = attention.write_kv_slots_launch(
+        *_pages(128, 128, 16, 1024, dtype), _meta(64, 8, 128, dtype=dtype), _meta(64, 8, 128, dtype=dtype),
+        _meta(64, dtype=torch.int64), _meta(64, 32, 128, dtype=dtype), cos, cos, _meta(128, dtype=dtype),
+        _meta(128, dtype=dtype), 1e-6)[0]
     for kind in ("int8", "fp8"):  # 8-bit KV pages (kv_cache_dtype): the same default configs over QuantizedPages
         for d_qk, d_v in ((128, 128), (576, 512)):
             if cc < 80 and d_qk == 576:
@@ -227,7 +233,8 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
                 _meta(1, H, d_qk, dtype=dtype), k, v, _meta(1, **i32), _meta(1, 2048, **i32), d_qk ** -0.5, 0,
                 config)[0]
             out[f"write_kv_slots {d_qk}/{d_v} kv {kind}"] = attention.write_kv_slots_launch(
-                k, v, _meta(64, H_kv, d_qk, dtype=dtype), _meta(64, H_kv, d_v, dtype=dtype), _meta(64, dtype=torch.int64))
+                k, v, _meta(64, H_kv, d_qk, dtype=dtype), _meta(64, H_kv, d_v, dtype=dtype),
+                _meta(64, dtype=torch.int64))[0]
     for kind in ("dense", "int4", "fp8"):  # gate/up (two accumulators) at the smallest and largest tile, down
         for gate_up, config in ((True, moe.DEFAULT_CONFIGS[0][1]), (True, moe.DEFAULT_CONFIGS[-1][1]),
                                 (False, moe.DEFAULT_CONFIGS[-1][1])):
@@ -252,6 +259,9 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
             _meta(3072, 1408, dtype=dtype), _meta(3072, 1408, dtype=torch.float8_e4m3fn),
             _meta(3072, 1, dtype=torch.float32), 1408, static=False)
     out["rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5)[0]
+    out["add_rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5,
+                                               add=_meta(4, 8192, dtype=dtype))[0]
+    out["silu_mul 14336"] = silu_mul_launch(_meta(4, 2 * 14336, dtype=dtype))[0]
     return out
 
 
