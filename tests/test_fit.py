@@ -5,7 +5,7 @@ divisibility hints and default config as at run time), at representative shapes:
 M = 1, 16, 256 (a 4096 x 4096 layer), paged prefill and split-KV decode attention for head dims 64,
 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token pages, a sliding
 window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split and
-merge), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8 from sm_89) and on
+merge), decode at a batch that needs one split (the merge folded into it, with and without sinks), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8 from sm_89) and on
 gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm and the fp8 activation quantization, and
 the KV-cache launches over 8-bit pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and
 MLA's latent decode; e4m3 travels as bytes, decoded with integer ops on every target).
@@ -194,6 +194,14 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
                                                 _meta(1, 256, **i32), 0.125, GPT_OSS_WINDOW, config, sinks)
     out[f"decode 64/64 page16 window{GPT_OSS_WINDOW} sinks"] = split
     out["decode merge 64/64 sinks"] = merge
+    # batch x kv heads fill the GPU: one split, which writes the output itself (the merge folded in)
+    for (d_qk, d_v), heads, sink in (((128, 128), _heads(128), None), ((64, 64), (H, H_kv), sinks)):
+        config = attention.decode_config(256, heads[1], 32768, 16, *attention.head_blocks(d_qk, d_v), SM_COUNT[cc])
+        assert config.NUM_SPLITS == 1, config
+        k, v = _pages(d_qk, d_v, 16, 4096, dtype)
+        split, merge, _ = attention.decode_launches(_meta(256, heads[0], d_qk, dtype=dtype), k, v, _meta(256, **i32),
+                                                    _meta(256, 2048, **i32), d_qk ** -0.5, 0, config, sink)
+        out[f"decode {d_qk}/{d_v} one split{' sinks' if sink is not None else ''}"] = split
     # ALiBi (MPT-7B: 32 heads of 128, multi-head): the bias tile beside the scores in prefill and decode
     slopes = _meta(32, dtype=torch.float32)
     k, v = _meta(1024, 16, 32, 128, dtype=dtype), _meta(1024, 16, 32, 128, dtype=dtype)

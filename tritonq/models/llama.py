@@ -14,12 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from tritonq.kernels.norm_rope import apply_rope
 from tritonq.layers import Linear, RMSNorm, RowParallelLinear
-from tritonq.models.common import MLP, CausalLM, DecoderLayer, StepContext, paged_attention
+from tritonq.models.common import MLP, CausalLM, DecoderLayer, StepContext, rope_paged_attention
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -95,13 +93,10 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
         """x [T, hidden] -> [T, hidden]; cos/sin [1, T, D] at the rows' positions."""
         T, H, H_kv = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(1, T, H + 2 * H_kv, self.head_dim)
-        qk = qkv[:, :, :H + H_kv]
-        if self.q_norm is not None:  # per head, before rope
-            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
-        q, k = apply_rope(qk, cos, sin)[0].split([H, H_kv], dim=1)  # q and k heads in one call
-        v = qkv[0, :, H + H_kv:]
-        out = paged_attention(q, k, v, ctx, k_pages, v_pages, self.scale, window=self.window, sinks=self.sinks)
+        q, k, v = self.qkv_proj(x).view(T, H + 2 * H_kv, self.head_dim).split([H, H_kv, H_kv], dim=1)
+        # qk-norm (per head, before rope), rope and the KV write: one launch on a GPU
+        out = rope_paged_attention(q, k, v, cos, sin, ctx, k_pages, v_pages, self.scale, self.q_norm, self.k_norm,
+                                   window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(T, H * self.head_dim))
 
 

@@ -166,12 +166,15 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
                          BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
                          k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
-                         KV_INT8: tl.constexpr = False, alibi_ptr=None, HAS_ALIBI: tl.constexpr = False):
+                         KV_INT8: tl.constexpr = False, alibi_ptr=None, HAS_ALIBI: tl.constexpr = False,
+                         o_ptr=None, stride_ob=0, stride_oh=0, sinks_ptr=None, HAS_SINKS: tl.constexpr = False):
     """Stage 1. One program: one KV split of one (sequence, kv head, block of its query heads).
 
     All query heads sharing a kv head are one tl.dot operand, so each K/V tile is read once per
     kv head (GQA costs no extra bandwidth). Writes the split's normalized output to
-    part_o [B, H, NUM_SPLITS, D_V] fp32 and its log2-sum-exp to part_lse [B, H, NUM_SPLITS].
+    part_o [B, H, NUM_SPLITS, D_V] fp32 and its log2-sum-exp to part_lse [B, H, NUM_SPLITS];
+    with NUM_SPLITS == 1 the merge is folded in: the output o [B, H, D_V] is written directly in o's
+    dtype (HAS_SINKS: the head's sink sinks_ptr [H] fp32 joins the denominator, as in the merge).
     k/v are pages [P, PAGE_SIZE, Hkv, D] (PAGE_SIZE a multiple of BLOCK_N) and position n of sequence b
     lives in page block_table[b, n // PAGE_SIZE]; a key tile never straddles two pages, so paging costs
     one scalar load per tile.
@@ -224,16 +227,29 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
                                      offs_dv, D_QK, D_V, qk_scale, BLOCK_DR, k_scale_ptr, v_scale_ptr,
                                      (page * PAGE_SIZE + rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8, bias)
 
-    # An empty split stores lse = -inf and a zero output; the merge gives it weight 0.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if KV_FP8:
-        out = out * (tl.load(v_scale_ptr) * E4M3_TO_FP16_BIAS)
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-    row = (b * H + heads) * NUM_SPLITS + split
-    tl.store(part_o_ptr + row[:, None] * D_V + offs_dv[None, :], out,
-             mask=head_mask[:, None] & (offs_dv[None, :] < D_V))
-    tl.store(part_lse_ptr + row, lse, mask=head_mask)
+    if NUM_SPLITS == 1:  # the merge folded in: this program saw all the keys
+        # no keys (a padding row): l_i = 0, acc = 0, output 0; a sink (log2 domain) adds e^(sink) to the sum
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0) * 1.4426950408889634
+            top = tl.maximum(m_i, sink)  # finite: rescale both terms by it, so nothing overflows
+            alpha = tl.exp2(m_i - top)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - top)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            out = out * (tl.load(v_scale_ptr) * E4M3_TO_FP16_BIAS)
+        tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=head_mask[:, None] & (offs_dv[None, :] < D_V))
+    else:  # an empty split stores lse = -inf and a zero output; the merge gives it weight 0
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        if KV_FP8:
+            out = out * (tl.load(v_scale_ptr) * E4M3_TO_FP16_BIAS)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        row = (b * H + heads) * NUM_SPLITS + split
+        tl.store(part_o_ptr + row[:, None] * D_V + offs_dv[None, :], out,
+                 mask=head_mask[:, None] & (offs_dv[None, :] < D_V))
+        tl.store(part_lse_ptr + row, lse, mask=head_mask)
 
 
 @triton.jit

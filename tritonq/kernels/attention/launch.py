@@ -216,7 +216,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     split, merge, out = decode_launches(q, k_pages, v_pages, cache_lens, block_table, scale, window, cfg, sinks,
                                         alibi_slopes=alibi_slopes)
     split()
-    merge()
+    if merge is not None:
+        merge()
     return out
 
 
@@ -224,9 +225,10 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_p
                     cache_lens: torch.Tensor, block_table: torch.Tensor, scale: float, window: int,
                     cfg: DecodeConfig, sinks: torch.Tensor | None = None, *,
                     alibi_slopes: torch.Tensor | None = None) -> tuple[Launch, Launch, torch.Tensor]:
-    """The two launches of a decode step (_decode_split_kernel, then _decode_merge_kernel) for checked
-    inputs of decode_attention (head dim contiguous), and the output o [B, H, Dv]. Over meta tensors
-    they are what tune --aot and the AOT tests compile. sinks [H] fp32 enter the merge only."""
+    """The launches of a decode step (_decode_split_kernel, then _decode_merge_kernel) for checked inputs of
+    decode_attention (head dim contiguous), and the output o [B, H, Dv]; with one split (cfg.NUM_SPLITS == 1:
+    batch x kv heads fill the GPU already) the split kernel writes o itself and merge is None. Over meta
+    tensors they are what tune --aot and the AOT tests compile. sinks [H] fp32 enter the merge (or the one split)."""
     k_pages, v_pages, kv_args = _kv_launch_args(k_pages, v_pages)
     B, H, D_QK = q.shape
     H_kv, D_V = k_pages.shape[2], v_pages.shape[-1]
@@ -235,8 +237,13 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_p
     block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
     page_size = k_pages.shape[1]
     block_n = paged_block_n(cfg.BLOCK_N, page_size)  # a key tile within one page, <= 32 keys
-    part_o = torch.empty(B, H, cfg.NUM_SPLITS, D_V, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, H, cfg.NUM_SPLITS, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
+    direct = cfg.NUM_SPLITS == 1
+    if direct:  # no partial results: the part pointers are placeholders the kernel does not touch
+        part_o = part_lse = out
+    else:
+        part_o = torch.empty(B, H, cfg.NUM_SPLITS, D_V, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(B, H, cfg.NUM_SPLITS, dtype=torch.float32, device=q.device)
     split = dict(q_ptr=q, k_ptr=k_pages, v_ptr=v_pages, cache_lens_ptr=cache_lens, block_table_ptr=block_table,
                  part_o_ptr=part_o, part_lse_ptr=part_lse, stride_qb=q.stride(0), stride_qh=q.stride(1),
                  stride_kp=k_pages.stride(0), stride_ks=k_pages.stride(1), stride_kh=k_pages.stride(2),
@@ -245,7 +252,13 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_p
                  GROUP=group, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
                  BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window > 0, **kv_args,
                  alibi_ptr=q if alibi_slopes is None else alibi_slopes * LOG2E, HAS_ALIBI=alibi_slopes is not None)
-    out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
+    if direct:
+        split.update(o_ptr=out, stride_ob=out.stride(0), stride_oh=out.stride(1), sinks_ptr=sinks,
+                     HAS_SINKS=sinks is not None)
+    split_launch = Launch(_decode_split_kernel, (B, H_kv * triton.cdiv(group, block_h), cfg.NUM_SPLITS), split,
+                          cfg.num_warps, cfg.num_stages)
+    if direct:
+        return split_launch, None, out
     block_splits = triton.next_power_of_2(cfg.NUM_SPLITS)
     merge = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, o_ptr=out, stride_ob=out.stride(0),
                  stride_oh=out.stride(1), H=H, D_V=D_V, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_SPLITS=block_splits,
@@ -253,9 +266,7 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_p
     # The merge holds all partial outputs [BLOCK_SPLITS, BLOCK_DV] fp32 at once: a warp per 4096 of them
     # keeps it at <= 128 per thread (MLA's 64 x 512 spills 5.4 KB with 4 warps on sm_90, none with 8: AOT).
     merge_warps = min(16, max(4, block_splits * block_dv // 4096))
-    return (Launch(_decode_split_kernel, (B, H_kv * triton.cdiv(group, block_h), cfg.NUM_SPLITS), split,
-                   cfg.num_warps, cfg.num_stages),
-            Launch(_decode_merge_kernel, (B, H), merge, merge_warps, 1), out)  # one pass: nothing to pipeline
+    return split_launch, Launch(_decode_merge_kernel, (B, H), merge, merge_warps, 1), out  # one pass: nothing to pipeline
 
 
 def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -376,9 +387,9 @@ def rope_write_kv_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
         return q_out
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-    rotated = apply_rope(torch.cat([q, k], dim=1)[None], cos[None], sin[None])[0]
-    write_kv_slots(k_pages, v_pages, rotated[:, q.shape[1]:], v, slot_mapping, check_values=check_values)
-    return rotated[:, :q.shape[1]]
+    q, k = (apply_rope(x[None], cos[None], sin[None])[0] for x in (q, k))
+    write_kv_slots(k_pages, v_pages, k, v, slot_mapping, check_values=check_values)
+    return q
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
