@@ -36,21 +36,22 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def test_rope_write_matches_rotation_and_slots(monkeypatch, tokens, heads, kv_heads, dim, qk_norm):
     monkeypatch.setenv("TRITONQ_BACKEND", "triton")
     g = torch.Generator().manual_seed(tokens * 7 + dim)
-    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim + 5, generator=g).to(torch.get_default_device())[..., :dim]
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim + 5, generator=g, device="cpu")
+    qkv = qkv.to(torch.get_default_device())[..., :dim]  # a strided view, as a linear's output split by heads
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     cos_table, sin_table = rope_cos_sin(dim, 10000.0, 64)
-    positions = torch.randint(0, 64, (tokens,), generator=g).to(cos_table.device)
+    positions = torch.randint(0, 64, (tokens,), generator=g, device="cpu").to(cos_table.device)
     cos, sin = cos_table[positions], sin_table[positions]
-    slots = torch.randperm(PAGES * PAGE_SIZE, generator=g)[:tokens]
+    slots = torch.randperm(PAGES * PAGE_SIZE, generator=g, device="cpu")[:tokens]
     slots[::4] = -1  # padding rows: nothing written
     slots = slots.to(q.device)
-    k_pages = torch.randn(PAGES, PAGE_SIZE, kv_heads, dim, generator=g).to(q.device)
-    v_pages = torch.randn(PAGES, PAGE_SIZE, kv_heads, dim, generator=g).to(q.device)
+    k_pages = torch.randn(PAGES, PAGE_SIZE, kv_heads, dim, generator=g, device="cpu").to(q.device)
+    v_pages = torch.randn(PAGES, PAGE_SIZE, kv_heads, dim, generator=g, device="cpu").to(q.device)
     k_before, v_before = k_pages.clone(), v_pages.clone()
     norms = {}
     if qk_norm:
-        norms = dict(q_norm=torch.randn(dim, generator=g).to(q.device), k_norm=torch.randn(dim, generator=g).to(q.device),
-                     eps=1e-6)
+        q_norm, k_norm = torch.randn(2, dim, generator=g, device="cpu").to(q.device)
+        norms = dict(q_norm=q_norm, k_norm=k_norm, eps=1e-6)
         q_in, k_in = rms(q, norms["q_norm"], 1e-6), rms(k, norms["k_norm"], 1e-6)
     else:
         q_in, k_in = q, k
@@ -72,13 +73,13 @@ def test_rope_write_quantizes_into_int8_pages(monkeypatch):
     g = torch.Generator().manual_seed(3)
     tokens, heads, kv_heads, dim = 5, 4, 2, 64
     device = torch.get_default_device()
-    q, k, v = (torch.randn(tokens, h, dim, generator=g).to(device) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(tokens, h, dim, generator=g, device="cpu").to(device) for h in (heads, kv_heads, kv_heads))
     cos_table, sin_table = rope_cos_sin(dim, 10000.0, 64)
     cos, sin = cos_table[5:5 + tokens], sin_table[5:5 + tokens]
     slots = torch.tensor([17, 3, 40, 99, 64], device=device)
     shape = (PAGES, PAGE_SIZE, kv_heads)
-    k_pages = QuantizedPages(torch.zeros(*shape, dim, dtype=torch.int8, device=device), torch.zeros(shape, device=device))
-    v_pages = QuantizedPages(torch.zeros(*shape, dim, dtype=torch.int8, device=device), torch.zeros(shape, device=device))
+    k_pages, v_pages = (QuantizedPages(torch.zeros(*shape, dim, dtype=torch.int8, device=device),
+                                       torch.zeros(shape, device=device)) for _ in range(2))
     rope_write_kv_slots(q, k, v, cos, sin, k_pages, v_pages, slots)
     for pages, want in ((k_pages, rotate(k, cos, sin).float()), (v_pages, v)):
         stored = dequantize_pages(pages).flatten(0, 1)[slots]

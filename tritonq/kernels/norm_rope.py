@@ -127,7 +127,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: gate_up [..., 2I] (gate first, up second) -> silu(gate) * up [..., I]; see the module
     docstring. Torch's ops on the references' path and under torch.compile (inductor fuses them)."""
     if gate_up.shape[-1] % 2:
-        raise ValueError(f"silu_mul: gate_up's last dim must be even (gate then up, I each); got {tuple(gate_up.shape)}.")
+        raise ValueError(f"silu_mul: gate_up's last dim must be even (gate then up, I each); got "
+                         f"{tuple(gate_up.shape)}.")
     if use_cpu_kernels(gate_up) and not torch.compiler.is_compiling():
         y = cpu_native.silu_mul(gate_up)
         if y is not None:

@@ -321,7 +321,8 @@ def _write_slots_kernel(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr,
 def _rope_row(row_ptr, offs, D, cos_ptr, sin_ptr, cos_offset, norm_ptr, eps, ROPE: tl.constexpr,
               QK_NORM: tl.constexpr):
     """One head row [BLOCK] (lanes >= D are 0), optionally RMS-normalized by norm_ptr [D] and rotated by the
-    cos / sin rows at cos_offset (x cos + rotate_half(x) sin, rotate_half(x)[i] = -x[i + D/2] below D/2, x[i - D/2] above),
+    cos / sin rows at cos_offset (x cos + rotate_half(x) sin, rotate_half(x)[i] = -x[i + D/2] below D/2,
+    x[i - D/2] above),
     in fp32, returned in the row's dtype."""
     mask = offs < D
     x = tl.load(row_ptr + offs, mask=mask, other=0.0)

@@ -266,7 +266,8 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_p
     # The merge holds all partial outputs [BLOCK_SPLITS, BLOCK_DV] fp32 at once: a warp per 4096 of them
     # keeps it at <= 128 per thread (MLA's 64 x 512 spills 5.4 KB with 4 warps on sm_90, none with 8: AOT).
     merge_warps = min(16, max(4, block_splits * block_dv // 4096))
-    return split_launch, Launch(_decode_merge_kernel, (B, H), merge, merge_warps, 1), out  # one pass: nothing to pipeline
+    merge_launch = Launch(_decode_merge_kernel, (B, H), merge, merge_warps, 1)  # one pass: nothing to pipeline
+    return split_launch, merge_launch, out
 
 
 def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
