@@ -5,8 +5,10 @@ divisibility hints and default config as at run time), at representative shapes:
 M = 1, 16, 256 (a 4096 x 4096 layer), paged prefill and split-KV decode attention for head dims 64,
 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token pages, a sliding
 window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split and
-merge), decode at a batch that needs one split (the merge folded into it, with and without sinks), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8 from sm_89) and on
-gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm and the fp8 activation quantization, and
+merge), decode at a batch that needs one split (the merge folded into it, with and without sinks), the
+MoE token alignment (one program), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8 from sm_89) and on
+gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm (alone and after the residual add), SiLU-mul,
+the rope + qk-norm KV write, the fp8 activation quantization, and
 the KV-cache launches over 8-bit pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and
 MLA's latent decode; e4m3 travels as bytes, decoded with integer ops on every target).
 Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
@@ -266,6 +268,8 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         out["fp8 quantize per token"] = fp8_gemm.quantize_activation_launch(  # the MoE hidden [T*k, I]
             _meta(3072, 1408, dtype=dtype), _meta(3072, 1408, dtype=torch.float8_e4m3fn),
             _meta(3072, 1, dtype=torch.float32), 1408, static=False)
+    # the MoE token alignment in one program: DeepSeek-V3's 256 experts (+ the dropped slots' virtual one), 16 x 8
+    out["moe align 256 experts 16x8"] = moe.align_launch(_meta(16, 8, dtype=torch.int32), 16, 256, 128 + 1)[0]
     out["rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5)[0]
     out["add_rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5,
                                                add=_meta(4, 8192, dtype=dtype))[0]
