@@ -163,9 +163,9 @@ def test_align_random_routing_covers_every_pair_once(align_backend, T, top_k, E,
     """Random routings (DeepSeek-V3's 256 experts among them); dropped: a third of the slots are -1 (experts of other
     ranks), which come after the counted rows."""
     g = torch.Generator().manual_seed(T * E + top_k)
-    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(torch.int32)
+    ids = torch.stack([torch.randperm(E, generator=g, device="cpu")[:top_k] for _ in range(T)]).to(torch.int32)
     if dropped:
-        ids[torch.rand(T, top_k, generator=g) < 0.33] = -1
+        ids[torch.rand(T, top_k, generator=g, device="cpu") < 0.33] = -1
     ids = ids.to(torch.get_default_device())
     sorted_ids, expert_ids, post_padded = moe_align_block_size(ids, block_m, E)
     check_alignment(ids, block_m, E, sorted_ids, expert_ids, post_padded)
