@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Every kernel family's launch must be reached: a test that stops (at a meta-only data access) before its
 # kernel checks nothing about the device, so losing a whole family here means the run lost its point.
 KERNELS = {"_decode_merge_kernel", "_decode_split_kernel", "_fp8_gemm_kernel", "_int4_gemm_kernel",
-           "_moe_gemm_kernel", "_paged_prefill_kernel", "_quantize_activation_kernel", "_rms_norm_kernel",
-           "_write_slots_kernel"}
+           "_moe_align_kernel", "_moe_gemm_kernel", "_paged_prefill_kernel", "_quantize_activation_kernel",
+           "_rms_norm_kernel", "_silu_mul_kernel", "_write_slots_kernel"}
 
 # Tests that run on the CPU only by design, left out by name so that every other kernel test keeps this guard:
 # test_cpu_dense.py tests the CPU backend's oneDNN bf16 linears, which no GPU runs.

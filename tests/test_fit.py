@@ -1,14 +1,16 @@
 """Every launch the runtime makes fits every GPU target it runs on, for every dtype `load()` accepts there.
 
 The launches are the launchers' own (each kernel file's builder over meta tensors: signature, strides,
-divisibility hints and default config as at run time), at representative shapes: int4 / fp8 GEMMs at M = 1,
-16, 256 (a 4096 x 4096 layer), the batch-invariant mode's dense GEMM, paged prefill and split-KV decode
-attention for head dims 64, 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and
-64-token pages, a sliding window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill,
-decode split and merge), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8 from
-sm_89) and on gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm and the fp8 activation
-quantization, and the KV-cache launches over 8-bit pages (kv_cache_dtype int8 / fp8: the write, paged prefill,
-decode and MLA's latent decode; e4m3 travels as bytes, decoded with integer ops on every target).
+divisibility hints and default config as at run time), at representative shapes: int4 / fp8 GEMMs at
+M = 1, 16, 256 (a 4096 x 4096 layer), the batch-invariant mode's dense GEMM, paged prefill and split-KV decode
+attention for head dims 64, 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token
+pages, a sliding window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split
+and merge), decode at a batch that needs one split (the merge folded into it, with and without sinks), the MoE
+token alignment (one program), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8
+from sm_89) and on gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm (alone and after the residual
+add), SiLU-mul, the rope + qk-norm KV write, the fp8 activation quantization, and the KV-cache launches over 8-bit
+pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and MLA's latent decode; e4m3 travels as bytes,
+decoded with integer ops on every target).
 Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
 no GPU) for sm_75 (T4), sm_80 (A100), sm_89 (L4/L40) and sm_90 (H100/H200) x `gpu_compute_dtypes(cc)`,
 and must:
@@ -39,7 +41,7 @@ import torch
 from tritonq.kernels import attention, dense_gemm, fp8_gemm, int4_gemm, int8_gemm, moe
 from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, SM_COUNT
 from tritonq.kernels.common import Launch, gpu_compute_dtypes
-from tritonq.kernels.norm_rope import rms_norm_launch
+from tritonq.kernels.norm_rope import rms_norm_launch, silu_mul_launch
 from tritonq.weights import DenseWeight
 
 try:
@@ -199,6 +201,14 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
                                                 _meta(1, 256, **i32), 0.125, GPT_OSS_WINDOW, config, sinks)
     out[f"decode 64/64 page16 window{GPT_OSS_WINDOW} sinks"] = split
     out["decode merge 64/64 sinks"] = merge
+    # batch x kv heads fill the GPU: one split, which writes the output itself (the merge folded in)
+    for (d_qk, d_v), heads, sink in (((128, 128), _heads(128), None), ((64, 64), (H, H_kv), sinks)):
+        config = attention.decode_config(256, heads[1], 32768, 16, *attention.head_blocks(d_qk, d_v), SM_COUNT[cc])
+        assert config.NUM_SPLITS == 1, config
+        k, v = _pages(d_qk, d_v, 16, 4096, dtype)
+        split, merge, _ = attention.decode_launches(_meta(256, heads[0], d_qk, dtype=dtype), k, v, _meta(256, **i32),
+                                                    _meta(256, 2048, **i32), d_qk ** -0.5, 0, config, sink)
+        out[f"decode {d_qk}/{d_v} one split{' sinks' if sink is not None else ''}"] = split
     # ALiBi (MPT-7B: 32 heads of 128, multi-head): the bias tile beside the scores in prefill and decode
     slopes = _meta(32, dtype=torch.float32)
     k, v = _meta(1024, 16, 32, 128, dtype=dtype), _meta(1024, 16, 32, 128, dtype=dtype)
@@ -215,7 +225,13 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         k, v = _pages(d_qk, d_v, 16, 1024, dtype)
         out[f"write_kv_slots {d_qk}/{d_v}"] = attention.write_kv_slots_launch(
             k, v, _meta(64, _heads(d_qk)[1], d_qk, dtype=dtype), _meta(64, _heads(d_qk)[1], d_v, dtype=dtype),
-            _meta(64, dtype=torch.int64))
+            _meta(64, dtype=torch.int64))[0]
+    # rope + qk-norm + the KV write in one launch (Qwen3-style 32 / 8 heads of 128)
+    cos = _meta(64, 128, dtype=dtype)
+    out["rope_write_kv_slots 128/128 qk-norm"] = attention.write_kv_slots_launch(
+        *_pages(128, 128, 16, 1024, dtype), _meta(64, 8, 128, dtype=dtype), _meta(64, 8, 128, dtype=dtype),
+        _meta(64, dtype=torch.int64), _meta(64, 32, 128, dtype=dtype), cos, cos, _meta(128, dtype=dtype),
+        _meta(128, dtype=dtype), 1e-6)[0]
     for kind in ("int8", "fp8"):  # 8-bit KV pages (kv_cache_dtype): the same default configs over QuantizedPages
         for d_qk, d_v in ((128, 128), (576, 512)):
             if cc < 80 and d_qk == 576:
@@ -232,7 +248,8 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
                 _meta(1, H, d_qk, dtype=dtype), k, v, _meta(1, **i32), _meta(1, 2048, **i32), d_qk ** -0.5, 0,
                 config)[0]
             out[f"write_kv_slots {d_qk}/{d_v} kv {kind}"] = attention.write_kv_slots_launch(
-                k, v, _meta(64, H_kv, d_qk, dtype=dtype), _meta(64, H_kv, d_v, dtype=dtype), _meta(64, dtype=torch.int64))
+                k, v, _meta(64, H_kv, d_qk, dtype=dtype), _meta(64, H_kv, d_v, dtype=dtype),
+                _meta(64, dtype=torch.int64))[0]
     for kind in ("dense", "int4", "fp8"):  # gate/up (two accumulators) at the smallest and largest tile, down
         for gate_up, config in ((True, moe.DEFAULT_CONFIGS[0][1]), (True, moe.DEFAULT_CONFIGS[-1][1]),
                                 (False, moe.DEFAULT_CONFIGS[-1][1])):
@@ -256,7 +273,12 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         out["fp8 quantize per token"] = fp8_gemm.quantize_activation_launch(  # the MoE hidden [T*k, I]
             _meta(3072, 1408, dtype=dtype), _meta(3072, 1408, dtype=torch.float8_e4m3fn),
             _meta(3072, 1, dtype=torch.float32), 1408, static=False)
+    # the MoE token alignment in one program: DeepSeek-V3's 256 experts (+ the dropped slots' virtual one), 16 x 8
+    out["moe align 256 experts 16x8"] = moe.align_launch(_meta(16, 8, dtype=torch.int32), 16, 256, 128 + 1)[0]
     out["rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5)[0]
+    out["add_rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5,
+                                               add=_meta(4, 8192, dtype=dtype))[0]
+    out["silu_mul 14336"] = silu_mul_launch(_meta(4, 2 * 14336, dtype=dtype))[0]
     return out
 
 

@@ -23,6 +23,11 @@ ROW_POINTERS = {
     "rms_norm": {"x_ptr": ("stride_x",), "y_ptr": ("stride_y",)},
     "write_kv_slots": {"k_ptr": ("stride_kt",), "v_ptr": ("stride_vt",), "k_pages_ptr": ("stride_kp", "stride_ks"),
                        "v_pages_ptr": ("stride_vp", "stride_vs")},
+    "rope_write_kv_slots": {"q_ptr": ("stride_qt",), "q_out_ptr": ("stride_ot",), "cos_ptr": ("stride_cos",),
+                            "sin_ptr": ("stride_cos",), "k_ptr": ("stride_kt",), "v_ptr": ("stride_vt",)},
+    "add_rms_norm": {"x_ptr": ("stride_x",), "h_ptr": ("stride_h",), "sum_ptr": ("stride_sum",),
+                     "y_ptr": ("stride_y",)},
+    "silu_mul": {"x_ptr": ("stride_x",), "y_ptr": ("stride_y",)},
     "moe gate_up": {"a_ptr": ("stride_am",), "out_ptr": ("stride_om",)},
     "paged_prefill": {"q_ptr": ("stride_qt",), "o_ptr": ("stride_ot",), "k_ptr": ("stride_kp",),
                       "v_ptr": ("stride_vp",)},
@@ -54,7 +59,12 @@ def launches():
             x, empty(M, K, dtype=torch.float8_e4m3fn), empty(M, K // 128, dtype=torch.float32), 128, False),
         "rms_norm": norm_rope.rms_norm_launch(x, empty(K), 1e-6)[0],
         "write_kv_slots": attention.write_kv_slots_launch(k_pages, v_pages, empty(M, 8, 128), empty(M, 8, 128),
-                                                          slots),
+                                                          slots)[0],
+        "rope_write_kv_slots": attention.write_kv_slots_launch(
+            k_pages, v_pages, empty(M, 8, 128), empty(M, 8, 128), slots, empty(M, 32, 128), empty(M, 128),
+            empty(M, 128), empty(128), empty(128), 1e-6)[0],
+        "add_rms_norm": norm_rope.rms_norm_launch(x, empty(K), 1e-6, add=empty(M, K))[0],
+        "silu_mul": norm_rope.silu_mul_launch(empty(M, 2 * K))[0],
         "moe gate_up": moe.aot_launch(moe.default_config(M, 2, 8), (M, 8, 2, 1024, 512)),
         "paged_prefill": attention.paged_prefill_launch(
             empty(M, 32, 128), k_pages, v_pages, cu, lens, table, 0.1, 0,
@@ -124,7 +134,9 @@ def ttir_offsets():
     out = {}
     for name, launch in launches().items():
         ttir = launch_ttir(launch)
-        arguments = [p.name for p in launch.kernel.params if not p.is_constexpr]
+        # an optional pointer left None is specialized away (a constexpr), so it is no IR argument
+        arguments = [p.name for p in launch.kernel.params
+                     if not p.is_constexpr and launch.args.get(p.name, p.default if p.has_default else 0) is not None]
         out[name] = {pointer: row_offset_types(ttir, arguments, pointer, strides)
                      for pointer, strides in ROW_POINTERS[name].items()}
     return out

@@ -9,10 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonq.distributed import all_gather_last_dim, all_reduce
-from tritonq.kernels import cpu_native, use_cpu_kernels
 from tritonq.kernels.linear import kind_of
 from tritonq.kernels.moe import fused_moe
-from tritonq.kernels.norm_rope import add_rms_norm, rms_norm
+from tritonq.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul  # silu_mul: models' MLPs take it from here
 from tritonq.weights import DenseWeight, RankExperts, Weight, k_major
 
 
@@ -122,17 +121,6 @@ class RMSNorm(nn.Module):
 
     def add_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(x, h, self.weight, self.eps)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation: gate_up [..., 2I] (gate first, up second) -> silu(gate) * up [..., I]; one C pass on the
-    CPU backend (the same roundings), torch's ops elsewhere and under torch.compile (inductor fuses them)."""
-    if use_cpu_kernels(gate_up) and not torch.compiler.is_compiling():
-        y = cpu_native.silu_mul(gate_up)
-        if y is not None:
-            return y
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class LayerNorm(nn.Module):

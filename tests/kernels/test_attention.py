@@ -561,3 +561,37 @@ def test_alibi_slopes_are_checked(device):
     q = randn(1, 4, 64, generator=g)
     with pytest.raises(ValueError, match=r"alibi_slopes is torch.float32 \(3,\).*expected a contiguous float32 \[4\]"):
         decode_attention(q, k_pages, v_pages, lens([5]), table, 0.1, alibi_slopes=alibi_slopes(3, device=q.device))
+
+
+# (H, Hkv, Dqk, Dv, window, alibi): GQA 4 with ragged head dims, 80 query heads on one kv head (two head blocks, the
+# second partly masked), a window over NaN-filled older pages, MHA with ALiBi.
+ONE_SPLIT_CASES = [(8, 2, 72, 40, 0, False), (80, 1, 64, 64, 0, False), (6, 3, 96, 64, 40, False),
+                   (6, 6, 64, 64, 0, True)]
+
+
+@pytest.mark.parametrize("h,h_kv,d_qk,d_v,window,alibi", ONE_SPLIT_CASES)
+def test_decode_in_one_split_writes_the_output_itself(monkeypatch, h, h_kv, d_qk, d_v, window, alibi):
+    """With one KV split (a batch that fills the GPU) the split kernel normalizes and writes the output: no merge is
+    launched, and each sequence (odd lengths, shuffled pages, NaN outside them; a padding row of length 0 gives
+    zeros) equals SDPA over its visible keys."""
+    from tritonq.kernels import attention
+    merge = RecordingSpy()
+    monkeypatch.setattr(attention.launch, "_decode_merge_kernel", merge)
+    g = torch.Generator().manual_seed(11)
+    cache_lens, dtype, scale = [1, 65, 300, 0], torch.float16, 0.9 / d_qk ** 0.5
+    skip = [max(n - window, 0) if window else 0 for n in cache_lens]
+    ks, vs, k_pages, v_pages, table = paged_context(cache_lens, h_kv, d_qk, d_v, 16, dtype, g, nan_before=skip)
+    q = randn(len(cache_lens), h, d_qk, generator=g).to(dtype)
+    slopes = alibi_slopes(h) if alibi else None
+    cfg = attention.DecodeConfig(BLOCK_N=16, NUM_SPLITS=1, num_warps=4, num_stages=1)
+    out = decode_attention(q, k_pages, v_pages, lens(cache_lens), table, scale, window=window, config=cfg,
+                           alibi_slopes=slopes)
+    assert merge.launches == []
+    for b, n in enumerate(cache_lens[:-1]):
+        positions = torch.tensor([n - 1])
+        if alibi:
+            expected = alibi_sdpa(q[b, None], ks[b], vs[b], scale, positions, n, h)[0]
+        else:
+            expected = masked_sdpa(q[b, None], ks[b], vs[b], scale, visible_mask(positions, n, window))[0]
+        assert_close(out[b], expected, dtype)
+    assert out[-1].abs().max() == 0

@@ -18,6 +18,7 @@ import tolerances
 from tritonq.kernels.attention import (
     KV_FP8_MAX,
     KV_INT8_MAX,
+    DecodeConfig,
     QuantizedPages,
     decode_attention,
     dequantize_pages,
@@ -132,6 +133,24 @@ def test_decode_over_quantized_pages_matches_sdpa_over_their_values(kind, d_qk, 
     for b, n in enumerate(lens):
         pos = torch.arange(n, device="cpu")
         visible = (pos >= n - window) if window else torch.ones(n, dtype=torch.bool, device="cpu")
+        ref = sdpa(q[b:b + 1].float().cpu(), k_seq[b], v_seq[b], scale, visible[None])
+        torch.testing.assert_close(out[b:b + 1].float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("d_qk,d_v,h,h_kv,latent", [HEADS[0], HEADS[2]])
+def test_decode_in_one_split_over_quantized_pages_matches_sdpa(kind, d_qk, d_v, h, h_kv, latent):
+    """One KV split (the merge folded into the split kernel): the scales still reach the scores and the output."""
+    g = torch.Generator().manual_seed(4)
+    lens, window, dtype = [1, 21, 40], 7, torch.float16
+    k_pages, v_pages, table, rows = filled_cache(kind, d_qk, d_v, h_kv, latent, lens, 32, g)
+    q = randn(len(lens), h, d_qk, generator=g).to(dtype)
+    scale = 0.8 / d_qk ** 0.5
+    out = decode_attention(q, k_pages, v_pages, torch.tensor(lens, dtype=torch.int32).to(q.device), table, scale,
+                           window=window, config=DecodeConfig(BLOCK_N=16, NUM_SPLITS=1, num_warps=4, num_stages=1))
+    k_seq, v_seq = sequence_values(k_pages, rows), sequence_values(v_pages, rows)
+    for b, n in enumerate(lens):
+        visible = torch.arange(n, device="cpu") >= n - window
         ref = sdpa(q[b:b + 1].float().cpu(), k_seq[b], v_seq[b], scale, visible[None])
         torch.testing.assert_close(out[b:b + 1].float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 

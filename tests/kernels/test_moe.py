@@ -122,35 +122,53 @@ def test_grouped_topk_rejects_bad_groups():
 
 # ------------------------------------------------------------------ alignment
 
-def test_align_groups_pairs_by_expert_and_pads_runs():
+@pytest.fixture(params=["triton", "torch"])
+def align_backend(request, monkeypatch):
+    """moe_align_block_size's one-launch Triton kernel (interpreted on CPU) and its torch scans."""
+    monkeypatch.setenv("TRITONQ_BACKEND", request.param)
+    return request.param
+
+
+def check_alignment(ids, block_m, E, sorted_ids, expert_ids, post_padded):
+    """The alignment's definition, checked on the host: each expert's pairs (ids >= 0) fill consecutive block_m
+    blocks from a padded start, in token order, padded with the sentinel T * k; num_tokens_post_padded counts
+    those blocks; every pair appears once (the -1 ones after the counted rows)."""
+    ids, sorted_ids, expert_ids = ids.cpu(), sorted_ids.cpu(), expert_ids.cpu()
+    numel, flat = ids.numel(), ids.flatten().long()
+    counts = torch.stack([(flat == e).sum() for e in range(E)])
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert int(post_padded) == int(padded.sum())
+    start = 0
+    for e in range(E):
+        run = sorted_ids[start:start + int(padded[e])]
+        assert run[:int(counts[e])].tolist() == torch.nonzero(flat == e).flatten().tolist()  # token order
+        assert bool((run[int(counts[e]):] == numel).all())
+        assert bool((expert_ids[start // block_m:(start + int(padded[e])) // block_m] == e).all())
+        start += int(padded[e])
+    assert sorted(sorted_ids[start:][sorted_ids[start:] < numel].tolist()) == torch.nonzero(flat < 0).flatten().tolist()
+    assert sorted(sorted_ids[sorted_ids < numel].tolist()) == list(range(numel))
+
+
+def test_align_groups_pairs_by_expert_and_pads_runs(align_backend):
     E, block_m = 6, 4
     ids = torch.tensor([[0, 2], [2, 5], [0, 2], [5, 0], [2, 2]], dtype=torch.int32)  # experts 1, 3, 4 empty
     sorted_ids, expert_ids, post_padded = moe_align_block_size(ids, block_m, E)
-    numel = ids.numel()
-    n_used = int(post_padded)
-    assert n_used == 4 + 8 + 4  # expert 0: 3 pairs, expert 2: 5 pairs, expert 5: 2 pairs
-    used = sorted_ids[:n_used].view(-1, block_m)
-    flat = ids.flatten()
-    for block, expert in zip(used, expert_ids[:n_used // block_m]):
-        real = block[block < numel]
-        assert len(real) > 0 and bool((flat[real.long()] == expert).all())
-    real = sorted_ids[sorted_ids < numel]
-    assert sorted(real.tolist()) == list(range(numel))
-    assert bool((sorted_ids[n_used:] == numel).all())
+    assert int(post_padded) == 4 + 8 + 4  # expert 0: 3 pairs, expert 2: 5 pairs, expert 5: 2 pairs
+    check_alignment(ids, block_m, E, sorted_ids, expert_ids, post_padded)
 
 
-@pytest.mark.parametrize("T,top_k,E,block_m", [(1, 6, 64, 16), (33, 6, 64, 16), (200, 2, 8, 32)])
-def test_align_random_routing_covers_every_pair_once(T, top_k, E, block_m):
-    ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)
+@pytest.mark.parametrize("T,top_k,E,block_m", [(1, 6, 64, 16), (33, 6, 64, 16), (200, 2, 8, 32), (3, 8, 256, 16)])
+@pytest.mark.parametrize("dropped", [False, True])
+def test_align_random_routing_covers_every_pair_once(align_backend, T, top_k, E, block_m, dropped):
+    """Random routings (DeepSeek-V3's 256 experts among them); dropped: a third of the slots are -1 (experts of other
+    ranks), which come after the counted rows."""
+    g = torch.Generator().manual_seed(T * E + top_k)
+    ids = torch.stack([torch.randperm(E, generator=g, device="cpu")[:top_k] for _ in range(T)]).to(torch.int32)
+    if dropped:
+        ids[torch.rand(T, top_k, generator=g, device="cpu") < 0.33] = -1
+    ids = ids.to(torch.get_default_device())
     sorted_ids, expert_ids, post_padded = moe_align_block_size(ids, block_m, E)
-    counts = torch.bincount(ids.flatten().long(), minlength=E)
-    assert int(post_padded) == int(((counts + block_m - 1) // block_m * block_m).sum())
-    used = sorted_ids[:int(post_padded)].view(-1, block_m)
-    flat = ids.flatten()
-    for block, expert in zip(used, expert_ids):
-        real = block[block < ids.numel()].long()
-        assert bool((flat[real] == expert).all())
-    assert sorted(sorted_ids[sorted_ids < ids.numel()].tolist()) == list(range(ids.numel()))
+    check_alignment(ids, block_m, E, sorted_ids, expert_ids, post_padded)
 
 
 # ------------------------------------------------------------------ fused MoE

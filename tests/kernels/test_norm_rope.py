@@ -11,7 +11,7 @@ import tolerances
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from tritonq.kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin
+from tritonq.kernels.norm_rope import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, silu_mul
 
 TOL = tolerances.table("rms_norm")
 
@@ -76,3 +76,36 @@ def test_apply_rope_rotates_pairs_by_position():
     z = z * torch.polar(torch.ones_like(theta), theta)[positions][:, :, None]
     torch.testing.assert_close(apply_rope(x, cos[positions], sin[positions]), torch.cat([z.real, z.imag], -1),
                                atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 64), (3, 100), (17, 257)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_rms_norm_kernel_matches_formula(rows, dim, dtype, monkeypatch):
+    """The fused Triton kernel (interpreted) returns x + h as torch's addition rounds it (one rounding: exact) and
+    the norm of that sum, against float64 over the rounded sum."""
+    monkeypatch.setenv("TRITONQ_BACKEND", "triton")
+    x, h = torch.randn(rows, dim).to(dtype), torch.randn(rows, dim).to(dtype)
+    w = torch.randn(dim).to(dtype)
+    total, y = add_rms_norm(x, h, w, 1e-6)
+    assert torch.equal(total, x + h)
+    s = (x + h).double()
+    expected = (s / (s.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w.double()).to(dtype)
+    torch.testing.assert_close(y, expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 16), (3, 100), (17, 1500)])  # 1500: two 1024-wide blocks, a tail
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_kernel_matches_formula(rows, inter, dtype, monkeypatch):
+    """The Triton kernel (interpreted, fp32 inside, one rounding) against float64 silu(gate) * up; a gate_up view
+    with a row stride wider than 2I (a slice of a wider output) is read through its stride."""
+    monkeypatch.setenv("TRITONQ_BACKEND", "triton")
+    wide = (torch.randn(rows, 2 * inter + 6) * 4).to(dtype)
+    gate_up = wide[:, 3:3 + 2 * inter]
+    g, u = gate_up.double().chunk(2, dim=-1)
+    expected = (g * torch.sigmoid(g) * u).to(dtype)
+    torch.testing.assert_close(silu_mul(gate_up), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_silu_mul_rejects_an_odd_width():
+    with pytest.raises(ValueError, match="must be even"):
+        silu_mul(torch.randn(2, 7))

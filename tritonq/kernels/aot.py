@@ -148,6 +148,36 @@ def _launch_signature(launch, ones: bool = False) -> tuple[dict, dict, tuple[str
     return signature, constexprs, tuple(aligned)
 
 
+def global_memory_ops(launch, cc: int) -> dict[str, int]:
+    """{SASS opcode: count} of a `kernels.common.Launch`'s global and local memory instructions on sm_`cc`
+    (LDG / LDGSTS / STG with their width suffix, e.g. "LDGSTS.E.BYPASS.128": a 16-byte cp.async; LDL / STL: local
+    memory, i.e. spills or a stack array), read by the cuobjdump bundled with Triton from the compiled cubin."""
+    import collections
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    signature, constexprs, aligned = _launch_signature(launch)
+    fn = launch.kernel
+    src = ASTSource(fn=fn, signature=dict(signature, **{name: "constexpr" for name in constexprs}),
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                    attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    cuobjdump = os.path.join(os.path.dirname(get_ptxas(cc).path), "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    return dict(collections.Counter(re.findall(r"\b((?:LDGSTS|LDG|STG|LDL|STL)(?:\.\w+)*)\b", sass)))
+
+
 def compile_launch(launch, cc: int) -> CompileReport:
     """AOT-compile a `kernels.common.Launch` for sm_`cc`, its arguments typed as `_launch_signature` says."""
     signature, constexprs, aligned = _launch_signature(launch)

@@ -3,16 +3,19 @@
 rms_norm(x [..., D] fp16/bf16/fp32, weight [D], eps) -> [..., D] in x.dtype:
     y = x / sqrt(mean(x^2) + eps) * weight, statistics in float32.
 add_rms_norm(x, h, weight, eps) -> (x + h, rms_norm(x + h)): a pre-norm layer's residual addition and the norm
-    after it (one pass on the CPU backend).
+    after it, in one pass (one launch on a GPU, one C loop on the CPU backend).
+silu_mul(gate_up [..., 2I]) -> silu(gate) * up [..., I]: SwiGLU's activation between the gate_up and down
+    linears, one pass (one launch on a GPU, one C loop on the CPU backend).
 rope_cos_sin(head_dim, base, num_positions, rope_scaling, max_position_embeddings)
     -> (cos, sin) tables [num_positions, head_dim] float32 for rope types
     default / linear / dynamic / llama3 / yarn (yarn's attention factor is folded into the tables).
 apply_rope(x [B, S, H, D], cos [B, S, D], sin [B, S, D]) -> [B, S, H, D] in x.dtype:
     x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]), where cos/sin are the
     table rows at x's positions (cos_table[positions]): models gather them once per forward for all layers.
-RMSNorm has a Triton kernel (one program per row), and on the CPU backend a C loop per row
-(kernels/cpu_native.py), which also takes the residual addition before it; the rope tables are tiny and built in
-torch.
+RMSNorm (with or without the residual addition) and SiLU-mul have Triton kernels (one program per row, or per
+block of a row) and on the CPU backend C loops per row (kernels/cpu_native.py); the rope tables are tiny and built
+in torch. On a GPU, rope itself runs inside the KV write (attention.rope_write_kv_slots), so apply_rope is the
+CPU backend's and the references' path.
 """
 from __future__ import annotations
 
@@ -28,12 +31,18 @@ from tritonq.kernels.common import Launch
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps, BLOCK_D: tl.constexpr):
-    """One program normalizes one row; the whole row fits in one block (D <= 16384)."""
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps, BLOCK_D: tl.constexpr, h_ptr=None,
+                     sum_ptr=None, stride_h=0, stride_sum=0, HAS_ADD: tl.constexpr = False):
+    """One program normalizes one row; the whole row fits in one block (D <= 16384).
+    HAS_ADD: the row is x + h (rounded to x's dtype, as torch's addition), stored to sum_ptr, then normalized."""
     row = tl.program_id(0).to(tl.int64)  # row x stride: past 2^31 elements for R * D >= 2^31
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_ADD:
+        x += tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0)
+        tl.store(sum_ptr + row * stride_sum + offs, x, mask=mask)
+    x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = x * rstd * w
@@ -53,10 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     D = x.shape[-1]
     if D > 16384:
         raise ValueError(f"rms_norm: hidden size {D} exceeds the one-block kernel's limit of 16384.")
-    rows = x.reshape(-1, D)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    launch, y = rms_norm_launch(rows, weight, eps)
+    launch, y = rms_norm_launch(_rows(x), weight, eps)
     launch()
     return y.view(x.shape)
 
@@ -72,18 +78,82 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
         fused = cpu_native.rms_norm(x, weight, eps, add=h)
         if fused is not None:
             return fused
-    total = x + h
-    return total, rms_norm(total, weight, eps)
+    D = x.shape[-1]
+    if not use_triton(x) or D > 16384 or weight.shape != (D,):  # the reference; rms_norm refuses what it must
+        total = x + h
+        return total, rms_norm(total, weight, eps)
+    rows, h_rows = (_rows(t) for t in (x, h))
+    launch, y, total = rms_norm_launch(rows, weight, eps, add=h_rows)
+    launch()
+    return total.view(x.shape), y.view(x.shape)
 
 
-def rms_norm_launch(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[Launch, torch.Tensor]:
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as rows [R, D] with the last dim contiguous (a view when it already is)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def rms_norm_launch(rows: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
     """The launch of _rms_norm_kernel over rows [R, D] (last dim contiguous, D <= 16384) and its output
-    [R, D]: one program per row, a warp per 256 lanes (at most 16). Over meta tensors the AOT tests compile it."""
+    [R, D]: one program per row, a warp per 256 lanes (at most 16). Over meta tensors the AOT tests compile it.
+    add [R, D] (last dim contiguous): normalize rows + add instead; returns (launch, y, the sum [R, D])."""
     y = torch.empty_like(rows)
     block = triton.next_power_of_2(rows.shape[-1])
     args = dict(x_ptr=rows, w_ptr=weight, y_ptr=y, stride_x=rows.stride(0), stride_y=y.stride(0), D=rows.shape[-1],
                 eps=eps, BLOCK_D=block)
-    return Launch(_rms_norm_kernel, (rows.shape[0],), args, min(max(block // 256, 1), 16), 3), y
+    total = None
+    if add is not None:
+        total = torch.empty_like(rows)
+        args.update(h_ptr=add, sum_ptr=total, stride_h=add.stride(0), stride_sum=total.stride(0), HAS_ADD=True)
+    launch = Launch(_rms_norm_kernel, (rows.shape[0],), args, min(max(block // 256, 1), 16), 3)
+    return (launch, y) if add is None else (launch, y, total)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, INTER, BLOCK: tl.constexpr):
+    """Program (row, block): y[row, cols] = silu(gate) * up for gate = x[row, cols], up = x[row, INTER + cols],
+    in fp32, rounded once to y's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: gate_up [..., 2I] (gate first, up second) -> silu(gate) * up [..., I]; see the module
+    docstring. Torch's ops on the references' path and under torch.compile (inductor fuses them)."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"silu_mul: gate_up's last dim must be even (gate then up, I each); got "
+                         f"{tuple(gate_up.shape)}.")
+    if use_cpu_kernels(gate_up) and not torch.compiler.is_compiling():
+        y = cpu_native.silu_mul(gate_up)
+        if y is not None:
+            return y
+    if not use_triton(gate_up) or torch.compiler.is_compiling():
+        return silu_mul_reference(gate_up)
+    launch, y = silu_mul_launch(_rows(gate_up))
+    launch()
+    return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def silu_mul_launch(rows: torch.Tensor) -> tuple[Launch, torch.Tensor]:
+    """The launch of _silu_mul_kernel over rows [R, 2I] (last dim contiguous) and its output [R, I]: 1024-wide
+    blocks of a row per program (fewer for small I), 4 warps. Over meta tensors the AOT tests compile it."""
+    inter = rows.shape[-1] // 2
+    y = torch.empty(rows.shape[0], inter, dtype=rows.dtype, device=rows.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    args = dict(x_ptr=rows, y_ptr=y, stride_x=rows.stride(0), stride_y=y.stride(0), INTER=inter, BLOCK=block)
+    return Launch(_silu_mul_kernel, (rows.shape[0], triton.cdiv(inter, block)), args, 4, 1), y
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """Plain torch: silu(gate) * up in gate_up's dtype (transformers' LlamaMLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tritonq.kernels.attention import QuantizedPages, decode_attention, paged_prefill_attention, write_kv_slots
+from tritonq.kernels.attention import (QuantizedPages, decode_attention, paged_prefill_attention, rope_write_kv_slots,
+                                      write_kv_slots)
 from tritonq.kernels.norm_rope import rope_cos_sin
 from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear, silu_mul
 from tritonq.weights import DenseWeight
@@ -238,6 +239,22 @@ def paged_attention(q, k, v, ctx: StepContext, k_pages, v_pages, scale: float, *
     sequence's cached keys (prefill: varlen over cached pages + new tokens; decode: one row per sequence)
     -> [T, H, Dv]. options: what both kernels take beyond that (window, sinks, alibi_slopes)."""
     write_kv_slots(k_pages, v_pages, k, v, ctx.slot_mapping, check_values=False)  # checked once by the runner
+    return attend(q, ctx, k_pages, v_pages, scale, **options)
+
+
+def rope_paged_attention(q, k, v, cos, sin, ctx: StepContext, k_pages, v_pages, scale: float, q_norm=None,
+                         k_norm=None, **options) -> torch.Tensor:
+    """paged_attention of a rotary layer before its rope: q [T, H, D] and k [T, Hkv, D] are rotated by cos / sin
+    [1, T, D] (after the per-head RMSNorms q_norm / k_norm when given: Qwen3's qk-norm) as the new keys are written
+    (kernels.attention.rope_write_kv_slots: one launch on a GPU), then attend as paged_attention."""
+    norms = {} if q_norm is None else dict(q_norm=q_norm.weight, k_norm=k_norm.weight, eps=q_norm.eps)
+    q = rope_write_kv_slots(q, k, v, cos[0], sin[0], k_pages, v_pages, ctx.slot_mapping, check_values=False, **norms)
+    return attend(q, ctx, k_pages, v_pages, scale, **options)
+
+
+def attend(q, ctx: StepContext, k_pages, v_pages, scale: float, **options) -> torch.Tensor:
+    """q [T, H, Dqk] over each sequence's cached keys (the step's already written) -> [T, H, Dv]: prefill's varlen
+    kernel or decode's, with options (window, sinks, alibi_slopes)."""
     if ctx.is_prefill:
         return paged_prefill_attention(q, k_pages, v_pages, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_table,
                                        scale, check_values=False, **options)
@@ -273,7 +290,10 @@ class DecoderLayer(nn.Module):
     """A pre-norm decoder layer: x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)), with
     RMSNorms at `<prefix>.input_layernorm` / `<prefix>.post_attention_layernorm` (Llama's, Qwen's, DeepSeek's).
 
-    self_attn(x, cos, sin, ctx, k_pages, v_pages) and mlp(x) map [T, D] -> [T, D]; the model builds them."""
+    self_attn(x, cos, sin, ctx, k_pages, v_pages) and mlp(x) map [T, D] -> [T, D]; the model builds them.
+    forward(x, pending, ...) -> (x, pending): the residual stream and what is still to be added to it (the
+    previous layer's mlp output, None before the first layer), so each residual addition happens inside the norm
+    after it (`RMSNorm.add_norm`: one launch on a GPU, one C pass on the CPU)."""
 
     def __init__(self, config, loader, prefix: str, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -282,18 +302,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = rms_norm(loader, f"{prefix}.post_attention_layernorm", config)
         self.mlp = mlp
 
-    def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, ctx, k_pages, v_pages)
-        x, h = self.post_attention_layernorm.add_norm(x, h)  # the residual sum and its norm, in one pass on the CPU
-        return x + self.mlp(h)
+    def forward(self, x, pending, cos, sin, ctx: StepContext, k_pages, v_pages):
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_norm(x, pending)
+        h = self.self_attn(h, cos, sin, ctx, k_pages, v_pages)
+        x, h = self.post_attention_layernorm.add_norm(x, h)
+        return x, self.mlp(h)
 
 
 class CausalLM(nn.Module):
     """The rotary causal LM every such model class is: built as Cls(config, loader, dtype, device, max_seq_len=None,
     **options), forward(ctx, cache) -> logits [R, V] (compute dtype; see the module docstring).
 
-    embed_tokens (vocab-parallel: this rank's V/world rows) -> each of `layers`, layer(x, cos, sin, ctx, k_pages,
-    v_pages), on its own pages -> norm over the logit rows -> lm_head (vocab-parallel, logits gathered to [R, V]).
+    embed_tokens (vocab-parallel: this rank's V/world rows) -> each of `layers`, layer(x, pending, cos, sin, ctx,
+    k_pages, v_pages) -> (x, pending), on its own pages (pending: a last residual term the next layer adds, or
+    None; see DecoderLayer) -> norm over the logit rows -> lm_head (vocab-parallel, logits gathered to [R, V]).
     A model class states what differs: build_layers (its layers; **options go there), build_norm (the final norm),
     the class attributes `embedding` (the stored embedding's name) and `tie_word_embeddings` (the default when the
     config has no such key), and, when its first layer's `self_attn` is not a plain multi-head attention,
@@ -360,7 +385,10 @@ class CausalLM(nn.Module):
     def forward(self, ctx: StepContext, cache: PagedKVCache) -> torch.Tensor:
         """Logits [R, V] at ctx.logit_rows (every row when None); writes the step's K/V into cache."""
         cos, sin = self.rope(ctx)  # gathered once for all layers (None without rope)
-        x = self.embed_tokens(ctx.input_ids)
+        x, pending = self.embed_tokens(ctx.input_ids), None
         for layer, k_pages, v_pages in zip(self.layers, cache.k, cache.v):
-            x = layer(x, cos, sin, ctx, k_pages, v_pages)
-        return self.lm_head(self.norm(logit_rows(x, ctx)))
+            x, pending = layer(x, pending, cos, sin, ctx, k_pages, v_pages)
+        x = logit_rows(x, ctx)
+        if pending is not None:
+            x = x + logit_rows(pending, ctx)
+        return self.lm_head(self.norm(x))

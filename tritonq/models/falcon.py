@@ -112,13 +112,14 @@ class FalconDecoderLayer(nn.Module):
         self.self_attn = FalconAttention(config, loader, f"{prefix}.self_attention")
         self.mlp = FalconMLP(config, loader, f"{prefix}.mlp")
 
-    def forward(self, x, cos, sin, ctx, k_pages, v_pages):
+    def forward(self, x, pending, cos, sin, ctx, k_pages, v_pages):
+        """(x, pending) -> (x, None): the CausalLM skeleton's residual stream; Falcon adds each term itself."""
         normed = self.attn_norm(x)
         attn = self.self_attn(normed, cos, sin, ctx, k_pages, v_pages)
         if not self.parallel:
             x = x + attn
-            return x + self.mlp(self.mlp_norm(x))
-        return x + attn + self.mlp(normed if self.mlp_norm is None else self.mlp_norm(x))
+            return x + self.mlp(self.mlp_norm(x)), None
+        return x + attn + self.mlp(normed if self.mlp_norm is None else self.mlp_norm(x)), None
 
 
 class FalconForCausalLM(CausalLM):

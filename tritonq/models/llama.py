@@ -19,7 +19,7 @@ from torch import nn
 
 from tritonq.kernels.norm_rope import apply_rope
 from tritonq.layers import Linear, RMSNorm, RowParallelLinear
-from tritonq.models.common import MLP, CausalLM, DecoderLayer, StepContext, paged_attention
+from tritonq.models.common import MLP, CausalLM, DecoderLayer, StepContext, paged_attention, rope_paged_attention
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -99,18 +99,21 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
         """x [T, hidden] -> [T, hidden]; cos/sin [1, T, D] at the rows' positions."""
         T, H, H_kv = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(1, T, H + 2 * H_kv, self.head_dim)
-        qk = qkv[:, :, :H + H_kv]
-        if self.q_norm is not None:  # per head, before rope
-            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
-        if self.rotary_dim < self.head_dim:  # rotate the first rotary_dim dims, pass the rest
+        if self.rotary_dim < self.head_dim:  # partial rotary (GLM-4.5): qk-norm and rope of the first dims here
+            qkv = self.qkv_proj(x).view(1, T, H + 2 * H_kv, self.head_dim)
+            qk = qkv[:, :, :H + H_kv]
+            if self.q_norm is not None:  # per head, before rope
+                qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
             rot = self.rotary_dim
             qk = torch.cat([apply_rope(qk[..., :rot].contiguous(), cos, sin), qk[..., rot:]], dim=-1)
+            q, k = qk[0].split([H, H_kv], dim=1)  # q and k heads in one call
+            out = paged_attention(q, k, qkv[0, :, H + H_kv:], ctx, k_pages, v_pages, self.scale, window=self.window,
+                                  sinks=self.sinks)
         else:
-            qk = apply_rope(qk, cos, sin)
-        q, k = qk[0].split([H, H_kv], dim=1)  # q and k heads in one call
-        v = qkv[0, :, H + H_kv:]
-        out = paged_attention(q, k, v, ctx, k_pages, v_pages, self.scale, window=self.window, sinks=self.sinks)
+            q, k, v = self.qkv_proj(x).view(T, H + 2 * H_kv, self.head_dim).split([H, H_kv, H_kv], dim=1)
+            # qk-norm (per head, before rope), rope and the KV write: one launch on a GPU
+            out = rope_paged_attention(q, k, v, cos, sin, ctx, k_pages, v_pages, self.scale, self.q_norm,
+                                       self.k_norm, window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(T, H * self.head_dim))
 
 

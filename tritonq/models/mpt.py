@@ -87,10 +87,11 @@ class MptBlock(nn.Module):
         self.down_proj = RowParallelLinear(loader.get_linear(f"{prefix}.ffn.down_proj", parallel="row",
                                                              shape=(D, inter)), loader.world)
 
-    def forward(self, x, cos, sin, ctx, k_pages, v_pages):
-        """cos, sin: None (ALiBi; the CausalLM skeleton passes them to every layer)."""
+    def forward(self, x, pending, cos, sin, ctx, k_pages, v_pages):
+        """(x, pending) -> (x, None): the CausalLM skeleton's residual stream, which MPT adds itself; cos, sin: None
+        (ALiBi; the skeleton passes them to every layer)."""
         x = x + self.self_attn(self.norm_1(x), ctx, k_pages, v_pages)
-        return x + self.down_proj(F.gelu(self.up_proj(self.norm_2(x))))
+        return x + self.down_proj(F.gelu(self.up_proj(self.norm_2(x)))), None
 
 
 class MptForCausalLM(CausalLM):

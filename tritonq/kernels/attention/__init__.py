@@ -66,7 +66,7 @@ from tritonq.kernels.attention.jit import (_decode_merge_kernel, _decode_split_k
                                            _write_slots_kernel)
 from tritonq.kernels.attention.launch import (_check_prefill_lens, _check_slots, alibi_slopes, decode_attention,
                                               decode_launches, paged_prefill_attention, paged_prefill_launch,
-                                              write_kv_slots, write_kv_slots_launch)
+                                              rope_write_kv_slots, write_kv_slots, write_kv_slots_launch)
 from tritonq.kernels.attention.pages import (KV_FP8_MAX, KV_INT8_MAX, KV_SCALE_EPS, LOG2E, QuantizedPages,
                                              dequantize_pages, paged_cache, paged_prompts, read_kv_rows,
                                              shares_scale)

@@ -166,12 +166,15 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr,
                          BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
                          k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
-                         KV_INT8: tl.constexpr = False, alibi_ptr=None, HAS_ALIBI: tl.constexpr = False):
+                         KV_INT8: tl.constexpr = False, alibi_ptr=None, HAS_ALIBI: tl.constexpr = False,
+                         o_ptr=None, stride_ob=0, stride_oh=0, sinks_ptr=None, HAS_SINKS: tl.constexpr = False):
     """Stage 1. One program: one KV split of one (sequence, kv head, block of its query heads).
 
     All query heads sharing a kv head are one tl.dot operand, so each K/V tile is read once per
     kv head (GQA costs no extra bandwidth). Writes the split's normalized output to
-    part_o [B, H, NUM_SPLITS, D_V] fp32 and its log2-sum-exp to part_lse [B, H, NUM_SPLITS].
+    part_o [B, H, NUM_SPLITS, D_V] fp32 and its log2-sum-exp to part_lse [B, H, NUM_SPLITS];
+    with NUM_SPLITS == 1 the merge is folded in: the output o [B, H, D_V] is written directly in o's
+    dtype (HAS_SINKS: the head's sink sinks_ptr [H] fp32 joins the denominator, as in the merge).
     k/v are pages [P, PAGE_SIZE, Hkv, D] (PAGE_SIZE a multiple of BLOCK_N) and position n of sequence b
     lives in page block_table[b, n // PAGE_SIZE]; a key tile never straddles two pages, so paging costs
     one scalar load per tile.
@@ -224,16 +227,29 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
                                      offs_dv, D_QK, D_V, qk_scale, BLOCK_DR, k_scale_ptr, v_scale_ptr,
                                      (page * PAGE_SIZE + rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8, bias)
 
-    # An empty split stores lse = -inf and a zero output; the merge gives it weight 0.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if KV_FP8:
-        out = out * (tl.load(v_scale_ptr) * E4M3_TO_FP16_BIAS)
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-    row = (b * H + heads) * NUM_SPLITS + split
-    tl.store(part_o_ptr + row[:, None] * D_V + offs_dv[None, :], out,
-             mask=head_mask[:, None] & (offs_dv[None, :] < D_V))
-    tl.store(part_lse_ptr + row, lse, mask=head_mask)
+    if NUM_SPLITS == 1:  # the merge folded in: this program saw all the keys
+        # no keys (a padding row): l_i = 0, acc = 0, output 0; a sink (log2 domain) adds e^(sink) to the sum
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0) * 1.4426950408889634
+            top = tl.maximum(m_i, sink)  # finite: rescale both terms by it, so nothing overflows
+            alpha = tl.exp2(m_i - top)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - top)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            out = out * (tl.load(v_scale_ptr) * E4M3_TO_FP16_BIAS)
+        tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=head_mask[:, None] & (offs_dv[None, :] < D_V))
+    else:  # an empty split stores lse = -inf and a zero output; the merge gives it weight 0
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        if KV_FP8:
+            out = out * (tl.load(v_scale_ptr) * E4M3_TO_FP16_BIAS)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        row = (b * H + heads) * NUM_SPLITS + split
+        tl.store(part_o_ptr + row[:, None] * D_V + offs_dv[None, :], out,
+                 mask=head_mask[:, None] & (offs_dv[None, :] < D_V))
+        tl.store(part_lse_ptr + row, lse, mask=head_mask)
 
 
 @triton.jit
@@ -272,20 +288,80 @@ def _write_slots_kernel(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr,
                         stride_kt, stride_kth, stride_vt, stride_vth, D_QK, D_V,
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
                         k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
-                        KV_INT8: tl.constexpr = False, SHARED_SCALE: tl.constexpr = False):
-    """One program copies the k and v rows of one (token, kv head) to its slot; a slot < 0 writes nothing.
+                        KV_INT8: tl.constexpr = False, SHARED_SCALE: tl.constexpr = False,
+                        q_ptr=None, q_out_ptr=None, cos_ptr=None, sin_ptr=None, q_norm_ptr=None, k_norm_ptr=None,
+                        stride_qt=0, stride_qth=0, stride_ot=0, stride_oth=0, stride_cos=0, eps=0.0,
+                        H_Q: tl.constexpr = 0, ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False):
+    """Program (token t, head h): h < H_Q rotates query head h into q_out; the others copy the k and v rows of
+    kv head h - H_Q to the token's slot (a slot < 0 writes nothing).
 
+    ROPE: k (and the H_Q query heads) are first rotated by the token's cos / sin rows (rotate-half, fp32,
+    rounded once to the input dtype); QK_NORM: each head row is RMS-normalized by q_norm / k_norm [D] before
+    that (Qwen3). So one launch does a layer's rope and its KV write (H_Q = 0, no ROPE: the plain write).
     KV_FP8: the rows are divided by the per-tensor scales and stored as e4m3 bytes (saturating at +-448).
     KV_INT8: each row gets scale = absmax / 127 (SHARED_SCALE: one for k and v, the larger absmax),
     stored at scales[slot, head], and codes floor(x / scale + 0.5)."""
     t = tl.program_id(0).to(tl.int64)  # t x stride_kt: past 2^31 elements for MLA prefill's long contexts
-    h = tl.program_id(1)
+    h = tl.program_id(1) - H_Q  # the kv head (< 0: a query head's program)
+    offs_d = tl.arange(0, BLOCK_D)
+    if H_Q > 0:
+        if h < 0:
+            q = _rope_row(q_ptr + t * stride_qt + (h + H_Q) * stride_qth, offs_d, D_QK, cos_ptr, sin_ptr,
+                          t * stride_cos, q_norm_ptr, eps, ROPE, QK_NORM)
+            tl.store(q_out_ptr + t * stride_ot + (h + H_Q) * stride_oth + offs_d, q, mask=offs_d < D_QK)
+    if h >= 0:
+        _write_slot(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr, t, h, tl.num_programs(1) - H_Q,
+                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                    stride_kt, stride_kth, stride_vt, stride_vth, D_QK, D_V, BLOCK_D, BLOCK_DV, PAGE_SIZE,
+                    k_scale_ptr, v_scale_ptr, KV_FP8, KV_INT8, SHARED_SCALE, cos_ptr, sin_ptr, t * stride_cos,
+                    k_norm_ptr, eps, ROPE, QK_NORM)
+
+
+@triton.jit
+def _rope_row(row_ptr, offs, D, cos_ptr, sin_ptr, cos_offset, norm_ptr, eps, ROPE: tl.constexpr,
+              QK_NORM: tl.constexpr):
+    """One head row [BLOCK] (lanes >= D are 0), optionally RMS-normalized by norm_ptr [D] and rotated by the
+    cos / sin rows at cos_offset (x cos + rotate_half(x) sin, rotate_half(x)[i] = -x[i + D/2] below D/2,
+    x[i - D/2] above),
+    in fp32, returned in the row's dtype."""
+    mask = offs < D
+    x = tl.load(row_ptr + offs, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if ROPE:
+        half = D // 2
+        partner = tl.where(offs < half, offs + half, offs - half)
+        x2 = tl.load(row_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        x = x * rstd * tl.load(norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if ROPE:
+            x2 = x2 * rstd * tl.load(norm_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    if ROPE:
+        cos = tl.load(cos_ptr + cos_offset + offs, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cos_offset + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x * cos + tl.where(offs < half, -x2, x2) * sin
+    return x.to(dtype)
+
+
+@triton.jit
+def _write_slot(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr, t, h, H_KV,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                stride_kt, stride_kth, stride_vt, stride_vth, D_QK, D_V,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr, KV_INT8: tl.constexpr, SHARED_SCALE: tl.constexpr,
+                cos_ptr, sin_ptr, cos_offset, k_norm_ptr, eps, ROPE: tl.constexpr, QK_NORM: tl.constexpr):
+    """_write_slots_kernel's kv program: token t's k (normalized and rotated if asked) and v rows of kv head h
+    (of H_KV) to its slot."""
     slot = tl.load(slot_ptr + t)
     page, row = slot // PAGE_SIZE, slot % PAGE_SIZE
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    # slot is broadcast to a vector first because the interpreter rejects scalar & vector masks.
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kth + offs_d, mask=offs_d < D_QK, other=0.0)
+    if ROPE or QK_NORM:
+        k = _rope_row(k_ptr + t * stride_kt + h * stride_kth, offs_d, D_QK, cos_ptr, sin_ptr, cos_offset, k_norm_ptr,
+                      eps, ROPE, QK_NORM)
+    else:
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kth + offs_d, mask=offs_d < D_QK, other=0.0)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vth + offs_dv, mask=offs_dv < D_V, other=0.0)
     if KV_FP8:
         k = e4m3_bits_from_fp32(tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.zeros([BLOCK_D], tl.float32)
@@ -305,9 +381,10 @@ def _write_slots_kernel(k_pages_ptr, v_pages_ptr, k_ptr, v_ptr, slot_ptr,
                      -_KV_INT8_MAX, _KV_INT8_MAX).to(tl.int8)
         v = tl.clamp(tl.floor(tl.math.div_rn(v.to(tl.float32), tl.zeros([BLOCK_DV], tl.float32) + v_scale) + 0.5),
                      -_KV_INT8_MAX, _KV_INT8_MAX).to(tl.int8)
-        scale_row = slot * tl.num_programs(1) + h  # scales [P, PAGE_SIZE, Hkv] contiguous: slot x Hkv + head
+        scale_row = slot * H_KV + h  # scales [P, PAGE_SIZE, Hkv] contiguous: slot x Hkv + head
         tl.store(k_scale_ptr + scale_row, k_scale, mask=slot >= 0)
         tl.store(v_scale_ptr + scale_row, v_scale, mask=slot >= 0)
+    # slot is broadcast to a vector first because the interpreter rejects scalar & vector masks.
     tl.store(k_pages_ptr + page * stride_kp + row * stride_ks + h * stride_kh + offs_d, k,
              mask=(offs_d < D_QK) & (slot + 0 * offs_d >= 0))
     tl.store(v_pages_ptr + page * stride_vp + row * stride_vs + h * stride_vh + offs_dv, v,

@@ -15,6 +15,7 @@ from tritonq.kernels.attention.pages import LOG2E, QuantizedPages, shares_scale
 from tritonq.kernels.attention.reference import (decode_attention_reference, paged_prefill_attention_reference,
                                                  write_kv_slots_reference)
 from tritonq.kernels.common import Launch
+from tritonq.kernels.norm_rope import apply_rope, rms_norm
 
 def _check_lens(name: str, lens: torch.Tensor, batch: int, device: torch.device) -> None:
     if lens.dtype != torch.int32 or lens.shape != (batch,) or lens.device != device:
@@ -215,7 +216,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     split, merge, out = decode_launches(q, k_pages, v_pages, cache_lens, block_table, scale, window, cfg, sinks,
                                         alibi_slopes=alibi_slopes)
     split()
-    merge()
+    if merge is not None:
+        merge()
     return out
 
 
@@ -223,9 +225,10 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_p
                     cache_lens: torch.Tensor, block_table: torch.Tensor, scale: float, window: int,
                     cfg: DecodeConfig, sinks: torch.Tensor | None = None, *,
                     alibi_slopes: torch.Tensor | None = None) -> tuple[Launch, Launch, torch.Tensor]:
-    """The two launches of a decode step (_decode_split_kernel, then _decode_merge_kernel) for checked
-    inputs of decode_attention (head dim contiguous), and the output o [B, H, Dv]. Over meta tensors
-    they are what tune --aot and the AOT tests compile. sinks [H] fp32 enter the merge only."""
+    """The launches of a decode step (_decode_split_kernel, then _decode_merge_kernel) for checked inputs of
+    decode_attention (head dim contiguous), and the output o [B, H, Dv]; with one split (cfg.NUM_SPLITS == 1:
+    batch x kv heads fill the GPU already) the split kernel writes o itself and merge is None. Over meta
+    tensors they are what tune --aot and the AOT tests compile. sinks [H] fp32 enter the merge (or the one split)."""
     k_pages, v_pages, kv_args = _kv_launch_args(k_pages, v_pages)
     B, H, D_QK = q.shape
     H_kv, D_V = k_pages.shape[2], v_pages.shape[-1]
@@ -234,8 +237,13 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_p
     block_h = min(64, max(16, triton.next_power_of_2(group)))  # tl.dot needs >= 16 rows
     page_size = k_pages.shape[1]
     block_n = paged_block_n(cfg.BLOCK_N, page_size)  # a key tile within one page, <= 32 keys
-    part_o = torch.empty(B, H, cfg.NUM_SPLITS, D_V, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, H, cfg.NUM_SPLITS, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
+    direct = cfg.NUM_SPLITS == 1
+    if direct:  # no partial results: the part pointers are placeholders the kernel does not touch
+        part_o = part_lse = out
+    else:
+        part_o = torch.empty(B, H, cfg.NUM_SPLITS, D_V, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(B, H, cfg.NUM_SPLITS, dtype=torch.float32, device=q.device)
     split = dict(q_ptr=q, k_ptr=k_pages, v_ptr=v_pages, cache_lens_ptr=cache_lens, block_table_ptr=block_table,
                  part_o_ptr=part_o, part_lse_ptr=part_lse, stride_qb=q.stride(0), stride_qh=q.stride(1),
                  stride_kp=k_pages.stride(0), stride_ks=k_pages.stride(1), stride_kh=k_pages.stride(2),
@@ -244,7 +252,13 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_p
                  GROUP=group, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
                  BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=page_size, HAS_WINDOW=window > 0, **kv_args,
                  alibi_ptr=q if alibi_slopes is None else alibi_slopes * LOG2E, HAS_ALIBI=alibi_slopes is not None)
-    out = torch.empty(B, H, D_V, dtype=q.dtype, device=q.device)
+    if direct:
+        split.update(o_ptr=out, stride_ob=out.stride(0), stride_oh=out.stride(1), sinks_ptr=sinks,
+                     HAS_SINKS=sinks is not None)
+    split_launch = Launch(_decode_split_kernel, (B, H_kv * triton.cdiv(group, block_h), cfg.NUM_SPLITS), split,
+                          cfg.num_warps, cfg.num_stages)
+    if direct:
+        return split_launch, None, out
     block_splits = triton.next_power_of_2(cfg.NUM_SPLITS)
     merge = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, o_ptr=out, stride_ob=out.stride(0),
                  stride_oh=out.stride(1), H=H, D_V=D_V, NUM_SPLITS=cfg.NUM_SPLITS, BLOCK_SPLITS=block_splits,
@@ -252,9 +266,8 @@ def decode_launches(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_p
     # The merge holds all partial outputs [BLOCK_SPLITS, BLOCK_DV] fp32 at once: a warp per 4096 of them
     # keeps it at <= 128 per thread (MLA's 64 x 512 spills 5.4 KB with 4 warps on sm_90, none with 8: AOT).
     merge_warps = min(16, max(4, block_splits * block_dv // 4096))
-    return (Launch(_decode_split_kernel, (B, H_kv * triton.cdiv(group, block_h), cfg.NUM_SPLITS), split,
-                   cfg.num_warps, cfg.num_stages),
-            Launch(_decode_merge_kernel, (B, H), merge, merge_warps, 1), out)  # one pass: nothing to pipeline
+    merge_launch = Launch(_decode_merge_kernel, (B, H), merge, merge_warps, 1)  # one pass: nothing to pipeline
+    return split_launch, merge_launch, out
 
 
 def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -271,6 +284,19 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
     QuantizedPages: k and v (in the model dtype) are quantized as they are written (module docstring).
     """
     given = k_pages, v_pages
+    k_pages, v_pages, k_scale, v_scale = _checked_write(k_pages, v_pages, k, v, slot_mapping, check_values)
+    if k.shape[0] == 0:
+        return
+    if use_cpu_kernels(k_pages):  # one index_copy_ per cache (kernels/cpu_attention.py)
+        return cpu_attention.write_kv_slots(k_pages, v_pages, k, v, slot_mapping, k_scale, v_scale)
+    if not use_triton(k_pages):
+        return write_kv_slots_reference(*given, k, v, slot_mapping)
+    write_kv_slots_launch(*given, _last_dim_contiguous(k), _last_dim_contiguous(v), slot_mapping)[0]()
+
+
+def _checked_write(k_pages, v_pages, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                   check_values: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """write_kv_slots' checks (a ValueError naming what is wrong); returns `_unpack_pages` of the pages."""
     k_pages, v_pages, k_scale, v_scale = _unpack_pages(k_pages, v_pages, "write_kv_slots")
     if (k.dim() != 3 or v.dim() != 3 or k_pages.dim() != 4 or v_pages.dim() != 4 or k.shape[:2] != v.shape[:2]
             or k_pages.shape[:3] != v_pages.shape[:3] or k_pages.shape[2:] != k.shape[1:]
@@ -292,21 +318,20 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (T,) or slot_mapping.device != k.device:
         raise ValueError(f"write_kv_slots: slot_mapping must be an int64 tensor of shape [{T}] on {k.device}; "
                          f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)} on {slot_mapping.device}.")
-    if T == 0:
-        return
-    if check_values:
+    if check_values and T:
         _check_slots(slot_mapping, k_pages.shape[0] * k_pages.shape[1])
-    if use_cpu_kernels(k_pages):  # one index_copy_ per cache (kernels/cpu_attention.py)
-        return cpu_attention.write_kv_slots(k_pages, v_pages, k, v, slot_mapping, k_scale, v_scale)
-    if not use_triton(k_pages):
-        return write_kv_slots_reference(*given, k, v, slot_mapping)
-    write_kv_slots_launch(*given, _last_dim_contiguous(k), _last_dim_contiguous(v), slot_mapping)()
+    return k_pages, v_pages, k_scale, v_scale
 
 
 def write_kv_slots_launch(k_pages: torch.Tensor | QuantizedPages, v_pages: torch.Tensor | QuantizedPages,
-                          k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> Launch:
-    """The launch of _write_slots_kernel for checked inputs of write_kv_slots (k, v head dim contiguous):
-    one program per (token, kv head). Over meta tensors it is what the AOT tests compile."""
+                          k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, q: torch.Tensor | None = None,
+                          cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                          q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                          eps: float = 0.0) -> tuple[Launch, torch.Tensor | None]:
+    """The launch of _write_slots_kernel for checked inputs of write_kv_slots (k, v head dim contiguous): one
+    program per (token, kv head); and with q [T, H, Dqk] (rope_write_kv_slots' checked inputs), one more per
+    (token, query head) rotating q into the returned q_out [T, H, Dqk] (None without q). Over meta tensors it
+    is what the AOT tests compile."""
     shared = isinstance(k_pages, QuantizedPages) and shares_scale(k_pages, v_pages)
     k_pages, v_pages, kv_args = _kv_launch_args(k_pages, v_pages)
     if shared:
@@ -317,7 +342,55 @@ def write_kv_slots_launch(k_pages: torch.Tensor | QuantizedPages, v_pages: torch
                 stride_kt=k.stride(0), stride_kth=k.stride(1), stride_vt=v.stride(0), stride_vth=v.stride(1),
                 D_QK=k.shape[-1], D_V=v.shape[-1], BLOCK_D=triton.next_power_of_2(k.shape[-1]),
                 BLOCK_DV=triton.next_power_of_2(v.shape[-1]), PAGE_SIZE=k_pages.shape[1], **kv_args)
-    return Launch(_write_slots_kernel, (k.shape[0], k.shape[1]), args, 4, 3)  # Triton's default warps, stages
+    q_out, heads = None, k.shape[1]
+    if q is not None:
+        q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        heads += q.shape[1]
+        args.update(q_ptr=q, q_out_ptr=q_out, stride_qt=q.stride(0), stride_qth=q.stride(1),
+                    stride_ot=q_out.stride(0), stride_oth=q_out.stride(1), H_Q=q.shape[1])
+        if cos is not None:
+            args.update(cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), ROPE=True)
+        if q_norm is not None:
+            args.update(q_norm_ptr=q_norm, k_norm_ptr=k_norm, eps=eps, QK_NORM=True)
+    return Launch(_write_slots_kernel, (k.shape[0], heads), args, 4, 3), q_out  # Triton's default warps, stages
+
+
+def rope_write_kv_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_pages: torch.Tensor | QuantizedPages, v_pages: torch.Tensor | QuantizedPages,
+                        slot_mapping: torch.Tensor, *, q_norm: torch.Tensor | None = None,
+                        k_norm: torch.Tensor | None = None, eps: float = 0.0,
+                        check_values: bool = True) -> torch.Tensor:
+    """A rotary layer's step between its qkv linear and attention, in one launch on a GPU: rotate q [T, H, D]
+    and k [T, Hkv, D] by cos / sin [T, D] (the table rows at the tokens' positions; norm_rope.apply_rope's
+    rotate-half), write the rotated k and v [T, Hkv, Dv] into the pages as write_kv_slots does, and return
+    the rotated q [T, H, D] in q's dtype. q_norm / k_norm [D] (both or neither): each head row is first
+    RMS-normalized with that weight and eps (Qwen3's qk-norm). q, k, v may be strided views of one qkv
+    output (head dim contiguous). Elsewhere than on a GPU: norm_rope's rms_norm and apply_rope, then
+    write_kv_slots (the same values up to the rounding of the intermediate steps)."""
+    T, D = k.shape[0], k.shape[-1]
+    if q.dim() != 3 or q.shape[0] != T or q.shape[-1] != D or q.dtype != k.dtype or q.device != k.device:
+        raise ValueError(f"rope_write_kv_slots: expected q [T, H, D] like k [T, Hkv, D] ({k.dtype} on {k.device}); "
+                         f"got q {q.dtype} {tuple(q.shape)} on {q.device}, k {tuple(k.shape)}.")
+    if D % 2 or cos.shape != (T, D) or sin.shape != (T, D) or cos.device != q.device or sin.dtype != cos.dtype:
+        raise ValueError(f"rope_write_kv_slots: expected an even head dim and cos / sin [T, D] = [{T}, {D}] of one "
+                         f"dtype on {q.device} (the rope table rows at the tokens' positions); got D = {D}, cos "
+                         f"{cos.dtype} {tuple(cos.shape)}, sin {sin.dtype} {tuple(sin.shape)} on {cos.device}.")
+    if (q_norm is None) != (k_norm is None) or any(
+            w is not None and (w.shape != (D,) or w.device != q.device) for w in (q_norm, k_norm)):
+        raise ValueError(f"rope_write_kv_slots: q_norm and k_norm must both be [{D}] weights on {q.device}, or both "
+                         "None (no qk-norm).")
+    if use_triton(q) and T > 0:
+        _checked_write(k_pages, v_pages, k, v, slot_mapping, check_values)
+        launch, q_out = write_kv_slots_launch(k_pages, v_pages, _last_dim_contiguous(k), _last_dim_contiguous(v),
+                                              slot_mapping, _last_dim_contiguous(q), _last_dim_contiguous(cos),
+                                              _last_dim_contiguous(sin), q_norm, k_norm, eps)
+        launch()
+        return q_out
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = (apply_rope(x[None], cos[None], sin[None])[0] for x in (q, k))
+    write_kv_slots(k_pages, v_pages, k, v, slot_mapping, check_values=check_values)
+    return q
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

@@ -121,11 +121,9 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
                               _fit_block_k(_config(T, top_k, E, D, inter), down, w8a8[1]))
     # Both GEMMs share one alignment, so they use the smaller BLOCK_M of the two configs.
     block_m = min(cfg1.BLOCK_M, cfg2.BLOCK_M)
-    # Slots of other ranks' experts (-1) go to a virtual expert E, sorted last; the kernels stop before its
-    # blocks (num_tokens_post_padded less its padded run), so those rows stay zero. No host read.
-    dropped = topk_ids < 0
-    sorted_ids, expert_ids, post_padded = moe_align_block_size(torch.where(dropped, E, topk_ids), block_m, E + 1)
-    post_padded = post_padded - (dropped.sum(dtype=torch.int32) + block_m - 1) // block_m * block_m
+    # Slots of other ranks' experts (-1) sort last, past num_tokens_post_padded, where the kernels stop: those
+    # rows stay zero. No host read.
+    sorted_ids, expert_ids, post_padded = moe_align_block_size(topk_ids, block_m, E)
     routing = topk_weights.float().contiguous().flatten()
     alignment = (sorted_ids, expert_ids, post_padded)
     native_fp8 = has_fp8_tensor_cores(x.device)

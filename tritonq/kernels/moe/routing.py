@@ -11,12 +11,21 @@ kernel would save a few microseconds of launches per layer and is not worth a se
 implementation; `grouped_topk_reference` is an independent per-token loop.
 
 Token alignment: `moe_align_block_size` sorts the T*k (token, slot) pairs by expert and pads each
-expert's run to BLOCK_M, so each M block of rows belongs to one expert (the expert GEMM's `jit.py`).
+expert's run to BLOCK_M, so each M block of rows belongs to one expert (the expert GEMM's `jit.py`). Slots of
+experts this process does not hold (id -1) sort after every expert, outside the counted rows. A decode-sized
+problem (T*k x experts <= ALIGN_ONE_PROGRAM) aligns in one Triton launch, one program (`_moe_align_kernel`);
+larger ones (prefill) and the CPU run the vectorised torch scans, whose ~20 launches are parallel over the pairs.
 """
 from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
+
+from tritonq.kernels import use_triton
+from tritonq.kernels.common import Launch
+
+ALIGN_ONE_PROGRAM = 65536  # pairs x experts (the one-hot tile the program sweeps); e.g. 16 tokens x 8 slots x 512
 
 
 def _check_routing(router_logits, top_k, n_group, topk_group, scoring, correction_bias):
@@ -113,30 +122,97 @@ def grouped_topk_reference(router_logits: torch.Tensor, top_k: int, n_group: int
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk_ids [T, k] -> (sorted_ids, expert_ids, num_tokens_post_padded [1] int32).
+    """topk_ids [T, k] (ids in 0..num_experts-1, or -1: a slot not computed here) -> (sorted_ids, expert_ids,
+    num_tokens_post_padded [1] int32).
 
-    sorted_ids [max_blocks * block_m] int32: flat (token * k + slot) indices grouped by expert,
-      each expert's run padded to a multiple of block_m with the sentinel T * k.
-    expert_ids [max_blocks] int32: the expert of each block of block_m rows.
-    max_blocks = min(T*k, ceil(T*k / block_m) + E) bounds the blocks without a host sync; blocks
-    at or past num_tokens_post_padded are unused (the kernel exits on them).
-    Vectorised torch (a stable sort and a few scans) rather than a kernel: it is O(T*k), and
-    has no host sync (scatter_add, not bincount), so a decode step can be CUDA-graph captured.
+    sorted_ids [max_blocks * block_m] int32: flat (token * k + slot) indices grouped by expert, in token order
+      within an expert, each expert's run padded to a multiple of block_m with the sentinel T * k; the -1 slots
+      come last, after num_tokens_post_padded rows.
+    expert_ids [max_blocks] int32: the expert of each block of block_m rows (< num_tokens_post_padded).
+    max_blocks = min(T*k, ceil(T*k / block_m) + E + 1) bounds the blocks without a host sync; blocks at or
+    past num_tokens_post_padded are unused (the kernel exits on them). No host read either way, so a decode
+    step can be CUDA-graph captured: one Triton launch for a decode-sized problem (module docstring), else
+    vectorised torch (a stable sort and a few scans; scatter_add, not bincount).
     """
+    numel = topk_ids.numel()
+    max_blocks = min(numel, triton.cdiv(numel, block_m) + num_experts + 1)
+    if use_triton(topk_ids) and numel * triton.next_power_of_2(num_experts + 1) <= ALIGN_ONE_PROGRAM:
+        launch, outputs = align_launch(topk_ids.contiguous(), block_m, num_experts, max_blocks)
+        launch()
+        return outputs
     flat = topk_ids.flatten().long()
-    numel = flat.numel()
+    flat = torch.where(flat < 0, num_experts, flat)  # the slots not computed here: a virtual last expert
     device = flat.device
     order = torch.sort(flat, stable=True).indices             # pairs grouped by expert, token order kept
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, flat,
+                                                                                       torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
     unpadded_start = counts.cumsum(0) - counts
     expert_of_sorted = flat[order]
     rank_in_expert = torch.arange(numel, device=device) - unpadded_start[expert_of_sorted]
-    max_blocks = min(numel, triton.cdiv(numel, block_m) + num_experts)
     sorted_ids = torch.full((max_blocks * block_m,), numel, dtype=torch.int32, device=device)
     sorted_ids[padded_start[expert_of_sorted] + rank_in_expert] = order.to(torch.int32)
     block_start = torch.arange(max_blocks, device=device) * block_m
     expert_ids = torch.searchsorted(padded_end, block_start, right=True).clamp_(max=num_experts - 1)
-    return sorted_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
+    return sorted_ids, expert_ids.to(torch.int32), padded_start[-1:].to(torch.int32)
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, post_padded_ptr, numel, num_experts, max_blocks,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """One program aligns all T*k pairs (moe_align_block_size): counts per expert (a one-hot [CHUNK, BLOCK_E] summed
+    over CHUNK pairs at a time; -1 ids count for the virtual expert num_experts), padded run starts by a cumsum,
+    then each pair goes to its run's start + the pairs of its expert before it (earlier chunks, then a cumsum
+    within the chunk), so the order within an expert is the token order; finally each block's expert."""
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, numel, CHUNK):
+        onehot, _, _ = _align_chunk(ids_ptr, start, numel, num_experts, offs_e, BLOCK_E, CHUNK)
+        counts += tl.sum(onehot, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    tl.store(post_padded_ptr, tl.sum(tl.where(offs_e == num_experts, starts, 0), 0))  # the dropped run's start
+    for start in range(0, max_blocks * BLOCK_M, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], tl.int32) + numel, mask=offs < max_blocks * BLOCK_M)
+    tl.debug_barrier()  # the sentinel fill lands before the scatter below overwrites parts of it
+    seen = starts
+    for start in range(0, numel, CHUNK):
+        onehot, offs, ok = _align_chunk(ids_ptr, start, numel, num_experts, offs_e, BLOCK_E, CHUNK)
+        position = tl.sum(onehot * (tl.cumsum(onehot, 0) - onehot + seen[None, :]), 1)
+        tl.store(sorted_ids_ptr + position, offs, mask=ok)
+        seen += tl.sum(onehot, 0)
+    for start in range(0, max_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)  # searchsorted, right
+        tl.store(expert_ids_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < max_blocks)
+
+
+@triton.jit
+def _align_chunk(ids_ptr, start, numel, num_experts, offs_e, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """(one-hot [CHUNK, BLOCK_E] int32 of pairs start.. by expert (-1: num_experts; none past numel), the pairs'
+    indices, which exist)."""
+    offs = start + tl.arange(0, CHUNK)
+    ok = offs < numel
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+    expert = tl.where(expert < 0, num_experts, expert)
+    expert = tl.where(ok, expert, BLOCK_E)  # matches no lane
+    return (expert[:, None] == offs_e[None, :]).to(tl.int32), offs, ok
+
+
+def align_launch(topk_ids: torch.Tensor, block_m: int, num_experts: int, max_blocks: int
+                 ) -> tuple[Launch, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The launch of _moe_align_kernel over contiguous topk_ids and moe_align_block_size's outputs it fills: one
+    program, 4 warps, CHUNK pairs a step so that the one-hot tile holds 4096 values (32 a thread)."""
+    device = topk_ids.device
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    post_padded = torch.empty(1, dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(num_experts + 1)
+    args = dict(ids_ptr=topk_ids, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids, post_padded_ptr=post_padded,
+                numel=topk_ids.numel(), num_experts=num_experts, max_blocks=max_blocks, BLOCK_M=block_m,
+                BLOCK_E=block_e, CHUNK=max(16, 4096 // block_e))
+    return Launch(_moe_align_kernel, (1,), args, 4, 1), (sorted_ids, expert_ids, post_padded)

@@ -94,7 +94,7 @@ def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool 
         weight = replace(weight, bias=torch.empty(E, w_rows, dtype=dtype, device="meta"))
     meta = torch.device("meta")
     numel = T * top_k
-    max_blocks = min(numel, triton.cdiv(numel, config.BLOCK_M) + E)  # as moe_align_block_size
+    max_blocks = min(numel, triton.cdiv(numel, config.BLOCK_M) + E + 1)  # as moe_align_block_size
     alignment = (torch.empty(max_blocks * config.BLOCK_M, dtype=torch.int32, device=meta),
                  torch.empty(max_blocks, dtype=torch.int32, device=meta), torch.empty(1, dtype=torch.int32, device=meta))
     rows = T if gate else numel
