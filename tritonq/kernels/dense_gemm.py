@@ -46,7 +46,8 @@ def _dense_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride
             acc = tl.dot(a, w, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    store_gemm_tile(y_ptr, acc, bias_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N, HAS_BIAS, 1)
+    # one K slice: no partials or arrival counters (y stands for both, never read)
+    store_gemm_tile(y_ptr, acc, bias_ptr, y_ptr, y_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N, HAS_BIAS, 1)
 
 
 def dense_gemm(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:
