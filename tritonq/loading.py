@@ -389,8 +389,8 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     prompt + max_new_tokens of one request.
     tensor_parallel=N splits the model over N processes started by `torchrun --nproc-per-node N`
     (each reads only its shard, on GPU LOCAL_RANK); None follows the launcher, 1 opts out. Across machines, start
-    torchrun on each with --nnodes and a shared --rdzv-endpoint (README). expert_parallel=True (MoE models under
-    tensor parallelism): each rank holds E/N whole routed experts instead of every expert's 1/N slice.
+    torchrun on each with --nnodes and a shared --rdzv-endpoint (docs/tensor_parallel.md). expert_parallel=True
+    (MoE models under tensor parallelism): each rank holds E/N whole routed experts instead of every expert's 1/N slice.
 
     Engine options (see tritonq.engine): at most max_num_seqs sequences run at once and one step
     computes at most max_num_batched_tokens tokens (a longer prompt is prefilled in chunks). The
@@ -404,12 +404,13 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     k and for v (the checkpoint's self_attn.k_scale / v_scale, e.g. llm-compressor's kv_cache_scheme; 1.0 where
     it has none, as vLLM does: values then saturate at +-448); "int8" with one scale per token and kv head
     (absmax / 127, written with the values). 8-bit caches hold ~2x (fp16/bf16) or ~4x (fp32) the tokens in the
-    same memory; the load log says how many sequences fit. Outputs change by the rounding (README: quality).
+    same memory; the load log says how many sequences fit. Outputs change by the rounding (docs/benchmarks.md:
+    quantization quality).
     cuda_graphs (default: True on one CUDA GPU, False under tensor parallelism until a multi-GPU run has
     checked NCCL collectives inside captured graphs): decode steps run at fixed batch buckets (1, 2, 4, 8, 16, 24,
     ... up to max_num_seqs) and each bucket's step is captured as a CUDA graph here, at load (the log
     says how many and how long it took), then replayed; False runs every step eagerly (debugging).
-    compile (CPU, Llama family; default CPU_COMPILE, off: a compile per bucket for a small gain, see README):
+    compile (CPU, Llama family; default CPU_COMPILE, off: a compile per bucket for a small gain, see docs/engine.md):
     decode steps run at the same buckets, each torch.compile'd on its first use (tritonq.engine.compiled;
     the log says how long); False runs them eagerly.
     speculative: speculative decoding (tritonq.engine.speculative; greedy outputs unchanged, sampled ones keep

@@ -97,7 +97,7 @@ def test_compile_option_is_checked(folder):
 
 
 def test_compile_is_off_by_default_on_cpu(folder):
-    """A compile per bucket for a small gain (README, tritonq.loading.CPU_COMPILE): the default runs eagerly."""
+    """A compile per bucket for a small gain (docs/engine.md, tritonq.loading.CPU_COMPILE): the default runs eagerly."""
     assert _load(folder, None).engine.runner.compiled is None
 
 

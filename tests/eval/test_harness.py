@@ -118,7 +118,7 @@ def test_registered_under_tritonq_and_cli_runs_a_task(setup, capsys, monkeypatch
     lm = TritonQLM.create_from_arg_string(f"pretrained={folder},dtype=float32,max_seq_len={POSITIONS}",
                                           {"batch_size": 4, "device": "cpu"})
     assert lm.max_length == POSITIONS
-    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the README's command: the repo's example task
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # docs/cli.md's command: the repo's example task
     main(["lm_eval", "--model-path", str(folder), "--tasks", "shakespeare_next_word", "--include-path",
           "tests/data/lm_eval", "--max-seq-len", str(POSITIONS), "--output-path", str(task_folder / "out.json")])
     assert "|shakespeare_next_word|" in capsys.readouterr().out

@@ -41,7 +41,7 @@ def build_parser(prog: str = "python -m tritonq.bench") -> argparse.ArgumentPars
 
 
 def typed(name: str) -> str:
-    """How the README spells a benchmark: vs-vllm; the others as their modules."""
+    """How the docs spell a benchmark: vs-vllm; the others as their modules."""
     return name.replace("_", "-") if name == "vs_vllm" else name
 
 

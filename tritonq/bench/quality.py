@@ -178,7 +178,7 @@ def main(argv: list[str]) -> None:
 
 
 def markdown_table(rows: list[dict], speed: bool = True) -> str:
-    """The rows as a Markdown table (README, notebooks): perplexity to 3 decimals (the int4 gaps are small);
+    """The rows as a Markdown table (docs/benchmarks.md, notebooks): perplexity to 3 decimals (the int4 gaps are small);
     speed=False leaves out decode tokens/s (a stored run's speed says little about this machine's)."""
     fmt = lambda v, spec: "n/a" if not math.isfinite(v) else format(v, spec)
     speed_head, speed_rule = ("decode tok/s | ", "---:|") if speed else ("", "")

@@ -1,7 +1,7 @@
 """python -m tritonq.bench vs-vllm: tritonq and vLLM's CPU build side by side, same checkpoint, same prompts.
 
 Needs the python of a venv holding vLLM (--vllm-python PATH, or $VLLM_PYTHON; how to make one:
-the README's "tritonq vs vLLM's CPU build"); without one the benchmark says so and skips.
+docs/benchmarks.md, "tritonq vs vLLM's CPU build"); without one the benchmark says so and skips.
 
 One random Llama is written once per format (dense: fp32 safetensors; awq: AWQ int4 g128 GEMM
 written from it by tritonq.quantize), with a tokenizer of one word per id so that every generated
@@ -306,8 +306,8 @@ def check_vllm_python(path: str) -> str:
     """The installed vLLM version under the python at `path`; SystemExit with what is wrong otherwise."""
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         raise SystemExit(f"vs-vllm: --vllm-python {path} is not an executable file; pass the python of a venv "
-                         "holding vLLM, e.g. ../vllm-cpu-venv/bin/python (the README's \"tritonq vs vLLM's CPU build\" says "
-                         "how to make one)")
+                         "holding vLLM, e.g. ../vllm-cpu-venv/bin/python (docs/benchmarks.md, "
+                         "\"tritonq vs vLLM's CPU build\", says how to make one)")
     # the distribution that installed the `vllm` module (vllm-cpu or vllm) and its version, without importing it
     probe = ("import importlib.metadata as m; d = m.packages_distributions().get('vllm'); "
              "assert d, 'no module named vllm'; print(d[0], m.version(d[0]))")
@@ -317,7 +317,7 @@ def check_vllm_python(path: str) -> str:
         raise SystemExit(f"vs-vllm: --vllm-python {path} does not run ({error})") from None
     if done.returncode:
         raise SystemExit(f"vs-vllm: --vllm-python {path} has no vLLM ({done.stderr.strip().splitlines()[-1:]}); "
-                         "install vllm-cpu into that venv (see the README's \"tritonq vs vLLM's CPU build\")")
+                         "install vllm-cpu into that venv (see docs/benchmarks.md, \"tritonq vs vLLM's CPU build\")")
     return done.stdout.strip()
 
 
@@ -384,7 +384,7 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if not args.vllm_python:
         print("vs-vllm skipped: no vLLM to compare with. Pass --vllm-python PATH (or set VLLM_PYTHON) to the python "
-              "of a venv holding vllm-cpu; the README's \"tritonq vs vLLM's CPU build\" says how to make one.")
+              "of a venv holding vllm-cpu; docs/benchmarks.md, \"tritonq vs vLLM's CPU build\", says how to make one.")
         return
     vllm_version = check_vllm_python(args.vllm_python)
     args.python = {"tritonq": sys.executable, "vllm": args.vllm_python}
