@@ -78,8 +78,9 @@ _BATCH_INVARIANT = ContextVar("tritonq_batch_invariant", default=False)
 
 def batch_invariant() -> bool:
     """True inside batch_invariant_mode(): kernels then choose their paths and launch configs independently of the
-    number of rows (docs/batch_invariance.md)."""
-    return _BATCH_INVARIANT.get()
+    number of rows (docs/batch_invariance.md). Always False in a step torch.compile traces: the mode is refused
+    with compile=True, and dynamo cannot trace a ContextVar."""
+    return not torch.compiler.is_compiling() and _BATCH_INVARIANT.get()
 
 
 @contextmanager
