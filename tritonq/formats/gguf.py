@@ -289,7 +289,7 @@ class GGUFWeights(Weights):
         counted as read."""
         _, t, expert = self._info(name)
         data = t.data if expert is None else t.data[expert]
-        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+        raw = torch.from_numpy(np.array(data).view(np.uint8))  # a copy: mapped pages would stay resident
         self._advance(name)
         return raw.reshape(*self.get_shape(name)[:-1], -1)
 
