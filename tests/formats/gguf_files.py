@@ -102,12 +102,15 @@ def type_for(name: str, scheme: str) -> str:
     return scheme
 
 
-def write_gguf(model, path: Path, scheme: str) -> dict[str, torch.Tensor]:
+def write_gguf(model, path: Path, scheme: str, drop_keys: tuple[str, ...] = (), override_arch: str | None = None,
+               split_max_tensors: int = 0) -> dict[str, torch.Tensor]:
     """Write `model` (a transformers Llama / Qwen3-MoE in fp32) to `path` in `scheme`; returns its state dict as
-    the file holds it, dequantized by the gguf package (the reference weights), Q/K rows back in HF order."""
+    the file holds it, dequantized by the gguf package (the reference weights), Q/K rows back in HF order.
+    Broken files for the error tests: drop_keys leaves metadata keys out, override_arch replaces general.architecture;
+    split_max_tensors > 0 writes gguf-split shards (path's name numbered) instead of one file."""
     config = model.config
     arch = {"llama": "llama", "qwen3_moe": "qwen3moe"}[config.model_type]
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -160,6 +163,10 @@ def write_gguf(model, path: Path, scheme: str) -> dict[str, torch.Tensor]:
                 back = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[t])
                 for e in range(config.num_experts):
                     reference[f"model.layers.{layer}.mlp.experts.{e}.{hf_kind}.weight"] = torch.from_numpy(back[e])
+    for key in drop_keys:
+        del writer.kv_data[0][key]
+    if override_arch is not None:
+        writer.kv_data[0]["general.architecture"] = gguf.GGUFValue(override_arch, gguf.GGUFValueType.STRING)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -109,3 +109,138 @@ def test_llama_gguf_equals_transformers(llama, tmp_path, scheme):
 @pytest.mark.parametrize("scheme", ["Q8_0", "Q4_K_M"])
 def test_qwen3_moe_gguf_equals_transformers(qwen3_moe, tmp_path, scheme):
     check_against_transformers(qwen3_moe, tmp_path / f"qwen3moe-{scheme}.gguf", scheme)
+
+
+def test_test_quantizers_round_trip_through_gguf_dequantizer():
+    """The test-only Q4_K / Q6_K quantizers write blocks the gguf package's dequantizer reads back within the
+    formats' rounding: Q6_K within half a step of 63 levels per 16 values, Q4_K within a step of 15 per 32 (plus
+    the 6-bit rounding of each sub-block's scale and min)."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((8, 512)) * rng.uniform(0.01, 10, (8, 1))).astype(np.float32)
+    for quantize, qtype, levels, block in ((quantize_q6_k, "Q6_K", 63, 16), (quantize_q4_k, "Q4_K", 15, 32)):
+        back = gguf.quants.dequantize(quantize(x), gguf.GGMLQuantizationType[qtype])
+        ranges = np.ptp(x.reshape(8, -1, block), axis=-1, keepdims=True)
+        err = np.abs(back - x).reshape(8, -1, block)
+        assert (err <= ranges / levels * 1.5 + 1e-6).all(), qtype
+        assert np.abs(back - x).mean() < np.abs(x).mean() * 4 / levels, qtype  # a wrong bit layout: errors ~ x
+
+
+def test_config_and_tokenizer_come_from_the_metadata(llama, tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from gguf_files import CHAT_TEMPLATE, SHIPPED_TOKENIZER
+    from tritonq.formats.gguf import read_config, tokenizer
+    path = tmp_path / "llama.gguf"
+    write_gguf(llama, path, "Q8_0")
+    weights = GGUFWeights([path])
+    config, c = read_config(weights), llama.config
+    assert (config["model_type"], config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["intermediate_size"], config["vocab_size"],
+            config["max_position_embeddings"], config["head_dim"]) == \
+        ("llama", c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+         c.intermediate_size, c.vocab_size, c.max_position_embeddings, c.head_dim)
+    assert config["rms_norm_eps"] == pytest.approx(c.rms_norm_eps) and config["rope_theta"] == 10000.0
+    assert config["tie_word_embeddings"] is True
+    ours, shipped = tokenizer(weights), PreTrainedTokenizerFast(tokenizer_file=str(SHIPPED_TOKENIZER))
+    for text in ["hello world", "  Two spaces, punctuation!? and digits 12345", "über 😀"]:
+        assert ours.encode(text, add_special_tokens=False) == shipped.encode(text, add_special_tokens=False)
+    assert ours.chat_template == CHAT_TEMPLATE
+    assert (ours.bos_token_id, ours.eos_token_id) == (0, 1)
+
+
+def test_q4_0_linears_load_as_int4_weights_other_types_dense(llama, tmp_path):
+    from tritonq.formats.gguf import GGUFLoader, read_config
+    from tritonq.weights import DenseWeight, Int4Weight
+    path = tmp_path / "llama.gguf"
+    reference = write_gguf(llama, path, "Q4_0")
+    weights = GGUFWeights([path])
+    loader = GGUFLoader(weights, read_config(weights), torch.float32, "cpu")
+    q = loader.get_linear("model.layers.0.self_attn.q_proj")
+    assert isinstance(q, Int4Weight) and q.group_size == 32 and q.zeros is None
+    # exact: the same fp32 values as the gguf package's dequantization (rows back in HF order)
+    assert torch.equal(q.dequantize(torch.float32), reference["model.layers.0.self_attn.q_proj.weight"])
+    path = tmp_path / "llama-q6.gguf"
+    reference = write_gguf(llama, path, "Q6_K")
+    weights = GGUFWeights([path])
+    down = GGUFLoader(weights, read_config(weights), torch.float32, "cpu").get_linear("model.layers.1.mlp.down_proj")
+    assert isinstance(down, DenseWeight)
+    assert torch.equal(down.weight, reference["model.layers.1.mlp.down_proj.weight"])
+
+
+def test_gguf_split_shards_in_a_folder_load(llama, tmp_path):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_gguf(llama, folder / "llama.gguf", "Q8_0", split_max_tensors=8)
+    assert len(list(folder.glob("*.gguf"))) > 1
+    whole = tmp_path / "llama.gguf"
+    write_gguf(llama, whole, "Q8_0")
+    prompt = PROMPTS[1]
+    split = tritonq.load(folder, dtype=torch.float32, device="cpu", max_num_seqs=2, kv_cache_gb=0.02)
+    one = tritonq.load(whole, dtype=torch.float32, device="cpu", max_num_seqs=2, kv_cache_gb=0.02)
+    assert torch.equal(split.engine.prompt_logits(prompt), one.engine.prompt_logits(prompt))
+
+
+def _tensor_field_offset(path, name, part):
+    """Byte offset in `path` of part `part` (2: n_dims, 3: dims, 4: type) of tensor `name`'s info."""
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    return t.field.offset + sum(int(p.nbytes) for p in t.field.parts[:part])
+
+
+def _refused(path, *phrases):
+    with pytest.raises(ValueError) as info:
+        tritonq.load(path, dtype=torch.float32, device="cpu", max_num_seqs=2, kv_cache_gb=0.02)
+    for phrase in phrases:
+        assert phrase in str(info.value), str(info.value)
+    return str(info.value)
+
+
+def test_bad_files_are_refused_naming_the_tensor_and_the_fix(llama, tmp_path, monkeypatch):
+    from tritonq.formats import gguf as ours
+    path = tmp_path / "good.gguf"
+    write_gguf(llama, path, "Q8_0")
+    data = path.read_bytes()
+    # nothing is dequantized before the checks: any read would fail the test
+    monkeypatch.setattr(ours, "dequantize", lambda *a: pytest.fail("a weight was read before the file was checked"))
+
+    cut = tmp_path / "truncated.gguf"
+    cut.write_bytes(data[:-1000])
+    _refused(cut, "output_norm.weight", "truncated", "re-download")
+    header_cut = tmp_path / "header.gguf"
+    header_cut.write_bytes(data[:200])
+    _refused(header_cut, "re-download")
+
+    for value, phrases in ((99, ["blk.0.attn_q.weight", "tensor type 99", "llama-quantize"]),
+                           (int(gguf.GGMLQuantizationType.IQ2_XXS), ["blk.0.attn_q.weight", "IQ2_XXS",
+                                                                     "llama-quantize"])):
+        bad = bytearray(data)
+        at = _tensor_field_offset(path, "blk.0.attn_q.weight", 4)
+        bad[at:at + 4] = np.uint32(value).tobytes()
+        broken = tmp_path / "type.gguf"
+        broken.write_bytes(bytes(bad))
+        _refused(broken, *phrases)
+
+    bad = bytearray(data)  # a Q8_0 row of 255 values: no whole number of 32-value blocks
+    at = _tensor_field_offset(path, "blk.1.ffn_up.weight", 3)
+    bad[at:at + 8] = np.uint64(255).tobytes()
+    broken = tmp_path / "rows.gguf"
+    broken.write_bytes(bytes(bad))
+    _refused(broken, "blk.1.ffn_up.weight", "not a multiple of its 32-value blocks")
+
+    bad = bytearray(data)  # Q8_0 -> F32: the same shape needs ~4x the bytes, running into the next tensor
+    at = _tensor_field_offset(path, "blk.0.attn_k.weight", 4)
+    bad[at:at + 4] = np.uint32(int(gguf.GGMLQuantizationType.F32)).tobytes()
+    broken = tmp_path / "size.gguf"
+    broken.write_bytes(bytes(bad))
+    _refused(broken, "blk.0.attn_k.weight", "disagrees with its type")
+
+    missing = tmp_path / "missing.gguf"
+    monkeypatch.undo()
+    write_gguf(llama, missing, "F32", drop_keys=("llama.feed_forward_length",))
+    monkeypatch.setattr(ours, "dequantize", lambda *a: pytest.fail("a weight was read before the file was checked"))
+    _refused(missing, "llama.feed_forward_length is missing", "convert_hf_to_gguf")
+
+    other = tmp_path / "phi3.gguf"
+    monkeypatch.undo()
+    write_gguf(llama, other, "F32", override_arch="phi3")
+    monkeypatch.setattr(ours, "dequantize", lambda *a: pytest.fail("a weight was read before the file was checked"))
+    _refused(other, "general.architecture='phi3' is not supported", "safetensors")

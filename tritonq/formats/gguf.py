@@ -171,11 +171,19 @@ def _reader(path: Path):
 
     class Reader(gguf.GGUFReader):
         def _build_tensors(self, start_offs, fields):
-            size = len(self.data)
+            spans = []
             for field in fields:
                 _, name, _, dims, raw_type, offset = field.parts
                 name = bytes(name).decode("utf-8", "replace")
-                _check_tensor(path, name, int(raw_type[0]), [int(d) for d in dims], start_offs + int(offset[0]), size)
+                start = start_offs + int(offset[0])
+                spans.append((start, _check_tensor(path, name, int(raw_type[0]), [int(d) for d in dims], start,
+                                                   len(self.data)), name))
+            spans.sort()
+            for (_, end, name), (start, _, following) in zip(spans, spans[1:]):
+                if end > start:
+                    raise ValueError(f"{path}: tensor {name!r} needs bytes up to {end} for its type and shape, but "
+                                     f"tensor {following!r} starts at {start}: its size disagrees with its type; the "
+                                     "file is corrupt: re-download or re-convert it")
             super()._build_tensors(start_offs, fields)
 
     try:
@@ -188,7 +196,9 @@ def _reader(path: Path):
         raise ValueError(f"{path}: truncated or corrupt GGUF header ({type(e).__name__}: {e}); re-download it") from e
 
 
-def _check_tensor(path: Path, name: str, raw_type: int, dims: list[int], start: int, file_size: int) -> None:
+def _check_tensor(path: Path, name: str, raw_type: int, dims: list[int], start: int, file_size: int) -> int:
+    """Where tensor `name`'s data ends, from its type and shape, once that is a supported type, whole blocks, and
+    inside the file."""
     from gguf import GGMLQuantizationType
     try:
         type_name = GGMLQuantizationType(raw_type).name
@@ -208,6 +218,7 @@ def _check_tensor(path: Path, name: str, raw_type: int, dims: list[int], start: 
     if end > file_size:
         raise ValueError(f"{path}: tensor {name!r} ({type_name} {list(reversed(dims))}) needs bytes up to {end}, but "
                          f"the file has {file_size}: it is truncated; re-download it")
+    return end
 
 
 def _field(reader, key: str):
@@ -229,6 +240,9 @@ class GGUFWeights(Weights):
         self.readers = [_reader(f) for f in files]
         self.meta_file, self.meta = self._metadata_reader(files)
         self.arch = _field(self.meta, "general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"{self.meta_file}: general.architecture={self.arch!r} is not supported; tritonq reads "
+                             f"GGUF files of {sorted(ARCHITECTURES)}. Load that model's safetensors checkpoint instead")
         self.heads = _field(self.meta, f"{self.arch}.attention.head_count")
         self.kv_heads = _field(self.meta, f"{self.arch}.attention.head_count_kv") or self.heads
         self._tensors = {}  # HF name -> (file index, ReaderTensor, expert index or None)
@@ -346,10 +360,7 @@ class GGUFWeights(Weights):
 def read_config(weights: GGUFWeights) -> dict:
     """The transformers config dict of a GGUF checkpoint, from its metadata (llama.cpp's key names); a missing
     key or an unsupported architecture is refused naming the key and the file."""
-    m, arch, where = weights.meta, weights.arch, weights.folder
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{where}: general.architecture={arch!r} is not supported; tritonq reads GGUF files of "
-                         f"{sorted(ARCHITECTURES)}. Load that model's safetensors checkpoint instead")
+    m, arch, where = weights.meta, weights.arch, weights.meta_file
 
     def need(key):
         value = _field(m, f"{arch}.{key}")
