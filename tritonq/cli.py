@@ -77,6 +77,9 @@ def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = Fa
     group.add_argument("--group-size", type=int, default=None, help="int4 group size for --quantize int4 (default 128)")
     group.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     group.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
+    group.add_argument("--gguf-file", default=None,
+                       help="the .gguf file to load from a hub id or folder holding several (a .gguf path or a "
+                            "folder of gguf-split shards needs none)")
     group.add_argument("--max-seq-len", type=int, default=None,
                        help="prompt + completion tokens per sequence (default: min(the model's positions, 4096))")
     group.add_argument("--max-num-seqs", type=int, default=128, help="sequences the engine runs at once")
@@ -103,7 +106,7 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace):
     options = dict(dtype=None if args.dtype == "auto" else args.dtype, device=args.device, quantize=args.quantize,
                    group_size=args.group_size, revision=args.revision, max_seq_len=args.max_seq_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype)
+                   kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype, gguf_file=args.gguf_file)
     if getattr(args, "tensor_parallel", None) is not None:
         options["tensor_parallel"] = args.tensor_parallel
     if getattr(args, "expert_parallel", False):

@@ -416,7 +416,7 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None)  # MPT's name
     if max_seq_len is not None and positions is not None and max_seq_len > positions:
         where = (f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={positions} "
-                 f"({folder / 'config.json'})")
+                 f"({folder if folder.is_file() else folder / 'config.json'})")  # a GGUF file holds its config
         rope = rope_parameters(config)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "default":

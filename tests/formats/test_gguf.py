@@ -21,7 +21,7 @@ PROMPTS = [[0, 5, 77, 300, 12], [0, 1999, 3, 3, 3, 41, 7, 1000, 256], [0]]
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval(), config
@@ -244,3 +244,30 @@ def test_bad_files_are_refused_naming_the_tensor_and_the_fix(llama, tmp_path, mo
     write_gguf(llama, other, "F32", override_arch="phi3")
     monkeypatch.setattr(ours, "dequantize", lambda *a: pytest.fail("a weight was read before the file was checked"))
     _refused(other, "general.architecture='phi3' is not supported", "safetensors")
+
+
+def test_cli_generate_and_serve_a_gguf_file(llama, tmp_path, capsys):
+    """`tritonq generate model.gguf` prints what the Python API generates; `tritonq serve model.gguf` answers the
+    official openai client with the same text (chat through the file's own chat template)."""
+    import openai
+    from serve_util import MODEL_NAME, Server
+
+    from tritonq import cli
+    path = tmp_path / "llama.gguf"
+    write_gguf(llama, path, "Q4_K_M")
+    model = tritonq.load(path, dtype=torch.float32, device="cpu", max_num_seqs=2, kv_cache_gb=0.02)
+    expected = model.generate("hello world", max_new_tokens=6, temperature=0)
+    cli.main(["generate", str(path), "hello world", "--max-new-tokens", "6", "--temperature", "0", "--dtype",
+              "float32", "--kv-cache-gb", "0.02", "--device", "cpu"])
+    assert capsys.readouterr().out == expected + "\n"
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = model.chat(messages, max_new_tokens=5, temperature=0)
+    server = Server(path, tmp_path / "server.log", "--kv-cache-gb", "0.02", "--device", "cpu")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=60, max_retries=0)
+        reply = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=6, temperature=0)
+        assert reply.choices[0].text == expected
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5, temperature=0)
+        assert reply.choices[0].message.content == chat
+    finally:
+        server.stop()

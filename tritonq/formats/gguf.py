@@ -38,11 +38,6 @@ GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.w
                 "output.weight": "lm_head.weight"}
 
 
-def _quant(name: str):
-    from gguf import GGMLQuantizationType
-    return GGMLQuantizationType[name]
-
-
 def gguf_files(path: str | Path) -> list[Path] | None:
     """The GGUF files of a checkpoint: [path] for a .gguf file, a folder's *.gguf (gguf-split shards, in order)
     when it has them and no config.json; None when `path` is no GGUF checkpoint."""
