@@ -148,17 +148,24 @@ def test_config_and_tokenizer_come_from_the_metadata(llama, tmp_path):
     assert (ours.bos_token_id, ours.eos_token_id) == (0, 1)
 
 
-def test_q4_0_linears_load_as_int4_weights_other_types_dense(llama, tmp_path):
+@pytest.mark.parametrize("type_name, bits", [("Q4_0", 4), ("Q8_0", 8)])
+def test_q4_0_and_q8_0_linears_load_as_int_weights_exactly(llama, tmp_path, type_name, bits):
     from tritonq.formats.gguf import GGUFLoader, read_config
-    from tritonq.weights import DenseWeight, Int4Weight
+    from tritonq.weights import Int4Weight
     path = tmp_path / "llama.gguf"
-    reference = write_gguf(llama, path, "Q4_0")
+    reference = write_gguf(llama, path, type_name)
     weights = GGUFWeights([path])
     loader = GGUFLoader(weights, read_config(weights), torch.float32, "cpu")
-    q = loader.get_linear("model.layers.0.self_attn.q_proj")
-    assert isinstance(q, Int4Weight) and q.group_size == 32 and q.zeros is None
-    # exact: the same fp32 values as the gguf package's dequantization (rows back in HF order)
-    assert torch.equal(q.dequantize(torch.float32), reference["model.layers.0.self_attn.q_proj.weight"])
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.1.mlp.down_proj"):
+        w = loader.get_linear(name)
+        assert isinstance(w, Int4Weight) and (w.bits, w.group_size, w.zeros) == (bits, 32, None)
+        # exact: the same fp32 values as the gguf package's dequantization (q / k rows back in HF order)
+        assert torch.equal(w.dequantize(torch.float32), reference[f"{name}.weight"])
+
+
+def test_other_block_types_load_dense(llama, tmp_path):
+    from tritonq.formats.gguf import GGUFLoader, read_config
+    from tritonq.weights import DenseWeight
     path = tmp_path / "llama-q6.gguf"
     reference = write_gguf(llama, path, "Q6_K")
     weights = GGUFWeights([path])

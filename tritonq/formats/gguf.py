@@ -6,9 +6,9 @@ its own config (`read_config`: GGUF metadata -> a transformers config dict), tok
 Hugging Face names (blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weight; a stacked expert tensor as
 one tensor per expert) with their logical [N, K] shapes, as float tensors: reading one dequantizes its blocks
 (`dequantize`, bit for bit the gguf package's reference in fp32), with Llama's Q/K rows un-permuted (the
-converter interleaves them for llama.cpp's rope). `GGUFLoader` repacks Q4_0 (scale * (q - 8) per 32 weights,
-the int4 layout's symmetric form) into Int4Weight; every other block type is dequantized once to the compute
-dtype at load (docs/gguf.md: the memory cost and the plan). Every tensor's type, size and place in its file
+converter interleaves them for llama.cpp's rope). `GGUFLoader` repacks Q4_0 and Q8_0 (d * (q - 8), d * x per
+32 weights: the symmetric form of the int layout) into Int4Weight; every other block type is dequantized once to
+the compute dtype at load (docs/gguf.md: the memory cost and the plan). Every tensor's type, size and place in its file
 is checked when the files are opened, before any weight is read.
 """
 from __future__ import annotations
@@ -423,10 +423,11 @@ def tokenizer(weights: GGUFWeights):
 
 
 class GGUFLoader(WeightsLoader):
-    """Typed weights of a GGUF checkpoint: Q4_0 linears repacked to Int4Weight (group 32, scale d, symmetric
-    zero 8: the same values); every other type dequantized to the compute dtype (`GGUFWeights`)."""
+    """Typed weights of a GGUF checkpoint: Q4_0 and Q8_0 linears repacked to Int4Weight (4 / 8 bits, group 32,
+    scale d, symmetric zero 8 / 128: the same values, `quantized_linear`); every other type dequantized to the
+    compute dtype (`GGUFWeights`)."""
     marker = "weight"
-    REPACKED = ("Q4_0",)
+    REPACKED = {"Q4_0": 4, "Q8_0": 8}  # block type -> Int4Weight bits
 
     def __init__(self, weights: GGUFWeights, config: dict, dtype: torch.dtype, device, quantize: str | None = None,
                  *, rank: int = 0, world: int = 1):
@@ -444,24 +445,29 @@ class GGUFLoader(WeightsLoader):
         pass  # every GGUF tensor reads as float (GGUFWeights dequantizes)
 
     def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
-        """Q4_0 [N, K] -> Int4Weight: codes packed along K, scales [K/32, N] = the blocks' fp16 d in the compute
-        dtype (exact in fp16 / fp32; bf16 rounds d to 8 mantissa bits), zeros None (symmetric: 8)."""
+        """Q4_0 / Q8_0 [N, K] -> Int4Weight: codes (Q4_0's nibbles q; Q8_0's int8 x as x + 128) packed along K,
+        scales [K/32, N] = the blocks' fp16 d in the compute dtype (exact in fp16 / fp32; bf16 rounds d to 8
+        mantissa bits), zeros None (symmetric: 8 / 128, the formats' own offsets)."""
         name = f"{prefix}.weight"
+        type_name = self.weights.type_name(name)
+        bits, (_, size, _) = self.REPACKED[type_name], BLOCK_FORMATS[type_name]
         N, K = self.weights.get_shape(name)
         if shard is not None:
             check_split(prefix, shard, N if shard.parallel == "column" else K, 1 if shard.parallel == "column" else 32,
-                        "whole rows" if shard.parallel == "column" else "a Q4_0 block of 32 input rows")
+                        "whole rows" if shard.parallel == "column" else f"a {type_name} block of 32 input rows")
         if self.weights._dry:
             n, k = (N, K) if shard is None else shard.local_shape(N, K)
             meta = torch.device("meta")
-            return Int4Weight(torch.empty(k // 8, n, dtype=torch.int32, device=meta),
-                              torch.empty(k // 32, n, dtype=self.dtype, device=meta), None, None, 32, 4)
-        blocks = self.weights.raw(name).reshape(N, K // 32, 18)
-        blocks = self.weights.unpermute(name, blocks)
-        codes = _nibbles(blocks[..., 2:].reshape(-1, 16), 16).reshape(N, K).to(torch.int32)
+            return Int4Weight(torch.empty(k * bits // 32, n, dtype=torch.int32, device=meta),
+                              torch.empty(k // 32, n, dtype=self.dtype, device=meta), None, None, 32, bits)
+        blocks = self.weights.unpermute(name, self.weights.raw(name).reshape(N, K // 32, size))
+        if type_name == "Q4_0":
+            codes = _nibbles(blocks[..., 2:].reshape(-1, 16), 16).reshape(N, K).to(torch.int32)
+        else:
+            codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(N, K).to(torch.int32) + 128
         scales = blocks[..., :2].contiguous().view(torch.float16).reshape(N, K // 32)
         if shard is not None:
             codes = shard.take(codes, 0 if shard.parallel == "column" else 1)
             scales = shard.take(scales, 0 if shard.parallel == "column" else 1)
-        return Int4Weight(pack_int32(codes.t().contiguous(), 4, dim=0).to(self.device),
-                          scales.t().to(device=self.device, dtype=self.dtype).contiguous(), None, None, 32, 4)
+        return Int4Weight(pack_int32(codes.t().contiguous(), bits, dim=0).to(self.device),
+                          scales.t().to(device=self.device, dtype=self.dtype).contiguous(), None, None, 32, bits)
