@@ -229,7 +229,8 @@ def _read_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json; a checkpoint folder needs the config.json that "
-                                "transformers' save_pretrained writes next to the weights.")
+                                "transformers' save_pretrained writes next to the weights (a GGUF checkpoint: pass "
+                                "the .gguf file, or gguf_file= naming it in the folder or hub repo).")
     config = _read_json(path)
     if config.get("model_type") is None:
         raise ValueError(f"{path} has no model_type; expected one of {sorted(MODELS)}.")
