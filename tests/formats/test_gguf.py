@@ -11,7 +11,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 import tritonq  # noqa: E402
-from gguf_files import quantize_q4_k, quantize_q6_k, write_gguf  # noqa: E402
+from formats.gguf_files import quantize_q4_k, quantize_q6_k, write_gguf  # noqa: E402
 from tritonq.formats.gguf import GGUFWeights  # noqa: E402
 
 SCHEMES = ["F32", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_K_M"]
@@ -128,7 +128,7 @@ def test_test_quantizers_round_trip_through_gguf_dequantizer():
 def test_config_and_tokenizer_come_from_the_metadata(llama, tmp_path):
     from transformers import PreTrainedTokenizerFast
 
-    from gguf_files import CHAT_TEMPLATE, SHIPPED_TOKENIZER
+    from formats.gguf_files import CHAT_TEMPLATE, SHIPPED_TOKENIZER
     from tritonq.formats.gguf import read_config, tokenizer
     path = tmp_path / "llama.gguf"
     write_gguf(llama, path, "Q8_0")
