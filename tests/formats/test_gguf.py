@@ -185,6 +185,8 @@ def test_gguf_split_shards_in_a_folder_load(llama, tmp_path):
     split = tritonq.load(folder, dtype=torch.float32, device="cpu", max_num_seqs=2, kv_cache_gb=0.02)
     one = tritonq.load(whole, dtype=torch.float32, device="cpu", max_num_seqs=2, kv_cache_gb=0.02)
     assert torch.equal(split.engine.prompt_logits(prompt), one.engine.prompt_logits(prompt))
+    sorted(folder.glob("*.gguf"))[-1].unlink()
+    _refused(folder, "split.count=", "download the missing ones")
 
 
 def _tensor_field_offset(path, name, part):
@@ -278,3 +280,26 @@ def test_cli_generate_and_serve_a_gguf_file(llama, tmp_path, capsys):
         assert reply.choices[0].message.content == chat
     finally:
         server.stop()
+
+
+def prompt_logits(model) -> list[torch.Tensor]:
+    """Each prompt's prefill logits (run alike by tensor-parallel ranks and one process)."""
+    return [model.engine.prompt_logits(p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("scheme", ["Q4_0", "Q4_K_M"])
+def test_two_tensor_parallel_ranks_match_one_process(llama, tmp_path, scheme):
+    """2 CPU ranks (gloo) on a GGUF Llama: Q4_0's Int4Weights split by whole blocks, dequantized types by rows or
+    columns, the embedding by vocabulary rows. Both sides fp32 from the same weights; the ranks only regroup the
+    sums (row-parallel layers add two partial dot products): float32 rounding, atol 1e-4 as the other TP tests."""
+    from test_tensor_parallel import run_on_ranks
+    path = tmp_path / f"llama-{scheme}.gguf"
+    write_gguf(llama, path, scheme)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITONQ_BACKEND", "torch")
+        single = prompt_logits(tritonq.load(path, device="cpu", dtype=torch.float32, max_num_seqs=2,
+                                            max_seq_len=24))
+        ranks = run_on_ranks(prompt_logits, {"gguf": path}, tmp_path / "out")
+    for rank in ranks:
+        for got, want in zip(rank["gguf"], single, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

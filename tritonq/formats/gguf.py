@@ -219,10 +219,7 @@ def _check_tensor(path: Path, name: str, raw_type: int, dims: list[int], start: 
 def _field(reader, key: str):
     """Metadata value `key` (a str, number, or list), or None when absent."""
     field = reader.fields.get(key)
-    if field is None:
-        return None
-    value = field.contents()
-    return value
+    return None if field is None else field.contents()
 
 
 class GGUFWeights(Weights):
@@ -234,6 +231,11 @@ class GGUFWeights(Weights):
         self.folder = files[0] if len(files) == 1 else files[0].parent
         self.readers = [_reader(f) for f in files]
         self.meta_file, self.meta = self._metadata_reader(files)
+        count = _field(self.meta, "split.count")
+        if count is not None and count != len(files):
+            raise ValueError(f"{self.meta_file}: split.count={count}: the model is {count} gguf-split shards, but "
+                             f"{len(files)} .gguf file(s) are there ({', '.join(f.name for f in files)}); put exactly "
+                             "that model's shards in one folder (download the missing ones, remove stray files)")
         self.arch = _field(self.meta, "general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"{self.meta_file}: general.architecture={self.arch!r} is not supported; tritonq reads "
@@ -347,9 +349,6 @@ class GGUFWeights(Weights):
             raise ValueError(f"{self.folder}: tensor {name!r} has size {full[dim]} along dim {dim}, not divisible by "
                              f"world size {world}")
         return Shard("column", rank, world, segments).take(self.get_tensor(name, dtype, shape), dim)
-
-    def get_metadata(self, name: str) -> torch.Tensor:
-        return self.get_tensor(name)
 
 
 def read_config(weights: GGUFWeights) -> dict:
