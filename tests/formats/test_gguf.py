@@ -174,6 +174,22 @@ def test_other_block_types_load_dense(llama, tmp_path):
     assert torch.equal(down.weight, reference["model.layers.1.mlp.down_proj.weight"])
 
 
+@pytest.mark.parametrize("type_name, tensor, hf_name", [
+    ("Q8_0", "blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight"),  # repacked: its scales are checked
+    ("Q6_K", "blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj.weight"),  # dequantized
+])
+def test_a_nan_scale_is_refused_naming_the_tensor(llama, tmp_path, type_name, tensor, hf_name):
+    path = tmp_path / "nan.gguf"
+    write_gguf(llama, path, type_name)
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == tensor)
+    data = bytearray(path.read_bytes())
+    at = t.data_offset + (208 if type_name == "Q6_K" else 0)  # the first block's fp16 d
+    data[at:at + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8).tobytes()
+    path.write_bytes(bytes(data))
+    message = _refused(path, hf_name, "non-finite")
+    assert "1 tensor(s)" in message
+
+
 def test_gguf_split_shards_in_a_folder_load(llama, tmp_path):
     folder = tmp_path / "shards"
     folder.mkdir()

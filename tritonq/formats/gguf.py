@@ -295,12 +295,17 @@ class GGUFWeights(Weights):
         type_name = self.type_name(name)
         return {"F16": torch.float16, "BF16": torch.bfloat16}.get(type_name, torch.float32)
 
-    def raw(self, name: str) -> torch.Tensor:
-        """The stored bytes of tensor `name` (one expert's of a stacked one) as uint8 [rows..., row bytes];
-        counted as read."""
+    def _mapped(self, name: str) -> np.ndarray:
+        """The stored bytes of tensor `name` (one expert's of a stacked one), memory-mapped: uint8 [rows, row bytes]
+        (a 1-D tensor: one row)."""
         _, t, expert = self._info(name)
         data = t.data if expert is None else t.data[expert]
-        raw = torch.from_numpy(np.array(data).view(np.uint8))  # a copy: mapped pages would stay resident
+        return data.view(np.uint8).reshape(-1, data.view(np.uint8).shape[-1])
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The stored bytes of tensor `name` as uint8 [rows..., row bytes] (a copy: mapped pages would stay
+        resident); counted as read."""
+        raw = torch.from_numpy(np.array(self._mapped(name)))
         self._advance(name)
         return raw.reshape(*self.get_shape(name)[:-1], -1)
 
@@ -336,10 +341,26 @@ class GGUFWeights(Weights):
         return values
 
     def read_into(self, name: str, out: torch.Tensor, chunk_bytes: int = 4 << 20) -> torch.Tensor:
-        if tuple(out.shape) != self.get_shape(name):
-            raise ValueError(f"{self.folder}: tensor {name!r} has shape {list(self.get_shape(name))}, expected "
-                             f"{list(out.shape)}")
-        return out if self._dry else out.copy_(self.get_tensor(name))
+        """Tensor `name` dequantized into `out` a block of rows at a time (~chunk_bytes of stored bytes each), so
+        no float32 copy of a whole tensor (an embedding table) exists next to `out`. Llama's q / k rows, which
+        un-permute across heads, are read whole."""
+        shape = self.get_shape(name)
+        if tuple(out.shape) != shape:
+            raise ValueError(f"{self.folder}: tensor {name!r} has shape {list(shape)}, expected {list(out.shape)}")
+        if self._dry:
+            return out
+        if self._permuted(name) is not None or len(shape) != 2:
+            return out.copy_(self.get_tensor(name))
+        mapped, type_name, bad = self._mapped(name), self.type_name(name), None
+        step = max(1, chunk_bytes // mapped.shape[1])
+        for first in range(0, shape[0], step):
+            values = dequantize(torch.from_numpy(np.array(mapped[first:first + step])), type_name)
+            count = nonfinite_count(values)
+            bad = count if bad is None else bad + count
+            out[first:first + values.shape[0]].copy_(values)
+        self._count_nonfinite(name, bad)
+        self._advance(name)
+        return out
 
     def get_sharded(self, name: str, dim: int, rank: int, world: int, dtype: torch.dtype | None = None,
                     shape: tuple | None = None, segments: int = 1) -> torch.Tensor:
@@ -465,6 +486,7 @@ class GGUFLoader(WeightsLoader):
         else:
             codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(N, K).to(torch.int32) + 128
         scales = blocks[..., :2].contiguous().view(torch.float16).reshape(N, K // 32)
+        self.weights._count_nonfinite(name, nonfinite_count(scales))  # refused in finish(), as a dequantized NaN is
         if shard is not None:
             codes = shard.take(codes, 0 if shard.parallel == "column" else 1)
             scales = shard.take(scales, 0 if shard.parallel == "column" else 1)
