@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402  (a tritonq dependency: never skipped)
 
 import tritonq  # noqa: E402
 from formats.gguf_files import quantize_q4_k, quantize_q6_k, write_gguf  # noqa: E402

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402  (a tritonq dependency: never skipped)
 
 from tritonq.formats.gguf import BLOCK_FORMATS, dequantize  # noqa: E402
 
