@@ -103,6 +103,9 @@ def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = Fa
     group.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     add_threads_option(group)
     group.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
+    group.add_argument("--gguf-file", default=None,
+                       help="the .gguf file to load from a hub id or folder holding several (a .gguf path or a "
+                            "folder of gguf-split shards needs none)")
     group.add_argument("--max-seq-len", type=int, default=None,
                        help="prompt + completion tokens per sequence (default: min(the model's positions, 4096))")
     group.add_argument("--max-num-seqs", type=int, default=128, help="sequences the engine runs at once")
@@ -159,7 +162,8 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace, warm_u
                    group_size=args.group_size, revision=args.revision, max_seq_len=args.max_seq_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
-                   warm_up=warm_up, batch_invariant=args.batch_invariant)
+                   warm_up=warm_up, batch_invariant=args.batch_invariant,
+                   gguf_file=args.gguf_file)
     if getattr(args, "tensor_parallel", None) is not None:
         options["tensor_parallel"] = args.tensor_parallel
     if getattr(args, "expert_parallel", False):

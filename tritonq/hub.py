@@ -48,3 +48,24 @@ def resolve(name_or_path: str | Path, revision: str | None = None, cache_dir: st
         raise FileNotFoundError(f"model {name!r} (revision {revision or 'main'}) is not in the local cache and the "
                                 "hub cannot be reached (offline or HF_HUB_OFFLINE=1); download it once online, "
                                 "or pass a local folder") from e
+
+
+def resolve_gguf(name_or_path: str | Path, gguf_file: str, revision: str | None = None) -> Path:
+    """The GGUF file `gguf_file` of a local folder or hub repo `name_or_path` (downloaded alone: no other file)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / gguf_file).is_file():
+            raise FileNotFoundError(f"{path} has no file {gguf_file!r}; gguf_file names a .gguf file in the folder")
+        return path / gguf_file
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+    try:
+        return Path(hf_hub_download(str(name_or_path), gguf_file, revision=revision))
+    except RepositoryNotFoundError as e:
+        raise FileNotFoundError(f"model {str(name_or_path)!r} not found on the Hugging Face hub") from e
+    except EntryNotFoundError as e:
+        raise FileNotFoundError(f"{name_or_path} has no file {gguf_file!r} on the hub; list its .gguf files on its "
+                                "model page and pass one as gguf_file") from e
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(f"{gguf_file} of {name_or_path} is not in the local cache and the hub cannot be "
+                                "reached; download it once online, or pass the local .gguf path") from e

@@ -230,7 +230,8 @@ def _read_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json; a checkpoint folder needs the config.json that "
-                                "transformers' save_pretrained writes next to the weights.")
+                                "transformers' save_pretrained writes next to the weights (a GGUF checkpoint: pass "
+                                "the .gguf file, or gguf_file= naming it in the folder or hub repo).")
     config = _read_json(path)
     if config.get("model_type") is None:
         raise ValueError(f"{path} has no model_type; expected one of {sorted(MODELS)}.")
@@ -375,8 +376,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
          gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
          cuda_graphs: bool | None = None, compile: bool | None = None, speculative: dict | str | None = None,
          expert_parallel: bool = False, kv_cache_dtype: str = "auto", threads: int | None = None,
-         warm_up: bool | None = None, batch_invariant: bool = False) -> Model:
-    """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8) for generation.
+         warm_up: bool | None = None, batch_invariant: bool = False, gguf_file: str | None = None) -> Model:
+    """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8; or GGUF: a .gguf file, a
+    folder of gguf-split shards, or a hub id with gguf_file= naming the file in it, docs/gguf.md) for generation.
 
     device defaults to CUDA when available, else CPU. dtype (torch.float16 / bfloat16 / float32, or
     its name as a string) defaults on CPU to bfloat16 where the CPU has AVX512-BF16 or AMX (native
@@ -455,7 +457,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     if threads is not None:
         import torch
         torch.set_num_threads(threads)
-    model = _load(name_or_path, options, dtype=dtype, device=device, revision=revision)
+    model = _load(name_or_path, options, dtype=dtype, device=device, revision=revision, gguf_file=gguf_file)
     if warm_up is not None:
         from tritonq.kernels import cpu_lowbit
         cpu_forms = [m.prepared.cpu for m in model.model.modules() if hasattr(m, "prepared")]  # layers.Linear's
@@ -476,10 +478,32 @@ def _batch_invariant_forward(forward):
     return invariant
 
 
-def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, revision) -> Model:
+def _checkpoint(name_or_path: str | Path, revision: str | None, gguf_file: str | None):
+    """(folder or GGUF file, config.json's dict, transformers config, tokenizer) of a checkpoint, each checked
+    before any weight is read. A GGUF checkpoint carries all three in its metadata (formats/gguf.py)."""
+    from transformers import AutoConfig
+
+    from tritonq.formats import gguf
+    from tritonq.hub import resolve, resolve_gguf
+
+    path = resolve_gguf(name_or_path, gguf_file, revision) if gguf_file is not None else name_or_path
+    files = gguf.gguf_files(path)
+    if files is None:
+        folder = resolve(name_or_path, revision=revision)
+        _check_files(folder)
+        raw_config = _read_config(folder)
+        # an image-text model's config: its language model's (get_text_config() is the config itself otherwise)
+        return folder, raw_config, AutoConfig.from_pretrained(folder).get_text_config(), _tokenizer(folder)
+    weights = gguf.GGUFWeights(files)
+    raw_config = gguf.read_config(weights)
+    _check_config(raw_config, weights.folder)
+    config = AutoConfig.for_model(**raw_config)
+    return weights.folder, raw_config, config, gguf.tokenizer(weights)
+
+
+def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, revision, gguf_file=None) -> Model:
     """load() with its engine options checked (EngineConfig); the dtype, device, files and model checks here."""
     import torch
-    from transformers import AutoConfig
 
     from tritonq import distributed
     from tritonq.engine.engine import Engine
@@ -487,7 +511,6 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     from tritonq.engine.speculative import make_proposer
     from tritonq.formats.registry import get_loader
     from tritonq.generate import Model
-    from tritonq.hub import resolve
     from tritonq.kernels import batch_invariant_mode, cpu_native
     from tritonq.models import model_class
     from tritonq.models.common import rope_parameters
@@ -499,15 +522,12 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     dtype = _compute_dtype(dtype)
     device = distributed.resolve_device(device)
     _check_device_dtype(dtype, device)
-    folder = resolve(name_or_path, revision=revision)
-    _check_files(folder)
-    raw_config = _read_config(folder)
+    folder, raw_config, config, tokenizer = _checkpoint(name_or_path, revision, gguf_file)
     cls = model_class(raw_config["model_type"])
-    config = AutoConfig.from_pretrained(folder).get_text_config()  # an image-text model's: its language model's
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None)  # MPT's name
     if max_seq_len is not None and positions is not None and max_seq_len > positions:
         where = (f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={positions} "
-                 f"({folder / 'config.json'})")
+                 f"({folder if folder.is_file() else folder / 'config.json'})")  # a GGUF file holds its config
         rope = rope_parameters(config)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "default":
@@ -515,7 +535,6 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
                              f"scaling to extend them; pass max_seq_len <= {positions}.")
         logging.getLogger("tritonq").warning("%s; allowed because the config declares %r rope scaling, but quality "
                                              "past the trained length is not guaranteed.", where, rope_type)
-    tokenizer = _tokenizer(folder)
     eos_ids = _eos_token_ids(folder, raw_config, tokenizer)
     _check_tokenizer(folder, raw_config, tokenizer, eos_ids)
     if cuda_graphs and device.type != "cuda":

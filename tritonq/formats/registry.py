@@ -13,6 +13,7 @@ from tritonq.formats.checkpoint import Weights
 from tritonq.formats.compressed_tensors import CompressedTensorsLoader
 from tritonq.formats.dense import DenseLoader
 from tritonq.formats.fp8 import FP8Loader
+from tritonq.formats.gguf import GGUFLoader, GGUFWeights, gguf_files, read_config
 from tritonq.formats.gptq import GPTQLoader
 from tritonq.formats.mxfp4 import MXFP4Loader
 
@@ -46,11 +47,16 @@ LOADERS = {
 
 def get_loader(folder: str | Path, dtype: torch.dtype, device, quantize: str | None = None,
                group_size: int = 128, *, rank: int = 0, world: int = 1) -> WeightsLoader:
-    """The loader for the checkpoint in `folder`, picked from its config.json alone.
+    """The loader for the checkpoint in `folder`, picked from its config.json alone (a GGUF file or folder of
+    them: GGUFLoader).
 
     quantize ("fp8", "fp8-mlp", "int4"; group_size for int4) quantizes a dense checkpoint on load.
     rank / world: tensor parallelism, the loader reads only this rank's shards.
     """
+    files = gguf_files(folder)
+    if files is not None:  # a .gguf file or a folder of them: the config is in its metadata
+        weights = GGUFWeights(files)
+        return GGUFLoader(weights, read_config(weights), dtype, device, quantize, rank=rank, world=world)
     folder = Path(folder)
     path = folder / "config.json"
     if not path.exists():

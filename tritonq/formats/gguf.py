@@ -1,0 +1,494 @@
+"""GGUF checkpoints (llama.cpp's format): one `.gguf` file, or a folder of gguf-split shards.
+
+Read with the `gguf` package's reader (metadata, tensor types, raw blocks; memory-mapped). The file carries
+its own config (`read_config`: GGUF metadata -> a transformers config dict), tokenizer and chat template
+(transformers converts the GGUF vocabulary: `tokenizer`). `GGUFWeights` presents the tensors under their
+Hugging Face names (blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weight; a stacked expert tensor as
+one tensor per expert) with their logical [N, K] shapes, as float tensors: reading one dequantizes its blocks
+(`dequantize`, bit for bit the gguf package's reference in fp32), with Llama's Q/K rows un-permuted (the
+converter interleaves them for llama.cpp's rope). `GGUFLoader` repacks Q4_0 and Q8_0 (d * (q - 8), d * x per
+32 weights: the symmetric form of the int layout) into Int4Weight; every other block type is dequantized once to
+the compute dtype at load (docs/gguf.md: the memory cost and the plan). Every tensor's type, size and place in its file
+is checked when the files are opened, before any weight is read.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tritonq.formats.base import WeightsLoader, always_dense
+from tritonq.formats.checkpoint import Weights, nonfinite_count
+from tritonq.formats.tensor_parallel import Shard, check_split
+from tritonq.packing import pack_int32
+from tritonq.weights import Int4Weight, Weight
+
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # GGUF -> model_type
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face module name inside model.layers.N
+LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+               "ffn_gate_inp": "mlp.gate"}
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+
+
+def gguf_files(path: str | Path) -> list[Path] | None:
+    """The GGUF files of a checkpoint: [path] for a .gguf file, a folder's *.gguf (gguf-split shards, in order)
+    when it has them and no config.json; None when `path` is no GGUF checkpoint."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return [path]
+    if path.is_dir() and not (path / "config.json").exists():
+        return sorted(path.glob("*.gguf")) or None
+    return None
+
+
+# --- block formats -------------------------------------------------------------------------------------------
+# Each dequantizer takes blocks uint8 [B, type_size] and returns float32 [B, block_size] with the gguf package's
+# arithmetic (fp16 scales widened to fp32, one product or product-and-add per value, in its order).
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte `start` of every block, as float32 [B, 1]."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, run: int) -> torch.Tensor:
+    """Bytes [B, n] -> 4-bit codes [B, 2n]: in every run of `run` bytes, first the low nibbles, then the high."""
+    B = qs.shape[0]
+    q = qs.reshape(B, -1, 1, run) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
+    return (q & 0x0F).reshape(B, -1)
+
+
+def _high_bits(qh: torch.Tensor, count: int) -> torch.Tensor:
+    """Q5_0 / Q5_1's 32 fifth bits of each block (one little-endian uint32) as uint8 [B, 32]."""
+    word = qh.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return ((word >> torch.arange(count)) & 1).to(torch.uint8)
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit sub-block scales and mins -> two uint8 [B, 8]."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _q8_0(b):
+    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b, 0)
+
+
+def _q4_0(b):
+    return _f16(b, 0) * (_nibbles(b[:, 2:], 16).to(torch.int8) - 8).float()
+
+
+def _q4_1(b):
+    return _f16(b, 0) * _nibbles(b[:, 4:], 16).float() + _f16(b, 2)
+
+
+def _q5_0(b):
+    q = _nibbles(b[:, 6:], 16) | (_high_bits(b[:, 2:6], 32) << 4)
+    return _f16(b, 0) * (q.to(torch.int8) - 16).float()
+
+
+def _q5_1(b):
+    q = _nibbles(b[:, 8:], 16) | (_high_bits(b[:, 4:8], 32) << 4)
+    return _f16(b, 0) * q.float() + _f16(b, 2)
+
+
+def _q4_k(b):
+    B = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    d, dm = (_f16(b, 0) * sc.float()).reshape(B, 8, 1), (_f16(b, 2) * mn.float()).reshape(B, 8, 1)
+    q = _nibbles(b[:, 16:], 32).reshape(B, 8, 32).float()
+    return (d * q - dm).reshape(B, 256)
+
+
+def _q5_k(b):
+    B = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    d, dm = (_f16(b, 0) * sc.float()).reshape(B, 8, 1), (_f16(b, 2) * mn.float()).reshape(B, 8, 1)
+    qh = b[:, 16:48].reshape(B, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+    q = _nibbles(b[:, 48:], 32).reshape(B, 8, 32) | ((qh & 1) << 4)
+    return (d * q.float() - dm).reshape(B, 256)
+
+
+def _q6_k(b):
+    B = b.shape[0]
+    ql = _nibbles(b[:, :128], 64).reshape(B, 8, 32)
+    qh = (b[:, 128:192].reshape(B, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1))
+    q = (ql | ((qh & 3).reshape(B, 8, 32) << 4)).to(torch.int8) - 32
+    d = (_f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(B, 16, 1)
+    return (d * q.reshape(B, 16, 16).float()).reshape(B, 256)
+
+
+def _f16_blocks(b):
+    return b.contiguous().view(torch.float16).float()
+
+
+def _bf16_blocks(b):
+    return b.contiguous().view(torch.bfloat16).float()
+
+
+def _f32_blocks(b):
+    return b.contiguous().view(torch.float32)
+
+
+# type name -> (values per block, bytes per block, dequantizer)
+BLOCK_FORMATS = {"F32": (1, 4, _f32_blocks), "F16": (1, 2, _f16_blocks), "BF16": (1, 2, _bf16_blocks),
+                 "Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1),
+                 "Q5_0": (32, 22, _q5_0), "Q5_1": (32, 24, _q5_1), "Q4_K": (256, 144, _q4_k),
+                 "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k)}
+
+
+def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """The raw bytes of a GGUF tensor (uint8 [..., row bytes]) in block format `type_name` -> float32
+    [..., row values], equal bit for bit to gguf.quants.dequantize."""
+    block, size, fn = BLOCK_FORMATS[type_name]
+    rows = raw.shape[:-1]
+    blocks = raw.reshape(-1, size)
+    return fn(blocks).reshape(*rows, raw.shape[-1] // size * block)
+
+
+# --- reading ---------------------------------------------------------------------------------------------------
+
+def _reader(path: Path):
+    """GGUFReader over `path` that checks every tensor's type and size as it indexes them (before any data is
+    read): an unknown or unsupported type, rows that are no whole number of blocks, or data past the end of the
+    file is refused naming the tensor and the fix."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            spans = []
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                name = bytes(name).decode("utf-8", "replace")
+                start = start_offs + int(offset[0])
+                spans.append((start, _check_tensor(path, name, int(raw_type[0]), [int(d) for d in dims], start,
+                                                   len(self.data)), name))
+            spans.sort()
+            for (_, end, name), (start, _, following) in zip(spans, spans[1:]):
+                if end > start:
+                    raise ValueError(f"{path}: tensor {name!r} needs bytes up to {end} for its type and shape, but "
+                                     f"tensor {following!r} starts at {start}: its size disagrees with its type; the "
+                                     "file is corrupt: re-download or re-convert it")
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return Reader(path)
+    except ValueError as e:
+        if str(e).startswith(str(path)):
+            raise
+        raise ValueError(f"{path}: not a readable GGUF file ({e}); re-download it") from e
+    except (IndexError, TypeError, KeyError, OverflowError) as e:  # numpy reads past the end of a cut header
+        raise ValueError(f"{path}: truncated or corrupt GGUF header ({type(e).__name__}: {e}); re-download it") from e
+
+
+def _check_tensor(path: Path, name: str, raw_type: int, dims: list[int], start: int, file_size: int) -> int:
+    """Where tensor `name`'s data ends, from its type and shape, once that is a supported type, whole blocks, and
+    inside the file."""
+    from gguf import GGMLQuantizationType
+    try:
+        type_name = GGMLQuantizationType(raw_type).name
+    except ValueError:
+        raise ValueError(f"{path}: tensor {name!r} has tensor type {raw_type}, which is no GGML type this gguf "
+                         "package knows (a newer llama.cpp format?); upgrade the gguf package, or re-quantize the "
+                         "model with llama-quantize to one of " + ", ".join(BLOCK_FORMATS)) from None
+    if type_name not in BLOCK_FORMATS:
+        raise ValueError(f"{path}: tensor {name!r} is {type_name}, a GGUF block type tritonq does not read yet "
+                         f"(supported: {', '.join(BLOCK_FORMATS)}); re-quantize the model with llama-quantize to "
+                         "one of them (e.g. Q4_K_M, Q6_K or Q8_0)")
+    block, type_size = BLOCK_FORMATS[type_name][:2]
+    if not dims or dims[0] % block:
+        raise ValueError(f"{path}: tensor {name!r} is {type_name} with row length {dims[0] if dims else None}, not a "
+                         f"multiple of its {block}-value blocks; the file is corrupt: re-download or re-convert it")
+    end = start + math.prod(dims) // block * type_size
+    if end > file_size:
+        raise ValueError(f"{path}: tensor {name!r} ({type_name} {list(reversed(dims))}) needs bytes up to {end}, but "
+                         f"the file has {file_size}: it is truncated; re-download it")
+    return end
+
+
+def _field(reader, key: str):
+    """Metadata value `key` (a str, number, or list), or None when absent."""
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+class GGUFWeights(Weights):
+    """The tensors of GGUF file(s) under Hugging Face names and [N, K] shapes, read as float tensors
+    (dequantized; Llama's Q/K rows un-permuted). Everything else (read bookkeeping, progress, dry runs, the NaN
+    check) is `Weights`'. `raw(name)` gives a tensor's blocks, for the loader's repacks."""
+
+    def __init__(self, files: list[Path]):
+        self.folder = files[0] if len(files) == 1 else files[0].parent
+        self.readers = [_reader(f) for f in files]
+        self.meta_file, self.meta = self._metadata_reader(files)
+        count = _field(self.meta, "split.count")
+        if count is not None and count != len(files):
+            raise ValueError(f"{self.meta_file}: split.count={count}: the model is {count} gguf-split shards, but "
+                             f"{len(files)} .gguf file(s) are there ({', '.join(f.name for f in files)}); put exactly "
+                             "that model's shards in one folder (download the missing ones, remove stray files)")
+        self.arch = _field(self.meta, "general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"{self.meta_file}: general.architecture={self.arch!r} is not supported; tritonq reads "
+                             f"GGUF files of {sorted(ARCHITECTURES)}. Load that model's safetensors checkpoint instead")
+        self.heads = _field(self.meta, f"{self.arch}.attention.head_count")
+        self.kv_heads = _field(self.meta, f"{self.arch}.attention.head_count_kv") or self.heads
+        self._tensors = {}  # HF name -> (file index, ReaderTensor, expert index or None)
+        for i, reader in enumerate(self.readers):
+            for t in reader.tensors:
+                for hf, expert in self._hf_names(t.name, t.shape):
+                    if hf in self._tensors:
+                        raise ValueError(f"{self.folder}: tensor {t.name!r} is stored in two shards; remove the stray "
+                                         "file")
+                    self._tensors[hf] = (i, t, expert)
+        self._file_of = {name: files[i].name for name, (i, _, _) in self._tensors.items()}
+        self._nbytes = {name: t.n_bytes // (1 if e is None else int(t.shape[2])) for name, (_, t, e) in
+                        self._tensors.items()}
+        self._bar, self._counted, self._read, self._read_buffer = None, set(), set(), None
+        self._dry, self._nonfinite = False, {}
+
+    def _metadata_reader(self, files: list[Path]):
+        """(file, reader) of the shard holding the metadata (gguf-split: split.no 0; one file: that file)."""
+        for path, reader in zip(files, self.readers):
+            if (_field(reader, "split.no") or 0) == 0 and _field(reader, "general.architecture") is not None:
+                return path, reader
+        raise ValueError(f"{self.folder}: no GGUF file with general.architecture; the metadata shard (the first of a "
+                         "gguf-split set) is missing: download it")
+
+    def _hf_names(self, name: str, dims) -> list[tuple[str, int | None]]:
+        if name in GLOBAL_NAMES:
+            return [(GLOBAL_NAMES[name], None)]
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+            layer, module, kind = int(parts[1]), parts[2], parts[3]
+            if module in LAYER_NAMES:
+                return [(f"model.layers.{layer}.{LAYER_NAMES[module]}.{kind}", None)]
+            if module in EXPERT_NAMES:
+                return [(f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_NAMES[module]}.{kind}", e)
+                        for e in range(int(dims[2]))]
+        raise ValueError(f"{self.folder}: tensor {name!r} is not one a {self.arch} model has; tritonq reads the "
+                         f"tensors of {sorted(ARCHITECTURES)} GGUF files as llama.cpp's converter names them")
+
+    def type_name(self, name: str) -> str:
+        return self._info(name)[1].tensor_type.name
+
+    def _info(self, name: str):
+        if name not in self._tensors:
+            raise KeyError(f"tensor {name!r} not found in GGUF checkpoint {self.folder}")
+        return self._tensors[name]
+
+    def get_shape(self, name: str) -> tuple[int, ...]:
+        _, t, expert = self._info(name)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        return shape if expert is None else shape[1:]
+
+    def get_dtype(self, name: str) -> torch.dtype:
+        type_name = self.type_name(name)
+        return {"F16": torch.float16, "BF16": torch.bfloat16}.get(type_name, torch.float32)
+
+    def _mapped(self, name: str) -> np.ndarray:
+        """The stored bytes of tensor `name` (one expert's of a stacked one), memory-mapped: uint8 [rows, row bytes]
+        (a 1-D tensor: one row)."""
+        _, t, expert = self._info(name)
+        data = t.data if expert is None else t.data[expert]
+        return data.view(np.uint8).reshape(-1, data.view(np.uint8).shape[-1])
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The stored bytes of tensor `name` as uint8 [rows..., row bytes] (a copy: mapped pages would stay
+        resident); counted as read."""
+        raw = torch.from_numpy(np.array(self._mapped(name)))
+        self._advance(name)
+        return raw.reshape(*self.get_shape(name)[:-1], -1)
+
+    def _permuted(self, name: str) -> int | None:
+        """Head count whose rope interleave llama.cpp's converter applied to Llama's q_proj / k_proj rows."""
+        if self.arch != "llama":
+            return None
+        if name.endswith("self_attn.q_proj.weight"):
+            return self.heads
+        if name.endswith("self_attn.k_proj.weight"):
+            return self.kv_heads
+        return None
+
+    def unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of tensor `name` (dim 0) back in Hugging Face order (inverse of the converter's permute)."""
+        heads = self._permuted(name)
+        if heads is None:
+            return rows
+        N = rows.shape[0]
+        return rows.reshape(heads, N // heads // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+    def get_tensor(self, name: str, dtype: torch.dtype | None = None, shape: tuple | None = None) -> torch.Tensor:
+        """Tensor `name` dequantized to float32 (F16 / BF16 kept as stored), in Hugging Face layout."""
+        self._check(name, None, self.get_shape(name), None, shape)
+        if self._dry:
+            return torch.empty(self.get_shape(name), dtype=self.get_dtype(name), device="meta")
+        type_name = self.type_name(name)
+        values = dequantize(self.raw(name), type_name)
+        if type_name in ("F16", "BF16"):
+            values = values.to(self.get_dtype(name))
+        values = self.unpermute(name, values).contiguous()
+        self._count_nonfinite(name, nonfinite_count(values))
+        return values
+
+    def read_into(self, name: str, out: torch.Tensor, chunk_bytes: int = 4 << 20) -> torch.Tensor:
+        """Tensor `name` dequantized into `out` a block of rows at a time (~chunk_bytes of stored bytes each), so
+        no float32 copy of a whole tensor (an embedding table) exists next to `out`. Llama's q / k rows, which
+        un-permute across heads, are read whole."""
+        shape = self.get_shape(name)
+        if tuple(out.shape) != shape:
+            raise ValueError(f"{self.folder}: tensor {name!r} has shape {list(shape)}, expected {list(out.shape)}")
+        if self._dry:
+            return out
+        if self._permuted(name) is not None or len(shape) != 2:
+            return out.copy_(self.get_tensor(name))
+        mapped, type_name, bad = self._mapped(name), self.type_name(name), None
+        step = max(1, chunk_bytes // mapped.shape[1])
+        for first in range(0, shape[0], step):
+            values = dequantize(torch.from_numpy(np.array(mapped[first:first + step])), type_name)
+            count = nonfinite_count(values)
+            bad = count if bad is None else bad + count
+            out[first:first + values.shape[0]].copy_(values)
+        self._count_nonfinite(name, bad)
+        self._advance(name)
+        return out
+
+    def get_sharded(self, name: str, dim: int, rank: int, world: int, dtype: torch.dtype | None = None,
+                    shape: tuple | None = None, segments: int = 1) -> torch.Tensor:
+        """Slice `rank` of `world` along `dim` (block formats are dequantized whole, then sliced)."""
+        full = self.get_shape(name)
+        if full[dim] % (world * segments):
+            raise ValueError(f"{self.folder}: tensor {name!r} has size {full[dim]} along dim {dim}, not divisible by "
+                             f"world size {world}")
+        return Shard("column", rank, world, segments).take(self.get_tensor(name, dtype, shape), dim)
+
+
+def read_config(weights: GGUFWeights) -> dict:
+    """The transformers config dict of a GGUF checkpoint, from its metadata (llama.cpp's key names); a missing
+    key or an unsupported architecture is refused naming the key and the file."""
+    m, arch, where = weights.meta, weights.arch, weights.meta_file
+
+    def need(key):
+        value = _field(m, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{where}: GGUF metadata {arch}.{key} is missing; the file was not written by "
+                             "llama.cpp's converter (or is cut): re-convert it with convert_hf_to_gguf.py")
+        return value
+
+    hidden, heads = need("embedding_length"), need("attention.head_count")
+    embed_shape = weights.get_shape("model.embed_tokens.weight") if weights.has_tensor(
+        "model.embed_tokens.weight") else None
+    tokens = _field(m, "tokenizer.ggml.tokens")
+    vocab = _field(m, f"{arch}.vocab_size") or (embed_shape[0] if embed_shape else len(tokens or []))
+    config = {
+        "model_type": ARCHITECTURES[arch], "architectures": None,
+        "hidden_size": hidden, "num_hidden_layers": need("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": _field(m, f"{arch}.attention.head_count_kv") or heads,
+        "max_position_embeddings": need("context_length"), "vocab_size": vocab,
+        "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
+        "rope_theta": _field(m, f"{arch}.rope.freq_base") or 10000.0,
+        "head_dim": _field(m, f"{arch}.attention.key_length") or hidden // heads,
+        "tie_word_embeddings": not weights.has_tensor("lm_head.weight"),
+        "bos_token_id": _field(m, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(m, "tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu",
+    }
+    if arch == "qwen3moe":
+        config.update(num_experts=need("expert_count"), num_experts_per_tok=need("expert_used_count"),
+                      moe_intermediate_size=need("expert_feed_forward_length"), norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[],
+                      intermediate_size=_field(m, f"{arch}.feed_forward_length") or need("expert_feed_forward_length"))
+    else:
+        config["intermediate_size"] = need("feed_forward_length")
+    if arch == "llama":
+        config["attention_bias"] = weights.has_tensor("model.layers.0.self_attn.q_proj.bias")
+    scaling = _field(m, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        factor = _field(m, f"{arch}.rope.scaling.factor")
+        if scaling == "linear":
+            config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+        elif scaling == "yarn":
+            config["rope_scaling"] = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings":
+                                      need("rope.scaling.original_context_length")}
+        else:
+            raise ValueError(f"{where}: {arch}.rope.scaling.type={scaling!r} is not supported (supported: none, "
+                             "linear, yarn); load the model's safetensors checkpoint instead")
+    if weights.has_tensor("rope_freqs.weight"):
+        raise ValueError(f"{where}: the file stores rope_freqs (Llama 3.1 rope scaling factors), which tritonq does "
+                         "not read from GGUF yet; load the model's safetensors checkpoint instead")
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def tokenizer(weights: GGUFWeights):
+    """The tokenizer built by transformers from the GGUF vocabulary (chat template: tokenizer.chat_template)."""
+    from transformers import AutoTokenizer
+    meta_file = weights.meta_file
+    if _field(weights.meta, "tokenizer.ggml.tokens") is None:
+        raise ValueError(f"{meta_file}: GGUF metadata tokenizer.ggml.tokens is missing: the file has no vocabulary; "
+                         "re-convert it with llama.cpp's convert_hf_to_gguf.py (it writes the tokenizer)")
+    try:
+        return AutoTokenizer.from_pretrained(meta_file.parent, gguf_file=meta_file.name)
+    except (OSError, ValueError, TypeError, KeyError, NotImplementedError) as e:
+        raise ValueError(f"{meta_file}: transformers cannot build a tokenizer from this GGUF's vocabulary "
+                         f"({type(e).__name__}: {str(e).strip()[:300]})") from e
+
+
+class GGUFLoader(WeightsLoader):
+    """Typed weights of a GGUF checkpoint: Q4_0 and Q8_0 linears repacked to Int4Weight (4 / 8 bits, group 32,
+    scale d, symmetric zero 8 / 128: the same values, `quantized_linear`); every other type dequantized to the
+    compute dtype (`GGUFWeights`)."""
+    marker = "weight"
+    REPACKED = {"Q4_0": 4, "Q8_0": 8}  # block type -> Int4Weight bits
+
+    def __init__(self, weights: GGUFWeights, config: dict, dtype: torch.dtype, device, quantize: str | None = None,
+                 *, rank: int = 0, world: int = 1):
+        if quantize is not None:
+            raise ValueError(f"quantize={quantize!r} needs a dense checkpoint, but {weights.folder} is a GGUF file "
+                             "(already quantized); load it without quantize")
+        super().__init__(weights, config, dtype, device, rank=rank, world=world)
+
+    def is_quantized(self, prefix: str) -> bool:
+        name = f"{prefix}.weight"
+        return (not always_dense(prefix) and self.weights.has_tensor(name)
+                and self.weights.type_name(name) in self.REPACKED and len(self.weights.get_shape(name)) == 2)
+
+    def check_float(self, name: str) -> None:
+        pass  # every GGUF tensor reads as float (GGUFWeights dequantizes)
+
+    def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
+        """Q4_0 / Q8_0 [N, K] -> Int4Weight: codes (Q4_0's nibbles q; Q8_0's int8 x as x + 128) packed along K,
+        scales [K/32, N] = the blocks' fp16 d in the compute dtype (exact in fp16 / fp32; bf16 rounds d to 8
+        mantissa bits), zeros None (symmetric: 8 / 128, the formats' own offsets)."""
+        name = f"{prefix}.weight"
+        type_name = self.weights.type_name(name)
+        bits, (_, size, _) = self.REPACKED[type_name], BLOCK_FORMATS[type_name]
+        N, K = self.weights.get_shape(name)
+        if shard is not None:
+            check_split(prefix, shard, N if shard.parallel == "column" else K, 1 if shard.parallel == "column" else 32,
+                        "whole rows" if shard.parallel == "column" else f"a {type_name} block of 32 input rows")
+        if self.weights._dry:
+            n, k = (N, K) if shard is None else shard.local_shape(N, K)
+            meta = torch.device("meta")
+            return Int4Weight(torch.empty(k * bits // 32, n, dtype=torch.int32, device=meta),
+                              torch.empty(k // 32, n, dtype=self.dtype, device=meta), None, None, 32, bits)
+        blocks = self.weights.unpermute(name, self.weights.raw(name).reshape(N, K // 32, size))
+        if type_name == "Q4_0":
+            codes = _nibbles(blocks[..., 2:].reshape(-1, 16), 16).reshape(N, K).to(torch.int32)
+        else:
+            codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(N, K).to(torch.int32) + 128
+        scales = blocks[..., :2].contiguous().view(torch.float16).reshape(N, K // 32)
+        self.weights._count_nonfinite(name, nonfinite_count(scales))  # refused in finish(), as a dequantized NaN is
+        if shard is not None:
+            codes = shard.take(codes, 0 if shard.parallel == "column" else 1)
+            scales = shard.take(scales, 0 if shard.parallel == "column" else 1)
+        return Int4Weight(pack_int32(codes.t().contiguous(), bits, dim=0).to(self.device),
+                          scales.t().to(device=self.device, dtype=self.dtype).contiguous(), None, None, 32, bits)
