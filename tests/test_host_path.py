@@ -57,3 +57,33 @@ def test_host_bench_cli_prints_every_weight_type(capsys, tmp_path):
     assert all(name in printed for name in WEIGHTS)
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == len(WEIGHTS) * len(host.MS) and all(r["host_us"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("kind, gemm_launches", [("int4", 2), ("mxfp4", 2), ("fp8", 4)])
+def test_moe_layer_resolves_its_launches_once_per_bucket(monkeypatch, kind, gemm_launches):
+    """A MoE layer (Qwen3-30B-A3B's routing: 128 experts, k 8) checks its experts once, looks configs up once
+    per T bucket, and at T = 1 launches its two expert GEMMs (W8A8 fp8 experts: plus each GEMM's activation
+    quantization); the rest of a call is the token alignment's torch ops (no host read)."""
+    from tritonq.kernels import moe
+    from tritonq.kernels.moe import launch as moe_launch
+    E, D, inter, k = 128, 2048, 768, 8
+    lookups, checks = [], []
+    lookup, check = common.lookup, moe_launch.check_experts
+    monkeypatch.setattr(common, "lookup", lambda *a: lookups.append(a) or lookup(*a))
+    monkeypatch.setattr(moe_launch, "check_experts", lambda *a: checks.append(1) or check(*a))
+    layer = moe.MoEExperts(moe.meta_experts(kind, E, 2 * inter, D, torch.bfloat16),
+                           moe.meta_experts(kind, E, D, inter, torch.bfloat16))
+
+    def call(T):
+        meta = torch.device("meta")
+        return layer(torch.empty(T, D, dtype=torch.bfloat16, device=meta),
+                     torch.empty(T, k, dtype=torch.float32, device=meta), torch.empty(T, k, dtype=torch.int32, device=meta))
+
+    with host._StubbedLaunches() as launches:
+        for T in (1, 1, 2, 1, 3, 4):
+            call(T)
+        assert checks == [1] and [bucket for _, bucket in lookups] == [
+            f"M{m}_E{E}_N{n}_K{kk}" for m in (1, 2, 4) for n, kk in ((inter, D), (D, inter))]
+        launches.count = 0
+        call(1)
+        assert launches.count == gemm_launches
