@@ -76,8 +76,8 @@ def test_moe_layer_resolves_its_launches_once_per_bucket(monkeypatch, kind, gemm
 
     def call(T):
         meta = torch.device("meta")
-        return layer(torch.empty(T, D, dtype=torch.bfloat16, device=meta),
-                     torch.empty(T, k, dtype=torch.float32, device=meta), torch.empty(T, k, dtype=torch.int32, device=meta))
+        return layer(torch.empty(T, D, dtype=torch.bfloat16, device=meta), torch.empty(T, k, device=meta),
+                     torch.empty(T, k, dtype=torch.int32, device=meta))
 
     with host._StubbedLaunches() as launches:
         for T in (1, 1, 2, 1, 3, 4):

@@ -40,10 +40,10 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
-from tritonq.kernels.common import (E4M3_TO_FP16_BIAS, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch, activation_scale,
-    check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, decode_split_k,
-    e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot, round_to_e4m3,
-    next_pow2, rows_absmax, split_k_arrivals, store_gemm_tile, tuned_or_default)
+from tritonq.kernels.common import (E4M3_TO_FP16_BIAS, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch,
+    activation_scale, check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability,
+    decode_split_k, e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot,
+    round_to_e4m3, next_pow2, rows_absmax, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import FP8Weight
 
@@ -109,8 +109,9 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
                      stride_am, stride_wn, stride_ym, stride_asm, stride_asg, stride_wsn, stride_wsk,
                      A_GROUP: tl.constexpr, W_SCALE_BN: tl.constexpr, W_SCALE_BK: tl.constexpr,
                      SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, QUANTIZE_A: tl.constexpr,
-                     STATIC_A: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+                     STATIC_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
     """y[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias).
 
     a: e4m3 [M, K] with a_scale [M, K/A_GROUP] fp32 (strides 0 where a scale is shared), or

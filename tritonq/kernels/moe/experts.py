@@ -1,6 +1,6 @@
 """The stacked expert weights as the launcher and the torch reference both read them: fused_moe's checks
-(`check_experts` once per layer, `check_moe_inputs` per call, `_check_moe` both) and the activation quantization of a W8A8 GEMM over fp8 experts
-(`fp8_activation_scheme`)."""
+(`check_experts` once per layer, `check_moe_inputs` per call, `_check_moe` both) and the activation quantization
+of a W8A8 GEMM over fp8 experts (`fp8_activation_scheme`)."""
 from __future__ import annotations
 
 import torch

@@ -116,7 +116,8 @@ class MoEExperts:
     def __init__(self, gate_up: Weight, down: Weight, activation: ClampedSwiGLU | None = None):
         self.E, self.inter, self.D, self.device = check_experts(gate_up, down)
         if activation is not None and not isinstance(activation, ClampedSwiGLU):
-            raise ValueError(f"fused_moe: activation must be None (SiLU-and-mul) or a ClampedSwiGLU, got {activation!r}")
+            raise ValueError(f"fused_moe: activation must be None (SiLU-and-mul) or a ClampedSwiGLU, "
+                             f"got {activation!r}")
         self.gate_up, self.down, self.activation, self.plans = gate_up, down, activation, {}
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -169,11 +170,13 @@ class MoEExperts:
         # Both GEMMs share one alignment, so they use the smaller BLOCK_M of the two configs.
         block_m = min(cfg1.BLOCK_M, cfg2.BLOCK_M)
         native_fp8 = has_fp8_tensor_cores(x.device)
+
+        def stand_in(*shape, dtype=x.dtype):  # the dtypes of what each call binds (shapes and strides: per call)
+            return torch.empty(shape, dtype=dtype, device=x.device)
+        alignment = (stand_in(1, dtype=torch.int32),) * 3
         gemms = []
         for weight, cfg, gate, quantized, (K, N) in ((gate_up, cfg1, True, w8a8[0], (D, inter)),
                                                      (down, cfg2, False, w8a8[1], (inter, D))):
-            def stand_in(*shape, dtype=x.dtype):  # shapes, dtypes and strides of what each call binds
-                return torch.empty(shape, dtype=dtype, device=x.device)
             scheme = fp8_activation_scheme(weight) if quantized else None
             if quantized:
                 group, static = scheme
@@ -181,8 +184,6 @@ class MoEExperts:
                 a_scale = stand_in(*(() if static is not None else (1, -(K // -(group or K)))), dtype=torch.float32)
             else:
                 a, a_scale = stand_in(1, K), None
-            int32 = dict(dtype=torch.int32)
-            alignment = (stand_in(1, **int32), stand_in(1, **int32), stand_in(1, **int32))
             launch = moe_gemm_launch(a, stand_in(1, N), weight, stand_in(1, dtype=torch.float32), alignment, top_k,
                                      cfg, block_m, gate, native_fp8, self.activation if gate else None, a_scale)
             for name in _PER_CALL:
