@@ -85,5 +85,12 @@ def test_moe_layer_resolves_its_launches_once_per_bucket(monkeypatch, kind, gemm
         assert checks == [1] and [bucket for _, bucket in lookups] == [
             f"M{m}_E{E}_N{n}_K{kk}" for m in (1, 2, 4) for n, kk in ((inter, D), (D, inter))]
         launches.count = 0
-        call(1)
+        with host._KernelOps() as torch_ops:
+            call(1)
         assert launches.count == gemm_launches
+        # a layer that holds every expert (no slot ever -1) skips setting dropped slots aside: fewer torch ops
+        layer = moe.MoEExperts(layer.gate_up, layer.down, dropped_slots=False)
+        call(1)
+        with host._KernelOps() as fewer_ops:
+            call(1)
+        assert fewer_ops.count < torch_ops.count

@@ -79,9 +79,10 @@ class RoutedExperts(nn.Module):
     def __init__(self, experts: RankExperts):
         super().__init__()
         self.gate_up, self.down, self.first = experts.gate_up, experts.down, experts.first
-        self.fused = MoEExperts(self.gate_up, self.down)  # checked once; launches resolved once per T bucket
         self.num_local = self.gate_up.stacked_shape("RoutedExperts gate_up")[0]
         self.expert_parallel = self.num_local < experts.num_experts
+        # checked once, launches resolved once per T bucket; only expert parallelism routes slots elsewhere (-1)
+        self.fused = MoEExperts(self.gate_up, self.down, dropped_slots=self.expert_parallel)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.expert_parallel:

@@ -253,14 +253,15 @@ def test_fused_moe_matches_loop_reference(kind, T, top_k, dtype):
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
-@pytest.mark.parametrize("kind", ["int4", "fp8_block"])
-def test_one_layer_reuses_its_launches_across_calls(kind):
+@pytest.mark.parametrize("kind, dropped_slots", [("int4", True), ("int4", False), ("fp8_block", False)])
+def test_one_layer_reuses_its_launches_across_calls(kind, dropped_slots):
     """A layer's MoEExperts resolves each T bucket's launches once and binds each call's tokens, routing and
     alignment: calls of T 3, 4 (one bucket), 1, 3 again and 17 in turn each equal the per-token loop (fp8 block
-    experts: W8A8, the activation scales bound per call too), one plan per bucket."""
+    experts: W8A8, the activation scales bound per call too), one plan per bucket; with or without the
+    handling of dropped (-1) slots, which a layer holding every expert skips."""
     gate_up, gate_up_dense = _stacked(kind, E_TEST, 2 * INTER, D)
     down, down_dense = _stacked(kind, E_TEST, D, INTER)
-    layer = moe.MoEExperts(gate_up, down)
+    layer = moe.MoEExperts(gate_up, down, dropped_slots=dropped_slots)
     for T in (3, 4, 1, 3, 17):
         x = torch.randn(T, D) * 3
         weights, ids = _routing(T, E_TEST, 2)

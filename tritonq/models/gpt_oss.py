@@ -46,7 +46,8 @@ class GptOssMoE(nn.Module):
                                                 parallel="column")
         self.down = loader.get_fused_experts(f"{prefix}.experts.down_proj", (E, D, inter), parallel="row")
         self.activation = ClampedSwiGLU(float(config.swiglu_alpha), float(config.swiglu_limit))
-        self.fused = MoEExperts(self.gate_up, self.down, self.activation)  # checked once, launches per T bucket
+        # checked once, launches resolved once per T bucket; every expert is here (tensor parallel), none dropped
+        self.fused = MoEExperts(self.gate_up, self.down, self.activation, dropped_slots=False)
         self.world = loader.world
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

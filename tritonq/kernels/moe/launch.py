@@ -111,14 +111,17 @@ class MoEExperts:
     Per (T rounded up to a power of two, k, x dtype, path) the two GEMMs' configs, shared BLOCK_M and launch
     arguments are resolved once (`_MoEPlan`; the default config is the bucket's largest T's). A call checks x
     and the routing, aligns the tokens (torch ops, no host read) and launches the two GEMMs (plus, for W8A8,
-    each GEMM's activation quantization)."""
+    each GEMM's activation quantization). dropped_slots=False (a layer that holds every expert, so no routed
+    slot is ever -1) skips the ops that set dropped slots aside: ids must then lie in [0, E)."""
 
-    def __init__(self, gate_up: Weight, down: Weight, activation: ClampedSwiGLU | None = None):
+    def __init__(self, gate_up: Weight, down: Weight, activation: ClampedSwiGLU | None = None,
+                 dropped_slots: bool = True):
         self.E, self.inter, self.D, self.device = check_experts(gate_up, down)
         if activation is not None and not isinstance(activation, ClampedSwiGLU):
             raise ValueError(f"fused_moe: activation must be None (SiLU-and-mul) or a ClampedSwiGLU, "
                              f"got {activation!r}")
         self.gate_up, self.down, self.activation, self.plans = gate_up, down, activation, {}
+        self.dropped_slots = dropped_slots
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  config: MoEConfig | tuple[MoEConfig, MoEConfig] | None = None,
@@ -147,9 +150,13 @@ class MoEExperts:
         numel, block_m = T * top_k, plan.block_m
         # Slots of other ranks' experts (-1) go to a virtual expert E, sorted last; the kernels stop before its
         # blocks (num_tokens_post_padded less its padded run), so those rows stay zero. No host read.
-        dropped = topk_ids < 0
-        sorted_ids, expert_ids, post_padded = moe_align_block_size(torch.where(dropped, E, topk_ids), block_m, E + 1)
-        post_padded = post_padded - (dropped.sum(dtype=torch.int32) + block_m - 1) // block_m * block_m
+        if self.dropped_slots:
+            dropped = topk_ids < 0
+            sorted_ids, expert_ids, post_padded = moe_align_block_size(torch.where(dropped, E, topk_ids), block_m,
+                                                                       E + 1)
+            post_padded = post_padded - (dropped.sum(dtype=torch.int32) + block_m - 1) // block_m * block_m
+        else:
+            sorted_ids, expert_ids, post_padded = moe_align_block_size(topk_ids, block_m, E)
         routing = topk_weights.float().contiguous().flatten()
         hidden = torch.empty(numel, self.inter, dtype=x.dtype, device=x.device)
         out = torch.zeros(numel, D, dtype=x.dtype, device=x.device)  # zeros: the rows of dropped slots stay 0
