@@ -5,7 +5,10 @@
 # 600 s; at most 8 files come back from $OUT; a bare machine, so every Triton kernel is a cold JIT compile).
 #   bash bench/gpu_session.sh              # from the repository root; OUT=folder (default bench/results/gpu)
 #   DRY_RUN=1 bash bench/gpu_session.sh    # print the steps, write placeholder results (no GPU needed)
-# Writes three files to $OUT: session.log (everything printed), check.xml (the check's JUnit XML),
+#   STEP=tune bash bench/gpu_session.sh    # its own device command: tune the launch configs first (240 s at most),
+#                                          # then benchmark with them; the tuned JSON comes back in configs/
+# Writes three files to $OUT (STEP=tune: session.log, results.json and configs/<kernel>/<gpu>.json):
+# session.log (everything printed), check.xml (the check's JUnit XML),
 # results.json (the machine, each step's exit status / seconds / limit and its benchmark JSON, merged from
 # a temporary folder outside $OUT at the end, also after a step ran out of time). Exit 1 if a step failed.
 # Time: the script stops itself by TOTAL seconds. Each step runs under `timeout -s INT -k KILL LIMIT`
@@ -82,7 +85,11 @@ PY
   optional moe 50 "$py" -m tritonq.bench moe --tokens 1 16 256 --out "$work/moe.json"
   # load + AWQ repack of a 1 GiB checkpoint vs safe_open (expected ~20 s)
   optional load 40 "$py" -m tritonq.bench load --gb 1.0 --repeats 1 --json "$work/load.json"
-  # --- one results.json: every step's exit status and JSON, the check's counts ---------------------------
+  merge
+}
+
+# merge: one results.json from every step's exit status and JSON, and the check's counts
+merge() {
   echo "=== [$(elapsed) s] merging into $out/results.json"
   timeout -s INT -k "$KILL" "$MERGE" "$py" - "$work" "$out" <<'PY'
 import json, sys, xml.etree.ElementTree as ET
@@ -117,4 +124,35 @@ PY
   return $rc
 }
 
-session 2>&1 | tee "$out/session.log"
+
+# STEP=tune: the launch configs tuned for this GPU (the narrowed sweep around the defaults, `tritonq.tune
+# --near-default`, each run stopped by --budget and writing its best so far), then the benchmarks that use them.
+# Shapes: the decode (M=1) and prefill (M=256) linears of Llama-2-7B, Llama-3-8B and Qwen3-8B (fused qkv and
+# gate_up, as the runtime runs them) and Qwen3-30B-A3B's experts (128 experts, top 8, D=2048, I=768).
+MOE_SHAPES=1x128x8x2048x768,256x128x8x2048x768
+LLAMA_SHAPES=""
+for m in 1 256; do
+  for nk in 12288x4096 4096x4096 22016x4096 4096x11008 6144x4096 28672x4096 4096x14336 24576x4096 4096x12288; do
+    LLAMA_SHAPES+="${LLAMA_SHAPES:+,}${m}x${nk}"
+  done
+done
+tune_session() {
+  step machine 20 "$py" -c "import torch; print(torch.cuda.get_device_name())"
+  # the tune steps' limits add up to 240 s (tests/test_gpu_session.py); each budget leaves ~20 s for imports
+  step tune_int4 150 "$py" -m tritonq.tune --kernel int4_gemm --near-default --budget 125 --shapes "$LLAMA_SHAPES"
+  step tune_moe 90 "$py" -m tritonq.tune --kernel moe --near-default --budget 70 --shapes "$MOE_SHAPES"
+  mkdir -p "$out/configs"
+  for kernel in int4_gemm moe; do
+    if [ -d "tritonq/kernels/configs/$kernel" ]; then cp -r "tritonq/kernels/configs/$kernel" "$out/configs/"; fi
+  done
+  # the same benchmarks as the full session's, now with the tuned configs
+  step int4_gemm 50 "$py" -m tritonq.bench int4_gemm --models llama-2-7b --m 1,2,4,8,16 --json "$work/int4_gemm.json"
+  step moe 50 "$py" -m tritonq.bench moe --models qwen3-30b-a3b --weights int4 --tokens 1 16 256 --out "$work/moe.json"
+  merge
+}
+
+case "${STEP:-all}" in
+  all) session 2>&1 | tee "$out/session.log" ;;
+  tune) tune_session 2>&1 | tee "$out/session.log" ;;
+  *) echo "STEP=${STEP}: expected all (the default) or tune" >&2; exit 2 ;;
+esac

@@ -78,6 +78,54 @@ def test_timed_sweep_keeps_the_fastest_correct_candidate(monkeypatch):
     assert len(timed) == 2  # only the two candidates that matched the reference were timed
 
 
+def test_budget_cuts_each_shapes_sweep_and_keeps_the_best_so_far(monkeypatch):
+    """A stand-in clock advances 1 s per timed candidate; 1.5 s over two shapes gives each ~0.75 s: after its
+    first correct candidate (64, timed at 2.0 ms) a shape's share is spent, so 64 is written although 128 (1.0
+    ms) would win unbudgeted; without a budget 128 wins."""
+    import triton.testing
+    from tritonq.tune import search
+    clock = [0.0]
+    target = _toy_target()
+
+    def fake_do_bench(fn, warmup, rep):
+        fn()
+        clock[0] += 1.0
+        return {64: 2.0, 128: 1.0}[last_config["BLOCK_N"]]
+
+    last_config = {}
+
+    def run(x, config):
+        last_config.clear()
+        last_config.update(config)
+        return target.run(x, config)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(search.time, "monotonic", lambda: clock[0])
+    timed = tune.TuneTarget(**{**target.__dict__, "run": run})
+    shapes = [(3, 100), (1, 17)]
+    budgeted = tune.tune(timed, shapes, torch.device("cpu"), timed=True, progress=False, budget_s=1.5)
+    assert budgeted == {"M3_N100": {"BLOCK_N": 64, "num_warps": 2}, "M1_N17": {"BLOCK_N": 64, "num_warps": 2}}
+    assert clock[0] == 2.0
+    unbudgeted = tune.tune(timed, shapes, torch.device("cpu"), timed=True, progress=False)
+    assert unbudgeted == {"M3_N100": {"BLOCK_N": 128, "num_warps": 4}, "M1_N17": {"BLOCK_N": 128, "num_warps": 4}}
+
+
+def test_near_default_sweeps_the_default_first_then_its_one_field_neighbours():
+    """The GPU session's narrowed sweep, on the real int4_gemm space: the launcher's default first, then only the
+    legal configs one field away from it: tens of candidates where the full space has hundreds."""
+    from tritonq.kernels import int4_gemm
+    from tritonq.tune import targets
+    target = targets.int4_gemm()
+    for shape in ((1, 4096, 4096), (256, 11008, 4096)):
+        full = target.space(shape)
+        near = tune.candidates(target, shape, timed=True, narrow=True)
+        default = dict(vars(int4_gemm.default_config(*shape)))
+        assert near[0] == default and 5 <= len(near) <= 30 < len(full)
+        assert all(c in full and sum(c[k] != v for k, v in default.items()) == 1 for c in near[1:])
+    toy = _toy_target()
+    with pytest.raises(ValueError, match="toy declares no default config"):
+        tune.candidates(toy, (3, 100), timed=True, narrow=True)
+
+
 def test_no_correct_candidate_is_an_error():
     target = _toy_target()
     broken = tune.TuneTarget(**{**target.__dict__, "space": lambda shape: target.space(shape)[:2]})

@@ -10,7 +10,7 @@ from torch import nn
 
 from tritonq.distributed import all_gather_last_dim, all_reduce
 from tritonq.kernels.linear import kind_of
-from tritonq.kernels.moe import fused_moe
+from tritonq.kernels.moe import MoEExperts
 from tritonq.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul  # silu_mul: models' MLPs take it from here
 from tritonq.weights import DenseWeight, RankExperts, Weight, k_major
 
@@ -72,7 +72,7 @@ class RoutedExperts(nn.Module):
     this rank's part of the routed output, NOT summed over ranks: the MoE layer adds its shared experts'
     part and all-reduces once. Tensor parallel: every expert's I/world slice (partial sums of every slot).
     Expert parallel: experts [first, first + E/world) whole; slots routed elsewhere become -1 (fused_moe
-    skips them). world 1: the whole output.
+    skips them). world 1: the whole output. The experts are checked once, here (`kernels.moe.MoEExperts`).
     """
 
     def __init__(self, experts: RankExperts):
@@ -80,12 +80,14 @@ class RoutedExperts(nn.Module):
         self.gate_up, self.down, self.first = experts.gate_up, experts.down, experts.first
         self.num_local = self.gate_up.stacked_shape("RoutedExperts gate_up")[0]
         self.expert_parallel = self.num_local < experts.num_experts
+        # checked once, launches resolved once per T bucket; only expert parallelism routes slots elsewhere (-1)
+        self.fused = MoEExperts(self.gate_up, self.down)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.expert_parallel:
             local = topk_ids - self.first
             topk_ids = torch.where((local >= 0) & (local < self.num_local), local, -1)
-        return fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids)
+        return self.fused(x, topk_weights, topk_ids)
 
 
 class Embedding(nn.Module):

@@ -195,3 +195,26 @@ def test_block_k_straddling_a_scale_block_is_rejected():
 def test_wrong_k_is_rejected():
     with pytest.raises(ValueError, match="K=299"):
         fp8_gemm(torch.randn(2, K - 1), make_weight("tensor"))
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "block", "static"])
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_decode_quantizes_in_the_gemm_like_the_quantizer(scheme, M):
+    """Up to 16 rows the GEMM quantizes x itself (one launch). Its numbers are the quantizer's: the same config
+    fed `quantize_activation_fp8`'s codes and scales gives a bit-equal y, and y equals the reference. One outlier
+    in the last K slice sets each row's scale: a program that took the absmax of its own slice only would
+    quantize the other slices 100x finer. BLOCK_K 64 inside 128-wide scale groups: the group's absmax spans tiles."""
+    w = make_weight("channel" if scheme == "static" else scheme, bias=True)
+    if scheme == "static":
+        w = replace(w, input_scale=torch.tensor(0.02))
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    x[:, K - 3] = 100.0
+    config = FP8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SPLIT_K=3)
+    launch, y = fp8.fp8_gemm_launch(x, None, w, config, x.dtype, quantize=True)
+    launch()
+    group = w.block_size[1] if w.block_size is not None else None
+    q, scales = quantize_activation_fp8(x, group, w.input_scale)
+    launch_q, y_q = fp8.fp8_gemm_launch(q, scales, w, config, x.dtype)
+    launch_q()
+    assert torch.equal(y, y_q)
+    assert_matches_reference(y, fp8_gemm_reference(x, w))

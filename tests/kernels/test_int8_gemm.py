@@ -21,6 +21,7 @@ from tritonq.kernels.int8_gemm import (
     DYNAMIC_DIVISOR,
     Int8GemmConfig,
     int8_gemm,
+    int8_gemm_launch,
     int8_gemm_reference,
     quantize_activation_int8,
     quantize_activation_int8_reference,
@@ -101,6 +102,26 @@ def test_int8_gemm_configs_match_reference(config, fp16_dot):
     w = make_weight(asymmetric=True, bias=True)
     x = activations(17, torch.float16)
     assert_matches_reference(int8_gemm(x, w, config=config, fp16_dot=fp16_dot), int8_gemm_reference(x, w))
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_decode_quantizes_in_the_gemm_like_the_quantizer(scheme, M):
+    """Up to 16 rows the GEMM quantizes x itself (one launch), to the quantizer's codes: the same config fed
+    `quantize_activation_int8`'s codes and scales gives a bit-equal y, and y equals the reference. One outlier in
+    the last K slice sets each row's scale: a program that took the absmax of its own slice only would quantize
+    the other slices 25x finer."""
+    w = make_weight(per_channel=scheme != "static", bias=True, **SCHEMES[scheme])
+    x = activations(M, torch.bfloat16)
+    x[:, K - 3] = 40.0
+    config = Int8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SPLIT_K=3)
+    launch, y = int8_gemm_launch(x, None, w, config, x.dtype)
+    launch()
+    q, scales = quantize_activation_int8(x, w.input_scale, w.input_zero_point)
+    launch_q, y_q = int8_gemm_launch(q, scales, w, config, x.dtype)
+    launch_q()
+    assert torch.equal(y, y_q)
+    assert_matches_reference(y, int8_gemm_reference(x, w))
 
 
 @pytest.mark.parametrize("M", [1, 17])

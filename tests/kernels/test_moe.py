@@ -271,6 +271,26 @@ def test_fused_moe_matches_loop_reference(kind, T, top_k, dtype):
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("kind", ["int4", "fp8_block"])
+def test_one_layer_reuses_its_launches_across_calls(kind):
+    """A layer's MoEExperts resolves each T bucket's launches once and binds each call's tokens, routing and
+    alignment: calls of T 3, 4 (one bucket), 1, 3 again and 17 in turn each equal the per-token loop (fp8 block
+    experts: W8A8, the activation scales bound per call too), one plan per bucket."""
+    gate_up, gate_up_dense = _stacked(kind, E_TEST, 2 * INTER, D)
+    down, down_dense = _stacked(kind, E_TEST, D, INTER)
+    layer = moe.MoEExperts(gate_up, down)
+    for T in (3, 4, 1, 3, 17):
+        x = torch.randn(T, D) * 3
+        weights, ids = _routing(T, E_TEST, 2)
+        out = layer(x, weights, ids)
+        if kind == "fp8_block":
+            expected = _w8a8_reference(x, gate_up_dense, down_dense, weights, ids, 32)
+        else:
+            expected = _per_token_moe(x, gate_up_dense, down_dense, weights, ids)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert sorted(tokens for tokens, *_ in layer.plans) == [1, 4, 32]
+
+
 @pytest.mark.parametrize("backend", ["triton", "cpu", "torch"])
 @pytest.mark.parametrize("kind,T,top_k", [("dense", 33, 6), ("int4", 5, 2), ("dense", 3, 1)])
 def test_dropped_slots_contribute_nothing(monkeypatch, backend, kind, T, top_k):

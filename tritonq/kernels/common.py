@@ -12,6 +12,7 @@
   ieee_dot             tl.dot that multiplies fp32 operands in IEEE fp32, not tf32 (attention,
                        fp8_gemm's weight-only path; int4_gemm and moe upcast via UPCAST_DOT)
   activation_scale     per-token / per-group activation scale (fp8_gemm's and int8_gemm's quantizers)
+  rows_absmax          a row's (or group's) max |x| inside a GEMM that quantizes its activations itself
   gemm_tile / store_gemm_tile
                        the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice and
                        epilogue (bias on the first slice, then y or the split-K sum)
@@ -46,6 +47,7 @@ import dataclasses
 import functools
 import logging
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -180,6 +182,19 @@ def activation_scale(x, static_scale_ptr, STATIC: tl.constexpr, Q_MAX: tl.conste
         absmax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
         scale = tl.math.div_rn(absmax, tl.zeros_like(absmax) + Q_MAX)
     return scale
+
+
+@triton.jit
+def rows_absmax(x_ptrs, mask_m, k_lo, k_hi, BLOCK_K: tl.constexpr):
+    """max |x| over columns [k_lo, k_hi) of each row, fp32 [BLOCK_M]: x_ptrs [BLOCK_M, BLOCK_K] point at column 0
+    of the rows (masked rows give 0). The GEMMs that quantize their activations in the kernel (fp8_gemm, int8_gemm
+    at decode M) take a row's or a group's scale from it, read in BLOCK_K steps."""
+    offs_k = tl.arange(0, BLOCK_K)
+    absmax = tl.zeros(mask_m.shape, tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & (offs_k < k_hi - k0)[None, :], other=0.0)
+        absmax = tl.maximum(absmax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    return absmax
 
 
 @triton.jit
@@ -378,6 +393,11 @@ def gemm_config_bucket(M: int, N: int, K: int) -> str:
     return f"M{min(triton.next_power_of_2(M), 4096)}_N{N}_K{K}"
 
 
+# Up to this many rows fp8_gemm and int8_gemm quantize their activations inside the GEMM (each program reads the
+# rows' absmax over all of K itself: x is tiny at decode), one launch; above it a quantization kernel runs first.
+QUANTIZE_IN_GEMM_MAX_M = 16
+
+
 def decode_split_k(N: int, K: int, block_k: int) -> int:
     """SPLIT_K of a decode-sized GEMM (BLOCK_N 64): about 256 programs (~2 waves) stream the weight, with at
     least 4 K tiles of block_k per slice so that each slice still pipelines its loads."""
@@ -462,6 +482,18 @@ class Launch:
         with torch.cuda.device(self.cuda_device) if self.cuda_device is not None else contextlib.nullcontext():
             self.kernel[grid or self.grid](**(self.args | bound if bound else self.args),
                                            num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+class WeightGemm:
+    """Base of the per-weight GEMM objects (Int4Gemm, FP8Gemm, Int8Gemm): the weight held weakly, so the caches
+    of bare calls (weight -> its GEMM object, weak keys) let the weight go; a Linear holds its weight itself."""
+
+    def __init__(self, w):
+        self._weight = weakref.ref(w)
+
+    @property
+    def w(self):
+        return self._weight()
 
 
 class GemmPlan:

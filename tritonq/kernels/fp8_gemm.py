@@ -4,9 +4,11 @@ Weight scales (FP8Weight.weight_scale, W = weight * scale):
   per tensor  []                                  one scale
   per channel [N, 1]                              one scale per output row
   block       [ceil(N/bn), ceil(K/bk)], block_size=(bn, bk) (DeepSeek-V3 `weight_scale_inv`)
-Activations are quantized to e4m3 by `quantize_activation_fp8` (a Triton kernel): dynamically
-per token (one scale per row of x), per 1 x bk group for block weights, or statically with
-FP8Weight.input_scale. Scale = absmax / 448, values clamped to +-448 before the cast.
+Activations are quantized to e4m3 dynamically per token (one scale per row of x), per 1 x bk group for block
+weights, or statically with FP8Weight.input_scale. Scale = absmax / 448, values clamped to +-448 before the cast.
+Up to QUANTIZE_IN_GEMM_MAX_M rows (decode) the GEMM kernel quantizes the tiles it reads itself (each program
+reads its rows' absmax over all of K, or over the tile's group: x is a few KB there), so a linear is one launch;
+above, `quantize_activation_fp8` (a Triton kernel) writes the e4m3 activations first. Both give the same numbers.
 
 Two kernel paths, one @triton.jit kernel:
   fp8 x fp8 (sm_89+): tl.dot on e4m3 operands, fp32 accumulator; block-scaled weights apply
@@ -38,10 +40,10 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import batch_invariant, cpu_lowbit, use_cpu_kernels, use_triton
-from tritonq.kernels.common import (E4M3_TO_FP16_BIAS, GemmConfig, GemmPlan, Launch, activation_scale,
-    check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k,
-    e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot, round_to_e4m3,
-    next_pow2, split_k_arrivals, store_gemm_tile, tuned_or_default)
+from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch,
+    activation_scale, check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability,
+    config_rows, decode_split_k, e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot,
+    round_to_e4m3, next_pow2, rows_absmax, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import FP8Weight
 
@@ -82,24 +84,42 @@ def _quantize_activation_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride
     scale = activation_scale(x, static_scale_ptr, STATIC, _FP8_MAX, _SCALE_EPS)
     if not STATIC:
         tl.store(s_ptr + row * stride_sm + group, scale)
-    # div_rn: IEEE division, so the GPU rounds exactly like the torch reference (plain `/` is
-    # an approximate division on NVIDIA); the clamp makes out-of-range values saturate.
-    q = tl.clamp(tl.math.div_rn(x, tl.zeros([BLOCK], tl.float32) + scale), -_FP8_MAX, _FP8_MAX)
-    tl.store(q_ptr + row * stride_qm + offs, round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
+    tl.store(q_ptr + row * stride_qm + offs, _quantize_fp8(x, scale), mask=mask)
+
+
+@triton.jit
+def _fp8_scale(absmax):
+    """Per-row scales [BLOCK_M, 1] from the rows' absmax [BLOCK_M] (floored at SCALE_EPS), as
+    `activation_scale` computes them: IEEE division (div_rn), like the torch reference."""
+    absmax = tl.maximum(absmax, _SCALE_EPS)
+    return tl.math.div_rn(absmax, tl.zeros_like(absmax) + _FP8_MAX)[:, None]
+
+
+@triton.jit
+def _quantize_fp8(x, scale):
+    """fp32 x / scale (a scalar, or broadcasting against x) -> e4m3, rounded to nearest even. div_rn: IEEE division,
+    so the GPU rounds exactly like the torch reference (plain `/` is an approximate division on NVIDIA); the clamp
+    makes out-of-range values saturate."""
+    q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -_FP8_MAX, _FP8_MAX)
+    return round_to_e4m3(q).to(tl.float8e4nv)
 
 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, partials_ptr, arrivals_ptr, M, N, K,
                      stride_am, stride_wn, stride_ym, stride_asm, stride_asg, stride_wsn, stride_wsk,
                      A_GROUP: tl.constexpr, W_SCALE_BN: tl.constexpr, W_SCALE_BK: tl.constexpr,
-                     SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+                     SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, QUANTIZE_A: tl.constexpr,
+                     STATIC_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
     """y[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias).
 
     a: e4m3 [M, K] with a_scale [M, K/A_GROUP] fp32 (strides 0 where a scale is shared), or
     with WEIGHT_ONLY the fp16/bf16 activations themselves (a_scale unused). w: [N, K] e4m3, or
     its uint8 bytes with WEIGHT_ONLY. w_scale[n // W_SCALE_BN, k // W_SCALE_BK].
+    QUANTIZE_A (decode M): a is the fp16/bf16/fp32 activations, quantized here tile by tile exactly as
+    `quantize_activation_fp8` does (its scales from `rows_absmax` over the row or the A_GROUP group, or the static
+    one at a_scale_ptr with STATIC_A), so the GEMM is the linear's only launch.
     SPLIT_K > 1 (decode): program_id(1) takes one K slice; the slices' scaled partial sums meet in
     `common.reduce_split_k`, in this launch.
     """
@@ -110,11 +130,28 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
     a_scale_ptrs = a_scale_ptr + rows * stride_asm
     w_scale_ptrs = w_scale_ptr + (offs_n // W_SCALE_BN) * stride_wsn
 
+    x_rows = a_ptr + rows[:, None] * stride_am + offs_k[None, :]  # QUANTIZE_A: column 0 of the rows
+    if QUANTIZE_A:
+        if STATIC_A:
+            a_scale = tl.load(a_scale_ptr)
+        elif not SCALE_PER_TILE:  # per token: each program reads its rows' absmax over all of K
+            a_scale = _fp8_scale(rows_absmax(x_rows, mask_m, 0, K, BLOCK_K))
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if QUANTIZE_A:
+            a = a.to(tl.float32)
+            if SCALE_PER_TILE and not STATIC_A:  # the 1 x A_GROUP group holding this tile (BLOCK_K divides it)
+                if A_GROUP == BLOCK_K:
+                    a_scale = _fp8_scale(tl.max(tl.abs(a), axis=1))
+                else:
+                    group_start = k0 // A_GROUP * A_GROUP
+                    a_scale = _fp8_scale(rows_absmax(x_rows, mask_m, group_start, min(group_start + A_GROUP, K),
+                                                     BLOCK_K))
+            a = _quantize_fp8(a, a_scale)
         if WEIGHT_ONLY:
             # via fp32: exact, and the interpreter's direct fp16 -> bf16 cast is wrong
             w = e4m3_bits_to_fp16(w).to(tl.float32).to(a.dtype)
@@ -123,6 +160,8 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
             w_scale = tl.load(w_scale_ptrs + (k0 // W_SCALE_BK) * stride_wsk, mask=mask_n, other=0.0)
             if WEIGHT_ONLY:
                 acc += partial * w_scale[None, :]
+            elif QUANTIZE_A:
+                acc += partial * a_scale * w_scale[None, :]
             else:
                 a_scale = tl.load(a_scale_ptrs + (k0 // A_GROUP) * stride_asg, mask=mask_m, other=0.0)
                 acc += partial * a_scale[:, None] * w_scale[None, :]
@@ -133,7 +172,9 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
 
     if not SCALE_PER_TILE:  # per-tensor / per-channel: scales are constant along K
         acc *= tl.load(w_scale_ptrs, mask=mask_n, other=0.0)[None, :]
-        if not WEIGHT_ONLY:
+        if QUANTIZE_A:
+            acc *= a_scale
+        elif not WEIGHT_ONLY:
             acc *= tl.load(a_scale_ptrs, mask=mask_m, other=0.0)[:, None]
     if WEIGHT_ONLY:
         acc *= E4M3_TO_FP16_BIAS
@@ -195,14 +236,16 @@ def fp8_gemm(x: torch.Tensor, w: FP8Weight, weight_only: bool | None = None,
     return gemm(x, weight_only)
 
 
-class FP8Gemm:
+class FP8Gemm(WeightGemm):
     """fp8_gemm over one weight, checked once here; per (M bucket, x dtype, path) the config, grid and launch
-    arguments are resolved once (`GemmPlan`). A call checks x, picks the backend, quantizes the activations
-    (one launch; none weight-only) and runs the GEMM (one launch, the split-K sum inside it)."""
+    arguments are resolved once (`GemmPlan`). A call checks x, picks the backend and runs the GEMM: one launch
+    (the split-K sum inside it, and up to QUANTIZE_IN_GEMM_MAX_M rows the activation quantization too); larger M
+    quantize the activations in a launch of their own first."""
 
     def __init__(self, w: FP8Weight):
         _check_weight(w)
-        self.w, self.device, self.plans = w, w.weight.device, {}
+        super().__init__(w)
+        self.device, self.plans = w.weight.device, {}
         self.N, self.K = w.shape
         self.scale_bk = w.block_size[1] if w.block_size is not None else None
 
@@ -229,7 +272,7 @@ class FP8Gemm:
             plan = self._plan(x, weight_only, config, key[0])
             if config is None:
                 self.plans[key] = plan
-        if weight_only:
+        if weight_only or key[0] <= QUANTIZE_IN_GEMM_MAX_M:  # x itself: not quantized, or quantized in the GEMM
             y = plan.run(M, x.dtype, self.device, a_ptr=x, stride_am=x.stride(0))
         else:
             a, a_scale = quantize_activation_fp8(x, self.scale_bk, w.input_scale)
@@ -249,8 +292,8 @@ class FP8Gemm:
             raise ValueError(f"fp8_gemm: BLOCK_K={cfg.BLOCK_K} does not divide the weight's K block {scale_bk}; "
                              "a K tile must lie inside one scale block")
         arrivals = split_k_arrivals(max_m, self.N, cfg, x.device)
-        if weight_only:
-            launch = fp8_gemm_launch(x, None, self.w, cfg, x.dtype, arrivals)[0]
+        if weight_only or max_m <= QUANTIZE_IN_GEMM_MAX_M:
+            launch = fp8_gemm_launch(x, None, self.w, cfg, x.dtype, arrivals, quantize=not weight_only)[0]
             per_call = ("a_ptr", "stride_am")
         else:  # stand-ins for the quantized activations and their scales, bound per call
             a = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
@@ -267,21 +310,28 @@ _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FP8Weight -> its FP8Gemm 
 
 
 def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight, config: FP8GemmConfig,
-                    out_dtype: torch.dtype, arrivals: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
+                    out_dtype: torch.dtype, arrivals: torch.Tensor | None = None,
+                    quantize: bool = False) -> tuple[Launch, torch.Tensor]:
     """The launch of _fp8_gemm_kernel and its output y [M, N] in out_dtype (with SPLIT_K > 1 also the fp32
     partials and `arrivals`, the split-K counts: `common.gemm_output`).
 
     a [M, K] contiguous: e4m3 activations with a_scale from `quantize_activation_fp8` ([] static,
     [M, 1] per token, [M, K / bk] per group), or the fp16/bf16 activations themselves with a_scale
-    None (weight-only: the weight's bytes are decoded in the kernel). The caller has checked config
+    None (weight-only: the weight's bytes are decoded in the kernel). quantize: a is the fp16/bf16/fp32
+    activations with a_scale None, quantized inside the GEMM (decode M; dynamically, or by w.input_scale), with
+    the numbers of `quantize_activation_fp8`. The caller has checked config
     (with block scales BLOCK_K divides the K block). Over meta tensors this is what tune --aot compiles.
     """
     (M, K), N = a.shape, w.shape[0]
-    weight_only = a_scale is None
+    weight_only = a_scale is None and not quantize
     weight = w.weight.contiguous()
     stride_wsn, stride_wsk, scale_bn, scale_bk = _weight_scale_layout(w)
     w_scale = w.weight_scale.to(torch.float32)
-    if weight_only:
+    static = w.input_scale is not None
+    if quantize:  # the kernel's own scales, or the static one at a_scale_ptr
+        a_scale = w.input_scale.reshape(()).to(torch.float32) if static else w_scale
+        a_group, stride_asm, stride_asg = scale_bk if w.block_size is not None else K, 0, 0
+    elif weight_only:
         a_scale, a_group, stride_asm, stride_asg = w_scale, K, 0, 0  # a_scale unused
         weight = weight.view(torch.uint8)  # decoded with integer ops, no fp8 type needed
     else:
@@ -295,7 +345,8 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
                 stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N, stride_asm=stride_asm,
                 stride_asg=stride_asg, stride_wsn=stride_wsn, stride_wsk=stride_wsk,
                 A_GROUP=a_group, W_SCALE_BN=scale_bn, W_SCALE_BK=scale_bk,
-                SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only, HAS_BIAS=w.bias is not None,
+                SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only, QUANTIZE_A=quantize,
+                STATIC_A=quantize and static, HAS_BIAS=w.bias is not None,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
                 SPLIT_K=config.SPLIT_K)
     return Launch(_fp8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
@@ -445,16 +496,16 @@ def aot_launch(config: FP8GemmConfig, M: int, N: int, K: int, cc: int, dtype: to
                block: bool = True, bias: bool = False) -> Launch:
     """`fp8_gemm_launch` over meta tensors for sm_`cc`: an N x K e4m3 weight with 128 x 128 block scales
     (else one per channel), fp16/bf16 activations: quantized to e4m3 per token (per 128-group with
-    block scales) from sm_89, the weight-only path below."""
+    block scales) from sm_89, inside the GEMM up to QUANTIZE_IN_GEMM_MAX_M rows; the weight-only path below."""
     meta = torch.device("meta")
     scale = (torch.empty(triton.cdiv(N, 128), triton.cdiv(K, 128), dtype=torch.float32, device=meta) if block
              else torch.empty(N, 1, dtype=torch.float32, device=meta))
     w = FP8Weight(torch.empty(N, K, dtype=torch.float8_e4m3fn, device=meta), scale,
                   block_size=(128, 128) if block else None,
                   bias=torch.empty(N, dtype=dtype, device=meta) if bias else None)
-    if cc < 89:
+    if cc < 89 or M <= QUANTIZE_IN_GEMM_MAX_M:  # weight-only, or the activations quantized in the GEMM
         a, a_scale = torch.empty(M, K, dtype=dtype, device=meta), None
     else:
         a = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=meta)
         a_scale = torch.empty(M, triton.cdiv(K, 128) if block else 1, dtype=torch.float32, device=meta)
-    return fp8_gemm_launch(a, a_scale, w, config, dtype)[0]
+    return fp8_gemm_launch(a, a_scale, w, config, dtype, quantize=cc >= 89 and M <= QUANTIZE_IN_GEMM_MAX_M)[0]

@@ -57,6 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import batch_invariant, cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.common import (
+    WeightGemm,
     GemmPlan,
     Launch,
     gemm_output,
@@ -243,7 +244,7 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
     return gemm(x)
 
 
-class Int4Gemm:
+class Int4Gemm(WeightGemm):
     """int4_gemm over one weight, checked once here (`_check_weight`; off CUDA also its g_idx values). Per
     (M bucket, x dtype) the config, grid and launch arguments are resolved once (`GemmPlan`); a call checks
     x, picks the backend and runs one launch (the split-K sum and cast inside it, `common.reduce_split_k`)."""
@@ -252,7 +253,8 @@ class Int4Gemm:
         self.N, self.K = _check_weight(w)
         if not w.qweight.is_cuda:  # interpreter; CUDA relies on the load-time check in gptq_to_int4 (no sync)
             w.check_g_idx()
-        self.w, self.device, self.plans = w, w.qweight.device, {}
+        super().__init__(w)
+        self.device, self.plans = w.qweight.device, {}
 
     def __call__(self, x: torch.Tensor, config: Int4GemmConfig | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype not in _X_DTYPES:

@@ -7,7 +7,9 @@ round_to_quantized_type_args: clamp to [-128, 127], then torch.round, i.e. half 
   dynamic per token   scale = absmax(row) / 127.5, q = round(x / scale)
   static per tensor   scale = W8A8Weight.input_scale, q = round(x / scale)
   static asymmetric   q = round(x / scale + input_zero_point), x ~= (q - zero_point) * scale
-Division is IEEE (div_rn), so the codes equal the torch reference's bit for bit.
+Division is IEEE (div_rn), so the codes equal the torch reference's bit for bit. Up to QUANTIZE_IN_GEMM_MAX_M
+rows (decode) the GEMM kernel quantizes the tiles it reads itself (each program reads its rows' absmax over all
+of K: x is a few KB there), the same codes, so a linear is one launch.
 
 One @triton.jit GEMM kernel: tl.dot on int8 operands with an int32 accumulator (exact), then in
 the epilogue the asymmetric correction acc - zero_point * sum_k W[n, k] (the column sums are
@@ -40,9 +42,9 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
-from tritonq.kernels.common import (GemmConfig, GemmPlan, Launch, activation_scale, check_gemm_activations,
-    check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k, gemm_grid, gemm_output, gemm_tile,
-    next_pow2, split_k_arrivals, store_gemm_tile, tuned_or_default)
+from tritonq.kernels.common import (WeightGemm, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch, activation_scale,
+    check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k, gemm_grid,
+    gemm_output, gemm_tile, next_pow2, rows_absmax, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.weights import W8A8Weight
 
@@ -74,19 +76,26 @@ def _quantize_activation_int8_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, zero
     scale = activation_scale(x, static_scale_ptr, STATIC, _DYNAMIC_DIVISOR, _SCALE_EPS)
     if not STATIC:
         tl.store(s_ptr + row, scale)
-    # div_rn: IEEE division, so the GPU rounds exactly like torch (plain `/` is approximate on NVIDIA)
-    v = tl.math.div_rn(x, tl.zeros([BLOCK], tl.float32) + scale)
+    tl.store(q_ptr + row * stride_qm + offs, _quantize_int8(x, scale, zero_point_ptr, ASYMMETRIC), mask=mask)
+
+
+@triton.jit
+def _quantize_int8(x, scale, zero_point_ptr, ASYMMETRIC: tl.constexpr):
+    """fp32 x / scale (a scalar, or broadcasting against x) (+ the zero point) -> clamp -> round half to even ->
+    int8. div_rn: IEEE division, so the GPU rounds exactly like torch (plain `/` is approximate on NVIDIA)."""
+    v = tl.math.div_rn(x, tl.zeros_like(x) + scale)
     if ASYMMETRIC:
         v += tl.load(zero_point_ptr).to(tl.float32)
     v = tl.clamp(v, _INT8_MIN, _INT8_MAX)
     v = (v + _ROUND_MAGIC) - _ROUND_MAGIC
-    tl.store(q_ptr + row * stride_qm + offs, v.to(tl.int8), mask=mask)
+    return v.to(tl.int8)
 
 
 @triton.jit
 def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, partials_ptr, arrivals_ptr,
                       M, N, K, stride_am, stride_wn, stride_ym, stride_asm, stride_wsn,
                       ASYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, FP16_DOT: tl.constexpr,
+                      QUANTIZE_A: tl.constexpr, STATIC_A: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """y[M, N] = ((a - a_zero) @ w^T) * a_scale[m] * w_scale[n] (+ bias).
@@ -94,6 +103,9 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
     a int8 [M, K], a_scale fp32 [M] (stride_asm 0: one static scale), a_zero int32 [] (ASYMMETRIC),
     w int8 [N, K], w_scale fp32 [N] (stride_wsn 0: per tensor). SPLIT_K > 1 (decode): program_id(1) takes
     one K slice; the slices' scaled partials meet in `common.reduce_split_k`, in this launch.
+    QUANTIZE_A (decode M): a is the fp16/bf16/fp32 activations, quantized here tile by tile exactly as
+    `quantize_activation_int8` does (per token from `rows_absmax` over all of K, or the static scale at
+    a_scale_ptr with STATIC_A), so the GEMM is the linear's only launch.
     """
     rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                                      SPLIT_K)
@@ -105,9 +117,18 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     w_sum = tl.zeros((BLOCK_N,), dtype=tl.int32)  # sum_k w[n, k] over this slice (asymmetric correction)
+    if QUANTIZE_A:
+        if STATIC_A:
+            a_scale = tl.load(a_scale_ptr)
+        else:  # per token: each program reads its rows' absmax over all of K
+            x_rows = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+            absmax = tl.maximum(rows_absmax(x_rows, mask_m, 0, K, BLOCK_K), _SCALE_EPS)
+            a_scale = tl.math.div_rn(absmax, tl.zeros_like(absmax) + _DYNAMIC_DIVISOR)[:, None]
     for k0 in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0)
+        if QUANTIZE_A:  # padding columns meet zero weights, whatever their codes
+            a = _quantize_int8(a.to(tl.float32), a_scale, a_zero_ptr, ASYMMETRIC)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
         if FP16_DOT:  # sm_75 (module docstring): int8 codes are exact in fp16, their products in fp32
             acc = tl.dot(a.to(tl.float16), w.to(tl.float16), acc)
@@ -125,7 +146,10 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
         else:
             acc -= correction[None, :]
     out = acc.to(tl.float32)
-    out *= tl.load(a_scale_ptr + rows * stride_asm, mask=mask_m, other=0.0)[:, None]
+    if QUANTIZE_A:
+        out *= a_scale
+    else:
+        out *= tl.load(a_scale_ptr + rows * stride_asm, mask=mask_m, other=0.0)[:, None]
     out *= tl.load(w_scale_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)[None, :]
     store_gemm_tile(y_ptr, out, bias_ptr, partials_ptr, arrivals_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
                     HAS_BIAS, SPLIT_K)
@@ -215,14 +239,16 @@ def int8_gemm(x: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig | None = No
     return gemm(x, fp16_dot=fp16_dot)
 
 
-class Int8Gemm:
+class Int8Gemm(WeightGemm):
     """int8_gemm over one weight, checked once here; per (M bucket, x dtype, fp16 dot) the config, grid and
-    launch arguments are resolved once (`GemmPlan`). A call checks x, picks the backend, quantizes the
-    activations (one launch) and runs the GEMM (one launch, the split-K sum inside it)."""
+    launch arguments are resolved once (`GemmPlan`). A call checks x, picks the backend and runs the GEMM: one
+    launch (the split-K sum inside it, and up to QUANTIZE_IN_GEMM_MAX_M rows the activation quantization too);
+    larger M quantize the activations in a launch of their own first."""
 
     def __init__(self, w: W8A8Weight):
         _check_weight(w)
-        self.w, self.device, self.plans = w, w.weight.device, {}
+        super().__init__(w)
+        self.device, self.plans = w.weight.device, {}
         self.N, self.K = w.shape
         self.cc = compute_capability(self.device)
 
@@ -245,34 +271,47 @@ class Int8Gemm:
                 plan = self._plan(x, config or tuned_config(M, N, K, self.cc), fp16_dot, key[0])
                 if config is None:
                     self.plans[key] = plan
-            a, a_scale = quantize_activation_int8(x, w.input_scale, w.input_zero_point)
-            y = plan.run(M, x.dtype, self.device, a_ptr=a, a_scale_ptr=a_scale.reshape(-1), stride_am=a.stride(0))
+            if key[0] <= QUANTIZE_IN_GEMM_MAX_M:  # x itself, quantized in the GEMM
+                y = plan.run(M, x.dtype, self.device, a_ptr=x, stride_am=x.stride(0))
+            else:
+                a, a_scale = quantize_activation_int8(x, w.input_scale, w.input_zero_point)
+                y = plan.run(M, x.dtype, self.device, a_ptr=a, a_scale_ptr=a_scale.reshape(-1),
+                             stride_am=a.stride(0))
         return y.reshape(*lead, N)
 
     def _plan(self, x: torch.Tensor, config: Int8GemmConfig, fp16_dot: bool, max_m: int) -> GemmPlan:
         check_launch_config("int8_gemm", config, Int8GemmConfig)
-        a = torch.empty(x.shape, dtype=torch.int8, device=x.device)  # stands for the quantized activations
-        a_scale = torch.empty((x.shape[0],) if self.w.input_scale is None else (), dtype=torch.float32,
-                              device=x.device)
         arrivals = split_k_arrivals(max_m, self.N, config, x.device)
-        launch = int8_gemm_launch(a, a_scale, self.w, config, x.dtype, fp16_dot, arrivals)[0]
-        return GemmPlan(launch, "y_ptr", ("a_ptr", "a_scale_ptr", "stride_am"), self.N, config.BLOCK_M,
+        if max_m <= QUANTIZE_IN_GEMM_MAX_M:
+            launch = int8_gemm_launch(x, None, self.w, config, x.dtype, fp16_dot, arrivals)[0]
+            per_call = ("a_ptr", "stride_am")
+        else:  # stand-ins for the quantized activations and their scales, bound per call
+            a = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+            a_scale = torch.empty((x.shape[0],) if self.w.input_scale is None else (), dtype=torch.float32,
+                                  device=x.device)
+            launch = int8_gemm_launch(a, a_scale, self.w, config, x.dtype, fp16_dot, arrivals)[0]
+            per_call = ("a_ptr", "a_scale_ptr", "stride_am")
+        return GemmPlan(launch, "y_ptr", per_call, self.N, config.BLOCK_M,
                         triton.cdiv(self.N, config.BLOCK_N), config.SPLIT_K, flat=True)
 
 
 _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # W8A8Weight -> its Int8Gemm (int8_gemm without a Linear)
 
 
-def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, config: Int8GemmConfig,
+def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: W8A8Weight, config: Int8GemmConfig,
                      out_dtype: torch.dtype, fp16_dot: bool = False,
                      arrivals: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
     """The launch of _int8_gemm_kernel and its output y [M, N] in out_dtype (with SPLIT_K > 1 also the fp32
     partials and `arrivals`, the split-K counts: `common.gemm_output`). a [M, K] int8 contiguous with a_scale
-    from `quantize_activation_int8` ([M] per token, [] static). Over meta tensors this is what the AOT tests
-    compile."""
+    from `quantize_activation_int8` ([M] per token, [] static), or with a_scale None the fp16/bf16/fp32 activations
+    themselves, quantized inside the GEMM (decode M; per token, or by w's static scale and zero point) to the
+    same codes. Over meta tensors this is what the AOT tests compile."""
     (M, K), N = a.shape, w.shape[0]
     weight = w.weight.contiguous()
     w_scale = w.weight_scale.to(torch.float32).reshape(-1)
+    quantize, static = a_scale is None, w.input_scale is not None
+    if quantize:  # the static scale, or unused (the kernel's own per-token scales)
+        a_scale = w.input_scale.reshape(()).to(torch.float32) if static else w_scale
     zero = (w.input_zero_point.reshape(()).to(device=a.device, dtype=torch.int32)
             if w.input_zero_point is not None else w_scale)  # unused unless ASYMMETRIC
     y, partials, arrivals = gemm_output(M, N, config, out_dtype, a.device, arrivals)
@@ -280,9 +319,10 @@ def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor, w: W8A8Weight, conf
                 bias_ptr=w.bias if w.bias is not None else w_scale, y_ptr=y, partials_ptr=partials,
                 arrivals_ptr=arrivals,
                 M=M, N=N, K=K, stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N,
-                stride_asm=1 if a_scale.dim() else 0,  # a static scale is shared by every row
+                stride_asm=1 if a_scale.dim() and not quantize else 0,  # a static scale is shared by every row
                 stride_wsn=1 if w_scale.numel() > 1 else 0,
                 ASYMMETRIC=w.input_zero_point is not None, HAS_BIAS=w.bias is not None, FP16_DOT=fp16_dot,
+                QUANTIZE_A=quantize, STATIC_A=quantize and static,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
                 SPLIT_K=config.SPLIT_K)
     return Launch(_int8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
@@ -380,13 +420,17 @@ def _check_activation(x: torch.Tensor, input_scale: torch.Tensor | None,
 def aot_launch(config: Int8GemmConfig, M: int, N: int, K: int, cc: int, dtype: torch.dtype = torch.float16,
                asymmetric: bool = False, bias: bool = False) -> Launch:
     """`int8_gemm_launch` over meta tensors for sm_`cc`: an N x K int8 weight with per-channel scales, int8
-    activations with per-token scales (or a static scale and zero point with asymmetric), output in dtype."""
+    activations with per-token scales (or a static scale and zero point with asymmetric), output in dtype; up to
+    QUANTIZE_IN_GEMM_MAX_M rows dtype activations, quantized in the GEMM."""
     meta = torch.device("meta")
     f32 = dict(dtype=torch.float32, device=meta)
     w = W8A8Weight(torch.empty(N, K, dtype=torch.int8, device=meta), torch.empty(N, 1, **f32),
                    input_scale=torch.empty((), **f32) if asymmetric else None,
                    input_zero_point=torch.empty((), dtype=torch.int32, device=meta) if asymmetric else None,
                    bias=torch.empty(N, dtype=dtype, device=meta) if bias else None)
-    a = torch.empty(M, K, dtype=torch.int8, device=meta)
-    a_scale = torch.empty((), **f32) if asymmetric else torch.empty(M, **f32)
+    if M <= QUANTIZE_IN_GEMM_MAX_M:
+        a, a_scale = torch.empty(M, K, dtype=dtype, device=meta), None
+    else:
+        a = torch.empty(M, K, dtype=torch.int8, device=meta)
+        a_scale = torch.empty((), **f32) if asymmetric else torch.empty(M, **f32)
     return int8_gemm_launch(a, a_scale, w, config, dtype, fp16_dot=cc < 80)[0]

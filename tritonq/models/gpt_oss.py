@@ -26,7 +26,7 @@ from torch import nn
 
 from tritonq.distributed import all_reduce
 from tritonq.kernels.common import ClampedSwiGLU
-from tritonq.kernels.moe import fused_moe, grouped_topk
+from tritonq.kernels.moe import MoEExperts, grouped_topk
 from tritonq.models.llama import LlamaForCausalLM, LlamaVariant, layer_windows, sliding_layers_from_layer_types
 
 
@@ -46,13 +46,15 @@ class GptOssMoE(nn.Module):
                                                 parallel="column")
         self.down = loader.get_fused_experts(f"{prefix}.experts.down_proj", (E, D, inter), parallel="row")
         self.activation = ClampedSwiGLU(float(config.swiglu_alpha), float(config.swiglu_limit))
+        # checked once, launches resolved once per T bucket; every expert is here (tensor parallel), none dropped
+        self.fused = MoEExperts(self.gate_up, self.down, self.activation)
         self.world = loader.world
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
         logits = torch.addmm(self.router_bias, x.float(), self.router_weight.t())
         topk_weights, topk_ids = grouped_topk(logits, self.top_k, scoring="softmax", renormalize=True)
-        out = fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids, activation=self.activation)
+        out = self.fused(x, topk_weights, topk_ids)
         return all_reduce(out) if self.world > 1 else out
 
 

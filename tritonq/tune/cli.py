@@ -18,7 +18,10 @@ where the launcher's `lookup` finds it at run time. Without a GPU:
               (the first correct candidate per bucket is written, to show the file round-trips);
   --aot sm_90 compiles every candidate for that GPU and prints shared memory, registers,
               spills and whether wgmma was used, rejecting candidates that spill or overflow.
---where BLOCK_M=16,num_warps=4 narrows a sweep to the candidates with those values.
+--where BLOCK_M=16,num_warps=4 narrows a sweep to the candidates with those values; --near-default to the
+kernel's default config and those one field away from it (int4_gemm, fp8_gemm, moe: a few dozen per shape
+instead of hundreds of cold compiles); --budget SECONDS stops the sweep when the time is spent, sharing it
+equally over the shapes, and writes the best config found so far per bucket (bench/gpu_session.sh's STEP=tune).
 """
 from __future__ import annotations
 
@@ -94,6 +97,10 @@ def build_parser(prog: str = "python -m tritonq.tune") -> argparse.ArgumentParse
     mode.add_argument("--aot", default=None, metavar="sm_XX", help="compile every candidate for this GPU")
     p.add_argument("--where", default="", metavar="KEY=V,...",
                    help="sweep only candidates with these values, e.g. BLOCK_M=16,num_warps=4")
+    p.add_argument("--near-default", action="store_true",
+                   help="sweep only the default config and those one field away from it")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="stop after this many seconds and write the best configs found so far")
     p.add_argument("--config-dir", default=str(CONFIG_DIR), help="where <kernel>/<gpu>.json goes")
     return p
 
@@ -120,8 +127,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.tune") ->
     if not (args.dry_run or args.aot) and not torch.cuda.is_available():
         p.error("timing needs a CUDA GPU; without one use --dry-run (interpreter check) or --aot sm_90")
 
+    if args.budget is not None and args.budget <= 0:
+        p.error(f"--budget {args.budget:g}: expected a positive number of seconds")
     where = _parse_where(args.where)
     target = TARGETS[args.kernel]()
+    if args.near_default and target.default is None:
+        p.error(f"--near-default: {args.kernel} declares no default config; drop the flag or narrow with --where")
     shapes = parse_shapes(args.shapes) if args.shapes else []
     for shape in shapes:
         if len(shape) != len(shape_fields(target.shape_format)):
@@ -150,7 +161,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.tune") ->
                 print_table(aot_table(target, problem, int(cc_text), where))
         return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
-    winners = tune(target, shapes, device, timed=not args.dry_run, where=where)
+    winners = tune(target, shapes, device, timed=not args.dry_run, where=where, narrow=args.near_default,
+                   budget_s=args.budget)
     gpu = "cpu" if device.type == "cpu" else configs.gpu_name()
     path = write_configs(target.name, gpu, winners, Path(args.config_dir))
     print_table([{"bucket": b, "config": _config_text(c)} for b, c in sorted(winners.items())])

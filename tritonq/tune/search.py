@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ class TuneTarget:
     shape_format: what the ints of a --shapes entry mean, e.g. "MxNxK".
     problems(shape) -> the tuning problems a shape stands for, each with its own space, inputs and
     bucket (MoE: its gate/up and down GEMMs); by default the shape itself.
+    default(problem) -> the launcher's default config in code for it (None: the kernel declares none), which
+    `near_default` narrows a sweep around.
     """
     name: str
     space: Callable[[tuple[int, ...]], list[dict]]
@@ -45,6 +48,7 @@ class TuneTarget:
     launch_only: tuple[str, ...] = ("num_warps", "num_stages")
     shape_format: str = "MxNxK"
     problems: Callable[[tuple[int, ...]], list[tuple[int, ...]]] = lambda shape: [shape]
+    default: Callable[[tuple[int, ...]], dict] | None = None
 
 
 def kernel_dtype(device: torch.device) -> torch.dtype:
@@ -68,9 +72,24 @@ def check_candidate(target: TuneTarget, inputs, config: dict, ref: torch.Tensor 
     return None
 
 
-def candidates(target: TuneTarget, shape: tuple[int, ...], timed: bool, where: dict | None = None) -> list[dict]:
-    """The configs to try for `shape`: those matching `where`; untimed, one per distinct tile."""
+def near_default(target: TuneTarget, shape: tuple[int, ...], space: list[dict]) -> list[dict]:
+    """The narrowed sweep (tune --near-default, the GPU session's): the kernel's default config for shape first,
+    then the candidates of `space` that differ from it in one field: a few dozen cold compiles per shape, not
+    hundreds, and never worse than the default (a winner must beat it on the same timer)."""
+    if target.default is None:
+        raise ValueError(f"--near-default: {target.name} declares no default config to narrow the sweep around")
+    default = target.default(shape)
+    near = [c for c in space if c != default and sum(c.get(k) != v for k, v in default.items()) == 1]
+    return [default] + near
+
+
+def candidates(target: TuneTarget, shape: tuple[int, ...], timed: bool, where: dict | None = None,
+               narrow: bool = False) -> list[dict]:
+    """The configs to try for `shape`: those matching `where` (with narrow, `near_default`'s); untimed, one per
+    distinct tile."""
     space = target.space(shape)
+    if narrow:
+        space = near_default(target, shape, space)
     unknown = set(where or {}) - {key for c in space for key in c}
     if unknown:
         raise ValueError(f"--where keys {sorted(unknown)} are not {target.name} config fields; "
@@ -85,8 +104,14 @@ def candidates(target: TuneTarget, shape: tuple[int, ...], timed: bool, where: d
 
 
 def tune(target: TuneTarget, shapes: list[tuple[int, ...]], device: torch.device, timed: bool,
-         where: dict | None = None, progress: bool = True) -> dict[str, dict]:
+         where: dict | None = None, progress: bool = True, narrow: bool = False,
+         budget_s: float | None = None) -> dict[str, dict]:
     """{bucket: winning config} over the problems of `shapes`; failing candidates are dropped.
+
+    budget_s: the sweep's wall-clock budget. Each problem gets an equal share of what is left (time a problem
+    does not use passes to the next), its candidates in order (`near_default`'s: the default first) until
+    the share is spent; the best so far is kept, and a bucket none of whose candidates ran everywhere in time is
+    left out (the launcher keeps its default there) instead of failing the run.
 
     A winner must pass on every problem of its bucket. Timed, it has the least geometric-mean time
     over them: one attention bucket (its head dims) may cover shapes of very different cost, and
@@ -96,17 +121,22 @@ def tune(target: TuneTarget, shapes: list[tuple[int, ...]], device: torch.device
     from tritonq.progress import progress_bar
 
     problems = [problem for shape in shapes for problem in target.problems(shape)]
-    spaces = [candidates(target, problem, timed, where) for problem in problems]
+    spaces = [candidates(target, problem, timed, where, narrow) for problem in problems]
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     bar = progress_bar(total=sum(map(len, spaces)), desc=target.name, unit="config", enabled=progress)
     per_bucket = Counter()
     passed: dict[str, dict[str, list]] = {}  # bucket -> config text -> [config, problems passed, sum of log ms]
-    for problem, space in zip(problems, spaces):
+    for i, (problem, space) in enumerate(zip(problems, spaces)):
+        share_end = None if deadline is None else time.monotonic() + (deadline - time.monotonic()) / (len(problems) - i)
         inputs = target.make_inputs(problem, device)
         bucket = target.bucket(inputs)
         per_bucket[bucket] += 1
         entries = passed.setdefault(bucket, {})
         ref = target.reference(inputs)
         for config in space:
+            if share_end is not None and time.monotonic() > share_end:
+                bar.write(f"{problem}: its share of the {budget_s:g} s budget is spent; best of the configs tried")
+                break
             bar.update()
             failure = check_candidate(target, inputs, config, ref)
             if failure:
@@ -127,7 +157,9 @@ def tune(target: TuneTarget, shapes: list[tuple[int, ...]], device: torch.device
         if everywhere:  # min keeps the first of equal times: the declared order in a dry run
             winners[bucket] = min(everywhere, key=lambda entry: entry[2])[0]
     missing = set(per_bucket) - set(winners)
-    if missing:
+    if missing and budget_s is not None:
+        print(f"{target.name}: no candidate ran everywhere within the budget for {sorted(missing)}; not written")
+    elif missing:
         raise RuntimeError(f"no candidate of {target.name} passed the reference check (on every shape of the "
                            f"bucket) for buckets {sorted(missing)}")
     return winners

@@ -6,7 +6,7 @@ The kernels never import this module (imports point down: tune -> kernels).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 
@@ -39,7 +39,7 @@ def int4_gemm() -> TuneTarget:
         # fp16 products summed in fp32 vs the fp32 reference: K * eps_fp16 * |x||w| stays well under this
         # at the |y| ~ 1 these inputs give; fp32 inputs (CPU dry run) are far tighter.
         atol=2e-2, rtol=2e-2,
-        dry_run_shapes=((1, 64, 128), (17, 96, 256)))
+        dry_run_shapes=((1, 64, 128), (17, 96, 256)), default=lambda shape: asdict(k.default_config(*shape)))
 
 
 def fp8_gemm() -> TuneTarget:
@@ -49,6 +49,7 @@ def fp8_gemm() -> TuneTarget:
     from tritonq.rtn import quantize_fp8
 
     weight_only = torch.cuda.is_available() and not k.has_fp8_tensor_cores(torch.device("cuda"))
+    cc = k.compute_capability(torch.device("cuda")) if torch.cuda.is_available() else None
 
     def make_inputs(shape, device):
         M, N, K = shape
@@ -65,7 +66,9 @@ def fp8_gemm() -> TuneTarget:
         # Kernel and reference quantize activations identically and accumulate in fp32; what is
         # left is summation order and the fp16 output rounding, far below this at |y| ~ 1.
         atol=2e-2, rtol=2e-2,
-        dry_run_shapes=((1, 64, 256), (17, 96, 256)))
+        dry_run_shapes=((1, 64, 256), (17, 96, 256)),
+        default=lambda shape: asdict(k.default_config(*shape, cc=cc, block_scaled=shape[2] % 128 == 0,
+                                                      weight_only=weight_only)))
 
 
 def attention_prefill() -> TuneTarget:
@@ -165,5 +168,6 @@ def moe() -> TuneTarget:
         # (interpreter, exact fp32 dots) differs only by summation order.
         atol=5e-2 if on_gpu else 1e-4, rtol=5e-2 if on_gpu else 1e-4,
         dry_run_shapes=((3, 8, 2, 64, 96), (40, 4, 2, 128, 64)), shape_format=k.TUNE_FORMAT,
-        problems=lambda shape: [(*k.tune_problem(shape)[:5], gemm) for gemm in range(len(k.TUNE_GEMMS))])
+        problems=lambda shape: [(*k.tune_problem(shape)[:5], gemm) for gemm in range(len(k.TUNE_GEMMS))],
+        default=lambda problem: asdict(k.default_config(problem[0], problem[2], problem[1])))
 

@@ -13,6 +13,9 @@ Weights are stacked typed weights (tritonq/weights.py, with a leading expert dim
   [E, N, 1] (per channel) or [E, ceil(N/bn), ceil(K/bk)] (block_size (bn, bk));
   MXFP4Weight blocks [E, N, K/32, 16] uint8 (two e2m1 codes a byte), scales [E, N, K/32] E8M0 (decoded
   in the kernel's tile load, `jit.py`).
+A model's MoE layer builds a `MoEExperts(gate_up, down, activation)` once (the weights checked then, each T
+bucket's launches resolved on its first call) and calls it with (x, topk_weights, topk_ids); `fused_moe` is one
+call of a fresh one.
 Shared experts are not part of this: the model runs them as an ordinary MLP and adds them.
 gpt-oss experts: stacked biases (gate_up.bias [E, 2I], down.bias [E, D]; each added to its GEMM's
 output before the activation / the routing weight, as transformers' GptOssExperts) and
@@ -37,7 +40,7 @@ module re-exports their names.
 from tritonq.kernels.moe.configs import DEFAULT_CONFIGS, MoEConfig, _config, check_config, config_bucket, default_config
 from tritonq.kernels.moe.experts import fp8_activation_scheme
 from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
-from tritonq.kernels.moe.launch import FP8_DOT_MIN_K, fp8_w8a8, fused_moe, moe_gemm_launch
+from tritonq.kernels.moe.launch import FP8_DOT_MIN_K, MoEExperts, fp8_w8a8, fused_moe, moe_gemm_launch
 from tritonq.kernels.moe.reference import fused_moe_reference
 from tritonq.kernels.moe.routing import align_launch, grouped_topk, grouped_topk_reference, moe_align_block_size
 from tritonq.kernels.moe.tune import (CONFIG_SPACE, EXPERT_KINDS, TUNE_FORMAT, TUNE_GEMMS, aot_launch, meta_experts,

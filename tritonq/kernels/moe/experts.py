@@ -1,6 +1,6 @@
-"""The stacked expert weights as the launcher and the torch reference both read them: fused_moe's input checks
-(`_check_moe`, `_stacked_shape`) and the activation quantization of a W8A8 GEMM over fp8 experts
-(`fp8_activation_scheme`)."""
+"""The stacked expert weights as the launcher and the torch reference both read them: fused_moe's checks
+(`check_experts` once per layer, `check_moe_inputs` per call, `_check_moe` both) and the activation quantization
+of a W8A8 GEMM over fp8 experts (`fp8_activation_scheme`)."""
 from __future__ import annotations
 
 import torch
@@ -20,22 +20,41 @@ def _stacked_shape(w: Weight, name: str) -> tuple[int, int, int]:
     return E, N, K
 
 
-def _check_moe(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]:
+def check_experts(gate_up: Weight, down: Weight) -> tuple[int, int, int, torch.device]:
+    """(E, I, D, device) of a layer's stacked experts gate_up [E, 2I, D] and down [E, D, I]; ValueError unless
+    they have these shapes and all their tensors lie on one device."""
+    E, two_i, D = _stacked_shape(gate_up, "gate_up")
+    E2, down_n, inter = _stacked_shape(down, "down")
+    if two_i != 2 * inter or down_n != D or E2 != E:
+        raise ValueError(f"fused_moe: expected gate_up [E, 2I, D] and down [E, D, I], got gate_up [{E}, {two_i}, "
+                         f"{D}] and down [{E2}, {down_n}, {inter}]")
+    devices = {t.device for t in (*gate_up.tensors().values(), *down.tensors().values())}
+    if len(devices) > 1:
+        raise ValueError(f"fused_moe: the expert weights must be on one device, found {sorted(map(str, devices))}")
+    return E, inter, D, devices.pop()
+
+
+def check_moe_inputs(x, topk_weights, topk_ids, D: int, device: torch.device) -> None:
+    """ValueError unless x [T, D] fp16/bf16/fp32 and topk_weights, topk_ids [T, k] lie on the experts' device."""
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"fused_moe: x must be [T, D] fp16/bf16/fp32, got {tuple(x.shape)} {x.dtype}")
-    T, D = x.shape
-    E, two_i, gu_k = _stacked_shape(gate_up, "gate_up")
-    E2, down_n, inter = _stacked_shape(down, "down")
-    if gu_k != D or two_i != 2 * inter or down_n != D or E2 != E:
-        raise ValueError(f"fused_moe: expected gate_up [E, 2I, D] and down [E, D, I] for x [T, D={D}], got "
-                         f"gate_up [{E}, {two_i}, {gu_k}] and down [{E2}, {down_n}, {inter}]")
-    devices = {t.device for t in (x, topk_weights, topk_ids, *gate_up.tensors().values(), *down.tensors().values())}
-    if len(devices) > 1:
-        raise ValueError("fused_moe: x, routing and expert weights must be on one device, "
-                         f"found {sorted(map(str, devices))}")
+    T = x.shape[0]
+    if x.shape[1] != D:
+        raise ValueError(f"fused_moe: x has D={x.shape[1]} columns but the experts are gate_up [E, 2I, D={D}] and "
+                         f"down [E, D={D}, I]")
+    if x.device != device or topk_weights.device != device or topk_ids.device != device:
+        raise ValueError("fused_moe: x, routing and expert weights must be on one device, found x on "
+                         f"{x.device}, topk_weights on {topk_weights.device}, topk_ids on {topk_ids.device} and "
+                         f"the experts on {device}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"fused_moe: topk_weights and topk_ids must both be [T={T}, k], got "
                          f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+
+
+def _check_moe(x, gate_up, down, topk_weights, topk_ids) -> tuple[int, int, int]:
+    """Both checks at once (the torch reference): (E, I, D)."""
+    E, inter, D, device = check_experts(gate_up, down)
+    check_moe_inputs(x, topk_weights, topk_ids, D, device)
     return E, inter, D
 
 

@@ -1,6 +1,7 @@
-"""Launchers: `fused_moe` (input checks, the backend choice, the token alignment, the two GEMM launches and the
-sum over the k slots) and `moe_gemm_launch`, one GEMM's `Launch` over all experts (over meta tensors: the launch
-tune --aot compiles).
+"""Launchers: `MoEExperts`, one MoE layer's experts (checked once; per call the input checks, the backend choice,
+the token alignment, the two GEMM launches resolved once per T bucket, and the sum over the k slots), `fused_moe`
+(one call of a fresh MoEExperts), and `moe_gemm_launch`, one GEMM's `Launch` over all experts (over meta tensors:
+the launch tune --aot compiles).
 
 FP8 experts run W8A8 where the checkpoint quantizes activations and the GPU has e4m3 tensor cores (sm_89+;
 `fp8_w8a8`): each GEMM's input is quantized by fp8_gemm's `quantize_activation_fp8` per token (per-tensor /
@@ -19,10 +20,10 @@ import torch
 import triton
 
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
-from tritonq.kernels.common import ClampedSwiGLU, Launch, has_fp8_tensor_cores, on_gpu, upcast_dot
+from tritonq.kernels.common import ClampedSwiGLU, Launch, has_fp8_tensor_cores, next_pow2, on_gpu, upcast_dot
 from tritonq.kernels.fp8_gemm import quantize_activation_fp8
 from tritonq.kernels.moe.configs import MoEConfig, _config, check_config
-from tritonq.kernels.moe.experts import _check_moe, fp8_activation_scheme
+from tritonq.kernels.moe.experts import check_experts, check_moe_inputs, fp8_activation_scheme
 from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
 from tritonq.kernels.moe.reference import fused_moe_reference
 from tritonq.kernels.moe.routing import moe_align_block_size
@@ -100,42 +101,118 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
     tuner's candidates); None: each GEMM's tuned config (`_config`), sharing the smaller BLOCK_M.
     FP8 experts: each GEMM runs W8A8 where `fp8_w8a8` says (its input quantized per token or per 1 x bk group,
     `fp8_activation_scheme`), else weight-only; weight_only=True forces weight-only (tests, benchmarks).
+    One call of a `MoEExperts`, built here: a model's MoE layer builds its MoEExperts once and calls that.
     """
-    E, inter, D = _check_moe(x, gate_up, down, topk_weights, topk_ids)
-    explicit = check_config(config) if config is not None else None
-    if activation is not None and not isinstance(activation, ClampedSwiGLU):
-        raise ValueError(f"fused_moe: activation must be None (SiLU-and-mul) or a ClampedSwiGLU, got {activation!r}")
-    if weight_only not in (None, True):
-        raise ValueError(f"fused_moe: weight_only must be None (W8A8 where `fp8_w8a8` says) or True, got {weight_only!r}")
-    if use_cpu_kernels(x):  # per expert, torch's CPU kernels over weights prepared once (cpu_lowbit)
-        return cpu_lowbit.fused_moe(x, gate_up, down, topk_weights, topk_ids, activation)
-    w8a8 = (False, False) if weight_only else (fp8_w8a8(gate_up, x), fp8_w8a8(down, x))
-    if not use_triton(x):
-        return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids, activation, w8a8)
-    T, top_k = topk_ids.shape
-    if T == 0:
-        return x.new_zeros(T, D)
-    x = x.contiguous()
-    numel = T * top_k
-    cfg1, cfg2 = explicit or (_fit_block_k(_config(T, top_k, E, inter, D), gate_up, w8a8[0]),
-                              _fit_block_k(_config(T, top_k, E, D, inter), down, w8a8[1]))
-    # Both GEMMs share one alignment, so they use the smaller BLOCK_M of the two configs.
-    block_m = min(cfg1.BLOCK_M, cfg2.BLOCK_M)
-    # Slots of other ranks' experts (-1) sort last, past num_tokens_post_padded, where the kernels stop: those
-    # rows stay zero. No host read.
-    sorted_ids, expert_ids, post_padded = moe_align_block_size(topk_ids, block_m, E)
-    routing = topk_weights.float().contiguous().flatten()
-    alignment = (sorted_ids, expert_ids, post_padded)
-    native_fp8 = has_fp8_tensor_cores(x.device)
-    hidden = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
-    out = torch.zeros(numel, D, dtype=x.dtype, device=x.device)  # zeros: the rows of dropped slots stay 0
-    # W8A8: each GEMM's input quantized once, row by row (x per token; hidden per (token, slot) row)
-    a, a_scale = quantize_activation_fp8(x, *fp8_activation_scheme(gate_up)) if w8a8[0] else (x, None)
-    moe_gemm_launch(a, hidden, gate_up, routing, alignment, top_k, cfg1, block_m, True, native_fp8, activation,
-                    a_scale)()
-    a, a_scale = quantize_activation_fp8(hidden, *fp8_activation_scheme(down)) if w8a8[1] else (hidden, None)
-    moe_gemm_launch(a, out, down, routing, alignment, top_k, cfg2, block_m, False, native_fp8, None, a_scale)()
-    return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
+    return MoEExperts(gate_up, down, activation)(x, topk_weights, topk_ids, config, weight_only)
+
+
+class MoEExperts:
+    """fused_moe over one MoE layer's stacked experts, checked once here (shapes, one device, the activation).
+    Per (T rounded up to a power of two, k, x dtype, path) the two GEMMs' configs, shared BLOCK_M and launch
+    arguments are resolved once (`_MoEPlan`; the default config is the bucket's largest T's). A call checks x
+    and the routing, aligns the tokens (torch ops, no host read) and launches the two GEMMs (plus, for W8A8,
+    each GEMM's activation quantization). Routed slots of -1 (experts another rank holds) leave their rows zero."""
+
+    def __init__(self, gate_up: Weight, down: Weight, activation: ClampedSwiGLU | None = None):
+        self.E, self.inter, self.D, self.device = check_experts(gate_up, down)
+        if activation is not None and not isinstance(activation, ClampedSwiGLU):
+            raise ValueError(f"fused_moe: activation must be None (SiLU-and-mul) or a ClampedSwiGLU, "
+                             f"got {activation!r}")
+        self.gate_up, self.down, self.activation, self.plans = gate_up, down, activation, {}
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 config: MoEConfig | tuple[MoEConfig, MoEConfig] | None = None,
+                 weight_only: bool | None = None) -> torch.Tensor:
+        gate_up, down, E, D = self.gate_up, self.down, self.E, self.D
+        check_moe_inputs(x, topk_weights, topk_ids, D, self.device)
+        explicit = check_config(config) if config is not None else None
+        if weight_only not in (None, True):
+            raise ValueError(f"fused_moe: weight_only must be None (W8A8 where `fp8_w8a8` says) or True, "
+                             f"got {weight_only!r}")
+        if use_cpu_kernels(x):  # per expert, torch's CPU kernels over weights prepared once (cpu_lowbit)
+            return cpu_lowbit.fused_moe(x, gate_up, down, topk_weights, topk_ids, self.activation)
+        T, top_k = topk_ids.shape
+        if not use_triton(x):
+            w8a8 = (False, False) if weight_only else (fp8_w8a8(gate_up, x), fp8_w8a8(down, x))
+            return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids, self.activation, w8a8)
+        if T == 0:
+            return x.new_zeros(T, D)
+        key = (next_pow2(T), top_k, x.dtype, bool(weight_only))
+        plan = self.plans.get(key) if explicit is None else None
+        if plan is None:
+            plan = self._plan(x, key[0], top_k, weight_only, explicit)
+            if explicit is None:
+                self.plans[key] = plan
+        x = x.contiguous()
+        numel, block_m = T * top_k, plan.block_m
+        # Slots of other ranks' experts (-1) sort last, past num_tokens_post_padded, where the kernels stop: those
+        # rows stay zero. No host read.
+        sorted_ids, expert_ids, post_padded = moe_align_block_size(topk_ids, block_m, E)
+        routing = topk_weights.float().contiguous().flatten()
+        hidden = torch.empty(numel, self.inter, dtype=x.dtype, device=x.device)
+        out = torch.zeros(numel, D, dtype=x.dtype, device=x.device)  # zeros: the rows of dropped slots stay 0
+        bound = dict(routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
+                     num_tokens_post_padded_ptr=post_padded, num_valid=numel)
+        # W8A8: each GEMM's input quantized once, row by row (x per token; hidden per (token, slot) row)
+        plan.run(0, x, hidden, expert_ids, bound)
+        plan.run(1, hidden, out, expert_ids, bound)
+        return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
+
+    def _plan(self, x: torch.Tensor, tokens: int, top_k: int, weight_only: bool | None,
+              explicit: tuple[MoEConfig, MoEConfig] | None) -> _MoEPlan:
+        """Both GEMMs' launches for up to `tokens` tokens of x's dtype, routed to top_k experts each."""
+        gate_up, down, E, inter, D = self.gate_up, self.down, self.E, self.inter, self.D
+        w8a8 = (False, False) if weight_only else (fp8_w8a8(gate_up, x), fp8_w8a8(down, x))
+        cfg1, cfg2 = explicit or (_fit_block_k(_config(tokens, top_k, E, inter, D), gate_up, w8a8[0]),
+                                  _fit_block_k(_config(tokens, top_k, E, D, inter), down, w8a8[1]))
+        # Both GEMMs share one alignment, so they use the smaller BLOCK_M of the two configs.
+        block_m = min(cfg1.BLOCK_M, cfg2.BLOCK_M)
+        native_fp8 = has_fp8_tensor_cores(x.device)
+
+        def stand_in(*shape, dtype=x.dtype):  # the dtypes of what each call binds (shapes and strides: per call)
+            return torch.empty(shape, dtype=dtype, device=x.device)
+        alignment = (stand_in(1, dtype=torch.int32),) * 3
+        gemms = []
+        for weight, cfg, gate, quantized, (K, N) in ((gate_up, cfg1, True, w8a8[0], (D, inter)),
+                                                     (down, cfg2, False, w8a8[1], (inter, D))):
+            scheme = fp8_activation_scheme(weight) if quantized else None
+            if quantized:
+                group, static = scheme
+                a = stand_in(1, K, dtype=torch.float8_e4m3fn)
+                a_scale = stand_in(*(() if static is not None else (1, -(K // -(group or K)))), dtype=torch.float32)
+            else:
+                a, a_scale = stand_in(1, K), None
+            launch = moe_gemm_launch(a, stand_in(1, N), weight, stand_in(1, dtype=torch.float32), alignment, top_k,
+                                     cfg, block_m, gate, native_fp8, self.activation if gate else None, a_scale)
+            for name in _PER_CALL:
+                del launch.args[name]
+            gemms.append((launch, scheme, -(N // -cfg.BLOCK_N)))
+        return _MoEPlan(block_m, gemms)
+
+
+# what a call binds to a plan's GEMM launches: activations, output, routing, alignment and the activation scales
+_PER_CALL = ("a_ptr", "out_ptr", "routing_weight_ptr", "sorted_ids_ptr", "expert_ids_ptr",
+             "num_tokens_post_padded_ptr", "num_valid", "stride_am", "stride_om", "a_scale_ptr", "stride_asm",
+             "stride_asg")
+
+
+class _MoEPlan:
+    """The two GEMM launches of a MoEExperts bucket, their shared BLOCK_M, and each GEMM's W8A8 activation
+    scheme (`fp8_activation_scheme`, None: unquantized input) and column tiles."""
+
+    def __init__(self, block_m: int, gemms: list):
+        self.block_m, self.gemms = block_m, gemms
+
+    def run(self, i: int, a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, bound: dict) -> None:
+        """Launch GEMM i (0: gate_up, 1: down) over a into out with the call's routing and alignment `bound`."""
+        launch, scheme, tiles_n = self.gemms[i]
+        if scheme is None:
+            a_scale, strides = bound["routing_weight_ptr"], (0, 0)  # unused
+        else:
+            a, a_scale = quantize_activation_fp8(a, *scheme)
+            strides = (0, 0) if a_scale.dim() == 0 else a_scale.stride()
+        launch((expert_ids.numel(), tiles_n), a_ptr=a, out_ptr=out, stride_am=a.stride(0), stride_om=out.stride(0),
+               a_scale_ptr=a_scale, stride_asm=strides[0], stride_asg=strides[1], **bound)
 
 
 def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing: torch.Tensor, alignment: tuple,
