@@ -37,12 +37,14 @@ MOE_PROBLEM = (512, 64, 6, 2048, 1408, 0)  # tokens, experts, top-k, D, I, gate/
 CODE_BYTES = {"moe-int4": 0.5, "int4-awq": 0.5, "int4-gptq": 0.5, "int4-act-order": 0.5, "nf4": 0.5, "int8-gptq": 1,
               "fp8-block": 1, "w8a8": 1}
 # {(cc, weight type): ALU instructions per weight}: measured (Triton 3.9, bf16) + ~10%. sm_80's fp8-block is the
-# weight-only path (e4m3 bytes decoded with integer ops), sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot.
+# weight-only path (e4m3 bytes decoded with integer ops), sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's
+# fp8-block and both w8a8 quantize their x tile inside the loop at decode (one launch instead of a quantization
+# kernel first: 16 padded rows x BLOCK_K values per BLOCK_K x BLOCK_N weights): 2.2 -> 8.9 and 0.8 -> 6.0 per weight.
 ALU_PER_WEIGHT = {
     (80, "int4-awq"): 6.9, (80, "int4-gptq"): 6.7, (80, "int4-act-order"): 7.3, (80, "int8-gptq"): 8.1,
-    (80, "nf4"): 7.7, (80, "fp8-block"): 9.4, (80, "w8a8"): 2.5,
+    (80, "nf4"): 7.7, (80, "fp8-block"): 9.4, (80, "w8a8"): 6.6,
     (90, "int4-awq"): 5.6, (90, "int4-gptq"): 5.4, (90, "int4-act-order"): 6.0, (90, "int8-gptq"): 7.4,
-    (90, "nf4"): 7.6, (90, "fp8-block"): 2.4, (90, "w8a8"): 0.9,
+    (90, "nf4"): 7.6, (90, "fp8-block"): 9.8, (90, "w8a8"): 6.7,
     (80, "moe-int4"): 7.4, (90, "moe-int4"): 6.7,
 }
 CASES = [(cc, "bfloat16", kind) for cc in (80, 90) for kind in (*WEIGHT_TYPES, "moe-int4")] + [

@@ -161,23 +161,23 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 
 @triton.jit
 def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, post_padded_ptr, numel, num_experts, max_blocks,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """One program aligns all T*k pairs (moe_align_block_size): counts per expert (a one-hot [CHUNK, BLOCK_E] summed
-    over CHUNK pairs at a time; -1 ids count for the virtual expert num_experts), padded run starts by a cumsum,
-    then each pair goes to its run's start + the pairs of its expert before it (earlier chunks, then a cumsum
-    within the chunk), so the order within an expert is the token order; finally each block's expert."""
+                      ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """One program aligns all T*k pairs (moe_align_block_size; ALIGN is its block_m): counts per expert (a one-hot
+    [CHUNK, BLOCK_E] summed over CHUNK pairs at a time; -1 ids count for the virtual expert num_experts), padded run
+    starts by a cumsum, then each pair goes to its run's start + the pairs of its expert before it (earlier chunks,
+    then a cumsum within the chunk), so the order within an expert is the token order; finally each block's expert."""
     offs_e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for start in range(0, numel, CHUNK):
         onehot, _, _ = _align_chunk(ids_ptr, start, numel, num_experts, offs_e, BLOCK_E, CHUNK)
         counts += tl.sum(onehot, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
     tl.store(post_padded_ptr, tl.sum(tl.where(offs_e == num_experts, starts, 0), 0))  # the dropped run's start
-    for start in range(0, max_blocks * BLOCK_M, CHUNK):
+    for start in range(0, max_blocks * ALIGN, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], tl.int32) + numel, mask=offs < max_blocks * BLOCK_M)
+        tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], tl.int32) + numel, mask=offs < max_blocks * ALIGN)
     tl.debug_barrier()  # the sentinel fill lands before the scatter below overwrites parts of it
     seen = starts
     for start in range(0, numel, CHUNK):
@@ -187,7 +187,7 @@ def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, post_padded_ptr, 
         seen += tl.sum(onehot, 0)
     for start in range(0, max_blocks, CHUNK):
         blocks = start + tl.arange(0, CHUNK)
-        expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)  # searchsorted, right
+        expert = tl.sum((ends[None, :] <= (blocks * ALIGN)[:, None]).to(tl.int32), 1)  # searchsorted, right
         tl.store(expert_ids_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < max_blocks)
 
 
@@ -213,6 +213,6 @@ def align_launch(topk_ids: torch.Tensor, block_m: int, num_experts: int, max_blo
     post_padded = torch.empty(1, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts + 1)
     args = dict(ids_ptr=topk_ids, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids, post_padded_ptr=post_padded,
-                numel=topk_ids.numel(), num_experts=num_experts, max_blocks=max_blocks, BLOCK_M=block_m,
+                numel=topk_ids.numel(), num_experts=num_experts, max_blocks=max_blocks, ALIGN=block_m,
                 BLOCK_E=block_e, CHUNK=max(16, 4096 // block_e))
     return Launch(_moe_align_kernel, (1,), args, 4, 1), (sorted_ids, expert_ids, post_padded)
