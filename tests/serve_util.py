@@ -30,6 +30,18 @@ def reference_model(checkpoint):
         yield tritonq.load(checkpoint, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4)
 
 
+# The module-scoped fixtures of the server tests (a test file imports them by name): the tiny checkpoint and its
+# reference model.
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    yield from reference_model(checkpoint)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

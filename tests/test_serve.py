@@ -16,17 +16,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from serve_util import KEY, MAX_SEQ_LEN, MODEL_NAME, Server, reference_model, tiny_checkpoint  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    yield from reference_model(checkpoint)
+from serve_util import KEY, MAX_SEQ_LEN, MODEL_NAME, Server, checkpoint, reference  # noqa: E402,F401 (checkpoint, reference: fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -13,20 +13,10 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from serve_util import MODEL_NAME, Server, reference_model, tiny_checkpoint  # noqa: E402
+from serve_util import MODEL_NAME, Server, checkpoint, reference  # noqa: E402,F401 (checkpoint, reference: fixtures)
 
 PROMPT = "Hello, tritonq!"
 MESSAGES = [{"role": "user", "content": "Say something."}]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    yield from reference_model(checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,7 @@ pytest.importorskip("fastapi")
 
 import serve_util  # noqa: E402
 import tolerances  # noqa: E402
-from serve_util import MAX_SEQ_LEN, MODEL_NAME, ROOT, Server, reference_model, tiny_checkpoint  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    yield from reference_model(checkpoint)
+from serve_util import MAX_SEQ_LEN, MODEL_NAME, ROOT, Server, checkpoint, reference  # noqa: E402,F401 (checkpoint, reference: fixtures)
 
 
 @pytest.fixture(scope="module")
