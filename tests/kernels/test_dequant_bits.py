@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonq.kernels import common
 from tritonq.kernels.common import dequantize_int_tile
 
 
@@ -73,3 +74,81 @@ def test_bf16_magic_number_arithmetic_is_exact(has_zeros):
     assert torch.equal(h.float(), q.float() + 128)
     z = zero + 128.0 if has_zeros else torch.tensor(128.0 + 8, dtype=torch.bfloat16)
     assert torch.equal((h - z) * scale, reference(q, scale, zero, 4, has_zeros, torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The GPU's packed-word path (common.int4_words_to_magic): its PTX, run by an emulator of the four PTX
+# instructions it uses (semantics from the PTX ISA), on every byte value in every byte of a word.
+# ---------------------------------------------------------------------------------------------------------
+
+MASK32 = (1 << 32) - 1
+
+
+def run_ptx(ptx: str, word: int) -> list[int]:
+    """The 16-bit outputs $0..$7 of a PTX block over the 32-bit input $8 (shr.u32, prmt.b32 default mode,
+    lop3.b32, mov.b32 {lo, hi}); anything else fails the test, so an edited block cannot pass unread."""
+    regs, out = {"$8": word & MASK32}, {}
+
+    def value(operand):
+        return int(operand, 0) & MASK32 if operand[0].isdigit() else regs[operand]
+
+    for line in ptx.strip().strip("{}").strip().splitlines():
+        op, _, rest = line.strip().rstrip(";").partition(" ")
+        if op == ".reg":
+            continue
+        if op == "mov.b32":
+            halves, source = rest.split("}, ")
+            lo, hi = halves.strip("{").split(", ")
+            out[lo], out[hi] = regs[source] & 0xFFFF, regs[source] >> 16
+            continue
+        d, *args = [a.strip() for a in rest.split(",")]
+        if op == "shr.u32":
+            regs[d] = value(args[0]) >> value(args[1])
+        elif op == "prmt.b32":  # byte i of d = byte (selector nibble i & 7) of {b, a}; bit 3 (sign) unused here
+            pool, selector = value(args[0]) | value(args[1]) << 32, value(args[2])
+            assert all(not (selector >> (4 * i + 3)) & 1 for i in range(4)), "sign-replicating prmt: emulate it"
+            regs[d] = sum(((pool >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "lop3.b32":  # bit of d = bit (4a + 2b + c) of the truth table
+            a, b, c, lut = (value(v) for v in args)
+            regs[d] = sum(((lut >> (4 * ((a >> i) & 1) + 2 * ((b >> i) & 1) + ((c >> i) & 1))) & 1) << i
+                          for i in range(32))
+        else:
+            raise AssertionError(f"PTX op {op} has no emulation here")
+    return [out[f"${i}"] for i in range(8)]
+
+
+def halves(bits: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+@pytest.mark.parametrize("dtype, magic", [(torch.float16, 1024.0), (torch.bfloat16, 128.0)])
+def test_int4_word_ptx_gives_magic_plus_each_field(dtype, magic):
+    """Output j of the PTX is magic + field j of the word (bits 4j..4j+3), for every byte value in each of the
+    four bytes (so every code in every field, next to every other code in its byte) and random words: the
+    order the interpreter's path builds and the kernel's interleaves place at row 8 r + j."""
+    ptx = (common.INT4_FP16_MAGIC_PTX if dtype == torch.float16 else common.INT4_BF16_MAGIC_PTX).value
+    words = [b << (8 * i) | 0x5A5A5A5A & ~(0xFF << (8 * i)) for i in range(4) for b in range(256)]
+    words += torch.randint(0, 2**32, (256,), dtype=torch.int64).tolist()
+    for word in words:
+        got = halves(run_ptx(ptx, word), dtype)
+        fields = torch.tensor([(word >> (4 * j)) & 15 for j in range(8)], dtype=torch.float32)
+        assert torch.equal(got.float(), fields + magic), hex(word)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("has_zeros", [True, False])
+def test_int4_word_dequantization_is_exact(dtype, has_zeros):
+    """From the PTX's magic + q on, `int4_words_minus_zero` and the scale, in the GPU's rounding (torch's 16-bit
+    ops round once to nearest-even, as HADD2 / HMUL2 / HFMA2 do): q - zero is exact, and times the scale per
+    weight it is the fp32 reference rounded once; on the dot's fp32 result (one scale row per tile) the dot
+    sees these exact integers. Every (code, zero) pair, scales over 5 binades."""
+    order = torch.randperm(256)  # neighbours in a word differ (every_code_and_zero lists q in runs of 16)
+    q, scale, zero = (t[order] for t in every_code_and_zero(4, dtype))
+    magic = 1024.0 if dtype == torch.float16 else 128.0
+    ptx = (common.INT4_FP16_MAGIC_PTX if dtype == torch.float16 else common.INT4_BF16_MAGIC_PTX).value
+    codes = q.reshape(-1, 8)  # 8 codes a word, field j = code j
+    words = (codes << (4 * torch.arange(8))).sum(1)
+    h = torch.cat([halves(run_ptx(ptx, int(w)), dtype) for w in words])
+    t = h - ((zero + magic) if has_zeros else torch.tensor(magic + 8, dtype=dtype))
+    assert torch.equal(t.float(), q.float() - (zero.float() if has_zeros else 8.0))
+    assert torch.equal(t * scale, reference(q, scale, zero, 4, has_zeros, dtype))

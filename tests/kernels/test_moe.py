@@ -249,8 +249,10 @@ def test_reference_matches_per_token_dense(kind):
     ("dense", 17, 2, torch.bfloat16),
     ("int4", 3, 6, torch.float32),
     ("int4", 5, 2, torch.bfloat16),
+    ("int4", 3, 2, torch.float16),  # fp16 (the interpreter's word path, common.int4_words_minus_zero), asymmetric
     ("int4_sym", 33, 2, torch.float16),
     ("int4_act_order", 3, 2, torch.float32),
+    ("int4_act_order", 17, 2, torch.float16),
     ("int8", 3, 2, torch.float32),
     ("fp8_tensor", 3, 2, torch.float32),
     ("fp8_channel", 3, 6, torch.float32),

@@ -113,6 +113,83 @@ def dequantize_int_tile(q, scale, zero, BITS: tl.constexpr, HAS_ZEROS: tl.conste
     return w.to(DTYPE)
 
 
+# PTX of `int4_words_to_magic` on word $8 (fields n0..n7, n0 lowest): t = $8 >> 4 has n(2i+1) in the low nibble
+# of its byte i, where $8 has n(2i); a prmt moves byte i of each into the two 16-bit halves and one lop3 ((a & b)
+# | c: 0xEA) keeps the low nibbles and ORs in the bits of two magic floats (0x6400: fp16 1024, 0x4300: bf16 128):
+# pair i = {magic + n(2i), magic + n(2i+1)}, two consecutive rows in one register (FasterTransformer's and
+# Marlin's LOP3 trick, with the prmt in place of their interleaved repacking).
+_INT4_MAGIC_PTX = """{
+.reg .b32 t, p0, p1, p2, p3;
+shr.u32 t, $8, 4;
+prmt.b32 p0, $8, t, 0x0400;
+prmt.b32 p1, $8, t, 0x0501;
+prmt.b32 p2, $8, t, 0x0602;
+prmt.b32 p3, $8, t, 0x0703;
+lop3.b32 p0, p0, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 p1, p1, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 p2, p2, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 p3, p3, 0x000F000F, MAGIC, 0xEA;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+mov.b32 {$4, $5}, p2;
+mov.b32 {$6, $7}, p3;
+}"""
+INT4_FP16_MAGIC_PTX = tl.constexpr(_INT4_MAGIC_PTX.replace("MAGIC", "0x64006400"))
+INT4_BF16_MAGIC_PTX = tl.constexpr(_INT4_MAGIC_PTX.replace("MAGIC", "0x43004300"))
+
+
+@triton.jit
+def _magic_code(words, SHIFT: tl.constexpr, DTYPE: tl.constexpr):
+    """The 4-bit field at SHIFT of each word, ORed into the mantissa of fp16's magic number (the interpreter's
+    path of `int4_words_to_magic`; it misreads bitcast bf16, so fp16 only)."""
+    return (((words >> SHIFT) & 15) | 0x6400).to(tl.int16).to(DTYPE, bitcast=True)
+
+
+@triton.jit
+def int4_words_to_magic(words, DTYPE: tl.constexpr):
+    """int32 words [R, C], packed along K as `unpack_int_tile` reads them (field i of word r is row 8 r + i) ->
+    magic + q in DTYPE [8 R, C] (fp16 1024 + q, bf16 128 + q). On a GPU one PTX block per word
+    (INT4_*_MAGIC_PTX: one shift, and per two codes one prmt and one lop3) leaves rows 2i, 2i + 1 packed in one
+    register, as the half2 math and the dot's shared-memory stores take them: nothing is unpacked per code.
+    The interpreter builds the same values field by field. The interleaves put output j of word r at row
+    8 r + j; the transposes make a word's 8 rows one thread's consecutive elements."""
+    wt = tl.trans(words)  # [C, R]: the new rows are interleaved along the last axis
+    if INTERPRETED:
+        o0 = _magic_code(wt, 0, DTYPE)
+        o1 = _magic_code(wt, 4, DTYPE)
+        o2 = _magic_code(wt, 8, DTYPE)
+        o3 = _magic_code(wt, 12, DTYPE)
+        o4 = _magic_code(wt, 16, DTYPE)
+        o5 = _magic_code(wt, 20, DTYPE)
+        o6 = _magic_code(wt, 24, DTYPE)
+        o7 = _magic_code(wt, 28, DTYPE)
+    elif DTYPE == tl.float16:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            INT4_FP16_MAGIC_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r", [wt], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            INT4_BF16_MAGIC_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r", [wt], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    even = tl.interleave(tl.interleave(o0, o4), tl.interleave(o2, o6))  # rows 8 r + 0, 2, 4, 6
+    odd = tl.interleave(tl.interleave(o1, o5), tl.interleave(o3, o7))
+    return tl.trans(tl.interleave(even, odd))
+
+
+@triton.jit
+def int4_words_minus_zero(words, zero, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr):
+    """int32 words [BLOCK_K / 8, BLOCK_N] -> q - zero in DTYPE (fp16 / bf16) [BLOCK_K, BLOCK_N], exactly: magic + q (`int4_words_to_magic`) minus magic + zero, integers DTYPE holds (zero:
+    integer-valued, in DTYPE, broadcasting against the tile; without HAS_ZEROS 8 and `zero`
+    is not read). The caller multiplies the scale: per weight (one rounding, as `dequantize_int_tile`) or, where
+    the tile has one row of scales, on the dot's fp32 result (the dot then sees exact integers)."""
+    h = int4_words_to_magic(words, DTYPE)
+    if DTYPE == tl.float16:
+        magic: tl.constexpr = 1024.0
+    else:
+        magic: tl.constexpr = 128.0
+    if HAS_ZEROS:
+        return h - (zero + magic)
+    return h - (magic + 8)
+
+
 @triton.jit
 def e4m3_bits_to_fp16(u):
     """uint8 e4m3 bit patterns -> fp16 value / 2^8, exactly (also for subnormals; multiply by
@@ -290,6 +367,15 @@ def upcast_dot(x: torch.Tensor) -> bool:
     (triton-lang/triton#11584, unsupported upstream): there the dot runs in fp32 on the same
     bf16-rounded values."""
     return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not on_gpu(x))
+
+
+def int4_word_dequant(x: torch.Tensor, w) -> bool:
+    """The WORD_DEQUANT flag of the int4 GEMMs (int4_gemm, moe), decided once per plan: an Int4Weight `w` of 4-bit
+    codes without a code table, with scales in x's half dtype, goes through `int4_words_minus_zero` (inline PTX on
+    a GPU; fp16 only under the interpreter, which misreads bitcast bf16); everything else through the plain-Triton
+    unpack (`unpack_int_tile`, `dequantize_int_tile`)."""
+    return (w.bits == 4 and w.code is None and w.scales.dtype == x.dtype
+            and x.dtype in ((torch.float16, torch.bfloat16) if on_gpu(x) else (torch.float16,)))
 
 
 def compute_capability(device: torch.device) -> int | None:

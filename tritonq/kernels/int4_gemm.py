@@ -61,10 +61,12 @@ from tritonq.kernels.common import (
     GemmPlan,
     Launch,
     gemm_output,
+    int4_word_dequant,
     next_pow2,
     split_k_arrivals,
     check_launch_config,
     config_rows,
+    int4_words_minus_zero,
     dequantize_int_tile,
     reduce_split_k,
     tune_group_size,
@@ -103,7 +105,7 @@ def _int4_gemm_kernel(
     M, N, K, group_size,
     stride_xm, stride_xk,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, TILE_GROUPS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, WORD_DEQUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     code_ptr, HAS_CODE: tl.constexpr, partials_ptr, arrivals_ptr,
 ):
@@ -132,7 +134,6 @@ def _int4_gemm_kernel(
         offs_word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
         words = tl.load(qweight_ptr + offs_word[:, None] * N + offs_n[None, :],
                         mask=(offs_word < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
-        q = unpack_int_tile(words, BITS)
         mask_kn = mask_k[:, None] & mask_n[None, :]
         if TILE_GROUPS:  # the whole K tile lies in group k0 // group_size
             g = k0 // group_size
@@ -149,14 +150,21 @@ def _int4_gemm_kernel(
             z = s
             if HAS_ZEROS:
                 z = tl.load(zeros_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
-        if HAS_CODE:  # bitsandbytes nf4 / fp4: q indexes a 16-entry code table, s is the block's absmax
-            w = (tl.load(code_ptr + q) * s.to(tl.float32)).to(x.dtype)
-        else:  # weights meet the activations in x's dtype, as on the tensor cores
-            w = dequantize_int_tile(q, s, z, BITS, HAS_ZEROS, x.dtype)
-        if UPCAST_DOT:  # fp32 x (exact ieee dot), or bf16 under the interpreter (common.upcast_dot)
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        if WORD_DEQUANT:  # 4-bit codes from the packed words by bit tricks (common.int4_words_to_magic)
+            t = int4_words_minus_zero(words, z, HAS_ZEROS, x.dtype)
+            if TILE_GROUPS and BLOCK_M < BLOCK_K:  # one scale per column for the tile: fewer multiplies on the
+                acc += tl.dot(x, t) * s.to(tl.float32)  # dot's fp32 result (BLOCK_M rows) than per weight
+            else:
+                acc = tl.dot(x, (t * s).to(x.dtype), acc)
         else:
-            acc = tl.dot(x, w, acc)
+            if HAS_CODE:  # bitsandbytes nf4 / fp4: q indexes a 16-entry code table, s is the block's absmax
+                w = (tl.load(code_ptr + unpack_int_tile(words, BITS)) * s.to(tl.float32)).to(x.dtype)
+            else:  # weights meet the activations in x's dtype, as on the tensor cores
+                w = dequantize_int_tile(unpack_int_tile(words, BITS), s, z, BITS, HAS_ZEROS, x.dtype)
+            if UPCAST_DOT:  # fp32 x (exact ieee dot), or bf16 under the interpreter (common.upcast_dot)
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
 
     if HAS_BIAS:  # added once: by the first K slice only
         if pid_k == 0:
@@ -169,15 +177,19 @@ def _int4_gemm_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def default_config(M: int, N: int, K: int) -> Int4GemmConfig:
-    """Defaults in code, used when no tuned JSON entry exists for this GPU and shape."""
+def default_config(M: int, N: int, K: int, act_order: bool = False) -> Int4GemmConfig:
+    """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. act_order (a g_idx: scales and
+    zeros gathered per row, a tile of them in registers) takes half the decode tile, which spills otherwise."""
     if M <= SPLIT_K_MAX_M:
-        block_n, block_k = 64, 128
+        block_n, block_k = (64 if act_order else 128), 128
         n_tiles = triton.cdiv(N, block_n)
         k_tiles = triton.cdiv(K, block_k)
-        # Aim for ~2 waves on a 132-SM GPU while keeping >= 2 K tiles per slice.
+        # Aim for ~2 waves on a 132-SM GPU while keeping >= 2 K tiles per slice. Two warps: 256 weights per thread
+        # and iteration, over which the loop's address and loop arithmetic spread (docs/gpu_kernels.md).
         split_k = max(1, min(16, next_pow2(triton.cdiv(264, n_tiles)), k_tiles // 2))
-        return Int4GemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
+        if act_order:
+            return Int4GemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
+        return Int4GemmConfig(16, block_n, block_k, split_k, num_warps=2, num_stages=3)
     if M <= 64:
         return Int4GemmConfig(max(16, next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
     return Int4GemmConfig(128, 128, 64, 1, num_warps=8, num_stages=3)
@@ -275,7 +287,7 @@ class Int4Gemm(WeightGemm):
             if plan is None:
                 rows = config_rows(M)  # M, or one row count for every M in the batch-invariant mode
                 config = tuned_or_default("int4_gemm", config_bucket(rows, self.N, self.K, self.w),
-                                          default_config(rows, self.N, self.K))
+                                          default_config(rows, self.N, self.K, self.w.g_idx is not None))
                 plan = self.plans[key] = _plan(x, self.w, config, key[0])
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
 
@@ -311,7 +323,7 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig,
         out_ptr=out, M=M, N=N, K=K, group_size=w.group_size, stride_xm=x.stride(0), stride_xk=x.stride(1),
         BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
         TILE_GROUPS=w.g_idx is None and w.group_size % block_k == 0, HAS_BIAS=w.bias is not None,
-        UPCAST_DOT=upcast_dot(x), BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
+        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=int4_word_dequant(x, w), BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
         code_ptr=w.code if w.code is not None else w.scales, HAS_CODE=w.code is not None,
         partials_ptr=partials, arrivals_ptr=arrivals)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split_k)

@@ -20,6 +20,7 @@ from tritonq.kernels.common import (
     dequantize_int_tile,
     e2m1_bits_to_fp16,
     e4m3_bits_to_fp16,
+    int4_words_minus_zero,
     unpack_int_tile,
 )
 
@@ -32,8 +33,9 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
                       group_size, KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       HAS_G_IDX: tl.constexpr, TILE_SCALE_ROW: tl.constexpr, SCALE_BN: tl.constexpr,
                       SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr, COMPUTE: tl.constexpr,
-                      FP8_CODES: tl.constexpr = False):
+                      FP8_CODES: tl.constexpr = False, WORD_DEQUANT: tl.constexpr = False):
     """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N).
+    WORD_DEQUANT: 4-bit int codes by `common.int4_words_minus_zero` (`common.int4_word_dequant` says when).
     FP8_CODES (W8A8 fp8 experts): the e4m3 codes themselves, unscaled (the kernel applies `_fp8_scale_row`)."""
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -46,7 +48,6 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         offs_word = tl.min(offs_k, axis=0) // PACK + tl.arange(0, BLOCK_K // PACK)
         words = tl.load(w_base + offs_word[:, None] * stride_wk + offs_n[None, :] * stride_wn,
                         mask=(offs_word < K // PACK)[:, None] & (offs_n[None, :] < N), other=0)
-        q = unpack_int_tile(words, BITS)
         if TILE_SCALE_ROW:  # the whole K tile is in one group: one [1, BLOCK_N] row of scales/zeros
             s_off = (expert.to(tl.int64) * stride_se + (tl.min(offs_k, axis=0) // group_size) * stride_sk
                      + offs_n[None, :] * stride_sn)
@@ -62,7 +63,10 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         zero = scale  # read only with HAS_ZEROS (else symmetric: zero = 2^(bits-1))
         if HAS_ZEROS:
             zero = tl.load(zero_ptr + s_off, mask=s_mask, other=0.0)
-        w = dequantize_int_tile(q, scale, zero, BITS, HAS_ZEROS, COMPUTE)
+        if WORD_DEQUANT:  # 4-bit codes from the packed words by bit tricks (common.int4_words_to_magic)
+            w = (int4_words_minus_zero(words, zero, HAS_ZEROS, COMPUTE) * scale).to(COMPUTE)
+        else:
+            w = dequantize_int_tile(unpack_int_tile(words, BITS), scale, zero, BITS, HAS_ZEROS, COMPUTE)
     elif KIND == 3:  # mxfp4: blocks [E, N, K/2] bytes (stride_wk = 1), scales [E, N, K/32] uint8 E8M0
         BLOCK_K: tl.constexpr = offs_k.shape[0]
         offs_byte = tl.min(offs_k, axis=0) // 2 + tl.arange(0, BLOCK_K // 2)
@@ -139,7 +143,7 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      bias_ptr, stride_be, swiglu_alpha, swiglu_limit, HAS_BIAS: tl.constexpr = False,
                      CLAMPED_SWIGLU: tl.constexpr = False, a_scale_ptr=None, stride_asm=0, stride_asg=0,
                      A_GROUP: tl.constexpr = 1, A_FP8: tl.constexpr = False, SCALE_PER_TILE: tl.constexpr = False,
-                     ONE_W_SCALE: tl.constexpr = False):
+                     ONE_W_SCALE: tl.constexpr = False, WORD_DEQUANT: tl.constexpr = False):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
 
     A row of sorted row r is sorted_ids[r] // a_row_divisor (the token for gate/up, the
@@ -173,7 +177,7 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
         w = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
                               stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
                               KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW, SCALE_BN, SCALE_BK, FP8_AS_BITS,
-                              COMPUTE, A_FP8)
+                              COMPUTE, A_FP8, WORD_DEQUANT)
         if A_FP8 and SCALE_PER_TILE:  # block scales: this K tile's partial sum, scaled by a_scale * w_scale
             a_scale = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // A_GROUP) * stride_asg, mask=row_ok,
                               other=0.0)
@@ -187,7 +191,7 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                                      offs_n + up_offset, K, N + up_offset,
                                      stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                                      group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW,
-                                     SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE, A_FP8)
+                                     SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE, A_FP8, WORD_DEQUANT)
             if A_FP8 and SCALE_PER_TILE:
                 w_scale_up = _fp8_scale_row(scale_ptr, expert, k0, pid_n * BLOCK_N + up_offset, N + up_offset,
                                             stride_se, stride_sn, stride_sk, SCALE_BN, SCALE_BK, BLOCK_N, ONE_W_SCALE)

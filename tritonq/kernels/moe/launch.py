@@ -20,7 +20,15 @@ import torch
 import triton
 
 from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
-from tritonq.kernels.common import ClampedSwiGLU, Launch, has_fp8_tensor_cores, next_pow2, on_gpu, upcast_dot
+from tritonq.kernels.common import (
+    ClampedSwiGLU,
+    Launch,
+    has_fp8_tensor_cores,
+    int4_word_dequant,
+    next_pow2,
+    on_gpu,
+    upcast_dot,
+)
 from tritonq.kernels.fp8_gemm import quantize_activation_fp8
 from tritonq.kernels.moe.configs import MoEConfig, _config, check_config
 from tritonq.kernels.moe.experts import check_experts, check_moe_inputs, fp8_activation_scheme
@@ -253,7 +261,8 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
                 a_scale_ptr=a_scale if w8a8 else routing, stride_asm=a_scale_strides[0], stride_asg=a_scale_strides[1],
                 A_GROUP=weight.block_size[1] if block_scaled else K, A_FP8=w8a8, SCALE_PER_TILE=block_scaled,
                 ONE_W_SCALE=block_scaled and weight.block_size[0] % config.BLOCK_N == 0
-                and (not gate_up or N % weight.block_size[0] == 0))
+                and (not gate_up or N % weight.block_size[0] == 0),
+                WORD_DEQUANT=isinstance(weight, Int4Weight) and int4_word_dequant(a, weight))
     grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
     return Launch(_moe_gemm_kernel, grid, args, config.num_warps, config.num_stages)
 
