@@ -15,6 +15,9 @@ experts), is compiled ahead of time for sm_80 and sm_90 (kernels/aot.py, Triton'
     per two codes one prmt, one lop3 and one half2 subtraction, the scale on the dot's result); act-order
     (a per-row scale gather), int8, nf4 and the fp8 / W8A8 decode loops do not yet (docs/gpu_kernels.md
     has the before / after mix and what is left).
+The prefill launches (M = 256) of int4, int8, fp8-block and W8A8 must issue their tensor-core instruction in the
+main loop (sm_90: wgmma, HGMMA / QGMMA / IGMMA; sm_80: HMMA / IMMA), load their weight tiles by 16-byte cp.async
+over >= 3 pipeline stages and not spill.
 The compiles run in one child process (conftest's TRITON_INTERPRET=1 makes @triton.jit functions
 uncompilable), over a process pool; `python tests/test_sass.py` prints the JSON report.
 """
@@ -48,7 +51,7 @@ ALU_PER_WEIGHT = {
     (80, "nf4"): 6.2, (80, "fp8-block"): 9.4, (80, "w8a8"): 6.6,
     (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 4.3, (90, "int8-gptq"): 6.2,
     (90, "nf4"): 6.3, (90, "fp8-block"): 9.8, (90, "w8a8"): 6.7,
-    (80, "moe-int4"): 7.4, (90, "moe-int4"): 6.7,
+    (80, "moe-int4"): 4.0, (90, "moe-int4"): 4.0,
 }
 CASES = [(cc, "bfloat16", kind) for cc in (80, 90) for kind in (*WEIGHT_TYPES, "moe-int4")] + [
     (cc, "float16", kind) for cc in (80, 90) for kind in ("int4-awq", "int8-gptq")]
@@ -74,13 +77,36 @@ def _mix(case) -> dict:
                 wide_loads=wide, local_memory=mix.local_memory)
 
 
+# Prefill (M = 256): the tensor-core instruction each weight type's main loop must issue. sm_90: warp-group MMAs
+# (wgmma: HGMMA for bf16 operands, QGMMA for e4m3 x e4m3, IGMMA for int8 x int8; the dequantized int4 / int8 tile
+# goes through shared memory, where wgmma reads its B operand); sm_80: mma.sync (HMMA, IMMA; fp8 weight-only).
+PREFILL_M = 256
+PREFILL_MMA = {(90, "int4-awq"): "HGMMA", (90, "int8-gptq"): "HGMMA", (90, "fp8-block"): "QGMMA",
+               (90, "w8a8"): "IGMMA", (80, "int4-awq"): "HMMA", (80, "int8-gptq"): "HMMA", (80, "fp8-block"): "HMMA",
+               (80, "w8a8"): "IMMA"}
+PREFILL_CASES = sorted(PREFILL_MMA)
+
+
+def _prefill_mix(case) -> dict:
+    from tritonq.kernels.aot import loop_mix
+
+    cc, kind = case
+    launch = weight_launch(kind, PREFILL_M, N, K, cc, torch.bfloat16)
+    mix = loop_mix(launch, cc)
+    return dict(loop=mix.loop, local_memory=mix.local_memory, num_stages=launch.num_stages,
+                wide_loads=sum(n for op, n in mix.loop.items() if op.startswith("LDGSTS.") and op.endswith(".128")))
+
+
 def compile_all() -> dict:
     import concurrent.futures
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                                 mp_context=multiprocessing.get_context("fork")) as pool:
-        return {"reports": [[list(c), r] for c, r in zip(CASES, pool.map(_mix, CASES))]}
+        decode = pool.map(_mix, CASES)
+        prefill = pool.map(_prefill_mix, PREFILL_CASES)
+        return {"reports": [[list(c), r] for c, r in zip(CASES, decode)],
+                "prefill": [[list(c), r] for c, r in zip(PREFILL_CASES, prefill)]}
 
 
 _REPORTS: dict = {}
@@ -90,6 +116,7 @@ def reports() -> dict:
     if not _REPORTS:
         result = json_from_child([__file__], timeout=1800)
         _REPORTS.update({tuple(case): report for case, report in result["reports"]})
+        _REPORTS.update({("prefill", *case): report for case, report in result["prefill"]})
     return _REPORTS
 
 
@@ -104,6 +131,19 @@ def test_decode_loop_sass_aot(cc, dtype, kind):
     assert report["local_memory"] == 0, "local memory (LDL/STL) in the kernel: registers spill"
     assert report["alu_per_weight"] <= ALU_PER_WEIGHT[(cc, kind)], (
         f"{report['alu_per_weight']:.2f} ALU instructions per weight, bound {ALU_PER_WEIGHT[(cc, kind)]}")
+
+
+@pytest.mark.parametrize("cc, kind", PREFILL_CASES, ids=[f"sm{c}-{k}" for c, k in PREFILL_CASES])
+def test_prefill_loop_sass_aot(cc, kind):
+    """M = 256: the main loop feeds the tensor cores (the dequantized tile once per K tile), its weight tiles
+    arrive by pipelined 16-byte cp.async (num_stages >= 3) and nothing spills."""
+    report = reports()[("prefill", cc, kind)]
+    print(f"\nsm_{cc} {kind} M{PREFILL_M}: {report}")
+    mma = PREFILL_MMA[(cc, kind)]
+    assert any(op.split(".")[0] == mma for op in report["loop"]), f"no {mma} in the main loop: {report['loop']}"
+    assert report["wide_loads"] > 0 and report["num_stages"] >= 3, (
+        f"{report['wide_loads']} 16-byte cp.async per iteration, {report['num_stages']} stages")
+    assert report["local_memory"] == 0, "local memory (LDL/STL) in the kernel: registers spill"
 
 
 if __name__ == "__main__":  # the child: compile every case, print the JSON report on the last line
