@@ -137,12 +137,13 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     """{case: Launch}: the runtime's default launches on sm_`cc` for a model in dtype."""
     out, i32 = {}, dict(dtype=torch.int32)
     for M in (1, 16, 256):
-        out[f"int4 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K), M, N, K, dtype)
-    config = int4_gemm.default_config(256, N, K)  # GPTQ act-order (a per-row scale gather) and 8-bit
-    out["int4 act-order M256"] = int4_gemm.aot_launch(config, 256, N, K, dtype, zeros=False, act_order=True)
-    out["int8 M256"] = int4_gemm.aot_launch(config, 256, N, K, dtype, bits=8)
+        out[f"int4 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K, cc=cc), M, N, K, dtype, cc=cc)
+    config = int4_gemm.default_config(256, N, K, cc=cc)  # GPTQ act-order (a per-row scale gather) and 8-bit
+    out["int4 act-order M256"] = int4_gemm.aot_launch(config, 256, N, K, dtype, zeros=False, act_order=True, cc=cc)
+    out["int8 M256"] = int4_gemm.aot_launch(config, 256, N, K, dtype, bits=8, cc=cc)
     for M in (1, 256):  # bitsandbytes nf4 / fp4: a code-table gather per weight, fp32 absmax per 64 rows
-        out[f"nf4 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K), M, N, K, dtype, code=True)
+        out[f"nf4 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K, cc=cc), M, N, K, dtype, code=True,
+                                                cc=cc)
     # fp8: e4m3 x e4m3 dots from sm_89 (block-scaled and per-channel weights), the weight-only path (weights
     # decoded in the kernel) below sm_89 and for weight-only checkpoints everywhere.
     paths = [("fp8", False), ("fp8 weight-only", True)] if cc >= 89 else [("fp8 weight-only", True)]
@@ -254,7 +255,7 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         for gate_up, config in ((True, moe.DEFAULT_CONFIGS[0][1]), (True, moe.DEFAULT_CONFIGS[-1][1]),
                                 (False, moe.DEFAULT_CONFIGS[-1][1])):
             out[f"moe {kind} {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = moe.aot_launch(
-                config, (*MOE_PROBLEM, 0 if gate_up else 1), kind, native_fp8=cc >= 89, dtype=dtype)
+                config, (*MOE_PROBLEM, 0 if gate_up else 1), kind, native_fp8=cc >= 89, dtype=dtype, cc=cc)
     for gate_up, config in ((True, moe.DEFAULT_CONFIGS[0][1]), (True, moe.DEFAULT_CONFIGS[-1][1]),
                             (False, moe.DEFAULT_CONFIGS[-1][1])):
         out[f"moe mxfp4 gpt-oss {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = moe.aot_launch(
@@ -262,7 +263,7 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     for kind in ("int8", "int4-act-order", "fp8-channel", "fp8-tensor"):  # the other experts packers write: gate/up
         config = moe.DEFAULT_CONFIGS[-1][1]  # at the largest tile (two accumulators: the most registers)
         out[f"moe {kind} gate_up M{config.BLOCK_M}"] = moe.aot_launch(config, (*MOE_PROBLEM, 0), kind,
-                                                                     native_fp8=cc >= 89, dtype=dtype)
+                                                                     native_fp8=cc >= 89, dtype=dtype, cc=cc)
     if cc >= 89:  # W8A8 fp8 experts (e4m3 x e4m3 dots): block-scaled (per-tile scales, 1 x 128 activation groups)
         # and per-channel (per-token activations); below sm_89 fused_moe runs them weight-only (the cases above)
         for kind, gate_up, config in (("fp8", True, moe.DEFAULT_CONFIGS[0][1]), ("fp8", True, moe.DEFAULT_CONFIGS[-1][1]),

@@ -56,8 +56,8 @@ def weight_launch(kind: str, M: int, N: int, K: int, cc: int = CC, dtype: torch.
     if kind.startswith(("int4", "int8", "nf4")):
         options = {"int4-awq": {}, "int4-gptq": dict(zeros=False), "int4-act-order": dict(zeros=False, act_order=True),
                    "int8-gptq": dict(bits=8, zeros=False), "nf4": dict(code=True)}[kind]
-        config = int4_gemm.default_config(M, N, K, act_order=kind == "int4-act-order")
-        return int4_gemm.aot_launch(config, M, N, K, dtype, **options)
+        config = int4_gemm.default_config(M, N, K, act_order=kind == "int4-act-order", cc=cc)
+        return int4_gemm.aot_launch(config, M, N, K, dtype, cc=cc, **options)
     if kind == "fp8-block":
         config = fp8_gemm.default_config(M, N, K, cc=cc, block_scaled=True, weight_only=cc < 89)
         return fp8_gemm.aot_launch(config, M, N, K, cc, dtype)

@@ -4,6 +4,9 @@
   unpack_int_tile      int32 words packed along K -> int32 codes (int4_gemm, moe)
   dequantize_int_tile  int32 codes -> (q - zero) * scale in the compute dtype, by magic-number floats
                        (no int-to-float conversion; int4_gemm, moe)
+  int4_words_to_magic  4-bit codes straight from the packed words to magic + q half pairs by inline PTX (one
+                       prmt and one lop3 per two codes; GPU from sm_80, `int4_word_dequant`)
+  int4_words_minus_zero  its q - zero, exactly (int4_gemm, moe)
   e2m1_bits_to_fp16    MXFP4 (e2m1) codes -> fp16 / 2^14 with integer ops (moe's mxfp4 experts)
   e4m3_bits_to_fp16    float8_e4m3fn bytes -> fp16 / 2^8 with integer ops, for GPUs without fp8
                        types (fp8_gemm's weight-only path, moe's fp8 experts, the fp8 KV cache)
@@ -369,12 +372,16 @@ def upcast_dot(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not on_gpu(x))
 
 
-def int4_word_dequant(x: torch.Tensor, w) -> bool:
+def int4_word_dequant(x: torch.Tensor, w, cc: int | None = None) -> bool:
     """The WORD_DEQUANT flag of the int4 GEMMs (int4_gemm, moe), decided once per plan: an Int4Weight `w` of 4-bit
     codes without a code table, with scales in x's half dtype, goes through `int4_words_minus_zero` (inline PTX on
-    a GPU; fp16 only under the interpreter, which misreads bitcast bf16); everything else through the plain-Triton
-    unpack (`unpack_int_tile`, `dequantize_int_tile`)."""
-    return (w.bits == 4 and w.code is None and w.scales.dtype == x.dtype
+    a GPU from sm_80; fp16 only under the interpreter, which misreads bitcast bf16); everything else through the
+    plain-Triton unpack (`unpack_int_tile`, `dequantize_int_tile`). sm_75 keeps the plain path: its dots run on
+    FMA, where the word path's tiles spill. cc: the target of meta tensors (AOT; None: sm_80+); CUDA tensors'
+    own device decides."""
+    if x.is_cuda:
+        cc = compute_capability(x.device)
+    return (w.bits == 4 and w.code is None and w.scales.dtype == x.dtype and (cc is None or cc >= 80)
             and x.dtype in ((torch.float16, torch.bfloat16) if on_gpu(x) else (torch.float16,)))
 
 

@@ -24,6 +24,10 @@ Two paths over the same kernel, chosen by M (`SPLIT_K_MAX_M`):
     to the weight at M <= 16.
   * M > 16: a tiled tensor-core GEMM, SPLIT_K = 1, written straight to y in x.dtype.
 
+Dequantization: 4-bit codes with scales in x's half dtype go from the packed words to half pairs by inline PTX
+(WORD_DEQUANT, `common.int4_words_minus_zero`, sm_80+), the scale on the dot's fp32 result where the tile has one
+scale row and fewer rows than BLOCK_K (decode); everything else through `unpack_int_tile` + `dequantize_int_tile`.
+
 Groups: when there is no g_idx and group_size is a multiple of BLOCK_K, every K tile lies in
 one group, so one [BLOCK_N] row of scales/zeros is loaded per tile (TILE_GROUPS). Otherwise
 (act-order g_idx, or a group size that BLOCK_K does not divide) scales/zeros are gathered per
@@ -65,6 +69,7 @@ from tritonq.kernels.common import (
     next_pow2,
     split_k_arrivals,
     check_launch_config,
+    compute_capability,
     config_rows,
     int4_words_minus_zero,
     dequantize_int_tile,
@@ -134,6 +139,9 @@ def _int4_gemm_kernel(
         offs_word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
         words = tl.load(qweight_ptr + offs_word[:, None] * N + offs_n[None, :],
                         mask=(offs_word < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
+        q = words  # the word path reads the words themselves; else unpacked right after the load (unpack_int_tile)
+        if not WORD_DEQUANT:
+            q = unpack_int_tile(words, BITS)
         mask_kn = mask_k[:, None] & mask_n[None, :]
         if TILE_GROUPS:  # the whole K tile lies in group k0 // group_size
             g = k0 // group_size
@@ -151,16 +159,16 @@ def _int4_gemm_kernel(
             if HAS_ZEROS:
                 z = tl.load(zeros_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
         if WORD_DEQUANT:  # 4-bit codes from the packed words by bit tricks (common.int4_words_to_magic)
-            t = int4_words_minus_zero(words, z, HAS_ZEROS, x.dtype)
+            t = int4_words_minus_zero(q, z, HAS_ZEROS, x.dtype)
             if TILE_GROUPS and BLOCK_M < BLOCK_K:  # one scale per column for the tile: fewer multiplies on the
                 acc += tl.dot(x, t) * s.to(tl.float32)  # dot's fp32 result (BLOCK_M rows) than per weight
             else:
                 acc = tl.dot(x, (t * s).to(x.dtype), acc)
         else:
             if HAS_CODE:  # bitsandbytes nf4 / fp4: q indexes a 16-entry code table, s is the block's absmax
-                w = (tl.load(code_ptr + unpack_int_tile(words, BITS)) * s.to(tl.float32)).to(x.dtype)
+                w = (tl.load(code_ptr + q) * s.to(tl.float32)).to(x.dtype)
             else:  # weights meet the activations in x's dtype, as on the tensor cores
-                w = dequantize_int_tile(unpack_int_tile(words, BITS), s, z, BITS, HAS_ZEROS, x.dtype)
+                w = dequantize_int_tile(q, s, z, BITS, HAS_ZEROS, x.dtype)
             if UPCAST_DOT:  # fp32 x (exact ieee dot), or bf16 under the interpreter (common.upcast_dot)
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
@@ -177,17 +185,19 @@ def _int4_gemm_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def default_config(M: int, N: int, K: int, act_order: bool = False) -> Int4GemmConfig:
+def default_config(M: int, N: int, K: int, act_order: bool = False, cc: int | None = None) -> Int4GemmConfig:
     """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. act_order (a g_idx: scales and
-    zeros gathered per row, a tile of them in registers) takes half the decode tile, which spills otherwise."""
+    zeros gathered per row, a tile of them in registers) and sm_75 (`cc`, None: sm_80+; dots on FMA) take half the
+    decode tile, which spills otherwise."""
+    small = act_order or (cc is not None and cc < 80)
     if M <= SPLIT_K_MAX_M:
-        block_n, block_k = (64 if act_order else 128), 128
+        block_n, block_k = (64 if small else 128), 128
         n_tiles = triton.cdiv(N, block_n)
         k_tiles = triton.cdiv(K, block_k)
         # Aim for ~2 waves on a 132-SM GPU while keeping >= 2 K tiles per slice. Two warps: 256 weights per thread
         # and iteration, over which the loop's address and loop arithmetic spread (docs/gpu_kernels.md).
         split_k = max(1, min(16, next_pow2(triton.cdiv(264, n_tiles)), k_tiles // 2))
-        if act_order:
+        if small:
             return Int4GemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
         return Int4GemmConfig(16, block_n, block_k, split_k, num_warps=2, num_stages=3)
     if M <= 64:
@@ -287,7 +297,8 @@ class Int4Gemm(WeightGemm):
             if plan is None:
                 rows = config_rows(M)  # M, or one row count for every M in the batch-invariant mode
                 config = tuned_or_default("int4_gemm", config_bucket(rows, self.N, self.K, self.w),
-                                          default_config(rows, self.N, self.K, self.w.g_idx is not None))
+                                          default_config(rows, self.N, self.K, self.w.g_idx is not None,
+                                                         compute_capability(self.device)))
                 plan = self.plans[key] = _plan(x, self.w, config, key[0])
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
 
@@ -305,11 +316,11 @@ def _plan(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, max_m: int) ->
 
 
 def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig,
-                     arrivals: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
+                     arrivals: torch.Tensor | None = None, cc: int | None = None) -> tuple[Launch, torch.Tensor]:
     """The launch of _int4_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and its
     output y [M, N] in x.dtype. With SPLIT_K > 1 it takes the fp32 [SPLIT_K, M, N] partials buffer and
     `arrivals`, the zeroed int32 count per output tile that the slices share (made here when None). Over
-    meta tensors it is what tune --aot and tests/test_fit.py compile."""
+    meta tensors it is what tune --aot and tests/test_fit.py compile, for sm_`cc` (`common.int4_word_dequant`)."""
     (M, K), N = x.shape, w.shape[0]
     block_k = config.BLOCK_K
     if w.g_idx is None and w.group_size % block_k:
@@ -323,7 +334,8 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig,
         out_ptr=out, M=M, N=N, K=K, group_size=w.group_size, stride_xm=x.stride(0), stride_xk=x.stride(1),
         BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
         TILE_GROUPS=w.g_idx is None and w.group_size % block_k == 0, HAS_BIAS=w.bias is not None,
-        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=int4_word_dequant(x, w), BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
+        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=int4_word_dequant(x, w, cc), BLOCK_M=config.BLOCK_M,
+        BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
         code_ptr=w.code if w.code is not None else w.scales, HAS_CODE=w.code is not None,
         partials_ptr=partials, arrivals_ptr=arrivals)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split_k)
@@ -362,10 +374,10 @@ def sweep_space(shape: tuple[int, int, int]) -> list[dict]:
 
 
 def aot_launch(config: Int4GemmConfig, M: int, N: int, K: int, dtype: torch.dtype = torch.float16, bits: int = 4,
-               zeros: bool = True, act_order: bool = False, code: bool = False) -> Launch:
+               zeros: bool = True, act_order: bool = False, code: bool = False, cc: int = 90) -> Launch:
     """`int4_gemm_launch` over meta tensors: x [M, K] in dtype, an N x K weight of `bits` with group
     `tune_group_size(K)`, asymmetric (zeros) or not, act-order (g_idx) or not, no bias; code: a
-    bitsandbytes nf4 weight (code table, fp32 absmax per 64-row block, no zeros)."""
+    bitsandbytes nf4 weight (code table, fp32 absmax per 64-row block, no zeros); for sm_`cc`."""
     group_size = 64 if code else tune_group_size(K)
     meta = torch.device("meta")
     scales = torch.empty(K // group_size, N, dtype=torch.float32 if code else dtype, device=meta)
@@ -374,4 +386,4 @@ def aot_launch(config: Int4GemmConfig, M: int, N: int, K: int, dtype: torch.dtyp
                    g_idx=torch.empty(K, dtype=torch.int32, device=meta) if act_order else None,
                    group_size=group_size, bits=bits,
                    code=torch.empty(16, dtype=torch.float32, device=meta) if code else None)
-    return int4_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config)[0]
+    return int4_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config, cc=cc)[0]

@@ -48,6 +48,9 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         offs_word = tl.min(offs_k, axis=0) // PACK + tl.arange(0, BLOCK_K // PACK)
         words = tl.load(w_base + offs_word[:, None] * stride_wk + offs_n[None, :] * stride_wn,
                         mask=(offs_word < K // PACK)[:, None] & (offs_n[None, :] < N), other=0)
+        q = words  # the word path reads the words themselves; else unpacked right after the load (unpack_int_tile)
+        if not WORD_DEQUANT:
+            q = unpack_int_tile(words, BITS)
         if TILE_SCALE_ROW:  # the whole K tile is in one group: one [1, BLOCK_N] row of scales/zeros
             s_off = (expert.to(tl.int64) * stride_se + (tl.min(offs_k, axis=0) // group_size) * stride_sk
                      + offs_n[None, :] * stride_sn)
@@ -64,9 +67,9 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         if HAS_ZEROS:
             zero = tl.load(zero_ptr + s_off, mask=s_mask, other=0.0)
         if WORD_DEQUANT:  # 4-bit codes from the packed words by bit tricks (common.int4_words_to_magic)
-            w = (int4_words_minus_zero(words, zero, HAS_ZEROS, COMPUTE) * scale).to(COMPUTE)
+            w = (int4_words_minus_zero(q, zero, HAS_ZEROS, COMPUTE) * scale).to(COMPUTE)
         else:
-            w = dequantize_int_tile(unpack_int_tile(words, BITS), scale, zero, BITS, HAS_ZEROS, COMPUTE)
+            w = dequantize_int_tile(q, scale, zero, BITS, HAS_ZEROS, COMPUTE)
     elif KIND == 3:  # mxfp4: blocks [E, N, K/2] bytes (stride_wk = 1), scales [E, N, K/32] uint8 E8M0
         BLOCK_K: tl.constexpr = offs_k.shape[0]
         offs_byte = tl.min(offs_k, axis=0) // 2 + tl.arange(0, BLOCK_K // 2)

@@ -225,7 +225,8 @@ class _MoEPlan:
 
 def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing: torch.Tensor, alignment: tuple,
                     top_k: int, config: MoEConfig, block_m: int, gate_up: bool, native_fp8: bool,
-                    activation: ClampedSwiGLU | None = None, a_scale: torch.Tensor | None = None) -> Launch:
+                    activation: ClampedSwiGLU | None = None, a_scale: torch.Tensor | None = None,
+                    cc: int | None = None) -> Launch:
     """The launch of _moe_gemm_kernel for one of the two GEMMs, over all experts.
 
     gate_up: a = x [T, D], weight [E, 2I, D], out = hidden [T*k, I] (SiLU-and-mul fused); else
@@ -237,6 +238,7 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
     a_scale (W8A8, fp8 experts with fp8 tensor cores): a is e4m3 from `fp8_gemm.quantize_activation_fp8` and
     a_scale its fp32 scales ([rows, 1] per token, [rows, ceil(K/bk)] per 1 x bk group for block weights, []
     static); the weight's codes are loaded as e4m3 (native_fp8 must be True) and the dot runs in e4m3.
+    cc: the target of meta tensors (`common.int4_word_dequant`).
     """
     sorted_ids, expert_ids, post_padded = alignment
     N, K = out.shape[1], a.shape[1]
@@ -262,7 +264,7 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
                 A_GROUP=weight.block_size[1] if block_scaled else K, A_FP8=w8a8, SCALE_PER_TILE=block_scaled,
                 ONE_W_SCALE=block_scaled and weight.block_size[0] % config.BLOCK_N == 0
                 and (not gate_up or N % weight.block_size[0] == 0),
-                WORD_DEQUANT=isinstance(weight, Int4Weight) and int4_word_dequant(a, weight))
+                WORD_DEQUANT=isinstance(weight, Int4Weight) and int4_word_dequant(a, weight, cc))
     grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
     return Launch(_moe_gemm_kernel, grid, args, config.num_warps, config.num_stages)
 
