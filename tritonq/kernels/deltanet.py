@@ -26,11 +26,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from tritonq.kernels import use_triton
+from tritonq.kernels.common import Launch, upcast_dot
 
 ACTIVATIONS = (None, "silu")
 CHUNK = 64  # tokens per chunk of the chunked delta rule
+SUB = 16  # rows of the diagonal blocks its triangular solve inverts by forward substitution
+EPS_L2 = 1e-6  # l2norm's epsilon (transformers', flash-linear-attention's)
 
 
 # ---------------------------------------------------------------------------------------------- input checks
@@ -92,6 +97,241 @@ def _check_rule(q, k, v, g, beta, state, name):
         raise ValueError(f"{name}: head dims up to 256 are supported; got Dk {Dk}, Dv {Dv}.")
 
 
+# ------------------------------------------------------------------------------------------------ Triton kernels
+
+@triton.jit
+def _conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, rows_ptr, cu_ptr, y_ptr, D, stride_x, stride_y, stride_w,
+                 stride_sn, stride_sd, stride_sw, W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_ROWS: tl.constexpr,
+                 DECODE: tl.constexpr):
+    """Program (sequence, channel block): the sequence's tokens BLOCK_T at a time, each tap reading x or, before
+    the sequence's first token, its conv state; then the state becomes the last W-1 inputs. Only this program
+    reads or writes its state block; barriers keep every thread's reads of the old state before the writes.
+    DECODE: sequence b is token b (no cu_seqlens)."""
+    seq = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    if DECODE:
+        start = seq.to(tl.int64)
+        end = start + 1
+    else:
+        start = tl.load(cu_ptr + seq).to(tl.int64)
+        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    row = tl.load(rows_ptr + seq).to(tl.int64) if HAS_ROWS else seq.to(tl.int64)
+    state = state_ptr + row * stride_sn + d[None, :] * stride_sd
+    bias = tl.load(b_ptr + d, mask=d_ok, other=0.0).to(tl.float32) if HAS_BIAS else tl.zeros((BLOCK_D,),
+                                                                                               tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        ok = (t < end)[:, None] & d_ok[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32) + bias[None, :]
+        for tap in tl.static_range(W):
+            p = t - (W - 1) + tap  # the input position this tap reads
+            in_x = (p >= start)[:, None]
+            xv = tl.load(x_ptr + p[:, None] * stride_x + d[None, :], mask=ok & in_x, other=0.0)
+            sv = tl.load(state + (p - start + W - 1)[:, None] * stride_sw, mask=ok & ~in_x, other=0.0)
+            wv = tl.load(w_ptr + d * stride_w + tap, mask=d_ok, other=0.0).to(tl.float32)
+            acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wv[None, :]
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(y_ptr + t[:, None] * stride_y + d[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+    j = tl.arange(0, BLOCK_W)  # the new state's column j is the input at position end - (W-1) + j
+    p = end - (W - 1) + j
+    in_x = (p >= start)[:, None]
+    ok = (j < W - 1)[:, None] & d_ok[None, :]
+    tl.debug_barrier()
+    new = tl.load(x_ptr + p[:, None] * stride_x + d[None, :], mask=ok & in_x, other=0.0).to(tl.float32)
+    new += tl.load(state + (p - start + W - 1)[:, None] * stride_sw, mask=ok & ~in_x, other=0.0).to(tl.float32)
+    tl.debug_barrier()
+    tl.store(state + j[:, None] * stride_sw, new.to(state_ptr.dtype.element_ty), mask=ok)
+
+
+def conv_launch(x, weight, bias, conv_state, rows, cu_seqlens, y, activation) -> Launch:
+    """The launch of _conv_kernel (cu_seqlens None: decode, one token per sequence): 64 channels x 16 tokens
+    per tile, 2 warps. Over meta tensors the AOT tests compile it."""
+    D, W = weight.shape
+    batch = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    block_d = 64
+    args = dict(x_ptr=x, w_ptr=weight, b_ptr=bias, state_ptr=conv_state, rows_ptr=rows, cu_ptr=cu_seqlens, y_ptr=y,
+                D=D, stride_x=x.stride(0), stride_y=y.stride(0), stride_w=weight.stride(0),
+                stride_sn=conv_state.stride(0), stride_sd=conv_state.stride(1), stride_sw=conv_state.stride(2),
+                W=W, BLOCK_W=triton.next_power_of_2(W - 1), BLOCK_T=1 if cu_seqlens is None else 16,
+                BLOCK_D=block_d, HAS_BIAS=bias is not None, SILU=activation == "silu", HAS_ROWS=rows is not None,
+                DECODE=cu_seqlens is None)
+    return Launch(_conv_kernel, (batch, triton.cdiv(D, block_d)), args, 2, 1)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, R, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program: BLOCK_R rows (contiguous [R, D]); y = x rstd * w * silu(z) in fp32, rounded once."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    ok = (r < R)[:, None] & (d < D)[None, :]
+    at = r[:, None] * D + d[None, :]
+    x = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = x * rstd[:, None] * w[None, :] * (z / (1.0 + tl.exp(-z)))
+    tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def gated_rms_norm_launch(x, z, weight, eps, y) -> Launch:
+    """The launch of _gated_rms_norm_kernel over contiguous x, z, y [R, D]: 2048 elements per program."""
+    R, D = x.shape
+    block_d = triton.next_power_of_2(D)
+    block_r = max(1, 2048 // block_d)
+    args = dict(x_ptr=x, z_ptr=z, w_ptr=weight, y_ptr=y, R=R, D=D, eps=eps, BLOCK_R=block_r, BLOCK_D=block_d)
+    return Launch(_gated_rms_norm_kernel, (triton.cdiv(R, block_r),), args, 4, 1)
+
+
+@triton.jit
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr, o_ptr, scale,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                      stride_ot, stride_oh, stride_sn, stride_sh, stride_sk, Dk, Dv, GROUP: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """Program (sequence, value head, Dv tile): one delta-rule step with the state tile [Dk, BLOCK_V] in
+    registers (state rows along Dk, columns contiguous along Dv)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok, v_ok = kk < Dk, vv < Dv
+    row = tl.load(rows_ptr + b).to(tl.int64) if HAS_ROWS else b
+    q = tl.load(q_ptr + b * stride_qt + (h // GROUP) * stride_qh + kk, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * stride_kt + (h // GROUP) * stride_kh + kk, mask=k_ok, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    v = tl.load(v_ptr + b * stride_vt + h * stride_vh + vv, mask=v_ok, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + b * stride_gt + h).to(tl.float32))
+    beta = tl.load(beta_ptr + b * stride_bt + h).to(tl.float32)
+    at = state_ptr + row * stride_sn + h * stride_sh + kk[:, None] * stride_sk + vv[None, :]
+    ok = k_ok[:, None] & v_ok[None, :]
+    S = tl.load(at, mask=ok, other=0.0) * decay
+    delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
+    S += k[:, None] * delta[None, :]
+    o = tl.sum(S * q[:, None], axis=0) * scale
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(at, S, mask=ok)
+
+
+@triton.jit
+def _unit_lower_inverse(L, C: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr):
+    """(I + L)^-1 for L [C, C] strictly lower-triangular fp32: the C / SUB diagonal blocks inverted together by
+    forward substitution in registers (row i = e_i - sum_j<i L_ij row j), then the block-triangular solve
+    X = Xd - Xd E X repeated C / SUB - 1 times (E: L's blocks below the diagonal blocks; after pass p the first
+    p + 1 block rows are exact). Every step is a triangular solve's arithmetic: no power series cancels."""
+    NB: tl.constexpr = C // SUB
+    b = tl.arange(0, NB)
+    diagonal = b[:, None, None, None] == b[None, None, :, None]  # [NB, 1, NB, 1]
+    blocks = tl.sum(tl.where(diagonal, tl.reshape(L, (NB, SUB, NB, SUB)), 0.0), axis=2)  # [NB, SUB, SUB]
+    r = tl.arange(0, SUB)
+    X = tl.zeros((NB, SUB, SUB), tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
+    for i in tl.static_range(1, SUB):
+        row_i = (r == i)[None, :, None]
+        l_i = tl.sum(tl.where(row_i, blocks, 0.0), axis=1)  # [NB, SUB]: row i of each block
+        X = tl.where(row_i, X - tl.sum(l_i[:, :, None] * X, axis=1)[:, None, :], X)
+    Xd = tl.reshape(tl.where(diagonal, X[:, :, None, :], 0.0), (C, C))
+    c = tl.arange(0, C)
+    E = tl.where((c[:, None] // SUB) > (c[None, :] // SUB), L, 0.0)
+    X = Xd
+    for _ in tl.static_range(NB - 1):
+        if IEEE:
+            X = Xd - tl.dot(Xd, tl.dot(E, X, input_precision="ieee"), input_precision="ieee")
+        else:
+            X = Xd - tl.dot(Xd, tl.dot(E, X))
+    return X
+
+
+@triton.jit
+def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr, cu_ptr, o_ptr, scale,
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                  stride_ot, stride_oh, stride_sn, stride_sh, stride_sk, Dk, Dv, GROUP: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr,
+                  L2NORM: tl.constexpr, HAS_ROWS: tl.constexpr, DT: tl.constexpr):
+    """Program (sequence, value head, Dv tile): the sequence's chunks of C tokens in order, the state tile
+    [Dk, BLOCK_V] in registers (the chunked form of chunk_gated_delta_rule_torch). q, k stay in their dtype for
+    the dots (bf16 / fp16 tensor cores); their l2 norms, beta and the decays scale the dots' rows and columns.
+    The decays exp(c_i - c_j) are taken for i >= j only. DT: the dots' operand dtype (fp32: IEEE fp32 dots)."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok, v_ok = kk < Dk, vv < Dv
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    row = tl.load(rows_ptr + seq).to(tl.int64) if HAS_ROWS else seq.to(tl.int64)
+    at = state_ptr + row * stride_sn + h * stride_sh + kk[:, None] * stride_sk + vv[None, :]
+    S = tl.load(at, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+    IEEE: tl.constexpr = DT == tl.float32
+    PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"
+    i = tl.arange(0, C)
+    causal = i[:, None] >= i[None, :]
+    for t0 in range(start, end, C):
+        t = t0 + i
+        t_ok = t < end
+        q = tl.load(q_ptr + t[:, None] * stride_qt + (h // GROUP) * stride_qh + kk[None, :],
+                    mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(DT)
+        k = tl.load(k_ptr + t[:, None] * stride_kt + (h // GROUP) * stride_kh + kk[None, :],
+                    mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(DT)
+        v = tl.load(v_ptr + t[:, None] * stride_vt + h * stride_vh + vv[None, :],
+                    mask=t_ok[:, None] & v_ok[None, :], other=0.0).to(DT)
+        g = tl.load(g_ptr + t * stride_gt + h, mask=t_ok, other=0.0).to(tl.float32)  # 0 past the end: c stays
+        beta = tl.load(beta_ptr + t * stride_bt + h, mask=t_ok, other=0.0).to(tl.float32)
+        if L2NORM:
+            kf, qf = k.to(tl.float32), q.to(tl.float32)
+            rk = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) + 1e-6)
+            rq = scale / tl.sqrt(tl.sum(qf * qf, axis=1) + 1e-6)
+        else:
+            rk = tl.full((C,), 1.0, tl.float32)
+            rq = tl.full((C,), scale, tl.float32)
+        c = tl.cumsum(g, axis=0)
+        c_last = tl.sum(tl.where(i == C - 1, c, 0.0), axis=0)
+        decay = tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0))  # i >= j only: <= 1
+        kt = tl.trans(k)
+        L = tl.dot(k, kt, input_precision=PRECISION) * ((beta * rk)[:, None] * rk[None, :]) * decay
+        X = _unit_lower_inverse(tl.where(i[:, None] > i[None, :], L, 0.0), C, SUB, IEEE)
+        u = tl.dot((X * beta[None, :]).to(DT), v, input_precision=PRECISION)
+        w = tl.dot((X * (beta * rk * tl.exp(c))[None, :]).to(DT), k, input_precision=PRECISION)
+        v_new = u - tl.dot(w.to(DT), S.to(DT), input_precision=PRECISION)
+        attn = tl.where(causal, tl.dot(q, kt, input_precision=PRECISION) * (rq[:, None] * rk[None, :]) * decay, 0.0)
+        o = tl.dot(q, S.to(DT), input_precision=PRECISION) * (rq * tl.exp(c))[:, None]
+        o += tl.dot(attn.to(DT), v_new.to(DT), input_precision=PRECISION)
+        tl.store(o_ptr + t[:, None] * stride_ot + h * stride_oh + vv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=t_ok[:, None] & v_ok[None, :])
+        k_scale = rk * tl.exp(c_last - c)
+        S = S * tl.exp(c_last) + tl.dot(kt, (v_new * k_scale[:, None]).to(DT), input_precision=PRECISION)
+    tl.store(at, S, mask=k_ok[:, None] & v_ok[None, :])
+
+
+def rule_launch(q, k, v, g, beta, state, rows, cu_seqlens, o, scale, use_qk_l2norm) -> Launch:
+    """The launch of _chunk_kernel (cu_seqlens [B + 1]) or, cu_seqlens None, _recurrent_kernel (one token per
+    sequence): one program per (sequence, value head, Dv tile). Over meta tensors the AOT tests compile it."""
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1:]
+    chunked = cu_seqlens is not None
+    block_k = max(16, triton.next_power_of_2(Dk))
+    block_v = min(32 if chunked else 64, max(16, triton.next_power_of_2(Dv)))
+    args = dict(q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=g, beta_ptr=beta, state_ptr=state, rows_ptr=rows, o_ptr=o,
+                scale=scale, stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0),
+                stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1), stride_gt=g.stride(0),
+                stride_bt=beta.stride(0), stride_ot=o.stride(0), stride_oh=o.stride(1), stride_sn=state.stride(0),
+                stride_sh=state.stride(1), stride_sk=state.stride(2), Dk=Dk, Dv=Dv, GROUP=Hv // Hk,
+                BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=use_qk_l2norm, HAS_ROWS=rows is not None)
+    batch = T if not chunked else cu_seqlens.shape[0] - 1
+    grid = (batch, Hv, triton.cdiv(Dv, block_v))
+    if not chunked:
+        return Launch(_recurrent_kernel, grid, args, 4, 1)
+    dt = tl.float32 if upcast_dot(v) else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[v.dtype]
+    return Launch(_chunk_kernel, grid, args | dict(cu_ptr=cu_seqlens, C=CHUNK, SUB=SUB, DT=dt), 8, 1)
+
+
+def _inner_contiguous(*tensors):
+    """Each tensor with its last dim contiguous (a view when it already is)."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
 # ------------------------------------------------------------------------------------------------ the API
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -102,7 +342,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     batch = _check_cu_seqlens(cu_seqlens, x.shape[0], "causal_conv1d")
     _check_conv(x, weight, bias, conv_state, batch, "causal_conv1d")
     rows = _rows_of(conv_state, batch, state_indices, "causal_conv1d")
-    return causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, activation, rows)
+    if not use_triton(x):
+        return causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, activation, rows)
+    (x,) = _inner_contiguous(x)
+    y = torch.empty_like(x)
+    conv_launch(x, weight, bias, conv_state, state_indices, cu_seqlens, y, activation)()
+    return y
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -112,8 +357,13 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     _check_activation(activation)
     _check_conv(x, weight, bias, conv_state, x.shape[0], "causal_conv1d_update")
     rows = _rows_of(conv_state, x.shape[0], state_indices, "causal_conv1d_update")
-    cu_seqlens = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
-    return causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, activation, rows)
+    if not use_triton(x):
+        cu_seqlens = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
+        return causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, activation, rows)
+    (x,) = _inner_contiguous(x)
+    y = torch.empty_like(x)
+    conv_launch(x, weight, bias, conv_state, state_indices, None, y, activation)()
+    return y
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -123,7 +373,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     _check_rule(q, k, v, g, beta, state, "chunk_gated_delta_rule")
     batch = _check_cu_seqlens(cu_seqlens, q.shape[0], "chunk_gated_delta_rule")
     rows = _rows_of(state, batch, state_indices, "chunk_gated_delta_rule")
-    return chunk_gated_delta_rule_torch(q, k, v, g, beta, state, cu_seqlens, scale, use_qk_l2norm, rows)
+    if not use_triton(q):
+        return chunk_gated_delta_rule_torch(q, k, v, g, beta, state, cu_seqlens, scale, use_qk_l2norm, rows)
+    return _rule(q, k, v, g, beta, state, state_indices, cu_seqlens, scale, use_qk_l2norm)
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -132,8 +384,23 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """One delta-rule step per sequence (decode): q, k [B, Hk, Dk], v [B, Hv, Dv]; o [B, Hv, Dv] in v's dtype."""
     _check_rule(q, k, v, g, beta, state, "recurrent_gated_delta_rule")
     rows = _rows_of(state, q.shape[0], state_indices, "recurrent_gated_delta_rule")
-    cu_seqlens = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return gated_delta_rule_reference(q, k, v, g, beta, state, cu_seqlens, scale, use_qk_l2norm, rows)
+    if not use_triton(q):
+        cu_seqlens = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        return gated_delta_rule_reference(q, k, v, g, beta, state, cu_seqlens, scale, use_qk_l2norm, rows)
+    return _rule(q, k, v, g, beta, state, state_indices, None, scale, use_qk_l2norm)
+
+
+def _rule(q, k, v, g, beta, state, state_indices, cu_seqlens, scale, use_qk_l2norm) -> torch.Tensor:
+    """Launch the chunked (cu_seqlens) or the recurrent kernel; o [T, Hv, Dv] in v's dtype. The state's Dv
+    axis must be contiguous (the pool's layout): it is updated in place."""
+    if state.stride(-1) != 1:
+        raise ValueError(f"deltanet: the state's last dim must be contiguous (it is updated in place); got strides "
+                         f"{state.stride()}.")
+    q, k, v, g, beta = _inner_contiguous(q, k, v, g, beta)
+    q, k = q.to(v.dtype), k.to(v.dtype)
+    o = torch.empty_like(v)
+    rule_launch(q, k, v, g, beta, state, state_indices, cu_seqlens, o, scale, use_qk_l2norm)()
+    return o
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,7 +408,12 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if z.shape != x.shape or weight.shape != x.shape[-1:]:
         raise ValueError(f"gated_rms_norm: z must match x and weight be [D]; got x {tuple(x.shape)}, z "
                          f"{tuple(z.shape)}, weight {tuple(weight.shape)}.")
-    return gated_rms_norm_reference(x, z, weight, eps)
+    if not use_triton(x):
+        return gated_rms_norm_reference(x, z, weight, eps)
+    x2, z2 = (t.reshape(-1, t.shape[-1]).contiguous() for t in (x, z))
+    y = torch.empty_like(x2)
+    gated_rms_norm_launch(x2, z2, weight, eps, y)()
+    return y.view(x.shape)
 
 
 # ------------------------------------------------------------------------------------------------ references
