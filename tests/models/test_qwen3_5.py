@@ -22,7 +22,10 @@ from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeT
 
 import tritonq
 from tritonq.demo import byte_tokenizer
+from tritonq.formats.registry import get_loader
 from tritonq.models.moe import SparseMoE
+from tritonq.quantize import write_quantized
+from tritonq.weights import FP8Weight, Int4Weight
 
 ATOL = 1e-4
 COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -177,3 +180,40 @@ def test_triton_kernels_match_transformers(tmp_path, monkeypatch, name):
     got = model.generate(ps, max_new_tokens=3, return_dict=True)
     for prompt, tokens in zip(ps, got.token_ids):
         assert tokens == hf_greedy(copy.deepcopy(hf), prompt, 3, eos)[0]
+
+
+@pytest.mark.parametrize("fmt, options", [("awq", {"group_size": 32}), ("fp8", {"fp8_scheme": "channel"})])
+def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_path, fmt, options):
+    """A Qwen3.5-MoE checkpoint quantized by tritonq's writer (every linear: the in projections, out_proj,
+    attention, experts, shared expert): prefill logits and greedy tokens equal transformers holding the
+    dequantized weights (fp8: its dense linears round their inputs per token to e4m3, as our fp8 GEMM does)."""
+    from models.test_moe_models import round_inputs_to_fp8
+    sizes = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                 shared_expert_intermediate_size=32)  # every N and K a whole number of packs / groups
+    write_checkpoint(tmp_path / "dense", "qwen3_5_moe_text", **sizes)
+    folder = write_quantized(tmp_path / "dense", tmp_path / fmt, fmt, **options)
+    loader = get_loader(folder, torch.float32, "cpu")
+    prefixes = {k.rpartition(".")[0] for k in load_file(folder / "model.safetensors")}
+    dequantized = {p: loader.get_linear(p).dequantize().float() for p in prefixes if loader.is_quantized(p)}
+    assert any("in_proj_qkv" in p for p in dequantized) and any(".experts." in p for p in dequantized)
+    tensors = {k: v.float() for k, v in load_file(folder / "model.safetensors").items()
+               if k.rpartition(".")[0] not in dequantized}
+    tensors.update({f"{p}.weight": w.contiguous() for p, w in dequantized.items()})
+    (tmp_path / "reference").mkdir()
+    save_file(tensors, str(tmp_path / "reference" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization_config")
+    (tmp_path / "reference" / "config.json").write_text(json.dumps(config))
+    hf = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
+    if fmt == "fp8":
+        round_inputs_to_fp8(hf, set(dequantized))
+    ours = build(folder)
+    kind = FP8Weight if fmt == "fp8" else Int4Weight
+    assert isinstance(ours.layers[0].self_attn.in_proj.weight, kind)
+    ps = prompts()
+    for prompt, logits in zip(ps, PagedRun(ours, 2, MAX_LEN).prefill(ps)):
+        torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=ATOL, rtol=0)
+    model = tritonq.load(folder, max_num_seqs=2, max_seq_len=MAX_LEN)
+    got = model.generate(ps, max_new_tokens=6, return_dict=True)
+    for prompt, tokens in zip(ps, got.token_ids):
+        assert tokens == hf_greedy(copy.deepcopy(hf), prompt, 6, model.tokenizer.eos_token_id)[0]
