@@ -164,3 +164,33 @@ def test_padding_rows_of_a_static_decode_step_change_nothing(tmp_path):
             torch.testing.assert_close(padded_states.conv[layer][slot], alone_states.conv[layer][slot])
         for slot in (1, 3, 5):
             assert not padded_states.ssm[layer][slot].any() and not padded_states.conv[layer][slot].any()
+
+
+def test_hybrid_decode_step_reads_no_device_value_on_the_host(tmp_path, monkeypatch):
+    """The static decode step (a bucket of 4 holding 3) of a hybrid model on the meta device, where .item(),
+    .tolist(), nonzero and boolean-mask indexing raise: the model and the deltanet wrappers on their GPU path (the
+    kernel launches stubbed: meta tensors have no data) update the conv and delta-rule states at the step's slot
+    indices without a host read, so CUDA graphs can capture them (tests/test_cuda_graphs.py's contract)."""
+    from test_cuda_graphs import to_meta
+
+    from tritonq.kernels import deltanet
+    write_checkpoint(tmp_path, "qwen3_5_text")
+    model = build(tmp_path)
+    runner = ModelRunner(model, num_blocks=3 * MAX_LEN // 16, block_size=16, max_seq_len=MAX_LEN, num_state_slots=4)
+    runner.use_static_decode(max_num_seqs=8)
+    seqs = [SimpleNamespace(token_ids=list(p), num_computed_tokens=0, block_table=list(range(b, 3 * MAX_LEN // 16, 3)))
+            for b, p in enumerate([[5, 17, 3], [12, 7], [9, 9, 9, 1]])]
+    runner.run(runner.prepare(seqs, [len(s.token_ids) for s in seqs], True, logits_for=[True] * 3))
+    for seq in seqs:
+        seq.num_computed_tokens = len(seq.token_ids)
+        seq.token_ids.append(7)
+    ctx = runner.prepare(seqs, [1] * 3, False, logits_for=[True] * 3)
+    assert ctx.input_ids.shape == (4,) and ctx.num_seqs == 3 and ctx.state_slots.tolist() == [0, 1, 2, 4]
+    launched = []
+    for name in ("conv_launch", "rule_launch", "gated_rms_norm_launch"):
+        monkeypatch.setattr(deltanet, name, lambda *args, name=name: lambda: launched.append(name))
+    monkeypatch.setattr(deltanet, "use_triton", lambda x: True)
+    memo = {}
+    logits = to_meta(model, memo)(to_meta(ctx, memo), to_meta(runner.cache, memo))
+    assert logits.device.type == "meta" and logits.shape == (4, model.config.vocab_size)
+    assert launched == ["conv_launch", "rule_launch", "gated_rms_norm_launch"] * 3  # 3 linear-attention layers
