@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tritonq.config import GenerationConfig
-from tritonq.detokenize import Detokenizer
+from tritonq.engine.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner
 from tritonq.engine.sampler import Sampler, SamplingParams
@@ -46,7 +46,7 @@ from tritonq.engine.scheduler import Scheduler
 from tritonq.engine.sequence import Sequence, check_fits
 from tritonq.engine.speculative import SpeculativeStats, accept
 from tritonq.engine.state_cache import StateSlots, is_hybrid
-from tritonq.structured import Grammars, GrammarState, constraint_of, token_bitmask
+from tritonq.engine.structured import Grammars, GrammarState, constraint_of, token_bitmask
 
 
 @dataclass

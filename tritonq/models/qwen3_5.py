@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tritonq.formats.layers import Linear
 from tritonq.kernels.deltanet import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_rms_norm,
                                       recurrent_gated_delta_rule)
 from tritonq.kernels.norm_rope import apply_rope
-from tritonq.layers import Linear
 from tritonq.models.common import (MLP, CausalLM, DecoderLayer, KVLayout, RopeTables, StateLayout, StepContext,
                                    logit_rows, paged_attention, rope_parameters)
 from tritonq.models.gemma3 import gemma_norm
