@@ -195,12 +195,13 @@ def default_config(M: int, N: int, K: int, act_order: bool = False, cc: int | No
         block_n, block_k = (64 if small else 128), 128
         n_tiles = triton.cdiv(N, block_n)
         k_tiles = triton.cdiv(K, block_k)
-        # Aim for ~2 waves on a 132-SM GPU while keeping >= 2 K tiles per slice. Two warps: 256 weights per thread
-        # and iteration, over which the loop's address and loop arithmetic spread (docs/gpu_kernels.md).
+        # Aim for ~2 waves on a 132-SM GPU while keeping >= 2 K tiles per slice. 128 x 128 over 2 warps: 256 weights
+        # per thread and iteration, over which the loop's address and loop arithmetic spread (docs/gpu_kernels.md);
+        # sm_86 / sm_89 take 4 warps (2 spill 8 bytes there).
         split_k = max(1, min(16, next_pow2(triton.cdiv(264, n_tiles)), k_tiles // 2))
         if small:
             return Int4GemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
-        return Int4GemmConfig(16, block_n, block_k, split_k, num_warps=2, num_stages=3)
+        return Int4GemmConfig(16, block_n, block_k, split_k, num_warps=4 if cc in (86, 89) else 2, num_stages=3)
     if M <= 64:
         return Int4GemmConfig(max(16, next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
     return Int4GemmConfig(128, 128, 64, 1, num_warps=8, num_stages=3)
