@@ -60,13 +60,14 @@ class _TypedWeight:
 
     def take_outputs(self, index: torch.Tensor):
         """The weight with output rows (N) reordered / selected by index [N'] (every tensor field whose
-        N dim is `output_dims` names; the bias too). For the types that declare their N dims."""
+        N dim is `output_dims` names; the bias too; a per-tensor scale, which has no N dim, stays). For the types
+        that declare their N dims."""
         dims = getattr(self, "output_dims", None)
         if dims is None:
             raise ValueError(f"{type(self).__name__} cannot reorder its output rows (take_outputs)")
         stacked = self.values.dim() - dims["values_rank"]  # 1 for a stacked weight (leading E), else 0
         return replace(self, **{name: t.index_select(dims[name] + stacked, index.to(t.device))
-                                for name, t in self.tensors().items() if name in dims})
+                                for name, t in self.tensors().items() if name in dims and t.dim() > dims[name] + stacked})
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class Int4Weight(_TypedWeight):
     bits: int = 4
     bias: torch.Tensor | None = None
     code: torch.Tensor | None = None
+    output_dims = {"qweight": 1, "scales": 1, "zeros": 1, "bias": 0, "values_rank": 2}  # each field's N dim
 
     @property
     def values(self) -> torch.Tensor:
@@ -226,6 +228,14 @@ class FP8Weight(_TypedWeight):
     input_scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     weight_only: bool = False
+    output_dims = {"weight": 0, "weight_scale": 0, "bias": 0, "values_rank": 2}  # per channel; see take_outputs
+
+    def take_outputs(self, index: torch.Tensor) -> FP8Weight:
+        """As _TypedWeight's; refused for block scales, whose one scale covers block_size[0] rows."""
+        if self.block_size is not None:
+            raise ValueError(f"FP8Weight with block scales {self.block_size} cannot reorder its output rows: a scale "
+                             "covers a block of rows; keep the stored order")
+        return super().take_outputs(index)
 
     @property
     def values(self) -> torch.Tensor:
@@ -380,6 +390,7 @@ class W8A8Weight(_TypedWeight):
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    output_dims = {"weight": 0, "weight_scale": 0, "bias": 0, "values_rank": 2}  # each field's N dim, unstacked
 
     @property
     def values(self) -> torch.Tensor:

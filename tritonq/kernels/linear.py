@@ -7,6 +7,11 @@ kernel, config and launch arguments resolved once per M bucket, one launch per c
 backend, the CPU form (kernels/cpu_lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
 one). `run(x, prepared)` is then a lookup and a call: the backend (CPU kernels, the torch reference under
 TRITONQ_BACKEND=torch, Triton) is picked from x by the GEMM object, or by the CPU fast paths here.
+
+`prepare_gate_up(w)` is the SwiGLU MLP's gate_up linear with its activation in the GEMM's epilogue (one launch
+instead of the GEMM and a silu_mul kernel): where the weight runs a Triton GEMM with that epilogue (int4/int8
+weight-only, fp8 per tensor / channel, W8A8), its rows are interleaved once, gate row i then up row i, so that every
+output tile holds the gate and up columns of the same intermediate units, and its GEMM object stores silu(g) * u.
 """
 from __future__ import annotations
 
@@ -84,6 +89,25 @@ LINEARS = {
     FP8Weight: LinearKind(_prepare_fp8, _gemm),
     W8A8Weight: LinearKind(_prepare_w8a8, _gemm),
 }
+
+
+# The weight types whose GEMM kernel has the SwiGLU epilogue (`common.store_output`), by their GEMM object.
+_GATED_GEMMS = {Int4Weight: Int4Gemm, FP8Weight: FP8Gemm, W8A8Weight: Int8Gemm}
+
+
+def prepare_gate_up(w: Weight) -> Prepared | None:
+    """The fused gate_up weight w [2I, K] (gate rows, then up rows) prepared to run silu(x @ gate^T) * (x @ up^T)
+    [..., I] as one GEMM (the module docstring); `run(x, prepared)` of w's table row then returns that. None where
+    no Triton GEMM with the epilogue runs w: dense weights (cuBLAS / oneDNN), the CPU backend (its kernels, then
+    norm_rope.silu_mul), fp8 with block scales (a scale covers a block of rows, which the interleave would split)."""
+    gemm = _GATED_GEMMS.get(type(w))
+    if (gemm is None or not use_triton(w.values) or w.shape[0] % 2
+            or (isinstance(w, FP8Weight) and w.block_size is not None)):
+        return None
+    inter = w.shape[0] // 2
+    pairs = torch.stack([torch.arange(inter), torch.arange(inter, 2 * inter)], dim=1).flatten()
+    w = w.take_outputs(pairs)  # rows gate 0, up 0, gate 1, up 1, ...
+    return Prepared(w, gemm(w, silu_mul=True), None)
 
 
 def kind_of(w: Weight) -> LinearKind:

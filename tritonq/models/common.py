@@ -44,7 +44,7 @@ from torch import nn
 from tritonq.kernels.attention import (QuantizedPages, decode_attention, paged_prefill_attention, rope_write_kv_slots,
                                       write_kv_slots)
 from tritonq.kernels.norm_rope import rope_cos_sin
-from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear, silu_mul
+from tritonq.layers import Embedding, GateUpLinear, Linear, ParallelLMHead, RMSNorm, RowParallelLinear
 from tritonq.weights import DenseWeight
 
 KV_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token, kv head and k / v
@@ -277,13 +277,13 @@ class MLP(nn.Module):
                  reduce: bool = True):
         super().__init__()
         up, down = ((inter, hidden), (hidden, inter)) if hidden else (None, None)  # expected (N, K)
-        self.gate_up_proj = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias,
-                                                           parallel="column", shapes=[up, up]))
+        self.gate_up_proj = GateUpLinear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+                                                                 bias=bias, parallel="column", shapes=[up, up]))
         down_weight = loader.get_linear(f"{prefix}.down_proj", bias=bias, parallel="row", shape=down)
         self.down_proj = RowParallelLinear(down_weight, loader.world) if reduce else Linear(down_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))  # silu(gate) * up: in the GEMM's epilogue where it can be
 
 
 class DecoderLayer(nn.Module):
