@@ -1,6 +1,7 @@
 """SwiGLU in the gate_up GEMM's epilogue (kernels/linear.py prepare_gate_up, common.store_output): the int4, fp8
-(per tensor / channel) and W8A8 GEMMs over the interleaved weight return silu(gate) * up [M, I] in one launch, equal
-to a float32 torch reference of the stored (gate rows, then up rows) weight: its dequantized GEMM, then SwiGLU.
+(per tensor / channel) and W8A8 GEMMs over the interleaved weight, and the dense Triton GEMM reading the pairs by row
+index (dense_gemm.DenseGateUp, M <= 16; larger M: cuBLAS then silu_mul), return silu(gate) * up [M, I], equal to a
+float32 torch reference of the stored (gate rows, then up rows) weight: its dequantized GEMM, then SwiGLU.
 M = 1, 3 (split-K decode paths), 17, 64 (tiled paths); I = 100 (N = 200) is off every tile.
 
 Tolerance: each GEMM family's own bound (tests/tolerances.py) on gate and on up, relative to max |gate_up|,
@@ -19,7 +20,7 @@ from tritonq.kernels.int8_gemm import int8_gemm_reference
 from tritonq.kernels.linear import prepare_gate_up
 from tritonq.layers import GateUpLinear
 from tritonq.random_weights import random_fp8_weight, random_int4_weight
-from tritonq.weights import W8A8Weight
+from tritonq.weights import DenseWeight, W8A8Weight
 
 INTER, K = 100, 256
 
@@ -42,6 +43,11 @@ WEIGHTS = {
     "fp8-channel": (lambda: random_fp8_weight(2 * INTER, K, "channel", "cpu"),
                     lambda x, w: fp8_gemm_reference(x.float(), w), "fp8_gemm"),
     "w8a8": (lambda: int8_weight(2 * INTER, K), lambda x, w: int8_gemm_reference(x.float(), w), "int8_gemm"),
+    # bf16 weights meet bf16 x in the dot, fp32 sums, one rounding: int4_gemm's bound (its dequantized weight is
+    # the same kind of operand)
+    "dense-bias": (lambda: DenseWeight(torch.randn(2 * INTER, K, dtype=torch.bfloat16) * 0.05,
+                                       torch.randn(2 * INTER, dtype=torch.bfloat16)),
+                   lambda x, w: x.float() @ w.weight.float().t() + w.bias.float(), "int4_gemm"),
 }
 
 
@@ -68,20 +74,32 @@ def test_fused_gate_up_matches_reference(name, M):
                                atol=3 * tol * gate_up.abs().max().item() ** 2)
 
 
-def test_block_scaled_fp8_and_dense_weights_run_unfused():
-    """A block-scaled fp8 gate_up (a scale spans 128 rows, which the interleave would split) and a dense one keep
-    the stored order and run the GEMM, then silu_mul; the result is SwiGLU all the same."""
-    from tritonq.weights import DenseWeight
+def test_block_scaled_fp8_runs_unfused():
+    """A block-scaled fp8 gate_up (a scale spans 128 rows, which the interleave would split) keeps the stored order
+    and runs the GEMM, then silu_mul; the result is SwiGLU all the same."""
     x = torch.randn(3, K, dtype=torch.bfloat16)
-    for w, reference in [(random_fp8_weight(2 * INTER, K, "block", "cpu"), lambda: fp8_gemm_reference(x.float(), w)),
-                         (DenseWeight(torch.randn(2 * INTER, K, dtype=torch.bfloat16)),
-                          lambda: x.float() @ w.weight.float().t())]:
-        assert prepare_gate_up(w) is None
-        linear = GateUpLinear(w)
-        assert not linear.fused and linear.weight is w
-        gate_up = reference()
-        torch.testing.assert_close(linear(x).float(), swiglu_reference(gate_up), rtol=2 ** -7,
-                                   atol=2 ** -6 * gate_up.abs().max().item() ** 2)
+    w = random_fp8_weight(2 * INTER, K, "block", "cpu")
+    assert prepare_gate_up(w) is None
+    linear = GateUpLinear(w)
+    assert not linear.fused and linear.weight is w
+    gate_up = fp8_gemm_reference(x.float(), w)
+    tol = tolerances.table("fp8_gemm")[torch.bfloat16]
+    torch.testing.assert_close(linear(x).float(), swiglu_reference(gate_up), rtol=tol,
+                               atol=3 * tol * gate_up.abs().max().item() ** 2)
+
+
+def test_cpu_backend_runs_unfused(monkeypatch):
+    """Without the interpreter a CPU weight runs the CPU backend's kernels (no Triton GEMM): nothing is
+    interleaved, the layer is the GEMM, then silu_mul."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    w = random_int4_weight(2 * INTER, K, torch.bfloat16, "cpu", group_size=64)
+    linear = GateUpLinear(w)
+    assert not linear.fused and linear.weight is w
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    gate_up = x.float() @ w.dequantize(torch.float32).t()
+    tol = 2 ** -7  # torch's int4 CPU kernel rounds gate_up to bf16 before silu_mul
+    torch.testing.assert_close(linear(x).float(), swiglu_reference(gate_up), rtol=tol,
+                               atol=3 * tol * gate_up.abs().max().item() ** 2)
 
 
 def test_torch_backend_applies_swiglu_after_the_reference(monkeypatch):

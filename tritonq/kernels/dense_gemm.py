@@ -8,6 +8,10 @@ each output is the same chain of tile products whatever the batch, as the fixed-
 SGLang's batch-invariant modes do. fp32 accumulation, the bias added in
 fp32, one rounding to x's dtype; fp32 operands multiply in IEEE fp32 (`common.ieee_dot`, not tf32).
 `dense_gemm_reference` (float32 torch) is the test oracle.
+
+`DenseGateUp` runs the same kernel as a dense SwiGLU gate_up linear at decode (and for every M in the mode): each
+tile reads gate row i and up row i as its column pair (2i, 2i + 1), by its row indices, not by a re-laid-out weight,
+and stores silu(gate) * up (`common.store_output`): one launch for what is otherwise cuBLAS then silu_mul.
 """
 from __future__ import annotations
 
@@ -15,9 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonq.kernels import batch_invariant, use_triton
 from tritonq.kernels.common import (GemmConfig, Launch, check_gemm_activations, compute_capability, gemm_grid,
                                     gemm_tile, ieee_dot, store_gemm_tile, upcast_dot)
+from tritonq.kernels.norm_rope import silu_mul
 from tritonq.weights import DenseWeight
+
+
+# Up to this many rows DenseGateUp runs its fused kernel outside the batch-invariant mode (decode steps).
+GATE_UP_MAX_M = 16
 
 
 def config(cc: int | None) -> GemmConfig:
@@ -30,11 +40,16 @@ def config(cc: int | None) -> GemmConfig:
 @triton.jit
 def _dense_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_wk, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """One program: a [BLOCK_M, BLOCK_N] tile of y over all of K, BLOCK_K at a time in order."""
+                       HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, SILU_MUL: tl.constexpr):
+    """One program: a [BLOCK_M, BLOCK_N] tile of y over all of K, BLOCK_K at a time in order. SILU_MUL: W is a
+    gate_up weight [N = 2I, K] (gate rows, then up rows); tile column 2i + j reads row j * I + i, and y [M, I] gets
+    silu(gate) * up of each pair."""
     rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, 1)
+    w_rows = offs_n
+    if SILU_MUL:
+        w_rows = (offs_n % 2) * (N // 2) + offs_n // 2
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k0
@@ -46,8 +61,11 @@ def _dense_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride
             acc = tl.dot(a, w, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:  # by the weight's row (one K slice: added once)
+        acc += tl.load(bias_ptr + w_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     # one K slice: no partials or arrival counters (y stands for both, never read)
-    store_gemm_tile(y_ptr, acc, bias_ptr, y_ptr, y_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N, HAS_BIAS, 1)
+    store_gemm_tile(y_ptr, acc, bias_ptr, y_ptr, y_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N, False, 1,
+                    SILU_MUL)
 
 
 def dense_gemm(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:
@@ -64,8 +82,35 @@ def dense_gemm(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:
     return y.view(*x.shape[:-1], N)
 
 
-def dense_gemm_launch(x: torch.Tensor, w: DenseWeight, y: torch.Tensor, cc: int | None) -> Launch:
-    """The launch of _dense_gemm_kernel for x [M, K] (contiguous) @ w into y [M, N] with `config(cc)`."""
+class DenseGateUp:
+    """A dense SwiGLU gate_up weight w [2I, K] (gate rows, then up rows) as one call x [..., K] -> silu(gate) * up
+    [..., I]: _dense_gemm_kernel with the SwiGLU epilogue up to GATE_UP_MAX_M rows and for every M in the
+    batch-invariant mode (its one config); larger M, F.linear (cuBLAS) then silu_mul. Off the Triton backend (CPU,
+    TRITONQ_BACKEND=torch): F.linear then silu_mul."""
+
+    def __init__(self, w: DenseWeight):
+        N, K = w.weight.shape
+        if N % 2:
+            raise ValueError(f"DenseGateUp: the gate_up weight has N={N} rows, expected an even number (gate rows, "
+                             "then up rows); fuse the gate and up weights first")
+        self.w, self.N, self.K = w, N, K
+        self.cc = compute_capability(w.weight.device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        check_gemm_activations("DenseGateUp", x, self.N, self.K, self.w.weight.device)
+        rows = x.reshape(-1, self.K)
+        if not use_triton(x) or not (rows.shape[0] <= GATE_UP_MAX_M or batch_invariant()):
+            return silu_mul(torch.nn.functional.linear(x, self.w.weight, self.w.bias))
+        y = torch.empty(rows.shape[0], self.N // 2, dtype=x.dtype, device=x.device)
+        if rows.shape[0]:
+            dense_gemm_launch(rows.contiguous(), self.w, y, self.cc, silu_mul=True)()
+        return y.view(*x.shape[:-1], self.N // 2)
+
+
+def dense_gemm_launch(x: torch.Tensor, w: DenseWeight, y: torch.Tensor, cc: int | None,
+                      silu_mul: bool = False) -> Launch:
+    """The launch of _dense_gemm_kernel for x [M, K] (contiguous) @ w into y [M, N] with `config(cc)`; silu_mul:
+    w is a gate_up weight and y [M, N / 2] gets silu(gate) * up (`DenseGateUp`)."""
     cfg = config(cc)
     M, K = x.shape
     N = w.weight.shape[0]
@@ -73,7 +118,7 @@ def dense_gemm_launch(x: torch.Tensor, w: DenseWeight, y: torch.Tensor, cc: int 
     args = dict(x_ptr=x, w_ptr=w.weight, bias_ptr=bias, y_ptr=y, M=M, N=N, K=K, stride_xm=x.stride(0),
                 stride_wn=w.weight.stride(0), stride_wk=w.weight.stride(1), stride_ym=y.stride(0),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                HAS_BIAS=w.bias is not None, UPCAST_DOT=upcast_dot(x))
+                HAS_BIAS=w.bias is not None, UPCAST_DOT=upcast_dot(x), SILU_MUL=silu_mul)
     return Launch(_dense_gemm_kernel, gemm_grid(M, N, cfg), args, cfg.num_warps, cfg.num_stages)
 
 

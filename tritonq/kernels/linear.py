@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonq.kernels import batch_invariant, cpu_dense, cpu_lowbit, use_cpu_kernels, use_triton
-from tritonq.kernels.dense_gemm import dense_gemm
+from tritonq.kernels.dense_gemm import DenseGateUp, dense_gemm
 from tritonq.kernels.fp8_gemm import FP8Gemm
 from tritonq.kernels.int4_gemm import Int4Gemm
 from tritonq.kernels.int8_gemm import Int8Gemm
@@ -49,6 +49,8 @@ def _prepare_dense(w: DenseWeight) -> Prepared:
 
 
 def _dense(x: torch.Tensor, p: Prepared) -> torch.Tensor:
+    if p.gemm is not None:  # a gate_up weight with SwiGLU (prepare_gate_up)
+        return p.gemm(x)
     if p.cpu is not None and use_cpu_kernels(x) and not torch.compiler.is_compiling():
         return cpu_dense.linear(x, p.cpu, p.weight.bias)  # a compiled step traces F.linear
     if batch_invariant() and use_triton(x):  # cuBLAS picks its kernel by M: one Triton config for every M instead
@@ -91,18 +93,22 @@ LINEARS = {
 }
 
 
-# The weight types whose GEMM kernel has the SwiGLU epilogue (`common.store_output`), by their GEMM object.
+# The quantized weight types whose GEMM kernel has the SwiGLU epilogue (`common.store_output`), by their GEMM object.
 _GATED_GEMMS = {Int4Weight: Int4Gemm, FP8Weight: FP8Gemm, W8A8Weight: Int8Gemm}
 
 
 def prepare_gate_up(w: Weight) -> Prepared | None:
     """The fused gate_up weight w [2I, K] (gate rows, then up rows) prepared to run silu(x @ gate^T) * (x @ up^T)
     [..., I] as one GEMM (the module docstring); `run(x, prepared)` of w's table row then returns that. None where
-    no Triton GEMM with the epilogue runs w: dense weights (cuBLAS / oneDNN), the CPU backend (its kernels, then
-    norm_rope.silu_mul), fp8 with block scales (a scale covers a block of rows, which the interleave would split)."""
+    no Triton GEMM with the epilogue runs w: the CPU backend (its kernels, then norm_rope.silu_mul), fp8 with block
+    scales (a scale covers a block of rows, which the interleave would split). A dense weight keeps its order:
+    `dense_gemm.DenseGateUp` reads the pairs by row index (and runs cuBLAS, then silu_mul, for prefill)."""
+    if not use_triton(w.values) or w.shape[0] % 2 or (isinstance(w, FP8Weight) and w.block_size is not None):
+        return None
+    if isinstance(w, DenseWeight):
+        return Prepared(w, DenseGateUp(w), None)
     gemm = _GATED_GEMMS.get(type(w))
-    if (gemm is None or not use_triton(w.values) or w.shape[0] % 2
-            or (isinstance(w, FP8Weight) and w.block_size is not None)):
+    if gemm is None:
         return None
     inter = w.shape[0] // 2
     pairs = torch.stack([torch.arange(inter), torch.arange(inter, 2 * inter)], dim=1).flatten()
