@@ -37,6 +37,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x, self.prepared)
 
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm.add_norm(residual, self(x)) for x [T, K]: (residual + x @ W^T, its RMSNorm), in the GEMM's launch
+        where its kernel has that epilogue (a decode step's o_proj: `add_rms_norm` of Int4Gemm / DenseGemm), else
+        the GEMM, then the norm's launch."""
+        fused = getattr(self.prepared.gemm, "add_rms_norm", None)
+        out = fused(x, residual, norm.weight, norm.eps) if fused is not None else None
+        return out if out is not None else norm.add_norm(residual, self(x))
+
 
 class GateUpLinear(Linear):
     """SwiGLU's first half: x [..., K] -> silu(x @ gate^T) * (x @ up^T) [..., I] for the fused gate_up weight
@@ -73,6 +81,10 @@ class RowParallelLinear(_CollectiveLinear):
     (the bias lives on rank 0 only, see WeightsLoader). world 1 is a plain Linear."""
 
     combine = staticmethod(all_reduce)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """As Linear's; across ranks the sum comes first (the all-reduce), so the norm runs after it."""
+        return super().add_norm(x, residual, norm) if self.world == 1 else norm.add_norm(residual, self(x))
 
 
 class ParallelLMHead(_CollectiveLinear):

@@ -20,6 +20,8 @@
                        slices' fp32 partials in slice order and stores y (int4_gemm, store_gemm_tile)
   store_output         a GEMM's output tile to y, or with SILU_MUL SwiGLU's silu(gate) * up of its
                        interleaved (gate, up) column pairs: the gate_up linear's epilogue
+  add_rms_norm_tile    y = a GEMM's tile + the residual, and the RMSNorm of y's whole rows by the row
+                       block's last tile: o_proj's epilogue (int4_gemm, dense_gemm)
 The attention kernels' online-softmax step is `attention._attend_tile`, shared by all three of them.
 
 Launch configs (the one convention): a frozen dataclass per kernel whose tile fields are named as the
@@ -244,29 +246,68 @@ def store_output(y_ptr, out, rows, offs_n, mask_m, N, stride_ym, SILU_MUL: tl.co
 
 
 @triton.jit
-def reduce_split_k(y_ptr, acc, partials_ptr, arrivals_ptr, tile, k_slice, rows, offs_n, mask_m, mask_n, stride_ym,
-                   M, N, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
-    """The split-K sum inside the GEMM's own launch (no second and third launch to add and cast).
+def add_rms_norm_tile(y_ptr, out, rows, offs_n, mask_m, N, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr,
+                      row_block, tile_n, eps):
+    """A row-parallel linear's epilogue that adds the residual and normalizes (a pre-norm layer's o_proj then its
+    post-attention RMSNorm, in the GEMM's launch): y = (out rounded to y's dtype) + residual, rounded (torch's
+    addition of the two), and h = y / sqrt(mean(y^2) + eps) * w over each whole row, in fp32, as
+    norm_rope.add_rms_norm computes them. y, residual, h: contiguous [M, N].
+
+    A row's mean needs every column tile of it: each tile stores y and its rows' partial sum of y^2 in plane tile_n
+    of sumsq [cdiv(N, BLOCK_N), M] and counts itself in row_arrivals[row_block] (int32, 0 between launches, as
+    `reduce_split_k`'s counts); the last tile of the row block adds the planes in tile order (deterministic) and
+    writes h over the whole rows, reading y back past L1 (.cg), then sets the count back to 0."""
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
+    ptrs = rows[:, None] * N + offs_n[None, :]
+    y = out.to(y_ptr.dtype.element_ty) + tl.load(res_ptr + ptrs, mask=mask, other=0.0)
+    tl.store(y_ptr + ptrs, y, mask=mask)
+    y = y.to(tl.float32)
+    tl.store(sumsq_ptr + tile_n * M + rows, tl.sum(y * y, axis=1), mask=mask_m)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(row_arrivals_ptr + row_block, 1, sem="acq_rel", scope="gpu")
+    tiles = tl.cdiv(N, out.shape[1])
+    if arrived == tiles - 1:
+        sumsq = tl.zeros_like(tl.sum(y, axis=1))
+        for t in range(tiles):
+            sumsq += tl.load(sumsq_ptr + t * M + rows, mask=mask_m, other=0.0, cache_modifier=".cg")
+        rstd = 1.0 / tl.sqrt(sumsq / N + eps)
+        cols = tl.arange(0, out.shape[1])
+        for n0 in range(0, N, out.shape[1]):
+            mask_c = mask_m[:, None] & (n0 + cols < N)[None, :]
+            ptrs = rows[:, None] * N + (n0 + cols)[None, :]
+            row = tl.load(y_ptr + ptrs, mask=mask_c, other=0.0, cache_modifier=".cg").to(tl.float32)
+            w = tl.load(norm_w_ptr + n0 + cols, mask=n0 + cols < N, other=0.0).to(tl.float32)
+            tl.store(h_ptr + ptrs, (row * rstd[:, None] * w[None, :]).to(h_ptr.dtype.element_ty), mask=mask_c)
+        tl.atomic_xchg(row_arrivals_ptr + row_block, 0)
+
+
+@triton.jit
+def reduce_split_k(acc, partials_ptr, arrivals_ptr, tile, k_slice, rows, offs_n, mask_m, mask_n, M, N,
+                   SPLIT_K: tl.constexpr):
+    """The split-K sum inside the GEMM's own launch (no second and third launch to add and cast): returns
+    (the tile's fp32 sum, whether this program holds it); the caller stores it when it does (`store_output`,
+    `add_rms_norm_tile`).
 
     K slice k_slice of output tile `tile` stores its fp32 tile acc in plane k_slice of partials [SPLIT_K, M, N]
     and counts itself in arrivals[tile] (int32, one per output tile, 0 between launches). The slice that
     arrives last adds the planes in slice order, so y is the same sum whatever order the slices ran in
-    (deterministic, unlike fp32 atomics), stores it (`store_output`, SILU_MUL as there) and sets the count
-    back to 0 for the next launch. The acq_rel atomic after the block's barrier makes every slice's stores
-    visible to the last one, whose loads bypass the (incoherent) L1: .cg."""
+    (deterministic, unlike fp32 atomics), and sets the count back to 0 for the next launch. The acq_rel atomic
+    after the block's barrier makes every slice's stores visible to the last one, whose loads bypass the
+    (incoherent) L1: .cg."""
     mask = mask_m[:, None] & mask_n[None, :]
     plane = rows[:, None] * N + offs_n[None, :]
     tl.store(partials_ptr + k_slice.to(tl.int64) * M * N + plane, acc, mask=mask)
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT_K - 1:
-        total = tl.zeros_like(acc)
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    if last:
         ptrs = partials_ptr + plane
         for _ in range(SPLIT_K):
             total += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
             ptrs += M * N
-        store_output(y_ptr, total, rows, offs_n, mask_m, N, stride_ym, SILU_MUL)
         tl.atomic_xchg(arrivals_ptr + tile, 0)
+    return total, last
 
 
 @triton.jit
@@ -279,8 +320,10 @@ def store_gemm_tile(y_ptr, out, bias_ptr, partials_ptr, arrivals_ptr, rows, offs
         first_slice = (tl.zeros(offs_n.shape, tl.int32) + tl.program_id(1)) == 0
         out += tl.load(bias_ptr + offs_n, mask=mask_n & first_slice, other=0.0).to(tl.float32)[None, :]
     if SPLIT_K > 1:
-        reduce_split_k(y_ptr, out, partials_ptr, arrivals_ptr, tl.program_id(0), tl.program_id(1), rows, offs_n,
-                       mask_m, mask_n, stride_ym, M, N, SPLIT_K, SILU_MUL)
+        total, last = reduce_split_k(out, partials_ptr, arrivals_ptr, tl.program_id(0), tl.program_id(1), rows,
+                                     offs_n, mask_m, mask_n, M, N, SPLIT_K)
+        if last:
+            store_output(y_ptr, total, rows, offs_n, mask_m, N, stride_ym, SILU_MUL)
     else:
         store_output(y_ptr, out, rows, offs_n, mask_m, N, stride_ym, SILU_MUL)
 
@@ -475,11 +518,17 @@ def split_k_arrivals(max_m: int, N: int, config, device: torch.device) -> torch.
     of the graph, not done now, and the counts garbage until a replay."""
     if config.SPLIT_K == 1:
         return None
+    return arrival_counts(triton.cdiv(max_m, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N), device)
+
+
+def arrival_counts(n: int, device: torch.device) -> torch.Tensor:
+    """n int32 zeros: the arrival counts of a launch's last-program-finishes pattern (`reduce_split_k`,
+    `add_rms_norm_tile`), which the last program sets back to 0. Made before any CUDA graph capture: inside one
+    the zeroing would be a node of the graph, not done now, and the counts garbage until a replay."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("a split-K GEMM met a new shape during CUDA graph capture: run each captured shape "
-                           "once before capturing it (the engine's warm-up does)")
-    tiles = triton.cdiv(max_m, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N)
-    return torch.zeros(tiles, dtype=torch.int32, device=device)
+        raise RuntimeError("a GEMM met a new shape during CUDA graph capture: run each captured shape once before "
+                           "capturing it (the engine's warm-up does)")
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 @dataclass

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
-from tritonq.kernels import batch_invariant, cpu_dense, cpu_lowbit, use_cpu_kernels, use_triton
-from tritonq.kernels.dense_gemm import DenseGateUp, dense_gemm
+from tritonq.kernels import cpu_dense, cpu_lowbit, use_cpu_kernels, use_triton
+from tritonq.kernels.dense_gemm import DenseGemm
 from tritonq.kernels.fp8_gemm import FP8Gemm
 from tritonq.kernels.int4_gemm import Int4Gemm
 from tritonq.kernels.int8_gemm import Int8Gemm
@@ -45,17 +44,14 @@ class LinearKind:
 
 
 def _prepare_dense(w: DenseWeight) -> Prepared:
-    return Prepared(w, None, cpu_dense.pack(w) if use_cpu_kernels(w.weight) and cpu_dense.packs(w) else None)
+    return Prepared(w, DenseGemm(w), cpu_dense.pack(w) if use_cpu_kernels(w.weight) and cpu_dense.packs(w) else None)
 
 
 def _dense(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    if p.gemm is not None:  # a gate_up weight with SwiGLU (prepare_gate_up)
-        return p.gemm(x)
     if p.cpu is not None and use_cpu_kernels(x) and not torch.compiler.is_compiling():
         return cpu_dense.linear(x, p.cpu, p.weight.bias)  # a compiled step traces F.linear
-    if batch_invariant() and use_triton(x):  # cuBLAS picks its kernel by M: one Triton config for every M instead
-        return dense_gemm(x, p.weight)
-    return F.linear(x, p.weight.weight, p.weight.bias)  # bf16 on the CPU backend: cpu_dense above
+    # cuBLAS (F.linear), or in the batch-invariant mode one Triton config for every M (cuBLAS picks its kernel by M)
+    return p.gemm(x)
 
 
 def _prepare_int4(w: Int4Weight) -> Prepared:
@@ -102,11 +98,11 @@ def prepare_gate_up(w: Weight) -> Prepared | None:
     [..., I] as one GEMM (the module docstring); `run(x, prepared)` of w's table row then returns that. None where
     no Triton GEMM with the epilogue runs w: the CPU backend (its kernels, then norm_rope.silu_mul), fp8 with block
     scales (a scale covers a block of rows, which the interleave would split). A dense weight keeps its order:
-    `dense_gemm.DenseGateUp` reads the pairs by row index (and runs cuBLAS, then silu_mul, for prefill)."""
+    `dense_gemm.DenseGemm` reads the pairs by row index (and runs cuBLAS, then silu_mul, for prefill)."""
     if not use_triton(w.values) or w.shape[0] % 2 or (isinstance(w, FP8Weight) and w.block_size is not None):
         return None
     if isinstance(w, DenseWeight):
-        return Prepared(w, DenseGateUp(w), None)
+        return Prepared(w, DenseGemm(w, silu_mul=True), None)
     gemm = _GATED_GEMMS.get(type(w))
     if gemm is None:
         return None

@@ -290,10 +290,11 @@ class DecoderLayer(nn.Module):
     """A pre-norm decoder layer: x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)), with
     RMSNorms at `<prefix>.input_layernorm` / `<prefix>.post_attention_layernorm` (Llama's, Qwen's, DeepSeek's).
 
-    self_attn(x, cos, sin, ctx, k_pages, v_pages) and mlp(x) map [T, D] -> [T, D]; the model builds them.
-    forward(x, pending, ...) -> (x, pending): the residual stream and what is still to be added to it (the
-    previous layer's mlp output, None before the first layer), so each residual addition happens inside the norm
-    after it (`RMSNorm.add_norm`: one launch on a GPU, one C pass on the CPU)."""
+    self_attn.attend(x, cos, sin, ctx, k_pages, v_pages) maps [T, D] to its heads' outputs before self_attn.o_proj,
+    mlp(x) [T, D] -> [T, D]; the model builds them. forward(x, pending, ...) -> (x, pending): the residual stream
+    and what is still to be added to it (the previous layer's mlp output, None before the first layer), so each
+    residual addition happens inside the norm after it (`RMSNorm.add_norm`: one launch on a GPU, one C pass on the
+    CPU), or at decode inside o_proj's GEMM (`Linear.add_norm`: its epilogue adds and normalizes)."""
 
     def __init__(self, config, loader, prefix: str, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -307,8 +308,8 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_norm(x, pending)
-        h = self.self_attn(h, cos, sin, ctx, k_pages, v_pages)
-        x, h = self.post_attention_layernorm.add_norm(x, h)
+        attn = self.self_attn
+        x, h = attn.o_proj.add_norm(attn.attend(h, cos, sin, ctx, k_pages, v_pages), x, self.post_attention_layernorm)
         return x, self.mlp(h)
 
 
