@@ -118,3 +118,54 @@ def test_odd_gate_up_is_refused_by_the_gemm():
     w = random_int4_weight(2 * INTER, K, torch.bfloat16, "cpu").take_outputs(torch.arange(2 * INTER - 1))
     with pytest.raises(ValueError, match="even for silu_mul"):
         Int4Gemm(w, silu_mul=True)
+
+
+# The residual + RMSNorm epilogue of a decode step's o_proj (Linear.add_norm, common.add_rms_norm_tile): N = 200 is
+# off the column tiles, so a row's norm gathers several tiles' partial sums; M 1, 3, 16 (the decode bound).
+ADD_NORM_WEIGHTS = {
+    "int4": (lambda: random_int4_weight(200, K, torch.bfloat16, "cpu", group_size=64),
+             lambda x, w: x.float() @ w.dequantize(torch.float32).t(), "int4_gemm"),
+    "dense-bias": (lambda: DenseWeight(torch.randn(200, K, dtype=torch.bfloat16) * 0.05,
+                                       torch.randn(200, dtype=torch.bfloat16)),
+                   lambda x, w: x.float() @ w.weight.float().t() + w.bias.float(), "int4_gemm"),
+}
+
+
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("name", list(ADD_NORM_WEIGHTS))
+def test_add_norm_epilogue_matches_reference(name, M):
+    """y = x @ W^T + residual and h = RMSNorm(y) * w, against float32 torch: y within the GEMM's bound plus one
+    rounding of the sum; h computed from our y (the norm of the stored residual stream, as the unfused kernel
+    normalizes the sum it stored), in fp32 over each whole row, within one bf16 rounding."""
+    from tritonq.layers import Linear, RMSNorm
+    make, reference, family = ADD_NORM_WEIGHTS[name]
+    torch.manual_seed(M)
+    w = make()
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    residual = torch.randn(M, 200, dtype=torch.bfloat16)
+    norm = RMSNorm(torch.rand(200, dtype=torch.bfloat16) + 0.5, 1e-6)
+    linear = Linear(w)
+    assert linear.prepared.gemm.add_rms_norm(x, residual, norm.weight, norm.eps) is not None  # the fused path
+    y, h = linear.add_norm(x, residual, norm)
+    assert y.shape == h.shape == (M, 200) and y.dtype == h.dtype == torch.bfloat16
+    expected = reference(x, w) + residual.float()
+    tol = tolerances.table(family)[torch.bfloat16]
+    torch.testing.assert_close(y.float(), expected, rtol=2 ** -8, atol=tol * expected.abs().max().item())
+    yf = y.float()
+    h_ref = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+    torch.testing.assert_close(h.float(), h_ref, rtol=2 ** -8, atol=2 ** -8 * h_ref.abs().max().item())
+
+
+def test_add_norm_runs_gemm_then_norm_past_decode_rows():
+    """Past the decode bound (M 17) the GEMM has no such epilogue: Linear.add_norm is the GEMM, then add_rms_norm,
+    with the same results up to the norm's summation order."""
+    from tritonq.kernels.norm_rope import add_rms_norm
+    from tritonq.layers import Linear, RMSNorm
+    # fp16: the interpreter adds bf16 as raw bits in _rms_norm_kernel (its GPU sum is right)
+    w = random_int4_weight(200, K, torch.float16, "cpu", group_size=64)
+    linear, norm = Linear(w), RMSNorm(torch.rand(200, dtype=torch.float16) + 0.5, 1e-6)
+    x, residual = torch.randn(17, K, dtype=torch.float16), torch.randn(17, 200, dtype=torch.float16)
+    assert linear.prepared.gemm.add_rms_norm(x, residual, norm.weight, norm.eps) is None
+    y, h = linear.add_norm(x, residual, norm)
+    y_ref, h_ref = add_rms_norm(residual, linear(x), norm.weight, norm.eps)
+    assert torch.equal(y, y_ref) and torch.equal(h, h_ref)

@@ -246,7 +246,7 @@ def store_output(y_ptr, out, rows, offs_n, mask_m, N, stride_ym, SILU_MUL: tl.co
 
 
 @triton.jit
-def add_rms_norm_tile(y_ptr, out, rows, offs_n, mask_m, N, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr,
+def add_rms_norm_tile(y_ptr, out, rows, offs_n, mask_m, M, N, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr,
                       row_block, tile_n, eps):
     """A row-parallel linear's epilogue that adds the residual and normalizes (a pre-norm layer's o_proj then its
     post-attention RMSNorm, in the GEMM's launch): y = (out rounded to y's dtype) + residual, rounded (torch's
@@ -259,7 +259,9 @@ def add_rms_norm_tile(y_ptr, out, rows, offs_n, mask_m, N, res_ptr, norm_w_ptr, 
     writes h over the whole rows, reading y back past L1 (.cg), then sets the count back to 0."""
     mask = mask_m[:, None] & (offs_n < N)[None, :]
     ptrs = rows[:, None] * N + offs_n[None, :]
-    y = out.to(y_ptr.dtype.element_ty) + tl.load(res_ptr + ptrs, mask=mask, other=0.0)
+    # (in fp32, then rounded: torch's 16-bit addition; the interpreter adds bf16 as raw bits)
+    y = out.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(res_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + ptrs, y, mask=mask)
     y = y.to(tl.float32)
     tl.store(sumsq_ptr + tile_n * M + rows, tl.sum(y * y, axis=1), mask=mask_m)

@@ -70,7 +70,7 @@ def _dense_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride
         acc += tl.load(bias_ptr + w_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if ADD_NORM:  # GROUP_M 1: program_id(0) is row block * column tiles + column tile
         tiles_n = tl.cdiv(N, BLOCK_N)
-        add_rms_norm_tile(y_ptr, acc, rows, offs_n, mask_m, N, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr,
+        add_rms_norm_tile(y_ptr, acc, rows, offs_n, mask_m, M, N, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr,
                           row_arrivals_ptr, tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n, eps)
     else:  # one K slice: no partials or arrival counters (y stands for both, never read)
         store_gemm_tile(y_ptr, acc, bias_ptr, y_ptr, y_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N, False, 1,

@@ -174,7 +174,7 @@ def _int4_gemm_kernel(
                                    offs_n, mask_m, mask_n, M, N, SPLIT_K)
     if last:
         if ADD_NORM:
-            add_rms_norm_tile(out_ptr, acc, rows, offs_n, mask_m, N, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr,
+            add_rms_norm_tile(out_ptr, acc, rows, offs_n, mask_m, M, N, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr,
                               row_arrivals_ptr, pid_m, pid_n, eps)
         else:
             store_output(out_ptr, acc, rows, offs_n, mask_m, N, N // 2 if SILU_MUL else N, SILU_MUL)
