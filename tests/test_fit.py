@@ -164,6 +164,20 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     out["dense batch-invariant"] = dense_gemm.dense_gemm_launch(
         _meta(256, K, dtype=dtype), DenseWeight(_meta(N, K, dtype=dtype), _meta(N, dtype=dtype)),
         _meta(256, N, dtype=dtype), cc)
+    # the decode layer's fused epilogues: gate_up with SwiGLU (int4 split-K, dense by row index) and o_proj with
+    # the residual addition and the RMSNorm of the whole rows (the row block's last tile)
+    dense_w = DenseWeight(_meta(N, K, dtype=dtype))
+    out["dense gate_up swiglu M16"] = dense_gemm.dense_gemm_launch(_meta(16, K, dtype=dtype), dense_w,
+                                                                 _meta(16, N // 2, dtype=dtype), cc, silu_mul=True)
+    out["int4 gate_up swiglu M1"] = int4_gemm.aot_launch(int4_gemm.default_config(1, N, K), 1, N, K, dtype)
+    out["int4 gate_up swiglu M1"].args["SILU_MUL"] = True
+    epilogue = dict(ADD_NORM=True, eps=1e-6, row_arrivals_ptr=_meta(1, **i32), norm_w_ptr=_meta(N, dtype=dtype),
+                    sumsq_ptr=_meta(N // 16, 16, dtype=torch.float32))
+    out["int4 o add-norm M16"] = int4_gemm.aot_launch(int4_gemm.default_config(16, N, K), 16, N, K, dtype)
+    out["int4 o add-norm M16"].args.update(epilogue)
+    out["dense o add-norm M16"] = dense_gemm.dense_gemm_launch(_meta(16, K, dtype=dtype), dense_w,
+                                                             _meta(16, N, dtype=dtype), cc)
+    out["dense o add-norm M16"].args.update(epilogue, GROUP_M=1)
     if cc >= 89:  # activations quantized per 128-group (block-scaled weights)
         out["fp8 quantize group128"] = fp8_gemm.quantize_activation_launch(
             _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.float8_e4m3fn),
