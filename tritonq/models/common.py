@@ -329,6 +329,9 @@ class CausalLM(nn.Module):
     its KV cache holds only its KV heads (kv_layout is per rank).
     """
     supports_tensor_parallel = True
+    # A speculative verification step (k + 1 queries a sequence) can run at fixed shapes (engine/cuda_graphs.py):
+    # the step reads no host count of the context (MLA's prefill does: DeepSeek-V2 turns this off).
+    static_verification = True
     embedding = "model.embed_tokens"
     tie_word_embeddings = False
 
