@@ -92,7 +92,7 @@ CASES = [("llama", None, {}, 7), ("qwen3", None, {}, 7), ("llama", "gptq", {}, 7
 def test_launches_per_decoder_layer(tmp_path, monkeypatch, arch, checkpoint, options, expected):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
     counts = []
     for layers in (2, 3):
         config = tiny(arch, layers)

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from tritonq.kernels.fp8_gemm import fp8_gemm_reference
 from tritonq.kernels.int8_gemm import int8_gemm_reference
 from tritonq.kernels.linear import prepare_gate_up
-from tritonq.layers import GateUpLinear
+from tritonq.formats.layers import GateUpLinear
 from tritonq.random_weights import random_fp8_weight, random_int4_weight
-from tritonq.weights import DenseWeight, W8A8Weight
+from tritonq.quant.weights import DenseWeight, W8A8Weight
 
 INTER, K = 100, 256
 
@@ -137,7 +137,7 @@ def test_add_norm_epilogue_matches_reference(name, M):
     """y = x @ W^T + residual and h = RMSNorm(y) * w, against float32 torch: y within the GEMM's bound plus one
     rounding of the sum; h computed from our y (the norm of the stored residual stream, as the unfused kernel
     normalizes the sum it stored), in fp32 over each whole row, within one bf16 rounding."""
-    from tritonq.layers import Linear, RMSNorm
+    from tritonq.formats.layers import Linear, RMSNorm
     make, reference, family = ADD_NORM_WEIGHTS[name]
     torch.manual_seed(M)
     w = make()
@@ -160,7 +160,7 @@ def test_add_norm_runs_gemm_then_norm_past_decode_rows():
     """Past the decode bound (M 17) the GEMM has no such epilogue: Linear.add_norm is the GEMM, then add_rms_norm,
     with the same results up to the norm's summation order."""
     from tritonq.kernels.norm_rope import add_rms_norm
-    from tritonq.layers import Linear, RMSNorm
+    from tritonq.formats.layers import Linear, RMSNorm
     # fp16: the interpreter adds bf16 as raw bits in _rms_norm_kernel (its GPU sum is right)
     w = random_int4_weight(200, K, torch.float16, "cpu", group_size=64)
     linear, norm = Linear(w), RMSNorm(torch.rand(200, dtype=torch.float16) + 0.5, 1e-6)

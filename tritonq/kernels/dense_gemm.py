@@ -26,7 +26,7 @@ from tritonq.kernels.common import (GemmConfig, Launch, add_rms_norm_tile, arriv
                                     compute_capability, gemm_grid, gemm_tile, ieee_dot, next_pow2, store_gemm_tile,
                                     upcast_dot)
 from tritonq.kernels.norm_rope import silu_mul
-from tritonq.weights import DenseWeight
+from tritonq.quant.weights import DenseWeight
 
 
 # Up to this many rows (decode steps) DenseGemm runs the fused epilogues in this kernel instead of cuBLAS + a kernel.
