@@ -81,7 +81,7 @@ def decode_launches(folder, config, monkeypatch, batch: int = 3, **options) -> c
 # layer. Llama / Qwen3: add + RMSNorm, qkv, (qk-norm +) rope + KV write, decode attention, o + residual + RMSNorm,
 # gate_up + SiLU-mul, down = 7 (before the fused kernels: 17 and 20; then 9, with the SiLU-mul kernel and the
 # separate add + RMSNorm). DeepSeek-V2 (MLA, MoE) and gpt-oss (MoE): 32 and 18, from 69 and 57 (34 and 19 before
-the epilogues: DeepSeek's shared-expert SwiGLU and o_proj, gpt-oss's o_proj); their routing
+# the epilogues: DeepSeek's shared-expert SwiGLU and o_proj, gpt-oss's o_proj); their routing
 # (softmax, sort, gather, renormalization) is still a handful of torch ops.
 CASES = [("llama", None, {}, 7), ("qwen3", None, {}, 7), ("llama", "gptq", {}, 7), ("qwen3", "gptq", {}, 7),
          ("deepseek_v2", None, {"attention_mode": "latent"}, 32), ("gpt_oss", None, {}, 18)]
