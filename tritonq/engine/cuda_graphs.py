@@ -47,15 +47,20 @@ class StaticDecodeInputs:
     fill() copies one step's host lists into the first `bucket` sequences' rows in place (padding the rest)
     and returns the StepContext of views of those rows. The block table is always table_width =
     ceil(max_seq_len / block_size) pages wide and its host copy is only rewritten for rows whose
-    block list changed, so a step costs a few small host-to-device copies. queries: query rows per sequence,
-    1 for decode, k + 1 for a speculative verification step (then the step is a prefill-attention step whose
-    cu_seqlens are fixed: sequence i's rows are i * queries .. (i + 1) * queries - 1)."""
+    block list changed, so a step costs a few small host-to-device copies. scratch_slot: a hybrid model's
+    recurrent-state slot for padding rows (tritonq.engine.state_cache); the step then carries state_slots.
+    queries: query rows per sequence, 1 for decode, k + 1 for a speculative verification step (then the step is
+    a prefill-attention step whose cu_seqlens are fixed: sequence i's rows are i * queries .. (i + 1) * queries - 1)."""
 
-    def __init__(self, max_batch: int, max_seq_len: int, block_size: int, device: torch.device, queries: int = 1):
+    def __init__(self, max_batch: int, max_seq_len: int, block_size: int, device: torch.device,
+                 scratch_slot: int | None = None, queries: int = 1):
         if not isinstance(queries, int) or queries < 1:
             raise ValueError(f"queries={queries!r}; expected a positive int (1 for decode, k + 1 to verify k "
                              "proposals).")
         self.max_batch, self.max_seq_len, self.device, self.queries = max_batch, max_seq_len, device, queries
+        self.scratch_slot = scratch_slot
+        self.state_slots = (None if scratch_slot is None else
+                            torch.full((max_batch,), scratch_slot, dtype=torch.int64, device=device))
         self.table_width = -(-max_seq_len // block_size)
         # input_ids, positions, slots
         self.tokens = torch.zeros(3, max_batch * queries, dtype=torch.int64, device=device)
@@ -76,12 +81,14 @@ class StaticDecodeInputs:
                            slot_mapping=self.tokens[2, :rows], cu_seqlens_q=self.cu_seqlens_q[:bucket + 1],
                            context_lens=self.context_lens[:bucket], block_table=self.block_table[:bucket],
                            logit_rows=None, is_prefill=self.queries > 1, max_position=self.max_seq_len - 1,
-                           num_context_tokens=0, num_context_blocks=0, num_seqs=num_seqs)
+                           num_context_tokens=0, num_context_blocks=0, num_seqs=num_seqs,
+                           state_slots=None if self.state_slots is None else self.state_slots[:bucket])
 
     def fill(self, bucket: int, ids: list[int], positions: list[int], slots: list[int], context: list[int],
-             tables: list[list[int]]) -> StepContext:
+             tables: list[list[int]], state_slots: list[int] | None = None) -> StepContext:
         """Copy a step's B <= bucket sequences (host ints: queries rows each in ids / positions / slots, one
-        entry each in context / tables) into the buffers; sequences B..bucket-1 become padding."""
+        entry each in context / tables) into the buffers; sequences B..bucket-1 become padding.
+        state_slots: each sequence's recurrent-state slot (hybrid models; padding gets the scratch slot)."""
         B, q = len(context), self.queries
         pad = (bucket - B) * q
         if not 0 < B <= bucket <= self.max_batch:
@@ -100,6 +107,9 @@ class StaticDecodeInputs:
         self.tokens[:, :bucket * q].copy_(host, non_blocking=True)
         self.context_lens[:bucket].copy_(torch.tensor(context + [0] * (bucket - B), dtype=torch.int32),
                                          non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:bucket].copy_(torch.tensor(state_slots + [self.scratch_slot] * (bucket - B)),
+                                            non_blocking=True)
         for i, table in enumerate(tables):  # padding rows keep stale pages: with context 0 none is read
             if self._host_rows[i] != table:  # compared by value (a C loop): rewritten only when it changed
                 self._host_table[i, len(table):] = -1
@@ -152,6 +162,8 @@ class DecodeGraphs:
         buf = self.inputs
         buf.tokens[:, :bucket * buf.queries] = torch.tensor([[0], [0], [-1]], device=buf.device)
         buf.context_lens[:bucket] = 0
+        if buf.state_slots is not None:  # the warm-up and captured steps update only the scratch state
+            buf.state_slots[:bucket] = buf.scratch_slot
         return buf.context(bucket, bucket)
 
     def bucket_for(self, num_seqs: int) -> int | None:
