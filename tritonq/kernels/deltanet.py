@@ -217,30 +217,22 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr,
 
 
 @triton.jit
-def _unit_lower_inverse(L, C: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr):
-    """(I + L)^-1 for L [C, C] strictly lower-triangular fp32: the C / SUB diagonal blocks inverted together by
-    forward substitution in registers (row i = e_i - sum_j<i L_ij row j), then the block-triangular solve
-    X = Xd - Xd E X repeated C / SUB - 1 times (E: L's blocks below the diagonal blocks; after pass p the first
-    p + 1 block rows are exact). Every step is a triangular solve's arithmetic: no power series cancels."""
-    NB: tl.constexpr = C // SUB
-    b = tl.arange(0, NB)
-    diagonal = b[:, None, None, None] == b[None, None, :, None]  # [NB, 1, NB, 1]
-    blocks = tl.sum(tl.where(diagonal, tl.reshape(L, (NB, SUB, NB, SUB)), 0.0), axis=2)  # [NB, SUB, SUB]
-    r = tl.arange(0, SUB)
-    X = tl.zeros((NB, SUB, SUB), tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
-    for i in tl.static_range(1, SUB):
-        row_i = (r == i)[None, :, None]
-        l_i = tl.sum(tl.where(row_i, blocks, 0.0), axis=1)  # [NB, SUB]: row i of each block
-        X = tl.where(row_i, X - tl.sum(l_i[:, :, None] * X, axis=1)[:, None, :], X)
-    Xd = tl.reshape(tl.where(diagonal, X[:, :, None, :], 0.0), (C, C))
+def _unit_lower_inverse(L, C: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + L)^-1 for L [C, C] strictly lower-triangular fp32. The C / SUB diagonal blocks together by forward
+    substitution, a row of each block per step (row i = e_i - sum_j<i L_ij row j, the rows j final), then the
+    block-triangular solve X = Xd - Xd E X, C / SUB - 1 passes (E: L below the diagonal blocks; after pass p the
+    first p + 1 block rows are exact). Each step is a triangular solve's arithmetic: no power series to cancel."""
     c = tl.arange(0, C)
-    E = tl.where((c[:, None] // SUB) > (c[None, :] // SUB), L, 0.0)
+    eye = tl.where(c[:, None] == c[None, :], 1.0, 0.0)
+    same_block = (c[:, None] // SUB) == (c[None, :] // SUB)
+    diagonal = tl.where(same_block, L, 0.0)
+    Xd = eye
+    for i in range(1, SUB):
+        Xd = tl.where((c % SUB == i)[:, None], eye - tl.dot(diagonal, Xd, input_precision=PRECISION), Xd)
+    E = tl.where(same_block, 0.0, L)
     X = Xd
-    for _ in tl.static_range(NB - 1):
-        if IEEE:
-            X = Xd - tl.dot(Xd, tl.dot(E, X, input_precision="ieee"), input_precision="ieee")
-        else:
-            X = Xd - tl.dot(Xd, tl.dot(E, X))
+    for _ in range(C // SUB - 1):
+        X = Xd - tl.dot(Xd, tl.dot(E, X, input_precision=PRECISION), input_precision=PRECISION)
     return X
 
 
@@ -264,8 +256,7 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr, cu_
     row = tl.load(rows_ptr + seq).to(tl.int64) if HAS_ROWS else seq.to(tl.int64)
     at = state_ptr + row * stride_sn + h * stride_sh + kk[:, None] * stride_sk + vv[None, :]
     S = tl.load(at, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-    IEEE: tl.constexpr = DT == tl.float32
-    PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"
+    PRECISION: tl.constexpr = "ieee" if DT == tl.float32 else "tf32"
     i = tl.arange(0, C)
     causal = i[:, None] >= i[None, :]
     for t0 in range(start, end, C):
@@ -291,7 +282,7 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr, cu_
         decay = tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0))  # i >= j only: <= 1
         kt = tl.trans(k)
         L = tl.dot(k, kt, input_precision=PRECISION) * ((beta * rk)[:, None] * rk[None, :]) * decay
-        X = _unit_lower_inverse(tl.where(i[:, None] > i[None, :], L, 0.0), C, SUB, IEEE)
+        X = _unit_lower_inverse(tl.where(i[:, None] > i[None, :], L, 0.0), C, SUB, PRECISION)
         u = tl.dot((X * beta[None, :]).to(DT), v, input_precision=PRECISION)
         w = tl.dot((X * (beta * rk * tl.exp(c))[None, :]).to(DT), k, input_precision=PRECISION)
         v_new = u - tl.dot(w.to(DT), S.to(DT), input_precision=PRECISION)
