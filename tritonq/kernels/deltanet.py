@@ -33,8 +33,11 @@ from tritonq.kernels import use_triton
 from tritonq.kernels.common import Launch, upcast_dot
 
 ACTIVATIONS = (None, "silu")
-CHUNK = 64  # tokens per chunk of the chunked delta rule
-SUB = 16  # rows of the diagonal blocks its triangular solve inverts by forward substitution
+CHUNK = 64  # tokens per chunk of the chunked delta rule on the CPU (chunk_gated_delta_rule_torch)
+# The Triton kernel's chunk: all of a chunk's tiles live in one program's registers, and at 64 tokens they spill
+# (2.7 KB at sm_80, Dk = 128) and overflow sm_75's shared memory; 32 fits (docs/kernels.md#gated-deltanet).
+KERNEL_CHUNK = 32
+SUB = 16  # rows of the diagonal blocks the kernel's triangular solve inverts by forward substitution
 EPS_L2 = 1e-6  # l2norm's epsilon (transformers', flash-linear-attention's)
 
 
@@ -254,8 +257,8 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr, cu_
     start = tl.load(cu_ptr + seq).to(tl.int64)
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     row = tl.load(rows_ptr + seq).to(tl.int64) if HAS_ROWS else seq.to(tl.int64)
-    at = state_ptr + row * stride_sn + h * stride_sh + kk[:, None] * stride_sk + vv[None, :]
-    S = tl.load(at, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+    state = state_ptr + row * stride_sn + h * stride_sh
+    S = tl.load(state + kk[:, None] * stride_sk + vv[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
     PRECISION: tl.constexpr = "ieee" if DT == tl.float32 else "tf32"
     i = tl.arange(0, C)
     causal = i[:, None] >= i[None, :]
@@ -293,7 +296,7 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr, cu_
                  mask=t_ok[:, None] & v_ok[None, :])
         k_scale = rk * tl.exp(c_last - c)
         S = S * tl.exp(c_last) + tl.dot(kt, (v_new * k_scale[:, None]).to(DT), input_precision=PRECISION)
-    tl.store(at, S, mask=k_ok[:, None] & v_ok[None, :])
+    tl.store(state + kk[:, None] * stride_sk + vv[None, :], S, mask=k_ok[:, None] & v_ok[None, :])
 
 
 def rule_launch(q, k, v, g, beta, state, rows, cu_seqlens, o, scale, use_qk_l2norm) -> Launch:
@@ -303,7 +306,7 @@ def rule_launch(q, k, v, g, beta, state, rows, cu_seqlens, o, scale, use_qk_l2no
     Hv, Dv = v.shape[1:]
     chunked = cu_seqlens is not None
     block_k = max(16, triton.next_power_of_2(Dk))
-    block_v = min(32 if chunked else 64, max(16, triton.next_power_of_2(Dv)))
+    block_v = 16 if chunked else min(64, max(16, triton.next_power_of_2(Dv)))
     args = dict(q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=g, beta_ptr=beta, state_ptr=state, rows_ptr=rows, o_ptr=o,
                 scale=scale, stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0),
                 stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1), stride_gt=g.stride(0),
@@ -315,7 +318,7 @@ def rule_launch(q, k, v, g, beta, state, rows, cu_seqlens, o, scale, use_qk_l2no
     if not chunked:
         return Launch(_recurrent_kernel, grid, args, 4, 1)
     dt = tl.float32 if upcast_dot(v) else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[v.dtype]
-    return Launch(_chunk_kernel, grid, args | dict(cu_ptr=cu_seqlens, C=CHUNK, SUB=SUB, DT=dt), 8, 1)
+    return Launch(_chunk_kernel, grid, args | dict(cu_ptr=cu_seqlens, C=KERNEL_CHUNK, SUB=SUB, DT=dt), 8, 1)
 
 
 def _inner_contiguous(*tensors):
