@@ -105,6 +105,13 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     # no spill); 4 bytes, measured under 3.9 (3.6 not measured here).
     (89, "prefill 128/128 kv int8"): 4,
     (89, "decode 576/512 kv int8"): 4,  # MLA latent decode over int8 pages: 3.6: 4 B (3.9: none)
+    # Gated DeltaNet's chunk kernel holds a whole chunk (32 tokens, Dk = 128) and its state tile in one program's
+    # registers (255 used from sm_80): a few bytes; at 64 tokens 2.7 KB (docs/kernels.md#gated-deltanet). sm_75 as
+    # the GEMMs there (FMA dots).
+    (75, "deltanet chunk"): 5428,  # 3.9: 5428, 3.6: 5392
+    (80, "deltanet chunk"): 52,  # 3.9: 16, 3.6: 52
+    (89, "deltanet chunk"): 64,  # 3.9: 28, 3.6: 64
+    (90, "deltanet chunk"): 88,  # 3.9: 88, 3.6: 28
 }
 
 
@@ -306,9 +313,10 @@ def _deltanet_launches(dtype) -> dict[str, Launch]:
 
 
 def dot_rows(launch: Launch) -> int | None:
-    """Rows of the launch's tl.dot tiles (BLOCK_M, decode's BLOCK_H of query heads, or the Gated DeltaNet chunk C);
-    None: no dot."""
-    return launch.args.get("BLOCK_M", launch.args.get("BLOCK_H", launch.args.get("C")))  # C: deltanet's chunk
+    """Rows of the launch's largest tl.dot tiles (BLOCK_M, decode's BLOCK_H of query heads, the Gated DeltaNet
+    chunk kernel's BLOCK_K: its state update, Dk x chunk x Dv columns); None: no dot."""
+    deltanet_chunk = launch.args.get("BLOCK_K") if "C" in launch.args else None
+    return launch.args.get("BLOCK_M", launch.args.get("BLOCK_H", deltanet_chunk))
 
 
 def expected_tensor_cores(cc: int, rows: int | None) -> str | None:

@@ -150,18 +150,18 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, rows_ptr, cu_ptr, y_ptr, D, str
 
 
 def conv_launch(x, weight, bias, conv_state, rows, cu_seqlens, y, activation) -> Launch:
-    """The launch of _conv_kernel (cu_seqlens None: decode, one token per sequence): 64 channels x 16 tokens
-    per tile, 2 warps. Over meta tensors the AOT tests compile it."""
+    """The launch of _conv_kernel (cu_seqlens None: decode, one token per sequence): 64 channels x 8 tokens
+    per tile, 4 warps. Over meta tensors the AOT tests compile it."""
     D, W = weight.shape
     batch = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     block_d = 64
     args = dict(x_ptr=x, w_ptr=weight, b_ptr=bias, state_ptr=conv_state, rows_ptr=rows, cu_ptr=cu_seqlens, y_ptr=y,
                 D=D, stride_x=x.stride(0), stride_y=y.stride(0), stride_w=weight.stride(0),
                 stride_sn=conv_state.stride(0), stride_sd=conv_state.stride(1), stride_sw=conv_state.stride(2),
-                W=W, BLOCK_W=triton.next_power_of_2(W - 1), BLOCK_T=1 if cu_seqlens is None else 16,
+                W=W, BLOCK_W=triton.next_power_of_2(W - 1), BLOCK_T=1 if cu_seqlens is None else 8,
                 BLOCK_D=block_d, HAS_BIAS=bias is not None, SILU=activation == "silu", HAS_ROWS=rows is not None,
                 DECODE=cu_seqlens is None)
-    return Launch(_conv_kernel, (batch, triton.cdiv(D, block_d)), args, 2, 1)
+    return Launch(_conv_kernel, (batch, triton.cdiv(D, block_d)), args, 4, 1)
 
 
 @triton.jit
@@ -338,7 +338,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rows = _rows_of(conv_state, batch, state_indices, "causal_conv1d")
     if not use_triton(x):
         return causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, activation, rows)
-    (x,) = _inner_contiguous(x)
+    x, weight = _inner_contiguous(x, weight)
     y = torch.empty_like(x)
     conv_launch(x, weight, bias, conv_state, state_indices, cu_seqlens, y, activation)()
     return y
@@ -354,7 +354,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if not use_triton(x):
         cu_seqlens = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
         return causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, activation, rows)
-    (x,) = _inner_contiguous(x)
+    x, weight = _inner_contiguous(x, weight)
     y = torch.empty_like(x)
     conv_launch(x, weight, bias, conv_state, state_indices, None, y, activation)()
     return y
