@@ -109,6 +109,30 @@ def test_chunked_with_strong_decay_stays_finite(backend, l2norm, monkeypatch):
     torch.testing.assert_close(state, expected_state, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_split_across_calls_equals_one_call(backend, monkeypatch):
+    """A 70-token prompt in one call, and as 37 then 33 tokens (a chunked prefill: the second call starts from the
+    states the first left, off any chunk boundary): conv and delta rule give the same outputs and states."""
+    monkeypatch.setenv("TRITONQ_BACKEND", backend)
+    T, Hk, Hv, Dk, Dv, W = 70, 1, 2, 16, 16, 4
+    q, k, v, g, beta, state = _rule_inputs(T, Hk, Hv, Dk, Dv, torch.float32, pool=1)
+    state.zero_()
+    x, weight = torch.randn(T, 2 * Hk * Dk + Hv * Dv), torch.randn(2 * Hk * Dk + Hv * Dv, W)
+    conv_state = torch.zeros(1, x.shape[1], W - 1)
+    split_state, split_conv = state.clone(), conv_state.clone()
+    y = deltanet.causal_conv1d(x, weight, None, conv_state, _cu([T]))
+    o = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, state, _cu([T]), 0.25)
+    for part in (slice(0, 37), slice(37, T)):
+        n = part.stop - part.start
+        y_part = deltanet.causal_conv1d(x[part], weight, None, split_conv, _cu([n]))
+        o_part = deltanet.chunk_gated_delta_rule(q[part], k[part], v[part], g[part], beta[part], split_state,
+                                                 _cu([n]), 0.25)
+        torch.testing.assert_close(y_part, y[part], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(o_part, o[part], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(split_conv, conv_state, atol=0, rtol=0)
+    torch.testing.assert_close(split_state, state, atol=1e-4, rtol=1e-4)
+
+
 def test_chunked_kernel_at_head_dim_128(monkeypatch):
     """Qwen3.5's head dims (Dk = Dv = 128: several Dv tiles, the whole Dk in one tile), across a chunk boundary."""
     monkeypatch.setenv("TRITONQ_BACKEND", "triton")
