@@ -108,10 +108,10 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     # Gated DeltaNet's chunk kernel holds a whole chunk (32 tokens, Dk = 128) and its state tile in one program's
     # registers (255 used from sm_80): a few bytes; at 64 tokens 2.7 KB (docs/kernels.md#gated-deltanet). sm_75 as
     # the GEMMs there (FMA dots).
-    (75, "deltanet chunk"): 5428,  # 3.9: 5428, 3.6: 5392
-    (80, "deltanet chunk"): 52,  # 3.9: 16, 3.6: 52
-    (89, "deltanet chunk"): 64,  # 3.9: 28, 3.6: 64
-    (90, "deltanet chunk"): 88,  # 3.9: 88, 3.6: 28
+    (75, "deltanet chunk"): 3640,  # 3.9: 3640, 3.6: 3600
+    (80, "deltanet chunk"): 24,  # 3.9: 24, 3.6: 8
+    (89, "deltanet chunk"): 52,  # 3.9: 52, 3.6: 48
+    (90, "deltanet chunk"): 28,  # 3.9: 28, 3.6: 28
 }
 
 

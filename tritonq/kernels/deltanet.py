@@ -35,7 +35,7 @@ from tritonq.kernels.common import Launch, upcast_dot
 ACTIVATIONS = (None, "silu")
 CHUNK = 64  # tokens per chunk of the chunked delta rule on the CPU (chunk_gated_delta_rule_torch)
 # The Triton kernel's chunk: all of a chunk's tiles live in one program's registers, and at 64 tokens they spill
-# (2.7 KB at sm_80, Dk = 128) and overflow sm_75's shared memory; 32 fits (docs/kernels.md#gated-deltanet).
+# (0.7 KB at sm_80, Dk = 128); 32 spills a few bytes (docs/kernels.md#gated-deltanet).
 KERNEL_CHUNK = 32
 SUB = 16  # rows of the diagonal blocks the kernel's triangular solve inverts by forward substitution
 EPS_L2 = 1e-6  # l2norm's epsilon (transformers', flash-linear-attention's)
@@ -284,14 +284,16 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr, cu_
         c_last = tl.sum(tl.where(i == C - 1, c, 0.0), axis=0)
         decay = tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0))  # i >= j only: <= 1
         kt = tl.trans(k)
+        attn = tl.where(causal, tl.dot(q, kt, input_precision=PRECISION) * (rq[:, None] * rk[None, :]) * decay,
+                        0.0).to(DT)
         L = tl.dot(k, kt, input_precision=PRECISION) * ((beta * rk)[:, None] * rk[None, :]) * decay
         X = _unit_lower_inverse(tl.where(i[:, None] > i[None, :], L, 0.0), C, SUB, PRECISION)
-        u = tl.dot((X * beta[None, :]).to(DT), v, input_precision=PRECISION)
-        w = tl.dot((X * (beta * rk * tl.exp(c))[None, :]).to(DT), k, input_precision=PRECISION)
-        v_new = u - tl.dot(w.to(DT), S.to(DT), input_precision=PRECISION)
-        attn = tl.where(causal, tl.dot(q, kt, input_precision=PRECISION) * (rq[:, None] * rk[None, :]) * decay, 0.0)
-        o = tl.dot(q, S.to(DT), input_precision=PRECISION) * (rq * tl.exp(c))[:, None]
-        o += tl.dot(attn.to(DT), v_new.to(DT), input_precision=PRECISION)
+        # v' = u - w S = X diag(beta) (v - diag(rk exp(c)) k S): w [C, Dk] is never formed
+        S_dt = S.to(DT)
+        rhs = v.to(tl.float32) - tl.dot(k, S_dt, input_precision=PRECISION) * (rk * tl.exp(c))[:, None]
+        v_new = tl.dot((X * beta[None, :]).to(DT), rhs.to(DT), input_precision=PRECISION)
+        o = tl.dot(q, S_dt, input_precision=PRECISION) * (rq * tl.exp(c))[:, None]
+        o += tl.dot(attn, v_new.to(DT), input_precision=PRECISION)
         tl.store(o_ptr + t[:, None] * stride_ot + h * stride_oh + vv[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=t_ok[:, None] & v_ok[None, :])
         k_scale = rk * tl.exp(c_last - c)
