@@ -2,8 +2,8 @@
 (prepare once, run per call), for the GPU and the CPU backend alike.
 
 `prepare(w)` runs once per weight (a Linear's construction): it checks the weight, so a bad one fails there with
-its kernel's message, and builds what the calls need: the weight's GEMM object (`Int4Gemm`, `FP8Gemm`, `Int8Gemm`:
-kernel, config and launch arguments resolved once per M bucket, one launch per call at decode) and, on the CPU
+its kernel's message, and builds what the calls need: the weight's GEMM object (`Int4Gemm`, `FP8Gemm`, `Int8Gemm`,
+`GGUFGemm`: kernel, config and launch arguments resolved once per M bucket, one launch per call at decode) and, on the CPU
 backend, the CPU form (kernels/cpu_lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
 one). `run(x, prepared)` is then a lookup and a call: the backend (CPU kernels, the torch reference under
 TRITONQ_BACKEND=torch, Triton) is picked from x by the GEMM object, or by the CPU fast paths here.
@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from tritonq.kernels import batch_invariant, cpu_dense, cpu_lowbit, use_cpu_kernels, use_triton
 from tritonq.kernels.dense_gemm import dense_gemm
 from tritonq.kernels.fp8_gemm import FP8Gemm
+from tritonq.kernels.gguf_gemm import GGUFGemm
 from tritonq.kernels.int4_gemm import Int4Gemm
 from tritonq.kernels.int8_gemm import Int8Gemm
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, W8A8Weight, Weight
+from tritonq.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight, W8A8Weight, Weight
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,17 @@ def _prepare_w8a8(w: W8A8Weight) -> Prepared:
     return Prepared(w, Int8Gemm(w), None)  # the CPU backend runs the int8 codes as stored (torch._int_mm)
 
 
+def _prepare_gguf(w: GGUFWeight) -> Prepared:
+    return Prepared(w, GGUFGemm(w), None)  # the CPU backend dequantizes column tiles per call (gguf_gemm.cpu_linear)
+
+
 def _gemm(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     return p.gemm(x)  # FP8Gemm and Int8Gemm take [..., K] themselves
+
+
+def _gemm_2d(x: torch.Tensor, p: Prepared) -> torch.Tensor:
+    y = p.gemm(x.reshape(-1, x.shape[-1]))  # GGUFGemm takes [M, K]
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 # The one table of linears by weight type (MXFP4 is experts-only: kernels/moe/).
@@ -83,6 +93,7 @@ LINEARS = {
     Int4Weight: LinearKind(_prepare_int4, _int4),
     FP8Weight: LinearKind(_prepare_fp8, _gemm),
     W8A8Weight: LinearKind(_prepare_w8a8, _gemm),
+    GGUFWeight: LinearKind(_prepare_gguf, _gemm_2d),
 }
 
 
