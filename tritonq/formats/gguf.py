@@ -172,6 +172,26 @@ def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     return fn(blocks).reshape(*rows, raw.shape[-1] // size * block)
 
 
+def planes_of(blocks: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Blocks uint8 [N, K / block, type_size] of a PLANAR format -> (codes uint8 [N, K], scales fp32
+    [N, K / group], offsets fp32 [N, K / group] or None)."""
+    N, blocks_per_row, size = blocks.shape
+    codes, scales, offsets = PLANAR[type_name][3](blocks.reshape(-1, size))
+    scales = scales.reshape(N, -1)
+    return codes.reshape(N, -1), scales, None if offsets is None else offsets.reshape(N, -1)
+
+
+def gguf_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, type_name: str,
+                device) -> GGUFWeight:
+    """`planes_of`'s [N, ...] planes (a rank's slice of them) as the GGUFWeight the kernels read, on device."""
+    bits, zero, group, _ = PLANAR[type_name]
+    codes = codes.t()  # [K, N]: the planes are packed along K, scale rows [K / group, N]
+    return GGUFWeight(pack_int32(codes & 15, 4, dim=0).to(device),
+                      pack_int32(codes >> 4, bits - 4, dim=0).to(device) if bits > 4 else None,
+                      scales.t().to(device).contiguous(), None if offsets is None else offsets.t().to(device).contiguous(),
+                      group, bits, zero, type_name)
+
+
 # --- reading ---------------------------------------------------------------------------------------------------
 
 def _reader(path: Path):
@@ -514,7 +534,7 @@ class GGUFLoader(WeightsLoader):
         n, k = (N, K) if shard is None else shard.local_shape(N, K)
         if type_name in self.REPACKED:
             return self._int_weight(name, type_name, shard, N, K, n, k)
-        bits, zero, group, planes = PLANAR[type_name]
+        bits, zero, group, _ = PLANAR[type_name]
         if self.weights._dry:
             meta = torch.device("meta")
             scales = torch.empty(k // group, n, device=meta)
@@ -523,19 +543,13 @@ class GGUFLoader(WeightsLoader):
                               scales, scales if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else None, group, bits,
                               zero, type_name)
         blocks = self.weights.unpermute(name, self.weights.raw(name).reshape(N, K // block, size))
-        codes, scales, offsets = planes(blocks.reshape(-1, size))
-        codes, scales = codes.reshape(N, K), scales.reshape(N, K // group)
-        offsets = None if offsets is None else offsets.reshape(N, K // group)
+        codes, scales, offsets = planes_of(blocks, type_name)
         bad = nonfinite_count(scales)
         self.weights._count_nonfinite(name, bad if offsets is None else bad + nonfinite_count(offsets))
         if shard is not None:
             codes, scales = shard.take(codes, 0 if column else 1), shard.take(scales, 0 if column else 1)
             offsets = None if offsets is None else shard.take(offsets, 0 if column else 1)
-        codes, device = codes.t(), self.device  # [K, N]: planes packed along K, scale rows [K / group, N]
-        return GGUFWeight(pack_int32(codes & 15, 4, dim=0).to(device),
-                          pack_int32(codes >> 4, bits - 4, dim=0).to(device) if bits > 4 else None,
-                          scales.t().to(device).contiguous(),
-                          None if offsets is None else offsets.t().to(device).contiguous(), group, bits, zero, type_name)
+        return gguf_weight(codes, scales, offsets, type_name, self.device)
 
     def _int_weight(self, name: str, type_name: str, shard: Shard | None, N: int, K: int, n: int, k: int
                     ) -> Int4Weight:
