@@ -8,33 +8,16 @@ fp32 with the file's exact values (the repack's exactness is checked bit for bit
 meets x in x's dtype with fp32 accumulation: fp32 differs by summation order, fp16 / bf16 by the weight's
 rounding to that dtype and one rounding of y.
 """
-import gguf
-import numpy as np
 import pytest
 import tolerances
 import torch
 
-from tritonq.formats.gguf import BLOCK_FORMATS, PLANAR, gguf_weight, planes_of
+from formats.gguf_files import random_weight
+from tritonq.formats.gguf import BLOCK_FORMATS, PLANAR
 from tritonq.kernels.gguf_gemm import GGUFGemm, GGUFGemmConfig, gguf_gemm_reference
 from tritonq.weights import GGUFWeight
 
 TOL = tolerances.table("int4_gemm")
-SCALE_BYTES = {"Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-
-
-def random_weight(type_name: str, N: int, K: int, seed: int = 0) -> tuple[GGUFWeight, torch.Tensor]:
-    """An N x K weight of random blocks (every code and sub-block scale; fp16 d / dmin / m of both signs,
-    ~1e-2 / K^0.5 so y stays O(1)) as (GGUFWeight on the CPU, the gguf package's fp32 dequantization [N, K])."""
-    block, size, _ = BLOCK_FORMATS[type_name]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(N * K // block, size), dtype=np.uint8)
-    for start in SCALE_BYTES[type_name]:
-        d = (rng.standard_normal(len(blocks)) * (0.3 if type_name.endswith("K") else 4) / K ** 0.5).astype(np.float16)
-        blocks[:, start:start + 2] = d.view(np.uint8).reshape(-1, 2)
-    raw = blocks.reshape(N, K // block * size)
-    reference = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]))
-    codes, scales, offsets = planes_of(torch.from_numpy(raw).reshape(N, K // block, size), type_name)
-    return gguf_weight(codes, scales, offsets, type_name, "cpu"), reference
 
 
 def shapes(type_name):

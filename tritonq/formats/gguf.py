@@ -24,7 +24,7 @@ from tritonq.formats.base import WeightsLoader, always_dense
 from tritonq.formats.checkpoint import Weights, nonfinite_count
 from tritonq.formats.tensor_parallel import Shard, check_split
 from tritonq.packing import pack_int32
-from tritonq.weights import GGUFWeight, Int4Weight, Weight
+from tritonq.weights import DenseWeight, GGUFWeight, Int4Weight, Weight
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # GGUF -> model_type
 
@@ -522,12 +522,15 @@ class GGUFLoader(WeightsLoader):
         """Q4_0 / Q8_0 [N, K] -> Int4Weight: codes (Q4_0's nibbles q; Q8_0's int8 x as x + 128) packed along K,
         scales [K/32, N] = the blocks' fp16 d in the compute dtype (exact in fp16 / fp32; bf16 rounds d to 8
         mantissa bits), zeros None (symmetric: 8 / 128, the formats' own offsets). The PLANAR types ->
-        GGUFWeight: the same codes split into 4-bit and high-bit planes, fp32 scales and offsets (exact)."""
+        GGUFWeight: the same codes split into 4-bit and high-bit planes, fp32 scales and offsets (exact); read
+        dense where a row-parallel rank's share of K is no whole number of blocks (a tiny model's 128 / 256)."""
         name = f"{prefix}.weight"
         type_name = self.weights.type_name(name)
         block, size, _ = BLOCK_FORMATS[type_name]
         N, K = self.weights.get_shape(name)
         column = shard is not None and shard.parallel == "column"
+        if type_name in PLANAR and shard is not None and not column and (K // shard.count) % block:
+            return DenseWeight(self._dense_matrix([prefix], [shard])[0])  # a rank's rows would cut a super-block
         if shard is not None:
             check_split(prefix, shard, N if column else K, 1 if column else block,
                         "whole rows" if column else f"a {type_name} block of {block} input rows")

@@ -57,6 +57,7 @@ def _prepare_int4(w: Int4Weight) -> Prepared:
 
 
 def _int4(x: torch.Tensor, p: Prepared) -> torch.Tensor:
+    """Int4Weight and GGUFWeight: [..., K] through the CPU form when there is one, else the GEMM object."""
     x2 = x.reshape(-1, x.shape[-1])
     if p.cpu is not None and use_cpu_kernels(x):  # torch's int4 CPU kernel over the repacked weight
         y = cpu_lowbit.linear(x2, p.cpu)
@@ -75,16 +76,15 @@ def _prepare_w8a8(w: W8A8Weight) -> Prepared:
 
 
 def _prepare_gguf(w: GGUFWeight) -> Prepared:
-    return Prepared(w, GGUFGemm(w), None)  # the CPU backend dequantizes column tiles per call (gguf_gemm.cpu_linear)
+    # CPU: 4-bit types run torch's int4 kernel (cpu_lowbit); 5- / 6-bit ones dequantize column tiles per call
+    # (gguf_gemm.cpu_linear, inside GGUFGemm)
+    return Prepared(w, GGUFGemm(w), cpu_lowbit.prepare(w) if w.bits == 4 and use_cpu_kernels(w.lo) else None)
 
 
 def _gemm(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     return p.gemm(x)  # FP8Gemm and Int8Gemm take [..., K] themselves
 
 
-def _gemm_2d(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    y = p.gemm(x.reshape(-1, x.shape[-1]))  # GGUFGemm takes [M, K]
-    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 # The one table of linears by weight type (MXFP4 is experts-only: kernels/moe/).
@@ -93,7 +93,7 @@ LINEARS = {
     Int4Weight: LinearKind(_prepare_int4, _int4),
     FP8Weight: LinearKind(_prepare_fp8, _gemm),
     W8A8Weight: LinearKind(_prepare_w8a8, _gemm),
-    GGUFWeight: LinearKind(_prepare_gguf, _gemm_2d),
+    GGUFWeight: LinearKind(_prepare_gguf, _int4),
 }
 
 
