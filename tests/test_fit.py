@@ -101,6 +101,13 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "moe fp8 down M64"): 456,  # 3.9: 456, 3.6: 376
     (75, "moe mxfp4 gpt-oss gate_up M16"): 2604,  # 3.9: 2604, 3.6: 2524
     (75, "moe mxfp4 gpt-oss gate_up M64"): 2560,  # 3.9: 2560, 3.6: 2512
+    # GGUF block formats: each weight formed in fp32 before the FMA dot (the K-quants' exact values)
+    (75, "gguf Q4_K M256"): 200,  # 3.9: 200, 3.6: 88
+    (75, "gguf Q5_K M1"): 12, (75, "gguf Q5_K M16"): 8,  # 3.9 (3.6: none)
+    (75, "gguf Q5_K M256"): 220,  # 3.9: 220, 3.6: 92
+    (75, "gguf Q6_K M1"): 24, (75, "gguf Q6_K M16"): 24,  # 3.9 (3.6: none)
+    (75, "gguf Q6_K M256"): 260,  # 3.9: 260, 3.6: 128
+    (75, "gguf Q5_0 M1"): 20,  # 3.9 (3.6: none)
     # int8 KV pages: the per-key scales of a 128 x 32 score tile take the last registers on sm_89 (255; sm_80 183,
     # no spill); 4 bytes, measured under 3.9 (3.6 not measured here).
     (89, "prefill 128/128 kv int8"): 4,
