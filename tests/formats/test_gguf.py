@@ -151,7 +151,7 @@ def test_config_and_tokenizer_come_from_the_metadata(llama, tmp_path):
 @pytest.mark.parametrize("type_name, bits", [("Q4_0", 4), ("Q8_0", 8)])
 def test_q4_0_and_q8_0_linears_load_as_int_weights_exactly(llama, tmp_path, type_name, bits):
     from tritonq.formats.gguf import GGUFLoader, read_config
-    from tritonq.weights import Int4Weight
+    from tritonq.quant.weights import Int4Weight
     path = tmp_path / "llama.gguf"
     reference = write_gguf(llama, path, type_name)
     weights = GGUFWeights([path])
@@ -166,7 +166,7 @@ def test_q4_0_and_q8_0_linears_load_as_int_weights_exactly(llama, tmp_path, type
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
 def test_other_block_linears_load_as_gguf_weights_exactly(llama, tmp_path, type_name):
     from tritonq.formats.gguf import GGUFLoader, read_config
-    from tritonq.weights import GGUFWeight
+    from tritonq.quant.weights import GGUFWeight
     path = tmp_path / f"llama-{type_name}.gguf"
     reference = write_gguf(llama, path, type_name)
     weights = GGUFWeights([path])
@@ -181,7 +181,7 @@ def test_a_fused_group_of_mixed_block_types_loads_dense(llama, tmp_path):
     """Q4_K_M: q / k in Q4_K, v in Q6_K share one fused q/k/v linear, which no one kernel runs: read dense
     (exact in fp32); gate / up (both Q4_K) stay one GGUFWeight."""
     from tritonq.formats.gguf import GGUFLoader, read_config
-    from tritonq.weights import DenseWeight, GGUFWeight
+    from tritonq.quant.weights import DenseWeight, GGUFWeight
     path = tmp_path / "llama-q4_k_m.gguf"
     reference = write_gguf(llama, path, "Q4_K_M")
     weights = GGUFWeights([path])

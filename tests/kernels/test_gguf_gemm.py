@@ -15,7 +15,7 @@ import torch
 from formats.gguf_files import random_weight
 from tritonq.formats.gguf import BLOCK_FORMATS, PLANAR
 from tritonq.kernels.gguf_gemm import GGUFGemm, GGUFGemmConfig, gguf_gemm_reference
-from tritonq.weights import GGUFWeight
+from tritonq.quant.weights import GGUFWeight
 
 TOL = tolerances.table("int4_gemm")
 

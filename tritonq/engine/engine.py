@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 import torch
 
 from tritonq.config import GenerationConfig
-from tritonq.detokenize import Detokenizer
+from tritonq.engine.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner
 from tritonq.engine.sampler import Sampler, SamplingParams
 from tritonq.engine.scheduler import Scheduler
 from tritonq.engine.sequence import Sequence, check_fits
 from tritonq.engine.speculative import SpeculativeStats, accept
-from tritonq.structured import Grammars, GrammarState, constraint_of, token_bitmask
+from tritonq.engine.structured import Grammars, GrammarState, constraint_of, token_bitmask
 
 
 @dataclass

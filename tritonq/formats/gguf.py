@@ -23,8 +23,8 @@ import torch
 from tritonq.formats.base import WeightsLoader, always_dense
 from tritonq.formats.checkpoint import Weights, nonfinite_count
 from tritonq.formats.tensor_parallel import Shard, check_split
-from tritonq.packing import pack_int32
-from tritonq.weights import DenseWeight, GGUFWeight, Int4Weight, Weight
+from tritonq.quant.packing import pack_int32
+from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, Weight
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # GGUF -> model_type
 
@@ -122,7 +122,7 @@ def _planes_q6_k(b):
     return q.reshape(B, 256), _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float(), None
 
 
-# The block formats kept as GGUFWeight (tritonq.weights): type -> (code bits, zero, group, planes), where planes
+# The block formats kept as GGUFWeight (tritonq.quant.weights): type -> (code bits, zero, group, planes), where planes
 # takes blocks [B, type_size] to (codes uint8 [B, block], scales fp32 [B, block / group], offsets fp32 or None)
 # and a value is (q - zero) * scale (+ offset): each scale and product exact in fp32, as the gguf package forms them.
 PLANAR = {"Q4_1": (4, 0, 32, _planes_q4_1), "Q5_0": (5, 16, 32, _planes_q5_0), "Q5_1": (5, 0, 32, _planes_q5_1),

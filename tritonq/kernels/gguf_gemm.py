@@ -2,7 +2,7 @@
 
 Shapes and dtypes:
     x       [M, K] fp16 / bf16 / fp32
-    w       GGUFWeight (tritonq.weights): lo [K/8, N] int32 (low 4 bits of each code, packed along K), hi
+    w       GGUFWeight (tritonq.quant.weights): lo [K/8, N] int32 (low 4 bits of each code, packed along K), hi
             [K*(bits-4)/32, N] int32 or None (the bits above 4), scales [K/group, N] fp32, offsets [K/group, N]
             fp32 or None; a value is (q - zero) * scale (+ offset), group 32 or 16 (Q6_K).
     y       [M, N] in x.dtype; accumulation in fp32.
@@ -45,7 +45,7 @@ from tritonq.kernels.common import (
     unpack_int_tile,
     upcast_dot,
 )
-from tritonq.weights import GGUFWeight
+from tritonq.quant.weights import GGUFWeight
 
 SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
 CPU_TILE_BYTES = 2 << 20  # fp32 bytes of the weight tile the CPU path dequantizes at a time
