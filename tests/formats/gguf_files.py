@@ -199,7 +199,8 @@ def _add(writer, name, w, t, reference, hf, arch, config):
 
 
 # byte offsets of the fp16 d (and dmin / m) in each block of the formats tritonq keeps as GGUFWeight
-SCALE_BYTES = {"Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+SCALE_BYTES = {"Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+               "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
 def random_weight(type_name: str, N: int, K: int, seed: int = 0):
@@ -210,7 +211,8 @@ def random_weight(type_name: str, N: int, K: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(N * K // block, size), dtype=np.uint8)
     for start in SCALE_BYTES[type_name]:
-        d = (rng.standard_normal(len(blocks)) * (0.3 if type_name.endswith("K") else 4) / K ** 0.5).astype(np.float16)
+        step = 4 if type_name in ("Q4_1", "Q5_0", "Q5_1") else 0.3  # a code's level times d: K-quant / IQ4 ~ 1e2
+        d = (rng.standard_normal(len(blocks)) * step / K ** 0.5).astype(np.float16)
         blocks[:, start:start + 2] = d.view(np.uint8).reshape(-1, 2)
     raw = blocks.reshape(N, K // block * size)
     reference = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]))

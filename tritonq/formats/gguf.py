@@ -9,7 +9,7 @@ one tensor per expert) with their logical [N, K] shapes, as float tensors: readi
 converter interleaves them for llama.cpp's rope). `GGUFLoader` repacks Q4_0 and Q8_0 (d * (q - 8), d * x per
 32 weights: the symmetric form of the int layout) into Int4Weight and Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K
 into GGUFWeight (codes with exact fp32 scales and offsets, `PLANAR`); the rest is dequantized once to the
-compute dtype at load (docs/gguf.md: which, and the memory cost). Every tensor's type, size and place in its file
+compute dtype at load (docs/gguf.md: which, and the memory cost); IQ4_NL / IQ4_XS too (a 16-level code table). Every tensor's type, size and place in its file
 is checked when the files are opened, before any weight is read.
 """
 from __future__ import annotations
@@ -122,21 +122,39 @@ def _planes_q6_k(b):
     return q.reshape(B, 256), _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float(), None
 
 
+def _planes_iq4_nl(b):
+    return _nibbles(b[:, 2:], 16), _f16(b, 0), None
+
+
+def _planes_iq4_xs(b):
+    low = (b[:, 4:8].reshape(-1, 4, 1) >> torch.tensor([0, 4], dtype=torch.uint8)).reshape(-1, 8) & 0x0F
+    high = (b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) >> torch.arange(0, 16, 2)) & 3
+    return _nibbles(b[:, 8:], 16), _f16(b, 0) * ((low.to(torch.int32) | (high << 4)) - 32).float(), None
+
+
+# IQ4_NL / IQ4_XS's 16 non-uniform levels (llama.cpp's kvalues_iq4nl): a 4-bit code q means IQ4_LEVELS[q] * scale
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
 # The block formats kept as GGUFWeight (tritonq.quant.weights): type -> (code bits, zero, group, planes), where planes
 # takes blocks [B, type_size] to (codes uint8 [B, block], scales fp32 [B, block / group], offsets fp32 or None)
-# and a value is (q - zero) * scale (+ offset): each scale and product exact in fp32, as the gguf package forms them.
+# and a value is (q - zero) * scale (+ offset), or IQ4_LEVELS[q] * scale for the IQ4 types (zero None): each scale and
+# product exact in fp32, as the gguf package forms them.
 PLANAR = {"Q4_1": (4, 0, 32, _planes_q4_1), "Q5_0": (5, 16, 32, _planes_q5_0), "Q5_1": (5, 0, 32, _planes_q5_1),
-          "Q4_K": (4, 0, 32, _planes_q4_k), "Q5_K": (5, 0, 32, _planes_q5_k), "Q6_K": (6, 32, 16, _planes_q6_k)}
+          "Q4_K": (4, 0, 32, _planes_q4_k), "Q5_K": (5, 0, 32, _planes_q5_k), "Q6_K": (6, 32, 16, _planes_q6_k),
+          "IQ4_NL": (4, None, 32, _planes_iq4_nl), "IQ4_XS": (4, None, 32, _planes_iq4_xs)}
 
 
 def _planar(type_name: str):
-    """The dequantizer of a PLANAR format: blocks -> float32 (q - zero) * scale (+ offset) per group."""
+    """The dequantizer of a PLANAR format: blocks -> float32 (q - zero) * scale (+ offset) (IQ4: level * scale)
+    per group."""
     _, zero, group, planes = PLANAR[type_name]
 
     def dequantize_blocks(b):
         codes, scales, offsets = planes(b)
         B = b.shape[0]
-        w = (codes.to(torch.int32) - zero).float().reshape(B, -1, group) * scales.reshape(B, -1, 1)
+        levels = torch.tensor(IQ4_LEVELS, dtype=torch.float32)[codes.long()] if zero is None else (
+            codes.to(torch.int32) - zero).float()
+        w = levels.reshape(B, -1, group) * scales.reshape(B, -1, 1)
         if offsets is not None:
             w = w + offsets.reshape(B, -1, 1)
         return w.reshape(B, -1)
@@ -160,7 +178,8 @@ BLOCK_FORMATS = {"F32": (1, 4, _f32_blocks), "F16": (1, 2, _f16_blocks), "BF16":
                  "Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _planar("Q4_1")),
                  "Q5_0": (32, 22, _planar("Q5_0")), "Q5_1": (32, 24, _planar("Q5_1")),
                  "Q4_K": (256, 144, _planar("Q4_K")), "Q5_K": (256, 176, _planar("Q5_K")),
-                 "Q6_K": (256, 210, _planar("Q6_K"))}
+                 "Q6_K": (256, 210, _planar("Q6_K")), "IQ4_NL": (32, 18, _planar("IQ4_NL")),
+                 "IQ4_XS": (256, 136, _planar("IQ4_XS"))}
 
 
 def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -189,7 +208,8 @@ def gguf_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     return GGUFWeight(pack_int32(codes & 15, 4, dim=0).to(device),
                       pack_int32(codes >> 4, bits - 4, dim=0).to(device) if bits > 4 else None,
                       scales.t().to(device).contiguous(), None if offsets is None else offsets.t().to(device).contiguous(),
-                      group, bits, zero, type_name)
+                      group, bits, zero or 0, type_name,
+                      code=None if zero is not None else torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=device))
 
 
 # --- reading ---------------------------------------------------------------------------------------------------
@@ -544,7 +564,7 @@ class GGUFLoader(WeightsLoader):
             return GGUFWeight(torch.empty(k // 8, n, dtype=torch.int32, device=meta),
                               torch.empty(k * (bits - 4) // 32, n, dtype=torch.int32, device=meta) if bits > 4 else None,
                               scales, scales if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else None, group, bits,
-                              zero, type_name)
+                              zero or 0, type_name, code=None if zero is not None else torch.empty(16, device=meta))
         blocks = self.weights.unpermute(name, self.weights.raw(name).reshape(N, K // block, size))
         codes, scales, offsets = planes_of(blocks, type_name)
         bad = nonfinite_count(scales)

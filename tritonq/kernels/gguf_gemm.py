@@ -1,10 +1,11 @@
-"""GGUF block-format dequantize-GEMM (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): y = x @ dequant(w)^T + bias.
+"""GGUF block-format dequantize-GEMM (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): y = x @ W^T + bias.
 
 Shapes and dtypes:
     x       [M, K] fp16 / bf16 / fp32
     w       GGUFWeight (tritonq.quant.weights): lo [K/8, N] int32 (low 4 bits of each code, packed along K), hi
             [K*(bits-4)/32, N] int32 or None (the bits above 4), scales [K/group, N] fp32, offsets [K/group, N]
-            fp32 or None; a value is (q - zero) * scale (+ offset), group 32 or 16 (Q6_K).
+            fp32 or None; a value is (q - zero) * scale (+ offset), group 32 or 16 (Q6_K); IQ4_NL / IQ4_XS:
+            code[q] * scale with code the 16 fp32 levels.
     y       [M, N] in x.dtype; accumulation in fp32.
 
 The load-time repack (formats/gguf.py) keeps the file's values exactly: the super-block's fp16 d times its
@@ -63,9 +64,9 @@ class GGUFGemmConfig:
 
 @triton.jit
 def _gguf_gemm_kernel(
-    x_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr,
+    x_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_xk,
-    BITS: tl.constexpr, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    BITS: tl.constexpr, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_CODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     partials_ptr, arrivals_ptr,
@@ -101,8 +102,11 @@ def _gguf_gemm_kernel(
         offs_g = k0 // GROUP + tl.arange(0, GROUPS)
         mask_g = (offs_g < K // GROUP)[:, None] & mask_n[None, :]
         s = tl.load(scales_ptr + offs_g[:, None] * N + offs_n[None, :], mask=mask_g, other=0.0)
-        # q - zero exactly, as an fp32 (2^23 + q has ulp 1), then the format's scale and offset in fp32
-        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZERO)
+        if HAS_CODE:  # IQ4: q indexes 16 fp32 levels (64 bytes, in L1)
+            v = tl.load(code_ptr + q)
+        else:  # q - zero exactly, as an fp32 (2^23 + q has ulp 1)
+            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZERO)
+        # then the format's scale and offset, in fp32
         v = tl.reshape(v, (GROUPS, GROUP, BLOCK_N)) * s[:, None, :]
         if HAS_OFFSETS:
             v += tl.load(offsets_ptr + offs_g[:, None] * N + offs_n[None, :], mask=mask_g, other=0.0)[:, None, :]
@@ -153,7 +157,12 @@ def _check_weight(w: GGUFWeight) -> tuple[int, int]:
     N, K = w.shape
     groups = (torch.float32, (K // w.group_size, N))
     expected = {"lo": (torch.int32, (K // 8, N)), "hi": (torch.int32, (K * (w.bits - 4) // 32, N)),
-                "scales": groups, "offsets": groups, "bias": (w.bias.dtype if w.bias is not None else None, (N,))}
+                "scales": groups, "offsets": groups, "bias": (w.bias.dtype if w.bias is not None else None, (N,)),
+                "code": (torch.float32, (16,))}
+    if w.code is not None and (w.bits != 4 or w.zero or w.offsets is not None):
+        _fail("code", f"set with bits={w.bits}, zero={w.zero}, offsets {w.offsets is not None}",
+              "a code table with 4-bit codes, zero 0 and no offsets (IQ4_NL / IQ4_XS)",
+              "repack with tritonq.formats.gguf")
     for name, (dtype, shape) in expected.items():
         t = getattr(w, name)
         if t is None and (name != "hi" or w.bits == 4):
@@ -216,10 +225,10 @@ def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig,
     out, partials, arrivals = gemm_output(M, N, config, x.dtype, x.device, arrivals)
     args = dict(
         x_ptr=x, lo_ptr=w.lo, hi_ptr=w.hi if w.hi is not None else w.lo, scales_ptr=w.scales,
-        offsets_ptr=w.offsets if w.offsets is not None else w.scales,
+        offsets_ptr=w.offsets if w.offsets is not None else w.scales, code_ptr=w.code if w.code is not None else w.scales,
         bias_ptr=w.bias if w.bias is not None else w.scales, out_ptr=out, M=M, N=N, K=K,
         stride_xm=x.stride(0), stride_xk=x.stride(1), BITS=w.bits, ZERO=w.zero, GROUP=w.group_size,
-        HAS_OFFSETS=w.offsets is not None, HAS_BIAS=w.bias is not None, UPCAST_DOT=upcast_dot(x),
+        HAS_OFFSETS=w.offsets is not None, HAS_CODE=w.code is not None, HAS_BIAS=w.bias is not None, UPCAST_DOT=upcast_dot(x),
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=config.SPLIT_K,
         partials_ptr=partials, arrivals_ptr=arrivals)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
@@ -251,7 +260,8 @@ def cpu_linear(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
         q = ((w.lo[:, cols].unsqueeze(1) >> shifts_lo) & 15).view(K, -1)
         if high:
             q |= ((w.hi[:, cols].unsqueeze(1) >> shifts_hi) & ((1 << high) - 1)).view(K, -1) << 4
-        v = (q - w.zero).float().view(K // w.group_size, w.group_size, -1) * w.scales[:, None, cols]
+        v = w.code[q] if w.code is not None else (q - w.zero).float()
+        v = v.view(K // w.group_size, w.group_size, -1) * w.scales[:, None, cols]
         if w.offsets is not None:
             v += w.offsets[:, None, cols]
         torch.matmul(xf, v.view(K, -1), out=y[:, cols])
@@ -261,12 +271,13 @@ def cpu_linear(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
 
 
 def aot_launch(config: GGUFGemmConfig, M: int, N: int, K: int, bits: int, group: int, offsets: bool,
-               dtype: torch.dtype = torch.bfloat16) -> Launch:
+               dtype: torch.dtype = torch.bfloat16, code: bool = False) -> Launch:
     """`gguf_gemm_launch` over meta tensors for an N x K weight of `bits`-bit codes, scales per `group`, with
-    offsets or not (Q4_K: 4, 32, True; Q5_K: 5, 32, True; Q6_K: 6, 16, False), no bias."""
+    offsets or not (Q4_K: 4, 32, True; Q5_K: 5, 32, True; Q6_K: 6, 16, False), a code table (IQ4) or not, no bias."""
     meta = torch.device("meta")
     scales = torch.empty(K // group, N, dtype=torch.float32, device=meta)
     w = GGUFWeight(torch.empty(K // 8, N, dtype=torch.int32, device=meta),
                    torch.empty(K * (bits - 4) // 32, N, dtype=torch.int32, device=meta) if bits > 4 else None,
-                   scales, torch.empty_like(scales) if offsets else None, group, bits, 0, f"{bits}-bit")
+                   scales, torch.empty_like(scales) if offsets else None, group, bits, 0, f"{bits}-bit",
+                   code=torch.empty(16, device=meta) if code else None)
     return gguf_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config)[0]

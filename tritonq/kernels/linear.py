@@ -77,9 +77,10 @@ def _prepare_w8a8(w: W8A8Weight) -> Prepared:
 
 
 def _prepare_gguf(w: GGUFWeight) -> Prepared:
-    # CPU: 4-bit types run torch's int4 kernel (cpu_lowbit); 5- / 6-bit ones dequantize column tiles per call
+    # CPU: Q4_1 / Q4_K run torch's int4 kernel (cpu_lowbit); the others dequantize column tiles per call
     # (gguf_gemm.cpu_linear, inside GGUFGemm)
-    return Prepared(w, GGUFGemm(w), cpu_lowbit.prepare(w) if w.bits == 4 and use_cpu_kernels(w.lo) else None)
+    cpu = cpu_lowbit.prepare(w) if w.bits == 4 and w.code is None and use_cpu_kernels(w.lo) else None
+    return Prepared(w, GGUFGemm(w), cpu)
 
 
 def _gemm(x: torch.Tensor, p: Prepared) -> torch.Tensor:

@@ -437,8 +437,9 @@ class GGUFWeight(_TypedWeight):
     scales   [K / group, N] fp32: the format's d, or d * sub-block scale (exact in fp32: 11 x 8 bits).
     offsets  [K / group, N] fp32 or None: m (Q4_1 / Q5_1) or -dmin * sub-block min (Q4_K / Q5_K).
     zero     the code's fixed offset (Q5_0: 16, Q6_K: 32; else 0).
-    Dequant, in fp32: W[n, k] = (q - zero) * scale (+ offset): the gguf package's products and sums, whose
-    products are exact in fp32, so the values are its values bit for bit. type_name names the block format.
+    code     fp32 [16] or None: IQ4_NL / IQ4_XS's non-uniform levels; with it a code q means code[q] (zero 0).
+    Dequant, in fp32: W[n, k] = (q - zero) * scale (+ offset), or code[q] * scale: the gguf package's products and
+    sums, whose products are exact in fp32, so the values are its values bit for bit. type_name names the format.
     """
     lo: torch.Tensor
     hi: torch.Tensor | None
@@ -449,6 +450,7 @@ class GGUFWeight(_TypedWeight):
     zero: int
     type_name: str
     bias: torch.Tensor | None = None
+    code: torch.Tensor | None = None
     output_dims = {"lo": 1, "hi": 1, "scales": 1, "offsets": 1, "bias": 0, "values_rank": 2}
 
     @property
@@ -469,7 +471,8 @@ class GGUFWeight(_TypedWeight):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [N, K] in fp32 (dtype None) or dtype: the format's values (class docstring)."""
         g = torch.arange(self.shape[1], device=self.lo.device) // self.group_size
-        w = (self.codes() - self.zero).float() * self.scales[g]
+        q = self.codes()
+        w = (self.code[q.long()] if self.code is not None else (q - self.zero).float()) * self.scales[g]
         if self.offsets is not None:
             w = w + self.offsets[g]
         return w.t().to(dtype or torch.float32)
