@@ -152,12 +152,13 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     for M in (1, 256):  # bitsandbytes nf4 / fp4: a code-table gather per weight, fp32 absmax per 64 rows
         out[f"nf4 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K), M, N, K, dtype, code=True)
     # GGUF block formats (GGUFWeight): 4-bit codes + offsets per 32 (Q4_K, as Q4_1), 5-bit (Q5_K as Q5_1; Q5_0 without
-    # offsets), 6-bit with scales per 16 (Q6_K)
+    # offsets), 6-bit with scales per 16 (Q6_K); IQ4_XS (as IQ4_NL): a 16-level code table gathered per weight
     for name, bits, group, offsets, rows in (("Q4_K", 4, 32, True, (1, 16, 256)), ("Q5_K", 5, 32, True, (1, 16, 256)),
-                                             ("Q6_K", 6, 16, False, (1, 16, 256)), ("Q5_0", 5, 32, False, (1,))):
+                                             ("Q6_K", 6, 16, False, (1, 16, 256)), ("Q5_0", 5, 32, False, (1,)),
+                                             ("IQ4_XS", 4, 32, False, (1, 256))):
         for M in rows:
             out[f"gguf {name} M{M}"] = gguf_gemm.aot_launch(gguf_gemm.default_config(M, N, K), M, N, K, bits, group,
-                                                            offsets, dtype)
+                                                            offsets, dtype, code=name == "IQ4_XS")
     # fp8: e4m3 x e4m3 dots from sm_89 (block-scaled and per-channel weights), the weight-only path (weights
     # decoded in the kernel) below sm_89 and for weight-only checkpoints everywhere.
     paths = [("fp8", False), ("fp8 weight-only", True)] if cc >= 89 else [("fp8 weight-only", True)]
