@@ -108,6 +108,8 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "gguf Q6_K M1"): 24, (75, "gguf Q6_K M16"): 24,  # 3.9 (3.6: none)
     (75, "gguf Q6_K M256"): 260,  # 3.9: 260, 3.6: 128
     (75, "gguf Q5_0 M1"): 20,  # 3.9 (3.6: none)
+    (75, "gguf IQ4_XS M1"): 2548,  # 3.9: 2548, 3.6: 2164: the level-table gather of a whole tile, as nf4's
+    (75, "gguf IQ4_XS M256"): 11476,  # 3.9: 9992, 3.6: 11476
     # int8 KV pages: the per-key scales of a 128 x 32 score tile take the last registers on sm_89 (255; sm_80 183,
     # no spill); 4 bytes, measured under 3.9 (3.6 not measured here).
     (89, "prefill 128/128 kv int8"): 4,
