@@ -2,7 +2,8 @@
 
 Each weight type's M = 1 launch (the launcher's own builder over meta tensors, default config; a 4096 x 4096
 layer), GGUF's Q4_K / Q5_K / Q6_K / IQ4_XS GEMM's, and the fused MoE's int4 gate/up GEMM at its smallest tile (the same
-dequantization helper; DeepSeek-V2-Lite's experts), is compiled ahead of time for sm_80 and sm_90 (kernels/aot.py, Triton's bundled ptxas) and its main loop
+dequantization helper; DeepSeek-V2-Lite's experts), is compiled ahead of time for sm_80 and sm_90 (kernels/aot.py,
+Triton's bundled ptxas) and its main loop
 (the longest backward branch of the SASS, Triton's bundled cuobjdump) must show:
   * no int-to-float conversion (I2F*): the codes become floats by magic numbers (common.dequantize_int_tile).
     I2F.RP is not one: it seeds the reciprocal of an integer division (the MoE tile's group index, k0 //

@@ -40,7 +40,8 @@ def test_gguf_gemm_matches_float32_reference(type_name, dtype, device):
         w, W = w.to(device), W.to(device)
         gemm = GGUFGemm(w)
         for M in ((1, 3, 17, 64) if dtype == torch.float32 else (1, 17)):
-            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(device=device, dtype=dtype)
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M), device="cpu")
+            x = x.to(device=device, dtype=dtype)
             ref = x.float() @ W.t()
             y = gemm(x)
             assert y.dtype == dtype and y.shape == (M, N)
@@ -56,7 +57,7 @@ def test_bias_split_k_and_the_reference(device):
         bias = torch.randn(40)
     w = GGUFWeight(**{**w.__dict__, "bias": bias}).to(device)
     W, bias = W.to(device), bias.to(device)
-    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(0)).to(device)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(0), device="cpu").to(device)
     ref = x @ W.t() + bias
     tol = TOL[torch.float32]
     for y in (GGUFGemm(w)(x, GGUFGemmConfig(16, 32, 128, SPLIT_K=4)), gguf_gemm_reference(x, w)):

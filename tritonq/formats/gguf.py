@@ -7,10 +7,10 @@ Hugging Face names (blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weigh
 one tensor per expert) with their logical [N, K] shapes, as float tensors: reading one dequantizes its blocks
 (`dequantize`, bit for bit the gguf package's reference in fp32), with Llama's Q/K rows un-permuted (the
 converter interleaves them for llama.cpp's rope). `GGUFLoader` repacks Q4_0 and Q8_0 (d * (q - 8), d * x per
-32 weights: the symmetric form of the int layout) into Int4Weight and Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K
-into GGUFWeight (codes with exact fp32 scales and offsets, `PLANAR`); the rest is dequantized once to the
-compute dtype at load (docs/gguf.md: which, and the memory cost); IQ4_NL / IQ4_XS too (a 16-level code table). Every tensor's type, size and place in its file
-is checked when the files are opened, before any weight is read.
+32 weights: the symmetric form of the int layout) into Int4Weight and Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K /
+IQ4_NL / IQ4_XS into GGUFWeight (codes with exact fp32 scales and offsets or a 16-level table, `PLANAR`); the
+rest is dequantized once to the compute dtype at load (docs/gguf.md: which, and the memory cost). Every
+tensor's type, size and place in its file is checked when the files are opened, before any weight is read.
 """
 from __future__ import annotations
 
@@ -207,7 +207,8 @@ def gguf_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     codes = codes.t()  # [K, N]: the planes are packed along K, scale rows [K / group, N]
     return GGUFWeight(pack_int32(codes & 15, 4, dim=0).to(device),
                       pack_int32(codes >> 4, bits - 4, dim=0).to(device) if bits > 4 else None,
-                      scales.t().to(device).contiguous(), None if offsets is None else offsets.t().to(device).contiguous(),
+                      scales.t().to(device).contiguous(),
+                      None if offsets is None else offsets.t().to(device).contiguous(),
                       group, bits, zero or 0, type_name,
                       code=None if zero is not None else torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=device))
 
@@ -562,7 +563,8 @@ class GGUFLoader(WeightsLoader):
             meta = torch.device("meta")
             scales = torch.empty(k // group, n, device=meta)
             return GGUFWeight(torch.empty(k // 8, n, dtype=torch.int32, device=meta),
-                              torch.empty(k * (bits - 4) // 32, n, dtype=torch.int32, device=meta) if bits > 4 else None,
+                              torch.empty(k * (bits - 4) // 32, n, dtype=torch.int32, device=meta) if bits > 4
+                              else None,
                               scales, scales if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else None, group, bits,
                               zero or 0, type_name, code=None if zero is not None else torch.empty(16, device=meta))
         blocks = self.weights.unpermute(name, self.weights.raw(name).reshape(N, K // block, size))

@@ -169,9 +169,11 @@ def _check_weight(w: GGUFWeight) -> tuple[int, int]:
             continue
         if t is None or (name == "hi" and w.bits == 4) or t.dtype != dtype or tuple(t.shape) != shape:
             _fail(name, None if t is None else f"{t.dtype} of shape {tuple(t.shape)}",
-                  "None" if name == "hi" and w.bits == 4 else f"{dtype} {list(shape)}", "repack with tritonq.formats.gguf")
+                  "None" if name == "hi" and w.bits == 4 else f"{dtype} {list(shape)}",
+                  "repack with tritonq.formats.gguf")
         if not t.is_contiguous():
-            _fail(name, f"non-contiguous with strides {t.stride()}", "a contiguous tensor", "call .contiguous() at load")
+            _fail(name, f"non-contiguous with strides {t.stride()}", "a contiguous tensor",
+                  "call .contiguous() at load")
     return N, K
 
 
@@ -225,10 +227,12 @@ def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig,
     out, partials, arrivals = gemm_output(M, N, config, x.dtype, x.device, arrivals)
     args = dict(
         x_ptr=x, lo_ptr=w.lo, hi_ptr=w.hi if w.hi is not None else w.lo, scales_ptr=w.scales,
-        offsets_ptr=w.offsets if w.offsets is not None else w.scales, code_ptr=w.code if w.code is not None else w.scales,
+        offsets_ptr=w.offsets if w.offsets is not None else w.scales,
+        code_ptr=w.code if w.code is not None else w.scales,
         bias_ptr=w.bias if w.bias is not None else w.scales, out_ptr=out, M=M, N=N, K=K,
         stride_xm=x.stride(0), stride_xk=x.stride(1), BITS=w.bits, ZERO=w.zero, GROUP=w.group_size,
-        HAS_OFFSETS=w.offsets is not None, HAS_CODE=w.code is not None, HAS_BIAS=w.bias is not None, UPCAST_DOT=upcast_dot(x),
+        HAS_OFFSETS=w.offsets is not None, HAS_CODE=w.code is not None, HAS_BIAS=w.bias is not None,
+        UPCAST_DOT=upcast_dot(x),
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=config.SPLIT_K,
         partials_ptr=partials, arrivals_ptr=arrivals)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)

@@ -3,8 +3,8 @@
 
 `prepare(w)` runs once per weight (a Linear's construction): it checks the weight, so a bad one fails there with
 its kernel's message, and builds what the calls need: the weight's GEMM object (`Int4Gemm`, `FP8Gemm`, `Int8Gemm`,
-`GGUFGemm`: kernel, config and launch arguments resolved once per M bucket, one launch per call at decode) and, on the CPU
-backend, the CPU form (kernels/cpu/lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
+`GGUFGemm`: kernel, config and launch arguments resolved once per M bucket, one launch per call at decode) and, on
+the CPU backend, the CPU form (kernels/cpu/lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
 one). `run(x, prepared)` is then a lookup and a call: the backend (CPU kernels, the torch reference under
 TRITONQ_BACKEND=torch, Triton) is picked from x by the GEMM object, or by the CPU fast paths here.
 """

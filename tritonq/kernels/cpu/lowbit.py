@@ -364,7 +364,7 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
         return CPUDenseWeight(w.weight.float(), bias)
     if isinstance(w, Int4Weight):
         w.check_g_idx()  # every g_idx entry names a scales row (what the reference checks per call)
-    if isinstance(w, GGUFWeight) and w.bits == 4 and w.code is None:  # Q4_1 / Q4_K: q * s + o = (q - 8) * s + (8 s + o), float zero
+    if isinstance(w, GGUFWeight) and w.bits == 4 and w.code is None:  # Q4_1 / Q4_K: q*s + o = (q - 8)*s + (8s + o)
         _note("GGUF Q4_1 / Q4_K weights run torch's CPU int4 kernel, their fp32 scales and offsets rounded to bf16")
         return _prepare_int4(Int4Weight(w.lo, w.scales, None, None, w.group_size, 4, w.bias),
                              float_zeros=8 * w.scales + w.offsets)
