@@ -11,8 +11,8 @@ rounding to that dtype and one rounding of y.
 import pytest
 import tolerances
 import torch
-
 from formats.gguf_files import random_weight
+
 from tritonq.formats.gguf import BLOCK_FORMATS, PLANAR
 from tritonq.kernels.gguf_gemm import GGUFGemm, GGUFGemmConfig, gguf_gemm_reference
 from tritonq.quant.weights import GGUFWeight

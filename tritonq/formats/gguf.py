@@ -194,7 +194,7 @@ def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
 def planes_of(blocks: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Blocks uint8 [N, K / block, type_size] of a PLANAR format -> (codes uint8 [N, K], scales fp32
     [N, K / group], offsets fp32 [N, K / group] or None)."""
-    N, blocks_per_row, size = blocks.shape
+    N, _, size = blocks.shape
     codes, scales, offsets = PLANAR[type_name][3](blocks.reshape(-1, size))
     scales = scales.reshape(N, -1)
     return codes.reshape(N, -1), scales, None if offsets is None else offsets.reshape(N, -1)
