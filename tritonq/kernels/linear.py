@@ -2,9 +2,9 @@
 (prepare once, run per call), for the GPU and the CPU backend alike.
 
 `prepare(w)` runs once per weight (a Linear's construction): it checks the weight, so a bad one fails there with
-its kernel's message, and builds what the calls need: the weight's GEMM object (`Int4Gemm`, `FP8Gemm`, `Int8Gemm`:
-kernel, config and launch arguments resolved once per M bucket, one launch per call at decode) and, on the CPU
-backend, the CPU form (kernels/cpu/lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
+its kernel's message, and builds what the calls need: the weight's GEMM object (`Int4Gemm`, `FP8Gemm`, `Int8Gemm`,
+`GGUFGemm`: kernel, config and launch arguments resolved once per M bucket, one launch per call at decode) and, on
+the CPU backend, the CPU form (kernels/cpu/lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
 one). `run(x, prepared)` is then a lookup and a call: the backend (CPU kernels, the torch reference under
 TRITONQ_BACKEND=torch, Triton) is picked from x by the GEMM object, or by the CPU fast paths here.
 
@@ -24,9 +24,10 @@ from tritonq.kernels import use_cpu_kernels, use_triton
 from tritonq.kernels.cpu import dense as cpu_dense, lowbit as cpu_lowbit
 from tritonq.kernels.dense_gemm import DenseGemm
 from tritonq.kernels.fp8_gemm import FP8Gemm
+from tritonq.kernels.gguf_gemm import GGUFGemm
 from tritonq.kernels.int4_gemm import Int4Gemm
 from tritonq.kernels.int8_gemm import Int8Gemm
-from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight, W8A8Weight, Weight
+from tritonq.quant.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight, W8A8Weight, Weight
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ def _prepare_int4(w: Int4Weight) -> Prepared:
 
 
 def _int4(x: torch.Tensor, p: Prepared) -> torch.Tensor:
+    """Int4Weight and GGUFWeight: [..., K] through the CPU form when there is one, else the GEMM object."""
     x2 = x.reshape(-1, x.shape[-1])
     if p.cpu is not None and use_cpu_kernels(x):  # torch's int4 CPU kernel over the repacked weight
         y = cpu_lowbit.linear(x2, p.cpu)
@@ -77,8 +79,17 @@ def _prepare_w8a8(w: W8A8Weight) -> Prepared:
     return Prepared(w, Int8Gemm(w), None)  # the CPU backend runs the int8 codes as stored (torch._int_mm)
 
 
+def _prepare_gguf(w: GGUFWeight) -> Prepared:
+    # CPU: Q4_1 / Q4_K run torch's int4 kernel (cpu_lowbit); the others dequantize column tiles per call
+    # (gguf_gemm.cpu_linear, inside GGUFGemm)
+    cpu = cpu_lowbit.prepare(w) if w.bits == 4 and w.code is None and use_cpu_kernels(w.lo) else None
+    return Prepared(w, GGUFGemm(w), cpu)
+
+
 def _gemm(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     return p.gemm(x)  # FP8Gemm and Int8Gemm take [..., K] themselves
+
+
 
 
 # The one table of linears by weight type (MXFP4 is experts-only: kernels/moe/).
@@ -87,6 +98,7 @@ LINEARS = {
     Int4Weight: LinearKind(_prepare_int4, _int4),
     FP8Weight: LinearKind(_prepare_fp8, _gemm),
     W8A8Weight: LinearKind(_prepare_w8a8, _gemm),
+    GGUFWeight: LinearKind(_prepare_gguf, _int4),
 }
 
 
