@@ -2,13 +2,15 @@
 
 The launches are the launchers' own (each kernel file's builder over meta tensors: signature, strides,
 divisibility hints and default config as at run time), at representative shapes: int4 / fp8 GEMMs at
-M = 1, 16, 256 (a 4096 x 4096 layer), the batch-invariant mode's dense GEMM, paged prefill and split-KV decode
+M = 1, 16, 256 (a 4096 x 4096 layer), the GGUF block-format GEMM (Q4_K, Q5_K, Q6_K at the same M; Q5_0 at 1), the
+batch-invariant mode's dense GEMM, paged prefill and split-KV decode
 attention for head dims 64, 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token
 pages, a sliding window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split
 and merge), decode at a batch that needs one split (the merge folded into it, with and without sinks), the MoE
 token alignment (one program), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8
 from sm_89) and on gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm (alone and after the residual
-add), SiLU-mul, the rope + qk-norm KV write, the fp8 activation quantization, and the KV-cache launches over 8-bit
+add), SiLU-mul, Gated DeltaNet's kernels at Qwen3.5's shapes (chunked and recurrent delta rule, conv and its
+update, gated RMSNorm), the rope + qk-norm KV write, the fp8 activation quantization, and the KV-cache launches over 8-bit
 pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and MLA's latent decode; e4m3 travels as bytes,
 decoded with integer ops on every target).
 Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
@@ -38,7 +40,7 @@ import sys
 import pytest
 import torch
 
-from tritonq.kernels import attention, dense_gemm, fp8_gemm, int4_gemm, int8_gemm, moe
+from tritonq.kernels import attention, deltanet, dense_gemm, fp8_gemm, gguf_gemm, int4_gemm, int8_gemm, moe
 from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, SM_COUNT
 from tritonq.kernels.common import Launch, gpu_compute_dtypes
 from tritonq.kernels.norm_rope import rms_norm_launch, silu_mul_launch
@@ -100,10 +102,26 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "moe fp8 down M64"): 456,  # 3.9: 456, 3.6: 376
     (75, "moe mxfp4 gpt-oss gate_up M16"): 2604,  # 3.9: 2604, 3.6: 2524
     (75, "moe mxfp4 gpt-oss gate_up M64"): 2560,  # 3.9: 2560, 3.6: 2512
+    # GGUF block formats: each weight formed in fp32 before the FMA dot (the K-quants' exact values)
+    (75, "gguf Q4_K M256"): 200,  # 3.9: 200, 3.6: 88
+    (75, "gguf Q5_K M1"): 12, (75, "gguf Q5_K M16"): 8,  # 3.9 (3.6: none)
+    (75, "gguf Q5_K M256"): 220,  # 3.9: 220, 3.6: 92
+    (75, "gguf Q6_K M1"): 24, (75, "gguf Q6_K M16"): 24,  # 3.9 (3.6: none)
+    (75, "gguf Q6_K M256"): 260,  # 3.9: 260, 3.6: 128
+    (75, "gguf Q5_0 M1"): 20,  # 3.9 (3.6: none)
+    (75, "gguf IQ4_XS M1"): 2548,  # 3.9: 2548, 3.6: 2164: the level-table gather of a whole tile, as nf4's
+    (75, "gguf IQ4_XS M256"): 11476,  # 3.9: 9992, 3.6: 11476
     # int8 KV pages: the per-key scales of a 128 x 32 score tile take the last registers on sm_89 (255; sm_80 183,
     # no spill); 4 bytes, measured under 3.9 (3.6 not measured here).
     (89, "prefill 128/128 kv int8"): 4,
     (89, "decode 576/512 kv int8"): 4,  # MLA latent decode over int8 pages: 3.6: 4 B (3.9: none)
+    # Gated DeltaNet's chunk kernel holds a whole chunk (32 tokens, Dk = 128) and its state tile in one program's
+    # registers (255 used from sm_80): a few bytes; at 64 tokens 2.7 KB (docs/kernels.md#gated-deltanet). sm_75 as
+    # the GEMMs there (FMA dots).
+    (75, "deltanet chunk"): 3640,  # 3.9: 3640, 3.6: 3600
+    (80, "deltanet chunk"): 24,  # 3.9: 24, 3.6: 8
+    (89, "deltanet chunk"): 52,  # 3.9: 52, 3.6: 48
+    (90, "deltanet chunk"): 28,  # 3.9: 28, 3.6: 28
 }
 
 
@@ -144,6 +162,14 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     for M in (1, 256):  # bitsandbytes nf4 / fp4: a code-table gather per weight, fp32 absmax per 64 rows
         out[f"nf4 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K, cc=cc), M, N, K, dtype, code=True,
                                                 cc=cc)
+    # GGUF block formats (GGUFWeight): 4-bit codes + offsets per 32 (Q4_K, as Q4_1), 5-bit (Q5_K as Q5_1; Q5_0 without
+    # offsets), 6-bit with scales per 16 (Q6_K); IQ4_XS (as IQ4_NL): a 16-level code table gathered per weight
+    for name, bits, group, offsets, rows in (("Q4_K", 4, 32, True, (1, 16, 256)), ("Q5_K", 5, 32, True, (1, 16, 256)),
+                                             ("Q6_K", 6, 16, False, (1, 16, 256)), ("Q5_0", 5, 32, False, (1,)),
+                                             ("IQ4_XS", 4, 32, False, (1, 256))):
+        for M in rows:
+            out[f"gguf {name} M{M}"] = gguf_gemm.aot_launch(gguf_gemm.default_config(M, N, K), M, N, K, bits, group,
+                                                            offsets, dtype, code=name == "IQ4_XS")
     # fp8: e4m3 x e4m3 dots from sm_89 (block-scaled and per-channel weights), the weight-only path (weights
     # decoded in the kernel) below sm_89 and for weight-only checkpoints everywhere.
     paths = [("fp8", False), ("fp8 weight-only", True)] if cc >= 89 else [("fp8 weight-only", True)]
@@ -165,6 +191,20 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     out["dense batch-invariant"] = dense_gemm.dense_gemm_launch(
         _meta(256, K, dtype=dtype), DenseWeight(_meta(N, K, dtype=dtype), _meta(N, dtype=dtype)),
         _meta(256, N, dtype=dtype), cc)
+    # the decode layer's fused epilogues: gate_up with SwiGLU (int4 split-K, dense by row index) and o_proj with
+    # the residual addition and the RMSNorm of the whole rows (the row block's last tile)
+    dense_w = DenseWeight(_meta(N, K, dtype=dtype))
+    out["dense gate_up swiglu M16"] = dense_gemm.dense_gemm_launch(_meta(16, K, dtype=dtype), dense_w,
+                                                                 _meta(16, N // 2, dtype=dtype), cc, silu_mul=True)
+    out["int4 gate_up swiglu M1"] = int4_gemm.aot_launch(int4_gemm.default_config(1, N, K), 1, N, K, dtype)
+    out["int4 gate_up swiglu M1"].args["SILU_MUL"] = True
+    epilogue = dict(ADD_NORM=True, eps=1e-6, row_arrivals_ptr=_meta(1, **i32), norm_w_ptr=_meta(N, dtype=dtype),
+                    sumsq_ptr=_meta(N // 16, 16, dtype=torch.float32))
+    out["int4 o add-norm M16"] = int4_gemm.aot_launch(int4_gemm.default_config(16, N, K), 16, N, K, dtype)
+    out["int4 o add-norm M16"].args.update(epilogue)
+    out["dense o add-norm M16"] = dense_gemm.dense_gemm_launch(_meta(16, K, dtype=dtype), dense_w,
+                                                             _meta(16, N, dtype=dtype), cc)
+    out["dense o add-norm M16"].args.update(epilogue, GROUP_M=1)
     if cc >= 89:  # activations quantized per 128-group (block-scaled weights)
         out["fp8 quantize group128"] = fp8_gemm.quantize_activation_launch(
             _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.float8_e4m3fn),
@@ -280,12 +320,36 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     out["add_rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5,
                                                add=_meta(4, 8192, dtype=dtype))[0]
     out["silu_mul 14336"] = silu_mul_launch(_meta(4, 2 * 14336, dtype=dtype))[0]
+    out.update(_deltanet_launches(dtype))
+    return out
+
+
+def _deltanet_launches(dtype) -> dict[str, Launch]:
+    """Gated DeltaNet at Qwen3.5's linear-attention shapes: 16 key / 32 value heads of 128, a conv over
+    2 * 16 * 128 + 32 * 128 = 8192 channels of width 4; 4 sequences, 4096 tokens, a pool of 64 states."""
+    T, B, Hk, Hv, D, pool, i32 = 4096, 4, 16, 32, 128, 64, torch.int32
+    state, rows = _meta(pool, Hv, D, D, dtype=torch.float32), _meta(B, dtype=i32)
+    out = {}
+    for name, tokens, cu in (("deltanet chunk", T, _meta(B + 1, dtype=i32)), ("deltanet recurrent", B, None)):
+        v = _meta(tokens, Hv, D, dtype=dtype)
+        out[name] = deltanet.rule_launch(_meta(tokens, Hk, D, dtype=dtype), _meta(tokens, Hk, D, dtype=dtype), v,
+                                         _meta(tokens, Hv, dtype=torch.float32), _meta(tokens, Hv, dtype=dtype),
+                                         state, rows, cu, torch.empty_like(v), D ** -0.5, True)
+    for name, tokens, cu in (("deltanet conv", T, _meta(B + 1, dtype=i32)), ("deltanet conv update", B, None)):
+        x = _meta(tokens, 8192, dtype=dtype)
+        out[name] = deltanet.conv_launch(x, _meta(8192, 4, dtype=dtype), None, _meta(pool, 8192, 3, dtype=dtype),
+                                         rows, cu, torch.empty_like(x), "silu")
+    x = _meta(T * Hv, D, dtype=dtype)
+    out["deltanet gated_rms_norm"] = deltanet.gated_rms_norm_launch(x, x, _meta(D, dtype=dtype), 1e-6,
+                                                                    torch.empty_like(x))
     return out
 
 
 def dot_rows(launch: Launch) -> int | None:
-    """Rows of the launch's tl.dot tiles (BLOCK_M, or decode's BLOCK_H of query heads); None: no dot."""
-    return launch.args.get("BLOCK_M", launch.args.get("BLOCK_H"))
+    """Rows of the launch's largest tl.dot tiles (BLOCK_M, decode's BLOCK_H of query heads, the Gated DeltaNet
+    chunk kernel's BLOCK_K: its state update, Dk x chunk x Dv columns); None: no dot."""
+    deltanet_chunk = launch.args.get("BLOCK_K") if "C" in launch.args else None
+    return launch.args.get("BLOCK_M", launch.args.get("BLOCK_H", deltanet_chunk))
 
 
 def expected_tensor_cores(cc: int, rows: int | None) -> str | None:
