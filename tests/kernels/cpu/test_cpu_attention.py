@@ -12,7 +12,7 @@ The write of new keys into the pages is a copy: bitwise equal to the reference. 
 the layers of a step is reused only while its lengths, window and block table are unchanged.
 Decode runs the C kernel (kernels/cpu_native.py) where it takes the call and torch's flash kernel over gathered
 keys otherwise: the decode test runs both (`path`); the tests of the gather plan, the grouped calls and the thread
-count are about the torch path and pin it. tests/kernels/test_cpu_native.py tests the C kernel's own cases.
+count are about the torch path and pin it. tests/kernels/cpu/test_cpu_native.py tests the C kernel's own cases.
 """
 import pytest
 import torch

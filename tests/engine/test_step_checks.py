@@ -13,7 +13,7 @@ paths read nothing back from the device and convert no weight per step.
 import pytest
 import torch
 from models.paged import PagedRun
-from test_cuda_graphs import deepseek, llama, llama_folder, to_meta  # noqa: F401 (llama_folder: a fixture)
+from test_cuda_graphs import deepseek, llama, to_meta
 
 from tritonq.kernels import attention
 

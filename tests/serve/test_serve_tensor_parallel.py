@@ -4,7 +4,7 @@ The two ranks are two torchrun "nodes" of one process each, joined through torch
 (--nnodes 2 --rdzv-endpoint), as two machines would be: the same code path as --nproc-per-node 2 on one
 machine, plus the rendezvous. Either node may get rank 0; both are told the same port and only rank 0 binds
 it. The model is the server tests' tiny Llama on the torch backend in float32; the reference is
-Model.generate in this process. Tensor parallelism regroups float32 sums only (tests/test_tensor_parallel.py:
+Model.generate in this process. Tensor parallelism regroups float32 sums only (tests/parallel/test_tensor_parallel.py:
 logits within 1e-4), so texts are compared exactly after checking no greedy token was a near tie.
 """
 import os
@@ -19,7 +19,7 @@ pytest.importorskip("fastapi")
 
 import serve_util  # noqa: E402
 import tolerances  # noqa: E402
-from serve_util import MAX_SEQ_LEN, MODEL_NAME, ROOT, Server, checkpoint, reference  # noqa: E402,F401 (checkpoint, reference: fixtures)
+from serve_util import MAX_SEQ_LEN, MODEL_NAME, ROOT, Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

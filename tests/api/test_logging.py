@@ -17,7 +17,7 @@ from tritonq.demo import DEFAULT_MODEL
 from tritonq.kernels import cpu_lowbit
 from tritonq.progress import progress_bar
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a thread pool only adds sync overhead
 # Loads as a user's: on the CPU backend (its notes are what is checked), not through Triton's interpreter
 # (tests/conftest.py sets TRITON_INTERPRET=1 for the kernel tests).

@@ -1,4 +1,4 @@
-"""A `python -m tritonq.serve` process on 127.0.0.1 for the server tests (tests/test_serve*.py)."""
+"""A `python -m tritonq.serve` process on 127.0.0.1 for the server tests (tests/serve/)."""
 import os
 import signal
 import socket
@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 512
 MODEL_NAME = "tiny"
 KEY = "sk-test-key"
@@ -20,26 +20,6 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     """The tiny Llama the server tests serve (hidden 128, byte tokenizer), written once per module."""
     from tritonq.demo import write_tiny_llama
     return write_tiny_llama(tmp_path_factory.mktemp("serve") / "tiny", hidden_size=128)
-
-
-def reference_model(checkpoint):
-    """(a fixture body) The offline Model on the same checkpoint and backend as the server."""
-    import tritonq
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITONQ_BACKEND", "torch")
-        yield tritonq.load(checkpoint, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4)
-
-
-# The module-scoped fixtures of the server tests (a test file imports them by name): the tiny checkpoint and its
-# reference model.
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    yield from reference_model(checkpoint)
 
 
 def _free_port() -> int:

@@ -1,5 +1,5 @@
-"""`python tests/serve_scripted.py MODEL ARGS...`: `python -m tritonq.serve` whose sampler writes a given reply,
-for tests of what the server does with given model output (tests/test_serve_tool_reader.py).
+"""`python tests/serve/serve_scripted.py MODEL ARGS...`: `python -m tritonq.serve` whose sampler writes a given reply,
+for tests of what the server does with given model output (tests/serve/test_serve_tool_reader.py).
 
 TRITONQ_TEST_SCRIPT_FILE names a file holding a JSON list of token ids. Every sampled row takes the id at its
 position among the generated tokens (the last id once past the end); logprob 0, no top logprobs. The int-digit

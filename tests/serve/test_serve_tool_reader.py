@@ -1,5 +1,5 @@
 """The tool-call reader on hostile model output: unit tests of tritonq.serve.tools, and a real server
-(tests/serve_scripted.py: its sampler writes a given reply) through the official openai client and httpx.
+(tests/serve/serve_scripted.py: its sampler writes a given reply) through the official openai client and httpx.
 
 A reply whose <tool_call> block cannot be read (a number past the int-digit limit, nesting past the recursion
 limit) is text, as OpenAI answers a reply without a call: content is the text, finish_reason "stop" or
@@ -57,7 +57,7 @@ def scripted(tmp_path_factory):
     script = tmp_path_factory.mktemp("script") / "script.json"
     script.write_text("[0]")
     server = Server(folder, tmp_path_factory.mktemp("log") / "server.log", "--max-seq-len", "2048",
-                    entry=[str(ROOT / "tests" / "serve_scripted.py")], env={"TRITONQ_TEST_SCRIPT_FILE": str(script)})
+                    entry=[str(ROOT / "tests" / "serve" / "serve_scripted.py")], env={"TRITONQ_TEST_SCRIPT_FILE": str(script)})
 
     def say(text: str) -> None:
         """The server's next replies: text, then EOS."""

@@ -1,5 +1,5 @@
-"""`python tests/serve_faulty.py MODEL ARGS...`: `python -m tritonq.serve` with ModelRunner.run patched
-to fail on demand, for the fault-injection tests (tests/test_serve_bad_input.py).
+"""`python tests/serve/serve_faulty.py MODEL ARGS...`: `python -m tritonq.serve` with ModelRunner.run patched
+to fail on demand, for the fault-injection tests (tests/serve/test_serve_bad_input.py).
 
 TRITONQ_TEST_FAULT_FILE names a file. While it does not exist, run is the real one. At the first run
 call that finds it, the file is removed (one shot) and its content says what that call does:

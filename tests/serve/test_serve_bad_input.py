@@ -1,9 +1,9 @@
-"""The red-team table against the server (the twin of tests/test_bad_input.py): bad requests get a
+"""The red-team table against the server (the twin of tests/api/test_bad_input.py): bad requests get a
 4xx naming the culprit, and the server answers a normal request afterwards with the same output as
 before; a failing engine step fails only its requests; a dead engine makes /health 503 and the
 process exit non-zero.
 
-One server process (tests/serve_faulty.py: `python -m tritonq.serve` with ModelRunner.run failing
+One server process (tests/serve/serve_faulty.py: `python -m tritonq.serve` with ModelRunner.run failing
 on demand) serves the whole module: --max-num-seqs 1 (so requests queue), --max-waiting 4, an API
 key and a 100 kB body limit. The dead-engine case kills it, so it runs last.
 """

@@ -128,7 +128,7 @@ def test_layer_of_matches_the_nearest_entry():
 
 def test_every_module_has_a_layer():
     missing = sorted(m for m in import_graph() if layer_of(m) is None)
-    assert not missing, (f"modules without a layer: {missing}; add each to LAYERS in tests/test_import_graph.py, "
+    assert not missing, (f"modules without a layer: {missing}; add each to LAYERS in tests/repo/test_import_graph.py, "
                          "on the floor of the lowest module that imports it, above everything it imports")
 
 

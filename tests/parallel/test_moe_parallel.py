@@ -2,7 +2,7 @@
 (tensor parallel) or whole per rank (expert parallel), against one process; refused splits. Also a
 compressed-tensors Llama (int4 group 32, asymmetric, written by compressed-tensors itself) on 2 ranks.
 
-Ranks are CPU processes (gloo) spawned with torch.multiprocessing, as tests/test_tensor_parallel.py does; the
+Ranks are CPU processes (gloo) spawned with torch.multiprocessing, as tests/parallel/test_tensor_parallel.py does; the
 reference is the single-process tritonq model (itself checked against transformers in
 tests/models/test_deepseek_v2.py, both attention modes). Both sides compute in float32 from the same weights;
 the ranks only regroup sums (o_proj, down_proj and every expert's down add `world` partial dot products,

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Every kernel family's launch must be reached: a test that stops (at a meta-only data access) before its
 # kernel checks nothing about the device, so losing a whole family here means the run lost its point.
@@ -20,7 +20,7 @@ KERNELS = {"_decode_merge_kernel", "_decode_split_kernel", "_fp8_gemm_kernel", "
 
 # Tests that run on the CPU only by design, left out by name so that every other kernel test keeps this guard:
 # test_cpu_dense.py tests the CPU backend's oneDNN bf16 linears, which no GPU runs.
-CPU_ONLY = ("--deselect", "tests/kernels/test_cpu_dense.py")
+CPU_ONLY = ("--deselect", "tests/kernels/cpu/test_cpu_dense.py")
 
 
 def test_kernel_tests_pass_on_a_fake_gpu(tmp_path):

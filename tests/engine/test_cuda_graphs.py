@@ -34,13 +34,6 @@ DEEPSEEK = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_interme
                 bos_token_id=None, eos_token_id=None, pad_token_id=0)
 
 
-@pytest.fixture(scope="module")
-def llama_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    write_checkpoint(folder, kv_heads=2, tied=False, bias=True, rope="llama3")
-    return folder
-
-
 def deepseek(tmp_path_factory, mode: str, dense_only: bool = False, device="cpu", dtype=torch.float32):
     """A tiny random DeepSeek-V2 (dense_only: every layer a dense MLP, no routed experts)."""
     torch.manual_seed(0)

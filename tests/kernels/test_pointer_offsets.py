@@ -7,6 +7,7 @@ chunk through a 59 k-wide gate_up, or MLA's expansion of 87 k context tokens), w
 real tensors can reach. The IR is built in a child process without TRITON_INTERPRET (under it
 @triton.jit gives interpreted functions).
 """
+import os
 import re
 
 import pytest
@@ -145,7 +146,7 @@ def ttir_offsets():
 @pytest.fixture(scope="module")
 def offsets():
     script = ("import json, sys, test_pointer_offsets as t; print(json.dumps(t.ttir_offsets()))")
-    return json_from_child(["-c", script])
+    return json_from_child(["-c", script], first_on_path=(os.path.dirname(__file__),))
 
 
 @pytest.mark.parametrize("name", sorted(ROW_POINTERS))

@@ -6,6 +6,8 @@ memory (no spills, no stack arrays). Launches: Llama-3-8B's 32 / 8 heads of 128 
 absorbed-MLA latent 576 / 512. The compiles run in a child process (conftest's TRITON_INTERPRET=1 makes the kernels
 interpreted functions, which do not compile).
 """
+import os
+
 import pytest
 from child_process import json_from_child
 
@@ -52,7 +54,7 @@ def memory_ops() -> dict:
 
 @pytest.fixture(scope="module")
 def ops():
-    return json_from_child(["-c", "import json, test_attention_sass as t; print(json.dumps(t.memory_ops()))"])
+    return json_from_child(["-c", "import json, test_attention_sass as t; print(json.dumps(t.memory_ops()))"], first_on_path=(os.path.dirname(__file__),))
 
 
 @pytest.mark.parametrize("cc", TARGETS)

@@ -1,7 +1,7 @@
 """Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 on 2 ranks, Mixtral also on 4 (tensor and expert parallel)
 against one process, through tritonq.load.
 
-Ranks are CPU processes (gloo) spawned as in tests/test_tensor_parallel.py, with the tiny random checkpoints of
+Ranks are CPU processes (gloo) spawned as in tests/parallel/test_tensor_parallel.py, with the tiny random checkpoints of
 tests/models/test_moe_models.py (dense, AWQ and GPTQ experts written by tritonq's writer; there checked against
 transformers in one process: the independent reference).
 Both sides compute in float32 from the same weights; the ranks only regroup sums (o_proj, down_proj, every

@@ -14,7 +14,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from serve_util import MODEL_NAME, Server, checkpoint, reference  # noqa: E402,F401 (checkpoint, reference: fixtures)
+from serve_util import MODEL_NAME, Server  # noqa: E402
 
 from tolerances import BATCH_ATOL  # noqa: E402
 

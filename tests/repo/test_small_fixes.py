@@ -9,7 +9,7 @@ import pytest
 import tritonq.check
 from tritonq.bench.common import results_path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # a repository path in a docstring, comment, the README or docs/ (not part of a longer path); bench/results/ holds outputs
 NAMED_PATH = re.compile(r"(?<![\w/.])((?:tritonq|docs|tests|bench|notebooks)/[\w/.-]+\.(?:py|md|json|ipynb))")
 
@@ -33,7 +33,7 @@ def test_bench_results_default_only_inside_the_checkout(tmp_path, monkeypatch):
 
 def test_check_without_a_gpu_runs_the_kernel_tests(monkeypatch, capsys):
     """Without CUDA the check runs the kernel tests through the interpreter (no refusal), and what it says it
-    runs is what --help describes; only the command is recorded here (tests/test_check.py runs real cases)."""
+    runs is what --help describes; only the command is recorded here (tests/kernels/test_check.py runs real cases)."""
     from collections import Counter
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     commands = []

@@ -1,6 +1,6 @@
 """gpt-oss tensor parallel: 2 CPU ranks (gloo) against one process, dense and MXFP4 experts.
 
-As tests/test_tensor_parallel.py: two processes joined through torchrun's environment variables load the
+As tests/parallel/test_tensor_parallel.py: two processes joined through torchrun's environment variables load the
 checkpoint with tensor_parallel=2 and run prompt logits and greedy generation; the reference is the
 single-process model (itself checked against transformers in tests/models/test_gpt_oss.py). Each rank
 holds half the heads (and their sinks) and every expert's half of the intermediate size (gate/up pairs

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_session.sh"
 TEXT = SCRIPT.read_text()
 DEVICE_COMMAND_LIMIT = 600  # s: the device tool's limit for one command

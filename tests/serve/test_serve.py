@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from serve_util import KEY, MAX_SEQ_LEN, MODEL_NAME, Server, checkpoint, reference  # noqa: E402,F401 (checkpoint, reference: fixtures)
+from serve_util import KEY, MAX_SEQ_LEN, MODEL_NAME, Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from serve_util import MODEL_NAME, Server, checkpoint, reference  # noqa: E402,F401 (checkpoint, reference: fixtures)
+from serve_util import MODEL_NAME, Server  # noqa: E402
 
 PROMPT = "Hello, tritonq!"
 MESSAGES = [{"role": "user", "content": "Say something."}]

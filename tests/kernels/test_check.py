@@ -14,7 +14,7 @@ import pytest
 
 import tritonq.check
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Two int4_gemm cases: AWQ fp16 at M = 1 (split-K) and GPTQ with fp32 activations at M = 3.
 SELECT = ["-k", "test_int4_gemm and test_kernel_matches_reference and (case0 or case5)"]
 
@@ -156,7 +156,7 @@ def test_the_markers_select_the_aot_and_cpu_backend_tests():
     """pytest -m picks them by marker: AOT compiles by their names (conftest) or an explicit `aot` mark, the CPU
     backend by its files.
     Collected in this process (a nested pytest session: the test modules are imported already)."""
-    files = [str(REPO / "tests/kernels/test_cuda_numerics.py"), str(REPO / "tests/kernels/test_cpu_attention.py")]
+    files = [str(REPO / "tests/kernels/test_cuda_numerics.py"), str(REPO / "tests/kernels/cpu/test_cpu_attention.py")]
 
     class Markers:
         def __init__(self):
@@ -172,7 +172,7 @@ def test_the_markers_select_the_aot_and_cpu_backend_tests():
     numerics = "tests/kernels/test_cuda_numerics.py::"
     assert aot == {numerics + "test_fp32_dots_are_ieee_and_half_dots_use_tensor_cores",
                    numerics + "test_activation_quantization_divides_in_ieee"}
-    assert cpu_backend == {test for test in markers.found if test.startswith("tests/kernels/test_cpu_attention.py::")}
+    assert cpu_backend == {test for test in markers.found if test.startswith("tests/kernels/cpu/test_cpu_attention.py::")}
     assert all("kernels" in names for names in markers.found.values())
     kept = set(markers.found) - aot - cpu_backend  # what python -m tritonq.check runs on CUDA
     assert kept == {numerics + "test_activation_quantization_reference_is_ieee_on_cuda_too",

@@ -16,7 +16,7 @@ import tritonq
 from tritonq import cli
 from tritonq.demo import DEFAULT_MODEL, HELDOUT_TEXT
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a thread pool only adds sync overhead
 # The commands run as a user's do: on the CPU backend, not through Triton's interpreter (tests/conftest.py
 # sets TRITON_INTERPRET=1 for the kernel tests; it makes the default model ~100x slower).
