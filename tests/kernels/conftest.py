@@ -1,9 +1,9 @@
 """Kernel tests: every test here is marked `kernels` and creates its tensors on the `device` fixture's
 device (torch's default device for the test): the GPU when there is one, so the Triton kernels run
 natively, else the CPU, where they run in Triton's interpreter (or `meta` under tests/fake_gpu.py, which
-CI runs). test_cpu_lowbit.py, test_cpu_attention.py and test_cpu_native.py test the CPU backend and stay on the CPU; the model
-tests place their tensors themselves (the models take a device). The CPU backend's files are also
-marked `cpu_backend` (python -m tritonq.check leaves them out on CUDA).
+CI runs). tests/kernels/cpu/ tests the CPU backend and stays on the CPU, as test_backends_agree.py (every backend
+against one reference) does; the model tests place their tensors themselves (the models take a device). The CPU
+backend's files are also marked `cpu_backend` (python -m tritonq.check leaves them out on CUDA).
 
 So a test must work on any device: a seeded CPU `torch.Generator` draws on the CPU and the result is
 moved (a CPU generator cannot fill a CUDA tensor); data read on the host (numpy, `.tolist()`) is made
@@ -14,7 +14,7 @@ tested on explicit CPU tensors only: on CUDA it raises nothing and a failing one
 import pytest
 import torch
 
-CPU_BACKEND_FILES = ("test_cpu_lowbit.py", "test_cpu_attention.py", "test_cpu_native.py")
+CPU_BACKEND_FILES = ("test_cpu_lowbit.py", "test_cpu_attention.py", "test_cpu_native.py", "test_backends_agree.py")
 
 
 def pytest_collection_modifyitems(config, items):

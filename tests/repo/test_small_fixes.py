@@ -33,7 +33,7 @@ def test_bench_results_default_only_inside_the_checkout(tmp_path, monkeypatch):
 
 def test_check_without_a_gpu_runs_the_kernel_tests(monkeypatch, capsys):
     """Without CUDA the check runs the kernel tests through the interpreter (no refusal), and what it says it
-    runs is what --help describes; only the command is recorded here (tests/kernels/test_check.py runs real cases)."""
+    runs is what --help describes; only the command is recorded here (tests/repo/test_check.py runs real cases)."""
     from collections import Counter
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     commands = []

@@ -304,7 +304,7 @@ def gpu_compute_dtypes(cc: int) -> tuple[torch.dtype, ...]:
     """The model dtypes the Triton kernels run in on sm_`cc`, the default first: bf16 and fp16 from
     sm_80 (Ampere); fp16 only below (T4, V100: no bf16 arithmetic, torch would emulate it). Never fp32:
     its tiles overflow shared memory (attention, fp8 and int4 prefill tiles on sm_89/90) and its GEMM
-    dots run without tensor cores. The launch configs are AOT-checked for exactly these (tests/kernels/test_fit.py)."""
+    dots run without tensor cores. The launch configs are AOT-checked for exactly these (tests/aot/test_fit.py)."""
     return (torch.bfloat16, torch.float16) if cc >= 80 else (torch.float16,)
 
 

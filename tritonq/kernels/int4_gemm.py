@@ -297,7 +297,7 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig,
     """The launch of _int4_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and its
     output y [M, N] in x.dtype. With SPLIT_K > 1 it takes the fp32 [SPLIT_K, M, N] partials buffer and
     `arrivals`, the zeroed int32 count per output tile that the slices share (made here when None). Over
-    meta tensors it is what tune --aot and tests/kernels/test_fit.py compile."""
+    meta tensors it is what tune --aot and tests/aot/test_fit.py compile."""
     (M, K), N = x.shape, w.shape[0]
     block_k = config.BLOCK_K
     if w.g_idx is None and w.group_size % block_k:

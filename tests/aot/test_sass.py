@@ -14,7 +14,7 @@ experts), is compiled ahead of time for sm_80 and sm_90 (kernels/aot.py, Triton'
     fails); issue 50's target is ~2.5, which the int4 / int8 / nf4 / weight-only fp8 loops do not reach yet
     (docs/gpu_kernels.md has the before / after mix and what is left).
 The compiles run in one child process (conftest's TRITON_INTERPRET=1 makes @triton.jit functions
-uncompilable), over a process pool; `python tests/kernels/test_sass.py` prints the JSON report.
+uncompilable), over a process pool; `python tests/aot/test_sass.py` prints the JSON report.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ except ImportError:  # run as a script by the child itself
     from tests.child_process import json_from_child
 
 N = K = 4096
-MOE_PROBLEM = (512, 64, 6, 2048, 1408, 0)  # tokens, experts, top-k, D, I, gate/up (tests/kernels/test_fit.py's)
+MOE_PROBLEM = (512, 64, 6, 2048, 1408, 0)  # tokens, experts, top-k, D, I, gate/up (tests/aot/test_fit.py's)
 CODE_BYTES = {"moe-int4": 0.5, "int4-awq": 0.5, "int4-gptq": 0.5, "int4-act-order": 0.5, "nf4": 0.5, "int8-gptq": 1,
               "fp8-block": 1, "w8a8": 1}
 # {(cc, weight type): ALU instructions per weight}: measured (Triton 3.9, bf16) + ~10%. sm_80's fp8-block is the
