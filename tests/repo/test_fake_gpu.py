@@ -19,8 +19,9 @@ KERNELS = {"_decode_merge_kernel", "_decode_split_kernel", "_fp8_gemm_kernel", "
            "_rms_norm_kernel", "_silu_mul_kernel", "_write_slots_kernel"}
 
 # Tests that run on the CPU only by design, left out by name so that every other kernel test keeps this guard:
-# test_cpu_dense.py tests the CPU backend's oneDNN bf16 linears, which no GPU runs.
-CPU_ONLY = ("--deselect", "tests/kernels/cpu/test_cpu_dense.py")
+# test_cpu_dense.py tests the CPU backend's oneDNN bf16 linears, which no GPU runs; test_backends_agree.py compares
+# the CPU backend with the others on CPU tensors.
+CPU_ONLY = ("--deselect", "tests/kernels/cpu/test_cpu_dense.py", "--deselect", "tests/kernels/test_backends_agree.py")
 
 
 def test_kernel_tests_pass_on_a_fake_gpu(tmp_path):
