@@ -14,20 +14,22 @@ tested on explicit CPU tensors only: on CUDA it raises nothing and a failing one
 import pytest
 import torch
 
-CPU_BACKEND_FILES = ("test_cpu_lowbit.py", "test_cpu_attention.py", "test_cpu_native.py", "test_backends_agree.py")
+def cpu_backend(path) -> bool:
+    """The CPU backend's tests: tests/kernels/cpu/ and the backend harness (CPU tensors by design)."""
+    return path.parent.name == "cpu" or path.name == "test_backends_agree.py"
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/kernels/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.kernels)
-            if item.path.name in CPU_BACKEND_FILES:
+            if cpu_backend(item.path):
                 item.add_marker(pytest.mark.cpu_backend)
 
 
 @pytest.fixture(autouse=True)
 def _on_device(request, device):
-    if request.node.path.name in (*CPU_BACKEND_FILES, "test_models_through_kernels.py"):
+    if cpu_backend(request.node.path) or request.node.path.name == "test_models_through_kernels.py":
         yield
         return
     before = torch.get_default_device()
