@@ -4,7 +4,7 @@ the dtype's tolerance (tests/tolerances.py).
 
 Backends, chosen where kernels/__init__.py chooses them (the environment, read per call): `triton` (the @triton.jit
 kernels: natively on a GPU, in Triton's interpreter on the CPU), `cpu` (the CPU backend: CPU tensors without
-TRITON_INTERPRET, the C loops of the native build and torch's CPU kernels), `torch` (TRITONQ_BACKEND=torch, the
+TRITON_INTERPRET, the C loops of kernels/cpu/csrc and torch's CPU kernels), `torch` (TRITONQ_BACKEND=torch, the
 plain torch paths). Ops go through their public functions and the linear table (`kind_of(w)`: prepare once, run),
 so the harness holds whichever backend decision the runtime makes.
 """
@@ -22,8 +22,8 @@ from tritonq.kernels.attention import decode_attention, paged_prefill_attention
 from tritonq.kernels.linear import kind_of
 from tritonq.kernels.moe import fused_moe
 from tritonq.kernels.norm_rope import add_rms_norm, apply_rope, rms_norm, silu_mul
-from tritonq.rtn import quantize_fp8, quantize_int4, quantize_w8a8
-from tritonq.weights import DenseWeight, stack_experts
+from tritonq.quant.rtn import quantize_fp8, quantize_int4, quantize_w8a8
+from tritonq.quant.weights import DenseWeight, stack_experts
 
 CUDA = torch.cuda.is_available()
 BACKENDS = ["triton", "cpu", "torch"]
@@ -33,7 +33,7 @@ EPS = 1e-6
 
 
 def int4_dtype(request) -> torch.dtype:
-    """The dtype whose tolerance an int4 GEMM meets: the CPU backend's int4 kernel (torch's, kernels/cpu_lowbit.py)
+    """The dtype whose tolerance an int4 GEMM meets: the CPU backend's int4 kernel (torch's, kernels/cpu/lowbit.py)
     takes bf16 activations and scales, so bf16's; float32 elsewhere."""
     return torch.bfloat16 if request.node.callspec.params["backend"] == "cpu" else torch.float32
 

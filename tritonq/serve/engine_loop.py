@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tritonq.generate import GenerationConfig
+from tritonq.api.model import GenerationConfig
 from tritonq.serve.metrics import ServerMetrics
 
 from tritonq.engine.engine import EngineDeadError

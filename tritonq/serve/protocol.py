@@ -19,7 +19,7 @@ stop_token_ids, repetition_penalty) go to GenerationConfig; logit_bias keys must
 strings) with biases in [-100, 100], top alternatives are 0..20. The server's fairness caps (stop strings,
 tokens per request) are checked by the routes (tritonq.serve.limits).
 
-Structured outputs (tritonq.structured): `response_format` {"type": "json_object"} (any JSON object) or
+Structured outputs (tritonq.engine.structured): `response_format` {"type": "json_object"} (any JSON object) or
 {"type": "json_schema", "json_schema": {"name", "schema", ...}} becomes GenerationConfig.json_schema, on
 both routes; so do vLLM's extras, each onto the GenerationConfig field of its kind: `structured_outputs`
 {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (one of them) and the older `guided_json` /
@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from tritonq.config import MAX_TOP_LOGPROBS
-from tritonq.generate import GenerationConfig
+from tritonq.api.model import GenerationConfig
 from tritonq.serve.responses import ErrorBody, ErrorDetail
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

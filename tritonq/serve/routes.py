@@ -21,14 +21,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from tritonq.engine.sequence import RequestTooLong
-from tritonq.generate import top_dicts
+from tritonq.api.model import top_dicts
 from tritonq.serve import replies
 from tritonq.serve.dispatch import collect, score, submit
 from tritonq.serve.logprobs import completion_logprobs
 from tritonq.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from tritonq.serve.responses import CompletionLogprobs, ModelCard, ModelList
 from tritonq.serve.sse import ChatChunks, CompletionChunks, stream_response
-from tritonq.structured import GrammarError
+from tritonq.engine.structured import GrammarError
 
 router = APIRouter()
 
