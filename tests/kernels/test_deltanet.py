@@ -72,6 +72,94 @@ def test_chunked_equals_recurrence(backend, Hk, Hv, Dk, Dv, monkeypatch):
     torch.testing.assert_close(state, expected_state, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_kernel_in_half_precision(dtype, monkeypatch):
+    """bf16 / fp16 q, k, v, beta (the reference sees the same rounded values): the kernel's dots of rounded
+    operands stay within a few ulps of the output's dtype (module docstring)."""
+    monkeypatch.setenv("TRITONQ_BACKEND", "triton")
+    q, k, v, g, beta, state = _rule_inputs(sum(LENGTHS), 1, 2, 32, 16, dtype, pool=len(LENGTHS))
+    expected_state = state.clone()
+    rows = torch.arange(len(LENGTHS))
+    expected = deltanet.gated_delta_rule_reference(q, k, v, g, beta, expected_state, _cu(LENGTHS), 32 ** -0.5,
+                                                   True, rows)
+    o = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, state, _cu(LENGTHS), 32 ** -0.5)
+    assert o.dtype == dtype
+    torch.testing.assert_close(o.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(state, expected_state, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_chunked_with_strong_decay_stays_finite(backend, l2norm, monkeypatch):
+    """g = -20 a token: exp of a chunk's cumulative decay reaches e^-1280 (a form dividing by it would overflow);
+    without the l2 norm, k of norm ~sqrt(Dk) (beta small enough that the recurrence stays bounded)."""
+    monkeypatch.setenv("TRITONQ_BACKEND", backend)
+    T = 70
+    q, k, v, g, beta, state = _rule_inputs(T, 1, 1, 16, 16, torch.float32, pool=1)
+    g = torch.full((T, 1), -20.0)
+    g[::7] = -0.01  # a few tokens that keep memory
+    if not l2norm:
+        beta = beta / 16
+    expected_state = state.clone()
+    expected = deltanet.gated_delta_rule_reference(q, k, v, g, beta, expected_state, _cu([T]), 0.25, l2norm,
+                                                   torch.arange(1))
+    o = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, state, _cu([T]), 0.25, use_qk_l2norm=l2norm)
+    assert torch.isfinite(o).all() and torch.isfinite(state).all()
+    torch.testing.assert_close(o, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, expected_state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_split_across_calls_equals_one_call(backend, monkeypatch):
+    """A 70-token prompt in one call, and as 37 then 33 tokens (a chunked prefill: the second call starts from the
+    states the first left, off any chunk boundary): conv and delta rule give the same outputs and states."""
+    monkeypatch.setenv("TRITONQ_BACKEND", backend)
+    T, Hk, Hv, Dk, Dv, W = 70, 1, 2, 16, 16, 4
+    q, k, v, g, beta, state = _rule_inputs(T, Hk, Hv, Dk, Dv, torch.float32, pool=1)
+    state.zero_()
+    x, weight = torch.randn(T, 2 * Hk * Dk + Hv * Dv), torch.randn(2 * Hk * Dk + Hv * Dv, W)
+    conv_state = torch.zeros(1, x.shape[1], W - 1)
+    split_state, split_conv = state.clone(), conv_state.clone()
+    y = deltanet.causal_conv1d(x, weight, None, conv_state, _cu([T]))
+    o = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, state, _cu([T]), 0.25)
+    for part in (slice(0, 37), slice(37, T)):
+        n = part.stop - part.start
+        y_part = deltanet.causal_conv1d(x[part], weight, None, split_conv, _cu([n]))
+        o_part = deltanet.chunk_gated_delta_rule(q[part], k[part], v[part], g[part], beta[part], split_state,
+                                                 _cu([n]), 0.25)
+        torch.testing.assert_close(y_part, y[part], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(o_part, o[part], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(split_conv, conv_state, atol=0, rtol=0)
+    torch.testing.assert_close(split_state, state, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_kernel_at_head_dim_128(monkeypatch):
+    """Qwen3.5's head dims (Dk = Dv = 128: several Dv tiles, the whole Dk in one tile), across a chunk boundary."""
+    monkeypatch.setenv("TRITONQ_BACKEND", "triton")
+    lengths = [65, 3]
+    q, k, v, g, beta, state = _rule_inputs(sum(lengths), 1, 1, 128, 128, torch.float32, pool=2)
+    expected_state = state.clone()
+    expected = deltanet.gated_delta_rule_reference(q, k, v, g, beta, expected_state, _cu(lengths), 128 ** -0.5,
+                                                   True, torch.arange(2))
+    o = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, state, _cu(lengths), 128 ** -0.5)
+    torch.testing.assert_close(o, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, expected_state, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_kernel_equals_recurrent_kernel(monkeypatch):
+    """The same tokens through the chunked kernel at once and through the decode kernel one step at a time."""
+    monkeypatch.setenv("TRITONQ_BACKEND", "triton")
+    T = 66
+    q, k, v, g, beta, state = _rule_inputs(T, 1, 2, 16, 16, torch.float32, pool=1)
+    stepped = state.clone()
+    o = deltanet.chunk_gated_delta_rule(q, k, v, g, beta, state, _cu([T]), 0.25)
+    for t in range(T):
+        o_t = deltanet.recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1],
+                                                  stepped, 0.25)
+        torch.testing.assert_close(o_t[0], o[t], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, stepped, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recurrent_step_matches_transformers(backend, dtype, monkeypatch):

@@ -33,8 +33,11 @@ from tritonq.kernels import use_triton
 from tritonq.kernels.common import Launch, upcast_dot
 
 ACTIVATIONS = (None, "silu")
-CHUNK = 64  # tokens per chunk of the chunked delta rule
-SUB = 16  # rows of the diagonal blocks its triangular solve inverts by forward substitution
+CHUNK = 64  # tokens per chunk of the chunked delta rule on the CPU (chunk_gated_delta_rule_torch)
+# The Triton kernel's chunk: all of a chunk's tiles live in one program's registers, and at 64 tokens they spill
+# (0.7 KB at sm_80, Dk = 128); 32 spills a few bytes (docs/kernels.md#gated-deltanet).
+KERNEL_CHUNK = 32
+SUB = 16  # rows of the diagonal blocks the kernel's triangular solve inverts by forward substitution
 EPS_L2 = 1e-6  # l2norm's epsilon (transformers', flash-linear-attention's)
 
 
@@ -147,18 +150,18 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, state_ptr, rows_ptr, cu_ptr, y_ptr, D, str
 
 
 def conv_launch(x, weight, bias, conv_state, rows, cu_seqlens, y, activation) -> Launch:
-    """The launch of _conv_kernel (cu_seqlens None: decode, one token per sequence): 64 channels x 16 tokens
-    per tile, 2 warps. Over meta tensors the AOT tests compile it."""
+    """The launch of _conv_kernel (cu_seqlens None: decode, one token per sequence): 64 channels x 8 tokens
+    per tile, 4 warps. Over meta tensors the AOT tests compile it."""
     D, W = weight.shape
     batch = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     block_d = 64
     args = dict(x_ptr=x, w_ptr=weight, b_ptr=bias, state_ptr=conv_state, rows_ptr=rows, cu_ptr=cu_seqlens, y_ptr=y,
                 D=D, stride_x=x.stride(0), stride_y=y.stride(0), stride_w=weight.stride(0),
                 stride_sn=conv_state.stride(0), stride_sd=conv_state.stride(1), stride_sw=conv_state.stride(2),
-                W=W, BLOCK_W=triton.next_power_of_2(W - 1), BLOCK_T=1 if cu_seqlens is None else 16,
+                W=W, BLOCK_W=triton.next_power_of_2(W - 1), BLOCK_T=1 if cu_seqlens is None else 8,
                 BLOCK_D=block_d, HAS_BIAS=bias is not None, SILU=activation == "silu", HAS_ROWS=rows is not None,
                 DECODE=cu_seqlens is None)
-    return Launch(_conv_kernel, (batch, triton.cdiv(D, block_d)), args, 2, 1)
+    return Launch(_conv_kernel, (batch, triton.cdiv(D, block_d)), args, 4, 1)
 
 
 @triton.jit
@@ -217,30 +220,22 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr,
 
 
 @triton.jit
-def _unit_lower_inverse(L, C: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr):
-    """(I + L)^-1 for L [C, C] strictly lower-triangular fp32: the C / SUB diagonal blocks inverted together by
-    forward substitution in registers (row i = e_i - sum_j<i L_ij row j), then the block-triangular solve
-    X = Xd - Xd E X repeated C / SUB - 1 times (E: L's blocks below the diagonal blocks; after pass p the first
-    p + 1 block rows are exact). Every step is a triangular solve's arithmetic: no power series cancels."""
-    NB: tl.constexpr = C // SUB
-    b = tl.arange(0, NB)
-    diagonal = b[:, None, None, None] == b[None, None, :, None]  # [NB, 1, NB, 1]
-    blocks = tl.sum(tl.where(diagonal, tl.reshape(L, (NB, SUB, NB, SUB)), 0.0), axis=2)  # [NB, SUB, SUB]
-    r = tl.arange(0, SUB)
-    X = tl.zeros((NB, SUB, SUB), tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
-    for i in tl.static_range(1, SUB):
-        row_i = (r == i)[None, :, None]
-        l_i = tl.sum(tl.where(row_i, blocks, 0.0), axis=1)  # [NB, SUB]: row i of each block
-        X = tl.where(row_i, X - tl.sum(l_i[:, :, None] * X, axis=1)[:, None, :], X)
-    Xd = tl.reshape(tl.where(diagonal, X[:, :, None, :], 0.0), (C, C))
+def _unit_lower_inverse(L, C: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + L)^-1 for L [C, C] strictly lower-triangular fp32. The C / SUB diagonal blocks together by forward
+    substitution, a row of each block per step (row i = e_i - sum_j<i L_ij row j, the rows j final), then the
+    block-triangular solve X = Xd - Xd E X, C / SUB - 1 passes (E: L below the diagonal blocks; after pass p the
+    first p + 1 block rows are exact). Each step is a triangular solve's arithmetic: no power series to cancel."""
     c = tl.arange(0, C)
-    E = tl.where((c[:, None] // SUB) > (c[None, :] // SUB), L, 0.0)
+    eye = tl.where(c[:, None] == c[None, :], 1.0, 0.0)
+    same_block = (c[:, None] // SUB) == (c[None, :] // SUB)
+    diagonal = tl.where(same_block, L, 0.0)
+    Xd = eye
+    for i in range(1, SUB):
+        Xd = tl.where((c % SUB == i)[:, None], eye - tl.dot(diagonal, Xd, input_precision=PRECISION), Xd)
+    E = tl.where(same_block, 0.0, L)
     X = Xd
-    for _ in tl.static_range(NB - 1):
-        if IEEE:
-            X = Xd - tl.dot(Xd, tl.dot(E, X, input_precision="ieee"), input_precision="ieee")
-        else:
-            X = Xd - tl.dot(Xd, tl.dot(E, X))
+    for _ in range(C // SUB - 1):
+        X = Xd - tl.dot(Xd, tl.dot(E, X, input_precision=PRECISION), input_precision=PRECISION)
     return X
 
 
@@ -262,10 +257,9 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr, cu_
     start = tl.load(cu_ptr + seq).to(tl.int64)
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     row = tl.load(rows_ptr + seq).to(tl.int64) if HAS_ROWS else seq.to(tl.int64)
-    at = state_ptr + row * stride_sn + h * stride_sh + kk[:, None] * stride_sk + vv[None, :]
-    S = tl.load(at, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-    IEEE: tl.constexpr = DT == tl.float32
-    PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"
+    state = state_ptr + row * stride_sn + h * stride_sh
+    S = tl.load(state + kk[:, None] * stride_sk + vv[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+    PRECISION: tl.constexpr = "ieee" if DT == tl.float32 else "tf32"
     i = tl.arange(0, C)
     causal = i[:, None] >= i[None, :]
     for t0 in range(start, end, C):
@@ -290,19 +284,21 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr, cu_
         c_last = tl.sum(tl.where(i == C - 1, c, 0.0), axis=0)
         decay = tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0))  # i >= j only: <= 1
         kt = tl.trans(k)
+        attn = tl.where(causal, tl.dot(q, kt, input_precision=PRECISION) * (rq[:, None] * rk[None, :]) * decay,
+                        0.0).to(DT)
         L = tl.dot(k, kt, input_precision=PRECISION) * ((beta * rk)[:, None] * rk[None, :]) * decay
-        X = _unit_lower_inverse(tl.where(i[:, None] > i[None, :], L, 0.0), C, SUB, IEEE)
-        u = tl.dot((X * beta[None, :]).to(DT), v, input_precision=PRECISION)
-        w = tl.dot((X * (beta * rk * tl.exp(c))[None, :]).to(DT), k, input_precision=PRECISION)
-        v_new = u - tl.dot(w.to(DT), S.to(DT), input_precision=PRECISION)
-        attn = tl.where(causal, tl.dot(q, kt, input_precision=PRECISION) * (rq[:, None] * rk[None, :]) * decay, 0.0)
-        o = tl.dot(q, S.to(DT), input_precision=PRECISION) * (rq * tl.exp(c))[:, None]
-        o += tl.dot(attn.to(DT), v_new.to(DT), input_precision=PRECISION)
+        X = _unit_lower_inverse(tl.where(i[:, None] > i[None, :], L, 0.0), C, SUB, PRECISION)
+        # v' = u - w S = X diag(beta) (v - diag(rk exp(c)) k S): w [C, Dk] is never formed
+        S_dt = S.to(DT)
+        rhs = v.to(tl.float32) - tl.dot(k, S_dt, input_precision=PRECISION) * (rk * tl.exp(c))[:, None]
+        v_new = tl.dot((X * beta[None, :]).to(DT), rhs.to(DT), input_precision=PRECISION)
+        o = tl.dot(q, S_dt, input_precision=PRECISION) * (rq * tl.exp(c))[:, None]
+        o += tl.dot(attn, v_new.to(DT), input_precision=PRECISION)
         tl.store(o_ptr + t[:, None] * stride_ot + h * stride_oh + vv[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=t_ok[:, None] & v_ok[None, :])
         k_scale = rk * tl.exp(c_last - c)
         S = S * tl.exp(c_last) + tl.dot(kt, (v_new * k_scale[:, None]).to(DT), input_precision=PRECISION)
-    tl.store(at, S, mask=k_ok[:, None] & v_ok[None, :])
+    tl.store(state + kk[:, None] * stride_sk + vv[None, :], S, mask=k_ok[:, None] & v_ok[None, :])
 
 
 def rule_launch(q, k, v, g, beta, state, rows, cu_seqlens, o, scale, use_qk_l2norm) -> Launch:
@@ -312,7 +308,7 @@ def rule_launch(q, k, v, g, beta, state, rows, cu_seqlens, o, scale, use_qk_l2no
     Hv, Dv = v.shape[1:]
     chunked = cu_seqlens is not None
     block_k = max(16, triton.next_power_of_2(Dk))
-    block_v = min(32 if chunked else 64, max(16, triton.next_power_of_2(Dv)))
+    block_v = 16 if chunked else min(64, max(16, triton.next_power_of_2(Dv)))
     args = dict(q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=g, beta_ptr=beta, state_ptr=state, rows_ptr=rows, o_ptr=o,
                 scale=scale, stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0),
                 stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1), stride_gt=g.stride(0),
@@ -324,7 +320,7 @@ def rule_launch(q, k, v, g, beta, state, rows, cu_seqlens, o, scale, use_qk_l2no
     if not chunked:
         return Launch(_recurrent_kernel, grid, args, 4, 1)
     dt = tl.float32 if upcast_dot(v) else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[v.dtype]
-    return Launch(_chunk_kernel, grid, args | dict(cu_ptr=cu_seqlens, C=CHUNK, SUB=SUB, DT=dt), 8, 1)
+    return Launch(_chunk_kernel, grid, args | dict(cu_ptr=cu_seqlens, C=KERNEL_CHUNK, SUB=SUB, DT=dt), 8, 1)
 
 
 def _inner_contiguous(*tensors):
@@ -344,7 +340,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rows = _rows_of(conv_state, batch, state_indices, "causal_conv1d")
     if not use_triton(x):
         return causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, activation, rows)
-    (x,) = _inner_contiguous(x)
+    x, weight = _inner_contiguous(x, weight)
     y = torch.empty_like(x)
     conv_launch(x, weight, bias, conv_state, state_indices, cu_seqlens, y, activation)()
     return y
@@ -360,7 +356,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if not use_triton(x):
         cu_seqlens = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
         return causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, activation, rows)
-    (x,) = _inner_contiguous(x)
+    x, weight = _inner_contiguous(x, weight)
     y = torch.empty_like(x)
     conv_launch(x, weight, bias, conv_state, state_indices, None, y, activation)()
     return y
