@@ -346,7 +346,7 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arr
     output y [M, N] in x.dtype (silu_mul: [M, N / 2], SwiGLU of the column pairs in the epilogue). With SPLIT_K > 1
     it takes the fp32 [SPLIT_K, M, N] partials buffer and
     `arrivals`, the zeroed int32 count per output tile that the slices share (made here when None). Over
-    meta tensors it is what tune --aot and tests/test_fit.py compile."""
+    meta tensors it is what tune --aot and tests/aot/test_fit.py compile."""
     (M, K), N = x.shape, w.shape[0]
     block_k = config.BLOCK_K
     if w.g_idx is None and w.group_size % block_k:

@@ -15,7 +15,7 @@ One @triton.jit GEMM kernel: tl.dot on int8 operands with an int32 accumulator (
 the epilogue the asymmetric correction acc - zero_point * sum_k W[n, k] (the column sums are
 accumulated from the same weight tiles, so no extra pass over W), the scales a_scale[m] *
 w_scale[n] in fp32, and the bias. sm_80/86/89 run mma.sync s8 and sm_90 wgmma s8 (checked by
-tests/test_fit.py). sm_75: Triton 3.x lowers every tl.dot to FMAs there and its int8 FMA lowering
+tests/aot/test_fit.py). sm_75: Triton 3.x lowers every tl.dot to FMAs there and its int8 FMA lowering
 does not compile (TritonGPUAccelerateMatmul emits an fp extension of the i8 operands; Triton 3.9),
 so FP16_DOT converts the int8 tiles to fp16 in registers (exact: |code| <= 128) and dots them into
 an fp32 accumulator: the same codes and the same products (exact in fp32), sums exact below 2^24.

@@ -7,7 +7,7 @@ rows that reorder is most of the GEMM. `pack(w)` reorders once (`torch.ops.mkldn
 what inductor's freezing pass does) and `linear` runs `torch.ops.mkldnn._linear_pointwise` on it
 (vLLM's CPU build does the same through its own `onednn_mm` handle). The same kernel: outputs are
 F.linear's within one bf16 rounding (the summation order is oneDNN's choice per CPU and batch size, so
-neither bit equality with F.linear nor batch invariance is promised; tests/kernels/test_cpu_dense.py).
+neither bit equality with F.linear nor batch invariance is promised; tests/kernels/cpu/test_cpu_dense.py).
 
 Measured (one core of the shared 2-core Sapphire Rapids box, load 14-18, thread CPU time, min of
 15), F.linear vs packed, ms: 2048 x 1024, M = 1: 0.31-0.37 vs 0.19; M = 32: 0.38-0.45 vs 0.23-0.26;

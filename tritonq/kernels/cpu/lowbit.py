@@ -6,7 +6,7 @@ call. `prepare(w)` turns a typed weight into the layout of one CPU kernel, once 
 object (Linear calls it at load; MoE experts on their first call), and `linear(x, p)` runs it.
 TRITONQ_BACKEND=torch still runs the references, which stay the test oracle.
 
-Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels/test_cpu_lowbit.py):
+Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels/cpu/test_cpu_lowbit.py):
 
 * `CPUInt4Weight` — 4-bit AWQ / GPTQ, sym or asym, groups that are multiples of 32 (32..256 and
   larger), per-channel (any K), act-order. torch's `_weight_int4pack_mm_for_cpu` (AVX2/AVX512
@@ -59,7 +59,7 @@ Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels
 Batch-invariant mode (kernels.batch_invariant(), docs/batch_invariance.md): the paths above are chosen by the row
 count, and the template, the dequantize + oneDNN path and MKL each sum a row in their own order, so a row's result
 depends on the rows beside it. In the mode 4-bit weights run the eager kernel at every row count (blocks of rows, each
-row's groups summed in the same order whatever the others: checked bit for bit in tests/test_batch_invariance.py)
+row's groups summed in the same order whatever the others: checked bit for bit in tests/engine/test_batch_invariance.py)
 and dequantized ones cpu_native's C loop over an fp32 k-major copy made on first use (2x their fp32 bytes).
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu ac
 N_MULTIPLE = 64
 DEQUANTIZE_ABOVE_M = 32  # without the template: rows above which dequantize + bf16 GEMM beats the kernel (docstring)
 # Rows repacked per call at load. The packed layout groups rows in blocks of 32 (a 256-row slice packs
-# to exactly its rows of the whole weight, checked in tests/kernels/test_cpu_lowbit.py); a slice's
+# to exactly its rows of the whole weight, checked in tests/kernels/cpu/test_cpu_lowbit.py); a slice's
 # int32 temporaries are 2 x 256 x K x 4 bytes instead of 2 x N x K x 4 (8x the packed weight each).
 PACK_ROWS = 256
 
