@@ -500,7 +500,9 @@ class GGUFWeight(_TypedWeight):
         if len({p.type_name for p in parts}) != 1:
             raise ValueError(f"cannot fuse GGUF linears of different block types "
                              f"{sorted({p.type_name for p in parts})}")
-        cat = lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts], -1)
+
+        def cat(name):
+            return None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts], -1)
         return replace(first, lo=cat("lo"), hi=cat("hi"), scales=cat("scales"), offsets=cat("offsets"), bias=bias)
 
     @classmethod
