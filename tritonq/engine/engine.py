@@ -1,6 +1,6 @@
 """The engine: requests in, one step at a time, tokens and text out.
 
-    engine = Engine(model, tokenizer, eos_token_ids, num_blocks=..., block_size=16, ...)
+    engine = Engine(model, tokenizer, EngineConfig(max_seq_len=...), eos_token_ids=..., num_blocks=...)
     rid = engine.add_request(prompt_ids, GenerationConfig(max_new_tokens=32))
     while engine.has_unfinished():
         for out in engine.step():     # a RequestOutput per token a request got this step
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tritonq.config import GenerationConfig
+from tritonq.config import EngineConfig, GenerationConfig
 from tritonq.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner
@@ -141,18 +141,21 @@ NONFINITE_ERROR = ("ValueError: the model produced non-finite logits (NaN or inf
 class Engine:
     """Continuous batching over a paged KV cache; see the module docstring."""
 
-    def __init__(self, model, tokenizer, eos_token_ids: set[int], *, num_blocks: int, block_size: int = 16,
-                 max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 max_seq_len: int | None = None, world: int = 1):
+    def __init__(self, model, tokenizer, config: EngineConfig, *, eos_token_ids: set[int], num_blocks: int,
+                 world: int = 1):
+        """config: the EngineConfig load made (checked there), its max_seq_len resolved; num_blocks: the KV
+        cache's blocks (kv_cache_blocks)."""
+        assert config.max_seq_len is not None, "load resolves max_seq_len before the engine is made"
+        self.config = config
         self.proposer, self.num_speculative_tokens = None, 0  # see use_speculation
         self.speculation = SpeculativeStats()  # every verification since start (the server's metrics)
         self.tokenizer, self.eos_token_ids = tokenizer, set(eos_token_ids)
-        self.max_seq_len = max_seq_len
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.max_seq_len = config.max_seq_len
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # A scored token's full row of logits costs vocab * 4 bytes (twice, with log_softmax): ~512 MiB a step.
-        scored = max(1, min(max_num_batched_tokens, (512 << 20) // (8 * model.config.vocab_size)))
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, scored)
-        self.runner = ModelRunner(model, num_blocks, block_size, max_seq_len)
+        scored = max(1, min(config.max_num_batched_tokens, (512 << 20) // (8 * model.config.vocab_size)))
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, scored)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_seq_len)
         self.sampler = Sampler(world)
         self.requests: dict[int, Request] = {}  # unfinished requests
         self.scores: dict[int, ScoreRequest] = {}  # unfinished scoring requests (add_score)

@@ -90,10 +90,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_num_scored_tokens: int | None = None):
-        if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_seqs is {max_num_seqs} and max_num_batched_tokens is "
-                             f"{max_num_batched_tokens}; expected 1 <= max_num_seqs <= "
-                             "max_num_batched_tokens (a decode step batches one token per sequence).")
+        assert 1 <= max_num_seqs <= max_num_batched_tokens, "EngineConfig's rule (a decode step: a token per sequence)"
         if max_num_scored_tokens is not None and max_num_scored_tokens < 1:
             raise ValueError(f"max_num_scored_tokens is {max_num_scored_tokens}; expected >= 1 (or None: the "
                              "step's token budget).")
