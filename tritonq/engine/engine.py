@@ -6,9 +6,12 @@
         for out in engine.step():     # a RequestOutput per token a request got this step
             ...                       # out.token_id, out.text (new final text), out.finished
 
-Each step the scheduler picks the sequences (every running decode, then chunked prefills of new
-prompts in what is left of the token budget, preempting when blocks run out), the runner computes them over the
-paged KV cache and samples each one's next token, and the engine finishes a request on EOS (unless
+Each step is a pipeline: the scheduler picks the sequences and says what the step holds (`StepKind`: every
+running decode, then chunked prefills of new prompts in what is left of the token budget, preempting when
+blocks run out), the proposer fills a VERIFY step's lookahead, the runner computes the step over the paged KV
+cache (logits, or None when no row needs them), a SCORE step's rows are scored, the sampler lays out and
+samples the other rows (`Sampler.sample_step`), a verification keeps the accepted proposals
+(`speculative.verify`), and the engine finishes a request on EOS (unless
 ignore_eos, or before min_tokens), a stop token (stop_token_ids, not before min_tokens), a stop string or
 max_new_tokens, freeing its blocks.
 With speculative decoding (`use_speculation`, tritonq.engine.speculative), a decoding sequence's step
@@ -41,10 +44,10 @@ from tritonq.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner
 from tritonq.engine.sampler import Sampler, SamplingParams
-from tritonq.engine.scheduler import Scheduler
+from tritonq.engine.scheduler import ScheduledStep, Scheduler, StepKind
 from tritonq.engine.sequence import Sequence, check_fits
-from tritonq.engine.speculative import SpeculativeStats, accept
-from tritonq.structured import Grammars, GrammarState, constraint_of, token_bitmask
+from tritonq.engine.speculative import SpeculativeStats, verify
+from tritonq.structured import Grammars, GrammarState, constraint_of
 
 
 @dataclass
@@ -305,19 +308,17 @@ class Engine:
         if step is None:
             return outputs
         try:
-            if step.lookahead is not None:  # decoding sequences get proposals in their reserved slots
+            if StepKind.VERIFY in step.kind:  # decoding sequences get proposals in their reserved slots
                 step = step.with_proposals(self.proposer.propose(step.seqs, step.lookahead))
             rows = step.logits_for()  # 1 + its proposals where a sequence samples, 0 for a chunk short of its end
             ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
                                       proposals=step.proposals, start=step.start)
             logits = self.runner.run(ctx)
-            if step.start is not None:  # scoring sequences in the step: their rows are scored, the rest sampled
-                logits, rows = self._score_rows(step, rows, logits)
-            row_seqs, params, token_ids, mask_eos = self._sampling_rows(step, rows)
-            tokens, logprobs, tops = self.sampler.sample(logits, params, token_ids, mask_eos=mask_eos,
-                                                        eos_token_ids=self.eos_token_ids,
-                                                        token_bitmask=self._token_bitmask(row_seqs, logits.shape[1])
-                                                        ) if row_seqs else ([], [], [])
+            tokens, logprobs, tops = [], [], []
+            if logits is not None:  # None: only prompt chunks short of their end, nothing to score or sample
+                if StepKind.SCORE in step.kind:  # the scoring sequences' rows are scored, the rest sampled
+                    logits, rows = self._score_rows(step, rows, logits)
+                tokens, logprobs, tops = self.sampler.sample_step(logits, step, rows, self.eos_token_ids)
         except Exception as exc:
             if _is_device_error(exc):
                 self._dead = EngineDeadError(f"the engine cannot continue after a device error: "
@@ -370,7 +371,8 @@ class Engine:
                     break
         return outputs
 
-    def _score_rows(self, step, rows: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def _score_rows(self, step: ScheduledStep, rows: list[int], logits: torch.Tensor
+                    ) -> tuple[torch.Tensor, list[int]]:
         """Score the scoring sequences' rows of a step's logits (each one's chunk appended to its request's
         parts); returns the other rows' logits and the rows per sequence left to sample (0 for scoring ones)."""
         keep, at = [], 0
@@ -397,35 +399,11 @@ class Engine:
         return RequestOutput(request.request_id, None, None, "", True, "scored", request,
                              scores=request.result(self.runner.model.config.vocab_size))
 
-    @staticmethod
-    def _sampling_rows(step, rows: list[int]) -> tuple[list[Sequence], list[SamplingParams], list[list[int]],
-                                                        list[bool] | None]:
-        """Per logits row of the step: its sequence, sampling params, tokens before it and whether EOS / stop ids
-        are masked (min_tokens not reached; None when no row's request has min_tokens). Row j of a sequence
-        samples the token after its tokens + proposals[:j], as a plain decode step at that length would (same
-        noise counter, same min_tokens mask)."""
-        if step.proposals is None:  # one row per sampling sequence (all of a decode step): no per-row work
-            row_seqs = step.seqs if all(rows) else [seq for seq, m in zip(step.seqs, rows) if m]
-            params = [seq.extra.sampling for seq in row_seqs]
-            token_ids = [seq.token_ids for seq in row_seqs]
-            mask_eos = None
-            if any(p.config.min_tokens for p in params):
-                mask_eos = [seq.num_generated < p.config.min_tokens for seq, p in zip(row_seqs, params)]
-            return row_seqs, params, token_ids, mask_eos
-        row_seqs, params, token_ids, mask_eos = [], [], [], []
-        for seq, m, p in zip(step.seqs, rows, step.proposals):
-            for j in range(m):
-                row_seqs.append(seq)
-                params.append(seq.extra.sampling)
-                token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
-                mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
-        return row_seqs, params, token_ids, mask_eos
-
-    def _picks(self, step, rows: list[int], tokens: list, logprobs: list, tops: list,
+    def _picks(self, step: ScheduledStep, rows: list[int], tokens: list, logprobs: list, tops: list,
                outputs: list[RequestOutput]) -> list[list[tuple] | None]:
         """Per sequence of the step: the (token, logprob, top logprobs) it emits, in order (None: a chunk short of
         its end, or a failed row, whose failure output is appended to outputs). With proposals, the tokens its
-        verification accepted (tritonq.engine.speculative.accept), then the target's own."""
+        verification accepted (tritonq.engine.speculative.verify), then the target's own."""
         picks: list[list[tuple] | None] = []
         proposals = step.proposals or itertools.repeat([])
         drawn_rows = iter(zip(tokens, logprobs, tops))
@@ -441,10 +419,7 @@ class Engine:
             elif not p:
                 picks.append(drawn)
             else:
-                emitted = accept(p, [t for t, _, _ in drawn])
-                self.speculation.add(len(p), len(emitted) - 1)
-                seq.extra.speculation.add(len(p), len(emitted) - 1)
-                picks.append([(t, lp, top) for t, (_, lp, top) in zip(emitted, drawn)])  # t: also the drawn token
+                picks.append(verify(p, drawn, (self.speculation, seq.extra.speculation)))
         return picks
 
     def _release(self, request: Request) -> None:
@@ -453,23 +428,11 @@ class Engine:
         if self.proposer is not None:
             self.proposer.release(request.request_id)
 
-    @staticmethod
-    def _token_bitmask(sampling: list[Sequence], vocab_size: int) -> torch.Tensor | None:
-        """The step's structured-output bitmask int32 [R, ceil(V / 32)] (CPU) over the sampling rows: each
-        constrained row filled by its grammar, the others all allowed; None when no row is constrained."""
-        rows = [(r, seq.extra.grammar) for r, seq in enumerate(sampling) if seq.extra.grammar is not None]
-        if not rows:
-            return None
-        bitmask = token_bitmask(len(sampling), vocab_size)
-        for r, grammar in rows:
-            grammar.fill(bitmask, r)
-        return bitmask
-
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise self._dead
 
-    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+    def _fail(self, seq: Sequence[Request | ScoreRequest], error: str) -> RequestOutput:
         """Finish a request of a failed step (or row) with finish_reason "error"; its blocks are freed."""
         self.scheduler.finish(seq)
         if seq.scoring:
