@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tritonq.config import MAX_TOP_LOGPROBS, GenerationConfig, check_int
-from tritonq.engine.engine import Engine
+from tritonq.engine.engine import CheckedRequest, Engine, top_dicts
 from tritonq.engine.speculative import SpeculativeStats
 
 
@@ -106,10 +106,9 @@ class Model:
         raise TypeError("prompts must be a str, a list of str, token ids or a list of token id lists; "
                         "got a list mixing these.")
 
-    def _check(self, prompts: list[list[int]], config: GenerationConfig) -> None:
-        """Every request is checked (Engine.check_request) before any is queued, so a bad one costs no work."""
-        for i, p in enumerate(prompts):
-            self.engine.check_request(p, config, name=f"prompt {i}")
+    def _check(self, prompts: list[list[int]], config: GenerationConfig) -> list[CheckedRequest]:
+        """Every request validated (Engine.check_request, once) before any is queued, so a bad one costs no work."""
+        return [self.engine.check_request(p, config, name=f"prompt {i}") for i, p in enumerate(prompts)]
 
     def _config(self, config: GenerationConfig | None, options: dict) -> GenerationConfig:
         """config (default: GenerationConfig()) with options replacing fields; a str / list for stop, a list
@@ -157,10 +156,10 @@ class Model:
         """
         config = self._config(config, options)
         encoded, single = self._encode(prompts)
-        self._check(encoded, config)
+        checked = self._check(encoded, config)
         if not encoded:
             return GenerationOutput([], [], [], [], [], 0.0) if return_dict else []
-        out = self._run(encoded, config, len(encoded) > 8 if progress is None else progress)
+        out = self._run(checked, len(encoded) > 8 if progress is None else progress)
         return self._on_this_rank(out if return_dict else out.text[0] if single else out.text)
 
     def stream(self, prompts, config: GenerationConfig | None = None, **options) -> Iterator:
@@ -171,11 +170,10 @@ class Model:
         part (`_on_this_rank`)."""
         config = self._config(config, options)
         encoded, single = self._encode(prompts)
-        self._check(encoded, config)
-        return self._on_this_rank(self._stream(encoded, config, single))
+        return self._on_this_rank(self._stream(self._check(encoded, config), single))
 
-    def _requests(self, prompts: list[list[int]], config: GenerationConfig, stream: bool) -> Iterator:
-        """Queue the prompts and yield (prompt index, RequestOutput) for each output of theirs, in step
+    def _requests(self, checked: list[CheckedRequest], stream: bool) -> Iterator:
+        """Queue the checked requests and yield (prompt index, RequestOutput) for each output of theirs, in step
         order, stepping the engine when none is waiting; on any exit (an error, Ctrl-C, a stream closed
         early) the unfinished ones are aborted. A request that failed raises RuntimeError."""
         inbox: deque = deque()
@@ -183,8 +181,8 @@ class Model:
             self._apply_aborts()
             ids = []
             try:
-                for p in prompts:
-                    ids.append(self.engine.add_request(p, config, stream=stream))
+                for request in checked:
+                    ids.append(self.engine.add_checked(request, stream=stream))
                     self._routes[ids[-1]] = inbox
             except BaseException:
                 for rid in ids:
@@ -237,14 +235,14 @@ class Model:
         while self._to_abort:
             self.engine.abort(self._to_abort.popleft())
 
-    def _run(self, prompts: list[list[int]], config: GenerationConfig, progress: bool) -> GenerationOutput:
+    def _run(self, checked: list[CheckedRequest], progress: bool) -> GenerationOutput:
         from tritonq.progress import progress_bar
         start = time.perf_counter()
-        requests = [None] * len(prompts)
-        with progress_bar(total=len(prompts), desc="Generating", unit="prompt",
+        requests = [None] * len(checked)
+        with progress_bar(total=len(checked), desc="Generating", unit="prompt",
                           enabled=progress and self.rank == 0) as bar:
             generated = 0
-            for i, out in self._requests(prompts, config, stream=False):
+            for i, out in self._requests(checked, stream=False):
                 if out.finished:
                     requests[i] = out.request
                     generated += len(out.request.token_ids)
@@ -266,8 +264,8 @@ class Model:
             decode_tokens_per_s=decoded / span if decoded and span > 0 else 0.0,
             top_logprobs=[r.top_logprobs for r in requests])
 
-    def _stream(self, prompts: list[list[int]], config: GenerationConfig, single: bool) -> Iterator:
-        for i, out in self._requests(prompts, config, stream=True):
+    def _stream(self, checked: list[CheckedRequest], single: bool) -> Iterator:
+        for i, out in self._requests(checked, stream=True):
             if out.text:
                 yield out.text if single else (i, out.text)
 
@@ -360,12 +358,6 @@ class Model:
                              "Hermes / Qwen style)")
         # the template wrote the special tokens (BOS, turn markers) itself: the tokenizer must not add more
         return self.tokenizer(text, add_special_tokens=False).input_ids
-
-
-def top_dicts(top: tuple[torch.Tensor, torch.Tensor]) -> list[dict[int, float]]:
-    """Engine.score's (ids [T-1, N], logprobs [T-1, N]) as one {token id: log-probability} per position."""
-    ids, values = top
-    return [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
 def text_message(i: int, message: dict) -> dict:

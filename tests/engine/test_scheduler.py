@@ -14,7 +14,7 @@ import pytest
 
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.scheduler import ScheduledStep, Scheduler, StepKind
-from tritonq.engine.sequence import Sequence, SequenceStatus
+from tritonq.engine.sequence import Sequence, SequenceStatus, check_fits
 
 BS = 16
 
@@ -98,10 +98,14 @@ def assert_all_blocks_free(bm: BlockManager):
     assert all(bm.blocks[i].hash == h for h, i in bm.hash_to_block.items())
 
 
-def test_add_refuses_a_sequence_that_can_never_fit_naming_the_numbers():
-    sched = make(num_blocks=4)
+def test_the_fit_rule_names_the_numbers_and_add_asserts_it():
+    """check_fits (run once, by Engine.check_request) refuses a request that can never fit; the scheduler, given
+    only checked requests, asserts it."""
     with pytest.raises(ValueError, match=r"sequence 0 has 50 tokens \+ max_new_tokens=15 = 65 tokens, which need 5 KV "
                                          r"blocks of 16, but the cache has 4 \(64 tokens\)"):
+        check_fits("sequence 0", 50, 15, num_blocks=4, block_size=BS)
+    sched = make(num_blocks=4)
+    with pytest.raises(AssertionError):
         sched.add(Sequence(0, [1] * 50, max_new_tokens=15))
     assert not sched.has_unfinished()
     sched.add(Sequence(1, [1] * 50, max_new_tokens=14))           # exactly 64 tokens fits

@@ -25,7 +25,8 @@ Tensor parallel: every rank holds an Engine and calls it with the same requests 
 order; the schedule is deterministic and the sampled tokens come from rank 0.
 
 Failures: `check_request` refuses a request that could never run before anything is queued (the
-one place for request-level checks: Model and server both call it). A step that raises fails the
+one validation of a request: add_request runs it; Model and the server run it off the engine thread and queue
+its CheckedRequest with add_checked). A step that raises fails the
 requests in it (finish_reason "error", the exception in `error`) and the engine serves the rest;
 rows whose logits are NaN / inf fail the same way without a token. A device error (CUDA error,
 device-side assert) leaves the device unusable: step() raises EngineDeadError, then every later
@@ -48,6 +49,15 @@ from tritonq.engine.scheduler import ScheduledStep, Scheduler, StepKind
 from tritonq.engine.sequence import Sequence, check_fits
 from tritonq.engine.speculative import SpeculativeStats, verify
 from tritonq.structured import Grammars, GrammarState, constraint_of
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request Engine.check_request validated (made only there): its prompt, its config and its output
+    constraint (compiled); Engine.add_checked queues it without checking it again."""
+    prompt_ids: list[int]
+    config: GenerationConfig
+    constraint: tuple[str, str] | None
 
 
 @dataclass
@@ -99,6 +109,12 @@ class ScoreRequest:
         return (torch.cat([p[0] for p in self.parts]), torch.cat([p[1] for p in self.parts]),
                 (torch.cat([p[2][0] for p in self.parts]), torch.cat([p[2][1] for p in self.parts]))
                 if top_n else None)
+
+
+def top_dicts(top: tuple[torch.Tensor, torch.Tensor]) -> list[dict[int, float]]:
+    """Engine.score's (ids [T-1, N], logprobs [T-1, N]) as one {token id: log-probability} per position."""
+    ids, values = top
+    return [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
 @dataclass(frozen=True)
@@ -206,14 +222,18 @@ class Engine:
         check_fits(name, num_prompt_tokens, max_new_tokens, num_blocks=bm.num_blocks, block_size=bm.block_size,
                    max_seq_len=self.max_seq_len)
 
-    def check_request(self, prompt_ids: list[int], config, *, name: str = "the prompt") -> None:
-        """Every request-level check, before anything is queued (Model and server both call it): the
-        prompt is non-empty, every id an int in [0, vocab_size) (the prompt's, stop_token_ids' and
-        logit_bias's), and prompt + max_new_tokens fits max_seq_len and the KV cache, and its structured-output
-        constraint compiles (compiled here, once per distinct constraint: a bad schema is refused before anything
-        is queued). config: a GenerationConfig (its own fields were checked when it was made). Raises TypeError
-        for a wrong type, ValueError naming the numbers or the grammar error otherwise. Reads constants and the
-        thread-safe grammar cache only: safe to call from any thread."""
+    def check_request(self, prompt_ids: list[int], config: GenerationConfig, *,
+                      name: str = "the prompt") -> CheckedRequest:
+        """The one validation of a request, where it enters the engine (add_request runs it; Model and the server
+        run it first, off the engine thread, and queue its result with add_checked): the prompt is non-empty,
+        every id an int in [0, vocab_size) (the prompt's, stop_token_ids' and logit_bias's), prompt +
+        max_new_tokens fits max_seq_len and the KV cache, and its structured-output constraint compiles (compiled
+        here, once per distinct constraint: a bad schema is refused before anything is queued). config: a
+        GenerationConfig (its own fields were checked when it was made). Raises TypeError for a wrong type,
+        ValueError naming the numbers (RequestTooLong for the fit) or the grammar error otherwise. Reads constants
+        and the thread-safe grammar cache only: safe to call from any thread."""
+        if not isinstance(config, GenerationConfig):
+            raise TypeError(f"config is a {type(config).__name__}; expected a tritonq.GenerationConfig.")
         self.check_token_ids(prompt_ids, name=name)
         vocab_size = self.runner.model.config.vocab_size
         for field_name, ids in (("stop_token_ids", config.stop_token_ids),
@@ -226,20 +246,23 @@ class Engine:
         constraint = constraint_of(config)
         if constraint is not None:
             self.grammars.compile(constraint)
+        return CheckedRequest(list(prompt_ids), config, constraint)
 
-    def add_request(self, prompt_ids: list[int], config, *, stream: bool = True) -> int:
+    def add_request(self, prompt_ids: list[int], config: GenerationConfig, *, stream: bool = True) -> int:
         """Queue a request (config: a GenerationConfig); returns its id. It waits until blocks are free.
         Raises (check_request) before queueing if it could never run. stream=False: the caller reads the
         text only when the request finishes, so unless it has stop strings (checked on the text as it
         grows) it is detokenized once at the end and its outputs before then carry text ""."""
+        return self.add_checked(self.check_request(prompt_ids, config), stream=stream)
+
+    def add_checked(self, checked: CheckedRequest, *, stream: bool = True) -> int:
+        """add_request of a request check_request has validated (not validated again); returns its id."""
         self._check_alive()
-        self.check_request(prompt_ids, config)
-        prompt_ids = list(prompt_ids)
+        prompt_ids, config, constraint = checked.prompt_ids, checked.config, checked.constraint
         rid = next(self._ids)
         request = Request(rid, prompt_ids, config, SamplingParams(config, num_prompt_tokens=len(prompt_ids)),
                           Detokenizer(self.tokenizer, config.stop, min_tokens=config.min_tokens),
                           stream=stream or bool(config.stop), arrival_s=time.perf_counter())
-        constraint = constraint_of(config)
         if constraint is not None:
             request.grammar = self.grammars.matcher(constraint)
         if config.max_new_tokens == 0:

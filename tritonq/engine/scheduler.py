@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from tritonq.engine.block_manager import BlockManager
-from tritonq.engine.sequence import Sequence, SequenceStatus, check_fits
+from tritonq.engine.sequence import Sequence, SequenceStatus
 
 class StepKind(enum.Flag):
     """What a step holds; a step may hold several (DECODE | PREFILL is a mixed step). A plain DECODE step (one
@@ -137,12 +137,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; it runs when blocks and the budget allow.
 
-        Raises ValueError, before queueing, if it could never fit (`check_fits`): prompt + max_new_tokens
-        needs more blocks than the cache has.
+        The engine validated it (`Engine.check_request`: `check_fits` among its rules), so its fit is an assert.
         """
-        bm = self.block_manager
-        check_fits(f"sequence {seq.seq_id}", seq.num_prompt_tokens, seq.max_new_tokens, num_blocks=bm.num_blocks,
-                   block_size=bm.block_size)
+        assert self.block_manager.blocks_needed(seq.num_prompt_tokens + seq.max_new_tokens) \
+            <= self.block_manager.num_blocks, f"{seq} can never fit the cache: Engine.check_request refuses it"
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already queued or running; ids must be unique.")
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_generated:

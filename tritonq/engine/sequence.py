@@ -18,7 +18,7 @@ class RequestTooLong(ValueError):
 
 def check_fits(name: str, num_prompt_tokens: int, max_new_tokens: int, *, num_blocks: int, block_size: int,
                max_seq_len: int | None = None) -> None:
-    """The one request-fit rule (`Engine.check_request`, which Model and the server call, and `Scheduler.add`):
+    """The one request-fit rule (`Engine.check_request`, the one validation of a request; `Scheduler.add` asserts it):
     ValueError, naming the numbers, unless the request has a token, and RequestTooLong unless
     num_prompt_tokens + max_new_tokens fits max_seq_len (None: no limit) and a KV cache of num_blocks blocks
     of block_size tokens. name says what is checked ("the prompt", "prompt 3", "sequence 7")."""

@@ -28,10 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tritonq.generate import GenerationConfig
+from tritonq.engine.engine import CheckedRequest, EngineDeadError
 from tritonq.serve.metrics import ServerMetrics
-
-from tritonq.engine.engine import EngineDeadError
 
 # Events (one per engine step) a stream may hold unread; past it the client is not reading and the
 # request is aborted so its KV blocks are freed. 1024 steps is seconds of tokens: a reading client
@@ -39,12 +37,26 @@ from tritonq.engine.engine import EngineDeadError
 STREAM_BUFFER_EVENTS = 1024
 
 
+class QueueFull(Exception):
+    """--max-waiting requests are waiting already (429: retry later)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take or finish requests: its loop died, the server is stopping, or it did not accept a
+    request in time (503)."""
+
+
+class StepFailed(RuntimeError):
+    """The engine failed this request: a failed step, an output with finish_reason "error", or a stream its
+    client did not read (500)."""
+
+
 @dataclass
 class Event:
-    """What a request's queue receives: outputs of one step, or a terminal error."""
+    """What a request's queue receives: outputs of one step, or a terminal error (serve.errors maps its type to
+    the HTTP status)."""
     outputs: list = field(default_factory=list)  # RequestOutput of this request's engine ids
-    error: str | None = None                     # the request cannot go on
-    status: int = 503                            # HTTP status of that error: 500 failed step, 503 engine gone
+    error: Exception | None = None               # the request cannot go on
 
 
 @dataclass(frozen=True)
@@ -54,28 +66,16 @@ class Scoring:
     top_logprobs: int
 
 
-class QueueFull(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class Refused:
-    """Why the engine thread did not take a stream: kind "invalid" (the request is wrong: 400),
-    "internal" (an unexpected error adding it: 500) or "dead" (the engine is gone: 503)."""
-    kind: str
-    message: str
-
-
 class Stream:
     """One HTTP request's engine requests (n choices x prompts, or its prompts' scoring) and the queue their
     outputs reach."""
 
-    def __init__(self, prompts: list[list[int]], configs: list[list[GenerationConfig | Scoring]], loop):
+    def __init__(self, prompts: list[list[int]], configs: list[list[CheckedRequest | Scoring]], loop):
         self.prompts, self.configs = prompts, configs
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.loop = loop
         self.request_ids: list[int] = []   # engine ids, prompt-major: prompt p choice c at p * n + c
-        self.accepted = loop.create_future()  # set by the engine thread: None, or a Refused
+        self.accepted = loop.create_future()  # set by the engine thread: None, or the exception refusing it
         self.started = time.perf_counter()
         self.unstarted = self.num_requests    # engine requests that have not produced a token yet
         self.done = False
@@ -123,17 +123,17 @@ class EngineLoop:
             self.dead = "the engine thread has exited"
         return self.dead
 
-    async def submit(self, prompts: list[list[int]], configs: list[list[GenerationConfig | Scoring]],
+    async def submit(self, prompts: list[list[int]], configs: list[list[CheckedRequest | Scoring]],
                      timeout: float) -> Stream:
-        """Queue prompts[p] once per config in configs[p]; returns when the engine accepted them.
+        """Queue prompts[p] once per request in configs[p] (Engine.check_request's, or a Scoring); returns when
+        the engine accepted them.
 
-        Raises QueueFull when --max-waiting requests are already waiting, ValueError with the
-        engine's message when it refuses one (e.g. more KV blocks than the cache has), RuntimeError
-        when the engine loop is dead or does not answer within `timeout` seconds, and Exception
-        (500) when adding failed unexpectedly.
+        Raises QueueFull when --max-waiting requests are already waiting, EngineUnavailable when the engine
+        loop is dead or does not answer within `timeout` seconds, and the engine's own exception when it
+        refuses one (add_score's checks: ValueError / TypeError) or adding fails unexpectedly.
         """
         if self.why_dead() is not None:
-            raise RuntimeError(f"the engine loop has died: {self.dead}")
+            raise EngineUnavailable(f"the engine loop has died: {self.dead}")
         stream = Stream(prompts, configs, asyncio.get_running_loop())
         if self.max_waiting is not None and self._pending + stream.num_requests > self.max_waiting:
             raise QueueFull(f"{self._pending} requests are waiting and this one adds {stream.num_requests}; "
@@ -145,14 +145,14 @@ class EngineLoop:
             error = await asyncio.wait_for(asyncio.shield(stream.accepted), timeout)
         except asyncio.TimeoutError:
             self.release(stream)  # the add may still be applied: the abort after it undoes it
-            raise RuntimeError(f"the engine did not accept the request within {timeout:g} s "
-                               "(it is busy or stuck); retry later") from None
+            raise EngineUnavailable(f"the engine did not accept the request within {timeout:g} s "
+                                    "(it is busy or stuck); retry later") from None
         except BaseException:     # the handler was cancelled (client gone)
             self.release(stream)
             raise
         if error is not None:
             self._finish(stream)
-            raise {"invalid": ValueError, "dead": RuntimeError}.get(error.kind, Exception)(error.message)
+            raise error
         return stream
 
     def mark_started(self, stream: Stream) -> None:
@@ -179,15 +179,14 @@ class EngineLoop:
             return
         if event.error is None and stream.queue.qsize() >= STREAM_BUFFER_EVENTS:
             self.release(stream)
-            event = Event(error=f"the client did not read its stream: {STREAM_BUFFER_EVENTS} events were "
-                                "unread, so the request was aborted; read the stream as it arrives",
-                          status=500)
+            event = Event(error=StepFailed(f"the client did not read its stream: {STREAM_BUFFER_EVENTS} events "
+                                           "were unread, so the request was aborted; read the stream as it arrives"))
         stream.queue.put_nowait(event)
 
     def fail_all(self, message: str) -> None:
         """End every live stream with an error event (shutdown): their handlers send an error chunk."""
         for stream in list(self._live):
-            stream.queue.put_nowait(Event(error=message))
+            stream.queue.put_nowait(Event(error=EngineUnavailable(message)))
 
     def _fail_everything(self, message: str) -> None:
         """(asyncio loop, once dead) Answer every request: accepted futures, live streams, queued adds."""
@@ -197,10 +196,10 @@ class EngineLoop:
             except queue.Empty:
                 break
             if kind == "add":
-                _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
+                _resolve(stream.accepted, EngineUnavailable(f"the engine loop has died: {message}"))
         for stream in list(self._live):
-            _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
-            stream.queue.put_nowait(Event(error=f"the engine loop has died: {message}"))
+            _resolve(stream.accepted, EngineUnavailable(f"the engine loop has died: {message}"))
+            stream.queue.put_nowait(Event(error=EngineUnavailable(f"the engine loop has died: {message}")))
 
     def stop(self) -> None:
         self._stop.set()
@@ -257,23 +256,20 @@ class EngineLoop:
 
     def _add(self, stream: Stream) -> None:
         if stream.done:  # released (timed out, client gone) before the thread got to it
-            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, Refused("invalid", "withdrawn"))
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, EngineUnavailable("withdrawn"))
             return
         ids = []
         try:
             for prompt, configs in zip(stream.prompts, stream.configs):
                 for config in configs:
                     ids.append(self.engine.add_score(prompt, config.top_logprobs) if isinstance(config, Scoring)
-                               else self.engine.add_request(prompt, config))
+                               else self.engine.add_checked(config))
         except Exception as exc:  # noqa: BLE001 - a request the engine cannot add must not end the server
             for rid in ids:
                 self.engine.abort(rid)
-            if isinstance(exc, (ValueError, TypeError)):
-                refused = Refused("invalid", str(exc))
-            else:
+            if not isinstance(exc, (ValueError, TypeError)):  # not a refusal: a bug, logged (answered 500)
                 traceback.print_exc()
-                refused = Refused("internal", f"adding the request failed: {type(exc).__name__}: {exc}")
-            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, refused)
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, exc)
             return
         stream.request_ids = ids
         for rid, prompt in zip(ids, (p for p, cs in zip(stream.prompts, stream.configs) for _ in cs)):
@@ -296,8 +292,8 @@ class EngineLoop:
                     self.engine.abort(rid)
                     self.metrics.request_finished(timing.arrival, timing.first, timing.tokens, now, "error")
             stream.loop.call_soon_threadsafe(
-                self._deliver, stream, Event(error=f"the engine step running this request failed: {message}",
-                                             status=500))
+                self._deliver, stream, Event(error=StepFailed(f"the engine step running this request failed: "
+                                                              f"{message}")))
 
     def _step(self) -> None:
         outputs = self.engine.step()
