@@ -3,12 +3,14 @@ request crosses, traced (sys.settrace, every thread) over a real request to the 
 
 Counted once the app is up and one request has warmed it: a file is a tritonq source file one of whose functions
 ran; a hop is a distinct (caller, callee) pair of tritonq functions (a function calling itself, comprehensions
-and generator expressions excluded), so steps that repeat the same calls count once. --list prints the hops.
+and generator expressions excluded), so steps that repeat the same calls count once. --list prints the hops;
+the last line counts the calls of every function named *check* (how often the request is validated).
 """
 from __future__ import annotations
 
 import argparse
 import threading
+from collections import Counter
 from pathlib import Path
 
 import tritonq
@@ -21,8 +23,9 @@ def _name(code) -> str:
     return f"{code.co_filename[len(ROOT) + 1:]}:{code.co_qualname}"
 
 
-def trace_request(body: dict) -> tuple[set[str], set[tuple[str, str]]]:
-    """(files, hops) of one POST /v1/completions with body to the app over the shipped model."""
+def trace_request(body: dict) -> tuple[set[str], set[tuple[str, str]], Counter]:
+    """(files, hops, calls per function) of one POST /v1/completions with body to the app over the shipped
+    model."""
     from fastapi.testclient import TestClient
 
     from tritonq.demo import DEFAULT_MODEL
@@ -31,6 +34,7 @@ def trace_request(body: dict) -> tuple[set[str], set[tuple[str, str]]]:
     model = tritonq.load(DEFAULT_MODEL, max_seq_len=256, max_num_seqs=4)
     files: set[str] = set()
     hops: set[tuple[str, str]] = set()
+    calls: Counter = Counter()
 
     def tracer(frame, event, arg):
         if event != "call" or not recording.is_set():
@@ -39,6 +43,7 @@ def trace_request(body: dict) -> tuple[set[str], set[tuple[str, str]]]:
         if not code.co_filename.startswith(ROOT) or code.co_name in SKIPPED:
             return None
         files.add(code.co_filename[len(ROOT) + 1:])
+        calls[_name(code)] += 1
         caller = frame.f_back
         while caller is not None and caller.f_code.co_name in SKIPPED:
             caller = caller.f_back
@@ -56,7 +61,7 @@ def trace_request(body: dict) -> tuple[set[str], set[tuple[str, str]]]:
     threading.settrace(None)
     if reply.status_code != 200:
         raise RuntimeError(f"the traced request failed: {reply.status_code} {reply.text}")
-    return files, hops
+    return files, hops, calls
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,12 +69,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens the traced request generates")
     parser.add_argument("--list", action="store_true", help="print every hop (caller -> callee)")
     args = parser.parse_args(argv)
-    files, hops = trace_request({"model": "tiny", "prompt": "Once upon a time", "max_tokens": args.max_tokens})
+    files, hops, calls = trace_request({"model": "tiny", "prompt": "Once upon a time", "max_tokens": args.max_tokens})
     if args.list:
         for caller, callee in sorted(hops):
             print(f"{caller} -> {callee}")
     print(f"/v1/completions (max_tokens={args.max_tokens}): {len(files)} tritonq files, {len(hops)} hops")
     print("files: " + " ".join(sorted(files)))
+    checks = {name: n for name, n in sorted(calls.items()) if "check" in name.rsplit(":", 1)[1].lower()}
+    print("calls of the checks: " + ", ".join(f"{name} x{n}" for name, n in checks.items()))
 
 
 if __name__ == "__main__":
