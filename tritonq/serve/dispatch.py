@@ -12,7 +12,8 @@ import time
 
 from fastapi import Request
 
-from tritonq.serve.engine_loop import EngineLoop, EngineUnavailable, Event, Scoring, StepFailed, Stream
+from tritonq.engine.multiplexer import Scoring
+from tritonq.serve.engine_loop import EngineLoop, EngineUnavailable, Event, StepFailed, Stream
 from tritonq.serve.errors import ClientGone, api_error
 from tritonq.serve.protocol import APIError, finite_logprob
 from tritonq.serve.responses import Usage
@@ -116,7 +117,7 @@ async def score(engine_loop: EngineLoop, prompts: list[list[int]], top_logprobs:
     """Engine.score's result per prompt (the prompt logprobs of echo), as scoring requests queued like
     generation: they wait for KV blocks and run in the steps' budget between other requests' decodes. Refusals
     and failures as `submit` / `collect`; aborted if the client leaves."""
-    stream = await submit(engine_loop, prompts, [[Scoring(top_logprobs)] for _ in prompts], 1)
+    stream = await submit(engine_loop, prompts, [[Scoring(p, top_logprobs)] for p in prompts], 1)
     scores = {}
     try:
         while len(scores) < len(prompts):

@@ -1,6 +1,7 @@
 """The engine in one background thread; HTTP handlers talk to it through queues.
 
-The engine is not thread-safe, so only this thread calls it. Handlers (on the asyncio loop)
+The engine is not thread-safe, so only this thread calls it, through the Model's Multiplexer
+(tritonq.engine.multiplexer: each request's outputs go to its stream). Handlers (on the asyncio loop)
 put commands (add, abort) on a thread-safe queue; the thread drains them between steps, runs
 `engine.step()` while anything is unfinished, and hands each request's outputs back to its
 asyncio.Queue with `loop.call_soon_threadsafe`. An abort is applied before the next step, so a
@@ -20,6 +21,7 @@ Failures, from the smallest:
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 import time
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tritonq.engine.engine import CheckedRequest, EngineDeadError
+from tritonq.engine.multiplexer import Multiplexer, Scoring
 from tritonq.serve.metrics import ServerMetrics
 
 # Events (one per engine step) a stream may hold unread; past it the client is not reading and the
@@ -57,13 +60,6 @@ class Event:
     the HTTP status)."""
     outputs: list = field(default_factory=list)  # RequestOutput of this request's engine ids
     error: Exception | None = None               # the request cannot go on
-
-
-@dataclass(frozen=True)
-class Scoring:
-    """In a Stream's configs, in place of a GenerationConfig: score the prompt (Engine.add_score: its prompt
-    logprobs, with the top_logprobs most likely tokens at each position). Its one output carries `scores`."""
-    top_logprobs: int
 
 
 class Stream:
@@ -96,20 +92,25 @@ class _Timing:
 class EngineLoop:
     """Owns the engine thread. `submit` from the asyncio loop; `stop` from anywhere."""
 
-    def __init__(self, engine, metrics: ServerMetrics, max_waiting: int | None = None, on_dead=None,
-                 log_interval: float = 5.0):
-        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+    def __init__(self, multiplexer: Multiplexer, metrics: ServerMetrics, max_waiting: int | None = None,
+                 on_dead=None, log_interval: float = 5.0):
+        self.multiplexer, self.metrics, self.max_waiting = multiplexer, metrics, max_waiting
         self.log_interval = log_interval          # seconds between throughput log lines while busy (0: none)
         self.on_dead = on_dead                    # called (engine thread) with the reason once dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, Stream] = {}   # engine request id -> its stream (thread-owned)
         self._timing: dict[int, _Timing] = {}
+        self._stepped: dict[Stream, list] = {}   # this step's outputs by stream (the multiplexer's sinks)
         self._live: set[Stream] = set()           # streams not yet done (asyncio-owned)
         self._pending = 0                         # engine requests accepted, no token yet (asyncio-owned)
         self._stop = threading.Event()
         self.dead: str | None = None              # why the loop died, once it has
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="tritonq-engine", daemon=True)
+
+    @property
+    def engine(self):
+        return self.multiplexer.engine
 
     # ---- asyncio side -------------------------------------------------------------------
     def start(self) -> None:
@@ -250,7 +251,7 @@ class EngineLoop:
                 if self._streams.pop(rid, None) is not None:
                     self._timing.pop(rid, None)
                     try:
-                        self.engine.abort(rid)
+                        self.multiplexer.release([rid])
                     except Exception:  # noqa: BLE001 - one request's cleanup must not end the server
                         traceback.print_exc()
 
@@ -258,15 +259,10 @@ class EngineLoop:
         if stream.done:  # released (timed out, client gone) before the thread got to it
             stream.loop.call_soon_threadsafe(_resolve, stream.accepted, EngineUnavailable("withdrawn"))
             return
-        ids = []
         try:
-            for prompt, configs in zip(stream.prompts, stream.configs):
-                for config in configs:
-                    ids.append(self.engine.add_score(prompt, config.top_logprobs) if isinstance(config, Scoring)
-                               else self.engine.add_checked(config))
+            ids = self.multiplexer.add([c for configs in stream.configs for c in configs],
+                                       functools.partial(self._collect, stream))
         except Exception as exc:  # noqa: BLE001 - a request the engine cannot add must not end the server
-            for rid in ids:
-                self.engine.abort(rid)
             if not isinstance(exc, (ValueError, TypeError)):  # not a refusal: a bug, logged (answered 500)
                 traceback.print_exc()
             stream.loop.call_soon_threadsafe(_resolve, stream.accepted, exc)
@@ -289,21 +285,22 @@ class EngineLoop:
             for rid in stream.request_ids:
                 if self._streams.pop(rid, None) is not None:
                     timing = self._timing.pop(rid)
-                    self.engine.abort(rid)
+                    self.multiplexer.release([rid])
                     self.metrics.request_finished(timing.arrival, timing.first, timing.tokens, now, "error")
             stream.loop.call_soon_threadsafe(
                 self._deliver, stream, Event(error=StepFailed(f"the engine step running this request failed: "
                                                               f"{message}")))
 
+    def _collect(self, stream: Stream, out) -> None:
+        """(the multiplexer's sink of a stream's requests) An output of this step, delivered after it."""
+        self._stepped.setdefault(stream, []).append(out)
+
     def _step(self) -> None:
-        outputs = self.engine.step()
+        self._stepped = {}
+        self.multiplexer.step()
         now = time.perf_counter()
-        by_stream: dict[Stream, list] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:  # aborted meanwhile
-                continue
-            by_stream.setdefault(stream, []).append(out)
+        by_stream, self._stepped = self._stepped, {}
+        for out in (out for outs in by_stream.values() for out in outs):
             timing = self._timing[out.request_id]
             if out.token_id is not None:
                 timing.tokens += 1
