@@ -54,9 +54,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def _fp32_cpu_default():
     """load() without dtype= computes in fp32 on CPU in every test, whatever the CPU: bf16 is the default only
-    where the CPU has native bf16 (tritonq.loading.cpu_has_native_bf16), and the tests compare against fp32
+    where the CPU has native bf16 (tritonq.api.load.cpu_has_native_bf16), and the tests compare against fp32
     references with fp32 tolerances. Tests of that choice patch it themselves; subprocesses pass dtype."""
-    from tritonq import loading
+    from tritonq.api import load as loading
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loading, "cpu_has_native_bf16", lambda: False)
         yield

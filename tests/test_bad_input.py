@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tritonq
-import tritonq.loading
+import tritonq.api.load
 from tritonq.demo import write_tiny_llama
-from tritonq.weights import Int4Weight
+from tritonq.quant.weights import Int4Weight
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_int4_on_load_takes_a_group_size(tiny, monkeypatch):
     weights as quantize_int4 at that group size (the writer's RTN, an independent call)."""
     from safetensors.torch import load_file
 
-    from tritonq.rtn import quantize_int4
+    from tritonq.quant.rtn import quantize_int4
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")
     model = tritonq.load(tiny, quantize="int4", group_size=16, max_seq_len=16)
     down = model.model.layers[0].mlp.down_proj.weight
@@ -272,7 +272,7 @@ def test_load_refuses_dtypes_the_gpu_kernels_do_not_run_before_reading_anything(
     def no_files(*args, **kwargs):
         raise AssertionError("the checkpoint was resolved before the dtype was refused")
 
-    monkeypatch.setattr("tritonq.hub.resolve", no_files)
+    monkeypatch.setattr("tritonq.api.hub.resolve", no_files)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # "cuda" resolves to the current GPU
     with pytest.raises(ValueError) as info:
@@ -285,7 +285,7 @@ def test_load_refuses_dtypes_the_gpu_kernels_do_not_run_before_reading_anything(
     ((7, 5), "bfloat16", torch.float16), ((7, 5), torch.float16, torch.float16)])
 def test_default_gpu_dtype_is_the_checkpoints_but_fp16_before_sm80(monkeypatch, caplog, capability, stored, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert tritonq.loading._default_dtype(stored, torch.device("cuda")) == expected
+    assert tritonq.api.load._default_dtype(stored, torch.device("cuda")) == expected
     cast = capability < (8, 0) and stored != torch.float16
     assert ("computing in float16, not the checkpoint's" in caplog.text) == cast
-    assert tritonq.loading._default_dtype(stored, torch.device("cpu")) == torch.float32
+    assert tritonq.api.load._default_dtype(stored, torch.device("cpu")) == torch.float32

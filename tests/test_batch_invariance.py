@@ -13,13 +13,14 @@ import torch
 
 import tritonq
 from tritonq.demo import DEFAULT_MODEL
-from tritonq.kernels import batch_invariant_mode, cpu_dense, cpu_lowbit, cpu_native, fp8_gemm, int4_gemm, int8_gemm
+from tritonq.kernels import batch_invariant_mode, fp8_gemm, int4_gemm, int8_gemm
+from tritonq.kernels.cpu import dense as cpu_dense, lowbit as cpu_lowbit, native as cpu_native
 from tritonq.kernels.attention import configs as attention_configs
 from tritonq.kernels.attention import paged_cache
 from tritonq.kernels.dense_gemm import dense_gemm, dense_gemm_reference
-from tritonq.layers import Linear
-from tritonq.rtn import quantize_int4
-from tritonq.weights import DenseWeight
+from tritonq.formats.layers import Linear
+from tritonq.quant.rtn import quantize_int4
+from tritonq.quant.weights import DenseWeight
 
 MS = [1, 3, 17, 64, 130]  # 130: above the int4 template's and the dequantize path's thresholds (8, 32)
 
@@ -29,7 +30,7 @@ def _cpu_backend(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("TRITONQ_BACKEND", raising=False)
     if cpu_native.library() is None:
-        pytest.fail("the C kernels (cpu_native.c) did not build: the batch-invariant mode needs them")
+        pytest.fail("the C kernels (kernels/cpu/csrc) did not build: the batch-invariant mode needs them")
 
 
 def assert_rows_invariant(f, x: torch.Tensor) -> torch.Tensor:

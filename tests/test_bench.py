@@ -33,7 +33,7 @@ def test_model_shapes_match_the_published_configs():
 
 
 def test_int4_bench_cli_on_cpu_writes_json_and_plot(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU bench measures the CPU backend (kernels/cpu_lowbit.py)
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU bench measures the CPU backend (kernels/cpu/lowbit.py)
     out = tmp_path / "int4.json"
     bench_int4.main(["--m", "1,3", "--square", "256", "--json", str(out), "--plot", str(tmp_path / "int4.png")])
     data = json.loads(out.read_text())
@@ -47,7 +47,7 @@ def test_int4_bench_cli_on_cpu_writes_json_and_plot(tmp_path, monkeypatch):
 
 def test_attention_bench_on_cpu_compares_the_cpu_backend_with_the_references(tmp_path, monkeypatch):
     from tritonq.bench import attention as bench_attention
-    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU backend (kernels/cpu_attention.py)
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU backend (kernels/cpu/attention.py)
     monkeypatch.setattr(bench_attention, "CPU_DECODE_BATCHES", (1, 3))  # small: a smoke test, not a timing
     monkeypatch.setattr(bench_attention, "CPU_LENS", (16, 40))
     monkeypatch.setattr(bench_attention, "CPU_PROMPT_LENS", (5, 33))
@@ -181,7 +181,7 @@ def test_moe_bench_layers_match_the_published_configs():
 
 def test_moe_bench_cli_on_cpu_writes_json(tmp_path, monkeypatch):
     from tritonq.bench import moe as bench_moe
-    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU bench measures the CPU backend (kernels/cpu_lowbit.py)
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU bench measures the CPU backend (kernels/cpu/lowbit.py)
     out = tmp_path / "moe.json"
     bench_moe.main(["--models", "qwen3-30b-a3b", "--tokens", "1", "3", "--experts", "2", "--rep", "1",
                     "--out", str(out)])

@@ -1,4 +1,4 @@
-"""GPTQ and AWQ calibration (tritonq.calibrate) and the calibrated writer.
+"""GPTQ and AWQ calibration (tritonq.quantize.calibrate) and the calibrated writer.
 
 The quality claims are checked on the layer output error ||X W^T - X Q^T|| with the quantized
 weight Q decoded by the test helper's own formula (formats.helpers.dequantize), against RTN
@@ -13,9 +13,9 @@ from models.test_llama import ATOL, dequantized_transformers_model, our_prefill_
 from safetensors.torch import load_file
 
 import tritonq
-from tritonq.calibrate import awq_search_clip, awq_search_scale, calibrate, calibration_ids, gptq_quantize
+from tritonq.quantize.calibrate import awq_search_clip, awq_search_scale, calibrate, calibration_ids, gptq_quantize
 from tritonq.cli import quantize_main as main
-from tritonq.rtn import quantize_int4
+from tritonq.quant.rtn import quantize_int4
 
 
 def correlated_activations(T=768, K=160, seed=0) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import transformers
 
 import tritonq
-from tritonq.loading import _read_config
+from tritonq.api.load import _read_config
 
 ARCHITECTURES = {  # name: (transformers config class, its arguments)
     "llama": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -309,7 +309,7 @@ def gpu_model(kind: str, tmp_path_factory):
     folder = tmp_path_factory.mktemp(kind)
     write_checkpoint(folder, kv_heads=2, tied=False, bias=True, rope="llama3", hidden=128)
     if kind == "llama_awq":
-        from tritonq.quantize import write_quantized
+        from tritonq.quantize.writer import write_quantized
         folder = write_quantized(folder, tmp_path_factory.mktemp("awq"), "awq", group_size=64)
     return tritonq.load(folder, device="cuda", dtype=torch.float16, max_seq_len=128, max_num_seqs=4, kv_cache_gb=0.05,
                         cuda_graphs=False).model

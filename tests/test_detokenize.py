@@ -11,8 +11,8 @@ import random
 import pytest
 
 from tritonq.demo import byte_tokenizer
-from tritonq.detokenize import Detokenizer
-from tritonq.generate import GenerationConfig
+from tritonq.engine.detokenize import Detokenizer
+from tritonq.api.model import GenerationConfig
 
 TEXTS = ["hello world", "~!tt!!=x", "héllo wörld 日本語 🙂!= ok", "a\n\nb  c", "ééé", "🙂🙂"]
 

@@ -144,7 +144,7 @@ def test_load_joins_the_process_group_on_gpu_local_rank(monkeypatch):
 
 
 def test_cuda_graphs_default_off_under_tensor_parallelism(caplog):
-    from tritonq.loading import _capture_graphs
+    from tritonq.api.load import _capture_graphs
 
     assert _capture_graphs(None, 1) is True
     with caplog.at_level(logging.INFO, logger="tritonq"):

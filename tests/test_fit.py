@@ -42,7 +42,7 @@ from tritonq.kernels import attention, dense_gemm, fp8_gemm, int4_gemm, int8_gem
 from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, SM_COUNT
 from tritonq.kernels.common import Launch, gpu_compute_dtypes
 from tritonq.kernels.norm_rope import rms_norm_launch, silu_mul_launch
-from tritonq.weights import DenseWeight
+from tritonq.quant.weights import DenseWeight
 
 try:
     from child_process import ROOT, json_from_child

@@ -10,7 +10,7 @@ import torch
 from tritonq.bench import host
 from tritonq.kernels import common
 from tritonq.kernels import int4_gemm as int4
-from tritonq.layers import Linear
+from tritonq.formats.layers import Linear
 
 N = K = 4096  # the defaults split K at decode here (4 to 8 slices), so the one launch holds the reduction
 WEIGHTS = host.weights(N, K)

@@ -71,7 +71,7 @@ def test_find_cycle_finds_one():
 
 def test_import_graph_sees_function_level_imports():
     graph = import_graph()
-    assert "tritonq.weights" in graph["tritonq.kernels.int4_gemm"]
+    assert "tritonq.quant.weights" in graph["tritonq.kernels.int4_gemm"]
     assert "tritonq.formats.base" in graph["tritonq.formats.gptq"]
     assert all(importlib.util.find_spec(m) is not None for m in graph)
 
@@ -82,8 +82,8 @@ def test_tritonq_import_graph_has_no_cycle():
 
 
 def test_typed_weights_import_no_kernel_and_no_format():
-    """Kernels and formats import tritonq.weights, so it must import neither of them."""
-    imported = import_graph()["tritonq.weights"]
+    """Kernels and formats import tritonq.quant.weights, so it must import neither of them."""
+    imported = import_graph()["tritonq.quant.weights"]
     assert not {m for m in imported if m.startswith(("tritonq.kernels", "tritonq.formats"))}, imported
 
 
@@ -91,17 +91,16 @@ def test_typed_weights_import_no_kernel_and_no_format():
 # package (so `tritonq.kernels` places every kernels.* module, new ones too); `tritonq` alone is the package's
 # __init__. An import may point within its floor (the cycle test above guards those) or down, never up.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("typed data and plumbing", ("tritonq.packing", "tritonq.weights", "tritonq.progress", "tritonq.hub",
-                                 "tritonq.distributed", "tritonq.detokenize", "tritonq.structured",
-                                 "tritonq.structured_worker", "tritonq.eval.perplexity")),
+    ("typed data and plumbing", ("tritonq.quant", "tritonq.progress", "tritonq.distributed",
+                                 "tritonq.eval.perplexity")),
     ("config", ("tritonq.config",)),
     ("kernels", ("tritonq.kernels",)),
-    ("quantizers and formats", ("tritonq.rtn", "tritonq.formats")),
-    ("layers", ("tritonq.layers",)),
+    ("formats", ("tritonq.formats",)),
+    ("layers", ("tritonq.formats.layers",)),
     ("models", ("tritonq.models",)),
     ("engine", ("tritonq.engine",)),
-    ("model api", ("tritonq.generate", "tritonq.loading", "tritonq")),
-    ("checkpoint writer", ("tritonq.calibrate", "tritonq.quantize")),
+    ("model api", ("tritonq.api", "tritonq")),
+    ("checkpoint writer", ("tritonq.quantize",)),
     ("command line", ("tritonq.cli", "tritonq.__main__")),
     ("server and eval", ("tritonq.serve", "tritonq.eval")),
     ("workbench", ("tritonq.workbench", "tritonq.random_weights", "tritonq.demo", "tritonq.check", "tritonq.tune",
@@ -121,8 +120,8 @@ def layer_of(module: str) -> int | None:
 
 def test_layer_of_matches_the_nearest_entry():
     assert layer_of("tritonq.kernels.attention.decode") == layer_of("tritonq.kernels")  # a new kernels module
-    assert layer_of("tritonq.eval.perplexity") < layer_of("tritonq.generate") < layer_of("tritonq.eval.harness")
-    assert layer_of("tritonq") == layer_of("tritonq.loading")
+    assert layer_of("tritonq.eval.perplexity") < layer_of("tritonq.api.model") < layer_of("tritonq.eval.harness")
+    assert layer_of("tritonq") == layer_of("tritonq.api.load")
     assert layer_of("tritonq.newthing") is None
 
 
@@ -148,7 +147,7 @@ def test_import_tritonq_imports_no_torch():
 
     code = ("import sys, tritonq; assert 'torch' not in sys.modules, 'torch imported'; "
             "assert not [m for m in sys.modules if m.startswith('tritonq.')], 'a submodule imported'; "
-            "assert tritonq.load.__module__ == 'tritonq.loading' and tritonq.GenerationConfig.__module__ == "
+            "assert tritonq.load.__module__ == 'tritonq.api.load' and tritonq.GenerationConfig.__module__ == "
             "'tritonq.config'")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -1,8 +1,8 @@
 """Linear's weight layout: fp32 CPU dense weights are stored [K, N] (faster decode GEMV), same values."""
 import torch
 
-from tritonq.layers import Linear
-from tritonq.weights import DenseWeight
+from tritonq.formats.layers import Linear
+from tritonq.quant.weights import DenseWeight
 
 
 def test_cpu_fp32_dense_weight_is_stored_k_major_with_the_same_values():

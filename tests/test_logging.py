@@ -14,7 +14,7 @@ import pytest
 
 import tritonq
 from tritonq.demo import DEFAULT_MODEL
-from tritonq.kernels import cpu_lowbit
+from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.progress import progress_bar
 
 ROOT = Path(__file__).parents[1]

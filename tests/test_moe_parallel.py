@@ -28,7 +28,7 @@ import tritonq
 from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
-from tritonq.quantize import write_quantized
+from tritonq.quantize.writer import write_quantized
 
 ATOL = 1e-4
 VOCAB = 264  # byte tokenizer (258) padded so that 2, 3 and 4 ranks split it

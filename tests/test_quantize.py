@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 
 import tritonq
 from tritonq.cli import quantize_main as main
-from tritonq import quantize
 from tritonq.demo import byte_tokenizer
-from tritonq.quantize import write_quantized
-from tritonq.rtn import quantize_fp8, quantize_int4
-from tritonq.weights import FP8Weight
+from tritonq.quant.rtn import quantize_fp8, quantize_int4
+from tritonq.quant.weights import FP8Weight
+from tritonq.quantize import writer
+from tritonq.quantize.writer import write_quantized
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +231,7 @@ def test_a_failed_write_leaves_no_half_checkpoint(dense, tmp_path, monkeypatch, 
     def full_disk(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"half")
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(quantize, "save_file", full_disk)
+    monkeypatch.setattr(writer, "save_file", full_disk)
     with pytest.raises(OSError, match="No space left"):
         write_quantized(src, dst, "awq", group_size=GROUP_SIZE, overwrite=True)
     assert ({p.name: p.read_bytes() for p in dst.iterdir()} if dst.exists() else None) == before

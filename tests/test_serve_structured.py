@@ -205,7 +205,7 @@ def test_a_grammar_past_its_budget_is_400_and_plain_requests_do_not_wait_for_it(
     and checked on another pool). An order, not a time: the second refusal comes after two budgets."""
     import threading
 
-    from tritonq.structured import COMPILE_TIMEOUT_S
+    from tritonq.engine.structured import COMPILE_TIMEOUT_S
     slow = [{"type": "string", "pattern": "".join(f"({a}{{0,128}}{b}{{0,128}}){{0,128}}" for a, b in pairs)}
             for pairs in (["ab", "cd", "ef", "gh"], ["ij", "kl", "mn", "op"])]  # one group: ~7 s on 2 loaded cores
     events, errors = [], []

@@ -84,7 +84,7 @@ def test_followers_replay_exactly_what_rank_0_forwarded(checkpoint, monkeypatch)
     import torch
 
     import tritonq
-    from tritonq.generate import GenerationConfig
+    from tritonq.api.model import GenerationConfig
     from tritonq.serve import ranks
 
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")

@@ -1,4 +1,4 @@
-"""Structured outputs (tritonq.structured): every output of a constrained request parses and validates.
+"""Structured outputs (tritonq.engine.structured): every output of a constrained request parses and validates.
 
 The references are independent of our code: `json.loads` + `jsonschema.validate` for JSON schemas,
 `re.fullmatch` for regexes, membership for choices, xgrammar's own `apply_token_bitmask_inplace` for
@@ -19,8 +19,8 @@ jsonschema = pytest.importorskip("jsonschema")
 import tritonq  # noqa: E402
 from tritonq.demo import DEFAULT_MODEL, write_tiny_llama  # noqa: E402
 from tritonq.engine.sampler import Sampler, SamplingParams  # noqa: E402
-from tritonq.generate import GenerationConfig  # noqa: E402
-from tritonq.structured import Grammars, apply_token_bitmask, constraint_of, token_bitmask  # noqa: E402
+from tritonq.api.model import GenerationConfig  # noqa: E402
+from tritonq.engine.structured import Grammars, apply_token_bitmask, constraint_of, token_bitmask  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,7 +101,7 @@ def test_every_choice_output_is_one_of_the_choices(model):
 
 
 def test_length_bounded_string_outputs_parse(model):
-    """minLength / maxLength strings (rewritten as a pattern, tritonq.structured) never hold a raw control
+    """minLength / maxLength strings (rewritten as a pattern, tritonq.engine.structured) never hold a raw control
     character, which json.loads refuses (xgrammar's own lowering admits them, mlc-ai/xgrammar#800). Their
     length is checked where the text is valid UTF-8: xgrammar 0.2 admits overlong UTF-8 byte sequences,
     which a random byte-level model writes and which decode to several U+FFFD."""
@@ -232,7 +232,7 @@ def test_grammar_time_and_size_budgets_and_cached_refusals():
     when sent again (the refusal is cached); the next constraint gets a fresh compiler process. A constraint
     longer than MAX_CONSTRAINT_CHARS is refused before any compile."""
     from tritonq.demo import byte_tokenizer
-    from tritonq.structured import MAX_CONSTRAINT_CHARS, GrammarError
+    from tritonq.engine.structured import MAX_CONSTRAINT_CHARS, GrammarError
     tokenizer = byte_tokenizer()
     grammars = Grammars(tokenizer, 258, [257], compile_timeout_s=1.0)
     slow = ("json_schema", json.dumps({"type": "string", "pattern": "(x{0,128}y{0,128}){0,128}" * 2}))

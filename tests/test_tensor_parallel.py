@@ -31,8 +31,8 @@ import tritonq
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.registry import get_loader
 from tritonq.models.llama import LlamaForCausalLM
-from tritonq.quantize import quantization_config, quantized_tensors, write_quantized
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight
+from tritonq.quantize.writer import quantization_config, quantized_tensors, write_quantized
+from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight
 
 ATOL = 1e-4
 WORLD = 2

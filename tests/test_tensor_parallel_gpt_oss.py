@@ -21,8 +21,8 @@ import tritonq
 from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
 from tritonq.models.gpt_oss import GptOssForCausalLM
-from tritonq.quantize import write_quantized
-from tritonq.weights import MXFP4Weight
+from tritonq.quantize.writer import write_quantized
+from tritonq.quant.weights import MXFP4Weight
 
 ATOL = 1e-4
 WORLD = 2

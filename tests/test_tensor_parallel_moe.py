@@ -22,7 +22,7 @@ from test_tensor_parallel import _free_port
 
 import tritonq
 from tritonq.models.moe import SparseMoE
-from tritonq.quantize import write_quantized
+from tritonq.quantize.writer import write_quantized
 
 ATOL = 1e-4
 CHECKPOINTS = {  # name: (tests/models/test_moe_models.CASES name, config overrides, write_quantized format, options)

@@ -14,12 +14,12 @@ from tolerances import assert_greedy_equal, solo_runs
 from transformers import AutoModelForCausalLM
 
 import tritonq
-from tritonq.calibrate import _capture_inputs, calibrate, calibration_ids
+from tritonq.quantize.calibrate import _capture_inputs, calibrate, calibration_ids
 from tritonq.cli import quantize_main
 from tritonq.formats.registry import get_loader
-from tritonq.layers import Linear
-from tritonq.quantize import write_quantized
-from tritonq.weights import W8A8Weight
+from tritonq.formats.layers import Linear
+from tritonq.quantize.writer import write_quantized
+from tritonq.quant.weights import W8A8Weight
 
 CALIBRATION = {"samples": 4, "seq_len": 32}
 

@@ -19,7 +19,7 @@ LONG_PROMPT = DEFAULT_MODEL.parent.joinpath("heldout.txt").read_text()[:400]  # 
 
 @pytest.fixture(scope="module")
 def awq(tmp_path_factory):
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
     return write_quantized(DEFAULT_MODEL, tmp_path_factory.mktemp("awq") / "awq", "awq", group_size=128)
 
 

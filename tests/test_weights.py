@@ -1,12 +1,12 @@
-"""tritonq.weights: what each typed weight does on its own (no kernel): stacking experts and taking
+"""tritonq.quant.weights: what each typed weight does on its own (no kernel): stacking experts and taking
 one back, the device move, dequantization against a float64 reference computed from the integer
 codes, and the layout questions the MoE kernel asks."""
 import numpy as np
 import pytest
 import torch
 
-from tritonq.packing import pack_int32
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, concat_outputs, stack_experts
+from tritonq.quant.packing import pack_int32
+from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight, concat_outputs, stack_experts
 
 N, K, E = 24, 96, 3  # N is not a multiple of 8 packs' worth of anything the kernels tile by
 

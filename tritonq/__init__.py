@@ -3,8 +3,8 @@
     model = tritonq.load("path/or/org-name")
     model.generate("Hello", max_new_tokens=20)
 
-`import tritonq` imports neither torch nor the runtime: `load` (tritonq.loading), `Model` and the output
-types (tritonq.generate) and `GenerationConfig` / `EngineConfig` (tritonq.config) are imported on first use,
+`import tritonq` imports neither torch nor the runtime: `load` (tritonq.api.load), `Model` and the output
+types (tritonq.api.model) and `GenerationConfig` / `EngineConfig` (tritonq.config) are imported on first use,
 so `tritonq --help` and the other command lines parse their arguments before the ~2 s torch import.
 Imported before torch, it makes OpenMP's idle threads sleep rather than spin (OMP_WAIT_POLICY=PASSIVE, unless set).
 """
@@ -18,8 +18,8 @@ import sys
 __version__ = "0.1.0"
 __all__ = ["load", "Model", "GenerationConfig", "EngineConfig", "GenerationOutput", "ScoreOutput"]
 # public name -> the module it lives in, imported when the name is first read
-_LAZY = {"load": "tritonq.loading", "Model": "tritonq.generate", "GenerationOutput": "tritonq.generate",
-         "ScoreOutput": "tritonq.generate", "GenerationConfig": "tritonq.config", "EngineConfig": "tritonq.config"}
+_LAZY = {"load": "tritonq.api.load", "Model": "tritonq.api.model", "GenerationOutput": "tritonq.api.model",
+         "ScoreOutput": "tritonq.api.model", "GenerationConfig": "tritonq.config", "EngineConfig": "tritonq.config"}
 
 
 def __getattr__(name: str):

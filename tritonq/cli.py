@@ -331,7 +331,7 @@ def _say_once(said: set, what: str, message: str) -> None:
 def quantize_parser(prog: str = "tritonq quantize") -> argparse.ArgumentParser:
     parser = new_parser(prog, "Write a quantized checkpoint (AWQ, GPTQ, FP8, MXFP4 or W8A8 INT8) from a dense one, in the "
                               "exact on-disk format AutoAWQ / GPTQModel / llm-compressor / vLLM read; see "
-                              "tritonq/quantize.py.")
+                              "tritonq/quantize/writer.py.")
     parser.add_argument("src", help="dense checkpoint folder (transformers save_pretrained)")
     parser.add_argument("dst", help="output folder (new or empty; written beside it, then renamed into place)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it holds anything")
@@ -372,7 +372,7 @@ def quantize_main(argv: list[str] | None = None, prog: str = "tritonq quantize")
     a = parser.parse_args(argv)
     if a.format == "awq" and a.sym:
         parser.error("AWQ GEMM checkpoints are asymmetric (zero_point: true); drop --sym")
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
 
     options = {"group_size": a.group_size, "modules_to_not_convert": a.modules_to_not_convert}
     if a.format == "gptq":

@@ -1,7 +1,7 @@
 """The options a model runs with, each checked once when its config is made (clear errors, before any
 work): `EngineConfig` (what `tritonq.load` takes for the engine and the KV cache) and `GenerationConfig`
 (how one request generates), with `SpeculativeConfig` (speculative decoding, an EngineConfig field).
-tritonq.load builds the EngineConfig and hands it whole to the engine (Engine, kv_cache_blocks), which take it as
+tritonq.api.load builds the EngineConfig and hands it whole to the engine (Engine, kv_cache_blocks), which take it as
 made: below here its rules are asserts, not checks.
 
 Imports neither torch nor any other tritonq module: the models, the engine and the command lines
@@ -69,7 +69,7 @@ class GenerationConfig:
     Order in the sampler, as vLLM: min_tokens mask, logit_bias, repetition / frequency / presence
     penalties, the structured-output grammar mask, temperature, min_p, top_k, top_p. Every log-probability
     returned is under the raw logits.
-    json_schema / regex / choice / grammar (at most one; tritonq.structured, needs `pip install
+    json_schema / regex / choice / grammar (at most one; tritonq.engine.structured, needs `pip install
         'tritonq[structured]'`): constrain the output to JSON matching a schema (a dict, or its JSON text; stored
         as compact JSON text), to a full match of a regex, to exactly one of a tuple of non-empty strings, or to
         a grammar in xgrammar's EBNF (GBNF: `root ::= ...`, as vLLM's guided_grammar). EOS is

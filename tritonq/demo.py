@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tritonq.demo") ->
         parser.error(f"--output {args.output} is a file; give a folder for the checkpoint")
     import tritonq
     from tritonq.cli import set_threads
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
 
     set_threads(args.threads)
 

@@ -1,7 +1,7 @@
 """Random typed weights for benchmarks, the kernels' tune targets and tests: contents
 that exercise a kernel (every code value, varied scales), not a trained model.
 
-Each generator makes a weight in tritonq's layout (tritonq/weights.py) on `device`; only the sizes
+Each generator makes a weight in tritonq's layout (tritonq/quant/weights.py) on `device`; only the sizes
 and the quantization scheme are chosen by the caller. Tests that need an independent reference
 build their weights from raw checkpoint tensors instead (tests/kernels/test_int4_gemm.py).
 """
@@ -11,8 +11,8 @@ import torch
 
 from tritonq.kernels.common import tune_group_size
 from tritonq.kernels.moe import EXPERT_KINDS
-from tritonq.packing import pack_int32
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
+from tritonq.quant.packing import pack_int32
+from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
 
 FP8_SCHEMES = ("tensor", "channel", "block")
 

@@ -13,7 +13,7 @@ from tolerances import TOLERANCE
 from torch._dynamo.utils import counters
 
 import tritonq
-import tritonq.loading
+import tritonq.api.load
 from tritonq import GenerationConfig
 from tritonq.demo import write_tiny_llama
 
@@ -71,7 +71,7 @@ def test_compiled_decode_runs_int4_weights(folder, tmp_path, num_prompts):
     """An AWQ int4 model compiles too (its linears hold their CPU form: the step reads no weak dict), with the
     same tokens as eager and one step's logits within the int4 path's bf16 tolerance. Bucket 4 traces the int4
     kernel into the graph; bucket 16 (above TEMPLATE_ABOVE_M rows) calls the template through an opaque op."""
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
     awq = write_quantized(folder, tmp_path / "awq", "awq", group_size=64)
     compiled, eager = _load(awq, True, max_num_seqs=16), _load(awq, False, max_num_seqs=16)
     prompts = [[5 + 7 * i + j for j in range(2 + i % 4)] for i in range(num_prompts)]
@@ -97,13 +97,14 @@ def test_compile_option_is_checked(folder):
 
 
 def test_compile_is_off_by_default_on_cpu(folder):
-    """A compile per bucket for a small gain (docs/engine.md, tritonq.loading.CPU_COMPILE): the default runs eagerly."""
+    """A compile per bucket for a small gain (docs/engine.md, tritonq.api.load.CPU_COMPILE): the default runs
+    eagerly."""
     assert _load(folder, None).engine.runner.compiled is None
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_cpu_default_dtype_follows_native_bf16(folder, monkeypatch, caplog, native):
-    monkeypatch.setattr(tritonq.loading, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(tritonq.api.load, "cpu_has_native_bf16", lambda: native)
     with caplog.at_level(logging.INFO, logger="tritonq"):
         model = tritonq.load(folder, max_seq_len=32, max_num_seqs=1)
     assert model.model.dtype == (torch.bfloat16 if native else torch.float32)

@@ -10,7 +10,7 @@ from tolerances import assert_greedy_equal, solo_runs
 
 import tritonq
 from tritonq.engine.engine import EngineDeadError
-from tritonq.generate import GenerationConfig
+from tritonq.api.model import GenerationConfig
 
 
 @pytest.fixture(scope="module")
@@ -191,10 +191,10 @@ def test_mixed_steps_under_preemption_and_shared_prefixes_give_the_solo_greedy_r
 
 
 def test_grouped_decode_on_two_threads_gives_the_solo_greedy_runs(folder, monkeypatch):
-    """The CPU backend's decode in padded groups of sequences (kernels/cpu_attention.py, several threads; forced
+    """The CPU backend's decode in padded groups of sequences (kernels/cpu/attention.py, several threads; forced
     here at this tiny size; the torch path, as where the C kernel is not built) gives every request its solo greedy
     run (one prompt alone decodes per sequence)."""
-    from tritonq.kernels import cpu_attention, cpu_native
+    from tritonq.kernels.cpu import attention as cpu_attention, native as cpu_native
     monkeypatch.delenv("TRITONQ_BACKEND")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU backend, not the Triton kernels interpreted
     monkeypatch.setattr(cpu_native, "paged_attention", lambda *args, **kwargs: None)
@@ -217,10 +217,10 @@ def test_grouped_decode_on_two_threads_gives_the_solo_greedy_runs(folder, monkey
 
 
 def test_native_attention_on_two_threads_gives_the_solo_greedy_runs(folder, monkeypatch):
-    """Prefill and decode through the C kernel (kernels/cpu_native.py) with its helper thread claiming work items
+    """Prefill and decode through the C kernel (kernels/cpu/native.py) with its helper thread claiming work items
     beside the engine's thread: every request gets its solo greedy run on the torch path (one thread, per
     sequence)."""
-    from tritonq.kernels import cpu_native
+    from tritonq.kernels.cpu import native as cpu_native
     monkeypatch.delenv("TRITONQ_BACKEND")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     calls = []

@@ -20,9 +20,9 @@ from tritonq.demo import byte_tokenizer
 from tritonq.config import EngineConfig
 from tritonq.engine.engine import Engine
 from tritonq.formats.registry import get_loader
-from tritonq.generate import Model
+from tritonq.api.model import Model
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM
-from tritonq.quantize import write_quantized
+from tritonq.quantize.writer import write_quantized
 
 NUM_PROMPTS, MAX_PROMPT, NEW_TOKENS = 40, 300, 6
 NUM_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS, TOKEN_BUDGET = 32, 16, 8, 128

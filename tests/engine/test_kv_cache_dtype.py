@@ -17,7 +17,7 @@ from models.test_llama import write_checkpoint
 from tolerances import assert_greedy_equal, solo_runs
 
 import tritonq
-from tritonq.generate import GenerationConfig
+from tritonq.api.model import GenerationConfig
 from tritonq.kernels.attention import QuantizedPages
 
 KINDS = ["fp8", "int8"]

@@ -10,7 +10,7 @@ import torch
 
 from tritonq.engine.sampler import (SamplingParams, SamplingTensors, argmax_rows, finite_rows, open_unit_uniform,
                                    process_logits, sample_logits, sampling_noise)
-from tritonq.generate import GenerationConfig
+from tritonq.api.model import GenerationConfig
 
 N = 4000  # draws per distribution: frequencies within 0.03 of the probabilities
 
@@ -314,7 +314,7 @@ def test_greedy_rows_in_c_equal_argmax_and_log_softmax(rows, vocab):
     """kernels/cpu_native.greedy_rows (an all-greedy CPU step's C loop): each row's first largest index (ties: the
     first, also across the 64-wide blocks it scans) and log_softmax there, in float64 from float32 sums
     (within 1e-5); -1 for rows holding NaN, +inf or -inf; strided rows (a slice of a wider tensor) read right."""
-    from tritonq.kernels import cpu_native
+    from tritonq.kernels.cpu import native as cpu_native
     g = torch.Generator().manual_seed(rows * vocab)
     wide = torch.randn(rows, vocab + 3, generator=g) * 4
     x = wide[:, 1:vocab + 1]  # rows stride vocab + 3 apart
@@ -338,7 +338,7 @@ def test_an_all_greedy_step_samples_the_same_in_c_and_torch(monkeypatch):
     """Sampler.sample on an all-greedy step without top logprobs takes the C loop; with it unavailable, torch's ops
     give the same tokens, the same logprobs (within 1e-5) and None for a non-finite row."""
     from tritonq.engine.sampler import Sampler
-    from tritonq.kernels import cpu_native
+    from tritonq.kernels.cpu import native as cpu_native
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(5, 300, generator=g) * 3
     logits[2, 7] = float("nan")

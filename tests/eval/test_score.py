@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 import tritonq
 from tritonq.demo import byte_tokenizer
 from tritonq.eval.__main__ import main
-from tritonq.quantize import write_quantized
+from tritonq.quantize.writer import write_quantized
 
 from models.test_llama import dequantized_transformers_model
 from tolerances import BATCH_ATOL  # batch vs single in float32: see there

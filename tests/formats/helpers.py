@@ -8,8 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tritonq.demo import byte_tokenizer
-from tritonq.packing import unpack_int32
-from tritonq.weights import Int4Weight
+from tritonq.quant.packing import unpack_int32
+from tritonq.quant.weights import Int4Weight
 
 LINEARS = [f"model.layers.{i}.{m}" for i in range(2) for m in
            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

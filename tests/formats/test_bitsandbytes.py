@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
-from tritonq.weights import DenseWeight, Int4Weight
+from tritonq.quant.weights import DenseWeight, Int4Weight
 
 bnb = pytest.importorskip("bitsandbytes", reason="pip install -e .[test] installs bitsandbytes")
 F = bnb.functional

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.registry import get_loader
-from tritonq.hub import resolve
-from tritonq.quantize import write_quantized
+from tritonq.api.hub import resolve
+from tritonq.quantize.writer import write_quantized
 
 TENSORS = {"a.weight": torch.arange(24, dtype=torch.float16).reshape(6, 4), "b.qweight": torch.arange(8, dtype=torch.int32)}
 

@@ -151,7 +151,7 @@ def test_config_and_tokenizer_come_from_the_metadata(llama, tmp_path):
 @pytest.mark.parametrize("type_name, bits", [("Q4_0", 4), ("Q8_0", 8)])
 def test_q4_0_and_q8_0_linears_load_as_int_weights_exactly(llama, tmp_path, type_name, bits):
     from tritonq.formats.gguf import GGUFLoader, read_config
-    from tritonq.weights import Int4Weight
+    from tritonq.quant.weights import Int4Weight
     path = tmp_path / "llama.gguf"
     reference = write_gguf(llama, path, type_name)
     weights = GGUFWeights([path])
@@ -165,7 +165,7 @@ def test_q4_0_and_q8_0_linears_load_as_int_weights_exactly(llama, tmp_path, type
 
 def test_other_block_types_load_dense(llama, tmp_path):
     from tritonq.formats.gguf import GGUFLoader, read_config
-    from tritonq.weights import DenseWeight
+    from tritonq.quant.weights import DenseWeight
     path = tmp_path / "llama-q6.gguf"
     reference = write_gguf(llama, path, "Q6_K")
     weights = GGUFWeights([path])

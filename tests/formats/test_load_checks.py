@@ -120,7 +120,7 @@ def poke_fp8_nan(name, count):
 @pytest.fixture(scope="module")
 def quantized(base, tmp_path_factory):
     """The base checkpoint written as AWQ, GPTQ and per-tensor FP8 by the project's writer."""
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
     root = tmp_path_factory.mktemp("quantized")
     return {fmt: write_quantized(base, root / fmt, fmt, group_size=32) for fmt in ("awq", "gptq", "fp8")}
 

@@ -14,10 +14,10 @@ from tritonq.formats.dense import DenseLoader
 from tritonq.formats.fp8 import FP8Loader
 from tritonq.formats.gptq import GPTQLoader
 from tritonq.formats.registry import get_loader
-from tritonq.packing import pack_int32, unpack_int32
-from tritonq.rtn import quantize_fp8, quantize_int4
-from tritonq.quantize import write_quantized
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight
+from tritonq.quant.packing import pack_int32, unpack_int32
+from tritonq.quant.rtn import quantize_fp8, quantize_int4
+from tritonq.quantize.writer import write_quantized
+from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight
 
 INT4_CASES = {  # name: (writer options, loader class, quantize_int4 arguments of the original)
     "awq": ("awq", {"group_size": GROUP_SIZE}, AWQLoader, dict(sym=False, bits=4)),
@@ -77,7 +77,7 @@ def test_fused_and_stacked_int4(tiny_llama, original, tmp_path):
 def write_block_fp8_unchecked(src, dst, original) -> None:
     """A block-fp8 checkpoint of every linear, also those whose N is not a whole number of 128-row blocks
     (the writer refuses to write those: they load alone but cannot be fused; the loader must say so)."""
-    from tritonq.quantize import quantization_config
+    from tritonq.quantize.writer import quantization_config
     write_quantized(src, dst, "fp8", fp8_scheme="channel")
     tensors = load_file(dst / "model.safetensors")
     for p in LINEARS:

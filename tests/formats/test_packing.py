@@ -1,4 +1,4 @@
-"""tritonq.packing: bit layout of pack_int32, pack/unpack round trips, and the AWQ <-> GPTQ
+"""tritonq.quant.packing: bit layout of pack_int32, pack/unpack round trips, and the AWQ <-> GPTQ
 repacks into Int4Weight (formats/awq.py, formats/gptq.py) preserving the dequantized matrix exactly."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from tritonq.formats.awq import awq_to_int4, int4_to_awq
 from tritonq.formats.gptq import gptq_to_int4
-from tritonq.packing import AWQ_ORDER, AWQ_REVERSE_ORDER, pack_int32, unpack_int32
+from tritonq.quant.packing import AWQ_ORDER, AWQ_REVERSE_ORDER, pack_int32, unpack_int32
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

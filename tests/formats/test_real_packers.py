@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import tritonq
 from tritonq.formats.registry import get_loader
-from tritonq.layers import Linear
-from tritonq.weights import FP8Weight, Int4Weight, W8A8Weight
+from tritonq.formats.layers import Linear
+from tritonq.quant.weights import FP8Weight, Int4Weight, W8A8Weight
 
 ATOL = 1e-4  # float32 on both sides with the same dequantized weights: rounding over two layers
 LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -14,7 +14,7 @@ tested on explicit CPU tensors only: on CUDA it raises nothing and a failing one
 import pytest
 import torch
 
-CPU_BACKEND_FILES = ("test_cpu_lowbit.py", "test_cpu_attention.py", "test_cpu_native.py")
+CPU_BACKEND_FILES = ("test_cpu_lowbit.py", "test_cpu_attention.py", "test_cpu_native.py", "test_cpu_abi.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,4 @@
-"""The CPU attention backend (kernels/cpu_attention.py) against the float32 torch references.
+"""The CPU attention backend (kernels/cpu/attention.py) against the float32 torch references.
 
 Lengths 1, 3, 17, 64 and 100 (partial and whole 16-token pages, a sequence of one token), a decode
 row with no keys, GQA ratios 1, 2, 4 and MQA, head dims 72 and 96 (not powers of two), DeepSeek-V2's
@@ -10,7 +10,7 @@ Tolerances (tests/tolerances.py "attention"): fp32 summation order; bf16 the pro
 rounded to bf16 before the PV product and the output rounded once, as the Triton kernels.
 The write of new keys into the pages is a copy: bitwise equal to the reference. The gather plan shared by
 the layers of a step is reused only while its lengths, window and block table are unchanged.
-Decode runs the C kernel (kernels/cpu_native.py) where it takes the call and torch's flash kernel over gathered
+Decode runs the C kernel (kernels/cpu/native.py) where it takes the call and torch's flash kernel over gathered
 keys otherwise: the decode test runs both (`path`); the tests of the gather plan, the grouped calls and the thread
 count are about the torch path and pin it. tests/kernels/test_cpu_native.py tests the C kernel's own cases.
 """
@@ -18,7 +18,8 @@ import pytest
 import torch
 import tolerances
 
-from tritonq.kernels import attention, cpu_attention, cpu_native
+from tritonq.kernels import attention
+from tritonq.kernels.cpu import attention as cpu_attention, native as cpu_native
 from tritonq.kernels.attention import (decode_attention, decode_attention_reference, paged_cache,
                                        paged_prefill_attention, paged_prefill_attention_reference, write_kv_slots,
                                        write_kv_slots_reference)

@@ -1,4 +1,4 @@
-"""The bf16 dense linear over a weight packed once for oneDNN (kernels/cpu_dense.py) against the fp32
+"""The bf16 dense linear over a weight packed once for oneDNN (kernels/cpu/dense.py) against the fp32
 product of the same bf16 values (x and W are exact in fp32, so the only error is the output's one
 rounding to bf16 after fp32 accumulation: half an ulp, plus summation order; checked at one ulp, eps)
 and against torch's own F.linear and its own rows run alone, within that same one bf16 rounding: both are
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonq.kernels import cpu_dense, cpu_native
-from tritonq.layers import Linear
-from tritonq.weights import DenseWeight
+from tritonq.kernels.cpu import dense as cpu_dense, native as cpu_native
+from tritonq.formats.layers import Linear
+from tritonq.quant.weights import DenseWeight
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and (

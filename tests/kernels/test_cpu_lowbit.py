@@ -1,10 +1,10 @@
-"""The CPU backend (kernels/cpu_lowbit.py) against the float32 torch references, every format variant,
+"""The CPU backend (kernels/cpu/lowbit.py) against the float32 torch references, every format variant,
 at odd shapes: M = 1, 3 (int4 kernel), 17, 64, 130 (int4: inductor's int4 GEMM template; the per-call
 dequantize + bf16 GEMM where it cannot run, tested apart); N not a
 multiple of the packed layout's 64 columns; K three groups (not a multiple of the larger kernel groups)
 or, per-channel, not a multiple of 32 at all.
 
-Tolerances (stated once, justified in kernels/cpu_lowbit.py):
+Tolerances (stated once, justified in kernels/cpu/lowbit.py):
   int4 (bf16 activations, scales, float zeros, output and, dequantize path, W; fp32 accumulation):
       elementwise |y - ref| <= INT4_BOUND * (|x| @ T^T), T[n, k] = scale * (|q - 8| + |8 - z|): four
       bf16 roundings (unit roundoff 2^-8 each) of the magnitude of the terms summed, plus the reference's
@@ -20,14 +20,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tritonq.kernels import cpu_lowbit
+from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
 from tritonq.kernels.int4_gemm import int4_gemm, int4_gemm_reference
 from tritonq.kernels.moe import fused_moe, fused_moe_reference
-from tritonq.layers import Linear
-from tritonq.packing import unpack_int32
-from tritonq.rtn import quantize_fp8, quantize_int4
-from tritonq.weights import FP8Weight, Int4Weight, stack_experts
+from tritonq.formats.layers import Linear
+from tritonq.quant.packing import unpack_int32
+from tritonq.quant.rtn import quantize_fp8, quantize_int4
+from tritonq.quant.weights import FP8Weight, Int4Weight, stack_experts
 
 MS = [1, 3, 17, 64, 130]
 N = 72  # not a multiple of 64: the packed weight gets padded columns

@@ -1,4 +1,4 @@
-"""The C attention kernel (kernels/cpu_native.c through kernels/cpu_native.py) against the float32 torch
+"""The C attention kernel (kernels/cpu/csrc/attention.c through kernels/cpu/native.py) against the float32 torch
 references, decode rows and prefill chunks; the build: cached per source and machine, and a missing or failing
 compiler falls back to the torch path with one warning; its RMSNorm (after a residual addition or not), SwiGLU's
 silu(g) * u, rope and KV write against the torch ops. (Its greedy-rows loop is tested with the sampler:
@@ -23,7 +23,7 @@ import pytest
 import torch
 import tolerances
 
-from tritonq.kernels import cpu_attention, cpu_native
+from tritonq.kernels.cpu import attention as cpu_attention, native as cpu_native
 from tritonq.kernels.norm_rope import rms_norm_reference
 from tritonq.kernels.attention import decode_attention_reference, paged_cache, paged_prefill_attention_reference
 
@@ -163,7 +163,7 @@ def test_a_process_that_ran_it_on_two_threads_exits_cleanly(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(
         "import torch\n"
-        "from tritonq.kernels import cpu_native\n"
+        "from tritonq.kernels.cpu import native as cpu_native\n"
         "torch.set_num_threads(2)\n"
         "B, P = 256, 256 * 21 + 1\n"
         "lens = torch.randint(16, 320, (B,), dtype=torch.int32)\n"
@@ -227,13 +227,13 @@ def test_calls_it_does_not_take_return_none_and_run_the_torch_path(monkeypatch):
 
 
 def test_builds_once_into_the_cache_folder_and_reuses_it(fresh_library, caplog):
-    with caplog.at_level(logging.INFO, logger="tritonq.kernels.cpu_native"):
+    with caplog.at_level(logging.INFO, logger="tritonq.kernels.cpu.native"):
         assert cpu_native.library() is not None
     built = list((fresh_library / "native").glob("cpu_native-*.so"))
-    assert len(built) == 1 and any("built cpu_native.c" in r.getMessage() for r in caplog.records)
+    assert len(built) == 1 and any(f"built {cpu_native.CSRC}" in r.getMessage() for r in caplog.records)
     cpu_native.library.cache_clear()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="tritonq.kernels.cpu_native"):
+    with caplog.at_level(logging.INFO, logger="tritonq.kernels.cpu.native"):
         assert cpu_native.library() is not None  # another process: loads the cached build, no compiler run
     assert not caplog.records and list((fresh_library / "native").glob("*.so")) == built
 
@@ -245,7 +245,7 @@ def test_without_a_working_compiler_decode_falls_back_with_one_warning(fresh_lib
     else:  # `false` exits 1 without building anything
         monkeypatch.setenv("CC", "false")
     q, k_pages, v_pages, cache_lens, table, scale, ref = case(MANY, 64, 8, 2, 16, torch.float32, 0)
-    with caplog.at_level(logging.WARNING, logger="tritonq.kernels.cpu_native"):
+    with caplog.at_level(logging.WARNING, logger="tritonq.kernels.cpu.native"):
         for _ in range(2):
             got = cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, table, scale, 0)
             torch.testing.assert_close(got, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
@@ -315,7 +315,7 @@ def test_silu_mul_matches_the_torch_ops(monkeypatch, dtype, rows, inter):
     gate/up projection's output and on a strided view of one, values from -30 to 30 (silu's tails) plus NaN and
     infinities: the same two roundings over float32 silu, whose exp is within 2 ulp of torch's, so one ulp of the
     dtype apart at most; NaN where torch gives NaN."""
-    from tritonq.layers import silu_mul
+    from tritonq.formats.layers import silu_mul
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("TRITONQ_BACKEND", raising=False)
     g = torch.Generator().manual_seed(rows * inter)

@@ -35,7 +35,7 @@ from tritonq.kernels.fp8_gemm import (
     quantize_activation_fp8_reference,
 )
 from tritonq.random_weights import random_fp8_weight
-from tritonq.weights import FP8Weight
+from tritonq.quant.weights import FP8Weight
 
 N, K = 200, 300  # neither a multiple of the 128 x 128 scale block nor of the kernel tiles
 

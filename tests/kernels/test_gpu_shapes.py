@@ -15,7 +15,7 @@ def _cases(device: str):
     from tritonq.kernels import int4_gemm as int4
     from tritonq.kernels import moe
     from tritonq.kernels.norm_rope import rms_norm, rms_norm_reference
-    from tritonq.rtn import quantize_int4
+    from tritonq.quant.rtn import quantize_int4
 
     on_gpu = device == "cuda"
     dtypes = [torch.float16, torch.bfloat16] if on_gpu else [torch.float16]

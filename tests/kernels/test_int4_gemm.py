@@ -22,8 +22,8 @@ from tritonq.kernels.int4_gemm import (
     int4_gemm,
     int4_gemm_reference,
 )
-from tritonq.packing import AWQ_ORDER
-from tritonq.weights import Int4Weight
+from tritonq.quant.packing import AWQ_ORDER
+from tritonq.quant.weights import Int4Weight
 
 TOL = tolerances.table("int4_gemm")  # tests/tolerances.py: the reason of each dtype's bound
 
@@ -43,7 +43,7 @@ def random_scales(G, N, dtype):
 
 
 def fields(packed, bits):
-    """Hand unpack, independent of tritonq.packing: list of uint arrays, field f = bits [f*b, (f+1)*b)."""
+    """Hand unpack, independent of tritonq.quant.packing: list of uint arrays, field f = bits [f*b, (f+1)*b)."""
     u = packed.numpy().view(np.uint32).astype(np.int64)
     return [(u >> (bits * f)) & ((1 << bits) - 1) for f in range(32 // bits)]
 

@@ -26,7 +26,7 @@ from tritonq.kernels.int8_gemm import (
     quantize_activation_int8,
     quantize_activation_int8_reference,
 )
-from tritonq.weights import W8A8Weight
+from tritonq.quant.weights import W8A8Weight
 
 N, K = 200, 300  # off every tile (16 / 32 / 64 / 128)
 

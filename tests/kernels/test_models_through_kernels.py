@@ -62,7 +62,7 @@ def test_model_logits_through_kernels_match_cpu_torch(dense_checkpoints, tmp_pat
     from tritonq.engine.runner import prefill_logits
     from tritonq.formats.registry import get_loader
     from tritonq.models import model_class
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     ids = [256] + list(b"Tell me about Triton")

@@ -22,8 +22,8 @@ from tritonq.kernels.moe import (
     grouped_topk_reference,
     moe_align_block_size,
 )
-from tritonq.packing import pack_int32
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight
+from tritonq.quant.packing import pack_int32
+from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight
 
 TOL = tolerances.table("moe")
 
@@ -459,7 +459,7 @@ def test_w8a8_or_weight_only_follows_checkpoint_and_capability(monkeypatch):
     e4m3 tensor cores; weight-only for a weight-only checkpoint (FP8Weight.weight_only, kept through the
     loader's fuse and stack), below sm_89, for K blocks below tl.dot's e4m3 minimum, for other expert types, and
     on the CPU backend and the CPU torch reference."""
-    from tritonq.weights import concat_outputs, stack_experts
+    from tritonq.quant.weights import concat_outputs, stack_experts
 
     gate_up, _ = _stacked("fp8_channel", E_TEST, 2 * INTER, D)
     down, _ = _stacked("fp8_channel", E_TEST, D, INTER)

@@ -18,7 +18,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 from tritonq.kernels.common import ClampedSwiGLU
 from tritonq.kernels.moe import fused_moe, fused_moe_reference, grouped_topk
-from tritonq.weights import DenseWeight
+from tritonq.quant.weights import DenseWeight
 
 TOL = tolerances.table("moe")
 E, D, INTER, TOP_K = 5, 48, 40, 2
@@ -116,8 +116,8 @@ def mxfp4_experts(generator):
     `convert_moe_packed_tensors`, handed to fused_moe as the loader does (gate rows first)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tritonq.rtn import quantize_mxfp4
-    from tritonq.weights import MXFP4Weight
+    from tritonq.quant.rtn import quantize_mxfp4
+    from tritonq.quant.weights import MXFP4Weight
 
     config = GptOssConfig(hidden_size=MX_D, intermediate_size=MX_INTER, num_local_experts=E, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=16)
@@ -158,8 +158,8 @@ def test_mxfp4_dequantize_matches_transformers_and_the_writer_round_trips():
     values already on the grid (e2m1 x a power of two per group) back to themselves exactly."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tritonq.rtn import quantize_mxfp4
-    from tritonq.weights import E2M1_VALUES, MXFP4Weight
+    from tritonq.quant.rtn import quantize_mxfp4
+    from tritonq.quant.weights import E2M1_VALUES, MXFP4Weight
 
     device = torch.get_default_device()  # the test's device; data drawn on the CPU (transformers' side runs there)
     g = torch.Generator().manual_seed(7)

@@ -13,7 +13,7 @@ from tritonq.kernels.fp8_gemm import FP8Gemm, fp8_gemm_reference
 from tritonq.kernels.int4_gemm import Int4Gemm, int4_gemm_reference
 from tritonq.kernels.int8_gemm import Int8Gemm, int8_gemm_reference
 from tritonq.random_weights import random_fp8_weight, random_int4_weight
-from tritonq.weights import W8A8Weight
+from tritonq.quant.weights import W8A8Weight
 
 N, K = 72, 1024  # N off the 64-wide tiles; K gives the decode defaults 2 (fp8, W8A8) to 4 (int4) slices
 

@@ -1,8 +1,8 @@
-"""Tiny Llama and DeepSeek-V2 end to end on the CPU backend (kernels/cpu_lowbit.py, kernels/cpu_attention.py:
+"""Tiny Llama and DeepSeek-V2 end to end on the CPU backend (kernels/cpu/lowbit.py, kernels/cpu/attention.py:
 no interpreter, no TRITONQ_BACKEND=torch) against transformers on the dequantized weights, and dense Llama /
 Mistral (sliding window) through the CPU attention path against the torch references (TRITONQ_BACKEND=torch).
 
-Tolerances, stated once (the per-GEMM ones are in kernels/cpu_lowbit.py and tests/kernels/test_cpu_lowbit.py):
+Tolerances, stated once (the per-GEMM ones are in kernels/cpu/lowbit.py and tests/kernels/test_cpu_lowbit.py):
   fp32 paths (GPTQ 8-bit, FP8 weight-only as on GPUs below sm_89): the same arithmetic in another
       summation order, as test_llama.py / test_deepseek_v2.py on the torch references: Llama atol 1e-4,
       DeepSeek atol 2e-4 rtol 1e-4 (|logits| <= ~1).
@@ -28,9 +28,9 @@ from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 import tritonq
 from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
-from tritonq.kernels import cpu_lowbit
-from tritonq.quantize import write_quantized
-from tritonq.weights import FP8Weight, Int4Weight
+from tritonq.kernels.cpu import lowbit as cpu_lowbit
+from tritonq.quantize.writer import write_quantized
+from tritonq.quant.weights import FP8Weight, Int4Weight
 
 INT4_GEMMS_IN_SERIES = {"llama": 8, "deepseek": 21}
 FP32_TOL = {"llama": dict(atol=1e-4, rtol=0), "deepseek": dict(atol=2e-4, rtol=1e-4)}
@@ -152,7 +152,7 @@ def test_deepseek_v2_on_cpu_backend_matches_transformers(deepseek, name, tmp_pat
 def test_cpu_attention_logits_match_torch_backend_through_prefill_chunk_and_decode(tmp_path, monkeypatch, name):
     """Dense GQA 4/2 models, three sequences on interleaved pages: whole prompts (1, 9 and 37 tokens), a
     second chunk after each cached prefix, then three decode steps; every row's logits through
-    kernels/cpu_attention.py equal those of the torch references step by step."""
+    kernels/cpu/attention.py equal those of the torch references step by step."""
     write_family_checkpoint(tmp_path, name)
     model = build(tmp_path)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (1, 9, 37)]

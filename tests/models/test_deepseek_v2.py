@@ -21,8 +21,8 @@ from tritonq.demo import byte_tokenizer
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.registry import get_loader
 from tritonq.models.deepseek_v2 import DeepseekV2ForCausalLM, default_attention_mode, kv_bytes_per_token
-from tritonq.quantize import write_quantized
-from tritonq.weights import FP8Weight, Int4Weight
+from tritonq.quantize.writer import write_quantized
+from tritonq.quant.weights import FP8Weight, Int4Weight
 
 TOL = dict(atol=2e-4, rtol=1e-4)  # fp32, summation order only
 MODES = ("expanded", "latent")

@@ -16,10 +16,10 @@ from transformers import AutoConfig, FalconConfig, FalconForCausalLM, MptConfig,
 import tritonq
 from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
-from tritonq.layers import Linear
+from tritonq.formats.layers import Linear
 from tritonq.models.falcon import FalconForCausalLM as OurFalcon
 from tritonq.models.mpt import MptForCausalLM as OurMpt
-from tritonq.quantize import write_quantized
+from tritonq.quantize.writer import write_quantized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,7 +19,7 @@ from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGe
 
 import tritonq
 from tritonq.demo import byte_tokenizer
-from tritonq.quantize import write_quantized
+from tritonq.quantize.writer import write_quantized
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=MAX_LEN, rms_norm_eps=1e-6)

@@ -20,8 +20,8 @@ import tritonq
 from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
 from tritonq.models.gpt_oss import GptOssForCausalLM
-from tritonq.quantize import write_quantized
-from tritonq.weights import MXFP4Weight
+from tritonq.quantize.writer import write_quantized
+from tritonq.quant.weights import MXFP4Weight
 
 TOL = dict(atol=2e-4, rtol=1e-4)  # fp32, summation order only
 CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import tritonq
 from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
-from tritonq.quantize import write_quantized
+from tritonq.quantize.writer import write_quantized
 
 ATOL = 1e-4
 

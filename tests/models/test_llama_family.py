@@ -24,7 +24,7 @@ from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
 from tritonq.models import model_class
 from tritonq.models.common import RopeTables, StepContext
-from tritonq.quantize import write_quantized
+from tritonq.quantize.writer import write_quantized
 
 ATOL = 1e-4
 MAX_LEN = 128  # rope tables / engine max_seq_len of every model here

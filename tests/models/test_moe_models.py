@@ -26,8 +26,8 @@ import tritonq
 from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
 from tritonq.models.moe import SparseMoE
-from tritonq.quantize import write_quantized
-from tritonq.weights import FP8Weight, Int4Weight
+from tritonq.quantize.writer import write_quantized
+from tritonq.quant.weights import FP8Weight, Int4Weight
 
 ATOL = 1e-4
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

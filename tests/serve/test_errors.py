@@ -13,7 +13,7 @@ from tritonq.engine.sequence import RequestTooLong
 from tritonq.serve.engine_loop import EngineUnavailable, QueueFull, StepFailed
 from tritonq.serve.errors import STATUSES, ClientGone, api_error, status_of
 from tritonq.serve.protocol import APIError
-from tritonq.structured import GrammarError
+from tritonq.engine.structured import GrammarError
 
 # What each type must be answered with, written out (not read from STATUSES): OpenAI's and HTTP's meanings.
 EXPECTED = {QueueFull: 429, EngineUnavailable: 503, EngineDeadError: 503, StepFailed: 500, ClientGone: 499,

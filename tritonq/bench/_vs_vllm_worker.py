@@ -19,7 +19,7 @@ import time
 def tritonq_engine(spec: dict):
     """generate(prompts, max_tokens) -> generated ids per prompt, through tritonq's engine."""
     import tritonq
-    from tritonq.generate import GenerationConfig
+    from tritonq.api.model import GenerationConfig
     model = tritonq.load(spec["model"], dtype=spec["dtype"], device="cpu", max_num_seqs=spec["max_num_seqs"],
                          max_seq_len=spec["max_model_len"])
     engine = model.engine

@@ -7,7 +7,7 @@ only real FLOPs (causal half, real head dims: 2*S^2/2*(Dqk+Dv) per head), and ti
 decode_attention over the pages against SDPA on a contiguous [B, Hkv, L, D] cache (enable_gqa)
 and reports GB/s of K/V read and the fraction of the device's HBM bandwidth. Every row also gives
 the max |ours - SDPA|.
-On CPU (the CPU backend, kernels/cpu_attention.py) it times, side by side in one run, the
+On CPU (the CPU backend, kernels/cpu/attention.py) it times, side by side in one run, the
 launchers against the torch references they replaced there (TRITONQ_BACKEND=torch's path): decode
 at batch 1 / 16 / 64 with cache lengths drawn from 16..512, and prefill of 4 prompts of 16, 96, 176
 and 256 tokens, GQA 16 / 8, head dim 64, fp32, 16-token pages, block tables as wide as the longest sequence
@@ -184,7 +184,7 @@ def main(argv: list[str]) -> None:
     backend = backend_label(device)
     if cpu_backend:
         rows = bench_cpu_backend(dtype)
-        print(f"CPU attention ({backend}, kernels/cpu_attention.py) vs the torch references; dtype: {dtype}; "
+        print(f"CPU attention ({backend}, kernels/cpu/attention.py) vs the torch references; dtype: {dtype}; "
               f"{torch.get_num_threads()} threads; ratio = reference ms / ms")
         print_table(rows)
         if args.json:

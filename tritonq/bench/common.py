@@ -50,7 +50,7 @@ def machine_label() -> str:
 
 def backend_label(device: str) -> str:
     """What a benchmark on `device` times: Triton on a GPU; on CPU the interpreter, the CPU backend
-    (kernels/cpu_lowbit.py, cpu_attention.py) or the torch reference (TRITONQ_BACKEND=torch)."""
+    (kernels/cpu/lowbit.py, cpu_attention.py) or the torch reference (TRITONQ_BACKEND=torch)."""
     from tritonq.kernels import use_cpu_kernels, use_triton
     probe = torch.empty(0, device=device)
     if use_cpu_kernels(probe):

@@ -92,7 +92,7 @@ def _random_llama(folder: str, args) -> None:
 def _run_engine(engine, requests: list[tuple[list[int], int]]) -> list[tuple[float, float]]:
     """Submit (prompt, new tokens) requests at once and step until all are done. Returns each
     request's time to first token as (wall s, CPU s) from its submission (CPU: this process's)."""
-    from tritonq.generate import GenerationConfig
+    from tritonq.api.model import GenerationConfig
     clock = Clock()
     added = {}
     for prompt, n in requests:

@@ -6,7 +6,7 @@ weight-scale scheme, times fp8_gemm (activation quantization included) against b
 the bytes moved (fp8 weight + scales + bf16 activations in + output out), TFLOP/s, % of the
 device roofline (fp8 peak) and the speedup. Per-channel rows also time torch._scaled_mm
 (cuBLASLt, row-wise scales) on the same quantized operands, column `scaled_mm_ms` (M % 16 == 0).
-On CPU fp8_gemm runs the CPU backend (kernels/cpu_lowbit.py; the torch reference with
+On CPU fp8_gemm runs the CPU backend (kernels/cpu/lowbit.py; the torch reference with
 TRITONQ_BACKEND=torch) against a float32 matmul: small shapes only, and the figures describe
 that path, not the Triton kernel (the "backend" column says so).
 """
@@ -18,7 +18,7 @@ import torch
 
 from tritonq.bench.common import add_output_args, backend_label, parse_output_args, report_gemm, time_gemm, time_ms
 from tritonq.random_weights import random_fp8_weight
-from tritonq.weights import FP8Weight
+from tritonq.quant.weights import FP8Weight
 
 GPU_M = (1, 16, 128, 1024, 4096)
 CPU_M = (1, 16, 64)

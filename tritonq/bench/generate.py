@@ -218,7 +218,7 @@ def _hbm_gbs() -> float:
 def _weight_bytes(model) -> int:
     """Bytes a decode step reads of the weights: every Linear's tensors (the lm_head included) and the norms
     (the embedding only gives one row per token: not counted)."""
-    from tritonq.layers import Linear, RMSNorm
+    from tritonq.formats.layers import Linear, RMSNorm
     seen, total = set(), 0
     for module in model.modules():
         tensors = [module.weight] if isinstance(module, RMSNorm) else \
@@ -276,7 +276,7 @@ def _cuda_graphs(args, argv: list[str]) -> None:
                                        layers=layers))
 
 
-# format name -> tritonq.quantize.write_quantized arguments (None: the dense checkpoint itself)
+# format name -> tritonq.quantize.writer.write_quantized arguments (None: the dense checkpoint itself)
 FORMATS = {
     "dense": None,
     "awq": ("awq", dict(group_size=128)),
@@ -306,7 +306,7 @@ def _rates(t1: list[float], tn: list[float], ids: list[list[int]], new_tokens: i
 def _formats(args, argv: list[str]) -> None:
     import tritonq
     from tritonq.demo import byte_tokenizer
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
     from transformers import LlamaForCausalLM
 
     names = args.formats.split(",")

@@ -22,7 +22,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from tritonq.weights import FP8Weight, Int4Weight, W8A8Weight  # noqa: E402
+from tritonq.quant.weights import FP8Weight, Int4Weight, W8A8Weight  # noqa: E402
 
 MS = (1, 16, 256)
 META = torch.device("meta")
@@ -110,7 +110,7 @@ def measure(layer, x: torch.Tensor, calls: int, rounds: int = 5) -> tuple[float,
 
 
 def run(N: int, K: int, calls: int, dtype: torch.dtype = torch.float16) -> list[dict]:
-    from tritonq.layers import Linear
+    from tritonq.formats.layers import Linear
 
     rows = []
     for name, w in weights(N, K).items():

@@ -4,7 +4,7 @@ For each weight shape (N=K=4096 and the Llama-2-7B / DeepSeek-V2-Lite linear lay
 M, times int4_gemm against a dense matmul of the same shape in the same run and reports time,
 GB/s on the bytes actually moved (packed int4 + scales + zeros + activations + output),
 TFLOP/s, % of the device roofline and the speedup. On CUDA the baseline is torch fp16/bf16
-matmul. On CPU int4_gemm runs the CPU backend (kernels/cpu_lowbit.py; the torch reference with
+matmul. On CPU int4_gemm runs the CPU backend (kernels/cpu/lowbit.py; the torch reference with
 TRITONQ_BACKEND=torch), compared with a float32 matmul: small shapes only, and the figures
 describe that path, not the Triton kernel (the "backend" column says so).
 """
@@ -17,7 +17,7 @@ import torch
 from tritonq.bench.common import (CPU_GEMM_M, GEMM_M, MODELS, add_output_args, backend_label,
                                   model_gemm_shapes, parse_output_args, report_gemm, time_gemm)
 from tritonq.random_weights import random_int4_weight
-from tritonq.weights import Int4Weight
+from tritonq.quant.weights import Int4Weight
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

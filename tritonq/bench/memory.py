@@ -11,7 +11,7 @@ big parent reports at least the parent's size.) A row reports it
 over `held` (the bytes of every tensor the loaded Model keeps: weights, KV cache and the CPU
 backend's prepared weights, each storage once) and `largest` (its largest single tensor).
 Target: peak <= 1.3 * held + largest. The child inherits the environment: run from a shell it loads
-as a CPU user does (quantized weights also get the CPU backend's prepared form, kernels/cpu_lowbit.py);
+as a CPU user does (quantized weights also get the CPU backend's prepared form, kernels/cpu/lowbit.py);
 under the tests (TRITON_INTERPRET=1) quantized weights are not prepared, so it measures the loader alone.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def write_checkpoints(root: Path, layers: int = 6, hidden: int = 512) -> dict[st
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tritonq.demo import byte_tokenizer
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
 
     tokenizer = byte_tokenizer()
     config = LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
@@ -59,8 +59,8 @@ def held_bytes(model) -> tuple[int, int]:
     """(bytes of every distinct tensor storage a tritonq Model keeps, bytes of the largest tensor).
 
     Kept: the modules' tensors, the KV cache, and the CPU backend's prepared form of each typed weight
-    (kernels/cpu_lowbit.py keeps it beside the weight for the weight's lifetime: e.g. FP8 dequantized to fp32)."""
-    from tritonq.kernels import cpu_lowbit
+    (kernels/cpu/lowbit.py keeps it beside the weight for the weight's lifetime: e.g. FP8 dequantized to fp32)."""
+    from tritonq.kernels.cpu import lowbit as cpu_lowbit
     seen, largest, stack, visited = {}, 0, [model.model, model.engine.runner.cache], set()
     while stack:
         obj = stack.pop()
@@ -123,7 +123,7 @@ def measure(folder: Path, warmup: Path, options: dict) -> dict:
 def warmup_for(root: Path, kind: str) -> Path:
     """A tiny checkpoint in the same format as `kind` (written once under root)."""
     from tritonq.demo import write_tiny_llama
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
     dense = root / "warmup"
     if not dense.exists():
         write_tiny_llama(dense, hidden_size=64, num_layers=1)

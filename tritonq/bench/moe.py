@@ -84,7 +84,7 @@ def main(argv: list[str]) -> None:
         parser.error(f"--experts {args.experts}: expected at least 2")
     device = "cuda" if on_gpu else "cpu"
     if not on_gpu:
-        print("no GPU: timing the CPU path (float32; fused_moe runs kernels/cpu_lowbit.py's per-expert GEMMs over "
+        print("no GPU: timing the CPU path (float32; fused_moe runs kernels/cpu/lowbit.py's per-expert GEMMs over "
               "weights prepared once) against the per-expert loop that dequantizes each expert per call")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     rep = {} if on_gpu else {"warmup": 1, "rep": args.rep or 3}

@@ -88,7 +88,7 @@ def block_fp8_dense_modules(src: Path, block: int = 128) -> list[str]:
 def variant_checkpoint(name: str, tmp: Path, calibration: dict) -> tuple[Path, str]:
     """Write variant `name` of the default model under tmp; returns (folder, note for the table)."""
     from tritonq.demo import DEFAULT_MODEL
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
 
     fmt, options = VARIANTS.get(name, (None, {}))  # KV_CACHE_VARIANTS: the dense weights
     options, note = dict(options), ""

@@ -129,7 +129,7 @@ def _offline(model_path: str, prompts, out_lens, load_options: dict, repeat: int
     """Output tokens/s of the offline engine on the same prompts and lengths (all queued at once);
     the best of `repeat` runs (a shared machine makes single runs noisy)."""
     import tritonq
-    from tritonq.generate import GenerationConfig
+    from tritonq.api.model import GenerationConfig
     model = tritonq.load(model_path, **load_options)
     engine = model.engine
     engine.add_request(prompts[0], GenerationConfig(max_new_tokens=2))  # warm-up, as the server had its first requests

@@ -126,7 +126,7 @@ def write_checkpoints(folder: Path, args) -> dict[str, Path]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tritonq.quantize import write_quantized
+    from tritonq.quantize.writer import write_quantized
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=4096,

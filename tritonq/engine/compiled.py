@@ -7,7 +7,7 @@ is a constant. The whole model forward is then one graph per bucket (fullgraph, 
 inductor fuses each layer's norms, rope, residual adds and SiLU-and-mul into C++ loops and
 calls oneDNN / MKL for the GEMMs, where the eager step runs ~15 small ops per layer, each a
 dispatch and an OpenMP region. Paged attention and the KV write are two opaque custom ops in that
-graph (kernels/cpu_attention.py): their per-sequence loops read lengths on the host.
+graph (kernels/cpu/attention.py): their per-sequence loops read lengths on the host.
 
 A bucket is compiled the first time a step uses it (the log says how long it took); sequences
 growing changes only tensor values, never a shape or a constant, so nothing recompiles after that

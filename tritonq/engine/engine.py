@@ -41,14 +41,14 @@ from dataclasses import dataclass, field
 import torch
 
 from tritonq.config import EngineConfig, GenerationConfig
-from tritonq.detokenize import Detokenizer
+from tritonq.engine.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner
 from tritonq.engine.sampler import Sampler, SamplingParams
 from tritonq.engine.scheduler import ScheduledStep, Scheduler, StepKind
 from tritonq.engine.sequence import Sequence, check_fits
 from tritonq.engine.speculative import SpeculativeStats, verify
-from tritonq.structured import Grammars, GrammarState, constraint_of
+from tritonq.engine.structured import Grammars, GrammarState, constraint_of
 
 
 @dataclass(frozen=True)

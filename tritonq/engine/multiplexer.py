@@ -1,5 +1,5 @@
 """Many callers over one engine, each getting exactly its own requests' outputs: Model's generate / stream /
-chat (tritonq.generate) and the server's engine thread (tritonq.serve.engine_loop) share one Multiplexer.
+chat (tritonq.api.model) and the server's engine thread (tritonq.serve.engine_loop) share one Multiplexer.
 
 The engine is not thread-safe, so every call that changes it (add, abort, step) is made under `lock`, by one
 caller at a time. A caller adds its requests with a sink; whoever steps the engine hands each output to the sink

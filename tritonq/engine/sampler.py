@@ -23,13 +23,14 @@ import torch
 
 from tritonq.config import MAX_TOP_LOGPROBS, GenerationConfig
 from tritonq.distributed import broadcast_from_rank0
-from tritonq.kernels import cpu_native, threads_for
+from tritonq.kernels import threads_for
+from tritonq.kernels.cpu import native as cpu_native
 from tritonq.engine.scheduler import ScheduledStep, StepKind
-from tritonq.structured import apply_token_bitmask, token_bitmask
+from tritonq.engine.structured import apply_token_bitmask, token_bitmask
 
 if TYPE_CHECKING:
     from tritonq.engine.sequence import Sequence
-    from tritonq.structured import GrammarState
+    from tritonq.engine.structured import GrammarState
 
 MASK32 = 0xFFFFFFFF
 # rows x vocabulary of a step from which its sampling ops run on torch's threads; below it on one: each small op's
@@ -172,7 +173,7 @@ class SamplingTensors:
     min_p [R] float32 (0: off), noise [R, V] float32 from `sampling_noise`: all None when every row is
     greedy. filters: some row uses top-k or top-p.
     allowed: int32 [R, ceil(V / 32)] bitmask of the tokens each row's grammar allows (structured outputs,
-    tritonq.structured; unconstrained rows all ones).
+    tritonq.engine.structured; unconstrained rows all ones).
     """
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -344,7 +345,7 @@ class Sampler:
         inf anywhere gets token, logprob and top None: its distribution is meaningless. Everything comes
         back to the host in one transfer. Call release() when a request finishes. A step below
         PARALLEL_WORK (rows x vocabulary) samples on one intra-op thread. A CPU step whose rows all take the
-        argmax of their raw logits with no top logprobs runs one C loop instead (kernels/cpu_native.py)."""
+        argmax of their raw logits with no top logprobs runs one C loop instead (kernels/cpu/native.py)."""
         with threads_for(logits.numel(), PARALLEL_WORK):
             return self._sample(logits, params, token_ids, mask_eos, eos_token_ids, token_bitmask)
 
@@ -356,7 +357,7 @@ class Sampler:
         if token_bitmask is not None:
             tensors.allowed = token_bitmask.to(logits.device, non_blocking=True)
         top = min(max(p.top_logprobs for p in params), V) if params else 0
-        if tensors.argmax_only and not top and self.world == 1:  # the C loop (kernels/cpu_native.py), where built
+        if tensors.argmax_only and not top and self.world == 1:  # the C loop (kernels/cpu/native.py), where built
             greedy = cpu_native.greedy_rows(logits)
             if greedy is not None:
                 tokens, logprobs = greedy  # token -1: the row's logits are not all finite

@@ -17,8 +17,8 @@ import torch
 from tritonq.formats.base import WeightsLoader
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.tensor_parallel import Shard, check_split, read_shard
-from tritonq.packing import AWQ_ORDER, AWQ_REVERSE_ORDER, pack_int32, unpack_int32
-from tritonq.weights import Int4Weight
+from tritonq.quant.packing import AWQ_ORDER, AWQ_REVERSE_ORDER, pack_int32, unpack_int32
+from tritonq.quant.weights import Int4Weight
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)
 

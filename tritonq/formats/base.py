@@ -1,5 +1,5 @@
 """The loader base: `WeightsLoader` turns the tensors of one checkpoint into the typed weights
-(tritonq/weights.py) the model asks for, by Hugging Face module prefix; one subclass per format
+(tritonq/quant/weights.py) the model asks for, by Hugging Face module prefix; one subclass per format
 (awq.py, gptq.py, fp8.py, compressed_tensors.py, dense.py, ...) reads its quantized layout. Which part
 of a layer a tensor-parallel rank reads, and which splits are refused: formats/tensor_parallel.py.
 """
@@ -16,11 +16,12 @@ import torch
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.tensor_parallel import (Shard, check_split, expert_range, holds_bias, rank_shard, read_shard,
                                              split_dim)
-from tritonq.weights import DenseWeight, Int4Weight, RankExperts, Weight, concat_outputs, empty_linear, stack_experts
+from tritonq.quant.weights import (DenseWeight, Int4Weight, RankExperts, Weight, concat_outputs, empty_linear,
+                                   stack_experts)
 
 # Layers that stay dense whatever the format (no packer quantizes them): embeddings (embed_tokens, MPT's wte,
 # Falcon's word_embeddings), output head, MoE routers and Qwen2-MoE's [1, D] shared-expert gate (name endings).
-# Loaders that quantize on load (formats/dense.py) and the checkpoint writer (tritonq/quantize.py) skip them.
+# Loaders that quantize on load (formats/dense.py) and the checkpoint writer (tritonq/quantize/writer.py) skip them.
 ALWAYS_DENSE = ("embed_tokens", "transformer.wte", "transformer.word_embeddings", "lm_head", "mlp.gate",
                 "block_sparse_moe.gate", "mlp.shared_expert_gate")
 

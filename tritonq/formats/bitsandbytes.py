@@ -38,7 +38,7 @@ import torch
 from tritonq.formats.base import WeightsLoader
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.tensor_parallel import Shard, check_split, read_shard
-from tritonq.weights import Int4Weight
+from tritonq.quant.weights import Int4Weight
 
 QUANT_TYPES = ("nf4", "fp4")
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' dequantize_4bit accepts these

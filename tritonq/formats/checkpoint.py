@@ -1,7 +1,7 @@
 """Reading one safetensors checkpoint folder: `Weights` (the tensors, whole or one slice along a dim).
 
 No format knowledge here: the loaders (formats/base.py and one file per format) turn these
-tensors into typed weights (tritonq/weights.py); which slice a tensor-parallel rank reads is
+tensors into typed weights (tritonq/quant/weights.py); which slice a tensor-parallel rank reads is
 decided in formats/tensor_parallel.py.
 """
 from __future__ import annotations

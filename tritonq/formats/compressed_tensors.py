@@ -37,8 +37,8 @@ from tritonq.formats.base import WeightsLoader
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.tensor_parallel import (Shard, check_fp8_split, check_split, read_shard,
                                              row_split_cuts_groups)
-from tritonq.packing import pack_int32, unpack_int32
-from tritonq.weights import FP8Weight, Int4Weight, W8A8Weight, Weight
+from tritonq.quant.packing import pack_int32, unpack_int32
+from tritonq.quant.weights import FP8Weight, Int4Weight, W8A8Weight, Weight
 
 SUPPORTED_FORMATS = ("pack-quantized", "naive-quantized", "float-quantized", "int-quantized")
 SUPPORTED_KINDS = {  # (format, weights.type, num_bits) -> weight strategies

@@ -11,8 +11,8 @@ import torch
 from tritonq.formats.base import WeightsLoader, always_dense
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.tensor_parallel import Shard, check_split, read_shard
-from tritonq.rtn import quantize_fp8, quantize_int4
-from tritonq.weights import Weight
+from tritonq.quant.rtn import quantize_fp8, quantize_int4
+from tritonq.quant.weights import Weight
 
 QUANTIZE_ON_LOAD = (None, "fp8", "fp8-mlp", "int4")
 

@@ -17,7 +17,7 @@ import torch
 from tritonq.formats.base import WeightsLoader
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.tensor_parallel import Shard, check_fp8_split, read_shard
-from tritonq.weights import FP8Weight
+from tritonq.quant.weights import FP8Weight
 
 SUPPORTED_FMTS = ("e4m3",)
 SUPPORTED_ACTIVATION_SCHEMES = ("dynamic", "static")

@@ -22,8 +22,8 @@ import torch
 from tritonq.formats.base import WeightsLoader, always_dense
 from tritonq.formats.checkpoint import Weights, nonfinite_count
 from tritonq.formats.tensor_parallel import Shard, check_split
-from tritonq.packing import pack_int32
-from tritonq.weights import Int4Weight, Weight
+from tritonq.quant.packing import pack_int32
+from tritonq.quant.weights import Int4Weight, Weight
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # GGUF -> model_type
 

@@ -31,8 +31,8 @@ import torch
 from tritonq.formats.base import WeightsLoader, listing
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.tensor_parallel import Shard, check_split, read_shard, row_split_cuts_groups
-from tritonq.packing import pack_int32, unpack_int32
-from tritonq.weights import Int4Weight
+from tritonq.quant.packing import pack_int32, unpack_int32
+from tritonq.quant.weights import Int4Weight
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)

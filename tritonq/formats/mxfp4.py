@@ -18,8 +18,8 @@ import torch
 from tritonq.formats.base import WeightsLoader
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.tensor_parallel import Shard, check_split, read_shard
-from tritonq.rtn import MXFP4_MAX_SCALE
-from tritonq.weights import MXFP4_GROUP, MXFP4Weight, Weight
+from tritonq.quant.rtn import MXFP4_MAX_SCALE
+from tritonq.quant.weights import MXFP4_GROUP, MXFP4Weight, Weight
 
 
 class MXFP4Loader(WeightsLoader):

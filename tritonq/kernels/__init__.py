@@ -50,7 +50,7 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def use_cpu_kernels(x: torch.Tensor) -> bool:
-    """True if a tensor on x's device should run the CPU backend (kernels/cpu_lowbit.py, cpu_attention.py)."""
+    """True if a tensor on x's device should run the CPU backend (kernels/cpu/lowbit.py, cpu_attention.py)."""
     if not x.is_cpu:  # (a flag: x.device builds an object)
         return False
     return _setting("TRITONQ_BACKEND") not in ("torch", "triton") and _setting("TRITON_INTERPRET") != "1"

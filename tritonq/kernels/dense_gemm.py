@@ -17,7 +17,7 @@ import triton.language as tl
 
 from tritonq.kernels.common import (GemmConfig, Launch, check_gemm_activations, compute_capability, gemm_grid,
                                     gemm_tile, ieee_dot, store_gemm_tile, upcast_dot)
-from tritonq.weights import DenseWeight
+from tritonq.quant.weights import DenseWeight
 
 
 def config(cc: int | None) -> GemmConfig:

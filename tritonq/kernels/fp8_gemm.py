@@ -27,7 +27,7 @@ else `default_config`, looked up once per (weight, M bucket, path) by the weight
 `python -m tritonq.tune --kernel fp8_gemm` sweeps (tune/targets.py).
 fp32 accumulation throughout; output in x.dtype, plus bias. CPU tensors (no interpreter) run
 weight-only by default, like GPUs below sm_89: fp32 activations times the weight dequantized once
-to fp32 (kernels/cpu_lowbit.py). `fp8_gemm_reference` (TRITONQ_BACKEND=torch, float32) is the
+to fp32 (kernels/cpu/lowbit.py). `fp8_gemm_reference` (TRITONQ_BACKEND=torch, float32) is the
 oracle; it quantizes activations unless weight_only=True.
 """
 from __future__ import annotations
@@ -39,13 +39,14 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.kernels import batch_invariant, cpu_lowbit, use_cpu_kernels, use_triton
+from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
+from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch,
     activation_scale, check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability,
     config_rows, decode_split_k, e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot,
     round_to_e4m3, next_pow2, rows_absmax, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
-from tritonq.weights import FP8Weight
+from tritonq.quant.weights import FP8Weight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_EPS = 1e-10  # floor on absmax so all-zero rows get a finite scale (and quantize to 0)

@@ -34,7 +34,7 @@ Int4Weight contract stays one layout.
 
 CPU (no interpreter): torch's int4 CPU kernel (4-bit, M <= 32; above, the weight unpacked per call to
 bf16 and a bf16 GEMM) or a once-dequantized fp32 weight (8-bit) over the weight prepared once per
-object, see kernels/cpu_lowbit.py; `int4_gemm_reference`
+object, see kernels/cpu/lowbit.py; `int4_gemm_reference`
 (TRITONQ_BACKEND=torch) is the oracle.
 
 Launch configs: `Int4GemmConfig`; defaults in `default_config`, tuned JSON overrides through
@@ -55,7 +55,8 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.kernels import batch_invariant, cpu_lowbit, use_cpu_kernels, use_triton
+from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
+from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (
     WeightGemm,
     GemmPlan,
@@ -72,7 +73,7 @@ from tritonq.kernels.common import (
     unpack_int_tile,
     upcast_dot,
 )
-from tritonq.weights import Int4Weight
+from tritonq.quant.weights import Int4Weight
 
 SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
 
@@ -201,7 +202,7 @@ def _check_weight(w: Int4Weight) -> tuple[int, int]:
     q = w.qweight
     if q.dtype != torch.int32 or q.dim() != 2:
         _fail("qweight", f"{q.dtype} of shape {tuple(q.shape)}", "int32 [K*bits/32, N]",
-              "pack with tritonq.packing.pack_int32")
+              "pack with tritonq.quant.packing.pack_int32")
     N, K = w.shape
     if w.group_size <= 0 or K % w.group_size:
         _fail("group_size", w.group_size, f"a positive divisor of K={K}", "use K for per-channel quantization")
@@ -262,7 +263,7 @@ class Int4Gemm(WeightGemm):
                   "flatten leading dims to M first")
         if x.device != self.device:
             _fail("x", f"on {x.device}", f"on the weight's device {self.device}", "move x or the weight")
-        if use_cpu_kernels(x):  # torch's CPU kernel over the weight prepared once (kernels/cpu_lowbit.py)
+        if use_cpu_kernels(x):  # torch's CPU kernel over the weight prepared once (kernels/cpu/lowbit.py)
             return cpu_lowbit.linear(x, cpu_lowbit.prepare(self.w))
         if not use_triton(x):
             return int4_gemm_reference(x, self.w)

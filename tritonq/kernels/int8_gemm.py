@@ -46,7 +46,7 @@ from tritonq.kernels.common import (WeightGemm, QUANTIZE_IN_GEMM_MAX_M, GemmConf
     check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k, gemm_grid,
     gemm_output, gemm_tile, next_pow2, rows_absmax, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
-from tritonq.weights import W8A8Weight
+from tritonq.quant.weights import W8A8Weight
 
 INT8_MIN, INT8_MAX = -128.0, 127.0
 DYNAMIC_DIVISOR = 127.5  # compressed-tensors' symmetric int8 scale: absmax / ((127 - (-128)) / 2)

@@ -4,7 +4,7 @@
 `prepare(w)` runs once per weight (a Linear's construction): it checks the weight, so a bad one fails there with
 its kernel's message, and builds what the calls need: the weight's GEMM object (`Int4Gemm`, `FP8Gemm`, `Int8Gemm`:
 kernel, config and launch arguments resolved once per M bucket, one launch per call at decode) and, on the CPU
-backend, the CPU form (kernels/cpu_lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
+backend, the CPU form (kernels/cpu/lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
 one). `run(x, prepared)` is then a lookup and a call: the backend (CPU kernels, the torch reference under
 TRITONQ_BACKEND=torch, Triton) is picked from x by the GEMM object, or by the CPU fast paths here.
 """
@@ -16,12 +16,13 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from tritonq.kernels import batch_invariant, cpu_dense, cpu_lowbit, use_cpu_kernels, use_triton
+from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
+from tritonq.kernels.cpu import dense as cpu_dense, lowbit as cpu_lowbit
 from tritonq.kernels.dense_gemm import dense_gemm
 from tritonq.kernels.fp8_gemm import FP8Gemm
 from tritonq.kernels.int4_gemm import Int4Gemm
 from tritonq.kernels.int8_gemm import Int8Gemm
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, W8A8Weight, Weight
+from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight, W8A8Weight, Weight
 
 
 @dataclass(frozen=True)

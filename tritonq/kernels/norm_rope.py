@@ -13,7 +13,7 @@ apply_rope(x [B, S, H, D], cos [B, S, D], sin [B, S, D]) -> [B, S, H, D] in x.dt
     x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]), where cos/sin are the
     table rows at x's positions (cos_table[positions]): models gather them once per forward for all layers.
 RMSNorm (with or without the residual addition) and SiLU-mul have Triton kernels (one program per row, or per
-block of a row) and on the CPU backend C loops per row (kernels/cpu_native.py); the rope tables are tiny and built
+block of a row) and on the CPU backend C loops per row (kernels/cpu/native.py); the rope tables are tiny and built
 in torch. On a GPU, rope itself runs inside the KV write (attention.rope_write_kv_slots), so apply_rope is the
 CPU backend's and the references' path.
 """
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tritonq.kernels import cpu_native, use_cpu_kernels, use_triton
+from tritonq.kernels import use_cpu_kernels, use_triton
+from tritonq.kernels.cpu import native as cpu_native
 from tritonq.kernels.common import Launch
 
 

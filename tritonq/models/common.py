@@ -44,8 +44,8 @@ from torch import nn
 from tritonq.kernels.attention import (QuantizedPages, decode_attention, paged_prefill_attention, rope_write_kv_slots,
                                       write_kv_slots)
 from tritonq.kernels.norm_rope import rope_cos_sin
-from tritonq.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear, silu_mul
-from tritonq.weights import DenseWeight
+from tritonq.formats.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear, silu_mul
+from tritonq.quant.weights import DenseWeight
 
 KV_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token, kv head and k / v
 

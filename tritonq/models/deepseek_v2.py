@@ -44,7 +44,7 @@ from torch import nn
 from tritonq.kernels.attention import decode_attention, paged_prefill_attention, read_kv_rows, write_kv_slots
 from tritonq.kernels.common import compute_capability
 from tritonq.kernels.norm_rope import apply_rope
-from tritonq.layers import Linear, RMSNorm, RowParallelLinear
+from tritonq.formats.layers import Linear, RMSNorm, RowParallelLinear
 from tritonq.models.common import (MLP, CausalLM, DecoderLayer, KVLayout, PagedKVCache, StepContext, paged_attention,
                                    rope_parameters)
 from tritonq.models.moe import MoERouting, SparseMoE

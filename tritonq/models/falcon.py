@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonq.kernels.norm_rope import apply_rope
-from tritonq.layers import LayerNorm, Linear, RowParallelLinear
+from tritonq.formats.layers import LayerNorm, Linear, RowParallelLinear
 from tritonq.models.common import CausalLM, StepContext, paged_attention
 
 

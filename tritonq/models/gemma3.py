@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonq.layers import RMSNorm
+from tritonq.formats.layers import RMSNorm
 from tritonq.models.common import MLP, RopeTables, StepContext, logit_rows, rope_parameters
 from tritonq.models.llama import (LlamaAttention, LlamaForCausalLM, LlamaVariant, layer_windows,
                                   sliding_layers_from_layer_types)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tritonq.kernels.norm_rope import apply_rope
-from tritonq.layers import Linear, RMSNorm, RowParallelLinear
+from tritonq.formats.layers import Linear, RMSNorm, RowParallelLinear
 from tritonq.models.common import MLP, CausalLM, DecoderLayer, StepContext, paged_attention, rope_paged_attention
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")

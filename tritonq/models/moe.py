@@ -8,7 +8,7 @@ How a model routes is data (`MoERouting`, read from its config by the model clas
 expert tensor names (`ExpertNames`: Mixtral calls gate / up / down w1 / w3 / w2): the block itself has
 one forward for every architecture. The per-expert linears are read by the checkpoint's loader (dense,
 AWQ, GPTQ, fp8, compressed-tensors: whatever it stores) and stacked once, here at load, into the
-fused-MoE layout (tritonq.weights.stack_experts).
+fused-MoE layout (tritonq.quant.weights.stack_experts).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from tritonq.distributed import all_reduce
 from tritonq.kernels.moe import grouped_topk
-from tritonq.layers import RoutedExperts
+from tritonq.formats.layers import RoutedExperts
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonq.kernels.attention import alibi_slopes
-from tritonq.layers import Linear, RowParallelLinear
+from tritonq.formats.layers import Linear, RowParallelLinear
 from tritonq.models.common import CausalLM, NoRope, StepContext, paged_attention
 from tritonq.models.falcon import layer_norm
 
@@ -98,7 +98,7 @@ class MptForCausalLM(CausalLM):
     """Built as MptForCausalLM(config, loader, dtype, device); see the module docstring and
     tritonq.models.common.CausalLM (the embedding transformer.wte, the final LayerNorm transformer.norm_f, lm_head
     tied by default)."""
-    supports_compile = False  # the CPU ALiBi attention runs eagerly (kernels/cpu_attention.py)
+    supports_compile = False  # the CPU ALiBi attention runs eagerly (kernels/cpu/attention.py)
     embedding = "transformer.wte"
     tie_word_embeddings = True
 

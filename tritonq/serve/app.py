@@ -22,7 +22,7 @@ from tritonq.serve.routes import router
 
 MAX_REQUEST_BYTES = 2 << 20  # default --max-request-bytes: a 128k-token prompt fits, as text or as ids
 TOKENIZER_THREADS = 2      # tokenization and chat templating off the event loop (they release the GIL)
-GRAMMAR_THREADS = 2        # checks of requests with a schema, whose grammar compiles (tritonq.structured's process)
+GRAMMAR_THREADS = 2        # checks of requests with a schema, whose grammar compiles (engine/structured.py's process)
 OPEN_PATHS = ("/health",)  # the only routes that never need the API key
 
 

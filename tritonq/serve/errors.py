@@ -18,7 +18,7 @@ from tritonq.engine.engine import EngineDeadError
 from tritonq.engine.sequence import RequestTooLong
 from tritonq.serve.engine_loop import EngineUnavailable, QueueFull, StepFailed
 from tritonq.serve.protocol import APIError
-from tritonq.structured import GrammarError
+from tritonq.engine.structured import GrammarError
 
 RETRY_AFTER_S = 1  # the Retry-After of a 429: a waiting request usually starts within a second
 
@@ -50,7 +50,8 @@ def api_error(exc: BaseException, prefix: str = "", param: str | None = None) ->
     if isinstance(exc, APIError):
         return exc
     status = status_of(exc)
-    message = str(exc) if status != 500 or isinstance(exc, StepFailed) else f"internal error: {type(exc).__name__}: {exc}"
+    unexpected = status == 500 and not isinstance(exc, StepFailed)
+    message = f"internal error: {type(exc).__name__}: {exc}" if unexpected else str(exc)
     return APIError(status, prefix + message, param, headers={"Retry-After": str(RETRY_AFTER_S)} if status == 429
                     else None)
 

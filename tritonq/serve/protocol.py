@@ -19,7 +19,7 @@ stop_token_ids, repetition_penalty) go to GenerationConfig; logit_bias keys must
 strings) with biases in [-100, 100], top alternatives are 0..20. The server's fairness caps (stop strings,
 tokens per request) are checked by the routes (tritonq.serve.limits).
 
-Structured outputs (tritonq.structured): `response_format` {"type": "json_object"} (any JSON object) or
+Structured outputs (tritonq.engine.structured): `response_format` {"type": "json_object"} (any JSON object) or
 {"type": "json_schema", "json_schema": {"name", "schema", ...}} becomes GenerationConfig.json_schema, on
 both routes; so do vLLM's extras, each onto the GenerationConfig field of its kind: `structured_outputs`
 {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (one of them) and the older `guided_json` /

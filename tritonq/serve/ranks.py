@@ -2,8 +2,8 @@
 
 Under torchrun (`torchrun --nproc-per-node N -m tritonq.serve MODEL`; across machines add --nnodes and a shared
 --rdzv-endpoint) each rank loads its shard with tritonq.load. Rank 0 serves, its engine wrapped in
-`LeaderEngine`: the calls that change the schedule (add_request, add_checked, add_score, abort, step, score) run on rank 0 and are
-forwarded, in order, to the other ranks, which replay them in `follow`. Adds and aborts travel with the next
+`LeaderEngine`: the calls that change the schedule (add_request, add_checked, add_score, abort, step, score)
+run on rank 0 and are forwarded, in order, to the other ranks, which replay them in `follow`. Adds and aborts travel with the next
 step or score: one broadcast_object_list per step, over a gloo group of its own (`control_group`: host
 memory, and an idle follower waits in a CPU socket read rather than a GPU collective). The same calls in the
 same order on engines built alike give the same schedule on every rank, so the model's collectives line up;

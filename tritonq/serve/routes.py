@@ -29,7 +29,7 @@ from tritonq.serve.logprobs import completion_logprobs
 from tritonq.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from tritonq.serve.responses import CompletionLogprobs, ModelCard, ModelList
 from tritonq.serve.sse import ChatChunks, CompletionChunks, stream_response
-from tritonq.structured import GrammarError
+from tritonq.engine.structured import GrammarError
 
 router = APIRouter()
 

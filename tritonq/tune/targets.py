@@ -46,7 +46,7 @@ def fp8_gemm() -> TuneTarget:
     """fp8_gemm: the path the runtime takes on this device, fp8 x fp8 (sm_89+) or weight-only below,
     stored under the kernel name the launcher looks up for that path."""
     from tritonq.kernels import fp8_gemm as k
-    from tritonq.rtn import quantize_fp8
+    from tritonq.quant.rtn import quantize_fp8
 
     weight_only = torch.cuda.is_available() and not k.has_fp8_tensor_cores(torch.device("cuda"))
     cc = k.compute_capability(torch.device("cuda")) if torch.cuda.is_available() else None

@@ -52,7 +52,7 @@ dot (v); fp8's per-tensor scales once, to qk_scale and to the output. Without Qu
 kernels compile exactly as before (KV_FP8 / KV_INT8 False, no scale pointers).
 
 On CPU tensors (unless TRITON_INTERPRET=1) the CPU backend runs instead: torch's fused CPU attention
-over each sequence's real keys and an index_copy_ of the new keys (kernels/cpu_attention.py).
+over each sequence's real keys and an index_copy_ of the new keys (kernels/cpu/attention.py).
 TRITONQ_BACKEND=torch runs the torch references (float32 compute), the test oracle.
 
 Files, one job each: `pages.py` (QuantizedPages, page layouts, shared constants), `jit.py` (the @triton.jit

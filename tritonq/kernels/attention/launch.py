@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from tritonq.kernels import cpu_attention, use_cpu_kernels, use_triton
+from tritonq.kernels import use_cpu_kernels, use_triton
+from tritonq.kernels.cpu import attention as cpu_attention
 from tritonq.kernels.attention.configs import (DecodeConfig, PrefillConfig, check_decode_config, check_prefill_config,
                                                head_blocks, launch_config, paged_block_n)
 from tritonq.kernels.attention.jit import (_decode_merge_kernel, _decode_split_kernel, _paged_prefill_kernel,
@@ -200,7 +201,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
         raise ValueError(f"decode_attention: max_seq_len = {max_seq_len!r}; expected an int >= 1 (the capacity "
                          "the launch config is chosen for) or None.")
-    if use_cpu_kernels(q):  # torch's CPU flash attention over each sequence's real keys (kernels/cpu_attention.py)
+    if use_cpu_kernels(q):  # torch's CPU flash attention over each sequence's real keys (kernels/cpu/attention.py)
         return cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window,
                                               k_scale, v_scale, sinks, alibi_slopes=alibi_slopes)
     if not use_triton(q):
@@ -287,7 +288,7 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
     k_pages, v_pages, k_scale, v_scale = _checked_write(k_pages, v_pages, k, v, slot_mapping, check_values)
     if k.shape[0] == 0:
         return
-    if use_cpu_kernels(k_pages):  # one index_copy_ per cache (kernels/cpu_attention.py)
+    if use_cpu_kernels(k_pages):  # one index_copy_ per cache (kernels/cpu/attention.py)
         return cpu_attention.write_kv_slots(k_pages, v_pages, k, v, slot_mapping, k_scale, v_scale)
     if not use_triton(k_pages):
         return write_kv_slots_reference(*given, k, v, slot_mapping)
@@ -432,7 +433,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
         check_prefill_config(config)
     if check_values:
         _check_prefill_lens(cu_seqlens_q, context_lens, q.shape[0], block_table.shape[1] * page_size)
-    if use_cpu_kernels(q):  # kernels/cpu_attention.py
+    if use_cpu_kernels(q):  # kernels/cpu/attention.py
         return cpu_attention.paged_prefill_attention(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
                                                      scale, window, k_scale, v_scale, sinks, alibi_slopes=alibi_slopes)
     if not use_triton(q):

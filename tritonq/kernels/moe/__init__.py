@@ -7,7 +7,7 @@ top-2 in group); ties go to the lower expert index (`routing.py`).
 
 Expert MLP `fused_moe(x [T, D], gate_up [E, 2I, D], down [E, D, I], topk_weights, topk_ids)`
 -> [T, D] in x.dtype = sum_k w_k * down_e(silu(gate_e x) * up_e x), gate rows first in gate_up.
-Weights are stacked typed weights (tritonq/weights.py, with a leading expert dim E):
+Weights are stacked typed weights (tritonq/quant/weights.py, with a leading expert dim E):
   DenseWeight weight [E, N, K]; Int4Weight qweight [E, K*bits/32, N], scales/zeros [E, G, N],
   g_idx [E, K] or None; FP8Weight weight [E, N, K] fp8 with weight_scale [E] (per tensor),
   [E, N, 1] (per channel) or [E, ceil(N/bn), ceil(K/bk)] (block_size (bn, bk));
@@ -24,7 +24,7 @@ A topk_ids entry of -1 is a slot whose expert this process does not hold (expert
 layers.RoutedExperts): it contributes zero, and no kernel computes it.
 FP8 experts run W8A8 where the checkpoint quantizes activations and the GPU has e4m3 tensor cores (sm_89+),
 else weight-only (`launch.py`). On CPU (no interpreter) each routed expert runs through
-kernels/cpu_lowbit.py; `fused_moe_reference` (TRITONQ_BACKEND=torch) is the oracle.
+kernels/cpu/lowbit.py; `fused_moe_reference` (TRITONQ_BACKEND=torch) is the oracle.
 Pipeline: `moe_align_block_size` sorts the T*k (token, slot) pairs by expert and pads each
 expert's run to BLOCK_M, so each M block of rows belongs to one expert; `_moe_gemm_kernel`
 then runs once for gate/up (two accumulators, SiLU-and-mul fused in the epilogue) and once

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonq.weights import WEIGHT_TYPES, FP8Weight, Weight
+from tritonq.quant.weights import WEIGHT_TYPES, FP8Weight, Weight
 
 
 def _stacked_shape(w: Weight, name: str) -> tuple[int, int, int]:

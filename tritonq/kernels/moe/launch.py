@@ -9,7 +9,7 @@ per-channel weights), per 1 x 128 group (128 x 128 block weights) or with the st
 over the experts), and the dot runs on e4m3 operands in fp32, scales applied after each K tile (block) or once
 (per token x per channel). Weight-only otherwise (codes dequantized to x.dtype in-kernel): weight-only
 checkpoints, below sm_89, and on the CPU backend / CPU torch reference.
-On CPU (no interpreter) each routed expert runs through kernels/cpu_lowbit.py (its weights
+On CPU (no interpreter) each routed expert runs through kernels/cpu/lowbit.py (its weights
 prepared once, on the first call); TRITONQ_BACKEND=torch runs `fused_moe_reference` (`reference.py`).
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import replace
 import torch
 import triton
 
-from tritonq.kernels import cpu_lowbit, use_cpu_kernels, use_triton
+from tritonq.kernels import use_cpu_kernels, use_triton
+from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import ClampedSwiGLU, Launch, has_fp8_tensor_cores, next_pow2, on_gpu, upcast_dot
 from tritonq.kernels.fp8_gemm import quantize_activation_fp8
 from tritonq.kernels.moe.configs import MoEConfig, _config, check_config
@@ -27,7 +28,7 @@ from tritonq.kernels.moe.experts import check_experts, check_moe_inputs, fp8_act
 from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
 from tritonq.kernels.moe.reference import fused_moe_reference
 from tritonq.kernels.moe.routing import moe_align_block_size
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
+from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
 
 FP8_DOT_MIN_K = 32  # tl.dot's smallest K for e4m3 operands (Triton's min_dot_size for 8-bit types)
 

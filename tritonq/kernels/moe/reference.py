@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from tritonq.kernels.common import ClampedSwiGLU
 from tritonq.kernels.fp8_gemm import fp8_round_trip
 from tritonq.kernels.moe.experts import _check_moe, fp8_activation_scheme
-from tritonq.weights import Weight
+from tritonq.quant.weights import Weight
 
 
 def fused_moe_reference(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,

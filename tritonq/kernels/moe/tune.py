@@ -12,7 +12,7 @@ import triton
 from tritonq.kernels.common import ClampedSwiGLU, Launch, tune_group_size, unpack_shape
 from tritonq.kernels.moe.configs import MoEConfig
 from tritonq.kernels.moe.launch import moe_gemm_launch
-from tritonq.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
+from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
 
 
 # Values the tuner sweeps (the fields of MoEConfig); `sweep_space` keeps those useful for a GEMM.

@@ -5,7 +5,7 @@ dense model one decoder layer at a time (only that layer's weights are in memory
 layer's linears in order, recomputes the layer's outputs with the quantized weights and moves on,
 so a model larger than memory is quantized on CPU. The result only changes what the writer stores:
 GPTQ returns calibrated `Int4Weight`s (codes, scales, zeros, g_idx), AWQ returns the dense tensors
-with its per-channel scales folded in (and optional clipping); `tritonq.quantize.write_quantized`
+with its per-channel scales folded in (and optional clipping); `tritonq.quantize.writer.write_quantized`
 then writes the usual GPTQModel / AutoAWQ layout.
 
 Shapes: a linear maps K inputs to N outputs, W [N, K] float32, activations X [T, K] (T tokens).
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from tritonq.packing import group_grid, pack_int32, quantize_column
-from tritonq.weights import Int4Weight
+from tritonq.quant.packing import group_grid, pack_int32, quantize_column
+from tritonq.quant.weights import Int4Weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 AWQ_GRID = 20          # scale candidates: s = 1 and 19 alphas in [0, 1]

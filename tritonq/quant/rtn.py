@@ -1,4 +1,4 @@
-"""Round-to-nearest quantizers: a float weight in, a typed weight (tritonq.weights) out.
+"""Round-to-nearest quantizers: a float weight in, a typed weight (tritonq.quant.weights) out.
 
 quantize_int4 (AWQ / GPTQ grids, 4 or 8 bits), quantize_fp8 (per tensor, channel or block),
 quantize_mxfp4 (gpt-oss's E2M1 blocks with E8M0 scales) and quantize_w8a8 (compressed-tensors' int8).
@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from tritonq.packing import group_grid, pack_int32, quantize_column
-from tritonq.weights import E2M1_VALUES, MXFP4_GROUP, FP8Weight, Int4Weight, MXFP4Weight, W8A8Weight
+from tritonq.quant.packing import group_grid, pack_int32, quantize_column
+from tritonq.quant.weights import E2M1_VALUES, MXFP4_GROUP, FP8Weight, Int4Weight, MXFP4Weight, W8A8Weight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -75,7 +75,7 @@ torch's attention; the write quantizes as the Triton kernel does (int8: absmax /
 Host reads of the lengths and slots are free here (CPU tensors): they pick each sequence's slice.
 
 Prefill and decode of plain pages in q's dtype (no sinks, ALiBi or 8-bit pages, Dqk == Dv) first try the C kernel
-of kernels/cpu_native.py, which reads the keys in place, the whole batch in one call per layer (decode 3-4x, prefill
+of kernels/cpu/native.py, which reads the keys in place, the whole batch in one call per layer (decode 3-4x, prefill
 ~4x faster than the path above); the gather, groups and flash calls above run where it does not take the call or is
 not built.
 """
@@ -87,7 +87,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tritonq.kernels import cpu_native, threads_for
+from tritonq.kernels import threads_for
+from tritonq.kernels.cpu import native as cpu_native
 
 PARALLEL_WORK = 1 << 20  # query heads x query rows x keys of a sequence from which its op runs multithreaded
 GROUPED_WORK = 1 << 16  # query heads x keys of a decode step from which it runs in padded groups on torch's threads

@@ -73,10 +73,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.kernels import batch_invariant, cpu_dense, cpu_native
+from tritonq.kernels import batch_invariant
+from tritonq.kernels.cpu import dense as cpu_dense, native as cpu_native
 from tritonq.kernels.common import ClampedSwiGLU
-from tritonq.packing import unpack_int32
-from tritonq.weights import DenseWeight, Int4Weight, MXFP4Weight, Weight
+from tritonq.quant.packing import unpack_int32
+from tritonq.quant.weights import DenseWeight, Int4Weight, MXFP4Weight, Weight
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     this weight on its first such call (`_template_gemm`); False keeps to the eager paths (MoE experts: one
     compile per expert would cost more than it saves)."""
     if isinstance(p, CPUDenseWeight):
-        if batch_invariant():  # MKL's sums change with the row count: the C loop's (kernels/cpu_dense.py)
+        if batch_invariant():  # MKL's sums change with the row count: the C loop's (kernels/cpu/dense.py)
             y = cpu_native.small_linear(x.float().contiguous(), _rows_copy(p), p.weight.shape[0], p.bias,
                                         parallel=x.shape[0] * p.weight.numel() >= cpu_dense.PARALLEL_WORK)
             return y.to(x.dtype)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from tritonq.config import EngineConfig
-    from tritonq.generate import Model
+    from tritonq.api.model import Model
 
 def _read_json(path: Path) -> dict:
     """A JSON object file of the checkpoint; a ValueError says what is wrong with it (not JSON, not an object)."""
@@ -460,7 +460,7 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
         torch.set_num_threads(threads)
     model = _load(name_or_path, options, dtype=dtype, device=device, revision=revision, gguf_file=gguf_file)
     if warm_up is not None:
-        from tritonq.kernels import cpu_lowbit
+        from tritonq.kernels.cpu import lowbit as cpu_lowbit
         cpu_forms = [m.prepared.cpu for m in model.model.modules() if hasattr(m, "prepared")]  # layers.Linear's
         cpu_lowbit.settle_templates([p for p in cpu_forms if isinstance(p, cpu_lowbit.CPUInt4Weight)],
                                     compile=warm_up)
@@ -485,7 +485,7 @@ def _checkpoint(name_or_path: str | Path, revision: str | None, gguf_file: str |
     from transformers import AutoConfig
 
     from tritonq.formats import gguf
-    from tritonq.hub import resolve, resolve_gguf
+    from tritonq.api.hub import resolve, resolve_gguf
 
     path = resolve_gguf(name_or_path, gguf_file, revision) if gguf_file is not None else name_or_path
     files = gguf.gguf_files(path)
@@ -511,8 +511,9 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     from tritonq.engine.kv_sizing import kv_cache_blocks
     from tritonq.engine.speculative import make_proposer
     from tritonq.formats.registry import get_loader
-    from tritonq.generate import Model
-    from tritonq.kernels import batch_invariant_mode, cpu_native
+    from tritonq.api.model import Model
+    from tritonq.kernels import batch_invariant_mode
+    from tritonq.kernels.cpu import native as cpu_native
     from tritonq.models import model_class
     from tritonq.models.common import rope_parameters
 
@@ -568,11 +569,11 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     max_seq_len = max_seq_len or min(positions, 4096)
     if o.batch_invariant and device.type == "cpu" and cpu_native.library() is None:
         raise ValueError("batch_invariant=True on CPU runs the linears and attention on tritonq's C kernels "
-                         "(tritonq/kernels/cpu_native.c), which could not be built (the log says why): install a C "
+                         "(tritonq/kernels/cpu/csrc/), which could not be built (the log says why): install a C "
                          "compiler (gcc or clang, or set $CC), or load without batch_invariant.")
     with loader.dry_run():  # every tensor the model asks for, checked from the headers before any is read
         cls(config, loader, dtype, torch.device("meta"), max_seq_len=max_seq_len, **build)
-    # the CPU linears keep the forms their mode runs (kernels/cpu_dense.py), made while the model is built
+    # the CPU linears keep the forms their mode runs (kernels/cpu/dense.py), made while the model is built
     with loader.weights.progress(enabled=rank == 0), batch_invariant_mode(o.batch_invariant):  # only rank 0 prints
         model = cls(config, loader, dtype, device, max_seq_len=max_seq_len, **build)  # rope tables sized once
     if o.batch_invariant:
@@ -587,8 +588,9 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     capture = device.type == "cuda" and _capture_graphs(cuda_graphs, world)
     engine_config = dataclasses.replace(o, max_seq_len=max_seq_len)  # resolved: the engine sizes by it
     # the draft's cache has as many blocks (it holds the running sequences + k each)
+    draft_bytes = 0 if draft is None else draft.kv_layout.bytes_per_token(draft.dtype)
     num_blocks = kv_cache_blocks(model, engine_config, world=world, cuda_graphs=capture,
-                                 extra_bytes_per_token=0 if draft is None else draft.kv_layout.bytes_per_token(draft.dtype))
+                                 extra_bytes_per_token=draft_bytes)
     engine = Engine(model, tokenizer, engine_config, eos_token_ids=eos_ids, num_blocks=num_blocks, world=world)
     if speculative is not None:
         proposer = make_proposer(speculative, draft, num_blocks=num_blocks,

@@ -1,5 +1,5 @@
-"""The child process that compiles structured-output grammars for tritonq.structured (imports only xgrammar):
-`python -m tritonq.structured_worker FD`, FD its end of a socket pair with the parent.
+"""The child process that compiles structured-output grammars for tritonq.engine.structured (imports only xgrammar):
+`python -m tritonq.engine.structured_worker FD`, FD its end of a socket pair with the parent.
 
 Why a process: xgrammar compiles in C++ and cannot be interrupted, and a short pattern whose automaton
 explodes (nested bounded repeats) compiles for minutes; the parent kills this process past its time budget.

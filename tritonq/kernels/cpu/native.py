@@ -1,6 +1,6 @@
-"""The CPU backend's C kernels (cpu_native.c), built on first use: paged attention (prefill chunks and decode rows),
-RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u, linears over rows, rotary embedding, the
-KV write and greedy sampling rows.
+"""The CPU backend's C kernels (csrc/, their exports declared in csrc/tritonq_cpu.h), built on first use: paged
+attention (prefill chunks and decode rows), RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u,
+linears over rows, rotary embedding, the KV write and greedy sampling rows.
 
 Why C: torch has no attention op over pages. cpu_attention's torch path gathers each sequence's keys
 (`index_select`) and runs the CPU flash kernel on them, per sequence or per padded group: two copies of the keys
@@ -21,7 +21,7 @@ And RMSNorm, which the torch reference runs as ~8 ops (upcast, square, mean, rsq
 downcast, weight), each a dispatch of ~5-50 us on a decode step's few rows, is one loop over each row, which also
 does the residual addition before a layer's second norm. Rotary embedding likewise (4 torch ops: multiply, negate,
 concatenate, addcmul), and SwiGLU's activation (split, silu, multiply). And a bf16 linear of a small weight at one or
-two rows, where oneDNN's fixed cost per call is most of the time (kernels/cpu_dense.py has the figures), and every
+two rows, where oneDNN's fixed cost per call is most of the time (kernels/cpu/dense.py has the figures), and every
 linear of the batch-invariant mode (any rows, fp32 / bf16 / fp16: each row one multiply-add chain in k order).
 
 Build: the system C compiler (`$CC`, else cc / gcc / clang), -O3 -march=native, into the cache folder
@@ -57,13 +57,28 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_native.c")
+CSRC = Path(__file__).with_name("csrc")  # the C sources; tritonq_cpu.h declares what they export
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros"]  # reassociation: vectorised dot products and sums
 if platform.machine().lower() in ("x86_64", "amd64"):
     FLAGS.append("-mprefer-vector-width=512")  # AVX-512 registers where the CPU has them (gcc/clang default to 256)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 QUERY_ROWS = 32  # query rows (queries x the query heads of a kv head) per attention work item
+
+_INT, _I64, _PTR, _FLOAT = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# The library's exports as ctypes declares them: name -> (restype, argtypes), one entry per prototype of
+# csrc/tritonq_cpu.h (tests/kernels/test_cpu_abi.py parses the header and compares).
+SIGNATURES = {
+    "tritonq_paged_attention": (_INT, [_PTR, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                                       _I64, _I64, _I64, _FLOAT, _PTR, _I64]),
+    "tritonq_has_float16": (_INT, []),
+    "tritonq_greedy_rows": (None, [_PTR, _I64, _I64, _I64, _PTR, _PTR]),
+    "tritonq_rms_norm": (_INT, [_INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _FLOAT, _PTR, _PTR]),
+    "tritonq_silu_mul": (_INT, [_INT, _PTR, _I64, _I64, _I64, _PTR]),
+    "tritonq_rope": (_INT, [_INT, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]),
+    "tritonq_write_kv": (_INT, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]),
+    "tritonq_small_linear": (_INT, [_PTR, _INT, _INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR]),
+}
 
 
 def cache_dir() -> Path:
@@ -94,11 +109,13 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("CPU kernels: no C compiler found ($CC, cc, gcc, clang); attention runs torch's flash "
                     "kernel over gathered keys instead, and RMSNorm and greedy sampling torch's ops (slower: see "
-                    "tritonq/kernels/cpu_native.py)")
+                    "tritonq/kernels/cpu/native.py)")
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags(), platform.machine()])
+        sources = sorted(CSRC.glob("*.[ch]"))
+        texts = [f"{path.name}\0{path.read_text()}" for path in sources]
+        key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_flags(), platform.machine()])
                              .encode()).hexdigest()[:16]
         target = cache_dir() / "native" / f"cpu_native-{key}.so"
         if not target.exists():
@@ -106,36 +123,22 @@ def library() -> ctypes.CDLL | None:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
                 built = Path(tmp) / target.name
-                done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True,
-                                      text=True, timeout=300)
+                c_files = [str(path) for path in sources if path.suffix == ".c"]
+                done = subprocess.run([compiler, *FLAGS, *c_files, "-o", str(built)], capture_output=True, text=True,
+                                      timeout=300)
                 if done.returncode:
                     raise RuntimeError(f"{compiler} exited with {done.returncode}: "
                                        f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}")
                 os.replace(built, target)
-            log.info("CPU kernels: built %s with %s in %.1f s (%s)", SOURCE.name, compiler,
+            log.info("CPU kernels: built %s with %s in %.1f s (%s)", CSRC, compiler,
                      time.perf_counter() - start, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning("CPU kernels: building %s failed (%s); attention runs torch's flash kernel over "
-                    "gathered keys instead, and RMSNorm and greedy sampling torch's ops (slower)", SOURCE.name, error)
+                    "gathered keys instead, and RMSNorm and greedy sampling torch's ops (slower)", CSRC, error)
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.tritonq_paged_attention.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64,
-                                            i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64]
-    lib.tritonq_paged_attention.restype = ctypes.c_int
-    lib.tritonq_has_float16.restype = ctypes.c_int
-    lib.tritonq_greedy_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr]
-    lib.tritonq_greedy_rows.restype = None
-    lib.tritonq_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr, ctypes.c_float, ptr, ptr]
-    lib.tritonq_rms_norm.restype = ctypes.c_int
-    lib.tritonq_silu_mul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
-    lib.tritonq_silu_mul.restype = ctypes.c_int
-    lib.tritonq_small_linear.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr]
-    lib.tritonq_small_linear.restype = ctypes.c_int
-    lib.tritonq_rope.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr]
-    lib.tritonq_rope.restype = ctypes.c_int
-    lib.tritonq_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
-    lib.tritonq_write_kv.restype = ctypes.c_int
+    for name, (restype, argtypes) in SIGNATURES.items():
+        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
     return lib
 
 
@@ -288,7 +291,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
-SMALL_COLS = 64  # cpu_native.c's column block: small_linear's weight is padded to a multiple of it
+SMALL_COLS = 64  # csrc/linear.c's column block: small_linear's weight is padded to a multiple of it
 
 
 def small_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -305,7 +308,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, N: int, bias: torch.Tens
     """y [M, N] = x [M, K] @ W^T (+ bias float32 [N]) in x's dtype, W in small_linear_weight's layout and dtype;
     float32 sums in k order, rounded once (the same values as F.linear up to the order of the sum). Each row's
     result is the same whatever the other rows: made for a few rows of a small weight, where oneDNN's per-call cost
-    is most of the time, and for every linear of the batch-invariant mode (kernels/cpu_dense.py). parallel: the
+    is most of the time, and for every linear of the batch-invariant mode (kernels/cpu/dense.py). parallel: the
     blocks of rows and columns are shared by torch's OpenMP threads (the values do not change). None when the kernels
     are not built or x is not rows of the weight's dtype with a contiguous last dim."""
     if (x.dtype != weight.dtype or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != weight.shape[0]

@@ -1,4 +1,4 @@
-"""The quantized-checkpoint writer (its quantizers are tritonq.rtn's).
+"""The quantized-checkpoint writer (its quantizers are tritonq.quant.rtn's).
 
     python -m tritonq.quantize SRC DST --format awq|gptq|fp8|mxfp4|w8a8 [--group-size 128] [--sym|--asym]
         [--act-order] [--bits 4|8] [--checkpoint-format gptq|gptq_v2] [--fp8-scheme tensor|channel|block]
@@ -12,7 +12,7 @@ and all other files (tokenizer, generation config) copied. mxfp4 (gpt-oss) quant
 experts only (`MXFP4_EXPERTS`), as OpenAI's checkpoints do; every linear stays dense.
 w8a8 writes compressed-tensors `int-quantized` (what llm-compressor's W8A8 INT8 scheme saves, and vLLM
 reads): int8 weights RTN-rounded per output channel (or per tensor) as compressed-tensors' min-max observer
-does, activations dynamic per token. --smooth ALPHA first folds SmoothQuant scales (tritonq.calibrate) into
+does, activations dynamic per token. --smooth ALPHA first folds SmoothQuant scales (tritonq.quantize.calibrate) into
 the norms before q|k|v and gate|up, from the activations of --calibration text.
 """
 from __future__ import annotations
@@ -30,12 +30,12 @@ from safetensors.torch import save_file
 from tritonq.formats.awq import int4_to_awq
 from tritonq.formats.base import always_dense
 from tritonq.formats.checkpoint import Weights
-from tritonq.packing import pack_int32
-from tritonq.rtn import quantize_fp8, quantize_int4, quantize_mxfp4, quantize_w8a8
-from tritonq.weights import Int4Weight
+from tritonq.quant.packing import pack_int32
+from tritonq.quant.rtn import quantize_fp8, quantize_int4, quantize_mxfp4, quantize_w8a8
+from tritonq.quant.weights import Int4Weight
 
 # Linears the models fuse with the next one along N (q|k|v, gate|up): with block-fp8 their N must be
-# whole blocks, or the fused scale rows would not line up (tritonq.weights.concat_outputs).
+# whole blocks, or the fused scale rows would not line up (tritonq.quant.weights.concat_outputs).
 FUSED_BEFORE_ANOTHER = ("q_proj", "k_proj", "gate_proj", ".w1")  # .w1: Mixtral's expert gate
 # gpt-oss's fused expert tensors [E, K, N] that mxfp4 checkpoints store as `_blocks` / `_scales`.
 MXFP4_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -127,7 +127,7 @@ def write_quantized(src: str | Path, dst: str | Path, fmt: str, *, method: str =
                     calibration: dict | None = None, overwrite: bool = False, **options) -> Path:
     """Quantize the dense checkpoint folder src into dst (options: see quantization_config).
 
-    method "gptq" / "awq" calibrates first (tritonq.calibrate) on calibration = {"file", "samples",
+    method "gptq" / "awq" calibrates first (tritonq.quantize.calibrate) on calibration = {"file", "samples",
     "seq_len"} and optional "damp", "block_size", "clip"; "rtn" rounds to nearest. A non-empty dst is
     refused unless overwrite; dst appears whole or not at all (see replace_folder).
     """
@@ -223,7 +223,7 @@ def replace_folder(dst: Path, write) -> None:
 
 def calibrate_for_writer(src: Path, fmt: str, method: str, q: dict, converted: set[str], calibration: dict | None):
     """Run the calibration `method` for format `fmt` (nothing for rtn); sets q's meta.method for GPTQ."""
-    from tritonq.calibrate import Calibrated, calibrate, calibration_ids
+    from tritonq.quantize.calibrate import Calibrated, calibrate, calibration_ids
 
     if fmt == "w8a8":
         if method != "rtn":
@@ -256,10 +256,3 @@ def calibrate_for_writer(src: Path, fmt: str, method: str, q: dict, converted: s
     return calibrate(src, "awq", ids, group_size=q["group_size"], clip=calibration.get("clip", False),
                      is_converted=converted.__contains__)
 
-
-if __name__ == "__main__":  # `python -m tritonq.quantize` is `python -m tritonq quantize` (tritonq/cli.py's parser)
-    import runpy
-    import sys
-
-    sys.argv[1:1] = ["quantize"]
-    runpy.run_module("tritonq", run_name="__main__", alter_sys=True)

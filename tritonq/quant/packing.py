@@ -1,6 +1,6 @@
 """Integer codes: the quantization grid (float -> code, shared by the RTN quantizer and the GPTQ / AWQ
 calibrations) and the bit packing shared by all integer formats and by tritonq's Int4Weight layout
-(tritonq/weights.py).
+(tritonq/quant/weights.py).
 
 A packed int32 holds 32 // bits fields; field j sits at bits [j*bits, (j+1)*bits). Checkpoints
 store int32 signed; we read them as uint32 bit patterns. AWQ interleaves the 8 columns of each
@@ -53,7 +53,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
 def group_grid(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0,
                scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero [N] (float32) of the group columns w [N, g], the grid of quantize.quantize_int4
-    and of the calibrations (tritonq.calibrate).
+    and of the calibrations (tritonq.quantize.calibrate).
 
     Asym: scale = (max(w, 0) - min(w, 0)) / (2^b - 1), zero = round(-min / scale) clamped to
     [min_zero, 2^b - 1]; sym: scale = 2 amax / (2^b - 1), zero = 2^(b-1). The scale is rounded to

@@ -3,7 +3,7 @@
 A constraint (GenerationConfig.json_schema / regex / choice / grammar) is compiled once per distinct constraint
 into an xgrammar grammar over the model's tokenizer (an LRU cache of GRAMMAR_CACHE_SIZE grammars per
 engine); each request holds a GrammarMatcher that advances with every token it samples. Compiles run in a
-child process (tritonq.structured_worker) with a time budget, and a constraint xgrammar would compile only in
+child process (tritonq.engine.structured_worker) with a time budget, and a constraint xgrammar would compile only in
 part (it warns and drops a remote `$ref`, a mid-pattern anchor, a lookahead, ...) is refused, as is one
 past the budget: an output never follows a looser constraint than the one asked for. Each step,
 every constrained row fills its row of a token bitmask [R, ceil(V / 32)] int32 (bit v of word v // 32:
@@ -30,6 +30,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
@@ -188,7 +189,7 @@ class Grammars:
 
 
 class _CompilerProcess:
-    """The compiler child process (`python -m tritonq.structured_worker`: a fresh interpreter, so nothing of the
+    """The compiler child process (`python -m tritonq.engine.structured_worker`: a fresh interpreter, so nothing of the
     caller's script or server runs again in it), one compile at a time, started on first use and again after a
     compile past its budget killed it."""
 
@@ -218,11 +219,11 @@ class _CompilerProcess:
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair()
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this tritonq is imported from
+        package_root = str(Path(__file__).resolve().parents[2])  # where this tritonq is imported from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         with theirs:
-            self.process = subprocess.Popen([sys.executable, "-m", "tritonq.structured_worker", str(theirs.fileno())],
-                                            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+            worker = [sys.executable, "-m", "tritonq.engine.structured_worker", str(theirs.fileno())]
+            self.process = subprocess.Popen(worker, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                                             stdout=subprocess.DEVNULL)
         self.conn = Connection(ours.detach())
         self.finalizer = weakref.finalize(self, _CompilerProcess._end, self.process, self.conn)  # when garbage
@@ -233,8 +234,8 @@ class _CompilerProcess:
             ready = False
         if not ready:
             self._stop()
-            raise RuntimeError(f"the grammar compiler process (python -m tritonq.structured_worker) did not start "
-                               f"within {START_TIMEOUT_S:g} s")
+            raise RuntimeError(f"the grammar compiler process (python -m tritonq.engine.structured_worker) did not "
+                               f"start within {START_TIMEOUT_S:g} s")
 
     def _stop(self) -> None:
         self.finalizer()  # _end, once

@@ -9,7 +9,7 @@ experts and taking one back out (`expert`), the checks of a stacked layout.
 
 Adding a weight type: its class here, its GEMM kernel in tritonq/kernels/, and its row in
 `tritonq.kernels.linear.LINEARS`, the one table of (prepare once, run per call) by type (kernels/moe/launch.py's
-`_weight_args` and kernels/cpu_lowbit.py's `_prepare` too, if MoE experts or the CPU backend should run it).
+`_weight_args` and kernels/cpu/lowbit.py's `_prepare` too, if MoE experts or the CPU backend should run it).
 The kernels import these types for their signatures and checks, so this module imports no kernel
 (the table sits in kernels/linear.py, above both): tests/test_import_graph.py keeps the graph acyclic.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from tritonq.packing import unpack_int32
+from tritonq.quant.packing import unpack_int32
 
 
 class _TypedWeight:

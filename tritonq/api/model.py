@@ -266,9 +266,9 @@ class Model:
     def _score_ids(self, prompts: list[list[int]], progress: bool, desc: str, unit: str,
                    top_logprobs: int = 0) -> list:
         """Engine.score with a progress bar: per prompt (logprobs [T-1] float32, greedy [T-1] bool, top or None;
-        see Engine.score). Holds the engine throughout (Multiplexer.exclusive): Engine.score steps it, other callers' requests
-        going on in those steps (their outputs reach them from the next step), so it waits for blocks they
-        hold."""
+        see Engine.score). Holds the engine throughout (Multiplexer.exclusive): Engine.score steps it, other
+        callers' requests going on in those steps (their outputs reach them from the next step), so it waits for
+        blocks they hold."""
         from tritonq.progress import progress_bar
         with self.multiplexer.exclusive() as engine, progress_bar(total=len(prompts), desc=desc, unit=unit,
                                                                   enabled=progress and self.rank == 0) as bar:

@@ -14,8 +14,8 @@ Measured (one core of the shared 2-core Sapphire Rapids box, load 14-18, thread 
 M = 256: 1.2 vs 1.0. 5632 x 1024: M = 1: 0.76-0.94 vs 0.49-0.55; M = 32: 1.0-1.5 vs 0.57-0.80;
 M = 256: 11.7-20 vs 3.0-7.7. Prefill-sized M (1024-2048) measured within the noise of each other.
 
-Only bf16, on CPUs with native bf16 (AVX512-BF16 / AMX, `tritonq.loading.cpu_has_native_bf16`'s test):
-fp32 stays on MKL ([K, N]-stored, tritonq.weights.k_major), fp16 has no AMX on these CPUs. The
+Only bf16, on CPUs with native bf16 (AVX512-BF16 / AMX, `tritonq.api.load.cpu_has_native_bf16`'s test):
+fp32 stays on MKL ([K, N]-stored, tritonq.quant.weights.k_major), fp16 has no AMX on these CPUs. The
 packed copy is kept beside the plain weight (a tied embedding reads the plain table; the CUDA and
 torch-reference paths read it too): bf16 linear weights take twice their bytes in host memory.
 Under torch.compile (engine.compiled) the plain F.linear runs: the packed tensor (an opaque
@@ -43,8 +43,9 @@ from typing import NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.kernels import batch_invariant, cpu_native
-from tritonq.weights import DenseWeight
+from tritonq.kernels import batch_invariant
+from tritonq.kernels.cpu import native as cpu_native
+from tritonq.quant.weights import DenseWeight
 
 SMALL_WEIGHT = 1 << 18  # elements: weights up to this size also keep small_linear's copy for FEW_ROWS-row calls
 FEW_ROWS = 2

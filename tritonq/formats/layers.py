@@ -1,5 +1,5 @@
 """Model building blocks. Linear runs its weight through `kernels.linear.LINEARS`, the one table of
-linears by weight type (tritonq/weights.py says what else a new type needs)."""
+linears by weight type (tritonq/quant/weights.py says what else a new type needs)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -12,7 +12,7 @@ from tritonq.distributed import all_gather_last_dim, all_reduce
 from tritonq.kernels.linear import kind_of
 from tritonq.kernels.moe import MoEExperts
 from tritonq.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul  # silu_mul: models' MLPs take it from here
-from tritonq.weights import DenseWeight, RankExperts, Weight, k_major
+from tritonq.quant.weights import DenseWeight, RankExperts, Weight, k_major
 
 
 class Linear(nn.Module):
@@ -24,7 +24,7 @@ class Linear(nn.Module):
         kind = kind_of(weight)
         if (isinstance(weight, DenseWeight) and k_major(weight.weight.device, weight.weight.dtype)
                 and not weight.weight.t().is_contiguous()):
-            # CPU fp32 runs W stored [K, N] (tritonq.weights.k_major: faster decode GEMV). Loaders read weights
+            # CPU fp32 runs W stored [K, N] (tritonq.quant.weights.k_major: faster decode GEMV). Loaders read weights
             # straight into that layout; anything else (a weight built by hand, a table tied to the head that
             # the loader did not know about) is re-laid out here, once.
             weight = replace(weight, weight=weight.weight.t().contiguous().t())

@@ -1,0 +1,119 @@
+/* Linears over rows: small bf16 ones at few rows, and every linear in the batch-invariant mode. */
+#include "tritonq_cpu.h"
+#include "simd.h"
+
+/* A linear over rows (a decode step of a small model; every linear in the batch-invariant mode): y [M, N] = x [M, K]
+ * @ w (+ bias), w stored k-major [K, Np] (Np = N rounded up to SMALL_COLS, the padding columns zero), x rows stride_x
+ * elements apart, bias float32 [N] or NULL, y [M, N] contiguous; products and sums in float32 (a bf16 or fp16
+ * product is exact there), rounded to the dtype once, after the bias. A block of up to SMALL_ROWS rows and SMALL_COLS
+ * columns keeps its sums in registers while the weight's rows stream by, so each weight value is read once per
+ * SMALL_ROWS rows and no horizontal sum is needed. Each output is one chain of multiply-adds in k order, whatever
+ * the row count, the block a row falls in or the thread that runs it: a row's result does not depend on the other
+ * rows (kernels/cpu/dense.py: where oneDNN's per-call cost dominates, and the batch-invariant mode). */
+#define SMALL_COLS 64
+#define SMALL_ROWS 4
+#ifdef __AVX512F__
+#define SMALL_BLOCK(SUFFIX, T, LOAD, STORE, LOAD16)                                                               \
+static inline __attribute__((always_inline)) void small_block_##SUFFIX(const T* x, int64_t R, int64_t K,        \
+        int64_t stride_x, const T* w, int64_t Np, float out[SMALL_ROWS][SMALL_COLS]) {                          \
+    __m512 acc[SMALL_ROWS][SMALL_COLS / 16];                                                                     \
+    for (int64_t r = 0; r < R; r++)                                                                              \
+        for (int c = 0; c < SMALL_COLS / 16; c++) acc[r][c] = _mm512_setzero_ps();                               \
+    for (int64_t k = 0; k < K; k++) {                                                                            \
+        const T* wk = w + k * Np;                                                                                \
+        __m512 wv[SMALL_COLS / 16];                                                                              \
+        for (int c = 0; c < SMALL_COLS / 16; c++) wv[c] = LOAD16(wk + 16 * c);                                   \
+        for (int64_t r = 0; r < R; r++) {                                                                        \
+            const __m512 xr = _mm512_set1_ps(LOAD(x[r * stride_x + k]));                                         \
+            for (int c = 0; c < SMALL_COLS / 16; c++) acc[r][c] = _mm512_fmadd_ps(xr, wv[c], acc[r][c]);         \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int64_t r = 0; r < R; r++)                                                                              \
+        for (int c = 0; c < SMALL_COLS / 16; c++) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);                  \
+}
+#define SMALL_BLOCKS(F) F(f32, float, from_f32, to_f32, load16_f32) F(bf16, uint16_t, from_bf16, to_bf16, load16_bf16)
+#define SMALL_BLOCKS_F16(F) F(f16, uint16_t, from_f16, to_f16, load16_f16)
+#else
+#define SMALL_BLOCK(SUFFIX, T, LOAD, STORE, LOAD16)                                                               \
+static inline __attribute__((always_inline)) void small_block_##SUFFIX(const T* x, int64_t R, int64_t K,        \
+        int64_t stride_x, const T* w, int64_t Np, float out[SMALL_ROWS][SMALL_COLS]) {                          \
+    for (int64_t r = 0; r < R; r++)                                                                              \
+        for (int c = 0; c < SMALL_COLS; c++) out[r][c] = 0.f;                                                    \
+    for (int64_t k = 0; k < K; k++)                                                                              \
+        for (int64_t r = 0; r < R; r++) {                                                                        \
+            const float xr = LOAD(x[r * stride_x + k]);                                                          \
+            for (int c = 0; c < SMALL_COLS; c++) out[r][c] += xr * LOAD(w[k * Np + c]);                         \
+        }                                                                                                        \
+}
+#define SMALL_BLOCKS(F) F(f32, float, from_f32, to_f32, 0) F(bf16, uint16_t, from_bf16, to_bf16, 0)
+#define SMALL_BLOCKS_F16(F) F(f16, uint16_t, from_f16, to_f16, 0)
+#endif
+
+/* One item of a call: rows m0 .. m0 + R - 1 (R <= SMALL_ROWS), columns n0 .. n0 + SMALL_COLS - 1. */
+#define SMALL_ITEM(SUFFIX, T, LOAD, STORE, LOAD16)                                                                \
+SMALL_BLOCK(SUFFIX, T, LOAD, STORE, LOAD16)                                                                      \
+static void small_item_##SUFFIX(const T* x, int64_t M, int64_t K, int64_t stride_x, const T* w, int64_t N,       \
+                                int64_t Np, const float* bias, T* y, int64_t m0, int64_t n0) {                   \
+    float out[SMALL_ROWS][SMALL_COLS];                                                                           \
+    const int64_t R = M - m0 < SMALL_ROWS ? M - m0 : SMALL_ROWS;                                                 \
+    const T* xm = x + m0 * stride_x;                                                                             \
+    switch (R) {  /* a constant row count: the block's loops unroll and its sums stay in registers */           \
+        case 1: small_block_##SUFFIX(xm, 1, K, stride_x, w + n0, Np, out); break;                                \
+        case 2: small_block_##SUFFIX(xm, 2, K, stride_x, w + n0, Np, out); break;                                \
+        case 3: small_block_##SUFFIX(xm, 3, K, stride_x, w + n0, Np, out); break;                                \
+        default: small_block_##SUFFIX(xm, 4, K, stride_x, w + n0, Np, out); break;                               \
+    }                                                                                                            \
+    const int64_t cols = N - n0 < SMALL_COLS ? N - n0 : SMALL_COLS;                                              \
+    for (int64_t r = 0; r < R; r++)                                                                              \
+        for (int64_t c = 0; c < cols; c++)                                                                       \
+            y[(m0 + r) * N + n0 + c] = STORE(out[r][c] + (bias ? bias[n0 + c] : 0.f));                           \
+}
+SMALL_BLOCKS(SMALL_ITEM)
+#ifdef __FLT16_MAX__
+SMALL_BLOCKS_F16(SMALL_ITEM)
+#endif
+
+/* The arguments of one tritonq_small_linear call, shared by the threads that run its items. */
+typedef struct {
+    int dtype;
+    const void *x, *w;
+    int64_t M, K, stride_x, N, Np;
+    const float* bias;
+    void* y;
+    int64_t claimed;  /* items claimed (atomic) */
+} small_linear_call;
+
+/* One thread's share of a call: items (row block, column block) claimed one at a time until none is left. */
+static void small_linear_items(void* arg) {
+    small_linear_call* a = arg;
+    const int64_t col_blocks = (a->N + SMALL_COLS - 1) / SMALL_COLS;
+    const int64_t total = (a->M + SMALL_ROWS - 1) / SMALL_ROWS * col_blocks;
+    for (;;) {
+        const int64_t item = __atomic_fetch_add(&a->claimed, 1, __ATOMIC_RELAXED);
+        if (item >= total) break;
+        const int64_t m0 = item / col_blocks * SMALL_ROWS, n0 = item % col_blocks * SMALL_COLS;
+#define SMALL_ARGS(T) (const T*)a->x, a->M, a->K, a->stride_x, (const T*)a->w, a->N, a->Np, a->bias, (T*)a->y, m0, n0
+        if (a->dtype == 1) small_item_bf16(SMALL_ARGS(uint16_t));
+#ifdef __FLT16_MAX__
+        else if (a->dtype == 2) small_item_f16(SMALL_ARGS(uint16_t));
+#endif
+        else small_item_f32(SMALL_ARGS(float));
+#undef SMALL_ARGS
+    }
+}
+
+/* dtype as tritonq_paged_attention's (x, w and y of it). With omp_parallel (GOMP_parallel, as
+ * tritonq_paged_attention takes it) and threads > 1 the items are shared by a team of torch's OpenMP threads.
+ * Returns 0; -2 when this build has no float16. */
+int tritonq_small_linear(void* omp_parallel, int threads, int dtype, const void* x, int64_t M, int64_t K,
+                         int64_t stride_x, const void* w, int64_t N, int64_t Np, const float* bias, void* y) {
+#ifndef __FLT16_MAX__
+    if (dtype == 2) return -2;
+#endif
+    small_linear_call call = {dtype, x, w, M, K, stride_x, N, Np, bias, y, 0};
+    const int64_t items = (M + SMALL_ROWS - 1) / SMALL_ROWS * ((N + SMALL_COLS - 1) / SMALL_COLS);
+    const int64_t team = threads < items ? threads : items;
+    if (omp_parallel && team > 1) ((omp_parallel_fn)omp_parallel)(small_linear_items, &call, (unsigned)team, 0);
+    else small_linear_items(&call);
+    return 0;
+}
