@@ -54,6 +54,7 @@ class Sequence(Generic[R]):
     arrival: admission order, set by `Scheduler.add` (lower = older).
     extra: the engine's state of the request (R: engine.Request or ScoreRequest); the scheduler and the block
         manager never read it, the sampler reads what `sampler.SamplingState` names.
+    state_slot: a hybrid model's recurrent-state slot (tritonq.engine.state_cache), held while it runs; None.
     num_speculative_tokens: the most draft tokens a step may verify for it (0: no speculation); the
         scheduler reserves KV slots for them (see tritonq.engine.speculative).
     scoring: a scoring request (`Engine.score`): prefill only, logits at every one of its positions, no
@@ -78,6 +79,7 @@ class Sequence(Generic[R]):
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.state_slot: int | None = None
         self.status = SequenceStatus.WAITING
         self.arrival = 0
         self.extra = extra
