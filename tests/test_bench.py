@@ -207,3 +207,26 @@ def test_quality_bench_w8a8_rows_are_quantized_and_close_to_dense(tmp_path, monk
     for name in ("w8a8_channel", "w8a8_smooth0.5"):
         assert rows[name]["perplexity"] != dense
         assert abs(rows[name]["perplexity"] / dense - 1) < 0.01, (name, rows[name]["perplexity"], dense)
+
+
+def test_gguf_bench_rows_on_cpu_and_the_llama_cpp_skip(tmp_path, monkeypatch, capsys):
+    """bench gguf on a tiny Q4_K_M file: the block-format row's linears take fewer bytes than the dense row's (the
+    same file dequantized to fp32; here the tied fp32 head and the mixed-type q/k/v, dense in both, weigh in), both
+    rows finite; without llama-bench on PATH the
+    llama.cpp row is skipped with a message saying so. Values only, never speed (a loaded machine)."""
+    from formats.gguf_files import write_gguf
+    from formats.test_gguf import tiny_llama
+    from tritonq.bench import gguf as bench_gguf
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no llama-bench
+    path, out = tmp_path / "tiny.gguf", tmp_path / "gguf.json"
+    write_gguf(tiny_llama()[0], path, "Q4_K_M")
+    bench_gguf.main([str(path), "--prompt-len", "4", "--new-tokens", "3", "--batch", "2", "--repeat", "1",
+                     "--out", str(out)])
+    assert "llama.cpp: skipped (llama-bench is not on PATH" in capsys.readouterr().out
+    rows = {r["engine"]: r for r in json.loads(out.read_text())["rows"]}
+    ours, dense = rows["tritonq (block formats)"], rows["tritonq (dequantized to dense)"]
+    assert ours["weight_MB"] < dense["weight_MB"]
+    for r in (ours, dense):
+        assert math.isfinite(r["prefill_tok_s"]) and r["offline_tok_s"] > 0
+        assert math.isnan(r["decode_tok_s"]) or r["decode_tok_s"] > 0

@@ -408,3 +408,87 @@ def test_padding_rows_attend_to_nothing_and_write_nothing():
     for write in (write_kv_slots, write_kv_slots_reference):
         write(pages_k, pages_v, torch.randn(2, 2, 24), torch.randn(2, 2, 40), torch.tensor([-1, -1]))
         assert torch.equal(pages_k, before_k) and torch.equal(pages_v, before_v)
+
+
+# ---------------------------------------------------------------------------------------------------
+# speculative verification steps at fixed shapes: k + 1 = 3 queries a sequence (runner.use_static_decode's
+# verify_tokens; engine/cuda_graphs.py)
+# ---------------------------------------------------------------------------------------------------
+
+def verification_step(runner: ModelRunner, seqs, proposals: list[list[int]]):
+    """The StepContext of a verification step: each sequence scores its last token (which lacks KV) and its
+    proposals."""
+    counts = [1 + len(p) for p in proposals]
+    assert all(seq.num_computed_tokens == len(seq.token_ids) - 1 for seq in seqs)
+    return runner.prepare(seqs, counts, True, logits_for=counts, proposals=proposals)
+
+
+def verify_runner(model, static: bool) -> ModelRunner:
+    runner = ModelRunner(model, num_blocks=len(PROMPTS) * MAX_SEQ_LEN // BLOCK, block_size=BLOCK,
+                         max_seq_len=MAX_SEQ_LEN)
+    if static:
+        runner.use_static_decode(max_num_seqs=8, verify_tokens=3)
+        runner.buckets = [8]  # 5 sequences in a bucket of 8: 3 padding sequences of 3 rows
+    return runner
+
+
+def test_verification_step_in_a_padded_bucket_equals_the_eager_one(llama_folder):
+    """A verification step of 5 sequences x 3 queries as a static bucket of 8 (fixed cu_seqlens, 9 padding rows
+    that attend to nothing and write nothing) gives the eager step's logits, and so does the decode step after it
+    (the padding wrote no KV); Triton kernels through the interpreter, fp32."""
+    model, proposals = llama(llama_folder), [[21, 22], [23, 24], [25, 26], [27, 28], [29, 30]]
+    runs = []
+    for static in (True, False):
+        runner = verify_runner(model, static)
+        seqs = sequences(runner, PROMPTS)
+        for seq, t in zip(seqs, [11, 12, 13, 14, 15]):
+            seq.token_ids.append(t)
+        ctx = verification_step(runner, seqs, proposals)
+        assert (ctx.num_seqs == 5 and ctx.input_ids.shape == (24,)) if static else ctx.num_seqs is None
+        verified = runner.run(ctx)
+        assert verified.shape == (15, 258)
+        for seq in seqs:  # no proposal accepted: the last token's KV stays, the proposals' is rewritten next
+            seq.num_computed_tokens += 1
+        runs.append((verified, decode_step(runner, seqs, [p[0] for p in proposals])))
+    (static_verified, static_next), (eager_verified, eager_next) = runs
+    assert torch.isfinite(static_verified).all()
+    torch.testing.assert_close(static_verified, eager_verified, atol=1e-5, rtol=0)
+    torch.testing.assert_close(static_next, eager_next, atol=1e-5, rtol=0)
+
+
+def test_only_uniform_verification_steps_are_static(llama_folder):
+    """A sequence with fewer proposals than k, or more sequences than the largest bucket, runs eagerly."""
+    runner = verify_runner(llama(llama_folder), static=True)
+    seqs = sequences(runner, PROMPTS)
+    for seq in seqs:
+        seq.token_ids.append(7)
+    assert verification_step(runner, seqs, [[1, 2]] * 5).num_seqs == 5
+    assert verification_step(runner, seqs, [[1, 2]] * 4 + [[1]]).num_seqs is None
+    runner.buckets = [4]
+    assert verification_step(runner, seqs, [[1, 2]] * 5).num_seqs is None
+
+
+def test_verification_step_reads_no_device_value_on_the_host(llama_folder, monkeypatch):
+    """The static verification step of Llama on the meta device (as the decode step above, but through the Triton
+    launchers with the launches stubbed: the torch reference of prefill attention loops over sequences on the
+    host): it completes, so it reads no device value on the host and can be captured."""
+    from triton.runtime.interpreter import InterpretedFunction
+    model = llama(llama_folder)
+    runner = verify_runner(model, static=True)
+    runner.buckets = [4]
+    seqs = sequences(runner, PROMPTS[:3])
+    for seq in seqs:
+        seq.token_ids.append(7)
+    ctx = verification_step(runner, seqs, [[1, 2]] * 3)
+    assert ctx.input_ids.shape == (12,) and ctx.num_seqs == 3
+    launched = []
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, grid, warmup, **kw: launched.append(self))
+    memo = {}
+    logits = to_meta(model, memo)(to_meta(ctx, memo), to_meta(runner.cache, memo))
+    assert logits.device.type == "meta" and logits.shape == (12, 258) and launched
+
+
+def test_models_whose_prefill_reads_host_counts_refuse_static_verification(tmp_path_factory):
+    runner = ModelRunner(deepseek(tmp_path_factory, "latent"), num_blocks=8, block_size=BLOCK, max_seq_len=MAX_SEQ_LEN)
+    with pytest.raises(ValueError, match="runs no fixed-shape verification step"):
+        runner.use_static_decode(4, verify_tokens=3)

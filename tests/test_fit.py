@@ -2,7 +2,8 @@
 
 The launches are the launchers' own (each kernel file's builder over meta tensors: signature, strides,
 divisibility hints and default config as at run time), at representative shapes: int4 / fp8 GEMMs at
-M = 1, 16, 256 (a 4096 x 4096 layer), the batch-invariant mode's dense GEMM, paged prefill and split-KV decode
+M = 1, 16, 256 (a 4096 x 4096 layer), the GGUF block-format GEMM (Q4_K, Q5_K, Q6_K at the same M; Q5_0 at 1), the
+batch-invariant mode's dense GEMM, paged prefill and split-KV decode
 attention for head dims 64, 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token
 pages, a sliding window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split
 and merge), decode at a batch that needs one split (the merge folded into it, with and without sinks), the MoE
@@ -39,7 +40,7 @@ import sys
 import pytest
 import torch
 
-from tritonq.kernels import attention, deltanet, dense_gemm, fp8_gemm, int4_gemm, int8_gemm, moe
+from tritonq.kernels import attention, deltanet, dense_gemm, fp8_gemm, gguf_gemm, int4_gemm, int8_gemm, moe
 from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, SM_COUNT
 from tritonq.kernels.common import Launch, gpu_compute_dtypes
 from tritonq.kernels.norm_rope import rms_norm_launch, silu_mul_launch
@@ -101,6 +102,15 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "moe fp8 down M64"): 456,  # 3.9: 456, 3.6: 376
     (75, "moe mxfp4 gpt-oss gate_up M16"): 2604,  # 3.9: 2604, 3.6: 2524
     (75, "moe mxfp4 gpt-oss gate_up M64"): 2560,  # 3.9: 2560, 3.6: 2512
+    # GGUF block formats: each weight formed in fp32 before the FMA dot (the K-quants' exact values)
+    (75, "gguf Q4_K M256"): 200,  # 3.9: 200, 3.6: 88
+    (75, "gguf Q5_K M1"): 12, (75, "gguf Q5_K M16"): 8,  # 3.9 (3.6: none)
+    (75, "gguf Q5_K M256"): 220,  # 3.9: 220, 3.6: 92
+    (75, "gguf Q6_K M1"): 24, (75, "gguf Q6_K M16"): 24,  # 3.9 (3.6: none)
+    (75, "gguf Q6_K M256"): 260,  # 3.9: 260, 3.6: 128
+    (75, "gguf Q5_0 M1"): 20,  # 3.9 (3.6: none)
+    (75, "gguf IQ4_XS M1"): 2548,  # 3.9: 2548, 3.6: 2164: the level-table gather of a whole tile, as nf4's
+    (75, "gguf IQ4_XS M256"): 11476,  # 3.9: 9992, 3.6: 11476
     # int8 KV pages: the per-key scales of a 128 x 32 score tile take the last registers on sm_89 (255; sm_80 183,
     # no spill); 4 bytes, measured under 3.9 (3.6 not measured here).
     (89, "prefill 128/128 kv int8"): 4,
@@ -151,6 +161,14 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     out["int8 M256"] = int4_gemm.aot_launch(config, 256, N, K, dtype, bits=8)
     for M in (1, 256):  # bitsandbytes nf4 / fp4: a code-table gather per weight, fp32 absmax per 64 rows
         out[f"nf4 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K), M, N, K, dtype, code=True)
+    # GGUF block formats (GGUFWeight): 4-bit codes + offsets per 32 (Q4_K, as Q4_1), 5-bit (Q5_K as Q5_1; Q5_0 without
+    # offsets), 6-bit with scales per 16 (Q6_K); IQ4_XS (as IQ4_NL): a 16-level code table gathered per weight
+    for name, bits, group, offsets, rows in (("Q4_K", 4, 32, True, (1, 16, 256)), ("Q5_K", 5, 32, True, (1, 16, 256)),
+                                             ("Q6_K", 6, 16, False, (1, 16, 256)), ("Q5_0", 5, 32, False, (1,)),
+                                             ("IQ4_XS", 4, 32, False, (1, 256))):
+        for M in rows:
+            out[f"gguf {name} M{M}"] = gguf_gemm.aot_launch(gguf_gemm.default_config(M, N, K), M, N, K, bits, group,
+                                                            offsets, dtype, code=name == "IQ4_XS")
     # fp8: e4m3 x e4m3 dots from sm_89 (block-scaled and per-channel weights), the weight-only path (weights
     # decoded in the kernel) below sm_89 and for weight-only checkpoints everywhere.
     paths = [("fp8", False), ("fp8 weight-only", True)] if cc >= 89 else [("fp8 weight-only", True)]
@@ -172,6 +190,20 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     out["dense batch-invariant"] = dense_gemm.dense_gemm_launch(
         _meta(256, K, dtype=dtype), DenseWeight(_meta(N, K, dtype=dtype), _meta(N, dtype=dtype)),
         _meta(256, N, dtype=dtype), cc)
+    # the decode layer's fused epilogues: gate_up with SwiGLU (int4 split-K, dense by row index) and o_proj with
+    # the residual addition and the RMSNorm of the whole rows (the row block's last tile)
+    dense_w = DenseWeight(_meta(N, K, dtype=dtype))
+    out["dense gate_up swiglu M16"] = dense_gemm.dense_gemm_launch(_meta(16, K, dtype=dtype), dense_w,
+                                                                 _meta(16, N // 2, dtype=dtype), cc, silu_mul=True)
+    out["int4 gate_up swiglu M1"] = int4_gemm.aot_launch(int4_gemm.default_config(1, N, K), 1, N, K, dtype)
+    out["int4 gate_up swiglu M1"].args["SILU_MUL"] = True
+    epilogue = dict(ADD_NORM=True, eps=1e-6, row_arrivals_ptr=_meta(1, **i32), norm_w_ptr=_meta(N, dtype=dtype),
+                    sumsq_ptr=_meta(N // 16, 16, dtype=torch.float32))
+    out["int4 o add-norm M16"] = int4_gemm.aot_launch(int4_gemm.default_config(16, N, K), 16, N, K, dtype)
+    out["int4 o add-norm M16"].args.update(epilogue)
+    out["dense o add-norm M16"] = dense_gemm.dense_gemm_launch(_meta(16, K, dtype=dtype), dense_w,
+                                                             _meta(16, N, dtype=dtype), cc)
+    out["dense o add-norm M16"].args.update(epilogue, GROUP_M=1)
     if cc >= 89:  # activations quantized per 128-group (block-scaled weights)
         out["fp8 quantize group128"] = fp8_gemm.quantize_activation_launch(
             _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.float8_e4m3fn),

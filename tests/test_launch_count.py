@@ -4,9 +4,12 @@ tests/fake_gpu.py does) and every torch op that would launch a CUDA kernel count
 ops, leaving out views and allocations, which launch nothing). A layer's count is the difference between a model of
 3 and one of 2 layers, so the embedding, rope gather, final norm and lm_head are not in it.
 
-Dense weights: each linear is one GEMM launch (cuBLAS; a quantized linear's count is the GEMM family's own). The
-context is one page (16 tokens), which decode attention reads in one KV split: one launch, the merge folded in (on a
-GPU, batch x kv heads that fill the SMs do the same; a longer context at a small batch adds the merge: one more).
+Each architecture is counted with dense bf16 weights (a plain linear: one cuBLAS launch; gate_up and o_proj at decode:
+the Triton dense GEMM with the SwiGLU / residual + RMSNorm epilogue) and Llama / Qwen3 also with a 4-bit GPTQ
+checkpoint (int4_gemm, one launch a linear, epilogues alike). The step counted is the second one: the first makes
+each GEMM's plan and its arrival counts, once, as the engine's warm-up does. The context is one page (16 tokens),
+which decode attention reads in one KV split: one launch, the merge folded in (on a GPU, batch x kv heads that fill
+the SMs do the same; a longer context at a small batch adds the merge: one more).
 """
 import collections
 
@@ -67,35 +70,47 @@ def decode_launches(folder, config, monkeypatch, batch: int = 3, **options) -> c
     ctx = StepContext(torch.empty(batch, **i64), torch.empty(batch, **i64), torch.empty(batch, **i64),
                       torch.empty(batch + 1, **i32), torch.empty(batch, **i32), torch.empty(batch, 1, **i32), None,
                       False, 10, 10 * batch, batch)
+    model(ctx, cache)  # the warm-up step: plans and their arrival counts made once
+    launched.clear()
     with OpCount() as ops:
         model(ctx, cache)
     return launched + ops.ops
 
 
-# arch, model options, launches per layer (None: not asserted, only printed). Llama / Qwen3 (dense): add + RMSNorm,
-# qkv, (qk-norm +) rope + KV write, decode attention, o, add + RMSNorm, gate_up, SiLU-mul, down = 9 (before the fused
-# kernels: 17 and 20). DeepSeek-V2 (MLA, MoE) and gpt-oss (MoE): 34 and 19 today, from 69 and 57; their routing
+# arch, checkpoint (None: dense bf16, else the format written by tritonq.quantize), model options, launches per
+# layer. Llama / Qwen3: add + RMSNorm, qkv, (qk-norm +) rope + KV write, decode attention, o + residual + RMSNorm,
+# gate_up + SiLU-mul, down = 7 (before the fused kernels: 17 and 20; then 9, with the SiLU-mul kernel and the
+# separate add + RMSNorm). DeepSeek-V2 (MLA, MoE) and gpt-oss (MoE): 32 and 18, from 69 and 57 (34 and 19 before
+# the epilogues: DeepSeek's shared-expert SwiGLU and o_proj, gpt-oss's o_proj); their routing
 # (softmax, sort, gather, renormalization) is still a handful of torch ops.
-CASES = [("llama", {}, 9), ("qwen3", {}, 9), ("deepseek_v2", {"attention_mode": "latent"}, None),
-         ("gpt_oss", {}, None)]
+CASES = [("llama", None, {}, 7), ("qwen3", None, {}, 7), ("llama", "gptq", {}, 7), ("qwen3", "gptq", {}, 7),
+         ("deepseek_v2", None, {"attention_mode": "latent"}, 32), ("gpt_oss", None, {}, 18)]
 
 
-@pytest.mark.parametrize("arch, options, expected", CASES, ids=[c[0] for c in CASES])
-def test_launches_per_decoder_layer(tmp_path, monkeypatch, arch, options, expected):
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("arch, checkpoint, options, expected", CASES,
+                         ids=[c[0] + (f"-{c[1]}" if c[1] else "") for c in CASES])
+def test_launches_per_decoder_layer(tmp_path, monkeypatch, arch, checkpoint, options, expected):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tritonq.quantize.writer import write_quantized
     counts = []
     for layers in (2, 3):
         config = tiny(arch, layers)
         folder = tmp_path / f"{arch}{layers}"
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        if checkpoint is not None:  # 4-bit, group 32 (K = 64 and 128 here)
+            folder = write_quantized(folder, tmp_path / f"{arch}{layers}-{checkpoint}", checkpoint, group_size=32)
+            config = AutoConfig.from_pretrained(folder)
         counts.append(decode_launches(folder, config, monkeypatch, **options))
     layer = counts[1] - counts[0]
-    print(f"{arch}: {sum(layer.values())} launches a layer: {dict(layer)}")
+    print(f"{arch} {checkpoint or 'dense'}: {sum(layer.values())} launches a layer: {dict(layer)}")
     # every architecture: one KV write (rope inside it where the model has the Llama attention), decode attention
     # in one launch (one split), the residual additions inside the norms, SiLU-mul in one kernel
     assert layer["_write_slots_kernel"] == 1 and layer["_decode_split_kernel"] == 1, dict(layer)
     assert not {"_decode_merge_kernel", "silu"} & set(layer), dict(layer)
+    if arch in ("llama", "qwen3"):  # SwiGLU in gate_up's epilogue, the residual + post-attention norm in o's
+        assert not {"_silu_mul_kernel", "zeros"} & set(layer) and layer["_rms_norm_kernel"] == 1, dict(layer)
     if arch in ("deepseek_v2", "gpt_oss"):  # the MoE token alignment: one launch, not ~20 torch scans
         assert layer["_moe_align_kernel"] == 1 and not {"scatter_add_", "searchsorted", "cumsum"} & set(layer)
     if arch != "deepseek_v2":  # MLA rotates its rope dims itself (models/deepseek_v2.py)

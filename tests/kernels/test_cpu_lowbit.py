@@ -289,3 +289,31 @@ def test_fp8_expert_slices_keep_scale_layout():
     assert isinstance(e, FP8Weight) and e.weight_scale.shape == (3, 3) and e.block_size == (32, 32)
     torch.testing.assert_close(e.dequantize(), w.weight[2].float() * w.weight_scale[2].repeat_interleave(32, 0)
                                .repeat_interleave(32, 1))
+
+
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "IQ4_XS"])
+def test_gguf_weights_on_the_cpu_backend(type_name, M):
+    """GGUFWeight through a Linear against a float32 matmul on the gguf package's dequantization of the same
+    blocks. 4-bit types run the int4 kernel as the float zero 8 * scale + offset: the int4 bound with
+    T = scale * |q - 8| + |8 * scale + offset|. 5- / 6-bit types and IQ4 dequantize column tiles per call to fp32:
+    summation order only (a small CPU_TILE_BYTES makes N = 96 three tiles)."""
+    from formats.gguf_files import random_weight
+    w, W = random_weight(type_name, 96, 512)
+    w = replace(w, bias=torch.randn(96))
+    x = torch.randn(M, 512)
+    ref = x @ W.t() + w.bias
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tritonq.kernels.gguf_gemm.CPU_TILE_BYTES", 32 * 512 * 4)
+        y = Linear(w)(x)
+    if w.offsets is not None and w.bits == 4:
+        assert isinstance(cpu_lowbit.prepare(w), cpu_lowbit.CPUInt4Weight)
+        g = torch.arange(512) // 32
+        q = unpack_int32(w.lo, 4, dim=0).float()
+        terms = (w.scales[g] * (q - 8).abs() + (8 * w.scales[g] + w.offsets[g]).abs()).t()
+        excess = ((y - ref).abs() - INT4_BOUND * (x.abs() @ terms.t())).max().item()
+        assert excess <= 0, f"error exceeds the bf16 bound by {excess}"
+        assert ((y - ref).norm() / ref.norm()).item() < 2**-6
+    else:
+        assert w not in cpu_lowbit._prepared  # no dense copy of the weight
+        assert_fp32_close(y, ref)
