@@ -205,7 +205,8 @@ def test_quantize_choices_match_the_loader():
     from tritonq.formats.dense import QUANTIZE_ON_LOAD
     assert set(cli.QUANTIZE_ON_LOAD) == set(QUANTIZE_ON_LOAD) - {None}
     from tritonq.config import KV_CACHE_DTYPES  # what EngineConfig (and so load) accepts
-    assert cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+    choices = {a.dest: a.choices for a in cli.generate_parser()._actions}
+    assert choices["kv_cache_dtype"] == KV_CACHE_DTYPES and choices["quantize"] == cli.QUANTIZE_ON_LOAD
 
 
 SAMPLING = ["--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "20", "--seed", "3", "--dtype", "float32"]
@@ -327,6 +328,46 @@ def test_threads_option_reaches_load(command, monkeypatch):
     with pytest.raises(Stop):
         cli.main([*command, "--threads", "3"])
     assert given["threads"] == 3
+
+
+@pytest.mark.parametrize("command, parallel", [(["serve", MODEL, "--port", "1"], True),
+                                               (["generate", MODEL, "Hi"], False), (["chat", MODEL], False)])
+def test_engine_options_are_engine_config_fields(command, parallel, monkeypatch):
+    """The engine options of a command are EngineConfig's fields (the serve-only parallel ones on serve only),
+    each with the field's default, and what is given reaches load as one EngineConfig."""
+    import dataclasses
+
+    from tritonq.config import EngineConfig
+    parser = cli.COMMANDS[command[0]].parser_for("tritonq")
+    options = {a.dest: a for _, a in _actions(parser) if a.option_strings}
+    fields = [f for f in dataclasses.fields(EngineConfig) if parallel or not f.metadata.get("parallel")]
+    assert len(fields) >= 14
+    for f in fields:
+        assert options[f.name].default == f.default, f.name
+    assert {"tensor_parallel", "expert_parallel"} <= set(options) if parallel else not {"tensor_parallel",
+                                                                                          "expert_parallel"} & set(options)
+    given = {}
+
+    class Stop(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        given.update(kwargs)
+        raise Stop
+    monkeypatch.setattr(tritonq, "load", load)
+    monkeypatch.setattr("tritonq.serve.__main__._listen", lambda *args: None)
+    with pytest.raises(Stop):
+        cli.main([*command, "--max-num-seqs", "3", "--block-size", "32", "--no-enable-prefix-caching",
+                  "--speculative-config", '{"method": "ngram", "num_tokens": 2}'])
+    expected = EngineConfig(max_num_seqs=3, block_size=32, enable_prefix_caching=False,
+                            speculative={"method": "ngram", "num_tokens": 2})
+    assert given["config"] == expected and not set(given) & {f.name for f in fields}
+
+
+@pytest.mark.parametrize("argv, expected", [(["--max-num-seqs", "0"], "max_num_seqs=0; expected a positive int"),
+                                            (["--block-size", "24"], "block_size=24; expected a power of two")])
+def test_bad_engine_option_is_one_error_line(argv, expected, no_load, capsys):
+    assert expected in cli_error(["generate", MODEL, "Hi", *argv], capsys)
 
 
 @pytest.mark.parametrize("command", [["generate", MODEL, "Hi"], ["quantize", MODEL, "dst", "--format", "awq"],

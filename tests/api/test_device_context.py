@@ -99,12 +99,13 @@ def test_every_triton_launch_goes_through_launch():
 
 def test_engine_thread_sets_the_models_device(current_device):
     """The current CUDA device is per thread: the server's engine thread sets the model's before any step."""
+    from tritonq.engine.multiplexer import Multiplexer
     from tritonq.serve.engine_loop import EngineLoop
 
     seen = []
     engine = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda", 1)),
                              has_unfinished=lambda: seen.append(current_device[-1]) or False)
-    loop = EngineLoop(engine, metrics=None)
+    loop = EngineLoop(Multiplexer(engine), metrics=None)
     loop._thread.start()
     loop.stop()
     assert loop.dead is None and seen and set(seen) == {torch.device("cuda", 1)}

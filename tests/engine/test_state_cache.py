@@ -15,6 +15,7 @@ from models.test_llama_family import MAX_LEN, build
 from models.test_qwen3_5 import ATOL, write_checkpoint
 
 import tritonq
+from tritonq.config import EngineConfig
 from tritonq.demo import byte_tokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.kv_sizing import kv_cache_blocks
@@ -126,8 +127,8 @@ def test_kv_sizing_pays_for_the_state_pool_first(tmp_path):
                         c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)
     block = 1 * 2 * c.num_key_value_heads * c.head_dim * 4 * 16  # 1 full-attention layer, k + v, 16 tokens
     budget = 40 * block + 5 * per_slot + block // 2
-    blocks = kv_cache_blocks(build(tmp_path), block_size=16, max_seq_len=MAX_LEN, max_num_seqs=4,
-                             max_num_batched_tokens=64, kv_cache_gb=budget / 2 ** 30)
+    config = EngineConfig(max_seq_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_gb=budget / 2 ** 30)
+    blocks = kv_cache_blocks(build(tmp_path), config)
     assert blocks == 40
 
 

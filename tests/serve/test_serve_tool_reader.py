@@ -124,7 +124,7 @@ def test_a_reply_whose_chunks_fail_to_build_still_ends_with_an_error_and_done():
             return False
 
     async def run():
-        engine_loop = EngineLoop(engine=None, metrics=None)
+        engine_loop = EngineLoop(None, metrics=None)
         stream = Stream([[1]], [[None]], asyncio.get_running_loop())
         stream.request_ids = [0]
         out = SimpleNamespace(request_id=0, token_id=5, logprob=0.0, top_logprobs=None, text="x", finished=True,

@@ -190,8 +190,9 @@ class ModelRunner:
             self.states.zero(torch.tensor(fresh, device=self.device))
         return slots
 
-    def run(self, ctx: StepContext) -> torch.Tensor:
-        """Logits [R, V] float32 at ctx.logit_rows (every row when None; a padded decode step's real rows)."""
+    def run(self, ctx: StepContext) -> torch.Tensor | None:
+        """Logits [R, V] float32 at ctx.logit_rows (every row when None; a padded decode step's real rows), or
+        None when ctx.logit_rows is empty (only prompt chunks short of their end: their KV is written)."""
         if ctx.num_seqs is not None:  # a static step: replay its bucket's graph, or run it eagerly
             bucket = ctx.context_lens.shape[0]
             verify = ctx.is_prefill  # a verification step (self.verify); else decode (self.static)
@@ -205,7 +206,8 @@ class ModelRunner:
             return logits[:ctx.num_seqs * (self.verify.queries if verify else 1)].float()
         if ctx.logit_rows is not None and ctx.logit_rows.numel() == 0:  # only unfinished prompt chunks
             last = torch.full((1,), ctx.input_ids.shape[0] - 1, dtype=torch.int64, device=self.device)
-            return self.model(StepContext(**{**ctx.__dict__, "logit_rows": last}), self.cache).float()[:0]
+            self.model(StepContext(**{**ctx.__dict__, "logit_rows": last}), self.cache)  # models take >= 1 row
+            return None
         return self.model(ctx, self.cache).float()
 
 
