@@ -25,7 +25,7 @@ import importlib.util
 import sys
 import time
 
-from tritonq.config import QUANTIZE_ON_LOAD, EngineConfig  # torch-free: the parsers are built before torch loads
+from tritonq.config import EngineConfig  # torch-free: the parsers are built before torch loads
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
 
 

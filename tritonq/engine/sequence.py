@@ -62,7 +62,7 @@ class Sequence(Generic[R]):
         logits are needed) but not rewritten; num_scored counts the positions whose logits were computed.
     """
 
-    def __init__(self, seq_id: int, token_ids: list[int], max_new_tokens: int, extra: R = None, *,
+    def __init__(self, seq_id: int, token_ids: list[int], max_new_tokens: int, extra: R | None = None, *,
                  scoring: bool = False):
         if len(token_ids) == 0:
             raise ValueError(f"sequence {seq_id}: the prompt is empty; pass at least one token id.")
