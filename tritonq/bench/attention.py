@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonq.bench.common import backend_label, device_peaks, print_table, results_path, time_ms, write_json
-from tritonq.kernels import use_cpu_kernels
+from tritonq.kernels import backend
 from tritonq.kernels.attention import (decode_attention, decode_attention_reference, paged_cache,
                                        paged_prefill_attention, paged_prefill_attention_reference, paged_prompts,
                                        write_kv_slots, write_kv_slots_reference)
@@ -173,7 +173,7 @@ def _write_case(B, k_pages, v_pages, table, starts, counts, g) -> tuple:
 
 def main(argv: list[str]) -> None:
     on_gpu = torch.cuda.is_available()
-    cpu_backend = not on_gpu and use_cpu_kernels(torch.empty(0))
+    cpu_backend = not on_gpu and backend(torch.empty(0)) == "cpu"
     p = argparse.ArgumentParser(prog="python -m tritonq.bench attention", description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype on GPU (CPU uses float32)")
     p.add_argument("--json", default=results_path("attention_cpu.json" if cpu_backend else "attention.json"),

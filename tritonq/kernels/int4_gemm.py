@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
+from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (
     WeightGemm,
@@ -256,6 +256,8 @@ class Int4Gemm(WeightGemm):
             w.check_g_idx()
         super().__init__(w)
         self.device, self.plans = w.qweight.device, {}
+        # the CPU backend's form of the weight, made once here (a compiled step reads it as an attribute)
+        self.cpu = cpu_lowbit.prepare(w) if backend(w.qweight) == "cpu" else None
 
     def __call__(self, x: torch.Tensor, config: Int4GemmConfig | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype not in _X_DTYPES:
@@ -263,9 +265,10 @@ class Int4Gemm(WeightGemm):
                   "flatten leading dims to M first")
         if x.device != self.device:
             _fail("x", f"on {x.device}", f"on the weight's device {self.device}", "move x or the weight")
-        if use_cpu_kernels(x):  # torch's CPU kernel over the weight prepared once (kernels/cpu/lowbit.py)
-            return cpu_lowbit.linear(x, cpu_lowbit.prepare(self.w))
-        if not use_triton(x):
+        b = backend(x)
+        if b == "cpu":  # torch's CPU kernel over the weight prepared once (kernels/cpu/lowbit.py): the one CPU route
+            return cpu_lowbit.linear(x, self.cpu if self.cpu is not None else cpu_lowbit.prepare(self.w))
+        if b == "torch":
             return int4_gemm_reference(x, self.w)
         M = x.shape[0]
         if config is not None:

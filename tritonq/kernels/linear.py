@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
+from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import dense as cpu_dense, lowbit as cpu_lowbit
 from tritonq.kernels.dense_gemm import dense_gemm
 from tritonq.kernels.fp8_gemm import FP8Gemm
@@ -41,33 +41,30 @@ class LinearKind:
 
 
 def _prepare_dense(w: DenseWeight) -> Prepared:
-    return Prepared(w, None, cpu_dense.pack(w) if use_cpu_kernels(w.weight) and cpu_dense.packs(w) else None)
+    return Prepared(w, None, cpu_dense.pack(w) if backend(w.weight) == "cpu" and cpu_dense.packs(w) else None)
 
 
 def _dense(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    if p.cpu is not None and use_cpu_kernels(x) and not torch.compiler.is_compiling():
+    b = backend(x)
+    if p.cpu is not None and b == "cpu" and not torch.compiler.is_compiling():
         return cpu_dense.linear(x, p.cpu, p.weight.bias)  # a compiled step traces F.linear
-    if batch_invariant() and use_triton(x):  # cuBLAS picks its kernel by M: one Triton config for every M instead
+    if batch_invariant() and b == "triton":  # cuBLAS picks its kernel by M: one Triton config for every M instead
         return dense_gemm(x, p.weight)
     return F.linear(x, p.weight.weight, p.weight.bias)  # bf16 on the CPU backend: cpu_dense above
 
 
 def _prepare_int4(w: Int4Weight) -> Prepared:
-    return Prepared(w, Int4Gemm(w), cpu_lowbit.prepare(w) if use_cpu_kernels(w.qweight) else None)
+    return Prepared(w, Int4Gemm(w), None)  # Int4Gemm holds the CPU form (the weight repacked once)
 
 
 def _int4(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    if p.cpu is not None and use_cpu_kernels(x):  # torch's int4 CPU kernel over the repacked weight
-        y = cpu_lowbit.linear(x2, p.cpu)
-    else:
-        y = p.gemm(x2)
+    y = p.gemm(x.reshape(-1, x.shape[-1]))  # Int4Gemm takes [M, K]
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _prepare_fp8(w: FP8Weight) -> Prepared:
     # the CPU form (the weight dequantized once) is made now, at load; FP8Gemm finds it on every call
-    return Prepared(w, FP8Gemm(w), cpu_lowbit.prepare(w) if use_cpu_kernels(w.weight) else None)
+    return Prepared(w, FP8Gemm(w), cpu_lowbit.prepare(w) if backend(w.weight) == "cpu" else None)
 
 
 def _prepare_w8a8(w: W8A8Weight) -> Prepared:
