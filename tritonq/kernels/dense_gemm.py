@@ -2,7 +2,7 @@
 
 Outside the mode a dense linear is torch's F.linear (cuBLAS), which picks its kernel, tiles and split-K from the
 shape, M included, so a row's sums change with the number of rows beside it. In the mode (kernels.batch_invariant(),
-layers.GEMMS' dense entry) dense linears run this kernel with one config for every M (`config`: 64 x 64 output
+tritonq.kernels.linear.LINEARS' dense entry) dense linears run this kernel with one config for every M (`config`: 64 x 64 output
 tiles, 64-deep K steps in order, no split-K; 32-deep with 8 warps on sm_75, whose FMA dots spill 2.6 KB at 64), so
 each output is the same chain of tile products whatever the batch, as the fixed-config Triton matmuls of vLLM's and
 SGLang's batch-invariant modes do. fp32 accumulation, the bias added in
