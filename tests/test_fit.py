@@ -8,7 +8,8 @@ pages, a sliding window), gpt-oss's attention with sinks (64 / 64 heads, 128-tok
 and merge), decode at a batch that needs one split (the merge folded into it, with and without sinks), the MoE
 token alignment (one program), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8
 from sm_89) and on gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm (alone and after the residual
-add), SiLU-mul, the rope + qk-norm KV write, the fp8 activation quantization, and the KV-cache launches over 8-bit
+add), SiLU-mul, Gated DeltaNet's kernels at Qwen3.5's shapes (chunked and recurrent delta rule, conv and its
+update, gated RMSNorm), the rope + qk-norm KV write, the fp8 activation quantization, and the KV-cache launches over 8-bit
 pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and MLA's latent decode; e4m3 travels as bytes,
 decoded with integer ops on every target).
 Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
@@ -38,7 +39,7 @@ import sys
 import pytest
 import torch
 
-from tritonq.kernels import attention, dense_gemm, fp8_gemm, int4_gemm, int8_gemm, moe
+from tritonq.kernels import attention, deltanet, dense_gemm, fp8_gemm, int4_gemm, int8_gemm, moe
 from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, SM_COUNT
 from tritonq.kernels.common import Launch, gpu_compute_dtypes
 from tritonq.kernels.norm_rope import rms_norm_launch, silu_mul_launch
@@ -104,6 +105,13 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     # no spill); 4 bytes, measured under 3.9 (3.6 not measured here).
     (89, "prefill 128/128 kv int8"): 4,
     (89, "decode 576/512 kv int8"): 4,  # MLA latent decode over int8 pages: 3.6: 4 B (3.9: none)
+    # Gated DeltaNet's chunk kernel holds a whole chunk (32 tokens, Dk = 128) and its state tile in one program's
+    # registers (255 used from sm_80): a few bytes; at 64 tokens 2.7 KB (docs/kernels.md#gated-deltanet). sm_75 as
+    # the GEMMs there (FMA dots).
+    (75, "deltanet chunk"): 3640,  # 3.9: 3640, 3.6: 3600
+    (80, "deltanet chunk"): 24,  # 3.9: 24, 3.6: 8
+    (89, "deltanet chunk"): 52,  # 3.9: 52, 3.6: 48
+    (90, "deltanet chunk"): 28,  # 3.9: 28, 3.6: 28
 }
 
 
@@ -279,12 +287,36 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     out["add_rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5,
                                                add=_meta(4, 8192, dtype=dtype))[0]
     out["silu_mul 14336"] = silu_mul_launch(_meta(4, 2 * 14336, dtype=dtype))[0]
+    out.update(_deltanet_launches(dtype))
+    return out
+
+
+def _deltanet_launches(dtype) -> dict[str, Launch]:
+    """Gated DeltaNet at Qwen3.5's linear-attention shapes: 16 key / 32 value heads of 128, a conv over
+    2 * 16 * 128 + 32 * 128 = 8192 channels of width 4; 4 sequences, 4096 tokens, a pool of 64 states."""
+    T, B, Hk, Hv, D, pool, i32 = 4096, 4, 16, 32, 128, 64, torch.int32
+    state, rows = _meta(pool, Hv, D, D, dtype=torch.float32), _meta(B, dtype=i32)
+    out = {}
+    for name, tokens, cu in (("deltanet chunk", T, _meta(B + 1, dtype=i32)), ("deltanet recurrent", B, None)):
+        v = _meta(tokens, Hv, D, dtype=dtype)
+        out[name] = deltanet.rule_launch(_meta(tokens, Hk, D, dtype=dtype), _meta(tokens, Hk, D, dtype=dtype), v,
+                                         _meta(tokens, Hv, dtype=torch.float32), _meta(tokens, Hv, dtype=dtype),
+                                         state, rows, cu, torch.empty_like(v), D ** -0.5, True)
+    for name, tokens, cu in (("deltanet conv", T, _meta(B + 1, dtype=i32)), ("deltanet conv update", B, None)):
+        x = _meta(tokens, 8192, dtype=dtype)
+        out[name] = deltanet.conv_launch(x, _meta(8192, 4, dtype=dtype), None, _meta(pool, 8192, 3, dtype=dtype),
+                                         rows, cu, torch.empty_like(x), "silu")
+    x = _meta(T * Hv, D, dtype=dtype)
+    out["deltanet gated_rms_norm"] = deltanet.gated_rms_norm_launch(x, x, _meta(D, dtype=dtype), 1e-6,
+                                                                    torch.empty_like(x))
     return out
 
 
 def dot_rows(launch: Launch) -> int | None:
-    """Rows of the launch's tl.dot tiles (BLOCK_M, or decode's BLOCK_H of query heads); None: no dot."""
-    return launch.args.get("BLOCK_M", launch.args.get("BLOCK_H"))
+    """Rows of the launch's largest tl.dot tiles (BLOCK_M, decode's BLOCK_H of query heads, the Gated DeltaNet
+    chunk kernel's BLOCK_K: its state update, Dk x chunk x Dv columns); None: no dot."""
+    deltanet_chunk = launch.args.get("BLOCK_K") if "C" in launch.args else None
+    return launch.args.get("BLOCK_M", launch.args.get("BLOCK_H", deltanet_chunk))
 
 
 def expected_tensor_cores(cc: int, rows: int | None) -> str | None:

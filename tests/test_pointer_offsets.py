@@ -31,13 +31,19 @@ ROW_POINTERS = {
     "moe gate_up": {"a_ptr": ("stride_am",), "out_ptr": ("stride_om",)},
     "paged_prefill": {"q_ptr": ("stride_qt",), "o_ptr": ("stride_ot",), "k_ptr": ("stride_kp",),
                       "v_ptr": ("stride_vp",)},
+    "deltanet chunk": {"q_ptr": ("stride_qt",), "k_ptr": ("stride_kt",), "v_ptr": ("stride_vt",),
+                       "o_ptr": ("stride_ot",), "state_ptr": ("stride_sn",)},
+    "deltanet recurrent": {"q_ptr": ("stride_qt",), "v_ptr": ("stride_vt",), "o_ptr": ("stride_ot",),
+                           "state_ptr": ("stride_sn",)},
+    "deltanet conv": {"x_ptr": ("stride_x",), "y_ptr": ("stride_y",), "state_ptr": ("stride_sn",)},
+    "deltanet gated_rms_norm": {"x_ptr": ("D",), "y_ptr": ("D",)},
 }
 
 
 def launches():
     """The launches of ROW_POINTERS, built by each kernel's own launch builder over meta tensors."""
     import torch
-    from tritonq.kernels import attention, fp8_gemm, int4_gemm, moe, norm_rope
+    from tritonq.kernels import attention, deltanet, fp8_gemm, int4_gemm, moe, norm_rope
 
     meta = torch.device("meta")
 
@@ -69,6 +75,17 @@ def launches():
         "paged_prefill": attention.paged_prefill_launch(
             empty(M, 32, 128), k_pages, v_pages, cu, lens, table, 0.1, 0,
             attention.paged_prefill_config(128, 0, 128, 90))[0],
+        "deltanet chunk": deltanet.rule_launch(
+            empty(M, 16, 128), empty(M, 16, 128), empty(M, 32, 128), empty(M, 32, dtype=torch.float32),
+            empty(M, 32), empty(8, 32, 128, 128, dtype=torch.float32), empty(2, dtype=torch.int32), cu,
+            empty(M, 32, 128), 0.1, True),
+        "deltanet recurrent": deltanet.rule_launch(
+            empty(M, 16, 128), empty(M, 16, 128), empty(M, 32, 128), empty(M, 32, dtype=torch.float32),
+            empty(M, 32), empty(M, 32, 128, 128, dtype=torch.float32), None, None, empty(M, 32, 128), 0.1, True),
+        "deltanet conv": deltanet.conv_launch(x, empty(K, 4), None, empty(8, K, 3), empty(2, dtype=torch.int32), cu,
+                                              empty(M, K), "silu"),
+        "deltanet gated_rms_norm": deltanet.gated_rms_norm_launch(empty(M, 128), empty(M, 128), empty(128), 1e-6,
+                                                                  empty(M, 128)),
     }
 
 

@@ -13,7 +13,7 @@ from tritonq.engine.runner import ModelRunner
 class PagedRun:
     def __init__(self, model, num_seqs: int, max_len: int, block_size: int = 16):
         per_seq = -(-max_len // block_size)
-        self.runner = ModelRunner(model, num_seqs * per_seq, block_size)
+        self.runner = ModelRunner(model, num_seqs * per_seq, block_size, num_state_slots=num_seqs)
         self.seqs = [SimpleNamespace(token_ids=[], num_computed_tokens=0,
                                      block_table=list(range(b, num_seqs * per_seq, num_seqs)))
                      for b in range(num_seqs)]

@@ -42,10 +42,15 @@ class StaticDecodeInputs:
     fill() copies one step's host lists into the first `bucket` rows in place (padding the rest) and
     returns the StepContext of views of those rows. The block table is always table_width =
     ceil(max_seq_len / block_size) pages wide and its host copy is only rewritten for rows whose
-    block list changed, so a step costs a few small host-to-device copies."""
+    block list changed, so a step costs a few small host-to-device copies. scratch_slot: a hybrid model's
+    recurrent-state slot for padding rows (tritonq.engine.state_cache); the step then carries state_slots."""
 
-    def __init__(self, max_batch: int, max_seq_len: int, block_size: int, device: torch.device):
+    def __init__(self, max_batch: int, max_seq_len: int, block_size: int, device: torch.device,
+                 scratch_slot: int | None = None):
         self.max_batch, self.max_seq_len, self.device = max_batch, max_seq_len, device
+        self.scratch_slot = scratch_slot
+        self.state_slots = (None if scratch_slot is None else
+                            torch.full((max_batch,), scratch_slot, dtype=torch.int64, device=device))
         self.table_width = -(-max_seq_len // block_size)
         self.tokens = torch.zeros(3, max_batch, dtype=torch.int64, device=device)  # input_ids, positions, slots
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
@@ -61,11 +66,13 @@ class StaticDecodeInputs:
                            slot_mapping=self.tokens[2, :bucket], cu_seqlens_q=self.cu_seqlens_q[:bucket + 1],
                            context_lens=self.context_lens[:bucket], block_table=self.block_table[:bucket],
                            logit_rows=None, is_prefill=False, max_position=self.max_seq_len - 1,
-                           num_context_tokens=0, num_context_blocks=0, num_seqs=num_seqs)
+                           num_context_tokens=0, num_context_blocks=0, num_seqs=num_seqs,
+                           state_slots=None if self.state_slots is None else self.state_slots[:bucket])
 
     def fill(self, bucket: int, ids: list[int], positions: list[int], slots: list[int], context: list[int],
-             tables: list[list[int]]) -> StepContext:
-        """Copy a step's B <= bucket rows (host ints) into the buffers; rows B..bucket-1 become padding."""
+             tables: list[list[int]], state_slots: list[int] | None = None) -> StepContext:
+        """Copy a step's B <= bucket rows (host ints) into the buffers; rows B..bucket-1 become padding.
+        state_slots: each row's recurrent-state slot (hybrid models; padding rows get the scratch slot)."""
         B, pad = len(ids), bucket - len(ids)
         if not 0 < B <= bucket <= self.max_batch:
             raise ValueError(f"a decode step of {B} sequences in a bucket of {bucket}; expected "
@@ -80,6 +87,8 @@ class StaticDecodeInputs:
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
         self.tokens[:, :bucket].copy_(host, non_blocking=True)
         self.context_lens[:bucket].copy_(torch.tensor(context + [0] * pad, dtype=torch.int32), non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:bucket].copy_(torch.tensor(state_slots + [self.scratch_slot] * pad), non_blocking=True)
         for i, table in enumerate(tables):  # padding rows keep stale pages: with context 0 none is read
             if self._host_rows[i] != table:  # compared by value (a C loop): rewritten only when it changed
                 self._host_table[i, len(table):] = -1
@@ -132,6 +141,8 @@ class DecodeGraphs:
         buf = self.inputs
         buf.tokens[:, :bucket] = torch.tensor([[0], [0], [-1]], device=buf.device)
         buf.context_lens[:bucket] = 0
+        if buf.state_slots is not None:  # the warm-up and captured steps update only the scratch state
+            buf.state_slots[:bucket] = buf.scratch_slot
         return buf.context(bucket, bucket)
 
     def bucket_for(self, num_seqs: int) -> int | None:

@@ -31,6 +31,7 @@ step / add_request / score does too (the server reports unhealthy and exits so i
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ from tritonq.engine.sampler import Sampler, SamplingParams
 from tritonq.engine.scheduler import Scheduler
 from tritonq.engine.sequence import Sequence, check_fits
 from tritonq.engine.speculative import SpeculativeStats, accept
+from tritonq.engine.state_cache import StateSlots, is_hybrid
 from tritonq.engine.structured import Grammars, GrammarState, constraint_of, token_bitmask
 
 
@@ -148,11 +150,17 @@ class Engine:
         self.speculation = SpeculativeStats()  # every verification since start (the server's metrics)
         self.tokenizer, self.eos_token_ids = tokenizer, set(eos_token_ids)
         self.max_seq_len = max_seq_len
+        if is_hybrid(model) and enable_prefix_caching:
+            logging.getLogger(__name__).info("prefix caching is off for model_type %r: its linear-attention layers' "
+                                             "recurrent state is not kept at block boundaries",
+                                             model.config.model_type)
+            enable_prefix_caching = False
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         # A scored token's full row of logits costs vocab * 4 bytes (twice, with log_softmax): ~512 MiB a step.
         scored = max(1, min(max_num_batched_tokens, (512 << 20) // (8 * model.config.vocab_size)))
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, scored)
-        self.runner = ModelRunner(model, num_blocks, block_size, max_seq_len)
+        self.state_slots = StateSlots(max_num_seqs) if is_hybrid(model) else None  # one per running sequence
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, scored, self.state_slots)
+        self.runner = ModelRunner(model, num_blocks, block_size, max_seq_len, num_state_slots=max_num_seqs)
         self.sampler = Sampler(world)
         self.requests: dict[int, Request] = {}  # unfinished requests
         self.scores: dict[int, ScoreRequest] = {}  # unfinished scoring requests (add_score)
@@ -180,6 +188,10 @@ class Engine:
         verified in the step (see `step`). Requests added before keep decoding without it."""
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r}; expected an int >= 1.")
+        if self.state_slots is not None:
+            raise ValueError(f"speculative decoding is not supported for model_type "
+                             f"{self.runner.model.config.model_type!r}: its recurrent state would keep the updates "
+                             "of rejected proposals; load it without speculative.")
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens
 
     def check_token_ids(self, prompt_ids, *, name: str = "the prompt") -> None:
@@ -494,12 +506,18 @@ class Engine:
         if not bm.can_allocate(seq):
             raise RuntimeError(f"prompt_logits: {len(token_ids)} tokens need {bm.blocks_needed(len(token_ids))} "
                                f"free KV blocks; {bm.num_free_blocks} are free while other requests run.")
+        if self.state_slots is not None and not self.state_slots.num_free:
+            raise RuntimeError("prompt_logits: every recurrent-state slot is held by a running request.")
         bm.allocate(seq)
+        if self.state_slots is not None:
+            self.state_slots.allocate(seq)
         try:
             ctx = self.runner.prepare([seq], [seq.num_tokens], True, start=[0])
             return self.runner.run(ctx)
         finally:
             bm.free(seq)
+            if self.state_slots is not None:
+                self.state_slots.free(seq)
 
     def score(self, prompts: list[list[int]], on_done=None, top_logprobs: int = 0) -> list[tuple]:
         """Per prompt (T >= 1 token ids): (logprobs [T-1] float32, greedy [T-1] bool, top) on CPU, in input

@@ -12,6 +12,7 @@ from tritonq.engine.cuda_graphs import decode_buckets
 from tritonq.engine.runner import ModelRunner
 from tritonq.config import MAX_TOP_LOGPROBS
 from tritonq.engine.sampler import Sampler, SamplingParams
+from tritonq.engine.state_cache import state_pool_bytes
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 4.0  # the CPU default budget (capped by what max_num_seqs sequences of max_seq_len use)
@@ -28,7 +29,8 @@ def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: i
     what is in use (weights, other processes), the peak of the largest steps (`_free_gpu_bytes`) and, with
     cuda_graphs, the graph pool; on CPU: CPU_KV_CACHE_GB. Both are capped by what max_num_seqs sequences of
     max_seq_len tokens use (more would only hold prefix-cached blocks, at the cost of millions of host-side
-    block objects on a large GPU). Ranks agree on the smallest count (identical schedules)."""
+    block objects on a large GPU). Ranks agree on the smallest count (identical schedules). A hybrid model's
+    recurrent-state pool (max_num_seqs sequences, tritonq.engine.state_cache) is paid from the memory first."""
     if kv_cache_gb is not None and not kv_cache_gb > 0:
         raise ValueError(f"kv_cache_gb={kv_cache_gb}; expected a positive number of GiB (or None for the default).")
     if not 0 < gpu_memory_utilization <= 1:
@@ -38,16 +40,19 @@ def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: i
     blocks_per_seq = -(-max_seq_len // block_size)
     needed = max_num_seqs * blocks_per_seq * block_bytes
     cap = f"capped by max_num_seqs={max_num_seqs} x max_seq_len"
+    states = state_pool_bytes(model, max_num_seqs)
     if kv_cache_gb is not None:
         budget, source = kv_cache_gb * 2 ** 30, f"kv_cache_gb={kv_cache_gb}"
+        budget -= states
         memory = budget  # before the max_num_seqs cap
     elif model.device.type == "cuda":
         free = _free_gpu_bytes(model, block_size, max_seq_len, max_num_seqs, max_num_batched_tokens,
                                gpu_memory_utilization, cuda_graphs)
+        free -= states
         budget, memory = min(free, needed), free
         source = f"gpu_memory_utilization={gpu_memory_utilization}: {free / 2 ** 30:.2f} GiB free, {cap}"
     else:
-        memory = CPU_KV_CACHE_GB * 2 ** 30
+        memory = CPU_KV_CACHE_GB * 2 ** 30 - states
         budget = min(memory, needed)
         source = f"CPU default: {CPU_KV_CACHE_GB:g} GiB at most, {cap}"
     blocks = int(budget // block_bytes)
@@ -63,6 +68,9 @@ def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: i
              blocks, block_size, blocks * block_size, blocks * block_bytes / 2 ** 30, source,
              blocks / blocks_per_seq, max_seq_len)
     layout = model.kv_layout
+    if states:
+        log.info("recurrent state: %d sequences x %d bytes = %.3f GiB beside the KV cache", max_num_seqs,
+                 model.state_layout.bytes_per_slot(model.dtype), states / 2 ** 30)
     if layout.cache_dtype != "auto":  # what the smaller pages buy, before the max_num_seqs cap
         wide = dataclasses.replace(layout, cache_dtype="auto").bytes_per_token(model.dtype) + extra_bytes_per_token
         log.info("KV cache dtype %s: %d bytes per token (%d in %s); the memory holds %.1f sequences of "
@@ -112,7 +120,8 @@ def _warmup_peaks(model, block_size: int, max_seq_len: int, max_num_seqs: int,
         per_seq = -(-max(lengths) // block_size)
         seqs = [SimpleNamespace(token_ids=[0] * n, num_computed_tokens=computed,
                                 block_table=list(range(i * per_seq, (i + 1) * per_seq))) for i, n in enumerate(lengths)]
-        runner = ModelRunner(model, len(seqs) * per_seq, block_size, max_seq_len=max_seq_len)
+        runner = ModelRunner(model, len(seqs) * per_seq, block_size, max_seq_len=max_seq_len,
+                             num_state_slots=len(seqs))
         if static:
             runner.use_static_decode(max_num_seqs)  # no graphs: the eager step of the largest bucket
         ctx = runner.prepare(seqs, [n - computed for n in lengths], not static, logits_for=[True] * len(seqs))

@@ -9,10 +9,15 @@ runs as the smallest batch bucket holding B (tritonq.engine.cuda_graphs): fixed 
 value read on the host, and, with CUDA graphs captured, a replay instead of ~10 launches per layer.
 Prefill, and decode batches above the largest bucket, run eagerly on tensors built per step.
 
+A hybrid model's cache also holds its recurrent-state pool (tritonq.engine.state_cache): the step names each
+sequence's slot (its `state_slot`; a sequence driven by hand without one uses its row in the step), and a
+sequence computing from position 0 has its slot zeroed first.
+
 Sampling is tritonq.engine.sampler's, KV cache sizing tritonq.engine.kv_sizing's.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from itertools import chain
 from types import SimpleNamespace
@@ -22,15 +27,18 @@ import torch
 
 from tritonq.engine.compiled import CompiledDecode
 from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_buckets
+from tritonq.engine.state_cache import allocate_states
 from tritonq.models.common import StepContext
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the KV pages of a model (num_blocks blocks of block_size tokens per layer)."""
+    """Owns the KV pages of a model (num_blocks blocks of block_size tokens per layer) and, for a hybrid model,
+    the recurrent state of num_state_slots sequences."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, max_seq_len: int | None = None):
+    def __init__(self, model, num_blocks: int, block_size: int, max_seq_len: int | None = None,
+                 num_state_slots: int = 1):
         self.model, self.device = model, model.device
         self.block_size, self.max_seq_len = block_size, max_seq_len
         # On CUDA the block table always has the width of max_seq_len: the decode kernel's launch config
@@ -38,6 +46,9 @@ class ModelRunner:
         # On CPU the torch reference gathers every page in the table, so there it is as narrow as the step.
         self.table_width = -(-max_seq_len // block_size) if max_seq_len and self.device.type == "cuda" else 0
         self.cache = model.kv_layout.allocate(num_blocks, block_size, model.dtype, model.device)
+        self.states = allocate_states(model, num_state_slots)  # None without recurrent state
+        if self.states is not None:
+            self.cache = dataclasses.replace(self.cache, state=self.states)
         self.static: StaticDecodeInputs | None = None  # see use_static_decode
         self.buckets: list[int] = []
         self.graphs: DecodeGraphs | None = None
@@ -57,7 +68,8 @@ class ModelRunner:
             raise ValueError(f"compile=True compiles the CPU decode step; the model is on {self.device} "
                              "(CUDA decode runs as CUDA graphs: cuda_graphs=True).")
         self.buckets = decode_buckets(max_num_seqs)
-        self.static = StaticDecodeInputs(self.buckets[-1], self.max_seq_len, self.block_size, self.device)
+        scratch = None if self.states is None else self.states.num_slots - 1  # padding rows' state slot
+        self.static = StaticDecodeInputs(self.buckets[-1], self.max_seq_len, self.block_size, self.device, scratch)
         if cuda_graphs:
             self.graphs = DecodeGraphs(lambda ctx: self.model(ctx, self.cache), self.static, self.buckets)
             self.graphs.capture()
@@ -117,10 +129,12 @@ class ModelRunner:
         if slots.size and int(slots.max()) >= capacity:
             raise RuntimeError(f"slot {int(slots.max())} is past the KV cache's {self.cache.num_blocks} blocks x "
                                f"{bs} = {capacity} slots: a block table names a block the cache does not have.")
+        state_slots = None if self.states is None else self._state_slots(seqs, first)
         if (self.static is not None and not is_prefill and B <= self.buckets[-1]
                 and (logits_for is None or all(logits_for))):
             bucket = next(b for b in self.buckets if b >= B)
-            return self.static.fill(bucket, ids, positions.tolist(), slots.tolist(), context.tolist(), tables)
+            return self.static.fill(bucket, ids, positions.tolist(), slots.tolist(), context.tolist(), tables,
+                                    state_slots)
         rows = None
         if logits_for is not None:  # the last m_i rows of sequence i, in order
             m = np.array(logits_for, dtype=np.int64)
@@ -135,7 +149,22 @@ class ModelRunner:
                            logit_rows=None if rows is None else tensor(rows, torch.int64),
                            is_prefill=is_prefill, max_position=int(context.max()) - 1,
                            num_context_tokens=int(context.sum()),
-                           num_context_blocks=int((-(-context // bs)).sum()))
+                           num_context_blocks=int((-(-context // bs)).sum()),
+                           state_slots=None if state_slots is None else torch.tensor(state_slots).to(self.device))
+
+    def _state_slots(self, seqs, first: np.ndarray) -> list[int]:
+        """Each sequence's recurrent-state slot (its state_slot, or its row for a sequence driven by hand without
+        one); the slots of sequences computing from position 0 are zeroed here: they start from no state."""
+        slots = [getattr(seq, "state_slot", i) for i, seq in enumerate(seqs)]
+        usable = self.states.num_slots - 1  # the last one is the padding rows' scratch
+        bad = next((i for i, s in enumerate(slots) if s is None or not 0 <= s < usable), None)
+        if bad is not None:
+            raise RuntimeError(f"{seqs[bad]}: recurrent-state slot {slots[bad]} is not one of the pool's {usable}; "
+                               "the scheduler must allocate one first.")
+        fresh = [s for s, c in zip(slots, first.tolist()) if c == 0]
+        if fresh:
+            self.states.zero(torch.tensor(fresh, device=self.device))
+        return slots
 
     def run(self, ctx: StepContext) -> torch.Tensor:
         """Logits [R, V] float32 at ctx.logit_rows (every row when None; a padded decode step's real rows)."""

@@ -16,6 +16,9 @@ sequences all decode is a decode step (`is_prefill` False: one query each, the s
 path); any other step, mixed ones included, runs the varlen prefill attention, where a decoding
 sequence is a query of length 1 after its cached context.
 
+Hybrid models (recurrent state beside the KV cache, tritonq.engine.state_cache): admission also takes a
+state slot and waits while none is free; finishing and preemption give it back with the blocks.
+
 A sequence is ready to decode when exactly its last token lacks KV (num_computed == num_tokens - 1);
 after a step the token sampled from the logits at its last token is appended.
 
@@ -42,6 +45,7 @@ from dataclasses import dataclass, replace
 
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.sequence import Sequence, SequenceStatus, check_fits
+from tritonq.engine.state_cache import StateSlots
 
 @dataclass(frozen=True)
 class ScheduledStep:
@@ -89,7 +93,8 @@ class Scheduler:
     """Waiting / running queues over a BlockManager."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_num_scored_tokens: int | None = None):
+                 max_num_scored_tokens: int | None = None, state_slots: StateSlots | None = None):
+        """state_slots: a hybrid model's recurrent-state slots (None: the model has none)."""
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_seqs is {max_num_seqs} and max_num_batched_tokens is "
                              f"{max_num_batched_tokens}; expected 1 <= max_num_seqs <= "
@@ -98,6 +103,7 @@ class Scheduler:
             raise ValueError(f"max_num_scored_tokens is {max_num_scored_tokens}; expected >= 1 (or None: the "
                              "step's token budget).")
         self.block_manager = block_manager
+        self.state_slots = state_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # tokens of scoring sequences per step (each has a full row of logits): within the token budget
@@ -238,7 +244,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
         del self.seqs[seq.seq_id]
 
@@ -250,7 +256,14 @@ class Scheduler:
         return seq
 
     def _can_admit(self, seq: Sequence) -> bool:
-        return len(self.running) < self.max_num_seqs and self.block_manager.can_allocate(seq)
+        return (len(self.running) < self.max_num_seqs and self.block_manager.can_allocate(seq)
+                and (self.state_slots is None or self.state_slots.num_free > 0))
+
+    def _free(self, seq: Sequence) -> None:
+        """Give back what a sequence holds: its blocks and its recurrent-state slot."""
+        self.block_manager.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
 
     def _schedule_step(self) -> ScheduledStep | None:
         """Decodes, then prefill chunks, then admissions, in one budget (see the module docstring)."""
@@ -305,6 +318,8 @@ class Scheduler:
                and self._can_admit(self.waiting[0])):
             seq = self.waiting.popleft()
             bm.allocate(seq)
+            if self.state_slots is not None:
+                self.state_slots.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
@@ -327,7 +342,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and queue it first; it resumes by recomputing its KV."""
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -50,6 +50,7 @@ class Sequence:
     block_table: KV block ids, block i holds positions [i * block_size, (i + 1) * block_size).
     arrival: admission order, set by `Scheduler.add` (lower = older).
     extra: anything the engine wants to carry with the request.
+    state_slot: a hybrid model's recurrent-state slot (tritonq.engine.state_cache), held while it runs; None.
     num_speculative_tokens: the most draft tokens a step may verify for it (0: no speculation); the
         scheduler reserves KV slots for them (see tritonq.engine.speculative).
     scoring: a scoring request (`Engine.score`): prefill only, logits at every one of its positions, no
@@ -74,6 +75,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.state_slot: int | None = None
         self.status = SequenceStatus.WAITING
         self.arrival = 0
         self.extra = extra

@@ -10,6 +10,8 @@ from tritonq.models.gpt_oss import GptOssForCausalLM
 from tritonq.models.llama import LlamaForCausalLM, MistralForCausalLM
 from tritonq.models.mpt import MptForCausalLM
 from tritonq.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from tritonq.models.qwen3_5 import (Qwen3_5ForCausalLM, Qwen3_5ImageTextForCausalLM, Qwen3_5MoeForCausalLM,
+                                    Qwen3_5MoeImageTextForCausalLM, Qwen3NextForCausalLM)
 from tritonq.models.qwen_moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
@@ -18,6 +20,9 @@ MODELS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwe
 MODELS.update({"qwen3_moe": Qwen3MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM, "mixtral": MixtralForCausalLM,
                "deepseek_v3": DeepseekV3ForCausalLM, "glm4_moe": Glm4MoeForCausalLM,
                "gemma3_text": Gemma3ForCausalLM, "gemma3": Gemma3ImageTextForCausalLM})
+MODELS.update({"qwen3_5_text": Qwen3_5ForCausalLM, "qwen3_5": Qwen3_5ImageTextForCausalLM,
+               "qwen3_5_moe_text": Qwen3_5MoeForCausalLM, "qwen3_5_moe": Qwen3_5MoeImageTextForCausalLM,
+               "qwen3_next": Qwen3NextForCausalLM})
 
 
 def model_class(model_type: str):

@@ -23,6 +23,9 @@ A step (built by tritonq.engine.runner) packs the new tokens of B sequences into
       num_seqs     int or None a decode step padded to a batch bucket (tritonq.engine.cuda_graphs):
                                only its first num_seqs rows are sequences; the rest are padding
                                (slot -1, context length 0) whose outputs are ignored. None: no padding.
+      state_slots  [B] int64 or None  a hybrid model's step: each sequence's slot in the recurrent-state
+                               pool (PagedKVCache.state; a padded decode step's padding rows name the pool's
+                               scratch slot). None for models without recurrent state.
 
 A model's forward(ctx, cache) writes each layer's new K/V into its pages, attends, and returns
 logits [R, V] (or [T, V]) in the compute dtype.
@@ -65,6 +68,52 @@ class StepContext:
     num_context_tokens: int  # sum of context_lens (host int: MLA's prefill expands that many K/V rows)
     num_context_blocks: int  # sum of ceil(context_lens / block_size) (host int: ... into that many pages)
     num_seqs: int | None = None  # padded decode step: its real rows (the rest are padding); None: all real
+    state_slots: torch.Tensor | None = None  # hybrid models: each sequence's recurrent-state slot
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """A hybrid model's recurrent-state pool (StateLayout.allocate): per linear-attention layer, conv[l]
+    [slots, conv_dim, conv_width - 1] (the last inputs of the causal conv, compute dtype) and ssm[l]
+    [slots, heads, d_k, d_v] float32 (the delta-rule state). A sequence owns one slot (StepContext.state_slots)."""
+    conv: tuple[torch.Tensor, ...]
+    ssm: tuple[torch.Tensor, ...]
+
+    @property
+    def num_slots(self) -> int:
+        return self.ssm[0].shape[0]
+
+    def zero(self, slots: torch.Tensor) -> None:
+        """Zero the given slots in every layer: a sequence that starts at position 0 starts from no state."""
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv.index_fill_(0, slots, 0)
+            ssm.index_fill_(0, slots, 0)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What a hybrid model's linear-attention layers keep per sequence (fixed size, whatever its length):
+    num_layers layers, each a conv window of conv_width - 1 inputs of conv_dim channels and a delta-rule state of
+    num_heads x d_k x d_v float32 values."""
+    num_layers: int
+    conv_dim: int
+    conv_width: int
+    num_heads: int
+    d_k: int
+    d_v: int
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """The state of one sequence across all layers, in bytes (conv window in dtype, delta-rule state fp32)."""
+        conv = self.conv_dim * (self.conv_width - 1) * torch.empty((), dtype=dtype).element_size()
+        return self.num_layers * (conv + self.num_heads * self.d_k * self.d_v * 4)
+
+    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> RecurrentState:
+        """Zeroed state for num_slots sequences in every layer."""
+        return RecurrentState(
+            conv=tuple(torch.zeros(num_slots, self.conv_dim, self.conv_width - 1, dtype=dtype, device=device)
+                       for _ in range(self.num_layers)),
+            ssm=tuple(torch.zeros(num_slots, self.num_heads, self.d_k, self.d_v, dtype=torch.float32, device=device)
+                      for _ in range(self.num_layers)))
 
 
 @dataclass(frozen=True)
@@ -73,9 +122,11 @@ class PagedKVCache:
     (QuantizedPages for kv_cache_dtype fp8 / int8).
 
     Pages are shared by all sequences; a sequence's block_table names its pages. With a latent
-    (MLA) cache, v is a strided view of k (v = k[..., :Dv]): the latent is stored once."""
+    (MLA) cache, v is a strided view of k (v = k[..., :Dv]): the latent is stored once. A hybrid model's cache
+    has pages for its attention layers only and, in `state`, its linear-attention layers' recurrent-state pool."""
     k: tuple[torch.Tensor | QuantizedPages, ...]
     v: tuple[torch.Tensor | QuantizedPages, ...]
+    state: RecurrentState | None = None
 
     @property
     def num_blocks(self) -> int:
