@@ -170,7 +170,7 @@ def test_hybrid_decode_step_reads_no_device_value_on_the_host(tmp_path, monkeypa
     """The static decode step (a bucket of 4 holding 3) of a hybrid model on the meta device, where .item(),
     .tolist(), nonzero and boolean-mask indexing raise: the model and the deltanet wrappers on their GPU path (the
     kernel launches stubbed: meta tensors have no data) update the conv and delta-rule states at the step's slot
-    indices without a host read, so CUDA graphs can capture them (tests/test_cuda_graphs.py's contract)."""
+    indices without a host read, so CUDA graphs can capture them (tests/engine/test_cuda_graphs.py's contract)."""
     from test_cuda_graphs import to_meta
 
     from tritonq.kernels import deltanet

@@ -13,6 +13,8 @@ import gguf
 import numpy as np
 import torch
 
+from tritonq.formats.gguf import BLOCK_FORMATS, gguf_weight, planes_of
+
 SHIPPED_TOKENIZER = files("tritonq.default_model") / "checkpoint" / "tokenizer.json"
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
 HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -194,3 +196,25 @@ def _add(writer, name, w, t, reference, hf, arch, config):
         heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
         back = back.reshape(heads, back.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
     reference[hf] = torch.from_numpy(np.ascontiguousarray(back))
+
+
+# byte offsets of the fp16 d (and dmin / m) in each block of the formats tritonq keeps as GGUFWeight
+SCALE_BYTES = {"Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+               "IQ4_NL": [0], "IQ4_XS": [0]}
+
+
+def random_weight(type_name: str, N: int, K: int, seed: int = 0):
+    """For the kernel tests: an N x K weight of random blocks (every code and sub-block scale; fp16 d / dmin / m
+    of both signs, ~1 / K^0.5 of a code step so y stays O(1)) as (GGUFWeight on the CPU, tritonq.formats.gguf's
+    repack; the gguf package's fp32 dequantization [N, K])."""
+    block, size, _ = BLOCK_FORMATS[type_name]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(N * K // block, size), dtype=np.uint8)
+    for start in SCALE_BYTES[type_name]:
+        step = 4 if type_name in ("Q4_1", "Q5_0", "Q5_1") else 0.3  # a code's level times d: K-quant / IQ4 ~ 1e2
+        d = (rng.standard_normal(len(blocks)) * step / K ** 0.5).astype(np.float16)
+        blocks[:, start:start + 2] = d.view(np.uint8).reshape(-1, 2)
+    raw = blocks.reshape(N, K // block * size)
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]))
+    codes, scales, offsets = planes_of(torch.from_numpy(raw).reshape(N, K // block, size), type_name)
+    return gguf_weight(codes, scales, offsets, type_name, "cpu"), reference

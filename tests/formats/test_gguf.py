@@ -163,20 +163,42 @@ def test_q4_0_and_q8_0_linears_load_as_int_weights_exactly(llama, tmp_path, type
         assert torch.equal(w.dequantize(torch.float32), reference[f"{name}.weight"])
 
 
-def test_other_block_types_load_dense(llama, tmp_path):
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
+def test_other_block_linears_load_as_gguf_weights_exactly(llama, tmp_path, type_name):
     from tritonq.formats.gguf import GGUFLoader, read_config
-    from tritonq.quant.weights import DenseWeight
-    path = tmp_path / "llama-q6.gguf"
-    reference = write_gguf(llama, path, "Q6_K")
+    from tritonq.quant.weights import GGUFWeight
+    path = tmp_path / f"llama-{type_name}.gguf"
+    reference = write_gguf(llama, path, type_name)
     weights = GGUFWeights([path])
-    down = GGUFLoader(weights, read_config(weights), torch.float32, "cpu").get_linear("model.layers.1.mlp.down_proj")
-    assert isinstance(down, DenseWeight)
-    assert torch.equal(down.weight, reference["model.layers.1.mlp.down_proj.weight"])
+    loader = GGUFLoader(weights, read_config(weights), torch.float32, "cpu")
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.1.mlp.down_proj"):
+        w = loader.get_linear(name)
+        assert isinstance(w, GGUFWeight) and w.type_name == type_name
+        assert torch.equal(w.dequantize().view(torch.int32), reference[f"{name}.weight"].view(torch.int32))
+
+
+def test_a_fused_group_of_mixed_block_types_loads_dense(llama, tmp_path):
+    """Q4_K_M: q / k in Q4_K, v in Q6_K share one fused q/k/v linear, which no one kernel runs: read dense
+    (exact in fp32); gate / up (both Q4_K) stay one GGUFWeight."""
+    from tritonq.formats.gguf import GGUFLoader, read_config
+    from tritonq.quant.weights import DenseWeight, GGUFWeight
+    path = tmp_path / "llama-q4_k_m.gguf"
+    reference = write_gguf(llama, path, "Q4_K_M")
+    weights = GGUFWeights([path])
+    loader = GGUFLoader(weights, read_config(weights), torch.float32, "cpu")
+    qkv = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    fused = loader.get_fused_linear(qkv)
+    assert isinstance(fused, DenseWeight)
+    assert torch.equal(fused.weight, torch.cat([reference[f"{p}.weight"] for p in qkv]))
+    gate_up = loader.get_fused_linear([f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up")])
+    assert isinstance(gate_up, GGUFWeight) and gate_up.type_name == "Q4_K"
+    assert torch.equal(gate_up.dequantize(), torch.cat([reference[f"model.layers.0.mlp.{p}_proj.weight"]
+                                                        for p in ("gate", "up")]))
 
 
 @pytest.mark.parametrize("type_name, tensor, hf_name", [
     ("Q8_0", "blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight"),  # repacked: its scales are checked
-    ("Q6_K", "blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj.weight"),  # dequantized
+    ("Q6_K", "blk.1.attn_output.weight", "model.layers.1.self_attn.o_proj.weight"),  # GGUFWeight
 ])
 def test_a_nan_scale_is_refused_naming_the_tensor(llama, tmp_path, type_name, tensor, hf_name):
     path = tmp_path / "nan.gguf"
@@ -305,8 +327,9 @@ def prompt_logits(model) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("scheme", ["Q4_0", "Q4_K_M"])
 def test_two_tensor_parallel_ranks_match_one_process(llama, tmp_path, scheme):
-    """2 CPU ranks (gloo) on a GGUF Llama: Q4_0's Int4Weights split by whole blocks, dequantized types by rows or
-    columns, the embedding by vocabulary rows. Both sides fp32 from the same weights; the ranks only regroup the
+    """2 CPU ranks (gloo) on a GGUF Llama: Q4_0's Int4Weights and Q4_K_M's GGUFWeights split by whole blocks
+    (o_proj's 128 input rows per rank would cut a Q4_K super-block: read dense), the rest by rows or columns,
+    the embedding by vocabulary rows. Both sides fp32 from the same weights; the ranks only regroup the
     sums (row-parallel layers add two partial dot products): float32 rounding, atol 1e-4 as the other TP tests."""
     from test_tensor_parallel import run_on_ranks
     path = tmp_path / f"llama-{scheme}.gguf"

@@ -607,7 +607,10 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
                                           f" (draft {speculative.model})" if draft is not None else
                                           f" (n = {speculative.max_n} .. {speculative.min_n})")
     if device.type == "cuda":  # fixed-shape decode buckets; graphs captured after the process group exists
-        engine.runner.use_static_decode(max_num_seqs, cuda_graphs=capture)
+        # with speculation, the verification steps (k + 1 queries a sequence) get buckets and graphs too
+        verify = (speculative.num_tokens + 1 if speculative is not None and getattr(cls, "static_verification", False)
+                  else None)
+        engine.runner.use_static_decode(max_num_seqs, cuda_graphs=capture, verify_tokens=verify)
     elif compile or (compile is None and CPU_COMPILE and world == 1 and not o.batch_invariant
                      and getattr(cls, "supports_compile", False)):
         engine.runner.use_static_decode(max_num_seqs, compile=True)

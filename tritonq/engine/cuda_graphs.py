@@ -12,6 +12,11 @@ decode, where a padded row costs a real fraction of the step's attention and MoE
 fit; above 8, padding wastes fewer than 8 rows (< 50% at 16, < 12% from 64 up) while the number of
 graphs, and with it capture time, stays linear in max_num_seqs (17 graphs for 128) and all of them
 share one memory pool, captured largest first so the smaller ones reuse its blocks.
+
+A speculative verification step repeats the same way: every sequence scores its last token and k proposals,
+k + 1 query rows each (`StaticDecodeInputs(queries=k + 1)`: fixed cu_seqlens, the varlen prefill attention,
+padding sequences of k + 1 rows with context 0, which attend to nothing and write nothing), so it has buckets and
+graphs of its own beside the decode step's.
 """
 from __future__ import annotations
 
@@ -39,44 +44,58 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 class StaticDecodeInputs:
     """Decode inputs of up to max_batch sequences in buffers allocated once (shapes in StepContext).
 
-    fill() copies one step's host lists into the first `bucket` rows in place (padding the rest) and
-    returns the StepContext of views of those rows. The block table is always table_width =
+    fill() copies one step's host lists into the first `bucket` sequences' rows in place (padding the rest)
+    and returns the StepContext of views of those rows. The block table is always table_width =
     ceil(max_seq_len / block_size) pages wide and its host copy is only rewritten for rows whose
     block list changed, so a step costs a few small host-to-device copies. scratch_slot: a hybrid model's
-    recurrent-state slot for padding rows (tritonq.engine.state_cache); the step then carries state_slots."""
+    recurrent-state slot for padding rows (tritonq.engine.state_cache); the step then carries state_slots.
+    queries: query rows per sequence, 1 for decode, k + 1 for a speculative verification step (then the step is
+    a prefill-attention step whose cu_seqlens are fixed: sequence i's rows are i * queries .. (i + 1) * queries - 1)."""
 
     def __init__(self, max_batch: int, max_seq_len: int, block_size: int, device: torch.device,
-                 scratch_slot: int | None = None):
-        self.max_batch, self.max_seq_len, self.device = max_batch, max_seq_len, device
+                 scratch_slot: int | None = None, queries: int = 1):
+        if not isinstance(queries, int) or queries < 1:
+            raise ValueError(f"queries={queries!r}; expected a positive int (1 for decode, k + 1 to verify k "
+                             "proposals).")
+        self.max_batch, self.max_seq_len, self.device, self.queries = max_batch, max_seq_len, device, queries
         self.scratch_slot = scratch_slot
         self.state_slots = (None if scratch_slot is None else
                             torch.full((max_batch,), scratch_slot, dtype=torch.int64, device=device))
         self.table_width = -(-max_seq_len // block_size)
-        self.tokens = torch.zeros(3, max_batch, dtype=torch.int64, device=device)  # input_ids, positions, slots
+        # input_ids, positions, slots
+        self.tokens = torch.zeros(3, max_batch * queries, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.block_table = torch.full((max_batch, self.table_width), -1, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # one query each: fixed
+        # queries rows each: fixed
+        self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device) * queries
         self._host_table = torch.full((max_batch, self.table_width), -1, dtype=torch.int32)
         self._host_rows: list[list[int] | None] = [None] * max_batch  # a copy of the table each host row holds
 
     def context(self, bucket: int, num_seqs: int) -> StepContext:
-        """The StepContext of the first `bucket` rows (num_seqs of them real). max_position is the capacity's
-        last position: the rope tables are then sized once, and never rebuilt inside a captured graph."""
-        return StepContext(input_ids=self.tokens[0, :bucket], positions=self.tokens[1, :bucket],
-                           slot_mapping=self.tokens[2, :bucket], cu_seqlens_q=self.cu_seqlens_q[:bucket + 1],
+        """The StepContext of the first `bucket` sequences (num_seqs of them real). max_position is the capacity's
+        last position: the rope tables are then sized once, and never rebuilt inside a captured graph. Every row
+        gets logits; a model whose prefill step needs num_context_tokens (MLA's expansion) runs no verification
+        step here (CausalLM.static_verification)."""
+        rows = bucket * self.queries
+        return StepContext(input_ids=self.tokens[0, :rows], positions=self.tokens[1, :rows],
+                           slot_mapping=self.tokens[2, :rows], cu_seqlens_q=self.cu_seqlens_q[:bucket + 1],
                            context_lens=self.context_lens[:bucket], block_table=self.block_table[:bucket],
-                           logit_rows=None, is_prefill=False, max_position=self.max_seq_len - 1,
+                           logit_rows=None, is_prefill=self.queries > 1, max_position=self.max_seq_len - 1,
                            num_context_tokens=0, num_context_blocks=0, num_seqs=num_seqs,
                            state_slots=None if self.state_slots is None else self.state_slots[:bucket])
 
     def fill(self, bucket: int, ids: list[int], positions: list[int], slots: list[int], context: list[int],
              tables: list[list[int]], state_slots: list[int] | None = None) -> StepContext:
-        """Copy a step's B <= bucket rows (host ints) into the buffers; rows B..bucket-1 become padding.
-        state_slots: each row's recurrent-state slot (hybrid models; padding rows get the scratch slot)."""
-        B, pad = len(ids), bucket - len(ids)
+        """Copy a step's B <= bucket sequences (host ints: queries rows each in ids / positions / slots, one
+        entry each in context / tables) into the buffers; sequences B..bucket-1 become padding.
+        state_slots: each sequence's recurrent-state slot (hybrid models; padding gets the scratch slot)."""
+        B, q = len(context), self.queries
+        pad = (bucket - B) * q
         if not 0 < B <= bucket <= self.max_batch:
             raise ValueError(f"a decode step of {B} sequences in a bucket of {bucket}; expected "
                              f"1 <= sequences <= bucket <= {self.max_batch}.")
+        if len(ids) != B * q:
+            raise ValueError(f"{len(ids)} query rows for {B} sequences; expected {q} each.")
         if max(context) > self.max_seq_len:
             raise ValueError(f"a sequence reaches {max(context)} tokens, past max_seq_len={self.max_seq_len} "
                              "that the static decode buffers were sized for.")
@@ -85,10 +104,13 @@ class StaticDecodeInputs:
             raise ValueError(f"row {longest} has {len(tables[longest])} blocks; the static block table holds "
                              f"{self.table_width} (max_seq_len={self.max_seq_len}).")
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
-        self.tokens[:, :bucket].copy_(host, non_blocking=True)
-        self.context_lens[:bucket].copy_(torch.tensor(context + [0] * pad, dtype=torch.int32), non_blocking=True)
+        self.tokens[:, :bucket * q].copy_(host, non_blocking=True)
+        self.context_lens[:bucket].copy_(torch.tensor(context + [0] * (bucket - B), dtype=torch.int32),
+                                         non_blocking=True)
         if self.state_slots is not None:
-            self.state_slots[:bucket].copy_(torch.tensor(state_slots + [self.scratch_slot] * pad), non_blocking=True)
+            assert state_slots is not None, "a hybrid model's decode step names each row's state slot"
+            self.state_slots[:bucket].copy_(torch.tensor(state_slots + [self.scratch_slot] * (bucket - B)),
+                                            non_blocking=True)
         for i, table in enumerate(tables):  # padding rows keep stale pages: with context 0 none is read
             if self._host_rows[i] != table:  # compared by value (a C loop): rewritten only when it changed
                 self._host_table[i, len(table):] = -1
@@ -139,10 +161,10 @@ class DecodeGraphs:
 
     def _padding_context(self, bucket: int) -> StepContext:
         buf = self.inputs
-        buf.tokens[:, :bucket] = torch.tensor([[0], [0], [-1]], device=buf.device)
+        buf.tokens[:, :bucket * buf.queries] = torch.tensor([[0], [0], [-1]], device=buf.device)
         buf.context_lens[:bucket] = 0
-        if buf.state_slots is not None:  # the warm-up and captured steps update only the scratch state
-            buf.state_slots[:bucket] = buf.scratch_slot
+        if buf.state_slots is not None and buf.scratch_slot is not None:  # both or neither (hybrid models)
+            buf.state_slots[:bucket] = buf.scratch_slot  # the warm-up and captured steps update only the scratch state
         return buf.context(bucket, bucket)
 
     def bucket_for(self, num_seqs: int) -> int | None:
@@ -150,6 +172,7 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
     def replay(self, bucket: int) -> torch.Tensor:
-        """Run bucket's graph on the buffers' current contents; its logits [bucket, V] (a static tensor)."""
+        """Run bucket's graph on the buffers' current contents; its logits [bucket x queries, V] (a static
+        tensor)."""
         self.graphs[bucket].replay()
         return self.logits[bucket]

@@ -50,15 +50,21 @@ class ModelRunner:
         if self.states is not None:
             self.cache = dataclasses.replace(self.cache, state=self.states)
         self.static: StaticDecodeInputs | None = None  # see use_static_decode
+        self.verify: StaticDecodeInputs | None = None  # speculative verification steps (k + 1 queries each)
         self.buckets: list[int] = []
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None
         self.compiled: CompiledDecode | None = None
         self.replay_graphs = True  # False: run captured buckets eagerly (benchmarks, checks)
 
-    def use_static_decode(self, max_num_seqs: int, cuda_graphs: bool = False, compile: bool = False) -> None:
+    def use_static_decode(self, max_num_seqs: int, cuda_graphs: bool = False, compile: bool = False,
+                          verify_tokens: int | None = None) -> None:
         """Run decode steps of up to max_num_seqs sequences as fixed-shape batch buckets (see
         tritonq.engine.cuda_graphs) and, with cuda_graphs (CUDA only), capture one graph per bucket now;
-        with compile (CPU only), torch.compile each bucket's step on its first use (tritonq.engine.compiled)."""
+        with compile (CPU only), torch.compile each bucket's step on its first use (tritonq.engine.compiled).
+        verify_tokens: k + 1 for speculative decoding with k proposals: verification steps in which every
+        sequence scores its last token and k proposals get buckets (and graphs) of their own; other ones run
+        eagerly. The model must allow it (`static_verification`)."""
         if self.max_seq_len is None:
             raise ValueError("static decode needs the runner's max_seq_len (its buffers are sized by it).")
         if cuda_graphs and self.device.type != "cuda":
@@ -67,14 +73,25 @@ class ModelRunner:
         if compile and self.device.type != "cpu":
             raise ValueError(f"compile=True compiles the CPU decode step; the model is on {self.device} "
                              "(CUDA decode runs as CUDA graphs: cuda_graphs=True).")
+        if verify_tokens is not None and not getattr(self.model, "static_verification", False):
+            raise ValueError(f"{type(self.model).__name__} runs no fixed-shape verification step (its prefill step "
+                             "reads host counts of the context); leave verify_tokens unset.")
         self.buckets = decode_buckets(max_num_seqs)
         scratch = None if self.states is None else self.states.num_slots - 1  # padding rows' state slot
         self.static = StaticDecodeInputs(self.buckets[-1], self.max_seq_len, self.block_size, self.device, scratch)
+        if verify_tokens is not None:
+            self.verify = StaticDecodeInputs(self.buckets[-1], self.max_seq_len, self.block_size, self.device,
+                                             scratch, queries=verify_tokens)
         if cuda_graphs:
             self.graphs = DecodeGraphs(lambda ctx: self.model(ctx, self.cache), self.static, self.buckets)
             self.graphs.capture()
             log.info("CUDA graphs: captured %d decode steps (batch buckets %s) in %.1f s", len(self.buckets),
                      ",".join(map(str, self.buckets)), self.graphs.capture_s)
+            if self.verify is not None:
+                self.verify_graphs = DecodeGraphs(lambda ctx: self.model(ctx, self.cache), self.verify, self.buckets)
+                self.verify_graphs.capture()
+                log.info("CUDA graphs: captured %d verification steps of %d queries in %.1f s", len(self.buckets),
+                         verify_tokens, self.verify_graphs.capture_s)
         if compile:
             self.compiled = CompiledDecode(lambda ctx, cache: self.model(ctx, cache), self.buckets)
             log.info("torch.compile: the decode step compiles once per batch bucket (%s) on its first use",
@@ -135,6 +152,13 @@ class ModelRunner:
             bucket = next(b for b in self.buckets if b >= B)
             return self.static.fill(bucket, ids, positions.tolist(), slots.tolist(), context.tolist(), tables,
                                     state_slots)
+        q = self.verify.queries if self.verify is not None else 0
+        if (q and proposals is not None and start is None and B <= self.buckets[-1] and logits_for is not None
+                and all(m == q for m in logits_for) and all(n == q for n in num_new_tokens)):
+            # a verification step: every sequence scores its last token and q - 1 proposals
+            bucket = next(b for b in self.buckets if b >= B)
+            return self.verify.fill(bucket, ids, positions.tolist(), slots.tolist(), context.tolist(), tables,
+                                    state_slots)
         rows = None
         if logits_for is not None:  # the last m_i rows of sequence i, in order
             m = np.array(logits_for, dtype=np.int64)
@@ -168,15 +192,17 @@ class ModelRunner:
 
     def run(self, ctx: StepContext) -> torch.Tensor:
         """Logits [R, V] float32 at ctx.logit_rows (every row when None; a padded decode step's real rows)."""
-        if ctx.num_seqs is not None:  # a static decode step: replay its bucket's graph, or run it eagerly
-            bucket = ctx.input_ids.shape[0]
-            if self.graphs is not None and self.replay_graphs:
-                logits = self.graphs.replay(bucket)
-            elif self.compiled is not None:
+        if ctx.num_seqs is not None:  # a static step: replay its bucket's graph, or run it eagerly
+            bucket = ctx.context_lens.shape[0]
+            verify = ctx.is_prefill  # a verification step (self.verify); else decode (self.static)
+            graphs = self.verify_graphs if verify else self.graphs
+            if graphs is not None and self.replay_graphs:
+                logits = graphs.replay(bucket)
+            elif self.compiled is not None and not verify:
                 logits = self.compiled(ctx, self.cache)
             else:
                 logits = self.model(ctx, self.cache)
-            return logits[:ctx.num_seqs].float()
+            return logits[:ctx.num_seqs * (self.verify.queries if verify else 1)].float()
         if ctx.logit_rows is not None and ctx.logit_rows.numel() == 0:  # only unfinished prompt chunks
             last = torch.full((1,), ctx.input_ids.shape[0] - 1, dtype=torch.int64, device=self.device)
             return self.model(StepContext(**{**ctx.__dict__, "logit_rows": last}), self.cache).float()[:0]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonq.config import MAX_TOP_LOGPROBS, GenerationConfig
+from tritonq.config import GenerationConfig
 from tritonq.distributed import broadcast_from_rank0
 from tritonq.kernels import threads_for
 from tritonq.kernels.cpu import native as cpu_native

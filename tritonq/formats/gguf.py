@@ -7,9 +7,10 @@ Hugging Face names (blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weigh
 one tensor per expert) with their logical [N, K] shapes, as float tensors: reading one dequantizes its blocks
 (`dequantize`, bit for bit the gguf package's reference in fp32), with Llama's Q/K rows un-permuted (the
 converter interleaves them for llama.cpp's rope). `GGUFLoader` repacks Q4_0 and Q8_0 (d * (q - 8), d * x per
-32 weights: the symmetric form of the int layout) into Int4Weight; every other block type is dequantized once to
-the compute dtype at load (docs/gguf.md: the memory cost and the plan). Every tensor's type, size and place in its file
-is checked when the files are opened, before any weight is read.
+32 weights: the symmetric form of the int layout) into Int4Weight and Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K /
+IQ4_NL / IQ4_XS into GGUFWeight (codes with exact fp32 scales and offsets or a 16-level table, `PLANAR`); the
+rest is dequantized once to the compute dtype at load (docs/gguf.md: which, and the memory cost). Every
+tensor's type, size and place in its file is checked when the files are opened, before any weight is read.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tritonq.formats.base import WeightsLoader, always_dense
 from tritonq.formats.checkpoint import Weights, nonfinite_count
 from tritonq.formats.tensor_parallel import Shard, check_split
 from tritonq.quant.packing import pack_int32
-from tritonq.quant.weights import Int4Weight, Weight
+from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, Weight
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # GGUF -> model_type
 
@@ -88,44 +89,76 @@ def _q4_0(b):
     return _f16(b, 0) * (_nibbles(b[:, 2:], 16).to(torch.int8) - 8).float()
 
 
-def _q4_1(b):
-    return _f16(b, 0) * _nibbles(b[:, 4:], 16).float() + _f16(b, 2)
+def _planes_q4_1(b):
+    return _nibbles(b[:, 4:], 16), _f16(b, 0), _f16(b, 2)
 
 
-def _q5_0(b):
-    q = _nibbles(b[:, 6:], 16) | (_high_bits(b[:, 2:6], 32) << 4)
-    return _f16(b, 0) * (q.to(torch.int8) - 16).float()
+def _planes_q5_0(b):
+    return _nibbles(b[:, 6:], 16) | (_high_bits(b[:, 2:6], 32) << 4), _f16(b, 0), None
 
 
-def _q5_1(b):
-    q = _nibbles(b[:, 8:], 16) | (_high_bits(b[:, 4:8], 32) << 4)
-    return _f16(b, 0) * q.float() + _f16(b, 2)
+def _planes_q5_1(b):
+    return _nibbles(b[:, 8:], 16) | (_high_bits(b[:, 4:8], 32) << 4), _f16(b, 0), _f16(b, 2)
 
 
-def _q4_k(b):
+def _planes_q4_k(b):
+    sc, mn = _k_scales(b[:, 4:16])
+    return _nibbles(b[:, 16:], 32), _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
+
+
+def _planes_q5_k(b):
     B = b.shape[0]
     sc, mn = _k_scales(b[:, 4:16])
-    d, dm = (_f16(b, 0) * sc.float()).reshape(B, 8, 1), (_f16(b, 2) * mn.float()).reshape(B, 8, 1)
-    q = _nibbles(b[:, 16:], 32).reshape(B, 8, 32).float()
-    return (d * q - dm).reshape(B, 256)
-
-
-def _q5_k(b):
-    B = b.shape[0]
-    sc, mn = _k_scales(b[:, 4:16])
-    d, dm = (_f16(b, 0) * sc.float()).reshape(B, 8, 1), (_f16(b, 2) * mn.float()).reshape(B, 8, 1)
     qh = b[:, 16:48].reshape(B, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
     q = _nibbles(b[:, 48:], 32).reshape(B, 8, 32) | ((qh & 1) << 4)
-    return (d * q.float() - dm).reshape(B, 256)
+    return q.reshape(B, 256), _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
 
 
-def _q6_k(b):
+def _planes_q6_k(b):
     B = b.shape[0]
     ql = _nibbles(b[:, :128], 64).reshape(B, 8, 32)
     qh = (b[:, 128:192].reshape(B, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1))
-    q = (ql | ((qh & 3).reshape(B, 8, 32) << 4)).to(torch.int8) - 32
-    d = (_f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(B, 16, 1)
-    return (d * q.reshape(B, 16, 16).float()).reshape(B, 256)
+    q = ql | ((qh & 3).reshape(B, 8, 32) << 4)
+    return q.reshape(B, 256), _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float(), None
+
+
+def _planes_iq4_nl(b):
+    return _nibbles(b[:, 2:], 16), _f16(b, 0), None
+
+
+def _planes_iq4_xs(b):
+    low = (b[:, 4:8].reshape(-1, 4, 1) >> torch.tensor([0, 4], dtype=torch.uint8)).reshape(-1, 8) & 0x0F
+    high = (b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) >> torch.arange(0, 16, 2)) & 3
+    return _nibbles(b[:, 8:], 16), _f16(b, 0) * ((low.to(torch.int32) | (high << 4)) - 32).float(), None
+
+
+# IQ4_NL / IQ4_XS's 16 non-uniform levels (llama.cpp's kvalues_iq4nl): a 4-bit code q means IQ4_LEVELS[q] * scale
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+# The block formats kept as GGUFWeight (tritonq.quant.weights): type -> (code bits, zero, group, planes), where planes
+# takes blocks [B, type_size] to (codes uint8 [B, block], scales fp32 [B, block / group], offsets fp32 or None)
+# and a value is (q - zero) * scale (+ offset), or IQ4_LEVELS[q] * scale for the IQ4 types (zero None): each scale and
+# product exact in fp32, as the gguf package forms them.
+PLANAR = {"Q4_1": (4, 0, 32, _planes_q4_1), "Q5_0": (5, 16, 32, _planes_q5_0), "Q5_1": (5, 0, 32, _planes_q5_1),
+          "Q4_K": (4, 0, 32, _planes_q4_k), "Q5_K": (5, 0, 32, _planes_q5_k), "Q6_K": (6, 32, 16, _planes_q6_k),
+          "IQ4_NL": (4, None, 32, _planes_iq4_nl), "IQ4_XS": (4, None, 32, _planes_iq4_xs)}
+
+
+def _planar(type_name: str):
+    """The dequantizer of a PLANAR format: blocks -> float32 (q - zero) * scale (+ offset) (IQ4: level * scale)
+    per group."""
+    _, zero, group, planes = PLANAR[type_name]
+
+    def dequantize_blocks(b):
+        codes, scales, offsets = planes(b)
+        B = b.shape[0]
+        levels = torch.tensor(IQ4_LEVELS, dtype=torch.float32)[codes.long()] if zero is None else (
+            codes.to(torch.int32) - zero).float()
+        w = levels.reshape(B, -1, group) * scales.reshape(B, -1, 1)
+        if offsets is not None:
+            w = w + offsets.reshape(B, -1, 1)
+        return w.reshape(B, -1)
+    return dequantize_blocks
 
 
 def _f16_blocks(b):
@@ -142,9 +175,11 @@ def _f32_blocks(b):
 
 # type name -> (values per block, bytes per block, dequantizer)
 BLOCK_FORMATS = {"F32": (1, 4, _f32_blocks), "F16": (1, 2, _f16_blocks), "BF16": (1, 2, _bf16_blocks),
-                 "Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1),
-                 "Q5_0": (32, 22, _q5_0), "Q5_1": (32, 24, _q5_1), "Q4_K": (256, 144, _q4_k),
-                 "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k)}
+                 "Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _planar("Q4_1")),
+                 "Q5_0": (32, 22, _planar("Q5_0")), "Q5_1": (32, 24, _planar("Q5_1")),
+                 "Q4_K": (256, 144, _planar("Q4_K")), "Q5_K": (256, 176, _planar("Q5_K")),
+                 "Q6_K": (256, 210, _planar("Q6_K")), "IQ4_NL": (32, 18, _planar("IQ4_NL")),
+                 "IQ4_XS": (256, 136, _planar("IQ4_XS"))}
 
 
 def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -154,6 +189,28 @@ def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     rows = raw.shape[:-1]
     blocks = raw.reshape(-1, size)
     return fn(blocks).reshape(*rows, raw.shape[-1] // size * block)
+
+
+def planes_of(blocks: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Blocks uint8 [N, K / block, type_size] of a PLANAR format -> (codes uint8 [N, K], scales fp32
+    [N, K / group], offsets fp32 [N, K / group] or None)."""
+    N, _, size = blocks.shape
+    codes, scales, offsets = PLANAR[type_name][3](blocks.reshape(-1, size))
+    scales = scales.reshape(N, -1)
+    return codes.reshape(N, -1), scales, None if offsets is None else offsets.reshape(N, -1)
+
+
+def gguf_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, type_name: str,
+                device) -> GGUFWeight:
+    """`planes_of`'s [N, ...] planes (a rank's slice of them) as the GGUFWeight the kernels read, on device."""
+    bits, zero, group, _ = PLANAR[type_name]
+    codes = codes.t()  # [K, N]: the planes are packed along K, scale rows [K / group, N]
+    return GGUFWeight(pack_int32(codes & 15, 4, dim=0).to(device),
+                      pack_int32(codes >> 4, bits - 4, dim=0).to(device) if bits > 4 else None,
+                      scales.t().to(device).contiguous(),
+                      None if offsets is None else offsets.t().to(device).contiguous(),
+                      group, bits, zero or 0, type_name,
+                      code=None if zero is not None else torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=device))
 
 
 # --- reading ---------------------------------------------------------------------------------------------------
@@ -444,8 +501,10 @@ def tokenizer(weights: GGUFWeights):
 
 class GGUFLoader(WeightsLoader):
     """Typed weights of a GGUF checkpoint: Q4_0 and Q8_0 linears repacked to Int4Weight (4 / 8 bits, group 32,
-    scale d, symmetric zero 8 / 128: the same values, `quantized_linear`); every other type dequantized to the
-    compute dtype (`GGUFWeights`)."""
+    scale d, symmetric zero 8 / 128: the same values); Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linears to
+    GGUFWeight (their codes and exact fp32 scales / offsets, run by kernels/gguf_gemm.py); every other tensor,
+    the experts of those six types, and fused groups (q/k/v, gate/up) whose parts differ in type dequantized to
+    the compute dtype (`GGUFWeights`)."""
     marker = "weight"
     REPACKED = {"Q4_0": 4, "Q8_0": 8}  # block type -> Int4Weight bits
 
@@ -455,11 +514,27 @@ class GGUFLoader(WeightsLoader):
             raise ValueError(f"quantize={quantize!r} needs a dense checkpoint, but {weights.folder} is a GGUF file "
                              "(already quantized); load it without quantize")
         super().__init__(weights, config, dtype, device, rank=rank, world=world)
+        self._read_dense = False  # set while a fused group of mixed types is read (get_fused_linear)
 
     def is_quantized(self, prefix: str) -> bool:
         name = f"{prefix}.weight"
-        return (not always_dense(prefix) and self.weights.has_tensor(name)
-                and self.weights.type_name(name) in self.REPACKED and len(self.weights.get_shape(name)) == 2)
+        if self._read_dense or always_dense(prefix) or not self.weights.has_tensor(name) or len(
+                self.weights.get_shape(name)) != 2:
+            return False
+        type_name = self.weights.type_name(name)
+        return type_name in self.REPACKED or (type_name in PLANAR and ".experts." not in prefix)
+
+    def get_fused_linear(self, prefixes: list[str], *args, **kwargs) -> Weight:
+        """As WeightsLoader's; parts of different block types (Q4_K_M's Q4_K q / k with a Q6_K v) cannot share
+        one kernel, so such a group is read dense."""
+        kinds = {self.weights.type_name(f"{p}.weight") if self.is_quantized(p) else None for p in prefixes}
+        if len(kinds) == 1:
+            return super().get_fused_linear(prefixes, *args, **kwargs)
+        self._read_dense = True
+        try:
+            return super().get_fused_linear(prefixes, *args, **kwargs)
+        finally:
+            self._read_dense = False
 
     def check_float(self, name: str) -> None:
         pass  # every GGUF tensor reads as float (GGUFWeights dequantizes)
@@ -467,16 +542,45 @@ class GGUFLoader(WeightsLoader):
     def quantized_linear(self, prefix: str, shard: Shard | None = None) -> Weight:
         """Q4_0 / Q8_0 [N, K] -> Int4Weight: codes (Q4_0's nibbles q; Q8_0's int8 x as x + 128) packed along K,
         scales [K/32, N] = the blocks' fp16 d in the compute dtype (exact in fp16 / fp32; bf16 rounds d to 8
-        mantissa bits), zeros None (symmetric: 8 / 128, the formats' own offsets)."""
+        mantissa bits), zeros None (symmetric: 8 / 128, the formats' own offsets). The PLANAR types ->
+        GGUFWeight: the same codes split into 4-bit and high-bit planes, fp32 scales and offsets (exact); read
+        dense where a row-parallel rank's share of K is no whole number of blocks (a tiny model's 128 / 256)."""
         name = f"{prefix}.weight"
         type_name = self.weights.type_name(name)
-        bits, (_, size, _) = self.REPACKED[type_name], BLOCK_FORMATS[type_name]
+        block, size, _ = BLOCK_FORMATS[type_name]
         N, K = self.weights.get_shape(name)
+        column = shard is not None and shard.parallel == "column"
+        if type_name in PLANAR and shard is not None and not column and (K // shard.count) % block:
+            return DenseWeight(self._dense_matrix([prefix], [shard])[0])  # a rank's rows would cut a super-block
         if shard is not None:
-            check_split(prefix, shard, N if shard.parallel == "column" else K, 1 if shard.parallel == "column" else 32,
-                        "whole rows" if shard.parallel == "column" else f"a {type_name} block of 32 input rows")
+            check_split(prefix, shard, N if column else K, 1 if column else block,
+                        "whole rows" if column else f"a {type_name} block of {block} input rows")
+        n, k = (N, K) if shard is None else shard.local_shape(N, K)
+        if type_name in self.REPACKED:
+            return self._int_weight(name, type_name, shard, N, K, n, k)
+        bits, zero, group, _ = PLANAR[type_name]
         if self.weights._dry:
-            n, k = (N, K) if shard is None else shard.local_shape(N, K)
+            meta = torch.device("meta")
+            scales = torch.empty(k // group, n, device=meta)
+            return GGUFWeight(torch.empty(k // 8, n, dtype=torch.int32, device=meta),
+                              torch.empty(k * (bits - 4) // 32, n, dtype=torch.int32, device=meta) if bits > 4
+                              else None,
+                              scales, scales if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else None, group, bits,
+                              zero or 0, type_name, code=None if zero is not None else torch.empty(16, device=meta))
+        blocks = self.weights.unpermute(name, self.weights.raw(name).reshape(N, K // block, size))
+        codes, scales, offsets = planes_of(blocks, type_name)
+        bad = nonfinite_count(scales)
+        self.weights._count_nonfinite(name, bad if offsets is None else bad + nonfinite_count(offsets))
+        if shard is not None:
+            codes, scales = shard.take(codes, 0 if column else 1), shard.take(scales, 0 if column else 1)
+            offsets = None if offsets is None else shard.take(offsets, 0 if column else 1)
+        return gguf_weight(codes, scales, offsets, type_name, self.device)
+
+    def _int_weight(self, name: str, type_name: str, shard: Shard | None, N: int, K: int, n: int, k: int
+                    ) -> Int4Weight:
+        """Q4_0 / Q8_0 as Int4Weight (quantized_linear)."""
+        bits, size = self.REPACKED[type_name], BLOCK_FORMATS[type_name][1]
+        if self.weights._dry:
             meta = torch.device("meta")
             return Int4Weight(torch.empty(k * bits // 32, n, dtype=torch.int32, device=meta),
                               torch.empty(k // 32, n, dtype=self.dtype, device=meta), None, None, 32, bits)

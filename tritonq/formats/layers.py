@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonq.distributed import all_gather_last_dim, all_reduce
-from tritonq.kernels.linear import kind_of
+from tritonq.kernels.linear import Prepared, kind_of, prepare_gate_up
 from tritonq.kernels.moe import MoEExperts
-from tritonq.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul  # silu_mul: models' MLPs take it from here
+from tritonq.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul  # noqa: F401 (models' MLPs take silu_mul from here)
 from tritonq.quant.weights import DenseWeight, RankExperts, Weight, k_major
 
 
@@ -19,7 +19,8 @@ class Linear(nn.Module):
     """y = x @ W^T (+ bias) for x [..., K] -> [..., N]: the weight is checked and prepared once, here
     (`kernels.linear`: its GEMM object, its CPU form), and each call is the table row's run."""
 
-    def __init__(self, weight: Weight):
+    def __init__(self, weight: Weight, prepared: Prepared | None = None):
+        """prepared: what the table row's prepare made of weight already (GateUpLinear's), else made here."""
         super().__init__()
         kind = kind_of(weight)
         if (isinstance(weight, DenseWeight) and k_major(weight.weight.device, weight.weight.dtype)
@@ -31,10 +32,34 @@ class Linear(nn.Module):
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         # Held here, not looked up per call (a compiled step cannot look them up in the kernels' weak dicts)
-        self.prepared, self.run = kind.prepare(weight), kind.run
+        self.prepared, self.run = prepared or kind.prepare(weight), kind.run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x, self.prepared)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm.add_norm(residual, self(x)) for x [T, K]: (residual + x @ W^T, its RMSNorm), in the GEMM's launch
+        where its kernel has that epilogue (a decode step's o_proj: `add_rms_norm` of Int4Gemm / DenseGemm), else
+        the GEMM, then the norm's launch."""
+        fused = getattr(self.prepared.gemm, "add_rms_norm", None)
+        out = fused(x, residual, norm.weight, norm.eps) if fused is not None else None
+        return out if out is not None else norm.add_norm(residual, self(x))
+
+
+class GateUpLinear(Linear):
+    """SwiGLU's first half: x [..., K] -> silu(x @ gate^T) * (x @ up^T) [..., I] for the fused gate_up weight
+    [2I, K] (gate rows, then up rows). One GEMM launch where its kernel has the activation as its epilogue
+    (`kernels.linear.prepare_gate_up`), else the GEMM, then `silu_mul`. out_features is I."""
+
+    def __init__(self, weight: Weight):
+        gated = prepare_gate_up(weight)
+        super().__init__(weight if gated is None else gated.weight, gated)
+        self.fused = gated is not None
+        self.out_features //= 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.run(x, self.prepared)
+        return y if self.fused else silu_mul(y)
 
 
 class _CollectiveLinear(Linear):
@@ -56,6 +81,10 @@ class RowParallelLinear(_CollectiveLinear):
     (the bias lives on rank 0 only, see WeightsLoader). world 1 is a plain Linear."""
 
     combine = staticmethod(all_reduce)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """As Linear's; across ranks the sum comes first (the all-reduce), so the norm runs after it."""
+        return super().add_norm(x, residual, norm) if self.world == 1 else norm.add_norm(residual, self(x))
 
 
 class ParallelLMHead(_CollectiveLinear):

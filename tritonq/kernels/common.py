@@ -18,6 +18,10 @@
                        epilogue (bias on the first slice, then y or the split-K sum)
   reduce_split_k       the split-K sum in the GEMM's own launch: the last K slice to arrive adds the
                        slices' fp32 partials in slice order and stores y (int4_gemm, store_gemm_tile)
+  store_output         a GEMM's output tile to y, or with SILU_MUL SwiGLU's silu(gate) * up of its
+                       interleaved (gate, up) column pairs: the gate_up linear's epilogue
+  add_rms_norm_tile    y = a GEMM's tile + the residual, and the RMSNorm of y's whole rows by the row
+                       block's last tile: o_proj's epilogue (int4_gemm, dense_gemm)
 The attention kernels' online-softmax step is `attention._attend_tile`, shared by all three of them.
 
 Launch configs (the one convention): a frozen dataclass per kernel whose tile fields are named as the
@@ -225,45 +229,105 @@ def gemm_tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def reduce_split_k(y_ptr, acc, partials_ptr, arrivals_ptr, tile, k_slice, rows, offs_n, mask_m, mask_n, stride_ym,
-                   M, N, SPLIT_K: tl.constexpr):
-    """The split-K sum inside the GEMM's own launch (no second and third launch to add and cast).
+def store_output(y_ptr, out, rows, offs_n, mask_m, N, stride_ym, SILU_MUL: tl.constexpr):
+    """Store the fp32 tile out [BLOCK_M, BLOCK_N] (columns offs_n of the GEMM's N) at rows (int64) of y, in y's
+    dtype. With SILU_MUL the GEMM's columns are (gate, up) pairs, 2i and 2i + 1 (the gate_up weight's rows
+    interleaved at load, `kernels.linear.prepare_gate_up`), and column i of y [M, N / 2] gets silu(gate) * up in
+    fp32: SwiGLU's activation in the gate_up GEMM's epilogue, no launch of its own, no [M, N] round trip."""
+    if SILU_MUL:
+        gate, up = tl.split(tl.reshape(out, (out.shape[0], out.shape[1] // 2, 2)))
+        cols, _ = tl.split(tl.reshape(offs_n // 2, (offs_n.shape[0] // 2, 2)))
+        mask = mask_m[:, None] & (cols < N // 2)[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
+                 (gate / (1.0 + tl.exp(-gate)) * up).to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def add_rms_norm_tile(y_ptr, out, rows, offs_n, mask_m, M, N, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr,
+                      row_block, tile_n, eps):
+    """A row-parallel linear's epilogue that adds the residual and normalizes (a pre-norm layer's o_proj then its
+    post-attention RMSNorm, in the GEMM's launch): y = (out rounded to y's dtype) + residual, rounded (torch's
+    addition of the two), and h = y / sqrt(mean(y^2) + eps) * w over each whole row, in fp32, as
+    norm_rope.add_rms_norm computes them. y, residual, h: contiguous [M, N].
+
+    A row's mean needs every column tile of it: each tile stores y and its rows' partial sum of y^2 in plane tile_n
+    of sumsq [cdiv(N, BLOCK_N), M] and counts itself in row_arrivals[row_block] (int32, 0 between launches, as
+    `reduce_split_k`'s counts); the last tile of the row block adds the planes in tile order (deterministic) and
+    writes h over the whole rows, reading y back past L1 (.cg), then sets the count back to 0."""
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
+    ptrs = rows[:, None] * N + offs_n[None, :]
+    # (in fp32, then rounded: torch's 16-bit addition; the interpreter adds bf16 as raw bits)
+    y = out.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(res_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + ptrs, y, mask=mask)
+    y = y.to(tl.float32)
+    tl.store(sumsq_ptr + tile_n * M + rows, tl.sum(y * y, axis=1), mask=mask_m)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(row_arrivals_ptr + row_block, 1, sem="acq_rel", scope="gpu")
+    tiles = tl.cdiv(N, out.shape[1])
+    if arrived == tiles - 1:
+        sumsq = tl.zeros_like(tl.sum(y, axis=1))
+        for t in range(tiles):
+            sumsq += tl.load(sumsq_ptr + t * M + rows, mask=mask_m, other=0.0, cache_modifier=".cg")
+        rstd = 1.0 / tl.sqrt(sumsq / N + eps)
+        cols = tl.arange(0, out.shape[1])
+        for n0 in range(0, N, out.shape[1]):
+            mask_c = mask_m[:, None] & (n0 + cols < N)[None, :]
+            ptrs = rows[:, None] * N + (n0 + cols)[None, :]
+            row = tl.load(y_ptr + ptrs, mask=mask_c, other=0.0, cache_modifier=".cg").to(tl.float32)
+            w = tl.load(norm_w_ptr + n0 + cols, mask=n0 + cols < N, other=0.0).to(tl.float32)
+            tl.store(h_ptr + ptrs, (row * rstd[:, None] * w[None, :]).to(h_ptr.dtype.element_ty), mask=mask_c)
+        tl.atomic_xchg(row_arrivals_ptr + row_block, 0)
+
+
+@triton.jit
+def reduce_split_k(acc, partials_ptr, arrivals_ptr, tile, k_slice, rows, offs_n, mask_m, mask_n, M, N,
+                   SPLIT_K: tl.constexpr):
+    """The split-K sum inside the GEMM's own launch (no second and third launch to add and cast): returns
+    (the tile's fp32 sum, whether this program holds it); the caller stores it when it does (`store_output`,
+    `add_rms_norm_tile`).
 
     K slice k_slice of output tile `tile` stores its fp32 tile acc in plane k_slice of partials [SPLIT_K, M, N]
     and counts itself in arrivals[tile] (int32, one per output tile, 0 between launches). The slice that
     arrives last adds the planes in slice order, so y is the same sum whatever order the slices ran in
-    (deterministic, unlike fp32 atomics), stores it at rows x offs_n of y in y's dtype and sets the count
-    back to 0 for the next launch. The acq_rel atomic after the block's barrier makes every slice's stores
-    visible to the last one, whose loads bypass the (incoherent) L1: .cg."""
+    (deterministic, unlike fp32 atomics), and sets the count back to 0 for the next launch. The acq_rel atomic
+    after the block's barrier makes every slice's stores visible to the last one, whose loads bypass the
+    (incoherent) L1: .cg."""
     mask = mask_m[:, None] & mask_n[None, :]
     plane = rows[:, None] * N + offs_n[None, :]
     tl.store(partials_ptr + k_slice.to(tl.int64) * M * N + plane, acc, mask=mask)
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT_K - 1:
-        total = tl.zeros_like(acc)
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    if last:
         ptrs = partials_ptr + plane
         for _ in range(SPLIT_K):
             total += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
             ptrs += M * N
-        tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
         tl.atomic_xchg(arrivals_ptr + tile, 0)
+    return total, last
 
 
 @triton.jit
 def store_gemm_tile(y_ptr, out, bias_ptr, partials_ptr, arrivals_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
-                    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
     """Store the fp32 tile out [BLOCK_M, BLOCK_N] at rows (int64) x offs_n of y, adding the bias in the
-    first K slice only; with SPLIT_K > 1 through `reduce_split_k` (tile program_id(0), slice program_id(1))."""
+    first K slice only; with SPLIT_K > 1 through `reduce_split_k` (tile program_id(0), slice program_id(1));
+    SILU_MUL: SwiGLU's activation of (gate, up) column pairs (`store_output`)."""
     if HAS_BIAS:
         first_slice = (tl.zeros(offs_n.shape, tl.int32) + tl.program_id(1)) == 0
         out += tl.load(bias_ptr + offs_n, mask=mask_n & first_slice, other=0.0).to(tl.float32)[None, :]
     if SPLIT_K > 1:
-        reduce_split_k(y_ptr, out, partials_ptr, arrivals_ptr, tl.program_id(0), tl.program_id(1), rows, offs_n,
-                       mask_m, mask_n, stride_ym, M, N, SPLIT_K)
+        total, last = reduce_split_k(out, partials_ptr, arrivals_ptr, tl.program_id(0), tl.program_id(1), rows,
+                                     offs_n, mask_m, mask_n, M, N, SPLIT_K)
+        if last:
+            store_output(y_ptr, total, rows, offs_n, mask_m, N, stride_ym, SILU_MUL)
     else:
-        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        store_output(y_ptr, out, rows, offs_n, mask_m, N, stride_ym, SILU_MUL)
 
 
 @dataclass(frozen=True)
@@ -277,6 +341,13 @@ class ClampedSwiGLU:
     def apply(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         g = gate.clamp(max=self.limit)
         return (up.clamp(-self.limit, self.limit) + 1) * g * torch.sigmoid(self.alpha * g)
+
+
+def silu_mul_pairs(y: torch.Tensor) -> torch.Tensor:
+    """Plain torch form of the SwiGLU epilogue (`store_output`): y [..., 2I] of (gate, up) column pairs ->
+    silu(gate) * up [..., I], in fp32, rounded once to y's dtype (the GEMMs' reference and CPU paths)."""
+    pairs = y.float().unflatten(-1, (-1, 2))
+    return (torch.nn.functional.silu(pairs[..., 0]) * pairs[..., 1]).to(y.dtype)
 
 
 def on_gpu(x: torch.Tensor) -> bool:
@@ -304,7 +375,7 @@ def gpu_compute_dtypes(cc: int) -> tuple[torch.dtype, ...]:
     """The model dtypes the Triton kernels run in on sm_`cc`, the default first: bf16 and fp16 from
     sm_80 (Ampere); fp16 only below (T4, V100: no bf16 arithmetic, torch would emulate it). Never fp32:
     its tiles overflow shared memory (attention, fp8 and int4 prefill tiles on sm_89/90) and its GEMM
-    dots run without tensor cores. The launch configs are AOT-checked for exactly these (tests/test_fit.py)."""
+    dots run without tensor cores. The launch configs are AOT-checked for exactly these (tests/aot/test_fit.py)."""
     return (torch.bfloat16, torch.float16) if cc >= 80 else (torch.float16,)
 
 
@@ -430,12 +501,13 @@ def gemm_grid(M: int, N: int, config: GemmConfig) -> tuple[int, int]:
     return triton.cdiv(M, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N), config.SPLIT_K
 
 
-def gemm_output(M: int, N: int, config, out_dtype: torch.dtype, device, arrivals: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A GEMM launch's buffers (y, partials, arrivals): y [M, N] in out_dtype; with SPLIT_K > 1 the fp32
+def gemm_output(M: int, N: int, config, out_dtype: torch.dtype, device, arrivals: torch.Tensor | None = None,
+                silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GEMM launch's buffers (y, partials, arrivals): y [M, N] in out_dtype ([M, N / 2] with the SwiGLU epilogue,
+    silu_mul); with SPLIT_K > 1 the fp32
     [SPLIT_K, M, N] partials that `reduce_split_k` adds up in the launch and the arrival counts (`arrivals`
     when given, a plan's, else fresh zeros); with SPLIT_K 1 both stand in as y (unused)."""
-    y = torch.empty((M, N), dtype=out_dtype, device=device)
+    y = torch.empty((M, N // 2 if silu_mul else N), dtype=out_dtype, device=device)
     if config.SPLIT_K == 1:
         return y, y, y
     partials = torch.empty((config.SPLIT_K, M, N), dtype=torch.float32, device=device)
@@ -448,11 +520,17 @@ def split_k_arrivals(max_m: int, N: int, config, device: torch.device) -> torch.
     of the graph, not done now, and the counts garbage until a replay."""
     if config.SPLIT_K == 1:
         return None
+    return arrival_counts(triton.cdiv(max_m, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N), device)
+
+
+def arrival_counts(n: int, device: torch.device) -> torch.Tensor:
+    """n int32 zeros: the arrival counts of a launch's last-program-finishes pattern (`reduce_split_k`,
+    `add_rms_norm_tile`), which the last program sets back to 0. Made before any CUDA graph capture: inside one
+    the zeroing would be a node of the graph, not done now, and the counts garbage until a replay."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("a split-K GEMM met a new shape during CUDA graph capture: run each captured shape "
-                           "once before capturing it (the engine's warm-up does)")
-    tiles = triton.cdiv(max_m, config.BLOCK_M) * triton.cdiv(N, config.BLOCK_N)
-    return torch.zeros(tiles, dtype=torch.int32, device=device)
+        raise RuntimeError("a GEMM met a new shape during CUDA graph capture: run each captured shape once before "
+                           "capturing it (the engine's warm-up does)")
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 @dataclass
@@ -464,7 +542,7 @@ class Launch:
     Calling it launches on the device of its tensors: Triton takes the device (and stream) of a launch from
     torch's *current* CUDA device, which is cuda:0 in every thread that never set it, so a model on
     cuda:1 would run its kernels in device 0's context with device 1's pointers. Every Triton launch of
-    tritonq goes through here (tests/test_device_context.py holds that)."""
+    tritonq goes through here (tests/api/test_device_context.py holds that)."""
     kernel: Any
     grid: tuple[int, ...]
     args: dict
@@ -502,19 +580,22 @@ class GemmPlan:
     counts); `run` allocates y (and the split-K partials), binds what changes per call and launches once.
     The grid is cdiv(M, block_m) row tiles by tiles_n column tiles by split_k slices, flattened to
     (row x column tiles, split_k) for the grouped-order kernels (`gemm_tile`). `per_call` names the
-    arguments besides y, the partials and M that `run` binds each time."""
+    arguments besides y, the partials and M that `run` binds each time; silu_mul: the launch's epilogue is
+    SwiGLU's activation (`store_output`), y has N / 2 columns."""
 
     def __init__(self, launch: Launch, y_name: str, per_call: tuple[str, ...], N: int, block_m: int, tiles_n: int,
-                 split_k: int, flat: bool):
+                 split_k: int, flat: bool, silu_mul: bool = False):
         per_call = (y_name, "partials_ptr", "M", *per_call) + (("arrivals_ptr",) if split_k == 1 else ())
         for name in per_call:  # bound per call: the plan keeps no activations and no output
             del launch.args[name]
         self.launch, self.y_name, self.N = launch, y_name, N
         self.block_m, self.tiles_n, self.split_k, self.flat = block_m, tiles_n, split_k, flat
+        self.out_cols = N // 2 if silu_mul else N
 
     def run(self, M: int, out_dtype: torch.dtype, device: torch.device, **bound) -> torch.Tensor:
-        """y [M, N] in out_dtype on device, from the one launch with `bound` (activations, their strides)."""
-        y = torch.empty((M, self.N), dtype=out_dtype, device=device)
+        """y [M, N] (with the SwiGLU epilogue [M, N / 2]) in out_dtype on device, from the one launch with `bound`
+        (activations, their strides)."""
+        y = torch.empty((M, self.out_cols), dtype=out_dtype, device=device)
         rows = -(M // -self.block_m)
         grid = (rows * self.tiles_n, self.split_k) if self.flat else (rows, self.tiles_n, self.split_k)
         if self.split_k == 1:  # y stands in for the split-K buffers (unused)

@@ -44,7 +44,7 @@ from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch,
     activation_scale, check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability,
     config_rows, decode_split_k, e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot,
-    round_to_e4m3, next_pow2, rows_absmax, split_k_arrivals, store_gemm_tile, tuned_or_default)
+    round_to_e4m3, next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.quant.weights import FP8Weight
 
@@ -112,8 +112,9 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
                      SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, QUANTIZE_A: tl.constexpr,
                      STATIC_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
-    """y[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias).
+                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    """y[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias); SILU_MUL: y [M, N / 2] = SwiGLU of the (gate, up) column
+    pairs (`common.store_output`).
 
     a: e4m3 [M, K] with a_scale [M, K/A_GROUP] fp32 (strides 0 where a scale is shared), or
     with WEIGHT_ONLY the fp16/bf16 activations themselves (a_scale unused). w: [N, K] e4m3, or
@@ -180,7 +181,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
     if WEIGHT_ONLY:
         acc *= E4M3_TO_FP16_BIAS
     store_gemm_tile(y_ptr, acc, bias_ptr, partials_ptr, arrivals_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
-                    HAS_BIAS, SPLIT_K)
+                    HAS_BIAS, SPLIT_K, SILU_MUL)
 
 
 def quantize_activation_fp8(x: torch.Tensor, group_size: int | None = None,
@@ -241,13 +242,15 @@ class FP8Gemm(WeightGemm):
     """fp8_gemm over one weight, checked once here; per (M bucket, x dtype, path) the config, grid and launch
     arguments are resolved once (`GemmPlan`). A call checks x, picks the backend and runs the GEMM: one launch
     (the split-K sum inside it, and up to QUANTIZE_IN_GEMM_MAX_M rows the activation quantization too); larger M
-    quantize the activations in a launch of their own first."""
+    quantize the activations in a launch of their own first. silu_mul: w's rows are (gate, up) pairs and a call
+    returns silu(gate) * up [..., N / 2], SwiGLU in the epilogue (`kernels.linear.prepare_gate_up`)."""
 
-    def __init__(self, w: FP8Weight):
+    def __init__(self, w: FP8Weight, silu_mul: bool = False):
         _check_weight(w)
         super().__init__(w)
         self.device, self.plans = w.weight.device, {}
         self.N, self.K = w.shape
+        self.silu_mul, self.out_cols = silu_mul, self.N // 2 if silu_mul else self.N
         self.scale_bk = w.block_size[1] if w.block_size is not None else None
 
     def __call__(self, x: torch.Tensor, weight_only: bool | None = None,
@@ -261,11 +264,11 @@ class FP8Gemm(WeightGemm):
         b = backend(x)
         if b == "cpu":  # weight dequantized once (kernels/cpu/lowbit.py); no fp8 GEMM: weight-only unless told
             xd = quantized_activations(x, w, weight_only is None or weight_only)
-            return cpu_lowbit.linear(xd, cpu_lowbit.prepare(w)).to(x.dtype).reshape(*lead, N)
+            return self._pairs(cpu_lowbit.linear(xd, cpu_lowbit.prepare(w)).to(x.dtype)).reshape(*lead, -1)
         if weight_only is None:
             weight_only = not has_fp8_tensor_cores(x.device)
         if b == "torch":
-            return fp8_gemm_reference(x, w, weight_only).reshape(*lead, N)
+            return self._pairs(fp8_gemm_reference(x, w, weight_only)).reshape(*lead, -1)
         M = x.shape[0]
         x = x.contiguous()
         key = (next_pow2(M), x.dtype, weight_only, batch_invariant())
@@ -281,7 +284,11 @@ class FP8Gemm(WeightGemm):
             stride_asm, stride_asg = a_scale.stride() if a_scale.dim() else (0, 0)
             y = plan.run(M, x.dtype, self.device, a_ptr=a, a_scale_ptr=a_scale, stride_am=a.stride(0),
                          stride_asm=stride_asm, stride_asg=stride_asg)
-        return y.reshape(*lead, N)
+        return y.reshape(*lead, self.out_cols)
+
+    def _pairs(self, y: torch.Tensor) -> torch.Tensor:
+        """The torch paths' output: y, or with silu_mul SwiGLU of its column pairs (the kernel's epilogue)."""
+        return silu_mul_pairs(y) if self.silu_mul else y
 
     def _plan(self, x: torch.Tensor, weight_only: bool, config: FP8GemmConfig | None, max_m: int) -> GemmPlan:
         """The GemmPlan for activations like x (contiguous) on the path, at most max_m rows."""
@@ -295,17 +302,17 @@ class FP8Gemm(WeightGemm):
                              "a K tile must lie inside one scale block")
         arrivals = split_k_arrivals(max_m, self.N, cfg, x.device)
         if weight_only or max_m <= QUANTIZE_IN_GEMM_MAX_M:
-            launch = fp8_gemm_launch(x, None, self.w, cfg, x.dtype, arrivals, quantize=not weight_only)[0]
+            launch = fp8_gemm_launch(x, None, self.w, cfg, x.dtype, arrivals, not weight_only, self.silu_mul)[0]
             per_call = ("a_ptr", "stride_am")
         else:  # stand-ins for the quantized activations and their scales, bound per call
             a = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
             group = K if scale_bk is None or self.w.input_scale is not None else scale_bk
             a_scale = (torch.empty((M, triton.cdiv(K, group)), dtype=torch.float32, device=x.device)
                        if self.w.input_scale is None else torch.empty((), dtype=torch.float32, device=x.device))
-            launch = fp8_gemm_launch(a, a_scale, self.w, cfg, x.dtype, arrivals)[0]
+            launch = fp8_gemm_launch(a, a_scale, self.w, cfg, x.dtype, arrivals, silu_mul=self.silu_mul)[0]
             per_call = ("a_ptr", "a_scale_ptr", "stride_am", "stride_asm", "stride_asg")
         return GemmPlan(launch, "y_ptr", per_call, self.N, cfg.BLOCK_M, triton.cdiv(self.N, cfg.BLOCK_N),
-                        cfg.SPLIT_K, flat=True)
+                        cfg.SPLIT_K, flat=True, silu_mul=self.silu_mul)
 
 
 _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FP8Weight -> its FP8Gemm (fp8_gemm without a Linear)
@@ -313,9 +320,10 @@ _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FP8Weight -> its FP8Gemm 
 
 def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight, config: FP8GemmConfig,
                     out_dtype: torch.dtype, arrivals: torch.Tensor | None = None,
-                    quantize: bool = False) -> tuple[Launch, torch.Tensor]:
-    """The launch of _fp8_gemm_kernel and its output y [M, N] in out_dtype (with SPLIT_K > 1 also the fp32
-    partials and `arrivals`, the split-K counts: `common.gemm_output`).
+                    quantize: bool = False, silu_mul: bool = False) -> tuple[Launch, torch.Tensor]:
+    """The launch of _fp8_gemm_kernel and its output y [M, N] in out_dtype (silu_mul: [M, N / 2], SwiGLU of the
+    column pairs in the epilogue; with SPLIT_K > 1 also the fp32 partials and `arrivals`, the split-K counts:
+    `common.gemm_output`).
 
     a [M, K] contiguous: e4m3 activations with a_scale from `quantize_activation_fp8` ([] static,
     [M, 1] per token, [M, K / bk] per group), or the fp16/bf16 activations themselves with a_scale
@@ -340,17 +348,17 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
         a_group = scale_bk if w.block_size is not None else K
         # a static scale is shared by every row and group
         stride_asm, stride_asg = a_scale.stride() if a_scale.dim() else (0, 0)
-    y, partials, arrivals = gemm_output(M, N, config, out_dtype, a.device, arrivals)
+    y, partials, arrivals = gemm_output(M, N, config, out_dtype, a.device, arrivals, silu_mul)
     args = dict(a_ptr=a, a_scale_ptr=a_scale, w_ptr=weight, w_scale_ptr=w_scale,
                 bias_ptr=w.bias if w.bias is not None else w_scale, y_ptr=y, partials_ptr=partials,
                 arrivals_ptr=arrivals, M=M, N=N, K=K,
-                stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N, stride_asm=stride_asm,
+                stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=y.stride(0), stride_asm=stride_asm,
                 stride_asg=stride_asg, stride_wsn=stride_wsn, stride_wsk=stride_wsk,
                 A_GROUP=a_group, W_SCALE_BN=scale_bn, W_SCALE_BK=scale_bk,
                 SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only, QUANTIZE_A=quantize,
                 STATIC_A=quantize and static, HAS_BIAS=w.bias is not None,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
-                SPLIT_K=config.SPLIT_K)
+                SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul)
     return Launch(_fp8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
 
 

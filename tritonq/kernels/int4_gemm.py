@@ -61,13 +61,17 @@ from tritonq.kernels.common import (
     WeightGemm,
     GemmPlan,
     Launch,
+    arrival_counts,
     gemm_output,
     next_pow2,
     split_k_arrivals,
     check_launch_config,
     config_rows,
     dequantize_int_tile,
+    add_rms_norm_tile,
     reduce_split_k,
+    silu_mul_pairs,
+    store_output,
     tune_group_size,
     tuned_or_default,
     unpack_int_tile,
@@ -106,12 +110,15 @@ def _int4_gemm_kernel(
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, TILE_GROUPS: tl.constexpr,
     HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    code_ptr, HAS_CODE: tl.constexpr, partials_ptr, arrivals_ptr,
+    code_ptr, HAS_CODE: tl.constexpr, partials_ptr, arrivals_ptr, SILU_MUL: tl.constexpr,
+    res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K).
 
-    out is [M, N] in x's dtype. With SPLIT_K > 1 the slices meet in `common.reduce_split_k` (fp32
-    partials [SPLIT_K, M, N], an int32 arrival count per output tile), in this launch.
+    out is [M, N] in x's dtype ([M, N / 2] with SILU_MUL: silu(gate) * up of the column pairs,
+    `common.store_output`; ADD_NORM: out = y + residual and h its RMSNorm, `common.add_rms_norm_tile`). With
+    SPLIT_K > 1 the slices meet in `common.reduce_split_k` (fp32 partials [SPLIT_K, M, N], an int32 arrival count
+    per output tile), in this launch.
     """
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m = tl.program_id(0)
@@ -162,12 +169,16 @@ def _int4_gemm_kernel(
     if HAS_BIAS:  # added once: by the first K slice only
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    last = True
     if SPLIT_K > 1:
-        reduce_split_k(out_ptr, acc, partials_ptr, arrivals_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, rows,
-                       offs_n, mask_m, mask_n, N, M, N, SPLIT_K)
-    else:
-        out = out_ptr + (rows[:, None] * N + offs_n[None, :])
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc, last = reduce_split_k(acc, partials_ptr, arrivals_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, rows,
+                                   offs_n, mask_m, mask_n, M, N, SPLIT_K)
+    if last:
+        if ADD_NORM:
+            add_rms_norm_tile(out_ptr, acc, rows, offs_n, mask_m, M, N, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr,
+                              row_arrivals_ptr, pid_m, pid_n, eps)
+        else:
+            store_output(out_ptr, acc, rows, offs_n, mask_m, N, N // 2 if SILU_MUL else N, SILU_MUL)
 
 
 def default_config(M: int, N: int, K: int) -> Int4GemmConfig:
@@ -248,10 +259,15 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
 class Int4Gemm(WeightGemm):
     """int4_gemm over one weight, checked once here (`_check_weight`; off CUDA also its g_idx values). Per
     (M bucket, x dtype) the config, grid and launch arguments are resolved once (`GemmPlan`); a call checks
-    x, picks the backend and runs one launch (the split-K sum and cast inside it, `common.reduce_split_k`)."""
+    x, picks the backend and runs one launch (the split-K sum and cast inside it, `common.reduce_split_k`).
+    silu_mul: w's rows are (gate, up) pairs and a call returns silu(gate) * up [M, N / 2], SwiGLU in the epilogue
+    (`kernels.linear.prepare_gate_up`); the CPU and reference paths apply `common.silu_mul_pairs` after the GEMM."""
 
-    def __init__(self, w: Int4Weight):
+    def __init__(self, w: Int4Weight, silu_mul: bool = False):
         self.N, self.K = _check_weight(w)
+        if silu_mul and self.N % 2:
+            _fail("N", self.N, "even for silu_mul (gate, up pairs)", "fuse the gate and up weights first")
+        self.silu_mul = silu_mul
         if not w.qweight.is_cuda:  # interpreter; CUDA relies on the load-time check in gptq_to_int4 (no sync)
             w.check_g_idx()
         super().__init__(w)
@@ -266,13 +282,15 @@ class Int4Gemm(WeightGemm):
         if x.device != self.device:
             _fail("x", f"on {x.device}", f"on the weight's device {self.device}", "move x or the weight")
         b = backend(x)
-        if b == "cpu":  # torch's CPU kernel over the weight prepared once (kernels/cpu/lowbit.py): the one CPU route
-            return cpu_lowbit.linear(x, self.cpu if self.cpu is not None else cpu_lowbit.prepare(self.w))
-        if b == "torch":
-            return int4_gemm_reference(x, self.w)
+        if b != "triton":  # torch's CPU kernel over the weight prepared once (kernels/cpu/lowbit.py), or the oracle
+            if b == "cpu":
+                y = cpu_lowbit.linear(x, self.cpu if self.cpu is not None else cpu_lowbit.prepare(self.w))
+            else:
+                y = int4_gemm_reference(x, self.w)
+            return silu_mul_pairs(y) if self.silu_mul else y
         M = x.shape[0]
         if config is not None:
-            plan = _plan(x, self.w, config, M)
+            plan = _plan(x, self.w, config, M, self.silu_mul)
         else:
             key = (next_pow2(M), x.dtype, batch_invariant())
             plan = self.plans.get(key)
@@ -280,35 +298,67 @@ class Int4Gemm(WeightGemm):
                 rows = config_rows(M)  # M, or one row count for every M in the batch-invariant mode
                 config = tuned_or_default("int4_gemm", config_bucket(rows, self.N, self.K, self.w),
                                           default_config(rows, self.N, self.K))
-                plan = self.plans[key] = _plan(x, self.w, config, key[0])
+                plan = self.plans[key] = _plan(x, self.w, config, key[0], self.silu_mul)
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(y = x @ W^T + residual, RMSNorm(y) * norm_weight) [M, N] in one launch (`common.add_rms_norm_tile`):
+        a decode step's o_proj with the residual addition and the post-attention norm in its epilogue. None where
+        that launch does not run (the CPU and torch backends, M > SPLIT_K_MAX_M, the batch-invariant mode, whose
+        norm sums each row in one order): the caller runs the GEMM and norm_rope.add_rms_norm."""
+        M = x.shape[0]
+        if (self.silu_mul or M > SPLIT_K_MAX_M or batch_invariant() or backend(x) != "triton"
+                or x.dim() != 2 or x.shape[1] != self.K or residual.shape != (M, self.N) or x.device != self.device
+                or residual.dtype != x.dtype or not residual.is_contiguous() or norm_weight.shape != (self.N,)):
+            return None
+        key = (next_pow2(M), x.dtype, "add_rms_norm")
+        plan = self.plans.get(key)
+        if plan is None:
+            config = tuned_or_default("int4_gemm", config_bucket(M, self.N, self.K, self.w),
+                                      default_config(M, self.N, self.K))
+            plan = self.plans[key] = _plan(x, self.w, config, key[0], False, add_norm=(norm_weight, eps))
+        h = torch.empty_like(residual)
+        sumsq = torch.empty(plan.tiles_n, M, dtype=torch.float32, device=x.device)
+        y = plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1),
+                     res_ptr=residual, h_ptr=h, sumsq_ptr=sumsq)
+        return y, h
 
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Int4Weight -> its Int4Gemm (int4_gemm without a Linear)
 
 
-def _plan(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, max_m: int) -> GemmPlan:
-    """The GemmPlan of `int4_gemm_launch` for activations like x, at most max_m rows."""
+def _plan(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, max_m: int, silu_mul: bool,
+          add_norm: tuple[torch.Tensor, float] | None = None) -> GemmPlan:
+    """The GemmPlan of `int4_gemm_launch` for activations like x, at most max_m rows; add_norm: (the norm's weight,
+    eps) of the residual + RMSNorm epilogue, whose residual, h and row sums are bound per call."""
     check_launch_config("int4_gemm", config, Int4GemmConfig)
-    launch = int4_gemm_launch(x, w, config, arrivals=split_k_arrivals(max_m, w.shape[0], config, x.device))[0]
-    return GemmPlan(launch, "out_ptr", ("x_ptr", "stride_xm", "stride_xk"), w.shape[0], config.BLOCK_M,
-                    triton.cdiv(w.shape[0], config.BLOCK_N), config.SPLIT_K, flat=False)
+    N = w.shape[0]
+    launch = int4_gemm_launch(x, w, config, split_k_arrivals(max_m, N, config, x.device), silu_mul)[0]
+    per_call = ("x_ptr", "stride_xm", "stride_xk")
+    if add_norm is not None:
+        launch.args.update(norm_w_ptr=add_norm[0], eps=add_norm[1], ADD_NORM=True,
+                           row_arrivals_ptr=arrival_counts(triton.cdiv(max_m, config.BLOCK_M), x.device))
+        per_call += ("res_ptr", "h_ptr", "sumsq_ptr")
+    return GemmPlan(launch, "out_ptr", per_call, N, config.BLOCK_M, triton.cdiv(N, config.BLOCK_N), config.SPLIT_K,
+                    flat=False, silu_mul=silu_mul)
 
 
-def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig,
-                     arrivals: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
+def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arrivals: torch.Tensor | None = None,
+                     silu_mul: bool = False) -> tuple[Launch, torch.Tensor]:
     """The launch of _int4_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and its
-    output y [M, N] in x.dtype. With SPLIT_K > 1 it takes the fp32 [SPLIT_K, M, N] partials buffer and
+    output y [M, N] in x.dtype (silu_mul: [M, N / 2], SwiGLU of the column pairs in the epilogue). With SPLIT_K > 1
+    it takes the fp32 [SPLIT_K, M, N] partials buffer and
     `arrivals`, the zeroed int32 count per output tile that the slices share (made here when None). Over
-    meta tensors it is what tune --aot and tests/test_fit.py compile."""
+    meta tensors it is what tune --aot and tests/aot/test_fit.py compile."""
     (M, K), N = x.shape, w.shape[0]
     block_k = config.BLOCK_K
     if w.g_idx is None and w.group_size % block_k:
         # A tile must not straddle two groups for TILE_GROUPS; shrink BLOCK_K to fit if it can.
         block_k = max(math.gcd(block_k, w.group_size), 16)
     split_k = config.SPLIT_K
-    out, partials, arrivals = gemm_output(M, N, config, x.dtype, x.device, arrivals)
+    out, partials, arrivals = gemm_output(M, N, config, x.dtype, x.device, arrivals, silu_mul)
     args = dict(
         x_ptr=x, qweight_ptr=w.qweight, scales_ptr=w.scales, zeros_ptr=w.zeros if w.zeros is not None else w.scales,
         g_idx_ptr=w.g_idx if w.g_idx is not None else w.qweight, bias_ptr=w.bias if w.bias is not None else w.scales,
@@ -317,7 +367,9 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig,
         TILE_GROUPS=w.g_idx is None and w.group_size % block_k == 0, HAS_BIAS=w.bias is not None,
         UPCAST_DOT=upcast_dot(x), BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
         code_ptr=w.code if w.code is not None else w.scales, HAS_CODE=w.code is not None,
-        partials_ptr=partials, arrivals_ptr=arrivals)
+        partials_ptr=partials, arrivals_ptr=arrivals, SILU_MUL=silu_mul,
+        # the residual + RMSNorm epilogue's tensors (Int4Gemm.add_rms_norm binds them); unused without ADD_NORM
+        res_ptr=out, norm_w_ptr=out, h_ptr=out, sumsq_ptr=partials, row_arrivals_ptr=out, eps=0.0, ADD_NORM=False)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split_k)
     return Launch(_int4_gemm_kernel, grid, args, config.num_warps, config.num_stages), out
 

@@ -15,7 +15,7 @@ One @triton.jit GEMM kernel: tl.dot on int8 operands with an int32 accumulator (
 the epilogue the asymmetric correction acc - zero_point * sum_k W[n, k] (the column sums are
 accumulated from the same weight tiles, so no extra pass over W), the scales a_scale[m] *
 w_scale[n] in fp32, and the bias. sm_80/86/89 run mma.sync s8 and sm_90 wgmma s8 (checked by
-tests/test_fit.py). sm_75: Triton 3.x lowers every tl.dot to FMAs there and its int8 FMA lowering
+tests/aot/test_fit.py). sm_75: Triton 3.x lowers every tl.dot to FMAs there and its int8 FMA lowering
 does not compile (TritonGPUAccelerateMatmul emits an fp extension of the i8 operands; Triton 3.9),
 so FP16_DOT converts the int8 tiles to fp16 in registers (exact: |code| <= 128) and dots them into
 an fp32 accumulator: the same codes and the same products (exact in fp32), sums exact below 2^24.
@@ -44,7 +44,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.common import (WeightGemm, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch, activation_scale,
     check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k, gemm_grid,
-    gemm_output, gemm_tile, next_pow2, rows_absmax, split_k_arrivals, store_gemm_tile, tuned_or_default)
+    gemm_output, gemm_tile, next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile,
+    tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.quant.weights import W8A8Weight
 
@@ -97,7 +98,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
                       ASYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, FP16_DOT: tl.constexpr,
                       QUANTIZE_A: tl.constexpr, STATIC_A: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
     """y[M, N] = ((a - a_zero) @ w^T) * a_scale[m] * w_scale[n] (+ bias).
 
     a int8 [M, K], a_scale fp32 [M] (stride_asm 0: one static scale), a_zero int32 [] (ASYMMETRIC),
@@ -152,7 +153,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
         out *= tl.load(a_scale_ptr + rows * stride_asm, mask=mask_m, other=0.0)[:, None]
     out *= tl.load(w_scale_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)[None, :]
     store_gemm_tile(y_ptr, out, bias_ptr, partials_ptr, arrivals_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
-                    HAS_BIAS, SPLIT_K)
+                    HAS_BIAS, SPLIT_K, SILU_MUL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,13 +244,15 @@ class Int8Gemm(WeightGemm):
     """int8_gemm over one weight, checked once here; per (M bucket, x dtype, fp16 dot) the config, grid and
     launch arguments are resolved once (`GemmPlan`). A call checks x, picks the backend and runs the GEMM: one
     launch (the split-K sum inside it, and up to QUANTIZE_IN_GEMM_MAX_M rows the activation quantization too);
-    larger M quantize the activations in a launch of their own first."""
+    larger M quantize the activations in a launch of their own first. silu_mul: w's rows are (gate, up) pairs and a
+    call returns silu(gate) * up [..., N / 2], SwiGLU in the epilogue (`kernels.linear.prepare_gate_up`)."""
 
-    def __init__(self, w: W8A8Weight):
+    def __init__(self, w: W8A8Weight, silu_mul: bool = False):
         _check_weight(w)
         super().__init__(w)
         self.device, self.plans = w.weight.device, {}
         self.N, self.K = w.shape
+        self.silu_mul = silu_mul
         self.cc = compute_capability(self.device)
 
     def __call__(self, x: torch.Tensor, config: Int8GemmConfig | None = None,
@@ -259,10 +262,9 @@ class Int8Gemm(WeightGemm):
         lead = x.shape[:-1]
         x = x.reshape(-1, K)
         b = backend(x)
-        if b == "cpu":
-            y = _cpu_int_mm(x, w)
-        elif b == "torch":
-            y = int8_gemm_reference(x, w)
+        if b != "triton":
+            y = _cpu_int_mm(x, w) if b == "cpu" else int8_gemm_reference(x, w)
+            y = silu_mul_pairs(y) if self.silu_mul else y
         else:
             M = x.shape[0]
             fp16_dot = self.cc is not None and self.cc < 80 if fp16_dot is None else fp16_dot
@@ -278,22 +280,22 @@ class Int8Gemm(WeightGemm):
                 a, a_scale = quantize_activation_int8(x, w.input_scale, w.input_zero_point)
                 y = plan.run(M, x.dtype, self.device, a_ptr=a, a_scale_ptr=a_scale.reshape(-1),
                              stride_am=a.stride(0))
-        return y.reshape(*lead, N)
+        return y.reshape(*lead, -1)
 
     def _plan(self, x: torch.Tensor, config: Int8GemmConfig, fp16_dot: bool, max_m: int) -> GemmPlan:
         check_launch_config("int8_gemm", config, Int8GemmConfig)
         arrivals = split_k_arrivals(max_m, self.N, config, x.device)
         if max_m <= QUANTIZE_IN_GEMM_MAX_M:
-            launch = int8_gemm_launch(x, None, self.w, config, x.dtype, fp16_dot, arrivals)[0]
+            launch = int8_gemm_launch(x, None, self.w, config, x.dtype, fp16_dot, arrivals, self.silu_mul)[0]
             per_call = ("a_ptr", "stride_am")
         else:  # stand-ins for the quantized activations and their scales, bound per call
             a = torch.empty(x.shape, dtype=torch.int8, device=x.device)
             a_scale = torch.empty((x.shape[0],) if self.w.input_scale is None else (), dtype=torch.float32,
                                   device=x.device)
-            launch = int8_gemm_launch(a, a_scale, self.w, config, x.dtype, fp16_dot, arrivals)[0]
+            launch = int8_gemm_launch(a, a_scale, self.w, config, x.dtype, fp16_dot, arrivals, self.silu_mul)[0]
             per_call = ("a_ptr", "a_scale_ptr", "stride_am")
         return GemmPlan(launch, "y_ptr", per_call, self.N, config.BLOCK_M,
-                        triton.cdiv(self.N, config.BLOCK_N), config.SPLIT_K, flat=True)
+                        triton.cdiv(self.N, config.BLOCK_N), config.SPLIT_K, flat=True, silu_mul=self.silu_mul)
 
 
 _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # W8A8Weight -> its Int8Gemm (int8_gemm without a Linear)
@@ -301,8 +303,9 @@ _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # W8A8Weight -> its Int8Gem
 
 def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: W8A8Weight, config: Int8GemmConfig,
                      out_dtype: torch.dtype, fp16_dot: bool = False,
-                     arrivals: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
-    """The launch of _int8_gemm_kernel and its output y [M, N] in out_dtype (with SPLIT_K > 1 also the fp32
+                     arrivals: torch.Tensor | None = None, silu_mul: bool = False) -> tuple[Launch, torch.Tensor]:
+    """The launch of _int8_gemm_kernel and its output y [M, N] in out_dtype (silu_mul: [M, N / 2], SwiGLU of the
+    column pairs in the epilogue; with SPLIT_K > 1 also the fp32
     partials and `arrivals`, the split-K counts: `common.gemm_output`). a [M, K] int8 contiguous with a_scale
     from `quantize_activation_int8` ([M] per token, [] static), or with a_scale None the fp16/bf16/fp32 activations
     themselves, quantized inside the GEMM (decode M; per token, or by w's static scale and zero point) to the
@@ -315,17 +318,17 @@ def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: W8A8Weigh
         a_scale = w.input_scale.reshape(()).to(torch.float32) if static else w_scale
     zero = (w.input_zero_point.reshape(()).to(device=a.device, dtype=torch.int32)
             if w.input_zero_point is not None else w_scale)  # unused unless ASYMMETRIC
-    y, partials, arrivals = gemm_output(M, N, config, out_dtype, a.device, arrivals)
+    y, partials, arrivals = gemm_output(M, N, config, out_dtype, a.device, arrivals, silu_mul)
     args = dict(a_ptr=a, a_scale_ptr=a_scale.reshape(-1), a_zero_ptr=zero, w_ptr=weight, w_scale_ptr=w_scale,
                 bias_ptr=w.bias if w.bias is not None else w_scale, y_ptr=y, partials_ptr=partials,
                 arrivals_ptr=arrivals,
-                M=M, N=N, K=K, stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=N,
+                M=M, N=N, K=K, stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=y.stride(0),
                 stride_asm=1 if a_scale.dim() and not quantize else 0,  # a static scale is shared by every row
                 stride_wsn=1 if w_scale.numel() > 1 else 0,
                 ASYMMETRIC=w.input_zero_point is not None, HAS_BIAS=w.bias is not None, FP16_DOT=fp16_dot,
                 QUANTIZE_A=quantize, STATIC_A=quantize and static,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
-                SPLIT_K=config.SPLIT_K)
+                SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul)
     return Launch(_int8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
 
 

@@ -2,11 +2,16 @@
 (prepare once, run per call), for the GPU and the CPU backend alike.
 
 `prepare(w)` runs once per weight (a Linear's construction): it checks the weight, so a bad one fails there with
-its kernel's message, and builds what the calls need: the weight's GEMM object (`Int4Gemm`, `FP8Gemm`, `Int8Gemm`:
-kernel, config and launch arguments resolved once per M bucket, one launch per call at decode) and, on the CPU
-backend, the CPU form (kernels/cpu/lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
+its kernel's message, and builds what the calls need: the weight's GEMM object (`Int4Gemm`, `FP8Gemm`, `Int8Gemm`,
+`GGUFGemm`: kernel, config and launch arguments resolved once per M bucket, one launch per call at decode) and, on
+the CPU backend, the CPU form (kernels/cpu/lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
 one). `run(x, prepared)` is then a lookup and a call: the backend (CPU kernels, the torch reference under
 TRITONQ_BACKEND=torch, Triton) is picked from x by the GEMM object, or by the CPU fast paths here.
+
+`prepare_gate_up(w)` is the SwiGLU MLP's gate_up linear with its activation in the GEMM's epilogue (one launch
+instead of the GEMM and a silu_mul kernel): where the weight runs a Triton GEMM with that epilogue (int4/int8
+weight-only, fp8 per tensor / channel, W8A8), its rows are interleaved once, gate row i then up row i, so that every
+output tile holds the gate and up columns of the same intermediate units, and its GEMM object stores silu(g) * u.
 """
 from __future__ import annotations
 
@@ -14,15 +19,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
-from tritonq.kernels import backend, batch_invariant
+from tritonq.kernels import backend
 from tritonq.kernels.cpu import dense as cpu_dense, lowbit as cpu_lowbit
-from tritonq.kernels.dense_gemm import dense_gemm
+from tritonq.kernels.dense_gemm import DenseGemm
 from tritonq.kernels.fp8_gemm import FP8Gemm
+from tritonq.kernels.gguf_gemm import GGUFGemm
 from tritonq.kernels.int4_gemm import Int4Gemm
 from tritonq.kernels.int8_gemm import Int8Gemm
-from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight, W8A8Weight, Weight
+from tritonq.quant.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight, W8A8Weight, Weight
 
 
 @dataclass(frozen=True)
@@ -41,24 +46,28 @@ class LinearKind:
 
 
 def _prepare_dense(w: DenseWeight) -> Prepared:
-    return Prepared(w, None, cpu_dense.pack(w) if backend(w.weight) == "cpu" and cpu_dense.packs(w) else None)
+    return Prepared(w, DenseGemm(w), cpu_dense.pack(w) if backend(w.weight) == "cpu" and cpu_dense.packs(w) else None)
 
 
 def _dense(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    b = backend(x)
-    if p.cpu is not None and b == "cpu" and not torch.compiler.is_compiling():
+    if p.cpu is not None and backend(x) == "cpu" and not torch.compiler.is_compiling():
         return cpu_dense.linear(x, p.cpu, p.weight.bias)  # a compiled step traces F.linear
-    if batch_invariant() and b == "triton":  # cuBLAS picks its kernel by M: one Triton config for every M instead
-        return dense_gemm(x, p.weight)
-    return F.linear(x, p.weight.weight, p.weight.bias)  # bf16 on the CPU backend: cpu_dense above
+    # cuBLAS (F.linear), or in the batch-invariant mode one Triton config for every M (cuBLAS picks its kernel by M)
+    return p.gemm(x)
 
 
 def _prepare_int4(w: Int4Weight) -> Prepared:
-    return Prepared(w, Int4Gemm(w), None)  # Int4Gemm holds the CPU form (the weight repacked once)
+    return Prepared(w, Int4Gemm(w), None)  # Int4Gemm holds the CPU form (the weight repacked once): one CPU route
 
 
 def _int4(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    y = p.gemm(x.reshape(-1, x.shape[-1]))  # Int4Gemm takes [M, K]
+    """Int4Weight and GGUFWeight: [..., K] through the CPU form when there is one (GGUF's 4-bit types), else the
+    GEMM object (Int4Gemm runs its own CPU form)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if p.cpu is not None and backend(x) == "cpu":  # torch's int4 CPU kernel over the repacked weight
+        y = cpu_lowbit.linear(x2, p.cpu)
+    else:
+        y = p.gemm(x2)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -71,8 +80,17 @@ def _prepare_w8a8(w: W8A8Weight) -> Prepared:
     return Prepared(w, Int8Gemm(w), None)  # the CPU backend runs the int8 codes as stored (torch._int_mm)
 
 
+def _prepare_gguf(w: GGUFWeight) -> Prepared:
+    # CPU: Q4_1 / Q4_K run torch's int4 kernel (cpu_lowbit); the others dequantize column tiles per call
+    # (gguf_gemm.cpu_linear, inside GGUFGemm)
+    cpu = cpu_lowbit.prepare(w) if w.bits == 4 and w.code is None and backend(w.lo) == "cpu" else None
+    return Prepared(w, GGUFGemm(w), cpu)
+
+
 def _gemm(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     return p.gemm(x)  # FP8Gemm and Int8Gemm take [..., K] themselves
+
+
 
 
 # The one table of linears by weight type (MXFP4 is experts-only: kernels/moe/).
@@ -81,7 +99,31 @@ LINEARS = {
     Int4Weight: LinearKind(_prepare_int4, _int4),
     FP8Weight: LinearKind(_prepare_fp8, _gemm),
     W8A8Weight: LinearKind(_prepare_w8a8, _gemm),
+    GGUFWeight: LinearKind(_prepare_gguf, _int4),
 }
+
+
+# The quantized weight types whose GEMM kernel has the SwiGLU epilogue (`common.store_output`), by their GEMM object.
+_GATED_GEMMS = {Int4Weight: Int4Gemm, FP8Weight: FP8Gemm, W8A8Weight: Int8Gemm}
+
+
+def prepare_gate_up(w: Weight) -> Prepared | None:
+    """The fused gate_up weight w [2I, K] (gate rows, then up rows) prepared to run silu(x @ gate^T) * (x @ up^T)
+    [..., I] as one GEMM (the module docstring); `run(x, prepared)` of w's table row then returns that. None where
+    no Triton GEMM with the epilogue runs w: the CPU backend (its kernels, then norm_rope.silu_mul), fp8 with block
+    scales (a scale covers a block of rows, which the interleave would split). A dense weight keeps its order:
+    `dense_gemm.DenseGemm` reads the pairs by row index (and runs cuBLAS, then silu_mul, for prefill)."""
+    if backend(w.values) != "triton" or w.shape[0] % 2 or (isinstance(w, FP8Weight) and w.block_size is not None):
+        return None
+    if isinstance(w, DenseWeight):
+        return Prepared(w, DenseGemm(w, silu_mul=True), None)
+    gemm = _GATED_GEMMS.get(type(w))
+    if gemm is None:
+        return None
+    inter = w.shape[0] // 2
+    pairs = torch.stack([torch.arange(inter), torch.arange(inter, 2 * inter)], dim=1).flatten()
+    w = w.take_outputs(pairs)  # rows gate 0, up 0, gate 1, up 1, ...
+    return Prepared(w, gemm(w, silu_mul=True), None)
 
 
 def kind_of(w: Weight) -> LinearKind:

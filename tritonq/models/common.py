@@ -47,7 +47,7 @@ from torch import nn
 from tritonq.kernels.attention import (QuantizedPages, decode_attention, paged_prefill_attention, rope_write_kv_slots,
                                       write_kv_slots)
 from tritonq.kernels.norm_rope import rope_cos_sin
-from tritonq.formats.layers import Embedding, Linear, ParallelLMHead, RMSNorm, RowParallelLinear, silu_mul
+from tritonq.formats.layers import Embedding, GateUpLinear, Linear, ParallelLMHead, RMSNorm, RowParallelLinear
 from tritonq.quant.weights import DenseWeight
 
 KV_SCALE_BYTES = 4  # an int8 cache's fp32 scale per token, kv head and k / v
@@ -328,23 +328,24 @@ class MLP(nn.Module):
                  reduce: bool = True):
         super().__init__()
         up, down = ((inter, hidden), (hidden, inter)) if hidden else (None, None)  # expected (N, K)
-        self.gate_up_proj = Linear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=bias,
-                                                           parallel="column", shapes=[up, up]))
+        self.gate_up_proj = GateUpLinear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+                                                                 bias=bias, parallel="column", shapes=[up, up]))
         down_weight = loader.get_linear(f"{prefix}.down_proj", bias=bias, parallel="row", shape=down)
         self.down_proj = RowParallelLinear(down_weight, loader.world) if reduce else Linear(down_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))  # silu(gate) * up: in the GEMM's epilogue where it can be
 
 
 class DecoderLayer(nn.Module):
     """A pre-norm decoder layer: x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)), with
     RMSNorms at `<prefix>.input_layernorm` / `<prefix>.post_attention_layernorm` (Llama's, Qwen's, DeepSeek's).
 
-    self_attn(x, cos, sin, ctx, k_pages, v_pages) and mlp(x) map [T, D] -> [T, D]; the model builds them.
-    forward(x, pending, ...) -> (x, pending): the residual stream and what is still to be added to it (the
-    previous layer's mlp output, None before the first layer), so each residual addition happens inside the norm
-    after it (`RMSNorm.add_norm`: one launch on a GPU, one C pass on the CPU)."""
+    self_attn.attend(x, cos, sin, ctx, k_pages, v_pages) maps [T, D] to its heads' outputs before self_attn.o_proj
+    (an attention without attend: self_attn(x, ...) [T, D] -> [T, D]), mlp(x) [T, D] -> [T, D]; the model builds them. forward(x, pending, ...) -> (x, pending): the residual stream
+    and what is still to be added to it (the previous layer's mlp output, None before the first layer), so each
+    residual addition happens inside the norm after it (`RMSNorm.add_norm`: one launch on a GPU, one C pass on the
+    CPU), or at decode inside o_proj's GEMM (`Linear.add_norm`: its epilogue adds and normalizes)."""
 
     def __init__(self, config, loader, prefix: str, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -358,8 +359,12 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_norm(x, pending)
-        h = self.self_attn(h, cos, sin, ctx, k_pages, v_pages)
-        x, h = self.post_attention_layernorm.add_norm(x, h)
+        attend = getattr(self.self_attn, "attend", None)
+        if attend is None:  # an attention that ends in a projection of its own (Qwen3.5's gated ones)
+            x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, cos, sin, ctx, k_pages, v_pages))
+        else:
+            out = attend(h, cos, sin, ctx, k_pages, v_pages)
+            x, h = self.self_attn.o_proj.add_norm(out, x, self.post_attention_layernorm)
         return x, self.mlp(h)
 
 
@@ -379,6 +384,9 @@ class CausalLM(nn.Module):
     its KV cache holds only its KV heads (kv_layout is per rank).
     """
     supports_tensor_parallel = True
+    # A speculative verification step (k + 1 queries a sequence) can run at fixed shapes (engine/cuda_graphs.py):
+    # the step reads no host count of the context (MLA's prefill does: DeepSeek-V2 turns this off).
+    static_verification = True
     embedding = "model.embed_tokens"
     tie_word_embeddings = False
 

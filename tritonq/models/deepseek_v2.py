@@ -179,6 +179,10 @@ class MLAttention(nn.Module):
 
     def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
         """x [T, D] -> [T, D]; cos/sin [1, T, Dr] at the rows' positions."""
+        return self.o_proj(self.attend(x, cos, sin, ctx, k_pages, v_pages))
+
+    def attend(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
+        """forward before o_proj: x [T, D] -> the heads' outputs [T, H * Dv] (see models.common.DecoderLayer)."""
         T = x.shape[0]
         H, Dn, Dr, Dv, R = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -208,7 +212,7 @@ class MLAttention(nn.Module):
                 out_latent = decode_attention(torch.cat([q_latent, q_rope], dim=-1), k_pages, v_pages,
                                               ctx.context_lens, ctx.block_table, self.scale)
                 out = torch.bmm(out_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, Dv]
-        return self.o_proj(out.reshape(T, H * Dv))
+        return out.reshape(T, H * Dv)
 
 
 def _is_moe_layer(config, layer: int) -> bool:
@@ -219,7 +223,7 @@ def _is_moe_layer(config, layer: int) -> bool:
 
 def default_attention_mode(device: torch.device | str) -> str:
     """"latent" (8.9x less KV cache), but "expanded" on CUDA before sm_80: no latent decode tile fits a T4's
-    64 KB of shared memory per block (its [16, 512] query and accumulator alone take 68 KB: tests/test_fit.py)."""
+    64 KB of shared memory per block (its [16, 512] query and accumulator alone take 68 KB: tests/aot/test_fit.py)."""
     device = torch.device(device)
     cc = compute_capability(device) if device.type == "cuda" else None
     if cc is not None and cc < 80:
@@ -237,6 +241,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     forward(ctx: StepContext, cache: PagedKVCache) -> logits [R, V] (compute dtype), as in
     tritonq.models.common.CausalLM; kv_layout says what its cache pages hold per token (on this rank).
     """
+    static_verification = False  # the latent prefill expands ctx.num_context_tokens rows (a host int)
     supports_expert_parallel = True
 
     routing = staticmethod(deepseek_v2_routing)

@@ -98,6 +98,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
         """x [T, hidden] -> [T, hidden]; cos/sin [1, T, D] at the rows' positions."""
+        return self.o_proj(self.attend(x, cos, sin, ctx, k_pages, v_pages))
+
+    def attend(self, x, cos, sin, ctx: StepContext, k_pages, v_pages):
+        """forward before o_proj: x [T, hidden] -> the heads' outputs [T, heads * head_dim] (DecoderLayer runs
+        o_proj with the residual addition and the next norm in its epilogue, `Linear.add_norm`)."""
         T, H, H_kv = x.shape[0], self.num_heads, self.num_kv_heads
         if self.rotary_dim < self.head_dim:  # partial rotary (GLM-4.5): qk-norm and rope of the first dims here
             qkv = self.qkv_proj(x).view(1, T, H + 2 * H_kv, self.head_dim)
@@ -114,7 +119,7 @@ class LlamaAttention(nn.Module):
             # qk-norm (per head, before rope), rope and the KV write: one launch on a GPU
             out = rope_paged_attention(q, k, v, cos, sin, ctx, k_pages, v_pages, self.scale, self.q_norm,
                                        self.k_norm, window=self.window, sinks=self.sinks)
-        return self.o_proj(out.reshape(T, H * self.head_dim))
+        return out.reshape(T, H * self.head_dim)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -11,7 +11,7 @@ Adding a weight type: its class here, its GEMM kernel in tritonq/kernels/, and i
 `tritonq.kernels.linear.LINEARS`, the one table of (prepare once, run per call) by type (kernels/moe/launch.py's
 `_weight_args` and kernels/cpu/lowbit.py's `_prepare` too, if MoE experts or the CPU backend should run it).
 The kernels import these types for their signatures and checks, so this module imports no kernel
-(the table sits in kernels/linear.py, above both): tests/test_import_graph.py keeps the graph acyclic.
+(the table sits in kernels/linear.py, above both): tests/repo/test_import_graph.py keeps the graph acyclic.
 """
 from __future__ import annotations
 
@@ -60,13 +60,14 @@ class _TypedWeight:
 
     def take_outputs(self, index: torch.Tensor):
         """The weight with output rows (N) reordered / selected by index [N'] (every tensor field whose
-        N dim is `output_dims` names; the bias too). For the types that declare their N dims."""
+        N dim is `output_dims` names; the bias too; a per-tensor scale, which has no N dim, stays). For the types
+        that declare their N dims."""
         dims = getattr(self, "output_dims", None)
         if dims is None:
             raise ValueError(f"{type(self).__name__} cannot reorder its output rows (take_outputs)")
         stacked = self.values.dim() - dims["values_rank"]  # 1 for a stacked weight (leading E), else 0
         return replace(self, **{name: t.index_select(dims[name] + stacked, index.to(t.device))
-                                for name, t in self.tensors().items() if name in dims})
+                                for name, t in self.tensors().items() if name in dims and t.dim() > dims[name] + stacked})
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class Int4Weight(_TypedWeight):
     bits: int = 4
     bias: torch.Tensor | None = None
     code: torch.Tensor | None = None
+    output_dims = {"qweight": 1, "scales": 1, "zeros": 1, "bias": 0, "values_rank": 2}  # each field's N dim
 
     @property
     def values(self) -> torch.Tensor:
@@ -226,6 +228,14 @@ class FP8Weight(_TypedWeight):
     input_scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     weight_only: bool = False
+    output_dims = {"weight": 0, "weight_scale": 0, "bias": 0, "values_rank": 2}  # per channel; see take_outputs
+
+    def take_outputs(self, index: torch.Tensor) -> FP8Weight:
+        """As _TypedWeight's; refused for block scales, whose one scale covers block_size[0] rows."""
+        if self.block_size is not None:
+            raise ValueError(f"FP8Weight with block scales {self.block_size} cannot reorder its output rows: a scale "
+                             "covers a block of rows; keep the stored order")
+        return super().take_outputs(index)
 
     @property
     def values(self) -> torch.Tensor:
@@ -380,6 +390,7 @@ class W8A8Weight(_TypedWeight):
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    output_dims = {"weight": 0, "weight_scale": 0, "bias": 0, "values_rank": 2}  # each field's N dim, unstacked
 
     @property
     def values(self) -> torch.Tensor:
@@ -427,8 +438,79 @@ class W8A8Weight(_TypedWeight):
                          "int4/int8 weight-only and fp8 experts")
 
 
-Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight | W8A8Weight
-WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight, MXFP4Weight, W8A8Weight)
+@dataclass(frozen=True)
+class GGUFWeight(_TypedWeight):
+    """A GGUF block format that no integer zero can express (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), repacked at load
+    (formats/gguf.py) into planes a GEMM reads along N with the exact values of the format:
+
+    lo       [K / 8, N] int32: the low 4 bits of each code, packed along K (Int4Weight's 4-bit packing).
+    hi       [K * (bits - 4) / 32, N] int32 or None: the code's bits above 4 (1 for Q5_*, 2 for Q6_K), packed so.
+    scales   [K / group, N] fp32: the format's d, or d * sub-block scale (exact in fp32: 11 x 8 bits).
+    offsets  [K / group, N] fp32 or None: m (Q4_1 / Q5_1) or -dmin * sub-block min (Q4_K / Q5_K).
+    zero     the code's fixed offset (Q5_0: 16, Q6_K: 32; else 0).
+    code     fp32 [16] or None: IQ4_NL / IQ4_XS's non-uniform levels; with it a code q means code[q] (zero 0).
+    Dequant, in fp32: W[n, k] = (q - zero) * scale (+ offset), or code[q] * scale: the gguf package's products and
+    sums, whose products are exact in fp32, so the values are its values bit for bit. type_name names the format.
+    """
+    lo: torch.Tensor
+    hi: torch.Tensor | None
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    group_size: int
+    bits: int
+    zero: int
+    type_name: str
+    bias: torch.Tensor | None = None
+    code: torch.Tensor | None = None
+    output_dims = {"lo": 1, "hi": 1, "scales": 1, "offsets": 1, "bias": 0, "values_rank": 2}
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.lo
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.lo.shape[-1], self.lo.shape[-2] * 8)
+
+    def codes(self) -> torch.Tensor:
+        """The unsigned codes q [K, N] (int32)."""
+        q = unpack_int32(self.lo, 4, dim=0)
+        if self.hi is not None:
+            q |= unpack_int32(self.hi, self.bits - 4, dim=0) << 4
+        return q
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W [N, K] in fp32 (dtype None) or dtype: the format's values (class docstring)."""
+        g = torch.arange(self.shape[1], device=self.lo.device) // self.group_size
+        q = self.codes()
+        w = (self.code[q.long()] if self.code is not None else (q - self.zero).float()) * self.scales[g]
+        if self.offsets is not None:
+            w = w + self.offsets[g]
+        return w.t().to(dtype or torch.float32)
+
+    def scales_constant_over(self, block_k: int) -> bool:
+        return self.group_size % block_k == 0
+
+    def stacked_shape(self, what: str) -> tuple[int, int, int]:
+        raise ValueError(f"{what}: GGUF {self.type_name} experts run per expert, not through the fused MoE kernel")
+
+    @classmethod
+    def _concat_outputs(cls, parts: list[GGUFWeight], bias: torch.Tensor | None) -> GGUFWeight:
+        first = parts[0]
+        if len({p.type_name for p in parts}) != 1:
+            raise ValueError(f"cannot fuse GGUF linears of different block types "
+                             f"{sorted({p.type_name for p in parts})}")
+        cat = lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts], -1)
+        return replace(first, lo=cat("lo"), hi=cat("hi"), scales=cat("scales"), offsets=cat("offsets"), bias=bias)
+
+    @classmethod
+    def _stack_experts(cls, parts: list[GGUFWeight]) -> GGUFWeight:
+        raise ValueError("GGUF K-quant / Q4_1 / Q5_x experts are not stacked for the fused MoE kernel (the GGUF "
+                         "loader reads such experts dense)")
+
+
+Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight | W8A8Weight | GGUFWeight
+WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight, MXFP4Weight, W8A8Weight, GGUFWeight)
 
 
 @dataclass(frozen=True)

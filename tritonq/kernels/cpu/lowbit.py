@@ -9,7 +9,7 @@ TRITONQ_BACKEND=torch still runs them: the test oracle). `prepare(w)` makes a we
   to fp32 and run as an fp32 GEMM.
 
 In the batch-invariant mode 4-bit weights run the eager kernel at every row count and dequantized ones the C loop.
-Each path's tolerance (tests/kernels/test_cpu_lowbit.py) and measurements: docs/cpu.md.
+Each path's tolerance (tests/kernels/cpu/test_cpu_lowbit.py) and measurements: docs/cpu.md.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from tritonq.kernels import batch_invariant
 from tritonq.kernels.cpu import dense as cpu_dense, native as cpu_native
 from tritonq.kernels.common import ClampedSwiGLU
 from tritonq.quant.packing import unpack_int32
-from tritonq.quant.weights import DenseWeight, Int4Weight, MXFP4Weight, Weight
+from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, MXFP4Weight, Weight
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu ac
 N_MULTIPLE = 64
 DEQUANTIZE_ABOVE_M = 32  # without the template: rows above which dequantize + bf16 GEMM beats the kernel (docstring)
 # Rows repacked per call at load. The packed layout groups rows in blocks of 32 (a 256-row slice packs
-# to exactly its rows of the whole weight, checked in tests/kernels/test_cpu_lowbit.py); a slice's
+# to exactly its rows of the whole weight, checked in tests/kernels/cpu/test_cpu_lowbit.py); a slice's
 # int32 temporaries are 2 x 256 x K x 4 bytes instead of 2 x N x K x 4 (8x the packed weight each).
 PACK_ROWS = 256
 
@@ -313,6 +313,10 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
         return CPUDenseWeight(w.weight.float(), bias)
     if isinstance(w, Int4Weight):
         w.check_g_idx()  # every g_idx entry names a scales row (what the reference checks per call)
+    if isinstance(w, GGUFWeight) and w.bits == 4 and w.code is None:  # Q4_1 / Q4_K: q*s + o = (q - 8)*s + (8s + o)
+        _note("GGUF Q4_1 / Q4_K weights run torch's CPU int4 kernel, their fp32 scales and offsets rounded to bf16")
+        return _prepare_int4(Int4Weight(w.lo, w.scales, None, None, w.group_size, 4, w.bias),
+                             float_zeros=8 * w.scales + w.offsets)
     if isinstance(w, Int4Weight) and w.code is not None:
         reason = "bitsandbytes nf4/fp4 (a code table, not the integer levels torch's int4 kernel takes)"
     elif isinstance(w, Int4Weight) and w.bits == 4:
@@ -334,8 +338,9 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
     return CPUDenseWeight(dense.t().contiguous().t(), bias)  # [K, N] storage: MKL's decode GEMV is faster
 
 
-def _prepare_int4(w: Int4Weight) -> CPUInt4Weight | None:
-    """torch's CPU int4 layout for w, or None when its groups cannot be cut into KERNEL_GROUPS."""
+def _prepare_int4(w: Int4Weight, float_zeros: torch.Tensor | None = None) -> CPUInt4Weight | None:
+    """torch's CPU int4 layout for w, or None when its groups cannot be cut into KERNEL_GROUPS. float_zeros [G, N]:
+    the kernel's float zeros themselves (W = (q - 8) * scale + float zero) instead of w's integer zeros."""
     N, K = w.shape
     group_of_row = w.g_idx.long() if w.g_idx is not None else torch.arange(K) // w.group_size
     perm = None
@@ -364,7 +369,10 @@ def _prepare_int4(w: Int4Weight) -> CPUInt4Weight | None:
         packed[n0:n1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_nk, 1)  # innerKTiles: unused on CPU
     groups = F.pad(group_of_row, (0, K_pad - K), value=int(group_of_row[-1]))[::kernel_group]  # ours, per kernel group
     scales = w.scales.float()[groups]  # [K_pad / kernel_group, N]
-    zeros = (8.0 - w.zeros.float()[groups]) * scales if w.zeros is not None else torch.zeros_like(scales)
+    if float_zeros is not None:
+        zeros = float_zeros.float()[groups]
+    else:
+        zeros = (8.0 - w.zeros.float()[groups]) * scales if w.zeros is not None else torch.zeros_like(scales)
     scales_zeros = torch.zeros(K_pad // kernel_group, N_pad, 2)
     scales_zeros[:, :N, 0], scales_zeros[:, :N, 1] = scales, zeros
     scales_zeros = scales_zeros.to(torch.bfloat16)

@@ -37,7 +37,7 @@ QUERY_ROWS = 32  # query rows (queries x the query heads of a kv head) per atten
 
 _INT, _I64, _PTR, _FLOAT = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # The library's exports as ctypes declares them: name -> (restype, argtypes), one entry per prototype of
-# csrc/tritonq_cpu.h (tests/kernels/test_cpu_abi.py parses the header and compares).
+# csrc/tritonq_cpu.h (tests/kernels/cpu/test_cpu_abi.py parses the header and compares).
 SIGNATURES = {
     "tritonq_paged_attention": (_INT, [_PTR, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                        _I64, _I64, _I64, _FLOAT, _PTR, _I64]),

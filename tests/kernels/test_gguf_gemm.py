@@ -1,0 +1,74 @@
+"""gguf_gemm (Triton, in the interpreter off a GPU) against a float32 matmul on the weights the gguf package
+dequantizes from the same random blocks (gguf.quants.dequantize: independent of tritonq), for every block
+format kept as GGUFWeight, at odd shapes: M = 1, 3, 17, 64 (decode split-K and tiled paths), N off the 64-wide
+tile, K a whole number of the format's blocks but off the 128-deep tile where the format allows (32-blocks).
+
+Tolerances (tests/tolerances.py's int4_gemm entry, relative to max |reference|): the kernel forms each weight in
+fp32 with the file's exact values (the repack's exactness is checked bit for bit below), then, as int4_gemm,
+meets x in x's dtype with fp32 accumulation: fp32 differs by summation order, fp16 / bf16 by the weight's
+rounding to that dtype and one rounding of y.
+"""
+import pytest
+import tolerances
+import torch
+from formats.gguf_files import random_weight
+
+from tritonq.formats.gguf import BLOCK_FORMATS, PLANAR
+from tritonq.kernels.gguf_gemm import GGUFGemm, GGUFGemmConfig, gguf_gemm_reference
+from tritonq.quant.weights import GGUFWeight
+
+TOL = tolerances.table("int4_gemm")
+
+
+def shapes(type_name):
+    return [(96, 512)] if BLOCK_FORMATS[type_name][0] == 256 else [(80, 288)]
+
+
+@pytest.mark.parametrize("type_name", list(PLANAR))
+def test_repack_keeps_the_gguf_values_bit_for_bit(type_name):
+    with torch.device("cpu"):
+        w, reference = random_weight(type_name, 48, 512, seed=1)
+        assert torch.equal(w.dequantize().view(torch.int32), reference.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("type_name", list(PLANAR))
+def test_gguf_gemm_matches_float32_reference(type_name, dtype, device):
+    for N, K in shapes(type_name):
+        with torch.device("cpu"):
+            w, W = random_weight(type_name, N, K)
+        w, W = w.to(device), W.to(device)
+        gemm = GGUFGemm(w)
+        for M in ((1, 3, 17, 64) if dtype == torch.float32 else (1, 17)):
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M), device="cpu")
+            x = x.to(device=device, dtype=dtype)
+            ref = x.float() @ W.t()
+            y = gemm(x)
+            assert y.dtype == dtype and y.shape == (M, N)
+            tol = TOL[dtype]
+            torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_bias_split_k_and_the_reference(device):
+    """A bias is added once across split-K slices; an explicit config with SPLIT_K 4 and the torch reference
+    agree with the float32 matmul."""
+    with torch.device("cpu"):
+        w, W = random_weight("Q6_K", 40, 1024, seed=2)
+        bias = torch.randn(40)
+    w = GGUFWeight(**{**w.__dict__, "bias": bias}).to(device)
+    W, bias = W.to(device), bias.to(device)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(0), device="cpu").to(device)
+    ref = x @ W.t() + bias
+    tol = TOL[torch.float32]
+    for y in (GGUFGemm(w)(x, GGUFGemmConfig(16, 32, 128, SPLIT_K=4)), gguf_gemm_reference(x, w)):
+        torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_bad_weights_and_activations_are_refused():
+    with torch.device("cpu"):
+        w, _ = random_weight("Q5_K", 16, 256)
+        with pytest.raises(ValueError, match=r"gguf_gemm: hi is None, expected torch.int32 \[8, 16\]"):
+            GGUFGemm(GGUFWeight(**{**w.__dict__, "hi": None}))
+        with pytest.raises(ValueError, match=r"gguf_gemm: x is torch.float32 of shape \(2, 128\), expected "
+                                             r"fp16/bf16/fp32 \[M, 256\]"):
+            GGUFGemm(w)(torch.zeros(2, 128))

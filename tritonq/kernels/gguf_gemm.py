@@ -1,0 +1,290 @@
+"""GGUF block-format dequantize-GEMM (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): y = x @ W^T + bias.
+
+Shapes and dtypes:
+    x       [M, K] fp16 / bf16 / fp32
+    w       GGUFWeight (tritonq.quant.weights): lo [K/8, N] int32 (low 4 bits of each code, packed along K), hi
+            [K*(bits-4)/32, N] int32 or None (the bits above 4), scales [K/group, N] fp32, offsets [K/group, N]
+            fp32 or None; a value is (q - zero) * scale (+ offset), group 32 or 16 (Q6_K); IQ4_NL / IQ4_XS:
+            code[q] * scale with code the 16 fp32 levels.
+    y       [M, N] in x.dtype; accumulation in fp32.
+
+The load-time repack (formats/gguf.py) keeps the file's values exactly: the super-block's fp16 d times its
+6- or 8-bit sub-block scale is exact in fp32, and so is every (q - zero) * scale product, so the kernel forms
+each weight in fp32 with the gguf package's own one rounding (the offset's add) and only then casts it to x's
+dtype for the dot. The code becomes a float without an int-to-float conversion (2^23 | q, as
+common.dequantize_int_tile does in fp32). Planes are K-packed and N-contiguous like Int4Weight's, so every
+weight load is a row of BLOCK_N words (16-byte vectors); a K tile holds BLOCK_K / group scale rows, broadcast
+over their group by a reshape.
+
+Paths by M as int4_gemm's: M <= 16 (decode) BLOCK_M 16 with split-K reduced in the launch
+(`common.reduce_split_k`), else a tiled GEMM. `GGUFGemm` resolves config, grid and arguments once per M
+bucket (`common.GemmPlan`): one launch per call. CPU backend: `cpu_linear` dequantizes a tile of output
+columns at a time into a small buffer and multiplies it (no dense copy of the weight is kept);
+`gguf_gemm_reference` (TRITONQ_BACKEND=torch) is the oracle.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+import triton
+import triton.language as tl
+
+from tritonq.kernels import backend, batch_invariant
+from tritonq.kernels.common import (
+    GemmPlan,
+    Launch,
+    WeightGemm,
+    check_launch_config,
+    config_rows,
+    gemm_output,
+    next_pow2,
+    reduce_split_k,
+    split_k_arrivals,
+    store_output,
+    tuned_or_default,
+    unpack_int_tile,
+    upcast_dot,
+)
+from tritonq.quant.weights import GGUFWeight
+
+SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
+CPU_TILE_BYTES = 2 << 20  # fp32 bytes of the weight tile the CPU path dequantizes at a time
+
+
+@dataclass(frozen=True)
+class GGUFGemmConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_K: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _gguf_gemm_kernel(
+    x_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_xk,
+    BITS: tl.constexpr, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_CODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    partials_ptr, arrivals_ptr,
+):
+    """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K); with SPLIT_K > 1 the
+    slices meet in `common.reduce_split_k`."""
+    HIGH: tl.constexpr = BITS - 4
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows = offs_m.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        offs_lo = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(lo_ptr + offs_lo[:, None] * N + offs_n[None, :],
+                        mask=(offs_lo < K // 8)[:, None] & mask_n[None, :], other=0)
+        q = unpack_int_tile(words, 4)
+        if HIGH > 0:
+            offs_hi = k0 * HIGH // 32 + tl.arange(0, BLOCK_K * HIGH // 32)
+            high = tl.load(hi_ptr + offs_hi[:, None] * N + offs_n[None, :],
+                           mask=(offs_hi < K * HIGH // 32)[:, None] & mask_n[None, :], other=0)
+            q = q | (unpack_int_tile(high, HIGH) << 4)
+        offs_g = k0 // GROUP + tl.arange(0, GROUPS)
+        mask_g = (offs_g < K // GROUP)[:, None] & mask_n[None, :]
+        s = tl.load(scales_ptr + offs_g[:, None] * N + offs_n[None, :], mask=mask_g, other=0.0)
+        if HAS_CODE:  # IQ4: q indexes 16 fp32 levels (64 bytes, in L1)
+            v = tl.load(code_ptr + q)
+        else:  # q - zero exactly, as an fp32 (2^23 + q has ulp 1)
+            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZERO)
+        # then the format's scale and offset, in fp32
+        v = tl.reshape(v, (GROUPS, GROUP, BLOCK_N)) * s[:, None, :]
+        if HAS_OFFSETS:
+            v += tl.load(offsets_ptr + offs_g[:, None] * N + offs_n[None, :], mask=mask_g, other=0.0)[:, None, :]
+        w = tl.reshape(v, (BLOCK_K, BLOCK_N))
+        if UPCAST_DOT:  # fp32 x (exact ieee dot), or bf16 under the interpreter (common.upcast_dot)
+            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc)
+
+    if HAS_BIAS:  # added once: by the first K slice only
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if SPLIT_K > 1:
+        total, last = reduce_split_k(acc, partials_ptr, arrivals_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k,
+                                     rows, offs_n, mask_m, mask_n, M, N, SPLIT_K)
+        if last:
+            store_output(out_ptr, total, rows, offs_n, mask_m, N, N, False)
+    else:
+        store_output(out_ptr, acc, rows, offs_n, mask_m, N, N, False)
+
+
+def default_config(M: int, N: int, K: int) -> GGUFGemmConfig:
+    """Defaults in code, used when no tuned JSON entry exists for this GPU and shape."""
+    if M <= SPLIT_K_MAX_M:
+        block_n, block_k = 64, 128
+        split_k = max(1, min(16, next_pow2(triton.cdiv(264, triton.cdiv(N, block_n))), triton.cdiv(K, block_k) // 2))
+        return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
+    if M <= 64:
+        return GGUFGemmConfig(max(16, next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
+    return GGUFGemmConfig(128, 128, 64, 1, num_warps=8, num_stages=3)
+
+
+def config_bucket(M: int, N: int, K: int, w: GGUFWeight) -> str:
+    """Key of the tuned-config JSON: M rounded up to a power of two; exact N, K and the block type."""
+    return f"M{next_pow2(M)}_N{N}_K{K}_{w.type_name}"
+
+
+def _fail(name: str, found, expected: str, fix: str) -> NoReturn:
+    raise ValueError(f"gguf_gemm: {name} is {found}, expected {expected}; {fix}")
+
+
+def _check_weight(w: GGUFWeight) -> tuple[int, int]:
+    """Validate a GGUFWeight's planes; returns (N, K)."""
+    if not isinstance(w, GGUFWeight):
+        _fail("w", type(w).__name__, "GGUFWeight", "load it through tritonq.formats.gguf")
+    if w.bits not in (4, 5, 6) or w.group_size not in (16, 32):
+        _fail("(bits, group_size)", (w.bits, w.group_size), "bits 4 / 5 / 6, group 16 or 32",
+              "repack with tritonq.formats.gguf")
+    N, K = w.shape
+    groups = (torch.float32, (K // w.group_size, N))
+    expected = {"lo": (torch.int32, (K // 8, N)), "hi": (torch.int32, (K * (w.bits - 4) // 32, N)),
+                "scales": groups, "offsets": groups, "bias": (w.bias.dtype if w.bias is not None else None, (N,)),
+                "code": (torch.float32, (16,))}
+    if w.code is not None and (w.bits != 4 or w.zero or w.offsets is not None):
+        _fail("code", f"set with bits={w.bits}, zero={w.zero}, offsets {w.offsets is not None}",
+              "a code table with 4-bit codes, zero 0 and no offsets (IQ4_NL / IQ4_XS)",
+              "repack with tritonq.formats.gguf")
+    for name, (dtype, shape) in expected.items():
+        t = getattr(w, name)
+        if t is None and (name != "hi" or w.bits == 4):
+            continue
+        if t is None or (name == "hi" and w.bits == 4) or t.dtype != dtype or tuple(t.shape) != shape:
+            _fail(name, None if t is None else f"{t.dtype} of shape {tuple(t.shape)}",
+                  "None" if name == "hi" and w.bits == 4 else f"{dtype} {list(shape)}",
+                  "repack with tritonq.formats.gguf")
+        if not t.is_contiguous():
+            _fail(name, f"non-contiguous with strides {t.stride()}", "a contiguous tensor",
+                  "call .contiguous() at load")
+    return N, K
+
+
+class GGUFGemm(WeightGemm):
+    """gguf_gemm over one weight, checked once here. Per (M bucket, x dtype) the config, grid and launch
+    arguments are resolved once (`GemmPlan`); a call checks x, picks the backend and runs one launch."""
+
+    def __init__(self, w: GGUFWeight):
+        self.N, self.K = _check_weight(w)
+        super().__init__(w)
+        self.device, self.plans = w.lo.device, {}
+
+    def __call__(self, x: torch.Tensor, config: GGUFGemmConfig | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.K or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            _fail("x", f"{x.dtype} of shape {tuple(x.shape)}", f"fp16/bf16/fp32 [M, {self.K}]",
+                  "flatten leading dims to M first")
+        if x.device != self.device:
+            _fail("x", f"on {x.device}", f"on the weight's device {self.device}", "move x or the weight")
+        b = backend(x)
+        if b == "cpu":
+            return cpu_linear(x, self.w)
+        if b == "torch":
+            return gguf_gemm_reference(x, self.w)
+        M = x.shape[0]
+        if config is not None:
+            plan = _plan(x, self.w, config, M)
+        else:
+            key = (next_pow2(M), x.dtype, batch_invariant())
+            plan = self.plans.get(key)
+            if plan is None:
+                rows = config_rows(M)
+                config = tuned_or_default("gguf_gemm", config_bucket(rows, self.N, self.K, self.w),
+                                          default_config(rows, self.N, self.K))
+                plan = self.plans[key] = _plan(x, self.w, config, key[0])
+        return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
+
+
+def _plan(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, max_m: int) -> GemmPlan:
+    check_launch_config("gguf_gemm", config, GGUFGemmConfig)
+    launch = gguf_gemm_launch(x, w, config, arrivals=split_k_arrivals(max_m, w.shape[0], config, x.device))[0]
+    return GemmPlan(launch, "out_ptr", ("x_ptr", "stride_xm", "stride_xk"), w.shape[0], config.BLOCK_M,
+                    triton.cdiv(w.shape[0], config.BLOCK_N), config.SPLIT_K, flat=False)
+
+
+def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig,
+                     arrivals: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
+    """The launch of _gguf_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and its
+    output y [M, N]; over meta tensors what the AOT tests compile. BLOCK_K is at least 32 (a word of Q5's
+    fifth bits) and at most K rounded up to a power of two."""
+    (M, K), N = x.shape, w.shape[0]
+    block_k = max(32, min(config.BLOCK_K, next_pow2(K)))
+    out, partials, arrivals = gemm_output(M, N, config, x.dtype, x.device, arrivals)
+    args = dict(
+        x_ptr=x, lo_ptr=w.lo, hi_ptr=w.hi if w.hi is not None else w.lo, scales_ptr=w.scales,
+        offsets_ptr=w.offsets if w.offsets is not None else w.scales,
+        code_ptr=w.code if w.code is not None else w.scales,
+        bias_ptr=w.bias if w.bias is not None else w.scales, out_ptr=out, M=M, N=N, K=K,
+        stride_xm=x.stride(0), stride_xk=x.stride(1), BITS=w.bits, ZERO=w.zero, GROUP=w.group_size,
+        HAS_OFFSETS=w.offsets is not None, HAS_CODE=w.code is not None, HAS_BIAS=w.bias is not None,
+        UPCAST_DOT=upcast_dot(x),
+        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=config.SPLIT_K,
+        partials_ptr=partials, arrivals_ptr=arrivals)
+    grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
+    return Launch(_gguf_gemm_kernel, grid, args, config.num_warps, config.num_stages), out
+
+
+def gguf_gemm_reference(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """Plain torch: dequantize (fp32) -> fp32 matmul (+ bias) -> x.dtype. The oracle (TRITONQ_BACKEND=torch)."""
+    _check_weight(w)
+    y = x.float() @ w.dequantize().t()
+    if w.bias is not None:
+        y = y + w.bias.float()
+    return y.to(x.dtype)
+
+
+def cpu_linear(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """The CPU backend: y = x @ W^T a tile of output columns at a time, each tile dequantized (fp32, the exact
+    values) from the planes into a buffer of ~CPU_TILE_BYTES and multiplied; the weight stays in its planes.
+    int32 shifts over the packed words, then one product (and add) per weight: docs/gguf.md has its speed."""
+    N, K = w.shape
+    tile = max(16, CPU_TILE_BYTES // (4 * K) // 16 * 16)
+    high = w.bits - 4
+    shifts_lo = torch.arange(0, 32, 4, dtype=torch.int32)[:, None]
+    shifts_hi = torch.arange(0, 32, max(high, 1), dtype=torch.int32)[:, None]
+    xf = x.float()
+    y = torch.empty(x.shape[0], N)
+    for n0 in range(0, N, tile):
+        cols = slice(n0, min(n0 + tile, N))
+        q = ((w.lo[:, cols].unsqueeze(1) >> shifts_lo) & 15).view(K, -1)
+        if high:
+            q |= ((w.hi[:, cols].unsqueeze(1) >> shifts_hi) & ((1 << high) - 1)).view(K, -1) << 4
+        v = w.code[q] if w.code is not None else (q - w.zero).float()
+        v = v.view(K // w.group_size, w.group_size, -1) * w.scales[:, None, cols]
+        if w.offsets is not None:
+            v += w.offsets[:, None, cols]
+        torch.matmul(xf, v.view(K, -1), out=y[:, cols])
+    if w.bias is not None:
+        y += w.bias.float()
+    return y.to(x.dtype)
+
+
+def aot_launch(config: GGUFGemmConfig, M: int, N: int, K: int, bits: int, group: int, offsets: bool,
+               dtype: torch.dtype = torch.bfloat16, code: bool = False) -> Launch:
+    """`gguf_gemm_launch` over meta tensors for an N x K weight of `bits`-bit codes, scales per `group`, with
+    offsets or not (Q4_K: 4, 32, True; Q5_K: 5, 32, True; Q6_K: 6, 16, False), a code table (IQ4) or not, no bias."""
+    meta = torch.device("meta")
+    scales = torch.empty(K // group, N, dtype=torch.float32, device=meta)
+    w = GGUFWeight(torch.empty(K // 8, N, dtype=torch.int32, device=meta),
+                   torch.empty(K * (bits - 4) // 32, N, dtype=torch.int32, device=meta) if bits > 4 else None,
+                   scales, torch.empty_like(scales) if offsets else None, group, bits, 0, f"{bits}-bit",
+                   code=torch.empty(16, device=meta) if code else None)
+    return gguf_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config)[0]
