@@ -190,7 +190,7 @@ def test_hybrid_decode_step_reads_no_device_value_on_the_host(tmp_path, monkeypa
     launched = []
     for name in ("conv_launch", "rule_launch", "gated_rms_norm_launch"):
         monkeypatch.setattr(deltanet, name, lambda *args, name=name: lambda: launched.append(name))
-    monkeypatch.setattr(deltanet, "use_triton", lambda x: True)
+    monkeypatch.setattr(deltanet, "backend", lambda x: "triton")
     memo = {}
     logits = to_meta(model, memo)(to_meta(ctx, memo), to_meta(runner.cache, memo))
     assert logits.device.type == "meta" and logits.shape == (4, model.config.vocab_size)

@@ -3,6 +3,7 @@ before any weight is read (tritonq.load re-exports it).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 import functools
@@ -342,11 +343,12 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _tokenizer(folder: Path):
-    """The folder's tokenizer, loaded before any weight so a missing one fails fast."""
+def _tokenizer(folder: Path, config):
+    """The folder's tokenizer, loaded before any weight so a missing one fails fast (config: the transformers config
+    made from config.json, which AutoTokenizer would otherwise read again)."""
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, config=config)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"{folder}: cannot load a tokenizer ({type(e).__name__}: {str(e).strip()[:300]}); a "
                          "checkpoint folder needs its tokenizer files (tokenizer.json, or tokenizer.model with "
@@ -493,12 +495,14 @@ def _checkpoint(name_or_path: str | Path, revision: str | None, gguf_file: str |
         folder = resolve(name_or_path, revision=revision)
         _check_files(folder)
         raw_config = _read_config(folder)
-        # an image-text model's config: its language model's (get_text_config() is the config itself otherwise)
-        return folder, raw_config, AutoConfig.from_pretrained(folder).get_text_config(), _tokenizer(folder)
+        # transformers' config made from the dict read once (not from the file again); an image-text model's
+        # config: its language model's (get_text_config() is the config itself otherwise)
+        config = AutoConfig.for_model(**copy.deepcopy(raw_config))
+        return folder, raw_config, config.get_text_config(), _tokenizer(folder, config)
     weights = gguf.GGUFWeights(files)
     raw_config = gguf.read_config(weights)
     _check_config(raw_config, weights.folder)
-    config = AutoConfig.for_model(**raw_config)
+    config = AutoConfig.for_model(**copy.deepcopy(raw_config))
     return weights.folder, raw_config, config, gguf.tokenizer(weights)
 
 
@@ -565,7 +569,7 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     if dtype is None:
         dtype = _default_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
     loader = get_loader(folder, dtype, device, o.quantize, 128 if o.group_size is None else o.group_size,
-                        rank=rank, world=world)
+                        rank=rank, world=world, config=raw_config)
     max_seq_len = max_seq_len or min(positions, 4096)
     if o.batch_invariant and device.type == "cpu" and cpu_native.library() is None:
         raise ValueError("batch_invariant=True on CPU runs the linears and attention on tritonq's C kernels "

@@ -285,7 +285,7 @@ class Engine:
             return rid
         seq = Sequence(rid, prompt_ids, config.max_new_tokens, extra=request)
         # The penalties' (repetition, presence, frequency) seen tokens are kept incrementally per request
-        # (runner.SeenTokens), and so is a structured output's grammar state, which rows carrying unverified
+        # (tritonq.engine.sampler.SeenTokens), and so is a structured output's grammar state, which rows carrying unverified
         # proposals would corrupt: no speculation for them.
         if not request.sampling.penalized and request.grammar is None:
             seq.num_speculative_tokens = self.num_speculative_tokens

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
+from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.common import (
     GemmPlan,
     Launch,
@@ -194,9 +194,10 @@ class GGUFGemm(WeightGemm):
                   "flatten leading dims to M first")
         if x.device != self.device:
             _fail("x", f"on {x.device}", f"on the weight's device {self.device}", "move x or the weight")
-        if use_cpu_kernels(x):
+        b = backend(x)
+        if b == "cpu":
             return cpu_linear(x, self.w)
-        if not use_triton(x):
+        if b == "torch":
             return gguf_gemm_reference(x, self.w)
         M = x.shape[0]
         if config is not None:
