@@ -55,7 +55,8 @@ LOAD_CASES = {  # name: (variant kwargs, load kwargs, exception, phrase)
     "unknown_model_type": ({"config": {"model_type": "gpt_foo"}}, {}, ValueError,
                            "model_type 'gpt_foo' is not supported; supported: ['deepseek_v2', 'deepseek_v3', 'falcon', "
                            "'gemma3', 'gemma3_text', 'glm4_moe', 'gpt_oss', 'llama', 'mistral', 'mixtral', 'mpt', "
-                           "'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe']"),
+                           "'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', "
+                           "'qwen3_5_text', 'qwen3_moe', 'qwen3_next']"),
     "no_tokenizer": ({"drop": TOKENIZER_FILES}, {}, ValueError, "cannot load a tokenizer"),
     "max_seq_len_zero": ({}, {"max_seq_len": 0}, ValueError, "max_seq_len=0; expected a positive int"),
     "max_seq_len_negative": ({}, {"max_seq_len": -4}, ValueError, "max_seq_len=-4; expected a positive int"),
