@@ -13,7 +13,7 @@
 # a temporary folder outside $OUT at the end, also after a step ran out of time). Exit 1 if a step failed.
 # Time: the script stops itself by TOTAL seconds. Each step runs under `timeout -s INT -k KILL LIMIT`
 # (SIGINT: pytest still writes its JUnit XML, Python cleans up its temp checkpoints); the headline steps'
-# limits add up to 420 s (tests/test_gpu_session.py checks it), so a rerun fits the device time; the other
+# limits add up to 420 s (tests/bench/test_gpu_session.py checks it), so a rerun fits the device time; the other
 # steps run only while their limit still fits under TOTAL.
 set -uo pipefail
 TOTAL=${TOTAL:-540}   # s, the whole script, kill grace and merge included (TOTAL=420 for a shorter session)
@@ -138,7 +138,7 @@ for m in 1 256; do
 done
 tune_session() {
   step machine 20 "$py" -c "import torch; print(torch.cuda.get_device_name())"
-  # the tune steps' limits add up to 240 s (tests/test_gpu_session.py); each budget leaves ~20 s for imports
+  # the tune steps' limits add up to 240 s (tests/bench/test_gpu_session.py); each budget leaves ~20 s for imports
   step tune_int4 150 "$py" -m tritonq.tune --kernel int4_gemm --near-default --budget 125 --shapes "$LLAMA_SHAPES"
   step tune_moe 90 "$py" -m tritonq.tune --kernel moe --near-default --budget 70 --shapes "$MOE_SHAPES"
   mkdir -p "$out/configs"

@@ -9,7 +9,7 @@ Triton kernels, `tune --dry-run` in process) and are skipped where kernels run n
 `*_compile(s)_*` or `*_aot_*` compile kernels ahead of time for GPUs we may not have and are marked
 `aot` (no GPU needed: python -m tritonq.check leaves them out on CUDA).
 `-p fake_gpu` (tests/fake_gpu.py, on PYTHONPATH=tests) makes the `device` fixture `meta` instead: the kernel
-tests as on a GPU, without one (tests/test_fake_gpu.py runs them so in CI).
+tests as on a GPU, without one (tests/repo/test_fake_gpu.py runs them so in CI).
 """
 import os
 import re

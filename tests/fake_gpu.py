@@ -19,7 +19,7 @@ What meta cannot do and CUDA can is allow-listed, narrowly (META_ONLY): reading 
 (`.item()`, `.tolist()`, `bool()`, `.cpu()`) and the few data-dependent ops meta has no kernel for. A
 test that fails with one of those is reported as xfailed ("stopped at a meta-only data access") with the
 line that read the data; every other failure stays a failure. `--fake-gpu-report=PATH` writes a JSON
-summary (outcomes, Triton kernels launched) for tests/test_fake_gpu.py.
+summary (outcomes, Triton kernels launched) for tests/repo/test_fake_gpu.py.
 """
 import collections
 import json

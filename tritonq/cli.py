@@ -25,9 +25,7 @@ import importlib.util
 import sys
 import time
 
-from tritonq.config import KV_CACHE_DTYPES  # torch-free: the parsers are built before torch loads
-
-QUANTIZE_ON_LOAD = ("int4", "fp8", "fp8-mlp")  # tritonq.formats.dense.QUANTIZE_ON_LOAD (a test keeps them equal)
+from tritonq.config import EngineConfig  # torch-free: the parsers are built before torch loads
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -97,35 +95,31 @@ def add_load_options(parser: argparse.ArgumentParser, tensor_parallel: bool = Fa
     group.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                        help="compute dtype (auto: bf16 on CPUs with AVX512-BF16 / AMX, else fp32; on CUDA the "
                             "checkpoint's fp16, else bf16)")
-    group.add_argument("--quantize", choices=QUANTIZE_ON_LOAD, default=None,
-                       help="quantize a dense checkpoint on load (round to nearest)")
-    group.add_argument("--group-size", type=int, default=None, help="int4 group size for --quantize int4 (default 128)")
     group.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     add_threads_option(group)
     group.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
     group.add_argument("--gguf-file", default=None,
                        help="the .gguf file to load from a hub id or folder holding several (a .gguf path or a "
                             "folder of gguf-split shards needs none)")
-    group.add_argument("--max-seq-len", type=int, default=None,
-                       help="prompt + completion tokens per sequence (default: min(the model's positions, 4096))")
-    group.add_argument("--max-num-seqs", type=int, default=128, help="sequences the engine runs at once")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens one engine step computes")
-    group.add_argument("--kv-cache-gb", type=float, default=None,
-                       help="KV cache budget in GiB (default: on CPU 4 at most, on CUDA from "
-                            "gpu_memory_utilization 0.9)")
-    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                       help="KV cache storage (auto: the model dtype; fp8: e4m3, per-tensor scales from the "
-                            "checkpoint or 1.0; int8: per token-head scales); 8-bit holds ~2x the tokens")
-    group.add_argument("--batch-invariant", action="store_true",
-                       help="each sequence's tokens independent of what else is in its batch, in bf16 / fp16 too "
-                            "(fixed reduction orders; slower: docs/batch_invariance.md)")
-    if tensor_parallel:
-        group.add_argument("--tensor-parallel", type=int, default=None,
-                           help="split the model over N processes (torchrun --nproc-per-node N; default: "
-                                "WORLD_SIZE)")
-        group.add_argument("--expert-parallel", action="store_true",
-                           help="MoE models under tensor parallelism: whole routed experts per rank (E/N each) "
-                                "instead of every expert split by its intermediate size")
+    add_engine_options(group, tensor_parallel)
+
+
+def add_engine_options(group, tensor_parallel: bool = False) -> None:
+    """One option per EngineConfig field, with its default and help (config.py writes both once); the fields
+    marked parallel (tensor / expert parallelism) only where tensor_parallel. A bool field is --NAME /
+    --no-NAME; load_model hands the fields back as an EngineConfig."""
+    for f in dataclasses.fields(EngineConfig):
+        meta = f.metadata
+        if meta.get("parallel") and not tensor_parallel:
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        kind = {"bool": argparse.BooleanOptionalAction}.get(f.type.split(" ")[0])
+        if kind is not None:
+            group.add_argument(flag, dest=f.name, action=kind, default=f.default, help=meta["help"])
+        else:
+            types = {"int": int, "float": float}
+            group.add_argument(flag, dest=f.name, type=types.get(f.type.split(" ")[0], str), default=f.default,
+                               choices=meta.get("choices"), metavar=meta.get("metavar"), help=meta["help"])
 
 
 def check_device(parser: argparse.ArgumentParser, device: str | None) -> None:
@@ -158,20 +152,15 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace, warm_u
     import tritonq
 
     check_device(parser, args.device)
-    options = dict(dtype=None if args.dtype == "auto" else args.dtype, device=args.device, quantize=args.quantize,
-                   group_size=args.group_size, revision=args.revision, max_seq_len=args.max_seq_len,
-                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
-                   warm_up=warm_up, batch_invariant=args.batch_invariant,
-                   gguf_file=args.gguf_file)
-    if getattr(args, "tensor_parallel", None) is not None:
-        options["tensor_parallel"] = args.tensor_parallel
-    if getattr(args, "expert_parallel", False):
-        options["expert_parallel"] = True
-    if getattr(args, "speculative_config", None) is not None:
-        options["speculative"] = args.speculative_config
+    engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
     try:
-        return tritonq.load(args.model, **options)
+        config = EngineConfig(**engine)
+    except (ValueError, TypeError) as e:
+        fail(parser, e)
+    options = dict(dtype=None if args.dtype == "auto" else args.dtype, device=args.device, revision=args.revision,
+                   threads=args.threads, warm_up=warm_up, gguf_file=args.gguf_file)
+    try:
+        return tritonq.load(args.model, config=config, **options)
     except (ValueError, OSError) as e:  # what load refuses says what to change; the traceback adds nothing
         fail(parser, e)
 

@@ -1,7 +1,8 @@
 """The options a model runs with, each checked once when its config is made (clear errors, before any
 work): `EngineConfig` (what `tritonq.load` takes for the engine and the KV cache) and `GenerationConfig`
 (how one request generates), with `SpeculativeConfig` (speculative decoding, an EngineConfig field).
-tritonq.api.load builds the EngineConfig, the engine and the runner take them as made, and nothing re-checks them.
+tritonq.api.load builds the EngineConfig and hands it whole to the engine (Engine, kv_cache_blocks), which take it as
+made: below here its rules are asserts, not checks.
 
 Imports neither torch nor any other tritonq module: the models, the engine and the command lines
 (before torch loads) all import it.
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # tritonq.load's kv_cache_dtype: "auto" stores K/V in the model dtype; "fp8" (float8_e4m3fn, one scale per layer
 # for k and for v) and "int8" (one scale per token and kv head) store 1 byte per value (kernels/attention/pages.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+QUANTIZE_ON_LOAD = ("int4", "fp8", "fp8-mlp")  # tritonq.formats.dense.QUANTIZE_ON_LOAD (a test keeps them equal)
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) are taken as 0 (greedy); see GenerationConfig
@@ -175,36 +177,49 @@ class GenerationConfig:
                              f"ends (EOS is allowed exactly when it is complete); leave {name} out.")
 
 
+def option(default, help: str, **cli):
+    """An EngineConfig field: its default (written here only) and the help of its command-line option, which
+    tritonq.cli generates from the field (cli: flag, choices, metavar, parallel=True for the serve-only ones)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine and KV-cache options of `tritonq.load` (its docstring says what each does), checked when
-    made: the checks that need no file, raised before anything is read.
-
-    max_seq_len: tokens of one request (None: from the model's config). quantize / group_size: quantize a
-    dense checkpoint while loading (group_size: int4 only). max_num_seqs, max_num_batched_tokens: the
-    scheduler's limits per step. kv_cache_gb / gpu_memory_utilization: the KV budget. block_size: tokens per
-    KV block (a power of two >= 16). kv_cache_dtype: one of KV_CACHE_DTYPES. enable_prefix_caching: reuse
-    prompt-prefix blocks. cuda_graphs / compile: None (the device's default), True or False.
-    tensor_parallel: None (follow the launcher) or a process count; expert_parallel: True or False.
-    speculative: None, or speculative decoding's SpeculativeConfig (a dict or its JSON text is parsed).
-    batch_invariant: True or False (each sequence's results independent of what else runs in its batch).
-    """
-    max_seq_len: int | None = None
-    quantize: str | None = None
-    group_size: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    kv_cache_gb: float | None = None
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    cuda_graphs: bool | None = None
-    compile: bool | None = None
-    tensor_parallel: int | None = None
-    expert_parallel: bool = False
-    speculative: SpeculativeConfig | None = None  # a dict or JSON text is parsed (SpeculativeConfig.parse)
-    batch_invariant: bool = False
+    made: the checks that need no file, raised before anything is read. Each field's default is written once,
+    here; the commands' options are made from these fields (tritonq.cli.add_load_options). load resolves
+    max_seq_len (None: from the model) before the engine gets the config."""
+    max_seq_len: int | None = option(None, "prompt + completion tokens per sequence (default: min(the model's "
+                                           "positions, 4096))")
+    quantize: str | None = option(None, "quantize a dense checkpoint on load (round to nearest)",
+                                  choices=QUANTIZE_ON_LOAD)
+    group_size: int | None = option(None, "int4 group size for --quantize int4 (default 128; -1: one group per "
+                                          "output channel)")
+    max_num_seqs: int = option(128, "sequences the engine runs at once")
+    max_num_batched_tokens: int = option(2048, "tokens one engine step computes")
+    kv_cache_gb: float | None = option(None, "KV cache budget in GiB (default: on CPU 4 at most, on CUDA from "
+                                             "--gpu-memory-utilization)")
+    gpu_memory_utilization: float = option(0.9, "fraction of the GPU's memory the weights, steps and KV cache "
+                                                "may use (CUDA)")
+    block_size: int = option(16, "tokens per KV block (a power of two >= 16)")
+    kv_cache_dtype: str = option("auto", "KV cache storage (auto: the model dtype; fp8: e4m3, per-tensor scales "
+                                         "from the checkpoint or 1.0; int8: per token-head scales); 8-bit holds "
+                                         "~2x the tokens", choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes earlier requests computed")
+    cuda_graphs: bool | None = option(None, "capture decode steps as CUDA graphs (default: on with one CUDA GPU)")
+    compile: bool | None = option(None, "torch.compile the CPU decode step per batch bucket (default: off)")
+    tensor_parallel: int | None = option(None, "split the model over N processes (torchrun --nproc-per-node N; "
+                                               "default: WORLD_SIZE)", parallel=True)
+    expert_parallel: bool = option(False, "MoE models under tensor parallelism: whole routed experts per rank "
+                                          "(E/N each) instead of every expert split by its intermediate size",
+                                   parallel=True)
+    speculative: SpeculativeConfig | None = option(  # a dict or JSON text is parsed (SpeculativeConfig.parse)
+        None, 'speculative decoding, e.g. \'{"method": "ngram", "num_tokens": 4}\' or \'{"method": "draft", '
+              '"model": "PATH_OR_ID", "num_tokens": 4}\' (see tritonq.load)', flag="--speculative-config",
+        metavar="JSON")
+    batch_invariant: bool = option(False, "each sequence's tokens independent of what else is in its batch, in "
+                                          "bf16 / fp16 too (fixed reduction orders; slower: "
+                                          "docs/batch_invariance.md)")
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

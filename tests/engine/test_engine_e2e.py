@@ -17,6 +17,7 @@ from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 
 import tritonq
 from tritonq.demo import byte_tokenizer
+from tritonq.config import EngineConfig
 from tritonq.engine.engine import Engine
 from tritonq.formats.registry import get_loader
 from tritonq.api.model import Model
@@ -118,7 +119,7 @@ def deepseek_model(folder, hf, tokenizer, mode: str, blocks: int = NUM_BLOCKS, *
     net = DeepseekV2ForCausalLM(hf.config, get_loader(folder, torch.float32, "cpu"), torch.float32, "cpu",
                                 attention_mode=mode)
     options = dict(ENGINE, **engine)
-    return Model(net, tokenizer, Engine(net, tokenizer, set(), num_blocks=blocks, max_seq_len=512, **options), 512)
+    return Model(net, tokenizer, Engine(net, tokenizer, EngineConfig(max_seq_len=512, **options), eos_token_ids=set(), num_blocks=blocks), 512)
 
 
 @pytest.mark.parametrize("mode", ["expanded", "latent"])

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tritonq.config import EngineConfig
 from tritonq.engine import kv_sizing
 from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_buckets
 from tritonq.engine.kv_sizing import kv_cache_blocks, warmup_prompt_lengths
@@ -32,14 +33,12 @@ def test_cuda_block_count_is_capped_by_the_sequences_it_can_hold(monkeypatch):
     seen = {}
     monkeypatch.setattr(kv_sizing, "_free_gpu_bytes",
                         lambda model, *args: seen.setdefault("args", args) and 125 * GiB)
-    blocks = kv_cache_blocks(fake_cuda_model(), block_size=16, max_seq_len=4096, max_num_seqs=128,
-                             max_num_batched_tokens=2048, cuda_graphs=True)
+    blocks = kv_cache_blocks(fake_cuda_model(), EngineConfig(max_seq_len=4096), cuda_graphs=True)
     assert blocks == 128 * 4096 // 16
     assert seen["args"] == (16, 4096, 128, 2048, 0.9, True)
     # less free memory than the sequences need: the free memory decides
     monkeypatch.setattr(kv_sizing, "_free_gpu_bytes", lambda model, *args: GiB / 4)
-    assert kv_cache_blocks(fake_cuda_model(), block_size=16, max_seq_len=4096, max_num_seqs=128,
-                           max_num_batched_tokens=2048) == GiB // 4 // (16 * 1024)
+    assert kv_cache_blocks(fake_cuda_model(), EngineConfig(max_seq_len=4096)) == GiB // 4 // (16 * 1024)
 
 
 @pytest.mark.parametrize("tokens, max_seq_len, max_num_seqs, expected", [

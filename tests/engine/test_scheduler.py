@@ -13,8 +13,8 @@ import random
 import pytest
 
 from tritonq.engine.block_manager import BlockManager
-from tritonq.engine.scheduler import ScheduledStep, Scheduler
-from tritonq.engine.sequence import Sequence, SequenceStatus
+from tritonq.engine.scheduler import ScheduledStep, Scheduler, StepKind
+from tritonq.engine.sequence import Sequence, SequenceStatus, check_fits
 
 BS = 16
 
@@ -98,10 +98,14 @@ def assert_all_blocks_free(bm: BlockManager):
     assert all(bm.blocks[i].hash == h for h, i in bm.hash_to_block.items())
 
 
-def test_add_refuses_a_sequence_that_can_never_fit_naming_the_numbers():
-    sched = make(num_blocks=4)
+def test_the_fit_rule_names_the_numbers_and_add_asserts_it():
+    """check_fits (run once, by Engine.check_request) refuses a request that can never fit; the scheduler, given
+    only checked requests, asserts it."""
     with pytest.raises(ValueError, match=r"sequence 0 has 50 tokens \+ max_new_tokens=15 = 65 tokens, which need 5 KV "
                                          r"blocks of 16, but the cache has 4 \(64 tokens\)"):
+        check_fits("sequence 0", 50, 15, num_blocks=4, block_size=BS)
+    sched = make(num_blocks=4)
+    with pytest.raises(AssertionError):
         sched.add(Sequence(0, [1] * 50, max_new_tokens=15))
     assert not sched.has_unfinished()
     sched.add(Sequence(1, [1] * 50, max_new_tokens=14))           # exactly 64 tokens fits
@@ -112,7 +116,7 @@ def test_add_refuses_duplicate_ids_and_bad_limits():
     sched.add(Sequence(3, [1, 2], 4))
     with pytest.raises(ValueError, match="sequence id 3 is already queued"):
         sched.add(Sequence(3, [5], 4))
-    with pytest.raises(ValueError, match="max_num_seqs is 8 and max_num_batched_tokens is 4"):
+    with pytest.raises(AssertionError):  # EngineConfig refuses it first (tests/test_bad_input.py)
         make(max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="max_new_tokens is 0"):
         Sequence(0, [1], 0)
@@ -160,6 +164,41 @@ def test_admission_under_token_budget_chunks_the_last_prompt():
     sim.run()
     assert [s.token_ids for s in seqs] == [reference_tokens(s.token_ids[:30], 3) for s in seqs]
     assert_all_blocks_free(sched.block_manager)
+
+
+def test_step_kind_says_what_the_step_holds():
+    """StepKind: prefill alone, decode alone (the one-query path: one logits row each), decode + prefill
+    (mixed), decodes with lookahead slots (verify) and scoring sequences (score), each flag from what is in
+    the step, independent of which optional fields happen to be set."""
+    sched = make(max_num_batched_tokens=64)
+    sim = Simulator(sched)
+    sched.add(Sequence(0, list(range(20)), max_new_tokens=8))
+    step = sched.schedule()
+    assert step.kind == StepKind.PREFILL and step.is_prefill and step.logits_for() == [1]
+    sched.postprocess(step, sim.run_step(step))
+    step = sched.schedule()
+    assert step.kind == StepKind.DECODE and not step.is_prefill and step.logits_for() == [1]
+    sched.postprocess(step, sim.run_step(step))
+    sched.add(Sequence(1, list(range(5, 45)), max_new_tokens=2))
+    step = sched.schedule()
+    assert step.kind == StepKind.MIXED == StepKind.DECODE | StepKind.PREFILL and step.is_prefill
+    assert [s.seq_id for s in step.seqs] == [0, 1] and step.logits_for() == [1, 1]
+    sched.postprocess(step, sim.run_step(step))
+    speculating = Sequence(2, list(range(3, 13)), max_new_tokens=6)
+    speculating.num_speculative_tokens = 3
+    sched.add(speculating)
+    sched.add(Sequence(3, list(range(9)), 0, scoring=True))
+    step = sched.schedule()  # 0 and 1 decode; 2 and the scoring 3 are admitted
+    assert step.kind == StepKind.MIXED | StepKind.SCORE and step.start == [s.next_position for s in step.seqs]
+    assert step.logits_for() == [1, 1, 1, 9]  # a scoring sequence: every position it computes
+    sched.postprocess(step, sim.run_step(step)[:3] + [None])  # scored, not sampled
+    for seq in list(sched.running):
+        if seq.seq_id != 2:
+            sched.finish(seq)
+    step = sched.schedule()  # 2 alone decodes, with 3 lookahead slots for proposals
+    assert step.kind == StepKind.DECODE | StepKind.VERIFY and step.lookahead == [3] and not step.is_prefill
+    proposed = step.with_proposals([[7, 8]])
+    assert proposed.kind == step.kind and proposed.is_prefill and proposed.logits_for() == [3]
 
 
 def test_long_prompt_is_prefilled_in_chunks_then_decoded():

@@ -392,7 +392,7 @@ def test_server_option_is_checked_at_parse_and_metrics_report_the_engines_counte
     with pytest.raises(SystemExit):
         parse_args(["m", "--speculative-config", '{"method": "ngram"}'])  # no num_tokens
     _, args = parse_args(["m", "--speculative-config", '{"method": "ngram", "num_tokens": 2}'])
-    assert args.speculative_config
+    assert args.speculative
     model = tritonq.load(folders[0], speculative={"method": "ngram", "num_tokens": 3}, **ENGINE)
     model.generate(repetitive_prompts(2), max_new_tokens=16, ignore_eos=True)
     metrics = ServerMetrics("m")

@@ -15,6 +15,7 @@ from models.test_llama_family import MAX_LEN, build
 from models.test_qwen3_5 import ATOL, write_checkpoint
 
 import tritonq
+from tritonq.config import EngineConfig
 from tritonq.demo import byte_tokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.kv_sizing import kv_cache_blocks
@@ -126,8 +127,8 @@ def test_kv_sizing_pays_for_the_state_pool_first(tmp_path):
                         c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)
     block = 1 * 2 * c.num_key_value_heads * c.head_dim * 4 * 16  # 1 full-attention layer, k + v, 16 tokens
     budget = 40 * block + 5 * per_slot + block // 2
-    blocks = kv_cache_blocks(build(tmp_path), block_size=16, max_seq_len=MAX_LEN, max_num_seqs=4,
-                             max_num_batched_tokens=64, kv_cache_gb=budget / 2 ** 30)
+    config = EngineConfig(max_seq_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_gb=budget / 2 ** 30)
+    blocks = kv_cache_blocks(build(tmp_path), config)
     assert blocks == 40
 
 
@@ -170,7 +171,7 @@ def test_hybrid_decode_step_reads_no_device_value_on_the_host(tmp_path, monkeypa
     """The static decode step (a bucket of 4 holding 3) of a hybrid model on the meta device, where .item(),
     .tolist(), nonzero and boolean-mask indexing raise: the model and the deltanet wrappers on their GPU path (the
     kernel launches stubbed: meta tensors have no data) update the conv and delta-rule states at the step's slot
-    indices without a host read, so CUDA graphs can capture them (tests/test_cuda_graphs.py's contract)."""
+    indices without a host read, so CUDA graphs can capture them (tests/engine/test_cuda_graphs.py's contract)."""
     from test_cuda_graphs import to_meta
 
     from tritonq.kernels import deltanet
@@ -189,7 +190,7 @@ def test_hybrid_decode_step_reads_no_device_value_on_the_host(tmp_path, monkeypa
     launched = []
     for name in ("conv_launch", "rule_launch", "gated_rms_norm_launch"):
         monkeypatch.setattr(deltanet, name, lambda *args, name=name: lambda: launched.append(name))
-    monkeypatch.setattr(deltanet, "use_triton", lambda x: True)
+    monkeypatch.setattr(deltanet, "backend", lambda x: "triton")
     memo = {}
     logits = to_meta(model, memo)(to_meta(ctx, memo), to_meta(runner.cache, memo))
     assert logits.device.type == "meta" and logits.shape == (4, model.config.vocab_size)

@@ -257,3 +257,40 @@ def test_no_eos_anywhere_warns(base, tmp_path, caplog, monkeypatch):
         pytest.skip("this tokenizer keeps an EOS token whatever tokenizer_config.json says")
     assert "no EOS token id in config.json, generation_config.json or the tokenizer: generation runs until " \
            "max_new_tokens or a stop string" in caplog.text
+
+
+def test_load_reads_config_json_once(base, monkeypatch):
+    """tritonq.load parses config.json once and hands the dict down (the checks, transformers' config and
+    tokenizer, the loader) instead of each reading the file: every read of a file named config.json is counted
+    (an open that reads nothing, the files' readability check, is not a read)."""
+    import builtins
+    import io
+    from pathlib import Path
+
+    reads, real_open = [], io.open
+
+    class Counted:
+        def __init__(self, f, name):
+            self.f, self.name = f, name
+
+        def read(self, *args):
+            reads.append(self.name)
+            return self.f.read(*args)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def __getattr__(self, attr):
+            return getattr(self.f, attr)
+
+    def counting_open(file, *args, **kwargs):
+        f = real_open(file, *args, **kwargs)
+        return Counted(f, str(file)) if isinstance(file, (str, Path)) and Path(file).name == "config.json" else f
+
+    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr(builtins, "open", counting_open)
+    tritonq.load(base, max_seq_len=64)
+    assert reads == [str(base / "config.json")]

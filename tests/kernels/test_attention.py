@@ -29,7 +29,7 @@ from tritonq.kernels.attention import (
 # PV dot (as every flash kernel does), and the output is rounded once: a few ulps of that dtype.
 # bf16 is not run here: triton 3.9's interpreter does bf16 arithmetic on the raw bits (a bf16
 # tile times 1.0 comes back as ~1e32, and so does a bf16 tl.dot), so bf16 is covered by the AOT
-# fit test (tests/test_fit.py) and by the GPU benchmark, which checks against SDPA in bf16.
+# fit test (tests/aot/test_fit.py) and by the GPU benchmark, which checks against SDPA in bf16.
 TOL = tolerances.table("attention")
 
 # (Dqk, Dv, H, Hkv): head dims 64, 128, 96 and DeepSeek-V2's 192/128; GQA ratios 1, 4, 8.

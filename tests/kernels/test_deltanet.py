@@ -176,7 +176,6 @@ def test_recurrent_step_matches_transformers(backend, dtype, monkeypatch):
 
 def _hf_conv(x, weight, bias, state, activation):
     """transformers' conv over [state | x] (torch fallback of causal_conv1d_update, seq_len = len(x))."""
-    W = weight.shape[1]
     hf_state = torch.cat([torch.zeros(x.shape[1], 1), state.float()], dim=1)[None]  # its state keeps W inputs
     y = hf.causal_conv1d_update(x.T[None].float(), hf_state, weight.float(), None if bias is None else bias.float(),
                                 activation=activation)

@@ -2,7 +2,7 @@
 no interpreter, no TRITONQ_BACKEND=torch) against transformers on the dequantized weights, and dense Llama /
 Mistral (sliding window) through the CPU attention path against the torch references (TRITONQ_BACKEND=torch).
 
-Tolerances, stated once (the per-GEMM ones are in kernels/cpu/lowbit.py and tests/kernels/test_cpu_lowbit.py):
+Tolerances, stated once (the per-GEMM ones are in kernels/cpu/lowbit.py and tests/kernels/cpu/test_cpu_lowbit.py):
   fp32 paths (GPTQ 8-bit, FP8 weight-only as on GPUs below sm_89): the same arithmetic in another
       summation order, as test_llama.py / test_deepseek_v2.py on the torch references: Llama atol 1e-4,
       DeepSeek atol 2e-4 rtol 1e-4 (|logits| <= ~1).
@@ -45,7 +45,7 @@ FORMATS = {  # name: (format, write_quantized options, CPU path of its linears)
     "fp8_tensor": ("fp8", dict(fp8_scheme="tensor"), cpu_lowbit.CPUDenseWeight),
 }
 # (block fp8 is written with 128 x 128 blocks, which these tiny fused q/k/v and gate/up cannot hold;
-# tests/kernels/test_cpu_lowbit.py covers it)
+# tests/kernels/cpu/test_cpu_lowbit.py covers it)
 DEEPSEEK_FORMATS = ["awq_g32", "gptq_act_order", "gptq8", "fp8_channel"]
 
 

@@ -292,6 +292,6 @@ def test_quantized_matches_transformers_on_dequantized_weights(checkpoint, fmt, 
 
 @pytest.mark.parametrize("capability, mode", [((7, 5), "expanded"), ((8, 0), "latent"), ((9, 0), "latent")])
 def test_deepseek_attention_defaults_to_expanded_before_sm80(monkeypatch, capability, mode):
-    """No latent-attention tile fits sm_75's 64 KB of shared memory (tests/test_fit.py): DeepSeek expands there."""
+    """No latent-attention tile fits sm_75's 64 KB of shared memory (tests/aot/test_fit.py): DeepSeek expands there."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert default_attention_mode("cuda") == mode and default_attention_mode("cpu") == "latent"

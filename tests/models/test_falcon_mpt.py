@@ -205,10 +205,10 @@ def test_falcon_tensor_parallel_two_ranks_match_one_process(tmp_path):
 
 
 def assert_two_ranks_match_one_process(folders: dict, out) -> None:
-    """Each checkpoint on 2 CPU ranks (tests/test_tensor_parallel.py's run_on_ranks) vs one process, both float32:
+    """Each checkpoint on 2 CPU ranks (tests/parallel/test_tensor_parallel.py's run_on_ranks) vs one process, both float32:
     prefill logits within ATOL (the ranks only regroup the row-parallel sums), rank 0's greedy tokens equal, and
     each rank holding about half of the split layers' bytes."""
-    import test_tensor_parallel as tp
+    from parallel import test_tensor_parallel as tp
     single = {name: tp_run(tritonq.load(folder, device="cpu", max_num_seqs=2, max_seq_len=24))
               for name, folder in folders.items()}
     ranks = tp.run_on_ranks(tp_run, folders, out)

@@ -14,7 +14,7 @@ import torch
 from models.test_llama import dequantized_transformers_model, save_with_random_biases_and_norms
 from models.test_llama_family import MAX_LEN, assert_batched_prefill_matches, assert_greedy_matches, build, prompts_for
 from safetensors.torch import load_file
-from test_tensor_parallel import run_on_ranks
+from parallel.test_tensor_parallel import run_on_ranks
 from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig
 
 import tritonq

@@ -295,7 +295,7 @@ def test_tensor_parallel_two_ranks_match_one_process(tmp_path):
     """Qwen2 (q/k/v biases, windowed layers) dense and Qwen3 (q/k norm, all biases) AWQ on 2 CPU ranks:
     prefill logits and greedy tokens equal the single process (itself checked against transformers
     above); each rank holds half of the sharded weight bytes. Reuses the Llama TP harness."""
-    import test_tensor_parallel as tp
+    from parallel import test_tensor_parallel as tp
     write_checkpoint(tmp_path / "qwen2", "qwen2_tied_window", sliding_window=4)
     write_checkpoint(tmp_path / "qwen3_dense", "qwen3_untied_bias_window", sliding_window=4, head_dim=16,
                      intermediate_size=128)  # o / down inputs split into whole 32-row groups

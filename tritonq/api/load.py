@@ -3,6 +3,8 @@ before any weight is read (tritonq.load re-exports it).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import errno
 import functools
 import json
@@ -341,11 +343,12 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _tokenizer(folder: Path):
-    """The folder's tokenizer, loaded before any weight so a missing one fails fast."""
+def _tokenizer(folder: Path, config):
+    """The folder's tokenizer, loaded before any weight so a missing one fails fast (config: the transformers config
+    made from config.json, which AutoTokenizer would otherwise read again)."""
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, config=config)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"{folder}: cannot load a tokenizer ({type(e).__name__}: {str(e).strip()[:300]}); a "
                          "checkpoint folder needs its tokenizer files (tokenizer.json, or tokenizer.model with "
@@ -370,13 +373,9 @@ def _load_draft(name_or_path, tokenizer, vocab_size: int, *, dtype, device, max_
 
 
 def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
-         device: str | torch.device | None = None, revision: str | None = None, quantize: str | None = None,
-         group_size: int | None = None, max_seq_len: int | None = None, tensor_parallel: int | None = None,
-         max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, kv_cache_gb: float | None = None,
-         gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
-         cuda_graphs: bool | None = None, compile: bool | None = None, speculative: dict | str | None = None,
-         expert_parallel: bool = False, kv_cache_dtype: str = "auto", threads: int | None = None,
-         warm_up: bool | None = None, batch_invariant: bool = False, gguf_file: str | None = None) -> Model:
+         device: str | torch.device | None = None, revision: str | None = None, threads: int | None = None,
+         warm_up: bool | None = None, gguf_file: str | None = None, config: EngineConfig | None = None,
+         **engine_options) -> Model:
     """Load a checkpoint (local folder or Hugging Face name; dense, AWQ, GPTQ or FP8; or GGUF: a .gguf file, a
     folder of gguf-split shards, or a hub id with gguf_file= naming the file in it, docs/gguf.md) for generation.
 
@@ -394,8 +393,10 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     torchrun on each with --nnodes and a shared --rdzv-endpoint (docs/tensor_parallel.md). expert_parallel=True
     (MoE models under tensor parallelism): each rank holds E/N whole routed experts instead of every expert's 1/N slice.
 
-    Engine options (see tritonq.engine): at most max_num_seqs sequences run at once and one step
-    computes at most max_num_batched_tokens tokens (a longer prompt is prefilled in chunks). The
+    Engine options (see tritonq.engine) are tritonq.config.EngineConfig's fields, given as keyword arguments or
+    whole as config= (keywords replace its fields); each default is EngineConfig's. At most max_num_seqs
+    sequences run at once and one step computes at most max_num_batched_tokens tokens (a longer prompt is
+    prefilled in chunks). The
     paged KV cache (blocks of block_size tokens) is sized from memory, once, here: on CUDA
     gpu_memory_utilization of the GPU's memory less what the weights, the largest prefill and decode steps
     (measured by a warm-up) and the CUDA graphs take; on CPU kv_cache_gb GiB (default: 4); on both at
@@ -447,13 +448,15 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
         check_int("threads", threads, 1)
     if warm_up not in (None, True, False):
         raise TypeError(f"warm_up={warm_up!r}; expected True, False or None.")
-    options = EngineConfig(max_seq_len=max_seq_len, quantize=quantize, group_size=group_size,
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
-                           block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                           enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs, compile=compile,
-                           tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                           speculative=speculative, batch_invariant=batch_invariant)  # checks them all
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(engine_options) - names)
+    if unknown:
+        raise TypeError(f"load() got unknown options {unknown}; the engine options are EngineConfig's fields: "
+                        f"{', '.join(sorted(names))}.")
+    if config is not None and not isinstance(config, EngineConfig):
+        raise TypeError(f"config is a {type(config).__name__}; expected a tritonq.config.EngineConfig (or pass its "
+                        "fields as keyword arguments).")
+    options = dataclasses.replace(config or EngineConfig(), **engine_options)  # checks them all
     if threads is not None:
         import torch
         torch.set_num_threads(threads)
@@ -492,12 +495,14 @@ def _checkpoint(name_or_path: str | Path, revision: str | None, gguf_file: str |
         folder = resolve(name_or_path, revision=revision)
         _check_files(folder)
         raw_config = _read_config(folder)
-        # an image-text model's config: its language model's (get_text_config() is the config itself otherwise)
-        return folder, raw_config, AutoConfig.from_pretrained(folder).get_text_config(), _tokenizer(folder)
+        # transformers' config made from the dict read once (not from the file again); an image-text model's
+        # config: its language model's (get_text_config() is the config itself otherwise)
+        config = AutoConfig.for_model(**copy.deepcopy(raw_config))
+        return folder, raw_config, config.get_text_config(), _tokenizer(folder, config)
     weights = gguf.GGUFWeights(files)
     raw_config = gguf.read_config(weights)
     _check_config(raw_config, weights.folder)
-    config = AutoConfig.for_model(**raw_config)
+    config = AutoConfig.for_model(**copy.deepcopy(raw_config))
     return weights.folder, raw_config, config, gguf.tokenizer(weights)
 
 
@@ -564,7 +569,7 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
     if dtype is None:
         dtype = _default_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
     loader = get_loader(folder, dtype, device, o.quantize, 128 if o.group_size is None else o.group_size,
-                        rank=rank, world=world)
+                        rank=rank, world=world, config=raw_config)
     max_seq_len = max_seq_len or min(positions, 4096)
     if o.batch_invariant and device.type == "cpu" and cpu_native.library() is None:
         raise ValueError("batch_invariant=True on CPU runs the linears and attention on tritonq's C kernels "
@@ -585,14 +590,12 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
         draft = _load_draft(speculative.model, tokenizer, config.vocab_size, dtype=dtype, device=device,
                             max_seq_len=max_seq_len, block_size=block_size, batch_invariant=o.batch_invariant)
     capture = device.type == "cuda" and _capture_graphs(cuda_graphs, world)
-    num_blocks = kv_cache_blocks(model, block_size=block_size, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=o.kv_cache_gb,
-                                 gpu_memory_utilization=o.gpu_memory_utilization, world=world, cuda_graphs=capture,
-                                 # the draft's cache has as many blocks (it holds the running sequences + k each)
-                                 extra_bytes_per_token=0 if draft is None else draft.kv_layout.bytes_per_token(draft.dtype))
-    engine = Engine(model, tokenizer, eos_ids, num_blocks=num_blocks,
-                    block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                    enable_prefix_caching=o.enable_prefix_caching, max_seq_len=max_seq_len, world=world)
+    engine_config = dataclasses.replace(o, max_seq_len=max_seq_len)  # resolved: the engine sizes by it
+    # the draft's cache has as many blocks (it holds the running sequences + k each)
+    draft_bytes = 0 if draft is None else draft.kv_layout.bytes_per_token(draft.dtype)
+    num_blocks = kv_cache_blocks(model, engine_config, world=world, cuda_graphs=capture,
+                                 extra_bytes_per_token=draft_bytes)
+    engine = Engine(model, tokenizer, engine_config, eos_token_ids=eos_ids, num_blocks=num_blocks, world=world)
     if speculative is not None:
         proposer = make_proposer(speculative, draft, num_blocks=num_blocks,
                                  block_size=block_size, max_seq_len=max_seq_len, vocab_size=config.vocab_size,

@@ -7,7 +7,6 @@ stop string or max_new_tokens; results come back in input order.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -16,7 +15,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tritonq.config import MAX_TOP_LOGPROBS, GenerationConfig, check_int
-from tritonq.engine.engine import Engine
+from tritonq.engine.engine import CheckedRequest, Engine, top_dicts
+from tritonq.engine.multiplexer import Multiplexer
 from tritonq.engine.speculative import SpeculativeStats
 
 
@@ -63,21 +63,25 @@ class Model:
     run in lockstep); only rank 0 gets results (`_on_this_rank`: the one place that says what the others get).
 
     Many callers: generate / stream / chat / score may be called concurrently on one Model, from several
-    threads or as interleaved generators of one thread; each gets exactly its own outputs. The engine is
-    stepped by one caller at a time (under `_lock`): whoever needs outputs and has none waiting takes the
-    lock, steps the engine once and routes every output to the inbox of the caller whose request it is
-    (request id -> that caller's deque). A closed or abandoned stream aborts its unfinished requests.
+    threads or as interleaved generators of one thread; each gets exactly its own outputs. They share the
+    engine through `multiplexer` (tritonq.engine.multiplexer, which the server's engine thread uses too):
+    whoever needs outputs and has none waiting steps the engine once, and every output goes to the inbox (a
+    deque) of the caller whose request it is. A closed or abandoned stream releases its unfinished requests.
     A request that fails in the engine (finish_reason "error") raises RuntimeError in its caller.
     """
 
     def __init__(self, model, tokenizer, engine: Engine, max_seq_len: int, rank: int = 0, world: int = 1):
-        self.model, self.tokenizer, self.engine = model, tokenizer, engine
+        self.model, self.tokenizer = model, tokenizer
         self.max_seq_len, self.rank, self.world = max_seq_len, rank, world
-        self._lock = threading.Lock()  # held while the engine is called: one step (or score) at a time
-        self._routes: dict[int, deque] = {}  # request id -> the inbox (deque of RequestOutput) of its caller
-        # Requests of closed callers, aborted by the next lock holder. A generator may be closed by the
-        # garbage collector inside a locked section of its own thread, where it must not wait for the lock.
-        self._to_abort: deque[int] = deque()
+        self.multiplexer = Multiplexer(engine)
+
+    @property
+    def engine(self) -> Engine:
+        return self.multiplexer.engine
+
+    @engine.setter
+    def engine(self, engine) -> None:  # the server wraps it for tensor parallelism (serve.ranks.LeaderEngine)
+        self.multiplexer.engine = engine
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -106,10 +110,9 @@ class Model:
         raise TypeError("prompts must be a str, a list of str, token ids or a list of token id lists; "
                         "got a list mixing these.")
 
-    def _check(self, prompts: list[list[int]], config: GenerationConfig) -> None:
-        """Every request is checked (Engine.check_request) before any is queued, so a bad one costs no work."""
-        for i, p in enumerate(prompts):
-            self.engine.check_request(p, config, name=f"prompt {i}")
+    def _check(self, prompts: list[list[int]], config: GenerationConfig) -> list[CheckedRequest]:
+        """Every request validated (Engine.check_request, once) before any is queued, so a bad one costs no work."""
+        return [self.engine.check_request(p, config, name=f"prompt {i}") for i, p in enumerate(prompts)]
 
     def _config(self, config: GenerationConfig | None, options: dict) -> GenerationConfig:
         """config (default: GenerationConfig()) with options replacing fields; a str / list for stop, a list
@@ -157,10 +160,10 @@ class Model:
         """
         config = self._config(config, options)
         encoded, single = self._encode(prompts)
-        self._check(encoded, config)
+        checked = self._check(encoded, config)
         if not encoded:
             return GenerationOutput([], [], [], [], [], 0.0) if return_dict else []
-        out = self._run(encoded, config, len(encoded) > 8 if progress is None else progress)
+        out = self._run(checked, len(encoded) > 8 if progress is None else progress)
         return self._on_this_rank(out if return_dict else out.text[0] if single else out.text)
 
     def stream(self, prompts, config: GenerationConfig | None = None, **options) -> Iterator:
@@ -171,80 +174,38 @@ class Model:
         part (`_on_this_rank`)."""
         config = self._config(config, options)
         encoded, single = self._encode(prompts)
-        self._check(encoded, config)
-        return self._on_this_rank(self._stream(encoded, config, single))
+        return self._on_this_rank(self._stream(self._check(encoded, config), single))
 
-    def _requests(self, prompts: list[list[int]], config: GenerationConfig, stream: bool) -> Iterator:
-        """Queue the prompts and yield (prompt index, RequestOutput) for each output of theirs, in step
+    def _requests(self, checked: list[CheckedRequest], stream: bool) -> Iterator:
+        """Queue the checked requests and yield (prompt index, RequestOutput) for each output of theirs, in step
         order, stepping the engine when none is waiting; on any exit (an error, Ctrl-C, a stream closed
         early) the unfinished ones are aborted. A request that failed raises RuntimeError."""
         inbox: deque = deque()
-        with self._lock:
-            self._apply_aborts()
-            ids = []
-            try:
-                for p in prompts:
-                    ids.append(self.engine.add_request(p, config, stream=stream))
-                    self._routes[ids[-1]] = inbox
-            except BaseException:
-                for rid in ids:
-                    self._routes.pop(rid, None)
-                    self.engine.abort(rid)
-                raise
+        ids = self.multiplexer.add(checked, inbox.append, stream=stream)
         index = {rid: i for i, rid in enumerate(ids)}
         pending = set(ids)
         try:
             while pending:
-                if not inbox:
-                    self._step(inbox)
+                if not inbox:  # step, unless another caller's step filled the inbox while this one waited
+                    self.multiplexer.step(unless=inbox.__len__)
                     continue
                 out = inbox.popleft()
                 if out.finished:
                     pending.discard(out.request_id)
-                    self._routes.pop(out.request_id, None)
                 if out.finish_reason == "error":
                     raise RuntimeError(f"prompt {index[out.request_id]} failed in the engine: {out.error}")
                 yield index[out.request_id], out
         finally:
-            self._release(pending)
+            self.multiplexer.release(pending)
 
-    def _step(self, inbox: deque) -> None:
-        """Step the engine once and route its outputs to their callers' inboxes, unless another caller's
-        step filled `inbox` while this one waited for the lock."""
-        with self._lock:
-            if inbox:
-                return
-            self._apply_aborts()
-            for out in self.engine.step():
-                route = self._routes.get(out.request_id)
-                if route is not None:  # None: its caller is gone (aborted) or it was added to the engine directly
-                    route.append(out)
-
-    def _release(self, request_ids) -> None:
-        """A caller is done with these (unfinished) requests: drop their routes and abort them, now when
-        the lock is free, else by the next lock holder (never wait here: see _to_abort)."""
-        for rid in request_ids:
-            self._routes.pop(rid, None)
-            self._to_abort.append(rid)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._apply_aborts()
-            finally:
-                self._lock.release()
-
-    def _apply_aborts(self) -> None:
-        """Abort the requests of closed callers; call with the lock held."""
-        while self._to_abort:
-            self.engine.abort(self._to_abort.popleft())
-
-    def _run(self, prompts: list[list[int]], config: GenerationConfig, progress: bool) -> GenerationOutput:
+    def _run(self, checked: list[CheckedRequest], progress: bool) -> GenerationOutput:
         from tritonq.progress import progress_bar
         start = time.perf_counter()
-        requests = [None] * len(prompts)
-        with progress_bar(total=len(prompts), desc="Generating", unit="prompt",
+        requests = [None] * len(checked)
+        with progress_bar(total=len(checked), desc="Generating", unit="prompt",
                           enabled=progress and self.rank == 0) as bar:
             generated = 0
-            for i, out in self._requests(prompts, config, stream=False):
+            for i, out in self._requests(checked, stream=False):
                 if out.finished:
                     requests[i] = out.request
                     generated += len(out.request.token_ids)
@@ -266,8 +227,8 @@ class Model:
             decode_tokens_per_s=decoded / span if decoded and span > 0 else 0.0,
             top_logprobs=[r.top_logprobs for r in requests])
 
-    def _stream(self, prompts: list[list[int]], config: GenerationConfig, single: bool) -> Iterator:
-        for i, out in self._requests(prompts, config, stream=True):
+    def _stream(self, checked: list[CheckedRequest], single: bool) -> Iterator:
+        for i, out in self._requests(checked, stream=True):
             if out.text:
                 yield out.text if single else (i, out.text)
 
@@ -305,14 +266,13 @@ class Model:
     def _score_ids(self, prompts: list[list[int]], progress: bool, desc: str, unit: str,
                    top_logprobs: int = 0) -> list:
         """Engine.score with a progress bar: per prompt (logprobs [T-1] float32, greedy [T-1] bool, top or None;
-        see Engine.score). Holds the lock throughout: Engine.score steps the engine, other callers' requests
-        going on in those steps (their outputs reach them from the next step), so it waits for blocks they
-        hold."""
+        see Engine.score). Holds the engine throughout (Multiplexer.exclusive): Engine.score steps it, other
+        callers' requests going on in those steps (their outputs reach them from the next step), so it waits for
+        blocks they hold."""
         from tritonq.progress import progress_bar
-        with self._lock, progress_bar(total=len(prompts), desc=desc, unit=unit,
-                                      enabled=progress and self.rank == 0) as bar:
-            self._apply_aborts()
-            return self.engine.score(prompts, on_done=lambda i: bar.update(1), top_logprobs=top_logprobs)
+        with self.multiplexer.exclusive() as engine, progress_bar(total=len(prompts), desc=desc, unit=unit,
+                                                                  enabled=progress and self.rank == 0) as bar:
+            return engine.score(prompts, on_done=lambda i: bar.update(1), top_logprobs=top_logprobs)
 
     def perplexity(self, texts, *, context: int | None = None, stride: int | None = None,
                    add_special_tokens: bool = True, return_dict: bool = False, progress: bool | None = None):
@@ -360,12 +320,6 @@ class Model:
                              "Hermes / Qwen style)")
         # the template wrote the special tokens (BOS, turn markers) itself: the tokenizer must not add more
         return self.tokenizer(text, add_special_tokens=False).input_ids
-
-
-def top_dicts(top: tuple[torch.Tensor, torch.Tensor]) -> list[dict[int, float]]:
-    """Engine.score's (ids [T-1, N], logprobs [T-1, N]) as one {token id: log-probability} per position."""
-    ids, values = top
-    return [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
 def text_message(i: int, message: dict) -> dict:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonq.bench.common import backend_label, device_peaks, print_table, results_path, time_ms, write_json
-from tritonq.kernels import use_cpu_kernels
+from tritonq.kernels import backend
 from tritonq.kernels.attention import (decode_attention, decode_attention_reference, paged_cache,
                                        paged_prefill_attention, paged_prefill_attention_reference, paged_prompts,
                                        write_kv_slots, write_kv_slots_reference)
@@ -173,7 +173,7 @@ def _write_case(B, k_pages, v_pages, table, starts, counts, g) -> tuple:
 
 def main(argv: list[str]) -> None:
     on_gpu = torch.cuda.is_available()
-    cpu_backend = not on_gpu and use_cpu_kernels(torch.empty(0))
+    cpu_backend = not on_gpu and backend(torch.empty(0)) == "cpu"
     p = argparse.ArgumentParser(prog="python -m tritonq.bench attention", description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype on GPU (CPU uses float32)")
     p.add_argument("--json", default=results_path("attention_cpu.json" if cpu_backend else "attention.json"),
@@ -181,25 +181,25 @@ def main(argv: list[str]) -> None:
                         "attention_cpu.json on the CPU backend)")
     args = p.parse_args(argv)
     dtype, device = (DTYPES[args.dtype], "cuda") if on_gpu else (torch.float32, "cpu")
-    backend = backend_label(device)
+    label = backend_label(device)
     if cpu_backend:
         rows = bench_cpu_backend(dtype)
-        print(f"CPU attention ({backend}, kernels/cpu/attention.py) vs the torch references; dtype: {dtype}; "
+        print(f"CPU attention ({label}, kernels/cpu/attention.py) vs the torch references; dtype: {dtype}; "
               f"{torch.get_num_threads()} threads; ratio = reference ms / ms")
         print_table(rows)
         if args.json:
             write_json(args.json, "attention", rows, baseline="torch references (decode_attention_reference, "
                        "paged_prefill_attention_reference, write_kv_slots_reference)", dtype=str(dtype),
-                       backend=backend, threads=torch.get_num_threads(),
+                       backend=label, threads=torch.get_num_threads(),
                        command=f"python -m tritonq.bench attention {' '.join(argv)}")
         return
     prefill = bench_prefill(PREFILL_GPU if on_gpu else PREFILL_CPU, dtype, device, on_gpu)
     decode = bench_decode(DECODE_GPU if on_gpu else DECODE_CPU, dtype, device, on_gpu)
-    print(f"attention vs torch SDPA; backend: {backend}; dtype: {dtype}"
+    print(f"attention vs torch SDPA; backend: {label}; dtype: {dtype}"
           + ("" if on_gpu else " (CPU: correctness only, no timings)"))
     print_table(prefill)
     print_table(decode)
     rows = prefill + decode
     if args.json:
         write_json(args.json, "attention", rows, baseline="torch.nn.functional.scaled_dot_product_attention",
-                   dtype=str(dtype), backend=backend, command=f"python -m tritonq.bench attention {' '.join(argv)}")
+                   dtype=str(dtype), backend=label, command=f"python -m tritonq.bench attention {' '.join(argv)}")

@@ -50,12 +50,12 @@ def machine_label() -> str:
 
 def backend_label(device: str) -> str:
     """What a benchmark on `device` times: Triton on a GPU; on CPU the interpreter, the CPU backend
-    (kernels/cpu/lowbit.py, cpu_attention.py) or the torch reference (TRITONQ_BACKEND=torch)."""
-    from tritonq.kernels import use_cpu_kernels, use_triton
-    probe = torch.empty(0, device=device)
-    if use_cpu_kernels(probe):
+    (kernels/cpu/) or the torch reference (TRITONQ_BACKEND=torch)."""
+    from tritonq.kernels import backend
+    chosen = backend(torch.empty(0, device=device))
+    if chosen == "cpu":
         return "torch CPU kernels"
-    if not use_triton(probe):
+    if chosen == "torch":
         return "torch reference"
     return "triton" if device == "cuda" else "triton interpreter"
 

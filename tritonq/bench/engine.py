@@ -216,17 +216,18 @@ class NullModel:
 def null_model_rows(args) -> list[dict]:
     """Median host microseconds per pure decode step (and per sequence) of the engine over NullModel."""
     from tritonq.demo import byte_tokenizer
+    from tritonq.config import EngineConfig, GenerationConfig
     from tritonq.engine.engine import Engine
-    from tritonq.api.model import GenerationConfig
     tokenizer = byte_tokenizer()
     rng = random.Random(0)
     rows = []
     for batch in args.batch_sizes:
         max_seq_len = args.null_prompt_len + 2 + args.null_steps
         blocks = batch * -(-max_seq_len // 16)
-        engine = Engine(NullModel(args.null_vocab, max(batch, 2048) * 2), tokenizer, set(), num_blocks=blocks,
-                        block_size=16, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
-                        enable_prefix_caching=False, max_seq_len=max_seq_len)
+        config = EngineConfig(max_seq_len=max_seq_len, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
+                              enable_prefix_caching=False)
+        engine = Engine(NullModel(args.null_vocab, max(batch, 2048) * 2), tokenizer, config, eos_token_ids=set(),
+                        num_blocks=blocks)
         for penalty, stream in ((1.0, False), (1.1, False), (1.0, True)):
             config = GenerationConfig(max_new_tokens=args.null_steps + 2, repetition_penalty=penalty)
             wall, cpu = [], []

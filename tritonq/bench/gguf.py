@@ -7,7 +7,7 @@ Q4_1 / Q5_x as GGUFWeight: docs/gguf.md); tritonq with every linear of the same 
 load (what transformers does with a GGUF file: the memory it costs, the speed it buys); and llama.cpp's
 `llama-bench` on the same file when it is on PATH (its `tg` test: batch-1 decode; `pp`: prompt tokens/s),
 skipped with a message otherwise. Batch-1 decode tokens/s is (N - 1) / (time(N tokens) - time(1 token)), the
-median of --repeat interleaved runs (bench/generate.py's measure); offline is --batch random prompts generated
+median of --repeat interleaved runs (tritonq/bench/generate.py's measure); offline is --batch random prompts generated
 together, new tokens / wall time. Weight bytes: the linears' typed weights as loaded (the CPU backend's
 repacked copies of 4-bit weights come on top).
 """

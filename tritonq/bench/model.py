@@ -16,7 +16,6 @@ measurement. docs/gpu_kernels.md explains the model and the dequantization it me
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch

@@ -114,7 +114,7 @@ def main(argv: list[str]) -> None:
                     theirs = time_ms(lambda: vllm(x, gate_up.weight, down.weight, weights, ids))
                     row.update(vllm_ms=theirs, vs_vllm=theirs / ours)
                 rows.append(row)
-            del gate_up, down
+            gate_up = down = None  # freed before the next kind's experts
     print(f"fused MoE on {name}, {dtype}")
     print_table(rows)
     if args.out:

@@ -180,7 +180,9 @@ def main(argv: list[str]) -> None:
 def markdown_table(rows: list[dict], speed: bool = True) -> str:
     """The rows as a Markdown table (docs/benchmarks.md, notebooks): perplexity to 3 decimals (the int4 gaps are small);
     speed=False leaves out decode tokens/s (a stored run's speed says little about this machine's)."""
-    fmt = lambda v, spec: "n/a" if not math.isfinite(v) else format(v, spec)
+    def fmt(v, spec):
+        return "n/a" if not math.isfinite(v) else format(v, spec)
+
     speed_head, speed_rule = ("decode tok/s | ", "---:|") if speed else ("", "")
     lines = [f"| variant | perplexity | gap closed | {speed_head}note |", f"|---|---:|---:|{speed_rule}---|"]
     lines += [f"| {r['variant']} | {fmt(r['perplexity'], '.3f')} | {fmt(r['gap_closed'], '.2f')} | "

@@ -108,6 +108,7 @@ class StaticDecodeInputs:
         self.context_lens[:bucket].copy_(torch.tensor(context + [0] * (bucket - B), dtype=torch.int32),
                                          non_blocking=True)
         if self.state_slots is not None:
+            assert state_slots is not None, "a hybrid model's decode step names each row's state slot"
             self.state_slots[:bucket].copy_(torch.tensor(state_slots + [self.scratch_slot] * (bucket - B)),
                                             non_blocking=True)
         for i, table in enumerate(tables):  # padding rows keep stale pages: with context 0 none is read
@@ -162,8 +163,8 @@ class DecodeGraphs:
         buf = self.inputs
         buf.tokens[:, :bucket * buf.queries] = torch.tensor([[0], [0], [-1]], device=buf.device)
         buf.context_lens[:bucket] = 0
-        if buf.state_slots is not None:  # the warm-up and captured steps update only the scratch state
-            buf.state_slots[:bucket] = buf.scratch_slot
+        if buf.state_slots is not None and buf.scratch_slot is not None:  # both or neither (hybrid models)
+            buf.state_slots[:bucket] = buf.scratch_slot  # the warm-up and captured steps update only the scratch state
         return buf.context(bucket, bucket)
 
     def bucket_for(self, num_seqs: int) -> int | None:

@@ -1,14 +1,17 @@
 """The engine: requests in, one step at a time, tokens and text out.
 
-    engine = Engine(model, tokenizer, eos_token_ids, num_blocks=..., block_size=16, ...)
+    engine = Engine(model, tokenizer, EngineConfig(max_seq_len=...), eos_token_ids=..., num_blocks=...)
     rid = engine.add_request(prompt_ids, GenerationConfig(max_new_tokens=32))
     while engine.has_unfinished():
         for out in engine.step():     # a RequestOutput per token a request got this step
             ...                       # out.token_id, out.text (new final text), out.finished
 
-Each step the scheduler picks the sequences (every running decode, then chunked prefills of new
-prompts in what is left of the token budget, preempting when blocks run out), the runner computes them over the
-paged KV cache and samples each one's next token, and the engine finishes a request on EOS (unless
+Each step is a pipeline: the scheduler picks the sequences and says what the step holds (`StepKind`: every
+running decode, then chunked prefills of new prompts in what is left of the token budget, preempting when
+blocks run out), the proposer fills a VERIFY step's lookahead, the runner computes the step over the paged KV
+cache (logits, or None when no row needs them), a SCORE step's rows are scored, the sampler lays out and
+samples the other rows (`Sampler.sample_step`), a verification keeps the accepted proposals
+(`speculative.verify`), and the engine finishes a request on EOS (unless
 ignore_eos, or before min_tokens), a stop token (stop_token_ids, not before min_tokens), a stop string or
 max_new_tokens, freeing its blocks.
 With speculative decoding (`use_speculation`, tritonq.engine.speculative), a decoding sequence's step
@@ -22,7 +25,8 @@ Tensor parallel: every rank holds an Engine and calls it with the same requests 
 order; the schedule is deterministic and the sampled tokens come from rank 0.
 
 Failures: `check_request` refuses a request that could never run before anything is queued (the
-one place for request-level checks: Model and server both call it). A step that raises fails the
+one validation of a request: add_request runs it; Model and the server run it off the engine thread and queue
+its CheckedRequest with add_checked). A step that raises fails the
 requests in it (finish_reason "error", the exception in `error`) and the engine serves the rest;
 rows whose logits are NaN / inf fail the same way without a token. A device error (CUDA error,
 device-side assert) leaves the device unusable: step() raises EngineDeadError, then every later
@@ -37,16 +41,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tritonq.config import GenerationConfig
+from tritonq.config import EngineConfig, GenerationConfig
 from tritonq.engine.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner
 from tritonq.engine.sampler import Sampler, SamplingParams
-from tritonq.engine.scheduler import Scheduler
+from tritonq.engine.scheduler import ScheduledStep, Scheduler, StepKind
 from tritonq.engine.sequence import Sequence, check_fits
-from tritonq.engine.speculative import SpeculativeStats, accept
+from tritonq.engine.speculative import SpeculativeStats, verify
 from tritonq.engine.state_cache import StateSlots, is_hybrid
-from tritonq.engine.structured import Grammars, GrammarState, constraint_of, token_bitmask
+from tritonq.engine.structured import Grammars, GrammarState, constraint_of
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request Engine.check_request validated (made only there): its prompt, its config and its output
+    constraint (compiled); Engine.add_checked queues it without checking it again."""
+    prompt_ids: list[int]
+    config: GenerationConfig
+    constraint: tuple[str, str] | None
 
 
 @dataclass
@@ -100,6 +113,12 @@ class ScoreRequest:
                 if top_n else None)
 
 
+def top_dicts(top: tuple[torch.Tensor, torch.Tensor]) -> list[dict[int, float]]:
+    """Engine.score's (ids [T-1, N], logprobs [T-1, N]) as one {token id: log-probability} per position."""
+    ids, values = top
+    return [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """What one step did for one request: the token it sampled (None when it finished without one:
@@ -143,24 +162,30 @@ NONFINITE_ERROR = ("ValueError: the model produced non-finite logits (NaN or inf
 class Engine:
     """Continuous batching over a paged KV cache; see the module docstring."""
 
-    def __init__(self, model, tokenizer, eos_token_ids: set[int], *, num_blocks: int, block_size: int = 16,
-                 max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 max_seq_len: int | None = None, world: int = 1):
+    def __init__(self, model, tokenizer, config: EngineConfig, *, eos_token_ids: set[int], num_blocks: int,
+                 world: int = 1):
+        """config: the EngineConfig load made (checked there), its max_seq_len resolved; num_blocks: the KV
+        cache's blocks (kv_cache_blocks)."""
+        assert config.max_seq_len is not None, "load resolves max_seq_len before the engine is made"
+        self.config = config
         self.proposer, self.num_speculative_tokens = None, 0  # see use_speculation
         self.speculation = SpeculativeStats()  # every verification since start (the server's metrics)
         self.tokenizer, self.eos_token_ids = tokenizer, set(eos_token_ids)
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = config.max_seq_len
+        enable_prefix_caching = config.enable_prefix_caching
         if is_hybrid(model) and enable_prefix_caching:
             logging.getLogger(__name__).info("prefix caching is off for model_type %r: its linear-attention layers' "
                                              "recurrent state is not kept at block boundaries",
                                              model.config.model_type)
             enable_prefix_caching = False
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching)
         # A scored token's full row of logits costs vocab * 4 bytes (twice, with log_softmax): ~512 MiB a step.
-        scored = max(1, min(max_num_batched_tokens, (512 << 20) // (8 * model.config.vocab_size)))
-        self.state_slots = StateSlots(max_num_seqs) if is_hybrid(model) else None  # one per running sequence
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, scored, self.state_slots)
-        self.runner = ModelRunner(model, num_blocks, block_size, max_seq_len, num_state_slots=max_num_seqs)
+        scored = max(1, min(config.max_num_batched_tokens, (512 << 20) // (8 * model.config.vocab_size)))
+        self.state_slots = StateSlots(config.max_num_seqs) if is_hybrid(model) else None  # one per running sequence
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, scored,
+                                   self.state_slots)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_seq_len,
+                                  num_state_slots=config.max_num_seqs)
         self.sampler = Sampler(world)
         self.requests: dict[int, Request] = {}  # unfinished requests
         self.scores: dict[int, ScoreRequest] = {}  # unfinished scoring requests (add_score)
@@ -212,14 +237,18 @@ class Engine:
         check_fits(name, num_prompt_tokens, max_new_tokens, num_blocks=bm.num_blocks, block_size=bm.block_size,
                    max_seq_len=self.max_seq_len)
 
-    def check_request(self, prompt_ids: list[int], config, *, name: str = "the prompt") -> None:
-        """Every request-level check, before anything is queued (Model and server both call it): the
-        prompt is non-empty, every id an int in [0, vocab_size) (the prompt's, stop_token_ids' and
-        logit_bias's), and prompt + max_new_tokens fits max_seq_len and the KV cache, and its structured-output
-        constraint compiles (compiled here, once per distinct constraint: a bad schema is refused before anything
-        is queued). config: a GenerationConfig (its own fields were checked when it was made). Raises TypeError
-        for a wrong type, ValueError naming the numbers or the grammar error otherwise. Reads constants and the
-        thread-safe grammar cache only: safe to call from any thread."""
+    def check_request(self, prompt_ids: list[int], config: GenerationConfig, *,
+                      name: str = "the prompt") -> CheckedRequest:
+        """The one validation of a request, where it enters the engine (add_request runs it; Model and the server
+        run it first, off the engine thread, and queue its result with add_checked): the prompt is non-empty,
+        every id an int in [0, vocab_size) (the prompt's, stop_token_ids' and logit_bias's), prompt +
+        max_new_tokens fits max_seq_len and the KV cache, and its structured-output constraint compiles (compiled
+        here, once per distinct constraint: a bad schema is refused before anything is queued). config: a
+        GenerationConfig (its own fields were checked when it was made). Raises TypeError for a wrong type,
+        ValueError naming the numbers (RequestTooLong for the fit) or the grammar error otherwise. Reads constants
+        and the thread-safe grammar cache only: safe to call from any thread."""
+        if not isinstance(config, GenerationConfig):
+            raise TypeError(f"config is a {type(config).__name__}; expected a tritonq.GenerationConfig.")
         self.check_token_ids(prompt_ids, name=name)
         vocab_size = self.runner.model.config.vocab_size
         for field_name, ids in (("stop_token_ids", config.stop_token_ids),
@@ -232,20 +261,23 @@ class Engine:
         constraint = constraint_of(config)
         if constraint is not None:
             self.grammars.compile(constraint)
+        return CheckedRequest(list(prompt_ids), config, constraint)
 
-    def add_request(self, prompt_ids: list[int], config, *, stream: bool = True) -> int:
+    def add_request(self, prompt_ids: list[int], config: GenerationConfig, *, stream: bool = True) -> int:
         """Queue a request (config: a GenerationConfig); returns its id. It waits until blocks are free.
         Raises (check_request) before queueing if it could never run. stream=False: the caller reads the
         text only when the request finishes, so unless it has stop strings (checked on the text as it
         grows) it is detokenized once at the end and its outputs before then carry text ""."""
+        return self.add_checked(self.check_request(prompt_ids, config), stream=stream)
+
+    def add_checked(self, checked: CheckedRequest, *, stream: bool = True) -> int:
+        """add_request of a request check_request has validated (not validated again); returns its id."""
         self._check_alive()
-        self.check_request(prompt_ids, config)
-        prompt_ids = list(prompt_ids)
+        prompt_ids, config, constraint = checked.prompt_ids, checked.config, checked.constraint
         rid = next(self._ids)
         request = Request(rid, prompt_ids, config, SamplingParams(config, num_prompt_tokens=len(prompt_ids)),
                           Detokenizer(self.tokenizer, config.stop, min_tokens=config.min_tokens),
                           stream=stream or bool(config.stop), arrival_s=time.perf_counter())
-        constraint = constraint_of(config)
         if constraint is not None:
             request.grammar = self.grammars.matcher(constraint)
         if config.max_new_tokens == 0:
@@ -253,7 +285,7 @@ class Engine:
             return rid
         seq = Sequence(rid, prompt_ids, config.max_new_tokens, extra=request)
         # The penalties' (repetition, presence, frequency) seen tokens are kept incrementally per request
-        # (runner.SeenTokens), and so is a structured output's grammar state, which rows carrying unverified
+        # (tritonq.engine.sampler.SeenTokens), and so is a structured output's grammar state, which rows carrying unverified
         # proposals would corrupt: no speculation for them.
         if not request.sampling.penalized and request.grammar is None:
             seq.num_speculative_tokens = self.num_speculative_tokens
@@ -314,19 +346,17 @@ class Engine:
         if step is None:
             return outputs
         try:
-            if step.lookahead is not None:  # decoding sequences get proposals in their reserved slots
+            if StepKind.VERIFY in step.kind:  # decoding sequences get proposals in their reserved slots
                 step = step.with_proposals(self.proposer.propose(step.seqs, step.lookahead))
             rows = step.logits_for()  # 1 + its proposals where a sequence samples, 0 for a chunk short of its end
             ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
                                       proposals=step.proposals, start=step.start)
             logits = self.runner.run(ctx)
-            if step.start is not None:  # scoring sequences in the step: their rows are scored, the rest sampled
-                logits, rows = self._score_rows(step, rows, logits)
-            row_seqs, params, token_ids, mask_eos = self._sampling_rows(step, rows)
-            tokens, logprobs, tops = self.sampler.sample(logits, params, token_ids, mask_eos=mask_eos,
-                                                        eos_token_ids=self.eos_token_ids,
-                                                        token_bitmask=self._token_bitmask(row_seqs, logits.shape[1])
-                                                        ) if row_seqs else ([], [], [])
+            tokens, logprobs, tops = [], [], []
+            if logits is not None:  # None: only prompt chunks short of their end, nothing to score or sample
+                if StepKind.SCORE in step.kind:  # the scoring sequences' rows are scored, the rest sampled
+                    logits, rows = self._score_rows(step, rows, logits)
+                tokens, logprobs, tops = self.sampler.sample_step(logits, step, rows, self.eos_token_ids)
         except Exception as exc:
             if _is_device_error(exc):
                 self._dead = EngineDeadError(f"the engine cannot continue after a device error: "
@@ -379,7 +409,8 @@ class Engine:
                     break
         return outputs
 
-    def _score_rows(self, step, rows: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def _score_rows(self, step: ScheduledStep, rows: list[int], logits: torch.Tensor
+                    ) -> tuple[torch.Tensor, list[int]]:
         """Score the scoring sequences' rows of a step's logits (each one's chunk appended to its request's
         parts); returns the other rows' logits and the rows per sequence left to sample (0 for scoring ones)."""
         keep, at = [], 0
@@ -406,35 +437,11 @@ class Engine:
         return RequestOutput(request.request_id, None, None, "", True, "scored", request,
                              scores=request.result(self.runner.model.config.vocab_size))
 
-    @staticmethod
-    def _sampling_rows(step, rows: list[int]) -> tuple[list[Sequence], list[SamplingParams], list[list[int]],
-                                                        list[bool] | None]:
-        """Per logits row of the step: its sequence, sampling params, tokens before it and whether EOS / stop ids
-        are masked (min_tokens not reached; None when no row's request has min_tokens). Row j of a sequence
-        samples the token after its tokens + proposals[:j], as a plain decode step at that length would (same
-        noise counter, same min_tokens mask)."""
-        if step.proposals is None:  # one row per sampling sequence (all of a decode step): no per-row work
-            row_seqs = step.seqs if all(rows) else [seq for seq, m in zip(step.seqs, rows) if m]
-            params = [seq.extra.sampling for seq in row_seqs]
-            token_ids = [seq.token_ids for seq in row_seqs]
-            mask_eos = None
-            if any(p.config.min_tokens for p in params):
-                mask_eos = [seq.num_generated < p.config.min_tokens for seq, p in zip(row_seqs, params)]
-            return row_seqs, params, token_ids, mask_eos
-        row_seqs, params, token_ids, mask_eos = [], [], [], []
-        for seq, m, p in zip(step.seqs, rows, step.proposals):
-            for j in range(m):
-                row_seqs.append(seq)
-                params.append(seq.extra.sampling)
-                token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
-                mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
-        return row_seqs, params, token_ids, mask_eos
-
-    def _picks(self, step, rows: list[int], tokens: list, logprobs: list, tops: list,
+    def _picks(self, step: ScheduledStep, rows: list[int], tokens: list, logprobs: list, tops: list,
                outputs: list[RequestOutput]) -> list[list[tuple] | None]:
         """Per sequence of the step: the (token, logprob, top logprobs) it emits, in order (None: a chunk short of
         its end, or a failed row, whose failure output is appended to outputs). With proposals, the tokens its
-        verification accepted (tritonq.engine.speculative.accept), then the target's own."""
+        verification accepted (tritonq.engine.speculative.verify), then the target's own."""
         picks: list[list[tuple] | None] = []
         proposals = step.proposals or itertools.repeat([])
         drawn_rows = iter(zip(tokens, logprobs, tops))
@@ -450,10 +457,7 @@ class Engine:
             elif not p:
                 picks.append(drawn)
             else:
-                emitted = accept(p, [t for t, _, _ in drawn])
-                self.speculation.add(len(p), len(emitted) - 1)
-                seq.extra.speculation.add(len(p), len(emitted) - 1)
-                picks.append([(t, lp, top) for t, (_, lp, top) in zip(emitted, drawn)])  # t: also the drawn token
+                picks.append(verify(p, drawn, (self.speculation, seq.extra.speculation)))
         return picks
 
     def _release(self, request: Request) -> None:
@@ -462,23 +466,11 @@ class Engine:
         if self.proposer is not None:
             self.proposer.release(request.request_id)
 
-    @staticmethod
-    def _token_bitmask(sampling: list[Sequence], vocab_size: int) -> torch.Tensor | None:
-        """The step's structured-output bitmask int32 [R, ceil(V / 32)] (CPU) over the sampling rows: each
-        constrained row filled by its grammar, the others all allowed; None when no row is constrained."""
-        rows = [(r, seq.extra.grammar) for r, seq in enumerate(sampling) if seq.extra.grammar is not None]
-        if not rows:
-            return None
-        bitmask = token_bitmask(len(sampling), vocab_size)
-        for r, grammar in rows:
-            grammar.fill(bitmask, r)
-        return bitmask
-
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise self._dead
 
-    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+    def _fail(self, seq: Sequence[Request | ScoreRequest], error: str) -> RequestOutput:
         """Finish a request of a failed step (or row) with finish_reason "error"; its blocks are freed."""
         self.scheduler.finish(seq)
         if seq.scoring:

@@ -10,7 +10,7 @@ import torch
 
 from tritonq.engine.cuda_graphs import decode_buckets
 from tritonq.engine.runner import ModelRunner
-from tritonq.config import MAX_TOP_LOGPROBS
+from tritonq.config import MAX_TOP_LOGPROBS, EngineConfig
 from tritonq.engine.sampler import Sampler, SamplingParams
 from tritonq.engine.state_cache import state_pool_bytes
 
@@ -18,12 +18,11 @@ log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 4.0  # the CPU default budget (capped by what max_num_seqs sequences of max_seq_len use)
 
 
-def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.9, world: int = 1,
-                    cuda_graphs: bool = False, extra_bytes_per_token: int = 0) -> int:
+def kv_cache_blocks(model, config: EngineConfig, *, world: int = 1, cuda_graphs: bool = False,
+                    extra_bytes_per_token: int = 0) -> int:
     """How many KV blocks the cache gets, from memory (see tritonq.load), and a log line saying what they hold.
-    extra_bytes_per_token: per-token bytes of a second cache with as many blocks (a speculative draft model's),
-    paid from the same budget.
+    config: load's EngineConfig (checked there), its max_seq_len resolved. extra_bytes_per_token: per-token bytes
+    of a second cache with as many blocks (a speculative draft model's), paid from the same budget.
 
     kv_cache_gb: a byte budget (GiB). Otherwise on CUDA: gpu_memory_utilization x the GPU's memory, less
     what is in use (weights, other processes), the peak of the largest steps (`_free_gpu_bytes`) and, with
@@ -31,10 +30,9 @@ def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: i
     max_seq_len tokens use (more would only hold prefix-cached blocks, at the cost of millions of host-side
     block objects on a large GPU). Ranks agree on the smallest count (identical schedules). A hybrid model's
     recurrent-state pool (max_num_seqs sequences, tritonq.engine.state_cache) is paid from the memory first."""
-    if kv_cache_gb is not None and not kv_cache_gb > 0:
-        raise ValueError(f"kv_cache_gb={kv_cache_gb}; expected a positive number of GiB (or None for the default).")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}; expected a fraction in (0, 1].")
+    block_size, max_seq_len, max_num_seqs = config.block_size, config.max_seq_len, config.max_num_seqs
+    kv_cache_gb, gpu_memory_utilization = config.kv_cache_gb, config.gpu_memory_utilization
+    assert max_seq_len is not None, "load resolves max_seq_len before the cache is sized"
     per_token = model.kv_layout.bytes_per_token(model.dtype) + extra_bytes_per_token
     block_bytes = per_token * block_size
     blocks_per_seq = -(-max_seq_len // block_size)
@@ -46,7 +44,7 @@ def kv_cache_blocks(model, *, block_size: int, max_seq_len: int, max_num_seqs: i
         budget -= states
         memory = budget  # before the max_num_seqs cap
     elif model.device.type == "cuda":
-        free = _free_gpu_bytes(model, block_size, max_seq_len, max_num_seqs, max_num_batched_tokens,
+        free = _free_gpu_bytes(model, block_size, max_seq_len, max_num_seqs, config.max_num_batched_tokens,
                                gpu_memory_utilization, cuda_graphs)
         free -= states
         budget, memory = min(free, needed), free

@@ -153,7 +153,7 @@ class ModelRunner:
             return self.static.fill(bucket, ids, positions.tolist(), slots.tolist(), context.tolist(), tables,
                                     state_slots)
         q = self.verify.queries if self.verify is not None else 0
-        if (q and proposals is not None and start is None and B <= self.buckets[-1] and logits_for is not None
+        if (self.verify is not None and proposals is not None and start is None and B <= self.buckets[-1] and logits_for is not None
                 and all(m == q for m in logits_for) and all(n == q for n in num_new_tokens)):
             # a verification step: every sequence scores its last token and q - 1 proposals
             bucket = next(b for b in self.buckets if b >= B)
@@ -190,8 +190,9 @@ class ModelRunner:
             self.states.zero(torch.tensor(fresh, device=self.device))
         return slots
 
-    def run(self, ctx: StepContext) -> torch.Tensor:
-        """Logits [R, V] float32 at ctx.logit_rows (every row when None; a padded decode step's real rows)."""
+    def run(self, ctx: StepContext) -> torch.Tensor | None:
+        """Logits [R, V] float32 at ctx.logit_rows (every row when None; a padded decode step's real rows), or
+        None when ctx.logit_rows is empty (only prompt chunks short of their end: their KV is written)."""
         if ctx.num_seqs is not None:  # a static step: replay its bucket's graph, or run it eagerly
             bucket = ctx.context_lens.shape[0]
             verify = ctx.is_prefill  # a verification step (self.verify); else decode (self.static)
@@ -202,10 +203,12 @@ class ModelRunner:
                 logits = self.compiled(ctx, self.cache)
             else:
                 logits = self.model(ctx, self.cache)
-            return logits[:ctx.num_seqs * (self.verify.queries if verify else 1)].float()
+            rows_per_seq = self.verify.queries if verify and self.verify is not None else 1
+            return logits[:ctx.num_seqs * rows_per_seq].float()
         if ctx.logit_rows is not None and ctx.logit_rows.numel() == 0:  # only unfinished prompt chunks
             last = torch.full((1,), ctx.input_ids.shape[0] - 1, dtype=torch.int64, device=self.device)
-            return self.model(StepContext(**{**ctx.__dict__, "logit_rows": last}), self.cache).float()[:0]
+            self.model(StepContext(**{**ctx.__dict__, "logit_rows": last}), self.cache)  # models take >= 1 row
+            return None
         return self.model(ctx, self.cache).float()
 
 
@@ -215,4 +218,6 @@ def prefill_logits(model, token_ids: list[int], block_size: int = 16, last_only:
     num_blocks = -(-len(token_ids) // block_size)
     runner = ModelRunner(model, num_blocks, block_size)
     seq = SimpleNamespace(token_ids=list(token_ids), num_computed_tokens=0, block_table=list(range(num_blocks)))
-    return runner.run(runner.prepare([seq], [len(token_ids)], True, logits_for=[True] if last_only else None))
+    logits = runner.run(runner.prepare([seq], [len(token_ids)], True, logits_for=[True] if last_only else None))
+    assert logits is not None  # every prefill here asks for logits
+    return logits

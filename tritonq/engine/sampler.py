@@ -1,5 +1,6 @@
 """Sampling: a step's logits -> each row's next token, its log-probability and its top alternatives.
 
+`step_rows` lays out a step's sampling rows (a sequence with proposals has one per proposal + 1);
 `Sampler.sample` draws every row's next token in one batched pass (`SamplingTensors`: per-row EOS / stop-id
 mask below min_tokens, logit bias, repetition / frequency / presence penalties, each structured-output
 row's grammar bitmask, temperature, min-p, top-k, top-p as tensors); only the sampled ids, their
@@ -16,14 +17,20 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tritonq.config import MAX_TOP_LOGPROBS, GenerationConfig
+from tritonq.config import GenerationConfig
 from tritonq.distributed import broadcast_from_rank0
 from tritonq.kernels import threads_for
 from tritonq.kernels.cpu import native as cpu_native
-from tritonq.engine.structured import apply_token_bitmask
+from tritonq.engine.scheduler import ScheduledStep, StepKind
+from tritonq.engine.structured import apply_token_bitmask, token_bitmask
+
+if TYPE_CHECKING:
+    from tritonq.engine.sequence import Sequence
+    from tritonq.engine.structured import GrammarState
 
 MASK32 = 0xFFFFFFFF
 # rows x vocabulary of a step from which its sampling ops run on torch's threads; below it on one: each small op's
@@ -252,6 +259,55 @@ def sample_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(temperature > 0, argmax_rows(x + t.noise), greedy)
 
 
+class SamplingState(Protocol):
+    """What the sampler reads of a sequence's request (`Sequence.extra`: the engine's Request)."""
+    sampling: SamplingParams
+    config: GenerationConfig
+    grammar: GrammarState | None
+
+
+@dataclass
+class StepRows:
+    """A step's sampling rows: per row its sequence, params, tokens before it and whether EOS / stop ids are
+    masked (min_tokens not reached; mask_eos None when no row's request has min_tokens)."""
+    seqs: list[Sequence[SamplingState]]
+    params: list[SamplingParams]
+    token_ids: list[list[int]]
+    mask_eos: list[bool] | None
+
+    def bitmask(self, vocab_size: int) -> torch.Tensor | None:
+        """The structured-output bitmask int32 [R, ceil(V / 32)] (CPU) over the rows: each constrained row
+        filled by its grammar, the others all allowed; None when no row is constrained."""
+        constrained = [(r, seq.extra.grammar) for r, seq in enumerate(self.seqs) if seq.extra.grammar is not None]
+        if not constrained:
+            return None
+        bitmask = token_bitmask(len(self.seqs), vocab_size)
+        for r, grammar in constrained:
+            grammar.fill(bitmask, r)
+        return bitmask
+
+
+def step_rows(step: ScheduledStep, rows: list[int]) -> StepRows:
+    """The sampling rows of a step, rows[i] of sequence i. Row j of a sequence with proposals samples the token
+    after its tokens + proposals[:j], as a plain decode step at that length would (same noise counter, same
+    min_tokens mask)."""
+    if StepKind.VERIFY not in step.kind:  # one row per sampling sequence (all of a decode step): no per-row work
+        seqs = step.seqs if all(rows) else [seq for seq, m in zip(step.seqs, rows) if m]
+        params = [seq.extra.sampling for seq in seqs]
+        mask_eos = None
+        if any(p.config.min_tokens for p in params):
+            mask_eos = [seq.num_generated < p.config.min_tokens for seq, p in zip(seqs, params)]
+        return StepRows(seqs, params, [seq.token_ids for seq in seqs], mask_eos)
+    seqs, params, token_ids, mask_eos = [], [], [], []
+    for seq, m, p in zip(step.seqs, rows, step.proposals or itertools.repeat([])):
+        for j in range(m):
+            seqs.append(seq)
+            params.append(seq.extra.sampling)
+            token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
+            mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
+    return StepRows(seqs, params, token_ids, mask_eos)
+
+
 class Sampler:
     """Samples the engine's steps; keeps the penalties' seen-token rows (`SeenTokens`) across steps.
     world: tensor-parallel ranks (rank 0's tokens are broadcast to the others)."""
@@ -259,6 +315,17 @@ class Sampler:
     def __init__(self, world: int = 1):
         self.world = world
         self.seen: SeenTokens | None = None  # made at the first step with a penalty
+
+    def sample_step(self, logits: torch.Tensor, step: ScheduledStep, rows: list[int], eos_token_ids: set[int]
+                    ) -> tuple[list[int | None], list[float | None], list[dict[int, float] | None]]:
+        """`sample` over a step's sampling rows: rows[i] logits rows of sequence i (its last ones; 0: none),
+        whose request (`SamplingState`, the sequence's extra) gives each row's params; the rows' token lists,
+        min_tokens masks and structured-output bitmask are made here (`step_rows`)."""
+        sampling = step_rows(step, rows)
+        if not sampling.seqs:
+            return [], [], []
+        return self.sample(logits, sampling.params, sampling.token_ids, mask_eos=sampling.mask_eos,
+                           eos_token_ids=eos_token_ids, token_bitmask=sampling.bitmask(logits.shape[1]))
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
                mask_eos: list[bool] | None = None, eos_token_ids: set[int] = frozenset(),

@@ -12,7 +12,7 @@ as vLLM's scheduler does, so arrivals never stall running requests:
    the free blocks allow (none in a step that preempted: the blocks just freed are for decoding).
 A sequence computes `token_ids[num_computed_tokens : num_computed_tokens + n]`; n is cut to the
 budget left, so a prompt longer than the budget is prefilled over several steps. A step whose
-sequences all decode is a decode step (`is_prefill` False: one query each, the static CUDA-graph
+sequences all decode is a decode step (`StepKind.DECODE`: one query each, the static CUDA-graph
 path); any other step, mixed ones included, runs the varlen prefill attention, where a decoding
 sequence is a query of length 1 after its cached context.
 
@@ -40,32 +40,50 @@ never preempts).
 """
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, replace
 
 from tritonq.engine.block_manager import BlockManager
-from tritonq.engine.sequence import Sequence, SequenceStatus, check_fits
+from tritonq.engine.sequence import Sequence, SequenceStatus
 from tritonq.engine.state_cache import StateSlots
+
+class StepKind(enum.Flag):
+    """What a step holds; a step may hold several (DECODE | PREFILL is a mixed step). A plain DECODE step (one
+    query per sequence) is the static decode path; any other kind runs the varlen prefill attention, except
+    a VERIFY step whose proposer proposed nothing."""
+    DECODE = enum.auto()   # sequences computing their last token
+    PREFILL = enum.auto()  # prompt chunks (new prompts, long prompts split, preempted sequences recomputing)
+    VERIFY = enum.auto()   # decoding sequences with lookahead slots for proposals (`with_proposals`) to verify
+    SCORE = enum.auto()    # scoring sequences (`start` holds every sequence's first position)
+    MIXED = DECODE | PREFILL
+
 
 @dataclass(frozen=True)
 class ScheduledStep:
     """One model step. Sequence i computes token_ids[c : c + num_new_tokens[i]] with c its
     num_computed_tokens (read before `postprocess`); it samples when c + n == num_tokens. Decoding
-    sequences come first, then prefill chunks. is_prefill: not every sequence decodes (see above).
-    start: each sequence's first position when a scoring sequence is in the step (its `next_position`,
-    which may lie below num_computed_tokens: recomputed, not rewritten); None: num_computed_tokens."""
+    sequences come first, then prefill chunks. kind: what it holds (StepKind).
+    start (SCORE): each sequence's first position, its `next_position`, which may lie below
+    num_computed_tokens (recomputed, not rewritten). lookahead (VERIFY): KV slots reserved past each
+    sequence's tokens; proposals: the draft tokens computed after each one's last token."""
     seqs: list[Sequence]
     num_new_tokens: list[int]
-    is_prefill: bool
-    lookahead: list[int] | None = None  # KV slots reserved past each sequence's tokens (None: none)
-    proposals: list[list[int]] | None = None  # draft tokens computed after each one's last token
+    kind: StepKind
+    lookahead: list[int] | None = None
+    proposals: list[list[int]] | None = None
     start: list[int] | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether the step runs the varlen prefill attention: anything but one query per sequence."""
+        return bool(self.kind & (StepKind.PREFILL | StepKind.SCORE)) or any(self.proposals or ())
 
     def logits_for(self) -> list[int]:
         """Rows of logits per sequence, its last ones: a scoring sequence's positions not scored yet, 1 +
         its proposals for a sequence that samples, 0 for a prompt chunk short of its end. Read before
         `postprocess`."""
-        if not self.is_prefill and self.proposals is None and self.start is None:  # a decode step: one row each
+        if self.kind == StepKind.DECODE:  # one row each
             return [1] * len(self.seqs)
         proposals = self.proposals or [[]] * len(self.seqs)
         start = self.start or [seq.num_computed_tokens for seq in self.seqs]
@@ -86,7 +104,7 @@ class ScheduledStep:
             if len(p) > r:
                 raise ValueError(f"{seq}: {len(p)} proposals but {r} lookahead slots were reserved.")
         return replace(self, num_new_tokens=[n + len(p) for n, p in zip(self.num_new_tokens, proposals)],
-                       proposals=proposals, is_prefill=self.is_prefill or any(proposals))
+                       proposals=proposals)
 
 
 class Scheduler:
@@ -95,10 +113,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_num_scored_tokens: int | None = None, state_slots: StateSlots | None = None):
         """state_slots: a hybrid model's recurrent-state slots (None: the model has none)."""
-        if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_seqs is {max_num_seqs} and max_num_batched_tokens is "
-                             f"{max_num_batched_tokens}; expected 1 <= max_num_seqs <= "
-                             "max_num_batched_tokens (a decode step batches one token per sequence).")
+        assert 1 <= max_num_seqs <= max_num_batched_tokens, "EngineConfig's rule (a decode step: a token per sequence)"
         if max_num_scored_tokens is not None and max_num_scored_tokens < 1:
             raise ValueError(f"max_num_scored_tokens is {max_num_scored_tokens}; expected >= 1 (or None: the "
                              "step's token budget).")
@@ -128,12 +143,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; it runs when blocks and the budget allow.
 
-        Raises ValueError, before queueing, if it could never fit (`check_fits`): prompt + max_new_tokens
-        needs more blocks than the cache has.
+        The engine validated it (`Engine.check_request`: `check_fits` among its rules), so its fit is an assert.
         """
-        bm = self.block_manager
-        check_fits(f"sequence {seq.seq_id}", seq.num_prompt_tokens, seq.max_new_tokens, num_blocks=bm.num_blocks,
-                   block_size=bm.block_size)
+        assert self.block_manager.blocks_needed(seq.num_prompt_tokens + seq.max_new_tokens) \
+            <= self.block_manager.num_blocks, f"{seq} can never fit the cache: Engine.check_request refuses it"
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already queued or running; ids must be unique.")
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_generated:
@@ -165,7 +178,7 @@ class Scheduler:
         freed) and returned; sequences aborted since `schedule` are skipped."""
         if len(sampled) != len(step.seqs):
             raise ValueError(f"postprocess: {len(sampled)} sampled tokens for {len(step.seqs)} sequences.")
-        if not step.is_prefill and step.lookahead is None and step.proposals is None and step.start is None:
+        if step.kind == StepKind.DECODE:
             return self._postprocess_decode(step.seqs, sampled)
         proposals = step.proposals or [[]] * len(step.seqs)
         for seq, n, token, p in zip(step.seqs, step.num_new_tokens, sampled, proposals):  # check all, then apply
@@ -300,7 +313,7 @@ class Scheduler:
                 if lookahead and bm.can_append(seq, lookahead):  # speculation never preempts: else decode without
                     bm.append_slot(seq, lookahead)
                     lookaheads[i] = lookahead
-        is_prefill = False
+        decodes, prefills = bool(seqs), False
         counts = [1] * len(seqs)
         budget = max(0, self.max_num_batched_tokens - len(seqs) - sum(lookaheads))
         scored = self.max_num_scored_tokens  # what is left of it in this step
@@ -313,7 +326,7 @@ class Scheduler:
             counts.append(min(seq.num_tokens - seq.next_position, budget, scored if seq.scoring else budget))
             budget -= counts[-1]
             scored -= counts[-1] if seq.scoring else 0
-            is_prefill = True
+            prefills = prefills or not seq.scoring
         while (not preempted and self.waiting and budget > 0 and not (self.waiting[0].scoring and scored == 0)
                and self._can_admit(self.waiting[0])):
             seq = self.waiting.popleft()
@@ -326,13 +339,27 @@ class Scheduler:
             counts.append(min(seq.num_tokens - seq.next_position, budget, scored if seq.scoring else budget))
             budget -= counts[-1]
             scored -= counts[-1] if seq.scoring else 0
-            is_prefill = (is_prefill or seq.scoring or counts[-1] != 1
-                          or seq.num_computed_tokens != seq.num_tokens - 1)
+            if not seq.scoring:  # a preempted sequence whose blocks were all prefix-cached just decodes
+                if counts[-1] == 1 and seq.num_computed_tokens == seq.num_tokens - 1:
+                    decodes = True
+                else:
+                    prefills = True
         if not seqs:
             return None
-        lookahead = lookaheads + [0] * (len(seqs) - len(lookaheads)) if any(lookaheads) else None
-        start = [seq.next_position for seq in seqs] if any(seq.scoring for seq in seqs) else None
-        return ScheduledStep(seqs, counts, is_prefill, lookahead, start=start)
+        kind = StepKind(0)
+        if decodes:
+            kind |= StepKind.DECODE
+        if prefills:
+            kind |= StepKind.PREFILL
+        lookahead = None
+        if any(lookaheads):
+            kind |= StepKind.VERIFY
+            lookahead = lookaheads + [0] * (len(seqs) - len(lookaheads))
+        start = None
+        if any(seq.scoring for seq in seqs):
+            kind |= StepKind.SCORE
+            start = [seq.next_position for seq in seqs]
+        return ScheduledStep(seqs, counts, kind, lookahead, start=start)
 
     def lookahead(self, seq: Sequence) -> int:
         """Proposals a decode step of seq may verify: num_speculative_tokens, fewer near max_new_tokens (the

@@ -1,11 +1,14 @@
 """One request as the scheduler sees it: its token ids, how many have KV in the cache, its blocks.
 
 Plain Python, no torch. The engine keeps its own per-request state (sampling, text, timing) in
-`extra`; the scheduler and block manager never look at it.
+`extra` (typed by the Sequence's parameter R); the scheduler and block manager never look at it.
 """
 from __future__ import annotations
 
 import enum
+from typing import Generic, TypeVar
+
+R = TypeVar("R")  # what the engine keeps for a request (Sequence.extra)
 
 
 class RequestTooLong(ValueError):
@@ -15,7 +18,7 @@ class RequestTooLong(ValueError):
 
 def check_fits(name: str, num_prompt_tokens: int, max_new_tokens: int, *, num_blocks: int, block_size: int,
                max_seq_len: int | None = None) -> None:
-    """The one request-fit rule (`Engine.check_request`, which Model and the server call, and `Scheduler.add`):
+    """The one request-fit rule (`Engine.check_request`, the one validation of a request; `Scheduler.add` asserts it):
     ValueError, naming the numbers, unless the request has a token, and RequestTooLong unless
     num_prompt_tokens + max_new_tokens fits max_seq_len (None: no limit) and a KV cache of num_blocks blocks
     of block_size tokens. name says what is checked ("the prompt", "prompt 3", "sequence 7")."""
@@ -40,7 +43,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = enum.auto()  # done or aborted; blocks freed
 
 
-class Sequence:
+class Sequence(Generic[R]):
     """A prompt plus the tokens generated so far.
 
     token_ids: prompt + generated ids. The last one's KV is not yet in the cache during decode:
@@ -49,7 +52,8 @@ class Sequence:
     num_cached_tokens: tokens served from the prefix cache at the last admission.
     block_table: KV block ids, block i holds positions [i * block_size, (i + 1) * block_size).
     arrival: admission order, set by `Scheduler.add` (lower = older).
-    extra: anything the engine wants to carry with the request.
+    extra: the engine's state of the request (R: engine.Request or ScoreRequest); the scheduler and the block
+        manager never read it, the sampler reads what `sampler.SamplingState` names.
     state_slot: a hybrid model's recurrent-state slot (tritonq.engine.state_cache), held while it runs; None.
     num_speculative_tokens: the most draft tokens a step may verify for it (0: no speculation); the
         scheduler reserves KV slots for them (see tritonq.engine.speculative).
@@ -58,7 +62,7 @@ class Sequence:
         logits are needed) but not rewritten; num_scored counts the positions whose logits were computed.
     """
 
-    def __init__(self, seq_id: int, token_ids: list[int], max_new_tokens: int, extra: object = None, *,
+    def __init__(self, seq_id: int, token_ids: list[int], max_new_tokens: int, extra: R | None = None, *,
                  scoring: bool = False):
         if len(token_ids) == 0:
             raise ValueError(f"sequence {seq_id}: the prompt is empty; pass at least one token id.")

@@ -63,6 +63,16 @@ def accept(proposal: list[int], target: list[int]) -> list[int]:
     return proposal[:m] + [target[m]]
 
 
+def verify(proposal: list[int], drawn: list[tuple], stats: tuple[SpeculativeStats, ...]) -> list[tuple]:
+    """What a sequence emits from a verification step: drawn[j] = (token, logprob, top) sampled at row j (after
+    its tokens + proposal[:j]); the accepted proposals, then the target's own token (`accept`), each with its
+    row's logprob and top. Counted into every one of stats."""
+    emitted = accept(proposal, [t for t, _, _ in drawn])
+    for counter in stats:
+        counter.add(len(proposal), len(emitted) - 1)
+    return [(t, lp, top) for t, (_, lp, top) in zip(emitted, drawn)]  # t: also the drawn token
+
+
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n = max_n down to
     min_n, the longest match wins) and propose the tokens that followed it. Plain Python over the id list."""
@@ -161,7 +171,7 @@ class DraftProposer:
                 budget -= counts[-1]
             ends = [d.num_computed_tokens + n == d.num_tokens for d, n in zip(seqs, counts)]
             logits = self.runner.run(self.runner.prepare(seqs, counts, True, logits_for=ends))
-            tokens = iter(logits[:, :self.vocab_size].argmax(-1).tolist())
+            tokens = iter(() if logits is None else logits[:, :self.vocab_size].argmax(-1).tolist())
             for draft, n, end in zip(seqs, counts, ends):
                 draft.num_computed_tokens += n
                 if end:

@@ -48,8 +48,8 @@ class TritonQLM(TemplateLM):
 
     def __init__(self, pretrained: str | None = None, *, model: tritonq.Model | None = None, dtype: str | None = None,
                  device: str | None = None, quantize: str | None = None, group_size: int | None = None,
-                 revision: str | None = None, max_seq_len: int | None = None, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int = 2048, kv_cache_gb: float | None = None,
+                 revision: str | None = None, max_seq_len: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, kv_cache_gb: float | None = None,
                  add_bos_token: bool | None = None, max_gen_toks: int = 256, batch_size=None, max_batch_size=None,
                  **unknown):
         super().__init__()
@@ -61,10 +61,10 @@ class TritonQLM(TemplateLM):
             raise ValueError("give the tritonq model either pretrained=PATH_OR_HUB_ID or model=a loaded tritonq.Model "
                              f"(got pretrained={pretrained!r}, model={type(model).__name__}).")
         if model is None:
+            engine = dict(quantize=quantize, group_size=group_size, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, kv_cache_gb=kv_cache_gb)
             model = tritonq.load(pretrained, dtype=None if dtype in (None, "auto") else dtype, device=device,
-                                 quantize=quantize, group_size=group_size, revision=revision, max_seq_len=max_seq_len,
-                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 kv_cache_gb=kv_cache_gb)
+                                 revision=revision, **{k: v for k, v in engine.items() if v is not None})  # None: load's default
         self.model, self.tokenizer = model, model.tokenizer
         self.add_bos_token, self._max_gen_toks = add_bos_token, max_gen_toks
 

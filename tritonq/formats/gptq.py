@@ -28,7 +28,8 @@ import warnings
 
 import torch
 
-from tritonq.formats.base import WeightsLoader, listing
+from tritonq.formats.base import WeightsLoader
+from tritonq.formats.reader import listing
 from tritonq.formats.checkpoint import Weights
 from tritonq.formats.tensor_parallel import Shard, check_split, read_shard, row_split_cuts_groups
 from tritonq.quant.packing import pack_int32, unpack_int32

@@ -11,7 +11,7 @@ from torch import nn
 from tritonq.distributed import all_gather_last_dim, all_reduce
 from tritonq.kernels.linear import Prepared, kind_of, prepare_gate_up
 from tritonq.kernels.moe import MoEExperts
-from tritonq.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul  # silu_mul: models' MLPs take it from here
+from tritonq.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul  # noqa: F401 (models' MLPs take silu_mul from here)
 from tritonq.quant.weights import DenseWeight, RankExperts, Weight, k_major
 
 

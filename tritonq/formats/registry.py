@@ -46,25 +46,30 @@ LOADERS = {
 
 
 def get_loader(folder: str | Path, dtype: torch.dtype, device, quantize: str | None = None,
-               group_size: int = 128, *, rank: int = 0, world: int = 1) -> WeightsLoader:
+               group_size: int = 128, *, rank: int = 0, world: int = 1, config: dict | None = None) -> WeightsLoader:
     """The loader for the checkpoint in `folder`, picked from its config.json alone (a GGUF file or folder of
     them: GGUFLoader).
 
     quantize ("fp8", "fp8-mlp", "int4"; group_size for int4) quantizes a dense checkpoint on load.
     rank / world: tensor parallelism, the loader reads only this rank's shards.
+    config: the checkpoint's config (config.json's dict, or a GGUF file's metadata config) when the caller has
+    parsed it already, as tritonq.load has (read once per load); else read here.
     """
     files = gguf_files(folder)
     if files is not None:  # a .gguf file or a folder of them: the config is in its metadata
         weights = GGUFWeights(files)
-        return GGUFLoader(weights, read_config(weights), dtype, device, quantize, rank=rank, world=world)
+        config = read_config(weights) if config is None else config
+        return GGUFLoader(weights, config, dtype, device, quantize, rank=rank, world=world)
     folder = Path(folder)
     path = folder / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: a checkpoint folder needs the config.json written by transformers")
-    config = json.loads(path.read_text())
+    if config is None:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: a checkpoint folder needs the config.json written by "
+                                    "transformers")
+        config = json.loads(path.read_text())
     q = config.get("quantization_config") or _side_file_config(folder)
     if q is not None:
-        config["quantization_config"] = q
+        config = {**config, "quantization_config": q}  # the caller's dict stays as parsed
     if q is None:
         weights = Weights(folder)
         if any(name.endswith(EXL2_MARKER) for name in weights.names()):

@@ -1,10 +1,9 @@
 """Kernel families. Each file holds the @triton.jit kernel, its launcher and a torch reference.
 
-Backend choice (one place): CUDA tensors run the Triton kernels; CPU tensors run torch's CPU
-kernels over weights prepared once (`cpu_lowbit`) and paged attention through torch's CPU flash
-kernel over each sequence's real keys (`cpu_attention`), except under TRITON_INTERPRET=1, where the
-Triton kernel itself runs on CPU (that is how the tests exercise it). TRITONQ_BACKEND=torch
-forces the plain torch references (float32 compute, the test oracle); =triton forces Triton.
+Backend choice (one place, `backend(x)`): CUDA tensors run the Triton kernels; CPU tensors run the CPU backend
+(kernels/cpu/: torch's CPU kernels over weights prepared once, and a small C library), except under
+TRITON_INTERPRET=1, where the Triton kernel itself runs on CPU (that is how the tests exercise it).
+TRITONQ_BACKEND=torch forces the plain torch references (float32 compute, the test oracle); =triton forces Triton.
 Pieces the kernel families share (jit helpers, launch configs, `Launch`) are in common.py.
 
 Batch-invariant mode (`batch_invariant()`, on inside `batch_invariant_mode()`; tritonq.load(batch_invariant=True)
@@ -39,21 +38,16 @@ else:
         return None if value is None else _decode(value)
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """True if the Triton kernel should run for a tensor on x's device."""
+def backend(x: torch.Tensor) -> str:
+    """The backend an op on x's device runs, decided here only: "triton" (CUDA tensors; any under
+    TRITON_INTERPRET=1 or TRITONQ_BACKEND=triton), "cpu" (CPU tensors: kernels/cpu/, torch's CPU kernels and the C
+    library) or "torch" (the float32 references: TRITONQ_BACKEND=torch, or a device neither runs, such as meta)."""
     forced = _setting("TRITONQ_BACKEND")
     if forced == "torch":
-        return False
-    if forced == "triton" or x.is_cuda:
-        return True
-    return _setting("TRITON_INTERPRET") == "1"
-
-
-def use_cpu_kernels(x: torch.Tensor) -> bool:
-    """True if a tensor on x's device should run the CPU backend (kernels/cpu/lowbit.py, cpu_attention.py)."""
-    if not x.is_cpu:  # (a flag: x.device builds an object)
-        return False
-    return _setting("TRITONQ_BACKEND") not in ("torch", "triton") and _setting("TRITON_INTERPRET") != "1"
+        return "torch"
+    if forced == "triton" or x.is_cuda or _setting("TRITON_INTERPRET") == "1":
+        return "triton"
+    return "cpu" if x.is_cpu else "torch"  # (flags: x.device builds an object)
 
 
 @contextmanager

@@ -468,7 +468,7 @@ def gpu_compute_dtypes(cc: int) -> tuple[torch.dtype, ...]:
     """The model dtypes the Triton kernels run in on sm_`cc`, the default first: bf16 and fp16 from
     sm_80 (Ampere); fp16 only below (T4, V100: no bf16 arithmetic, torch would emulate it). Never fp32:
     its tiles overflow shared memory (attention, fp8 and int4 prefill tiles on sm_89/90) and its GEMM
-    dots run without tensor cores. The launch configs are AOT-checked for exactly these (tests/test_fit.py)."""
+    dots run without tensor cores. The launch configs are AOT-checked for exactly these (tests/aot/test_fit.py)."""
     return (torch.bfloat16, torch.float16) if cc >= 80 else (torch.float16,)
 
 
@@ -635,7 +635,7 @@ class Launch:
     Calling it launches on the device of its tensors: Triton takes the device (and stream) of a launch from
     torch's *current* CUDA device, which is cuda:0 in every thread that never set it, so a model on
     cuda:1 would run its kernels in device 0's context with device 1's pointers. Every Triton launch of
-    tritonq goes through here (tests/test_device_context.py holds that)."""
+    tritonq goes through here (tests/api/test_device_context.py holds that)."""
     kernel: Any
     grid: tuple[int, ...]
     args: dict

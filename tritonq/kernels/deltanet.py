@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tritonq.kernels import use_triton
+from tritonq.kernels import backend
 from tritonq.kernels.common import Launch, upcast_dot
 
 ACTIVATIONS = (None, "silu")
@@ -338,7 +338,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     batch = _check_cu_seqlens(cu_seqlens, x.shape[0], "causal_conv1d")
     _check_conv(x, weight, bias, conv_state, batch, "causal_conv1d")
     rows = _rows_of(conv_state, batch, state_indices, "causal_conv1d")
-    if not use_triton(x):
+    if backend(x) != "triton":
         return causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, activation, rows)
     x, weight = _inner_contiguous(x, weight)
     y = torch.empty_like(x)
@@ -353,7 +353,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     _check_activation(activation)
     _check_conv(x, weight, bias, conv_state, x.shape[0], "causal_conv1d_update")
     rows = _rows_of(conv_state, x.shape[0], state_indices, "causal_conv1d_update")
-    if not use_triton(x):
+    if backend(x) != "triton":
         cu_seqlens = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
         return causal_conv1d_reference(x, weight, bias, conv_state, cu_seqlens, activation, rows)
     x, weight = _inner_contiguous(x, weight)
@@ -369,7 +369,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     _check_rule(q, k, v, g, beta, state, "chunk_gated_delta_rule")
     batch = _check_cu_seqlens(cu_seqlens, q.shape[0], "chunk_gated_delta_rule")
     rows = _rows_of(state, batch, state_indices, "chunk_gated_delta_rule")
-    if not use_triton(q):
+    if backend(q) != "triton":
         return chunk_gated_delta_rule_torch(q, k, v, g, beta, state, cu_seqlens, scale, use_qk_l2norm, rows)
     return _rule(q, k, v, g, beta, state, state_indices, cu_seqlens, scale, use_qk_l2norm)
 
@@ -380,7 +380,7 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """One delta-rule step per sequence (decode): q, k [B, Hk, Dk], v [B, Hv, Dv]; o [B, Hv, Dv] in v's dtype."""
     _check_rule(q, k, v, g, beta, state, "recurrent_gated_delta_rule")
     rows = _rows_of(state, q.shape[0], state_indices, "recurrent_gated_delta_rule")
-    if not use_triton(q):
+    if backend(q) != "triton":
         cu_seqlens = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         return gated_delta_rule_reference(q, k, v, g, beta, state, cu_seqlens, scale, use_qk_l2norm, rows)
     return _rule(q, k, v, g, beta, state, state_indices, None, scale, use_qk_l2norm)
@@ -404,7 +404,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if z.shape != x.shape or weight.shape != x.shape[-1:]:
         raise ValueError(f"gated_rms_norm: z must match x and weight be [D]; got x {tuple(x.shape)}, z "
                          f"{tuple(z.shape)}, weight {tuple(weight.shape)}.")
-    if not use_triton(x):
+    if backend(x) != "triton":
         return gated_rms_norm_reference(x, z, weight, eps)
     x2, z2 = (t.reshape(-1, t.shape[-1]).contiguous() for t in (x, z))
     y = torch.empty_like(x2)

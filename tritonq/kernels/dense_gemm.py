@@ -2,7 +2,7 @@
 
 Outside the mode a dense linear is torch's F.linear (cuBLAS), which picks its kernel, tiles and split-K from the
 shape, M included, so a row's sums change with the number of rows beside it. In the mode (kernels.batch_invariant(),
-layers.GEMMS' dense entry) dense linears run this kernel with one config for every M (`config`: 64 x 64 output
+tritonq.kernels.linear.LINEARS' dense entry) dense linears run this kernel with one config for every M (`config`: 64 x 64 output
 tiles, 64-deep K steps in order, no split-K; 32-deep with 8 warps on sm_75, whose FMA dots spill 2.6 KB at 64), so
 each output is the same chain of tile products whatever the batch, as the fixed-config Triton matmuls of vLLM's and
 SGLang's batch-invariant modes do. fp32 accumulation, the bias added in
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonq.kernels import batch_invariant, use_triton
+from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.common import (GemmConfig, Launch, add_rms_norm_tile, arrival_counts, check_gemm_activations,
                                     compute_capability, gemm_grid, gemm_tile, ieee_dot, next_pow2, store_gemm_tile,
                                     upcast_dot)
@@ -107,11 +107,12 @@ class DenseGemm:
         self.row_arrivals = {}  # max rows -> the add_rms_norm launches' arrival counts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        invariant = batch_invariant() and use_triton(x)
+        on_triton = backend(x) == "triton"
+        invariant = batch_invariant() and on_triton
         if not self.silu_mul:
             return dense_gemm(x, self.w) if invariant else torch.nn.functional.linear(x, self.w.weight, self.w.bias)
         rows = x.reshape(-1, self.K)
-        if not (invariant or (use_triton(x) and rows.shape[0] <= DECODE_MAX_M)):
+        if not (invariant or (on_triton and rows.shape[0] <= DECODE_MAX_M)):
             return silu_mul(torch.nn.functional.linear(x, self.w.weight, self.w.bias))
         check_gemm_activations("DenseGemm", x, self.N, self.K, self.w.weight.device)
         y = torch.empty(rows.shape[0], self.N // 2, dtype=x.dtype, device=x.device)
@@ -125,7 +126,7 @@ class DenseGemm:
         than DECODE_MAX_M rows, the batch-invariant mode, off the Triton backend, shapes or dtypes the kernel does
         not take): the caller runs the GEMM and norm_rope.add_rms_norm."""
         M = x.shape[0]
-        if (self.silu_mul or M > DECODE_MAX_M or batch_invariant() or not use_triton(x) or x.dim() != 2
+        if (self.silu_mul or M > DECODE_MAX_M or batch_invariant() or backend(x) != "triton" or x.dim() != 2
                 or x.shape[1] != self.K or x.dtype != self.w.weight.dtype or residual.shape != (M, self.N)
                 or residual.dtype != x.dtype or not residual.is_contiguous() or norm_weight.shape != (self.N,)
                 or x.device != self.w.weight.device):

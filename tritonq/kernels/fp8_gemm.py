@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
+from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch,
     activation_scale, check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability,
@@ -192,7 +192,7 @@ def quantize_activation_fp8(x: torch.Tensor, group_size: int | None = None,
     [M, ceil(K / group_size)]; static (input_scale, a one-element tensor): scales = input_scale.
     """
     _check_activation(x, group_size, input_scale)
-    if not use_triton(x):
+    if backend(x) != "triton":
         return quantize_activation_fp8_reference(x, group_size, input_scale)
     x = x.contiguous()
     M, K = x.shape
@@ -261,12 +261,13 @@ class FP8Gemm(WeightGemm):
             weight_only = True
         lead = x.shape[:-1]
         x = x.reshape(-1, K)
-        if use_cpu_kernels(x):  # weight dequantized once (cpu_lowbit); no fp8 GEMM: weight-only unless told
+        b = backend(x)
+        if b == "cpu":  # weight dequantized once (kernels/cpu/lowbit.py); no fp8 GEMM: weight-only unless told
             xd = quantized_activations(x, w, weight_only is None or weight_only)
             return self._pairs(cpu_lowbit.linear(xd, cpu_lowbit.prepare(w)).to(x.dtype)).reshape(*lead, -1)
         if weight_only is None:
             weight_only = not has_fp8_tensor_cores(x.device)
-        if not use_triton(x):
+        if b == "torch":
             return self._pairs(fp8_gemm_reference(x, w, weight_only)).reshape(*lead, -1)
         M = x.shape[0]
         x = x.contiguous()

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
+from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.common import (
     GemmPlan,
     Launch,
@@ -42,6 +42,7 @@ from tritonq.kernels.common import (
     next_pow2,
     reduce_split_k,
     split_k_arrivals,
+    store_output,
     tuned_or_default,
     unpack_int_tile,
     upcast_dot,
@@ -120,11 +121,12 @@ def _gguf_gemm_kernel(
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if SPLIT_K > 1:
-        reduce_split_k(out_ptr, acc, partials_ptr, arrivals_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k, rows,
-                       offs_n, mask_m, mask_n, N, M, N, SPLIT_K)
+        total, last = reduce_split_k(acc, partials_ptr, arrivals_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k,
+                                     rows, offs_n, mask_m, mask_n, M, N, SPLIT_K)
+        if last:
+            store_output(out_ptr, total, rows, offs_n, mask_m, N, N, False)
     else:
-        out = out_ptr + (rows[:, None] * N + offs_n[None, :])
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        store_output(out_ptr, acc, rows, offs_n, mask_m, N, N, False)
 
 
 def default_config(M: int, N: int, K: int) -> GGUFGemmConfig:
@@ -192,9 +194,10 @@ class GGUFGemm(WeightGemm):
                   "flatten leading dims to M first")
         if x.device != self.device:
             _fail("x", f"on {x.device}", f"on the weight's device {self.device}", "move x or the weight")
-        if use_cpu_kernels(x):
+        b = backend(x)
+        if b == "cpu":
             return cpu_linear(x, self.w)
-        if not use_triton(x):
+        if b == "torch":
             return gguf_gemm_reference(x, self.w)
         M = x.shape[0]
         if config is not None:

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
+from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (
     WeightGemm,
@@ -295,6 +295,8 @@ class Int4Gemm(WeightGemm):
             w.check_g_idx()
         super().__init__(w)
         self.device, self.plans = w.qweight.device, {}
+        # the CPU backend's form of the weight, made once here (a compiled step reads it as an attribute)
+        self.cpu = cpu_lowbit.prepare(w) if backend(w.qweight) == "cpu" else None
 
     def __call__(self, x: torch.Tensor, config: Int4GemmConfig | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype not in _X_DTYPES:
@@ -302,9 +304,12 @@ class Int4Gemm(WeightGemm):
                   "flatten leading dims to M first")
         if x.device != self.device:
             _fail("x", f"on {x.device}", f"on the weight's device {self.device}", "move x or the weight")
-        if use_cpu_kernels(x) or not use_triton(x):  # torch's CPU kernel (kernels/cpu/lowbit.py), or the oracle
-            cpu = use_cpu_kernels(x)
-            y = cpu_lowbit.linear(x, cpu_lowbit.prepare(self.w)) if cpu else int4_gemm_reference(x, self.w)
+        b = backend(x)
+        if b != "triton":  # torch's CPU kernel over the weight prepared once (kernels/cpu/lowbit.py), or the oracle
+            if b == "cpu":
+                y = cpu_lowbit.linear(x, self.cpu if self.cpu is not None else cpu_lowbit.prepare(self.w))
+            else:
+                y = int4_gemm_reference(x, self.w)
             return silu_mul_pairs(y) if self.silu_mul else y
         M = x.shape[0]
         if config is not None:
@@ -327,7 +332,7 @@ class Int4Gemm(WeightGemm):
         that launch does not run (the CPU and torch backends, M > SPLIT_K_MAX_M, the batch-invariant mode, whose
         norm sums each row in one order): the caller runs the GEMM and norm_rope.add_rms_norm."""
         M = x.shape[0]
-        if (self.silu_mul or M > SPLIT_K_MAX_M or batch_invariant() or use_cpu_kernels(x) or not use_triton(x)
+        if (self.silu_mul or M > SPLIT_K_MAX_M or batch_invariant() or backend(x) != "triton"
                 or x.dim() != 2 or x.shape[1] != self.K or residual.shape != (M, self.N) or x.device != self.device
                 or residual.dtype != x.dtype or not residual.is_contiguous() or norm_weight.shape != (self.N,)):
             return None
@@ -371,7 +376,7 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arr
     output y [M, N] in x.dtype (silu_mul: [M, N / 2], SwiGLU of the column pairs in the epilogue). With SPLIT_K > 1
     it takes the fp32 [SPLIT_K, M, N] partials buffer and
     `arrivals`, the zeroed int32 count per output tile that the slices share (made here when None). Over
-    meta tensors it is what tune --aot and tests/test_fit.py compile, for sm_`cc` (`common.int4_word_dequant`)."""
+    meta tensors it is what tune --aot and tests/aot/test_fit.py compile, for sm_`cc` (`common.int4_word_dequant`)."""
     (M, K), N = x.shape, w.shape[0]
     block_k = config.BLOCK_K
     if w.g_idx is None and w.group_size % block_k:

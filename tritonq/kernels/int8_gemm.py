@@ -15,7 +15,7 @@ One @triton.jit GEMM kernel: tl.dot on int8 operands with an int32 accumulator (
 the epilogue the asymmetric correction acc - zero_point * sum_k W[n, k] (the column sums are
 accumulated from the same weight tiles, so no extra pass over W), the scales a_scale[m] *
 w_scale[n] in fp32, and the bias. sm_80/86/89 run mma.sync s8 and sm_90 wgmma s8 (checked by
-tests/test_fit.py). sm_75: Triton 3.x lowers every tl.dot to FMAs there and its int8 FMA lowering
+tests/aot/test_fit.py). sm_75: Triton 3.x lowers every tl.dot to FMAs there and its int8 FMA lowering
 does not compile (TritonGPUAccelerateMatmul emits an fp extension of the i8 operands; Triton 3.9),
 so FP16_DOT converts the int8 tiles to fp16 in registers (exact: |code| <= 128) and dots them into
 an fp32 accumulator: the same codes and the same products (exact in fp32), sums exact below 2^24.
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tritonq.kernels import batch_invariant, use_cpu_kernels, use_triton
+from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.common import (WeightGemm, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch, activation_scale,
     check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k, gemm_grid,
     gemm_output, gemm_tile, next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile,
@@ -168,7 +168,7 @@ def quantize_activation_int8(x: torch.Tensor, input_scale: torch.Tensor | None =
     (one value, fp32 []), with input_zero_point (one integer) for asymmetric activations.
     """
     _check_activation(x, input_scale, input_zero_point)
-    if not use_triton(x):
+    if backend(x) != "triton":
         return quantize_activation_int8_reference(x, input_scale, input_zero_point)
     x = x.contiguous()
     M, K = x.shape
@@ -261,8 +261,9 @@ class Int8Gemm(WeightGemm):
         check_gemm_activations("int8_gemm", x, N, K, self.device)
         lead = x.shape[:-1]
         x = x.reshape(-1, K)
-        if use_cpu_kernels(x) or not use_triton(x):
-            y = _cpu_int_mm(x, w) if use_cpu_kernels(x) else int8_gemm_reference(x, w)
+        b = backend(x)
+        if b != "triton":
+            y = _cpu_int_mm(x, w) if b == "cpu" else int8_gemm_reference(x, w)
             y = silu_mul_pairs(y) if self.silu_mul else y
         else:
             M = x.shape[0]

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from tritonq.kernels import use_cpu_kernels, use_triton
+from tritonq.kernels import backend
 from tritonq.kernels.cpu import dense as cpu_dense, lowbit as cpu_lowbit
 from tritonq.kernels.dense_gemm import DenseGemm
 from tritonq.kernels.fp8_gemm import FP8Gemm
@@ -46,24 +46,25 @@ class LinearKind:
 
 
 def _prepare_dense(w: DenseWeight) -> Prepared:
-    return Prepared(w, DenseGemm(w), cpu_dense.pack(w) if use_cpu_kernels(w.weight) and cpu_dense.packs(w) else None)
+    return Prepared(w, DenseGemm(w), cpu_dense.pack(w) if backend(w.weight) == "cpu" and cpu_dense.packs(w) else None)
 
 
 def _dense(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    if p.cpu is not None and use_cpu_kernels(x) and not torch.compiler.is_compiling():
+    if p.cpu is not None and backend(x) == "cpu" and not torch.compiler.is_compiling():
         return cpu_dense.linear(x, p.cpu, p.weight.bias)  # a compiled step traces F.linear
     # cuBLAS (F.linear), or in the batch-invariant mode one Triton config for every M (cuBLAS picks its kernel by M)
     return p.gemm(x)
 
 
 def _prepare_int4(w: Int4Weight) -> Prepared:
-    return Prepared(w, Int4Gemm(w), cpu_lowbit.prepare(w) if use_cpu_kernels(w.qweight) else None)
+    return Prepared(w, Int4Gemm(w), None)  # Int4Gemm holds the CPU form (the weight repacked once): one CPU route
 
 
 def _int4(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    """Int4Weight and GGUFWeight: [..., K] through the CPU form when there is one, else the GEMM object."""
+    """Int4Weight and GGUFWeight: [..., K] through the CPU form when there is one (GGUF's 4-bit types), else the
+    GEMM object (Int4Gemm runs its own CPU form)."""
     x2 = x.reshape(-1, x.shape[-1])
-    if p.cpu is not None and use_cpu_kernels(x):  # torch's int4 CPU kernel over the repacked weight
+    if p.cpu is not None and backend(x) == "cpu":  # torch's int4 CPU kernel over the repacked weight
         y = cpu_lowbit.linear(x2, p.cpu)
     else:
         y = p.gemm(x2)
@@ -72,7 +73,7 @@ def _int4(x: torch.Tensor, p: Prepared) -> torch.Tensor:
 
 def _prepare_fp8(w: FP8Weight) -> Prepared:
     # the CPU form (the weight dequantized once) is made now, at load; FP8Gemm finds it on every call
-    return Prepared(w, FP8Gemm(w), cpu_lowbit.prepare(w) if use_cpu_kernels(w.weight) else None)
+    return Prepared(w, FP8Gemm(w), cpu_lowbit.prepare(w) if backend(w.weight) == "cpu" else None)
 
 
 def _prepare_w8a8(w: W8A8Weight) -> Prepared:
@@ -82,7 +83,7 @@ def _prepare_w8a8(w: W8A8Weight) -> Prepared:
 def _prepare_gguf(w: GGUFWeight) -> Prepared:
     # CPU: Q4_1 / Q4_K run torch's int4 kernel (cpu_lowbit); the others dequantize column tiles per call
     # (gguf_gemm.cpu_linear, inside GGUFGemm)
-    cpu = cpu_lowbit.prepare(w) if w.bits == 4 and w.code is None and use_cpu_kernels(w.lo) else None
+    cpu = cpu_lowbit.prepare(w) if w.bits == 4 and w.code is None and backend(w.lo) == "cpu" else None
     return Prepared(w, GGUFGemm(w), cpu)
 
 
@@ -112,7 +113,7 @@ def prepare_gate_up(w: Weight) -> Prepared | None:
     no Triton GEMM with the epilogue runs w: the CPU backend (its kernels, then norm_rope.silu_mul), fp8 with block
     scales (a scale covers a block of rows, which the interleave would split). A dense weight keeps its order:
     `dense_gemm.DenseGemm` reads the pairs by row index (and runs cuBLAS, then silu_mul, for prefill)."""
-    if not use_triton(w.values) or w.shape[0] % 2 or (isinstance(w, FP8Weight) and w.block_size is not None):
+    if backend(w.values) != "triton" or w.shape[0] % 2 or (isinstance(w, FP8Weight) and w.block_size is not None):
         return None
     if isinstance(w, DenseWeight):
         return Prepared(w, DenseGemm(w, silu_mul=True), None)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tritonq.kernels import use_cpu_kernels, use_triton
+from tritonq.kernels import backend
 from tritonq.kernels.cpu import native as cpu_native
 from tritonq.kernels.common import Launch
 
@@ -55,10 +55,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
         raise ValueError(f"rms_norm: weight must be [D] with D = x.shape[-1]; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}.")
-    if not use_triton(x):
-        # the C loop where it is built; a compiled step (torch.compile) traces the reference, which inductor fuses
-        native = use_cpu_kernels(x) and not torch.compiler.is_compiling()
-        y = cpu_native.rms_norm(x, weight, eps) if native else None
+    b = backend(x)
+    if b != "triton":  # the C loop where it takes the call, else the reference (what a compiled step traces)
+        y = cpu_native.rms_norm(x, weight, eps) if b == "cpu" else None
         return rms_norm_reference(x, weight, eps) if y is None else y
     D = x.shape[-1]
     if D > 16384:
@@ -75,12 +74,11 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
     if x.shape != h.shape or x.dtype != h.dtype:
         raise ValueError(f"add_rms_norm: x and h must match; got x {x.dtype} {tuple(x.shape)}, h {h.dtype} "
                          f"{tuple(h.shape)}.")
-    if use_cpu_kernels(x) and not torch.compiler.is_compiling():
-        fused = cpu_native.rms_norm(x, weight, eps, add=h)
-        if fused is not None:
-            return fused
+    b = backend(x)
+    if b == "cpu" and (fused := cpu_native.rms_norm(x, weight, eps, add=h)) is not None:
+        return fused
     D = x.shape[-1]
-    if not use_triton(x) or D > 16384 or weight.shape != (D,):  # the reference; rms_norm refuses what it must
+    if b != "triton" or D > 16384 or weight.shape != (D,):  # the reference; rms_norm refuses what it must
         total = x + h
         return total, rms_norm(total, weight, eps)
     rows, h_rows = (_rows(t) for t in (x, h))
@@ -130,11 +128,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.shape[-1] % 2:
         raise ValueError(f"silu_mul: gate_up's last dim must be even (gate then up, I each); got "
                          f"{tuple(gate_up.shape)}.")
-    if use_cpu_kernels(gate_up) and not torch.compiler.is_compiling():
-        y = cpu_native.silu_mul(gate_up)
-        if y is not None:
-            return y
-    if not use_triton(gate_up) or torch.compiler.is_compiling():
+    b = backend(gate_up)
+    if b == "cpu" and (y := cpu_native.silu_mul(gate_up)) is not None:
+        return y
+    if b != "triton" or torch.compiler.is_compiling():
         return silu_mul_reference(gate_up)
     launch, y = silu_mul_launch(_rows(gate_up))
     launch()
@@ -242,10 +239,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if cos.shape != x.shape[:2] + x.shape[-1:] or sin.shape != cos.shape:
         raise ValueError(f"apply_rope: expected x [B,S,H,D] and cos/sin [B,S,D] (the table rows at x's positions); "
                          f"got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}.")
-    if use_cpu_kernels(x) and not torch.compiler.is_compiling():  # one C loop (a compiled step fuses the ops)
-        y = cpu_native.rope(x, cos.to(x.dtype), sin.to(x.dtype))
-        if y is not None:
-            return y
+    if backend(x) == "cpu" and (y := cpu_native.rope(x, cos.to(x.dtype), sin.to(x.dtype))) is not None:
+        return y  # one C loop (a compiled step traces the ops below, which inductor fuses)
     c, s = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)  # no-ops when the model gathered in x.dtype
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)

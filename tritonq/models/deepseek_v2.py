@@ -223,7 +223,7 @@ def _is_moe_layer(config, layer: int) -> bool:
 
 def default_attention_mode(device: torch.device | str) -> str:
     """"latent" (8.9x less KV cache), but "expanded" on CUDA before sm_80: no latent decode tile fits a T4's
-    64 KB of shared memory per block (its [16, 512] query and accumulator alone take 68 KB: tests/test_fit.py)."""
+    64 KB of shared memory per block (its [16, 512] query and accumulator alone take 68 KB: tests/aot/test_fit.py)."""
     device = torch.device(device)
     cc = compute_capability(device) if device.type == "cuda" else None
     if cc is not None and cc < 80:

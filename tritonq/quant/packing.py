@@ -52,7 +52,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
 
 def group_grid(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0,
                scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero [N] (float32) of the group columns w [N, g], the grid of quantize.quantize_int4
+    """Scale and zero [N] (float32) of the group columns w [N, g], the grid of tritonq.quant.rtn.quantize_int4
     and of the calibrations (tritonq.quantize.calibrate).
 
     Asym: scale = (max(w, 0) - min(w, 0)) / (2^b - 1), zero = round(-min / scale) clamped to

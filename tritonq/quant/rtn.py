@@ -71,7 +71,7 @@ def quantize_fp8(w: torch.Tensor, scheme: str = "tensor", block_size: tuple[int,
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     full = torch.where(full == 0, torch.ones_like(full), full)
     weight = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return FP8Weight(weight, scale.contiguous(), tuple(block_size) if scheme == "block" else None)
+    return FP8Weight(weight, scale.contiguous(), (bn, bk) if scheme == "block" else None)
 
 
 # Largest E8M0 scale the MoE kernel builds with integer ops (kernels/moe/jit.py: 2^(s - 127) x 2^14 as fp32 bits).

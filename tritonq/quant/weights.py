@@ -11,7 +11,7 @@ Adding a weight type: its class here, its GEMM kernel in tritonq/kernels/, and i
 `tritonq.kernels.linear.LINEARS`, the one table of (prepare once, run per call) by type (kernels/moe/launch.py's
 `_weight_args` and kernels/cpu/lowbit.py's `_prepare` too, if MoE experts or the CPU backend should run it).
 The kernels import these types for their signatures and checks, so this module imports no kernel
-(the table sits in kernels/linear.py, above both): tests/test_import_graph.py keeps the graph acyclic.
+(the table sits in kernels/linear.py, above both): tests/repo/test_import_graph.py keeps the graph acyclic.
 """
 from __future__ import annotations
 
@@ -500,7 +500,9 @@ class GGUFWeight(_TypedWeight):
         if len({p.type_name for p in parts}) != 1:
             raise ValueError(f"cannot fuse GGUF linears of different block types "
                              f"{sorted({p.type_name for p in parts})}")
-        cat = lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts], -1)
+
+        def cat(name):
+            return None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts], -1)
         return replace(first, lo=cat("lo"), hi=cat("hi"), scales=cat("scales"), offsets=cat("offsets"), bias=bias)
 
     @classmethod

@@ -57,9 +57,6 @@ def build_parser(prog: str = "python -m tritonq.serve") -> argparse.ArgumentPars
                              "use this often (0: never)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level")
-    parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help='speculative decoding, e.g. \'{"method": "ngram", "num_tokens": 4}\' or '
-                             '\'{"method": "draft", "model": "PATH_OR_ID", "num_tokens": 4}\' (see tritonq.load)')
     add_load_options(parser, tensor_parallel=True)
     return parser
 
@@ -100,10 +97,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m tritonq.ser
     args = parser.parse_args(argv)
     if args.max_waiting is not None and args.max_waiting < 0:
         parser.error(f"--max-waiting is {args.max_waiting}; expected >= 0")
-    if args.speculative_config is not None:
+    if args.speculative is not None:
         from tritonq.engine.speculative import SpeculativeConfig
         try:
-            SpeculativeConfig.parse(args.speculative_config)
+            SpeculativeConfig.parse(args.speculative)
         except (ValueError, TypeError) as e:
             parser.error(f"--speculative-config: {e}")
     if not args.log_stats_interval >= 0:

@@ -38,7 +38,7 @@ def create_app(model, served_model_name: str, *, api_key: str | None = None, max
     non-zero). log_interval: seconds between the throughput log lines while busy (0: none)."""
     check_api_key(api_key, "api_key")
     metrics = ServerMetrics(served_model_name)
-    engine_loop = EngineLoop(model.engine, metrics, max_waiting, on_dead=on_dead, log_interval=log_interval)
+    engine_loop = EngineLoop(model.multiplexer, metrics, max_waiting, on_dead=on_dead, log_interval=log_interval)
     metrics.update_engine(model.engine)
     tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tritonq-tokenize")
     grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="tritonq-grammar")

@@ -1,9 +1,9 @@
 """One HTTP request's way through the engine loop: queued (`submit`), its events read (`next_event`) into its
-choices (`Choice.apply`), or run to the end (`collect`); its prompts scored (`score`: echo's logprobs); each
-engine refusal or failure becomes an APIError.
+choices (`Choice.apply`), or run to the end (`collect`); its prompts scored (`score`: echo's logprobs). Engine
+refusals and failures propagate as they are raised (serve.errors maps each type to its status).
 
 Choice i of prompt p has index p * n + i, as in vLLM. A request the engine failed (an output with
-finish_reason "error") raises `Failed`; the route answers it with a 500.
+finish_reason "error") raises StepFailed (500).
 """
 from __future__ import annotations
 
@@ -12,18 +12,15 @@ import time
 
 from fastapi import Request
 
-from tritonq.serve.engine_loop import EngineLoop, Event, QueueFull, Scoring, Stream
+from tritonq.engine.multiplexer import Scoring
+from tritonq.serve.engine_loop import EngineLoop, EngineUnavailable, Event, StepFailed, Stream
+from tritonq.serve.errors import ClientGone, api_error
 from tritonq.serve.protocol import APIError, finite_logprob
 from tritonq.serve.responses import Usage
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # the engine's -> OpenAI's
 DISCONNECT_POLL_S = 0.5    # how often a request checks whether its client left (busy or not)
 ACCEPT_TIMEOUT_S = 60.0    # the engine thread takes commands between steps: a minute means it is stuck
-RETRY_AFTER_S = 1          # the Retry-After of a 429: a waiting request usually starts within a second
-
-
-class Failed(Exception):
-    """An output with finish_reason "error": the engine failed that request (message: why)."""
 
 
 class Choice:
@@ -37,10 +34,10 @@ class Choice:
         self.finish_reason, self.started = None, False
 
     def apply(self, out) -> str:
-        """Record one RequestOutput; returns its new text. Raises Failed if the engine failed the request."""
+        """Record one RequestOutput; returns its new text. Raises StepFailed if the engine failed the request."""
         self.started = True
         if out.finished and out.finish_reason == "error":
-            raise Failed(out.error or "the engine failed this request")
+            raise StepFailed(f"generation failed: {out.error or 'the engine failed this request'}")
         if out.token_id is not None:  # None: finished without a new token
             self.tokens += 1
             self.token_ids.append(out.token_id)
@@ -73,22 +70,13 @@ def usage(choices: list[Choice], n: int) -> Usage:
 
 
 async def submit(engine_loop: EngineLoop, prompts: list[list[int]], configs: list[list], n: int) -> Stream:
-    """Queue prompts x n choices (configs[p]: prompt p's n GenerationConfigs) on the engine."""
+    """Queue prompts x n choices (configs[p]: prompt p's n checked requests) on the engine."""
     total = len(prompts) * n
     if engine_loop.max_waiting is not None and total > engine_loop.max_waiting:
         raise APIError(400, f"{len(prompts)} prompts x n={n} = {total} sequences, but this server queues at most "
                             f"{engine_loop.max_waiting} (--max-waiting), so the request can never be accepted; "
                             "send fewer prompts or a smaller n", "n")
-    try:
-        return await engine_loop.submit(prompts, configs, ACCEPT_TIMEOUT_S)
-    except QueueFull as exc:
-        raise APIError(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from None
-    except RuntimeError as exc:
-        raise APIError(503, str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - Refused("internal"): the engine failed to add it
-        raise APIError(500, str(exc)) from None
+    return await engine_loop.submit(prompts, configs, ACCEPT_TIMEOUT_S)
 
 
 async def next_event(engine_loop: EngineLoop, stream: Stream, request: Request) -> Event | None:
@@ -105,7 +93,7 @@ async def next_event(engine_loop: EngineLoop, stream: Stream, request: Request) 
             return await asyncio.wait_for(stream.queue.get(), DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
             if engine_loop.why_dead() is not None:
-                return Event(error=f"the engine loop has died: {engine_loop.dead}")
+                return Event(error=EngineUnavailable(f"the engine loop has died: {engine_loop.dead}"))
 
 
 async def collect(engine_loop: EngineLoop, stream: Stream, request: Request, n: int) -> list[Choice]:
@@ -115,13 +103,11 @@ async def collect(engine_loop: EngineLoop, stream: Stream, request: Request, n: 
         while any(c.finish_reason is None for c in choices.values()):
             event = await next_event(engine_loop, stream, request)
             if event is None:
-                raise APIError(499, "client disconnected")
+                raise ClientGone("client disconnected")
             if event.error is not None:
-                raise APIError(event.status, event.error)
+                raise event.error
             for out in event.outputs:
                 apply_output(engine_loop, stream, choices[out.request_id], out)
-    except Failed as exc:
-        raise APIError(500, f"generation failed: {exc}") from None
     finally:
         engine_loop.release(stream)
     return sorted(choices.values(), key=lambda c: c.index)
@@ -131,19 +117,19 @@ async def score(engine_loop: EngineLoop, prompts: list[list[int]], top_logprobs:
     """Engine.score's result per prompt (the prompt logprobs of echo), as scoring requests queued like
     generation: they wait for KV blocks and run in the steps' budget between other requests' decodes. Refusals
     and failures as `submit` / `collect`; aborted if the client leaves."""
-    stream = await submit(engine_loop, prompts, [[Scoring(top_logprobs)] for _ in prompts], 1)
+    stream = await submit(engine_loop, prompts, [[Scoring(p, top_logprobs)] for p in prompts], 1)
     scores = {}
     try:
         while len(scores) < len(prompts):
             event = await next_event(engine_loop, stream, request)
             if event is None:
-                raise APIError(499, "client disconnected")
+                raise ClientGone("client disconnected")
             if event.error is not None:
-                raise APIError(event.status, f"scoring the prompt for echo failed: {event.error}")
+                raise api_error(event.error, "scoring the prompt for echo failed: ")
             for out in event.outputs:
                 engine_loop.mark_started(stream)
                 if out.finish_reason != "scored":
-                    raise APIError(500, f"scoring the prompt for echo failed: {out.error}")
+                    raise StepFailed(f"scoring the prompt for echo failed: {out.error}")
                 scores[out.request_id] = out.scores
     finally:
         engine_loop.release(stream)

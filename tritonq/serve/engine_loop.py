@@ -1,6 +1,7 @@
 """The engine in one background thread; HTTP handlers talk to it through queues.
 
-The engine is not thread-safe, so only this thread calls it. Handlers (on the asyncio loop)
+The engine is not thread-safe, so only this thread calls it, through the Model's Multiplexer
+(tritonq.engine.multiplexer: each request's outputs go to its stream). Handlers (on the asyncio loop)
 put commands (add, abort) on a thread-safe queue; the thread drains them between steps, runs
 `engine.step()` while anything is unfinished, and hands each request's outputs back to its
 asyncio.Queue with `loop.call_soon_threadsafe`. An abort is applied before the next step, so a
@@ -20,6 +21,7 @@ Failures, from the smallest:
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 import time
@@ -28,10 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tritonq.api.model import GenerationConfig
+from tritonq.engine.engine import CheckedRequest, EngineDeadError
+from tritonq.engine.multiplexer import Multiplexer, Scoring
 from tritonq.serve.metrics import ServerMetrics
-
-from tritonq.engine.engine import EngineDeadError
 
 # Events (one per engine step) a stream may hold unread; past it the client is not reading and the
 # request is aborted so its KV blocks are freed. 1024 steps is seconds of tokens: a reading client
@@ -39,43 +40,38 @@ from tritonq.engine.engine import EngineDeadError
 STREAM_BUFFER_EVENTS = 1024
 
 
+class QueueFull(Exception):
+    """--max-waiting requests are waiting already (429: retry later)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take or finish requests: its loop died, the server is stopping, or it did not accept a
+    request in time (503)."""
+
+
+class StepFailed(RuntimeError):
+    """The engine failed this request: a failed step, an output with finish_reason "error", or a stream its
+    client did not read (500)."""
+
+
 @dataclass
 class Event:
-    """What a request's queue receives: outputs of one step, or a terminal error."""
+    """What a request's queue receives: outputs of one step, or a terminal error (serve.errors maps its type to
+    the HTTP status)."""
     outputs: list = field(default_factory=list)  # RequestOutput of this request's engine ids
-    error: str | None = None                     # the request cannot go on
-    status: int = 503                            # HTTP status of that error: 500 failed step, 503 engine gone
-
-
-@dataclass(frozen=True)
-class Scoring:
-    """In a Stream's configs, in place of a GenerationConfig: score the prompt (Engine.add_score: its prompt
-    logprobs, with the top_logprobs most likely tokens at each position). Its one output carries `scores`."""
-    top_logprobs: int
-
-
-class QueueFull(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class Refused:
-    """Why the engine thread did not take a stream: kind "invalid" (the request is wrong: 400),
-    "internal" (an unexpected error adding it: 500) or "dead" (the engine is gone: 503)."""
-    kind: str
-    message: str
+    error: Exception | None = None               # the request cannot go on
 
 
 class Stream:
     """One HTTP request's engine requests (n choices x prompts, or its prompts' scoring) and the queue their
     outputs reach."""
 
-    def __init__(self, prompts: list[list[int]], configs: list[list[GenerationConfig | Scoring]], loop):
+    def __init__(self, prompts: list[list[int]], configs: list[list[CheckedRequest | Scoring]], loop):
         self.prompts, self.configs = prompts, configs
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.loop = loop
         self.request_ids: list[int] = []   # engine ids, prompt-major: prompt p choice c at p * n + c
-        self.accepted = loop.create_future()  # set by the engine thread: None, or a Refused
+        self.accepted = loop.create_future()  # set by the engine thread: None, or the exception refusing it
         self.started = time.perf_counter()
         self.unstarted = self.num_requests    # engine requests that have not produced a token yet
         self.done = False
@@ -96,20 +92,25 @@ class _Timing:
 class EngineLoop:
     """Owns the engine thread. `submit` from the asyncio loop; `stop` from anywhere."""
 
-    def __init__(self, engine, metrics: ServerMetrics, max_waiting: int | None = None, on_dead=None,
-                 log_interval: float = 5.0):
-        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+    def __init__(self, multiplexer: Multiplexer, metrics: ServerMetrics, max_waiting: int | None = None,
+                 on_dead=None, log_interval: float = 5.0):
+        self.multiplexer, self.metrics, self.max_waiting = multiplexer, metrics, max_waiting
         self.log_interval = log_interval          # seconds between throughput log lines while busy (0: none)
         self.on_dead = on_dead                    # called (engine thread) with the reason once dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, Stream] = {}   # engine request id -> its stream (thread-owned)
         self._timing: dict[int, _Timing] = {}
+        self._stepped: dict[Stream, list] = {}   # this step's outputs by stream (the multiplexer's sinks)
         self._live: set[Stream] = set()           # streams not yet done (asyncio-owned)
         self._pending = 0                         # engine requests accepted, no token yet (asyncio-owned)
         self._stop = threading.Event()
         self.dead: str | None = None              # why the loop died, once it has
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="tritonq-engine", daemon=True)
+
+    @property
+    def engine(self):
+        return self.multiplexer.engine
 
     # ---- asyncio side -------------------------------------------------------------------
     def start(self) -> None:
@@ -123,17 +124,17 @@ class EngineLoop:
             self.dead = "the engine thread has exited"
         return self.dead
 
-    async def submit(self, prompts: list[list[int]], configs: list[list[GenerationConfig | Scoring]],
+    async def submit(self, prompts: list[list[int]], configs: list[list[CheckedRequest | Scoring]],
                      timeout: float) -> Stream:
-        """Queue prompts[p] once per config in configs[p]; returns when the engine accepted them.
+        """Queue prompts[p] once per request in configs[p] (Engine.check_request's, or a Scoring); returns when
+        the engine accepted them.
 
-        Raises QueueFull when --max-waiting requests are already waiting, ValueError with the
-        engine's message when it refuses one (e.g. more KV blocks than the cache has), RuntimeError
-        when the engine loop is dead or does not answer within `timeout` seconds, and Exception
-        (500) when adding failed unexpectedly.
+        Raises QueueFull when --max-waiting requests are already waiting, EngineUnavailable when the engine
+        loop is dead or does not answer within `timeout` seconds, and the engine's own exception when it
+        refuses one (add_score's checks: ValueError / TypeError) or adding fails unexpectedly.
         """
         if self.why_dead() is not None:
-            raise RuntimeError(f"the engine loop has died: {self.dead}")
+            raise EngineUnavailable(f"the engine loop has died: {self.dead}")
         stream = Stream(prompts, configs, asyncio.get_running_loop())
         if self.max_waiting is not None and self._pending + stream.num_requests > self.max_waiting:
             raise QueueFull(f"{self._pending} requests are waiting and this one adds {stream.num_requests}; "
@@ -145,14 +146,14 @@ class EngineLoop:
             error = await asyncio.wait_for(asyncio.shield(stream.accepted), timeout)
         except asyncio.TimeoutError:
             self.release(stream)  # the add may still be applied: the abort after it undoes it
-            raise RuntimeError(f"the engine did not accept the request within {timeout:g} s "
-                               "(it is busy or stuck); retry later") from None
+            raise EngineUnavailable(f"the engine did not accept the request within {timeout:g} s "
+                                    "(it is busy or stuck); retry later") from None
         except BaseException:     # the handler was cancelled (client gone)
             self.release(stream)
             raise
         if error is not None:
             self._finish(stream)
-            raise {"invalid": ValueError, "dead": RuntimeError}.get(error.kind, Exception)(error.message)
+            raise error
         return stream
 
     def mark_started(self, stream: Stream) -> None:
@@ -179,15 +180,14 @@ class EngineLoop:
             return
         if event.error is None and stream.queue.qsize() >= STREAM_BUFFER_EVENTS:
             self.release(stream)
-            event = Event(error=f"the client did not read its stream: {STREAM_BUFFER_EVENTS} events were "
-                                "unread, so the request was aborted; read the stream as it arrives",
-                          status=500)
+            event = Event(error=StepFailed(f"the client did not read its stream: {STREAM_BUFFER_EVENTS} events "
+                                           "were unread, so the request was aborted; read the stream as it arrives"))
         stream.queue.put_nowait(event)
 
     def fail_all(self, message: str) -> None:
         """End every live stream with an error event (shutdown): their handlers send an error chunk."""
         for stream in list(self._live):
-            stream.queue.put_nowait(Event(error=message))
+            stream.queue.put_nowait(Event(error=EngineUnavailable(message)))
 
     def _fail_everything(self, message: str) -> None:
         """(asyncio loop, once dead) Answer every request: accepted futures, live streams, queued adds."""
@@ -197,10 +197,10 @@ class EngineLoop:
             except queue.Empty:
                 break
             if kind == "add":
-                _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
+                _resolve(stream.accepted, EngineUnavailable(f"the engine loop has died: {message}"))
         for stream in list(self._live):
-            _resolve(stream.accepted, Refused("dead", f"the engine loop has died: {message}"))
-            stream.queue.put_nowait(Event(error=f"the engine loop has died: {message}"))
+            _resolve(stream.accepted, EngineUnavailable(f"the engine loop has died: {message}"))
+            stream.queue.put_nowait(Event(error=EngineUnavailable(f"the engine loop has died: {message}")))
 
     def stop(self) -> None:
         self._stop.set()
@@ -251,29 +251,21 @@ class EngineLoop:
                 if self._streams.pop(rid, None) is not None:
                     self._timing.pop(rid, None)
                     try:
-                        self.engine.abort(rid)
+                        self.multiplexer.release([rid])
                     except Exception:  # noqa: BLE001 - one request's cleanup must not end the server
                         traceback.print_exc()
 
     def _add(self, stream: Stream) -> None:
         if stream.done:  # released (timed out, client gone) before the thread got to it
-            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, Refused("invalid", "withdrawn"))
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, EngineUnavailable("withdrawn"))
             return
-        ids = []
         try:
-            for prompt, configs in zip(stream.prompts, stream.configs):
-                for config in configs:
-                    ids.append(self.engine.add_score(prompt, config.top_logprobs) if isinstance(config, Scoring)
-                               else self.engine.add_request(prompt, config))
+            ids = self.multiplexer.add([c for configs in stream.configs for c in configs],
+                                       functools.partial(self._collect, stream))
         except Exception as exc:  # noqa: BLE001 - a request the engine cannot add must not end the server
-            for rid in ids:
-                self.engine.abort(rid)
-            if isinstance(exc, (ValueError, TypeError)):
-                refused = Refused("invalid", str(exc))
-            else:
+            if not isinstance(exc, (ValueError, TypeError)):  # not a refusal: a bug, logged (answered 500)
                 traceback.print_exc()
-                refused = Refused("internal", f"adding the request failed: {type(exc).__name__}: {exc}")
-            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, refused)
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, exc)
             return
         stream.request_ids = ids
         for rid, prompt in zip(ids, (p for p, cs in zip(stream.prompts, stream.configs) for _ in cs)):
@@ -293,21 +285,22 @@ class EngineLoop:
             for rid in stream.request_ids:
                 if self._streams.pop(rid, None) is not None:
                     timing = self._timing.pop(rid)
-                    self.engine.abort(rid)
+                    self.multiplexer.release([rid])
                     self.metrics.request_finished(timing.arrival, timing.first, timing.tokens, now, "error")
             stream.loop.call_soon_threadsafe(
-                self._deliver, stream, Event(error=f"the engine step running this request failed: {message}",
-                                             status=500))
+                self._deliver, stream, Event(error=StepFailed(f"the engine step running this request failed: "
+                                                              f"{message}")))
+
+    def _collect(self, stream: Stream, out) -> None:
+        """(the multiplexer's sink of a stream's requests) An output of this step, delivered after it."""
+        self._stepped.setdefault(stream, []).append(out)
 
     def _step(self) -> None:
-        outputs = self.engine.step()
+        self._stepped = {}
+        self.multiplexer.step()
         now = time.perf_counter()
-        by_stream: dict[Stream, list] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:  # aborted meanwhile
-                continue
-            by_stream.setdefault(stream, []).append(out)
+        by_stream, self._stepped = self._stepped, {}
+        for out in (out for outs in by_stream.values() for out in outs):
             timing = self._timing[out.request_id]
             if out.token_id is not None:
                 timing.tokens += 1

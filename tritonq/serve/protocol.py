@@ -38,8 +38,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from tritonq.config import MAX_TOP_LOGPROBS
-from tritonq.api.model import GenerationConfig
+from tritonq.config import MAX_TOP_LOGPROBS, GenerationConfig
 from tritonq.serve.responses import ErrorBody, ErrorDetail
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

@@ -2,8 +2,8 @@
 
 Under torchrun (`torchrun --nproc-per-node N -m tritonq.serve MODEL`; across machines add --nnodes and a shared
 --rdzv-endpoint) each rank loads its shard with tritonq.load. Rank 0 serves, its engine wrapped in
-`LeaderEngine`: the calls that change the schedule (add_request, add_score, abort, step, score) run on rank 0 and are
-forwarded, in order, to the other ranks, which replay them in `follow`. Adds and aborts travel with the next
+`LeaderEngine`: the calls that change the schedule (add_request, add_checked, add_score, abort, step, score)
+run on rank 0 and are forwarded, in order, to the other ranks, which replay them in `follow`. Adds and aborts travel with the next
 step or score: one broadcast_object_list per step, over a gloo group of its own (`control_group`: host
 memory, and an idle follower waits in a CPU socket read rather than a GPU collective). The same calls in the
 same order on engines built alike give the same schedule on every rank, so the model's collectives line up;
@@ -49,6 +49,11 @@ class LeaderEngine:
         self._pending.append(("add_request", (list(prompt_ids), config), options, request_id))
         return request_id
 
+    def add_checked(self, checked, **options) -> int:
+        request_id = self._engine.add_checked(checked, **options)  # validated on rank 0: the same on every rank
+        self._pending.append(("add_checked", (checked,), options, request_id))
+        return request_id
+
     def add_score(self, prompt_ids: list[int], top_logprobs: int = 0) -> int:
         request_id = self._engine.add_score(prompt_ids, top_logprobs)  # raises before anything changed
         self._pending.append(("add_score", (list(prompt_ids), top_logprobs), {}, request_id))
@@ -85,6 +90,6 @@ def follow(engine, group) -> None:
                 return
             name, args, kwargs, leader_id = call
             result = getattr(engine, name)(*args, **kwargs)
-            if name in ("add_request", "add_score") and result != leader_id:
+            if name in ("add_request", "add_checked", "add_score") and result != leader_id:
                 raise RuntimeError(f"rank {dist.get_rank()} numbered a request {result} where rank 0 numbered it "
                                    f"{leader_id}: the ranks' engines diverged; restart the server")

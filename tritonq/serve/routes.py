@@ -20,10 +20,11 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from tritonq.engine.engine import CheckedRequest, top_dicts
 from tritonq.engine.sequence import RequestTooLong
-from tritonq.api.model import top_dicts
 from tritonq.serve import replies
 from tritonq.serve.dispatch import collect, score, submit
+from tritonq.serve.errors import api_error
 from tritonq.serve.logprobs import completion_logprobs
 from tritonq.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from tritonq.serve.responses import CompletionLogprobs, ModelCard, ModelList
@@ -93,17 +94,16 @@ def _check_limits(request: Request, body: SamplingRequest, prompts: list[list[in
         raise APIError(400, refused[1], refused[0])
 
 
-def _sampling_configs(model, body: SamplingRequest, prompts: list[list[int]]) -> list[list]:
-    """Per prompt, the GenerationConfigs of its n choices, each checked by Engine.check_request (run off the
-    loop: it may compile the output's grammar); its refusal is a 400 naming the field to change."""
+def _sampling_configs(model, body: SamplingRequest, prompts: list[list[int]]) -> list[list[CheckedRequest]]:
+    """Per prompt, its n choices validated by Engine.check_request (the request's one validation; run off the
+    loop: it may compile the output's grammar), ready to queue; a refusal is a 400 naming the field to change."""
     schema_field = body.output_constraint()[1]
     configs = []
     for i, prompt in enumerate(prompts):
         name = f"prompt {i}" if len(prompts) > 1 else "the prompt"
         try:
-            choices = body.generation_configs(_max_tokens(model, body, prompt))
-            for config in choices:
-                model.engine.check_request(prompt, config, name=name)
+            configs.append([model.engine.check_request(prompt, config, name=name)
+                            for config in body.generation_configs(_max_tokens(model, body, prompt))])
         except RequestTooLong as exc:  # the fit rule's numbers, led by OpenAI's words (clients match on them)
             given = body.max_tokens is not None
             raise APIError(400, f"This model's maximum context length is {model.max_seq_len} tokens; {exc}"
@@ -113,8 +113,7 @@ def _sampling_configs(model, body: SamplingRequest, prompts: list[list[int]]) ->
             raise APIError(400, f"{schema_field}: {exc}", schema_field) from None
         except (ValueError, TypeError) as exc:  # the engine's checks name the field first
             param = next((f for f in ("stop_token_ids", "logit_bias") if str(exc).startswith(f)), "prompt")
-            raise APIError(400, str(exc), param) from None
-        configs.append(choices)
+            raise api_error(exc, param=param) from None
     return configs
 
 

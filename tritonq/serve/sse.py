@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from tritonq.serve.dispatch import Choice, Failed, apply_output, choices_of, next_event, usage
-from tritonq.serve.engine_loop import EngineLoop, Stream
+from tritonq.serve.dispatch import Choice, apply_output, choices_of, next_event, usage
+from tritonq.serve.engine_loop import EngineLoop, StepFailed, Stream
+from tritonq.serve.errors import api_error
 from tritonq.serve.logprobs import chat_logprobs, completion_logprobs
 from tritonq.serve.protocol import APIError, FunctionDefinition, dumps
 from tritonq.serve.responses import (ChatChunkChoice, ChatCompletionChunk, Completion, CompletionChoice,
@@ -57,7 +58,7 @@ def stream_response(engine_loop: EngineLoop, stream: Stream, request: Request, n
             if news is None:  # the client has gone: nobody to write to
                 return
             if news.error is not None:
-                yield event(APIError(news.status, f"the request was interrupted: {news.error}").body())
+                yield event(api_error(news.error, "the request was interrupted: ").body())
                 yield DONE
                 return
             for out in news.outputs:
@@ -66,8 +67,8 @@ def stream_response(engine_loop: EngineLoop, stream: Stream, request: Request, n
                 try:
                     text = apply_output(engine_loop, stream, choice, out)
                     chunks = [event(chunk.to_json()) for chunk in chunker.chunks(choice, text, out, first)]
-                except Failed as exc:
-                    yield event(APIError(500, f"generation failed: {exc}").body())
+                except StepFailed as exc:
+                    yield event(api_error(exc).body())
                     yield DONE
                     return
                 except Exception as exc:  # noqa: BLE001 - a bug writing one reply: still an error chunk and [DONE]

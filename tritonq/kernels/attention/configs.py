@@ -56,7 +56,7 @@ def paged_prefill_config(block_d: int, block_dr: int, block_dv: int, cc: int | N
     there with a window or 64-token pages).
     Before sm_80 (T4: 64 KB of shared memory per block; Triton 3.x lowers tl.dot to FMA there, no mma,
     and has no cp.async to pipeline): 64 query rows (32 for 256-wide heads), 16-key tiles, one stage:
-    41-57 KB, no spills at head dims 64-192 (tests/test_fit.py); 128-row tiles need 80-112 KB. No
+    41-57 KB, no spills at head dims 64-192 (tests/aot/test_fit.py); 128-row tiles need 80-112 KB. No
     tile fits MLA's latent 576 / 512 there: the [16, 512] query and accumulator alone take 68 KB.
     """
     if cc is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from tritonq.kernels import use_cpu_kernels, use_triton
+from tritonq.kernels import backend
 from tritonq.kernels.cpu import attention as cpu_attention
 from tritonq.kernels.attention.configs import (DecodeConfig, PrefillConfig, check_decode_config, check_prefill_config,
                                                head_blocks, launch_config, paged_block_n)
@@ -201,10 +201,11 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
         raise ValueError(f"decode_attention: max_seq_len = {max_seq_len!r}; expected an int >= 1 (the capacity "
                          "the launch config is chosen for) or None.")
-    if use_cpu_kernels(q):  # torch's CPU flash attention over each sequence's real keys (kernels/cpu/attention.py)
+    b = backend(q)
+    if b == "cpu":  # the C kernel, else torch's CPU flash attention over each sequence's real keys
         return cpu_attention.decode_attention(q, k_pages, v_pages, cache_lens, block_table, scale, window,
                                               k_scale, v_scale, sinks, alibi_slopes=alibi_slopes)
-    if not use_triton(q):
+    if b == "torch":
         return decode_attention_reference(q, *given, cache_lens, block_table, scale, window, sinks,
                                           alibi_slopes=alibi_slopes)
 
@@ -288,9 +289,10 @@ def write_kv_slots(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor
     k_pages, v_pages, k_scale, v_scale = _checked_write(k_pages, v_pages, k, v, slot_mapping, check_values)
     if k.shape[0] == 0:
         return
-    if use_cpu_kernels(k_pages):  # one index_copy_ per cache (kernels/cpu/attention.py)
+    b = backend(k_pages)
+    if b == "cpu":  # the C loop, else one index_copy_ per cache (kernels/cpu/attention.py)
         return cpu_attention.write_kv_slots(k_pages, v_pages, k, v, slot_mapping, k_scale, v_scale)
-    if not use_triton(k_pages):
+    if b == "torch":
         return write_kv_slots_reference(*given, k, v, slot_mapping)
     write_kv_slots_launch(*given, _last_dim_contiguous(k), _last_dim_contiguous(v), slot_mapping)[0]()
 
@@ -380,7 +382,7 @@ def rope_write_kv_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
             w is not None and (w.shape != (D,) or w.device != q.device) for w in (q_norm, k_norm)):
         raise ValueError(f"rope_write_kv_slots: q_norm and k_norm must both be [{D}] weights on {q.device}, or both "
                          "None (no qk-norm).")
-    if use_triton(q) and T > 0:
+    if backend(q) == "triton" and T > 0:
         _checked_write(k_pages, v_pages, k, v, slot_mapping, check_values)
         launch, q_out = write_kv_slots_launch(k_pages, v_pages, _last_dim_contiguous(k), _last_dim_contiguous(v),
                                               slot_mapping, _last_dim_contiguous(q), _last_dim_contiguous(cos),
@@ -433,10 +435,11 @@ def paged_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
         check_prefill_config(config)
     if check_values:
         _check_prefill_lens(cu_seqlens_q, context_lens, q.shape[0], block_table.shape[1] * page_size)
-    if use_cpu_kernels(q):  # kernels/cpu/attention.py
+    b = backend(q)
+    if b == "cpu":  # kernels/cpu/attention.py
         return cpu_attention.paged_prefill_attention(q, k_pages, v_pages, cu_seqlens_q, context_lens, block_table,
                                                      scale, window, k_scale, v_scale, sinks, alibi_slopes=alibi_slopes)
-    if not use_triton(q):
+    if b == "torch":
         return paged_prefill_attention_reference(q, *given, cu_seqlens_q, context_lens, block_table, scale, window,
                                                  sinks, alibi_slopes=alibi_slopes)
 

@@ -1,83 +1,11 @@
-"""CPU backend for paged attention: torch's fused CPU attention over each sequence's real keys, and
-the write of new keys into the pages.
+"""CPU backend for paged attention and the KV write (shapes as kernels/attention/), in place of the references,
+which gather whole block tables in unfused float32 ops (TRITONQ_BACKEND=torch still runs them: the test oracle).
 
-Without a GPU (and outside TRITON_INTERPRET=1), `decode_attention` and `paged_prefill_attention`
-(kernels/attention/, which checks the inputs) run here instead of their torch references, which
-gather every page of the block table (decode: the whole table width), mask and softmax in unfused
-float32 ops, and for prefill repeat K/V per query head (GQA). TRITONQ_BACKEND=torch still runs the references, which
-stay the test oracle.
-
-Shapes as kernels/attention/: pages [P, page_size, Hkv, D], block_table [B, max_pages] int32,
-position n of sequence b in page block_table[b, n // page_size], row n % page_size.
-
-* Per sequence, the keys it sees (its real length, or the last `window` keys) are gathered into
-  rows [Hkv, n, D] (one `index_select` of page rows for K, one for V), and torch's
-  `scaled_dot_product_attention` runs on them: its CPU flash kernel (blocked, fused online
-  softmax, fp32 accumulation; no [H, n_q, n] scores in memory). It takes 4-D inputs only (3-D
-  ones run the unfused math path, measured 2x slower), hence the batch dim of 1.
-* The rows to gather (`key_plan`: page * page_size + row per key, int64) depend only on the step's
-  lengths, window and block table, the same in every layer: they are computed once (numpy, over the
-  whole batch) and reused by the later layers of the step (a cache keyed by those values). Measured
-  on a decode step (one thread, 16/8 heads of 64, batch 32..256, lengths 16..400): 10-30% less time
-  than gathering whole pages per sequence and layer.
-* Decode on several threads (a step of at least GROUPED_WORK query heads x keys, without ALiBi or
-  sinks) runs sequences of similar key counts as one batch of the flash kernel (`KeyGroup`): longest
-  first, a group takes the next sequence while its padded keys stay within GROUP_KEYS and 1.25x its
-  real keys; each sequence is padded with its own last key, masked. One sequence's flash call is too
-  small to use a second thread; a group's is not. Measured on the quiet 2-core box, 2 threads, bf16,
-  16/8 heads of 64: batch 32 (lengths 16..320) 1.8 ms per layer vs 2.4 ms per sequence on one thread,
-  batch 64 (100..400) 4.6 vs 6.4, batch 256 (128..180) 10.4 vs 17.1; the 8-layer model's decode step
-  of 32, 42 -> 36 ms. On one thread the same groups were 10-30% slower than one call per sequence
-  (which keeps its gathered keys in cache), larger groups (16K keys, or slack 1.5) slower still (up
-  to 3x in fp32), so one thread keeps one call per sequence.
-* GQA without repeated K/V: decode runs each kv head's `group` query heads as `group` query rows
-  of that head (q [Hkv, group, D]; one query per sequence, so all rows see the same keys);
-  prefill passes `enable_gqa=True`, which the flash kernel indexes without copying.
-* Causal: whole prompts use `is_causal`, which skips the blocks above the diagonal; a chunk after
-  a cached prefix (queries at positions ctx - n_q .. ctx - 1 over keys 0 .. ctx - 1) and sliding
-  windows (key j visible to query p iff j <= p and p - j < window) pass a boolean mask over the
-  keys gathered; keys older than every query's window are not gathered at all.
-* Head dims: any size. The flash kernel wants one head dim for q, k and v, so Dqk != Dv
-  (DeepSeek-V2 192 / 128, its absorbed MLA 576 / 512) pads the narrower side with zeros (zero
-  v columns give zero output columns, sliced off; zero q/k columns add nothing to the scores).
-* dtypes: fp32, bf16, fp16, computed in the input dtype as the Triton kernels do: scores and
-  softmax in fp32 (exact products of bf16/fp16 inputs), probabilities rounded to the input dtype
-  before the PV product, output rounded once. Tolerance against the fp32 references
-  (tests/tolerances.py "attention"): fp32 summation order only; bf16/fp16 that rounding.
-* Threads: a call whose largest sequence is below PARALLEL_WORK (query heads x query rows x keys,
-  1M: a 256-token prompt of 16 heads) runs its loop on one intra-op thread. Each small op is one
-  OpenMP parallel region that waits for every thread, and on a shared machine that is a
-  descheduled thread's time slice: on this 2-core box under load, decode batch 16 (16 heads,
-  keys 16..512) took 371 ms on 2 threads and 8.9 ms on one (the reference 85 ms); 4 prompts
-  of 16..256 tokens 104 ms and 11 ms. The price on the quiet box: 3.2 vs 2.4 ms (batch 16),
-  13.9 vs 11.9 ms (batch 64), 5.5 vs 5.3 ms (the prompts). Larger sequences keep torch's threads
-  (a long prompt gains from a second core when the box is quiet), and so do grouped decode steps
-  (above): fewer, larger ops, but on a loaded box they wait for descheduled threads as the linears do.
-* A decode row with no keys (cache length 0) gets zeros, as the kernels and references give.
-* Attention sinks (sinks [H] fp32, gpt-oss): the flash kernel's own log-sum-exp of the scores (its
-  aten op `_scaled_dot_product_flash_attention_for_cpu` returns it) rescales its output, since a sink
-  only adds e^sink to the denominator: out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink).
-  No extra key, no copy of K/V; calls without sinks take F.scaled_dot_product_attention as before.
-
-`write_kv_slots` is one `index_copy_` per cache into the pages viewed as rows [P * page_size, Hkv, D]
-(slot = page * page_size + row), instead of the reference's shape-static index_put, which redirects
-skipped rows rather than dropping them (it must not read the device). Rows with slot < 0 are
-dropped first, and only when there are any: selecting by the mask took 2-4x the whole unmasked write
-(64 and 544 tokens, 8 heads of 64). tritonq/bench/attention.py's "write" rows: ~2x the reference (decode step
-of 64 sequences), ~2.5x (544 prompt tokens). The MLA latent v pages (a strided view of k) view as
-rows too; k is written before v, as the reference and the kernel do.
-
-Quantized pages (kernels/attention/pages.py's QuantizedPages, passed here as data + scale tensors): the same
-layout as on GPUs, int8 codes with scales [P, page_size, Hkv] or float8_e4m3fn with per-tensor scales.
-Each sequence's gathered rows are dequantized (codes x scale in fp32, then rounded to q's dtype once) before
-torch's attention; the write quantizes as the Triton kernel does (int8: absmax / 127, floor(x / s + 0.5)).
-
-Host reads of the lengths and slots are free here (CPU tensors): they pick each sequence's slice.
-
-Prefill and decode of plain pages in q's dtype (no sinks, ALiBi or 8-bit pages, Dqk == Dv) first try the C kernel
-of kernels/cpu/native.py, which reads the keys in place, the whole batch in one call per layer (decode 3-4x, prefill
-~4x faster than the path above); the gather, groups and flash calls above run where it does not take the call or is
-not built.
+Plain pages in q's dtype (no sinks, ALiBi or 8-bit pages, Dqk == Dv) go to the C kernel of kernels/cpu/native.py,
+which reads the keys in place, the whole batch in one call per layer. Everything else, or without the library:
+torch's CPU flash kernel over each sequence's real keys, gathered by a plan shared by a step's layers (`key_plan`)
+and, on several threads, run in padded groups of similar lengths (`KeyGroup`); numerics as the Triton kernels'.
+The design and its measurements: docs/cpu.md.
 """
 from __future__ import annotations
 

@@ -1,40 +1,6 @@
-"""CPU backend for dense linears: bf16 on oneDNN over a weight reordered once, at load; all on a C loop in the
-batch-invariant mode.
-
-torch's bf16 `F.linear` on CPU calls oneDNN too, but with the plain [N, K] weight, which oneDNN
-reorders into its blocked AMX / AVX512-BF16 layout again on every call: for a decode step's few
-rows that reorder is most of the GEMM. `pack(w)` reorders once (`torch.ops.mkldnn._reorder_linear_weight`,
-what inductor's freezing pass does) and `linear` runs `torch.ops.mkldnn._linear_pointwise` on it
-(vLLM's CPU build does the same through its own `onednn_mm` handle). The same kernel: outputs are
-F.linear's within one bf16 rounding (the summation order is oneDNN's choice per CPU and batch size, so
-neither bit equality with F.linear nor batch invariance is promised; tests/kernels/test_cpu_dense.py).
-
-Measured (one core of the shared 2-core Sapphire Rapids box, load 14-18, thread CPU time, min of
-15), F.linear vs packed, ms: 2048 x 1024, M = 1: 0.31-0.37 vs 0.19; M = 32: 0.38-0.45 vs 0.23-0.26;
-M = 256: 1.2 vs 1.0. 5632 x 1024: M = 1: 0.76-0.94 vs 0.49-0.55; M = 32: 1.0-1.5 vs 0.57-0.80;
-M = 256: 11.7-20 vs 3.0-7.7. Prefill-sized M (1024-2048) measured within the noise of each other.
-
-Only bf16, on CPUs with native bf16 (AVX512-BF16 / AMX, `tritonq.api.load.cpu_has_native_bf16`'s test):
-fp32 stays on MKL ([K, N]-stored, tritonq.quant.weights.k_major), fp16 has no AMX on these CPUs. The
-packed copy is kept beside the plain weight (a tied embedding reads the plain table; the CUDA and
-torch-reference paths read it too): bf16 linear weights take twice their bytes in host memory.
-Under torch.compile (engine.compiled) the plain F.linear runs: the packed tensor (an opaque
-mkldnn tensor) is not traced.
-
-Small weights at one or two rows: oneDNN's bf16 call costs ~15-25 us whatever the size below ~256K elements (a
-decode step of a small model is mostly such calls), so a weight of at most SMALL_WEIGHT elements also keeps a k-major
-bf16 copy that calls of at most FEW_ROWS rows run through cpu_native's small_linear (one C loop, float32 sums in
-registers, one rounding, as oneDNN's; only the summation order differs). Measured here (AMD EPYC, 2 cores, AVX-512,
-min of 5 x 600 calls, call included), oneDNN vs the C loop, us: 256 x 128, M = 1: 22 vs 8; 768 x 128: 17 vs 8;
-128 x 384: 16 vs 6; 2048 x 128: 20 vs 17 (M = 2: 23 vs 18); from M = 4 on the larger of these, or 1024 x 1024 at
-M = 1 (36 vs 55), oneDNN wins. So outside the batch-invariant mode a row's bf16 result depends on how many rows share
-the call (the C loop at 1-2, oneDNN above, each with its own summation order): within one bf16 rounding.
-
-Batch-invariant mode (kernels.batch_invariant(), on while the model is built and run; docs/batch_invariance.md): every
-CPU dense linear, fp32 / bf16 / fp16 and of any size, keeps only the C loop's k-major copy and runs it at every row
-count (one multiply-add chain per output in k order, whatever the other rows; blocks of rows and columns shared by
-torch's threads from PARALLEL_WORK on). fp32 leaves MKL too, whose blocking also changes a row's sums with the row
-count (from M = 5 on at 1024 x 1024 here). Its cost is docs/batch_invariance.md's.
+"""CPU backend for dense linears: bf16 on oneDNN over a weight reordered once, at load (torch's F.linear reorders
+it on every call); small weights at one or two rows on the C loop of kernels/cpu/native.py (oneDNN's fixed cost per
+call dominates there); in the batch-invariant mode every dense linear on that C loop. Measurements: docs/cpu.md.
 """
 from __future__ import annotations
 

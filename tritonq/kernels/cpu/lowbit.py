@@ -1,66 +1,15 @@
-"""CPU backend for typed weights: torch's own CPU kernels over weights prepared once.
+"""CPU backend for typed weights: torch's own CPU kernels over weights prepared once, in place of the references
+of `int4_gemm`, `fp8_gemm` and `fused_moe` (which unpack and dequantize the whole weight on every call;
+TRITONQ_BACKEND=torch still runs them: the test oracle). `prepare(w)` makes a weight's CPU form once (at load),
+`linear(x, p)` runs it.
 
-Without a GPU (and outside TRITON_INTERPRET=1), `int4_gemm`, `fp8_gemm` and `fused_moe` run
-here instead of their torch references, which unpack and dequantize the whole weight on every
-call. `prepare(w)` turns a typed weight into the layout of one CPU kernel, once per weight
-object (Linear calls it at load; MoE experts on their first call), and `linear(x, p)` runs it.
-TRITONQ_BACKEND=torch still runs the references, which stay the test oracle.
+* `CPUInt4Weight`: 4-bit AWQ / GPTQ for torch's int4 CPU kernel (bf16 activations, fp32 accumulation); above
+  TEMPLATE_ABOVE_M rows inductor's int4 GEMM template, compiled once per weight (`_template_gemm`).
+* `CPUDenseWeight`: every other type (8-bit, nf4 / fp4, FP8, MXFP4, int4 the kernel cannot take), dequantized once
+  to fp32 and run as an fp32 GEMM.
 
-Paths, activation dtype, and tolerance against the fp32 reference (tests/kernels/test_cpu_lowbit.py):
-
-* `CPUInt4Weight` — 4-bit AWQ / GPTQ, sym or asym, groups that are multiples of 32 (32..256 and
-  larger), per-channel (any K), act-order. torch's `_weight_int4pack_mm_for_cpu` (AVX2/AVX512
-  group-wise int4 GEMM; W = (q - 8) * scale + float_zero, so an integer zero z becomes the float
-  zero (8 - z) * scale). Activations, scales and float zeros in **bf16** (its only fast dtype:
-  fp32 activations take a scalar fallback ~10x slower than fp32 dense), fp32 accumulation,
-  output in bf16, then x.dtype.
-  Tolerance: |y - ref| <= (2^-6 + 2^-11) * (|x| @ T^T) with T[n, k] = scale * (|q - 8| + |8 - z|):
-  x, the scale and float zero (together), W (dequantize path only, below) and y are each rounded once to
-  bf16 (unit roundoff 2^-8: 7 stored mantissa bits), so the error is at most 4 * 2^-8 of the
-  magnitude of the terms summed, plus the reference's own fp16 rounding of W (2^-11). In practice
-  the roundings cancel: the error's norm is ~3e-3 of the output's.
-  Act-order: K is permuted once at load so that groups are contiguous; x is gathered per call.
-  Rows: the eager kernel re-dequantizes the weight for every tile of rows, so it only wins at decode
-  batches. Above TEMPLATE_ABOVE_M (8) rows `linear` runs inductor's C++ WoQ int4 GEMM template instead
-  (`_template_gemm`: torch.compile of this one op with the weight frozen in as a constant, its AMX or
-  AVX512 micro-kernel unpacking 4-bit tiles in registers; groups 32 / 64 / 128, larger kernel groups split
-  into 128s), compiled once per weight on its first call above 8 rows with the row count dynamic (~0.3 s
-  a weight, a new shape 1.5-4 s; stated in the log), or at load for every weight, or never (`settle_templates`,
-  from tritonq.load(warm_up=): a server compiles before it answers, a one-shot command never). Where it cannot compile (no AVX512), the kernel runs
-  up to DEQUANTIZE_ABOVE_M (32) rows and above that the whole weight is unpacked once per call to bf16
-  (one fused loop compiled by torch.compile) for a oneDNN bf16 GEMM; that bf16 copy lives for one call.
-  Measured on the quiet 2-core AVX512-BF16 / AMX box, 2 threads, 2816 x 1024 g128, median ms, eager
-  kernel / template / dequantize + GEMM / bf16 dense GEMM: M = 16: 0.50 / 0.23 / - / -; 64: 1.97 / 0.34 /
-  1.19 / 0.37; 256: 7.9 / 0.82 / 1.57 / 0.66-0.76; at M = 4 the kernel wins (0.13 vs 0.23). An AWQ
-  hidden-1024 8-layer model's step with a 256-token prefill: 147 ms (dequantize path) -> 70 ms (dense bf16:
-  76 ms). MoE experts keep to the eager paths (`linear(..., compiled=False)`: a compile per expert would
-  cost more than it saves). Memory: the compiled template holds its own blocked copy of the weight (and
-  inductor more besides), so a weight that has run it takes ~2-4x its packed bytes of host memory (measured
-  RSS per weight: +2.4 MiB for a 2 MiB packed 2048 x 2048, +24 for 8 MiB at 4096, +38 for 18 MiB at 6144),
-  still below the 4x of bf16 for the larger ones; the eager kernel keeps the packed original for decode.
-  The template's numerics are the kernel's (bf16 operands, fp32 accumulation,
-  bf16 output): the same bound. torch's `_weight_int4pack_mm_with_scales_and_zeros` has no CPU kernel in
-  torch 2.13. The dequantize path rounds W once more (to bf16): four bf16 roundings in all (the bound).
-  GGUF Q4_1 / Q4_K (`GGUFWeight`, 4-bit): W = q * scale + offset is the kernel's form with float zero
-  8 * scale + offset; both rounded to bf16 (the same bound with |q - 8| + |8 + offset / scale| in T).
-* `CPUDenseWeight` — 8-bit GPTQ and bitsandbytes, bitsandbytes nf4 / fp4 (a code table, not integer levels),
-  FP8 (tensor / channel / block), MXFP4 experts, and any int4 layout the kernel
-  cannot take (groups not a multiple of 32, act-order groups of unequal size): the weight is
-  dequantized **once** to fp32 (stated in the load log, with its size) and runs as an fp32
-  GEMM, stored [K, N]-contiguous like Linear's dense fp32 weights (faster MKL GEMV at decode).
-  torch's `_weight_int8pack_mm` exists but has per-channel scales only (GPTQ 8-bit is
-  group-wise: a loop over groups measured slower than fp32 dense here) and no CPU fp8 GEMM
-  beats fp32 on AVX2. Activations **fp32**, not quantized: FP8 runs weight-only, as fp8_gemm
-  does below sm_89 and fused_moe always does (fp8_gemm(weight_only=False) still quantizes them
-  to e4m3 exactly as the reference does; measured at decode, that costs ~15% of a token).
-  Tolerance: fp32 rounding only (same dequantized values, same arithmetic): rtol 1e-5,
-  atol 1e-5 * max |ref|.
-
-Batch-invariant mode (kernels.batch_invariant(), docs/batch_invariance.md): the paths above are chosen by the row
-count, and the template, the dequantize + oneDNN path and MKL each sum a row in their own order, so a row's result
-depends on the rows beside it. In the mode 4-bit weights run the eager kernel at every row count (blocks of rows, each
-row's groups summed in the same order whatever the others: checked bit for bit in tests/test_batch_invariance.py)
-and dequantized ones cpu_native's C loop over an fp32 k-major copy made on first use (2x their fp32 bytes).
+In the batch-invariant mode 4-bit weights run the eager kernel at every row count and dequantized ones the C loop.
+Each path's tolerance (tests/kernels/cpu/test_cpu_lowbit.py) and measurements: docs/cpu.md.
 """
 from __future__ import annotations
 
@@ -90,7 +39,7 @@ KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu ac
 N_MULTIPLE = 64
 DEQUANTIZE_ABOVE_M = 32  # without the template: rows above which dequantize + bf16 GEMM beats the kernel (docstring)
 # Rows repacked per call at load. The packed layout groups rows in blocks of 32 (a 256-row slice packs
-# to exactly its rows of the whole weight, checked in tests/kernels/test_cpu_lowbit.py); a slice's
+# to exactly its rows of the whole weight, checked in tests/kernels/cpu/test_cpu_lowbit.py); a slice's
 # int32 temporaries are 2 x 256 x K x 4 bytes instead of 2 x N x K x 4 (8x the packed weight each).
 PACK_ROWS = 256
 

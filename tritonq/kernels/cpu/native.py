@@ -1,42 +1,12 @@
-"""The CPU backend's C kernels (csrc/, their exports declared in csrc/tritonq_cpu.h), built on first use: paged
-attention (prefill chunks and decode rows), RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u,
-linears over rows, rotary embedding, the KV write and greedy sampling rows.
+"""The CPU backend's C library (csrc/, its exports declared in csrc/tritonq_cpu.h): paged attention over the pages
+in place, RMSNorm (after a residual addition or not), SwiGLU's silu(g) * u, linears over rows, rotary embedding, the
+KV write and greedy sampling rows: what torch does in many small ops per row, or (attention over pages) not at all.
 
-Why C: torch has no attention op over pages. cpu_attention's torch path gathers each sequence's keys
-(`index_select`) and runs the CPU flash kernel on them, per sequence or per padded group: two copies of the keys
-and a kernel call of ~50-300 us per sequence and layer. The C kernel reads each sequence's keys from the pages where
-they lie, one call per layer for the whole batch (a step's prefill chunks and decode rows alike: a decode row is a
-chunk of one query). Its work item is a block of queries of one sequence and one kv head (about QUERY_ROWS query
-rows); keys come in tiles of 16, converted to float32 and transposed (in registers with AVX-512), so a row's 16
-scores are D vector multiply-adds; online softmax, updated once per span of 4 tiles (64 keys: its reductions and
-rescaling are latency chains; per tile, prefill of 1780 tokens over 16 sequences took 1.15 ms, per span 0.80 ms), the
-probabilities rounded to the dtype before the PV product as in the Triton kernels. The next span's rows are
-prefetched (pages are scattered: the hardware prefetcher cannot guess them). Measured on the 2-core box (bf16, pages shuffled, one layer, median, 2 threads): decode of 256 sequences of
-16..320 keys, 4/2 heads of 32 (the shipped model's size): torch path 5.5 ms, the previous C kernel (a dot product
-per key) 1.7 ms, this one 1.3 ms. Prefill of 256 prompts of 16..256 tokens at that size, in 18 steps of up to 2048
-tokens: the attention took 1.24 s through torch's flash kernel per sequence, 0.29 s here.
-Likewise an all-greedy sampling step needs each row's first argmax and its log-probability: torch's max, logsumexp
-and gather read the logits four times (1.0 ms at 256 x 2048 on one thread), the C loop twice (0.28 ms).
-And RMSNorm, which the torch reference runs as ~8 ops (upcast, square, mean, rsqrt, scale,
-downcast, weight), each a dispatch of ~5-50 us on a decode step's few rows, is one loop over each row, which also
-does the residual addition before a layer's second norm. Rotary embedding likewise (4 torch ops: multiply, negate,
-concatenate, addcmul), and SwiGLU's activation (split, silu, multiply). And a bf16 linear of a small weight at one or
-two rows, where oneDNN's fixed cost per call is most of the time (kernels/cpu/dense.py has the figures), and every
-linear of the batch-invariant mode (any rows, fp32 / bf16 / fp16: each row one multiply-add chain in k order).
-
-Build: the system C compiler (`$CC`, else cc / gcc / clang), -O3 -march=native, into the cache folder
-(`$TRITONQ_CACHE_DIR`, else ~/.cache/tritonq) under a name hashed from the source, the flags, the compiler's
-version and this CPU's flags: ~0.5 s once per machine, then a dlopen. Without a compiler (or when the build
-fails: the log says why, once) attention keeps cpu_attention's torch path, RMSNorm and sampling torch's
-ops, which also run for what these kernels do not take (float8 / int8 pages, attention sinks, ALiBi, Dqk != Dv,
-pages that are not contiguous; penalties, biases, masks, top logprobs, sampled rows). The functions here return
-None then.
-
-Threads (attention): ctypes releases the GIL and the kernel runs its items on a team of torch's own OpenMP runtime
-(GOMP_parallel, found among the process's libraries), torch.get_num_threads() threads, the caller one of them; work
-items are claimed from a shared atomic counter, the largest first. torch's worker threads spin for a while after
-each op, waiting for the next one: a thread of our own would compete with them for the cores (measured, decode of
-256 sequences right after a linear, 2 cores: 1.44 ms on threads of our own, 0.97 ms on torch's team).
+Built on first use with the system C compiler (`$CC`, else cc / gcc / clang) into the cache folder
+($TRITONQ_CACHE_DIR, else ~/.cache/tritonq), named by a hash of the sources, flags, compiler version and CPU flags.
+A function returns None where the library is not built (the log says why, once), where the call is outside what
+it takes, or inside a torch.compile trace: the caller runs its torch path. Parallel calls run on torch's own OpenMP
+team (GOMP_parallel). Why C, and the measurements: docs/cpu.md.
 """
 from __future__ import annotations
 
@@ -67,7 +37,7 @@ QUERY_ROWS = 32  # query rows (queries x the query heads of a kv head) per atten
 
 _INT, _I64, _PTR, _FLOAT = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # The library's exports as ctypes declares them: name -> (restype, argtypes), one entry per prototype of
-# csrc/tritonq_cpu.h (tests/kernels/test_cpu_abi.py parses the header and compares).
+# csrc/tritonq_cpu.h (tests/kernels/cpu/test_cpu_abi.py parses the header and compares).
 SIGNATURES = {
     "tritonq_paged_attention": (_INT, [_PTR, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                        _I64, _I64, _I64, _FLOAT, _PTR, _I64]),
@@ -145,7 +115,9 @@ def library() -> ctypes.CDLL | None:
 def _library_for(dtype: torch.dtype) -> ctypes.CDLL | None:
     """The built kernels when they compute dtype (float32, bfloat16, float16 where the compiler has _Float16), else
     None."""
-    lib = library() if dtype in DTYPES else None
+    if dtype not in DTYPES or torch.compiler.is_compiling():  # a compiled step traces the callers' torch ops
+        return None
+    lib = library()
     return None if lib is None or (dtype == torch.float16 and not lib.tritonq_has_float16()) else lib
 
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 import triton
 
-from tritonq.kernels import use_cpu_kernels, use_triton
+from tritonq.kernels import backend
 from tritonq.kernels.common import (
     ClampedSwiGLU,
     Launch,
@@ -88,7 +88,7 @@ def fp8_w8a8(w: Weight, x: torch.Tensor) -> bool:
         return False
     if w.block_size is not None and (w.block_size[1] < FP8_DOT_MIN_K or w.block_size[1] & (w.block_size[1] - 1)):
         return False
-    return (on_gpu(x) or use_triton(x)) and has_fp8_tensor_cores(x.device)
+    return (on_gpu(x) or backend(x) == "triton") and has_fp8_tensor_cores(x.device)
 
 
 def _fit_block_k(config: MoEConfig, w: Weight, w8a8: bool) -> MoEConfig:
@@ -138,10 +138,11 @@ class MoEExperts:
         if weight_only not in (None, True):
             raise ValueError(f"fused_moe: weight_only must be None (W8A8 where `fp8_w8a8` says) or True, "
                              f"got {weight_only!r}")
-        if use_cpu_kernels(x):  # per expert, torch's CPU kernels over weights prepared once (cpu_lowbit)
+        b = backend(x)
+        if b == "cpu":  # per expert, torch's CPU kernels over weights prepared once (kernels/cpu/lowbit.py)
             return cpu_lowbit.fused_moe(x, gate_up, down, topk_weights, topk_ids, self.activation)
         T, top_k = topk_ids.shape
-        if not use_triton(x):
+        if b == "torch":
             w8a8 = (False, False) if weight_only else (fp8_w8a8(gate_up, x), fp8_w8a8(down, x))
             return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids, self.activation, w8a8)
         if T == 0:

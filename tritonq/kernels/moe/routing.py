@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonq.kernels import use_triton
+from tritonq.kernels import backend
 from tritonq.kernels.common import Launch
 
 ALIGN_ONE_PROGRAM = 65536  # pairs x experts (the one-hot tile the program sweeps); e.g. 16 tokens x 8 slots x 512
@@ -136,7 +136,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
     """
     numel = topk_ids.numel()
     max_blocks = min(numel, triton.cdiv(numel, block_m) + num_experts + 1)
-    if use_triton(topk_ids) and numel * triton.next_power_of_2(num_experts + 1) <= ALIGN_ONE_PROGRAM:
+    if backend(topk_ids) == "triton" and numel * triton.next_power_of_2(num_experts + 1) <= ALIGN_ONE_PROGRAM:
         launch, outputs = align_launch(topk_ids.contiguous(), block_m, num_experts, max_blocks)
         launch()
         return outputs

@@ -1,5 +1,5 @@
 /* The CPU backend's C ABI: every function the library exports, as tritonq/kernels/cpu/native.py calls it through
- * ctypes (its SIGNATURES table must match these prototypes: tests/kernels/test_cpu_abi.py compares them).
+ * ctypes (its SIGNATURES table must match these prototypes: tests/kernels/cpu/test_cpu_abi.py compares them).
  * dtype codes: 0 float32, 1 bfloat16, 2 float16. Functions returning int return 0 on success, -1 (out of memory,
  * or a slot out of range for tritonq_write_kv) and -2 (float16 in a build whose compiler has no _Float16).
  * omp_parallel: the address of GOMP_parallel of the OpenMP runtime torch runs on, or NULL for one thread. */

@@ -1,0 +1,162 @@
+"""The decode linears' main loops, read from their SASS: what each weight costs in instructions, without a GPU.
+
+Each weight type's M = 1 launch (the launcher's own builder over meta tensors, default config; a 4096 x 4096
+layer), GGUF's Q4_K / Q5_K / Q6_K / IQ4_XS GEMM's, and the fused MoE's int4 gate/up GEMM at its smallest tile (the same
+dequantization helper; DeepSeek-V2-Lite's experts), is compiled ahead of time for sm_80 and sm_90 (kernels/aot.py,
+Triton's bundled ptxas) and its main loop
+(the longest backward branch of the SASS, Triton's bundled cuobjdump) must show:
+  * no int-to-float conversion (I2F*): the codes become floats by magic numbers (common.dequantize_int_tile).
+    I2F.RP is not one: it seeds the reciprocal of an integer division (the MoE tile's group index, k0 //
+    group_size with a run-time group size: one per iteration on sm_80);
+  * the weight codes in 16-byte loads (LDG.E.128 / cp.async LDGSTS.*.128): enough of them for the tile;
+  * no local memory anywhere in the kernel (LDL / STL: spills);
+  * at most ALU_PER_WEIGHT arithmetic instructions per weight (one thread's loop body over the weights it
+    dequantizes per iteration). The bounds are the figures measured with Triton 3.9 plus ~5% (a regression
+    fails). Issue 50's target is ~2.5: the int4 AWQ / GPTQ loops reach it (common.int4_words_to_magic's PTX:
+    per two codes one prmt, one lop3 and one half2 subtraction, the scale on the dot's result); act-order
+    (a per-row scale gather), int8, nf4 and the fp8 / W8A8 decode loops do not yet (docs/gpu_kernels.md
+    has the before / after mix and what is left).
+The prefill launches (M = 256) of int4, int8, fp8-block and W8A8 must issue their tensor-core instruction in the
+main loop (sm_90: wgmma, HGMMA / QGMMA / IGMMA; sm_80: HMMA / IMMA), load their weight tiles by 16-byte cp.async
+over >= 3 pipeline stages and not spill.
+The compiles run in one child process (conftest's TRITON_INTERPRET=1 makes @triton.jit functions
+uncompilable), over a process pool; `python tests/aot/test_sass.py` prints the JSON report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tritonq.bench.model import WEIGHT_TYPES, weight_launch, weights_per_iteration
+
+try:
+    from child_process import json_from_child
+except ImportError:  # run as a script by the child itself
+    from tests.child_process import json_from_child
+
+N = K = 4096
+MOE_PROBLEM = (512, 64, 6, 2048, 1408, 0)  # tokens, experts, top-k, D, I, gate/up (tests/aot/test_fit.py's)
+CODE_BYTES = {"moe-int4": 0.5, "int4-awq": 0.5, "int4-gptq": 0.5, "int4-act-order": 0.5, "nf4": 0.5, "int8-gptq": 1,
+              "fp8-block": 1, "w8a8": 1, "gguf-q4_k": 0.5, "gguf-q5_k": 0.625, "gguf-q6_k": 0.75, "gguf-iq4_xs": 0.5}
+GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": dict(bits=5, group=32, offsets=True),
+              "gguf-q6_k": dict(bits=6, group=16, offsets=False),
+              "gguf-iq4_xs": dict(bits=4, group=32, offsets=False, code=True)}
+# {(cc, weight type): ALU instructions per weight}: measured (Triton 3.9, bf16; fp16 is at or below) + ~5% (int4,
+# int8, nf4, MoE int4) or ~10%. sm_80's fp8-block is the weight-only path (e4m3 bytes decoded with integer ops),
+# sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's fp8-block and both w8a8 quantize their x tile inside the
+# loop at decode (one launch instead of a quantization kernel first: 16 padded rows x BLOCK_K values per BLOCK_K x
+# BLOCK_N weights): 2.2 -> 8.9 and 0.8 -> 6.0 per weight.
+ALU_PER_WEIGHT = {
+    (80, "int4-awq"): 2.55, (80, "int4-gptq"): 2.45, (80, "int4-act-order"): 4.1, (80, "int8-gptq"): 6.0,
+    (80, "nf4"): 6.2, (80, "fp8-block"): 9.4, (80, "w8a8"): 6.6,
+    (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 4.3, (90, "int8-gptq"): 6.2,
+    (90, "nf4"): 6.3, (90, "fp8-block"): 9.8, (90, "w8a8"): 6.7,
+    (80, "moe-int4"): 4.0, (90, "moe-int4"): 4.0,
+    # GGUF block formats (kernels/gguf_gemm.py): each weight formed in fp32 (the file's exact values), a scale and an
+    # offset per weight, the 5th / 6th bits from a second plane
+    (80, "gguf-q4_k"): 7.7, (90, "gguf-q4_k"): 6.9, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,
+    (80, "gguf-q6_k"): 11.1, (90, "gguf-q6_k"): 11.2, (80, "gguf-iq4_xs"): 6.8, (90, "gguf-iq4_xs"): 6.8,
+}
+CASES = [(cc, "bfloat16", kind) for cc in (80, 90) for kind in (*WEIGHT_TYPES, "moe-int4", *GGUF_KINDS)] + [
+    (cc, "float16", kind) for cc in (80, 90) for kind in ("int4-awq", "int8-gptq")]
+
+
+def _mix(case) -> dict:
+    """One case's loop summary (run in the child's pool workers)."""
+    from tritonq.kernels.aot import loop_mix
+
+    from tritonq.kernels import gguf_gemm, moe
+
+    cc, dtype, kind = case
+    if kind == "moe-int4":  # gate/up: two weight tiles per iteration
+        launch = moe.aot_launch(moe.DEFAULT_CONFIGS[0][1], MOE_PROBLEM, "int4", dtype=getattr(torch, dtype))
+        per_thread = 2 * weights_per_iteration(launch) / (32 * launch.num_warps)
+    elif kind in GGUF_KINDS:
+        launch = gguf_gemm.aot_launch(gguf_gemm.default_config(1, N, K), 1, N, K, dtype=getattr(torch, dtype),
+                                      **GGUF_KINDS[kind])
+        per_thread = weights_per_iteration(launch) / (32 * launch.num_warps)
+    else:
+        launch = weight_launch(kind, 1, N, K, cc, getattr(torch, dtype))
+        per_thread = weights_per_iteration(launch) / (32 * launch.num_warps)
+    mix = loop_mix(launch, cc)
+    wide = sum(n for op, n in mix.loop.items() if op.startswith(("LDG.", "LDGSTS.")) and op.endswith(".128"))
+    i2f = sum(n for op, n in mix.loop.items() if op.startswith("I2F") and ".RP" not in op)
+    return dict(loop=mix.loop, alu_per_weight=mix.alu / per_thread, weights_per_thread=per_thread, i2f=i2f,
+                wide_loads=wide, local_memory=mix.local_memory)
+
+
+# Prefill (M = 256): the tensor-core instruction each weight type's main loop must issue. sm_90: warp-group MMAs
+# (wgmma: HGMMA for bf16 operands, QGMMA for e4m3 x e4m3, IGMMA for int8 x int8; the dequantized int4 / int8 tile
+# goes through shared memory, where wgmma reads its B operand); sm_80: mma.sync (HMMA, IMMA; fp8 weight-only).
+PREFILL_M = 256
+PREFILL_MMA = {(90, "int4-awq"): "HGMMA", (90, "int8-gptq"): "HGMMA", (90, "fp8-block"): "QGMMA",
+               (90, "w8a8"): "IGMMA", (80, "int4-awq"): "HMMA", (80, "int8-gptq"): "HMMA", (80, "fp8-block"): "HMMA",
+               (80, "w8a8"): "IMMA"}
+PREFILL_CASES = sorted(PREFILL_MMA)
+
+
+def _prefill_mix(case) -> dict:
+    from tritonq.kernels.aot import loop_mix
+
+    cc, kind = case
+    launch = weight_launch(kind, PREFILL_M, N, K, cc, torch.bfloat16)
+    mix = loop_mix(launch, cc)
+    return dict(loop=mix.loop, local_memory=mix.local_memory, num_stages=launch.num_stages,
+                wide_loads=sum(n for op, n in mix.loop.items() if op.startswith("LDGSTS.") and op.endswith(".128")))
+
+
+def compile_all() -> dict:
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                                mp_context=multiprocessing.get_context("fork")) as pool:
+        decode = pool.map(_mix, CASES)
+        prefill = pool.map(_prefill_mix, PREFILL_CASES)
+        return {"reports": [[list(c), r] for c, r in zip(CASES, decode)],
+                "prefill": [[list(c), r] for c, r in zip(PREFILL_CASES, prefill)]}
+
+
+_REPORTS: dict = {}
+
+
+def reports() -> dict:
+    if not _REPORTS:
+        result = json_from_child([__file__], timeout=1800)
+        _REPORTS.update({tuple(case): report for case, report in result["reports"]})
+        _REPORTS.update({("prefill", *case): report for case, report in result["prefill"]})
+    return _REPORTS
+
+
+@pytest.mark.parametrize("cc, dtype, kind", CASES, ids=[f"sm{c}-{d}-{k}" for c, d, k in CASES])
+def test_decode_loop_sass_aot(cc, dtype, kind):
+    report = reports()[(cc, dtype, kind)]
+    print(f"\nsm_{cc} {dtype} {kind}: {report}")
+    assert report["i2f"] == 0, f"int-to-float conversions in the main loop: {report['loop']}"
+    code_bytes = report["weights_per_thread"] * CODE_BYTES[kind]
+    assert 16 * report["wide_loads"] >= code_bytes, (
+        f"{report['wide_loads']} 16-byte loads per iteration cannot carry {code_bytes:g} bytes of weight codes")
+    assert report["local_memory"] == 0, "local memory (LDL/STL) in the kernel: registers spill"
+    assert report["alu_per_weight"] <= ALU_PER_WEIGHT[(cc, kind)], (
+        f"{report['alu_per_weight']:.2f} ALU instructions per weight, bound {ALU_PER_WEIGHT[(cc, kind)]}")
+
+
+@pytest.mark.parametrize("cc, kind", PREFILL_CASES, ids=[f"sm{c}-{k}" for c, k in PREFILL_CASES])
+def test_prefill_loop_sass_aot(cc, kind):
+    """M = 256: the main loop feeds the tensor cores (the dequantized tile once per K tile), its weight tiles
+    arrive by pipelined 16-byte cp.async (num_stages >= 3) and nothing spills."""
+    report = reports()[("prefill", cc, kind)]
+    print(f"\nsm_{cc} {kind} M{PREFILL_M}: {report}")
+    mma = PREFILL_MMA[(cc, kind)]
+    assert any(op.split(".")[0] == mma for op in report["loop"]), f"no {mma} in the main loop: {report['loop']}"
+    assert report["wide_loads"] > 0 and report["num_stages"] >= 3, (
+        f"{report['wide_loads']} 16-byte cp.async per iteration, {report['num_stages']} stages")
+    assert report["local_memory"] == 0, "local memory (LDL/STL) in the kernel: registers spill"
+
+
+if __name__ == "__main__":  # the child: compile every case, print the JSON report on the last line
+    sys.stdout.write(json.dumps(compile_all()) + "\n")
