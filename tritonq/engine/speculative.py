@@ -25,6 +25,7 @@ token ids per sequence (possibly empty). `make_proposer` builds one from a `Spec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from tritonq.config import SpeculativeConfig
 from tritonq.engine.block_manager import BlockManager
@@ -71,6 +72,14 @@ def verify(proposal: list[int], drawn: list[tuple], stats: tuple[SpeculativeStat
     for counter in stats:
         counter.add(len(proposal), len(emitted) - 1)
     return [(t, lp, top) for t, (_, lp, top) in zip(emitted, drawn)]  # t: also the drawn token
+
+
+class Proposer(Protocol):
+    """What the engine calls on a proposer (NgramProposer, DraftProposer)."""
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]: ...
+
+    def release(self, seq_id: int) -> None: ...
 
 
 class NgramProposer:
@@ -202,7 +211,7 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 def make_proposer(config: SpeculativeConfig, draft_model=None, *, num_blocks: int = 0, block_size: int = 16,
-                  max_seq_len: int = 0, vocab_size: int = 0, max_num_batched_tokens: int = 2048):
+                  max_seq_len: int = 0, vocab_size: int = 0, max_num_batched_tokens: int = 2048) -> Proposer:
     """The proposer of a config: NgramProposer, or DraftProposer over draft_model (a loaded model module)
     with a cache of num_blocks blocks of block_size, proposing ids below vocab_size (the target's), its
     prefill steps at most max_num_batched_tokens tokens."""
