@@ -132,6 +132,7 @@ def _check_device_dtype(dtype: torch.dtype | None, device: torch.device) -> None
     if device.type != "cuda" or dtype is None:
         return
     cc = compute_capability(device)
+    assert cc is not None  # a CUDA device has one
     accepted = gpu_compute_dtypes(cc)
     if dtype in accepted:
         return
@@ -163,11 +164,12 @@ def _default_dtype(stored, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if native else torch.float32
     stored_fp16 = str(stored).removeprefix("torch.") == "float16"  # a dtype or a string, by version
     dtype = torch.float16 if stored_fp16 else torch.bfloat16
-    if device.type == "cuda" and dtype not in gpu_compute_dtypes(compute_capability(device)):
+    cc = compute_capability(device)  # None off CUDA
+    if cc is not None and dtype not in gpu_compute_dtypes(cc):
         dtype = torch.float16
         logging.getLogger("tritonq").warning(
             "%s is sm_%d (no bf16 arithmetic before sm_80): computing in float16, not the checkpoint's %s; "
-            "activations past fp16's range (65504) would overflow.", device, compute_capability(device), stored)
+            "activations past fp16's range (65504) would overflow.", device, cc, stored)
     return dtype
 
 
@@ -273,7 +275,9 @@ def _check_config(config: dict, path: Path) -> None:
     for key, theta in thetas.items():
         if theta is not None and not _positive(theta):
             refuse(key, theta, "a positive finite number (the rope base, e.g. 10000.0 or 500000.0)")
-    attn = config.get("attn_config") if isinstance(config.get("attn_config"), dict) else {}  # MPT's
+    attn = config.get("attn_config")  # MPT's
+    if not isinstance(attn, dict):
+        attn = {}
     constants = {"routed_scaling_factor": config.get("routed_scaling_factor"),  # DeepSeek: routed experts' weight
                  "swiglu_alpha": config.get("swiglu_alpha"), "swiglu_limit": config.get("swiglu_limit"),  # gpt-oss
                  "attn_config.softmax_scale": attn.get("softmax_scale")}
@@ -570,7 +574,9 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
         dtype = _default_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
     loader = get_loader(folder, dtype, device, o.quantize, 128 if o.group_size is None else o.group_size,
                         rank=rank, world=world, config=raw_config)
-    max_seq_len = max_seq_len or min(positions, 4096)
+    if max_seq_len is None:
+        assert positions is not None, "every model config has max_position_embeddings (transformers' default)"
+        max_seq_len = min(positions, 4096)
     if o.batch_invariant and device.type == "cpu" and cpu_native.library() is None:
         raise ValueError("batch_invariant=True on CPU runs the linears and attention on tritonq's C kernels "
                          "(tritonq/kernels/cpu/csrc/), which could not be built (the log says why): install a C "

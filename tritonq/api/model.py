@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tritonq.config import MAX_TOP_LOGPROBS, GenerationConfig, check_int
-from tritonq.engine.engine import CheckedRequest, Engine, top_dicts
+from tritonq.engine.engine import CheckedRequest, Engine, Request, top_dicts
 from tritonq.engine.multiplexer import Multiplexer
 from tritonq.engine.speculative import SpeculativeStats
 
@@ -187,7 +187,7 @@ class Model:
         try:
             while pending:
                 if not inbox:  # step, unless another caller's step filled the inbox while this one waited
-                    self.multiplexer.step(unless=inbox.__len__)
+                    self.multiplexer.step(unless=lambda: bool(inbox))
                     continue
                 out = inbox.popleft()
                 if out.finished:
@@ -201,19 +201,26 @@ class Model:
     def _run(self, checked: list[CheckedRequest], progress: bool) -> GenerationOutput:
         from tritonq.progress import progress_bar
         start = time.perf_counter()
-        requests = [None] * len(checked)
+        finished: dict[int, Request] = {}  # prompt index -> its finished request, its end time and reason
+        finish_s: dict[int, float] = {}
+        reasons: dict[int, str] = {}
         with progress_bar(total=len(checked), desc="Generating", unit="prompt",
                           enabled=progress and self.rank == 0) as bar:
             generated = 0
             for i, out in self._requests(checked, stream=False):
                 if out.finished:
-                    requests[i] = out.request
-                    generated += len(out.request.token_ids)
+                    request = out.request
+                    # generation requests (scoring ones are Engine.score's), finished: their end is set
+                    assert isinstance(request, Request) and request.finish_s is not None
+                    assert request.finish_reason is not None
+                    finished[i], finish_s[i], reasons[i] = request, request.finish_s, request.finish_reason
+                    generated += len(request.token_ids)
                     bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tokens/s", refresh=False)
                     bar.update(1)
+        requests = [finished[i] for i in range(len(checked))]
         firsts = [r.first_token_s for r in requests if r.first_token_s is not None]
         decoded = sum(max(len(r.token_ids) - 1, 0) for r in requests)
-        span = max(r.finish_s for r in requests) - min(firsts) if firsts else 0.0
+        span = max(finish_s.values()) - min(firsts) if firsts else 0.0
         speculation = SpeculativeStats()
         for r in requests:
             speculation.proposed += r.speculation.proposed
@@ -222,7 +229,7 @@ class Model:
         return GenerationOutput(
             acceptance_rate=speculation.acceptance_rate, mean_accepted_length=speculation.mean_accepted_length,
             text=[r.text for r in requests], token_ids=[r.token_ids for r in requests],
-            logprobs=[r.logprobs for r in requests], finish_reasons=[r.finish_reason for r in requests],
+            logprobs=[r.logprobs for r in requests], finish_reasons=[reasons[i] for i in range(len(checked))],
             time_to_first_token_s=[(r.first_token_s or start) - start for r in requests],
             decode_tokens_per_s=decoded / span if decoded and span > 0 else 0.0,
             top_logprobs=[r.top_logprobs for r in requests])

@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +49,7 @@ from tritonq.engine.runner import ModelRunner
 from tritonq.engine.sampler import Sampler, SamplingParams
 from tritonq.engine.scheduler import ScheduledStep, Scheduler, StepKind
 from tritonq.engine.sequence import Sequence, check_fits
-from tritonq.engine.speculative import SpeculativeStats, verify
+from tritonq.engine.speculative import Proposer, SpeculativeStats, verify
 from tritonq.engine.state_cache import StateSlots, is_hybrid
 from tritonq.engine.structured import Grammars, GrammarState, constraint_of
 
@@ -168,7 +169,8 @@ class Engine:
         cache's blocks (kv_cache_blocks)."""
         assert config.max_seq_len is not None, "load resolves max_seq_len before the engine is made"
         self.config = config
-        self.proposer, self.num_speculative_tokens = None, 0  # see use_speculation
+        self.proposer: Proposer | None = None  # see use_speculation
+        self.num_speculative_tokens = 0
         self.speculation = SpeculativeStats()  # every verification since start (the server's metrics)
         self.tokenizer, self.eos_token_ids = tokenizer, set(eos_token_ids)
         self.max_seq_len = config.max_seq_len
@@ -207,7 +209,7 @@ class Engine:
                                                  self.eos_token_ids)
         return grammars
 
-    def use_speculation(self, proposer, num_speculative_tokens: int) -> None:
+    def use_speculation(self, proposer: Proposer, num_speculative_tokens: int) -> None:
         """Speculative decoding from now on: proposer (tritonq.engine.speculative: NgramProposer /
         DraftProposer) proposes up to num_speculative_tokens >= 1 tokens per decoding sequence and step,
         verified in the step (see `step`). Requests added before keep decoding without it."""
@@ -347,12 +349,15 @@ class Engine:
             return outputs
         try:
             if StepKind.VERIFY in step.kind:  # decoding sequences get proposals in their reserved slots
+                assert self.proposer is not None and step.lookahead is not None  # VERIFY: speculation is on
                 step = step.with_proposals(self.proposer.propose(step.seqs, step.lookahead))
             rows = step.logits_for()  # 1 + its proposals where a sequence samples, 0 for a chunk short of its end
             ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
                                       proposals=step.proposals, start=step.start)
             logits = self.runner.run(ctx)
-            tokens, logprobs, tops = [], [], []
+            tokens: list[int | None] = []
+            logprobs: list[float | None] = []
+            tops: list[dict[int, float] | None] = []
             if logits is not None:  # None: only prompt chunks short of their end, nothing to score or sample
                 if StepKind.SCORE in step.kind:  # the scoring sequences' rows are scored, the rest sampled
                     logits, rows = self._score_rows(step, rows, logits)
@@ -370,6 +375,7 @@ class Engine:
             for pick, p in zip(picks, step.proposals or itertools.repeat(None))])
         for seq in finished:
             if seq.scoring and self.scores.pop(seq.seq_id, None) is not None:
+                assert seq.extra is not None  # the engine's sequences all carry their request
                 outputs.append(self._scored(seq.extra))
         now = time.perf_counter()
         eos_ids, requests = self.eos_token_ids, self.requests
@@ -377,6 +383,7 @@ class Engine:
             if pick is None or seq.seq_id not in requests:
                 continue  # a chunk short of its last token, a failed row, or aborted meanwhile
             request = seq.extra
+            assert request is not None
             detokenizer, config = request.detokenizer, request.config
             for j, (token, logprob, top) in enumerate(pick):
                 if request.grammar is not None and not request.grammar.accept(token):  # (never speculated)
@@ -413,12 +420,14 @@ class Engine:
                     ) -> tuple[torch.Tensor, list[int]]:
         """Score the scoring sequences' rows of a step's logits (each one's chunk appended to its request's
         parts); returns the other rows' logits and the rows per sequence left to sample (0 for scoring ones)."""
-        keep, at = [], 0
+        keep: list[int] = []
+        at = 0
         for seq, n in zip(step.seqs, rows):
             if not seq.scoring:
                 keep.extend(range(at, at + n))
             elif n:
                 request, first = seq.extra, seq.num_scored  # the first position whose logits these rows are
+                assert request is not None
                 chunk = logits[at:at + n]
                 targets = torch.tensor(request.prompt_ids[first + 1:first + 1 + n], dtype=torch.int64,
                                        device=chunk.device)
@@ -443,7 +452,7 @@ class Engine:
         its end, or a failed row, whose failure output is appended to outputs). With proposals, the tokens its
         verification accepted (tritonq.engine.speculative.verify), then the target's own."""
         picks: list[list[tuple] | None] = []
-        proposals = step.proposals or itertools.repeat([])
+        proposals: Iterable[list[int]] = step.proposals or itertools.repeat([])
         drawn_rows = iter(zip(tokens, logprobs, tops))
         for seq, m, p in zip(step.seqs, rows, proposals):
             if not m:
@@ -457,6 +466,7 @@ class Engine:
             elif not p:
                 picks.append(drawn)
             else:
+                assert seq.extra is not None
                 picks.append(verify(p, drawn, (self.speculation, seq.extra.speculation)))
         return picks
 
@@ -474,7 +484,7 @@ class Engine:
         """Finish a request of a failed step (or row) with finish_reason "error"; its blocks are freed."""
         self.scheduler.finish(seq)
         if seq.scoring:
-            request = self.scores.pop(seq.seq_id)
+            request: Request | ScoreRequest = self.scores.pop(seq.seq_id)
         else:
             request = self.requests.pop(seq.seq_id)
             self._release(request)
@@ -493,7 +503,7 @@ class Engine:
         self._check_alive()
         self.check_token_ids(token_ids)
         self._check_length(len(token_ids), 0, "the prompt")
-        seq = Sequence(-1, list(token_ids), 1)
+        seq: Sequence[None] = Sequence(-1, list(token_ids), 1)
         bm = self.block_manager
         if not bm.can_allocate(seq):
             raise RuntimeError(f"prompt_logits: {len(token_ids)} tokens need {bm.blocks_needed(len(token_ids))} "
@@ -505,7 +515,9 @@ class Engine:
             self.state_slots.allocate(seq)
         try:
             ctx = self.runner.prepare([seq], [seq.num_tokens], True, start=[0])
-            return self.runner.run(ctx)
+            logits = self.runner.run(ctx)
+            assert logits is not None  # no logits_for: every row has logits
+            return logits
         finally:
             bm.free(seq)
             if self.state_slots is not None:
@@ -529,23 +541,26 @@ class Engine:
         self._check_alive()
         for i, p in enumerate(prompts):  # every prompt checked before any runs
             self.check_score(p, name=f"prompt {i}")
-        others, index, results = [], {}, [None] * len(prompts)
+        others: list[RequestOutput] = []
+        index: dict[int, int] = {}  # request id -> prompt
+        results: dict[int, tuple] = {}  # prompt -> its scores
         try:
             for i, p in enumerate(prompts):
                 index[self.add_score(p, top_logprobs)] = i
-            while any(r is None for r in results):
+            while len(results) < len(prompts):
                 for out in self.step():
-                    i = index.get(out.request_id)
-                    if i is None:
+                    at = index.get(out.request_id)
+                    if at is None:
                         others.append(out)
                     elif out.finish_reason != "scored":
-                        raise RuntimeError(f"scoring prompt {i} failed in the engine: {out.error}")
+                        raise RuntimeError(f"scoring prompt {at} failed in the engine: {out.error}")
                     else:
-                        results[i] = out.scores
+                        assert out.scores is not None  # a "scored" output carries them
+                        results[at] = out.scores
                         if on_done:
-                            on_done(i)
+                            on_done(at)
         finally:  # an error or Ctrl-C: give back the blocks of unfinished prompts; the others' outputs wait
             for rid in index:
                 self.abort(rid)
             self._done = others + self._done
-        return results
+        return [results[i] for i in range(len(prompts))]

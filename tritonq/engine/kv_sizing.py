@@ -10,7 +10,7 @@ import torch
 
 from tritonq.engine.cuda_graphs import decode_buckets
 from tritonq.engine.runner import ModelRunner
-from tritonq.config import MAX_TOP_LOGPROBS, EngineConfig
+from tritonq.config import MAX_TOP_LOGPROBS, EngineConfig, GenerationConfig
 from tritonq.engine.sampler import Sampler, SamplingParams
 from tritonq.engine.state_cache import state_pool_bytes
 
@@ -90,9 +90,9 @@ def warmup_prompt_lengths(max_num_batched_tokens: int, max_seq_len: int, max_num
 
 
 # The most expensive sampling a step can ask for (every filter, a penalty): the warm-up measures its memory.
-WORST_SAMPLING = SimpleNamespace(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, seed=0,
-                                 presence_penalty=0.5, frequency_penalty=0.5, logit_bias=((0, 1.0),),
-                                 stop_token_ids=(), top_logprobs=MAX_TOP_LOGPROBS)
+WORST_SAMPLING = GenerationConfig(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, seed=0,
+                                  presence_penalty=0.5, frequency_penalty=0.5, logit_bias=((0, 1.0),),
+                                  top_logprobs=MAX_TOP_LOGPROBS)
 
 
 def _warmup_peaks(model, block_size: int, max_seq_len: int, max_num_seqs: int,
@@ -102,7 +102,7 @@ def _warmup_peaks(model, block_size: int, max_seq_len: int, max_num_seqs: int,
     "decode" (max_num_seqs sequences through the static decode buckets, forward only: what a captured graph
     keeps in its pool) and "decode sampling" (those logits sampled with every filter and a penalty)."""
     device = model.device
-    peaks = {}
+    peaks: dict[str, int] = {}
 
     def measure(name, step):
         torch.cuda.synchronize(device)

@@ -16,6 +16,7 @@ even where their sampling would differ.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -207,9 +208,11 @@ def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.bias is not None:  # OpenAI logit_bias: added to the logit of each named token
         logits = logits.index_put(t.bias[:2], t.bias[2], accumulate=True)
     if t.repetition_penalty is not None:  # CTRL-style penalty, as transformers applies it
+        assert t.seen is not None  # set with repetition_penalty
         penalty = t.repetition_penalty[:, None]
         logits = torch.where(t.seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     if t.counts is not None:  # OpenAI: logit - count * frequency_penalty - (count > 0) * presence_penalty
+        assert t.frequency_penalty is not None and t.presence_penalty is not None  # set with counts
         counts = t.counts.to(logits.dtype)
         logits = logits - counts * t.frequency_penalty[:, None] - (counts > 0) * t.presence_penalty[:, None]
     if t.allowed is not None:  # structured outputs: only what each row's grammar allows (last: nothing revives it)
@@ -244,11 +247,13 @@ def sample_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     greedy = argmax_rows(logits)
     if t.noise is None:
         return greedy
-    temperature = t.temperature
+    temperature, noise = t.temperature, t.noise
+    assert temperature is not None  # set with noise
     x = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
     if t.min_p is not None:  # p >= min_p * p_max  <=>  x >= x_max + log(min_p) (log 0 = -inf keeps every token)
         x = x.masked_fill(x < x.amax(-1, keepdim=True) + t.min_p.log()[:, None], float("-inf"))
     if t.filters:  # in descending order: top-k keeps values >= the k-th, top-p the smallest prefix reaching p
+        assert t.top_k is not None and t.top_p is not None  # set with filters
         V = x.shape[-1]
         sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
         k = torch.where(t.top_k > 0, t.top_k, V).clamp(max=V)
@@ -256,7 +261,7 @@ def sample_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         probs = sorted_x.softmax(-1)
         drop = (probs.cumsum(-1) - probs >= t.top_p[:, None]) & (t.top_p < 1.0)[:, None]
         x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
-    return torch.where(temperature > 0, argmax_rows(x + t.noise), greedy)
+    return torch.where(temperature > 0, argmax_rows(x + noise), greedy)
 
 
 class SamplingState(Protocol):
@@ -278,7 +283,8 @@ class StepRows:
     def bitmask(self, vocab_size: int) -> torch.Tensor | None:
         """The structured-output bitmask int32 [R, ceil(V / 32)] (CPU) over the rows: each constrained row
         filled by its grammar, the others all allowed; None when no row is constrained."""
-        constrained = [(r, seq.extra.grammar) for r, seq in enumerate(self.seqs) if seq.extra.grammar is not None]
+        grammars = [_state(seq).grammar for seq in self.seqs]
+        constrained = [(r, grammar) for r, grammar in enumerate(grammars) if grammar is not None]
         if not constrained:
             return None
         bitmask = token_bitmask(len(self.seqs), vocab_size)
@@ -287,13 +293,19 @@ class StepRows:
         return bitmask
 
 
+def _state(seq: Sequence[SamplingState]) -> SamplingState:
+    """A sampled sequence's request (the engine makes every sampled sequence with one)."""
+    assert seq.extra is not None
+    return seq.extra
+
+
 def step_rows(step: ScheduledStep, rows: list[int]) -> StepRows:
     """The sampling rows of a step, rows[i] of sequence i. Row j of a sequence with proposals samples the token
     after its tokens + proposals[:j], as a plain decode step at that length would (same noise counter, same
     min_tokens mask)."""
     if StepKind.VERIFY not in step.kind:  # one row per sampling sequence (all of a decode step): no per-row work
         seqs = step.seqs if all(rows) else [seq for seq, m in zip(step.seqs, rows) if m]
-        params = [seq.extra.sampling for seq in seqs]
+        params = [_state(seq).sampling for seq in seqs]
         mask_eos = None
         if any(p.config.min_tokens for p in params):
             mask_eos = [seq.num_generated < p.config.min_tokens for seq, p in zip(seqs, params)]
@@ -302,9 +314,9 @@ def step_rows(step: ScheduledStep, rows: list[int]) -> StepRows:
     for seq, m, p in zip(step.seqs, rows, step.proposals or itertools.repeat([])):
         for j in range(m):
             seqs.append(seq)
-            params.append(seq.extra.sampling)
+            params.append(_state(seq).sampling)
             token_ids.append(seq.token_ids + p[:j] if j else seq.token_ids)
-            mask_eos.append(seq.num_generated + j < seq.extra.config.min_tokens)
+            mask_eos.append(seq.num_generated + j < _state(seq).config.min_tokens)
     return StepRows(seqs, params, token_ids, mask_eos)
 
 
@@ -328,7 +340,7 @@ class Sampler:
                            eos_token_ids=eos_token_ids, token_bitmask=sampling.bitmask(logits.shape[1]))
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
-               mask_eos: list[bool] | None = None, eos_token_ids: set[int] = frozenset(),
+               mask_eos: list[bool] | None = None, eos_token_ids: AbstractSet[int] = frozenset(),
                token_bitmask: torch.Tensor | None = None
                ) -> tuple[list[int | None], list[float | None], list[dict[int, float] | None]]:
         """Each row's next token, its log-probability and its top alternatives, all under the raw logits
@@ -350,7 +362,7 @@ class Sampler:
             return self._sample(logits, params, token_ids, mask_eos, eos_token_ids, token_bitmask)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
-                mask_eos: list[bool] | None, eos_token_ids: set[int], token_bitmask: torch.Tensor | None
+                mask_eos: list[bool] | None, eos_token_ids: AbstractSet[int], token_bitmask: torch.Tensor | None
                 ) -> tuple[list[int | None], list[float | None], list[dict[int, float] | None]]:
         R, V = logits.shape
         tensors = self.sampling_tensors(params, token_ids, mask_eos, eos_token_ids, V, logits.device)
@@ -360,9 +372,9 @@ class Sampler:
         if tensors.argmax_only and not top and self.world == 1:  # the C loop (kernels/cpu/native.py), where built
             greedy = cpu_native.greedy_rows(logits)
             if greedy is not None:
-                tokens, logprobs = greedy  # token -1: the row's logits are not all finite
-                return ([t if t >= 0 else None for t in tokens],
-                        [lp if t >= 0 else None for t, lp in zip(tokens, logprobs)], [None] * R)
+                ids, logprobs = greedy  # id -1: the row's logits are not all finite
+                return ([t if t >= 0 else None for t in ids],
+                        [lp if t >= 0 else None for t, lp in zip(ids, logprobs)], [None] * R)
         tokens = sample_logits(logits, tensors)
         # -1 marks a row with non-finite logits; set before the broadcast so every rank agrees on it
         tokens = torch.where(finite_rows(logits), tokens, -1)
@@ -384,7 +396,7 @@ class Sampler:
         return out_tokens, out_logprobs, out_top
 
     def sampling_tensors(self, params: list[SamplingParams], token_ids: list[list[int]], mask_eos: list[bool] | None,
-                          eos_token_ids: set[int], V: int, device: torch.device) -> SamplingTensors:
+                          eos_token_ids: AbstractSet[int], V: int, device: torch.device) -> SamplingTensors:
         """The SamplingTensors of these rows; a stage no row uses stays None (greedy steps without
         penalties or biases build nothing but the argmax)."""
         def tensor(values, dtype):

@@ -228,7 +228,7 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _postprocess_decode(self, seqs: list[Sequence], sampled: list[int | None]) -> list[Sequence]:
+    def _postprocess_decode(self, seqs: list[Sequence], sampled: list[int | list[int] | None]) -> list[Sequence]:
         """postprocess of a plain decode step (every sequence computed its last token, none has proposals or a
         lookahead): the same checks and updates without the per-sequence branches of mixed steps."""
         for seq, token in zip(seqs, sampled):  # check all, then apply
@@ -240,6 +240,7 @@ class Scheduler:
         for seq, token in zip(seqs, sampled):
             if seq.is_finished:
                 continue
+            assert isinstance(token, int)  # checked above
             seq.num_computed_tokens += 1
             seq.token_ids.append(token)
             if seq.num_computed_tokens % block_size == 0:  # a block became full
@@ -309,10 +310,10 @@ class Scheduler:
             lookaheads = [0] * len(seqs)
             for i in speculating:
                 seq = seqs[i]
-                lookahead = self.lookahead(seq)
-                if lookahead and bm.can_append(seq, lookahead):  # speculation never preempts: else decode without
-                    bm.append_slot(seq, lookahead)
-                    lookaheads[i] = lookahead
+                room = self.lookahead(seq)
+                if room and bm.can_append(seq, room):  # speculation never preempts: else decode without
+                    bm.append_slot(seq, room)
+                    lookaheads[i] = room
         decodes, prefills = bool(seqs), False
         counts = [1] * len(seqs)
         budget = max(0, self.max_num_batched_tokens - len(seqs) - sum(lookaheads))

@@ -25,6 +25,7 @@ token ids per sequence (possibly empty). `make_proposer` builds one from a `Spec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from tritonq.config import SpeculativeConfig
 from tritonq.engine.block_manager import BlockManager
@@ -73,6 +74,14 @@ def verify(proposal: list[int], drawn: list[tuple], stats: tuple[SpeculativeStat
     return [(t, lp, top) for t, (_, lp, top) in zip(emitted, drawn)]  # t: also the drawn token
 
 
+class Proposer(Protocol):
+    """What the engine calls on a proposer (NgramProposer, DraftProposer)."""
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n = max_n down to
     min_n, the longest match wins) and propose the tokens that followed it. Plain Python over the id list."""
@@ -80,7 +89,7 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seqs, limits: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         return [self.lookup(seq.token_ids, k) if k > 0 else [] for seq, k in zip(seqs, limits)]
 
     def release(self, seq_id: int) -> None:
@@ -120,12 +129,13 @@ class DraftProposer:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.states: dict[int, tuple] = {}  # target seq_id -> (target Sequence, draft Sequence)
 
-    def propose(self, seqs, limits: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         bm = self.block_manager
         for seq_id, (target, draft) in list(self.states.items()):
             if target.status is not SequenceStatus.RUNNING:
                 self._drop(seq_id)
-        active, proposals = [], [[] for _ in seqs]
+        active: list[tuple[int, Sequence, int]] = []  # (index in seqs, draft, proposals it makes)
+        proposals: list[list[int]] = [[] for _ in seqs]
         for i, (seq, k) in enumerate(zip(seqs, limits)):
             if k <= 0:
                 continue
@@ -150,6 +160,7 @@ class DraftProposer:
             live = [j for j, (_, _, k) in enumerate(active) if k > step]
             rows = [drafts[j] for j in live]
             logits = self.runner.run(self.runner.prepare(rows, [1] * len(rows), False))
+            assert logits is not None  # no logits_for: every row has logits
             for draft, token in zip(rows, logits[:, :self.vocab_size].argmax(-1).tolist()):
                 draft.num_computed_tokens += 1
                 draft.token_ids.append(token)
@@ -169,7 +180,7 @@ class DraftProposer:
                 counts.append(min(draft.num_tokens - draft.num_computed_tokens, budget))
                 seqs.append(draft)
                 budget -= counts[-1]
-            ends = [d.num_computed_tokens + n == d.num_tokens for d, n in zip(seqs, counts)]
+            ends: list[bool | int] = [d.num_computed_tokens + n == d.num_tokens for d, n in zip(seqs, counts)]
             logits = self.runner.run(self.runner.prepare(seqs, counts, True, logits_for=ends))
             tokens = iter(() if logits is None else logits[:, :self.vocab_size].argmax(-1).tolist())
             for draft, n, end in zip(seqs, counts, ends):
@@ -202,7 +213,7 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 def make_proposer(config: SpeculativeConfig, draft_model=None, *, num_blocks: int = 0, block_size: int = 16,
-                  max_seq_len: int = 0, vocab_size: int = 0, max_num_batched_tokens: int = 2048):
+                  max_seq_len: int = 0, vocab_size: int = 0, max_num_batched_tokens: int = 2048) -> Proposer:
     """The proposer of a config: NgramProposer, or DraftProposer over draft_model (a loaded model module)
     with a cache of num_blocks blocks of block_size, proposing ids below vocab_size (the target's), its
     prefill steps at most max_num_batched_tokens tokens."""

@@ -74,9 +74,9 @@ class GrammarError(ValueError):
     catch that); the server answers it naming the field that asked for the constraint."""
 
 
-def _message(exc: Exception) -> str:
-    """xgrammar's error text without its '[time] /path/file.cc:line: ' prefix."""
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip()).strip()
+def _message(error: str) -> str:
+    """xgrammar's error text (the worker's str of the exception) without its '[time] /path/file.cc:line: ' prefix."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", error.strip()).strip()
 
 
 _VALUES = ("enum", "const", "default", "examples")  # schema keys whose values are data, not schemas
@@ -205,11 +205,13 @@ class _CompilerProcess:
         with self.lock:
             if self.process is None or self.process.poll() is not None:
                 self._start()
+            conn = self.conn
+            assert conn is not None  # _start connected it
             try:
-                self.conn.send((kind, text))
-                if not self.conn.poll(timeout_s):
+                conn.send((kind, text))
+                if not conn.poll(timeout_s):
                     raise TimeoutError
-                return self.conn.recv()
+                return conn.recv()
             except TimeoutError:
                 self._stop()
                 raise
@@ -238,6 +240,7 @@ class _CompilerProcess:
                                f"start within {START_TIMEOUT_S:g} s")
 
     def _stop(self) -> None:
+        assert self.finalizer is not None  # set by _start, which every _stop follows
         self.finalizer()  # _end, once
         self.process = self.conn = self.finalizer = None
 

@@ -16,6 +16,7 @@ The kernels import these types for their signatures and checks, so this module i
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
 
 import torch
 
@@ -25,6 +26,7 @@ from tritonq.quant.packing import unpack_int32
 class _TypedWeight:
     """What every typed weight does the same way, from its tensor fields."""
     bias: torch.Tensor | None
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # every subclass is a dataclass (for fields / replace)
 
     @property
     def values(self) -> torch.Tensor:
@@ -32,7 +34,7 @@ class _TypedWeight:
         raise NotImplementedError
 
     @property
-    def shape(self) -> tuple[int, int]:
+    def shape(self) -> tuple[int, ...]:
         """(N, K): the values' shape (dense and fp8 store W [N, K]; Int4Weight derives it from its packing)."""
         return tuple(self.values.shape)
 
@@ -92,7 +94,8 @@ class DenseWeight(_TypedWeight):
         """(E, N, K) of a stacked weight; ValueError (prefixed by `what`) if it is not stacked."""
         if self.weight.dim() != 3:
             _not_stacked(self, what)
-        return tuple(self.weight.shape)
+        E, N, K = self.weight.shape
+        return E, N, K
 
     @classmethod
     def _concat_outputs(cls, parts: list[DenseWeight], bias: torch.Tensor | None) -> DenseWeight:
@@ -100,7 +103,7 @@ class DenseWeight(_TypedWeight):
 
     @classmethod
     def _stack_experts(cls, parts: list[DenseWeight]) -> DenseWeight:
-        return cls(_stack(parts, "weight"), _stack(parts, "bias"))
+        return cls(_stack(parts, "weight"), _stack_optional(parts, "bias"))
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,7 @@ class Int4Weight(_TypedWeight):
             raise ValueError("cannot fuse int4 linears with different bits / group_size / symmetry / g_idx / code "
                              f"table: found (bits, group_size, symmetric) {sorted(keys)}")
         return cls(torch.cat([p.qweight for p in parts], dim=-1), torch.cat([p.scales for p in parts], dim=-1),
-                   None if first.zeros is None else torch.cat([p.zeros for p in parts], dim=-1),
+                   None if first.zeros is None else torch.cat(_present([p.zeros for p in parts]), dim=-1),
                    first.g_idx, first.group_size, first.bits, bias, first.code)
 
     @classmethod
@@ -207,8 +210,8 @@ class Int4Weight(_TypedWeight):
             parts = [p if p.g_idx is not None else replace(p, g_idx=(torch.arange(
                 p.shape[1], device=p.qweight.device) // p.group_size).to(torch.int32)) for p in parts]
         first = parts[0]
-        return cls(_stack(parts, "qweight"), _stack(parts, "scales"), _stack(parts, "zeros"), _stack(parts, "g_idx"),
-                   first.group_size, first.bits, _stack(parts, "bias"))
+        return cls(_stack(parts, "qweight"), _stack(parts, "scales"), _stack_optional(parts, "zeros"), _stack_optional(parts, "g_idx"),
+                   first.group_size, first.bits, _stack_optional(parts, "bias"))
 
 
 @dataclass(frozen=True)
@@ -291,7 +294,7 @@ class FP8Weight(_TypedWeight):
             scale = torch.cat([p.weight_scale.reshape(-1, 1).expand(p.weight.shape[0], 1) for p in parts])
         # One static input scale for the fused input: the largest keeps every part in range (as vLLM does).
         input_scale = (None if first.input_scale is None
-                       else torch.stack([p.input_scale.reshape(()) for p in parts]).max())
+                       else torch.stack([s.reshape(()) for s in _present([p.input_scale for p in parts])]).max())
         return cls(torch.cat([p.weight for p in parts]), scale, first.block_size, input_scale, bias, first.weight_only)
 
     @classmethod
@@ -305,7 +308,7 @@ class FP8Weight(_TypedWeight):
         if len({(p.block_size, p.weight_scale.shape, p.weight_only) for p in parts}) != 1:
             raise ValueError("experts of one MoE layer must share the fp8 scale layout and activation scheme")
         return cls(_stack(parts, "weight"), _stack(parts, "weight_scale"), first.block_size,
-                   _stack(parts, "input_scale"), _stack(parts, "bias"), first.weight_only)
+                   _stack_optional(parts, "input_scale"), _stack_optional(parts, "bias"), first.weight_only)
 
 
 # e2m1 code -> value (sign bit 3, exponent bits 1-2, mantissa bit 0): the OCP microscaling FP4 element.
@@ -368,7 +371,7 @@ class MXFP4Weight(_TypedWeight):
 
     @classmethod
     def _stack_experts(cls, parts: list[MXFP4Weight]) -> MXFP4Weight:
-        return cls(_stack(parts, "blocks"), _stack(parts, "scales"), _stack(parts, "bias"))
+        return cls(_stack(parts, "blocks"), _stack(parts, "scales"), _stack_optional(parts, "bias"))
 
 
 
@@ -423,10 +426,10 @@ class W8A8Weight(_TypedWeight):
             scale = torch.cat([p.weight_scale.reshape(-1, 1).expand(p.weight.shape[0], 1) for p in parts])
         input_scale, zero_point = first.input_scale, first.input_zero_point
         if input_scale is not None and zero_point is None:  # one symmetric scale: the largest keeps all in range
-            input_scale = torch.stack([p.input_scale.reshape(()) for p in parts]).max()
+            input_scale = torch.stack([s.reshape(()) for s in _present([p.input_scale for p in parts])]).max()
         elif zero_point is not None:  # one asymmetric grid covering every part's range [lo, hi]
-            s = torch.stack([p.input_scale.reshape(()).float() for p in parts])
-            z = torch.stack([p.input_zero_point.reshape(()).float() for p in parts])
+            s = torch.stack([s.reshape(()).float() for s in _present([p.input_scale for p in parts])])
+            z = torch.stack([zp.reshape(()).float() for zp in _present([p.input_zero_point for p in parts])])
             lo, hi = ((-128 - z) * s).min(), ((127 - z) * s).max()
             input_scale = (hi - lo) / 255
             zero_point = torch.round(-128 - lo / input_scale).clamp(-128, 127).to(torch.int32)
@@ -546,20 +549,32 @@ def concat_outputs(parts: list[Weight]) -> Weight:
     if len(kinds) != 1:
         raise ValueError(f"cannot fuse linears of different types {sorted(k.__name__ for k in kinds)}; "
                          "a fused group must be all dense or all quantized the same way")
-    bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
-    return type(parts[0])._concat_outputs(parts, bias)
+    bias = None if parts[0].bias is None else torch.cat(_present([p.bias for p in parts]))
+    return type(parts[0])._concat_outputs(parts, bias)  # type: ignore[arg-type]  # parts all share type(parts[0]) (checked)
 
 
 def stack_experts(parts: list[Weight]) -> Weight:
     """Stack per-expert weights of one type into the same type with a leading expert dim E."""
     if len({type(p) for p in parts}) != 1:
         raise ValueError("experts of one MoE layer must all have the same weight type")
-    return type(parts[0])._stack_experts(parts)
+    return type(parts[0])._stack_experts(parts)  # type: ignore[arg-type]  # parts all share type(parts[0]) (checked)
 
 
-def _stack(parts: list, field: str) -> torch.Tensor | None:
-    """torch.stack of one field over the parts (None if the first part has none)."""
-    return None if getattr(parts[0], field) is None else torch.stack([getattr(p, field) for p in parts])
+def _stack(parts: list, field: str) -> torch.Tensor:
+    """torch.stack of one (required) tensor field over the parts."""
+    return torch.stack([getattr(p, field) for p in parts])
+
+
+def _stack_optional(parts: list, field: str) -> torch.Tensor | None:
+    """torch.stack of one optional field over the parts (None if the first part has none)."""
+    return None if getattr(parts[0], field) is None else _stack(parts, field)
+
+
+def _present(tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The tensors of an optional field that the caller found on the first part, hence (checked) on all."""
+    present = [t for t in tensors if t is not None]
+    assert len(present) == len(tensors), "an optional field is set on some parts only"
+    return present
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
