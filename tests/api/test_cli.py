@@ -202,11 +202,11 @@ main(["serve", "--help"])
 
 
 def test_quantize_choices_match_the_loader():
-    from tritonq.formats.dense import QUANTIZE_ON_LOAD
-    assert set(cli.QUANTIZE_ON_LOAD) == set(QUANTIZE_ON_LOAD) - {None}
-    from tritonq.config import KV_CACHE_DTYPES  # what EngineConfig (and so load) accepts
+    from tritonq.config import KV_CACHE_DTYPES, QUANTIZE_ON_LOAD  # what EngineConfig (and so load) accepts
+    from tritonq.formats.dense import QUANTIZE_ON_LOAD as LOADER_QUANTIZE
+    assert set(QUANTIZE_ON_LOAD) == set(LOADER_QUANTIZE) - {None}
     choices = {a.dest: a.choices for a in cli.generate_parser()._actions}
-    assert choices["kv_cache_dtype"] == KV_CACHE_DTYPES and choices["quantize"] == cli.QUANTIZE_ON_LOAD
+    assert choices["kv_cache_dtype"] == KV_CACHE_DTYPES and choices["quantize"] == QUANTIZE_ON_LOAD
 
 
 SAMPLING = ["--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "20", "--seed", "3", "--dtype", "float32"]

@@ -249,7 +249,7 @@ def test_cli_load_options_pass_batch_invariant(monkeypatch):
     """--batch-invariant on a command that loads a model reaches tritonq.load (off without it)."""
     from tritonq import cli
     seen = []
-    monkeypatch.setattr(tritonq, "load", lambda path, **options: seen.append(options["batch_invariant"]))
+    monkeypatch.setattr(tritonq, "load", lambda path, config, **options: seen.append(config.batch_invariant))
     for argv in (["m", "hi", "--batch-invariant"], ["m", "hi"]):
         parser = cli.generate_parser()
         cli.load_model(parser, parser.parse_args(argv))

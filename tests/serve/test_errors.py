@@ -1,12 +1,12 @@
 """serve/errors.py, the one mapping of exceptions to HTTP statuses: each type's status, and a real server
-(tests/serve_faulty.py on 127.0.0.1) answering every type raised on the engine thread with that status and the
+(tests/serve/serve_faulty.py on 127.0.0.1) answering every type raised on the engine thread with that status and the
 OpenAI error body, then serving the next request as before."""
 import os
 from pathlib import Path
 
 import httpx
 import pytest
-from serve_util import KEY, Server, checkpoint  # noqa: F401 - checkpoint: a module fixture
+from serve_util import KEY, Server
 
 from tritonq.engine.engine import EngineDeadError
 from tritonq.engine.sequence import RequestTooLong
@@ -42,9 +42,9 @@ def fault_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, fault_file, tmp_path_factory):  # noqa: F811 - the imported fixture
+def server(checkpoint, fault_file, tmp_path_factory):
     s = Server(checkpoint, tmp_path_factory.mktemp("log") / "server.log", "--max-num-seqs", "2", "--api-key", KEY,
-               entry=[str(Path(__file__).parent.parent / "serve_faulty.py")],
+               entry=[str(Path(__file__).parent / "serve_faulty.py")],
                env={"TRITONQ_TEST_FAULT_FILE": str(fault_file)}, key=KEY)
     yield s
     s.stop()

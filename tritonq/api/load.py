@@ -467,7 +467,9 @@ def load(name_or_path: str | Path, *, dtype: torch.dtype | str | None = None,
     model = _load(name_or_path, options, dtype=dtype, device=device, revision=revision, gguf_file=gguf_file)
     if warm_up is not None:
         from tritonq.kernels.cpu import lowbit as cpu_lowbit
-        cpu_forms = [m.prepared.cpu for m in model.model.modules() if hasattr(m, "prepared")]  # layers.Linear's
+        # layers.Linear's CPU forms: in Prepared (GGUF's 4-bit types) or in the Int4Gemm it holds (Int4Weight)
+        prepared = [m.prepared for m in model.model.modules() if hasattr(m, "prepared")]
+        cpu_forms = [p.cpu for p in prepared] + [getattr(p.gemm, "cpu", None) for p in prepared]
         cpu_lowbit.settle_templates([p for p in cpu_forms if isinstance(p, cpu_lowbit.CPUInt4Weight)],
                                     compile=warm_up)
     return model
