@@ -13,8 +13,14 @@ tests as on a GPU, without one (tests/repo/test_fake_gpu.py runs them so in CI).
 """
 import os
 import re
+import sys
+from pathlib import Path
 
 import torch
+
+# tests/serve/serve_util.py (a real server on 127.0.0.1) is imported by engine, api and formats tests too: importable
+# whichever folder a run starts from
+sys.path.insert(0, str(Path(__file__).parent / "serve"))
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
