@@ -196,11 +196,13 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     dense_w = DenseWeight(_meta(N, K, dtype=dtype))
     out["dense gate_up swiglu M16"] = dense_gemm.dense_gemm_launch(_meta(16, K, dtype=dtype), dense_w,
                                                                  _meta(16, N // 2, dtype=dtype), cc, silu_mul=True)
-    out["int4 gate_up swiglu M1"] = int4_gemm.aot_launch(int4_gemm.default_config(1, N, K), 1, N, K, dtype)
+    out["int4 gate_up swiglu M1"] = int4_gemm.aot_launch(int4_gemm.default_config(1, N, K, cc=cc), 1, N, K, dtype,
+                                                         cc=cc)
     out["int4 gate_up swiglu M1"].args["SILU_MUL"] = True
     epilogue = dict(ADD_NORM=True, eps=1e-6, row_arrivals_ptr=_meta(1, **i32), norm_w_ptr=_meta(N, dtype=dtype),
                     sumsq_ptr=_meta(N // 16, 16, dtype=torch.float32))
-    out["int4 o add-norm M16"] = int4_gemm.aot_launch(int4_gemm.default_config(16, N, K), 16, N, K, dtype)
+    out["int4 o add-norm M16"] = int4_gemm.aot_launch(int4_gemm.default_config(16, N, K, cc=cc), 16, N, K, dtype,
+                                                       cc=cc)
     out["int4 o add-norm M16"].args.update(epilogue)
     out["dense o add-norm M16"] = dense_gemm.dense_gemm_launch(_meta(16, K, dtype=dtype), dense_w,
                                                              _meta(16, N, dtype=dtype), cc)

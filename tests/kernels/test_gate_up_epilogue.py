@@ -25,28 +25,28 @@ from tritonq.quant.weights import DenseWeight, W8A8Weight
 INTER, K = 100, 256
 
 
-def int8_weight(n: int, k: int) -> W8A8Weight:
-    g = torch.Generator().manual_seed(n + k)
-    return W8A8Weight(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
-                      torch.rand(n, 1, generator=g) * 1e-2 + 1e-3)
+def int8_weight(n: int, k: int, device) -> W8A8Weight:
+    g = torch.Generator().manual_seed(n + k)  # drawn on the CPU, then moved: the same weight on any device
+    return W8A8Weight(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8, device="cpu").to(device),
+                      (torch.rand(n, 1, generator=g, device="cpu") * 1e-2 + 1e-3).to(device))
 
 
-# name -> (weight [2I, K], the family's fp32 reference GEMM of x as fp32, tolerance family)
+# name -> (device -> weight [2I, K], the family's fp32 reference GEMM of x as fp32, tolerance family)
 WEIGHTS = {
-    "int4": (lambda: random_int4_weight(2 * INTER, K, torch.bfloat16, "cpu", group_size=64),
+    "int4": (lambda d: random_int4_weight(2 * INTER, K, torch.bfloat16, d, group_size=64),
              lambda x, w: x.float() @ w.dequantize(torch.float32).t(), "int4_gemm"),
-    "int4-bias": (lambda: replace(random_int4_weight(2 * INTER, K, torch.float16, "cpu", group_size=128),
-                                  bias=torch.randn(2 * INTER, dtype=torch.float16)),
+    "int4-bias": (lambda d: replace(random_int4_weight(2 * INTER, K, torch.float16, d, group_size=128),
+                                    bias=torch.randn(2 * INTER, dtype=torch.float16, device=d)),
                   lambda x, w: x.float() @ w.dequantize(torch.float32).t() + w.bias.float(), "int4_gemm"),
-    "fp8-tensor": (lambda: random_fp8_weight(2 * INTER, K, "tensor", "cpu"),
+    "fp8-tensor": (lambda d: random_fp8_weight(2 * INTER, K, "tensor", d),
                    lambda x, w: fp8_gemm_reference(x.float(), w), "fp8_gemm"),
-    "fp8-channel": (lambda: random_fp8_weight(2 * INTER, K, "channel", "cpu"),
+    "fp8-channel": (lambda d: random_fp8_weight(2 * INTER, K, "channel", d),
                     lambda x, w: fp8_gemm_reference(x.float(), w), "fp8_gemm"),
-    "w8a8": (lambda: int8_weight(2 * INTER, K), lambda x, w: int8_gemm_reference(x.float(), w), "int8_gemm"),
+    "w8a8": (lambda d: int8_weight(2 * INTER, K, d), lambda x, w: int8_gemm_reference(x.float(), w), "int8_gemm"),
     # bf16 weights meet bf16 x in the dot, fp32 sums, one rounding: int4_gemm's bound (its dequantized weight is
     # the same kind of operand)
-    "dense-bias": (lambda: DenseWeight(torch.randn(2 * INTER, K, dtype=torch.bfloat16) * 0.05,
-                                       torch.randn(2 * INTER, dtype=torch.bfloat16)),
+    "dense-bias": (lambda d: DenseWeight(torch.randn(2 * INTER, K, dtype=torch.bfloat16, device=d) * 0.05,
+                                         torch.randn(2 * INTER, dtype=torch.bfloat16, device=d)),
                    lambda x, w: x.float() @ w.weight.float().t() + w.bias.float(), "int4_gemm"),
 }
 
@@ -58,12 +58,12 @@ def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("M", [1, 3, 17, 64])
 @pytest.mark.parametrize("name", list(WEIGHTS))
-def test_fused_gate_up_matches_reference(name, M):
+def test_fused_gate_up_matches_reference(name, M, device):
     make, reference, family = WEIGHTS[name]
     torch.manual_seed(M)
-    w = make()
+    w = make(device)
     dtype = torch.float16 if name == "int4-bias" else torch.bfloat16
-    x = torch.randn(M, K, dtype=dtype)
+    x = torch.randn(M, K, dtype=dtype, device=device)
     linear = GateUpLinear(w)
     assert linear.fused and linear.out_features == INTER
     y = linear(x)
@@ -74,11 +74,11 @@ def test_fused_gate_up_matches_reference(name, M):
                                atol=3 * tol * gate_up.abs().max().item() ** 2)
 
 
-def test_block_scaled_fp8_runs_unfused():
+def test_block_scaled_fp8_runs_unfused(device):
     """A block-scaled fp8 gate_up (a scale spans 128 rows, which the interleave would split) keeps the stored order
     and runs the GEMM, then silu_mul; the result is SwiGLU all the same."""
-    x = torch.randn(3, K, dtype=torch.bfloat16)
-    w = random_fp8_weight(2 * INTER, K, "block", "cpu")
+    x = torch.randn(3, K, dtype=torch.bfloat16, device=device)
+    w = random_fp8_weight(2 * INTER, K, "block", device)
     assert prepare_gate_up(w) is None
     linear = GateUpLinear(w)
     assert not linear.fused and linear.weight is w

@@ -322,13 +322,16 @@ class MLP(nn.Module):
     shared expert); split by intermediate size over the ranks (gate/up column-, down row-parallel).
     bias: gate/up/down carry biases (Llama's mlp_bias). reduce=False leaves the rank's partial sum for the caller
     to all-reduce (shared experts: the MoE block reduces them with the routed experts, once). hidden / inter:
-    the expected sizes from the config (None: take the stored ones)."""
+    the expected sizes from the config (None: take the stored ones). gate_up: the first GEMM's layer (a subclass
+    with another activation takes a plain Linear and applies it in forward)."""
+
+    gate_up: type[Linear] = GateUpLinear
 
     def __init__(self, loader, prefix: str, hidden: int | None = None, inter: int | None = None, bias: bool = False,
                  reduce: bool = True):
         super().__init__()
         up, down = ((inter, hidden), (hidden, inter)) if hidden else (None, None)  # expected (N, K)
-        self.gate_up_proj = GateUpLinear(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+        self.gate_up_proj = self.gate_up(loader.get_fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"],
                                                                  bias=bias, parallel="column", shapes=[up, up]))
         down_weight = loader.get_linear(f"{prefix}.down_proj", bias=bias, parallel="row", shape=down)
         self.down_proj = RowParallelLinear(down_weight, loader.world) if reduce else Linear(down_weight)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonq.formats.layers import RMSNorm
+from tritonq.formats.layers import Linear, RMSNorm
 from tritonq.models.common import MLP, RopeTables, StepContext, logit_rows, rope_parameters
 from tritonq.models.llama import (LlamaAttention, LlamaForCausalLM, LlamaVariant, layer_windows,
                                   sliding_layers_from_layer_types)
@@ -66,7 +66,10 @@ class Gemma3Attention(LlamaAttention):
 
 
 class GeGLU(MLP):
-    """Gemma's MLP: down(gelu_tanh(gate x) * up x), split over ranks as MLP."""
+    """Gemma's MLP: down(gelu_tanh(gate x) * up x), split over ranks as MLP; gate/up one plain GEMM (the fused
+    epilogue is SwiGLU's)."""
+
+    gate_up = Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
