@@ -91,8 +91,7 @@ def check_split(prefix: str, shard: Shard, size: int, multiple: int, unit: str) 
     if shard.segments != 1:
         blocks = block_sizes(size, shard.segments)
         if blocks is None or any(block % (shard.count * multiple) for block in blocks):
-            sizes = "blocks in proportions " + ":".join(map(str, shard.segments)) if blocks is None else \
-                "fused blocks of " + ", ".join(map(str, blocks))
+            sizes = f"fused blocks {shard.segments}" if blocks is None else f"fused blocks of {blocks}"
             raise ValueError(f"{prefix}: cannot split {what}={size} ({sizes}) {shard.parallel}-parallel into "
                              f"{shard.count} parts of each block: each part must be a multiple of {multiple} "
                              f"({unit}); use a tensor_parallel size that keeps whole packs and groups on each rank")
