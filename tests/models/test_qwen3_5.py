@@ -25,7 +25,7 @@ from tritonq.demo import byte_tokenizer
 from tritonq.formats.registry import get_loader
 from tritonq.models.moe import SparseMoE
 from tritonq.quantize.writer import write_quantized
-from tritonq.quant.weights import FP8Weight, Int4Weight
+from tritonq.quant.weights import FP8Weight, Int4Weight, W8A8Weight
 
 ATOL = 1e-4
 COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -182,20 +182,39 @@ def test_triton_kernels_match_transformers(tmp_path, monkeypatch, name):
         assert tokens == hf_greedy(copy.deepcopy(hf), prompt, 3, eos)[0]
 
 
-@pytest.mark.parametrize("fmt, options", [("awq", {"group_size": 32}), ("fp8", {"fp8_scheme": "channel"})])
-def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_path, fmt, options):
-    """A Qwen3.5-MoE checkpoint quantized by tritonq's writer (every linear: the in projections, out_proj,
-    attention, experts, shared expert): prefill logits and greedy tokens equal transformers holding the
-    dequantized weights (fp8: its dense linears round their inputs per token to e4m3, as our fp8 GEMM does)."""
+def int8_input(module, args):
+    """Forward pre-hook: round a linear's input per token to int8 as compressed-tensors' dynamic symmetric int8
+    does (scale = absmax / 127.5, the half range of [-128, 127]; round half to even), as our int8 GEMM does."""
+    x = args[0]
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 127.5
+    return ((x / scale).clamp(-128, 127).round() * scale,)
+
+
+QUANTIZED = {  # format: (case, writer options); every linear quantized (in projections, out_proj, attention, MLP)
+    "awq": ("qwen3_5_moe_text", {"group_size": 32}),
+    "gptq": ("qwen3_5_moe_text", {"group_size": 32, "act_order": True}),
+    "fp8": ("qwen3_5_moe_text", {"fp8_scheme": "channel"}),
+    # compressed-tensors int-quantized (llm-compressor's W8A8 INT8); the fused MoE has no int8 x int8 experts
+    "w8a8": ("qwen3_5_text", {"w8a8_scheme": "channel"}),
+}
+
+
+@pytest.mark.parametrize("fmt", list(QUANTIZED))
+def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_path, fmt):
+    """A Qwen3.5-MoE (W8A8: dense Qwen3.5) checkpoint quantized by tritonq's writer (AWQ, GPTQ with act-order,
+    fp8, compressed-tensors W8A8 INT8): prefill logits and greedy tokens equal transformers holding the dequantized weights (fp8 / w8a8:
+    its dense linears round their inputs per token to e4m3 / int8, as our GEMMs do)."""
     from models.test_moe_models import round_inputs_to_fp8
     sizes = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
                  shared_expert_intermediate_size=32)  # every N and K a whole number of packs / groups
-    write_checkpoint(tmp_path / "dense", "qwen3_5_moe_text", **sizes)
+    case, options = QUANTIZED[fmt]
+    write_checkpoint(tmp_path / "dense", case, **sizes)
     folder = write_quantized(tmp_path / "dense", tmp_path / fmt, fmt, **options)
     loader = get_loader(folder, torch.float32, "cpu")
     prefixes = {k.rpartition(".")[0] for k in load_file(folder / "model.safetensors")}
     dequantized = {p: loader.get_linear(p).dequantize().float() for p in prefixes if loader.is_quantized(p)}
-    assert any("in_proj_qkv" in p for p in dequantized) and any(".experts." in p for p in dequantized)
+    assert any("in_proj_qkv" in p for p in dequantized) and any(".experts." in p or "mlp.up_proj" in p
+                                                                for p in dequantized)
     tensors = {k: v.float() for k, v in load_file(folder / "model.safetensors").items()
                if k.rpartition(".")[0] not in dequantized}
     tensors.update({f"{p}.weight": w.contiguous() for p, w in dequantized.items()})
@@ -204,15 +223,23 @@ def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_pa
     config = json.loads((folder / "config.json").read_text())
     config.pop("quantization_config")
     (tmp_path / "reference" / "config.json").write_text(json.dumps(config))
-    hf = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
+    hf = CASES[case][1].from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
     if fmt == "fp8":
         round_inputs_to_fp8(hf, set(dequantized))
+    if fmt == "w8a8":
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and name in dequantized:
+                module.register_forward_pre_hook(int8_input)
     ours = build(folder)
-    kind = FP8Weight if fmt == "fp8" else Int4Weight
+    kind = {"fp8": FP8Weight, "w8a8": W8A8Weight}.get(fmt, Int4Weight)
     assert isinstance(ours.layers[0].self_attn.in_proj.weight, kind)
     ps = prompts()
+    # w8a8: each token's absmax input sits on a tie (x / (absmax / 127.5) = +-127.5), so fp32 summation noise
+    # decides -127 or -128 for a negative one, on either side, in every linear of every layer: one int8 step of
+    # the largest input (~0.4% of it) per token and linear, carried through the recurrence into O(1) logits
+    atol = 0.15 if fmt == "w8a8" else ATOL
     for prompt, logits in zip(ps, PagedRun(ours, 2, MAX_LEN).prefill(ps)):
-        torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=atol, rtol=0)
     model = tritonq.load(folder, max_num_seqs=2, max_seq_len=MAX_LEN)
     got = model.generate(ps, max_new_tokens=6, return_dict=True)
     for prompt, tokens in zip(ps, got.token_ids):

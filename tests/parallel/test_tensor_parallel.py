@@ -122,22 +122,25 @@ def test_rank_shards_concatenate_to_the_whole_layer(tmp_path, name, parallel, re
         assert torch.equal(torch.cat([s.g_idx for s in shards]), whole.g_idx)
 
 
+@pytest.mark.parametrize("segments, blocks", [(3, [32, 32, 32]), ((1, 1, 4), [16, 16, 64])])
 @pytest.mark.parametrize("name", ["dense", "dense_int4_on_load", "awq", "gptq_sym", "gptq_asym_8bit", "fp8_channel"])
-def test_fused_blocks_are_split_block_by_block(tmp_path, name, read_whole):
-    """segments=3 (MPT's Wqkv: all q rows, then all k, then all v): each rank holds its slice of every block, in block
-    order, read slice by slice from disk; the ranks' slices of each block concatenate back to that block of the
-    whole layer, bias included. N = 96: three blocks of 32, 16 columns of each per rank (whole packs of 8)."""
+def test_fused_blocks_are_split_block_by_block(tmp_path, name, read_whole, segments, blocks):
+    """segments=3 (MPT's Wqkv: all q rows, then all k, then all v) or blocks in proportions 1:1:4 (Qwen3.5's
+    in_proj_qkv: q and k of the key heads, v of four times as many value rows): each rank holds its slice of every
+    block, in block order, read slice by slice from disk; the ranks' slices of each block concatenate back to that
+    block of the whole layer, bias included. N = 96: each rank's slice of a block is whole packs of 8."""
     fmt, _, K, options, loading = LINEARS[name]
     folder = write_linear(tmp_path, fmt, 96, K, **options)
     whole = get_loader(folder, torch.float32, "cpu", **loading).get_linear(PREFIX, bias=True)
     read_whole.clear()
     shards = [get_loader(folder, torch.float32, "cpu", **loading, rank=r, world=WORLD).get_linear(
-        PREFIX, bias=True, parallel="column", segments=3) for r in range(WORLD)]
+        PREFIX, bias=True, parallel="column", segments=segments) for r in range(WORLD)]
     assert not [n for n in read_whole if n.endswith((".weight", ".qweight"))]
-    pieces = [dequantize(s).chunk(3) for s in shards]  # [rank][block]
+    parts = [b // WORLD for b in blocks]
+    pieces = [dequantize(s).split(parts) for s in shards]  # [rank][block]
     rebuilt = torch.cat([pieces[r][b] for b in range(3) for r in range(WORLD)])
     torch.testing.assert_close(rebuilt, dequantize(whole), atol=0, rtol=0)
-    biases = [s.bias.chunk(3) for s in shards]
+    biases = [s.bias.split(parts) for s in shards]
     assert torch.equal(torch.cat([biases[r][b] for b in range(3) for r in range(WORLD)]), whole.bias)
 
 

@@ -84,7 +84,8 @@ class WeightsLoader(CheckpointReader):
                              "weights: fix config.json or load the checkpoint it belongs to")
 
     def get_linear(self, prefix: str, bias: bool = False, parallel: str | None = None,
-                   parts: int | None = None, shape: tuple[int, int] | None = None, segments: int = 1) -> Weight:
+                   parts: int | None = None, shape: tuple[int, int] | None = None,
+                   segments: int | tuple[int, ...] = 1) -> Weight:
         """The linear `prefix` (see the class docstring for parallel, tensor_parallel.rank_shard for parts and
         segments: a fused output of that many blocks, each split on its own).
 
@@ -105,7 +106,8 @@ class WeightsLoader(CheckpointReader):
             w = replace(w, bias=self._bias(prefix, shard, w.shape[0]))
         return w
 
-    def shard(self, parallel: str | None, parts: int | None = None, segments: int = 1) -> Shard | None:
+    def shard(self, parallel: str | None, parts: int | None = None,
+              segments: int | tuple[int, ...] = 1) -> Shard | None:
         """This rank's Shard of a layer (tensor_parallel.rank_shard); None when it is read whole."""
         return rank_shard(parallel, self.rank, self.world, parts, segments)
 
@@ -143,18 +145,20 @@ class WeightsLoader(CheckpointReader):
 
     def get_fused_linear(self, prefixes: list[str], bias: bool = False, parallel: str | None = None,
                          parts: list[int | None] | None = None,
-                         shapes: list[tuple[int, int] | None] | None = None) -> Weight:
+                         shapes: list[tuple[int, int] | None] | None = None,
+                         segments: list[int | tuple[int, ...]] | None = None) -> Weight:
         """Linears sharing their input, fused along N; each is sharded on its own (q, k, v: each rank
-        gets its heads of each), parts and expected (N, K) shapes per prefix. Dense ones are read
-        straight into the fused matrix (`_dense_matrix`); quantized ones are concatenated."""
+        gets its heads of each), parts, expected (N, K) shapes and segments (get_linear's) per prefix. Dense
+        ones are read straight into the fused matrix (`_dense_matrix`); quantized ones are concatenated."""
         parts = parts or [None] * len(prefixes)
         shapes = shapes or [None] * len(prefixes)
+        segments = segments or [1] * len(prefixes)
         if any(self.is_quantized(p) for p in prefixes):
-            return concat_outputs([self.get_linear(p, bias, parallel, n, s)
-                                   for p, n, s in zip(prefixes, parts, shapes)])
+            return concat_outputs([self.get_linear(p, bias, parallel, n, s, b)
+                                   for p, n, s, b in zip(prefixes, parts, shapes, segments)])
         for prefix, shape in zip(prefixes, shapes):
             self.check_shape(prefix, shape)
-        shards = [self.shard(parallel, n) for n in parts]
+        shards = [self.shard(parallel, n, b) for n, b in zip(parts, segments)]
         weight, sizes = self._dense_matrix(prefixes, shards)
         biases = [self._bias(p, s, n) for p, s, n in zip(prefixes, shards, sizes)] if bias else [None]
         return DenseWeight(weight, None if biases[0] is None else torch.cat(biases))

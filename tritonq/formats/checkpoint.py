@@ -21,6 +21,17 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
+def block_sizes(size: int, segments: int | tuple[int, ...]) -> list[int] | None:
+    """The sizes of the fused blocks of a dim of `size`: `segments` equal ones, or blocks in the proportions a tuple
+    gives (reduced by their gcd); None when `size` does not hold whole blocks so."""
+    weights = (1,) * segments if isinstance(segments, int) else segments
+    common = math.gcd(*weights)
+    weights = [w // common for w in weights]
+    if size % sum(weights):
+        return None
+    return [size // sum(weights) * w for w in weights]
+
+
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor | None:
     """How many NaN / inf values float tensor t holds, as a 0-d int64 tensor on t's device; None for integer
     tensors (packed codes, g_idx), which cannot hold one.
@@ -294,35 +305,35 @@ class Weights:
         return SAFETENSORS_DTYPES[code]
 
     def get_sharded(self, name: str, dim: int, rank: int, world: int, dtype: torch.dtype | None = None,
-                    shape: tuple | None = None, segments: int = 1) -> torch.Tensor:
+                    shape: tuple | None = None, segments: int | tuple[int, ...] = 1) -> torch.Tensor:
         """Slice `rank` of `world` equal parts along `dim`, reading only that slice from disk.
 
-        segments: the dim holds that many equal blocks (a fused q | k | v); slice `rank` of each block is read and
-        the slices are concatenated in block order. dtype / shape (the full stored shape) are checked as in
-        get_tensor.
+        segments: the dim holds that many equal blocks (a fused q | k | v), or blocks in a tuple's proportions
+        (tensor_parallel.block_sizes); slice `rank` of each block is read and the slices are concatenated in block
+        order. dtype / shape (the full stored shape) are checked as in get_tensor.
         """
         view = self._handle(name).get_slice(name)
         full = tuple(view.get_shape())
         if shape is not None:
             self._check(name, None, full, None, shape)
-        if full[dim] % (world * segments):
-            blocks = "" if segments == 1 else f" ({segments} blocks)"
-            raise ValueError(f"{self._file_of[name]}: tensor {name!r} has size {full[dim]} along dim {dim}{blocks}, "
+        blocks = block_sizes(full[dim], segments)
+        if blocks is None or any(block % world for block in blocks):
+            described = "" if segments == 1 else f" (blocks {segments})"
+            raise ValueError(f"{self._file_of[name]}: tensor {name!r} has size {full[dim]} along dim {dim}{described}, "
                              f"not divisible by world size {world}")
-        block = full[dim] // segments
-        part = block // world
         if self._dry:
             self._check(name, self.get_dtype(name), None, dtype, None)
             sliced = list(full)
-            sliced[dim] = part * segments
+            sliced[dim] = full[dim] // world
             return torch.empty(sliced, dtype=self.get_dtype(name), device="meta")
-        pieces = []
-        for segment in range(segments):
+        pieces, start = [], 0
+        for block in blocks:
+            part = block // world
             index = [slice(None)] * len(full)
-            start = segment * block + rank * part
-            index[dim] = slice(start, start + part)
+            index[dim] = slice(start + rank * part, start + (rank + 1) * part)
             pieces.append(view[tuple(index)])
-        tensor = pieces[0] if segments == 1 else torch.cat(pieces, dim)
+            start += block
+        tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
         self._check(name, tensor.dtype, None, dtype, None)
         self._count_nonfinite(name, nonfinite_count(tensor))
         self._advance(name)

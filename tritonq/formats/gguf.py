@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tritonq.formats.base import WeightsLoader, always_dense
-from tritonq.formats.checkpoint import Weights, nonfinite_count
+from tritonq.formats.checkpoint import Weights, block_sizes, nonfinite_count
 from tritonq.formats.tensor_parallel import Shard, check_split
 from tritonq.quant.packing import pack_int32
 from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, Weight
@@ -420,10 +420,11 @@ class GGUFWeights(Weights):
         return out
 
     def get_sharded(self, name: str, dim: int, rank: int, world: int, dtype: torch.dtype | None = None,
-                    shape: tuple | None = None, segments: int = 1) -> torch.Tensor:
+                    shape: tuple | None = None, segments: int | tuple[int, ...] = 1) -> torch.Tensor:
         """Slice `rank` of `world` along `dim` (block formats are dequantized whole, then sliced)."""
         full = self.get_shape(name)
-        if full[dim] % (world * segments):
+        blocks = block_sizes(full[dim], segments)
+        if blocks is None or any(block % world for block in blocks):
             raise ValueError(f"{self.folder}: tensor {name!r} has size {full[dim]} along dim {dim}, not divisible by "
                              f"world size {world}")
         return Shard("column", rank, world, segments).take(self.get_tensor(name, dtype, shape), dim)

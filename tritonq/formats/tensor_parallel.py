@@ -9,7 +9,9 @@ groups' scales whole when act-order scatters the rows over them (`row_split_cuts
 places whole experts on each rank (`expert_range`).
 
 A fused output (MPT's Wqkv: all q rows, then all k, then all v) is split as `segments` equal blocks, each cut on its
-own: the rank holds its heads of q, then of k, then of v, not one contiguous run of the fused rows.
+own: the rank holds its heads of q, then of k, then of v, not one contiguous run of the fused rows. Blocks of
+unequal sizes (Qwen3.5's in_proj_qkv: q and k of the key heads, v of more value heads) give segments as a tuple of
+their proportions (`block_sizes`), so the same cut works on packed or grouped dims of a quantized weight.
 """
 from __future__ import annotations
 
@@ -17,20 +19,22 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonq.formats.checkpoint import Weights
+from tritonq.formats.checkpoint import Weights, block_sizes
 
 PARALLEL = (None, "column", "row")
+
 
 
 @dataclass(frozen=True)
 class Shard:
     """The part of one layer this rank holds: part `index` of `count` equal slices of N (parallel "column": outputs)
-    or of K ("row": inputs). segments (column only): the N outputs are that many equal fused blocks, each cut into
-    `count` slices; the rank holds slice `index` of every block, in block order."""
+    or of K ("row": inputs). segments (column only): the N outputs are that many equal fused blocks (or blocks in
+    a tuple's proportions, `block_sizes`), each cut into `count` slices; the rank holds slice `index` of every
+    block, in block order."""
     parallel: str
     index: int
     count: int
-    segments: int = 1
+    segments: int | tuple[int, ...] = 1
 
     def local_shape(self, N: int, K: int) -> tuple[int, int]:
         """(N, K) of this rank's part of an [N, K] linear."""
@@ -38,14 +42,16 @@ class Shard:
 
     def take(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of an in-memory tensor along `dim` (every segment's slice, concatenated), contiguous."""
-        block = tensor.shape[dim] // self.segments
-        part = block // self.count
-        pieces = [tensor.narrow(dim, s * block + self.index * part, part) for s in range(self.segments)]
+        pieces, start = [], 0
+        for block in block_sizes(tensor.shape[dim], self.segments):
+            part = block // self.count
+            pieces.append(tensor.narrow(dim, start + self.index * part, part))
+            start += block
         return torch.cat(pieces, dim).contiguous()
 
 
 def rank_shard(parallel: str | None, rank: int, world: int, parts: int | None = None,
-               segments: int = 1) -> Shard | None:
+               segments: int | tuple[int, ...] = 1) -> Shard | None:
     """Rank `rank` of `world`'s Shard for parallel None / "column" / "row"; None when the layer is read whole.
 
     parts: how many equal slices the layer may be cut into (default world; e.g. the number of KV heads). With
@@ -82,13 +88,13 @@ def check_split(prefix: str, shard: Shard, size: int, multiple: int, unit: str) 
     """Refuse a split of `size` (N for column, K for row) into shard.count parts (of each of shard.segments fused
     blocks) that are not whole `unit`s (`multiple` elements each), naming layer `prefix` and the sizes."""
     what = "N (outputs)" if shard.parallel == "column" else "K (inputs)"
-    if shard.segments > 1:
-        block = size / shard.segments
-        if size % (shard.segments * shard.count * multiple):
-            raise ValueError(f"{prefix}: cannot split {what}={size} (fused blocks of {block:g}) {shard.parallel}-"
-                             f"parallel into {shard.count} parts of each block, of {block / shard.count:g}: each part "
-                             f"must be a multiple of {multiple} ({unit}); use a tensor_parallel size that keeps whole "
-                             "packs and groups on each rank")
+    if shard.segments != 1:
+        blocks = block_sizes(size, shard.segments)
+        if blocks is None or any(block % (shard.count * multiple) for block in blocks):
+            sizes = f"fused blocks {shard.segments}" if blocks is None else f"fused blocks of {blocks}"
+            raise ValueError(f"{prefix}: cannot split {what}={size} ({sizes}) {shard.parallel}-parallel into "
+                             f"{shard.count} parts of each block: each part must be a multiple of {multiple} "
+                             f"({unit}); use a tensor_parallel size that keeps whole packs and groups on each rank")
     elif size % (shard.count * multiple):
         raise ValueError(f"{prefix}: cannot split {what}={size} {shard.parallel}-parallel into {shard.count} parts "
                          f"of {size / shard.count:g}: each part must be a multiple of {multiple} ({unit}); "

@@ -21,7 +21,14 @@ The per-sequence state (conv window and delta-rule state of every linear layer, 
 engine's recurrent-state pool (tritonq.engine.state_cache) beside the paged KV cache of the attention layers;
 the step names each sequence's slot (StepContext.state_slots). Kernels: tritonq.kernels.deltanet.
 The released image-text checkpoints (qwen3_5, qwen3_5_moe) load their language model; the vision tower and the
-multi-token-prediction layers (mtp.*) are left unread with one warning each. Tensor parallel is refused.
+multi-token-prediction layers (mtp.*) are left unread with one warning each.
+
+Tensor parallel (loader.world = W > 1): rank r holds key heads [r Hk/W, (r+1) Hk/W) and the value heads that read
+them, i.e. its slice of each part of the fused in projections (q, k, v of in_proj_qkv cut on their own: the
+loader's segments in proportions; z, b, a; Qwen3-Next's per-key-head groups are whole), of the conv channels, A_log
+and dt_bias, and a state of its heads only; out_proj is row-parallel (one all-reduce). Full attention splits its
+query heads (each with its gate) and KV heads, o_proj row-parallel; MLP and MoE as in every model. Hk, Hv, the
+attention heads and KV heads must each divide by W (refused naming them otherwise).
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonq.formats.layers import Linear
+from tritonq.formats.layers import Linear, RowParallelLinear
 from tritonq.kernels.deltanet import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_rms_norm,
                                       recurrent_gated_delta_rule)
 from tritonq.kernels.norm_rope import apply_rope
@@ -48,31 +55,43 @@ def _float32(loader, name: str, shape: tuple) -> torch.Tensor:
     return loader.weights.get_tensor(name, shape=shape).to(device=loader.device, dtype=torch.float32)
 
 
+def _heads(loader, tensor: torch.Tensor, segments: int | tuple[int, ...] = 1) -> torch.Tensor:
+    """This rank's heads of a per-channel tensor read whole (dim 0: fused blocks in `segments`' proportions)."""
+    shard = loader.shard("column", segments=segments)
+    return tensor if shard is None else shard.take(tensor, 0)
+
+
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer; see the module docstring. grouped: Qwen3-Next's in_proj_qkvz / in_proj_ba."""
 
     def __init__(self, config, loader, prefix: str, grouped: bool):
         super().__init__()
-        self.Hk, self.Hv = config.linear_num_key_heads, config.linear_num_value_heads
-        self.Dk, self.Dv = config.linear_key_head_dim, config.linear_value_head_dim
-        D, Hk, Hv, Dk, Dv = config.hidden_size, self.Hk, self.Hv, self.Dk, self.Dv
-        key_dim, value_dim = Hk * Dk, Hv * Dv
-        self.conv_dim, self.grouped = 2 * key_dim + value_dim, grouped
-        if grouped:
-            self.in_proj = Linear(loader.get_linear(f"{prefix}.in_proj_qkvz", shape=(2 * key_dim + 2 * value_dim, D)))
-            self.in_proj_ba = Linear(loader.get_linear(f"{prefix}.in_proj_ba", shape=(2 * Hv, D)))
+        W = loader.world
+        Hk, Hv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.Hk, self.Hv = Hk // W, Hv // W  # this rank's heads
+        self.Dk, self.Dv = Dk, Dv = config.linear_key_head_dim, config.linear_value_head_dim
+        D, key_dim, value_dim = config.hidden_size, Hk * Dk, Hv * Dv
+        qkv = (key_dim, key_dim, value_dim)  # the conv's channel blocks, each cut by heads on its own
+        self.conv_dim, self.grouped = (2 * key_dim + value_dim) // W, grouped
+        if grouped:  # per key head groups: a plain column split gives whole groups
+            self.in_proj = Linear(loader.get_linear(f"{prefix}.in_proj_qkvz", parallel="column",
+                                                    shape=(2 * key_dim + 2 * value_dim, D)))
+            self.in_proj_ba = Linear(loader.get_linear(f"{prefix}.in_proj_ba", parallel="column", shape=(2 * Hv, D)))
         else:
             self.in_proj = Linear(loader.get_fused_linear([f"{prefix}.in_proj_qkv", f"{prefix}.in_proj_z"],
-                                                          shapes=[(self.conv_dim, D), (value_dim, D)]))
+                                                          parallel="column", segments=[qkv, 1],
+                                                          shapes=[(sum(qkv), D), (value_dim, D)]))
             self.in_proj_ba = Linear(loader.get_fused_linear([f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"],
-                                                             shapes=[(Hv, D), (Hv, D)]))
+                                                             parallel="column", shapes=[(Hv, D), (Hv, D)]))
         width = config.linear_conv_kernel_dim
-        self.conv_weight = loader.get_tensor(f"{prefix}.conv1d.weight", shape=(self.conv_dim, 1, width))[:, 0]
-        self.neg_A = -_float32(loader, f"{prefix}.A_log", (Hv,)).exp()
-        self.dt_bias = _float32(loader, f"{prefix}.dt_bias", (Hv,))
+        self.conv_weight = _heads(loader, loader.get_tensor(f"{prefix}.conv1d.weight", shape=(sum(qkv), 1, width))[:, 0],
+                                  qkv)
+        self.neg_A = _heads(loader, -_float32(loader, f"{prefix}.A_log", (Hv,)).exp())
+        self.dt_bias = _heads(loader, _float32(loader, f"{prefix}.dt_bias", (Hv,)))
         self.norm_weight = loader.get_tensor(f"{prefix}.norm.weight", shape=(Dv,))
         self.eps = config.rms_norm_eps
-        self.out_proj = Linear(loader.get_linear(f"{prefix}.out_proj", shape=(D, value_dim)))
+        self.out_proj = RowParallelLinear(loader.get_linear(f"{prefix}.out_proj", parallel="row",
+                                                            shape=(D, value_dim)), W)
 
     def projections(self, x: torch.Tensor):
         """x [T, D] -> mixed qkv [T, conv_dim] (q, k, v flat, the conv's channel order), z [T, Hv, Dv], b, a [T, Hv]."""
@@ -118,17 +137,19 @@ class GatedAttention(nn.Module):
 
     def __init__(self, config, loader, prefix: str):
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="
-                             f"{self.num_kv_heads}; expected each KV head to serve the same number of query heads")
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        D, H, Hkv, hd = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        H, Hkv, W = config.num_attention_heads, config.num_key_value_heads, loader.world
+        if H % Hkv:
+            raise ValueError(f"num_attention_heads={H} is not a multiple of num_key_value_heads="
+                             f"{Hkv}; expected each KV head to serve the same number of query heads")
+        self.num_heads, self.num_kv_heads = H // W, Hkv // W  # this rank's heads
+        self.head_dim = hd = getattr(config, "head_dim", None) or config.hidden_size // H
+        D = config.hidden_size
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(loader.get_fused_linear(
-            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"], bias=bias,
+        self.qkv_proj = Linear(loader.get_fused_linear(  # q_proj: each head's query and gate together
+            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"], bias=bias, parallel="column",
             shapes=[(2 * H * hd, D), (Hkv * hd, D), (Hkv * hd, D)]))
-        self.o_proj = Linear(loader.get_linear(f"{prefix}.o_proj", bias=bias, shape=(D, H * hd)))
+        self.o_proj = RowParallelLinear(loader.get_linear(f"{prefix}.o_proj", bias=bias, parallel="row",
+                                                          shape=(D, H * hd)), W)
         self.q_norm = gemma_norm(loader, f"{prefix}.q_norm", hd, config.rms_norm_eps)
         self.k_norm = gemma_norm(loader, f"{prefix}.k_norm", hd, config.rms_norm_eps)
         self.rotary_dim = rotary_dim(config, hd)
@@ -172,7 +193,6 @@ class HybridLayer(DecoderLayer):
 class Qwen3_5ForCausalLM(CausalLM):
     """Qwen3.5 dense text model (model_type qwen3_5_text); see the module docstring. prefix: where the decoder's
     tensors are stored; grouped: Qwen3-Next's grouped in projections."""
-    supports_tensor_parallel = False
     supports_compile = False
     prefix = "model"
     grouped = False
@@ -190,14 +210,21 @@ class Qwen3_5ForCausalLM(CausalLM):
         if Hv % Hk:
             raise ValueError(f"linear_num_value_heads={Hv} is not a multiple of linear_num_key_heads={Hk}; expected "
                              "each key head to serve the same number of value heads")
+        heads = {"linear_num_key_heads": Hk, "linear_num_value_heads": Hv,
+                 "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads}
+        if any(n % loader.world for n in heads.values()):
+            raise ValueError(f"{', '.join(f'{k}={v}' for k, v in heads.items())}: tensor_parallel={loader.world} "
+                             "must divide each (every rank holds whole key and value heads of the linear attention "
+                             "and whole query and KV heads of the full attention); use a tensor_parallel that does")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; expected 'silu' (the conv's, MLP's "
                              "and experts' activation)")
         self.layer_types = types
         super().__init__(config, loader, dtype, device, max_seq_len=max_seq_len)
-        self.state_layout = StateLayout(types.count("linear_attention"), 2 * Hk * config.linear_key_head_dim +
-                                        Hv * config.linear_value_head_dim, config.linear_conv_kernel_dim, Hv,
-                                        config.linear_key_head_dim, config.linear_value_head_dim)
+        W = loader.world  # this rank's state: its heads' conv channels and delta-rule states
+        self.state_layout = StateLayout(types.count("linear_attention"), (2 * Hk * config.linear_key_head_dim +
+                                        Hv * config.linear_value_head_dim) // W, config.linear_conv_kernel_dim,
+                                        Hv // W, config.linear_key_head_dim, config.linear_value_head_dim)
 
     def build_mlp(self, config, loader, layer: int) -> nn.Module:
         """Layer `layer`'s feed-forward block: the dense MLP of intermediate_size."""
