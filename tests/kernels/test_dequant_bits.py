@@ -77,19 +77,30 @@ def test_bf16_magic_number_arithmetic_is_exact(has_zeros):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The GPU's packed-word path (common.int4_words_to_magic): its PTX, run by an emulator of the four PTX
-# instructions it uses (semantics from the PTX ISA), on every byte value in every byte of a word.
+# The GPU's packed-word paths (common.int4_words_to_magic, common.int8_words_to_halves): their PTX, run by an
+# emulator of the PTX instructions they use (semantics from the PTX ISA), on every byte value in every byte of a word.
 # ---------------------------------------------------------------------------------------------------------
 
 MASK32 = (1 << 32) - 1
 
 
-def run_ptx(ptx: str, word: int) -> list[int]:
-    """The 16-bit outputs $0..$7 of a PTX block over the 32-bit input $8 (shr.u32, prmt.b32 default mode,
-    lop3.b32, mov.b32 {lo, hi}); anything else fails the test, so an edited block cannot pass unread."""
-    regs, out = {"$8": word & MASK32}, {}
+def f32(bits: int) -> float:
+    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+
+def f32_bits(value: torch.Tensor) -> int:
+    return int(value.reshape(1).view(torch.int32).item()) & MASK32
+
+
+def run_ptx(ptx: str, word: int, outputs: int = 8) -> list[int]:
+    """The 16-bit outputs $0..$(outputs - 1) of a PTX block over the 32-bit input $outputs (shr.u32, prmt.b32
+    default mode, lop3.b32, sub.f32 round-to-nearest, cvt.rn.bf16x2.f32, mov.b32 {lo, hi}); anything else fails
+    the test, so an edited block cannot pass unread."""
+    regs, out = {f"${outputs}": word & MASK32}, {}
 
     def value(operand):
+        if operand.startswith("0f"):  # PTX's fp32 immediate: its bits in hex
+            return int(operand[2:], 16)
         return int(operand, 0) & MASK32 if operand[0].isdigit() else regs[operand]
 
     for line in ptx.strip().strip("{}").strip().splitlines():
@@ -112,13 +123,26 @@ def run_ptx(ptx: str, word: int) -> list[int]:
             a, b, c, lut = (value(v) for v in args)
             regs[d] = sum(((lut >> (4 * ((a >> i) & 1) + 2 * ((b >> i) & 1) + ((c >> i) & 1))) & 1) << i
                           for i in range(32))
+        elif op == "sub.f32":  # IEEE fp32 subtraction, rounded to nearest even (torch's fp32 on the CPU)
+            a, b = (torch.tensor([f32(value(v))], dtype=torch.float32) for v in args)
+            regs[d] = f32_bits(a - b)
+        elif op == "cvt.rn.bf16x2.f32":  # d = {hi: a, lo: b}, each rounded to nearest even
+            a, b = (torch.tensor([f32(value(v))]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+                    for v in args)
+            regs[d] = a << 16 | b
         else:
             raise AssertionError(f"PTX op {op} has no emulation here")
-    return [out[f"${i}"] for i in range(8)]
+    return [out[f"${i}"] for i in range(outputs)]
 
 
 def halves(bits: list[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def byte_words() -> list[int]:
+    """Every byte value in each of the four bytes of a word (the others a fixed pattern), and random words."""
+    words = [b << (8 * i) | 0x5A5A5A5A & ~(0xFF << (8 * i)) for i in range(4) for b in range(256)]
+    return words + torch.randint(0, 2**32, (256,), dtype=torch.int64).tolist()
 
 
 @pytest.mark.parametrize("dtype, magic", [(torch.float16, 1024.0), (torch.bfloat16, 128.0)])
@@ -127,9 +151,7 @@ def test_int4_word_ptx_gives_magic_plus_each_field(dtype, magic):
     four bytes (so every code in every field, next to every other code in its byte) and random words: the
     order the interpreter's path builds and the kernel's interleaves place at row 8 r + j."""
     ptx = (common.INT4_FP16_MAGIC_PTX if dtype == torch.float16 else common.INT4_BF16_MAGIC_PTX).value
-    words = [b << (8 * i) | 0x5A5A5A5A & ~(0xFF << (8 * i)) for i in range(4) for b in range(256)]
-    words += torch.randint(0, 2**32, (256,), dtype=torch.int64).tolist()
-    for word in words:
+    for word in byte_words():
         got = halves(run_ptx(ptx, word), dtype)
         fields = torch.tensor([(word >> (4 * j)) & 15 for j in range(8)], dtype=torch.float32)
         assert torch.equal(got.float(), fields + magic), hex(word)
@@ -152,3 +174,35 @@ def test_int4_word_dequantization_is_exact(dtype, has_zeros):
     t = h - ((zero + magic) if has_zeros else torch.tensor(magic + 8, dtype=dtype))
     assert torch.equal(t.float(), q.float() - (zero.float() if has_zeros else 8.0))
     assert torch.equal(t * scale, reference(q, scale, zero, 4, has_zeros, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int8_word_ptx_gives_each_byte(dtype):
+    """Output j of the 8-bit PTX is byte j of the word as 1024 + q (fp16) or q - 128 (bf16, by way of fp32), for
+    every byte value in every byte: the values `int8_words_to_halves` places at row 4 r + j."""
+    ptx, offset = ((common.INT8_FP16_PTX, 1024.0) if dtype == torch.float16 else (common.INT8_BF16_PTX, -128.0))
+    for word in byte_words():
+        got = halves(run_ptx(ptx.value, word, outputs=4), dtype)
+        codes = torch.tensor([(word >> (8 * j)) & 255 for j in range(4)], dtype=torch.float32)
+        assert torch.equal(got.float(), codes + offset), hex(word)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("has_zeros", [True, False])
+def test_int8_word_dequantization_is_exact(dtype, has_zeros):
+    """`int8_words_minus_zero`'s arithmetic after the PTX, in the GPU's rounding (torch's 16-bit ops round once, as
+    HADD2 does): q - zero is exact for every code against 16 zeros and every zero against 16 codes (zeros up to
+    256: GPTQ v1's stored zero + 1), and times the scale it is the fp32 reference rounded once."""
+    q, scale, zero = every_code_and_zero(8, dtype)
+    zero = torch.where(zero == 255, 256.0, zero.float()).to(dtype)  # GPTQ v1: 255 + 1
+    order = torch.randperm(q.numel())
+    q, scale, zero = q[order], scale[order], zero[order]
+    words = (q.reshape(-1, 4) << (8 * torch.arange(4))).sum(1)
+    if dtype == torch.float16:
+        h = torch.cat([halves(run_ptx(common.INT8_FP16_PTX.value, int(w), outputs=4), dtype) for w in words])
+        t = h - ((zero + 1024.0) if has_zeros else torch.tensor(1152.0, dtype=dtype))
+    else:
+        h = torch.cat([halves(run_ptx(common.INT8_BF16_PTX.value, int(w), outputs=4), dtype) for w in words])
+        t = h - (zero - 128.0) if has_zeros else h
+    assert torch.equal(t.float(), q.float() - (zero.float() if has_zeros else 128.0))
+    assert torch.equal(t * scale, reference(q, scale, zero, 8, has_zeros, dtype))

@@ -140,6 +140,11 @@ KERNEL_CASES = [
      torch.float16),
     (64, lambda d: gptq_weight(128, 40, 8, -1, d, sym=True, act_order=False), torch.bfloat16),
     (80, lambda d: gptq_weight(384, 72, 4, 64, d, sym=False, act_order=True), torch.float16),  # M > 64 tiles
+    # 8 bits in fp16: the packed-word path (common.int8_words_minus_zero) runs here too
+    (1, lambda d: gptq_weight(384, 72, 8, 128, d, sym=False, act_order=False), torch.float16),
+    (3, lambda d: gptq_weight(128, 40, 8, -1, d, sym=True, act_order=False), torch.float16),
+    (17, lambda d: gptq_weight(384, 200, 8, 64, d, sym=True, act_order=True), torch.float16),
+    (64, lambda d: gptq_weight(128, 72, 8, 8, d, sym=False, act_order=False), torch.float16),  # per-row groups
 ]
 
 

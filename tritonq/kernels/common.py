@@ -7,6 +7,8 @@
   int4_words_to_magic  4-bit codes straight from the packed words to magic + q half pairs by inline PTX (one
                        prmt and one lop3 per two codes; GPU from sm_80, `int4_word_dequant`)
   int4_words_minus_zero  its q - zero, exactly (int4_gemm, moe)
+  int8_words_minus_zero  the same for 8-bit codes (`int8_words_to_halves`: one prmt per two codes into fp16
+                       pairs; bf16 by way of fp32; int4_gemm, `int8_word_dequant`)
   e2m1_bits_to_fp16    MXFP4 (e2m1) codes -> fp16 / 2^14 with integer ops (moe's mxfp4 experts)
   e4m3_bits_to_fp16    float8_e4m3fn bytes -> fp16 / 2^8 with integer ops, for GPUs without fp8
                        types (fp8_gemm's weight-only path, moe's fp8 experts, the fp8 KV cache)
@@ -195,6 +197,80 @@ def int4_words_minus_zero(words, zero, HAS_ZEROS: tl.constexpr, DTYPE: tl.conste
     if HAS_ZEROS:
         return h - (zero + magic)
     return h - (magic + 8)
+
+
+# PTX of `int8_words_to_halves` on word $4 (bytes b0..b3, b0 lowest), two consecutive rows per register. fp16: a
+# prmt of the word with 0x64646464 per two codes gives {0x6400 | b(2i), 0x6400 | b(2i+1)} = {1024 + b(2i),
+# 1024 + b(2i+1)}. bf16's 7 mantissa bits cannot hold a byte: one prmt per code gives the fp32 0x4B0000 | bi =
+# 2^23 + bi (byte i, then 0, 0 and 0x4B from the constant), one sub.f32 of 2^23 + 128 (0x4B000080) leaves bi - 128
+# exactly, and one cvt per two codes packs them into bf16 (exact: an integer in [-128, 127]).
+INT8_FP16_PTX = tl.constexpr("""{
+.reg .b32 p0, p1;
+prmt.b32 p0, $4, 0x64646464, 0x4140;
+prmt.b32 p1, $4, 0x64646464, 0x4342;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+}""")
+INT8_BF16_PTX = tl.constexpr("""{
+.reg .b32 f0, f1, f2, f3, p0, p1;
+prmt.b32 f0, $4, 0x4B000000, 0x7440;
+prmt.b32 f1, $4, 0x4B000000, 0x7441;
+prmt.b32 f2, $4, 0x4B000000, 0x7442;
+prmt.b32 f3, $4, 0x4B000000, 0x7443;
+sub.f32 f0, f0, 0f4B000080;
+sub.f32 f1, f1, 0f4B000080;
+sub.f32 f2, f2, 0f4B000080;
+sub.f32 f3, f3, 0f4B000080;
+cvt.rn.bf16x2.f32 p0, f1, f0;
+cvt.rn.bf16x2.f32 p1, f3, f2;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+}""")
+
+
+@triton.jit
+def _magic_byte(words, SHIFT: tl.constexpr):
+    """The byte at SHIFT of each word, ORed into the mantissa of fp16's magic number (the interpreter's path of
+    `int8_words_to_halves`)."""
+    return (((words >> SHIFT) & 255) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def int8_words_to_halves(words, DTYPE: tl.constexpr):
+    """int32 words [R, C], packed along K (byte i of word r is row 4 r + i) -> [4 R, C] in DTYPE: 1024 + q in
+    fp16 (the magic number), q - 128 in bf16 (made in fp32: a byte does not fit bf16's mantissa). On a GPU one PTX
+    block per word (INT8_FP16_PTX / INT8_BF16_PTX), no shifts or masks; the interpreter builds the fp16 values
+    field by field (it runs fp16 only, `int8_word_dequant`). The interleaves put output j of word r at row
+    4 r + j, as in `int4_words_to_magic`."""
+    wt = tl.trans(words)
+    if INTERPRETED:
+        o0 = _magic_byte(wt, 0)
+        o1 = _magic_byte(wt, 8)
+        o2 = _magic_byte(wt, 16)
+        o3 = _magic_byte(wt, 24)
+    elif DTYPE == tl.float16:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            INT8_FP16_PTX, "=h,=h,=h,=h,r", [wt], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            INT8_BF16_PTX, "=h,=h,=h,=h,r", [wt], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=1)
+    return tl.trans(tl.interleave(tl.interleave(o0, o2), tl.interleave(o1, o3)))
+
+
+@triton.jit
+def int8_words_minus_zero(words, zero, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr):
+    """int32 words [BLOCK_K / 4, BLOCK_N] of 8-bit codes -> q - zero in DTYPE (fp16 / bf16) [BLOCK_K, BLOCK_N],
+    exactly, as `int4_words_minus_zero` (zero: integer-valued, in DTYPE; without HAS_ZEROS 128, and `zero` is not
+    read): from `int8_words_to_halves`, fp16 subtracts 1024 + zero, bf16 (q - 128) nothing or zero - 128 (both
+    operands and the difference are integers of at most 8 significant bits: exact)."""
+    h = int8_words_to_halves(words, DTYPE)
+    if DTYPE == tl.float16:
+        if HAS_ZEROS:
+            return h - (zero + 1024.0)
+        return h - 1152.0
+    if HAS_ZEROS:
+        return h - (zero - 128.0)
+    return h
 
 
 @triton.jit
@@ -453,6 +529,15 @@ def int4_word_dequant(x: torch.Tensor, w, cc: int | None = None) -> bool:
     if x.is_cuda:
         cc = compute_capability(x.device)
     return (w.bits == 4 and w.code is None and w.scales.dtype == x.dtype and (cc is None or cc >= 80)
+            and x.dtype in ((torch.float16, torch.bfloat16) if on_gpu(x) else (torch.float16,)))
+
+
+def int8_word_dequant(x: torch.Tensor, w, cc: int | None = None) -> bool:
+    """int4_gemm's WORD_DEQUANT flag for 8-bit codes (`int8_words_minus_zero`), under the conditions of
+    `int4_word_dequant` (scales in x's half dtype, sm_80+ or fp16 under the interpreter)."""
+    if x.is_cuda:
+        cc = compute_capability(x.device)
+    return (w.bits == 8 and w.code is None and w.scales.dtype == x.dtype and (cc is None or cc >= 80)
             and x.dtype in ((torch.float16, torch.bfloat16) if on_gpu(x) else (torch.float16,)))
 
 

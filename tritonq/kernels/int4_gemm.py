@@ -68,6 +68,8 @@ from tritonq.kernels.common import (
     arrival_counts,
     gemm_output,
     int4_word_dequant,
+    int8_word_dequant,
+    int8_words_minus_zero,
     next_pow2,
     split_k_arrivals,
     check_launch_config,
@@ -166,8 +168,11 @@ def _int4_gemm_kernel(
             z = s
             if HAS_ZEROS:
                 z = tl.load(zeros_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
-        if WORD_DEQUANT:  # 4-bit codes from the packed words by bit tricks (common.int4_words_to_magic)
-            t = int4_words_minus_zero(q, z, HAS_ZEROS, x.dtype)
+        if WORD_DEQUANT:  # codes from the packed words by bit tricks (common.int4_words_to_magic, int8_...)
+            if BITS == 4:
+                t = int4_words_minus_zero(q, z, HAS_ZEROS, x.dtype)
+            else:
+                t = int8_words_minus_zero(q, z, HAS_ZEROS, x.dtype)
             if TILE_GROUPS and BLOCK_M < BLOCK_K:  # one scale per column for the tile: fewer multiplies on the
                 acc += tl.dot(x, t) * s.to(tl.float32)  # dot's fp32 result (BLOCK_M rows) than per weight
             else:
@@ -390,7 +395,7 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arr
         out_ptr=out, M=M, N=N, K=K, group_size=w.group_size, stride_xm=x.stride(0), stride_xk=x.stride(1),
         BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
         TILE_GROUPS=w.g_idx is None and w.group_size % block_k == 0, HAS_BIAS=w.bias is not None,
-        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=int4_word_dequant(x, w, cc), BLOCK_M=config.BLOCK_M,
+        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=int4_word_dequant(x, w, cc) or int8_word_dequant(x, w, cc), BLOCK_M=config.BLOCK_M,
         BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
         code_ptr=w.code if w.code is not None else w.scales, HAS_CODE=w.code is not None,
         partials_ptr=partials, arrivals_ptr=arrivals, SILU_MUL=silu_mul,
