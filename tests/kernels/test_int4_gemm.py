@@ -21,6 +21,7 @@ from tritonq.kernels.int4_gemm import (
     Int4GemmConfig,
     int4_gemm,
     int4_gemm_reference,
+    sort_act_order,
 )
 from tritonq.quant.packing import AWQ_ORDER
 from tritonq.quant.weights import Int4Weight
@@ -167,6 +168,29 @@ def test_explicit_configs_match_reference(M, config):
     w, _ = gptq_case(384, 72, 4, 32, torch.float16, sym=False, act_order=False)
     x = torch.randn(384, M, dtype=torch.float16).t()  # non-contiguous activations
     assert_close(int4_gemm(x, w, config=config), int4_gemm_reference(x, w))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_act_order_weight_sorts_into_plain_groups(bits):
+    """sort_act_order: the sorted weight is the original's columns in perm order (dequantized: exact), with plain
+    contiguous groups (no g_idx); the kernel cases above run act-order through it."""
+    w, _ = gptq_case(256, 40, bits, 32, torch.float16, sym=False, act_order=True)
+    s, perm = sort_act_order(w)
+    assert s.g_idx is None and perm.dtype == torch.int32
+    assert torch.equal(perm.sort().values.cpu(), torch.arange(256, dtype=torch.int32))
+    assert torch.equal(s.dequantize(), w.dequantize()[:, perm.long()])
+
+
+@pytest.mark.parametrize("M", [1, 17])
+def test_act_order_groups_that_do_not_sort_into_runs(M):
+    """A g_idx with groups of unequal sizes (valid: every row names a scales row) cannot be sorted into plain
+    groups: the kernel gathers its scales per row."""
+    w, _ = gptq_case(256, 40, 4, 32, torch.float16, sym=False, act_order=True)
+    w = replace(w, g_idx=torch.randint(0, 8, (256,), dtype=torch.int32, generator=torch.Generator().manual_seed(0)
+                                       ).to(w.g_idx.device))
+    assert sort_act_order(w) is None
+    x = torch.randn(M, 256, dtype=torch.float16, device=w.qweight.device)
+    assert_close(int4_gemm(x, w), int4_gemm_reference(x, w))
 
 
 def test_torch_backend_is_the_reference(monkeypatch):

@@ -55,7 +55,7 @@ def weight_launch(kind: str, M: int, N: int, K: int, cc: int = CC, dtype: torch.
     if kind.startswith(("int4", "int8", "nf4")):
         options = {"int4-awq": {}, "int4-gptq": dict(zeros=False), "int4-act-order": dict(zeros=False, act_order=True),
                    "int8-gptq": dict(bits=8, zeros=False), "nf4": dict(code=True)}[kind]
-        config = int4_gemm.default_config(M, N, K, act_order=kind == "int4-act-order", cc=cc)
+        config = int4_gemm.default_config(M, N, K, cc=cc)  # act-order: sorted by group, the plain GPTQ tile
         return int4_gemm.aot_launch(config, M, N, K, dtype, cc=cc, **options)
     if kind == "fp8-block":
         config = fp8_gemm.default_config(M, N, K, cc=cc, block_scaled=True, weight_only=cc < 89)

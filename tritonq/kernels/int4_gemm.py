@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import torch
@@ -86,6 +86,7 @@ from tritonq.kernels.common import (
     unpack_int_tile,
     upcast_dot,
 )
+from tritonq.quant.packing import pack_int32, unpack_int32
 from tritonq.quant.weights import Int4Weight
 
 SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
@@ -120,14 +121,15 @@ def _int4_gemm_kernel(
     HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, WORD_DEQUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     code_ptr, HAS_CODE: tl.constexpr, partials_ptr, arrivals_ptr, SILU_MUL: tl.constexpr,
-    res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr,
+    x_perm_ptr, PERMUTE_X: tl.constexpr, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K).
 
     out is [M, N] in x's dtype ([M, N / 2] with SILU_MUL: silu(gate) * up of the column pairs,
     `common.store_output`; ADD_NORM: out = y + residual and h its RMSNorm, `common.add_rms_norm_tile`). With
     SPLIT_K > 1 the slices meet in `common.reduce_split_k` (fp32 partials [SPLIT_K, M, N], an int32 arrival count
-    per output tile), in this launch.
+    per output tile), in this launch. PERMUTE_X: the weight's K rows are sorted by group (`sort_act_order`) and
+    x's columns are read through the same permutation, x_perm [K].
     """
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m = tl.program_id(0)
@@ -144,7 +146,10 @@ def _int4_gemm_kernel(
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+        x_cols = offs_k
+        if PERMUTE_X:
+            x_cols = tl.load(x_perm_ptr + offs_k, mask=mask_k, other=0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + x_cols[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         offs_word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
         words = tl.load(qweight_ptr + offs_word[:, None] * N + offs_n[None, :],
@@ -302,6 +307,14 @@ class Int4Gemm(WeightGemm):
         self.device, self.plans = w.qweight.device, {}
         # the CPU backend's form of the weight, made once here (a compiled step reads it as an attribute)
         self.cpu = cpu_lowbit.prepare(w) if backend(w.qweight) == "cpu" else None
+        self.sorted: tuple[Int4Weight, torch.Tensor | None] | None = None  # the kernel's form, `_kernel_weight`
+
+    def _kernel_weight(self) -> tuple[Int4Weight, torch.Tensor | None]:
+        """(the weight the Triton kernel reads, the x permutation or None), made at the first Triton plan: an
+        act-order weight sorted by group (`sort_act_order`; a copy of qweight), any other weight as it is."""
+        if self.sorted is None:
+            self.sorted = sort_act_order(self.w) or (self.w, None)
+        return self.sorted
 
     def __call__(self, x: torch.Tensor, config: Int4GemmConfig | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype not in _X_DTYPES:
@@ -317,17 +330,18 @@ class Int4Gemm(WeightGemm):
                 y = int4_gemm_reference(x, self.w)
             return silu_mul_pairs(y) if self.silu_mul else y
         M = x.shape[0]
+        w, x_perm = self._kernel_weight()
         if config is not None:
-            plan = _plan(x, self.w, config, M, self.silu_mul)
+            plan = _plan(x, w, x_perm, config, M, self.silu_mul)
         else:
             key = (next_pow2(M), x.dtype, batch_invariant())
             plan = self.plans.get(key)
             if plan is None:
                 rows = config_rows(M)  # M, or one row count for every M in the batch-invariant mode
-                config = tuned_or_default("int4_gemm", config_bucket(rows, self.N, self.K, self.w),
-                                          default_config(rows, self.N, self.K, self.w.g_idx is not None,
+                config = tuned_or_default("int4_gemm", config_bucket(rows, self.N, self.K, w),
+                                          default_config(rows, self.N, self.K, w.g_idx is not None,
                                                          compute_capability(self.device)))
-                plan = self.plans[key] = _plan(x, self.w, config, key[0], self.silu_mul)
+                plan = self.plans[key] = _plan(x, w, x_perm, config, key[0], self.silu_mul)
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
@@ -344,10 +358,11 @@ class Int4Gemm(WeightGemm):
         key = (next_pow2(M), x.dtype, "add_rms_norm")
         plan = self.plans.get(key)
         if plan is None:
-            config = tuned_or_default("int4_gemm", config_bucket(M, self.N, self.K, self.w),
-                                      default_config(M, self.N, self.K, self.w.g_idx is not None,
+            w, x_perm = self._kernel_weight()
+            config = tuned_or_default("int4_gemm", config_bucket(M, self.N, self.K, w),
+                                      default_config(M, self.N, self.K, w.g_idx is not None,
                                                      compute_capability(self.device)))
-            plan = self.plans[key] = _plan(x, self.w, config, key[0], False, add_norm=(norm_weight, eps))
+            plan = self.plans[key] = _plan(x, w, x_perm, config, key[0], False, add_norm=(norm_weight, eps))
         h = torch.empty_like(residual)
         sumsq = torch.empty(plan.tiles_n, M, dtype=torch.float32, device=x.device)
         y = plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1),
@@ -359,13 +374,15 @@ _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Int4Weight -> its Int4Gemm (int4_gemm without a Linear)
 
 
-def _plan(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, max_m: int, silu_mul: bool,
-          add_norm: tuple[torch.Tensor, float] | None = None) -> GemmPlan:
-    """The GemmPlan of `int4_gemm_launch` for activations like x, at most max_m rows; add_norm: (the norm's weight,
-    eps) of the residual + RMSNorm epilogue, whose residual, h and row sums are bound per call."""
+def _plan(x: torch.Tensor, w: Int4Weight, x_perm: torch.Tensor | None, config: Int4GemmConfig, max_m: int,
+          silu_mul: bool, add_norm: tuple[torch.Tensor, float] | None = None) -> GemmPlan:
+    """The GemmPlan of `int4_gemm_launch` for activations like x, at most max_m rows (w, x_perm: `_kernel_weight`);
+    add_norm: (the norm's weight, eps) of the residual + RMSNorm epilogue, whose residual, h and row sums are bound
+    per call."""
     check_launch_config("int4_gemm", config, Int4GemmConfig)
     N = w.shape[0]
-    launch = int4_gemm_launch(x, w, config, split_k_arrivals(max_m, N, config, x.device), silu_mul)[0]
+    launch = int4_gemm_launch(x, w, config, split_k_arrivals(max_m, N, config, x.device), silu_mul,
+                              x_perm=x_perm)[0]
     per_call = ("x_ptr", "stride_xm", "stride_xk")
     if add_norm is not None:
         launch.args.update(norm_w_ptr=add_norm[0], eps=add_norm[1], ADD_NORM=True,
@@ -376,12 +393,14 @@ def _plan(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, max_m: int, si
 
 
 def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arrivals: torch.Tensor | None = None,
-                     silu_mul: bool = False, cc: int | None = None) -> tuple[Launch, torch.Tensor]:
+                     silu_mul: bool = False, cc: int | None = None, x_perm: torch.Tensor | None = None
+                     ) -> tuple[Launch, torch.Tensor]:
     """The launch of _int4_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and its
     output y [M, N] in x.dtype (silu_mul: [M, N / 2], SwiGLU of the column pairs in the epilogue). With SPLIT_K > 1
     it takes the fp32 [SPLIT_K, M, N] partials buffer and
     `arrivals`, the zeroed int32 count per output tile that the slices share (made here when None). Over
-    meta tensors it is what tune --aot and tests/aot/test_fit.py compile, for sm_`cc` (`common.int4_word_dequant`)."""
+    meta tensors it is what tune --aot and tests/aot/test_fit.py compile, for sm_`cc` (`common.int4_word_dequant`).
+    x_perm: int32 [K], x's columns in the order of w's rows (an act-order weight sorted by `sort_act_order`)."""
     (M, K), N = x.shape, w.shape[0]
     block_k = config.BLOCK_K
     if w.g_idx is None and w.group_size % block_k:
@@ -399,10 +418,35 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arr
         BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
         code_ptr=w.code if w.code is not None else w.scales, HAS_CODE=w.code is not None,
         partials_ptr=partials, arrivals_ptr=arrivals, SILU_MUL=silu_mul,
+        x_perm_ptr=x_perm if x_perm is not None else w.qweight, PERMUTE_X=x_perm is not None,
         # the residual + RMSNorm epilogue's tensors (Int4Gemm.add_rms_norm binds them); unused without ADD_NORM
         res_ptr=out, norm_w_ptr=out, h_ptr=out, sumsq_ptr=partials, row_arrivals_ptr=out, eps=0.0, ADD_NORM=False)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split_k)
     return Launch(_int4_gemm_kernel, grid, args, config.num_warps, config.num_stages), out
+
+
+def sort_act_order(w: Int4Weight) -> tuple[Int4Weight, torch.Tensor] | None:
+    """An act-order weight (g_idx) with its K rows sorted by group, and the permutation perm (int32 [K]): row j of
+    the sorted weight is row perm[j] of w, so x[:, perm] @ sorted^T has the products of x @ w^T (summed in another
+    order). Groups become contiguous runs of group_size rows as in plain GPTQ, so the kernel loads one scale row per
+    K tile instead of gathering them per row. None without a g_idx, or where the sorted groups are not such runs.
+    qweight is copied (repacked on its device, a block of columns at a time: the unpacked codes are int64)."""
+    if w.g_idx is None:
+        return None
+    K, device = w.shape[1], w.qweight.device
+    if w.g_idx.is_meta:  # a dry run (meta tensors: shapes, no values) takes the sorted form
+        return replace(w, qweight=torch.empty_like(w.qweight), g_idx=None), torch.empty_like(w.g_idx)
+    perm = torch.argsort(w.g_idx, stable=True)
+    if not torch.equal(w.g_idx[perm].long(), torch.arange(K, device=device) // w.group_size):
+        return None
+    qweight = torch.empty_like(w.qweight)
+    for n0 in range(0, w.shape[0], SORT_COLUMNS):
+        block = w.qweight[:, n0:n0 + SORT_COLUMNS]
+        qweight[:, n0:n0 + SORT_COLUMNS] = pack_int32(unpack_int32(block, w.bits, dim=0)[perm], w.bits, dim=0)
+    return replace(w, qweight=qweight, g_idx=None), perm.to(torch.int32)
+
+
+SORT_COLUMNS = 1024  # columns per block of sort_act_order's repacking
 
 
 def int4_gemm_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -437,16 +481,18 @@ def sweep_space(shape: tuple[int, int, int]) -> list[dict]:
 
 
 def aot_launch(config: Int4GemmConfig, M: int, N: int, K: int, dtype: torch.dtype = torch.float16, bits: int = 4,
-               zeros: bool = True, act_order: bool = False, code: bool = False, cc: int = 90) -> Launch:
+               zeros: bool = True, act_order: bool | str = False, code: bool = False, cc: int = 90) -> Launch:
     """`int4_gemm_launch` over meta tensors: x [M, K] in dtype, an N x K weight of `bits` with group
-    `tune_group_size(K)`, asymmetric (zeros) or not, act-order (g_idx) or not, no bias; code: a
+    `tune_group_size(K)`, asymmetric (zeros) or not, act-order or not (True: sorted by `sort_act_order`, x read
+    through the permutation; "gather": a g_idx whose groups do not sort into runs), no bias; code: a
     bitsandbytes nf4 weight (code table, fp32 absmax per 64-row block, no zeros); for sm_`cc`."""
     group_size = 64 if code else tune_group_size(K)
     meta = torch.device("meta")
     scales = torch.empty(K // group_size, N, dtype=torch.float32 if code else dtype, device=meta)
     w = Int4Weight(qweight=torch.empty(K * bits // 32, N, dtype=torch.int32, device=meta), scales=scales,
                    zeros=torch.empty_like(scales) if zeros and not code else None,
-                   g_idx=torch.empty(K, dtype=torch.int32, device=meta) if act_order else None,
+                   g_idx=torch.empty(K, dtype=torch.int32, device=meta) if act_order == "gather" else None,
                    group_size=group_size, bits=bits,
                    code=torch.empty(16, dtype=torch.float32, device=meta) if code else None)
-    return int4_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config, cc=cc)[0]
+    x_perm = torch.empty(K, dtype=torch.int32, device=meta) if act_order is True else None
+    return int4_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config, cc=cc, x_perm=x_perm)[0]
