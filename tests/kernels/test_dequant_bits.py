@@ -206,3 +206,16 @@ def test_int8_word_dequantization_is_exact(dtype, has_zeros):
         t = h - (zero - 128.0) if has_zeros else h
     assert torch.equal(t.float(), q.float() - (zero.float() if has_zeros else 128.0))
     assert torch.equal(t * scale, reference(q, scale, zero, 8, has_zeros, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_code_pair_table_gives_both_codes_of_every_byte(dtype):
+    """A code-table weight's decode path (common.code_pairs_lookup): entry b of `code_pair_table`, split by its PTX
+    (a register-pair view), is {code[low nibble of b], code[high nibble of b]} in dtype, for every byte b."""
+    from tritonq.kernels.int4_gemm import code_pair_table
+
+    code = torch.randn(16)
+    table = code_pair_table(code, dtype)
+    for b in range(256):
+        got = halves(run_ptx(common.PAIR_SPLIT_PTX.value, int(table[b]), outputs=2), dtype)
+        assert torch.equal(got, code[[b & 15, b >> 4]].to(dtype)), b

@@ -273,6 +273,44 @@ def int8_words_minus_zero(words, zero, HAS_ZEROS: tl.constexpr, DTYPE: tl.conste
     return h
 
 
+# Splits a 32-bit pair-table entry into its two 16-bit halves (no instruction: a register pair view).
+PAIR_SPLIT_PTX = tl.constexpr("mov.b32 {$0, $1}, $2;")
+
+
+@triton.jit
+def _split_pair(p, DTYPE: tl.constexpr):
+    """int32 p -> (its low half, its high half) read as DTYPE."""
+    if INTERPRETED:
+        return (p & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True), (p >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    elif DTYPE == tl.float16:
+        return tl.inline_asm_elementwise(PAIR_SPLIT_PTX, "=h,=h,r", [p], dtype=(tl.float16, tl.float16), is_pure=True,
+                                         pack=1)
+    else:
+        return tl.inline_asm_elementwise(PAIR_SPLIT_PTX, "=h,=h,r", [p], dtype=(tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def code_pairs_lookup(words, pairs_ptr, DTYPE: tl.constexpr):
+    """int32 words [R, C] of 4-bit codes packed along K (field i of word r is row 8 r + i) -> code[q] in DTYPE
+    [8 R, C], through a 256-entry table of pairs (`code_pair_table`): byte i of a word indexes entry {code[low
+    nibble], code[high nibble]}, one 4-byte load (an L1 hit) per two weights, no per-code unpack. On a GPU the entry
+    splits into its halves by a register view (PAIR_SPLIT_PTX); the interpreter (fp16 only) by shifts. Rows as
+    `int4_words_to_magic` places them."""
+    wt = tl.trans(words)
+    p0 = tl.load(pairs_ptr + (wt & 255))
+    p1 = tl.load(pairs_ptr + ((wt >> 8) & 255))
+    p2 = tl.load(pairs_ptr + ((wt >> 16) & 255))
+    p3 = tl.load(pairs_ptr + ((wt >> 24) & 255))
+    o0, o1 = _split_pair(p0, DTYPE)
+    o2, o3 = _split_pair(p1, DTYPE)
+    o4, o5 = _split_pair(p2, DTYPE)
+    o6, o7 = _split_pair(p3, DTYPE)
+    even = tl.interleave(tl.interleave(o0, o4), tl.interleave(o2, o6))
+    odd = tl.interleave(tl.interleave(o1, o5), tl.interleave(o3, o7))
+    return tl.trans(tl.interleave(even, odd))
+
+
 @triton.jit
 def e4m3_bits_to_fp16(u):
     """uint8 e4m3 bit patterns -> fp16 value / 2^8, exactly (also for subnormals; multiply by

@@ -70,6 +70,7 @@ from tritonq.kernels.common import (
     int4_word_dequant,
     int8_word_dequant,
     int8_words_minus_zero,
+    code_pairs_lookup,
     next_pow2,
     split_k_arrivals,
     check_launch_config,
@@ -121,7 +122,7 @@ def _int4_gemm_kernel(
     HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, WORD_DEQUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     code_ptr, HAS_CODE: tl.constexpr, partials_ptr, arrivals_ptr, SILU_MUL: tl.constexpr,
-    x_perm_ptr, PERMUTE_X: tl.constexpr, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr,
+    x_perm_ptr, PERMUTE_X: tl.constexpr, CODE_PAIRS: tl.constexpr, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K).
 
@@ -155,7 +156,7 @@ def _int4_gemm_kernel(
         words = tl.load(qweight_ptr + offs_word[:, None] * N + offs_n[None, :],
                         mask=(offs_word < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
         q = words  # the word path reads the words themselves; else unpacked right after the load (unpack_int_tile)
-        if not WORD_DEQUANT:
+        if not (WORD_DEQUANT or CODE_PAIRS):
             q = unpack_int_tile(words, BITS)
         mask_kn = mask_k[:, None] & mask_n[None, :]
         if TILE_GROUPS:  # the whole K tile lies in group k0 // group_size
@@ -173,7 +174,9 @@ def _int4_gemm_kernel(
             z = s
             if HAS_ZEROS:
                 z = tl.load(zeros_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
-        if WORD_DEQUANT:  # codes from the packed words by bit tricks (common.int4_words_to_magic, int8_...)
+        if CODE_PAIRS:  # code table values by pairs of codes, the block absmax on the dot's fp32 result
+            acc += tl.dot(x, code_pairs_lookup(q, code_ptr, x.dtype)) * s
+        elif WORD_DEQUANT:  # codes from the packed words by bit tricks (common.int4_words_to_magic, int8_...)
             if BITS == 4:
                 t = int4_words_minus_zero(q, z, HAS_ZEROS, x.dtype)
             else:
@@ -408,21 +411,37 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arr
         block_k = max(math.gcd(block_k, w.group_size), 16)
     split_k = config.SPLIT_K
     out, partials, arrivals = gemm_output(M, N, config, x.dtype, x.device, arrivals, silu_mul)
+    tile_groups = w.g_idx is None and w.group_size % block_k == 0
+    # a code table by pairs, where the tile has one absmax row and fewer rows than BLOCK_K (decode), and the
+    # half-precision conditions of the word paths (sm_80+, fp16 under the interpreter) hold
+    code_pairs = (w.code is not None and tile_groups and config.BLOCK_M < block_k
+                  and int4_word_dequant(x, replace(w, code=None, scales=x), cc))
     args = dict(
         x_ptr=x, qweight_ptr=w.qweight, scales_ptr=w.scales, zeros_ptr=w.zeros if w.zeros is not None else w.scales,
         g_idx_ptr=w.g_idx if w.g_idx is not None else w.qweight, bias_ptr=w.bias if w.bias is not None else w.scales,
         out_ptr=out, M=M, N=N, K=K, group_size=w.group_size, stride_xm=x.stride(0), stride_xk=x.stride(1),
         BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
-        TILE_GROUPS=w.g_idx is None and w.group_size % block_k == 0, HAS_BIAS=w.bias is not None,
+        TILE_GROUPS=tile_groups, HAS_BIAS=w.bias is not None,
         UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=int4_word_dequant(x, w, cc) or int8_word_dequant(x, w, cc), BLOCK_M=config.BLOCK_M,
         BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
-        code_ptr=w.code if w.code is not None else w.scales, HAS_CODE=w.code is not None,
+        code_ptr=code_pair_table(w.code, x.dtype) if code_pairs else w.code if w.code is not None else w.scales,
+        HAS_CODE=w.code is not None, CODE_PAIRS=code_pairs,
         partials_ptr=partials, arrivals_ptr=arrivals, SILU_MUL=silu_mul,
         x_perm_ptr=x_perm if x_perm is not None else w.qweight, PERMUTE_X=x_perm is not None,
         # the residual + RMSNorm epilogue's tensors (Int4Gemm.add_rms_norm binds them); unused without ADD_NORM
         res_ptr=out, norm_w_ptr=out, h_ptr=out, sumsq_ptr=partials, row_arrivals_ptr=out, eps=0.0, ADD_NORM=False)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split_k)
     return Launch(_int4_gemm_kernel, grid, args, config.num_warps, config.num_stages), out
+
+
+def code_pair_table(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int32 [256]: entry b holds {code[b & 15], code[b >> 4]} in dtype, low half first (`common.code_pairs_lookup`)."""
+    if code.is_meta:
+        return torch.empty(256, dtype=torch.int32, device=code.device)
+    h = code.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    b = torch.arange(256, device=code.device)
+    pairs = h[b & 15] | h[b >> 4] << 16
+    return (pairs - (pairs >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
 
 
 def sort_act_order(w: Int4Weight) -> tuple[Int4Weight, torch.Tensor] | None:
