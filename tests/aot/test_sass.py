@@ -13,9 +13,11 @@ Triton's bundled ptxas) and its main loop
   * at most ALU_PER_WEIGHT arithmetic instructions per weight (one thread's loop body over the weights it
     dequantizes per iteration). The bounds are the figures measured with Triton 3.9 plus ~5% (a regression
     fails). Issue 50's target is ~2.5: the int4 AWQ / GPTQ loops reach it (common.int4_words_to_magic's PTX:
-    per two codes one prmt, one lop3 and one half2 subtraction, the scale on the dot's result); act-order
-    (a per-row scale gather), int8, nf4 and the fp8 / W8A8 decode loops do not yet (docs/gpu_kernels.md
-    has the before / after mix and what is left).
+    per two codes one prmt, one lop3 and one half2 subtraction, the scale on the dot's result), act-order
+    too (sorted by group once, x read through the permutation: int4_gemm.sort_act_order); 8-bit in fp16 is
+    below it (one prmt per two codes), in bf16 above (through fp32: a prmt and an FADD per code); nf4 looks its
+    codes up by pairs (common.code_pairs_lookup); the fp8 / W8A8 decode loops do not reach it yet
+    (docs/gpu_kernels.md has the before / after mix and what is left).
 The prefill launches (M = 256) of int4, int8, fp8-block and W8A8 must issue their tensor-core instruction in the
 main loop (sm_90: wgmma, HGMMA / QGMMA / IGMMA; sm_80: HMMA / IMMA), load their weight tiles by 16-byte cp.async
 over >= 3 pipeline stages and not spill.
@@ -51,10 +53,10 @@ GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": di
 # loop at decode (one launch instead of a quantization kernel first: 16 padded rows x BLOCK_K values per BLOCK_K x
 # BLOCK_N weights): 2.2 -> 8.9 and 0.8 -> 6.0 per weight.
 ALU_PER_WEIGHT = {
-    (80, "int4-awq"): 2.55, (80, "int4-gptq"): 2.45, (80, "int4-act-order"): 4.1, (80, "int8-gptq"): 6.0,
-    (80, "nf4"): 6.2, (80, "fp8-block"): 9.4, (80, "w8a8"): 6.6,
-    (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 4.3, (90, "int8-gptq"): 6.2,
-    (90, "nf4"): 6.3, (90, "fp8-block"): 9.8, (90, "w8a8"): 6.7,
+    (80, "int4-awq"): 2.55, (80, "int4-gptq"): 2.45, (80, "int4-act-order"): 2.75, (80, "int8-gptq"): 3.55,
+    (80, "nf4"): 2.9, (80, "fp8-block"): 9.4, (80, "w8a8"): 6.6,
+    (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 2.85, (90, "int8-gptq"): 3.55,
+    (90, "nf4"): 2.95, (90, "fp8-block"): 9.8, (90, "w8a8"): 6.7,
     (80, "moe-int4"): 4.0, (90, "moe-int4"): 4.0,
     # GGUF block formats (kernels/gguf_gemm.py): each weight formed in fp32 (the file's exact values), a scale and an
     # offset per weight, the 5th / 6th bits from a second plane

@@ -24,17 +24,19 @@ Two paths over the same kernel, chosen by M (`SPLIT_K_MAX_M`):
     to the weight at M <= 16.
   * M > 16: a tiled tensor-core GEMM, SPLIT_K = 1, written straight to y in x.dtype.
 
-Dequantization: 4-bit codes with scales in x's half dtype go from the packed words to half pairs by inline PTX
-(WORD_DEQUANT, `common.int4_words_minus_zero`, sm_80+), the scale on the dot's fp32 result where the tile has one
-scale row and fewer rows than BLOCK_K (decode); everything else through `unpack_int_tile` + `dequantize_int_tile`.
+Dequantization: 4- and 8-bit codes with scales in x's half dtype go from the packed words to half pairs by inline
+PTX (WORD_DEQUANT, `common.int4_words_minus_zero` / `int8_words_minus_zero`, sm_80+), the scale on the dot's fp32
+result where the tile has one scale row and fewer rows than BLOCK_K (decode); a code table's values come by pairs of
+codes from a 256-entry table (CODE_PAIRS, `common.code_pairs_lookup`, same conditions), the absmax on the dot's
+result; everything else through `unpack_int_tile` + `dequantize_int_tile` (a code table gathered per element from
+its 64 bytes, W = code[q] * absmax).
 
 Groups: when there is no g_idx and group_size is a multiple of BLOCK_K, every K tile lies in
-one group, so one [BLOCK_N] row of scales/zeros is loaded per tile (TILE_GROUPS). Otherwise
-(act-order g_idx, or a group size that BLOCK_K does not divide) scales/zeros are gathered per
-row as a [BLOCK_K, BLOCK_N] tile; these rows hit L1/L2 since G << K. A code table (HAS_CODE) is
-gathered per element from its 64 bytes, which stay in L1: W = code[q] * absmax. We gather rather than
-permute x by a sorted g_idx at run time: no extra kernel or activation copy per call, and the
-Int4Weight contract stays one layout.
+one group, so one [BLOCK_N] row of scales/zeros is loaded per tile (TILE_GROUPS). An act-order weight is
+sorted by group once per `Int4Gemm` (`sort_act_order`: a repacked copy of qweight, the Int4Weight itself
+unchanged) and the kernel reads x's columns through the permutation (PERMUTE_X), so its groups are plain ones.
+Otherwise (a g_idx whose groups do not sort into runs of group_size rows, or a group size that BLOCK_K does not
+divide) scales/zeros are gathered per row as a [BLOCK_K, BLOCK_N] tile; these rows hit L1/L2 since G << K.
 
 CPU (no interpreter): torch's int4 CPU kernel (4-bit, M <= 32; above, the weight unpacked per call to
 bf16 and a bf16 GEMM) or a once-dequantized fp32 weight (8-bit) over the weight prepared once per
@@ -211,8 +213,8 @@ def _int4_gemm_kernel(
 
 
 def default_config(M: int, N: int, K: int, act_order: bool = False, cc: int | None = None) -> Int4GemmConfig:
-    """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. act_order (a g_idx: scales and
-    zeros gathered per row, a tile of them in registers) and sm_75 (`cc`, None: sm_80+; dots on FMA) take half the
+    """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. act_order (a g_idx that
+    `sort_act_order` cannot sort: scales and zeros gathered per row, a tile of them in registers) and sm_75 (`cc`, None: sm_80+; dots on FMA) take half the
     decode tile, which spills otherwise."""
     small = act_order or (cc is not None and cc < 80)
     if M <= SPLIT_K_MAX_M:
