@@ -297,7 +297,8 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig | None = No
 class Int4Gemm(WeightGemm):
     """int4_gemm over one weight, checked once here (`_check_weight`; off CUDA also its g_idx values). Per
     (M bucket, x dtype) the config, grid and launch arguments are resolved once (`GemmPlan`); a call checks
-    x, picks the backend and runs one launch (the split-K sum and cast inside it, `common.reduce_split_k`).
+    x, picks the backend and runs one launch (the split-K sum and cast inside it, `common.reduce_split_k`). The Triton
+    path of an act-order weight runs its sorted copy (`sort_act_order`, made at the first plan: one device sync).
     silu_mul: w's rows are (gate, up) pairs and a call returns silu(gate) * up [M, N / 2], SwiGLU in the epilogue
     (`kernels.linear.prepare_gate_up`); the CPU and reference paths apply `common.silu_mul_pairs` after the GEMM."""
 
