@@ -564,19 +564,22 @@ def int4_word_dequant(x: torch.Tensor, w, cc: int | None = None) -> bool:
     plain-Triton unpack (`unpack_int_tile`, `dequantize_int_tile`). sm_75 keeps the plain path: its dots run on
     FMA, where the word path's tiles spill. cc: the target of meta tensors (AOT; None: sm_80+); CUDA tensors'
     own device decides."""
-    if x.is_cuda:
-        cc = compute_capability(x.device)
-    return (w.bits == 4 and w.code is None and w.scales.dtype == x.dtype and (cc is None or cc >= 80)
-            and x.dtype in ((torch.float16, torch.bfloat16) if on_gpu(x) else (torch.float16,)))
+    return w.bits == 4 and w.code is None and w.scales.dtype == x.dtype and half_bit_tricks(x, cc)
 
 
 def int8_word_dequant(x: torch.Tensor, w, cc: int | None = None) -> bool:
     """int4_gemm's WORD_DEQUANT flag for 8-bit codes (`int8_words_minus_zero`), under the conditions of
-    `int4_word_dequant` (scales in x's half dtype, sm_80+ or fp16 under the interpreter)."""
+    `int4_word_dequant`."""
+    return w.bits == 8 and w.code is None and w.scales.dtype == x.dtype and half_bit_tricks(x, cc)
+
+
+def half_bit_tricks(x: torch.Tensor, cc: int | None = None) -> bool:
+    """Whether the packed-word paths (inline PTX over half pairs) run for activations x: fp16 / bf16 on a GPU from
+    sm_80 (cc: the target of meta tensors, None: sm_80+; CUDA tensors' own device decides), fp16 only under the
+    interpreter (which misreads bitcast bf16)."""
     if x.is_cuda:
         cc = compute_capability(x.device)
-    return (w.bits == 8 and w.code is None and w.scales.dtype == x.dtype and (cc is None or cc >= 80)
-            and x.dtype in ((torch.float16, torch.bfloat16) if on_gpu(x) else (torch.float16,)))
+    return (cc is None or cc >= 80) and x.dtype in ((torch.float16, torch.bfloat16) if on_gpu(x) else (torch.float16,))
 
 
 def compute_capability(device: torch.device) -> int | None:

@@ -69,6 +69,7 @@ from tritonq.kernels.common import (
     Launch,
     arrival_counts,
     gemm_output,
+    half_bit_tricks,
     int4_word_dequant,
     int8_word_dequant,
     int8_words_minus_zero,
@@ -124,7 +125,8 @@ def _int4_gemm_kernel(
     HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, WORD_DEQUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     code_ptr, HAS_CODE: tl.constexpr, partials_ptr, arrivals_ptr, SILU_MUL: tl.constexpr,
-    x_perm_ptr, PERMUTE_X: tl.constexpr, CODE_PAIRS: tl.constexpr, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr,
+    x_perm_ptr, PERMUTE_X: tl.constexpr, CODE_PAIRS: tl.constexpr,
+    res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K).
 
@@ -214,8 +216,8 @@ def _int4_gemm_kernel(
 
 def default_config(M: int, N: int, K: int, act_order: bool = False, cc: int | None = None) -> Int4GemmConfig:
     """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. act_order (a g_idx that
-    `sort_act_order` cannot sort: scales and zeros gathered per row, a tile of them in registers) and sm_75 (`cc`, None: sm_80+; dots on FMA) take half the
-    decode tile, which spills otherwise."""
+    `sort_act_order` cannot sort: scales and zeros gathered per row, a tile of them in registers) and sm_75 (`cc`,
+    None: sm_80+; dots on FMA) take half the decode tile, which spills otherwise."""
     small = act_order or (cc is not None and cc < 80)
     if M <= SPLIT_K_MAX_M:
         block_n, block_k = (64 if small else 128), 128
@@ -415,18 +417,16 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arr
     split_k = config.SPLIT_K
     out, partials, arrivals = gemm_output(M, N, config, x.dtype, x.device, arrivals, silu_mul)
     tile_groups = w.g_idx is None and w.group_size % block_k == 0
-    # a code table by pairs, where the tile has one absmax row and fewer rows than BLOCK_K (decode), and the
-    # half-precision conditions of the word paths (sm_80+, fp16 under the interpreter) hold
-    code_pairs = (w.code is not None and tile_groups and config.BLOCK_M < block_k
-                  and int4_word_dequant(x, replace(w, code=None, scales=x), cc))
+    # a code table by pairs where the tile has one absmax row and fewer rows than BLOCK_K (decode)
+    code_pairs = w.code is not None and tile_groups and config.BLOCK_M < block_k and half_bit_tricks(x, cc)
     args = dict(
         x_ptr=x, qweight_ptr=w.qweight, scales_ptr=w.scales, zeros_ptr=w.zeros if w.zeros is not None else w.scales,
         g_idx_ptr=w.g_idx if w.g_idx is not None else w.qweight, bias_ptr=w.bias if w.bias is not None else w.scales,
         out_ptr=out, M=M, N=N, K=K, group_size=w.group_size, stride_xm=x.stride(0), stride_xk=x.stride(1),
         BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
         TILE_GROUPS=tile_groups, HAS_BIAS=w.bias is not None,
-        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=int4_word_dequant(x, w, cc) or int8_word_dequant(x, w, cc), BLOCK_M=config.BLOCK_M,
-        BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
+        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=int4_word_dequant(x, w, cc) or int8_word_dequant(x, w, cc),
+        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
         code_ptr=code_pair_table(w.code, x.dtype) if code_pairs else w.code if w.code is not None else w.scales,
         HAS_CODE=w.code is not None, CODE_PAIRS=code_pairs,
         partials_ptr=partials, arrivals_ptr=arrivals, SILU_MUL=silu_mul,
