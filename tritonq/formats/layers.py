@@ -29,10 +29,10 @@ class Linear(nn.Module):
             # straight into that layout; anything else (a weight built by hand, a table tied to the head that
             # the loader did not know about) is re-laid out here, once.
             weight = replace(weight, weight=weight.weight.t().contiguous().t())
-        self.weight = weight
-        self.out_features, self.in_features = weight.shape
         # Held here, not looked up per call (a compiled step cannot look them up in the kernels' weak dicts)
         self.prepared, self.run = prepared or kind.prepare(weight), kind.run
+        self.weight = self.prepared.weight  # the prepared form (an act-order int4 weight sorted once), held once
+        self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x, self.prepared)

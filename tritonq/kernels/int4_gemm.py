@@ -33,8 +33,8 @@ its 64 bytes, W = code[q] * absmax).
 
 Groups: when there is no g_idx and group_size is a multiple of BLOCK_K, every K tile lies in
 one group, so one [BLOCK_N] row of scales/zeros is loaded per tile (TILE_GROUPS). An act-order weight is
-sorted by group once per `Int4Gemm` (`sort_act_order`: a repacked copy of qweight, the Int4Weight itself
-unchanged) and the kernel reads x's columns through the permutation (PERMUTE_X), so its groups are plain ones.
+sorted by group once, when its `Int4Gemm` is made (`sort_act_order`: qweight repacked, the permutation in the
+weight's perm) and the kernel reads x's columns through it (PERMUTE_X), so its groups are plain ones.
 Otherwise (a g_idx whose groups do not sort into runs of group_size rows, or a group size that BLOCK_K does not
 divide) scales/zeros are gathered per row as a [BLOCK_K, BLOCK_N] tile; these rows hit L1/L2 since G << K.
 
@@ -270,6 +270,9 @@ def _check_weight(w: Int4Weight) -> tuple[int, int]:
     if w.g_idx is not None and (w.g_idx.dtype != torch.int32 or tuple(w.g_idx.shape) != (K,)):
         _fail("g_idx", f"{w.g_idx.dtype} of shape {tuple(w.g_idx.shape)}", f"int32 [{K}]",
               "g_idx holds the group of each input row")
+    if w.perm is not None and (w.perm.dtype != torch.int32 or tuple(w.perm.shape) != (K,) or w.g_idx is not None):
+        _fail("perm", f"{w.perm.dtype} of shape {tuple(w.perm.shape)} (g_idx set: {w.g_idx is not None})",
+              f"int32 [{K}] with no g_idx", "make it with sort_act_order")
     if w.code is not None and (w.code.dtype != torch.float32 or tuple(w.code.shape) != (16,) or w.bits != 4
                                or w.zeros is not None or w.g_idx is not None):
         _fail("code", f"{w.code.dtype} of shape {tuple(w.code.shape)} (bits={w.bits}, zeros/g_idx set: "
@@ -277,7 +280,7 @@ def _check_weight(w: Int4Weight) -> tuple[int, int]:
               "a code table indexes 4-bit codes times a block absmax (formats/bitsandbytes.py)")
     if w.bias is not None and tuple(w.bias.shape) != (N,):
         _fail("bias", f"of shape {tuple(w.bias.shape)}", f"[{N}]", "one bias per output")
-    for name in ("qweight", "scales", "zeros", "g_idx", "bias", "code"):  # the kernel indexes them densely
+    for name in ("qweight", "scales", "zeros", "g_idx", "bias", "code", "perm"):  # the kernel indexes them densely
         t = getattr(w, name)
         if t is not None and not t.is_contiguous():
             _fail(name, f"non-contiguous with strides {t.stride()}", "a contiguous tensor",
@@ -300,7 +303,8 @@ class Int4Gemm(WeightGemm):
     """int4_gemm over one weight, checked once here (`_check_weight`; off CUDA also its g_idx values). Per
     (M bucket, x dtype) the config, grid and launch arguments are resolved once (`GemmPlan`); a call checks
     x, picks the backend and runs one launch (the split-K sum and cast inside it, `common.reduce_split_k`). The Triton
-    path of an act-order weight runs its sorted copy (`sort_act_order`, made at the first plan: one device sync).
+    path of an act-order weight runs it sorted by group (`sort_act_order`, here: one device sync; the sorted weight
+    replaces the given one as `self.w`, which `kernels.linear` hands to the Linear, so the codes are held once).
     silu_mul: w's rows are (gate, up) pairs and a call returns silu(gate) * up [M, N / 2], SwiGLU in the epilogue
     (`kernels.linear.prepare_gate_up`); the CPU and reference paths apply `common.silu_mul_pairs` after the GEMM."""
 
@@ -311,18 +315,13 @@ class Int4Gemm(WeightGemm):
         self.silu_mul = silu_mul
         if not w.qweight.is_cuda:  # interpreter; CUDA relies on the load-time check in gptq_to_int4 (no sync)
             w.check_g_idx()
+        sorted_w = sort_act_order(w) if backend(w.qweight) == "triton" else None
+        if sorted_w is not None:  # held here too (WeightGemm holds weakly; nothing else holds it for a bare call)
+            w = self.sorted_w = sorted_w
         super().__init__(w)
         self.device, self.plans = w.qweight.device, {}
         # the CPU backend's form of the weight, made once here (a compiled step reads it as an attribute)
         self.cpu = cpu_lowbit.prepare(w) if backend(w.qweight) == "cpu" else None
-        self.sorted: tuple[Int4Weight, torch.Tensor | None] | None = None  # the kernel's form, `_kernel_weight`
-
-    def _kernel_weight(self) -> tuple[Int4Weight, torch.Tensor | None]:
-        """(the weight the Triton kernel reads, the x permutation or None), made at the first Triton plan: an
-        act-order weight sorted by group (`sort_act_order`; a copy of qweight), any other weight as it is."""
-        if self.sorted is None:
-            self.sorted = sort_act_order(self.w) or (self.w, None)
-        return self.sorted
 
     def __call__(self, x: torch.Tensor, config: Int4GemmConfig | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype not in _X_DTYPES:
@@ -338,9 +337,9 @@ class Int4Gemm(WeightGemm):
                 y = int4_gemm_reference(x, self.w)
             return silu_mul_pairs(y) if self.silu_mul else y
         M = x.shape[0]
-        w, x_perm = self._kernel_weight()
+        w = self.w
         if config is not None:
-            plan = _plan(x, w, x_perm, config, M, self.silu_mul)
+            plan = _plan(x, w, config, M, self.silu_mul)
         else:
             key = (next_pow2(M), x.dtype, batch_invariant())
             plan = self.plans.get(key)
@@ -349,7 +348,7 @@ class Int4Gemm(WeightGemm):
                 config = tuned_or_default("int4_gemm", config_bucket(rows, self.N, self.K, w),
                                           default_config(rows, self.N, self.K, w.g_idx is not None,
                                                          compute_capability(self.device)))
-                plan = self.plans[key] = _plan(x, w, x_perm, config, key[0], self.silu_mul)
+                plan = self.plans[key] = _plan(x, w, config, key[0], self.silu_mul)
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
@@ -366,11 +365,11 @@ class Int4Gemm(WeightGemm):
         key = (next_pow2(M), x.dtype, "add_rms_norm")
         plan = self.plans.get(key)
         if plan is None:
-            w, x_perm = self._kernel_weight()
+            w = self.w
             config = tuned_or_default("int4_gemm", config_bucket(M, self.N, self.K, w),
                                       default_config(M, self.N, self.K, w.g_idx is not None,
                                                      compute_capability(self.device)))
-            plan = self.plans[key] = _plan(x, w, x_perm, config, key[0], False, add_norm=(norm_weight, eps))
+            plan = self.plans[key] = _plan(x, w, config, key[0], False, add_norm=(norm_weight, eps))
         h = torch.empty_like(residual)
         sumsq = torch.empty(plan.tiles_n, M, dtype=torch.float32, device=x.device)
         y = plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1),
@@ -382,15 +381,14 @@ _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Int4Weight -> its Int4Gemm (int4_gemm without a Linear)
 
 
-def _plan(x: torch.Tensor, w: Int4Weight, x_perm: torch.Tensor | None, config: Int4GemmConfig, max_m: int,
+def _plan(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, max_m: int,
           silu_mul: bool, add_norm: tuple[torch.Tensor, float] | None = None) -> GemmPlan:
-    """The GemmPlan of `int4_gemm_launch` for activations like x, at most max_m rows (w, x_perm: `_kernel_weight`);
+    """The GemmPlan of `int4_gemm_launch` for activations like x, at most max_m rows;
     add_norm: (the norm's weight, eps) of the residual + RMSNorm epilogue, whose residual, h and row sums are bound
     per call."""
     check_launch_config("int4_gemm", config, Int4GemmConfig)
     N = w.shape[0]
-    launch = int4_gemm_launch(x, w, config, split_k_arrivals(max_m, N, config, x.device), silu_mul,
-                              x_perm=x_perm)[0]
+    launch = int4_gemm_launch(x, w, config, split_k_arrivals(max_m, N, config, x.device), silu_mul)[0]
     per_call = ("x_ptr", "stride_xm", "stride_xk")
     if add_norm is not None:
         launch.args.update(norm_w_ptr=add_norm[0], eps=add_norm[1], ADD_NORM=True,
@@ -401,14 +399,13 @@ def _plan(x: torch.Tensor, w: Int4Weight, x_perm: torch.Tensor | None, config: I
 
 
 def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arrivals: torch.Tensor | None = None,
-                     silu_mul: bool = False, cc: int | None = None, x_perm: torch.Tensor | None = None
-                     ) -> tuple[Launch, torch.Tensor]:
+                     silu_mul: bool = False, cc: int | None = None) -> tuple[Launch, torch.Tensor]:
     """The launch of _int4_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and its
     output y [M, N] in x.dtype (silu_mul: [M, N / 2], SwiGLU of the column pairs in the epilogue). With SPLIT_K > 1
     it takes the fp32 [SPLIT_K, M, N] partials buffer and
     `arrivals`, the zeroed int32 count per output tile that the slices share (made here when None). Over
     meta tensors it is what tune --aot and tests/aot/test_fit.py compile, for sm_`cc` (`common.int4_word_dequant`).
-    x_perm: int32 [K], x's columns in the order of w's rows (an act-order weight sorted by `sort_act_order`)."""
+    A weight with perm (`sort_act_order`) has x's columns read through it."""
     (M, K), N = x.shape, w.shape[0]
     block_k = config.BLOCK_K
     if w.g_idx is None and w.group_size % block_k:
@@ -430,7 +427,7 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arr
         code_ptr=code_pair_table(w.code, x.dtype) if code_pairs else w.code if w.code is not None else w.scales,
         HAS_CODE=w.code is not None, CODE_PAIRS=code_pairs,
         partials_ptr=partials, arrivals_ptr=arrivals, SILU_MUL=silu_mul,
-        x_perm_ptr=x_perm if x_perm is not None else w.qweight, PERMUTE_X=x_perm is not None,
+        x_perm_ptr=w.perm if w.perm is not None else w.qweight, PERMUTE_X=w.perm is not None,
         # the residual + RMSNorm epilogue's tensors (Int4Gemm.add_rms_norm binds them); unused without ADD_NORM
         res_ptr=out, norm_w_ptr=out, h_ptr=out, sumsq_ptr=partials, row_arrivals_ptr=out, eps=0.0, ADD_NORM=False)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split_k)
@@ -447,8 +444,8 @@ def code_pair_table(code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (pairs - (pairs >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
 
 
-def sort_act_order(w: Int4Weight) -> tuple[Int4Weight, torch.Tensor] | None:
-    """An act-order weight (g_idx) with its K rows sorted by group, and the permutation perm (int32 [K]): row j of
+def sort_act_order(w: Int4Weight) -> Int4Weight | None:
+    """An act-order weight (g_idx) with its K rows sorted by group, the permutation in its perm (int32 [K]): row j of
     the sorted weight is row perm[j] of w, so x[:, perm] @ sorted^T has the products of x @ w^T (summed in another
     order). Groups become contiguous runs of group_size rows as in plain GPTQ, so the kernel loads one scale row per
     K tile instead of gathering them per row. None without a g_idx, or where the sorted groups are not such runs.
@@ -457,7 +454,7 @@ def sort_act_order(w: Int4Weight) -> tuple[Int4Weight, torch.Tensor] | None:
         return None
     K, device = w.shape[1], w.qweight.device
     if w.g_idx.is_meta:  # a dry run (meta tensors: shapes, no values) takes the sorted form
-        return replace(w, qweight=torch.empty_like(w.qweight), g_idx=None), torch.empty_like(w.g_idx)
+        return replace(w, qweight=torch.empty_like(w.qweight), g_idx=None, perm=torch.empty_like(w.g_idx))
     perm = torch.argsort(w.g_idx, stable=True)
     if not torch.equal(w.g_idx[perm].long(), torch.arange(K, device=device) // w.group_size):
         return None
@@ -465,7 +462,7 @@ def sort_act_order(w: Int4Weight) -> tuple[Int4Weight, torch.Tensor] | None:
     for n0 in range(0, w.shape[0], SORT_COLUMNS):
         block = w.qweight[:, n0:n0 + SORT_COLUMNS]
         qweight[:, n0:n0 + SORT_COLUMNS] = pack_int32(unpack_int32(block, w.bits, dim=0)[perm], w.bits, dim=0)
-    return replace(w, qweight=qweight, g_idx=None), perm.to(torch.int32)
+    return replace(w, qweight=qweight, g_idx=None, perm=perm.to(torch.int32))
 
 
 SORT_COLUMNS = 1024  # columns per block of sort_act_order's repacking
@@ -515,6 +512,6 @@ def aot_launch(config: Int4GemmConfig, M: int, N: int, K: int, dtype: torch.dtyp
                    zeros=torch.empty_like(scales) if zeros and not code else None,
                    g_idx=torch.empty(K, dtype=torch.int32, device=meta) if act_order == "gather" else None,
                    group_size=group_size, bits=bits,
-                   code=torch.empty(16, dtype=torch.float32, device=meta) if code else None)
-    x_perm = torch.empty(K, dtype=torch.int32, device=meta) if act_order is True else None
-    return int4_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config, cc=cc, x_perm=x_perm)[0]
+                   code=torch.empty(16, dtype=torch.float32, device=meta) if code else None,
+                   perm=torch.empty(K, dtype=torch.int32, device=meta) if act_order is True else None)
+    return int4_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config, cc=cc)[0]

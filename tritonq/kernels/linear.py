@@ -57,7 +57,8 @@ def _dense(x: torch.Tensor, p: Prepared) -> torch.Tensor:
 
 
 def _prepare_int4(w: Int4Weight) -> Prepared:
-    return Prepared(w, Int4Gemm(w), None)  # Int4Gemm holds the CPU form (the weight repacked once): one CPU route
+    gemm = Int4Gemm(w)  # it holds the CPU form (the weight repacked once): one CPU route
+    return Prepared(gemm.w, gemm, None)  # its weight: an act-order one sorted for the kernel, held once
 
 
 def _int4(x: torch.Tensor, p: Prepared) -> torch.Tensor:
@@ -123,7 +124,8 @@ def prepare_gate_up(w: Weight) -> Prepared | None:
     inter = w.shape[0] // 2
     pairs = torch.stack([torch.arange(inter), torch.arange(inter, 2 * inter)], dim=1).flatten()
     w = w.take_outputs(pairs)  # rows gate 0, up 0, gate 1, up 1, ...
-    return Prepared(w, gemm(w, silu_mul=True), None)
+    gated = gemm(w, silu_mul=True)
+    return Prepared(gated.w, gated, None)  # the GEMM's weight (int4: sorted where act-order)
 
 
 def kind_of(w: Weight) -> LinearKind:

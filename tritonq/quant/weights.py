@@ -119,7 +119,11 @@ class Int4Weight(_TypedWeight):
     group_size: rows per group (K for per-channel quantization).
     code    fp32 [16] or None. With it (bitsandbytes nf4 / fp4: bits 4, zeros and g_idx None) a 4-bit q is
             an index into this code table, not an integer level, and scales are the blocks' absmax.
-    Dequant: W[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n];  with code: code[q[k, n]] * scales[g(k), n].
+    perm    int32 [K] or None: the rows are stored in another order than x's columns, stored row j being x's
+            column perm[j] (an act-order weight sorted by group for the GPU kernel, `kernels.int4_gemm.sort_act_order`:
+            g_idx None, its groups plain runs). y = x[:, perm] @ W_stored^T.
+    Dequant: W[n, k] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n];  with code: code[q[k, n]] * scales[g(k), n]
+    (columns put back in x's order where perm is set).
     """
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -129,6 +133,7 @@ class Int4Weight(_TypedWeight):
     bits: int = 4
     bias: torch.Tensor | None = None
     code: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
     output_dims = {"qweight": 1, "scales": 1, "zeros": 1, "bias": 0, "values_rank": 2}  # each field's N dim
 
     @property
@@ -156,10 +161,13 @@ class Int4Weight(_TypedWeight):
         q = unpack_int32(self.qweight, self.bits, dim=0)  # [K, N]
         g = self.g_idx.long() if self.g_idx is not None else torch.arange(K, device=q.device) // self.group_size
         if self.code is not None:
-            return (self.code.float()[q.long()] * self.scales.float()[g]).t().to(dtype or self.scales.dtype)
-        q = q.float()
-        zeros = self.zeros.float()[g] if self.zeros is not None else 2.0 ** (self.bits - 1)
-        return ((q - zeros) * self.scales.float()[g]).t().to(dtype or self.scales.dtype)
+            w = self.code.float()[q.long()] * self.scales.float()[g]
+        else:
+            zeros = self.zeros.float()[g] if self.zeros is not None else 2.0 ** (self.bits - 1)
+            w = (q.float() - zeros) * self.scales.float()[g]
+        if self.perm is not None:  # stored row j is column perm[j]
+            w = torch.empty_like(w).index_copy_(0, self.perm.long(), w)
+        return w.t().to(dtype or self.scales.dtype)
 
     def scales_constant_over(self, block_k: int) -> bool:
         """True if each aligned run of block_k input rows lies in one group."""
