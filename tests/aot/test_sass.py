@@ -2,7 +2,7 @@
 
 Each weight type's M = 1 launch (the launcher's own builder over meta tensors, default config; a 4096 x 4096
 layer), GGUF's Q4_K / Q5_K / Q6_K / IQ4_XS GEMM's, and the fused MoE's int4 gate/up GEMM at its smallest tile (the same
-dequantization helper; DeepSeek-V2-Lite's experts), is compiled ahead of time for sm_80 and sm_90 (kernels/aot.py,
+dequantization helper; DeepSeek-V2-Lite's experts) and its MXFP4 one (gpt-oss-20b's experts), is compiled ahead of time for sm_80 and sm_90 (kernels/aot.py,
 Triton's bundled ptxas) and its main loop
 (the longest backward branch of the SASS, Triton's bundled cuobjdump) must show:
   * no int-to-float conversion (I2F*): the codes become floats by magic numbers (common.dequantize_int_tile).
@@ -40,7 +40,8 @@ except ImportError:  # run as a script by the child itself
 
 N = K = 4096
 MOE_PROBLEM = (512, 64, 6, 2048, 1408, 0)  # tokens, experts, top-k, D, I, gate/up (tests/aot/test_fit.py's)
-CODE_BYTES = {"moe-int4": 0.5, "int4-awq": 0.5, "int4-gptq": 0.5, "int4-act-order": 0.5, "nf4": 0.5, "int8-gptq": 1,
+GPT_OSS_MOE_PROBLEM = (512, 32, 4, 2880, 2880, 0)  # gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU)
+CODE_BYTES = {"moe-int4": 0.5, "moe-mxfp4": 0.5, "int4-awq": 0.5, "int4-gptq": 0.5, "int4-act-order": 0.5, "nf4": 0.5, "int8-gptq": 1,
               "fp8-block": 1, "w8a8": 1, "gguf-q4_k": 0.5, "gguf-q5_k": 0.625, "gguf-q6_k": 0.75, "gguf-iq4_xs": 0.5}
 GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": dict(bits=5, group=32, offsets=True),
               "gguf-q6_k": dict(bits=6, group=16, offsets=False),
@@ -56,12 +57,15 @@ ALU_PER_WEIGHT = {
     (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 4.3, (90, "int8-gptq"): 6.2,
     (90, "nf4"): 6.3, (90, "fp8-block"): 9.8, (90, "w8a8"): 6.7,
     (80, "moe-int4"): 4.0, (90, "moe-int4"): 4.0,
+    # MXFP4 experts in bf16 (common.mxfp4_words_to_bf16: prmt byte lookups, two packed bf16 multiplies per two codes;
+    # 12.0 per weight on sm_90 before, with integer decode and fp32 scaling)
+    (80, "moe-mxfp4"): 5.5, (90, "moe-mxfp4"): 5.4,
     # GGUF block formats (kernels/gguf_gemm.py): each weight formed in fp32 (the file's exact values), a scale and an
     # offset per weight, the 5th / 6th bits from a second plane
     (80, "gguf-q4_k"): 7.7, (90, "gguf-q4_k"): 6.9, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,
     (80, "gguf-q6_k"): 11.1, (90, "gguf-q6_k"): 11.2, (80, "gguf-iq4_xs"): 6.8, (90, "gguf-iq4_xs"): 6.8,
 }
-CASES = [(cc, "bfloat16", kind) for cc in (80, 90) for kind in (*WEIGHT_TYPES, "moe-int4", *GGUF_KINDS)] + [
+CASES = [(cc, "bfloat16", kind) for cc in (80, 90) for kind in (*WEIGHT_TYPES, "moe-int4", "moe-mxfp4", *GGUF_KINDS)] + [
     (cc, "float16", kind) for cc in (80, 90) for kind in ("int4-awq", "int8-gptq")]
 
 
@@ -74,6 +78,10 @@ def _mix(case) -> dict:
     cc, dtype, kind = case
     if kind == "moe-int4":  # gate/up: two weight tiles per iteration
         launch = moe.aot_launch(moe.DEFAULT_CONFIGS[0][1], MOE_PROBLEM, "int4", dtype=getattr(torch, dtype))
+        per_thread = 2 * weights_per_iteration(launch) / (32 * launch.num_warps)
+    elif kind == "moe-mxfp4":  # gpt-oss's gate/up: two weight tiles per iteration
+        launch = moe.aot_launch(moe.DEFAULT_CONFIGS[0][1], GPT_OSS_MOE_PROBLEM, "mxfp4", dtype=getattr(torch, dtype),
+                                gpt_oss=True, cc=cc)
         per_thread = 2 * weights_per_iteration(launch) / (32 * launch.num_warps)
     elif kind in GGUF_KINDS:
         launch = gguf_gemm.aot_launch(gguf_gemm.default_config(1, N, K), 1, N, K, dtype=getattr(torch, dtype),

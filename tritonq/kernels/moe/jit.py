@@ -8,7 +8,6 @@ multiplied in).
 MXFP4 experts: in bf16 (WORD_DEQUANT) 8 codes a 32-bit word become bf16 weights times their scale by inline PTX
 (`common.mxfp4_words_to_bf16`); otherwise (fp16, sm_75) the codes are decoded with integer ops
 (`e2m1_bits_to_fp16`) and scaled in fp32 per 32 along K. The dot runs in the activations' dtype, as for int4.
-Int4 experts by the word path whose K tile lies in one group multiply the scale on the dot's fp32 result.
 FP8 experts, W8A8 (A_FP8): e4m3 x e4m3 dots in fp32, scales applied after each K tile (block) or once (per
 token x per channel); weight-only otherwise (codes dequantized to the activations' dtype in the tile load).
 """
@@ -37,14 +36,11 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
                       group_size, KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       HAS_G_IDX: tl.constexpr, TILE_SCALE_ROW: tl.constexpr, SCALE_BN: tl.constexpr,
                       SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr, COMPUTE: tl.constexpr,
-                      FP8_CODES: tl.constexpr = False, WORD_DEQUANT: tl.constexpr = False,
-                      SCALE_ON_DOT: tl.constexpr = False):
-    """(w, dot_scale): the [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K,
-    N), and 1.0, or with SCALE_ON_DOT (int4 words, one row of scales) the unscaled q - zero and the fp32 scale row
-    [1, BLOCK_N] that multiplies the dot's result. WORD_DEQUANT: 4-bit int codes by `common.int4_words_minus_zero`
-    (`common.int4_word_dequant` says when), MXFP4 by `common.mxfp4_words_to_bf16` (`common.mxfp4_word_decode`).
+                      FP8_CODES: tl.constexpr = False, WORD_DEQUANT: tl.constexpr = False):
+    """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N).
+    WORD_DEQUANT: 4-bit int codes by `common.int4_words_minus_zero` (`common.int4_word_dequant` says when), MXFP4
+    codes by `common.mxfp4_words_to_bf16` (`common.mxfp4_word_decode`).
     FP8_CODES (W8A8 fp8 experts): the e4m3 codes themselves, unscaled (the kernel applies `_fp8_scale_row`)."""
-    dot_scale = 1.0
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     if KIND == 0:  # dense [E, N, K]
@@ -75,11 +71,7 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         if HAS_ZEROS:
             zero = tl.load(zero_ptr + s_off, mask=s_mask, other=0.0)
         if WORD_DEQUANT:  # 4-bit codes from the packed words by bit tricks (common.int4_words_to_magic)
-            t = int4_words_minus_zero(q, zero, HAS_ZEROS, COMPUTE)
-            if SCALE_ON_DOT:
-                w, dot_scale = t, scale.to(tl.float32)
-            else:
-                w = (t * scale).to(COMPUTE)
+            w = (int4_words_minus_zero(q, zero, HAS_ZEROS, COMPUTE) * scale).to(COMPUTE)
         else:
             w = dequantize_int_tile(q, scale, zero, BITS, HAS_ZEROS, COMPUTE)
     elif KIND == 3 and WORD_DEQUANT:  # mxfp4 as int32 words [E, N, K/8] (stride_wk = 1), 8 codes each, in bf16
@@ -88,8 +80,8 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
         # rows of K / 8 words (K % 32 == 0) and tiles at multiples of 32 codes: 16-byte aligned, for wide loads
         rows = w_ptr + tl.multiple_of(expert.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn, 4)
         offs_word = tl.multiple_of(tl.min(offs_k, axis=0) // 8, 4) + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(rows[None, :] + offs_word[:, None],
-                        mask=(offs_word[:, None] < K // 8) & (offs_n[None, :] < N), other=0)
+        words = tl.load(rows[None, :] + offs_word[:, None],  # masked by group: constant over 16 bytes
+                        mask=(offs_word[:, None] // 4 < K // 32) & (offs_n[None, :] < N), other=0)
         offs_group = tl.min(offs_k, axis=0) // 32 + tl.arange(0, GROUPS)
         scale_bits = tl.load(scale_ptr + expert.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn
                              + offs_group[:, None] * stride_sk,
@@ -133,7 +125,7 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
                      + (offs_k[:, None] // SCALE_BK) * stride_sk)
             scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
         w = (w.to(tl.float32) * scale).to(COMPUTE)
-    return w, dot_scale
+    return w
 
 
 @triton.jit
@@ -185,11 +177,8 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
     BLOCK_K divides SCALE_BK = A_GROUP) scale each K tile's partial sum by a_scale * w_scale; per-tensor /
     per-channel weights scale the accumulators once, after the K loop. ONE_W_SCALE: every N tile (the up
     half's too) lies inside one weight scale block (`_fp8_scale_row`).
-    WORD_DEQUANT: int4 / MXFP4 codes decoded from 32-bit words (`_load_weight_tile`); int4 tiles in one group
-    (TILE_SCALE_ROW) then multiply the scale on the dot's fp32 result when that is fewer multiplies (BLOCK_M rows
-    of outputs against BLOCK_K rows of weights), as int4_gemm.
+    WORD_DEQUANT: int4 / MXFP4 codes decoded from 32-bit words (`_load_weight_tile`).
     """
-    SCALE_ON_DOT: tl.constexpr = KIND == 1 and WORD_DEQUANT and TILE_SCALE_ROW and BLOCK_M < BLOCK_K
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
@@ -207,33 +196,28 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
                     mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-        w, w_dot_scale = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
-                                           stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                                           group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW, SCALE_BN,
-                                           SCALE_BK, FP8_AS_BITS, COMPUTE, A_FP8, WORD_DEQUANT, SCALE_ON_DOT)
+        w = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
+                              stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
+                              KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW, SCALE_BN, SCALE_BK, FP8_AS_BITS,
+                              COMPUTE, A_FP8, WORD_DEQUANT)
         if A_FP8 and SCALE_PER_TILE:  # block scales: this K tile's partial sum, scaled by a_scale * w_scale
             a_scale = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // A_GROUP) * stride_asg, mask=row_ok,
                               other=0.0)
             w_scale = _fp8_scale_row(scale_ptr, expert, k0, pid_n * BLOCK_N, N, stride_se, stride_sn, stride_sk,
                                      SCALE_BN, SCALE_BK, BLOCK_N, ONE_W_SCALE)
             acc += tl.dot(a, w) * (a_scale[:, None] * w_scale)
-        elif SCALE_ON_DOT:
-            acc += tl.dot(a, w) * w_dot_scale
         else:
             acc = _dot(a, w, acc, UPCAST_DOT)
         if GATE_UP:
-            w_up, up_dot_scale = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k,
-                                                   offs_n + up_offset, K, N + up_offset,
-                                                   stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                                                   group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW,
-                                                   SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE, A_FP8, WORD_DEQUANT,
-                                                   SCALE_ON_DOT)
+            w_up = _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k,
+                                     offs_n + up_offset, K, N + up_offset,
+                                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                                     group_size, KIND, BITS, HAS_ZEROS, HAS_G_IDX, TILE_SCALE_ROW,
+                                     SCALE_BN, SCALE_BK, FP8_AS_BITS, COMPUTE, A_FP8, WORD_DEQUANT)
             if A_FP8 and SCALE_PER_TILE:
                 w_scale_up = _fp8_scale_row(scale_ptr, expert, k0, pid_n * BLOCK_N + up_offset, N + up_offset,
                                             stride_se, stride_sn, stride_sk, SCALE_BN, SCALE_BK, BLOCK_N, ONE_W_SCALE)
                 acc_up += tl.dot(a, w_up) * (a_scale[:, None] * w_scale_up)
-            elif SCALE_ON_DOT:
-                acc_up += tl.dot(a, w_up) * up_dot_scale
             else:
                 acc_up = _dot(a, w_up, acc_up, UPCAST_DOT)
     if A_FP8 and not SCALE_PER_TILE:  # per-token (or static) and per-tensor / per-channel scales: constant along K
