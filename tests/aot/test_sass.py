@@ -56,10 +56,10 @@ ALU_PER_WEIGHT = {
     (80, "nf4"): 6.2, (80, "fp8-block"): 9.4, (80, "w8a8"): 6.6,
     (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 4.3, (90, "int8-gptq"): 6.2,
     (90, "nf4"): 6.3, (90, "fp8-block"): 9.8, (90, "w8a8"): 6.7,
-    (80, "moe-int4"): 4.0, (90, "moe-int4"): 4.0,
-    # MXFP4 experts in bf16 (common.mxfp4_words_to_bf16: prmt byte lookups, two packed bf16 multiplies per two codes;
-    # 12.0 per weight on sm_90 before, with integer decode and fp32 scaling)
-    (80, "moe-mxfp4"): 5.5, (90, "moe-mxfp4"): 5.4,
+    # the MoE's gate/up tile loads: int4 3.8 before its group size became a constexpr (divisions by shifts); MXFP4 in
+    # bf16 (common.mxfp4_words_to_bf16: prmt byte lookups, two packed bf16 multiplies per two codes) 12.0 before,
+    # with integer decode and fp32 scaling
+    (80, "moe-int4"): 3.65, (90, "moe-int4"): 3.65, (80, "moe-mxfp4"): 5.55, (90, "moe-mxfp4"): 5.45,
     # GGUF block formats (kernels/gguf_gemm.py): each weight formed in fp32 (the file's exact values), a scale and an
     # offset per weight, the 5th / 6th bits from a second plane
     (80, "gguf-q4_k"): 7.7, (90, "gguf-q4_k"): 6.9, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,

@@ -33,11 +33,12 @@ DENSE, INT4, FP8, MXFP4 = 0, 1, 2, 3  # the kernel's KIND: how the weight tile i
 @triton.jit
 def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
                       stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                      group_size, KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      group_size: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       HAS_G_IDX: tl.constexpr, TILE_SCALE_ROW: tl.constexpr, SCALE_BN: tl.constexpr,
                       SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr, COMPUTE: tl.constexpr,
                       FP8_CODES: tl.constexpr = False, WORD_DEQUANT: tl.constexpr = False):
-    """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N).
+    """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N). group_size is
+    a constexpr: its divisions are shifts.
     WORD_DEQUANT: 4-bit int codes by `common.int4_words_minus_zero` (`common.int4_word_dequant` says when), MXFP4
     codes by `common.mxfp4_words_to_bf16` (`common.mxfp4_word_decode`).
     FP8_CODES (W8A8 fp8 experts): the e4m3 codes themselves, unscaled (the kernel applies `_fp8_scale_row`)."""
@@ -156,7 +157,7 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      sorted_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                      num_valid, N, K, up_offset, a_row_divisor,
                      stride_am, stride_om,
-                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
+                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size: tl.constexpr,
                      GATE_UP: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                      HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, TILE_SCALE_ROW: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr,
