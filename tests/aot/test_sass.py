@@ -2,12 +2,11 @@
 
 Each weight type's M = 1 launch (the launcher's own builder over meta tensors, default config; a 4096 x 4096
 layer), GGUF's Q4_K / Q5_K / Q6_K / IQ4_XS GEMM's, and the fused MoE's int4 gate/up GEMM at its smallest tile (the same
-dequantization helper; DeepSeek-V2-Lite's experts), is compiled ahead of time for sm_80 and sm_90 (kernels/aot.py,
-Triton's bundled ptxas) and its main loop
-(the longest backward branch of the SASS, Triton's bundled cuobjdump) must show:
+dequantization helper; DeepSeek-V2-Lite's experts) and its MXFP4 one (gpt-oss-20b's experts), is compiled
+ahead of time for sm_80 and sm_90 (kernels/aot.py, Triton's bundled ptxas) and its main loop (the longest backward
+branch of the SASS, Triton's bundled cuobjdump) must show:
   * no int-to-float conversion (I2F*): the codes become floats by magic numbers (common.dequantize_int_tile).
-    I2F.RP is not one: it seeds the reciprocal of an integer division (the MoE tile's group index, k0 //
-    group_size with a run-time group size: one per iteration on sm_80);
+    I2F.RP is not one: it seeds the reciprocal of an integer division by a run-time divisor;
   * the weight codes in 16-byte loads (LDG.E.128 / cp.async LDGSTS.*.128): enough of them for the tile;
   * no local memory anywhere in the kernel (LDL / STL: spills);
   * at most ALU_PER_WEIGHT arithmetic instructions per weight (one thread's loop body over the weights it
@@ -42,7 +41,9 @@ except ImportError:  # run as a script by the child itself
 
 N = K = 4096
 MOE_PROBLEM = (512, 64, 6, 2048, 1408, 0)  # tokens, experts, top-k, D, I, gate/up (tests/aot/test_fit.py's)
-CODE_BYTES = {"moe-int4": 0.5, "int4-awq": 0.5, "int4-gptq": 0.5, "int4-act-order": 0.5, "nf4": 0.5, "int8-gptq": 1,
+GPT_OSS_MOE_PROBLEM = (512, 32, 4, 2880, 2880, 0)  # gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU)
+CODE_BYTES = {"moe-int4": 0.5, "moe-mxfp4": 0.5,
+              "int4-awq": 0.5, "int4-gptq": 0.5, "int4-act-order": 0.5, "nf4": 0.5, "int8-gptq": 1,
               "fp8-block": 1, "w8a8": 1, "gguf-q4_k": 0.5, "gguf-q5_k": 0.625, "gguf-q6_k": 0.75, "gguf-iq4_xs": 0.5}
 GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": dict(bits=5, group=32, offsets=True),
               "gguf-q6_k": dict(bits=6, group=16, offsets=False),
@@ -57,13 +58,17 @@ ALU_PER_WEIGHT = {
     (80, "nf4"): 2.9, (80, "fp8-block"): 9.4, (80, "w8a8"): 6.6,
     (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 2.85, (90, "int8-gptq"): 3.55,
     (90, "nf4"): 2.95, (90, "fp8-block"): 9.8, (90, "w8a8"): 6.7,
-    (80, "moe-int4"): 4.0, (90, "moe-int4"): 4.0,
+    # the MoE's gate/up tile loads: int4 3.8 before its group size became a constexpr (divisions by shifts); MXFP4 in
+    # bf16 (common.mxfp4_words_to_bf16: prmt byte lookups, two packed bf16 multiplies per two codes) 12.0 before,
+    # with integer decode and fp32 scaling
+    (80, "moe-int4"): 3.65, (90, "moe-int4"): 3.65, (80, "moe-mxfp4"): 5.55, (90, "moe-mxfp4"): 5.45,
     # GGUF block formats (kernels/gguf_gemm.py): each weight formed in fp32 (the file's exact values), a scale and an
     # offset per weight, the 5th / 6th bits from a second plane
     (80, "gguf-q4_k"): 7.7, (90, "gguf-q4_k"): 6.9, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,
     (80, "gguf-q6_k"): 11.1, (90, "gguf-q6_k"): 11.2, (80, "gguf-iq4_xs"): 6.8, (90, "gguf-iq4_xs"): 6.8,
 }
-CASES = [(cc, "bfloat16", kind) for cc in (80, 90) for kind in (*WEIGHT_TYPES, "moe-int4", *GGUF_KINDS)] + [
+CASES = [(cc, "bfloat16", kind) for cc in (80, 90)
+         for kind in (*WEIGHT_TYPES, "moe-int4", "moe-mxfp4", *GGUF_KINDS)] + [
     (cc, "float16", kind) for cc in (80, 90) for kind in ("int4-awq", "int8-gptq")]
 
 
@@ -76,6 +81,10 @@ def _mix(case) -> dict:
     cc, dtype, kind = case
     if kind == "moe-int4":  # gate/up: two weight tiles per iteration
         launch = moe.aot_launch(moe.DEFAULT_CONFIGS[0][1], MOE_PROBLEM, "int4", dtype=getattr(torch, dtype))
+        per_thread = 2 * weights_per_iteration(launch) / (32 * launch.num_warps)
+    elif kind == "moe-mxfp4":  # gpt-oss's gate/up: two weight tiles per iteration
+        launch = moe.aot_launch(moe.DEFAULT_CONFIGS[0][1], GPT_OSS_MOE_PROBLEM, "mxfp4", dtype=getattr(torch, dtype),
+                                gpt_oss=True, cc=cc)
         per_thread = 2 * weights_per_iteration(launch) / (32 * launch.num_warps)
     elif kind in GGUF_KINDS:
         launch = gguf_gemm.aot_launch(gguf_gemm.default_config(1, N, K), 1, N, K, dtype=getattr(torch, dtype),

@@ -92,11 +92,24 @@ def f32_bits(value: torch.Tensor) -> int:
     return int(value.reshape(1).view(torch.int32).item()) & MASK32
 
 
-def run_ptx(ptx: str, word: int, outputs: int = 8) -> list[int]:
-    """The 16-bit outputs $0..$(outputs - 1) of a PTX block over the 32-bit input $outputs (shr.u32, prmt.b32
-    default mode, lop3.b32, sub.f32 round-to-nearest, cvt.rn.bf16x2.f32, mov.b32 {lo, hi}); anything else fails
-    the test, so an edited block cannot pass unread."""
-    regs, out = {f"${outputs}": word & MASK32}, {}
+def _fma_bf16(a: int, b: int, c: int) -> int:
+    """One half of fma.rn.bf16x2: a * b + c rounded once to nearest-even bf16 (subnormals kept, as the PTX ISA
+    says for bf16 FMA), bits in and out. The operands here make a * b + c exact in fp32 (checked), so torch's
+    fp32 -> bf16 cast (round to nearest-even) is the one rounding; beyond fp32's range the result is inf."""
+    a, b, c = (halves([v], torch.bfloat16).double().item() for v in (a, b, c))
+    exact = a * b + c
+    if abs(exact) >= 2.0 ** 128:  # beyond bf16's largest finite value too: fma.rn overflows to inf
+        return 0x7F80 | (0x8000 if exact < 0 else 0)
+    as_fp32 = torch.tensor(exact, dtype=torch.float64).float()
+    assert as_fp32.double().item() == exact, "a product fp32 cannot hold: emulate the wider rounding"
+    return as_fp32.to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+
+
+def run_ptx(ptx: str, *inputs: int, outputs: int = 8) -> list[int]:
+    """The 16-bit outputs $0..$(outputs - 1) of a PTX block over the 32-bit inputs $outputs, $outputs + 1, ...
+    (mov.b32, and.b32, shr.u32, prmt.b32 default mode, lop3.b32, sub.f32 round-to-nearest, cvt.rn.bf16x2.f32,
+    fma.rn.bf16x2, mov.b32 {lo, hi}); anything else fails the test, so an edited block cannot pass unread."""
+    regs, out = {f"${outputs + i}": v & MASK32 for i, v in enumerate(inputs)}, {}
 
     def value(operand):
         if operand.startswith("0f"):  # PTX's fp32 immediate: its bits in hex
@@ -107,13 +120,20 @@ def run_ptx(ptx: str, word: int, outputs: int = 8) -> list[int]:
         op, _, rest = line.strip().rstrip(";").partition(" ")
         if op == ".reg":
             continue
-        if op == "mov.b32":
-            halves, source = rest.split("}, ")
-            lo, hi = halves.strip("{").split(", ")
+        if op == "mov.b32" and rest.startswith("{"):
+            pair, source = rest.split("}, ")
+            lo, hi = pair.strip("{").split(", ")
             out[lo], out[hi] = regs[source] & 0xFFFF, regs[source] >> 16
             continue
         d, *args = [a.strip() for a in rest.split(",")]
-        if op == "shr.u32":
+        if op == "mov.b32":
+            regs[d] = value(args[0])
+        elif op == "and.b32":
+            regs[d] = value(args[0]) & value(args[1])
+        elif op == "fma.rn.bf16x2":
+            a, b, c = (value(v) for v in args)
+            regs[d] = sum(_fma_bf16((a >> h) & 0xFFFF, (b >> h) & 0xFFFF, (c >> h) & 0xFFFF) << h for h in (0, 16))
+        elif op == "shr.u32":
             regs[d] = value(args[0]) >> value(args[1])
         elif op == "prmt.b32":  # byte i of d = byte (selector nibble i & 7) of {b, a}; bit 3 (sign) unused here
             pool, selector = value(args[0]) | value(args[1]) << 32, value(args[2])
@@ -219,3 +239,44 @@ def test_code_pair_table_gives_both_codes_of_every_byte(dtype):
     for b in range(256):
         got = halves(run_ptx(common.PAIR_SPLIT_PTX.value, int(table[b]), outputs=2), dtype)
         assert torch.equal(got, code[[b & 15, b >> 4]].to(dtype)), b
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MXFP4 (common.mxfp4_words_to_bf16): the PTX, run by the emulator above, for every e2m1 code in every position
+# of a word against every E8M0 scale, and the scale pairs the kernel hands it.
+# ---------------------------------------------------------------------------------------------------------
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+@triton.jit
+def _scale_pairs_kernel(s_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, common.mxfp4_scale_pairs(tl.load(s_ptr + offs)))
+
+
+def test_mxfp4_scale_pairs_are_the_bf16_scale_in_both_halves():
+    """Every E8M0 code s but NaN's 255: both halves hold bf16 2^(s - 127) (s = 0: the subnormal 2^-127)."""
+    s = torch.arange(256, dtype=torch.int32)
+    pairs = torch.empty(256, dtype=torch.int32)
+    _scale_pairs_kernel[(1,)](s, pairs, 256)
+    lo, hi = pairs & 0xFFFF, (pairs >> 16) & 0xFFFF
+    assert torch.equal(lo, hi)
+    assert torch.equal(halves(lo[:255].tolist(), torch.bfloat16).double(), 2.0 ** (s[:255].double() - 127))
+
+
+def test_mxfp4_word_ptx_is_exact_for_every_code_and_scale():
+    """Output j of the PTX on a word and a scale pair is bf16(E2M1[code j] x 2^(s - 127)), the fp32 reference
+    rounded once (exact: bf16 holds every such product down to 2^-133; past its range both are inf), for every
+    code in each of the 8 positions next to varying neighbours, and random words, at every scale 0..254 (the
+    loader keeps s <= MXFP4_MAX_SCALE = 240; the block is exact beyond)."""
+    ptx = common.MXFP4_BF16_PTX.value
+    words = [sum(((c + 3 * j) % 16) << (4 * j) for j in range(8)) for c in range(16)]
+    words += torch.randint(0, 2**32, (8,), dtype=torch.int64).tolist()
+    codes = torch.tensor([[(w >> (4 * j)) & 15 for j in range(8)] for w in words])
+    values = torch.tensor(E2M1, dtype=torch.float64)[codes]
+    for s in range(255):
+        pair = (0x40 if s == 0 else s << 7) * 0x10001  # common.mxfp4_scale_pairs (its own test above)
+        got = torch.stack([halves(run_ptx(ptx, w, pair), torch.bfloat16) for w in words])
+        expected = (values * 2.0 ** (s - 127)).float().to(torch.bfloat16)
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), f"scale {s}: {got} != {expected}"

@@ -10,6 +10,8 @@
   int8_words_minus_zero  the same for 8-bit codes (`int8_words_to_halves`: one prmt per two codes into fp16
                        pairs; bf16 by way of fp32; int4_gemm, `int8_word_dequant`)
   e2m1_bits_to_fp16    MXFP4 (e2m1) codes -> fp16 / 2^14 with integer ops (moe's mxfp4 experts)
+  mxfp4_words_to_bf16  8 e2m1 codes a word times their E8M0 scale, in bf16, by inline PTX (byte lookups and
+                       packed FMAs; GPU from sm_80, `mxfp4_word_decode`; moe's mxfp4 experts in bf16)
   e4m3_bits_to_fp16    float8_e4m3fn bytes -> fp16 / 2^8 with integer ops, for GPUs without fp8
                        types (fp8_gemm's weight-only path, moe's fp8 experts, the fp8 KV cache)
   round_to_e4m3        fp32 -> the nearest e4m3 value, still fp32 (fp8_gemm's activations)
@@ -178,6 +180,12 @@ def int4_words_to_magic(words, DTYPE: tl.constexpr):
     else:
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
             INT4_BF16_MAGIC_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r", [wt], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    return _word_rows(o0, o1, o2, o3, o4, o5, o6, o7)
+
+
+@triton.jit
+def _word_rows(o0, o1, o2, o3, o4, o5, o6, o7):
+    """Outputs j = 0..7 [C, R] of a per-word decode (of the transposed words) -> rows 8 r + j: [8 R, C]."""
     even = tl.interleave(tl.interleave(o0, o4), tl.interleave(o2, o6))  # rows 8 r + 0, 2, 4, 6
     odd = tl.interleave(tl.interleave(o1, o5), tl.interleave(o3, o7))
     return tl.trans(tl.interleave(even, odd))
@@ -309,6 +317,87 @@ def code_pairs_lookup(words, pairs_ptr, DTYPE: tl.constexpr):
     even = tl.interleave(tl.interleave(o0, o4), tl.interleave(o2, o6))
     odd = tl.interleave(tl.interleave(o1, o5), tl.interleave(o3, o7))
     return tl.trans(tl.interleave(even, odd))
+
+
+# PTX of `mxfp4_words_to_bf16` on word $8 (e2m1 codes c0..c7, c0 lowest; code = sign, 2 exponent bits, 1 mantissa
+# bit) and $9 (the group's scale 2^(s - 127) as a bf16 pair). The bf16 bits sign << 15 | (exponent, mantissa) << 6
+# read as value x 2^-126 (exactly, 0.5 as a subnormal); their high byte depends on the code's top two bits only and
+# the low byte on its bottom two, so two byte lookups (prmt: 4 selectors a time into a 4-byte table: LO bytes 0x00,
+# 0x40, 0x80, 0xC0, HI bytes 0x00, 0x01, 0x80, 0x81) and one byte interleave per pair build two codes' bf16 in one
+# register. Two packed FMAs (with -0: exact, subnormals kept) multiply by 2^126 and by the scale: exact, as the
+# products are e2m1 values times powers of two that bf16 holds for every scale up to 2^113 (MXFP4_MAX_SCALE).
+_MXFP4_BF16_PTX = """{
+.reg .b32 a, b, l, h, p0, p1, p2, p3, lo, hi, bias, nz;
+mov.b32 lo, 0xC0804000;
+mov.b32 hi, 0x81800100;
+mov.b32 bias, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+and.b32 a, $8, 0x33333333;
+shr.u32 b, $8, 2;
+and.b32 b, b, 0x33333333;
+prmt.b32 l, lo, lo, a;
+prmt.b32 h, hi, hi, b;
+prmt.b32 p0, l, h, 0x5140;
+prmt.b32 p1, l, h, 0x7362;
+shr.u32 a, a, 16;
+shr.u32 b, b, 16;
+prmt.b32 l, lo, lo, a;
+prmt.b32 h, hi, hi, b;
+prmt.b32 p2, l, h, 0x5140;
+prmt.b32 p3, l, h, 0x7362;
+fma.rn.bf16x2 p0, p0, bias, nz;
+fma.rn.bf16x2 p1, p1, bias, nz;
+fma.rn.bf16x2 p2, p2, bias, nz;
+fma.rn.bf16x2 p3, p3, bias, nz;
+fma.rn.bf16x2 p0, p0, $9, nz;
+fma.rn.bf16x2 p1, p1, $9, nz;
+fma.rn.bf16x2 p2, p2, $9, nz;
+fma.rn.bf16x2 p3, p3, $9, nz;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+mov.b32 {$4, $5}, p2;
+mov.b32 {$6, $7}, p3;
+}"""
+MXFP4_BF16_PTX = tl.constexpr(_MXFP4_BF16_PTX)
+
+
+@triton.jit
+def _mxfp4_code(words, scale, SHIFT: tl.constexpr):
+    """The code at SHIFT of each word times the fp32 scale, in bf16 (the interpreter's path of
+    `mxfp4_words_to_bf16`; the products are exact in bf16, so the interpreter's truncating cast does not round)."""
+    return (e2m1_bits_to_fp16((words >> SHIFT) & 15).to(tl.float32) * 16384.0 * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def mxfp4_words_to_bf16(words, scale_pairs):
+    """int32 words [R, C], 8 e2m1 codes each (code j in bits 4j..4j+3 is row 8 r + j: MXFP4's byte order read as
+    little-endian words), and int32 scale_pairs [R, C]: the bf16 bits of each word's scale 2^(s - 127) in both
+    halves (`mxfp4_scale_pairs`) -> the weights code x scale in bf16 [8 R, C], exactly. On a GPU one PTX block per
+    word (MXFP4_BF16_PTX: byte lookups by prmt, two packed FMAs per two codes; sm_80+, no int-to-float); the
+    interpreter decodes code by code in fp32 (`e2m1_bits_to_fp16`)."""
+    wt = tl.trans(words)
+    st = tl.trans(scale_pairs)
+    if INTERPRETED:
+        scale = (st << 16).to(tl.float32, bitcast=True)  # the bf16 scale's value
+        o0 = _mxfp4_code(wt, scale, 0)
+        o1 = _mxfp4_code(wt, scale, 4)
+        o2 = _mxfp4_code(wt, scale, 8)
+        o3 = _mxfp4_code(wt, scale, 12)
+        o4 = _mxfp4_code(wt, scale, 16)
+        o5 = _mxfp4_code(wt, scale, 20)
+        o6 = _mxfp4_code(wt, scale, 24)
+        o7 = _mxfp4_code(wt, scale, 28)
+    else:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            MXFP4_BF16_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wt, st], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    return _word_rows(o0, o1, o2, o3, o4, o5, o6, o7)
+
+
+@triton.jit
+def mxfp4_scale_pairs(scale_bits):
+    """E8M0 scale codes s (int32, 0..254) -> int32 holding the bf16 bits of 2^(s - 127) in both halves
+    (s << 7; s = 0 is bf16's subnormal 2^-127, 0x0040: the max keeps it, one instruction, no select)."""
+    return tl.maximum(scale_bits << 7, 0x40) * 0x10001
 
 
 @triton.jit
@@ -580,6 +669,16 @@ def half_bit_tricks(x: torch.Tensor, cc: int | None = None) -> bool:
     if x.is_cuda:
         cc = compute_capability(x.device)
     return (cc is None or cc >= 80) and x.dtype in ((torch.float16, torch.bfloat16) if on_gpu(x) else (torch.float16,))
+
+
+def mxfp4_word_decode(x: torch.Tensor, cc: int | None = None) -> bool:
+    """Whether MXFP4 experts for activations like x decode by `mxfp4_words_to_bf16` (decided once per plan): bf16
+    activations on a GPU from sm_80 (its packed bf16 FMA) and under the interpreter; fp16 (whose range cannot hold
+    every scale's product in one packed multiply) and sm_75 keep the plain decode (`e2m1_bits_to_fp16`, the scale in
+    fp32). cc: the target of meta tensors (AOT; None: sm_80+); CUDA tensors' own device decides."""
+    if x.is_cuda:
+        cc = compute_capability(x.device)
+    return x.dtype == torch.bfloat16 and (cc is None or cc >= 80)
 
 
 def compute_capability(device: torch.device) -> int | None:

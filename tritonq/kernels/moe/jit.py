@@ -5,8 +5,9 @@ One program covers BLOCK_M rows of the order `routing.moe_align_block_size` sort
 belongs to one expert) x BLOCK_N output columns; a launch covers all experts, once for gate/up (two
 accumulators, SiLU-and-mul or ClampedSwiGLU fused in the epilogue) and once for down (routing weight
 multiplied in).
-MXFP4 experts: the codes are decoded with integer ops (`e2m1_bits_to_fp16`) and scaled per 32 along K in the
-tile load, then the dot runs in the activations' dtype (fp16 on sm_75, bf16 above), as for int4.
+MXFP4 experts: in bf16 (WORD_DEQUANT) 8 codes a 32-bit word become bf16 weights times their scale by inline PTX
+(`common.mxfp4_words_to_bf16`); otherwise (fp16, sm_75) the codes are decoded with integer ops
+(`e2m1_bits_to_fp16`) and scaled in fp32 per 32 along K. The dot runs in the activations' dtype, as for int4.
 FP8 experts, W8A8 (A_FP8): e4m3 x e4m3 dots in fp32, scales applied after each K tile (block) or once (per
 token x per channel); weight-only otherwise (codes dequantized to the activations' dtype in the tile load).
 """
@@ -21,6 +22,8 @@ from tritonq.kernels.common import (
     e2m1_bits_to_fp16,
     e4m3_bits_to_fp16,
     int4_words_minus_zero,
+    mxfp4_scale_pairs,
+    mxfp4_words_to_bf16,
     unpack_int_tile,
 )
 
@@ -30,12 +33,14 @@ DENSE, INT4, FP8, MXFP4 = 0, 1, 2, 3  # the kernel's KIND: how the weight tile i
 @triton.jit
 def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, offs_n, K, N,
                       stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                      group_size, KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      group_size: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       HAS_G_IDX: tl.constexpr, TILE_SCALE_ROW: tl.constexpr, SCALE_BN: tl.constexpr,
                       SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr, COMPUTE: tl.constexpr,
                       FP8_CODES: tl.constexpr = False, WORD_DEQUANT: tl.constexpr = False):
-    """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N).
-    WORD_DEQUANT: 4-bit int codes by `common.int4_words_minus_zero` (`common.int4_word_dequant` says when).
+    """The [BLOCK_K, BLOCK_N] tile W[n, k]^T of `expert`, dequantized to COMPUTE (zero outside K, N). group_size is
+    a constexpr: its divisions are shifts.
+    WORD_DEQUANT: 4-bit int codes by `common.int4_words_minus_zero` (`common.int4_word_dequant` says when), MXFP4
+    codes by `common.mxfp4_words_to_bf16` (`common.mxfp4_word_decode`).
     FP8_CODES (W8A8 fp8 experts): the e4m3 codes themselves, unscaled (the kernel applies `_fp8_scale_row`)."""
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -70,6 +75,20 @@ def _load_weight_tile(w_ptr, scale_ptr, zero_ptr, g_idx_ptr, expert, offs_k, off
             w = (int4_words_minus_zero(q, zero, HAS_ZEROS, COMPUTE) * scale).to(COMPUTE)
         else:
             w = dequantize_int_tile(q, scale, zero, BITS, HAS_ZEROS, COMPUTE)
+    elif KIND == 3 and WORD_DEQUANT:  # mxfp4 as int32 words [E, N, K/8] (stride_wk = 1), 8 codes each, in bf16
+        BLOCK_K: tl.constexpr = offs_k.shape[0]
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        # rows of K / 8 words (K % 32 == 0) and tiles at multiples of 32 codes: 16-byte aligned, for wide loads
+        rows = w_ptr + tl.multiple_of(expert.to(tl.int64) * stride_we + offs_n.to(tl.int64) * stride_wn, 4)
+        offs_word = tl.multiple_of(tl.min(offs_k, axis=0) // 8, 4) + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(rows[None, :] + offs_word[:, None],  # masked by group: constant over 16 bytes
+                        mask=(offs_word[:, None] // 4 < K // 32) & (offs_n[None, :] < N), other=0)
+        offs_group = tl.min(offs_k, axis=0) // 32 + tl.arange(0, GROUPS)
+        scale_bits = tl.load(scale_ptr + expert.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn
+                             + offs_group[:, None] * stride_sk,
+                             mask=(offs_group[:, None] < K // 32) & (offs_n[None, :] < N), other=0).to(tl.int32)
+        pairs = tl.broadcast_to(mxfp4_scale_pairs(scale_bits)[:, None, :], (GROUPS, 4, offs_n.shape[0]))
+        w = mxfp4_words_to_bf16(words, tl.reshape(pairs, (BLOCK_K // 8, offs_n.shape[0])))
     elif KIND == 3:  # mxfp4: blocks [E, N, K/2] bytes (stride_wk = 1), scales [E, N, K/32] uint8 E8M0
         BLOCK_K: tl.constexpr = offs_k.shape[0]
         offs_byte = tl.min(offs_k, axis=0) // 2 + tl.arange(0, BLOCK_K // 2)
@@ -138,7 +157,7 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      sorted_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                      num_valid, N, K, up_offset, a_row_divisor,
                      stride_am, stride_om,
-                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size,
+                     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_size: tl.constexpr,
                      GATE_UP: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
                      HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, TILE_SCALE_ROW: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, FP8_AS_BITS: tl.constexpr,
@@ -159,6 +178,7 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
     BLOCK_K divides SCALE_BK = A_GROUP) scale each K tile's partial sum by a_scale * w_scale; per-tensor /
     per-channel weights scale the accumulators once, after the K loop. ONE_W_SCALE: every N tile (the up
     half's too) lies inside one weight scale block (`_fp8_scale_row`).
+    WORD_DEQUANT: int4 / MXFP4 codes decoded from 32-bit words (`_load_weight_tile`).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)

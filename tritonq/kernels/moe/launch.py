@@ -25,6 +25,7 @@ from tritonq.kernels.common import (
     Launch,
     has_fp8_tensor_cores,
     int4_word_dequant,
+    mxfp4_word_decode,
     next_pow2,
     on_gpu,
     upcast_dot,
@@ -41,8 +42,9 @@ from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weigh
 FP8_DOT_MIN_K = 32  # tl.dot's smallest K for e4m3 operands (Triton's min_dot_size for 8-bit types)
 
 
-def _weight_args(w: Weight, native_fp8: bool) -> dict:
-    """Kernel arguments describing a stacked weight whose per-expert matrix is W [N, K]."""
+def _weight_args(w: Weight, native_fp8: bool, words: bool = False) -> dict:
+    """Kernel arguments describing a stacked weight whose per-expert matrix is W [N, K]; words: MXFP4 blocks read
+    as int32 words [E, N, K/8] (WORD_DEQUANT)."""
     if isinstance(w, DenseWeight):
         t = w.weight
         return dict(w_ptr=t, scale_ptr=t, zero_ptr=t, g_idx_ptr=t, stride_we=t.stride(0), stride_wn=t.stride(1),
@@ -57,7 +59,7 @@ def _weight_args(w: Weight, native_fp8: bool) -> dict:
                     KIND=INT4, BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
                     SCALE_BN=1, SCALE_BK=1, FP8_AS_BITS=False)
     if isinstance(w, MXFP4Weight):
-        b, s = w.blocks, w.scales
+        b, s = (w.blocks.view(torch.int32).flatten(-2) if words else w.blocks), w.scales
         return dict(w_ptr=b, scale_ptr=s, zero_ptr=s, g_idx_ptr=s, stride_we=b.stride(0), stride_wn=b.stride(1),
                     stride_wk=1, stride_se=s.stride(0), stride_sn=s.stride(1), stride_sk=s.stride(2), group_size=32,
                     KIND=MXFP4, BITS=4, HAS_ZEROS=False, HAS_G_IDX=False, SCALE_BN=1, SCALE_BK=1, FP8_AS_BITS=False)
@@ -240,13 +242,15 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
     a_scale (W8A8, fp8 experts with fp8 tensor cores): a is e4m3 from `fp8_gemm.quantize_activation_fp8` and
     a_scale its fp32 scales ([rows, 1] per token, [rows, ceil(K/bk)] per 1 x bk group for block weights, []
     static); the weight's codes are loaded as e4m3 (native_fp8 must be True) and the dot runs in e4m3.
-    cc: the target of meta tensors (`common.int4_word_dequant`).
+    cc: the target of meta tensors (`common.int4_word_dequant`, `common.mxfp4_word_decode`).
     """
     sorted_ids, expert_ids, post_padded = alignment
     N, K = out.shape[1], a.shape[1]
     if isinstance(weight, MXFP4Weight) and config.BLOCK_K % 32:
         raise ValueError(f"fused_moe: BLOCK_K={config.BLOCK_K} with MXFP4 experts; it must be a multiple of the "
                          "32-element scale group (use 32, 64 or 128)")
+    words = ((isinstance(weight, Int4Weight) and int4_word_dequant(a, weight, cc))
+             or (isinstance(weight, MXFP4Weight) and mxfp4_word_decode(a, cc)))
     w8a8 = a_scale is not None
     if w8a8:
         _check_w8a8_launch(a, weight, config, native_fp8)
@@ -257,7 +261,8 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
                 num_valid=routing.numel(), N=N, K=K, up_offset=N if gate_up else K,  # the I of gate_up
                 a_row_divisor=top_k if gate_up else 1, stride_am=a.stride(0), stride_om=out.stride(0),
                 GATE_UP=gate_up, TILE_SCALE_ROW=weight.scales_constant_over(config.BLOCK_K), UPCAST_DOT=upcast_dot(a),
-                BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, **_weight_args(weight, native_fp8),
+                BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+                **_weight_args(weight, native_fp8, words), WORD_DEQUANT=words,
                 bias_ptr=routing if weight.bias is None else weight.bias,
                 stride_be=0 if weight.bias is None else weight.bias.stride(0),
                 swiglu_alpha=activation.alpha if activation else 1.0, swiglu_limit=activation.limit if activation else 0.0,
@@ -265,8 +270,7 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
                 a_scale_ptr=a_scale if w8a8 else routing, stride_asm=a_scale_strides[0], stride_asg=a_scale_strides[1],
                 A_GROUP=weight.block_size[1] if block_scaled else K, A_FP8=w8a8, SCALE_PER_TILE=block_scaled,
                 ONE_W_SCALE=block_scaled and weight.block_size[0] % config.BLOCK_N == 0
-                and (not gate_up or N % weight.block_size[0] == 0),
-                WORD_DEQUANT=isinstance(weight, Int4Weight) and int4_word_dequant(a, weight, cc))
+                and (not gate_up or N % weight.block_size[0] == 0))
     grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
     return Launch(_moe_gemm_kernel, grid, args, config.num_warps, config.num_stages)
 
