@@ -351,8 +351,10 @@ def add_rms_norm_tile(y_ptr, out, rows, offs_n, mask_m, M, N, res_ptr, norm_w_pt
     tiles = tl.cdiv(N, out.shape[1])
     if arrived == tiles - 1:
         sumsq = tl.zeros_like(tl.sum(y, axis=1))
-        for t in range(tiles):
-            sumsq += tl.load(sumsq_ptr + t * M + rows, mask=mask_m, other=0.0, cache_modifier=".cg")
+        plane = sumsq_ptr + rows  # stepped by M: one register fewer than indexing t * M + rows (int64)
+        for _ in range(tiles):
+            sumsq += tl.load(plane, mask=mask_m, other=0.0, cache_modifier=".cg")
+            plane += M
         rstd = 1.0 / tl.sqrt(sumsq / N + eps)
         cols = tl.arange(0, out.shape[1])
         for n0 in range(0, N, out.shape[1]):
