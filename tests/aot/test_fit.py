@@ -113,9 +113,9 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "gguf IQ4_XS M1"): 2548,  # 3.9: 2548, 3.6: 2164: the level-table gather of a whole tile, as nf4's
     (75, "gguf IQ4_XS M256"): 11476,  # 3.9: 9992, 3.6: 11476
     # int8 KV pages: the per-key scales of a 128 x 32 score tile take the last registers on sm_89 (255; sm_80 183,
-    # no spill); 4 bytes, measured under 3.9 (3.6 not measured here).
+    # no spill); 4 bytes, measured under 3.9 (3.6: none). (MLA's latent decode over them spilled 4 B under 3.6
+    # until its V tiles came as byte pairs: none since.)
     (89, "prefill 128/128 kv int8"): 4,
-    (89, "decode 576/512 kv int8"): 4,  # MLA latent decode over int8 pages: 3.6: 4 B (3.9: none)
     # Gated DeltaNet's chunk kernel holds a whole chunk (32 tokens, Dk = 128) and its state tile in one program's
     # registers (255 used from sm_80): a few bytes; at 64 tokens 2.7 KB (docs/kernels.md#gated-deltanet). sm_75 as
     # the GEMMs there (FMA dots).
