@@ -1,10 +1,12 @@
-"""The decode attention kernels' memory instructions on sm_80 (A100) and sm_90 (H100/H200), read from the SASS of
-their AOT-compiled default launches (kernels/aot.py `global_memory_ops`, no GPU): K/V tiles of 16-bit pages come in
-16-byte cp.async loads (LDGSTS.E.BYPASS.128), 8-bit pages in loads of at least 8 bytes, and nothing touches local
-memory (no spills, no stack arrays). Launches: Llama-3-8B's 32 / 8 heads of 128 over 16-token pages at batch 1
-(KV split across the SMs, then the merge) and 256 (one split, the merge folded in), int8 / fp8 pages, DeepSeek's
-absorbed-MLA latent 576 / 512. The compiles run in a child process (conftest's TRITON_INTERPRET=1 makes the kernels
-interpreted functions, which do not compile).
+"""The attention kernels' memory instructions on sm_80 (A100) and sm_90 (H100/H200), read from the SASS of their
+AOT-compiled default launches (kernels/aot.py `global_memory_ops`, no GPU): K/V tiles come in 16-byte cp.async loads
+(LDGSTS.E.BYPASS.128), at decode 8-bit pages too (their V tiles read as byte pairs, jit._attend_tile; the only
+narrower cp.async are int8's per-key fp32 scales; prefill's 8-bit V tiles come in 8 bytes on sm_80), and nothing
+touches local memory (no spills, no stack arrays). Launches:
+decode of Llama-3-8B's 32 / 8 heads of 128 over 16-token pages at batch 1 (KV split across the SMs, then the merge)
+and 256 (one split, the merge folded in), int8 / fp8 pages, DeepSeek's absorbed-MLA latent 576 / 512 (bf16 and
+int8 pages); paged prefill over int8 / fp8 pages. The compiles run in a child process (conftest's
+TRITON_INTERPRET=1 makes the kernels interpreted functions, which do not compile).
 """
 import os
 
@@ -12,7 +14,8 @@ import pytest
 from child_process import json_from_child
 
 TARGETS = (80, 90)
-CASES = ["batch1 bf16", "batch256 bf16", "batch1 int8", "batch1 fp8", "batch256 fp8", "mla bf16"]
+CASES = ["batch1 bf16", "batch256 bf16", "batch1 int8", "batch1 fp8", "batch256 fp8", "mla bf16", "mla int8",
+         "prefill int8", "prefill fp8"]
 
 
 def memory_ops() -> dict:
@@ -38,10 +41,18 @@ def memory_ops() -> dict:
     for cc in TARGETS:
         for case in CASES:
             shape, kind = case.split()
+            if shape == "prefill":  # 2048 new tokens of 4 sequences, Llama-3-8B's heads
+                k = pages(kind)
+                i32 = dict(dtype=torch.int32)
+                config = attention.paged_prefill_config(*attention.head_blocks(128, 128), cc)
+                launch = attention.paged_prefill_launch(meta(2048, 32, 128), k, k, meta(5, **i32), meta(4, **i32),
+                                                        meta(4, 256, **i32), 128 ** -0.5, 0, config)[0]
+                out[f"{cc} {case}"] = dict(global_memory_ops(launch, cc), splits=0)
+                continue
             if shape == "mla":
                 h, h_kv, d_qk, d_v, batch = 16, 1, 576, 512, 1
                 k = pages(kind, 1, 576)
-                v = k[..., :512]
+                v = k[..., :512] if kind == "bf16" else attention.QuantizedPages(k.data[..., :512], k.scale)
             else:
                 h, h_kv, d_qk, d_v, batch = 32, 8, 128, 128, int(shape.removeprefix("batch"))
                 k = v = pages(kind)
@@ -62,13 +73,19 @@ def ops():
 def test_decode_loads_kv_in_wide_vectors_and_never_spills(ops, cc, case):
     found = ops[f"{cc} {case}"]
     splits = found.pop("splits")
-    assert (splits == 1) == case.startswith("batch256"), splits  # 256 x 8 programs fill the GPU: one split
+    if not case.startswith("prefill"):  # 256 x 8 programs fill the GPU: one split
+        assert (splits == 1) == case.startswith("batch256"), splits
     assert not {op for op in found if op.startswith(("LDL", "STL"))}, f"local memory: {found}"
     tile_loads = {op: n for op, n in found.items() if op.startswith("LDGSTS")}  # cp.async: the K/V tiles
     assert tile_loads, f"no cp.async tile loads: {found}"
-    if case.endswith("bf16") and not case.startswith("mla"):
-        assert set(tile_loads) == {"LDGSTS.E.BYPASS.128"}, found
-    elif case.startswith("mla"):  # the 512 + 64 latent: its 512-wide part in 16 bytes
+    if case.startswith("mla"):  # the 512 + 64 latent: its 512-wide part in 16 bytes (8-bit: all of it)
         assert tile_loads.get("LDGSTS.E.BYPASS.128", 0) >= 8, found
-    else:  # 8-bit pages: 8-byte K/V loads (the 4-byte ones: int8 per-key fp32 scales, Hkv apart in memory)
-        assert tile_loads.get("LDGSTS.E.64", 0) + tile_loads.get("LDGSTS.E.BYPASS.128", 0) >= 4, found
+        assert case.endswith("bf16") or "LDGSTS.E.64" not in tile_loads, found
+    elif case.startswith("prefill"):  # K in 16 bytes; V byte tiles in 8 on sm_80 (pairs: jit._attend_tile)
+        assert tile_loads.get("LDGSTS.E.BYPASS.128", 0) >= 2, found
+        assert set(tile_loads) <= {"LDGSTS.E.BYPASS.128", "LDGSTS.E.64", "LDGSTS.E"}, found
+    elif case.endswith("bf16"):
+        assert set(tile_loads) == {"LDGSTS.E.BYPASS.128"}, found
+    else:  # 8-bit decode: K and V in 16 bytes too; 4-byte loads only for int8's per-key fp32 scales (Hkv apart)
+        assert tile_loads.get("LDGSTS.E.BYPASS.128", 0) >= 4, found
+        assert set(tile_loads) <= {"LDGSTS.E.BYPASS.128", "LDGSTS.E" if case.endswith("int8") else ""}, found

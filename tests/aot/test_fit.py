@@ -91,6 +91,7 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "fp8 weight-only block M1"): 2236,  # 3.9: 2236, 3.6: 2184 (IEEE dots: 2228 before)
     (75, "fp8 weight-only block M16"): 2236,  # 3.9: 2236, 3.6: 2180
     (75, "fp8 weight-only block M256"): 7628,  # 3.9: 7628, 3.6: 6836
+    (75, "fp8 channel o add-norm M16"): 2236,  # 3.9: 2236, 3.6: 2192: the weight-only decode tile above, + the norm
     (75, "fp8 weight-only channel M256"): 7452,  # 3.9: 7452, 3.6: 6960
     (75, "moe dense gate_up M16"): 2138,  # 3.9: 2138, 3.6: 1404
     (75, "moe dense gate_up M64"): 1728,  # 3.9: 1728, 3.6: 1064
@@ -112,9 +113,9 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "gguf IQ4_XS M1"): 2548,  # 3.9: 2548, 3.6: 2164: the level-table gather of a whole tile, as nf4's
     (75, "gguf IQ4_XS M256"): 11476,  # 3.9: 9992, 3.6: 11476
     # int8 KV pages: the per-key scales of a 128 x 32 score tile take the last registers on sm_89 (255; sm_80 183,
-    # no spill); 4 bytes, measured under 3.9 (3.6 not measured here).
+    # no spill); 4 bytes, measured under 3.9 (3.6: none). (MLA's latent decode over them spilled 4 B under 3.6
+    # until its V tiles came as byte pairs: none since.)
     (89, "prefill 128/128 kv int8"): 4,
-    (89, "decode 576/512 kv int8"): 4,  # MLA latent decode over int8 pages: 3.6: 4 B (3.9: none)
     # Gated DeltaNet's chunk kernel holds a whole chunk (32 tokens, Dk = 128) and its state tile in one program's
     # registers (255 used from sm_80): a few bytes; at 64 tokens 2.7 KB (docs/kernels.md#gated-deltanet). sm_75 as
     # the GEMMs there (FMA dots).
@@ -207,6 +208,12 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     out["dense o add-norm M16"] = dense_gemm.dense_gemm_launch(_meta(16, K, dtype=dtype), dense_w,
                                                              _meta(16, N, dtype=dtype), cc)
     out["dense o add-norm M16"].args.update(epilogue, GROUP_M=1)
+    # fp8 per channel (e4m3 dots from sm_89, the activations quantized in the GEMM; weight-only below) and W8A8
+    out["fp8 channel o add-norm M16"] = fp8_gemm.aot_launch(fp8_gemm.default_config(16, N, K, cc=cc), 16, N, K, cc,
+                                                            dtype, block=False)
+    out["w8a8 o add-norm M16"] = int8_gemm.aot_launch(int8_gemm.default_config(16, N, K, cc), 16, N, K, cc, dtype)
+    for name in ("fp8 channel o add-norm M16", "w8a8 o add-norm M16"):
+        out[name].args.update(epilogue, GROUP_M=1)
     if cc >= 89:  # activations quantized per 128-group (block-scaled weights)
         out["fp8 quantize group128"] = fp8_gemm.quantize_activation_launch(
             _meta(256, K, dtype=dtype), _meta(256, K, dtype=torch.float8_e4m3fn),

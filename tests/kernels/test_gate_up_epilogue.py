@@ -121,35 +121,53 @@ def test_odd_gate_up_is_refused_by_the_gemm():
 
 
 # The residual + RMSNorm epilogue of a decode step's o_proj (Linear.add_norm, common.add_rms_norm_tile): N = 200 is
-# off the column tiles, so a row's norm gathers several tiles' partial sums; M 1, 3, 16 (the decode bound).
+# off the column tiles, so a row's norm gathers several tiles' partial sums; K = 1024 splits K at decode for the
+# quantized GEMMs (the norm after the split-K sum, in the same launch); M 1, 3, 16 (the decode bound) fused, 17 not.
+NORM_N, NORM_K = 200, 1024
 ADD_NORM_WEIGHTS = {
-    "int4": (lambda: random_int4_weight(200, K, torch.bfloat16, "cpu", group_size=64),
+    "int4": (lambda dtype: random_int4_weight(NORM_N, NORM_K, dtype, "cpu", group_size=64),
              lambda x, w: x.float() @ w.dequantize(torch.float32).t(), "int4_gemm"),
-    "dense-bias": (lambda: DenseWeight(torch.randn(200, K, dtype=torch.bfloat16) * 0.05,
-                                       torch.randn(200, dtype=torch.bfloat16)),
+    "fp8-tensor": (lambda dtype: random_fp8_weight(NORM_N, NORM_K, "tensor", "cpu"),
+                   lambda x, w: fp8_gemm_reference(x.float(), w).float(), "fp8_gemm"),
+    "fp8-channel-bias": (lambda dtype: replace(random_fp8_weight(NORM_N, NORM_K, "channel", "cpu"),
+                                               bias=torch.randn(NORM_N, dtype=dtype)),
+                         lambda x, w: fp8_gemm_reference(x.float(), w).float(), "fp8_gemm"),
+    "fp8-block": (lambda dtype: random_fp8_weight(NORM_N, NORM_K, "block", "cpu"),
+                  lambda x, w: fp8_gemm_reference(x.float(), w).float(), "fp8_gemm"),
+    "w8a8": (lambda dtype: int8_weight(NORM_N, NORM_K, "cpu"), lambda x, w: int8_gemm_reference(x.float(), w).float(),
+             "int8_gemm"),
+    "dense-bias": (lambda dtype: DenseWeight(torch.randn(NORM_N, NORM_K, dtype=dtype) * 0.05,
+                                             torch.randn(NORM_N, dtype=dtype)),
                    lambda x, w: x.float() @ w.weight.float().t() + w.bias.float(), "int4_gemm"),
 }
 
 
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 3, 16, 17])
 @pytest.mark.parametrize("name", list(ADD_NORM_WEIGHTS))
 def test_add_norm_epilogue_matches_reference(name, M):
     """y = x @ W^T + residual and h = RMSNorm(y) * w, against float32 torch: y within the GEMM's bound plus one
     rounding of the sum; h computed from our y (the norm of the stored residual stream, as the unfused kernel
-    normalizes the sum it stored), in fp32 over each whole row, within one bf16 rounding."""
+    normalizes the sum it stored), in fp32 over each whole row, within one bf16 rounding (fp16's is smaller). The fused launch runs
+    up to 16 rows (split over K for the quantized weights), the GEMM and then the norm's kernel past them."""
     from tritonq.formats.layers import Linear, RMSNorm
     make, reference, family = ADD_NORM_WEIGHTS[name]
     torch.manual_seed(M)
-    w = make()
-    x = torch.randn(M, K, dtype=torch.bfloat16)
-    residual = torch.randn(M, 200, dtype=torch.bfloat16)
-    norm = RMSNorm(torch.rand(200, dtype=torch.bfloat16) + 0.5, 1e-6)
+    # fp16 past 16 rows: the interpreter adds bf16 as raw bits in _rms_norm_kernel (its GPU sum is right)
+    dtype = torch.bfloat16 if M <= 16 else torch.float16
+    w = make(dtype)
+    x = torch.randn(M, NORM_K, dtype=dtype)
+    residual = torch.randn(M, NORM_N, dtype=dtype)
+    norm = RMSNorm(torch.rand(NORM_N, dtype=dtype) + 0.5, 1e-6)
     linear = Linear(w)
-    assert linear.prepared.gemm.add_rms_norm(x, residual, norm.weight, norm.eps) is not None  # the fused path
+    gemm = linear.prepared.gemm
+    fused = gemm.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert (fused is not None) == (M <= 16)
+    if fused is not None and name != "dense-bias":  # the plan's launch took the split-K path
+        assert [p.split_k for k, p in gemm.plans.items() if "add_rms_norm" in k][0] > 1
     y, h = linear.add_norm(x, residual, norm)
-    assert y.shape == h.shape == (M, 200) and y.dtype == h.dtype == torch.bfloat16
+    assert y.shape == h.shape == (M, NORM_N) and y.dtype == h.dtype == dtype
     expected = reference(x, w) + residual.float()
-    tol = tolerances.table(family)[torch.bfloat16]
+    tol = tolerances.table(family)[dtype]
     torch.testing.assert_close(y.float(), expected, rtol=2 ** -8, atol=tol * expected.abs().max().item())
     yf = y.float()
     h_ref = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()

@@ -191,6 +191,9 @@ def test_bad_quantized_pages_are_refused_with_what_was_expected():
         decode_attention(q, fp8, fp8, lens, table, 1.0)
     with pytest.raises(ValueError, match="int8 or float8_e4m3fn pages"):
         decode_attention(q, QuantizedPages(k.data.half(), k.scale), v, lens, table, 1.0)
+    odd = QuantizedPages(v.data[..., :15], v.scale)  # Dv 15: the kernels read 8-bit values as byte pairs
+    with pytest.raises(ValueError, match=r"read as byte pairs .* got Dv 15"):
+        decode_attention(q, k, odd, lens, table, 1.0)
     with pytest.raises(ValueError, match="8-bit pages take fp16/bf16/fp32 k and v of one dtype"):
         write_kv_slots(k, v, torch.zeros(1, 2, 16, device=device), torch.zeros(1, 2, 16, device=device).half(),
                        torch.zeros(1, dtype=torch.int64, device=device))

@@ -6,10 +6,11 @@ ops, leaving out views and allocations, which launch nothing). A layer's count i
 
 Each architecture is counted with dense bf16 weights (a plain linear: one cuBLAS launch; gate_up and o_proj at decode:
 the Triton dense GEMM with the SwiGLU / residual + RMSNorm epilogue) and Llama / Qwen3 also with a 4-bit GPTQ
-checkpoint (int4_gemm, one launch a linear, epilogues alike). The step counted is the second one: the first makes
-each GEMM's plan and its arrival counts, once, as the engine's warm-up does. The context is one page (16 tokens),
-which decode attention reads in one KV split: one launch, the merge folded in (on a GPU, batch x kv heads that fill
-the SMs do the same; a longer context at a small batch adds the merge: one more).
+checkpoint (int4_gemm, one launch a linear, epilogues alike), Llama with fp8 (per tensor, per channel) and W8A8 int8
+ones (fp8_gemm, int8_gemm: the activations quantized inside the GEMM, epilogues alike). The step counted is the
+second one: the first makes each GEMM's plan and its arrival counts, once, as the engine's warm-up does. The context
+is one page (16 tokens), which decode attention reads in one KV split: one launch, the merge folded in (on a GPU,
+batch x kv heads that fill the SMs do the same; a longer context at a small batch adds the merge: one more).
 """
 import collections
 
@@ -84,6 +85,7 @@ def decode_launches(folder, config, monkeypatch, batch: int = 3, **options) -> c
 # the epilogues: DeepSeek's shared-expert SwiGLU and o_proj, gpt-oss's o_proj); their routing
 # (softmax, sort, gather, renormalization) is still a handful of torch ops.
 CASES = [("llama", None, {}, 7), ("qwen3", None, {}, 7), ("llama", "gptq", {}, 7), ("qwen3", "gptq", {}, 7),
+         ("llama", "fp8", {}, 7), ("llama", "fp8-channel", {}, 7), ("llama", "w8a8", {}, 7),
          ("deepseek_v2", None, {"attention_mode": "latent"}, 32), ("gpt_oss", None, {}, 18)]
 
 
@@ -99,8 +101,10 @@ def test_launches_per_decoder_layer(tmp_path, monkeypatch, arch, checkpoint, opt
         folder = tmp_path / f"{arch}{layers}"
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-        if checkpoint is not None:  # 4-bit, group 32 (K = 64 and 128 here)
-            folder = write_quantized(folder, tmp_path / f"{arch}{layers}-{checkpoint}", checkpoint, group_size=32)
+        if checkpoint is not None:  # gptq: 4-bit, group 32 (K = 64 and 128 here); fp8: per tensor or "-channel"
+            fmt, _, scheme = checkpoint.partition("-")
+            folder = write_quantized(folder, tmp_path / f"{arch}{layers}-{checkpoint}", fmt, group_size=32,
+                                     fp8_scheme=scheme or "tensor")
             config = AutoConfig.from_pretrained(folder)
         counts.append(decode_launches(folder, config, monkeypatch, **options))
     layer = counts[1] - counts[0]

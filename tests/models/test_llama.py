@@ -140,17 +140,19 @@ def test_quantized_logits_match_transformers_on_dequantized_weights(tmp_path, na
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
-def test_triton_interpreter_kernels_match_torch_backend(tmp_path, monkeypatch):
-    """Prefill and two decode steps of an AWQ model with the Triton kernels run by the interpreter
-    (rmsnorm, int4 GEMM, attention, KV-cache write) against the torch references."""
+@pytest.mark.parametrize("fmt", ["awq", "fp8", "w8a8"])
+def test_triton_interpreter_kernels_match_torch_backend(tmp_path, monkeypatch, fmt):
+    """Prefill and two decode steps of an AWQ / fp8 / W8A8 model with the Triton kernels run by the interpreter
+    (rmsnorm, the GEMMs with their decode epilogues: SwiGLU in gate_up, residual + RMSNorm in o, attention,
+    KV-cache write) against the torch references (GEMM, then the norm or silu_mul)."""
     write_checkpoint(tmp_path / "dense", hidden=32)
-    write_quantized(tmp_path / "dense", tmp_path / "awq", "awq", group_size=32)
+    write_quantized(tmp_path / "dense", tmp_path / fmt, fmt, group_size=32)
     prompts = [[3, 1, 4, 1, 5], [9, 2]]
     monkeypatch.setenv("TRITONQ_BACKEND", "triton")
-    triton_out = tritonq.load(tmp_path / "awq", max_num_seqs=2, max_seq_len=8).generate(
+    triton_out = tritonq.load(tmp_path / fmt, max_num_seqs=2, max_seq_len=8).generate(
         prompts, max_new_tokens=3, return_dict=True)
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")
-    torch_out = tritonq.load(tmp_path / "awq", max_num_seqs=2, max_seq_len=8).generate(
+    torch_out = tritonq.load(tmp_path / fmt, max_num_seqs=2, max_seq_len=8).generate(
         prompts, max_new_tokens=3, return_dict=True)
     assert triton_out.token_ids == torch_out.token_ids
     for a, b in zip(triton_out.logprobs, torch_out.logprobs):

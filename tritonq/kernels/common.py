@@ -22,13 +22,14 @@
   rows_absmax          a row's (or group's) max |x| inside a GEMM that quantizes its activations itself
   gemm_tile / store_gemm_tile
                        the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice and
-                       epilogue (bias on the first slice, then y or the split-K sum)
+                       epilogue (bias on the first slice, then y or the split-K sum, or
+                       the residual + RMSNorm epilogue)
   reduce_split_k       the split-K sum in the GEMM's own launch: the last K slice to arrive adds the
                        slices' fp32 partials in slice order and stores y (int4_gemm, store_gemm_tile)
   store_output         a GEMM's output tile to y, or with SILU_MUL SwiGLU's silu(gate) * up of its
                        interleaved (gate, up) column pairs: the gate_up linear's epilogue
   add_rms_norm_tile    y = a GEMM's tile + the residual, and the RMSNorm of y's whole rows by the row
-                       block's last tile: o_proj's epilogue (int4_gemm, dense_gemm)
+                       block's last tile: o_proj's epilogue (int4_gemm, dense_gemm, store_gemm_tile)
 The attention kernels' online-softmax step is `attention._attend_tile`, shared by all three of them.
 
 Launch configs (the one convention): a frozen dataclass per kernel whose tile fields are named as the
@@ -66,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonq.kernels import batch_invariant
+from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.configs import lookup
 
 log = logging.getLogger(__name__)
@@ -553,8 +554,10 @@ def add_rms_norm_tile(y_ptr, out, rows, offs_n, mask_m, M, N, res_ptr, norm_w_pt
     tiles = tl.cdiv(N, out.shape[1])
     if arrived == tiles - 1:
         sumsq = tl.zeros_like(tl.sum(y, axis=1))
-        for t in range(tiles):
-            sumsq += tl.load(sumsq_ptr + t * M + rows, mask=mask_m, other=0.0, cache_modifier=".cg")
+        plane = sumsq_ptr + rows  # stepped by M: one register fewer than indexing t * M + rows (int64)
+        for _ in range(tiles):
+            sumsq += tl.load(plane, mask=mask_m, other=0.0, cache_modifier=".cg")
+            plane += M
         rstd = 1.0 / tl.sqrt(sumsq / N + eps)
         cols = tl.arange(0, out.shape[1])
         for n0 in range(0, N, out.shape[1]):
@@ -597,20 +600,27 @@ def reduce_split_k(acc, partials_ptr, arrivals_ptr, tile, k_slice, rows, offs_n,
 
 @triton.jit
 def store_gemm_tile(y_ptr, out, bias_ptr, partials_ptr, arrivals_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
-                    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                    res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr):
     """Store the fp32 tile out [BLOCK_M, BLOCK_N] at rows (int64) x offs_n of y, adding the bias in the
     first K slice only; with SPLIT_K > 1 through `reduce_split_k` (tile program_id(0), slice program_id(1));
-    SILU_MUL: SwiGLU's activation of (gate, up) column pairs (`store_output`)."""
+    SILU_MUL: SwiGLU's activation of (gate, up) column pairs (`store_output`); ADD_NORM: y = the tile + residual
+    and h its RMSNorm (`add_rms_norm_tile`; GROUP_M 1, so tile program_id(0) is row block x column tiles + column
+    tile)."""
     if HAS_BIAS:
         first_slice = (tl.zeros(offs_n.shape, tl.int32) + tl.program_id(1)) == 0
         out += tl.load(bias_ptr + offs_n, mask=mask_n & first_slice, other=0.0).to(tl.float32)[None, :]
+    last = True
     if SPLIT_K > 1:
-        total, last = reduce_split_k(out, partials_ptr, arrivals_ptr, tl.program_id(0), tl.program_id(1), rows,
-                                     offs_n, mask_m, mask_n, M, N, SPLIT_K)
-        if last:
-            store_output(y_ptr, total, rows, offs_n, mask_m, N, stride_ym, SILU_MUL)
-    else:
-        store_output(y_ptr, out, rows, offs_n, mask_m, N, stride_ym, SILU_MUL)
+        out, last = reduce_split_k(out, partials_ptr, arrivals_ptr, tl.program_id(0), tl.program_id(1), rows,
+                                   offs_n, mask_m, mask_n, M, N, SPLIT_K)
+    if last:
+        if ADD_NORM:
+            tiles_n = tl.cdiv(N, out.shape[1])
+            add_rms_norm_tile(y_ptr, out, rows, offs_n, mask_m, M, N, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr,
+                              row_arrivals_ptr, tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n, eps)
+        else:
+            store_output(y_ptr, out, rows, offs_n, mask_m, N, stride_ym, SILU_MUL)
 
 
 @dataclass(frozen=True)
@@ -882,7 +892,8 @@ class Launch:
 
 class WeightGemm:
     """Base of the per-weight GEMM objects (Int4Gemm, FP8Gemm, Int8Gemm): the weight held weakly, so the caches
-    of bare calls (weight -> its GEMM object, weak keys) let the weight go; a Linear holds its weight itself."""
+    of bare calls (weight -> its GEMM object, weak keys) let the weight go; a Linear holds its weight itself.
+    A subclass sets N, K, device and silu_mul."""
 
     def __init__(self, w):
         self._weight = weakref.ref(w)
@@ -890,6 +901,19 @@ class WeightGemm:
     @property
     def w(self):
         return self._weight()
+
+    def fuses_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+        """Whether `add_rms_norm` runs x, residual and norm_weight in one launch (GemmPlan's add_norm): a decode
+        step (at most QUANTIZE_IN_GEMM_MAX_M rows, the GEMMs' decode bound) on the Triton backend, outside the
+        batch-invariant mode (whose norm sums each row in one order), x [M, K] and residual [M, N] (contiguous) of
+        one dtype (fp16 / bf16 / fp32) on the weight's device, norm_weight [N]; a plain GEMM's weight (no SwiGLU
+        epilogue)."""
+        M = x.shape[0]
+        return (not self.silu_mul and x.dim() == 2 and M <= QUANTIZE_IN_GEMM_MAX_M and x.shape[1] == self.K
+                and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                and residual.shape == (M, self.N) and residual.dtype == x.dtype and residual.is_contiguous()
+                and norm_weight.shape == (self.N,) and x.device == self.device and not batch_invariant()
+                and backend(x) == "triton")
 
 
 class GemmPlan:
@@ -899,11 +923,18 @@ class GemmPlan:
     The grid is cdiv(M, block_m) row tiles by tiles_n column tiles by split_k slices, flattened to
     (row x column tiles, split_k) for the grouped-order kernels (`gemm_tile`). `per_call` names the
     arguments besides y, the partials and M that `run` binds each time; silu_mul: the launch's epilogue is
-    SwiGLU's activation (`store_output`), y has N / 2 columns."""
+    SwiGLU's activation (`store_output`), y has N / 2 columns. add_norm_rows > 0: the launch's epilogue is the
+    residual addition and RMSNorm (`add_rms_norm_tile`) for up to that many rows, run by `run_add_norm`."""
 
     def __init__(self, launch: Launch, y_name: str, per_call: tuple[str, ...], N: int, block_m: int, tiles_n: int,
-                 split_k: int, flat: bool, silu_mul: bool = False):
+                 split_k: int, flat: bool, silu_mul: bool = False, add_norm_rows: int = 0):
         per_call = (y_name, "partials_ptr", "M", *per_call) + (("arrivals_ptr",) if split_k == 1 else ())
+        if add_norm_rows:  # one arrival count per row block (made now, before any graph capture)
+            launch.args.update(ADD_NORM=True, row_arrivals_ptr=arrival_counts(-(add_norm_rows // -block_m),
+                                                                              launch.args[y_name].device))
+            if flat:  # add_rms_norm_tile's row block and column tile from program_id(0): no grouped order
+                launch.args["GROUP_M"] = 1
+            per_call += ("res_ptr", "norm_w_ptr", "h_ptr", "sumsq_ptr", "eps")
         for name in per_call:  # bound per call: the plan keeps no activations and no output
             del launch.args[name]
         self.launch, self.y_name, self.N = launch, y_name, N
@@ -922,6 +953,16 @@ class GemmPlan:
             partials = torch.empty((self.split_k, M, self.N), dtype=torch.float32, device=device)
             self.launch(grid, M=M, partials_ptr=partials, **{self.y_name: y}, **bound)
         return y
+
+    def run_add_norm(self, M: int, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     **bound) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y = the GEMM + residual, RMSNorm(y) * norm_weight), both [M, N] in residual's dtype, from the one
+        launch of a plan made with add_norm_rows >= M; `bound` as `run`'s."""
+        h = torch.empty_like(residual)
+        sumsq = torch.empty(self.tiles_n, M, dtype=torch.float32, device=residual.device)  # per column tile
+        y = self.run(M, residual.dtype, residual.device, res_ptr=residual, norm_w_ptr=norm_weight, h_ptr=h,
+                     sumsq_ptr=sumsq, eps=eps, **bound)
+        return y, h
 
 
 def shape_fields(shape_format: str) -> list[str]:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from tritonq.kernels import backend, batch_invariant
-from tritonq.kernels.common import (GemmConfig, Launch, add_rms_norm_tile, arrival_counts, check_gemm_activations,
+from tritonq.kernels.common import (GemmConfig, Launch, arrival_counts, check_gemm_activations,
                                     compute_capability, gemm_grid, gemm_tile, ieee_dot, next_pow2, store_gemm_tile,
                                     upcast_dot)
 from tritonq.kernels.norm_rope import silu_mul
@@ -68,13 +68,9 @@ def _dense_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:  # by the weight's row (one K slice: added once)
         acc += tl.load(bias_ptr + w_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if ADD_NORM:  # GROUP_M 1: program_id(0) is row block * column tiles + column tile
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        add_rms_norm_tile(y_ptr, acc, rows, offs_n, mask_m, M, N, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr,
-                          row_arrivals_ptr, tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n, eps)
-    else:  # one K slice: no partials or arrival counters (y stands for both, never read)
-        store_gemm_tile(y_ptr, acc, bias_ptr, y_ptr, y_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N, False, 1,
-                        SILU_MUL)
+    # one K slice: no partials or arrival counters (y stands for both, never read); ADD_NORM: GROUP_M 1
+    store_gemm_tile(y_ptr, acc, bias_ptr, y_ptr, y_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N, False, 1,
+                    SILU_MUL, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM)
 
 
 def dense_gemm(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:

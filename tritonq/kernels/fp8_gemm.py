@@ -112,9 +112,10 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
                      SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, QUANTIZE_A: tl.constexpr,
                      STATIC_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
+                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                     res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr):
     """y[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias); SILU_MUL: y [M, N / 2] = SwiGLU of the (gate, up) column
-    pairs (`common.store_output`).
+    pairs (`common.store_output`); ADD_NORM: y + residual and its RMSNorm h (`common.add_rms_norm_tile`).
 
     a: e4m3 [M, K] with a_scale [M, K/A_GROUP] fp32 (strides 0 where a scale is shared), or
     with WEIGHT_ONLY the fp16/bf16 activations themselves (a_scale unused). w: [N, K] e4m3, or
@@ -181,7 +182,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
     if WEIGHT_ONLY:
         acc *= E4M3_TO_FP16_BIAS
     store_gemm_tile(y_ptr, acc, bias_ptr, partials_ptr, arrivals_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
-                    HAS_BIAS, SPLIT_K, SILU_MUL)
+                    HAS_BIAS, SPLIT_K, SILU_MUL, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM)
 
 
 def quantize_activation_fp8(x: torch.Tensor, group_size: int | None = None,
@@ -286,12 +287,31 @@ class FP8Gemm(WeightGemm):
                          stride_asm=stride_asm, stride_asg=stride_asg)
         return y.reshape(*lead, self.out_cols)
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(y = x @ W^T + residual, RMSNorm(y) * norm_weight) [M, N] in one launch (`common.add_rms_norm_tile`, the
+        activations quantized in it as `__call__` does at decode): a decode step's o_proj with the residual addition
+        and the post-attention norm in its epilogue. None where that launch does not run
+        (`WeightGemm.fuses_add_norm`): the caller runs the GEMM and norm_rope.add_rms_norm."""
+        if not self.fuses_add_norm(x, residual, norm_weight):
+            return None
+        weight_only = self.w.weight_only or not has_fp8_tensor_cores(x.device)
+        M = x.shape[0]
+        x = x.contiguous()
+        key = (next_pow2(M), x.dtype, weight_only, "add_rms_norm")
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self._plan(x, weight_only, None, key[0], add_norm=True)
+        return plan.run_add_norm(M, residual, norm_weight, eps, a_ptr=x, stride_am=x.stride(0))
+
     def _pairs(self, y: torch.Tensor) -> torch.Tensor:
         """The torch paths' output: y, or with silu_mul SwiGLU of its column pairs (the kernel's epilogue)."""
         return silu_mul_pairs(y) if self.silu_mul else y
 
-    def _plan(self, x: torch.Tensor, weight_only: bool, config: FP8GemmConfig | None, max_m: int) -> GemmPlan:
-        """The GemmPlan for activations like x (contiguous) on the path, at most max_m rows."""
+    def _plan(self, x: torch.Tensor, weight_only: bool, config: FP8GemmConfig | None, max_m: int,
+              add_norm: bool = False) -> GemmPlan:
+        """The GemmPlan for activations like x (contiguous) on the path, at most max_m rows; add_norm (decode rows
+        only): with the residual + RMSNorm epilogue (`GemmPlan.run_add_norm`)."""
         M, K = x.shape
         scale_bk = self.scale_bk
         cfg = config or tuned_config(M, self.N, K, weight_only, min(128, scale_bk or 128),
@@ -312,7 +332,7 @@ class FP8Gemm(WeightGemm):
             launch = fp8_gemm_launch(a, a_scale, self.w, cfg, x.dtype, arrivals, silu_mul=self.silu_mul)[0]
             per_call = ("a_ptr", "a_scale_ptr", "stride_am", "stride_asm", "stride_asg")
         return GemmPlan(launch, "y_ptr", per_call, self.N, cfg.BLOCK_M, triton.cdiv(self.N, cfg.BLOCK_N),
-                        cfg.SPLIT_K, flat=True, silu_mul=self.silu_mul)
+                        cfg.SPLIT_K, flat=True, silu_mul=self.silu_mul, add_norm_rows=max_m if add_norm else 0)
 
 
 _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FP8Weight -> its FP8Gemm (fp8_gemm without a Linear)
@@ -358,7 +378,9 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
                 SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only, QUANTIZE_A=quantize,
                 STATIC_A=quantize and static, HAS_BIAS=w.bias is not None,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
-                SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul)
+                SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul,
+                # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
+                res_ptr=y, norm_w_ptr=y, h_ptr=y, sumsq_ptr=partials, row_arrivals_ptr=y, eps=0.0, ADD_NORM=False)
     return Launch(_fp8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
 
 

@@ -67,7 +67,6 @@ from tritonq.kernels.common import (
     WeightGemm,
     GemmPlan,
     Launch,
-    arrival_counts,
     gemm_output,
     half_bit_tricks,
     int4_word_dequant,
@@ -355,13 +354,11 @@ class Int4Gemm(WeightGemm):
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(y = x @ W^T + residual, RMSNorm(y) * norm_weight) [M, N] in one launch (`common.add_rms_norm_tile`):
         a decode step's o_proj with the residual addition and the post-attention norm in its epilogue. None where
-        that launch does not run (the CPU and torch backends, M > SPLIT_K_MAX_M, the batch-invariant mode, whose
-        norm sums each row in one order): the caller runs the GEMM and norm_rope.add_rms_norm."""
-        M = x.shape[0]
-        if (self.silu_mul or M > SPLIT_K_MAX_M or batch_invariant() or backend(x) != "triton"
-                or x.dim() != 2 or x.shape[1] != self.K or residual.shape != (M, self.N) or x.device != self.device
-                or residual.dtype != x.dtype or not residual.is_contiguous() or norm_weight.shape != (self.N,)):
+        that launch does not run (`WeightGemm.fuses_add_norm`: the CPU and torch backends, M > SPLIT_K_MAX_M, the
+        batch-invariant mode): the caller runs the GEMM and norm_rope.add_rms_norm."""
+        if not self.fuses_add_norm(x, residual, norm_weight):
             return None
+        M = x.shape[0]
         key = (next_pow2(M), x.dtype, "add_rms_norm")
         plan = self.plans.get(key)
         if plan is None:
@@ -369,33 +366,25 @@ class Int4Gemm(WeightGemm):
             config = tuned_or_default("int4_gemm", config_bucket(M, self.N, self.K, w),
                                       default_config(M, self.N, self.K, w.g_idx is not None,
                                                      compute_capability(self.device)))
-            plan = self.plans[key] = _plan(x, w, config, key[0], False, add_norm=(norm_weight, eps))
-        h = torch.empty_like(residual)
-        sumsq = torch.empty(plan.tiles_n, M, dtype=torch.float32, device=x.device)
-        y = plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1),
-                     res_ptr=residual, h_ptr=h, sumsq_ptr=sumsq)
-        return y, h
+            plan = self.plans[key] = _plan(x, w, config, key[0], False, add_norm=True)
+        return plan.run_add_norm(M, residual, norm_weight, eps, x_ptr=x, stride_xm=x.stride(0),
+                                 stride_xk=x.stride(1))
 
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Int4Weight -> its Int4Gemm (int4_gemm without a Linear)
 
 
-def _plan(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, max_m: int,
-          silu_mul: bool, add_norm: tuple[torch.Tensor, float] | None = None) -> GemmPlan:
-    """The GemmPlan of `int4_gemm_launch` for activations like x, at most max_m rows;
-    add_norm: (the norm's weight, eps) of the residual + RMSNorm epilogue, whose residual, h and row sums are bound
-    per call."""
+def _plan(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, max_m: int, silu_mul: bool,
+          add_norm: bool = False) -> GemmPlan:
+    """The GemmPlan of `int4_gemm_launch` for activations like x, at most max_m rows; add_norm: with the residual
+    + RMSNorm epilogue (`GemmPlan.run_add_norm`)."""
     check_launch_config("int4_gemm", config, Int4GemmConfig)
     N = w.shape[0]
     launch = int4_gemm_launch(x, w, config, split_k_arrivals(max_m, N, config, x.device), silu_mul)[0]
-    per_call = ("x_ptr", "stride_xm", "stride_xk")
-    if add_norm is not None:
-        launch.args.update(norm_w_ptr=add_norm[0], eps=add_norm[1], ADD_NORM=True,
-                           row_arrivals_ptr=arrival_counts(triton.cdiv(max_m, config.BLOCK_M), x.device))
-        per_call += ("res_ptr", "h_ptr", "sumsq_ptr")
-    return GemmPlan(launch, "out_ptr", per_call, N, config.BLOCK_M, triton.cdiv(N, config.BLOCK_N), config.SPLIT_K,
-                    flat=False, silu_mul=silu_mul)
+    return GemmPlan(launch, "out_ptr", ("x_ptr", "stride_xm", "stride_xk"), N, config.BLOCK_M,
+                    triton.cdiv(N, config.BLOCK_N), config.SPLIT_K, flat=False, silu_mul=silu_mul,
+                    add_norm_rows=max_m if add_norm else 0)
 
 
 def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arrivals: torch.Tensor | None = None,
@@ -428,7 +417,7 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arr
         HAS_CODE=w.code is not None, CODE_PAIRS=code_pairs,
         partials_ptr=partials, arrivals_ptr=arrivals, SILU_MUL=silu_mul,
         x_perm_ptr=w.perm if w.perm is not None else w.qweight, PERMUTE_X=w.perm is not None,
-        # the residual + RMSNorm epilogue's tensors (Int4Gemm.add_rms_norm binds them); unused without ADD_NORM
+        # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
         res_ptr=out, norm_w_ptr=out, h_ptr=out, sumsq_ptr=partials, row_arrivals_ptr=out, eps=0.0, ADD_NORM=False)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), split_k)
     return Launch(_int4_gemm_kernel, grid, args, config.num_warps, config.num_stages), out

@@ -98,8 +98,11 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
                       ASYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, FP16_DOT: tl.constexpr,
                       QUANTIZE_A: tl.constexpr, STATIC_A: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
-    """y[M, N] = ((a - a_zero) @ w^T) * a_scale[m] * w_scale[n] (+ bias).
+                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                      res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr):
+    """y[M, N] = ((a - a_zero) @ w^T) * a_scale[m] * w_scale[n] (+ bias); SILU_MUL: y [M, N / 2] = SwiGLU of the
+    (gate, up) column pairs (`common.store_output`); ADD_NORM: y + residual and its RMSNorm h
+    (`common.add_rms_norm_tile`).
 
     a int8 [M, K], a_scale fp32 [M] (stride_asm 0: one static scale), a_zero int32 [] (ASYMMETRIC),
     w int8 [N, K], w_scale fp32 [N] (stride_wsn 0: per tensor). SPLIT_K > 1 (decode): program_id(1) takes
@@ -153,7 +156,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
         out *= tl.load(a_scale_ptr + rows * stride_asm, mask=mask_m, other=0.0)[:, None]
     out *= tl.load(w_scale_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)[None, :]
     store_gemm_tile(y_ptr, out, bias_ptr, partials_ptr, arrivals_ptr, rows, offs_n, mask_m, mask_n, stride_ym, M, N,
-                    HAS_BIAS, SPLIT_K, SILU_MUL)
+                    HAS_BIAS, SPLIT_K, SILU_MUL, res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,7 +285,28 @@ class Int8Gemm(WeightGemm):
                              stride_am=a.stride(0))
         return y.reshape(*lead, -1)
 
-    def _plan(self, x: torch.Tensor, config: Int8GemmConfig, fp16_dot: bool, max_m: int) -> GemmPlan:
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(y = x @ W^T + residual, RMSNorm(y) * norm_weight) [M, N] in one launch (`common.add_rms_norm_tile`, the
+        activations quantized in it as `__call__` does at decode): a decode step's o_proj with the residual addition
+        and the post-attention norm in its epilogue. None where that launch does not run
+        (`WeightGemm.fuses_add_norm`): the caller runs the GEMM and norm_rope.add_rms_norm."""
+        if not self.fuses_add_norm(x, residual, norm_weight):
+            return None
+        M = x.shape[0]
+        x = x.contiguous()
+        fp16_dot = self.cc is not None and self.cc < 80
+        key = (next_pow2(M), x.dtype, fp16_dot, "add_rms_norm")
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self._plan(x, tuned_config(M, self.N, self.K, self.cc), fp16_dot, key[0],
+                                                add_norm=True)
+        return plan.run_add_norm(M, residual, norm_weight, eps, a_ptr=x, stride_am=x.stride(0))
+
+    def _plan(self, x: torch.Tensor, config: Int8GemmConfig, fp16_dot: bool, max_m: int,
+              add_norm: bool = False) -> GemmPlan:
+        """The GemmPlan for activations like x, at most max_m rows; add_norm (decode rows only): with the residual +
+        RMSNorm epilogue (`GemmPlan.run_add_norm`)."""
         check_launch_config("int8_gemm", config, Int8GemmConfig)
         arrivals = split_k_arrivals(max_m, self.N, config, x.device)
         if max_m <= QUANTIZE_IN_GEMM_MAX_M:
@@ -294,8 +318,8 @@ class Int8Gemm(WeightGemm):
                                   device=x.device)
             launch = int8_gemm_launch(a, a_scale, self.w, config, x.dtype, fp16_dot, arrivals, self.silu_mul)[0]
             per_call = ("a_ptr", "a_scale_ptr", "stride_am")
-        return GemmPlan(launch, "y_ptr", per_call, self.N, config.BLOCK_M,
-                        triton.cdiv(self.N, config.BLOCK_N), config.SPLIT_K, flat=True, silu_mul=self.silu_mul)
+        return GemmPlan(launch, "y_ptr", per_call, self.N, config.BLOCK_M, triton.cdiv(self.N, config.BLOCK_N),
+                        config.SPLIT_K, flat=True, silu_mul=self.silu_mul, add_norm_rows=max_m if add_norm else 0)
 
 
 _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # W8A8Weight -> its Int8Gemm (int8_gemm without a Linear)
@@ -328,7 +352,9 @@ def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: W8A8Weigh
                 ASYMMETRIC=w.input_zero_point is not None, HAS_BIAS=w.bias is not None, FP16_DOT=fp16_dot,
                 QUANTIZE_A=quantize, STATIC_A=quantize and static,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
-                SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul)
+                SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul,
+                # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
+                res_ptr=y, norm_w_ptr=y, h_ptr=y, sumsq_ptr=partials, row_arrivals_ptr=y, eps=0.0, ADD_NORM=False)
     return Launch(_int8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
 
 

@@ -11,7 +11,8 @@ from tritonq.kernels.common import E4M3_TO_FP16_BIAS, e4m3_bits_from_fp32, e4m3_
 @triton.jit
 def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv,
                  D_QK, D_V, qk_scale, BLOCK_DR: tl.constexpr, k_scale_ptr=None, v_scale_ptr=None, scale_rows=None,
-                 KV_FP8: tl.constexpr = False, KV_INT8: tl.constexpr = False, bias=None):
+                 KV_FP8: tl.constexpr = False, KV_INT8: tl.constexpr = False, bias=None,
+                 V_PAIRS: tl.constexpr = False):
     """One online-softmax step (flash-attention 2) of a query tile over BLOCK_N keys; every kernel's loop body.
 
     q [M, BLOCK_D] (and q_tail [M, BLOCK_DR] if BLOCK_DR > 0): the query tile, scale not applied.
@@ -24,7 +25,9 @@ def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs
     gains nothing: its max is taken as 0 for the exponentials, so exp2(-inf) = 0 and no NaN appears.
     Quantized pages (module docstring): KV_FP8 tiles are e4m3 bytes (decoded to value / 256; the caller
     folds scale x 256 into qk_scale and the output), KV_INT8 tiles int8 codes whose per-key scales
-    [BLOCK_N] are read at k_scale_ptr / v_scale_ptr + scale_rows.
+    [BLOCK_N] are read at k_scale_ptr / v_scale_ptr + scale_rows. V_PAIRS (decode): 8-bit values are read as byte
+    pairs (an even Dv, checked by the launcher); not in prefill, whose 128-row tiles spill with them on sm_90
+    (docs/decode_step.md).
     """
     k = tl.load(k_rows[None, :] + offs_d[:, None], mask=key_ok[None, :] & (offs_d[:, None] < D_QK), other=0.0)
     s = ieee_dot(q, _kv_tile(k, q.dtype, KV_FP8), None)
@@ -43,14 +46,29 @@ def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=key_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-    if KV_INT8:  # each value row's scale multiplies its probability column: [M, BLOCK_N] products, not [BLOCK_N, Dv]
+    if V_PAIRS and (KV_INT8 or KV_FP8):
+        # 8-bit values as byte pairs: int16 words [BLOCK_N, BLOCK_DV / 2] come in 16-byte cp.async loads (a byte
+        # tile feeding the dot directly came in 8-byte ones: the keys, its K dim, are strided in memory); the low
+        # and high bytes (even and odd value columns) meet p in two dots, interleaved back into acc's columns
+        offs_w = tl.arange(0, offs_dv.shape[0] // 2)
+        words = tl.load(v_rows.to(tl.pointer_type(tl.int16), bitcast=True)[:, None] + offs_w[None, :],
+                        mask=key_ok[:, None] & (offs_w[None, :] < D_V // 2), other=0)
         l_i = l_i * alpha + tl.sum(p, 1)  # first, so that the scaled p replaces p (128-row tiles spilled otherwise)
-        p = p * tl.load(v_scale_ptr + scale_rows, mask=key_ok, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + ieee_dot(p.to(q.dtype), v.to(q.dtype), None)
+        if KV_INT8:  # each value row's scale multiplies its probability column: [M, BLOCK_N] products
+            p = p * tl.load(v_scale_ptr + scale_rows, mask=key_ok, other=0.0)[None, :]
+        p = p.to(q.dtype)
+        even = ieee_dot(p, _kv_tile(((words << 8) >> 8).to(tl.int8), q.dtype, KV_FP8), None)
+        odd = ieee_dot(p, _kv_tile((words >> 8).to(tl.int8), q.dtype, KV_FP8), None)
+        acc = acc * alpha[:, None] + tl.reshape(tl.join(even, odd), acc.shape)
     else:
-        acc = acc * alpha[:, None] + ieee_dot(p.to(q.dtype), _kv_tile(v, q.dtype, KV_FP8), None)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=key_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        if KV_INT8:  # as above, over the byte tile
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p = p * tl.load(v_scale_ptr + scale_rows, mask=key_ok, other=0.0)[None, :]
+            acc = acc * alpha[:, None] + ieee_dot(p.to(q.dtype), v.to(q.dtype), None)
+        else:
+            acc = acc * alpha[:, None] + ieee_dot(p.to(q.dtype), _kv_tile(v, q.dtype, KV_FP8), None)
+            l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
 
 
@@ -225,7 +243,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, cache_lens_ptr, block_table_ptr, p
                                      v_ptr + page * stride_vp + kv_h * stride_vh + rows * stride_vs, key_ok,
                                      key_ok[None, :], m_i, l_i, acc, offs_d, offs_dr,
                                      offs_dv, D_QK, D_V, qk_scale, BLOCK_DR, k_scale_ptr, v_scale_ptr,
-                                     (page * PAGE_SIZE + rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8, bias)
+                                     (page * PAGE_SIZE + rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8, bias,
+                                     V_PAIRS=True)
 
     if NUM_SPLITS == 1:  # the merge folded in: this program saw all the keys
         # no keys (a padding row): l_i = 0, acc = 0, output 0; a sink (log2 domain) adds e^(sink) to the sum

@@ -155,6 +155,11 @@ def _unpack_pages(k_pages, v_pages, what: str) -> tuple[torch.Tensor, torch.Tens
     if k_pages.data.dtype != v_pages.data.dtype:
         raise ValueError(f"{what}: k and v pages differ in dtype ({k_pages.data.dtype}, {v_pages.data.dtype}); "
                          "one KV cache dtype per layer.")
+    v = v_pages.data
+    if v.shape[-1] % 2 or any(stride % 2 for stride in v.stride()[:-1]) or v.storage_offset() % 2:
+        raise ValueError(f"{what}: 8-bit v pages are read as byte pairs (jit._attend_tile), so their head dim, "
+                         f"strides and offset must be even; got Dv {v.shape[-1]}, strides {v.stride()}, offset "
+                         f"{v.storage_offset()}. Pad the head dim to an even size.")
     return k_pages.data, v_pages.data, k_pages.scale, v_pages.scale
 
 
