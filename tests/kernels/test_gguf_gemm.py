@@ -72,3 +72,52 @@ def test_bad_weights_and_activations_are_refused():
         with pytest.raises(ValueError, match=r"gguf_gemm: x is torch.float32 of shape \(2, 128\), expected "
                                              r"fp16/bf16/fp32 \[M, 256\]"):
             GGUFGemm(w)(torch.zeros(2, 128))
+
+
+MOE_SHAPES = {"Q4_K": (256, 256), "Q5_K": (256, 256), "Q6_K": (256, 256), "Q5_0": (96, 160), "IQ4_NL": (96, 160)}
+MOE_E, MOE_TOP_K = 5, 2  # 5 experts: a count off every tile
+
+
+def _gguf_experts(type_name, E, D, inter):
+    """Stacked random GGUF experts (gate_up [E, 2I, D], down [E, D, I]) and the gguf package's fp32 values of each."""
+    from tritonq.quant.weights import stack_experts
+    with torch.device("cpu"):
+        gate_up = [random_weight(type_name, 2 * inter, D, seed=10 + e) for e in range(E)]
+        down = [random_weight(type_name, D, inter, seed=20 + e) for e in range(E)]
+    return (stack_experts([w for w, _ in gate_up]), stack_experts([w for w, _ in down]),
+            [W for _, W in gate_up], [W for _, W in down])
+
+
+def _routed_reference(x, gate_up, down, topk_weights, topk_ids):
+    """Per token and slot, in float32: sum_k w_k * down_e(silu(gate_e x) * up_e x) on the gguf package's values."""
+    out = torch.zeros(x.shape[0], down[0].shape[0])
+    inter = down[0].shape[1]
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            g, u = (x[t].float() @ gate_up[e].t()).split(inter)
+            out[t] += topk_weights[t, k] * (down[e] @ (torch.nn.functional.silu(g) * u))
+    return out
+
+
+@pytest.mark.parametrize("type_name, dtype, tokens", [
+    ("Q4_K", torch.float32, (1, 3, 17, 64)), ("Q6_K", torch.float32, (3, 17)), ("Q5_K", torch.bfloat16, (17,)),
+    ("Q5_0", torch.float32, (1, 17)), ("IQ4_NL", torch.float16, (3,))])
+def test_gguf_experts_through_fused_moe_match_float32_reference(type_name, dtype, tokens, device):
+    """Stacked GGUF experts run fused_moe's GGUF expert kernel (gguf_gemm._gguf_moe_kernel over kernels/moe's
+    token alignment) and equal the routed experts on the gguf package's values: 5 experts, top-2, tokens 1 .. 64,
+    D and I off the 64-wide tiles where the block allows (32-blocks). Tolerance: tolerances.py's moe entry, relative
+    to max |reference| (both GEMMs exact fp32 dots; fp16 / bf16: the weight and the hidden rounded once each)."""
+    from tritonq.kernels.moe import MoEExperts, grouped_topk
+    D, inter = MOE_SHAPES[type_name]
+    gate_up, down, gate_up_ref, down_ref = _gguf_experts(type_name, MOE_E, D, inter)
+    layer = MoEExperts(gate_up.to(device), down.to(device))
+    tol = tolerances.table("moe")[dtype]
+    for T in tokens:
+        gen = torch.Generator().manual_seed(T)
+        x = torch.randn(T, D, generator=gen).to(dtype)
+        topk_weights, topk_ids = grouped_topk(torch.randn(T, MOE_E, generator=gen), top_k=MOE_TOP_K, renormalize=True)
+        ref = _routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
+        y = layer(x.to(device), topk_weights.to(device), topk_ids.to(device))
+        assert y.dtype == dtype and y.shape == (T, D)
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())

@@ -523,7 +523,7 @@ class GGUFLoader(WeightsLoader):
                 self.weights.get_shape(name)) != 2:
             return False
         type_name = self.weights.type_name(name)
-        return type_name in self.REPACKED or (type_name in PLANAR and ".experts." not in prefix)
+        return type_name in self.REPACKED or type_name in PLANAR
 
     def get_fused_linear(self, prefixes: list[str], *args, **kwargs) -> Weight:
         """As WeightsLoader's; parts of different block types (Q4_K_M's Q4_K q / k with a Q6_K v) cannot share

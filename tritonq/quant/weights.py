@@ -495,7 +495,20 @@ class GGUFWeight(_TypedWeight):
         return self.group_size % block_k == 0
 
     def stacked_shape(self, what: str) -> tuple[int, int, int]:
-        raise ValueError(f"{what}: GGUF {self.type_name} experts run per expert, not through the fused MoE kernel")
+        """(E, N, K) of stacked experts (every plane with the leading E, contiguous; code [E, 16])."""
+        if self.lo.dim() != 3:
+            _not_stacked(self, what)
+        E, (N, K) = self.lo.shape[0], self.shape
+        groups = (E, K // self.group_size, N)
+        expected = {"lo": (E, K // 8, N), "hi": (E, K * (self.bits - 4) // 32, N), "scales": groups,
+                    "offsets": groups, "code": (E, 16)}
+        for name, shape in expected.items():
+            t = getattr(self, name)
+            if t is not None and (tuple(t.shape) != shape or not t.is_contiguous()):
+                raise ValueError(f"{what} GGUF {self.type_name} {name} is {tuple(t.shape)}"
+                                 f"{'' if t.is_contiguous() else ' (non-contiguous)'}, expected a contiguous "
+                                 f"{list(shape)}: stack the experts with stack_experts")
+        return E, N, K
 
     @classmethod
     def _concat_outputs(cls, parts: list[GGUFWeight], bias: torch.Tensor | None) -> GGUFWeight:
@@ -510,8 +523,15 @@ class GGUFWeight(_TypedWeight):
 
     @classmethod
     def _stack_experts(cls, parts: list[GGUFWeight]) -> GGUFWeight:
-        raise ValueError("GGUF K-quant / Q4_1 / Q5_x experts are not stacked for the fused MoE kernel (the GGUF "
-                         "loader reads such experts dense)")
+        found = sorted({(p.type_name, p.shape) for p in parts})
+        if len(found) != 1:
+            raise ValueError(f"experts of one MoE layer must share their GGUF block type and shape (one fused kernel "
+                             f"runs them all); found {found}")
+
+        def stack(name):
+            return _stack_optional(parts, name)
+        return replace(parts[0], lo=stack("lo"), hi=stack("hi"), scales=stack("scales"), offsets=stack("offsets"),
+                       code=stack("code"), bias=stack("bias"))
 
 
 Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight | W8A8Weight | GGUFWeight

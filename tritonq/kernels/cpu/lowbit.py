@@ -5,6 +5,8 @@ TRITONQ_BACKEND=torch still runs them: the test oracle). `prepare(w)` makes a we
 
 * `CPUInt4Weight`: 4-bit AWQ / GPTQ for torch's int4 CPU kernel (bf16 activations, fp32 accumulation); above
   TEMPLATE_ABOVE_M rows inductor's int4 GEMM template, compiled once per weight (`_template_gemm`).
+* GGUF's 5- / 6-bit and IQ4 experts: kept in their planes, run by `gguf_gemm.cpu_linear` (column tiles
+  dequantized per call; their linears run it inside GGUFGemm).
 * `CPUDenseWeight`: every other type (8-bit, nf4 / fp4, FP8, MXFP4, int4 the kernel cannot take), dequantized once
   to fp32 and run as an fp32 GEMM.
 
@@ -27,6 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tritonq.kernels import batch_invariant
 from tritonq.kernels.cpu import dense as cpu_dense, native as cpu_native
 from tritonq.kernels.common import ClampedSwiGLU
+from tritonq.kernels.gguf_gemm import cpu_linear as gguf_cpu_linear
 from tritonq.quant.packing import unpack_int32
 from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, MXFP4Weight, Weight
 
@@ -75,7 +78,7 @@ class CPUDenseWeight:
     bias: torch.Tensor | None
 
 
-CPUWeight = CPUInt4Weight | CPUDenseWeight
+CPUWeight = CPUInt4Weight | CPUDenseWeight | GGUFWeight
 
 _prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()  # typed weight -> its CPUWeight (or tuple, stacked)
 
@@ -104,6 +107,8 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     compiled: above TEMPLATE_ABOVE_M rows a 4-bit weight may run inductor's int4 GEMM template, compiled for
     this weight on its first such call (`_template_gemm`); False keeps to the eager paths (MoE experts: one
     compile per expert would cost more than it saves)."""
+    if isinstance(p, GGUFWeight):
+        return gguf_cpu_linear(x, p)
     if isinstance(p, CPUDenseWeight):
         if batch_invariant():  # MKL's sums change with the row count: the C loop's (kernels/cpu/dense.py)
             y = cpu_native.small_linear(x.float().contiguous(), _rows_copy(p), p.weight.shape[0], p.bias,
@@ -317,6 +322,8 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
         _note("GGUF Q4_1 / Q4_K weights run torch's CPU int4 kernel, their fp32 scales and offsets rounded to bf16")
         return _prepare_int4(Int4Weight(w.lo, w.scales, None, None, w.group_size, 4, w.bias),
                              float_zeros=8 * w.scales + w.offsets)
+    if isinstance(w, GGUFWeight):  # no dense copy: each call dequantizes column tiles (gguf_gemm.cpu_linear)
+        return w
     if isinstance(w, Int4Weight) and w.code is not None:
         reason = "bitsandbytes nf4/fp4 (a code table, not the integer levels torch's int4 kernel takes)"
     elif isinstance(w, Int4Weight) and w.bits == 4:
