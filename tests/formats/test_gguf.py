@@ -106,9 +106,18 @@ def test_llama_gguf_equals_transformers(llama, tmp_path, scheme):
     check_against_transformers(llama, tmp_path / f"llama-{scheme}.gguf", scheme)
 
 
-@pytest.mark.parametrize("scheme", ["Q8_0", "Q4_K_M"])
-def test_qwen3_moe_gguf_equals_transformers(qwen3_moe, tmp_path, scheme):
-    check_against_transformers(qwen3_moe, tmp_path / f"qwen3moe-{scheme}.gguf", scheme)
+@pytest.mark.parametrize("scheme, expert_types", [("Q8_0", ("Int4Weight", "Int4Weight")),
+                                                   ("Q4_K_M", ("GGUFWeight", "GGUFWeight"))])
+def test_qwen3_moe_gguf_equals_transformers(qwen3_moe, tmp_path, scheme, expert_types):
+    """The experts keep their block formats (Q4_K_M: Q4_K gate/up, Q6_K down as GGUFWeight) through fused_moe."""
+    from tritonq.formats.layers import RoutedExperts
+    ours = check_against_transformers(qwen3_moe, tmp_path / f"qwen3moe-{scheme}.gguf", scheme)
+    experts = [m for m in ours.model.modules() if isinstance(m, RoutedExperts)]
+    assert len(experts) == 2
+    for m in experts:
+        assert (type(m.gate_up).__name__, type(m.down).__name__) == expert_types
+        if scheme == "Q4_K_M":
+            assert (m.gate_up.type_name, m.down.type_name) == ("Q4_K", "Q6_K")
 
 
 def test_test_quantizers_round_trip_through_gguf_dequantizer():

@@ -121,3 +121,23 @@ def test_gguf_experts_through_fused_moe_match_float32_reference(type_name, dtype
         y = layer(x.to(device), topk_weights.to(device), topk_ids.to(device))
         assert y.dtype == dtype and y.shape == (T, D)
         torch.testing.assert_close(y.float().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "IQ4_NL"])
+def test_gguf_experts_on_the_cpu_backend_match_float32_reference(monkeypatch, type_name):
+    """The CPU backend's experts: Q6_K / IQ4_NL kept in their planes (gguf_gemm.cpu_linear, exact fp32 values:
+    the fp32 moe tolerance), Q4_K on torch's int4 kernel (bf16 activations, scales and float zeros: the bf16 one)."""
+    from tritonq.kernels.cpu import lowbit
+    from tritonq.kernels.moe import fused_moe, grouped_topk
+    monkeypatch.setenv("TRITONQ_BACKEND", "auto")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    D, inter = MOE_SHAPES[type_name]
+    gate_up, down, gate_up_ref, down_ref = _gguf_experts(type_name, MOE_E, D, inter)
+    x = torch.randn(17, D, generator=torch.Generator().manual_seed(1))
+    topk_weights, topk_ids = grouped_topk(torch.randn(17, MOE_E), top_k=MOE_TOP_K, renormalize=True)
+    ref = _routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
+    y = fused_moe(x, gate_up, down, topk_weights, topk_ids)
+    kept = isinstance(lowbit.prepare_experts(down)[0], GGUFWeight)
+    assert kept == (type_name != "Q4_K")
+    tol = tolerances.table("moe")[torch.float32 if kept else torch.bfloat16]
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item())
