@@ -51,6 +51,9 @@ from tritonq.quant.weights import GGUFWeight
 
 SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
 CPU_TILE_BYTES = 2 << 20  # fp32 bytes of the weight tile the CPU path dequantizes at a time
+# BLOCK_K of the IQ4 expert GEMM: the level gather's address tile of two [64, 64] weight tiles spills on sm_80 / 89
+# (Triton 3.6, 8 warps); 32 rows do not (tests/aot/test_fit.py)
+CODE_BLOCK_K = 32
 
 
 @dataclass(frozen=True)
@@ -314,14 +317,14 @@ def gguf_moe_launch(a: torch.Tensor, out: torch.Tensor, w: GGUFWeight, routing: 
     """The launch of _gguf_moe_kernel for one of fused_moe's two GEMMs over stacked GGUF experts w (checked by
     `GGUFWeight.stacked_shape`): gate_up a = x [T, D], w [E, 2I, D] (gate rows, then up), out = hidden [T*k, I];
     else a = hidden [T*k, I], w [E, D, I], out [T*k, D]. alignment, config (a kernels.moe MoEConfig) and block_m
-    as kernels/moe's `moe_gemm_launch`; BLOCK_K is taken to at least 32 (a word of Q5's fifth bits). SiLU-and-mul
-    only: GGUF experts (qwen3moe) have no biases and no other activation."""
+    as kernels/moe's `moe_gemm_launch`; BLOCK_K is taken to at least 32 (a word of Q5's fifth bits), and to 32 for
+    IQ4 (CODE_BLOCK_K). SiLU-and-mul only: GGUF experts (qwen3moe) have no biases and no other activation."""
     if w.bias is not None or activation is not None:
         _fail("(bias, activation)", (w.bias is not None, activation), "no bias and SiLU-and-mul (None)",
               "GGUF experts run Qwen3-MoE's plain SwiGLU experts")
     sorted_ids, expert_ids, post_padded = alignment
     (N, K), W_N = (out.shape[1], a.shape[1]), w.shape[0]
-    block_k = max(32, min(config.BLOCK_K, next_pow2(K)))
+    block_k = max(32, min(config.BLOCK_K, next_pow2(K), CODE_BLOCK_K if w.code is not None else config.BLOCK_K))
     args = dict(a_ptr=a, out_ptr=out, lo_ptr=w.lo, hi_ptr=w.hi if w.hi is not None else w.lo, scales_ptr=w.scales,
                 offsets_ptr=w.offsets if w.offsets is not None else w.scales,
                 code_ptr=w.code if w.code is not None else w.scales, routing_weight_ptr=routing,
@@ -371,14 +374,39 @@ def cpu_linear(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def _meta_weight(N: int, K: int, bits: int, group: int, offsets: bool, code: bool, *experts: int) -> GGUFWeight:
+    """A GGUFWeight of meta tensors: N x K, `bits`-bit codes, scales per `group`, offsets or not, a code table (IQ4)
+    or not; `experts` (E,): stacked."""
+    meta = torch.device("meta")
+    scales = torch.empty(*experts, K // group, N, dtype=torch.float32, device=meta)
+    return GGUFWeight(torch.empty(*experts, K // 8, N, dtype=torch.int32, device=meta),
+                      torch.empty(*experts, K * (bits - 4) // 32, N, dtype=torch.int32, device=meta) if bits > 4
+                      else None,
+                      scales, torch.empty_like(scales) if offsets else None, group, bits, 0, f"{bits}-bit",
+                      code=torch.empty(*experts, 16, device=meta) if code else None)
+
+
 def aot_launch(config: GGUFGemmConfig, M: int, N: int, K: int, bits: int, group: int, offsets: bool,
                dtype: torch.dtype = torch.bfloat16, code: bool = False) -> Launch:
     """`gguf_gemm_launch` over meta tensors for an N x K weight of `bits`-bit codes, scales per `group`, with
     offsets or not (Q4_K: 4, 32, True; Q5_K: 5, 32, True; Q6_K: 6, 16, False), a code table (IQ4) or not, no bias."""
+    w = _meta_weight(N, K, bits, group, offsets, code)
+    return gguf_gemm_launch(torch.empty(M, K, dtype=dtype, device="meta"), w, config)[0]
+
+
+def aot_moe_launch(config, problem: tuple[int, int, int, int, int], gate_up: bool, bits: int, group: int,
+                   offsets: bool, dtype: torch.dtype = torch.bfloat16, code: bool = False) -> Launch:
+    """`gguf_moe_launch` over meta tensors for one GEMM of fused_moe over stacked GGUF experts (format as
+    `aot_launch`'s); problem (tokens, experts, top-k, D, I), config a kernels.moe MoEConfig."""
+    T, E, top_k, D, inter = problem
+    N, K, w_rows = (inter, D, 2 * inter) if gate_up else (D, inter, D)
     meta = torch.device("meta")
-    scales = torch.empty(K // group, N, dtype=torch.float32, device=meta)
-    w = GGUFWeight(torch.empty(K // 8, N, dtype=torch.int32, device=meta),
-                   torch.empty(K * (bits - 4) // 32, N, dtype=torch.int32, device=meta) if bits > 4 else None,
-                   scales, torch.empty_like(scales) if offsets else None, group, bits, 0, f"{bits}-bit",
-                   code=torch.empty(16, device=meta) if code else None)
-    return gguf_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config)[0]
+    numel = T * top_k
+    max_blocks = min(numel, triton.cdiv(numel, config.BLOCK_M) + E + 1)  # as moe_align_block_size
+    alignment = (torch.empty(max_blocks * config.BLOCK_M, dtype=torch.int32, device=meta),
+                 torch.empty(max_blocks, dtype=torch.int32, device=meta), torch.empty(1, dtype=torch.int32, device=meta))
+    a = torch.empty(T if gate_up else numel, K, dtype=dtype, device=meta)
+    return gguf_moe_launch(a, torch.empty(numel, N, dtype=dtype, device=meta),
+                           _meta_weight(w_rows, K, bits, group, offsets, code, E),
+                           torch.empty(numel, dtype=torch.float32, device=meta), alignment, top_k, config,
+                           config.BLOCK_M, gate_up)
