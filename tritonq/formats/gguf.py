@@ -24,7 +24,7 @@ from tritonq.formats.base import WeightsLoader, always_dense
 from tritonq.formats.checkpoint import Weights, block_sizes, nonfinite_count
 from tritonq.formats.tensor_parallel import Shard, check_split
 from tritonq.quant.packing import pack_int32
-from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, Weight
+from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, PartsWeight, Weight
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # GGUF -> model_type
 
@@ -525,17 +525,30 @@ class GGUFLoader(WeightsLoader):
         type_name = self.weights.type_name(name)
         return type_name in self.REPACKED or type_name in PLANAR
 
-    def get_fused_linear(self, prefixes: list[str], *args, **kwargs) -> Weight:
-        """As WeightsLoader's; parts of different block types (Q4_K_M's Q4_K q / k with a Q6_K v) cannot share
-        one kernel, so such a group is read dense."""
-        kinds = {self.weights.type_name(f"{p}.weight") if self.is_quantized(p) else None for p in prefixes}
-        if len(kinds) == 1:
-            return super().get_fused_linear(prefixes, *args, **kwargs)
-        self._read_dense = True
-        try:
-            return super().get_fused_linear(prefixes, *args, **kwargs)
-        finally:
-            self._read_dense = False
+    def get_fused_linear(self, prefixes: list[str], bias: bool = False, parallel: str | None = None,
+                         parts: list | None = None, shapes: list | None = None, segments: list | None = None) -> Weight:
+        """As WeightsLoader's where the parts share a block type. Parts of different types (Q4_K_M's Q4_K q / k
+        with a Q6_K v) cannot share one kernel: each run of equal types is fused, and the runs kept side by side
+        in a PartsWeight (one GEMM each, every part in its own format); experts' gate / up (stacked for one fused
+        MoE kernel) are read dense instead."""
+        kinds = [self.weights.type_name(f"{p}.weight") if self.is_quantized(p) else None for p in prefixes]
+        if len(set(kinds)) == 1:
+            return super().get_fused_linear(prefixes, bias, parallel, parts, shapes, segments)
+        if ".experts." in prefixes[0]:
+            self._read_dense = True
+            try:
+                return super().get_fused_linear(prefixes, bias, parallel, parts, shapes, segments)
+            finally:
+                self._read_dense = False
+        n = len(prefixes)
+        parts, shapes, segments = parts or [None] * n, shapes or [None] * n, segments or [1] * n
+        runs, start = [], 0
+        for i in range(1, n + 1):
+            if i == n or kinds[i] != kinds[start]:
+                runs.append(super().get_fused_linear(prefixes[start:i], bias, parallel, parts[start:i],
+                                                     shapes[start:i], segments[start:i]))
+                start = i
+        return PartsWeight(tuple(runs))
 
     def check_float(self, name: str) -> None:
         pass  # every GGUF tensor reads as float (GGUFWeights dequantizes)

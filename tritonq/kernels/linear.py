@@ -27,7 +27,7 @@ from tritonq.kernels.fp8_gemm import FP8Gemm
 from tritonq.kernels.gguf_gemm import GGUFGemm
 from tritonq.kernels.int4_gemm import Int4Gemm
 from tritonq.kernels.int8_gemm import Int8Gemm
-from tritonq.quant.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight, W8A8Weight, Weight
+from tritonq.quant.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight, PartsWeight, W8A8Weight, Weight
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,15 @@ def _gemm(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     return p.gemm(x)  # FP8Gemm and Int8Gemm take [..., K] themselves
 
 
+def _prepare_parts(w: PartsWeight) -> Prepared:
+    return Prepared(w, tuple((kind_of(part).run, kind_of(part).prepare(part)) for part in w.parts), None)
+
+
+def _parts(x: torch.Tensor, p: Prepared) -> torch.Tensor:
+    """A fused linear of parts of different types: each part's GEMM, outputs concatenated along N."""
+    return torch.cat([run(x, prepared) for run, prepared in p.gemm], dim=-1)
+
+
 
 
 # The one table of linears by weight type (MXFP4 is experts-only: kernels/moe/).
@@ -100,6 +109,7 @@ LINEARS = {
     FP8Weight: LinearKind(_prepare_fp8, _gemm),
     W8A8Weight: LinearKind(_prepare_w8a8, _gemm),
     GGUFWeight: LinearKind(_prepare_gguf, _int4),
+    PartsWeight: LinearKind(_prepare_parts, _parts),
 }
 
 

@@ -534,8 +534,50 @@ class GGUFWeight(_TypedWeight):
                        code=stack("code"), bias=stack("bias"))
 
 
-Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight | W8A8Weight | GGUFWeight
-WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight, MXFP4Weight, W8A8Weight, GGUFWeight)
+@dataclass(frozen=True)
+class PartsWeight(_TypedWeight):
+    """A fused linear (q/k/v, gate/up) whose parts keep different types: GGUF's Q4_K_M mixes a Q6_K attn_v with
+    Q4_K q / k in some layers, which no one kernel runs. parts: 2-D typed weights [N_i, K] (each with its own bias,
+    if any), each run by its own GEMM; W [sum N_i, K] is their concatenation along N. Linears only (no experts)."""
+    parts: tuple
+    bias: None = None
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.parts[0].values
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"parts.{i}.{name}": t for i, p in enumerate(self.parts) for name, t in p.tensors().items()}
+
+    def to(self, device):
+        return replace(self, parts=tuple(p.to(device) for p in self.parts))
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W [N, K]: the parts' values concatenated, in dtype (None: float32)."""
+        return torch.cat([p.dequantize(dtype or torch.float32) for p in self.parts])
+
+    def scales_constant_over(self, block_k: int) -> bool:
+        return False
+
+    def stacked_shape(self, what: str) -> tuple[int, int, int]:
+        raise ValueError(f"{what}: a fused weight of parts of different types is not stacked for the fused MoE; "
+                         "its loader reads such experts dense")
+
+    @classmethod
+    def _concat_outputs(cls, parts: list[PartsWeight], bias: torch.Tensor | None) -> PartsWeight:
+        return cls(tuple(q for p in parts for q in p.parts))
+
+    @classmethod
+    def _stack_experts(cls, parts: list[PartsWeight]) -> PartsWeight:
+        raise ValueError("a fused weight of parts of different types is not stacked for the fused MoE")
+
+
+Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight | W8A8Weight | GGUFWeight | PartsWeight
+WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight, MXFP4Weight, W8A8Weight, GGUFWeight, PartsWeight)
 
 
 @dataclass(frozen=True)
