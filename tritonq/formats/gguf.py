@@ -8,8 +8,9 @@ one tensor per expert) with their logical [N, K] shapes, as float tensors: readi
 (`dequantize`, bit for bit the gguf package's reference in fp32), with Llama's Q/K rows un-permuted (the
 converter interleaves them for llama.cpp's rope). `GGUFLoader` repacks Q4_0 and Q8_0 (d * (q - 8), d * x per
 32 weights: the symmetric form of the int layout) into Int4Weight and Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K /
-IQ4_NL / IQ4_XS into GGUFWeight (codes with exact fp32 scales and offsets or a 16-level table, `PLANAR`); the
-rest is dequantized once to the compute dtype at load (docs/gguf.md: which, and the memory cost). Every
+IQ4_NL / IQ4_XS into GGUFWeight (codes with exact fp32 scales and offsets or a 16-level table, `PLANAR`; MoE experts
+too, stacked for the fused MoE); a fused group of mixed types into a PartsWeight of its typed runs; the rest is
+dequantized once to the compute dtype at load (docs/gguf.md: which, and the memory cost). Every
 tensor's type, size and place in its file is checked when the files are opened, before any weight is read.
 """
 from __future__ import annotations
@@ -501,11 +502,10 @@ def tokenizer(weights: GGUFWeights):
 
 
 class GGUFLoader(WeightsLoader):
-    """Typed weights of a GGUF checkpoint: Q4_0 and Q8_0 linears repacked to Int4Weight (4 / 8 bits, group 32,
-    scale d, symmetric zero 8 / 128: the same values); Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linears to
-    GGUFWeight (their codes and exact fp32 scales / offsets, run by kernels/gguf_gemm.py); every other tensor,
-    the experts of those six types, and fused groups (q/k/v, gate/up) whose parts differ in type dequantized to
-    the compute dtype (`GGUFWeights`)."""
+    """Typed weights of a GGUF checkpoint: Q4_0 and Q8_0 linears and experts repacked to Int4Weight (4 / 8 bits,
+    group 32, scale d, symmetric zero 8 / 128: the same values); the PLANAR types' to GGUFWeight (their codes and
+    exact fp32 scales / offsets, run by kernels/gguf_gemm.py); fused groups (q/k/v, gate/up) whose parts differ in
+    type as a PartsWeight (get_fused_linear); every other tensor dequantized to the compute dtype (`GGUFWeights`)."""
     marker = "weight"
     REPACKED = {"Q4_0": 4, "Q8_0": 8}  # block type -> Int4Weight bits
 

@@ -16,6 +16,10 @@ common.dequantize_int_tile does in fp32). Planes are K-packed and N-contiguous l
 weight load is a row of BLOCK_N words (16-byte vectors); a K tile holds BLOCK_K / group scale rows, broadcast
 over their group by a reshape.
 
+MoE experts: `_gguf_moe_kernel`, fused_moe's expert GEMM over stacked GGUFWeight experts (kernels/moe's token
+alignment and plan, its launcher dispatching here by the weight's type: `gguf_moe_launch`), each tile
+dequantized by the same `_weight_tile`.
+
 Paths by M as int4_gemm's: M <= 16 (decode) BLOCK_M 16 with split-K reduced in the launch
 (`common.reduce_split_k`), else a tiled GEMM. `GGUFGemm` resolves config, grid and arguments once per M
 bucket (`common.GemmPlan`): one launch per call. CPU backend: `cpu_linear` dequantizes a tile of output

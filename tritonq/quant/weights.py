@@ -443,7 +443,7 @@ class W8A8Weight(_TypedWeight):
 
 @dataclass(frozen=True)
 class GGUFWeight(_TypedWeight):
-    """A GGUF block format that no integer zero can express (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), repacked at load
+    """A GGUF block format that no integer zero can express (Q4_1, Q5_x, Q4_K, Q5_K, Q6_K, IQ4_x), repacked at load
     (formats/gguf.py) into planes a GEMM reads along N with the exact values of the format:
 
     lo       [K / 8, N] int32: the low 4 bits of each code, packed along K (Int4Weight's 4-bit packing).
@@ -454,6 +454,7 @@ class GGUFWeight(_TypedWeight):
     code     fp32 [16] or None: IQ4_NL / IQ4_XS's non-uniform levels; with it a code q means code[q] (zero 0).
     Dequant, in fp32: W[n, k] = (q - zero) * scale (+ offset), or code[q] * scale: the gguf package's products and
     sums, whose products are exact in fp32, so the values are its values bit for bit. type_name names the format.
+    Stacked (MoE experts, run by kernels/gguf_gemm.py's expert GEMM): every plane and code gain a leading E.
     """
     lo: torch.Tensor
     hi: torch.Tensor | None
