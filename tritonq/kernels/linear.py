@@ -6,7 +6,8 @@ its kernel's message, and builds what the calls need: the weight's GEMM object (
 `GGUFGemm`: kernel, config and launch arguments resolved once per M bucket, one launch per call at decode) and, on
 the CPU backend, the CPU form (kernels/cpu/lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
 one). `run(x, prepared)` is then a lookup and a call: the backend (CPU kernels, the torch reference under
-TRITONQ_BACKEND=torch, Triton) is picked from x by the GEMM object, or by the CPU fast paths here.
+TRITONQ_BACKEND=torch, Triton) is picked from x by the GEMM object, or by the CPU fast paths here. A `PartsWeight`
+(a fused linear whose parts keep different types) runs each part's row and concatenates the outputs.
 
 `prepare_gate_up(w)` is the SwiGLU MLP's gate_up linear with its activation in the GEMM's epilogue (one launch
 instead of the GEMM and a silu_mul kernel): where the weight runs a Triton GEMM with that epilogue (int4/int8
@@ -32,8 +33,9 @@ from tritonq.quant.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight
 
 @dataclass(frozen=True)
 class Prepared:
-    """What `prepare` made of one weight: the weight, its GEMM object (None for dense weights) and its CPU form
-    (None off the CPU backend, for W8A8 weights, which run as stored, and for dense weights oneDNN does not pack)."""
+    """What `prepare` made of one weight: the weight, its GEMM object (None for dense weights; a PartsWeight: each
+    part's (run, Prepared)) and its CPU form (None off the CPU backend, for W8A8 weights, which run as stored, and
+    for dense weights oneDNN does not pack)."""
     weight: Weight
     gemm: Any
     cpu: Any
