@@ -11,7 +11,7 @@ rounding to that dtype and one rounding of y.
 import pytest
 import tolerances
 import torch
-from formats.gguf_files import random_weight
+from formats.gguf_files import random_experts, random_weight, routed_reference
 
 from tritonq.formats.gguf import BLOCK_FORMATS, PLANAR
 from tritonq.kernels.gguf_gemm import GGUFGemm, GGUFGemmConfig, gguf_gemm_reference
@@ -78,28 +78,6 @@ MOE_SHAPES = {"Q4_K": (256, 256), "Q5_K": (256, 256), "Q6_K": (256, 256), "Q5_0"
 MOE_E, MOE_TOP_K = 5, 2  # 5 experts: a count off every tile
 
 
-def _gguf_experts(type_name, E, D, inter):
-    """Stacked random GGUF experts (gate_up [E, 2I, D], down [E, D, I]) and the gguf package's fp32 values of each."""
-    from tritonq.quant.weights import stack_experts
-    with torch.device("cpu"):
-        gate_up = [random_weight(type_name, 2 * inter, D, seed=10 + e) for e in range(E)]
-        down = [random_weight(type_name, D, inter, seed=20 + e) for e in range(E)]
-    return (stack_experts([w for w, _ in gate_up]), stack_experts([w for w, _ in down]),
-            [W for _, W in gate_up], [W for _, W in down])
-
-
-def _routed_reference(x, gate_up, down, topk_weights, topk_ids):
-    """Per token and slot, in float32: sum_k w_k * down_e(silu(gate_e x) * up_e x) on the gguf package's values."""
-    out = torch.zeros(x.shape[0], down[0].shape[0])
-    inter = down[0].shape[1]
-    for t in range(x.shape[0]):
-        for k in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, k])
-            g, u = (x[t].float() @ gate_up[e].t()).split(inter)
-            out[t] += topk_weights[t, k] * (down[e] @ (torch.nn.functional.silu(g) * u))
-    return out
-
-
 @pytest.mark.parametrize("type_name, dtype, tokens", [
     ("Q4_K", torch.float32, (1, 3, 17, 64)), ("Q6_K", torch.float32, (3, 17)), ("Q5_K", torch.bfloat16, (17,)),
     ("Q5_0", torch.float32, (1, 17)), ("IQ4_NL", torch.float16, (3,))])
@@ -110,34 +88,16 @@ def test_gguf_experts_through_fused_moe_match_float32_reference(type_name, dtype
     to max |reference| (both GEMMs exact fp32 dots; fp16 / bf16: the weight and the hidden rounded once each)."""
     from tritonq.kernels.moe import MoEExperts, grouped_topk
     D, inter = MOE_SHAPES[type_name]
-    gate_up, down, gate_up_ref, down_ref = _gguf_experts(type_name, MOE_E, D, inter)
+    gate_up, down, gate_up_ref, down_ref = random_experts(type_name, MOE_E, D, inter)
     layer = MoEExperts(gate_up.to(device), down.to(device))
     tol = tolerances.table("moe")[dtype]
     for T in tokens:
         gen = torch.Generator().manual_seed(T)
-        x = torch.randn(T, D, generator=gen).to(dtype)
-        topk_weights, topk_ids = grouped_topk(torch.randn(T, MOE_E, generator=gen), top_k=MOE_TOP_K, renormalize=True)
-        ref = _routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
+        x = torch.randn(T, D, generator=gen, device="cpu").to(dtype)
+        topk_weights, topk_ids = grouped_topk(torch.randn(T, MOE_E, generator=gen, device="cpu"), top_k=MOE_TOP_K,
+                                              renormalize=True)
+        ref = routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
         y = layer(x.to(device), topk_weights.to(device), topk_ids.to(device))
         assert y.dtype == dtype and y.shape == (T, D)
         torch.testing.assert_close(y.float().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
-
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "IQ4_NL"])
-def test_gguf_experts_on_the_cpu_backend_match_float32_reference(monkeypatch, type_name):
-    """The CPU backend's experts: Q6_K / IQ4_NL kept in their planes (gguf_gemm.cpu_linear, exact fp32 values:
-    the fp32 moe tolerance), Q4_K on torch's int4 kernel (bf16 activations, scales and float zeros: the bf16 one)."""
-    from tritonq.kernels.cpu import lowbit
-    from tritonq.kernels.moe import fused_moe, grouped_topk
-    monkeypatch.setenv("TRITONQ_BACKEND", "auto")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    D, inter = MOE_SHAPES[type_name]
-    gate_up, down, gate_up_ref, down_ref = _gguf_experts(type_name, MOE_E, D, inter)
-    x = torch.randn(17, D, generator=torch.Generator().manual_seed(1))
-    topk_weights, topk_ids = grouped_topk(torch.randn(17, MOE_E), top_k=MOE_TOP_K, renormalize=True)
-    ref = _routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
-    y = fused_moe(x, gate_up, down, topk_weights, topk_ids)
-    kept = isinstance(lowbit.prepare_experts(down)[0], GGUFWeight)
-    assert kept == (type_name != "Q4_K")
-    tol = tolerances.table("moe")[torch.float32 if kept else torch.bfloat16]
-    torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item())

@@ -28,7 +28,7 @@ from tritonq.kernels.moe import fused_moe, fused_moe_reference
 from tritonq.formats.layers import Linear
 from tritonq.quant.packing import unpack_int32
 from tritonq.quant.rtn import quantize_fp8, quantize_int4
-from tritonq.quant.weights import FP8Weight, Int4Weight, stack_experts
+from tritonq.quant.weights import FP8Weight, GGUFWeight, Int4Weight, stack_experts
 
 MS = [1, 3, 17, 64, 130]
 N = 72  # not a multiple of 64: the packed weight gets padded columns
@@ -337,3 +337,24 @@ def test_gguf_weights_on_the_cpu_backend(type_name, M):
     else:
         assert w not in cpu_lowbit._prepared  # no dense copy of the weight
         assert_fp32_close(y, ref)
+
+
+@pytest.mark.parametrize("type_name, D, inter", [("Q4_K", 256, 256), ("Q6_K", 256, 256), ("IQ4_NL", 96, 160)])
+def test_gguf_experts_on_the_cpu_backend_match_float32_reference(type_name, D, inter):
+    """The CPU backend's GGUF experts (5, top-2, 17 tokens) against the routed experts on the gguf package's values:
+    Q6_K / IQ4_NL kept in their planes (gguf_gemm.cpu_linear: the fp32 paths' tolerance), Q4_K on torch's int4
+    kernel (the int4 experts' relative bound)."""
+    from formats.gguf_files import random_experts, routed_reference
+
+    from tritonq.kernels.moe import grouped_topk
+    gate_up, down, gate_up_ref, down_ref = random_experts(type_name, 5, D, inter)
+    x = torch.randn(17, D)
+    topk_weights, topk_ids = grouped_topk(torch.randn(17, 5), top_k=2, renormalize=True)
+    ref = routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
+    y = fused_moe(x, gate_up, down, topk_weights, topk_ids)
+    kept = isinstance(cpu_lowbit.prepare_experts(down)[0], GGUFWeight)
+    assert kept == (type_name != "Q4_K")
+    if kept:
+        assert_fp32_close(y, ref)
+    else:
+        assert ((y - ref).norm() / ref.norm()).item() < 2**-6
