@@ -101,3 +101,24 @@ def test_gguf_experts_through_fused_moe_match_float32_reference(type_name, dtype
         assert y.dtype == dtype and y.shape == (T, D)
         torch.testing.assert_close(y.float().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
+
+
+def test_bad_gguf_experts_are_refused():
+    """Experts of different block types cannot share the expert kernel; a 2-D weight is no stacked one; GGUF experts
+    take no clamped SwiGLU (gpt-oss's)."""
+    from tritonq.kernels.common import ClampedSwiGLU
+    from tritonq.kernels.moe import MoEExperts
+    from tritonq.quant.weights import stack_experts
+    with torch.device("cpu"):
+        q4k, _ = random_weight("Q4_K", 32, 256)
+        q6k, _ = random_weight("Q6_K", 32, 256)
+        with pytest.raises(ValueError, match=r"share their GGUF block type and shape .* found \[\('Q4_K', \(32, 256\)\), "
+                                             r"\('Q6_K', \(32, 256\)\)\]: re-quantize"):
+            stack_experts([q4k, q6k])
+        with pytest.raises(ValueError, match="must be a stacked"):
+            q4k.stacked_shape("fused_moe: gate_up")
+        gate_up, down, _, _ = random_experts("Q4_K", 2, 256, 256)
+        layer = MoEExperts(gate_up, down, ClampedSwiGLU())
+        with pytest.raises(ValueError, match=r"gguf_gemm: \(bias, activation\) is .* expected no bias and "
+                                             r"SiLU-and-mul"):
+            layer(torch.zeros(1, 256), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32))

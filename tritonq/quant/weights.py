@@ -527,7 +527,8 @@ class GGUFWeight(_TypedWeight):
         found = sorted({(p.type_name, p.shape) for p in parts})
         if len(found) != 1:
             raise ValueError(f"experts of one MoE layer must share their GGUF block type and shape (one fused kernel "
-                             f"runs them all); found {found}")
+                             f"runs them all); found {found}: re-quantize the model with llama-quantize, which gives "
+                             "each expert tensor one type")
 
         def stack(name):
             return _stack_optional(parts, name)
