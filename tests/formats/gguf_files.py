@@ -199,7 +199,7 @@ def _add(writer, name, w, t, reference, hf, arch, config):
 
 
 # byte offsets of the fp16 d (and dmin / m) in each block of the formats tritonq keeps as GGUFWeight
-SCALE_BYTES = {"Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+SCALE_BYTES = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
                "IQ4_NL": [0], "IQ4_XS": [0]}
 
 

@@ -7,8 +7,8 @@ Hugging Face names (blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weigh
 one tensor per expert) with their logical [N, K] shapes, as float tensors: reading one dequantizes its blocks
 (`dequantize`, bit for bit the gguf package's reference in fp32), with Llama's Q/K rows un-permuted (the
 converter interleaves them for llama.cpp's rope). `GGUFLoader` repacks Q4_0 and Q8_0 (d * (q - 8), d * x per
-32 weights: the symmetric form of the int layout) into Int4Weight and Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K /
-IQ4_NL / IQ4_XS into GGUFWeight (codes with exact fp32 scales and offsets or a 16-level table, `PLANAR`; MoE experts
+32 weights: the symmetric form of the int layout) into Int4Weight and Q4_1 / Q5_0 / Q5_1 / Q2_K / Q3_K / Q4_K /
+Q5_K / Q6_K / IQ4_NL / IQ4_XS into GGUFWeight (codes with exact fp32 scales and offsets or a 16-level table, `PLANAR`; MoE experts
 too, stacked for the fused MoE); a fused group of mixed types into a PartsWeight of its typed runs; the rest is
 dequantized once to the compute dtype at load (docs/gguf.md: which, and the memory cost). Every
 tensor's type, size and place in its file is checked when the files are opened, before any weight is read.
@@ -107,6 +107,23 @@ def _planes_q4_k(b):
     return _nibbles(b[:, 16:], 32), _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
 
 
+def _planes_q2_k(b):
+    sc = b[:, :16]
+    q = (b[:, 16:80].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3
+    return q.reshape(-1, 256), _f16(b, 80) * (sc & 0x0F).float(), -(_f16(b, 82) * (sc >> 4).float())
+
+
+def _planes_q3_k(b):
+    B = b.shape[0]
+    low = (b[:, 32:96].reshape(B, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3
+    high = (b[:, :32].reshape(B, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1
+    s = b[:, 96:108]
+    sc = (torch.cat([s[:, :8] & 0x0F, s[:, :8] >> 4], dim=1)
+          | (((s[:, 8:12].reshape(B, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 4, 1)) & 3)
+             .reshape(B, 16) << 4))
+    return (low.reshape(B, 256) | (high.reshape(B, 256) << 2)), _f16(b, 108) * (sc.to(torch.int32) - 32).float(), None
+
+
 def _planes_q5_k(b):
     B = b.shape[0]
     sc, mn = _k_scales(b[:, 4:16])
@@ -140,7 +157,8 @@ IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 # takes blocks [B, type_size] to (codes uint8 [B, block], scales fp32 [B, block / group], offsets fp32 or None)
 # and a value is (q - zero) * scale (+ offset), or IQ4_LEVELS[q] * scale for the IQ4 types (zero None): each scale and
 # product exact in fp32, as the gguf package forms them.
-PLANAR = {"Q4_1": (4, 0, 32, _planes_q4_1), "Q5_0": (5, 16, 32, _planes_q5_0), "Q5_1": (5, 0, 32, _planes_q5_1),
+PLANAR = {"Q2_K": (4, 0, 16, _planes_q2_k), "Q3_K": (4, 4, 16, _planes_q3_k), "Q4_1": (4, 0, 32, _planes_q4_1),
+          "Q5_0": (5, 16, 32, _planes_q5_0), "Q5_1": (5, 0, 32, _planes_q5_1),
           "Q4_K": (4, 0, 32, _planes_q4_k), "Q5_K": (5, 0, 32, _planes_q5_k), "Q6_K": (6, 32, 16, _planes_q6_k),
           "IQ4_NL": (4, None, 32, _planes_iq4_nl), "IQ4_XS": (4, None, 32, _planes_iq4_xs)}
 
@@ -178,6 +196,7 @@ def _f32_blocks(b):
 BLOCK_FORMATS = {"F32": (1, 4, _f32_blocks), "F16": (1, 2, _f16_blocks), "BF16": (1, 2, _bf16_blocks),
                  "Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _planar("Q4_1")),
                  "Q5_0": (32, 22, _planar("Q5_0")), "Q5_1": (32, 24, _planar("Q5_1")),
+                 "Q2_K": (256, 84, _planar("Q2_K")), "Q3_K": (256, 110, _planar("Q3_K")),
                  "Q4_K": (256, 144, _planar("Q4_K")), "Q5_K": (256, 176, _planar("Q5_K")),
                  "Q6_K": (256, 210, _planar("Q6_K")), "IQ4_NL": (32, 18, _planar("IQ4_NL")),
                  "IQ4_XS": (256, 136, _planar("IQ4_XS"))}
@@ -579,7 +598,7 @@ class GGUFLoader(WeightsLoader):
             return GGUFWeight(torch.empty(k // 8, n, dtype=torch.int32, device=meta),
                               torch.empty(k * (bits - 4) // 32, n, dtype=torch.int32, device=meta) if bits > 4
                               else None,
-                              scales, scales if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else None, group, bits,
+                              scales, scales if type_name in ("Q2_K", "Q4_1", "Q5_1", "Q4_K", "Q5_K") else None, group, bits,
                               zero or 0, type_name, code=None if zero is not None else torch.empty(16, device=meta))
         blocks = self.weights.unpermute(name, self.weights.raw(name).reshape(N, K // block, size))
         codes, scales, offsets = planes_of(blocks, type_name)

@@ -1,4 +1,4 @@
-"""GGUF block-format dequantize-GEMM (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): y = x @ W^T + bias.
+"""GGUF block-format dequantize-GEMM (Q4_1, Q5_x, Q2_K ... Q6_K, IQ4_NL, IQ4_XS): y = x @ W^T + bias.
 
 Shapes and dtypes:
     x       [M, K] fp16 / bf16 / fp32

@@ -85,7 +85,7 @@ def _prepare_w8a8(w: W8A8Weight) -> Prepared:
 def _prepare_gguf(w: GGUFWeight) -> Prepared:
     # CPU: Q4_1 / Q4_K run torch's int4 kernel (cpu_lowbit); the others dequantize column tiles per call
     # (gguf_gemm.cpu_linear, inside GGUFGemm)
-    cpu = cpu_lowbit.prepare(w) if w.bits == 4 and w.code is None and backend(w.lo) == "cpu" else None
+    cpu = cpu_lowbit.prepare(w) if cpu_lowbit.int4_kernel_gguf(w) and backend(w.lo) == "cpu" else None
     return Prepared(w, GGUFGemm(w), cpu)
 
 

@@ -443,7 +443,7 @@ class W8A8Weight(_TypedWeight):
 
 @dataclass(frozen=True)
 class GGUFWeight(_TypedWeight):
-    """A GGUF block format that no integer zero can express (Q4_1, Q5_x, Q4_K, Q5_K, Q6_K, IQ4_x), repacked at load
+    """A GGUF block format that the int layout cannot express (Q4_1, Q5_x, Q2_K ... Q6_K, IQ4_x), repacked at load
     (formats/gguf.py) into planes a GEMM reads along N with the exact values of the format:
 
     lo       [K / 8, N] int32: the low 4 bits of each code, packed along K (Int4Weight's 4-bit packing).

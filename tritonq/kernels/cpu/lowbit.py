@@ -355,7 +355,7 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
         return CPUDenseWeight(w.weight.float(), bias)
     if isinstance(w, Int4Weight):
         w.check_g_idx()  # every g_idx entry names a scales row (what the reference checks per call)
-    if isinstance(w, GGUFWeight) and w.bits == 4 and w.code is None:  # Q4_1 / Q4_K: q*s + o = (q - 8)*s + (8s + o)
+    if isinstance(w, GGUFWeight) and int4_kernel_gguf(w):  # Q4_1 / Q4_K: q*s + o = (q - 8)*s + (8s + o)
         _note("GGUF Q4_1 / Q4_K weights run torch's CPU int4 kernel, their fp32 scales and offsets rounded to bf16")
         return _prepare_int4(Int4Weight(w.lo, w.scales, None, None, w.group_size, 4, w.bias),
                              float_zeros=8 * w.scales + w.offsets)
@@ -432,6 +432,11 @@ def _prepare_int4(w: Int4Weight, float_zeros: torch.Tensor | None = None) -> CPU
         out_features=N, in_features=K, perm=perm, bias=None if w.bias is None else w.bias.float())
     _by_id[id(p)] = p
     return p
+
+
+def int4_kernel_gguf(w: GGUFWeight) -> bool:
+    """Whether GGUFWeight w runs torch's int4 kernel: 4-bit codes, an offset per group of 32 (Q4_1, Q4_K)."""
+    return w.bits == 4 and w.code is None and w.offsets is not None and w.group_size % 32 == 0
 
 
 @functools.cache
