@@ -2,7 +2,9 @@
 
 The launches are the launchers' own (each kernel file's builder over meta tensors: signature, strides,
 divisibility hints and default config as at run time), at representative shapes: int4 / fp8 GEMMs at
-M = 1, 16, 256 (a 4096 x 4096 layer), the GGUF block-format GEMM (Q4_K, Q5_K, Q6_K at the same M; Q5_0 at 1), the
+M = 1, 16, 256 (a 4096 x 4096 layer), the GGUF block-format GEMM (Q4_K, Q5_K, Q6_K at the same M; Q2_K at 1 and 256;
+Q5_0, Q3_K at 1) and its
+expert GEMM (Q4_K, Q6_K, IQ4_XS on Qwen3-30B-A3B's experts), the
 batch-invariant mode's dense GEMM, paged prefill and split-KV decode
 attention for head dims 64, 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token
 pages, a sliding window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split
@@ -55,6 +57,7 @@ TARGETS = (75, 80, 89, 90)
 TRITON_36 = ROOT / "build" / "triton-3.6.0"
 N = K = 4096  # a Llama-7B-sized layer
 MOE_PROBLEM = (512, 64, 6, 2048, 1408)  # tokens, experts, top-k, D, I: DeepSeek-V2-Lite's experts
+GGUF_MOE_PROBLEM = (512, 128, 8, 2048, 768)  # tokens, experts, top-k, D, I: Qwen3-30B-A3B's experts
 GPT_OSS_MOE_PROBLEM = (512, 32, 4, 2880, 2880)  # gpt-oss-20b's experts (MXFP4, biases, clamped SwiGLU)
 GPT_OSS_WINDOW = 128  # gpt-oss attention: 64 / 64 heads, sinks, 128-token window on alternate layers
 # (Dqk, Dv), page size, window: Llama/Qwen 128, small models 64, DeepSeek's expanded 192 / 128 and
@@ -112,6 +115,11 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "gguf Q5_0 M1"): 20,  # 3.9 (3.6: none)
     (75, "gguf IQ4_XS M1"): 2548,  # 3.9: 2548, 3.6: 2164: the level-table gather of a whole tile, as nf4's
     (75, "gguf IQ4_XS M256"): 11476,  # 3.9: 9992, 3.6: 11476
+    (75, "gguf Q2_K M256"): 212,  # 3.9: 212, 3.6: 100
+    (75, "moe gguf Q4_K gate_up M16"): 1984,  # 3.9: 1984, 3.6: 1980 (two dequantized fp32 tiles, as moe int4's)
+    (75, "moe gguf Q4_K gate_up M64"): 2204,  # 3.9: 2204, 3.6: 2164
+    (75, "moe gguf Q6_K gate_up M64"): 2324,  # 3.9: 2324, 3.6: 2288
+    (75, "moe gguf IQ4_XS gate_up M64"): 340,  # 3.9: 340, 3.6: 104 (BLOCK_K 32: gguf_gemm.CODE_BLOCK_K)
     # int8 KV pages: the per-key scales of a 128 x 32 score tile take the last registers on sm_89 (255; sm_80 183,
     # no spill); 4 bytes, measured under 3.9 (3.6: none). (MLA's latent decode over them spilled 4 B under 3.6
     # until its V tiles came as byte pairs: none since.)
@@ -164,13 +172,24 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         out[f"nf4 M{M}"] = int4_gemm.aot_launch(int4_gemm.default_config(M, N, K, cc=cc), M, N, K, dtype, code=True,
                                                 cc=cc)
     # GGUF block formats (GGUFWeight): 4-bit codes + offsets per 32 (Q4_K, as Q4_1), 5-bit (Q5_K as Q5_1; Q5_0 without
-    # offsets), 6-bit with scales per 16 (Q6_K); IQ4_XS (as IQ4_NL): a 16-level code table gathered per weight
+    # offsets), 6-bit with scales per 16 (Q6_K); 2- / 3-bit codes in the 4-bit plane, scales per 16 (Q2_K with offsets,
+    # Q3_K without); IQ4_XS (as IQ4_NL): a 16-level code table gathered per weight
     for name, bits, group, offsets, rows in (("Q4_K", 4, 32, True, (1, 16, 256)), ("Q5_K", 5, 32, True, (1, 16, 256)),
                                              ("Q6_K", 6, 16, False, (1, 16, 256)), ("Q5_0", 5, 32, False, (1,)),
+                                             ("Q2_K", 4, 16, True, (1, 256)), ("Q3_K", 4, 16, False, (1,)),
                                              ("IQ4_XS", 4, 32, False, (1, 256))):
         for M in rows:
             out[f"gguf {name} M{M}"] = gguf_gemm.aot_launch(gguf_gemm.default_config(M, N, K), M, N, K, bits, group,
                                                             offsets, dtype, code=name == "IQ4_XS")
+    # GGUF experts (fused_moe's GGUF kernel) on Qwen3-30B-A3B's shapes: Q4_K gate/up at the smallest and largest
+    # tile and Q6_K down (a Q4_K_M file's experts), Q6_K and IQ4_XS gate/up at the largest (two accumulators)
+    for name, bits, group, offsets, gate_up, config in (
+            ("Q4_K", 4, 32, True, True, moe.DEFAULT_CONFIGS[0][1]), ("Q4_K", 4, 32, True, True, moe.DEFAULT_CONFIGS[-1][1]),
+            ("Q6_K", 6, 16, False, False, moe.DEFAULT_CONFIGS[-1][1]),
+            ("Q6_K", 6, 16, False, True, moe.DEFAULT_CONFIGS[-1][1]),
+            ("IQ4_XS", 4, 32, False, True, moe.DEFAULT_CONFIGS[-1][1])):
+        out[f"moe gguf {name} {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = gguf_gemm.aot_moe_launch(
+            config, GGUF_MOE_PROBLEM, gate_up, bits, group, offsets, dtype, code=name == "IQ4_XS")
     # fp8: e4m3 x e4m3 dots from sm_89 (block-scaled and per-channel weights), the weight-only path (weights
     # decoded in the kernel) below sm_89 and for weight-only checkpoints everywhere.
     paths = [("fp8", False), ("fp8 weight-only", True)] if cc >= 89 else [("fp8 weight-only", True)]

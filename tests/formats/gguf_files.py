@@ -199,7 +199,7 @@ def _add(writer, name, w, t, reference, hf, arch, config):
 
 
 # byte offsets of the fp16 d (and dmin / m) in each block of the formats tritonq keeps as GGUFWeight
-SCALE_BYTES = {"Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+SCALE_BYTES = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
                "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
@@ -218,3 +218,27 @@ def random_weight(type_name: str, N: int, K: int, seed: int = 0):
     reference = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]))
     codes, scales, offsets = planes_of(torch.from_numpy(raw).reshape(N, K // block, size), type_name)
     return gguf_weight(codes, scales, offsets, type_name, "cpu"), reference
+
+
+def random_experts(type_name: str, E: int, D: int, inter: int):
+    """For the MoE kernel tests: stacked random GGUF experts, gate_up [E, 2I, D] and down [E, D, I] (on the CPU), and
+    the gguf package's fp32 values of each expert's two weights (lists of E)."""
+    from tritonq.quant.weights import stack_experts
+    with torch.device("cpu"):
+        gate_up = [random_weight(type_name, 2 * inter, D, seed=10 + e) for e in range(E)]
+        down = [random_weight(type_name, D, inter, seed=20 + e) for e in range(E)]
+    return (stack_experts([w for w, _ in gate_up]), stack_experts([w for w, _ in down]),
+            [W for _, W in gate_up], [W for _, W in down])
+
+
+def routed_reference(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
+    """The routed experts per token and slot in float32 on the CPU: sum_k w_k * down_e(silu(gate_e x) * up_e x),
+    gate_up / down the lists of fp32 weights `random_experts` gives."""
+    out = torch.zeros(x.shape[0], down[0].shape[0], device="cpu")
+    inter = down[0].shape[1]
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            g, u = (x[t].float() @ gate_up[e].t()).split(inter)
+            out[t] += topk_weights[t, k] * (down[e] @ (torch.nn.functional.silu(g) * u))
+    return out

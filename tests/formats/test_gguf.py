@@ -10,6 +10,7 @@ import torch
 
 import gguf  # noqa: E402  (a tritonq dependency: never skipped)
 
+import tolerances  # noqa: E402
 import tritonq  # noqa: E402
 from formats.gguf_files import quantize_q4_k, quantize_q6_k, write_gguf  # noqa: E402
 from tritonq.formats.gguf import GGUFWeights  # noqa: E402
@@ -101,14 +102,41 @@ def check_against_transformers(model, path, scheme):
     return ours
 
 
+# resident bytes per weight of the GGUFWeight planes (docs/gguf.md's table): 4-bit codes, the bits above, fp32 scales
+# (and offsets) per group
+RESIDENT_BYTES = {"Q4_K": 0.5 + 2 * 4 / 32, "Q6_K": 0.5 + 0.25 + 4 / 16}
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_llama_gguf_equals_transformers(llama, tmp_path, scheme):
-    check_against_transformers(llama, tmp_path / f"llama-{scheme}.gguf", scheme)
+    """Q4_K_M: every layer linear keeps its block format (q / k / v of mixed types as a PartsWeight), so the
+    typed weights hold the formats' bytes, none dense."""
+    from formats.gguf_files import gguf_name, type_for
+
+    from tritonq.formats.layers import Linear
+    ours = check_against_transformers(llama, tmp_path / f"llama-{scheme}.gguf", scheme)
+    if scheme == "Q4_K_M":
+        linears = {name: m.weight for name, m in ours.model.named_modules()
+                   if isinstance(m, Linear) and name != "lm_head"}
+        held = sum(t.numel() * t.element_size() for w in linears.values() for t in w.tensors().values())
+        expected = sum(p.numel() * RESIDENT_BYTES[type_for(gguf_name(name), scheme)]
+                       for name, p in llama.named_parameters() if ".layers." in name and "norm" not in name)
+        assert held == expected
+        assert {type(w).__name__ for w in linears.values()} == {"GGUFWeight", "PartsWeight"}
 
 
-@pytest.mark.parametrize("scheme", ["Q8_0", "Q4_K_M"])
-def test_qwen3_moe_gguf_equals_transformers(qwen3_moe, tmp_path, scheme):
-    check_against_transformers(qwen3_moe, tmp_path / f"qwen3moe-{scheme}.gguf", scheme)
+@pytest.mark.parametrize("scheme, expert_types", [("Q8_0", ("Int4Weight", "Int4Weight")),
+                                                   ("Q4_K_M", ("GGUFWeight", "GGUFWeight"))])
+def test_qwen3_moe_gguf_equals_transformers(qwen3_moe, tmp_path, scheme, expert_types):
+    """The experts keep their block formats (Q4_K_M: Q4_K gate/up, Q6_K down as GGUFWeight) through fused_moe."""
+    from tritonq.formats.layers import RoutedExperts
+    ours = check_against_transformers(qwen3_moe, tmp_path / f"qwen3moe-{scheme}.gguf", scheme)
+    experts = [m for m in ours.model.modules() if isinstance(m, RoutedExperts)]
+    assert len(experts) == 2
+    for m in experts:
+        assert (type(m.gate_up).__name__, type(m.down).__name__) == expert_types
+        if scheme == "Q4_K_M":
+            assert (m.gate_up.type_name, m.down.type_name) == ("Q4_K", "Q6_K")
 
 
 def test_test_quantizers_round_trip_through_gguf_dequantizer():
@@ -177,19 +205,30 @@ def test_other_block_linears_load_as_gguf_weights_exactly(llama, tmp_path, type_
         assert torch.equal(w.dequantize().view(torch.int32), reference[f"{name}.weight"].view(torch.int32))
 
 
-def test_a_fused_group_of_mixed_block_types_loads_dense(llama, tmp_path):
-    """Q4_K_M: q / k in Q4_K, v in Q6_K share one fused q/k/v linear, which no one kernel runs: read dense
-    (exact in fp32); gate / up (both Q4_K) stay one GGUFWeight."""
+def test_a_fused_group_of_mixed_block_types_keeps_each_type(llama, tmp_path):
+    """Q4_K_M: q / k in Q4_K, v in Q6_K: one fused q/k/v linear no one kernel runs, so a PartsWeight of the fused
+    Q4_K q / k and the Q6_K v, each as stored (exact in fp32); gate / up (both Q4_K) stay one GGUFWeight. Its
+    linear (one GEMM per part) equals x @ W^T on the gguf package's values."""
     from tritonq.formats.gguf import GGUFLoader, read_config
-    from tritonq.quant.weights import DenseWeight, GGUFWeight
+    from tritonq.formats.layers import Linear
+    from tritonq.quant.weights import GGUFWeight, PartsWeight
     path = tmp_path / "llama-q4_k_m.gguf"
     reference = write_gguf(llama, path, "Q4_K_M")
     weights = GGUFWeights([path])
     loader = GGUFLoader(weights, read_config(weights), torch.float32, "cpu")
     qkv = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
     fused = loader.get_fused_linear(qkv)
-    assert isinstance(fused, DenseWeight)
-    assert torch.equal(fused.weight, torch.cat([reference[f"{p}.weight"] for p in qkv]))
+    assert isinstance(fused, PartsWeight)
+    assert [(type(p).__name__, p.type_name, p.shape[0]) for p in fused.parts] == [
+        ("GGUFWeight", "Q4_K", 384), ("GGUFWeight", "Q6_K", 128)]
+    W = torch.cat([reference[f"{p}.weight"] for p in qkv])
+    assert torch.equal(fused.dequantize(), W)
+    x = torch.randn(3, 256)
+    ref = x @ W.t()
+    # interpreter: gguf_gemm per part, exact fp32; the CPU backend (with a GPU present) runs the Q4_K part on torch's
+    # int4 kernel: bf16 activations, scales and float zeros, so the bf16 int4_gemm tolerance covers both
+    tol = tolerances.table("int4_gemm")[torch.bfloat16]
+    torch.testing.assert_close(Linear(fused)(x), ref, rtol=tol, atol=tol * ref.abs().max().item())
     gate_up = loader.get_fused_linear([f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up")])
     assert isinstance(gate_up, GGUFWeight) and gate_up.type_name == "Q4_K"
     assert torch.equal(gate_up.dequantize(), torch.cat([reference[f"model.layers.0.mlp.{p}_proj.weight"]

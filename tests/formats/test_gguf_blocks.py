@@ -12,7 +12,7 @@ from tritonq.formats.gguf import BLOCK_FORMATS, dequantize  # noqa: E402
 QUANTIZED = [t for t in BLOCK_FORMATS if t not in ("F32", "F16", "BF16")]
 
 # byte offsets of each format's fp16 scales (d, and dmin / m where the format has one)
-SCALE_BYTES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2],
+SCALE_BYTES = {"Q2_K": [80, 82], "Q3_K": [108], "Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2],
                "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
 EXTREME_F16 = np.array([6.1e-5, -6.1e-5, 5.96e-8, -5.96e-8, 65504.0, -65504.0, 1.0, -0.0, 0.0, 3.14, 1e-3, 2.5e4],
                        dtype=np.float16)

@@ -11,7 +11,7 @@ rounding to that dtype and one rounding of y.
 import pytest
 import tolerances
 import torch
-from formats.gguf_files import random_weight
+from formats.gguf_files import random_experts, random_weight, routed_reference
 
 from tritonq.formats.gguf import BLOCK_FORMATS, PLANAR
 from tritonq.kernels.gguf_gemm import GGUFGemm, GGUFGemmConfig, gguf_gemm_reference
@@ -72,3 +72,53 @@ def test_bad_weights_and_activations_are_refused():
         with pytest.raises(ValueError, match=r"gguf_gemm: x is torch.float32 of shape \(2, 128\), expected "
                                              r"fp16/bf16/fp32 \[M, 256\]"):
             GGUFGemm(w)(torch.zeros(2, 128))
+
+
+MOE_SHAPES = {"Q4_K": (256, 256), "Q5_K": (256, 256), "Q6_K": (256, 256), "Q5_0": (96, 160), "IQ4_NL": (96, 160)}
+MOE_E, MOE_TOP_K = 5, 2  # 5 experts: a count off every tile
+
+
+@pytest.mark.parametrize("type_name, dtype, tokens", [
+    ("Q4_K", torch.float32, (1, 3, 17, 64)), ("Q6_K", torch.float32, (3, 17)), ("Q5_K", torch.bfloat16, (17,)),
+    ("Q5_0", torch.float32, (1, 17)), ("IQ4_NL", torch.float16, (3,))])
+def test_gguf_experts_through_fused_moe_match_float32_reference(type_name, dtype, tokens, device):
+    """Stacked GGUF experts run fused_moe's GGUF expert kernel (gguf_gemm._gguf_moe_kernel over kernels/moe's
+    token alignment) and equal the routed experts on the gguf package's values: 5 experts, top-2, tokens 1 .. 64,
+    D and I off the 64-wide tiles where the block allows (32-blocks). Tolerance: tolerances.py's moe entry, relative
+    to max |reference| (both GEMMs exact fp32 dots; fp16 / bf16: the weight and the hidden rounded once each)."""
+    from tritonq.kernels.moe import MoEExperts, grouped_topk
+    D, inter = MOE_SHAPES[type_name]
+    gate_up, down, gate_up_ref, down_ref = random_experts(type_name, MOE_E, D, inter)
+    layer = MoEExperts(gate_up.to(device), down.to(device))
+    tol = tolerances.table("moe")[dtype]
+    for T in tokens:
+        gen = torch.Generator().manual_seed(T)
+        x = torch.randn(T, D, generator=gen, device="cpu").to(dtype)
+        topk_weights, topk_ids = grouped_topk(torch.randn(T, MOE_E, generator=gen, device="cpu"), top_k=MOE_TOP_K,
+                                              renormalize=True)
+        ref = routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
+        y = layer(x.to(device), topk_weights.to(device), topk_ids.to(device))
+        assert y.dtype == dtype and y.shape == (T, D)
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+
+def test_bad_gguf_experts_are_refused():
+    """Experts of different block types cannot share the expert kernel; a 2-D weight is no stacked one; GGUF experts
+    take no clamped SwiGLU (gpt-oss's)."""
+    from tritonq.kernels.common import ClampedSwiGLU
+    from tritonq.kernels.moe import MoEExperts
+    from tritonq.quant.weights import stack_experts
+    with torch.device("cpu"):
+        q4k, _ = random_weight("Q4_K", 32, 256)
+        q6k, _ = random_weight("Q6_K", 32, 256)
+        with pytest.raises(ValueError, match=r"share their GGUF block type and shape .* found \[\('Q4_K', \(32, 256\)\), "
+                                             r"\('Q6_K', \(32, 256\)\)\]: re-quantize"):
+            stack_experts([q4k, q6k])
+        with pytest.raises(ValueError, match="must be a stacked"):
+            q4k.stacked_shape("fused_moe: gate_up")
+        gate_up, down, _, _ = random_experts("Q4_K", 2, 256, 256)
+        layer = MoEExperts(gate_up, down, ClampedSwiGLU())
+        with pytest.raises(ValueError, match=r"gguf_gemm: \(bias, activation\) is .* expected no bias and "
+                                             r"SiLU-and-mul"):
+            layer(torch.zeros(1, 256), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32))

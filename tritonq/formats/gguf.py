@@ -7,9 +7,10 @@ Hugging Face names (blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weigh
 one tensor per expert) with their logical [N, K] shapes, as float tensors: reading one dequantizes its blocks
 (`dequantize`, bit for bit the gguf package's reference in fp32), with Llama's Q/K rows un-permuted (the
 converter interleaves them for llama.cpp's rope). `GGUFLoader` repacks Q4_0 and Q8_0 (d * (q - 8), d * x per
-32 weights: the symmetric form of the int layout) into Int4Weight and Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K /
-IQ4_NL / IQ4_XS into GGUFWeight (codes with exact fp32 scales and offsets or a 16-level table, `PLANAR`); the
-rest is dequantized once to the compute dtype at load (docs/gguf.md: which, and the memory cost). Every
+32 weights: the symmetric form of the int layout) into Int4Weight and Q4_1 / Q5_0 / Q5_1 / Q2_K / Q3_K / Q4_K /
+Q5_K / Q6_K / IQ4_NL / IQ4_XS into GGUFWeight (codes with exact fp32 scales and offsets or a 16-level table, `PLANAR`; MoE experts
+too, stacked for the fused MoE); a fused group of mixed types into a PartsWeight of its typed runs; the rest is
+dequantized once to the compute dtype at load (docs/gguf.md: which, and the memory cost). Every
 tensor's type, size and place in its file is checked when the files are opened, before any weight is read.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tritonq.formats.base import WeightsLoader, always_dense
 from tritonq.formats.checkpoint import Weights, block_sizes, nonfinite_count
 from tritonq.formats.tensor_parallel import Shard, check_split
 from tritonq.quant.packing import pack_int32
-from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, Weight
+from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, PartsWeight, Weight
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # GGUF -> model_type
 
@@ -106,6 +107,23 @@ def _planes_q4_k(b):
     return _nibbles(b[:, 16:], 32), _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
 
 
+def _planes_q2_k(b):
+    sc = b[:, :16]
+    q = (b[:, 16:80].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3
+    return q.reshape(-1, 256), _f16(b, 80) * (sc & 0x0F).float(), -(_f16(b, 82) * (sc >> 4).float())
+
+
+def _planes_q3_k(b):
+    B = b.shape[0]
+    low = (b[:, 32:96].reshape(B, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3
+    high = (b[:, :32].reshape(B, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1
+    s = b[:, 96:108]
+    sc = (torch.cat([s[:, :8] & 0x0F, s[:, :8] >> 4], dim=1)
+          | (((s[:, 8:12].reshape(B, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 4, 1)) & 3)
+             .reshape(B, 16) << 4))
+    return (low.reshape(B, 256) | (high.reshape(B, 256) << 2)), _f16(b, 108) * (sc.to(torch.int32) - 32).float(), None
+
+
 def _planes_q5_k(b):
     B = b.shape[0]
     sc, mn = _k_scales(b[:, 4:16])
@@ -139,7 +157,8 @@ IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 # takes blocks [B, type_size] to (codes uint8 [B, block], scales fp32 [B, block / group], offsets fp32 or None)
 # and a value is (q - zero) * scale (+ offset), or IQ4_LEVELS[q] * scale for the IQ4 types (zero None): each scale and
 # product exact in fp32, as the gguf package forms them.
-PLANAR = {"Q4_1": (4, 0, 32, _planes_q4_1), "Q5_0": (5, 16, 32, _planes_q5_0), "Q5_1": (5, 0, 32, _planes_q5_1),
+PLANAR = {"Q2_K": (4, 0, 16, _planes_q2_k), "Q3_K": (4, 4, 16, _planes_q3_k), "Q4_1": (4, 0, 32, _planes_q4_1),
+          "Q5_0": (5, 16, 32, _planes_q5_0), "Q5_1": (5, 0, 32, _planes_q5_1),
           "Q4_K": (4, 0, 32, _planes_q4_k), "Q5_K": (5, 0, 32, _planes_q5_k), "Q6_K": (6, 32, 16, _planes_q6_k),
           "IQ4_NL": (4, None, 32, _planes_iq4_nl), "IQ4_XS": (4, None, 32, _planes_iq4_xs)}
 
@@ -177,6 +196,7 @@ def _f32_blocks(b):
 BLOCK_FORMATS = {"F32": (1, 4, _f32_blocks), "F16": (1, 2, _f16_blocks), "BF16": (1, 2, _bf16_blocks),
                  "Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _planar("Q4_1")),
                  "Q5_0": (32, 22, _planar("Q5_0")), "Q5_1": (32, 24, _planar("Q5_1")),
+                 "Q2_K": (256, 84, _planar("Q2_K")), "Q3_K": (256, 110, _planar("Q3_K")),
                  "Q4_K": (256, 144, _planar("Q4_K")), "Q5_K": (256, 176, _planar("Q5_K")),
                  "Q6_K": (256, 210, _planar("Q6_K")), "IQ4_NL": (32, 18, _planar("IQ4_NL")),
                  "IQ4_XS": (256, 136, _planar("IQ4_XS"))}
@@ -501,11 +521,10 @@ def tokenizer(weights: GGUFWeights):
 
 
 class GGUFLoader(WeightsLoader):
-    """Typed weights of a GGUF checkpoint: Q4_0 and Q8_0 linears repacked to Int4Weight (4 / 8 bits, group 32,
-    scale d, symmetric zero 8 / 128: the same values); Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linears to
-    GGUFWeight (their codes and exact fp32 scales / offsets, run by kernels/gguf_gemm.py); every other tensor,
-    the experts of those six types, and fused groups (q/k/v, gate/up) whose parts differ in type dequantized to
-    the compute dtype (`GGUFWeights`)."""
+    """Typed weights of a GGUF checkpoint: Q4_0 and Q8_0 linears and experts repacked to Int4Weight (4 / 8 bits,
+    group 32, scale d, symmetric zero 8 / 128: the same values); the PLANAR types' to GGUFWeight (their codes and
+    exact fp32 scales / offsets, run by kernels/gguf_gemm.py); fused groups (q/k/v, gate/up) whose parts differ in
+    type as a PartsWeight (get_fused_linear); every other tensor dequantized to the compute dtype (`GGUFWeights`)."""
     marker = "weight"
     REPACKED = {"Q4_0": 4, "Q8_0": 8}  # block type -> Int4Weight bits
 
@@ -523,19 +542,32 @@ class GGUFLoader(WeightsLoader):
                 self.weights.get_shape(name)) != 2:
             return False
         type_name = self.weights.type_name(name)
-        return type_name in self.REPACKED or (type_name in PLANAR and ".experts." not in prefix)
+        return type_name in self.REPACKED or type_name in PLANAR
 
-    def get_fused_linear(self, prefixes: list[str], *args, **kwargs) -> Weight:
-        """As WeightsLoader's; parts of different block types (Q4_K_M's Q4_K q / k with a Q6_K v) cannot share
-        one kernel, so such a group is read dense."""
-        kinds = {self.weights.type_name(f"{p}.weight") if self.is_quantized(p) else None for p in prefixes}
-        if len(kinds) == 1:
-            return super().get_fused_linear(prefixes, *args, **kwargs)
-        self._read_dense = True
-        try:
-            return super().get_fused_linear(prefixes, *args, **kwargs)
-        finally:
-            self._read_dense = False
+    def get_fused_linear(self, prefixes: list[str], bias: bool = False, parallel: str | None = None,
+                         parts: list | None = None, shapes: list | None = None, segments: list | None = None) -> Weight:
+        """As WeightsLoader's where the parts share a block type. Parts of different types (Q4_K_M's Q4_K q / k
+        with a Q6_K v) cannot share one kernel: each run of equal types is fused, and the runs kept side by side
+        in a PartsWeight (one GEMM each, every part in its own format); experts' gate / up (stacked for one fused
+        MoE kernel) are read dense instead."""
+        kinds = [self.weights.type_name(f"{p}.weight") if self.is_quantized(p) else None for p in prefixes]
+        if len(set(kinds)) == 1:
+            return super().get_fused_linear(prefixes, bias, parallel, parts, shapes, segments)
+        if ".experts." in prefixes[0]:
+            self._read_dense = True
+            try:
+                return super().get_fused_linear(prefixes, bias, parallel, parts, shapes, segments)
+            finally:
+                self._read_dense = False
+        n = len(prefixes)
+        parts, shapes, segments = parts or [None] * n, shapes or [None] * n, segments or [1] * n
+        runs, start = [], 0
+        for i in range(1, n + 1):
+            if i == n or kinds[i] != kinds[start]:
+                runs.append(super().get_fused_linear(prefixes[start:i], bias, parallel, parts[start:i],
+                                                     shapes[start:i], segments[start:i]))
+                start = i
+        return PartsWeight(tuple(runs))
 
     def check_float(self, name: str) -> None:
         pass  # every GGUF tensor reads as float (GGUFWeights dequantizes)
@@ -566,7 +598,7 @@ class GGUFLoader(WeightsLoader):
             return GGUFWeight(torch.empty(k // 8, n, dtype=torch.int32, device=meta),
                               torch.empty(k * (bits - 4) // 32, n, dtype=torch.int32, device=meta) if bits > 4
                               else None,
-                              scales, scales if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else None, group, bits,
+                              scales, scales if type_name in ("Q2_K", "Q4_1", "Q5_1", "Q4_K", "Q5_K") else None, group, bits,
                               zero or 0, type_name, code=None if zero is not None else torch.empty(16, device=meta))
         blocks = self.weights.unpermute(name, self.weights.raw(name).reshape(N, K // block, size))
         codes, scales, offsets = planes_of(blocks, type_name)

@@ -1,4 +1,4 @@
-"""GGUF block-format dequantize-GEMM (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): y = x @ W^T + bias.
+"""GGUF block-format dequantize-GEMM (Q4_1, Q5_x, Q2_K ... Q6_K, IQ4_NL, IQ4_XS): y = x @ W^T + bias.
 
 Shapes and dtypes:
     x       [M, K] fp16 / bf16 / fp32
@@ -15,6 +15,10 @@ dtype for the dot. The code becomes a float without an int-to-float conversion (
 common.dequantize_int_tile does in fp32). Planes are K-packed and N-contiguous like Int4Weight's, so every
 weight load is a row of BLOCK_N words (16-byte vectors); a K tile holds BLOCK_K / group scale rows, broadcast
 over their group by a reshape.
+
+MoE experts: `_gguf_moe_kernel`, fused_moe's expert GEMM over stacked GGUFWeight experts (kernels/moe's token
+alignment and plan, its launcher dispatching here by the weight's type: `gguf_moe_launch`), each tile
+dequantized by the same `_weight_tile`.
 
 Paths by M as int4_gemm's: M <= 16 (decode) BLOCK_M 16 with split-K reduced in the launch
 (`common.reduce_split_k`), else a tiled GEMM. `GGUFGemm` resolves config, grid and arguments once per M
@@ -51,6 +55,9 @@ from tritonq.quant.weights import GGUFWeight
 
 SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
 CPU_TILE_BYTES = 2 << 20  # fp32 bytes of the weight tile the CPU path dequantizes at a time
+# BLOCK_K of the IQ4 expert GEMM: the level gather's address tile of two [64, 64] weight tiles spills on sm_80 / 89
+# (Triton 3.6, 8 warps); 32 rows do not (tests/aot/test_fit.py)
+CODE_BLOCK_K = 32
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,47 @@ class GGUFGemmConfig:
 
 
 @triton.jit
+def _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n, mask_n, row_stride, K,
+                 BITS: tl.constexpr, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                 HAS_CODE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W^T rows k0 .. k0 + BLOCK_K, columns offs_n: the [BLOCK_K, BLOCK_N] fp32 tile with the file's values (zero
+    outside K and mask_n). The planes' rows are row_stride apart (their N: the weight's, or a stacked gate_up's)."""
+    HIGH: tl.constexpr = BITS - 4
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    offs_lo = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(lo_ptr + offs_lo[:, None] * row_stride + offs_n[None, :],
+                    mask=(offs_lo < K // 8)[:, None] & mask_n[None, :], other=0)
+    q = unpack_int_tile(words, 4)
+    if HIGH > 0:
+        offs_hi = k0 * HIGH // 32 + tl.arange(0, BLOCK_K * HIGH // 32)
+        high = tl.load(hi_ptr + offs_hi[:, None] * row_stride + offs_n[None, :],
+                       mask=(offs_hi < K * HIGH // 32)[:, None] & mask_n[None, :], other=0)
+        q = q | (unpack_int_tile(high, HIGH) << 4)
+    offs_g = k0 // GROUP + tl.arange(0, GROUPS)
+    mask_g = (offs_g < K // GROUP)[:, None] & mask_n[None, :]
+    s = tl.load(scales_ptr + offs_g[:, None] * row_stride + offs_n[None, :], mask=mask_g, other=0.0)
+    if HAS_CODE:  # IQ4: q indexes 16 fp32 levels (64 bytes, in L1)
+        v = tl.load(code_ptr + q)
+    else:  # q - zero exactly, as an fp32 (2^23 + q has ulp 1)
+        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZERO)
+    # then the format's scale and offset, in fp32
+    v = tl.reshape(v, (GROUPS, GROUP, offs_n.shape[0])) * s[:, None, :]
+    if HAS_OFFSETS:
+        v += tl.load(offsets_ptr + offs_g[:, None] * row_stride + offs_n[None, :], mask=mask_g,
+                     other=0.0)[:, None, :]
+    return tl.reshape(v, (BLOCK_K, offs_n.shape[0]))
+
+
+@triton.jit
+def _dot(x, w, acc, UPCAST_DOT: tl.constexpr):
+    """acc + x @ w, w the fp32 tile: exact fp32 (ieee) for fp32 x (and bf16 under the interpreter), else in x's
+    dtype (the weight rounded once) with fp32 accumulation."""
+    if UPCAST_DOT:
+        return tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+    return tl.dot(x, w.to(x.dtype), acc)
+
+
+@triton.jit
 def _gguf_gemm_kernel(
     x_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_xk,
@@ -74,8 +122,6 @@ def _gguf_gemm_kernel(
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K); with SPLIT_K > 1 the
     slices meet in `common.reduce_split_k`."""
-    HIGH: tl.constexpr = BITS - 4
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -91,31 +137,9 @@ def _gguf_gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-        offs_lo = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(lo_ptr + offs_lo[:, None] * N + offs_n[None, :],
-                        mask=(offs_lo < K // 8)[:, None] & mask_n[None, :], other=0)
-        q = unpack_int_tile(words, 4)
-        if HIGH > 0:
-            offs_hi = k0 * HIGH // 32 + tl.arange(0, BLOCK_K * HIGH // 32)
-            high = tl.load(hi_ptr + offs_hi[:, None] * N + offs_n[None, :],
-                           mask=(offs_hi < K * HIGH // 32)[:, None] & mask_n[None, :], other=0)
-            q = q | (unpack_int_tile(high, HIGH) << 4)
-        offs_g = k0 // GROUP + tl.arange(0, GROUPS)
-        mask_g = (offs_g < K // GROUP)[:, None] & mask_n[None, :]
-        s = tl.load(scales_ptr + offs_g[:, None] * N + offs_n[None, :], mask=mask_g, other=0.0)
-        if HAS_CODE:  # IQ4: q indexes 16 fp32 levels (64 bytes, in L1)
-            v = tl.load(code_ptr + q)
-        else:  # q - zero exactly, as an fp32 (2^23 + q has ulp 1)
-            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZERO)
-        # then the format's scale and offset, in fp32
-        v = tl.reshape(v, (GROUPS, GROUP, BLOCK_N)) * s[:, None, :]
-        if HAS_OFFSETS:
-            v += tl.load(offsets_ptr + offs_g[:, None] * N + offs_n[None, :], mask=mask_g, other=0.0)[:, None, :]
-        w = tl.reshape(v, (BLOCK_K, BLOCK_N))
-        if UPCAST_DOT:  # fp32 x (exact ieee dot), or bf16 under the interpreter (common.upcast_dot)
-            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w.to(x.dtype), acc)
+        w = _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n, mask_n, N, K,
+                         BITS, ZERO, GROUP, HAS_OFFSETS, HAS_CODE, BLOCK_K)
+        acc = _dot(x, w, acc, UPCAST_DOT)
 
     if HAS_BIAS:  # added once: by the first K slice only
         if pid_k == 0:
@@ -242,6 +266,83 @@ def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig,
     return Launch(_gguf_gemm_kernel, grid, args, config.num_warps, config.num_stages), out
 
 
+@triton.jit
+def _gguf_moe_kernel(a_ptr, out_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, routing_weight_ptr,
+                     sorted_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, num_valid, N, K, W_N, up_offset,
+                     a_row_divisor, stride_am, stride_om, stride_le, stride_he, stride_se,
+                     a_scale_ptr, stride_asm, stride_asg,
+                     BITS: tl.constexpr, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                     HAS_CODE: tl.constexpr, GATE_UP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: BLOCK_M rows of the expert-sorted (token, slot) pairs (one expert: kernels/moe/routing.py's
+    alignment) x BLOCK_N output columns, the expert's GGUF planes dequantized by `_weight_tile`. As
+    kernels/moe/jit.py's expert GEMM: GATE_UP out[:, n] = silu(A @ W[n]) * (A @ W[n + up_offset]) with A the
+    tokens; else out = routing weight * (A @ W^T) with A the (token, slot) rows. W_N: the planes' row length.
+    a_scale_ptr, stride_asm, stride_asg: unused (no W8A8 here); fused_moe's plan binds them to every expert GEMM."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return  # past the last padded expert run
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = rows < num_valid  # padding slots hold the sentinel num_valid
+    a_rows = (rows // a_row_divisor).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    lo_ptr += expert * stride_le
+    hi_ptr += expert * stride_he
+    scales_ptr += expert * stride_se
+    offsets_ptr += expert * stride_se
+    code_ptr += expert * 16
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+                    mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        w = _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n, mask_n, W_N, K,
+                         BITS, ZERO, GROUP, HAS_OFFSETS, HAS_CODE, BLOCK_K)
+        acc = _dot(a, w, acc, UPCAST_DOT)
+        if GATE_UP:
+            w_up = _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n + up_offset, mask_n,
+                                W_N, K, BITS, ZERO, GROUP, HAS_OFFSETS, HAS_CODE, BLOCK_K)
+            acc_up = _dot(a, w_up, acc_up, UPCAST_DOT)
+    if GATE_UP:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
+    else:
+        acc = acc * tl.load(routing_weight_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_n[None, :])
+
+
+def gguf_moe_launch(a: torch.Tensor, out: torch.Tensor, w: GGUFWeight, routing: torch.Tensor, alignment: tuple,
+                    top_k: int, config, block_m: int, gate_up: bool, activation=None) -> Launch:
+    """The launch of _gguf_moe_kernel for one of fused_moe's two GEMMs over stacked GGUF experts w (checked by
+    `GGUFWeight.stacked_shape`): gate_up a = x [T, D], w [E, 2I, D] (gate rows, then up), out = hidden [T*k, I];
+    else a = hidden [T*k, I], w [E, D, I], out [T*k, D]. alignment, config (a kernels.moe MoEConfig) and block_m
+    as kernels/moe's `moe_gemm_launch`; BLOCK_K is taken to at least 32 (a word of Q5's fifth bits), and to 32 for
+    IQ4 (CODE_BLOCK_K). SiLU-and-mul only: GGUF experts (qwen3moe) have no biases and no other activation."""
+    if w.bias is not None or activation is not None:
+        _fail("(bias, activation)", (w.bias is not None, activation), "no bias and SiLU-and-mul (None)",
+              "GGUF experts run Qwen3-MoE's plain SwiGLU experts")
+    sorted_ids, expert_ids, post_padded = alignment
+    (N, K), W_N = (out.shape[1], a.shape[1]), w.shape[0]
+    block_k = max(32, min(config.BLOCK_K, next_pow2(K), CODE_BLOCK_K if w.code is not None else config.BLOCK_K))
+    args = dict(a_ptr=a, out_ptr=out, lo_ptr=w.lo, hi_ptr=w.hi if w.hi is not None else w.lo, scales_ptr=w.scales,
+                offsets_ptr=w.offsets if w.offsets is not None else w.scales,
+                code_ptr=w.code if w.code is not None else w.scales, routing_weight_ptr=routing,
+                sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids, num_tokens_post_padded_ptr=post_padded,
+                num_valid=routing.numel(), N=N, K=K, W_N=W_N, up_offset=N if gate_up else 0,
+                a_row_divisor=top_k if gate_up else 1, stride_am=a.stride(0), stride_om=out.stride(0),
+                a_scale_ptr=routing, stride_asm=0, stride_asg=0, stride_le=w.lo.stride(0), stride_he=w.hi.stride(0) if w.hi is not None else 0,
+                stride_se=w.scales.stride(0), BITS=w.bits, ZERO=w.zero, GROUP=w.group_size,
+                HAS_OFFSETS=w.offsets is not None, HAS_CODE=w.code is not None, GATE_UP=gate_up,
+                UPCAST_DOT=upcast_dot(a), BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k)
+    grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
+    return Launch(_gguf_moe_kernel, grid, args, config.num_warps, config.num_stages)
+
+
 def gguf_gemm_reference(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     """Plain torch: dequantize (fp32) -> fp32 matmul (+ bias) -> x.dtype. The oracle (TRITONQ_BACKEND=torch)."""
     _check_weight(w)
@@ -277,14 +378,39 @@ def cpu_linear(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def _meta_weight(N: int, K: int, bits: int, group: int, offsets: bool, code: bool, *experts: int) -> GGUFWeight:
+    """A GGUFWeight of meta tensors: N x K, `bits`-bit codes, scales per `group`, offsets or not, a code table (IQ4)
+    or not; `experts` (E,): stacked."""
+    meta = torch.device("meta")
+    scales = torch.empty(*experts, K // group, N, dtype=torch.float32, device=meta)
+    return GGUFWeight(torch.empty(*experts, K // 8, N, dtype=torch.int32, device=meta),
+                      torch.empty(*experts, K * (bits - 4) // 32, N, dtype=torch.int32, device=meta) if bits > 4
+                      else None,
+                      scales, torch.empty_like(scales) if offsets else None, group, bits, 0, f"{bits}-bit",
+                      code=torch.empty(*experts, 16, device=meta) if code else None)
+
+
 def aot_launch(config: GGUFGemmConfig, M: int, N: int, K: int, bits: int, group: int, offsets: bool,
                dtype: torch.dtype = torch.bfloat16, code: bool = False) -> Launch:
     """`gguf_gemm_launch` over meta tensors for an N x K weight of `bits`-bit codes, scales per `group`, with
     offsets or not (Q4_K: 4, 32, True; Q5_K: 5, 32, True; Q6_K: 6, 16, False), a code table (IQ4) or not, no bias."""
+    w = _meta_weight(N, K, bits, group, offsets, code)
+    return gguf_gemm_launch(torch.empty(M, K, dtype=dtype, device="meta"), w, config)[0]
+
+
+def aot_moe_launch(config, problem: tuple[int, int, int, int, int], gate_up: bool, bits: int, group: int,
+                   offsets: bool, dtype: torch.dtype = torch.bfloat16, code: bool = False) -> Launch:
+    """`gguf_moe_launch` over meta tensors for one GEMM of fused_moe over stacked GGUF experts (format as
+    `aot_launch`'s); problem (tokens, experts, top-k, D, I), config a kernels.moe MoEConfig."""
+    T, E, top_k, D, inter = problem
+    N, K, w_rows = (inter, D, 2 * inter) if gate_up else (D, inter, D)
     meta = torch.device("meta")
-    scales = torch.empty(K // group, N, dtype=torch.float32, device=meta)
-    w = GGUFWeight(torch.empty(K // 8, N, dtype=torch.int32, device=meta),
-                   torch.empty(K * (bits - 4) // 32, N, dtype=torch.int32, device=meta) if bits > 4 else None,
-                   scales, torch.empty_like(scales) if offsets else None, group, bits, 0, f"{bits}-bit",
-                   code=torch.empty(16, device=meta) if code else None)
-    return gguf_gemm_launch(torch.empty(M, K, dtype=dtype, device=meta), w, config)[0]
+    numel = T * top_k
+    max_blocks = min(numel, triton.cdiv(numel, config.BLOCK_M) + E + 1)  # as moe_align_block_size
+    alignment = (torch.empty(max_blocks * config.BLOCK_M, dtype=torch.int32, device=meta),
+                 torch.empty(max_blocks, dtype=torch.int32, device=meta), torch.empty(1, dtype=torch.int32, device=meta))
+    a = torch.empty(T if gate_up else numel, K, dtype=dtype, device=meta)
+    return gguf_moe_launch(a, torch.empty(numel, N, dtype=dtype, device=meta),
+                           _meta_weight(w_rows, K, bits, group, offsets, code, E),
+                           torch.empty(numel, dtype=torch.float32, device=meta), alignment, top_k, config,
+                           config.BLOCK_M, gate_up)

@@ -6,7 +6,8 @@ its kernel's message, and builds what the calls need: the weight's GEMM object (
 `GGUFGemm`: kernel, config and launch arguments resolved once per M bucket, one launch per call at decode) and, on
 the CPU backend, the CPU form (kernels/cpu/lowbit.py's repacked int4 or dequantized weight, cpu_dense's oneDNN-packed bf16
 one). `run(x, prepared)` is then a lookup and a call: the backend (CPU kernels, the torch reference under
-TRITONQ_BACKEND=torch, Triton) is picked from x by the GEMM object, or by the CPU fast paths here.
+TRITONQ_BACKEND=torch, Triton) is picked from x by the GEMM object, or by the CPU fast paths here. A `PartsWeight`
+(a fused linear whose parts keep different types) runs each part's row and concatenates the outputs.
 
 `prepare_gate_up(w)` is the SwiGLU MLP's gate_up linear with its activation in the GEMM's epilogue (one launch
 instead of the GEMM and a silu_mul kernel): where the weight runs a Triton GEMM with that epilogue (int4/int8
@@ -27,13 +28,14 @@ from tritonq.kernels.fp8_gemm import FP8Gemm
 from tritonq.kernels.gguf_gemm import GGUFGemm
 from tritonq.kernels.int4_gemm import Int4Gemm
 from tritonq.kernels.int8_gemm import Int8Gemm
-from tritonq.quant.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight, W8A8Weight, Weight
+from tritonq.quant.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight, PartsWeight, W8A8Weight, Weight
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """What `prepare` made of one weight: the weight, its GEMM object (None for dense weights) and its CPU form
-    (None off the CPU backend, for W8A8 weights, which run as stored, and for dense weights oneDNN does not pack)."""
+    """What `prepare` made of one weight: the weight, its GEMM object (None for dense weights; a PartsWeight: each
+    part's (run, Prepared)) and its CPU form (None off the CPU backend, for W8A8 weights, which run as stored, and
+    for dense weights oneDNN does not pack)."""
     weight: Weight
     gemm: Any
     cpu: Any
@@ -84,12 +86,21 @@ def _prepare_w8a8(w: W8A8Weight) -> Prepared:
 def _prepare_gguf(w: GGUFWeight) -> Prepared:
     # CPU: Q4_1 / Q4_K run torch's int4 kernel (cpu_lowbit); the others dequantize column tiles per call
     # (gguf_gemm.cpu_linear, inside GGUFGemm)
-    cpu = cpu_lowbit.prepare(w) if w.bits == 4 and w.code is None and backend(w.lo) == "cpu" else None
+    cpu = cpu_lowbit.prepare(w) if cpu_lowbit.int4_kernel_gguf(w) and backend(w.lo) == "cpu" else None
     return Prepared(w, GGUFGemm(w), cpu)
 
 
 def _gemm(x: torch.Tensor, p: Prepared) -> torch.Tensor:
     return p.gemm(x)  # FP8Gemm and Int8Gemm take [..., K] themselves
+
+
+def _prepare_parts(w: PartsWeight) -> Prepared:
+    return Prepared(w, tuple((kind_of(part).run, kind_of(part).prepare(part)) for part in w.parts), None)
+
+
+def _parts(x: torch.Tensor, p: Prepared) -> torch.Tensor:
+    """A fused linear of parts of different types: each part's GEMM, outputs concatenated along N."""
+    return torch.cat([run(x, prepared) for run, prepared in p.gemm], dim=-1)
 
 
 
@@ -101,6 +112,7 @@ LINEARS = {
     FP8Weight: LinearKind(_prepare_fp8, _gemm),
     W8A8Weight: LinearKind(_prepare_w8a8, _gemm),
     GGUFWeight: LinearKind(_prepare_gguf, _int4),
+    PartsWeight: LinearKind(_prepare_parts, _parts),
 }
 
 

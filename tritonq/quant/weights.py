@@ -451,7 +451,7 @@ class W8A8Weight(_TypedWeight):
 
 @dataclass(frozen=True)
 class GGUFWeight(_TypedWeight):
-    """A GGUF block format that no integer zero can express (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), repacked at load
+    """A GGUF block format that the int layout cannot express (Q4_1, Q5_x, Q2_K ... Q6_K, IQ4_x), repacked at load
     (formats/gguf.py) into planes a GEMM reads along N with the exact values of the format:
 
     lo       [K / 8, N] int32: the low 4 bits of each code, packed along K (Int4Weight's 4-bit packing).
@@ -462,6 +462,7 @@ class GGUFWeight(_TypedWeight):
     code     fp32 [16] or None: IQ4_NL / IQ4_XS's non-uniform levels; with it a code q means code[q] (zero 0).
     Dequant, in fp32: W[n, k] = (q - zero) * scale (+ offset), or code[q] * scale: the gguf package's products and
     sums, whose products are exact in fp32, so the values are its values bit for bit. type_name names the format.
+    Stacked (MoE experts, run by kernels/gguf_gemm.py's expert GEMM): every plane and code gain a leading E.
     """
     lo: torch.Tensor
     hi: torch.Tensor | None
@@ -503,7 +504,20 @@ class GGUFWeight(_TypedWeight):
         return self.group_size % block_k == 0
 
     def stacked_shape(self, what: str) -> tuple[int, int, int]:
-        raise ValueError(f"{what}: GGUF {self.type_name} experts run per expert, not through the fused MoE kernel")
+        """(E, N, K) of stacked experts (every plane with the leading E, contiguous; code [E, 16])."""
+        if self.lo.dim() != 3:
+            _not_stacked(self, what)
+        E, (N, K) = self.lo.shape[0], self.shape
+        groups = (E, K // self.group_size, N)
+        expected = {"lo": (E, K // 8, N), "hi": (E, K * (self.bits - 4) // 32, N), "scales": groups,
+                    "offsets": groups, "code": (E, 16)}
+        for name, shape in expected.items():
+            t = getattr(self, name)
+            if t is not None and (tuple(t.shape) != shape or not t.is_contiguous()):
+                raise ValueError(f"{what} GGUF {self.type_name} {name} is {tuple(t.shape)}"
+                                 f"{'' if t.is_contiguous() else ' (non-contiguous)'}, expected a contiguous "
+                                 f"{list(shape)}: stack the experts with stack_experts")
+        return E, N, K
 
     @classmethod
     def _concat_outputs(cls, parts: list[GGUFWeight], bias: torch.Tensor | None) -> GGUFWeight:
@@ -518,12 +532,62 @@ class GGUFWeight(_TypedWeight):
 
     @classmethod
     def _stack_experts(cls, parts: list[GGUFWeight]) -> GGUFWeight:
-        raise ValueError("GGUF K-quant / Q4_1 / Q5_x experts are not stacked for the fused MoE kernel (the GGUF "
-                         "loader reads such experts dense)")
+        found = sorted({(p.type_name, p.shape) for p in parts})
+        if len(found) != 1:
+            raise ValueError(f"experts of one MoE layer must share their GGUF block type and shape (one fused kernel "
+                             f"runs them all); found {found}: re-quantize the model with llama-quantize, which gives "
+                             "each expert tensor one type")
+
+        def stack(name):
+            return _stack_optional(parts, name)
+        return replace(parts[0], lo=stack("lo"), hi=stack("hi"), scales=stack("scales"), offsets=stack("offsets"),
+                       code=stack("code"), bias=stack("bias"))
 
 
-Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight | W8A8Weight | GGUFWeight
-WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight, MXFP4Weight, W8A8Weight, GGUFWeight)
+@dataclass(frozen=True)
+class PartsWeight(_TypedWeight):
+    """A fused linear (q/k/v, gate/up) whose parts keep different types: GGUF's Q4_K_M mixes a Q6_K attn_v with
+    Q4_K q / k in some layers, which no one kernel runs. parts: 2-D typed weights [N_i, K] (each with its own bias,
+    if any), each run by its own GEMM; W [sum N_i, K] is their concatenation along N. Linears only (no experts)."""
+    parts: tuple
+    bias: None = None
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.parts[0].values
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"parts.{i}.{name}": t for i, p in enumerate(self.parts) for name, t in p.tensors().items()}
+
+    def to(self, device):
+        return replace(self, parts=tuple(p.to(device) for p in self.parts))
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W [N, K]: the parts' values concatenated, in dtype (None: float32)."""
+        return torch.cat([p.dequantize(dtype or torch.float32) for p in self.parts])
+
+    def scales_constant_over(self, block_k: int) -> bool:
+        return False
+
+    def stacked_shape(self, what: str) -> tuple[int, int, int]:
+        raise ValueError(f"{what}: a fused weight of parts of different types is not stacked for the fused MoE; "
+                         "its loader reads such experts dense")
+
+    @classmethod
+    def _concat_outputs(cls, parts: list[PartsWeight], bias: torch.Tensor | None) -> PartsWeight:
+        return cls(tuple(q for p in parts for q in p.parts))
+
+    @classmethod
+    def _stack_experts(cls, parts: list[PartsWeight]) -> PartsWeight:
+        raise ValueError("a fused weight of parts of different types is not stacked for the fused MoE")
+
+
+Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight | W8A8Weight | GGUFWeight | PartsWeight
+WEIGHT_TYPES = (DenseWeight, Int4Weight, FP8Weight, MXFP4Weight, W8A8Weight, GGUFWeight, PartsWeight)
 
 
 @dataclass(frozen=True)

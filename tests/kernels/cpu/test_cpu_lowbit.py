@@ -9,7 +9,8 @@ Tolerances (stated once, justified in kernels/cpu/lowbit.py):
       elementwise |y - ref| <= INT4_BOUND * (|x| @ T^T), T[n, k] = scale * (|q - 8| + |8 - z|): four
       bf16 roundings (unit roundoff 2^-8 each) of the magnitude of the terms summed, plus the reference's
       fp16 W (2^-11); the relative norm of the error is also checked (< 2^-6: it is ~3e-3, RMS).
-  fp32 paths (8-bit GPTQ, FP8, int4 groups the kernel cannot take): the same dequantized values
+  fp32 paths (8-bit GPTQ, symmetric 8-bit's per-call tiles, FP8, int4 groups the kernel cannot take): the same
+      dequantized values
       and arithmetic as the reference, summation order only: rtol 1e-5, atol 1e-5 * max |ref|.
       FP8 runs weight-only by default on CPU (as below sm_89): compared with the weight-only reference.
   MoE: two GEMMs and a SiLU in series; int4 experts: ||y - ref|| <= 2^-6 ||ref|| (each bf16 GEMM
@@ -27,7 +28,7 @@ from tritonq.kernels.moe import fused_moe, fused_moe_reference
 from tritonq.formats.layers import Linear
 from tritonq.quant.packing import unpack_int32
 from tritonq.quant.rtn import quantize_fp8, quantize_int4
-from tritonq.quant.weights import FP8Weight, Int4Weight, stack_experts
+from tritonq.quant.weights import FP8Weight, GGUFWeight, Int4Weight, stack_experts
 
 MS = [1, 3, 17, 64, 130]
 N = 72  # not a multiple of 64: the packed weight gets padded columns
@@ -43,6 +44,11 @@ INT4_CASES = {  # name: (K, quantize_int4 options)
     "per_channel_sym_K512": (512, dict(group_size=-1, sym=True)),
     "act_order_g32_sym": (96, dict(group_size=32, sym=True, act_order=True)),
     "act_order_g128_asym": (384, dict(group_size=128, sym=False, act_order=True)),
+}
+INT8_CASES = {  # symmetric 8-bit group weights (GGUF Q8_0's form): int8 codes, column tiles dequantized per call
+    "q8_0_form_g32": lambda: quantize_int4(torch.randn(N, 96), group_size=32, sym=True, bits=8),
+    "gptq8_sym_per_channel_bf16": lambda: quantize_int4(torch.randn(N, 200), group_size=-1, sym=True, bits=8,
+                                                        scale_dtype=torch.bfloat16),
 }
 FP32_CASES = {  # typed weights the CPU backend dequantizes once to fp32
     "gptq8_g32_asym": lambda: quantize_int4(torch.randn(N, 96), group_size=32, bits=8),
@@ -205,6 +211,20 @@ def test_int_weights_dequantized_once_match_reference(name, M):
 
 
 @pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("name", list(INT8_CASES))
+def test_symmetric_int8_weights_keep_int8_codes_and_match_reference(monkeypatch, name, M):
+    """No fp32 copy: the CPU form holds the codes as int8 [K, N] (1 byte a weight) and fp32 scales; each call
+    dequantizes column tiles (here 16 columns each: several tiles and a partial one) to the reference's values."""
+    monkeypatch.setattr(cpu_lowbit, "INT8_TILE_BYTES", 1)  # the smallest tile, 16 columns
+    w = with_bias(INT8_CASES[name]())
+    p = cpu_lowbit.prepare(w)
+    assert isinstance(p, cpu_lowbit.CPUInt8Weight)
+    assert p.codes.dtype == torch.int8 and p.codes.shape == (w.shape[1], N)
+    x = torch.randn(M, w.shape[1])
+    assert_fp32_close(int4_gemm(x, w), int4_gemm_reference(x, w))
+
+
+@pytest.mark.parametrize("M", MS)
 @pytest.mark.parametrize("name", list(FP8_CASES))
 def test_fp8_dequantized_once_matches_reference(name, M):
     w = with_bias(FP8_CASES[name]())
@@ -292,7 +312,7 @@ def test_fp8_expert_slices_keep_scale_layout():
 
 
 @pytest.mark.parametrize("M", MS)
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_gguf_weights_on_the_cpu_backend(type_name, M):
     """GGUFWeight through a Linear against a float32 matmul on the gguf package's dequantization of the same
     blocks. 4-bit types run the int4 kernel as the float zero 8 * scale + offset: the int4 bound with
@@ -306,7 +326,7 @@ def test_gguf_weights_on_the_cpu_backend(type_name, M):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("tritonq.kernels.gguf_gemm.CPU_TILE_BYTES", 32 * 512 * 4)
         y = Linear(w)(x)
-    if w.offsets is not None and w.bits == 4:
+    if type_name in ("Q4_1", "Q4_K"):  # affine per 32
         assert isinstance(cpu_lowbit.prepare(w), cpu_lowbit.CPUInt4Weight)
         g = torch.arange(512) // 32
         q = unpack_int32(w.lo, 4, dim=0).float()
@@ -317,3 +337,24 @@ def test_gguf_weights_on_the_cpu_backend(type_name, M):
     else:
         assert w not in cpu_lowbit._prepared  # no dense copy of the weight
         assert_fp32_close(y, ref)
+
+
+@pytest.mark.parametrize("type_name, D, inter", [("Q4_K", 256, 256), ("Q6_K", 256, 256), ("IQ4_NL", 96, 160)])
+def test_gguf_experts_on_the_cpu_backend_match_float32_reference(type_name, D, inter):
+    """The CPU backend's GGUF experts (5, top-2, 17 tokens) against the routed experts on the gguf package's values:
+    Q6_K / IQ4_NL kept in their planes (gguf_gemm.cpu_linear: the fp32 paths' tolerance), Q4_K on torch's int4
+    kernel (the int4 experts' relative bound)."""
+    from formats.gguf_files import random_experts, routed_reference
+
+    from tritonq.kernels.moe import grouped_topk
+    gate_up, down, gate_up_ref, down_ref = random_experts(type_name, 5, D, inter)
+    x = torch.randn(17, D)
+    topk_weights, topk_ids = grouped_topk(torch.randn(17, 5), top_k=2, renormalize=True)
+    ref = routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
+    y = fused_moe(x, gate_up, down, topk_weights, topk_ids)
+    kept = isinstance(cpu_lowbit.prepare_experts(down)[0], GGUFWeight)
+    assert kept == (type_name != "Q4_K")
+    if kept:
+        assert_fp32_close(y, ref)
+    else:
+        assert ((y - ref).norm() / ref.norm()).item() < 2**-6

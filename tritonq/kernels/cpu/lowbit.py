@@ -5,7 +5,11 @@ TRITONQ_BACKEND=torch still runs them: the test oracle). `prepare(w)` makes a we
 
 * `CPUInt4Weight`: 4-bit AWQ / GPTQ for torch's int4 CPU kernel (bf16 activations, fp32 accumulation); above
   TEMPLATE_ABOVE_M rows inductor's int4 GEMM template, compiled once per weight (`_template_gemm`).
-* `CPUDenseWeight`: every other type (8-bit, nf4 / fp4, FP8, MXFP4, int4 the kernel cannot take), dequantized once
+* `CPUInt8Weight`: symmetric 8-bit group weights (GGUF Q8_0, GPTQ 8-bit sym without act-order) as int8 codes,
+  column tiles dequantized per call (`_int8_linear`): 1.125 bytes a weight instead of an fp32 copy's 4.
+* GGUF's 5- / 6-bit and IQ4 experts: kept in their planes, run by `gguf_gemm.cpu_linear` (column tiles
+  dequantized per call; their linears run it inside GGUFGemm).
+* `CPUDenseWeight`: every other type (other 8-bit, nf4 / fp4, FP8, MXFP4, int4 the kernel cannot take), dequantized once
   to fp32 and run as an fp32 GEMM.
 
 In the batch-invariant mode 4-bit weights run the eager kernel at every row count and dequantized ones the C loop.
@@ -27,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tritonq.kernels import batch_invariant
 from tritonq.kernels.cpu import dense as cpu_dense, native as cpu_native
 from tritonq.kernels.common import ClampedSwiGLU
+from tritonq.kernels.gguf_gemm import cpu_linear as gguf_cpu_linear
 from tritonq.quant.packing import unpack_int32
 from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, MXFP4Weight, Weight
 
@@ -75,7 +80,19 @@ class CPUDenseWeight:
     bias: torch.Tensor | None
 
 
-CPUWeight = CPUInt4Weight | CPUDenseWeight
+@dataclass(frozen=True)
+class CPUInt8Weight:
+    """codes int8 [K, N] (q - 128: the signed value), scales [K / group_size, N] in the weight's scale dtype, bias
+    fp32 [N] or None. W[n, k] = codes[k, n] * scales[k // group_size, n] in the scales' dtype (the exact product
+    rounded once, as Int4Weight.dequantize: the reference's values; fp32 scales, GGUF Q8_0 in fp32: exact)."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    group_size: int
+    bias: torch.Tensor | None
+
+
+CPUWeight = CPUInt4Weight | CPUDenseWeight | CPUInt8Weight | GGUFWeight
+INT8_TILE_BYTES = 2 << 20  # fp32 bytes of the weight tile _int8_linear dequantizes at a time
 
 _prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()  # typed weight -> its CPUWeight (or tuple, stacked)
 
@@ -104,6 +121,10 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     compiled: above TEMPLATE_ABOVE_M rows a 4-bit weight may run inductor's int4 GEMM template, compiled for
     this weight on its first such call (`_template_gemm`); False keeps to the eager paths (MoE experts: one
     compile per expert would cost more than it saves)."""
+    if isinstance(p, GGUFWeight):
+        return gguf_cpu_linear(x, p)
+    if isinstance(p, CPUInt8Weight):
+        return _int8_linear(x, p)
     if isinstance(p, CPUDenseWeight):
         if batch_invariant():  # MKL's sums change with the row count: the C loop's (kernels/cpu/dense.py)
             y = cpu_native.small_linear(x.float().contiguous(), _rows_copy(p), p.weight.shape[0], p.bias,
@@ -128,6 +149,27 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     if p.bias is not None:
         y = y + p.bias  # bf16 + fp32 -> fp32: the bias is added unrounded
     return y.to(x.dtype).contiguous()
+
+
+def _int8_linear(x: torch.Tensor, p: CPUInt8Weight) -> torch.Tensor:
+    """y = x @ W^T a tile of ~INT8_TILE_BYTES of output columns at a time: each tile's codes times their scales
+    (one product per weight; half scales: then widened to fp32), then an fp32 GEMM (the C loop in the batch-invariant mode);
+    no dense copy is kept. docs/cpu.md has its speed."""
+    (K, N), groups = p.codes.shape, p.scales.shape[0]
+    tile = max(16, INT8_TILE_BYTES // (4 * K) // 16 * 16)
+    xf = x.float().contiguous()
+    y = torch.empty(x.shape[0], N)
+    for n0 in range(0, N, tile):
+        cols = slice(n0, min(n0 + tile, N))
+        w = torch.mul(p.codes[:, cols].view(groups, K // groups, -1), p.scales[:, None, cols]).view(K, -1).float()
+        if batch_invariant():  # MKL's sums change with the row count: the C loop's (kernels/cpu/dense.py)
+            y[:, cols] = cpu_native.small_linear(xf, cpu_native.small_linear_weight(w.t()), w.shape[1], None,
+                                                 parallel=xf.shape[0] * w.numel() >= cpu_dense.PARALLEL_WORK)
+        else:
+            torch.matmul(xf, w, out=y[:, cols])
+    if p.bias is not None:
+        y += p.bias
+    return y.to(x.dtype)
 
 
 _rows_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # CPUDenseWeight -> its copy for the C loop
@@ -313,10 +355,18 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
         return CPUDenseWeight(w.weight.float(), bias)
     if isinstance(w, Int4Weight):
         w.check_g_idx()  # every g_idx entry names a scales row (what the reference checks per call)
-    if isinstance(w, GGUFWeight) and w.bits == 4 and w.code is None:  # Q4_1 / Q4_K: q*s + o = (q - 8)*s + (8s + o)
+    if isinstance(w, GGUFWeight) and int4_kernel_gguf(w):  # Q4_1 / Q4_K: q*s + o = (q - 8)*s + (8s + o)
         _note("GGUF Q4_1 / Q4_K weights run torch's CPU int4 kernel, their fp32 scales and offsets rounded to bf16")
         return _prepare_int4(Int4Weight(w.lo, w.scales, None, None, w.group_size, 4, w.bias),
                              float_zeros=8 * w.scales + w.offsets)
+    if isinstance(w, GGUFWeight):  # no dense copy: each call dequantizes column tiles (gguf_gemm.cpu_linear)
+        return w
+    if (isinstance(w, Int4Weight) and w.bits == 8 and w.zeros is None and w.g_idx is None and w.code is None
+            and w.shape[1] % w.group_size == 0):
+        _note("symmetric 8-bit weights (GGUF Q8_0, GPTQ 8-bit sym) keep int8 codes (1.125 bytes a weight) and "
+              "dequantize column tiles per call")
+        codes = (unpack_int32(w.qweight, 8, dim=0) - 128).to(torch.int8)
+        return CPUInt8Weight(codes, w.scales.contiguous(), w.group_size, bias)
     if isinstance(w, Int4Weight) and w.code is not None:
         reason = "bitsandbytes nf4/fp4 (a code table, not the integer levels torch's int4 kernel takes)"
     elif isinstance(w, Int4Weight) and w.bits == 4:
@@ -382,6 +432,11 @@ def _prepare_int4(w: Int4Weight, float_zeros: torch.Tensor | None = None) -> CPU
         out_features=N, in_features=K, perm=perm, bias=None if w.bias is None else w.bias.float())
     _by_id[id(p)] = p
     return p
+
+
+def int4_kernel_gguf(w: GGUFWeight) -> bool:
+    """Whether GGUFWeight w runs torch's int4 kernel: 4-bit codes, an offset per group of 32 (Q4_1, Q4_K)."""
+    return w.bits == 4 and w.code is None and w.offsets is not None and w.group_size % 32 == 0
 
 
 @functools.cache

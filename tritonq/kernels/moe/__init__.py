@@ -12,7 +12,8 @@ Weights are stacked typed weights (tritonq/quant/weights.py, with a leading expe
   g_idx [E, K] or None; FP8Weight weight [E, N, K] fp8 with weight_scale [E] (per tensor),
   [E, N, 1] (per channel) or [E, ceil(N/bn), ceil(K/bk)] (block_size (bn, bk));
   MXFP4Weight blocks [E, N, K/32, 16] uint8 (two e2m1 codes a byte), scales [E, N, K/32] E8M0 (decoded
-  in the kernel's tile load, `jit.py`).
+  in the kernel's tile load, `jit.py`); GGUFWeight planes [E, ...] (GGUF K-quants / IQ4: their own expert
+  GEMM in kernels/gguf_gemm.py, launched through the same plan).
 A model's MoE layer builds a `MoEExperts(gate_up, down, activation)` once (the weights checked then, each T
 bucket's launches resolved on its first call) and calls it with (x, topk_weights, topk_ids); `fused_moe` is one
 call of a fresh one.

@@ -32,12 +32,13 @@ from tritonq.kernels.common import (
 )
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.fp8_gemm import quantize_activation_fp8
+from tritonq.kernels.gguf_gemm import gguf_moe_launch
 from tritonq.kernels.moe.configs import MoEConfig, _config, check_config
 from tritonq.kernels.moe.experts import check_experts, check_moe_inputs, fp8_activation_scheme
 from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
 from tritonq.kernels.moe.reference import fused_moe_reference
 from tritonq.kernels.moe.routing import moe_align_block_size
-from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight, Weight
+from tritonq.quant.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight, MXFP4Weight, Weight
 
 FP8_DOT_MIN_K = 32  # tl.dot's smallest K for e4m3 operands (Triton's min_dot_size for 8-bit types)
 
@@ -244,6 +245,8 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
     static); the weight's codes are loaded as e4m3 (native_fp8 must be True) and the dot runs in e4m3.
     cc: the target of meta tensors (`common.int4_word_dequant`, `common.mxfp4_word_decode`).
     """
+    if isinstance(weight, GGUFWeight):  # GGUF block formats: their own expert kernel, in the GGUF kernel family
+        return gguf_moe_launch(a, out, weight, routing, alignment, top_k, config, block_m, gate_up, activation)
     sorted_ids, expert_ids, post_padded = alignment
     N, K = out.shape[1], a.shape[1]
     if isinstance(weight, MXFP4Weight) and config.BLOCK_K % 32:
