@@ -9,8 +9,7 @@ Tolerances (stated once, justified in kernels/cpu/lowbit.py):
       elementwise |y - ref| <= INT4_BOUND * (|x| @ T^T), T[n, k] = scale * (|q - 8| + |8 - z|): four
       bf16 roundings (unit roundoff 2^-8 each) of the magnitude of the terms summed, plus the reference's
       fp16 W (2^-11); the relative norm of the error is also checked (< 2^-6: it is ~3e-3, RMS).
-  fp32 paths (8-bit GPTQ, symmetric 8-bit's per-call tiles, FP8, int4 groups the kernel cannot take): the same
-      dequantized values
+  fp32 paths (8-bit GPTQ, FP8, int4 groups the kernel cannot take): the same dequantized values
       and arithmetic as the reference, summation order only: rtol 1e-5, atol 1e-5 * max |ref|.
       FP8 runs weight-only by default on CPU (as below sm_89): compared with the weight-only reference.
   MoE: two GEMMs and a SiLU in series; int4 experts: ||y - ref|| <= 2^-6 ||ref|| (each bf16 GEMM
@@ -44,11 +43,6 @@ INT4_CASES = {  # name: (K, quantize_int4 options)
     "per_channel_sym_K512": (512, dict(group_size=-1, sym=True)),
     "act_order_g32_sym": (96, dict(group_size=32, sym=True, act_order=True)),
     "act_order_g128_asym": (384, dict(group_size=128, sym=False, act_order=True)),
-}
-INT8_CASES = {  # symmetric 8-bit group weights (GGUF Q8_0's form): int8 codes, column tiles dequantized per call
-    "q8_0_form_g32": lambda: quantize_int4(torch.randn(N, 96), group_size=32, sym=True, bits=8),
-    "gptq8_sym_per_channel_bf16": lambda: quantize_int4(torch.randn(N, 200), group_size=-1, sym=True, bits=8,
-                                                        scale_dtype=torch.bfloat16),
 }
 FP32_CASES = {  # typed weights the CPU backend dequantizes once to fp32
     "gptq8_g32_asym": lambda: quantize_int4(torch.randn(N, 96), group_size=32, bits=8),
@@ -206,20 +200,6 @@ def test_int4_cpu_kernel_keeps_16_bit_activations(dtype):
 def test_int_weights_dequantized_once_match_reference(name, M):
     w = with_bias(FP32_CASES[name]())
     assert isinstance(cpu_lowbit.prepare(w), cpu_lowbit.CPUDenseWeight)
-    x = torch.randn(M, w.shape[1])
-    assert_fp32_close(int4_gemm(x, w), int4_gemm_reference(x, w))
-
-
-@pytest.mark.parametrize("M", MS)
-@pytest.mark.parametrize("name", list(INT8_CASES))
-def test_symmetric_int8_weights_keep_int8_codes_and_match_reference(monkeypatch, name, M):
-    """No fp32 copy: the CPU form holds the codes as int8 [K, N] (1 byte a weight) and fp32 scales; each call
-    dequantizes column tiles (here 16 columns each: several tiles and a partial one) to the reference's values."""
-    monkeypatch.setattr(cpu_lowbit, "INT8_TILE_BYTES", 1)  # the smallest tile, 16 columns
-    w = with_bias(INT8_CASES[name]())
-    p = cpu_lowbit.prepare(w)
-    assert isinstance(p, cpu_lowbit.CPUInt8Weight)
-    assert p.codes.dtype == torch.int8 and p.codes.shape == (w.shape[1], N)
     x = torch.randn(M, w.shape[1])
     assert_fp32_close(int4_gemm(x, w), int4_gemm_reference(x, w))
 

@@ -5,11 +5,9 @@ TRITONQ_BACKEND=torch still runs them: the test oracle). `prepare(w)` makes a we
 
 * `CPUInt4Weight`: 4-bit AWQ / GPTQ for torch's int4 CPU kernel (bf16 activations, fp32 accumulation); above
   TEMPLATE_ABOVE_M rows inductor's int4 GEMM template, compiled once per weight (`_template_gemm`).
-* `CPUInt8Weight`: symmetric 8-bit group weights (GGUF Q8_0, GPTQ 8-bit sym without act-order) as int8 codes,
-  column tiles dequantized per call (`_int8_linear`): 1.125 bytes a weight instead of an fp32 copy's 4.
 * GGUF's 5- / 6-bit and IQ4 experts: kept in their planes, run by `gguf_gemm.cpu_linear` (column tiles
   dequantized per call; their linears run it inside GGUFGemm).
-* `CPUDenseWeight`: every other type (other 8-bit, nf4 / fp4, FP8, MXFP4, int4 the kernel cannot take), dequantized once
+* `CPUDenseWeight`: every other type (8-bit, nf4 / fp4, FP8, MXFP4, int4 the kernel cannot take), dequantized once
   to fp32 and run as an fp32 GEMM.
 
 In the batch-invariant mode 4-bit weights run the eager kernel at every row count and dequantized ones the C loop.
@@ -80,19 +78,7 @@ class CPUDenseWeight:
     bias: torch.Tensor | None
 
 
-@dataclass(frozen=True)
-class CPUInt8Weight:
-    """codes int8 [K, N] (q - 128: the signed value), scales [K / group_size, N] in the weight's scale dtype, bias
-    fp32 [N] or None. W[n, k] = codes[k, n] * scales[k // group_size, n] in the scales' dtype (the exact product
-    rounded once, as Int4Weight.dequantize: the reference's values; fp32 scales, GGUF Q8_0 in fp32: exact)."""
-    codes: torch.Tensor
-    scales: torch.Tensor
-    group_size: int
-    bias: torch.Tensor | None
-
-
-CPUWeight = CPUInt4Weight | CPUDenseWeight | CPUInt8Weight | GGUFWeight
-INT8_TILE_BYTES = 2 << 20  # fp32 bytes of the weight tile _int8_linear dequantizes at a time
+CPUWeight = CPUInt4Weight | CPUDenseWeight | GGUFWeight
 
 _prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()  # typed weight -> its CPUWeight (or tuple, stacked)
 
@@ -123,8 +109,6 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     compile per expert would cost more than it saves)."""
     if isinstance(p, GGUFWeight):
         return gguf_cpu_linear(x, p)
-    if isinstance(p, CPUInt8Weight):
-        return _int8_linear(x, p)
     if isinstance(p, CPUDenseWeight):
         if batch_invariant():  # MKL's sums change with the row count: the C loop's (kernels/cpu/dense.py)
             y = cpu_native.small_linear(x.float().contiguous(), _rows_copy(p), p.weight.shape[0], p.bias,
@@ -149,27 +133,6 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     if p.bias is not None:
         y = y + p.bias  # bf16 + fp32 -> fp32: the bias is added unrounded
     return y.to(x.dtype).contiguous()
-
-
-def _int8_linear(x: torch.Tensor, p: CPUInt8Weight) -> torch.Tensor:
-    """y = x @ W^T a tile of ~INT8_TILE_BYTES of output columns at a time: each tile's codes times their scales
-    (one product per weight; half scales: then widened to fp32), then an fp32 GEMM (the C loop in the batch-invariant mode);
-    no dense copy is kept. docs/cpu.md has its speed."""
-    (K, N), groups = p.codes.shape, p.scales.shape[0]
-    tile = max(16, INT8_TILE_BYTES // (4 * K) // 16 * 16)
-    xf = x.float().contiguous()
-    y = torch.empty(x.shape[0], N)
-    for n0 in range(0, N, tile):
-        cols = slice(n0, min(n0 + tile, N))
-        w = torch.mul(p.codes[:, cols].view(groups, K // groups, -1), p.scales[:, None, cols]).view(K, -1).float()
-        if batch_invariant():  # MKL's sums change with the row count: the C loop's (kernels/cpu/dense.py)
-            y[:, cols] = cpu_native.small_linear(xf, cpu_native.small_linear_weight(w.t()), w.shape[1], None,
-                                                 parallel=xf.shape[0] * w.numel() >= cpu_dense.PARALLEL_WORK)
-        else:
-            torch.matmul(xf, w, out=y[:, cols])
-    if p.bias is not None:
-        y += p.bias
-    return y.to(x.dtype)
 
 
 _rows_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # CPUDenseWeight -> its copy for the C loop
@@ -361,12 +324,6 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
                              float_zeros=8 * w.scales + w.offsets)
     if isinstance(w, GGUFWeight):  # no dense copy: each call dequantizes column tiles (gguf_gemm.cpu_linear)
         return w
-    if (isinstance(w, Int4Weight) and w.bits == 8 and w.zeros is None and w.g_idx is None and w.code is None
-            and w.shape[1] % w.group_size == 0):
-        _note("symmetric 8-bit weights (GGUF Q8_0, GPTQ 8-bit sym) keep int8 codes (1.125 bytes a weight) and "
-              "dequantize column tiles per call")
-        codes = (unpack_int32(w.qweight, 8, dim=0) - 128).to(torch.int8)
-        return CPUInt8Weight(codes, w.scales.contiguous(), w.group_size, bias)
     if isinstance(w, Int4Weight) and w.code is not None:
         reason = "bitsandbytes nf4/fp4 (a code table, not the integer levels torch's int4 kernel takes)"
     elif isinstance(w, Int4Weight) and w.bits == 4:
