@@ -91,9 +91,14 @@ def check_split(prefix: str, shard: Shard, size: int, multiple: int, unit: str) 
     if shard.segments != 1:
         blocks = block_sizes(size, shard.segments)
         if blocks is None or any(block % (shard.count * multiple) for block in blocks):
-            sizes = f"fused blocks {shard.segments}" if blocks is None else f"fused blocks of {blocks}"
+            if blocks is None:
+                sizes, parts = f"fused blocks {shard.segments}", ""
+            elif len(set(blocks)) == 1:  # equal blocks: one size each, one part size
+                sizes, parts = f"fused blocks of {blocks[0]}", f", of {blocks[0] / shard.count:g}"
+            else:
+                sizes, parts = f"fused blocks of {blocks}", f", of {[b / shard.count for b in blocks]}"
             raise ValueError(f"{prefix}: cannot split {what}={size} ({sizes}) {shard.parallel}-parallel into "
-                             f"{shard.count} parts of each block: each part must be a multiple of {multiple} "
+                             f"{shard.count} parts of each block{parts}: each part must be a multiple of {multiple} "
                              f"({unit}); use a tensor_parallel size that keeps whole packs and groups on each rank")
     elif size % (shard.count * multiple):
         raise ValueError(f"{prefix}: cannot split {what}={size} {shard.parallel}-parallel into {shard.count} parts "
