@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-# tests/serve/serve_util.py (a real server on 127.0.0.1) is imported by engine, api and formats tests too: importable
-# whichever folder a run starts from
+# tests/serve/serve_util.py (a real server on 127.0.0.1) and tests/parallel/test_tensor_parallel.py's rank runner are
+# imported by engine, api, formats and models tests too: importable whichever folder a run starts from
 sys.path.insert(0, str(Path(__file__).parent / "serve"))
+sys.path.insert(0, str(Path(__file__).parent / "parallel"))
 
 CUDA = torch.cuda.is_available()
 if not CUDA:

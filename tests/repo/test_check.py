@@ -113,7 +113,9 @@ def test_failures_and_time_limits_are_reported_and_the_rest_runs(tmp_path, worke
 def test_an_interrupt_as_from_timeout_keeps_what_ran(tmp_path):
     """`timeout -s INT` (gpu_session.sh's step limit) signals the whole process group: pytest stops, the JUnit XML
     keeps the tests that ran, and the check relays every line and returns pytest's status (2: interrupted)."""
-    (tmp_path / "test_slow.py").write_text("import time\ndef test_a():\n    pass\ndef test_b():\n    time.sleep(60)\n")
+    started = tmp_path / "b_started"
+    (tmp_path / "test_slow.py").write_text("import pathlib, time\ndef test_a():\n    pass\ndef test_b():\n"
+                                           f"    pathlib.Path({str(started)!r}).touch()\n    time.sleep(60)\n")
     driver = ("import sys, tritonq.check as check\n"
               f"code, counts, _ = check.run_pytest([{str(tmp_path)!r}, '-p', 'no:cacheprovider', "
               f"'--junitxml={tmp_path / 'junit.xml'}'], lambda line: print(line, flush=True))\n"
@@ -121,7 +123,10 @@ def test_an_interrupt_as_from_timeout_keeps_what_ran(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", driver], cwd=REPO, stdout=subprocess.PIPE, text=True,
                              start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     first = child.stdout.readline()
-    time.sleep(0.5)  # into test_b's sleep
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:  # test_b is in its sleep (a loaded machine: wait)
+        time.sleep(0.05)
+    time.sleep(0.2)
     os.killpg(child.pid, signal.SIGINT)
     rest = child.stdout.read()
     assert child.wait(timeout=30) == 0
