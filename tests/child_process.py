@@ -1,25 +1,69 @@
 """AOT compiling needs real @triton.jit functions, which TRITON_INTERPRET=1 (set by conftest)
-replaces with interpreted ones, so compile tests run their script in a child process without it."""
+replaces with interpreted ones, so compile tests run their script in a child process without it.
+A module whose child takes minutes starts it early as a `Child` (tests/conftest.py: `start_children`)."""
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class Child:
+    """`python *args` started now with the repo importable and TRITON_INTERPRET unset, read later (`stdout`).
+    first_on_path: folders put before everything else on sys.path (e.g. another Triton's --target install).
+    nice: the child's (and its workers') scheduling niceness: a child started in the background takes the CPU
+    the tests running meanwhile leave idle. Its output goes to temporary files (a pipe nobody reads would fill)."""
+
+    running: list["Child"] = []  # started and not yet read: stop_all ends them
+
+    def __init__(self, args: list[str], first_on_path: tuple[str, ...] = (), nice: int = 0):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first_on_path, str(ROOT), str(ROOT / "tests"),
+                                                          env.get("PYTHONPATH")]))
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self._process = subprocess.Popen([sys.executable, *args], env=env, stdout=self._out, stderr=self._err,
+                                         text=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        Child.running.append(self)
+
+    def stdout(self, timeout: float) -> str:
+        """Wait up to `timeout` seconds more for the child to exit (else kill it and raise TimeoutExpired);
+        its stdout, asserting it exited 0 (its stderr's end in the message otherwise)."""
+        try:
+            self._process.wait(timeout)
+        finally:
+            self.stop()
+        self._err.seek(0)
+        assert self._process.returncode == 0, self._err.read()[-3000:]
+        self._out.seek(0)
+        return self._out.read()
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        if self in Child.running:
+            Child.running.remove(self)
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """End every child still running (a session cut short before its tests read them)."""
+        for child in list(cls.running):
+            child.stop()
+
+
 def run_without_interpreter(args: list[str], timeout: int = 600, first_on_path: tuple[str, ...] = ()) -> str:
-    """Run `python *args` with the repo importable and TRITON_INTERPRET unset; return its stdout.
-    first_on_path: folders put before everything else on sys.path (e.g. another Triton's --target install)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first_on_path, str(ROOT), str(ROOT / "tests"),
-                                                      env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    """Run `python *args` as a `Child` and wait for it; return its stdout."""
+    return Child(args, first_on_path).stdout(timeout)
 
 
 def json_from_child(args: list[str], timeout: int = 600, first_on_path: tuple[str, ...] = ()):
     """run_without_interpreter, reading the JSON report the child prints on its last line."""
-    return json.loads(run_without_interpreter(args, timeout, first_on_path).strip().splitlines()[-1])
+    return last_json(run_without_interpreter(args, timeout, first_on_path))
+
+
+def last_json(stdout: str):
+    """The JSON report a child printed on its last line."""
+    return json.loads(stdout.strip().splitlines()[-1])

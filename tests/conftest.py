@@ -10,6 +10,9 @@ Triton kernels, `tune --dry-run` in process) and are skipped where kernels run n
 `aot` (no GPU needed: python -m tritonq.check leaves them out on CUDA).
 `-p fake_gpu` (tests/fake_gpu.py, on PYTHONPATH=tests) makes the `device` fixture `meta` instead: the kernel
 tests as on a GPU, without one (tests/repo/test_fake_gpu.py runs them so in CI).
+A test module whose compiles take minutes in a child process defines `start_children()`: it is called once the
+session is collected and the module's tests run last, so that the (niced) children use the core the rest of the
+suite leaves idle (pytest runs one test at a time) instead of making the run wait for them.
 """
 import os
 import re
@@ -55,6 +58,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         if "interpreter" in item.keywords and not INTERPRETER:
             item.add_marker(native)
+    items.sort(key=lambda item: _starts_children(item) is not None)  # stable: the others keep their order
+
+
+def _starts_children(item):
+    """The test module of `item` if it defines start_children(), else None."""
+    module = getattr(item, "module", None)
+    return module if hasattr(module, "start_children") else None
+
+
+def pytest_collection_finish(session):
+    for module in {_starts_children(item) for item in session.items} - {None}:
+        module.start_children()
+
+
+def pytest_sessionfinish(session):
+    from child_process import Child
+    Child.stop_all()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -28,7 +28,8 @@ installed apart with `pip install --target build/triton-3.6.0 --no-deps triton==
 set-up; torch imports with it for meta-tensor launch building). Without that folder the 3.6 cases skip,
 or fail under CI=true. The compiles run once per Triton, in one child process (conftest's
 TRITON_INTERPRET=1 turns @triton.jit into interpreted functions, which cannot be compiled), over a
-process pool, and report back as JSON; `python tests/aot/test_fit.py` prints that JSON.
+process pool, and report back as JSON; `python tests/aot/test_fit.py` prints that JSON. The children start as soon as
+the session is collected, niced, and these tests run last (tests/conftest.py): the compiles overlap the other tests.
 """
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ from tritonq.kernels.norm_rope import rms_norm_launch, silu_mul_launch
 from tritonq.quant.weights import DenseWeight
 
 try:
-    from child_process import ROOT, json_from_child
+    from child_process import ROOT, Child, last_json
 except ImportError:  # run as a script by the child itself
-    from tests.child_process import ROOT, json_from_child
+    from tests.child_process import ROOT, Child, last_json
 
 TARGETS = (75, 80, 89, 90)
 TRITON_36 = ROOT / "build" / "triton-3.6.0"
@@ -392,22 +393,30 @@ def compile_all() -> dict:
     return {"triton": triton.__version__, "reports": [[list(c), r] for c, r in zip(CASES, reports)]}
 
 
-_REPORTS: dict[str, dict] = {}  # compiled once per Triton and session
+_CHILDREN: dict[str, Child] = {}  # the compiling child of each Triton, started once per session
+_REPORTS: dict[str, dict] = {}  # its reports, read once
+
+
+def start_children() -> None:
+    """Start the compiles of each installed Triton in a niced child (tests/conftest.py calls this once the session
+    has collected these tests, and runs them last: the compiles take the core the other tests leave idle)."""
+    for triton_install in ("installed", "3.6"):
+        if triton_install not in _CHILDREN and (triton_install == "installed" or (TRITON_36 / "triton").is_dir()):
+            _CHILDREN[triton_install] = Child([__file__], first_on_path=(str(TRITON_36),) if triton_install == "3.6"
+                                              else (), nice=10)
 
 
 def reports_under(triton_install: str) -> dict:
     """{case: report} compiled under the installed Triton ("installed") or Triton 3.6.0 ("3.6")."""
     if triton_install not in _REPORTS:
-        first = ()
-        if triton_install == "3.6":
-            if not (TRITON_36 / "triton").is_dir():
-                message = (f"Triton 3.6.0 is not installed at {TRITON_36}: run `python -m pip install --upgrade --target "
-                           f"{TRITON_36.relative_to(ROOT)} --no-deps triton==3.6.0` (the README's set-up)")
-                if os.environ.get("CI") == "true":
-                    pytest.fail(message)
-                pytest.skip(message)
-            first = (str(TRITON_36),)
-        result = json_from_child([__file__], timeout=900, first_on_path=first)
+        if triton_install == "3.6" and not (TRITON_36 / "triton").is_dir():
+            message = (f"Triton 3.6.0 is not installed at {TRITON_36}: run `python -m pip install --upgrade --target "
+                       f"{TRITON_36.relative_to(ROOT)} --no-deps triton==3.6.0` (the README's set-up)")
+            if os.environ.get("CI") == "true":
+                pytest.fail(message)
+            pytest.skip(message)
+        start_children()
+        result = last_json(_CHILDREN[triton_install].stdout(timeout=900))
         if triton_install == "3.6":
             assert result["triton"] == "3.6.0", f"{TRITON_36} holds Triton {result['triton']}, expected 3.6.0"
         _REPORTS[triton_install] = {"triton": result["triton"],
