@@ -17,41 +17,41 @@ class Child:
     nice: the child's (and its workers') scheduling niceness: a child started in the background takes the CPU
     the tests running meanwhile leave idle. Its output goes to temporary files (a pipe nobody reads would fill)."""
 
-    running: list["Child"] = []  # started and not yet read: stop_all ends them
+    started: list["Child"] = []
 
-    def __init__(self, args: list[str], first_on_path: tuple[str, ...] = (), nice: int = 0):
+    def __init__(self, args: list[str], first_on_path: tuple[str, ...] = (), nice: int = 0,
+                 cwd: Path | None = None):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first_on_path, str(ROOT), str(ROOT / "tests"),
                                                           env.get("PYTHONPATH")]))
         self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self._process = subprocess.Popen([sys.executable, *args], env=env, stdout=self._out, stderr=self._err,
-                                         text=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
-        Child.running.append(self)
+                                         text=True, cwd=cwd, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        Child.started.append(self)
 
     def stdout(self, timeout: float) -> str:
         """Wait up to `timeout` seconds more for the child to exit (else kill it and raise TimeoutExpired);
-        its stdout, asserting it exited 0 (its stderr's end in the message otherwise)."""
+        its stdout, asserting it exited 0 (the ends of its stdout and stderr in the message otherwise)."""
         try:
             self._process.wait(timeout)
         finally:
-            self.stop()
-        self._err.seek(0)
-        assert self._process.returncode == 0, self._err.read()[-3000:]
+            if self._process.poll() is None:
+                self._process.kill()
+                self._process.wait()
         self._out.seek(0)
-        return self._out.read()
-
-    def stop(self) -> None:
-        if self._process.poll() is None:
-            self._process.kill()
-            self._process.wait()
-        if self in Child.running:
-            Child.running.remove(self)
+        self._err.seek(0)
+        out = self._out.read()
+        assert self._process.returncode == 0, f"{out[-6000:]}{self._err.read()[-3000:]}"
+        return out
 
     @classmethod
     def stop_all(cls) -> None:
         """End every child still running (a session cut short before its tests read them)."""
-        for child in list(cls.running):
-            child.stop()
+        for child in cls.started:
+            if child._process.poll() is None:
+                child._process.kill()
+                child._process.wait()
+        cls.started.clear()
 
 
 def run_without_interpreter(args: list[str], timeout: int = 600, first_on_path: tuple[str, ...] = ()) -> str:

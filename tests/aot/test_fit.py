@@ -403,7 +403,7 @@ def start_children() -> None:
     for triton_install in ("installed", "3.6"):
         if triton_install not in _CHILDREN and (triton_install == "installed" or (TRITON_36 / "triton").is_dir()):
             _CHILDREN[triton_install] = Child([__file__], first_on_path=(str(TRITON_36),) if triton_install == "3.6"
-                                              else (), nice=10)
+                                              else (), nice=19)
 
 
 def reports_under(triton_install: str) -> dict:

@@ -129,7 +129,7 @@ _REPORTS: dict = {}
 def start_children() -> None:
     """Start the compiles in a niced child (tests/conftest.py: once the session is collected; these tests run last)."""
     if not _CHILD:
-        _CHILD.append(Child([__file__], nice=10))
+        _CHILD.append(Child([__file__], nice=19))
 
 
 def reports() -> dict:
