@@ -68,6 +68,8 @@ def _starts_children(item):
 
 
 def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
     for module in {_starts_children(item) for item in session.items} - {None}:
         module.start_children()
 
