@@ -393,17 +393,17 @@ def compile_all() -> dict:
     return {"triton": triton.__version__, "reports": [[list(c), r] for c, r in zip(CASES, reports)]}
 
 
-_CHILDREN: dict[str, Child] = {}  # the compiling child of each Triton, started once per session
-_REPORTS: dict[str, dict] = {}  # its reports, read once
+# the compiling child of each Triton, run once per session, and its reports
+_CHILDREN = {"installed": Child([__file__], nice=19), "3.6": Child([__file__], first_on_path=(str(TRITON_36),), nice=19)}
+_REPORTS: dict[str, dict] = {}
 
 
 def start_children() -> None:
-    """Start the compiles of each installed Triton in a niced child (tests/conftest.py calls this once the session
-    has collected these tests, and runs them last: the compiles take the core the other tests leave idle)."""
-    for triton_install in ("installed", "3.6"):
-        if triton_install not in _CHILDREN and (triton_install == "installed" or (TRITON_36 / "triton").is_dir()):
-            _CHILDREN[triton_install] = Child([__file__], first_on_path=(str(TRITON_36),) if triton_install == "3.6"
-                                              else (), nice=19)
+    """Start each installed Triton's compiles (tests/conftest.py: once the session has collected these tests, which
+    it runs last, so that the niced compiles take the core the other tests leave idle)."""
+    _CHILDREN["installed"].start()
+    if (TRITON_36 / "triton").is_dir():
+        _CHILDREN["3.6"].start()
 
 
 def reports_under(triton_install: str) -> dict:
@@ -415,7 +415,6 @@ def reports_under(triton_install: str) -> dict:
             if os.environ.get("CI") == "true":
                 pytest.fail(message)
             pytest.skip(message)
-        start_children()
         result = last_json(_CHILDREN[triton_install].stdout(timeout=900))
         if triton_install == "3.6":
             assert result["triton"] == "3.6.0", f"{TRITON_36} holds Triton {result['triton']}, expected 3.6.0"

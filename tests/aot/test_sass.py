@@ -122,20 +122,18 @@ def compile_all() -> dict:
                 "prefill": [[list(c), r] for c, r in zip(PREFILL_CASES, prefill)]}
 
 
-_CHILD: list[Child] = []
+_CHILD = Child([__file__], nice=19)
 _REPORTS: dict = {}
 
 
 def start_children() -> None:
-    """Start the compiles in a niced child (tests/conftest.py: once the session is collected; these tests run last)."""
-    if not _CHILD:
-        _CHILD.append(Child([__file__], nice=19))
+    """Start the compiles, niced (tests/conftest.py: once the session is collected; these tests run last)."""
+    _CHILD.start()
 
 
 def reports() -> dict:
     if not _REPORTS:
-        start_children()
-        result = last_json(_CHILD[0].stdout(timeout=1800))
+        result = last_json(_CHILD.stdout(timeout=1800))
         _REPORTS.update({tuple(case): report for case, report in result["reports"]})
         _REPORTS.update({("prefill", *case): report for case, report in result["prefill"]})
     return _REPORTS

@@ -23,23 +23,20 @@ KERNELS = {"_decode_merge_kernel", "_decode_split_kernel", "_fp8_gemm_kernel", "
 # other kernel test keeps this guard.
 
 
-_CHILD: list[Child] = []
 _FOLDER = tempfile.TemporaryDirectory(prefix="fake_gpu")  # the run's JSON report (removed at exit)
+_CHILD = Child(["-m", "pytest", "tests/kernels", "-p", "fake_gpu", "-p", "no:cacheprovider",
+                "-m", "kernels and not interpreter and not cpu_backend", "-k", "not compile", "-q", "-rf", "--tb=short",
+                f"--fake-gpu-report={Path(_FOLDER.name) / 'fake_gpu.json'}"], nice=19, cwd=ROOT)
 
 
 def start_children() -> None:
-    """Start the fake-GPU run in a niced child (tests/conftest.py: once the session is collected; this test runs last)."""
-    if not _CHILD:
-        _CHILD.append(Child(["-m", "pytest", "tests/kernels", "-p", "fake_gpu", "-p", "no:cacheprovider",
-                             "-m", "kernels and not interpreter and not cpu_backend", "-k", "not compile", "-q", "-rf",
-                             "--tb=short", f"--fake-gpu-report={Path(_FOLDER.name) / 'fake_gpu.json'}"],
-                            nice=19, cwd=ROOT))
+    """Start the fake-GPU run, niced (tests/conftest.py: once the session is collected; this test runs last)."""
+    _CHILD.start()
 
 
 def test_kernel_tests_pass_on_a_fake_gpu():
-    start_children()
     try:
-        _CHILD[0].stdout(timeout=900)
+        _CHILD.stdout(timeout=900)
     except AssertionError as error:
         raise AssertionError(f"the kernel tests fail on a fake GPU:\n{error}") from None
     report = Path(_FOLDER.name) / "fake_gpu.json"
