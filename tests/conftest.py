@@ -10,9 +10,10 @@ Triton kernels, `tune --dry-run` in process) and are skipped where kernels run n
 `aot` (no GPU needed: python -m tritonq.check leaves them out on CUDA).
 `-p fake_gpu` (tests/fake_gpu.py, on PYTHONPATH=tests) makes the `device` fixture `meta` instead: the kernel
 tests as on a GPU, without one (tests/repo/test_fake_gpu.py runs them so in CI).
-A test module whose compiles take minutes in a child process defines `start_children()`: it is called once the
-session is collected and the module's tests run last, so that the (niced) children use the core the rest of the
-suite leaves idle (pytest runs one test at a time) instead of making the run wait for them.
+A test module whose child processes take minutes (AOT compiles, the fake-GPU run) lists them in
+`background_children()`: once the session is collected they run niced, one after another
+(child_process.Child.in_background), and the module's tests run last, so that the children use the core the rest
+of the suite leaves idle (pytest runs one test at a time) instead of making the run wait for them.
 """
 import os
 import re
@@ -58,20 +59,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         if "interpreter" in item.keywords and not INTERPRETER:
             item.add_marker(native)
-    items.sort(key=lambda item: _starts_children(item) is not None)  # stable: the others keep their order
+    items.sort(key=lambda item: _with_children(item) is not None)  # stable: the others keep their order
 
 
-def _starts_children(item):
-    """The test module of `item` if it defines start_children(), else None."""
+def _with_children(item):
+    """The test module of `item` if it defines background_children(), else None."""
     module = getattr(item, "module", None)
-    return module if hasattr(module, "start_children") else None
+    return module if hasattr(module, "background_children") else None
 
 
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
-    for module in {_starts_children(item) for item in session.items} - {None}:
-        module.start_children()
+    from child_process import Child
+    modules = dict.fromkeys(_with_children(item) for item in session.items)  # in the order their tests run
+    Child.in_background([child for module in modules if module is not None for child in module.background_children()])
 
 
 def pytest_sessionfinish(session):

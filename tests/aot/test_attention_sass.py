@@ -53,12 +53,12 @@ def memory_ops() -> dict:
 
 
 _CHILD = Child(["-c", "import json, test_attention_sass as t; print(json.dumps(t.memory_ops()))"],
-               first_on_path=(os.path.dirname(__file__),), nice=19)
+               first_on_path=(os.path.dirname(__file__),))
 
 
-def start_children() -> None:
-    """Start the compiles, niced (tests/conftest.py: once the session is collected; these tests run last)."""
-    _CHILD.start()
+def background_children() -> list[Child]:
+    """The compiles, run niced by tests/conftest.py once the session is collected (these tests run last)."""
+    return [_CHILD]
 
 
 @pytest.fixture(scope="module")

@@ -394,16 +394,14 @@ def compile_all() -> dict:
 
 
 # the compiling child of each Triton, run once per session, and its reports
-_CHILDREN = {"installed": Child([__file__], nice=19), "3.6": Child([__file__], first_on_path=(str(TRITON_36),), nice=19)}
+_CHILDREN = {"installed": Child([__file__]), "3.6": Child([__file__], first_on_path=(str(TRITON_36),))}
 _REPORTS: dict[str, dict] = {}
 
 
-def start_children() -> None:
-    """Start each installed Triton's compiles (tests/conftest.py: once the session has collected these tests, which
-    it runs last, so that the niced compiles take the core the other tests leave idle)."""
-    _CHILDREN["installed"].start()
-    if (TRITON_36 / "triton").is_dir():
-        _CHILDREN["3.6"].start()
+def background_children() -> list[Child]:
+    """Each installed Triton's compiles: tests/conftest.py runs them niced once the session has collected these tests,
+    which it runs last (the compiles take the core the other tests leave idle)."""
+    return [_CHILDREN["installed"], *([_CHILDREN["3.6"]] if (TRITON_36 / "triton").is_dir() else [])]
 
 
 def reports_under(triton_install: str) -> dict:

@@ -122,13 +122,13 @@ def compile_all() -> dict:
                 "prefill": [[list(c), r] for c, r in zip(PREFILL_CASES, prefill)]}
 
 
-_CHILD = Child([__file__], nice=19)
+_CHILD = Child([__file__])
 _REPORTS: dict = {}
 
 
-def start_children() -> None:
-    """Start the compiles, niced (tests/conftest.py: once the session is collected; these tests run last)."""
-    _CHILD.start()
+def background_children() -> list[Child]:
+    """The compiles, run niced by tests/conftest.py once the session is collected (these tests run last)."""
+    return [_CHILD]
 
 
 def reports() -> dict:

@@ -60,12 +60,12 @@ json.dump({k: dict(mma_types=r.mma_types, fp32_divisions=r.fp32_divisions) for k
 """
 
 
-_CHILD = Child(["-c", AOT_SCRIPT], nice=19)
+_CHILD = Child(["-c", AOT_SCRIPT])
 
 
-def start_children() -> None:
-    """Start the compiles, niced (tests/conftest.py: once the session is collected; this module's tests run last)."""
-    _CHILD.start()
+def background_children() -> list[Child]:
+    """The compiles, run niced by tests/conftest.py once the session is collected (this module's tests run last)."""
+    return [_CHILD]
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,12 @@ KERNELS = {"_decode_merge_kernel", "_decode_split_kernel", "_fp8_gemm_kernel", "
 _FOLDER = tempfile.TemporaryDirectory(prefix="fake_gpu")  # the run's JSON report (removed at exit)
 _CHILD = Child(["-m", "pytest", "tests/kernels", "-p", "fake_gpu", "-p", "no:cacheprovider",
                 "-m", "kernels and not interpreter and not cpu_backend", "-k", "not compile", "-q", "-rf", "--tb=short",
-                f"--fake-gpu-report={Path(_FOLDER.name) / 'fake_gpu.json'}"], nice=19, cwd=ROOT)
+                f"--fake-gpu-report={Path(_FOLDER.name) / 'fake_gpu.json'}"], cwd=ROOT)
 
 
-def start_children() -> None:
-    """Start the fake-GPU run, niced (tests/conftest.py: once the session is collected; this test runs last)."""
-    _CHILD.start()
+def background_children() -> list[Child]:
+    """The fake-GPU run, run niced by tests/conftest.py once the session is collected (this test runs last)."""
+    return [_CHILD]
 
 
 def test_kernel_tests_pass_on_a_fake_gpu():
