@@ -28,8 +28,9 @@ installed apart with `pip install --target build/triton-3.6.0 --no-deps triton==
 set-up; torch imports with it for meta-tensor launch building). Without that folder the 3.6 cases skip,
 or fail under CI=true. The compiles run once per Triton, in one child process (conftest's
 TRITON_INTERPRET=1 turns @triton.jit into interpreted functions, which cannot be compiled), over a
-process pool, and report back as JSON; `python tests/aot/test_fit.py` prints that JSON. The children start as soon as
-the session is collected, niced, and these tests run last (tests/conftest.py): the compiles overlap the other tests.
+process pool, and report back as JSON; `python tests/aot/test_fit.py` prints that JSON. The children run in the background
+(niced) from the moment the session is collected, and these tests run last (tests/conftest.py): the compiles
+overlap the other tests.
 """
 from __future__ import annotations
 
