@@ -56,7 +56,7 @@ _CHILD = Child(["-c", "import json, test_attention_sass as t; print(json.dumps(t
                first_on_path=(os.path.dirname(__file__),))
 
 
-def background_children() -> list[Child]:
+def background_children(items) -> list[Child]:
     """The compiles, run niced by tests/conftest.py once the session is collected (these tests run last)."""
     return [_CHILD]
 

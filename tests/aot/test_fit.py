@@ -399,10 +399,12 @@ _CHILDREN = {"installed": Child([__file__]), "3.6": Child([__file__], first_on_p
 _REPORTS: dict[str, dict] = {}
 
 
-def background_children() -> list[Child]:
-    """Each installed Triton's compiles: tests/conftest.py runs them niced once the session has collected these tests,
-    which it runs last (the compiles take the core the other tests leave idle)."""
-    return [_CHILDREN["installed"], *([_CHILDREN["3.6"]] if (TRITON_36 / "triton").is_dir() else [])]
+def background_children(items) -> list[Child]:
+    """The compiles of each installed Triton that selected tests use: tests/conftest.py runs them niced once the
+    session is collected, and these tests last (the compiles take the core the other tests leave idle)."""
+    wanted = {item.callspec.params["triton_install"] for item in items}
+    return [_CHILDREN[name] for name in ("installed", "3.6")
+            if name in wanted and (name == "installed" or (TRITON_36 / "triton").is_dir())]
 
 
 def reports_under(triton_install: str) -> dict:

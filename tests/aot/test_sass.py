@@ -126,7 +126,7 @@ _CHILD = Child([__file__])
 _REPORTS: dict = {}
 
 
-def background_children() -> list[Child]:
+def background_children(items) -> list[Child]:
     """The compiles, run niced by tests/conftest.py once the session is collected (these tests run last)."""
     return [_CHILD]
 

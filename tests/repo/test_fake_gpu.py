@@ -29,7 +29,7 @@ _CHILD = Child(["-m", "pytest", "tests/kernels", "-p", "fake_gpu", "-p", "no:cac
                 f"--fake-gpu-report={Path(_FOLDER.name) / 'fake_gpu.json'}"], cwd=ROOT)
 
 
-def background_children() -> list[Child]:
+def background_children(items) -> list[Child]:
     """The fake-GPU run, run niced by tests/conftest.py once the session is collected (this test runs last)."""
     return [_CHILD]
 
