@@ -253,10 +253,13 @@ def test_symmetric_int8_with_fp32_scales_equals_the_oracle():
 
 
 def test_symmetric_int8_takes_1_125_bytes_a_weight_at_group_32():
-    w = quantize_int4(torch.randn(256, 512), group_size=32, sym=True, bits=8)
+    """N = 320: the codes are repacked at load in slices of 256 columns, and a whole number of 64-column blocks."""
+    w = with_bias(quantize_int4(torch.randn(320, 512), group_size=32, sym=True, bits=8))
     p = cpu_lowbit.prepare(w)
     stored = p.codes.numel() * p.codes.element_size() + p.scales.numel() * p.scales.element_size()
-    assert stored / (256 * 512) == 1.125
+    assert stored / (320 * 512) == 1.125
+    x = torch.randn(2, 512)
+    assert_fp32_close(cpu_lowbit.linear(x, p), exact_int8_reference(x, w))
 
 
 def test_symmetric_int8_runs_as_one_op_in_a_compiled_graph():

@@ -363,9 +363,11 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
             and w.code is None and cpu_native.library() is not None):
         _note("symmetric 8-bit weights (GGUF Q8_0, GPTQ 8-bit sym) keep their int8 codes (1.125 bytes a weight at "
               "group 32) and run the C library's int8 linear")
-        codes, scales = cpu_native.int8_linear_weight((unpack_int32(w.qweight, 8, dim=0) - 128).to(torch.int8),
-                                                      w.scales)
-        return CPUInt8Weight(codes, scales, w.shape[0], bias)
+        N, K = w.shape
+        codes = torch.empty(K, N, dtype=torch.int8)
+        for n0 in range(0, N, PACK_ROWS):  # a slice of columns at a time: the int32 temporaries stay small
+            codes[:, n0:n0 + PACK_ROWS] = unpack_int32(w.qweight[:, n0:n0 + PACK_ROWS], 8, dim=0) - 128
+        return CPUInt8Weight(*cpu_native.int8_linear_weight(codes, w.scales), N, bias)
     if isinstance(w, Int4Weight) and w.code is not None:
         reason = "bitsandbytes nf4/fp4 (a code table, not the integer levels torch's int4 kernel takes)"
     elif isinstance(w, Int4Weight) and w.bits == 4:
