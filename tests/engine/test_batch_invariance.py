@@ -96,6 +96,18 @@ def test_dequantized_weight_rows_are_bitwise_independent_of_the_batch():
     torch.testing.assert_close(y, cpu_lowbit.linear(x, p), rtol=1e-5, atol=1e-5 * y.abs().max().item())
 
 
+def test_symmetric_int8_weight_rows_are_bitwise_independent_of_the_batch():
+    """Symmetric 8-bit (GGUF Q8_0's form: int8 codes, the C int8 linear at every row count): each output one chain
+    in k order, in and outside the mode."""
+    g = torch.Generator().manual_seed(4)
+    p = cpu_lowbit.prepare(quantize_int4(torch.randn(72, 192, generator=g), group_size=32, sym=True, bits=8))
+    assert isinstance(p, cpu_lowbit.CPUInt8Weight)
+    x = torch.randn(max(MS), 192, generator=g)
+    with batch_invariant_mode():
+        y = assert_rows_invariant(lambda rows: cpu_lowbit.linear(rows, p), x)
+    assert torch.equal(y, cpu_lowbit.linear(x, p))
+
+
 @pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize("d", [64, 40])  # 64: the AVX-512 item (spans of 64 keys); 40: the generic one
 def test_attention_row_is_the_same_in_decode_and_in_any_prefill_chunk(window, d):

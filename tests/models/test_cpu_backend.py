@@ -41,6 +41,7 @@ FORMATS = {  # name: (format, write_quantized options, CPU path of its linears)
     "gptq_act_order": ("gptq", dict(group_size=32, sym=True, act_order=True), cpu_lowbit.CPUInt4Weight),
     "gptq_per_channel": ("gptq", dict(group_size=-1, sym=False), cpu_lowbit.CPUInt4Weight),
     "gptq8": ("gptq", dict(bits=8, group_size=32), cpu_lowbit.CPUDenseWeight),
+    "gptq8_sym": ("gptq", dict(bits=8, group_size=32, sym=True), cpu_lowbit.CPUInt8Weight),
     "fp8_channel": ("fp8", dict(fp8_scheme="channel"), cpu_lowbit.CPUDenseWeight),
     "fp8_tensor": ("fp8", dict(fp8_scheme="tensor"), cpu_lowbit.CPUDenseWeight),
 }
@@ -59,7 +60,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 
 def assert_logits_close(got, expected, name, model):
-    if FORMATS[name][2] is cpu_lowbit.CPUDenseWeight:
+    if FORMATS[name][2] in (cpu_lowbit.CPUDenseWeight, cpu_lowbit.CPUInt8Weight):  # fp32 weights and sums
         torch.testing.assert_close(got, expected, **FP32_TOL[model])
         return FP32_TOL[model]["atol"]
     rel = 2**-8 * INT4_GEMMS_IN_SERIES[model] ** 0.5

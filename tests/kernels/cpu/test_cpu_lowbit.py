@@ -9,7 +9,10 @@ Tolerances (stated once, justified in kernels/cpu/lowbit.py):
       elementwise |y - ref| <= INT4_BOUND * (|x| @ T^T), T[n, k] = scale * (|q - 8| + |8 - z|): four
       bf16 roundings (unit roundoff 2^-8 each) of the magnitude of the terms summed, plus the reference's
       fp16 W (2^-11); the relative norm of the error is also checked (< 2^-6: it is ~3e-3, RMS).
-  fp32 paths (8-bit GPTQ, FP8, int4 groups the kernel cannot take): the same dequantized values
+  symmetric 8-bit (int8 codes, the C int8 linear): against W = code * scale in fp32 (exact for half scales),
+      summation order only: rtol 1e-5, atol 1e-5 * max |ref|; bf16 activations: the same sums rounded once to
+      bf16 (one rounding of each, 2^-8 relative).
+  fp32 paths (8-bit GPTQ with zeros or act-order, FP8, int4 groups the kernel cannot take): the same dequantized values
       and arithmetic as the reference, summation order only: rtol 1e-5, atol 1e-5 * max |ref|.
       FP8 runs weight-only by default on CPU (as below sm_89): compared with the weight-only reference.
   MoE: two GEMMs and a SiLU in series; int4 experts: ||y - ref|| <= 2^-6 ||ref|| (each bf16 GEMM
@@ -43,6 +46,12 @@ INT4_CASES = {  # name: (K, quantize_int4 options)
     "per_channel_sym_K512": (512, dict(group_size=-1, sym=True)),
     "act_order_g32_sym": (96, dict(group_size=32, sym=True, act_order=True)),
     "act_order_g128_asym": (384, dict(group_size=128, sym=False, act_order=True)),
+}
+INT8_CASES = {  # symmetric 8-bit group weights (GGUF Q8_0's form), kept as int8 codes: (K, group, scale dtype)
+    "q8_0_form_g32_fp16": (160, 32, torch.float16),  # K five groups: off any power-of-two tile
+    "q8_0_form_g32_bf16": (96, 32, torch.bfloat16),  # a bf16 model's GGUF Q8_0 (d rounded to bf16 at load)
+    "gptq8_sym_g128_fp32": (384, 128, torch.float32),
+    "per_channel_K200_fp32": (200, -1, torch.float32),  # bitsandbytes LLM.int8()'s form: one group of K
 }
 FP32_CASES = {  # typed weights the CPU backend dequantizes once to fp32
     "gptq8_g32_asym": lambda: quantize_int4(torch.randn(N, 96), group_size=32, bits=8),
@@ -202,6 +211,64 @@ def test_int_weights_dequantized_once_match_reference(name, M):
     assert isinstance(cpu_lowbit.prepare(w), cpu_lowbit.CPUDenseWeight)
     x = torch.randn(M, w.shape[1])
     assert_fp32_close(int4_gemm(x, w), int4_gemm_reference(x, w))
+
+
+def int8_case(name: str) -> Int4Weight:
+    K, group, scale_dtype = INT8_CASES[name]
+    return with_bias(quantize_int4(torch.randn(N, K), group_size=group, sym=True, bits=8, scale_dtype=scale_dtype))
+
+
+def exact_int8_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x @ W^T + bias in fp32, W[n, k] = (q - 128) * scale in fp32 from the raw fields (no rounding to the scales'
+    dtype: GGUF's own d * q), rounded once to x.dtype."""
+    q = unpack_int32(w.qweight, 8, dim=0).float() - 128  # [K, N]
+    W = q * w.scales.float().repeat_interleave(w.group_size, dim=0)
+    return (x.float() @ W + w.bias.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", MS[:4])
+@pytest.mark.parametrize("name", list(INT8_CASES))
+def test_symmetric_int8_weights_keep_codes_and_match_the_fp32_reference(name, M, dtype):
+    w = int8_case(name)
+    p = cpu_lowbit.prepare(w)
+    assert isinstance(p, cpu_lowbit.CPUInt8Weight) and p.codes.dtype == torch.int8
+    K = w.shape[1]
+    assert p.codes.shape == (2, K, 64) and p.scales.shape == (2, w.scales.shape[0], 64)  # N = 72 padded to 128
+    x = torch.randn(M, K).to(dtype)
+    y, ref = int4_gemm(x, w), exact_int8_reference(x, w)
+    assert y.dtype == dtype and y.shape == (M, N)
+    if dtype == torch.float32:
+        assert_fp32_close(y, ref)
+    else:
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2**-8, atol=2**-8 * ref.abs().max().item())
+
+
+def test_symmetric_int8_with_fp32_scales_equals_the_oracle():
+    """fp32 scales: W = (q - 128) * scale is the reference's own fp32 value, so the int8 linear matches
+    int4_gemm_reference (TRITONQ_BACKEND=torch) to fp32 summation order, at M above the row blocks too."""
+    w = int8_case("gptq8_sym_g128_fp32")
+    x = torch.randn(130, w.shape[1])
+    assert_fp32_close(int4_gemm(x, w), int4_gemm_reference(x, w))
+
+
+def test_symmetric_int8_takes_1_125_bytes_a_weight_at_group_32():
+    """N = 320: the codes are repacked at load in slices of 256 columns, and a whole number of 64-column blocks."""
+    w = with_bias(quantize_int4(torch.randn(320, 512), group_size=32, sym=True, bits=8))
+    p = cpu_lowbit.prepare(w)
+    stored = p.codes.numel() * p.codes.element_size() + p.scales.numel() * p.scales.element_size()
+    assert stored / (320 * 512) == 1.125
+    x = torch.randn(2, 512)
+    assert_fp32_close(cpu_lowbit.linear(x, p), exact_int8_reference(x, w))
+
+
+def test_symmetric_int8_runs_as_one_op_in_a_compiled_graph():
+    """A compiled decode step traces the linear: the C call is one opaque op (its Meta shape), same values."""
+    w = int8_case("q8_0_form_g32_fp16")
+    p = cpu_lowbit.prepare(w)
+    x = torch.randn(3, w.shape[1])
+    compiled = torch.compile(lambda rows: cpu_lowbit.linear(rows, p), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), cpu_lowbit.linear(x, p))
 
 
 @pytest.mark.parametrize("M", MS)

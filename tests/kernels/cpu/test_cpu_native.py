@@ -156,6 +156,34 @@ def test_the_build_without_avx512_matches_the_reference_too(fresh_library, monke
         torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def int8_linear_case(K=160, N=200, group=32, M=5, seed=0):
+    """x, the int8 linear's blocked weight and bias, and the fp32 reference x @ (codes * scale) + bias."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (K, N), dtype=torch.int8, generator=g)
+    scales = (torch.rand(K // group, N, generator=g) / 64).half()
+    bias, x = torch.randn(N, generator=g), torch.randn(M, K, generator=g)
+    ref = x @ (codes.float() * scales.float().repeat_interleave(group, dim=0)) + bias
+    return x, *cpu_native.int8_linear_weight(codes, scales), bias, ref
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="-mno-avx512f is an x86 flag")
+def test_the_int8_linear_gives_the_same_bits_without_avx512_and_on_two_threads(fresh_library, monkeypatch):
+    """The generic item (a CPU without AVX-512) makes each output the same chain in k order as the AVX-512 one:
+    the same bits; so do two threads (items are whole column blocks). Both within fp32 rounding of the reference."""
+    x, codes, scales, bias, ref = int8_linear_case()
+    y = cpu_native.int8_linear(x, codes, scales, 200, bias)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(cpu_native.int8_linear(x, codes, scales, 200, bias, parallel=True), y)
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setattr(cpu_native, "FLAGS", [*cpu_native.FLAGS, "-mno-avx512f"])
+    cpu_native.library.cache_clear()
+    assert torch.equal(cpu_native.int8_linear(x, codes, scales, 200, bias), y)
+
+
 def test_a_process_that_ran_it_on_two_threads_exits_cleanly(tmp_path):
     """Calls on two threads leave nothing running at exit (an earlier design, threads of our own that could still be
     inside a call while the interpreter finalized, aborted about one run in two: "terminate called without an active

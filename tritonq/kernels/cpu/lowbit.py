@@ -5,12 +5,17 @@ TRITONQ_BACKEND=torch still runs them: the test oracle). `prepare(w)` makes a we
 
 * `CPUInt4Weight`: 4-bit AWQ / GPTQ for torch's int4 CPU kernel (bf16 activations, fp32 accumulation); above
   TEMPLATE_ABOVE_M rows inductor's int4 GEMM template, compiled once per weight (`_template_gemm`).
+* `CPUInt8Weight`: symmetric 8-bit group weights (GGUF Q8_0, GPTQ 8-bit sym without act-order) kept as int8
+  codes and float32 scales (1.125 bytes a weight at group 32), run at every row count by the C library's int8
+  linear (`cpu_native.int8_linear`: each weight's float value made in registers; faster than the fp32 copy's
+  MKL GEMV it replaces, docs/cpu.md); an fp32 copy where the C library is not built.
 * GGUF's 5- / 6-bit and IQ4 experts: kept in their planes, run by `gguf_gemm.cpu_linear` (column tiles
   dequantized per call; their linears run it inside GGUFGemm).
-* `CPUDenseWeight`: every other type (8-bit, nf4 / fp4, FP8, MXFP4, int4 the kernel cannot take), dequantized once
+* `CPUDenseWeight`: every other type (other 8-bit, nf4 / fp4, FP8, MXFP4, int4 the kernel cannot take), dequantized once
   to fp32 and run as an fp32 GEMM.
 
-In the batch-invariant mode 4-bit weights run the eager kernel at every row count and dequantized ones the C loop.
+In the batch-invariant mode 4-bit weights run the eager kernel at every row count and dequantized ones the C loop
+(the int8 linear is batch-invariant as it is).
 Each path's tolerance (tests/kernels/cpu/test_cpu_lowbit.py) and measurements: docs/cpu.md.
 """
 from __future__ import annotations
@@ -78,7 +83,22 @@ class CPUDenseWeight:
     bias: torch.Tensor | None
 
 
-CPUWeight = CPUInt4Weight | CPUDenseWeight | GGUFWeight
+@dataclass(frozen=True)
+class CPUInt8Weight:
+    """A symmetric 8-bit weight as its int8 codes, in cpu_native.int8_linear_weight's layout.
+
+    codes   int8 [N_pad / 64, K, 64]: q - 128 (the signed level), a block of 64 output columns per stream
+    scales  fp32 [N_pad / 64, K / group_size, 64] (the weight's scales widened: exact)
+    W[n, k] = code * scale in fp32 (exact for fp16 / bf16 scales: GGUF's own d * q); padded columns are zero.
+    bias    fp32 [N] or None
+    """
+    codes: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    bias: torch.Tensor | None
+
+
+CPUWeight = CPUInt4Weight | CPUDenseWeight | CPUInt8Weight | GGUFWeight
 
 _prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()  # typed weight -> its CPUWeight (or tuple, stacked)
 
@@ -109,6 +129,10 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     compile per expert would cost more than it saves)."""
     if isinstance(p, GGUFWeight):
         return gguf_cpu_linear(x, p)
+    if isinstance(p, CPUInt8Weight):
+        if torch.compiler.is_compiling():  # a compiled step: the C call as one opaque op
+            return torch.ops.tritonq.cpu_int8_linear(x, p.codes, p.scales, p.out_features, p.bias)
+        return _int8_linear(x, p.codes, p.scales, p.out_features, p.bias)
     if isinstance(p, CPUDenseWeight):
         if batch_invariant():  # MKL's sums change with the row count: the C loop's (kernels/cpu/dense.py)
             y = cpu_native.small_linear(x.float().contiguous(), _rows_copy(p), p.weight.shape[0], p.bias,
@@ -133,6 +157,14 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     if p.bias is not None:
         y = y + p.bias  # bf16 + fp32 -> fp32: the bias is added unrounded
     return y.to(x.dtype).contiguous()
+
+
+def _int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, N: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """CPUInt8Weight's linear: x as float32 rows through the C kernel, the result in x.dtype (rounded once)."""
+    y = cpu_native.int8_linear(x.float().contiguous(), codes, scales, N, bias,
+                               parallel=x.shape[0] * codes.numel() >= cpu_dense.PARALLEL_WORK)
+    return y.to(x.dtype)
 
 
 _rows_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # CPUDenseWeight -> its copy for the C loop
@@ -173,6 +205,9 @@ _ops = torch.library.Library("tritonq", "FRAGMENT")
 _ops.define("cpu_int4_matmul(Tensor xb, int weight) -> Tensor")
 _ops.impl("cpu_int4_matmul", lambda xb, weight: _int4_matmul(xb, _by_id[weight]), "CPU")
 _ops.impl("cpu_int4_matmul", lambda xb, weight: xb.new_empty(xb.shape[0], _by_id[weight].packed.shape[0]), "Meta")
+_ops.define("cpu_int8_linear(Tensor x, Tensor codes, Tensor scales, int N, Tensor? bias) -> Tensor")
+_ops.impl("cpu_int8_linear", _int8_linear, "CPU")
+_ops.impl("cpu_int8_linear", lambda x, codes, scales, N, bias: x.new_empty(x.shape[0], N), "Meta")
 
 
 def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
@@ -324,6 +359,15 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
                              float_zeros=8 * w.scales + w.offsets)
     if isinstance(w, GGUFWeight):  # no dense copy: each call dequantizes column tiles (gguf_gemm.cpu_linear)
         return w
+    if (isinstance(w, Int4Weight) and w.bits == 8 and w.zeros is None and w.g_idx is None and w.perm is None
+            and w.code is None and cpu_native.library() is not None):
+        _note("symmetric 8-bit weights (GGUF Q8_0, GPTQ 8-bit sym) keep their int8 codes (1.125 bytes a weight at "
+              "group 32) and run the C library's int8 linear")
+        N, K = w.shape
+        codes = torch.empty(K, N, dtype=torch.int8)
+        for n0 in range(0, N, PACK_ROWS):  # a slice of columns at a time: the int32 temporaries stay small
+            codes[:, n0:n0 + PACK_ROWS] = unpack_int32(w.qweight[:, n0:n0 + PACK_ROWS], 8, dim=0) - 128
+        return CPUInt8Weight(*cpu_native.int8_linear_weight(codes, w.scales), N, bias)
     if isinstance(w, Int4Weight) and w.code is not None:
         reason = "bitsandbytes nf4/fp4 (a code table, not the integer levels torch's int4 kernel takes)"
     elif isinstance(w, Int4Weight) and w.bits == 4:
@@ -335,7 +379,7 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
         reason = (f"4-bit group_size={w.group_size}{' with act-order' if w.g_idx is not None else ''} does not fit "
                   f"its groups of {KERNEL_GROUPS}")
     elif isinstance(w, Int4Weight):
-        reason = "8-bit GPTQ / bitsandbytes LLM.int8()"
+        reason = "8-bit GPTQ with zeros or act-order, bitsandbytes LLM.int8() (or no C compiler)"
     elif isinstance(w, MXFP4Weight):
         reason = "MXFP4 (torch has no CPU fp4 GEMM)"
     else:

@@ -48,6 +48,7 @@ SIGNATURES = {
     "tritonq_rope": (_INT, [_INT, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]),
     "tritonq_write_kv": (_INT, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]),
     "tritonq_small_linear": (_INT, [_PTR, _INT, _INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR]),
+    "tritonq_int8_linear": (_INT, [_PTR, _INT, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR]),
 }
 
 
@@ -293,6 +294,43 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, N: int, bias: torch.Tens
     lib.tritonq_small_linear(omp_parallel() if parallel else None, torch.get_num_threads(), DTYPES[x.dtype],
                              x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), N, weight.shape[1],
                              None if bias is None else bias.data_ptr(), y.data_ptr())
+    return y
+
+
+INT8_COLS = 64  # csrc/linear.c's column block of int8_linear's weight
+
+
+def int8_linear_weight(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes int8 [K, N] and scales [G, N] (any float dtype; group = K / G rows of k each) in int8_linear's layout:
+    (codes int8 [Np / INT8_COLS, K, INT8_COLS], scales float32 [Np / INT8_COLS, G, INT8_COLS]), Np = N rounded up
+    to INT8_COLS with zero columns: each block of columns one contiguous stream."""
+    (K, N), G = codes.shape, scales.shape[0]
+    blocks = -(-N // INT8_COLS)
+    blocked = torch.zeros(K, blocks * INT8_COLS, dtype=torch.int8)
+    blocked[:, :N] = codes
+    padded = torch.zeros(G, blocks * INT8_COLS)
+    padded[:, :N] = scales
+    return (blocked.view(K, blocks, INT8_COLS).transpose(0, 1).contiguous(),
+            padded.view(G, blocks, INT8_COLS).transpose(0, 1).contiguous())
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, N: int, bias: torch.Tensor | None,
+                parallel: bool = False) -> torch.Tensor | None:
+    """y [M, N] float32 = x [M, K] float32 @ W^T (+ bias float32 [N]), W[n, k] = code * scale in float32, codes and
+    scales in int8_linear_weight's layout; float32 sums in k order, each row's result the same whatever the other
+    rows (symmetric 8-bit weights kept as codes: kernels/cpu/lowbit.py). parallel: the blocks of rows and columns
+    are shared by torch's OpenMP threads (the values do not change). None when the kernels are not built or x is not
+    float32 rows of K with a contiguous last dim."""
+    K = codes.shape[1]
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != K or not x.is_cpu:
+        return None
+    lib = _library_for(x.dtype)
+    if lib is None:
+        return None
+    y = torch.empty(x.shape[0], N)
+    lib.tritonq_int8_linear(omp_parallel() if parallel else None, torch.get_num_threads(), x.data_ptr(), x.shape[0],
+                            K, x.stride(0), codes.data_ptr(), scales.data_ptr(), K // scales.shape[1], N,
+                            None if bias is None else bias.data_ptr(), y.data_ptr())
     return y
 
 

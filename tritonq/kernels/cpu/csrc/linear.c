@@ -1,4 +1,4 @@
-/* Linears over rows: small bf16 ones at few rows, and every linear in the batch-invariant mode. */
+/* Linears over rows: small bf16 ones at few rows, every linear of the batch-invariant mode, 8-bit codes. */
 #include "tritonq_cpu.h"
 #include "simd.h"
 
@@ -115,5 +115,107 @@ int tritonq_small_linear(void* omp_parallel, int threads, int dtype, const void*
     const int64_t team = threads < items ? threads : items;
     if (omp_parallel && team > 1) ((omp_parallel_fn)omp_parallel)(small_linear_items, &call, (unsigned)team, 0);
     else small_linear_items(&call);
+    return 0;
+}
+
+/* A linear over int8 codes with a float32 scale per group of k (symmetric 8-bit: GGUF Q8_0, GPTQ 8-bit sym):
+ * y [M, N] = x [M, K] @ W^T (+ bias), W[n, k] = codes * scale as float32, x and y float32 (x rows stride_x apart,
+ * y contiguous). codes int8 [Np / INT8_COLS, K, INT8_COLS] and scales [Np / INT8_COLS, K / group, INT8_COLS]: each
+ * block of INT8_COLS columns is one contiguous stream (a cache line of codes per k), padding columns zero. Each
+ * weight is read once per INT8_ROWS rows, its float value (code times scale, one rounding) made in registers, and
+ * each output is one chain of multiply-adds in k order whatever the row count or thread: a row's result does not
+ * depend on the other rows, and the values are those of the weight dequantized to float32 and summed in k order. */
+#define INT8_COLS 64
+#define INT8_ROWS 4
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) void int8_block(const float* x, int64_t R, int64_t K,
+        int64_t stride_x, const int8_t* codes, const float* scales, int64_t group, float out[INT8_ROWS][INT8_COLS]) {
+    __m512 acc[INT8_ROWS][INT8_COLS / 16];
+    for (int64_t r = 0; r < R; r++)
+        for (int c = 0; c < INT8_COLS / 16; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += group) {
+        __m512 s[INT8_COLS / 16];
+        for (int c = 0; c < INT8_COLS / 16; c++) s[c] = _mm512_loadu_ps(scales + k0 / group * INT8_COLS + 16 * c);
+        for (int64_t k = k0; k < k0 + group; k++) {
+            const int8_t* wk = codes + k * INT8_COLS;
+            __m512 wv[INT8_COLS / 16];
+            for (int c = 0; c < INT8_COLS / 16; c++)
+                wv[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                          _mm_loadu_si128((const __m128i*)(wk + 16 * c)))), s[c]);
+            for (int64_t r = 0; r < R; r++) {
+                const __m512 xr = _mm512_set1_ps(x[r * stride_x + k]);
+                for (int c = 0; c < INT8_COLS / 16; c++) acc[r][c] = _mm512_fmadd_ps(xr, wv[c], acc[r][c]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int c = 0; c < INT8_COLS / 16; c++) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
+}
+#else
+static inline __attribute__((always_inline)) void int8_block(const float* x, int64_t R, int64_t K,
+        int64_t stride_x, const int8_t* codes, const float* scales, int64_t group, float out[INT8_ROWS][INT8_COLS]) {
+    for (int64_t r = 0; r < R; r++)
+        for (int c = 0; c < INT8_COLS; c++) out[r][c] = 0.f;
+    for (int64_t k = 0; k < K; k++) {  /* the AVX-512 item's steps: the weight's value, then one multiply-add */
+        const float* s = scales + k / group * INT8_COLS;
+        float w[INT8_COLS];
+        for (int c = 0; c < INT8_COLS; c++) w[c] = (float)codes[k * INT8_COLS + c] * s[c];
+        for (int64_t r = 0; r < R; r++) {
+            const float xr = x[r * stride_x + k];
+            for (int c = 0; c < INT8_COLS; c++) out[r][c] += xr * w[c];
+        }
+    }
+}
+#endif
+
+/* The arguments of one tritonq_int8_linear call, shared by the threads that run its items. */
+typedef struct {
+    const float* x;
+    int64_t M, K, stride_x;
+    const int8_t* codes;
+    const float* scales;
+    int64_t group, N;
+    const float* bias;
+    float* y;
+    int64_t claimed;  /* items claimed (atomic) */
+} int8_linear_call;
+
+/* One thread's share of a call: items (row block, column block) claimed one at a time until none is left. */
+static void int8_linear_items(void* arg) {
+    int8_linear_call* a = arg;
+    const int64_t col_blocks = (a->N + INT8_COLS - 1) / INT8_COLS;
+    const int64_t total = (a->M + INT8_ROWS - 1) / INT8_ROWS * col_blocks;
+    for (;;) {
+        const int64_t item = __atomic_fetch_add(&a->claimed, 1, __ATOMIC_RELAXED);
+        if (item >= total) break;
+        const int64_t m0 = item / col_blocks * INT8_ROWS, b = item % col_blocks, n0 = b * INT8_COLS;
+        const int64_t R = a->M - m0 < INT8_ROWS ? a->M - m0 : INT8_ROWS;
+        const float* xm = a->x + m0 * a->stride_x;
+        const int8_t* codes = a->codes + b * a->K * INT8_COLS;
+        const float* scales = a->scales + b * (a->K / a->group) * INT8_COLS;
+        float out[INT8_ROWS][INT8_COLS];
+        switch (R) {  /* a constant row count: the block's loops unroll and its sums stay in registers */
+            case 1: int8_block(xm, 1, a->K, a->stride_x, codes, scales, a->group, out); break;
+            case 2: int8_block(xm, 2, a->K, a->stride_x, codes, scales, a->group, out); break;
+            case 3: int8_block(xm, 3, a->K, a->stride_x, codes, scales, a->group, out); break;
+            default: int8_block(xm, 4, a->K, a->stride_x, codes, scales, a->group, out); break;
+        }
+        const int64_t cols = a->N - n0 < INT8_COLS ? a->N - n0 : INT8_COLS;
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t c = 0; c < cols; c++)
+                a->y[(m0 + r) * a->N + n0 + c] = out[r][c] + (a->bias ? a->bias[n0 + c] : 0.f);
+    }
+}
+
+/* group divides K. With omp_parallel (GOMP_parallel, as tritonq_paged_attention takes it) and threads > 1 the items
+ * are shared by a team of torch's OpenMP threads. Returns 0. */
+int tritonq_int8_linear(void* omp_parallel, int threads, const float* x, int64_t M, int64_t K, int64_t stride_x,
+                        const int8_t* codes, const float* scales, int64_t group, int64_t N, const float* bias,
+                        float* y) {
+    int8_linear_call call = {x, M, K, stride_x, codes, scales, group, N, bias, y, 0};
+    const int64_t items = (M + INT8_ROWS - 1) / INT8_ROWS * ((N + INT8_COLS - 1) / INT8_COLS);
+    const int64_t team = threads < items ? threads : items;
+    if (omp_parallel && team > 1) ((omp_parallel_fn)omp_parallel)(int8_linear_items, &call, (unsigned)team, 0);
+    else int8_linear_items(&call);
     return 0;
 }

@@ -31,5 +31,10 @@ int tritonq_write_kv(char* k_pages, char* v_pages, const char* k, const char* v,
 /* linear.c: y [M, N] = x [M, K] @ w (k-major [K, Np]) (+ bias), each output one multiply-add chain in k order. */
 int tritonq_small_linear(void* omp_parallel, int threads, int dtype, const void* x, int64_t M, int64_t K,
                          int64_t stride_x, const void* w, int64_t N, int64_t Np, const float* bias, void* y);
+/* linear.c: y [M, N] float32 = x [M, K] float32 @ W^T (+ bias), W int8 codes times a float32 scale per group of k,
+ * in column blocks (native.int8_linear_weight's layout); each output one multiply-add chain in k order. */
+int tritonq_int8_linear(void* omp_parallel, int threads, const float* x, int64_t M, int64_t K, int64_t stride_x,
+                        const int8_t* codes, const float* scales, int64_t group, int64_t N, const float* bias,
+                        float* y);
 
 #endif
