@@ -125,26 +125,26 @@ def test_odd_gate_up_is_refused_by_the_gemm():
 # quantized GEMMs (the norm after the split-K sum, in the same launch); M 1, 3, 16 (the decode bound) fused, 17 not.
 NORM_N, NORM_K = 200, 1024
 ADD_NORM_WEIGHTS = {
-    "int4": (lambda dtype: random_int4_weight(NORM_N, NORM_K, dtype, "cpu", group_size=64),
+    "int4": (lambda dtype, d: random_int4_weight(NORM_N, NORM_K, dtype, d, group_size=64),
              lambda x, w: x.float() @ w.dequantize(torch.float32).t(), "int4_gemm"),
-    "fp8-tensor": (lambda dtype: random_fp8_weight(NORM_N, NORM_K, "tensor", "cpu"),
+    "fp8-tensor": (lambda dtype, d: random_fp8_weight(NORM_N, NORM_K, "tensor", d),
                    lambda x, w: fp8_gemm_reference(x.float(), w).float(), "fp8_gemm"),
-    "fp8-channel-bias": (lambda dtype: replace(random_fp8_weight(NORM_N, NORM_K, "channel", "cpu"),
-                                               bias=torch.randn(NORM_N, dtype=dtype)),
+    "fp8-channel-bias": (lambda dtype, d: replace(random_fp8_weight(NORM_N, NORM_K, "channel", d),
+                                                  bias=torch.randn(NORM_N, dtype=dtype, device=d)),
                          lambda x, w: fp8_gemm_reference(x.float(), w).float(), "fp8_gemm"),
-    "fp8-block": (lambda dtype: random_fp8_weight(NORM_N, NORM_K, "block", "cpu"),
+    "fp8-block": (lambda dtype, d: random_fp8_weight(NORM_N, NORM_K, "block", d),
                   lambda x, w: fp8_gemm_reference(x.float(), w).float(), "fp8_gemm"),
-    "w8a8": (lambda dtype: int8_weight(NORM_N, NORM_K, "cpu"), lambda x, w: int8_gemm_reference(x.float(), w).float(),
+    "w8a8": (lambda dtype, d: int8_weight(NORM_N, NORM_K, d), lambda x, w: int8_gemm_reference(x.float(), w).float(),
              "int8_gemm"),
-    "dense-bias": (lambda dtype: DenseWeight(torch.randn(NORM_N, NORM_K, dtype=dtype) * 0.05,
-                                             torch.randn(NORM_N, dtype=dtype)),
+    "dense-bias": (lambda dtype, d: DenseWeight(torch.randn(NORM_N, NORM_K, dtype=dtype, device=d) * 0.05,
+                                                torch.randn(NORM_N, dtype=dtype, device=d)),
                    lambda x, w: x.float() @ w.weight.float().t() + w.bias.float(), "int4_gemm"),
 }
 
 
 @pytest.mark.parametrize("M", [1, 3, 16, 17])
 @pytest.mark.parametrize("name", list(ADD_NORM_WEIGHTS))
-def test_add_norm_epilogue_matches_reference(name, M):
+def test_add_norm_epilogue_matches_reference(name, M, device):
     """y = x @ W^T + residual and h = RMSNorm(y) * w, against float32 torch: y within the GEMM's bound plus one
     rounding of the sum; h computed from our y (the norm of the stored residual stream, as the unfused kernel
     normalizes the sum it stored), in fp32 over each whole row, within one bf16 rounding (fp16's is smaller). The fused launch runs
@@ -154,10 +154,10 @@ def test_add_norm_epilogue_matches_reference(name, M):
     torch.manual_seed(M)
     # fp16 past 16 rows: the interpreter adds bf16 as raw bits in _rms_norm_kernel (its GPU sum is right)
     dtype = torch.bfloat16 if M <= 16 else torch.float16
-    w = make(dtype)
-    x = torch.randn(M, NORM_K, dtype=dtype)
-    residual = torch.randn(M, NORM_N, dtype=dtype)
-    norm = RMSNorm(torch.rand(NORM_N, dtype=dtype) + 0.5, 1e-6)
+    w = make(dtype, device)
+    x = torch.randn(M, NORM_K, dtype=dtype, device=device)
+    residual = torch.randn(M, NORM_N, dtype=dtype, device=device)
+    norm = RMSNorm(torch.rand(NORM_N, dtype=dtype, device=device) + 0.5, 1e-6)
     linear = Linear(w)
     gemm = linear.prepared.gemm
     fused = gemm.add_rms_norm(x, residual, norm.weight, norm.eps)
@@ -174,15 +174,16 @@ def test_add_norm_epilogue_matches_reference(name, M):
     torch.testing.assert_close(h.float(), h_ref, rtol=2 ** -8, atol=2 ** -8 * h_ref.abs().max().item())
 
 
-def test_add_norm_runs_gemm_then_norm_past_decode_rows():
+def test_add_norm_runs_gemm_then_norm_past_decode_rows(device):
     """Past the decode bound (M 17) the GEMM has no such epilogue: Linear.add_norm is the GEMM, then add_rms_norm,
     with the same results up to the norm's summation order."""
     from tritonq.kernels.norm_rope import add_rms_norm
     from tritonq.formats.layers import Linear, RMSNorm
     # fp16: the interpreter adds bf16 as raw bits in _rms_norm_kernel (its GPU sum is right)
-    w = random_int4_weight(200, K, torch.float16, "cpu", group_size=64)
-    linear, norm = Linear(w), RMSNorm(torch.rand(200, dtype=torch.float16) + 0.5, 1e-6)
-    x, residual = torch.randn(17, K, dtype=torch.float16), torch.randn(17, 200, dtype=torch.float16)
+    w = random_int4_weight(200, K, torch.float16, device, group_size=64)
+    linear, norm = Linear(w), RMSNorm(torch.rand(200, dtype=torch.float16, device=device) + 0.5, 1e-6)
+    x = torch.randn(17, K, dtype=torch.float16, device=device)
+    residual = torch.randn(17, 200, dtype=torch.float16, device=device)
     assert linear.prepared.gemm.add_rms_norm(x, residual, norm.weight, norm.eps) is None
     y, h = linear.add_norm(x, residual, norm)
     y_ref, h_ref = add_rms_norm(residual, linear(x), norm.weight, norm.eps)
