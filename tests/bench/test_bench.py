@@ -244,3 +244,50 @@ def test_gguf_bench_rows_on_cpu_and_the_llama_cpp_skip(tmp_path, monkeypatch, ca
     for r in (ours, dense):
         assert math.isfinite(r["prefill_tok_s"]) and r["offline_tok_s"] > 0
         assert math.isnan(r["decode_tok_s"]) or r["decode_tok_s"] > 0
+
+
+def _llama_bench_test(n_prompt: int, n_gen: int, avg_ts: float) -> dict:
+    """One test object as llama-bench (llama.cpp 0c1e57098, llama-cpp-python 0.3.36's vendored tree) prints it with
+    -o json / jsonl: a subset of its fields, the ones the bench reads among others it ignores."""
+    return {"build_commit": "unknown", "build_number": 0, "cpu_info": "AMD EPYC", "backends": "CPU",
+            "model_type": "llama ?B Q4_K - Medium", "n_threads": 2, "n_prompt": n_prompt, "n_gen": n_gen,
+            "n_depth": 0, "avg_ns": 1000, "stddev_ns": 10, "avg_ts": avg_ts, "stddev_ts": 0.5,
+            "samples_ns": [1000, 1000], "samples_ts": [avg_ts, avg_ts]}
+
+
+def test_llama_bench_json_and_jsonl_parse_to_decode_and_prompt_rates():
+    """pp is the prompt-only test, tg the generation-only one, a combined -pg test neither; json and jsonl alike,
+    log lines around the output skipped; no tests at all is an error naming the output."""
+    from tritonq.bench.gguf import parse_llama_bench
+    tests = [_llama_bench_test(64, 0, 512.5), _llama_bench_test(0, 32, 41.25), _llama_bench_test(64, 32, 99.0)]
+    as_json = json.dumps(tests, indent=2)
+    as_jsonl = "\n".join(json.dumps(t) for t in tests)
+    for text in (as_json, as_jsonl, "main: log line\n" + as_json + "\n", "log [x]\n" + as_jsonl):
+        out = parse_llama_bench(text)
+        assert (out["pp"], out["tg"], out["n_threads"]) == (512.5, 41.25, 2), text[:40]
+        assert out["build"] == "unknown (build 0)"
+    only_pp = parse_llama_bench(json.dumps(tests[:1]))
+    assert only_pp["pp"] == 512.5 and math.isnan(only_pp["tg"])
+    for empty in ("", "[\n\n]\n", "no output"):
+        with pytest.raises(ValueError, match="no test results"):
+            parse_llama_bench(empty)
+
+
+def test_llama_cpp_row_runs_llama_bench_with_the_torch_thread_count(tmp_path, monkeypatch):
+    """A stand-in llama-bench on PATH records its arguments and prints two tests: the row carries its rates and
+    thread count, and the command gave -t the engines' shared thread count, -p / -n / -r the bench's settings."""
+    import argparse
+    from tritonq.bench import gguf as bench_gguf
+    tests = [_llama_bench_test(8, 0, 300.0), _llama_bench_test(0, 4, 20.0)]
+    (tmp_path / "tests.json").write_text(json.dumps(tests))
+    exe = tmp_path / "llama-bench"
+    exe.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/args\ncat {tmp_path}/tests.json\n')
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path) + ":/bin:/usr/bin")
+    args = argparse.Namespace(prompt_len=8, new_tokens=4, repeat=2)
+    row = bench_gguf._llama_cpp_row("model.gguf", args, 3)
+    assert row["decode_tok_s"] == 20.0 and row["prefill_tok_s"] == 300.0 and row["threads"] == 2
+    assert (tmp_path / "args").read_text().split() == ["-m", "model.gguf", "-p", "8", "-n", "4", "-r", "2", "-t", "3",
+                                                       "-o", "json"]
+    exe.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 1\n")
+    assert bench_gguf._llama_cpp_row("model.gguf", args, 3).startswith("llama.cpp: llama-bench failed (exit 1)")
