@@ -128,7 +128,10 @@ def run_pytest(args: list[str], on_line: Callable[[str], None] = print) -> tuple
     as it finishes. Returns (pytest's exit status, Counter of outcomes, pytest's own output: its log)."""
     read_end, write_end = os.pipe()
     this_file = str(Path(__file__).resolve())
-    boot = f"import runpy, sys; sys.exit(runpy.run_path({this_file!r})['_pytest_child'](sys.argv[1:]))"
+    # SIGINT back to KeyboardInterrupt in the child even where this process started with it ignored (a background
+    # job of a non-interactive shell): `timeout -s INT` must stop pytest wherever the check was started from
+    boot = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            f"sys.exit(runpy.run_path({this_file!r})['_pytest_child'](sys.argv[1:]))")
     counts: Counter = Counter()
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as log:
         child = subprocess.Popen([sys.executable, "-c", boot, str(write_end), *args], cwd=ROOT, stdout=log,

@@ -120,8 +120,11 @@ def test_an_interrupt_as_from_timeout_keeps_what_ran(tmp_path):
               f"code, counts, _ = check.run_pytest([{str(tmp_path)!r}, '-p', 'no:cacheprovider', "
               f"'--junitxml={tmp_path / 'junit.xml'}'], lambda line: print(line, flush=True))\n"
               "print('returned', code, dict(counts), flush=True)\n")
+    # the driver starts with SIGINT ignored, as a background job of a shell (CI's runner) does: the check's pytest
+    # child must still stop on it
     child = subprocess.Popen([sys.executable, "-c", driver], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     first = child.stdout.readline()
     deadline = time.monotonic() + 60
     while not started.exists() and time.monotonic() < deadline:  # test_b is in its sleep (a loaded machine: wait)
