@@ -10,10 +10,6 @@ Triton kernels, `tune --dry-run` in process) and are skipped where kernels run n
 `aot` (no GPU needed: python -m tritonq.check leaves them out on CUDA).
 `-p fake_gpu` (tests/fake_gpu.py, on PYTHONPATH=tests) makes the `device` fixture `meta` instead: the kernel
 tests as on a GPU, without one (tests/repo/test_fake_gpu.py runs them so in CI).
-A test module whose child processes take minutes (AOT compiles, the fake-GPU run) lists those its selected tests
-need in `background_children(items)`: once the session is collected they run niced, one after another
-(child_process.Child.in_background), and the module's tests run last, so that the children use the core the rest
-of the suite leaves idle (pytest runs one test at a time) instead of making the run wait for them.
 """
 import os
 import re
@@ -60,29 +56,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         if "interpreter" in item.keywords and not INTERPRETER:
             item.add_marker(native)
-    items.sort(key=lambda item: _with_children(item) is not None)  # stable: the others keep their order
-
-
-def _with_children(item):
-    """The test module of `item` if it defines background_children(), else None."""
-    module = getattr(item, "module", None)
-    return module if hasattr(module, "background_children") else None
-
-
-def pytest_collection_finish(session):
-    if session.config.option.collectonly:
-        return
-    from child_process import Child
-    selected: dict = {}  # module: its selected tests, in the order they run
-    for item in session.items:
-        selected.setdefault(_with_children(item), []).append(item)
-    Child.in_background([child for module, items in selected.items() if module is not None
-                         for child in module.background_children(items)])
-
-
-def pytest_sessionfinish(session):
-    from child_process import Child
-    Child.stop_all()
 
 
 @pytest.fixture(scope="session", autouse=True)

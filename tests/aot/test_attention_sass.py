@@ -11,7 +11,7 @@ TRITON_INTERPRET=1 makes the kernels interpreted functions, which do not compile
 import os
 
 import pytest
-from child_process import Child, last_json
+from child_process import json_from_child
 
 TARGETS = (80, 90)
 CASES = ["batch1 bf16", "batch256 bf16", "batch1 int8", "batch1 fp8", "batch256 fp8", "mla bf16", "mla int8",
@@ -63,18 +63,9 @@ def memory_ops() -> dict:
     return out
 
 
-_CHILD = Child(["-c", "import json, test_attention_sass as t; print(json.dumps(t.memory_ops()))"],
-               first_on_path=(os.path.dirname(__file__),))
-
-
-def background_children(items) -> list[Child]:
-    """The compiles, run niced by tests/conftest.py once the session is collected (these tests run last)."""
-    return [_CHILD]
-
-
 @pytest.fixture(scope="module")
 def ops():
-    return last_json(_CHILD.stdout(timeout=600))
+    return json_from_child(["-c", "import json, test_attention_sass as t; print(json.dumps(t.memory_ops()))"], first_on_path=(os.path.dirname(__file__),))
 
 
 @pytest.mark.parametrize("cc", TARGETS)

@@ -30,9 +30,7 @@ installed apart with `pip install --target build/triton-3.6.0 --no-deps triton==
 set-up; torch imports with it for meta-tensor launch building). Without that folder the 3.6 cases skip,
 or fail under CI=true. The compiles run once per Triton, in one child process (conftest's
 TRITON_INTERPRET=1 turns @triton.jit into interpreted functions, which cannot be compiled), over a
-process pool, and report back as JSON; `python tests/aot/test_fit.py` prints that JSON. The children run in the background
-(niced) from the moment the session is collected, and these tests run last (tests/conftest.py): the compiles
-overlap the other tests.
+process pool, and report back as JSON; `python tests/aot/test_fit.py` prints that JSON.
 """
 from __future__ import annotations
 
@@ -51,9 +49,9 @@ from tritonq.kernels.norm_rope import rms_norm_launch, silu_mul_launch
 from tritonq.quant.weights import DenseWeight
 
 try:
-    from child_process import ROOT, Child, last_json
+    from child_process import ROOT, json_from_child
 except ImportError:  # run as a script by the child itself
-    from tests.child_process import ROOT, Child, last_json
+    from tests.child_process import ROOT, json_from_child
 
 TARGETS = (75, 80, 89, 90)
 TRITON_36 = ROOT / "build" / "triton-3.6.0"
@@ -420,29 +418,22 @@ def compile_all() -> dict:
     return {"triton": triton.__version__, "reports": [[list(c), r] for c, r in zip(CASES, reports)]}
 
 
-# the compiling child of each Triton, run once per session, and its reports
-_CHILDREN = {"installed": Child([__file__]), "3.6": Child([__file__], first_on_path=(str(TRITON_36),))}
-_REPORTS: dict[str, dict] = {}
-
-
-def background_children(items) -> list[Child]:
-    """The compiles of each installed Triton that selected tests use: tests/conftest.py runs them niced once the
-    session is collected, and these tests last (the compiles take the core the other tests leave idle)."""
-    wanted = {item.callspec.params["triton_install"] for item in items}
-    return [_CHILDREN[name] for name in ("installed", "3.6")
-            if name in wanted and (name == "installed" or (TRITON_36 / "triton").is_dir())]
+_REPORTS: dict[str, dict] = {}  # compiled once per Triton and session
 
 
 def reports_under(triton_install: str) -> dict:
     """{case: report} compiled under the installed Triton ("installed") or Triton 3.6.0 ("3.6")."""
     if triton_install not in _REPORTS:
-        if triton_install == "3.6" and not (TRITON_36 / "triton").is_dir():
-            message = (f"Triton 3.6.0 is not installed at {TRITON_36}: run `python -m pip install --upgrade --target "
-                       f"{TRITON_36.relative_to(ROOT)} --no-deps triton==3.6.0` (the README's set-up)")
-            if os.environ.get("CI") == "true":
-                pytest.fail(message)
-            pytest.skip(message)
-        result = last_json(_CHILDREN[triton_install].stdout(timeout=900))
+        first = ()
+        if triton_install == "3.6":
+            if not (TRITON_36 / "triton").is_dir():
+                message = (f"Triton 3.6.0 is not installed at {TRITON_36}: run `python -m pip install --upgrade --target "
+                           f"{TRITON_36.relative_to(ROOT)} --no-deps triton==3.6.0` (the README's set-up)")
+                if os.environ.get("CI") == "true":
+                    pytest.fail(message)
+                pytest.skip(message)
+            first = (str(TRITON_36),)
+        result = json_from_child([__file__], timeout=900, first_on_path=first)
         if triton_install == "3.6":
             assert result["triton"] == "3.6.0", f"{TRITON_36} holds Triton {result['triton']}, expected 3.6.0"
         _REPORTS[triton_install] = {"triton": result["triton"],

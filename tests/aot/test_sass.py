@@ -21,8 +21,7 @@ The prefill launches (M = 256) of int4, int8, fp8-block and W8A8 must issue thei
 main loop (sm_90: wgmma, HGMMA / QGMMA / IGMMA; sm_80: HMMA / IMMA), load their weight tiles by 16-byte cp.async
 over >= 3 pipeline stages and not spill.
 The compiles run in one child process (conftest's TRITON_INTERPRET=1 makes @triton.jit functions
-uncompilable), over a process pool, started as soon as the session is collected (these tests run last:
-tests/conftest.py); `python tests/aot/test_sass.py` prints the JSON report.
+uncompilable), over a process pool; `python tests/aot/test_sass.py` prints the JSON report.
 """
 from __future__ import annotations
 
@@ -36,9 +35,9 @@ import torch
 from tritonq.bench.model import WEIGHT_TYPES, weight_launch, weights_per_iteration
 
 try:
-    from child_process import Child, last_json
+    from child_process import json_from_child
 except ImportError:  # run as a script by the child itself
-    from tests.child_process import Child, last_json
+    from tests.child_process import json_from_child
 
 N = K = 4096
 MOE_PROBLEM = (512, 64, 6, 2048, 1408, 0)  # tokens, experts, top-k, D, I, gate/up (tests/aot/test_fit.py's)
@@ -133,18 +132,12 @@ def compile_all() -> dict:
                 "prefill": [[list(c), r] for c, r in zip(PREFILL_CASES, prefill)]}
 
 
-_CHILD = Child([__file__])
 _REPORTS: dict = {}
-
-
-def background_children(items) -> list[Child]:
-    """The compiles, run niced by tests/conftest.py once the session is collected (these tests run last)."""
-    return [_CHILD]
 
 
 def reports() -> dict:
     if not _REPORTS:
-        result = last_json(_CHILD.stdout(timeout=1800))
+        result = json_from_child([__file__], timeout=1800)
         _REPORTS.update({tuple(case): report for case, report in result["reports"]})
         _REPORTS.update({("prefill", *case): report for case, report in result["prefill"]})
     return _REPORTS

@@ -1,11 +1,8 @@
 """tritonq.bench: the GEMM row arithmetic, the model shape tables, and the int4_gemm CLI on CPU."""
 import json
 import math
-import tempfile
-from pathlib import Path
 
 import pytest
-from child_process import Child
 
 from tritonq.bench import common
 from tritonq.bench import int4_gemm as bench_int4
@@ -194,29 +191,18 @@ def test_moe_bench_cli_on_cpu_writes_json(tmp_path, monkeypatch):
     assert all(r["vs_loop"] == pytest.approx(r["loop_ms"] / r["ours_ms"]) for r in data["rows"])
 
 
-# The W8A8 quality rows take minutes of the interpreter: run as this process would run them (tests/conftest.py's
-# interpreter, fp32 CPU default and seed), in a niced child started once the session is collected (this module runs
-# last).
-_W8A8_OUT = tempfile.TemporaryDirectory(prefix="quality_w8a8")  # removed at exit
-_W8A8 = Child(["-c", "import sys, torch\nfrom tritonq.api import load\nload.cpu_has_native_bf16 = lambda: False\n"
-                     "torch.manual_seed(0)\nfrom tritonq.bench import quality\nquality.main(sys.argv[1:])",
-               "--variants", "dense", "w8a8_channel", "w8a8_smooth0.5", "--window", "64", "--max-tokens", "256",
-               "--new-tokens", "2", "--repeat", "1", "--samples", "4", "--seq-len", "64",
-               "--out", str(Path(_W8A8_OUT.name) / "q")], interpreter=True)
-
-
-def background_children(items) -> list[Child]:
-    return [_W8A8] if any(item.originalname == "test_quality_bench_w8a8_rows_are_quantized_and_close_to_dense"
-                          for item in items) else []
-
-
-def test_quality_bench_w8a8_rows_are_quantized_and_close_to_dense():
+def test_quality_bench_w8a8_rows_are_quantized_and_close_to_dense(tmp_path, monkeypatch):
     """W8A8 rows (int8 weights per channel, int8 activations per token; plain and SmoothQuant 0.5): the checkpoints
     the writer makes load and score. Their perplexity differs from dense (the weights and activations really are
     rounded) but by under 1%: int8 rounding moves each product by <= 1/254 of its row's range, far below the
     model's own spread of logits (the full held-out text measured -0.1%, bench/results/quality_w8a8.json)."""
-    _W8A8.stdout(timeout=900)
-    rows = {r["variant"]: r for r in json.loads((Path(_W8A8_OUT.name) / "q.json").read_text())["rows"]}
+    import json
+
+    from tritonq.bench import quality
+
+    quality.main(["--variants", "dense", "w8a8_channel", "w8a8_smooth0.5", "--window", "64", "--max-tokens", "256",
+                  "--new-tokens", "2", "--repeat", "1", "--samples", "4", "--seq-len", "64", "--out", str(tmp_path / "q")])
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "q.json").read_text())["rows"]}
     dense = rows["dense"]["perplexity"]
     for name in ("w8a8_channel", "w8a8_smooth0.5"):
         assert rows[name]["perplexity"] != dense

@@ -13,7 +13,7 @@ child process without TRITON_INTERPRET (see child_process.py).
 """
 import pytest
 import torch
-from child_process import Child, last_json
+from child_process import json_from_child
 from torch.overrides import TorchFunctionMode
 
 from tritonq.kernels.fp8_gemm import quantize_activation_fp8_reference
@@ -60,18 +60,9 @@ json.dump({k: dict(mma_types=r.mma_types, fp32_divisions=r.fp32_divisions) for k
 """
 
 
-_CHILD = Child(["-c", AOT_SCRIPT])
-
-
-def background_children(items) -> list[Child]:
-    """The compiles if a selected test reads them (the aot ones; python -m tritonq.check leaves those out on CUDA),
-    run niced by tests/conftest.py once the session is collected (this module's tests run last)."""
-    return [_CHILD] if any("reports" in item.fixturenames for item in items) else []
-
-
 @pytest.fixture(scope="module")
 def reports():
-    return last_json(_CHILD.stdout(timeout=600))
+    return json_from_child(["-c", AOT_SCRIPT])
 
 
 @pytest.mark.aot

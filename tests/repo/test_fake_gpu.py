@@ -5,10 +5,10 @@ The AOT compile tests are left out (they run in their own child processes, on no
 `interpreter` tests, which a GPU skips too.
 """
 import json
-import tempfile
+import os
+import subprocess
+import sys
 from pathlib import Path
-
-from child_process import Child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,23 +23,16 @@ KERNELS = {"_decode_merge_kernel", "_decode_split_kernel", "_fp8_gemm_kernel", "
 # other kernel test keeps this guard.
 
 
-_FOLDER = tempfile.TemporaryDirectory(prefix="fake_gpu")  # the run's JSON report (removed at exit)
-_CHILD = Child(["-m", "pytest", "tests/kernels", "-p", "fake_gpu", "-p", "no:cacheprovider",
-                "-m", "kernels and not interpreter and not cpu_backend", "-k", "not compile", "-q", "-rf", "--tb=short",
-                f"--fake-gpu-report={Path(_FOLDER.name) / 'fake_gpu.json'}"], cwd=ROOT)
-
-
-def background_children(items) -> list[Child]:
-    """The fake-GPU run, run niced by tests/conftest.py once the session is collected (this test runs last)."""
-    return [_CHILD]
-
-
-def test_kernel_tests_pass_on_a_fake_gpu():
-    try:
-        _CHILD.stdout(timeout=900)
-    except AssertionError as error:
-        raise AssertionError(f"the kernel tests fail on a fake GPU:\n{error}") from None
-    report = Path(_FOLDER.name) / "fake_gpu.json"
+def test_kernel_tests_pass_on_a_fake_gpu(tmp_path):
+    report = tmp_path / "fake_gpu.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT),
+                                                                   os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "pytest", "tests/kernels", "-p", "fake_gpu", "-p", "no:cacheprovider",
+                           "-m", "kernels and not interpreter and not cpu_backend", "-k", "not compile", "-q", "-rf",
+                           "--tb=short",
+                           f"--fake-gpu-report={report}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"the kernel tests fail on a fake GPU:\n{done.stdout[-6000:]}{done.stderr[-2000:]}"
     result = json.loads(report.read_text())
     outcomes = list(result["outcomes"].values())
     # the run really ran the kernel tests (128 pass on meta; the others stop at a meta-only data access after their
