@@ -97,26 +97,23 @@ class ParallelLMHead(_CollectiveLinear):
 class RoutedExperts(nn.Module):
     """The routed experts of one MoE layer that this rank holds (WeightsLoader.get_experts), run by fused_moe.
 
-    forward(x [T, D], topk_weights [T, k] fp32, topk_ids [T, k] int32 of the E global experts) -> [T, D]:
-    this rank's part of the routed output, NOT summed over ranks: the MoE layer adds its shared experts'
-    part and all-reduces once. Tensor parallel: every expert's I/world slice (partial sums of every slot).
-    Expert parallel: experts [first, first + E/world) whole; slots routed elsewhere become -1 (fused_moe
-    skips them). world 1: the whole output. The experts are checked once, here (`kernels.moe.MoEExperts`).
+    forward(x [T, D], router_logits [T, E] fp32 over the E global experts, **routing: grouped_topk's arguments) ->
+    [T, D]: this rank's part of the routed output, NOT summed over ranks: the MoE layer adds its shared experts'
+    part and all-reduces once. Routing and the token alignment are one launch on the Triton backend
+    (`MoEExperts.route`). Tensor parallel: every expert's I/world slice (partial sums of every slot). Expert
+    parallel: experts [first, first + E/world) whole; slots routed elsewhere become -1 (fused_moe skips them).
+    world 1: the whole output. The experts are checked once, here (`kernels.moe.MoEExperts`).
     """
 
     def __init__(self, experts: RankExperts):
         super().__init__()
         self.gate_up, self.down, self.first = experts.gate_up, experts.down, experts.first
-        self.num_local = self.gate_up.stacked_shape("RoutedExperts gate_up")[0]
-        self.expert_parallel = self.num_local < experts.num_experts
         # checked once, launches resolved once per T bucket; only expert parallelism routes slots elsewhere (-1)
         self.fused = MoEExperts(self.gate_up, self.down)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if self.expert_parallel:
-            local = topk_ids - self.first
-            topk_ids = torch.where((local >= 0) & (local < self.num_local), local, -1)
-        return self.fused(x, topk_weights, topk_ids)
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, **routing) -> torch.Tensor:
+        topk_weights, topk_ids, alignment = self.fused.route(x, router_logits, first_expert=self.first, **routing)
+        return self.fused(x, topk_weights, topk_ids, alignment=alignment)
 
 
 class Embedding(nn.Module):

@@ -7,7 +7,7 @@ with these differences, as transformers' GptOssForCausalLM runs them:
              (alternating, starting with layer 0), full attention on the others; yarn rope.
   MLP        a mixture of experts in every layer, no shared expert:
              router   logits = x @ router.weight^T + router.bias [T, E]; the top-k logits softmaxed
-                      (= softmax over all E, the top k renormalized: `grouped_topk(renormalize=True)`).
+                      (`MoEExperts.route(renormalize=True)`: one launch with the experts' token alignment).
              experts  stored fused per layer: experts.gate_up_proj [E, D, 2I] with gate and up rows
                       interleaved (even = gate, odd = up), gate_up_proj_bias [E, 2I], down_proj [E, I, D],
                       down_proj_bias [E, D] (dense checkpoints), or their MXFP4 `_blocks` / `_scales`
@@ -26,7 +26,7 @@ from torch import nn
 
 from tritonq.distributed import all_reduce
 from tritonq.kernels.common import ClampedSwiGLU
-from tritonq.kernels.moe import MoEExperts, grouped_topk
+from tritonq.kernels.moe import MoEExperts
 from tritonq.models.llama import LlamaForCausalLM, LlamaVariant, layer_windows, sliding_layers_from_layer_types
 
 
@@ -53,8 +53,8 @@ class GptOssMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
         logits = torch.addmm(self.router_bias, x.float(), self.router_weight.t())
-        topk_weights, topk_ids = grouped_topk(logits, self.top_k, scoring="softmax", renormalize=True)
-        out = self.fused(x, topk_weights, topk_ids)
+        topk_weights, topk_ids, alignment = self.fused.route(x, logits, self.top_k, renormalize=True)
+        out = self.fused(x, topk_weights, topk_ids, alignment=alignment)
         return all_reduce(out) if self.world > 1 else out
 
 

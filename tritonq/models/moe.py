@@ -3,6 +3,7 @@ pair (tritonq.kernels.moe.fused_moe), and optional always-on shared experts.
 
     x [T, D] -> router logits x @ router^T [T, E] (fp32) -> grouped_topk -> (weights [T, k], ids [T, k])
              -> fused_moe(x, gate_up [E, 2I, D], down [E, D, I]) (+ shared(x), optionally sigmoid-gated)
+(on the Triton backend the routing and the experts' token alignment are one launch: MoEExperts.route)
 
 How a model routes is data (`MoERouting`, read from its config by the model class), and so are its
 expert tensor names (`ExpertNames`: Mixtral calls gate / up / down w1 / w3 / w2): the block itself has
@@ -18,7 +19,6 @@ import torch
 from torch import nn
 
 from tritonq.distributed import all_reduce
-from tritonq.kernels.moe import grouped_topk
 from tritonq.formats.layers import RoutedExperts
 
 
@@ -94,11 +94,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
         r = self.routing
-        topk_weights, topk_ids = grouped_topk(
-            x.float() @ self.router.T, r.top_k, n_group=r.n_group, topk_group=r.topk_group, scoring=r.scoring,
-            correction_bias=self.correction_bias, renormalize=r.renormalize,
+        out = self.experts(  # this rank's part; with the shared part, reduced once
+            x, x.float() @ self.router.T, top_k=r.top_k, n_group=r.n_group, topk_group=r.topk_group,
+            scoring=r.scoring, correction_bias=self.correction_bias, renormalize=r.renormalize,
             routed_scaling_factor=r.routed_scaling_factor)
-        out = self.experts(x, topk_weights, topk_ids)  # this rank's part; with the shared part, reduced once
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

@@ -37,7 +37,7 @@ from tritonq.kernels.moe.configs import MoEConfig, _config, check_config
 from tritonq.kernels.moe.experts import check_experts, check_moe_inputs, fp8_activation_scheme
 from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
 from tritonq.kernels.moe.reference import fused_moe_reference
-from tritonq.kernels.moe.routing import moe_align_block_size
+from tritonq.kernels.moe.routing import align_blocks, moe_align_block_size, route_tokens
 from tritonq.quant.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight, MXFP4Weight, Weight
 
 FP8_DOT_MIN_K = 32  # tl.dot's smallest K for e4m3 operands (Triton's min_dot_size for 8-bit types)
@@ -132,9 +132,23 @@ class MoEExperts:
                              f"got {activation!r}")
         self.gate_up, self.down, self.activation, self.plans = gate_up, down, activation, {}
 
+    def route(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, first_expert: int = 0,
+              **routing) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """routing.route_tokens for a call on x: (topk_weights, topk_ids of these experts, global ids from
+        first_expert; the alignment of this layer's plan for x, or None where no Triton GEMM runs), to pass to
+        __call__ (alignment=). routing: grouped_topk's other arguments. On the Triton backend one launch."""
+        T = router_logits.shape[0]
+        block_m = None
+        if backend(x) == "triton" and T > 0:
+            block_m = self._plan_for(x, T, top_k, None, None).block_m
+        return route_tokens(router_logits, top_k, **routing, block_m=block_m, num_experts=self.E,
+                            first_expert=first_expert)
+
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  config: MoEConfig | tuple[MoEConfig, MoEConfig] | None = None,
-                 weight_only: bool | None = None) -> torch.Tensor:
+                 weight_only: bool | None = None, alignment: tuple | None = None) -> torch.Tensor:
+        """alignment: `route`'s, for topk_ids and this call's plan (the default config, weight_only None), so the
+        tokens are not aligned again; None: aligned here."""
         gate_up, down, E, D = self.gate_up, self.down, self.E, self.D
         check_moe_inputs(x, topk_weights, topk_ids, D, self.device)
         explicit = check_config(config) if config is not None else None
@@ -142,6 +156,10 @@ class MoEExperts:
             raise ValueError(f"fused_moe: weight_only must be None (W8A8 where `fp8_w8a8` says) or True, "
                              f"got {weight_only!r}")
         b = backend(x)
+        if alignment is not None and (b != "triton" or explicit is not None or weight_only):
+            raise ValueError("fused_moe: a precomputed alignment is for the Triton backend's default plan (MoEExperts."
+                             f"route); this call runs backend {b!r}, config {config!r}, weight_only {weight_only!r}: "
+                             "pass alignment=None")
         if b == "cpu":  # per expert, torch's CPU kernels over weights prepared once (kernels/cpu/lowbit.py)
             return cpu_lowbit.fused_moe(x, gate_up, down, topk_weights, topk_ids, self.activation)
         T, top_k = topk_ids.shape
@@ -150,17 +168,16 @@ class MoEExperts:
             return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids, self.activation, w8a8)
         if T == 0:
             return x.new_zeros(T, D)
-        key = (next_pow2(T), top_k, x.dtype, bool(weight_only))
-        plan = self.plans.get(key) if explicit is None else None
-        if plan is None:
-            plan = self._plan(x, key[0], top_k, weight_only, explicit)
-            if explicit is None:
-                self.plans[key] = plan
+        plan = self._plan_for(x, T, top_k, weight_only, explicit)
         x = x.contiguous()
         numel, block_m = T * top_k, plan.block_m
         # Slots of other ranks' experts (-1) sort last, past num_tokens_post_padded, where the kernels stop: those
         # rows stay zero. No host read.
-        sorted_ids, expert_ids, post_padded = moe_align_block_size(topk_ids, block_m, E)
+        if alignment is None:
+            alignment = moe_align_block_size(topk_ids, block_m, E)
+        else:
+            _check_alignment(alignment, numel, block_m, E, x.device)
+        sorted_ids, expert_ids, post_padded = alignment
         routing = topk_weights.float().contiguous().flatten()
         hidden = torch.empty(numel, self.inter, dtype=x.dtype, device=x.device)
         out = torch.zeros(numel, D, dtype=x.dtype, device=x.device)  # zeros: the rows of dropped slots stay 0
@@ -170,6 +187,17 @@ class MoEExperts:
         plan.run(0, x, hidden, expert_ids, bound)
         plan.run(1, hidden, out, expert_ids, bound)
         return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
+
+    def _plan_for(self, x: torch.Tensor, T: int, top_k: int, weight_only: bool | None,
+                  explicit: tuple[MoEConfig, MoEConfig] | None) -> _MoEPlan:
+        """The plan of T tokens' bucket (made on its first call), or a fresh one for an explicit config."""
+        key = (next_pow2(T), top_k, x.dtype, bool(weight_only))
+        plan = self.plans.get(key) if explicit is None else None
+        if plan is None:
+            plan = self._plan(x, key[0], top_k, weight_only, explicit)
+            if explicit is None:
+                self.plans[key] = plan
+        return plan
 
     def _plan(self, x: torch.Tensor, tokens: int, top_k: int, weight_only: bool | None,
               explicit: tuple[MoEConfig, MoEConfig] | None) -> _MoEPlan:
@@ -276,6 +304,19 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
                 and (not gate_up or N % weight.block_size[0] == 0))
     grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
     return Launch(_moe_gemm_kernel, grid, args, config.num_warps, config.num_stages)
+
+
+def _check_alignment(alignment: tuple, numel: int, block_m: int, num_experts: int, device: torch.device) -> None:
+    """A precomputed alignment is moe_align_block_size's triple for numel pairs at the plan's block_m (its block
+    count and rows pin block_m) on the experts' device."""
+    blocks = align_blocks(numel, block_m, num_experts)
+    shapes = tuple(tuple(t.shape) for t in alignment) if len(alignment) == 3 else None
+    if (shapes != ((blocks * block_m,), (blocks,), (1,)) or any(t.dtype != torch.int32 or t.device != device
+                                                                for t in alignment)):
+        raise ValueError(f"fused_moe: alignment must be int32 tensors of shapes ({blocks * block_m},), ({blocks},), "
+                         f"(1,) on {device} (MoEExperts.route for these {numel} pairs, block_m {block_m}), got "
+                         f"{[(tuple(t.shape), t.dtype, str(t.device)) for t in alignment]}; pass route's alignment "
+                         "or None")
 
 
 def _check_w8a8_launch(a: torch.Tensor, weight: Weight, config: MoEConfig, native_fp8: bool) -> None:
