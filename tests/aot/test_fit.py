@@ -9,10 +9,10 @@ batch-invariant mode's dense GEMM, paged prefill and split-KV decode
 attention for head dims 64, 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token
 pages, a sliding window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split
 and merge), decode at a batch that needs one split (the merge folded into it, with and without sinks), the MoE
-token alignment (one program), fused MoE on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8
-from sm_89) and on gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU), rms_norm (alone and after the residual
-add), SiLU-mul, Gated DeltaNet's kernels at Qwen3.5's shapes (chunked and recurrent delta rule, conv and its
-update, gated RMSNorm), the rope + qk-norm KV write, the fp8 activation quantization, and the KV-cache launches over 8-bit
+token alignment (one program), the MoE routing (with the alignment in one program; alone over a grid), fused MoE
+on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8 from sm_89) and on gpt-oss-20b's MXFP4
+experts (biases, clamped SwiGLU), rms_norm (alone and after the residual add), SiLU-mul,
+Gated DeltaNet's kernels at Qwen3.5's shapes (chunked and recurrent delta rule, conv and its update, gated RMSNorm), the rope + qk-norm KV write, the fp8 activation quantization, and the KV-cache launches over 8-bit
 pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and MLA's latent decode; e4m3 travels as bytes,
 decoded with integer ops on every target).
 Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
@@ -344,6 +344,13 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
             _meta(3072, 1, dtype=torch.float32), 1408, static=False)
     # the MoE token alignment in one program: DeepSeek-V3's 256 experts (+ the dropped slots' virtual one), 16 x 8
     out["moe align 256 experts 16x8"] = moe.align_launch(_meta(16, 8, dtype=torch.int32), 16, 256, 128 + 1)[0]
+    # routing + alignment in one program (DeepSeek-V3's grouped sigmoid router with its bias, 16 tokens) and routing
+    # alone over a grid (DeepSeek-V2's 160 experts in 8 groups, 512 tokens: aligned by torch's scans after it)
+    f32 = torch.float32
+    out["moe route+align V3 256 experts 16x8"] = moe.route_launch(_meta(16, 256, dtype=f32), _meta(256, dtype=f32), 8,
+                                                                  8, 4, "sigmoid", True, 2.5, 16, 256, 0)[0]
+    out["moe route V2 160 experts 512x6"] = moe.route_launch(_meta(512, 160, dtype=f32), None, 6, 8, 3, "softmax",
+                                                             False, 16.0, 64, 160, 0)[0]
     out["rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5)[0]
     out["add_rms_norm 8192"] = rms_norm_launch(_meta(4, 8192, dtype=dtype), _meta(8192, dtype=dtype), 1e-5,
                                                add=_meta(4, 8192, dtype=dtype))[0]

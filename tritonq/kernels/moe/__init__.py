@@ -43,6 +43,7 @@ from tritonq.kernels.moe.experts import fp8_activation_scheme
 from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
 from tritonq.kernels.moe.launch import FP8_DOT_MIN_K, MoEExperts, fp8_w8a8, fused_moe, moe_gemm_launch
 from tritonq.kernels.moe.reference import fused_moe_reference
-from tritonq.kernels.moe.routing import align_launch, grouped_topk, grouped_topk_reference, moe_align_block_size
+from tritonq.kernels.moe.routing import (align_launch, grouped_topk, grouped_topk_reference, moe_align_block_size,
+                                         route_launch, route_tokens)
 from tritonq.kernels.moe.tune import (CONFIG_SPACE, EXPERT_KINDS, TUNE_FORMAT, TUNE_GEMMS, aot_launch, meta_experts,
                                       sweep_space, tune_problem)
