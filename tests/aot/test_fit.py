@@ -12,7 +12,8 @@ and merge), decode at a batch that needs one split (the merge folded into it, wi
 token alignment (one program), the MoE routing (with the alignment in one program; alone over a grid), fused MoE
 on DeepSeek-V2-Lite's experts (dense, int4, fp8 weight-only, fp8 W8A8 from sm_89) and on gpt-oss-20b's MXFP4
 experts (biases, clamped SwiGLU), rms_norm (alone and after the residual add), SiLU-mul,
-Gated DeltaNet's kernels at Qwen3.5's shapes (chunked and recurrent delta rule, conv and its update, gated RMSNorm), the rope + qk-norm KV write, the fp8 activation quantization, and the KV-cache launches over 8-bit
+Gated DeltaNet's kernels at Qwen3.5's shapes (chunked and recurrent delta rule, conv and its update, gated
+RMSNorm), the rope + qk-norm KV write, the fp8 activation quantization, and the KV-cache launches over 8-bit
 pages (kv_cache_dtype int8 / fp8: the write, paged prefill, decode and MLA's latent decode; e4m3 travels as bytes,
 decoded with integer ops on every target).
 Each is AOT-compiled (kernels/aot.py: the whole NVIDIA pipeline and the bundled ptxas,
