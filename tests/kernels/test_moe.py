@@ -5,7 +5,9 @@ only in summation order: rtol/atol 1e-4. fp16 activations -> the kernel rounds x
 weights and the SiLU-and-mul hidden to fp16 (11-bit mantissa) before each GEMM: 2e-2; bf16
 (8-bit mantissa, 8x coarser than fp16): 5e-2. W8A8 fp8 experts (fp32 activations): kernel and reference quantize
 the same inputs identically and products of e4m3 values are exact in fp32: summation order only, 1e-4.
-Routing is compared exactly (same fp32 scores, deterministic tie rule).
+Routing: grouped_topk exactly (same fp32 torch ops as its reference, deterministic tie rule); route_tokens' kernel
+ids exactly, its weights within ROUTE_RTOL: the softmax's row sum over E <= 256 terms in another order (at most
+255 * 2^-24 ~ 1.5e-5 relative, ~1e-6 in practice) and the GPU's exp / sigmoid / division approximations (a few ulps).
 """
 import pytest
 import torch
@@ -21,11 +23,13 @@ from tritonq.kernels.moe import (
     grouped_topk,
     grouped_topk_reference,
     moe_align_block_size,
+    route_tokens,
 )
 from tritonq.quant.packing import pack_int32
 from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight
 
 TOL = tolerances.table("moe")
+ROUTE_RTOL = 2e-5
 
 
 # ------------------------------------------------------------------ routing
@@ -96,19 +100,26 @@ def test_grouped_topk_matches_transformers_router(method):
     torch.testing.assert_close(weights.gather(1, ours_order), hf_weights.gather(1, hf_order))
 
 
-def test_grouped_topk_ties_pick_lowest_index():
+def _route(logits, top_k, **args):
+    """route_tokens' routing (its Triton kernel on the Triton backend), no alignment."""
+    return route_tokens(logits, top_k, **args, block_m=None)[:2]
+
+
+@pytest.mark.parametrize("router", [grouped_topk, _route], ids=["grouped_topk", "route_tokens"])
+def test_grouped_topk_ties_pick_lowest_index(router):
     logits = torch.zeros(2, 8)
-    _, ids = grouped_topk(logits, top_k=2)
+    _, ids = router(logits, top_k=2)
     assert ids.tolist() == [[0, 1], [0, 1]]
     # 4 groups of 2, all equal: groups 0 and 1 are kept, then experts 0..3 in order
-    _, ids = grouped_topk(logits, top_k=3, n_group=4, topk_group=2)
+    _, ids = router(logits, top_k=3, n_group=4, topk_group=2)
     assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
 
 
-def test_grouped_topk_bias_selects_but_does_not_weight():
+@pytest.mark.parametrize("router", [grouped_topk, _route], ids=["grouped_topk", "route_tokens"])
+def test_grouped_topk_bias_selects_but_does_not_weight(router):
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
     bias = torch.tensor([10.0, 0.0, 0.0, 0.0])
-    weights, ids = grouped_topk(logits, top_k=2, scoring="sigmoid", correction_bias=bias)
+    weights, ids = router(logits, top_k=2, scoring="sigmoid", correction_bias=bias)
     assert ids.tolist() == [[0, 3]]
     torch.testing.assert_close(weights, torch.sigmoid(torch.tensor([[0.0, 3.0]])))
 
@@ -118,6 +129,89 @@ def test_grouped_topk_rejects_bad_groups():
         grouped_topk(torch.randn(2, 10), top_k=2, n_group=4, topk_group=1)
     with pytest.raises(ValueError, match="top_k"):
         grouped_topk(torch.randn(2, 8), top_k=3, n_group=4, topk_group=1)
+
+
+# ------------------------------------------------------------------ routing and alignment in one launch
+
+ROUTE_CASES = [  # (E, top_k, n_group, topk_group, scoring, with_bias, renormalize, rsf)
+    (8, 1, 1, 1, "softmax", False, False, 1.0),        # top-1
+    (8, 2, 1, 1, "softmax", False, True, 1.0),         # Mixtral / gpt-oss: the top-k logits softmaxed
+    (8, 8, 1, 1, "sigmoid", False, True, 1.0),         # every expert chosen
+    (64, 8, 1, 1, "softmax", False, True, 1.0),        # Qwen3-MoE-like
+    (64, 6, 8, 3, "softmax", False, False, 16.0),      # DeepSeek-V2 group_limited_greedy
+    (64, 2, 1, 1, "sigmoid", True, False, 1.0),        # sigmoid + bias, one group
+    (128, 8, 8, 4, "sigmoid", True, True, 2.5),        # DeepSeek-V3 / GLM-4.5 noaux_tc
+    (128, 1, 4, 1, "softmax", True, True, 1.0),        # softmax + bias: groups scored by their best two
+]
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 64])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal_groups"])
+@pytest.mark.parametrize("E,top_k,n_group,topk_group,scoring,with_bias,renormalize,rsf", ROUTE_CASES)
+def test_route_tokens_matches_reference_and_alignment(monkeypatch, T, kind, E, top_k, n_group, topk_group, scoring,
+                                                      with_bias, renormalize, rsf):
+    """The routing kernel against the per-token reference (ties to the lower index), and its alignment (in the same
+    program up to ALIGN_ONE_PROGRAM, e.g. 64 tokens of top-1; torch's scans past it) equal to moe_align_block_size's
+    torch scans over the reference ids."""
+    logits = _logits(T, E, n_group, kind)
+    bias = torch.randint(0, 4, (E,)).float() * 0.25 if with_bias else None  # coarse: keeps ties
+    args = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, scoring=scoring,
+                correction_bias=bias, renormalize=renormalize, routed_scaling_factor=rsf)
+    block_m = 16 if T < 17 else 64
+    weights, ids, alignment = route_tokens(logits, **args, block_m=block_m)
+    ref_weights, ref_ids = grouped_topk_reference(logits, **args)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=ROUTE_RTOL, atol=0.0)
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    for got, want in zip(alignment, moe_align_block_size(ref_ids, block_m, E)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("T", [3, 64])
+def test_route_tokens_over_the_experts_a_rank_holds(monkeypatch, T):
+    """Expert parallelism: experts 16..47 of 64 held here; the others' slots are -1 and sort after the counted rows
+    (the kernel, then the same through grouped_topk and the torch scans on the torch backend)."""
+    first, held = 16, 32
+    logits = torch.randn(T, 64)
+    args = dict(top_k=8, n_group=8, topk_group=4, scoring="sigmoid", correction_bias=torch.randn(64) * 0.1,
+                renormalize=True, routed_scaling_factor=2.5)
+    ref_weights, ref_ids = grouped_topk_reference(logits, **args)
+    local = ref_ids - first
+    expected = torch.where((local >= 0) & (local < held), local, -1)
+    assert bool((expected == -1).any()) and bool((expected >= 0).any())
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("TRITONQ_BACKEND", backend)
+        weights, ids, alignment = route_tokens(logits, **args, block_m=16, num_experts=held, first_expert=first)
+        assert torch.equal(ids, expected), backend
+        torch.testing.assert_close(weights, ref_weights, rtol=ROUTE_RTOL, atol=0.0)
+        for got, want in zip(alignment, moe_align_block_size(expected, 16, held)):
+            assert torch.equal(got, want), backend
+
+
+def test_route_rows_do_not_depend_on_the_batch():
+    """A row routed alone (one program, aligned in it) and among 64 (a grid of programs, aligned by torch's scans
+    after it): the same weights bit for bit, as the batch-invariant mode needs."""
+    logits = torch.randn(64, 256)
+    args = dict(top_k=8, n_group=8, topk_group=4, scoring="sigmoid", correction_bias=torch.randn(256) * 0.1,
+                renormalize=True, routed_scaling_factor=2.5)
+    weights, ids, _ = route_tokens(logits, **args, block_m=16)
+    for t in (0, 37, 63):
+        one_weights, one_ids, _ = route_tokens(logits[t:t + 1], **args, block_m=16)
+        assert torch.equal(one_ids[0], ids[t]) and torch.equal(one_weights[0], weights[t])
+
+
+def test_route_tokens_rejects_bad_inputs():
+    logits = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"held experts \[4, 12\) must lie in the router's 8 experts"):
+        route_tokens(logits, 2, block_m=16, num_experts=8, first_expert=4)
+    with pytest.raises(ValueError, match="block_m=24 must be a power of two"):
+        route_tokens(logits, 2, block_m=24)
+    with pytest.raises(ValueError, match="n_group"):
+        route_tokens(torch.randn(2, 10), 2, n_group=4, block_m=16)
+    elsewhere = torch.device("meta") if logits.device.type != "meta" else torch.device("cpu")
+    with pytest.raises(ValueError, match="correction_bias is on"):
+        route_tokens(logits, 2, scoring="sigmoid", correction_bias=torch.zeros(8, device=elsewhere), block_m=16)
 
 
 # ------------------------------------------------------------------ alignment
@@ -291,6 +385,27 @@ def test_one_layer_reuses_its_launches_across_calls(kind):
             expected = _per_token_moe(x, gate_up_dense, down_dense, weights, ids)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert sorted(tokens for tokens, *_ in layer.plans) == [1, 4, 32]
+
+
+def test_layer_routes_once_and_takes_the_alignment():
+    """MoEExperts.route (routing and the alignment for the layer's plan, one launch) passed to the layer's call:
+    the per-token loop over the reference routing, at T 1, 3 and 17. An alignment for another block_m, or with a
+    config of the caller's (another plan), is refused."""
+    gate_up, gate_up_dense = _stacked("int4", E_TEST, 2 * INTER, D)
+    down, down_dense = _stacked("int4", E_TEST, D, INTER)
+    layer = moe.MoEExperts(gate_up, down)
+    for T in (1, 3, 17):
+        x, logits = torch.randn(T, D) * 3, torch.randn(T, E_TEST)
+        weights, ids, alignment = layer.route(x, logits, 2, renormalize=True)
+        ref_weights, ref_ids = grouped_topk_reference(logits, 2, renormalize=True)
+        assert torch.equal(ids, ref_ids)
+        expected = _per_token_moe(x, gate_up_dense, down_dense, ref_weights, ref_ids)
+        torch.testing.assert_close(layer(x, weights, ids, alignment=alignment), expected, rtol=1e-4, atol=1e-4)
+    block_m = layer.plans[(32, 2, x.dtype, False)].block_m
+    with pytest.raises(ValueError, match="alignment must be int32 tensors of shapes"):
+        layer(x, weights, ids, alignment=moe_align_block_size(ids, 2 * block_m, E_TEST))
+    with pytest.raises(ValueError, match="precomputed alignment is for the Triton backend's default plan"):
+        layer(x, weights, ids, config=moe.DEFAULT_CONFIGS[0][1], alignment=alignment)
 
 
 @pytest.mark.parametrize("backend", ["triton", "cpu", "torch"])
