@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # kernel checks nothing about the device, so losing a whole family here means the run lost its point.
 KERNELS = {"_decode_merge_kernel", "_decode_split_kernel", "_fp8_gemm_kernel", "_int4_gemm_kernel",
            "_moe_align_kernel", "_moe_gemm_kernel", "_paged_prefill_kernel", "_quantize_activation_kernel",
-           "_rms_norm_kernel", "_silu_mul_kernel", "_write_slots_kernel"}
+           "_rms_norm_kernel", "_route_kernel", "_silu_mul_kernel", "_write_slots_kernel"}
 
 # The CPU backend's tests (marked cpu_backend: tests/kernels/cpu/, test_backends_agree.py) keep their tensors on
 # the CPU by design, so on a fake GPU they would rerun the CI run's own cases unchanged: left out by marker; every

@@ -15,8 +15,9 @@ Weights are stacked typed weights (tritonq/quant/weights.py, with a leading expe
   in the kernel's tile load, `jit.py`); GGUFWeight planes [E, ...] (GGUF K-quants / IQ4: their own expert
   GEMM in kernels/gguf_gemm.py, launched through the same plan).
 A model's MoE layer builds a `MoEExperts(gate_up, down, activation)` once (the weights checked then, each T
-bucket's launches resolved on its first call) and calls it with (x, topk_weights, topk_ids); `fused_moe` is one
-call of a fresh one.
+bucket's launches resolved on its first call), routes with its `route(x, router_logits, top_k, ...)` (routing and
+the token alignment for the layer's plan: one launch on the Triton backend, `route_tokens`) and calls it with
+(x, topk_weights, topk_ids, alignment=); `fused_moe` is one call of a fresh one (aligning itself).
 Shared experts are not part of this: the model runs them as an ordinary MLP and adds them.
 gpt-oss experts: stacked biases (gate_up.bias [E, 2I], down.bias [E, D]; each added to its GEMM's
 output before the activation / the routing weight, as transformers' GptOssExperts) and
@@ -32,7 +33,7 @@ then runs once for gate/up (two accumulators, SiLU-and-mul fused in the epilogue
 for down (routing weight multiplied in), each launch covering all experts; a sum over the
 k slots puts the result back in token order.
 
-Files, one job each: `routing.py` (grouped top-k and the token alignment), `jit.py` (the @triton.jit expert
+Files, one job each: `routing.py` (grouped top-k, the token alignment, and both in one launch), `jit.py` (the @triton.jit expert
 GEMM), `configs.py` (MoEConfig, defaults, how one is chosen and checked), `experts.py` (stacked-weight checks
 and the W8A8 activation scheme, shared by launcher and reference), `launch.py` (fused_moe and one GEMM's
 launch), `reference.py` (torch reference), `tune.py` (tuning declarations, meta experts, AOT launch). This

@@ -1,5 +1,6 @@
-"""Launchers: `MoEExperts`, one MoE layer's experts (checked once; per call the input checks, the backend choice,
-the token alignment, the two GEMM launches resolved once per T bucket, and the sum over the k slots), `fused_moe`
+"""Launchers: `MoEExperts`, one MoE layer's experts (checked once; `route`: routing + token alignment in one launch;
+per call the input checks, the backend choice, the token alignment unless route's is given, the two GEMM launches
+resolved once per T bucket, and the sum over the k slots), `fused_moe`
 (one call of a fresh MoEExperts), and `moe_gemm_launch`, one GEMM's `Launch` over all experts (over meta tensors:
 the launch tune --aot compiles).
 
@@ -121,8 +122,9 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
 class MoEExperts:
     """fused_moe over one MoE layer's stacked experts, checked once here (shapes, one device, the activation).
     Per (T rounded up to a power of two, k, x dtype, path) the two GEMMs' configs, shared BLOCK_M and launch
-    arguments are resolved once (`_MoEPlan`; the default config is the bucket's largest T's). A call checks x
-    and the routing, aligns the tokens (torch ops, no host read) and launches the two GEMMs (plus, for W8A8,
+    arguments are resolved once (`_MoEPlan`; the default config is the bucket's largest T's). `route` routes the
+    router logits and aligns the tokens for that plan (one launch); a call checks x and the routing, takes route's
+    alignment or aligns the tokens itself (no host read either way) and launches the two GEMMs (plus, for W8A8,
     each GEMM's activation quantization). Routed slots of -1 (experts another rank holds) leave their rows zero."""
 
     def __init__(self, gate_up: Weight, down: Weight, activation: ClampedSwiGLU | None = None):

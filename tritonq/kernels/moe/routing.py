@@ -6,15 +6,19 @@ covers DeepSeek-V2 `greedy` / `group_limited_greedy` (softmax, group score = max
 DeepSeek-V3 `noaux_tc` (sigmoid, correction bias for selection only, group score = sum of the
 top-2 in group). Ties: the lower expert (or group) index wins, via a stable descending sort
 (torch.topk does not promise this: on CPU, zeros(1, 8).topk(2) returns indices [6, 5]).
-Routing is a handful of vectorised torch ops on a [T, E] fp32 tensor (E <= 256): a Triton
-kernel would save a few microseconds of launches per layer and is not worth a second
-implementation; `grouped_topk_reference` is an independent per-token loop.
+grouped_topk is vectorised torch (the CPU and torch backends); `grouped_topk_reference` is an independent
+per-token loop, the tests' oracle.
 
 Token alignment: `moe_align_block_size` sorts the T*k (token, slot) pairs by expert and pads each
 expert's run to BLOCK_M, so each M block of rows belongs to one expert (the expert GEMM's `jit.py`). Slots of
 experts this process does not hold (id -1) sort after every expert, outside the counted rows. A decode-sized
 problem (T*k x experts <= ALIGN_ONE_PROGRAM) aligns in one Triton launch, one program (`_moe_align_kernel`);
 larger ones (prefill) and the CPU run the vectorised torch scans, whose ~20 launches are parallel over the pairs.
+
+Both in one launch: `route_tokens` (what a MoE layer calls, through `MoEExperts.route`) routes with
+`_route_kernel` on the Triton backend and, for a decode-sized problem, aligns the ids it just wrote in the same
+program (`_align`, shared with `_moe_align_kernel`): one launch where softmax, sort, gather, renormalization,
+scaling and the alignment were ~8 torch ops and a launch.
 """
 from __future__ import annotations
 
