@@ -199,6 +199,7 @@ def test_quality_bench_w8a8_rows_are_quantized_and_close_to_dense(tmp_path, monk
     import json
 
     from tritonq.bench import quality
+    monkeypatch.delenv("TRITON_INTERPRET")  # as the bench runs on CPU: the CPU backend, not the interpreter
 
     quality.main(["--variants", "dense", "w8a8_channel", "w8a8_smooth0.5", "--window", "64", "--max-tokens", "256",
                   "--new-tokens", "2", "--repeat", "1", "--samples", "4", "--seq-len", "64", "--out", str(tmp_path / "q")])

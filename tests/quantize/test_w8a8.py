@@ -105,7 +105,8 @@ def test_writer_w8a8_refuses_bad_options(tmp_path, dense):
 
 def test_engine_w8a8_batches_equal_solo_runs(tmp_path, monkeypatch, dense):
     """Per-token activation scales make each row's int8 codes its own: many prompts through the engine at once
-    (mixed prefill and decode, chunked) give each prompt's solo tokens. CPU backend: torch._int_mm."""
+    (mixed prefill and decode, chunked) give each prompt's solo tokens, through the Triton W8A8 GEMM (Triton's
+    interpreter without a GPU)."""
     monkeypatch.setenv("TRITONQ_BACKEND", "auto")
     write_quantized(dense, tmp_path, "w8a8")
     model = tritonq.load(tmp_path, dtype=torch.float32, max_num_seqs=4, max_seq_len=64, max_num_batched_tokens=32)
