@@ -345,6 +345,14 @@ def gguf_linear(x: torch.Tensor, w, parallel: bool = False) -> torch.Tensor | No
     N, K = w.shape
     if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != K or not x.is_cpu:
         return None
+    planes = {name: getattr(w, name) for name in ("lo", "hi", "scales", "offsets", "code")}
+    for name, t in planes.items():
+        if t is not None and (not t.is_contiguous() or not t.is_cpu
+                              or t.dtype != (torch.int32 if name in ("lo", "hi") else torch.float32)):
+            raise ValueError(f"gguf_linear: the {w.type_name} weight's {name} is a {t.dtype} tensor on {t.device} "
+                             f"with strides {t.stride()}, expected a contiguous CPU "
+                             f"{'int32' if name in ('lo', 'hi') else 'float32'} one: load it through "
+                             "tritonq.formats.gguf (its planes are made so)")
     lib = _library_for(x.dtype)
     if lib is None:
         return None

@@ -225,14 +225,17 @@ int tritonq_int8_linear(void* omp_parallel, int threads, const float* x, int64_t
  * lo [K / 8, N] (the code's low 4 bits, k = 8 row + j at bits 4j), hi [K * H / 32, N] (H = bits - 4 high bits,
  * k at bits H (k mod 32 / H)) or NULL, scales and offsets (or NULL) [K / group, N], code float32 [16] (IQ4) or
  * NULL. W[n, k] = fma(v, scale, offset) with v = code[q] or q, the offset -zero * scale where there are none (zero
- * is 0 or a power of two, so that product is exact, and the sum q * scale - zero * scale is (q - zero) * scale,
- * itself exact): the product is exact in float32, so this is the format's value with its one rounding. Each item is GGUF_ROWS rows x GGUF_COLS columns:
- * the weight's values are made in registers once per item from the words of 8 (lo) or 32 / H (hi) k, and each
- * output is one chain of multiply-adds in k order whatever the row count or thread, so a row's result does not
- * depend on the other rows. K is a multiple of 32 (GGUF's smallest block). */
-#define GGUF_COLS 64
-#define GGUF_ROWS 4
-#define GGUF_AHEAD 256
+ * is 0 or a power of two: that product is exact, and q * scale - zero * scale = (q - zero) * scale, exact too):
+ * each product is exact in float32, so this is the format's value with its one rounding. An item is a block of
+ * rows and columns, GGUF_WIDE (4 rows x 64 columns) or, from GGUF_TALL_M rows on, GGUF_TALL (8 x 32: each weight
+ * value made once per 8 rows instead of 4); its weight values are made in registers from the words of 8 (lo) or
+ * 32 / H (hi) k, the rows ahead prefetched (the planes' rows are 4 N bytes apart). Whatever the block, the row
+ * count or the thread, each output is one chain of multiply-adds in k order over the same values: a row's result
+ * does not depend on the other rows. K is a multiple of 32 (GGUF's smallest block). */
+#define GGUF_ROWS 8       /* rows of the taller block */
+#define GGUF_COLS 64      /* columns of the wider block */
+#define GGUF_TALL_M 8     /* rows of a call from which its items are 8 x 32 */
+#define GGUF_AHEAD 256    /* k prefetched ahead */
 
 /* The arguments of one tritonq_gguf_linear call, shared by the threads that run its items. */
 typedef struct {
@@ -248,54 +251,55 @@ typedef struct {
 } gguf_linear_call;
 
 #ifdef __AVX512F__
-/* Columns n0 .. n0 + cols - 1 (cols <= GGUF_COLS; masked loads past N), R rows of x from xm; H high bits and the
- * code table or not are constants of each instantiation. */
-static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_call* a, const float* xm, int64_t R,
-        int H, int CODE, int64_t n0, int64_t cols, float out[GGUF_ROWS][GGUF_COLS]) {
+/* Columns n0 .. n0 + cols - 1 (cols <= 16 V; masked loads past N) of R rows of x from xm: R, V (vectors of 16
+ * columns), H (high bits) and the code table or not are constants of each instantiation. */
+static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_call* a, const float* xm, int R,
+        int64_t valid, int V, int H, int CODE, int64_t n0, int64_t cols, float out[GGUF_ROWS][GGUF_COLS]) {
+    const float* xr[GGUF_ROWS];  /* row r of the block, the last valid one for those past M */
+    for (int r = 0; r < R; r++) xr[r] = xm + (r < valid ? r : valid - 1) * a->stride_x;
     const int64_t N = a->N, shift = a->group == 16 ? 4 : 5;
-    __mmask16 mask[GGUF_COLS / 16];
-    for (int c = 0; c < GGUF_COLS / 16; c++) {
+    __mmask16 mask[4];
+    for (int c = 0; c < V; c++) {
         const int64_t left = cols - 16 * c;
         mask[c] = left >= 16 ? (__mmask16)0xffff : (left <= 0 ? 0 : (__mmask16)((1u << left) - 1));
     }
-    __m512 acc[GGUF_ROWS][GGUF_COLS / 16];
-    for (int64_t r = 0; r < R; r++)
-        for (int c = 0; c < GGUF_COLS / 16; c++) acc[r][c] = _mm512_setzero_ps();
+    __m512 acc[GGUF_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < V; c++) acc[r][c] = _mm512_setzero_ps();
     const __m512 table = CODE ? _mm512_loadu_ps(a->code) : _mm512_setzero_ps();
     const __m512 minus_zero = _mm512_set1_ps(-(float)a->zero);
-    const __m512i low4 = _mm512_set1_epi32(15);
-    const __m512i high_mask = _mm512_set1_epi32(H ? (1 << H) - 1 : 0);
+    const __m512i low4 = _mm512_set1_epi32(15), high_mask = _mm512_set1_epi32(H ? (1 << H) - 1 : 0);
     for (int64_t k0 = 0; k0 < a->K; k0 += 32) {
         const int64_t kp = k0 + GGUF_AHEAD < a->K ? k0 + GGUF_AHEAD : k0;
-        for (int c = 0; c < GGUF_COLS / 16; c++) {
-            for (int k8 = 0; k8 < 4; k8++) _mm_prefetch((const char*)(a->lo + (kp / 8 + k8) * N + n0 + 16 * c), _MM_HINT_T0);
-            for (int h = 0; h < H; h++) _mm_prefetch((const char*)(a->hi + (kp * H / 32 + h) * N + n0 + 16 * c), _MM_HINT_T0);
+        for (int c = 0; c < V; c++) {
+            const int64_t at = n0 + 16 * c;
+            for (int k8 = 0; k8 < 4; k8++) _mm_prefetch((const char*)(a->lo + (kp / 8 + k8) * N + at), _MM_HINT_T0);
+            for (int h = 0; h < H; h++) _mm_prefetch((const char*)(a->hi + (kp * H / 32 + h) * N + at), _MM_HINT_T0);
             for (int g = 0; g < 32 >> shift; g++) {
-                _mm_prefetch((const char*)(a->scales + ((kp >> shift) + g) * N + n0 + 16 * c), _MM_HINT_T0);
-                if (a->offsets) _mm_prefetch((const char*)(a->offsets + ((kp >> shift) + g) * N + n0 + 16 * c), _MM_HINT_T0);
+                _mm_prefetch((const char*)(a->scales + ((kp >> shift) + g) * N + at), _MM_HINT_T0);
+                if (a->offsets) _mm_prefetch((const char*)(a->offsets + ((kp >> shift) + g) * N + at), _MM_HINT_T0);
             }
         }
         for (int k16 = 0; k16 < 2; k16++) {  /* a group is 16 or 32 k: its scale row, read again for group 32 */
-            __m512 s[GGUF_COLS / 16], o[GGUF_COLS / 16];
-            __m512i hi[GGUF_COLS / 16];  /* the hi words of these 16 k (for H = 1, of these 32, read again) */
-            for (int c = 0; c < GGUF_COLS / 16; c++) {
+            __m512 s[4], o[4];
+            __m512i hi[4];  /* the hi words of these 16 k (for H = 1, of these 32, read again) */
+            for (int c = 0; c < V; c++) {
                 const int64_t at = ((k0 + 16 * k16) >> shift) * N + n0 + 16 * c;
                 if (H) hi[c] = _mm512_maskz_loadu_epi32(mask[c], a->hi + (k0 + 16 * k16) * H / 32 * N + n0 + 16 * c);
                 s[c] = _mm512_maskz_loadu_ps(mask[c], a->scales + at);
                 o[c] = a->offsets ? _mm512_maskz_loadu_ps(mask[c], a->offsets + at) : _mm512_mul_ps(s[c], minus_zero);
             }
             for (int k8 = 2 * k16; k8 < 2 * k16 + 2; k8++) {
-                __m512i lo[GGUF_COLS / 16];
-                for (int c = 0; c < GGUF_COLS / 16; c++)
+                __m512i lo[4];
+                for (int c = 0; c < V; c++)
                     lo[c] = _mm512_maskz_loadu_epi32(mask[c], a->lo + (k0 / 8 + k8) * N + n0 + 16 * c);
 #pragma GCC unroll 8
                 for (int j = 0; j < 8; j++) {
                     const int kk = 8 * k8 + j;
-                    const int64_t k = k0 + kk;
-                    __m512 w[GGUF_COLS / 16];
-                    for (int c = 0; c < GGUF_COLS / 16; c++) {
+                    __m512 w[4];
+                    for (int c = 0; c < V; c++) {
                         __m512i q = _mm512_and_si512(_mm512_srli_epi32(lo[c], 4 * j), low4);
-                        if (H) {  /* k's high bits: bit H (kk mod 32 / H) of its hi word, moved above the 4 */
+                        if (H) {  /* k's high bits: bits H (kk mod 32 / H) of its hi word, moved above the 4 */
                             const __m512i high = _mm512_and_si512(_mm512_srli_epi32(hi[c], H * (kk % (32 / H))),
                                                                   high_mask);
                             q = _mm512_or_si512(q, _mm512_slli_epi32(high, 4));
@@ -303,70 +307,72 @@ static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_c
                         const __m512 v = CODE ? _mm512_permutexvar_ps(q, table) : _mm512_cvtepi32_ps(q);
                         w[c] = _mm512_fmadd_ps(v, s[c], o[c]);
                     }
-                    for (int64_t r = 0; r < R; r++) {
-                        const __m512 xr = _mm512_set1_ps(xm[r * a->stride_x + k]);
-                        for (int c = 0; c < GGUF_COLS / 16; c++) acc[r][c] = _mm512_fmadd_ps(xr, w[c], acc[r][c]);
+                    for (int r = 0; r < R; r++) {
+                        const __m512 xv = _mm512_set1_ps(xr[r][k0 + kk]);
+                        for (int c = 0; c < V; c++) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
                     }
                 }
             }
         }
     }
-    for (int64_t r = 0; r < R; r++)
-        for (int c = 0; c < GGUF_COLS / 16; c++) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < V; c++) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
 }
 #else
-static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_call* a, const float* xm, int64_t R,
-        int H, int CODE, int64_t n0, int64_t cols, float out[GGUF_ROWS][GGUF_COLS]) {
+static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_call* a, const float* xm, int R,
+        int64_t valid, int V, int H, int CODE, int64_t n0, int64_t cols, float out[GGUF_ROWS][GGUF_COLS]) {
     const int64_t N = a->N;
-    for (int64_t r = 0; r < R; r++)
-        for (int c = 0; c < GGUF_COLS; c++) out[r][c] = 0.f;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 16 * V; c++) out[r][c] = 0.f;
     for (int64_t k = 0; k < a->K; k++) {  /* the AVX-512 item's steps: the weight's value, then one multiply-add */
         const int32_t* lo = a->lo + k / 8 * N + n0;
         const int32_t* hi = H ? a->hi + k * H / 32 * N + n0 : NULL;
         const float* s = a->scales + k / a->group * N + n0;
         const float* o = a->offsets ? a->offsets + k / a->group * N + n0 : NULL;
         float w[GGUF_COLS];
-        for (int c = 0; c < GGUF_COLS; c++) {
+        for (int c = 0; c < 16 * V; c++) {
             if (c >= cols) { w[c] = 0.f; continue; }
             int32_t q = (int32_t)(((uint32_t)lo[c] >> (4 * (k % 8))) & 15u);
             if (H) q |= (int32_t)((((uint32_t)hi[c] >> (H * (k % (32 / H)))) & ((1u << H) - 1)) << 4);
-            const float v = CODE ? a->code[q] : (float)q;
-            w[c] = fmaf(v, s[c], o ? o[c] : s[c] * -(float)a->zero);
+            w[c] = fmaf(CODE ? a->code[q] : (float)q, s[c], o ? o[c] : s[c] * -(float)a->zero);
         }
-        for (int64_t r = 0; r < R; r++) {
+        for (int r = 0; r < R && r < valid; r++) {
             const float xr = xm[r * a->stride_x + k];
-            for (int c = 0; c < GGUF_COLS; c++) out[r][c] = fmaf(xr, w[c], out[r][c]);
+            for (int c = 0; c < 16 * V; c++) out[r][c] = fmaf(xr, w[c], out[r][c]);
         }
     }
 }
 #endif
 
-/* One item with its constants: R rows (constant: the block's loops unroll and its sums stay in registers). */
-#define GGUF_ROWS_CASES(H, CODE)                                                                                  \
-    switch (R) {                                                                                                 \
-        case 1: gguf_block(a, xm, 1, H, CODE, n0, cols, out); break;                                             \
-        case 2: gguf_block(a, xm, 2, H, CODE, n0, cols, out); break;                                             \
-        case 3: gguf_block(a, xm, 3, H, CODE, n0, cols, out); break;                                             \
-        default: gguf_block(a, xm, 4, H, CODE, n0, cols, out); break;                                            \
+/* An item's block with H and CODE constant: 8 x 32 (the rows past M read the last row again (AVX-512; the generic
+ * loop skips them), their sums dropped),
+ * or 4 x 64 with R rows (R constant too: the block's loops unroll and its sums stay in registers). */
+#define GGUF_BLOCK_CASES(H, CODE)                                                                                 \
+    if (tall) gguf_block(a, xm, 8, R, 2, H, CODE, n0, cols, out);                                                \
+    else switch (R) {                                                                                            \
+        case 1: gguf_block(a, xm, 1, 1, 4, H, CODE, n0, cols, out); break;                                       \
+        case 2: gguf_block(a, xm, 2, 2, 4, H, CODE, n0, cols, out); break;                                       \
+        case 3: gguf_block(a, xm, 3, 3, 4, H, CODE, n0, cols, out); break;                                       \
+        default: gguf_block(a, xm, 4, 4, 4, H, CODE, n0, cols, out); break;                                      \
     }
 
 /* One thread's share of a call: items (row block, column block) claimed one at a time until none is left. */
 static void gguf_linear_items(void* arg) {
     gguf_linear_call* a = arg;
-    const int64_t col_blocks = (a->N + GGUF_COLS - 1) / GGUF_COLS;
-    const int64_t total = (a->M + GGUF_ROWS - 1) / GGUF_ROWS * col_blocks;
+    const int tall = a->M >= GGUF_TALL_M;
+    const int64_t rows = tall ? 8 : 4, width = tall ? 32 : 64;
+    const int64_t col_blocks = (a->N + width - 1) / width, total = (a->M + rows - 1) / rows * col_blocks;
     for (;;) {
         const int64_t item = __atomic_fetch_add(&a->claimed, 1, __ATOMIC_RELAXED);
         if (item >= total) break;
-        const int64_t m0 = item / col_blocks * GGUF_ROWS, n0 = item % col_blocks * GGUF_COLS;
-        const int64_t R = a->M - m0 < GGUF_ROWS ? a->M - m0 : GGUF_ROWS;
-        const int64_t cols = a->N - n0 < GGUF_COLS ? a->N - n0 : GGUF_COLS;
+        const int64_t m0 = item / col_blocks * rows, n0 = item % col_blocks * width;
+        const int64_t R = a->M - m0 < rows ? a->M - m0 : rows, cols = a->N - n0 < width ? a->N - n0 : width;
         const float* xm = a->x + m0 * a->stride_x;
         float out[GGUF_ROWS][GGUF_COLS];
-        if (a->code) GGUF_ROWS_CASES(0, 1)
-        else if (a->bits == 5) GGUF_ROWS_CASES(1, 0)
-        else if (a->bits == 6) GGUF_ROWS_CASES(2, 0)
-        else GGUF_ROWS_CASES(0, 0)
+        if (a->code) GGUF_BLOCK_CASES(0, 1)
+        else if (a->bits == 5) GGUF_BLOCK_CASES(1, 0)
+        else if (a->bits == 6) GGUF_BLOCK_CASES(2, 0)
+        else GGUF_BLOCK_CASES(0, 0)
         for (int64_t r = 0; r < R; r++)
             for (int64_t c = 0; c < cols; c++)
                 a->y[(m0 + r) * a->N + n0 + c] = out[r][c] + (a->bias ? a->bias[n0 + c] : 0.f);
@@ -376,7 +382,7 @@ static void gguf_linear_items(void* arg) {
 /* bits 4, 5 or 6 (hi NULL for 4), group 16 or 32, K a multiple of 32, zero 0 or a power of two without offsets, code
  * with bits 4 and zero 0 only (every GGUFWeight format: Q2_K ... Q6_K, Q4_1, Q5_0, Q5_1, IQ4). With omp_parallel
  * (GOMP_parallel, as tritonq_paged_attention takes it) and threads > 1 the items are shared by a team of torch's
- * OpenMP threads. Returns 0; -3 for bits, group or K outside that. */
+ * OpenMP threads. Returns 0; -3 for a weight outside that. */
 int tritonq_gguf_linear(void* omp_parallel, int threads, const float* x, int64_t M, int64_t K, int64_t stride_x,
                         const int32_t* lo, const int32_t* hi, int64_t bits, int64_t zero, const float* code,
                         const float* scales, const float* offsets, int64_t group, int64_t N, const float* bias,
@@ -385,7 +391,8 @@ int tritonq_gguf_linear(void* omp_parallel, int threads, const float* x, int64_t
         || (zero & (zero - 1)) || (zero && offsets) || (group != 16 && group != 32) || K % 32)
         return -3;
     gguf_linear_call call = {x, M, K, stride_x, lo, hi, bits, zero, code, scales, offsets, group, N, bias, y, 0};
-    const int64_t items = (M + GGUF_ROWS - 1) / GGUF_ROWS * ((N + GGUF_COLS - 1) / GGUF_COLS);
+    const int64_t rows = M >= GGUF_TALL_M ? 8 : 4, width = M >= GGUF_TALL_M ? 32 : 64;
+    const int64_t items = (M + rows - 1) / rows * ((N + width - 1) / width);
     const int64_t team = threads < items ? threads : items;
     if (omp_parallel && team > 1) ((omp_parallel_fn)omp_parallel)(gguf_linear_items, &call, (unsigned)team, 0);
     else gguf_linear_items(&call);
