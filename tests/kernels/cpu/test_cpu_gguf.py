@@ -96,3 +96,14 @@ def test_a_weight_outside_the_kernel_is_refused_before_any_work():
     with pytest.raises(ValueError, match="scales is a torch.float16 tensor.*float32"):
         cpu_native.gguf_linear(x, replace(w, scales=w.scales.half()))
     assert cpu_native.gguf_linear(x.double(), w) is None  # not float32 rows: the caller's torch path
+
+
+def test_without_the_c_library_a_gguf_weight_runs_an_fp32_copy(monkeypatch):
+    """No C compiler: the weight is dequantized once to float32 (the gguf package's values) and runs MKL."""
+    from tritonq.kernels.cpu import lowbit as cpu_lowbit
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    w, W = case("Q5_K")
+    p = cpu_lowbit.prepare(w)
+    assert isinstance(p, cpu_lowbit.CPUDenseWeight) and torch.equal(p.weight, W)
+    x = torch.randn(3, W.shape[1])
+    assert_fp32_close(cpu_lowbit.linear(x, p), x @ W.t() + w.bias)
