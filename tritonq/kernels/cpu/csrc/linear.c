@@ -268,7 +268,7 @@ static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_c
         for (int c = 0; c < V; c++) acc[r][c] = _mm512_setzero_ps();
     const __m512 table = CODE ? _mm512_loadu_ps(a->code) : _mm512_setzero_ps();
     const __m512 minus_zero = _mm512_set1_ps(-(float)a->zero);
-    const __m512i low4 = _mm512_set1_epi32(15), high_mask = _mm512_set1_epi32(H ? (1 << H) - 1 : 0);
+    const __m512i low4 = _mm512_set1_epi32(15);
     for (int64_t k0 = 0; k0 < a->K; k0 += 32) {
         const int64_t kp = k0 + GGUF_AHEAD < a->K ? k0 + GGUF_AHEAD : k0;
         for (int c = 0; c < V; c++) {
@@ -298,11 +298,15 @@ static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_c
                     const int kk = 8 * k8 + j;
                     __m512 w[4];
                     for (int c = 0; c < V; c++) {
-                        __m512i q = _mm512_and_si512(_mm512_srli_epi32(lo[c], 4 * j), low4);
-                        if (H) {  /* k's high bits: bits H (kk mod 32 / H) of its hi word, moved above the 4 */
-                            const __m512i high = _mm512_and_si512(_mm512_srli_epi32(hi[c], H * (kk % (32 / H))),
-                                                                  high_mask);
-                            q = _mm512_or_si512(q, _mm512_slli_epi32(high, 4));
+                        const __m512i nibbles = _mm512_srli_epi32(lo[c], 4 * j);
+                        __m512i q;
+                        if (H) {  /* k's high bits, bits H (kk mod 32 / H) of its hi word: to the top, then to 4 */
+                            const __m512i high = _mm512_srli_epi32(
+                                _mm512_slli_epi32(hi[c], 32 - H - H * (kk % (32 / H))), 28 - H);
+                            /* bits 0-3 from nibbles, the rest from high (above 4 + H: zero): one select */
+                            q = _mm512_ternarylogic_epi32(low4, nibbles, high, 0xCA);
+                        } else {
+                            q = _mm512_and_si512(nibbles, low4);
                         }
                         const __m512 v = CODE ? _mm512_permutexvar_ps(q, table) : _mm512_cvtepi32_ps(q);
                         w[c] = _mm512_fmadd_ps(v, s[c], o[c]);
