@@ -1,8 +1,9 @@
 """The C GGUF linear (kernels/cpu/csrc/linear.c's tritonq_gguf_linear through native.gguf_linear) against a float32
 matmul on the gguf package's own dequantization of the same random blocks (tests/formats/gguf_files.py: every code
 and sub-block scale, fp16 d / dmin of both signs), every block format GGUFWeight keeps, at M = 1, 3 (the 4-row
-blocks), 17, 64 (the 8-row blocks, 17 with a partial one) and N = 200 (not a multiple of either column block), K
-off the 256-weight super-blocks where the format allows (Q4_1 / Q5_x / IQ4_NL: 32-weight blocks).
+blocks), 17, 64 (the 8-row blocks, 17 with a partial one) and N = 200 (not a multiple of either column block; a
+wide N = 1100 too), K off the 256-weight super-blocks where the format allows (Q4_1 / Q5_x / IQ4_NL: 32-weight
+blocks).
 
 The kernel forms each weight's value exactly as the gguf package does (its products are exact in float32), so only
 the summation order differs from the reference: rtol 1e-5, atol 1e-5 * max |ref| (float32 sums of a few hundred
@@ -55,6 +56,16 @@ def test_matches_float32_matmul_on_the_gguf_values_and_rows_do_not_depend_on_the
         assert_fp32_close(y, x[:M] @ W.t() + w.bias)
         if M > 16:
             assert torch.equal(y[16], alone[0]), f"row 16 of M = {M} differs from its M = 1 run"
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_a_wide_weight_in_column_chunks(type_name):
+    """N = 1100: items of several 64-column blocks (up to 512 columns, about four a thread), the last one partial."""
+    w, W = random_weight(type_name, 1100, 256, seed=3)
+    x = torch.randn(17, 256)
+    y = cpu_native.gguf_linear(x, w)
+    assert_fp32_close(y, x @ W.t())
+    assert torch.equal(cpu_native.gguf_linear(x[5:6].contiguous(), w)[0], y[5])
 
 
 def test_rows_of_a_wider_tensor_and_no_bias():

@@ -227,15 +227,18 @@ int tritonq_int8_linear(void* omp_parallel, int threads, const float* x, int64_t
  * NULL. W[n, k] = fma(v, scale, offset) with v = code[q] or q, the offset -zero * scale where there are none (zero
  * is 0 or a power of two: that product is exact, and q * scale - zero * scale = (q - zero) * scale, exact too):
  * each product is exact in float32, so this is the format's value with its one rounding. An item is a block of
- * rows and columns, GGUF_WIDE (4 rows x 64 columns) or, from GGUF_TALL_M rows on, GGUF_TALL (8 x 32: each weight
- * value made once per 8 rows instead of 4); its weight values are made in registers from the words of 8 (lo) or
- * 32 / H (hi) k, the rows ahead prefetched (the planes' rows are 4 N bytes apart). Whatever the block, the row
- * count or the thread, each output is one chain of multiply-adds in k order over the same values: a row's result
- * does not depend on the other rows. K is a multiple of 32 (GGUF's smallest block). */
+ * rows (4, or from GGUF_TALL_M rows on 8: each weight value made once per 8 rows instead of 4) and of up to
+ * GGUF_CHUNK columns, run a panel of 32 k at a time across its blocks of 64 (8 rows: 32) columns, so that the planes'
+ * rows (4 N bytes apart) are read in runs of the item's width; within a panel a block's sums stay in registers and
+ * its weight values are made there from the words of 8 (lo) or 32 / H (hi) k, the next panel's rows prefetched.
+ * Whatever the blocks, the row count or the thread, each output is one chain of multiply-adds in k order over the
+ * same values (its sum kept exactly in memory between panels): a row's result does not depend on the other rows.
+ * K is a multiple of 32 (GGUF's smallest block). */
 #define GGUF_ROWS 8       /* rows of the taller block */
 #define GGUF_COLS 64      /* columns of the wider block */
-#define GGUF_TALL_M 8     /* rows of a call from which its items are 8 x 32 */
-#define GGUF_AHEAD 256    /* k prefetched ahead */
+#define GGUF_TALL_M 8     /* rows of a call from which its blocks are 8 x 32 */
+#define GGUF_AHEAD 32     /* k prefetched ahead: the next panel */
+#define GGUF_CHUNK 512    /* columns of an item */
 
 /* The arguments of one tritonq_gguf_linear call, shared by the threads that run its items. */
 typedef struct {
@@ -247,6 +250,7 @@ typedef struct {
     int64_t group, N;
     const float* bias;
     float* y;
+    int64_t chunk;    /* columns of an item: a multiple of 64, at most GGUF_CHUNK */
     int64_t claimed;  /* items claimed (atomic) */
 } gguf_linear_call;
 
@@ -254,7 +258,7 @@ typedef struct {
 /* Columns n0 .. n0 + cols - 1 (cols <= 16 V; masked loads past N) of R rows of x from xm: R, V (vectors of 16
  * columns), H (high bits) and the code table or not are constants of each instantiation. */
 static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_call* a, const float* xm, int R,
-        int64_t valid, int V, int H, int CODE, int64_t n0, int64_t cols, float out[GGUF_ROWS][GGUF_COLS]) {
+        int64_t valid, int V, int H, int CODE, int64_t n0, int64_t cols, int64_t k0, float (*sums)[GGUF_CHUNK]) {
     const float* xr[GGUF_ROWS];  /* row r of the block, the last valid one for those past M */
     for (int r = 0; r < R; r++) xr[r] = xm + (r < valid ? r : valid - 1) * a->stride_x;
     const int64_t N = a->N, shift = a->group == 16 ? 4 : 5;
@@ -265,11 +269,11 @@ static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_c
     }
     __m512 acc[GGUF_ROWS][4];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < V; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < V; c++) acc[r][c] = _mm512_loadu_ps(sums[r] + 16 * c);
     const __m512 table = CODE ? _mm512_loadu_ps(a->code) : _mm512_setzero_ps();
     const __m512 minus_zero = _mm512_set1_ps(-(float)a->zero);
     const __m512i low4 = _mm512_set1_epi32(15);
-    for (int64_t k0 = 0; k0 < a->K; k0 += 32) {
+    {
         const int64_t kp = k0 + GGUF_AHEAD < a->K ? k0 + GGUF_AHEAD : k0;
         for (int c = 0; c < V; c++) {
             const int64_t at = n0 + 16 * c;
@@ -320,15 +324,13 @@ static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_c
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < V; c++) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
+        for (int c = 0; c < V; c++) _mm512_storeu_ps(sums[r] + 16 * c, acc[r][c]);
 }
 #else
 static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_call* a, const float* xm, int R,
-        int64_t valid, int V, int H, int CODE, int64_t n0, int64_t cols, float out[GGUF_ROWS][GGUF_COLS]) {
+        int64_t valid, int V, int H, int CODE, int64_t n0, int64_t cols, int64_t k0, float (*sums)[GGUF_CHUNK]) {
     const int64_t N = a->N;
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 16 * V; c++) out[r][c] = 0.f;
-    for (int64_t k = 0; k < a->K; k++) {  /* the AVX-512 item's steps: the weight's value, then one multiply-add */
+    for (int64_t k = k0; k < k0 + 32; k++) {  /* the AVX-512 item's steps: the weight's value, then one multiply-add */
         const int32_t* lo = a->lo + k / 8 * N + n0;
         const int32_t* hi = H ? a->hi + k * H / 32 * N + n0 : NULL;
         const float* s = a->scales + k / a->group * N + n0;
@@ -342,44 +344,56 @@ static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_c
         }
         for (int r = 0; r < R && r < valid; r++) {
             const float xr = xm[r * a->stride_x + k];
-            for (int c = 0; c < 16 * V; c++) out[r][c] = fmaf(xr, w[c], out[r][c]);
+            for (int c = 0; c < 16 * V; c++) sums[r][c] = fmaf(xr, w[c], sums[r][c]);
         }
     }
 }
 #endif
 
-/* An item's block with H and CODE constant: 8 x 32 (the rows past M read the last row again (AVX-512; the generic
- * loop skips them), their sums dropped),
- * or 4 x 64 with R rows (R constant too: the block's loops unroll and its sums stay in registers). */
-#define GGUF_BLOCK_CASES(H, CODE)                                                                                 \
-    if (tall) gguf_block(a, xm, 8, R, 2, H, CODE, n0, cols, out);                                                \
+/* An item's columns n0 .. n0 + cols - 1 (cols <= chunk) of R rows, a panel of 32 k at a time across its
+ * blocks of 16 V columns (R, V, H and CODE constant: the block's loops unroll and its sums stay in registers within
+ * a panel, in sums between panels), so that the planes' rows are read as runs of up to 4 GGUF_CHUNK bytes. */
+static inline __attribute__((always_inline)) void gguf_item(const gguf_linear_call* a, const float* xm, int R,
+        int64_t valid, int V, int H, int CODE, int64_t n0, int64_t cols, float (*sums)[GGUF_CHUNK]) {
+    for (int64_t k0 = 0; k0 < a->K; k0 += 32)
+        for (int64_t j = 0; j < cols; j += 16 * V)
+            gguf_block(a, xm, R, valid, V, H, CODE, n0 + j, cols - j < 16 * V ? cols - j : 16 * V, k0,
+                       (float (*)[GGUF_CHUNK])(sums[0] + j));
+}
+
+/* An item with H and CODE constant: blocks of 8 rows x 32 columns (the rows past M read the last row again (AVX-512;
+ * the generic loop skips them), their sums dropped), or of 4 x 64 with R rows. */
+#define GGUF_ITEM_CASES(H, CODE)                                                                                  \
+    if (tall) gguf_item(a, xm, 8, R, 2, H, CODE, n0, cols, sums);                                                \
     else switch (R) {                                                                                            \
-        case 1: gguf_block(a, xm, 1, 1, 4, H, CODE, n0, cols, out); break;                                       \
-        case 2: gguf_block(a, xm, 2, 2, 4, H, CODE, n0, cols, out); break;                                       \
-        case 3: gguf_block(a, xm, 3, 3, 4, H, CODE, n0, cols, out); break;                                       \
-        default: gguf_block(a, xm, 4, 4, 4, H, CODE, n0, cols, out); break;                                      \
+        case 1: gguf_item(a, xm, 1, 1, 4, H, CODE, n0, cols, sums); break;                                       \
+        case 2: gguf_item(a, xm, 2, 2, 4, H, CODE, n0, cols, sums); break;                                       \
+        case 3: gguf_item(a, xm, 3, 3, 4, H, CODE, n0, cols, sums); break;                                       \
+        default: gguf_item(a, xm, 4, 4, 4, H, CODE, n0, cols, sums); break;                                      \
     }
 
-/* One thread's share of a call: items (row block, column block) claimed one at a time until none is left. */
+/* One thread's share of a call: items (row block, chunk columns) claimed one at a time until none is left. */
 static void gguf_linear_items(void* arg) {
     gguf_linear_call* a = arg;
     const int tall = a->M >= GGUF_TALL_M;
-    const int64_t rows = tall ? 8 : 4, width = tall ? 32 : 64;
-    const int64_t col_blocks = (a->N + width - 1) / width, total = (a->M + rows - 1) / rows * col_blocks;
+    const int64_t rows = tall ? 8 : 4;
+    const int64_t col_chunks = (a->N + a->chunk - 1) / a->chunk, total = (a->M + rows - 1) / rows * col_chunks;
+    static __thread float sums[GGUF_ROWS][GGUF_CHUNK];  /* the item's sums between panels (32 KB: per thread) */
     for (;;) {
         const int64_t item = __atomic_fetch_add(&a->claimed, 1, __ATOMIC_RELAXED);
         if (item >= total) break;
-        const int64_t m0 = item / col_blocks * rows, n0 = item % col_blocks * width;
-        const int64_t R = a->M - m0 < rows ? a->M - m0 : rows, cols = a->N - n0 < width ? a->N - n0 : width;
+        const int64_t m0 = item / col_chunks * rows, n0 = item % col_chunks * a->chunk;
+        const int64_t R = a->M - m0 < rows ? a->M - m0 : rows;
+        const int64_t cols = a->N - n0 < a->chunk ? a->N - n0 : a->chunk;
         const float* xm = a->x + m0 * a->stride_x;
-        float out[GGUF_ROWS][GGUF_COLS];
-        if (a->code) GGUF_BLOCK_CASES(0, 1)
-        else if (a->bits == 5) GGUF_BLOCK_CASES(1, 0)
-        else if (a->bits == 6) GGUF_BLOCK_CASES(2, 0)
-        else GGUF_BLOCK_CASES(0, 0)
+        memset(sums, 0, sizeof(sums));
+        if (a->code) GGUF_ITEM_CASES(0, 1)
+        else if (a->bits == 5) GGUF_ITEM_CASES(1, 0)
+        else if (a->bits == 6) GGUF_ITEM_CASES(2, 0)
+        else GGUF_ITEM_CASES(0, 0)
         for (int64_t r = 0; r < R; r++)
             for (int64_t c = 0; c < cols; c++)
-                a->y[(m0 + r) * a->N + n0 + c] = out[r][c] + (a->bias ? a->bias[n0 + c] : 0.f);
+                a->y[(m0 + r) * a->N + n0 + c] = sums[r][c] + (a->bias ? a->bias[n0 + c] : 0.f);
     }
 }
 
@@ -394,9 +408,12 @@ int tritonq_gguf_linear(void* omp_parallel, int threads, const float* x, int64_t
     if (bits < 4 || bits > 6 || (bits > 4) != (hi != NULL) || (code && (bits != 4 || zero)) || zero < 0
         || (zero & (zero - 1)) || (zero && offsets) || (group != 16 && group != 32) || K % 32)
         return -3;
-    gguf_linear_call call = {x, M, K, stride_x, lo, hi, bits, zero, code, scales, offsets, group, N, bias, y, 0};
-    const int64_t rows = M >= GGUF_TALL_M ? 8 : 4, width = M >= GGUF_TALL_M ? 32 : 64;
-    const int64_t items = (M + rows - 1) / rows * ((N + width - 1) / width);
+    /* about 4 items a thread per row block (room to balance a loaded machine), 64 to GGUF_CHUNK columns each */
+    const int64_t share = (N + 4 * threads - 1) / (4 * threads), wide = (share + 63) / 64 * 64;
+    const int64_t chunk = wide < GGUF_CHUNK ? wide : GGUF_CHUNK;
+    gguf_linear_call call = {x, M, K, stride_x, lo, hi, bits, zero, code, scales, offsets, group, N, bias, y, chunk, 0};
+    const int64_t rows = M >= GGUF_TALL_M ? 8 : 4;
+    const int64_t items = (M + rows - 1) / rows * ((N + chunk - 1) / chunk);
     const int64_t team = threads < items ? threads : items;
     if (omp_parallel && team > 1) ((omp_parallel_fn)omp_parallel)(gguf_linear_items, &call, (unsigned)team, 0);
     else gguf_linear_items(&call);
