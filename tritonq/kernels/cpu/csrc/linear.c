@@ -378,7 +378,7 @@ static void gguf_linear_items(void* arg) {
     const int tall = a->M >= GGUF_TALL_M;
     const int64_t rows = tall ? 8 : 4;
     const int64_t col_chunks = (a->N + a->chunk - 1) / a->chunk, total = (a->M + rows - 1) / rows * col_chunks;
-    static __thread float sums[GGUF_ROWS][GGUF_CHUNK];  /* the item's sums between panels (32 KB: per thread) */
+    float sums[GGUF_ROWS][GGUF_CHUNK];  /* the item's sums between panels (16 KB of this thread's stack) */
     for (;;) {
         const int64_t item = __atomic_fetch_add(&a->claimed, 1, __ATOMIC_RELAXED);
         if (item >= total) break;
@@ -386,7 +386,7 @@ static void gguf_linear_items(void* arg) {
         const int64_t R = a->M - m0 < rows ? a->M - m0 : rows;
         const int64_t cols = a->N - n0 < a->chunk ? a->N - n0 : a->chunk;
         const float* xm = a->x + m0 * a->stride_x;
-        memset(sums, 0, sizeof(sums));
+        memset(sums, 0, sizeof(sums[0]) * rows);
         if (a->code) GGUF_ITEM_CASES(0, 1)
         else if (a->bits == 5) GGUF_ITEM_CASES(1, 0)
         else if (a->bits == 6) GGUF_ITEM_CASES(2, 0)
