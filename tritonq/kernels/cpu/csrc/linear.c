@@ -255,8 +255,9 @@ typedef struct {
 } gguf_linear_call;
 
 #ifdef __AVX512F__
-/* Columns n0 .. n0 + cols - 1 (cols <= 16 V; masked loads past N) of R rows of x from xm: R, V (vectors of 16
- * columns), H (high bits) and the code table or not are constants of each instantiation. */
+/* The panel k0 .. k0 + 31 of columns n0 .. n0 + cols - 1 (cols <= 16 V; masked loads past N) and R rows of x from
+ * xm, its sums taken from and put back into sums: R, V (vectors of 16 columns), H (high bits) and the code table or
+ * not are constants of each instantiation. */
 static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_call* a, const float* xm, int R,
         int64_t valid, int V, int H, int CODE, int64_t n0, int64_t cols, int64_t k0, float (*sums)[GGUF_CHUNK]) {
     const float* xr[GGUF_ROWS];  /* row r of the block, the last valid one for those past M */
@@ -273,52 +274,50 @@ static inline __attribute__((always_inline)) void gguf_block(const gguf_linear_c
     const __m512 table = CODE ? _mm512_loadu_ps(a->code) : _mm512_setzero_ps();
     const __m512 minus_zero = _mm512_set1_ps(-(float)a->zero);
     const __m512i low4 = _mm512_set1_epi32(15);
-    {
-        const int64_t kp = k0 + GGUF_AHEAD < a->K ? k0 + GGUF_AHEAD : k0;
-        for (int c = 0; c < V; c++) {
-            const int64_t at = n0 + 16 * c;
-            for (int k8 = 0; k8 < 4; k8++) _mm_prefetch((const char*)(a->lo + (kp / 8 + k8) * N + at), _MM_HINT_T0);
-            for (int h = 0; h < H; h++) _mm_prefetch((const char*)(a->hi + (kp * H / 32 + h) * N + at), _MM_HINT_T0);
-            for (int g = 0; g < 32 >> shift; g++) {
-                _mm_prefetch((const char*)(a->scales + ((kp >> shift) + g) * N + at), _MM_HINT_T0);
-                if (a->offsets) _mm_prefetch((const char*)(a->offsets + ((kp >> shift) + g) * N + at), _MM_HINT_T0);
-            }
+    const int64_t kp = k0 + GGUF_AHEAD < a->K ? k0 + GGUF_AHEAD : k0;
+    for (int c = 0; c < V; c++) {
+        const int64_t at = n0 + 16 * c;
+        for (int k8 = 0; k8 < 4; k8++) _mm_prefetch((const char*)(a->lo + (kp / 8 + k8) * N + at), _MM_HINT_T0);
+        for (int h = 0; h < H; h++) _mm_prefetch((const char*)(a->hi + (kp * H / 32 + h) * N + at), _MM_HINT_T0);
+        for (int g = 0; g < 32 >> shift; g++) {
+            _mm_prefetch((const char*)(a->scales + ((kp >> shift) + g) * N + at), _MM_HINT_T0);
+            if (a->offsets) _mm_prefetch((const char*)(a->offsets + ((kp >> shift) + g) * N + at), _MM_HINT_T0);
         }
-        for (int k16 = 0; k16 < 2; k16++) {  /* a group is 16 or 32 k: its scale row, read again for group 32 */
-            __m512 s[4], o[4];
-            __m512i hi[4];  /* the hi words of these 16 k (for H = 1, of these 32, read again) */
-            for (int c = 0; c < V; c++) {
-                const int64_t at = ((k0 + 16 * k16) >> shift) * N + n0 + 16 * c;
-                if (H) hi[c] = _mm512_maskz_loadu_epi32(mask[c], a->hi + (k0 + 16 * k16) * H / 32 * N + n0 + 16 * c);
-                s[c] = _mm512_maskz_loadu_ps(mask[c], a->scales + at);
-                o[c] = a->offsets ? _mm512_maskz_loadu_ps(mask[c], a->offsets + at) : _mm512_mul_ps(s[c], minus_zero);
-            }
-            for (int k8 = 2 * k16; k8 < 2 * k16 + 2; k8++) {
-                __m512i lo[4];
-                for (int c = 0; c < V; c++)
-                    lo[c] = _mm512_maskz_loadu_epi32(mask[c], a->lo + (k0 / 8 + k8) * N + n0 + 16 * c);
+    }
+    for (int k16 = 0; k16 < 2; k16++) {  /* a group is 16 or 32 k: its scale row, read again for group 32 */
+        __m512 s[4], o[4];
+        __m512i hi[4];  /* the hi words of these 16 k (for H = 1, of these 32, read again) */
+        for (int c = 0; c < V; c++) {
+            const int64_t at = ((k0 + 16 * k16) >> shift) * N + n0 + 16 * c;
+            if (H) hi[c] = _mm512_maskz_loadu_epi32(mask[c], a->hi + (k0 + 16 * k16) * H / 32 * N + n0 + 16 * c);
+            s[c] = _mm512_maskz_loadu_ps(mask[c], a->scales + at);
+            o[c] = a->offsets ? _mm512_maskz_loadu_ps(mask[c], a->offsets + at) : _mm512_mul_ps(s[c], minus_zero);
+        }
+        for (int k8 = 2 * k16; k8 < 2 * k16 + 2; k8++) {
+            __m512i lo[4];
+            for (int c = 0; c < V; c++)
+                lo[c] = _mm512_maskz_loadu_epi32(mask[c], a->lo + (k0 / 8 + k8) * N + n0 + 16 * c);
 #pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) {
-                    const int kk = 8 * k8 + j;
-                    __m512 w[4];
-                    for (int c = 0; c < V; c++) {
-                        const __m512i nibbles = _mm512_srli_epi32(lo[c], 4 * j);
-                        __m512i q;
-                        if (H) {  /* k's high bits, bits H (kk mod 32 / H) of its hi word: to the top, then to 4 */
-                            const __m512i high = _mm512_srli_epi32(
-                                _mm512_slli_epi32(hi[c], 32 - H - H * (kk % (32 / H))), 28 - H);
-                            /* bits 0-3 from nibbles, the rest from high (above 4 + H: zero): one select */
-                            q = _mm512_ternarylogic_epi32(low4, nibbles, high, 0xCA);
-                        } else {
-                            q = _mm512_and_si512(nibbles, low4);
-                        }
-                        const __m512 v = CODE ? _mm512_permutexvar_ps(q, table) : _mm512_cvtepi32_ps(q);
-                        w[c] = _mm512_fmadd_ps(v, s[c], o[c]);
+            for (int j = 0; j < 8; j++) {
+                const int kk = 8 * k8 + j;
+                __m512 w[4];
+                for (int c = 0; c < V; c++) {
+                    const __m512i nibbles = _mm512_srli_epi32(lo[c], 4 * j);
+                    __m512i q;
+                    if (H) {  /* k's high bits, bits H (kk mod 32 / H) of its hi word: to the top, then to 4 */
+                        const __m512i high = _mm512_srli_epi32(
+                            _mm512_slli_epi32(hi[c], 32 - H - H * (kk % (32 / H))), 28 - H);
+                        /* bits 0-3 from nibbles, the rest from high (above 4 + H: zero): one select */
+                        q = _mm512_ternarylogic_epi32(low4, nibbles, high, 0xCA);
+                    } else {
+                        q = _mm512_and_si512(nibbles, low4);
                     }
-                    for (int r = 0; r < R; r++) {
-                        const __m512 xv = _mm512_set1_ps(xr[r][k0 + kk]);
-                        for (int c = 0; c < V; c++) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
-                    }
+                    const __m512 v = CODE ? _mm512_permutexvar_ps(q, table) : _mm512_cvtepi32_ps(q);
+                    w[c] = _mm512_fmadd_ps(v, s[c], o[c]);
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m512 xv = _mm512_set1_ps(xr[r][k0 + kk]);
+                    for (int c = 0; c < V; c++) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
                 }
             }
         }
