@@ -108,6 +108,20 @@ def test_symmetric_int8_weight_rows_are_bitwise_independent_of_the_batch():
     assert torch.equal(y, cpu_lowbit.linear(x, p))
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_gguf_weight_rows_are_bitwise_independent_of_the_batch(type_name):
+    """GGUF block formats (GGUFWeight: the C GGUF linear at every row count, 4- and 8-row blocks): each output one
+    chain in k order, in and outside the mode."""
+    from formats.gguf_files import random_weight
+    w, _ = random_weight(type_name, 72, 256, seed=5)
+    p = cpu_lowbit.prepare(w)
+    assert p is w
+    x = torch.randn(max(MS), 256, generator=torch.Generator().manual_seed(5))
+    with batch_invariant_mode():
+        y = assert_rows_invariant(lambda rows: cpu_lowbit.linear(rows, p), x)
+    assert torch.equal(y, cpu_lowbit.linear(x, p))
+
+
 @pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize("d", [64, 40])  # 64: the AVX-512 item (spans of 64 keys); 40: the generic one
 def test_attention_row_is_the_same_in_decode_and_in_any_prefill_chunk(window, d):

@@ -22,9 +22,9 @@ dequantized by the same `_weight_tile`.
 
 Paths by M as int4_gemm's: M <= 16 (decode) BLOCK_M 16 with split-K reduced in the launch
 (`common.reduce_split_k`), else a tiled GEMM. `GGUFGemm` resolves config, grid and arguments once per M
-bucket (`common.GemmPlan`): one launch per call. CPU backend: `cpu_linear` dequantizes a tile of output
-columns at a time into a small buffer and multiplies it (no dense copy of the weight is kept);
-`gguf_gemm_reference` (TRITONQ_BACKEND=torch) is the oracle.
+bucket (`common.GemmPlan`): one launch per call. CPU backend: the weight's CPU form (kernels/cpu/lowbit.py:
+the planes as they are, run by the C library's GGUF linear); `gguf_gemm_reference` (TRITONQ_BACKEND=torch) is
+the oracle.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from tritonq.kernels import backend, batch_invariant
+from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (
     GemmPlan,
     Launch,
@@ -54,7 +55,6 @@ from tritonq.kernels.common import (
 from tritonq.quant.weights import GGUFWeight
 
 SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
-CPU_TILE_BYTES = 2 << 20  # fp32 bytes of the weight tile the CPU path dequantizes at a time
 # BLOCK_K of the IQ4 expert GEMM: the level gather's address tile of two [64, 64] weight tiles spills on sm_80 / 89
 # (Triton 3.6, 8 warps); 32 rows do not (tests/aot/test_fit.py)
 CODE_BLOCK_K = 32
@@ -211,6 +211,7 @@ class GGUFGemm(WeightGemm):
         self.N, self.K = _check_weight(w)
         super().__init__(w)
         self.device, self.plans = w.lo.device, {}
+        self.cpu = cpu_lowbit.prepare(w) if backend(w.lo) == "cpu" else None
 
     def __call__(self, x: torch.Tensor, config: GGUFGemmConfig | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -219,8 +220,8 @@ class GGUFGemm(WeightGemm):
         if x.device != self.device:
             _fail("x", f"on {x.device}", f"on the weight's device {self.device}", "move x or the weight")
         b = backend(x)
-        if b == "cpu":
-            return cpu_linear(x, self.w)
+        if b == "cpu":  # the CPU form made once (kernels/cpu/lowbit.py)
+            return cpu_lowbit.linear(x, self.cpu if self.cpu is not None else cpu_lowbit.prepare(self.w))
         if b == "torch":
             return gguf_gemm_reference(x, self.w)
         M = x.shape[0]
@@ -349,32 +350,6 @@ def gguf_gemm_reference(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     y = x.float() @ w.dequantize().t()
     if w.bias is not None:
         y = y + w.bias.float()
-    return y.to(x.dtype)
-
-
-def cpu_linear(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
-    """The CPU backend: y = x @ W^T a tile of output columns at a time, each tile dequantized (fp32, the exact
-    values) from the planes into a buffer of ~CPU_TILE_BYTES and multiplied; the weight stays in its planes.
-    int32 shifts over the packed words, then one product (and add) per weight: docs/gguf.md has its speed."""
-    N, K = w.shape
-    tile = max(16, CPU_TILE_BYTES // (4 * K) // 16 * 16)
-    high = w.bits - 4
-    shifts_lo = torch.arange(0, 32, 4, dtype=torch.int32)[:, None]
-    shifts_hi = torch.arange(0, 32, max(high, 1), dtype=torch.int32)[:, None]
-    xf = x.float()
-    y = torch.empty(x.shape[0], N)
-    for n0 in range(0, N, tile):
-        cols = slice(n0, min(n0 + tile, N))
-        q = ((w.lo[:, cols].unsqueeze(1) >> shifts_lo) & 15).view(K, -1)
-        if high:
-            q |= ((w.hi[:, cols].unsqueeze(1) >> shifts_hi) & ((1 << high) - 1)).view(K, -1) << 4
-        v = w.code[q] if w.code is not None else (q - w.zero).float()
-        v = v.view(K // w.group_size, w.group_size, -1) * w.scales[:, None, cols]
-        if w.offsets is not None:
-            v += w.offsets[:, None, cols]
-        torch.matmul(xf, v.view(K, -1), out=y[:, cols])
-    if w.bias is not None:
-        y += w.bias.float()
     return y.to(x.dtype)
 
 

@@ -64,13 +64,9 @@ def _prepare_int4(w: Int4Weight) -> Prepared:
 
 
 def _int4(x: torch.Tensor, p: Prepared) -> torch.Tensor:
-    """Int4Weight and GGUFWeight: [..., K] through the CPU form when there is one (GGUF's 4-bit types), else the
-    GEMM object (Int4Gemm runs its own CPU form)."""
+    """Int4Weight and GGUFWeight: [..., K] through the GEMM object (which runs its own CPU form)."""
     x2 = x.reshape(-1, x.shape[-1])
-    if p.cpu is not None and backend(x) == "cpu":  # torch's int4 CPU kernel over the repacked weight
-        y = cpu_lowbit.linear(x2, p.cpu)
-    else:
-        y = p.gemm(x2)
+    y = p.gemm(x2)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -84,10 +80,7 @@ def _prepare_w8a8(w: W8A8Weight) -> Prepared:
 
 
 def _prepare_gguf(w: GGUFWeight) -> Prepared:
-    # CPU: Q4_1 / Q4_K run torch's int4 kernel (cpu_lowbit); the others dequantize column tiles per call
-    # (gguf_gemm.cpu_linear, inside GGUFGemm)
-    cpu = cpu_lowbit.prepare(w) if cpu_lowbit.int4_kernel_gguf(w) and backend(w.lo) == "cpu" else None
-    return Prepared(w, GGUFGemm(w), cpu)
+    return Prepared(w, GGUFGemm(w), None)  # GGUFGemm holds the CPU form (the C GGUF linear's): one CPU route
 
 
 def _gemm(x: torch.Tensor, p: Prepared) -> torch.Tensor:

@@ -9,13 +9,14 @@ TRITONQ_BACKEND=torch still runs them: the test oracle). `prepare(w)` makes a we
   codes and float32 scales (1.125 bytes a weight at group 32), run at every row count by the C library's int8
   linear (`cpu_native.int8_linear`: each weight's float value made in registers; faster than the fp32 copy's
   MKL GEMV it replaces, docs/cpu.md); an fp32 copy where the C library is not built.
-* GGUF's 5- / 6-bit and IQ4 experts: kept in their planes, run by `gguf_gemm.cpu_linear` (column tiles
-  dequantized per call; their linears run it inside GGUFGemm).
+* `GGUFWeight` (GGUF's Q4_1 ... Q6_K, IQ4, linears and experts): kept in its planes as loaded, run at every row
+  count by the C library's GGUF linear (`cpu_native.gguf_linear`: each weight's float32 value, the gguf package's,
+  made in registers); an fp32 copy where the C library is not built.
 * `CPUDenseWeight`: every other type (other 8-bit, nf4 / fp4, FP8, MXFP4, int4 the kernel cannot take), dequantized once
   to fp32 and run as an fp32 GEMM.
 
 In the batch-invariant mode 4-bit weights run the eager kernel at every row count and dequantized ones the C loop
-(the int8 linear is batch-invariant as it is).
+(the int8 and GGUF linears are batch-invariant as they are).
 Each path's tolerance (tests/kernels/cpu/test_cpu_lowbit.py) and measurements: docs/cpu.md.
 """
 from __future__ import annotations
@@ -34,7 +35,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tritonq.kernels import batch_invariant
 from tritonq.kernels.cpu import dense as cpu_dense, native as cpu_native
 from tritonq.kernels.common import ClampedSwiGLU
-from tritonq.kernels.gguf_gemm import cpu_linear as gguf_cpu_linear
 from tritonq.quant.packing import unpack_int32
 from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, MXFP4Weight, Weight
 
@@ -104,10 +104,13 @@ _prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()  # typed weight -> its CP
 
 
 def prepare(w: Weight) -> CPUWeight:
-    """The CPU form of a 2-D typed weight, built on the first call for this object and then reused."""
+    """The CPU form of a 2-D typed weight, built on the first call for this object and then reused (a weight that
+    runs as it is, a GGUFWeight, is its own form: not kept here, where it would keep itself alive)."""
     p = _prepared.get(w)
     if p is None:
-        p = _prepared[w] = _prepare(w)
+        p = _prepare(w)
+        if p is not w:
+            _prepared[w] = p
     return p
 
 
@@ -128,7 +131,9 @@ def linear(x: torch.Tensor, p: CPUWeight, compiled: bool = True) -> torch.Tensor
     this weight on its first such call (`_template_gemm`); False keeps to the eager paths (MoE experts: one
     compile per expert would cost more than it saves)."""
     if isinstance(p, GGUFWeight):
-        return gguf_cpu_linear(x, p)
+        if torch.compiler.is_compiling():  # a compiled step: the C call as one opaque op
+            return torch.ops.tritonq.cpu_gguf_linear(x, id(p))
+        return _gguf_linear(x, p)
     if isinstance(p, CPUInt8Weight):
         if torch.compiler.is_compiling():  # a compiled step: the C call as one opaque op
             return torch.ops.tritonq.cpu_int8_linear(x, p.codes, p.scales, p.out_features, p.bias)
@@ -167,6 +172,13 @@ def _int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, N: 
     return y.to(x.dtype)
 
 
+def _gguf_linear(x: torch.Tensor, p: GGUFWeight) -> torch.Tensor:
+    """GGUFWeight's linear: x as float32 rows through the C kernel, the result in x.dtype (rounded once)."""
+    y = cpu_native.gguf_linear(x.float().contiguous(), p,
+                               parallel=x.shape[0] * p.lo.numel() * 8 >= cpu_dense.PARALLEL_WORK)
+    return y.to(x.dtype)
+
+
 _rows_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # CPUDenseWeight -> its copy for the C loop
 
 
@@ -198,7 +210,7 @@ def _int4_matmul(xb: torch.Tensor, p: CPUInt4Weight, compiled: bool = True) -> t
 # weight is frozen in); the op names the weight by an id into _by_id. Smaller buckets trace the int4 kernel
 # itself: inductor then fuses the casts and padding around it (measured: the opaque op there cost the batch-1
 # AWQ step 8.1 instead of 6.4 ms).
-_by_id: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(CPUInt4Weight) -> it
+_by_id: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(CPUInt4Weight or GGUFWeight) -> it
 
 
 _ops = torch.library.Library("tritonq", "FRAGMENT")
@@ -208,6 +220,9 @@ _ops.impl("cpu_int4_matmul", lambda xb, weight: xb.new_empty(xb.shape[0], _by_id
 _ops.define("cpu_int8_linear(Tensor x, Tensor codes, Tensor scales, int N, Tensor? bias) -> Tensor")
 _ops.impl("cpu_int8_linear", _int8_linear, "CPU")
 _ops.impl("cpu_int8_linear", lambda x, codes, scales, N, bias: x.new_empty(x.shape[0], N), "Meta")
+_ops.define("cpu_gguf_linear(Tensor x, int weight) -> Tensor")  # the weight registered in _by_id by _prepare
+_ops.impl("cpu_gguf_linear", lambda x, weight: _gguf_linear(x, _by_id[weight]), "CPU")
+_ops.impl("cpu_gguf_linear", lambda x, weight: x.new_empty(x.shape[0], _by_id[weight].shape[0]), "Meta")
 
 
 def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
@@ -353,11 +368,10 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
         return CPUDenseWeight(w.weight.float(), bias)
     if isinstance(w, Int4Weight):
         w.check_g_idx()  # every g_idx entry names a scales row (what the reference checks per call)
-    if isinstance(w, GGUFWeight) and int4_kernel_gguf(w):  # Q4_1 / Q4_K: q*s + o = (q - 8)*s + (8s + o)
-        _note("GGUF Q4_1 / Q4_K weights run torch's CPU int4 kernel, their fp32 scales and offsets rounded to bf16")
-        return _prepare_int4(Int4Weight(w.lo, w.scales, None, None, w.group_size, 4, w.bias),
-                             float_zeros=8 * w.scales + w.offsets)
-    if isinstance(w, GGUFWeight):  # no dense copy: each call dequantizes column tiles (gguf_gemm.cpu_linear)
+    if isinstance(w, GGUFWeight) and cpu_native.library() is not None:
+        _note("GGUF block-format weights (Q4_1 ... Q6_K, IQ4) stay in their planes as loaded and run the C "
+              "library's GGUF linear (the gguf package's float32 values)")
+        _by_id[id(w)] = w
         return w
     if (isinstance(w, Int4Weight) and w.bits == 8 and w.zeros is None and w.g_idx is None and w.perm is None
             and w.code is None and cpu_native.library() is not None):
@@ -380,6 +394,8 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
                   f"its groups of {KERNEL_GROUPS}")
     elif isinstance(w, Int4Weight):
         reason = "8-bit GPTQ with zeros or act-order, bitsandbytes LLM.int8() (or no C compiler)"
+    elif isinstance(w, GGUFWeight):
+        reason = "GGUF block formats without the C library (no C compiler)"
     elif isinstance(w, MXFP4Weight):
         reason = "MXFP4 (torch has no CPU fp4 GEMM)"
     else:
@@ -389,9 +405,8 @@ def _prepare(w: Weight, dequantize=None) -> CPUWeight:
     return CPUDenseWeight(dense.t().contiguous().t(), bias)  # [K, N] storage: MKL's decode GEMV is faster
 
 
-def _prepare_int4(w: Int4Weight, float_zeros: torch.Tensor | None = None) -> CPUInt4Weight | None:
-    """torch's CPU int4 layout for w, or None when its groups cannot be cut into KERNEL_GROUPS. float_zeros [G, N]:
-    the kernel's float zeros themselves (W = (q - 8) * scale + float zero) instead of w's integer zeros."""
+def _prepare_int4(w: Int4Weight) -> CPUInt4Weight | None:
+    """torch's CPU int4 layout for w, or None when its groups cannot be cut into KERNEL_GROUPS."""
     N, K = w.shape
     group_of_row = w.g_idx.long() if w.g_idx is not None else torch.arange(K) // w.group_size
     perm = None
@@ -420,10 +435,7 @@ def _prepare_int4(w: Int4Weight, float_zeros: torch.Tensor | None = None) -> CPU
         packed[n0:n1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_nk, 1)  # innerKTiles: unused on CPU
     groups = F.pad(group_of_row, (0, K_pad - K), value=int(group_of_row[-1]))[::kernel_group]  # ours, per kernel group
     scales = w.scales.float()[groups]  # [K_pad / kernel_group, N]
-    if float_zeros is not None:
-        zeros = float_zeros.float()[groups]
-    else:
-        zeros = (8.0 - w.zeros.float()[groups]) * scales if w.zeros is not None else torch.zeros_like(scales)
+    zeros = (8.0 - w.zeros.float()[groups]) * scales if w.zeros is not None else torch.zeros_like(scales)
     scales_zeros = torch.zeros(K_pad // kernel_group, N_pad, 2)
     scales_zeros[:, :N, 0], scales_zeros[:, :N, 1] = scales, zeros
     scales_zeros = scales_zeros.to(torch.bfloat16)
@@ -433,11 +445,6 @@ def _prepare_int4(w: Int4Weight, float_zeros: torch.Tensor | None = None) -> CPU
         out_features=N, in_features=K, perm=perm, bias=None if w.bias is None else w.bias.float())
     _by_id[id(p)] = p
     return p
-
-
-def int4_kernel_gguf(w: GGUFWeight) -> bool:
-    """Whether GGUFWeight w runs torch's int4 kernel: 4-bit codes, an offset per group of 32 (Q4_1, Q4_K)."""
-    return w.bits == 4 and w.code is None and w.offsets is not None and w.group_size % 32 == 0
 
 
 @functools.cache

@@ -49,6 +49,8 @@ SIGNATURES = {
     "tritonq_write_kv": (_INT, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]),
     "tritonq_small_linear": (_INT, [_PTR, _INT, _INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR]),
     "tritonq_int8_linear": (_INT, [_PTR, _INT, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR]),
+    "tritonq_gguf_linear": (_INT, [_PTR, _INT, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR,
+                                   _I64, _I64, _PTR, _PTR]),
 }
 
 
@@ -331,6 +333,43 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, N: i
     lib.tritonq_int8_linear(omp_parallel() if parallel else None, torch.get_num_threads(), x.data_ptr(), x.shape[0],
                             K, x.stride(0), codes.data_ptr(), scales.data_ptr(), K // scales.shape[1], N,
                             None if bias is None else bias.data_ptr(), y.data_ptr())
+    return y
+
+
+def gguf_linear(x: torch.Tensor, w, parallel: bool = False) -> torch.Tensor | None:
+    """y [M, N] float32 = x [M, K] float32 @ W^T (+ bias) for w a GGUFWeight (tritonq.quant.weights: one format's
+    planes, 2-D, contiguous, on the CPU) read as stored: each weight's float32 value (the gguf package's) made in
+    registers, float32 sums in k order, each row's result the same whatever the other rows. parallel: the blocks of
+    rows and columns are shared by torch's OpenMP threads (the values do not change). None when the kernels are not
+    built or x is not float32 rows of K with a contiguous last dim."""
+    N, K = w.shape
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != K or not x.is_cpu:
+        return None
+    planes = {name: getattr(w, name) for name in ("lo", "hi", "scales", "offsets", "code")}
+    for name, t in planes.items():
+        if t is not None and (not t.is_contiguous() or not t.is_cpu
+                              or t.dtype != (torch.int32 if name in ("lo", "hi") else torch.float32)):
+            raise ValueError(f"gguf_linear: the {w.type_name} weight's {name} is a {t.dtype} tensor on {t.device} "
+                             f"with strides {t.stride()}, expected a contiguous CPU "
+                             f"{'int32' if name in ('lo', 'hi') else 'float32'} one: load it through "
+                             "tritonq.formats.gguf (its planes are made so)")
+    lib = _library_for(x.dtype)
+    if lib is None:
+        return None
+    y = torch.empty(x.shape[0], N)
+    bias = None if w.bias is None else w.bias.float().contiguous()
+
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+    failed = lib.tritonq_gguf_linear(omp_parallel() if parallel else None, torch.get_num_threads(), x.data_ptr(),
+                                     x.shape[0], K, x.stride(0), w.lo.data_ptr(), ptr(w.hi), w.bits, w.zero,
+                                     ptr(w.code), w.scales.data_ptr(), ptr(w.offsets), w.group_size, N, ptr(bias),
+                                     y.data_ptr())
+    if failed:
+        raise ValueError(f"gguf_linear: a {w.type_name} weight of {w.bits}-bit codes, group {w.group_size}, K = {K} "
+                         f"(zero {w.zero}, offsets {w.offsets is not None}, code table {w.code is not None}) is outside what "
+                         "the C kernel takes (4-6 bits, group 16 or 32, K a multiple of 32, zero 0 or a power of two "
+                         "without offsets); repack it with tritonq.formats.gguf")
     return y
 
 

@@ -1,7 +1,8 @@
 /* The CPU backend's C ABI: every function the library exports, as tritonq/kernels/cpu/native.py calls it through
  * ctypes (its SIGNATURES table must match these prototypes: tests/kernels/cpu/test_cpu_abi.py compares them).
  * dtype codes: 0 float32, 1 bfloat16, 2 float16. Functions returning int return 0 on success, -1 (out of memory,
- * or a slot out of range for tritonq_write_kv) and -2 (float16 in a build whose compiler has no _Float16).
+ * or a slot out of range for tritonq_write_kv), -2 (float16 in a build whose compiler has no _Float16) and -3
+ * (a weight layout tritonq_gguf_linear does not take).
  * omp_parallel: the address of GOMP_parallel of the OpenMP runtime torch runs on, or NULL for one thread. */
 #ifndef TRITONQ_CPU_H
 #define TRITONQ_CPU_H
@@ -35,6 +36,13 @@ int tritonq_small_linear(void* omp_parallel, int threads, int dtype, const void*
  * in column blocks (native.int8_linear_weight's layout); each output one multiply-add chain in k order. */
 int tritonq_int8_linear(void* omp_parallel, int threads, const float* x, int64_t M, int64_t K, int64_t stride_x,
                         const int8_t* codes, const float* scales, int64_t group, int64_t N, const float* bias,
+                        float* y);
+/* linear.c: y [M, N] float32 = x [M, K] float32 @ W^T (+ bias), W a GGUF block format in GGUFWeight's planes read
+ * as stored (lo, hi or NULL, scales, offsets or NULL, the IQ4 code table or NULL); each output one multiply-add
+ * chain in k order. Returns -3 for bits, group or K it does not take. */
+int tritonq_gguf_linear(void* omp_parallel, int threads, const float* x, int64_t M, int64_t K, int64_t stride_x,
+                        const int32_t* lo, const int32_t* hi, int64_t bits, int64_t zero, const float* code,
+                        const float* scales, const float* offsets, int64_t group, int64_t N, const float* bias,
                         float* y);
 
 #endif
