@@ -5,9 +5,10 @@ One program covers BLOCK_M rows of the order `routing.moe_align_block_size` sort
 belongs to one expert) x BLOCK_N output columns; a launch covers all experts, once for gate/up (two
 accumulators, SiLU-and-mul or ClampedSwiGLU fused in the epilogue) and once for down (routing weight
 multiplied in).
-MXFP4 experts: in bf16 (WORD_DEQUANT) 8 codes a 32-bit word become bf16 weights times their scale by inline PTX
-(`common.mxfp4_words_to_bf16`); otherwise (fp16, sm_75) the codes are decoded with integer ops
-(`e2m1_bits_to_fp16`) and scaled in fp32 per 32 along K. The dot runs in the activations' dtype, as for int4.
+MXFP4 experts: from sm_80 (WORD_DEQUANT) 8 codes a 32-bit word become bf16 / fp16 weights times their scale by
+inline PTX (`common.mxfp4_words_to_half`); on sm_75 the codes are decoded with integer ops (`e2m1_bits_to_fp16`)
+and scaled in fp32 per 32 along K. The dot runs in the activations' dtype, as for int4.
+The K loop runs the whole K tiles unmasked (`_k_step`) and the ragged last one after it, masked.
 FP8 experts, W8A8 (A_FP8): e4m3 x e4m3 dots in fp32, scales applied after each K tile (block) or once (per
 token x per channel); weight-only otherwise (codes dequantized to the activations' dtype in the tile load).
 """
