@@ -260,7 +260,8 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
     static); the weight's codes are loaded as e4m3 (native_fp8 must be True) and the dot runs in e4m3.
     cc: the target of meta tensors (`common.int4_word_dequant`, `common.mxfp4_word_decode`).
     mxfp4_max_scale: the largest E8M0 exponent of MXFP4 experts (`MoEExperts` reads it once), which picks the word
-    path's scale factors (`_mxfp4_steps`); None (meta experts): at most MXFP4_ONE_FACTOR_MAX_SCALE.
+    path's scale factors (`_mxfp4_steps`); None: read here (a host sync), or for meta experts taken as at most
+    MXFP4_ONE_FACTOR_MAX_SCALE.
     """
     if isinstance(weight, GGUFWeight):  # GGUF block formats: their own expert kernel, in the GGUF kernel family
         return gguf_moe_launch(a, out, weight, routing, alignment, top_k, config, block_m, gate_up, activation)
@@ -275,6 +276,8 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
         _check_w8a8_launch(a, weight, config, native_fp8)
     mxfp4_steps = 2
     if isinstance(weight, MXFP4Weight) and words:
+        if mxfp4_max_scale is None and not weight.scales.is_meta:
+            mxfp4_max_scale = int(weight.scales.max())
         mxfp4_steps = _mxfp4_steps(a.dtype, mxfp4_max_scale)
     tile_scale_row = weight.scales_constant_over(config.BLOCK_K)
     block_scaled = w8a8 and weight.block_size is not None
