@@ -43,7 +43,7 @@ import sys
 import pytest
 import torch
 
-from tritonq.kernels import attention, deltanet, dense_gemm, fp8_gemm, gguf_gemm, int4_gemm, int8_gemm, moe
+from tritonq.kernels import attention, common, deltanet, dense_gemm, fp8_gemm, gguf_gemm, int4_gemm, int8_gemm, moe
 from tritonq.kernels.aot import SHARED_MEMORY_LIMIT, SM_COUNT
 from tritonq.kernels.common import Launch, gpu_compute_dtypes
 from tritonq.kernels.norm_rope import rms_norm_launch, silu_mul_launch
@@ -80,14 +80,10 @@ OTHER_DTYPE_CASES = ("int4 M256", "w8a8 M256", "fp8 block M256", "fp8 weight-onl
 # correctness. A T4 tile set for them is the next step (measure on a T4 first). Attention fits without.
 SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "int4 M256"): 200,  # 3.9: 200, 3.6: 88 (fp32 dequantization before: 196)
-    (75, "moe int8 gate_up M64"): 2472,  # 3.9: 2328, 3.6: 2472
-    (75, "moe int4-act-order gate_up M64"): 1324,  # 3.9: 1232, 3.6: 1324
-    (75, "moe fp8-channel gate_up M64"): 1784,  # 3.9: 1784, 3.6: 1364
-    (75, "moe fp8-tensor gate_up M64"): 1784,  # 3.9: 1784, 3.6: 1364
-    # Triton 3.6 only (3.9: none) on sm_80/89: a few bytes in the per-row scale / g_idx gathers of these experts
-    (80, "moe int4-act-order gate_up M64"): 20, (89, "moe int4-act-order gate_up M64"): 8,
-    (80, "moe fp8-channel gate_up M64"): 56, (89, "moe fp8-channel gate_up M64"): 24,
-    (80, "moe fp8-tensor gate_up M64"): 56, (89, "moe fp8-tensor gate_up M64"): 24,
+    (75, "moe int8 gate_up M64"): 2420,  # 3.9: 2404, 3.6: 2420
+    (75, "moe int4-act-order gate_up M64"): 1292,  # 3.9: 1292, 3.6: 1040
+    (75, "moe fp8-channel gate_up M64"): 2108,  # 3.9: 1676, 3.6: 2108 (before the unmasked K loop: 1784, 1364)
+    (75, "moe fp8-tensor gate_up M64"): 2108,  # 3.9: 1676, 3.6: 2108 (before the unmasked K loop: 1784, 1364)
     (75, "int4 act-order M256"): 196,  # 3.9: 196, 3.6: 0 (sorted by group; the per-row gather: 9734, 9276)
     (75, "int8 M256"): 200,  # 3.9: 200, 3.6: 88
     (75, "nf4 M1"): 364,  # 3.9: 364, 3.6: 312
@@ -97,16 +93,16 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     (75, "fp8 weight-only block M256"): 7628,  # 3.9: 7628, 3.6: 6836
     (75, "fp8 channel o add-norm M16"): 2236,  # 3.9: 2236, 3.6: 2192: the weight-only decode tile above, + the norm
     (75, "fp8 weight-only channel M256"): 7452,  # 3.9: 7452, 3.6: 6960
-    (75, "moe dense gate_up M16"): 2138,  # 3.9: 2138, 3.6: 1404
-    (75, "moe dense gate_up M64"): 1728,  # 3.9: 1728, 3.6: 1064
-    (75, "moe dense down M64"): 448,  # 3.9: 448, 3.6: 408
-    (75, "moe int4 gate_up M16"): 2260,  # 3.9: 2172, 3.6: 2260 (fp32 dequantization before: 2036, 2084)
-    (75, "moe int4 gate_up M64"): 2304,  # 3.9: 2270, 3.6: 2304 (fp32 dequantization before: 2204, 2280)
-    (75, "moe fp8 gate_up M16"): 1968,  # 3.9: 1968, 3.6: 1856
-    (75, "moe fp8 gate_up M64"): 1624,  # 3.9: 1624, 3.6: 1092
-    (75, "moe fp8 down M64"): 456,  # 3.9: 456, 3.6: 376
-    (75, "moe mxfp4 gpt-oss gate_up M16"): 2604,  # 3.9: 2604, 3.6: 2524
-    (75, "moe mxfp4 gpt-oss gate_up M64"): 2560,  # 3.9: 2560, 3.6: 2512
+    (75, "moe dense gate_up M16"): 2020,  # 3.9: 2020, 3.6: 1200
+    (75, "moe dense gate_up M64"): 1696,  # 3.9: 1696, 3.6: 1048
+    (75, "moe dense down M64"): 444,  # 3.9: 444, 3.6: 376
+    (75, "moe int4 gate_up M16"): 2248,  # 3.9: 2144, 3.6: 2248 (fp32 dequantization before: 2036, 2084)
+    (75, "moe int4 gate_up M64"): 2344,  # 3.9: 2344, 3.6: 2288 (fp32 dequantization before: 2204, 2280)
+    (75, "moe fp8 gate_up M16"): 1804,  # 3.9: 1804, 3.6: 1132
+    (75, "moe fp8 gate_up M64"): 1968,  # 3.9: 1648, 3.6: 1968 (before the unmasked K loop: 1624, 1092)
+    (75, "moe fp8 down M64"): 436,  # 3.9: 436, 3.6: 376
+    (75, "moe mxfp4 gpt-oss gate_up M16"): 2232,  # 3.9: 2232, 3.6: 2064
+    (75, "moe mxfp4 gpt-oss gate_up M64"): 2412,  # 3.9: 2412, 3.6: 2208
     # GGUF block formats: each weight formed in fp32 before the FMA dot (the K-quants' exact values)
     (75, "gguf Q4_K M256"): 200,  # 3.9: 200, 3.6: 88
     (75, "gguf Q5_K M1"): 12, (75, "gguf Q5_K M16"): 8,  # 3.9 (3.6: none)
@@ -320,15 +316,24 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
             out[f"write_kv_slots {d_qk}/{d_v} kv {kind}"] = attention.write_kv_slots_launch(
                 k, v, _meta(64, H_kv, d_qk, dtype=dtype), _meta(64, H_kv, d_v, dtype=dtype),
                 _meta(64, dtype=torch.int64))[0]
-    for kind in ("dense", "int4", "fp8"):  # gate/up (two accumulators) at the smallest and largest tile, down
-        for gate_up, config in ((True, moe.DEFAULT_CONFIGS[0][1]), (True, moe.DEFAULT_CONFIGS[-1][1]),
-                                (False, moe.DEFAULT_CONFIGS[-1][1])):
+    # gate/up (two accumulators) at the smallest tile (the decode tile of the word paths, int4 and MXFP4 from
+    # sm_80: moe.WORD_DECODE_CONFIG) and the largest, down at the largest (and the word paths' decode tile)
+    words = cc >= 80
+    for kind in ("dense", "int4", "fp8"):
+        smallest = moe.default_config(1, MOE_PROBLEM[2], MOE_PROBLEM[1], words=words and kind == "int4")
+        for gate_up, config in ((True, smallest), (True, moe.DEFAULT_CONFIGS[-1][1]),
+                                *([(False, smallest)] if kind == "int4" else []), (False, moe.DEFAULT_CONFIGS[-1][1])):
             out[f"moe {kind} {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = moe.aot_launch(
                 config, (*MOE_PROBLEM, 0 if gate_up else 1), kind, native_fp8=cc >= 89, dtype=dtype, cc=cc)
-    for gate_up, config in ((True, moe.DEFAULT_CONFIGS[0][1]), (True, moe.DEFAULT_CONFIGS[-1][1]),
+    smallest = moe.default_config(1, GPT_OSS_MOE_PROBLEM[2], GPT_OSS_MOE_PROBLEM[1], words=words)
+    for gate_up, config in ((True, smallest), (True, moe.DEFAULT_CONFIGS[-1][1]), (False, smallest),
                             (False, moe.DEFAULT_CONFIGS[-1][1])):
         out[f"moe mxfp4 gpt-oss {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = moe.aot_launch(
-            config, (*GPT_OSS_MOE_PROBLEM, 0 if gate_up else 1), "mxfp4", dtype=dtype, gpt_oss=True)
+            config, (*GPT_OSS_MOE_PROBLEM, 0 if gate_up else 1), "mxfp4", dtype=dtype, gpt_oss=True, cc=cc)
+    if words:  # MXFP4 experts with scales past 2^1: two packed multiplies per two codes (common.mxfp4_words_to_half)
+        out["moe mxfp4 gpt-oss gate_up M16 large scales"] = moe.aot_launch(
+            smallest, (*GPT_OSS_MOE_PROBLEM, 0), "mxfp4", dtype=dtype, gpt_oss=True, cc=cc,
+            mxfp4_max_scale=common.MXFP4_FP16_MAX_SCALE)
     for kind in ("int8", "int4-act-order", "fp8-channel", "fp8-tensor"):  # the other experts packers write: gate/up
         config = moe.DEFAULT_CONFIGS[-1][1]  # at the largest tile (two accumulators: the most registers)
         out[f"moe {kind} gate_up M{config.BLOCK_M}"] = moe.aot_launch(config, (*MOE_PROBLEM, 0), kind,

@@ -1,8 +1,9 @@
 """The decode linears' main loops, read from their SASS: what each weight costs in instructions, without a GPU.
 
 Each weight type's M = 1 launch (the launcher's own builder over meta tensors, default config; a 4096 x 4096
-layer), GGUF's Q4_K / Q5_K / Q6_K / IQ4_XS GEMM's, and the fused MoE's int4 gate/up GEMM at its smallest tile (the same
-dequantization helper; DeepSeek-V2-Lite's experts) and its MXFP4 one (gpt-oss-20b's experts), is compiled
+layer), GGUF's Q4_K / Q5_K / Q6_K / IQ4_XS GEMM's, and the fused MoE's int4 gate/up GEMM at the decode tile the runtime
+picks for one token (the same dequantization helper; DeepSeek-V2-Lite's experts) and its MXFP4 one (gpt-oss-20b's
+experts), is compiled
 ahead of time for sm_80 and sm_90 (kernels/aot.py, Triton's bundled ptxas) and its main loop (the longest backward
 branch of the SASS, Triton's bundled cuobjdump) must show:
   * no int-to-float conversion (I2F*): the codes become floats by magic numbers (common.dequantize_int_tile).
@@ -58,10 +59,14 @@ ALU_PER_WEIGHT = {
     (80, "nf4"): 2.9, (80, "fp8-block"): 9.4, (80, "w8a8"): 6.6,
     (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 2.85, (90, "int8-gptq"): 3.55,
     (90, "nf4"): 2.95, (90, "fp8-block"): 9.8, (90, "w8a8"): 6.7,
-    # the MoE's gate/up tile loads: int4 3.8 before its group size became a constexpr (divisions by shifts); MXFP4 in
-    # bf16 (common.mxfp4_words_to_bf16: prmt byte lookups, two packed bf16 multiplies per two codes) 12.0 before,
-    # with integer decode and fp32 scaling
-    (80, "moe-int4"): 3.65, (90, "moe-int4"): 3.65, (80, "moe-mxfp4"): 5.55, (90, "moe-mxfp4"): 5.45,
+    # the MoE's gate/up decode loops (moe.WORD_DECODE_CONFIG, 16 x 64 x 128: whole K tiles unmasked, expert bases
+    # once, int4's scale row on the dot's result; MXFP4 by common.mxfp4_words_to_half: prmt byte lookups from
+    # immediate tables, one packed multiply per two codes): int4 2.46 / 2.48 (sm_90 / sm_80; 3.47 at 16 x 64 x 64
+    # with the scale per weight, 3.8 before group size became a constexpr), MXFP4 3.55 / 3.45 (5.16 / 5.28 with two
+    # multiplies and per-iteration masks, 12.0 with integer decode and fp32 scaling). What MXFP4 has left over int4:
+    # ~0.75 a weight of register moves of the activations' mma fragments (its weights reach the dot in registers,
+    # K-major, so the A operand is regrouped per instruction; docs/gpu_kernels.md)
+    (80, "moe-int4"): 2.6, (90, "moe-int4"): 2.6, (80, "moe-mxfp4"): 3.65, (90, "moe-mxfp4"): 3.75,
     # GGUF block formats (kernels/gguf_gemm.py): each weight formed in fp32 (the file's exact values), a scale and an
     # offset per weight, the 5th / 6th bits from a second plane
     (80, "gguf-q4_k"): 7.7, (90, "gguf-q4_k"): 6.9, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,
@@ -79,12 +84,16 @@ def _mix(case) -> dict:
     from tritonq.kernels import gguf_gemm, moe
 
     cc, dtype, kind = case
-    if kind == "moe-int4":  # gate/up: two weight tiles per iteration
-        launch = moe.aot_launch(moe.DEFAULT_CONFIGS[0][1], MOE_PROBLEM, "int4", dtype=getattr(torch, dtype))
+    if kind == "moe-int4":  # gate/up at the decode tile the runtime picks (1 token): two weight tiles per iteration
+        tokens, experts, top_k = MOE_PROBLEM[:3]
+        config = moe.default_config(1, top_k, experts, words=True)
+        launch = moe.aot_launch(config, MOE_PROBLEM, "int4", dtype=getattr(torch, dtype), cc=cc)
         per_thread = 2 * weights_per_iteration(launch) / (32 * launch.num_warps)
-    elif kind == "moe-mxfp4":  # gpt-oss's gate/up: two weight tiles per iteration
-        launch = moe.aot_launch(moe.DEFAULT_CONFIGS[0][1], GPT_OSS_MOE_PROBLEM, "mxfp4", dtype=getattr(torch, dtype),
-                                gpt_oss=True, cc=cc)
+    elif kind == "moe-mxfp4":  # gpt-oss's gate/up, likewise
+        tokens, experts, top_k = GPT_OSS_MOE_PROBLEM[:3]
+        config = moe.default_config(1, top_k, experts, words=True)
+        launch = moe.aot_launch(config, GPT_OSS_MOE_PROBLEM, "mxfp4", dtype=getattr(torch, dtype), gpt_oss=True,
+                                cc=cc)
         per_thread = 2 * weights_per_iteration(launch) / (32 * launch.num_warps)
     elif kind in GGUF_KINDS:
         launch = gguf_gemm.aot_launch(gguf_gemm.default_config(1, N, K), 1, N, K, dtype=getattr(torch, dtype),

@@ -92,23 +92,25 @@ def f32_bits(value: torch.Tensor) -> int:
     return int(value.reshape(1).view(torch.int32).item()) & MASK32
 
 
-def _fma_bf16(a: int, b: int, c: int) -> int:
-    """One half of fma.rn.bf16x2: a * b + c rounded once to nearest-even bf16 (subnormals kept, as the PTX ISA
-    says for bf16 FMA), bits in and out. The operands here make a * b + c exact in fp32 (checked), so torch's
-    fp32 -> bf16 cast (round to nearest-even) is the one rounding; beyond fp32's range the result is inf."""
-    a, b, c = (halves([v], torch.bfloat16).double().item() for v in (a, b, c))
+def _fma_half(a: int, b: int, c: int, dtype: torch.dtype) -> int:
+    """One half of fma.rn.bf16x2 / fma.rn.f16x2: a * b + c rounded once to nearest-even dtype (subnormals kept, as
+    the PTX ISA says for these FMAs without .ftz), bits in and out. The operands here make a * b + c exact in fp32
+    (checked), so torch's fp32 -> dtype cast (round to nearest-even, inf past the largest finite value) is the one
+    rounding; beyond fp32's range the result is inf."""
+    a, b, c = (halves([v], dtype).double().item() for v in (a, b, c))
     exact = a * b + c
     if abs(exact) >= 2.0 ** 128:  # beyond bf16's largest finite value too: fma.rn overflows to inf
-        return 0x7F80 | (0x8000 if exact < 0 else 0)
+        return (0x7F80 if dtype == torch.bfloat16 else 0x7C00) | (0x8000 if exact < 0 else 0)
     as_fp32 = torch.tensor(exact, dtype=torch.float64).float()
     assert as_fp32.double().item() == exact, "a product fp32 cannot hold: emulate the wider rounding"
-    return as_fp32.to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+    return as_fp32.to(dtype).view(torch.int16).item() & 0xFFFF
 
 
 def run_ptx(ptx: str, *inputs: int, outputs: int = 8) -> list[int]:
     """The 16-bit outputs $0..$(outputs - 1) of a PTX block over the 32-bit inputs $outputs, $outputs + 1, ...
-    (mov.b32, and.b32, shr.u32, prmt.b32 default mode, lop3.b32, sub.f32 round-to-nearest, cvt.rn.bf16x2.f32,
-    fma.rn.bf16x2, mov.b32 {lo, hi}); anything else fails the test, so an edited block cannot pass unread."""
+    (mov.b32, and.b32, or.b32, shr.u32, prmt.b32 default mode, lop3.b32, sub.f32 round-to-nearest,
+    cvt.rn.bf16x2.f32, fma.rn.bf16x2, fma.rn.f16x2, mov.b32 {lo, hi}); anything else fails the test, so an edited
+    block cannot pass unread."""
     regs, out = {f"${outputs + i}": v & MASK32 for i, v in enumerate(inputs)}, {}
 
     def value(operand):
@@ -130,9 +132,13 @@ def run_ptx(ptx: str, *inputs: int, outputs: int = 8) -> list[int]:
             regs[d] = value(args[0])
         elif op == "and.b32":
             regs[d] = value(args[0]) & value(args[1])
-        elif op == "fma.rn.bf16x2":
+        elif op == "or.b32":
+            regs[d] = value(args[0]) | value(args[1])
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
             a, b, c = (value(v) for v in args)
-            regs[d] = sum(_fma_bf16((a >> h) & 0xFFFF, (b >> h) & 0xFFFF, (c >> h) & 0xFFFF) << h for h in (0, 16))
+            dtype = torch.bfloat16 if op == "fma.rn.bf16x2" else torch.float16
+            regs[d] = sum(_fma_half((a >> h) & 0xFFFF, (b >> h) & 0xFFFF, (c >> h) & 0xFFFF, dtype) << h
+                          for h in (0, 16))
         elif op == "shr.u32":
             regs[d] = value(args[0]) >> value(args[1])
         elif op == "prmt.b32":  # byte i of d = byte (selector nibble i & 7) of {b, a}; bit 3 (sign) unused here
@@ -242,41 +248,67 @@ def test_code_pair_table_gives_both_codes_of_every_byte(dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# MXFP4 (common.mxfp4_words_to_bf16): the PTX, run by the emulator above, for every e2m1 code in every position
-# of a word against every E8M0 scale, and the scale pairs the kernel hands it.
+# MXFP4 (common.mxfp4_words_to_half): the PTX, run by the emulator above, for every e2m1 code in every position
+# of a word against every E8M0 scale its path takes, with the scale factors the kernel computes for it.
 # ---------------------------------------------------------------------------------------------------------
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+# (dtype, scale factors): the PTX block and the E8M0 exponents it takes (the launcher picks two factors past
+# MXFP4_ONE_FACTOR_MAX_SCALE and refuses fp16 past MXFP4_FP16_MAX_SCALE; the loader keeps s <= 240)
+MXFP4_PATHS = {(torch.bfloat16, 1): ("MXFP4_BF16_PTX", common.MXFP4_ONE_FACTOR_MAX_SCALE),
+               (torch.bfloat16, 2): ("MXFP4_BF16_2_PTX", 254),
+               (torch.float16, 1): ("MXFP4_FP16_PTX", common.MXFP4_ONE_FACTOR_MAX_SCALE),
+               (torch.float16, 2): ("MXFP4_FP16_2_PTX", common.MXFP4_FP16_MAX_SCALE)}
 
 
 @triton.jit
-def _scale_pairs_kernel(s_ptr, out_ptr, N: tl.constexpr):
+def _scale_factors_kernel(s_ptr, f1_ptr, f2_ptr, N: tl.constexpr, FP16: tl.constexpr, STEPS: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.store(out_ptr + offs, common.mxfp4_scale_pairs(tl.load(s_ptr + offs)))
+    f1, f2 = common.mxfp4_scale_factors(tl.load(s_ptr + offs)[:, None], tl.float16 if FP16 else tl.bfloat16, STEPS)
+    tl.store(f1_ptr + offs[:, None], f1)
+    tl.store(f2_ptr + offs[:, None], f2)
 
 
-def test_mxfp4_scale_pairs_are_the_bf16_scale_in_both_halves():
-    """Every E8M0 code s but NaN's 255: both halves hold bf16 2^(s - 127) (s = 0: the subnormal 2^-127)."""
+def scale_factors(dtype: torch.dtype, steps: int) -> tuple[list[int], list[int]]:
+    """`common.mxfp4_scale_factors` of every exponent 0..255, computed by the kernel helper itself (interpreter)."""
     s = torch.arange(256, dtype=torch.int32)
-    pairs = torch.empty(256, dtype=torch.int32)
-    _scale_pairs_kernel[(1,)](s, pairs, 256)
-    lo, hi = pairs & 0xFFFF, (pairs >> 16) & 0xFFFF
-    assert torch.equal(lo, hi)
-    assert torch.equal(halves(lo[:255].tolist(), torch.bfloat16).double(), 2.0 ** (s[:255].double() - 127))
+    f1, f2 = torch.empty(256, dtype=torch.int32), torch.empty(256, dtype=torch.int32)
+    _scale_factors_kernel[(1,)](s, f1, f2, 256, dtype == torch.float16, steps)
+    return [int(v) & MASK32 for v in f1], [int(v) & MASK32 for v in f2]
 
 
-def test_mxfp4_word_ptx_is_exact_for_every_code_and_scale():
-    """Output j of the PTX on a word and a scale pair is bf16(E2M1[code j] x 2^(s - 127)), the fp32 reference
-    rounded once (exact: bf16 holds every such product down to 2^-133; past its range both are inf), for every
-    code in each of the 8 positions next to varying neighbours, and random words, at every scale 0..254 (the
-    loader keeps s <= MXFP4_MAX_SCALE = 240; the block is exact beyond)."""
-    ptx = common.MXFP4_BF16_PTX.value
+@pytest.mark.parametrize("dtype, steps", list(MXFP4_PATHS), ids=[f"{d}-{n}" for d, n in MXFP4_PATHS])
+def test_mxfp4_scale_factors_are_powers_of_two_in_both_halves(dtype, steps):
+    """Each factor holds the same dtype power of two in both halves, and (times the decode's 2^-126 in bf16, 2^-14
+    in fp16) their product is the scale 2^(s - 127) for every exponent the path takes; fp16's tiny scales (s < 99)
+    stand in for 2^-28, whose products round to zero in fp16 as theirs do."""
+    f1, f2 = scale_factors(dtype, steps)
+    _, max_scale = MXFP4_PATHS[(dtype, steps)]
+    for s in range(max_scale + 1):
+        factors = [f1[s]] if steps == 1 else [f1[s], f2[s]]
+        assert all(f & 0xFFFF == f >> 16 for f in factors), (s, [hex(f) for f in factors])
+        value = 2.0 ** (-126 if dtype == torch.bfloat16 else -14)
+        for f in factors:
+            value *= halves([f & 0xFFFF], dtype).double().item()
+        expected = 2.0 ** (max(s, 99) - 127) if dtype == torch.float16 else 2.0 ** (s - 127)
+        assert value == expected, (s, value, expected)
+
+
+@pytest.mark.parametrize("dtype, steps", list(MXFP4_PATHS), ids=[f"{d}-{n}" for d, n in MXFP4_PATHS])
+def test_mxfp4_word_ptx_is_exact_for_every_code_and_scale(dtype, steps):
+    """Output j of the PTX on a word and the kernel's scale factors is dtype(E2M1[code j] x 2^(s - 127)), the fp32
+    reference rounded once (bf16: exact, every such product down to 2^-133 is a bf16 value, past its range inf;
+    fp16: rounded to nearest even, subnormals and overflow to inf included), for every code in each of the 8
+    positions next to varying neighbours, and random words, at every exponent the path takes."""
+    name, max_scale = MXFP4_PATHS[(dtype, steps)]
+    ptx = getattr(common, name).value
+    f1, f2 = scale_factors(dtype, steps)
     words = [sum(((c + 3 * j) % 16) << (4 * j) for j in range(8)) for c in range(16)]
     words += torch.randint(0, 2**32, (8,), dtype=torch.int64).tolist()
     codes = torch.tensor([[(w >> (4 * j)) & 15 for j in range(8)] for w in words])
     values = torch.tensor(E2M1, dtype=torch.float64)[codes]
-    for s in range(255):
-        pair = (0x40 if s == 0 else s << 7) * 0x10001  # common.mxfp4_scale_pairs (its own test above)
-        got = torch.stack([halves(run_ptx(ptx, w, pair), torch.bfloat16) for w in words])
-        expected = (values * 2.0 ** (s - 127)).float().to(torch.bfloat16)
+    for s in range(max_scale + 1):
+        factors = (f1[s],) if steps == 1 else (f1[s], f2[s])
+        got = torch.stack([halves(run_ptx(ptx, w, *factors), dtype) for w in words])
+        expected = (values * 2.0 ** (s - 127)).float().to(dtype)
         assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), f"scale {s}: {got} != {expected}"

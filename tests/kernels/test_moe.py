@@ -26,7 +26,8 @@ from tritonq.kernels.moe import (
     route_tokens,
 )
 from tritonq.quant.packing import pack_int32
-from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight
+from tritonq.quant.rtn import quantize_mxfp4
+from tritonq.quant.weights import DenseWeight, FP8Weight, Int4Weight, MXFP4Weight
 
 TOL = tolerances.table("moe")
 ROUTE_RTOL = 2e-5
@@ -267,8 +268,9 @@ def test_align_random_routing_covers_every_pair_once(align_backend, T, top_k, E,
 
 # ------------------------------------------------------------------ fused MoE
 
-def _stacked(kind, E, N, K):
-    """(stacked typed weight, its dense fp32 [E, N, K] built straight from the generated values)."""
+def _stacked(kind, E, N, K, group_size=None):
+    """(stacked typed weight, its dense fp32 [E, N, K] built straight from the generated values); group_size: the
+    int kinds' own unless given."""
     if kind == "dense":
         w = torch.randn(E, N, K) / K ** 0.5
         return DenseWeight(w), w
@@ -276,7 +278,7 @@ def _stacked(kind, E, N, K):
         # int4: group 16 (several groups per K tile); int4_sym: group 64 = BLOCK_K (one scale row per K tile);
         # int4_act_order: a shuffled g_idx per expert; int8: bits 8, group 8
         bits = 8 if kind == "int8" else 4
-        group_size = {"int4_sym": 64, "int8": 8}.get(kind, 16)
+        group_size = group_size or {"int4_sym": 64, "int8": 8}.get(kind, 16)
         G = -(-K // group_size)
         q = torch.randint(0, 2 ** bits, (E, K, N), dtype=torch.int32)
         scales = (torch.rand(E, G, N) * 0.02 + 0.01).half()
@@ -734,3 +736,79 @@ def test_bad_moe_configs_raise_clear_errors():
                             ((good,), "must be a MoEConfig")]:
         with pytest.raises(ValueError, match=message):
             fused_moe(x, gate_up, down, weights, ids, config=config)
+
+
+# ------------------------------------------------------------------ the decode tile of the word paths
+
+# K and N of both GEMMs around the word paths' decode tile (moe.WORD_DECODE_CONFIG, 16 x 64 x 128): gate/up K = 384
+# (three whole K tiles, no mask) and N = 160 (ragged); down K = 160 (one whole tile and a masked 32-row tail),
+# N = 384 (no mask).
+WD, WINTER = 384, 160
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 64])
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("kind", ["int4", "int4_sym"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int4_decode_tile_matches_per_token_reference(T, top_k, kind, dtype):
+    """Int4 experts at the decode tile: gate/up with groups of 128 (one scale row per K tile: the scale on the dot's
+    result, SCALE_AFTER_DOT, where the word path runs), down with groups of 32 (scales per weight) and the ragged K
+    tail, against the per-token loop over the dense weights."""
+    gate_up, gate_up_dense = _stacked(kind, E_TEST, 2 * WINTER, WD, group_size=128)
+    down, down_dense = _stacked(kind, E_TEST, WD, WINTER, group_size=32)
+    gate_up, down = (Int4Weight(w.qweight, w.scales.to(dtype), None if w.zeros is None else w.zeros.to(dtype),
+                                None, w.group_size, w.bits) for w in (gate_up, down))
+    x = torch.randn(T, WD).to(dtype)
+    weights, ids = _routing(T, E_TEST, top_k)
+    layer = moe.MoEExperts(gate_up, down)
+    out = layer(x, weights, ids)
+    (launch, _, _), _ = layer.plans[(common.next_pow2(T), top_k, dtype, False)].gemms
+    words = launch.args["WORD_DEQUANT"]  # fp16 under the interpreter, both dtypes on a GPU
+    if T * top_k / E_TEST < 16:  # the decode tile of each path
+        assert launch.args["BLOCK_K"] == (128 if words else 64)
+    assert launch.args["SCALE_AFTER_DOT"] == words
+    expected = _per_token_moe(x.float(), gate_up_dense.to(dtype).float(), down_dense.to(dtype).float(), weights, ids)
+    # outputs reach ~35 here: the dtype's rounding of x, weights and hidden, relative to the largest output
+    torch.testing.assert_close(out.float(), expected, rtol=TOL[dtype], atol=TOL[dtype] * expected.abs().max())
+
+
+def _mxfp4(E, N, K, std):
+    g = torch.Generator().manual_seed(N * K)
+    q = quantize_mxfp4(torch.randn(E, N, K, generator=g, device="cpu") * std)
+    return MXFP4Weight(q.blocks.to(torch.get_default_device()), q.scales.to(torch.get_default_device()))
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 64])
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", ["small", "large"])
+def test_mxfp4_decode_tile_matches_reference(T, top_k, dtype, scale):
+    """MXFP4 experts at the decode tile, both dtypes on the word path (common.mxfp4_words_to_half), against the
+    torch reference on the exactly dequantized weights. large: weights up to ~2^5 (E8M0 exponents past
+    MXFP4_ONE_FACTOR_MAX_SCALE: the plan picks the two-factor PTX)."""
+    std = 0.5 if scale == "small" else 16.0
+    gate_up, down = _mxfp4(E_TEST, 2 * WINTER, WD, std), _mxfp4(E_TEST, WD, WINTER, std * 0.5)
+    big = max(int(w.scales.max()) for w in (gate_up, down)) > common.MXFP4_ONE_FACTOR_MAX_SCALE
+    assert big == (scale == "large")
+    x = torch.randn(T, WD).to(dtype) / (1.0 if scale == "small" else 64.0)
+    weights, ids = _routing(T, E_TEST, top_k)
+    layer = moe.MoEExperts(gate_up, down)
+    out = layer(x, weights, ids)
+    (launch, _, _), _ = layer.plans[(common.next_pow2(T), top_k, dtype, False)].gemms
+    assert launch.args["WORD_DEQUANT"] and launch.args["MXFP4_STEPS"] == (2 if big else 1)
+    expected = fused_moe_reference(x.float(), gate_up, down, weights, ids)
+    torch.testing.assert_close(out.float(), expected, rtol=TOL[dtype], atol=TOL[dtype] * expected.abs().max())
+
+
+def test_mxfp4_fp16_refuses_scales_past_its_range():
+    """A scale of 2^17 (E8M0 exponent 144) makes every nonzero weight of its group overflow fp16: fp16 refuses it
+    with what to do, before any launch; bf16 takes it."""
+    gate_up, down = _mxfp4(E_TEST, 64, 64, 0.5), _mxfp4(E_TEST, 64, 32, 0.5)  # D = 64, I = 32
+    scales = gate_up.scales.clone()
+    scales[0, 0, 0] = common.MXFP4_FP16_MAX_SCALE + 1
+    gate_up = MXFP4Weight(gate_up.blocks, scales)
+    x = torch.randn(2, 64)
+    weights, ids = _routing(2, E_TEST, 2)
+    with pytest.raises(ValueError, match=r"scale of 2\^17 \(E8M0 exponent 144\) in fp16.*run the model in bfloat16"):
+        fused_moe(x.half(), gate_up, down, weights, ids)
+    assert fused_moe(x.bfloat16(), gate_up, down, weights, ids).shape == (2, 64)

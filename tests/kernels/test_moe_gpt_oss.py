@@ -139,8 +139,8 @@ def mxfp4_experts(generator):
 @pytest.mark.parametrize("T", [1, 3, 17, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_fused_moe_mxfp4_matches_transformers_dequantized(T, dtype, device):
-    """The MXFP4 tile decode (integer e2m1 decode, E8M0 scale per 32 along K; in bf16 the word path,
-    `common.mxfp4_words_to_bf16`) against transformers' own dequantization, through the whole gpt-oss expert MLP."""
+    """The MXFP4 tile decode (E8M0 scale per 32 along K; in fp16 and bf16 the word path,
+    `common.mxfp4_words_to_half`) against transformers' own dequantization, through the whole gpt-oss expert MLP."""
     g = torch.Generator().manual_seed(100 + T)
     experts, gate_up, down = mxfp4_experts(g)
     x = torch.randn(T, MX_D, generator=g, device="cpu")

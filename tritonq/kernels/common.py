@@ -10,8 +10,8 @@
   int8_words_minus_zero  the same for 8-bit codes (`int8_words_to_halves`: one prmt per two codes into fp16
                        pairs; bf16 by way of fp32; int4_gemm, `int8_word_dequant`)
   e2m1_bits_to_fp16    MXFP4 (e2m1) codes -> fp16 / 2^14 with integer ops (moe's mxfp4 experts)
-  mxfp4_words_to_bf16  8 e2m1 codes a word times their E8M0 scale, in bf16, by inline PTX (byte lookups and
-                       packed FMAs; GPU from sm_80, `mxfp4_word_decode`; moe's mxfp4 experts in bf16)
+  mxfp4_words_to_half  8 e2m1 codes a word times their E8M0 scale, in bf16 / fp16, by inline PTX (byte lookups
+                       and packed FMAs; GPU from sm_80, `mxfp4_word_decode`; moe's mxfp4 experts)
   e4m3_bits_to_fp16    float8_e4m3fn bytes -> fp16 / 2^8 with integer ops, for GPUs without fp8
                        types (fp8_gemm's weight-only path, moe's fp8 experts, the fp8 KV cache)
   round_to_e4m3        fp32 -> the nearest e4m3 value, still fp32 (fp8_gemm's activations)
@@ -320,85 +320,145 @@ def code_pairs_lookup(words, pairs_ptr, DTYPE: tl.constexpr):
     return tl.trans(tl.interleave(even, odd))
 
 
-# PTX of `mxfp4_words_to_bf16` on word $8 (e2m1 codes c0..c7, c0 lowest; code = sign, 2 exponent bits, 1 mantissa
-# bit) and $9 (the group's scale 2^(s - 127) as a bf16 pair). The bf16 bits sign << 15 | (exponent, mantissa) << 6
-# read as value x 2^-126 (exactly, 0.5 as a subnormal); their high byte depends on the code's top two bits only and
-# the low byte on its bottom two, so two byte lookups (prmt: 4 selectors a time into a 4-byte table: LO bytes 0x00,
-# 0x40, 0x80, 0xC0, HI bytes 0x00, 0x01, 0x80, 0x81) and one byte interleave per pair build two codes' bf16 in one
-# register. Two packed FMAs (with -0: exact, subnormals kept) multiply by 2^126 and by the scale: exact, as the
-# products are e2m1 values times powers of two that bf16 holds for every scale up to 2^113 (MXFP4_MAX_SCALE).
-_MXFP4_BF16_PTX = """{
-.reg .b32 a, b, l, h, p0, p1, p2, p3, lo, hi, bias, nz;
-mov.b32 lo, 0xC0804000;
-mov.b32 hi, 0x81800100;
-mov.b32 bias, 0x7E807E80;
+# PTX of `mxfp4_words_to_half` on word $8 (e2m1 codes c0..c7, c0 lowest; code = sign, 2 exponent bits, 1 mantissa
+# bit) and the group's scale factors $9 (and $10) as half pairs. The codes' bits are placed, not converted: in bf16
+# sign << 15 | (exponent, mantissa) << 6 reads as the e2m1 value x 2^-126, in fp16 sign << 15 | (exponent, mantissa)
+# << 9 as the value x 2^-14 (0.5 a subnormal in both). Each half's two bytes come from byte lookups in 4-byte tables
+# held in registers, by 2-bit selectors: prmt with 4 selectors looks up 4 codes at once. bf16: the low byte depends on
+# the code's bottom two bits (LO: 0x00, 0x40, 0x80, 0xC0), the high byte on its top two (HI: 0x00, 0x01, 0x80, 0x81);
+# per two codes one prmt interleaves them into a pair. fp16: the low byte is 0 and the high byte is an or of a
+# bottom-two-bits (0x00, 0x02, 0x04, 0x06) and a top-two-bits (0x00, 0x08, 0x80, 0x88) lookup, placed by one prmt per
+# two codes. Then one packed FMA with -0 (exact, subnormals kept) per scale factor: one when every scale of the
+# weight is at most 2^1 (`mxfp4_scale_factors`), two otherwise.
+_MXFP4_SELECTORS = """{
+.reg .b32 a, b, l, h, t, p0, p1, p2, p3, lo, hi, nz, z;
+mov.b32 lo, LO;
+mov.b32 hi, HI;
 mov.b32 nz, 0x80008000;
-and.b32 a, $8, 0x33333333;
+mov.b32 z, 0;
+lop3.b32 a, $8, 0x33333333, 0x44444444, 0xEA;
 shr.u32 b, $8, 2;
-and.b32 b, b, 0x33333333;
-prmt.b32 l, lo, lo, a;
-prmt.b32 h, hi, hi, b;
-prmt.b32 p0, l, h, 0x5140;
-prmt.b32 p1, l, h, 0x7362;
-shr.u32 a, a, 16;
-shr.u32 b, b, 16;
-prmt.b32 l, lo, lo, a;
-prmt.b32 h, hi, hi, b;
-prmt.b32 p2, l, h, 0x5140;
-prmt.b32 p3, l, h, 0x7362;
-fma.rn.bf16x2 p0, p0, bias, nz;
-fma.rn.bf16x2 p1, p1, bias, nz;
-fma.rn.bf16x2 p2, p2, bias, nz;
-fma.rn.bf16x2 p3, p3, bias, nz;
-fma.rn.bf16x2 p0, p0, $9, nz;
-fma.rn.bf16x2 p1, p1, $9, nz;
-fma.rn.bf16x2 p2, p2, $9, nz;
-fma.rn.bf16x2 p3, p3, $9, nz;
-mov.b32 {$0, $1}, p0;
+lop3.b32 b, b, 0x33333333, 0x44444444, 0xEA;
+"""
+_MXFP4_BF16_PAIRS = """prmt.b32 l, z, lo, a;
+prmt.b32 h, z, hi, b;
+prmt.b32 pI, l, h, 0x5140;
+prmt.b32 pJ, l, h, 0x7362;
+"""
+_MXFP4_FP16_PAIRS = """prmt.b32 l, z, lo, a;
+prmt.b32 h, z, hi, b;
+or.b32 t, l, h;
+prmt.b32 pI, t, 0, 0x1404;
+prmt.b32 pJ, t, 0, 0x3424;
+"""
+_MXFP4_OUT = """mov.b32 {$0, $1}, p0;
 mov.b32 {$2, $3}, p1;
 mov.b32 {$4, $5}, p2;
 mov.b32 {$6, $7}, p3;
 }"""
-MXFP4_BF16_PTX = tl.constexpr(_MXFP4_BF16_PTX)
+
+
+def _mxfp4_ptx(fp16: bool, steps: int) -> str:
+    """The PTX block of `mxfp4_words_to_half` for one dtype and number of scale factors (see above)."""
+    pairs = _MXFP4_FP16_PAIRS if fp16 else _MXFP4_BF16_PAIRS
+    tables = ("0x06040200", "0x88800800") if fp16 else ("0xC0804000", "0x81800100")
+    fma = "fma.rn.f16x2" if fp16 else "fma.rn.bf16x2"
+    body = (_MXFP4_SELECTORS.replace("LO", tables[0]).replace("HI", tables[1])
+            + pairs.replace("pI", "p0").replace("pJ", "p1") + "shr.u32 a, a, 16;\nshr.u32 b, b, 16;\n"
+            + pairs.replace("pI", "p2").replace("pJ", "p3"))
+    for factor in ("$9", "$10")[:steps]:
+        body += "".join(f"{fma} p{i}, p{i}, {factor}, nz;\n" for i in range(4))
+    return body + _MXFP4_OUT
+
+
+MXFP4_BF16_PTX = tl.constexpr(_mxfp4_ptx(False, 1))
+MXFP4_BF16_2_PTX = tl.constexpr(_mxfp4_ptx(False, 2))
+MXFP4_FP16_PTX = tl.constexpr(_mxfp4_ptx(True, 1))
+MXFP4_FP16_2_PTX = tl.constexpr(_mxfp4_ptx(True, 2))
+# The E8M0 exponents the one-factor blocks take (a scale up to 2^1: weights up to 12 in magnitude), and the largest
+# fp16 takes at all (2^16: beyond it every nonzero product overflows fp16, and the factors cannot reach it).
+MXFP4_ONE_FACTOR_MAX_SCALE = 128
+MXFP4_FP16_MAX_SCALE = 143
 
 
 @triton.jit
-def _mxfp4_code(words, scale, SHIFT: tl.constexpr):
-    """The code at SHIFT of each word times the fp32 scale, in bf16 (the interpreter's path of
-    `mxfp4_words_to_bf16`; the products are exact in bf16, so the interpreter's truncating cast does not round)."""
-    return (e2m1_bits_to_fp16((words >> SHIFT) & 15).to(tl.float32) * 16384.0 * scale).to(tl.bfloat16)
+def _mxfp4_code(words, scale, SHIFT: tl.constexpr, DTYPE: tl.constexpr):
+    """The code at SHIFT of each word (its value / 2^14) times the fp32 scale x 2^14, in DTYPE (the interpreter's
+    path of `mxfp4_words_to_half`; the fp32 product is exact, so the cast rounds once)."""
+    return (e2m1_bits_to_fp16((words >> SHIFT) & 15).to(tl.float32) * scale).to(DTYPE)
 
 
 @triton.jit
-def mxfp4_words_to_bf16(words, scale_pairs):
-    """int32 words [R, C], 8 e2m1 codes each (code j in bits 4j..4j+3 is row 8 r + j: MXFP4's byte order read as
-    little-endian words), and int32 scale_pairs [R, C]: the bf16 bits of each word's scale 2^(s - 127) in both
-    halves (`mxfp4_scale_pairs`) -> the weights code x scale in bf16 [8 R, C], exactly. On a GPU one PTX block per
-    word (MXFP4_BF16_PTX: byte lookups by prmt, two packed FMAs per two codes; sm_80+, no int-to-float); the
-    interpreter decodes code by code in fp32 (`e2m1_bits_to_fp16`)."""
+def _per_word(group_values):
+    """[G, C] -> [4 G, C]: each group's value for its 4 words (32 codes), broadcast in registers."""
+    G: tl.constexpr = group_values.shape[0]
+    C: tl.constexpr = group_values.shape[1]
+    return tl.reshape(tl.broadcast_to(group_values[:, None, :], (G, 4, C)), (4 * G, C))
+
+
+@triton.jit
+def mxfp4_words_to_half(words, scale_bits, DTYPE: tl.constexpr, STEPS: tl.constexpr):
+    """int32 words [4 G, C], 8 e2m1 codes each (code j in bits 4j..4j+3 is row 8 r + j: MXFP4's byte order read as
+    little-endian words; 4 words a group of 32), and int32 E8M0 exponents s [G, C] -> the weights code x 2^(s - 127)
+    in DTYPE (bf16 / fp16) [32 G, C], exactly: the fp32 product rounded once. STEPS: 1 where every s of the weight is
+    at most MXFP4_ONE_FACTOR_MAX_SCALE, else 2 (`mxfp4_scale_factors`, per group, then broadcast to its words). On a
+    GPU one PTX block per word (MXFP4_*_PTX: byte lookups by prmt, STEPS packed FMAs per two codes; sm_80+, no
+    int-to-float); the interpreter decodes code by code in fp32 (`e2m1_bits_to_fp16`)."""
     wt = tl.trans(words)
-    st = tl.trans(scale_pairs)
     if INTERPRETED:
-        scale = (st << 16).to(tl.float32, bitcast=True)  # the bf16 scale's value
-        o0 = _mxfp4_code(wt, scale, 0)
-        o1 = _mxfp4_code(wt, scale, 4)
-        o2 = _mxfp4_code(wt, scale, 8)
-        o3 = _mxfp4_code(wt, scale, 12)
-        o4 = _mxfp4_code(wt, scale, 16)
-        o5 = _mxfp4_code(wt, scale, 20)
-        o6 = _mxfp4_code(wt, scale, 24)
-        o7 = _mxfp4_code(wt, scale, 28)
+        scale = tl.trans(_per_word(((scale_bits + 14) << 23).to(tl.float32, bitcast=True)))  # 2^(s - 113)
+        o0 = _mxfp4_code(wt, scale, 0, DTYPE)
+        o1 = _mxfp4_code(wt, scale, 4, DTYPE)
+        o2 = _mxfp4_code(wt, scale, 8, DTYPE)
+        o3 = _mxfp4_code(wt, scale, 12, DTYPE)
+        o4 = _mxfp4_code(wt, scale, 16, DTYPE)
+        o5 = _mxfp4_code(wt, scale, 20, DTYPE)
+        o6 = _mxfp4_code(wt, scale, 24, DTYPE)
+        o7 = _mxfp4_code(wt, scale, 28, DTYPE)
     else:
-        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            MXFP4_BF16_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wt, st], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        f1, f2 = mxfp4_scale_factors(scale_bits, DTYPE, STEPS)
+        f1 = tl.trans(_per_word(f1))
+        if STEPS == 1:
+            if DTYPE == tl.float16:
+                o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                    MXFP4_FP16_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wt, f1], dtype=(tl.float16,) * 8, is_pure=True,
+                    pack=1)
+            else:
+                o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                    MXFP4_BF16_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [wt, f1], dtype=(tl.bfloat16,) * 8, is_pure=True,
+                    pack=1)
+        elif DTYPE == tl.float16:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                MXFP4_FP16_2_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wt, f1, tl.trans(_per_word(f2))],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                MXFP4_BF16_2_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wt, f1, tl.trans(_per_word(f2))],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     return _word_rows(o0, o1, o2, o3, o4, o5, o6, o7)
 
 
 @triton.jit
-def mxfp4_scale_pairs(scale_bits):
-    """E8M0 scale codes s (int32, 0..254) -> int32 holding the bf16 bits of 2^(s - 127) in both halves
-    (s << 7; s = 0 is bf16's subnormal 2^-127, 0x0040: the max keeps it, one instruction, no select)."""
-    return tl.maximum(scale_bits << 7, 0x40) * 0x10001
+def mxfp4_scale_factors(s, DTYPE: tl.constexpr, STEPS: tl.constexpr):
+    """E8M0 exponents s (int32) -> (f1, f2): int32 pairs of DTYPE powers of two (the same in both halves) whose
+    product with the decoded code (value x 2^-126 in bf16, x 2^-14 in fp16) is value x 2^(s - 127), each
+    multiply exact but the last, which rounds once. STEPS = 1 (s <= 128): f1 alone, bf16 2^(s - 1), fp16
+    2^(s - 113) (s below 99 taken as 99: every product of such a scale, at most 6 x 2^-28, rounds to zero in fp16
+    either way). STEPS = 2 (any s; fp16 up to MXFP4_FP16_MAX_SCALE): bf16 2^126 then 2^(s - 127) (0x0040, the
+    subnormal 2^-127, for s = 0); fp16 2^15 for s > 128 (else 1) then the rest of 2^(s - 113)."""
+    if DTYPE == tl.float16:
+        big = (s > 128).to(tl.int32) * (15 * (STEPS - 1))  # 2^15 first where the rest would not fit fp16
+        f2 = (tl.maximum(s, 99) - 98 - big) * 0x04000400  # exponent field of 2^(s - 113 - big), >= 1, << 10
+        f1 = (15 + big) * 0x04000400
+        if STEPS == 1:
+            f1 = f2
+    elif STEPS == 1:
+        f1 = s * 0x800080 + 0x3F003F00  # (s + 126) << 7 in both halves
+        f2 = f1
+    else:
+        f1 = tl.full(s.shape, 0x7E807E80, tl.int32)
+        f2 = tl.maximum(s << 7, 0x40) * 0x10001
+    return f1, f2
 
 
 @triton.jit
@@ -682,13 +742,13 @@ def half_bit_tricks(x: torch.Tensor, cc: int | None = None) -> bool:
 
 
 def mxfp4_word_decode(x: torch.Tensor, cc: int | None = None) -> bool:
-    """Whether MXFP4 experts for activations like x decode by `mxfp4_words_to_bf16` (decided once per plan): bf16
-    activations on a GPU from sm_80 (its packed bf16 FMA) and under the interpreter; fp16 (whose range cannot hold
-    every scale's product in one packed multiply) and sm_75 keep the plain decode (`e2m1_bits_to_fp16`, the scale in
-    fp32). cc: the target of meta tensors (AOT; None: sm_80+); CUDA tensors' own device decides."""
+    """Whether MXFP4 experts for activations like x decode by `mxfp4_words_to_half` (decided once per plan): bf16 /
+    fp16 activations on a GPU from sm_80 (its packed half FMAs) and under the interpreter; sm_75 keeps the plain decode
+    (`e2m1_bits_to_fp16`, the scale in fp32). cc: the target of meta tensors (AOT; None: sm_80+); CUDA tensors' own
+    device decides."""
     if x.is_cuda:
         cc = compute_capability(x.device)
-    return x.dtype == torch.bfloat16 and (cc is None or cc >= 80)
+    return x.dtype in (torch.bfloat16, torch.float16) and (cc is None or cc >= 80)
 
 
 def compute_capability(device: torch.device) -> int | None:

@@ -34,18 +34,25 @@ def config_bucket(tokens: int, num_experts: int, N: int, K: int) -> str:
     return f"M{triton.next_power_of_2(tokens)}_E{num_experts}_N{N}_K{K}"
 
 
-def default_config(tokens: int, top_k: int, num_experts: int) -> MoEConfig:
-    """The default in code for this many tokens per expert."""
+# The decode tile (below DEFAULT_CONFIGS' second threshold) of experts decoded from 32-bit words (int4, MXFP4 on sm_80+:
+# `launch.word_path`): twice the K rows, 128 weights a thread per tile and iteration, over which the loop's address
+# and scale work spreads (docs/gpu_kernels.md); same grid.
+WORD_DECODE_CONFIG = MoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+
+
+def default_config(tokens: int, top_k: int, num_experts: int, words: bool = False) -> MoEConfig:
+    """The default in code for this many tokens per expert; words: the experts decode from 32-bit words."""
     per_expert = tokens * top_k / num_experts
-    return [config for threshold, config in DEFAULT_CONFIGS if per_expert >= threshold][-1]
+    config = [config for threshold, config in DEFAULT_CONFIGS if per_expert >= threshold][-1]
+    return WORD_DECODE_CONFIG if words and config == DEFAULT_CONFIGS[0][1] else config
 
 
-def _config(tokens: int, top_k: int, num_experts: int, N: int, K: int) -> MoEConfig:
-    """Tuned config for this GEMM's shape bucket, else the default for its tokens per expert; tokens is
-    `config_rows`'s (one config for every batch in the batch-invariant mode)."""
+def _config(tokens: int, top_k: int, num_experts: int, N: int, K: int, words: bool = False) -> MoEConfig:
+    """Tuned config for this GEMM's shape bucket, else the default for its tokens per expert (and decode path);
+    tokens is `config_rows`'s (one config for every batch in the batch-invariant mode)."""
     tokens = config_rows(tokens)
     return tuned_or_default("moe", config_bucket(tokens, num_experts, N, K),
-                            default_config(tokens, top_k, num_experts))
+                            default_config(tokens, top_k, num_experts, words))
 
 
 def check_config(config) -> tuple[MoEConfig, MoEConfig]:

@@ -22,6 +22,8 @@ import triton
 
 from tritonq.kernels import backend
 from tritonq.kernels.common import (
+    MXFP4_FP16_MAX_SCALE,
+    MXFP4_ONE_FACTOR_MAX_SCALE,
     ClampedSwiGLU,
     Launch,
     has_fp8_tensor_cores,
@@ -80,6 +82,13 @@ def _weight_args(w: Weight, native_fp8: bool, words: bool = False) -> dict:
                 SCALE_BN=scale_bn, SCALE_BK=scale_bk, FP8_AS_BITS=not native_fp8)
 
 
+def word_path(x: torch.Tensor, w: Weight, cc: int | None = None) -> bool:
+    """Whether the GEMM over the stacked experts w for activations like x decodes its codes from 32-bit words (the
+    kernel's WORD_DEQUANT: `common.int4_word_dequant` for int4, `common.mxfp4_word_decode` for MXFP4)."""
+    return bool((isinstance(w, Int4Weight) and int4_word_dequant(x, w, cc))
+                or (isinstance(w, MXFP4Weight) and mxfp4_word_decode(x, cc)))
+
+
 def fp8_w8a8(w: Weight, x: torch.Tensor) -> bool:
     """Whether fused_moe runs its GEMM over the stacked experts w as W8A8 (e4m3 activations x e4m3 codes) for
     activations like x: FP8 experts whose checkpoint quantizes activations (not w.weight_only, which e.g.
@@ -133,6 +142,9 @@ class MoEExperts:
             raise ValueError(f"fused_moe: activation must be None (SiLU-and-mul) or a ClampedSwiGLU, "
                              f"got {activation!r}")
         self.gate_up, self.down, self.activation, self.plans = gate_up, down, activation, {}
+        # MXFP4: the largest E8M0 exponent of each GEMM's experts, read once (it picks the word path's multiplies)
+        self.max_scales = tuple(int(w.scales.max()) if isinstance(w, MXFP4Weight) and not w.scales.is_meta else None
+                                for w in (gate_up, down))
 
     def route(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, first_expert: int = 0,
               **routing) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
@@ -206,8 +218,9 @@ class MoEExperts:
         """Both GEMMs' launches for up to `tokens` tokens of x's dtype, routed to top_k experts each."""
         gate_up, down, E, inter, D = self.gate_up, self.down, self.E, self.inter, self.D
         w8a8 = (False, False) if weight_only else (fp8_w8a8(gate_up, x), fp8_w8a8(down, x))
-        cfg1, cfg2 = explicit or (_fit_block_k(_config(tokens, top_k, E, inter, D), gate_up, w8a8[0]),
-                                  _fit_block_k(_config(tokens, top_k, E, D, inter), down, w8a8[1]))
+        cfg1, cfg2 = explicit or (
+            _fit_block_k(_config(tokens, top_k, E, inter, D, word_path(x, gate_up)), gate_up, w8a8[0]),
+            _fit_block_k(_config(tokens, top_k, E, D, inter, word_path(x, down)), down, w8a8[1]))
         # Both GEMMs share one alignment, so they use the smaller BLOCK_M of the two configs.
         block_m = min(cfg1.BLOCK_M, cfg2.BLOCK_M)
         native_fp8 = has_fp8_tensor_cores(x.device)
@@ -216,8 +229,9 @@ class MoEExperts:
             return torch.empty(shape, dtype=dtype, device=x.device)
         alignment = (stand_in(1, dtype=torch.int32),) * 3
         gemms = []
-        for weight, cfg, gate, quantized, (K, N) in ((gate_up, cfg1, True, w8a8[0], (D, inter)),
-                                                     (down, cfg2, False, w8a8[1], (inter, D))):
+        for weight, cfg, gate, quantized, (K, N), max_scale in (
+                (gate_up, cfg1, True, w8a8[0], (D, inter), self.max_scales[0]),
+                (down, cfg2, False, w8a8[1], (inter, D), self.max_scales[1])):
             scheme = fp8_activation_scheme(weight) if quantized else None
             if quantized:
                 group, static = scheme
@@ -226,7 +240,8 @@ class MoEExperts:
             else:
                 a, a_scale = stand_in(1, K), None
             launch = moe_gemm_launch(a, stand_in(1, N), weight, stand_in(1, dtype=torch.float32), alignment, top_k,
-                                     cfg, block_m, gate, native_fp8, self.activation if gate else None, a_scale)
+                                     cfg, block_m, gate, native_fp8, self.activation if gate else None, a_scale,
+                                     mxfp4_max_scale=max_scale)
             for name in _PER_CALL:
                 del launch.args[name]
             gemms.append((launch, scheme, -(N // -cfg.BLOCK_N)))
@@ -261,7 +276,7 @@ class _MoEPlan:
 def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing: torch.Tensor, alignment: tuple,
                     top_k: int, config: MoEConfig, block_m: int, gate_up: bool, native_fp8: bool,
                     activation: ClampedSwiGLU | None = None, a_scale: torch.Tensor | None = None,
-                    cc: int | None = None) -> Launch:
+                    cc: int | None = None, mxfp4_max_scale: int | None = None) -> Launch:
     """The launch of _moe_gemm_kernel for one of the two GEMMs, over all experts.
 
     gate_up: a = x [T, D], weight [E, 2I, D], out = hidden [T*k, I] (SiLU-and-mul fused); else
@@ -274,6 +289,9 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
     a_scale its fp32 scales ([rows, 1] per token, [rows, ceil(K/bk)] per 1 x bk group for block weights, []
     static); the weight's codes are loaded as e4m3 (native_fp8 must be True) and the dot runs in e4m3.
     cc: the target of meta tensors (`common.int4_word_dequant`, `common.mxfp4_word_decode`).
+    mxfp4_max_scale: the largest E8M0 exponent of MXFP4 experts (`MoEExperts` reads it once), which picks the word
+    path's scale factors (`_mxfp4_steps`); None: read here (a host sync), or for meta experts taken as at most
+    MXFP4_ONE_FACTOR_MAX_SCALE.
     """
     if isinstance(weight, GGUFWeight):  # GGUF block formats: their own expert kernel, in the GGUF kernel family
         return gguf_moe_launch(a, out, weight, routing, alignment, top_k, config, block_m, gate_up, activation)
@@ -282,18 +300,23 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
     if isinstance(weight, MXFP4Weight) and config.BLOCK_K % 32:
         raise ValueError(f"fused_moe: BLOCK_K={config.BLOCK_K} with MXFP4 experts; it must be a multiple of the "
                          "32-element scale group (use 32, 64 or 128)")
-    words = ((isinstance(weight, Int4Weight) and int4_word_dequant(a, weight, cc))
-             or (isinstance(weight, MXFP4Weight) and mxfp4_word_decode(a, cc)))
+    words = word_path(a, weight, cc)
     w8a8 = a_scale is not None
     if w8a8:
         _check_w8a8_launch(a, weight, config, native_fp8)
+    mxfp4_steps = 2
+    if isinstance(weight, MXFP4Weight) and words:
+        if mxfp4_max_scale is None and not weight.scales.is_meta:
+            mxfp4_max_scale = int(weight.scales.max())
+        mxfp4_steps = _mxfp4_steps(a.dtype, mxfp4_max_scale)
+    tile_scale_row = weight.scales_constant_over(config.BLOCK_K)
     block_scaled = w8a8 and weight.block_size is not None
     a_scale_strides = (0, 0) if not w8a8 or a_scale.dim() == 0 else a_scale.stride()
     args = dict(a_ptr=a, out_ptr=out, routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids,
                 expert_ids_ptr=expert_ids, num_tokens_post_padded_ptr=post_padded,
                 num_valid=routing.numel(), N=N, K=K, up_offset=N if gate_up else K,  # the I of gate_up
                 a_row_divisor=top_k if gate_up else 1, stride_am=a.stride(0), stride_om=out.stride(0),
-                GATE_UP=gate_up, TILE_SCALE_ROW=weight.scales_constant_over(config.BLOCK_K), UPCAST_DOT=upcast_dot(a),
+                GATE_UP=gate_up, TILE_SCALE_ROW=tile_scale_row, UPCAST_DOT=upcast_dot(a),
                 BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
                 **_weight_args(weight, native_fp8, words), WORD_DEQUANT=words,
                 bias_ptr=routing if weight.bias is None else weight.bias,
@@ -303,7 +326,10 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
                 a_scale_ptr=a_scale if w8a8 else routing, stride_asm=a_scale_strides[0], stride_asg=a_scale_strides[1],
                 A_GROUP=weight.block_size[1] if block_scaled else K, A_FP8=w8a8, SCALE_PER_TILE=block_scaled,
                 ONE_W_SCALE=block_scaled and weight.block_size[0] % config.BLOCK_N == 0
-                and (not gate_up or N % weight.block_size[0] == 0))
+                and (not gate_up or N % weight.block_size[0] == 0),
+                MASK_K=K % config.BLOCK_K != 0, MASK_N=N % config.BLOCK_N != 0,
+                SCALE_AFTER_DOT=bool(words) and isinstance(weight, Int4Weight) and tile_scale_row
+                and block_m < config.BLOCK_K, MXFP4_STEPS=mxfp4_steps)
     grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
     return Launch(_moe_gemm_kernel, grid, args, config.num_warps, config.num_stages)
 
@@ -319,6 +345,19 @@ def _check_alignment(alignment: tuple, numel: int, block_m: int, num_experts: in
                          f"(1,) on {device} (MoEExperts.route for these {numel} pairs, block_m {block_m}), got "
                          f"{[(tuple(t.shape), t.dtype, str(t.device)) for t in alignment]}; pass route's alignment "
                          "or None")
+
+
+def _mxfp4_steps(dtype: torch.dtype, max_scale: int | None) -> int:
+    """The packed multiplies per two codes of `common.mxfp4_words_to_half` for MXFP4 experts whose largest E8M0
+    exponent is max_scale: one up to 2^1 (MXFP4_ONE_FACTOR_MAX_SCALE), else two; ValueError for fp16 past
+    MXFP4_FP16_MAX_SCALE, where every nonzero weight of the group would overflow fp16."""
+    if max_scale is None or max_scale <= MXFP4_ONE_FACTOR_MAX_SCALE:
+        return 1
+    if dtype == torch.float16 and max_scale > MXFP4_FP16_MAX_SCALE:
+        raise ValueError(f"fused_moe: MXFP4 experts with a scale of 2^{max_scale - 127} (E8M0 exponent {max_scale}) in "
+                         f"fp16, which holds the products of scales up to 2^{MXFP4_FP16_MAX_SCALE - 127} only (its "
+                         "largest value is 65504); run the model in bfloat16")
+    return 2
 
 
 def _check_w8a8_launch(a: torch.Tensor, weight: Weight, config: MoEConfig, native_fp8: bool) -> None:

@@ -81,11 +81,13 @@ def meta_experts(kind: str, E: int, N: int, K: int, dtype: torch.dtype) -> Weigh
 
 
 def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool = True,
-               dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False, w8a8: bool = False, cc: int = 90) -> Launch:
+               dtype: torch.dtype = torch.bfloat16, gpt_oss: bool = False, w8a8: bool = False, cc: int = 90,
+               mxfp4_max_scale: int | None = None) -> Launch:
     """`moe_gemm_launch` over meta tensors for one GEMM of a tuning problem: activations in dtype, experts
     of `kind` laid out as `meta_experts` gives them (fp8 loaded as float8e4nv if native_fp8, else decoded
     from their bytes). gpt_oss: expert biases and the ClampedSwiGLU epilogue. w8a8 (fp8 kinds, sm_89+): e4m3
-    activations with fp32 scales per 1 x 128 group (block weights) or per token, as fused_moe. For sm_`cc`."""
+    activations with fp32 scales per 1 x 128 group (block weights) or per token, as fused_moe. For sm_`cc`.
+    mxfp4_max_scale: the experts' largest E8M0 exponent (None: small enough for one multiply), as `MoEExperts` reads it."""
     T, E, top_k, D, inter, gemm = tune_problem(problem)
     gate = gemm == 0
     N, K, w_rows = (inter, D, 2 * inter) if gate else (D, inter, D)  # w_rows: the stacked weight's N
@@ -106,4 +108,4 @@ def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool 
     out = torch.empty(numel, N, dtype=dtype, device=meta)
     routing = torch.empty(numel, dtype=torch.float32, device=meta)
     return moe_gemm_launch(a, out, weight, routing, alignment, top_k, config, config.BLOCK_M, gate, native_fp8,
-                           ClampedSwiGLU() if gpt_oss and gate else None, a_scale, cc)
+                           ClampedSwiGLU() if gpt_oss and gate else None, a_scale, cc, mxfp4_max_scale)
