@@ -42,9 +42,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch,
-    activation_scale, check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability,
-    config_rows, decode_split_k, e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot,
-    round_to_e4m3, next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile, tuned_or_default)
+    activation_scale, broadcast_rows, check_gemm_activations, check_gemm_weight, check_launch_config,
+    compute_capability, config_rows, decode_split_k, e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile,
+    has_fp8_tensor_cores, ieee_dot, quant_rows, round_to_e4m3, next_pow2, rows_absmax, silu_mul_pairs,
+    split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.quant.weights import FP8Weight
 
@@ -106,13 +107,22 @@ def _quantize_fp8(x, scale):
 
 
 @triton.jit
+def _rows_scale(a_scale, STATIC_A: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The in-kernel activation scale against the dot's [BLOCK_M, BLOCK_N] result: the static scalar as it is, the
+    QUANT_ROWS rows' [QUANT_ROWS, 1] scales copied up to BLOCK_M rows as the activations were (`broadcast_rows`)."""
+    if STATIC_A:
+        return a_scale
+    return broadcast_rows(a_scale, BLOCK_M)
+
+
+@triton.jit
 def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, partials_ptr, arrivals_ptr, M, N, K,
                      stride_am, stride_wn, stride_ym, stride_asm, stride_asg, stride_wsn, stride_wsk,
                      A_GROUP: tl.constexpr, W_SCALE_BN: tl.constexpr, W_SCALE_BK: tl.constexpr,
                      SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, QUANTIZE_A: tl.constexpr,
                      STATIC_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, QUANT_ROWS: tl.constexpr,
                      res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr):
     """y[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias); SILU_MUL: y [M, N / 2] = SwiGLU of the (gate, up) column
     pairs (`common.store_output`); ADD_NORM: y + residual and its RMSNorm h (`common.add_rms_norm_tile`).
@@ -122,39 +132,45 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
     its uint8 bytes with WEIGHT_ONLY. w_scale[n // W_SCALE_BN, k // W_SCALE_BK].
     QUANTIZE_A (decode M): a is the fp16/bf16/fp32 activations, quantized here tile by tile exactly as
     `quantize_activation_fp8` does (its scales from `rows_absmax` over the row or the A_GROUP group, or the static
-    one at a_scale_ptr with STATIC_A), so the GEMM is the linear's only launch.
+    one at a_scale_ptr with STATIC_A), so the GEMM is the linear's only launch. It quantizes QUANT_ROWS rows (the M
+    bucket, `common.quant_rows`), not the dot's padding rows: at M = 1 one row per K tile.
     SPLIT_K > 1 (decode): program_id(1) takes one K slice; the slices' scaled partial sums meet in
     `common.reduce_split_k`, in this launch.
     """
     rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                                      SPLIT_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :]
+    if QUANTIZE_A and QUANT_ROWS < BLOCK_M:  # M <= QUANT_ROWS < BLOCK_M: one row block, its first QUANT_ROWS rows
+        a_rows = tl.arange(0, QUANT_ROWS).to(tl.int64)
+        mask_a = a_rows < M
+    else:
+        a_rows, mask_a = rows, mask_m
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N], K-major
     a_scale_ptrs = a_scale_ptr + rows * stride_asm
     w_scale_ptrs = w_scale_ptr + (offs_n // W_SCALE_BN) * stride_wsn
 
-    x_rows = a_ptr + rows[:, None] * stride_am + offs_k[None, :]  # QUANTIZE_A: column 0 of the rows
+    x_rows = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # QUANTIZE_A: column 0 of the rows
     if QUANTIZE_A:
         if STATIC_A:
             a_scale = tl.load(a_scale_ptr)
         elif not SCALE_PER_TILE:  # per token: each program reads its rows' absmax over all of K
-            a_scale = _fp8_scale(rows_absmax(x_rows, mask_m, 0, K, BLOCK_K))
+            a_scale = _fp8_scale(rows_absmax(x_rows, mask_a, 0, K, BLOCK_K))
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=mask_a[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if QUANTIZE_A:
+        if QUANTIZE_A:  # the QUANT_ROWS rows, then copied up to the dot's BLOCK_M
             a = a.to(tl.float32)
             if SCALE_PER_TILE and not STATIC_A:  # the 1 x A_GROUP group holding this tile (BLOCK_K divides it)
                 if A_GROUP == BLOCK_K:
                     a_scale = _fp8_scale(tl.max(tl.abs(a), axis=1))
                 else:
                     group_start = k0 // A_GROUP * A_GROUP
-                    a_scale = _fp8_scale(rows_absmax(x_rows, mask_m, group_start, min(group_start + A_GROUP, K),
+                    a_scale = _fp8_scale(rows_absmax(x_rows, mask_a, group_start, min(group_start + A_GROUP, K),
                                                      BLOCK_K))
-            a = _quantize_fp8(a, a_scale)
+            a = broadcast_rows(_quantize_fp8(a, a_scale), BLOCK_M)
         if WEIGHT_ONLY:
             # via fp32: exact, and the interpreter's direct fp16 -> bf16 cast is wrong
             w = e4m3_bits_to_fp16(w).to(tl.float32).to(a.dtype)
@@ -164,7 +180,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
             if WEIGHT_ONLY:
                 acc += partial * w_scale[None, :]
             elif QUANTIZE_A:
-                acc += partial * a_scale * w_scale[None, :]
+                acc += partial * _rows_scale(a_scale, STATIC_A, BLOCK_M) * w_scale[None, :]
             else:
                 a_scale = tl.load(a_scale_ptrs + (k0 // A_GROUP) * stride_asg, mask=mask_m, other=0.0)
                 acc += partial * a_scale[:, None] * w_scale[None, :]
@@ -176,7 +192,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
     if not SCALE_PER_TILE:  # per-tensor / per-channel: scales are constant along K
         acc *= tl.load(w_scale_ptrs, mask=mask_n, other=0.0)[None, :]
         if QUANTIZE_A:
-            acc *= a_scale
+            acc *= _rows_scale(a_scale, STATIC_A, BLOCK_M)
         elif not WEIGHT_ONLY:
             acc *= tl.load(a_scale_ptrs, mask=mask_m, other=0.0)[:, None]
     if WEIGHT_ONLY:
@@ -287,22 +303,10 @@ class FP8Gemm(WeightGemm):
                          stride_asm=stride_asm, stride_asg=stride_asg)
         return y.reshape(*lead, self.out_cols)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(y = x @ W^T + residual, RMSNorm(y) * norm_weight) [M, N] in one launch (`common.add_rms_norm_tile`, the
-        activations quantized in it as `__call__` does at decode): a decode step's o_proj with the residual addition
-        and the post-attention norm in its epilogue. None where that launch does not run
-        (`WeightGemm.fuses_add_norm`): the caller runs the GEMM and norm_rope.add_rms_norm."""
-        if not self.fuses_add_norm(x, residual, norm_weight):
-            return None
-        weight_only = self.w.weight_only or not has_fp8_tensor_cores(x.device)
-        M = x.shape[0]
-        x = x.contiguous()
-        key = (next_pow2(M), x.dtype, weight_only, "add_rms_norm")
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self.plans[key] = self._plan(x, weight_only, None, key[0], add_norm=True)
-        return plan.run_add_norm(M, residual, norm_weight, eps, a_ptr=x, stride_am=x.stride(0))
+    def _path(self, x: torch.Tensor) -> bool:
+        """Whether activations like x run weight-only (`WeightGemm.add_rms_norm`'s kernel variant), as `__call__`
+        decides it by default."""
+        return self.w.weight_only or not has_fp8_tensor_cores(x.device)
 
     def _pairs(self, y: torch.Tensor) -> torch.Tensor:
         """The torch paths' output: y, or with silu_mul SwiGLU of its column pairs (the kernel's epilogue)."""
@@ -379,6 +383,7 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
                 STATIC_A=quantize and static, HAS_BIAS=w.bias is not None,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
                 SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul,
+                QUANT_ROWS=quant_rows(M, config.BLOCK_M) if quantize else config.BLOCK_M,
                 # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
                 res_ptr=y, norm_w_ptr=y, h_ptr=y, sumsq_ptr=partials, row_arrivals_ptr=y, eps=0.0, ADD_NORM=False)
     return Launch(_fp8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
@@ -396,13 +401,15 @@ def tuned_config(M: int, N: int, K: int, weight_only: bool, block_k: int = 128, 
 
 def default_config(M: int, N: int, K: int, block_k: int = 128, cc: int | None = 90, block_scaled: bool = False,
                    weight_only: bool = False) -> FP8GemmConfig:
-    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight; prefill takes
-    128 x 128 tiles, but 128 x 64 before sm_90 for block-scaled weights (a per-tile scale) and on the
-    weight-only path (the in-kernel e4m3 decode), whose registers make 128 x 128 spill: 8 bytes on
+    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight, fp8 x fp8 over 128 columns
+    (the activation rows, quantized once per K tile, serve twice the weights of 64; sm_90's dot upcasts them per
+    warp); prefill takes 128 x 128 tiles, but 128 x 64 before sm_90 for block-scaled weights (a per-tile scale) and
+    on the weight-only path (the in-kernel e4m3 decode), whose registers make 128 x 128 spill: 8 bytes on
     sm_89 block-scaled, 24-32 bytes weight-only on sm_80 (AOT, Triton 3.7.1 and 3.9); 128 x 64 none."""
     if M <= 16:
-        return FP8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=decode_split_k(N, K, block_k),
-                             num_warps=4, num_stages=4)
+        block_n = 64 if weight_only else 128
+        return FP8GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
+                             SPLIT_K=decode_split_k(N, K, block_k, block_n), num_warps=4, num_stages=4)
     if M <= 64:
         return FP8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4)
     narrow = cc is not None and cc < 90 and (block_scaled or weight_only)
