@@ -241,6 +241,20 @@ def test_code_pair_table_gives_both_codes_of_every_byte(dtype):
         assert torch.equal(got, code[[b & 15, b >> 4]].to(dtype)), b
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_e4m3_word_ptx_gives_each_byte_over_256(dtype):
+    """Output j of the fp8 weight-only path's PTX (common.e4m3_words_to_halves) is byte j of the word read as
+    float8_e4m3fn, divided by 2^8, in dtype: exactly, for every byte value but the two NaNs in every byte (normals,
+    subnormals, both zeros: the sign bits compared too), and random words."""
+    ptx = (common.E4M3_FP16_PTX if dtype == torch.float16 else common.E4M3_BF16_PTX).value
+    for word in byte_words():
+        got = halves(run_ptx(ptx, word, outputs=4), dtype)
+        codes = torch.tensor([(word >> (8 * j)) & 255 for j in range(4)], dtype=torch.uint8)
+        expected = (codes.view(torch.float8_e4m3fn).float() / 256).to(dtype)
+        finite = (codes & 0x7F) != 0x7F
+        assert torch.equal(got.view(torch.int16)[finite], expected.view(torch.int16)[finite]), hex(word)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # MXFP4 (common.mxfp4_words_to_bf16): the PTX, run by the emulator above, for every e2m1 code in every position
 # of a word against every E8M0 scale, and the scale pairs the kernel hands it.

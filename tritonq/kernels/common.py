@@ -403,36 +403,40 @@ def mxfp4_scale_pairs(scale_bits):
 
 
 # PTX of `e4m3_words_to_halves` on word $4 (e4m3 bytes b0..b3, b0 lowest): each code's value / 2^8 in fp16 or bf16,
-# two codes a register, no conversion instruction. With a code's byte in the high byte of a 16-bit half (b1, b3 in
-# the word as it is; b0, b2 after a shift by 8), one lop3 keeps the sign bit and ORs in the 7 exponent and mantissa
-# bits moved down into the half's format: by 1 for fp16 (e4m3's 4-bit exponent and 3-bit mantissa become fp16's
-# low exponent and top mantissa bits: the value x 2^-8, subnormals too, as `e4m3_bits_to_fp16`), by 4 for bf16 (the
-# value x 2^-120, e4m3's subnormals bf16 subnormals), then one packed bf16 FMA by 2^112 (0x7780; with -0, which
-# keeps the sign of zero) gives the value x 2^-8, exactly (bf16 FMAs keep subnormals). Marlin's fp8 trick.
+# two consecutive rows a register, no conversion instruction. A prmt puts bytes 2i and 2i + 1 in the high bytes of the
+# two 16-bit halves (the low bytes 0), then one and, one shift and one lop3 keep the sign bit and OR in the 7
+# exponent and mantissa bits moved down into the half's format: by 1 for fp16 (e4m3's 4-bit exponent and 3-bit
+# mantissa become fp16's low exponent and top mantissa bits: the value x 2^-8, subnormals too, as
+# `e4m3_bits_to_fp16`), by 4 for bf16 (the value x 2^-120, e4m3's subnormals bf16 subnormals), then one packed bf16
+# FMA by 2^112 (0x7780; with -0, which keeps the sign of zero) gives the value x 2^-8, exactly (bf16 FMAs keep
+# subnormals). Marlin's fp8 trick, with the prmt in place of its interleaved repacking.
 _E4M3_WORD_PTX = """{
-.reg .b32 e, t;
-shl.b32 e, $4, 8;
-and.b32 t, e, 0x7F007F00;
+.reg .b32 p0, p1, t, b, z;
+prmt.b32 p0, $4, 0, 0x1404;
+prmt.b32 p1, $4, 0, 0x3424;
+and.b32 t, p0, 0x7F007F00;
 shr.u32 t, t, SHIFT;
-lop3.b32 e, e, 0x80008000, t, 0xEA;
-and.b32 t, $4, 0x7F007F00;
+lop3.b32 p0, p0, 0x80008000, t, 0xEA;
+and.b32 t, p1, 0x7F007F00;
 shr.u32 t, t, SHIFT;
-lop3.b32 t, $4, 0x80008000, t, 0xEA;
+lop3.b32 p1, p1, 0x80008000, t, 0xEA;
 BIAS
-mov.b32 {$0, $2}, e;
-mov.b32 {$1, $3}, t;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
 }"""
 E4M3_FP16_PTX = tl.constexpr(_E4M3_WORD_PTX.replace("SHIFT", "1").replace("BIAS\n", ""))
-E4M3_BF16_PTX = tl.constexpr(_E4M3_WORD_PTX.replace("SHIFT", "4").replace(".reg .b32 e, t;", ".reg .b32 e, t, b, z;").replace(
-    "BIAS", "mov.b32 b, 0x77807780;\nmov.b32 z, 0x80008000;\nfma.rn.bf16x2 e, e, b, z;\nfma.rn.bf16x2 t, t, b, z;"))
+E4M3_BF16_PTX = tl.constexpr(_E4M3_WORD_PTX.replace("SHIFT", "4").replace("BIAS", """mov.b32 b, 0x77807780;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 p0, p0, b, z;
+fma.rn.bf16x2 p1, p1, b, z;"""))
 
 
 @triton.jit
 def e4m3_words_to_halves(words, DTYPE: tl.constexpr):
     """int32 words [R, C] of float8_e4m3fn bytes packed along K (byte i of word r is row 4 r + i) -> each weight's
     value / 2^8 in DTYPE (fp16 / bf16) [4 R, C], exactly, as `e4m3_bits_to_fp16` (multiply by E4M3_TO_FP16_BIAS on
-    the dot's fp32 result). On a GPU one PTX block per word (E4M3_FP16_PTX / E4M3_BF16_PTX: per two codes one
-    shift, one and, one lop3, and in bf16 one packed FMA); the interpreter decodes byte by byte in fp16 (it runs this
+    the dot's fp32 result). On a GPU one PTX block per word (E4M3_FP16_PTX / E4M3_BF16_PTX: per two codes one prmt,
+    one and, one shift, one lop3, and in bf16 one packed FMA); the interpreter decodes byte by byte in fp16 (it runs this
     path in fp16 only, `fp8_word_decode`). Rows as `int8_words_to_halves` places them."""
     wt = tl.trans(words)
     if INTERPRETED:
@@ -537,7 +541,9 @@ def rows_absmax(x_ptrs, mask_m, k_lo, k_hi, BLOCK_K: tl.constexpr):
 def broadcast_rows(t, ROWS: tl.constexpr):
     """t [R, C] -> [ROWS, C] (R divides ROWS), row i = t[i % R]. A decode GEMM that quantizes its activations
     itself (fp8_gemm, int8_gemm) quantizes only the M bucket's R rows (`quant_rows`), not the dot's padding rows,
-    and copies them up to BLOCK_M here: with M <= R < BLOCK_M the copies meet masked output rows only."""
+    and copies them up to BLOCK_M here: with M <= R < BLOCK_M the copies meet masked output rows only. On a GPU the
+    rows pass an identity asm marked impure first: without it Triton computes the quantization in the dot operand's
+    layout, where each warp holds every row (32 quantizations a thread per K tile at M = 1, not one)."""
     R: tl.constexpr = t.shape[0]
     if R == ROWS:
         return t

@@ -43,8 +43,8 @@ from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch,
     activation_scale, broadcast_rows, check_gemm_activations, check_gemm_weight, check_launch_config,
-    compute_capability, config_rows, decode_split_k, e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile,
-    has_fp8_tensor_cores, ieee_dot, quant_rows, round_to_e4m3, next_pow2, rows_absmax, silu_mul_pairs,
+    compute_capability, config_rows, decode_split_k, e4m3_bits_to_fp16, e4m3_words_to_halves, gemm_grid, gemm_output,
+    gemm_tile, half_bit_tricks, has_fp8_tensor_cores, ieee_dot, quant_rows, round_to_e4m3, next_pow2, rows_absmax, silu_mul_pairs,
     split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.quant.weights import FP8Weight
@@ -119,7 +119,8 @@ def _rows_scale(a_scale, STATIC_A: tl.constexpr, BLOCK_M: tl.constexpr):
 def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, partials_ptr, arrivals_ptr, M, N, K,
                      stride_am, stride_wn, stride_ym, stride_asm, stride_asg, stride_wsn, stride_wsk,
                      A_GROUP: tl.constexpr, W_SCALE_BN: tl.constexpr, W_SCALE_BK: tl.constexpr,
-                     SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, QUANTIZE_A: tl.constexpr,
+                     SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, WORD_DECODE: tl.constexpr,
+                     QUANTIZE_A: tl.constexpr,
                      STATIC_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, QUANT_ROWS: tl.constexpr,
@@ -129,7 +130,8 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
 
     a: e4m3 [M, K] with a_scale [M, K/A_GROUP] fp32 (strides 0 where a scale is shared), or
     with WEIGHT_ONLY the fp16/bf16 activations themselves (a_scale unused). w: [N, K] e4m3, or
-    its uint8 bytes with WEIGHT_ONLY. w_scale[n // W_SCALE_BN, k // W_SCALE_BK].
+    its uint8 bytes with WEIGHT_ONLY, or with WORD_DECODE its int32 words [N, K / 4] (4 bytes along K each, decoded
+    by `common.e4m3_words_to_halves`). w_scale[n // W_SCALE_BN, k // W_SCALE_BK].
     QUANTIZE_A (decode M): a is the fp16/bf16/fp32 activations, quantized here tile by tile exactly as
     `quantize_activation_fp8` does (its scales from `rows_absmax` over the row or the A_GROUP group, or the static
     one at a_scale_ptr with STATIC_A), so the GEMM is the linear's only launch. It quantizes QUANT_ROWS rows (the M
@@ -145,7 +147,12 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
     else:
         a_rows, mask_a = rows, mask_m
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :]
-    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N], K-major
+    offs_kw = tl.arange(0, BLOCK_K // 4)  # WORD_DECODE: the tile's words along K
+    if WORD_DECODE:
+        k_words = tl.multiple_of(k_start // 4, BLOCK_K // 4)  # k_start: whole K tiles (16-byte loads)
+        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_words + offs_kw)[:, None]  # [BLOCK_K / 4, BLOCK_N]
+    else:
+        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N], K-major
     a_scale_ptrs = a_scale_ptr + rows * stride_asm
     w_scale_ptrs = w_scale_ptr + (offs_n // W_SCALE_BN) * stride_wsn
 
@@ -160,7 +167,10 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
     for k0 in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k0
         a = tl.load(a_ptrs, mask=mask_a[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if WORD_DECODE:
+            w = tl.load(w_ptrs, mask=(offs_kw < (k_end - k0) // 4)[:, None] & mask_n[None, :], other=0)
+        else:
+            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if QUANTIZE_A:  # the QUANT_ROWS rows, then copied up to the dot's BLOCK_M
             a = a.to(tl.float32)
             if SCALE_PER_TILE and not STATIC_A:  # the 1 x A_GROUP group holding this tile (BLOCK_K divides it)
@@ -171,7 +181,9 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
                     a_scale = _fp8_scale(rows_absmax(x_rows, mask_a, group_start, min(group_start + A_GROUP, K),
                                                      BLOCK_K))
             a = broadcast_rows(_quantize_fp8(a, a_scale), BLOCK_M)
-        if WEIGHT_ONLY:
+        if WORD_DECODE:
+            w = e4m3_words_to_halves(w, a.dtype)
+        elif WEIGHT_ONLY:
             # via fp32: exact, and the interpreter's direct fp16 -> bf16 cast is wrong
             w = e4m3_bits_to_fp16(w).to(tl.float32).to(a.dtype)
         partial = ieee_dot(a, w, None)  # fp32 accumulator; fp32 x (weight-only) in IEEE fp32, not tf32
@@ -187,7 +199,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
         else:
             acc += partial
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 4 if WORD_DECODE else BLOCK_K
 
     if not SCALE_PER_TILE:  # per-tensor / per-channel: scales are constant along K
         acc *= tl.load(w_scale_ptrs, mask=mask_n, other=0.0)[None, :]
@@ -344,14 +356,16 @@ _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FP8Weight -> its FP8Gemm 
 
 def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight, config: FP8GemmConfig,
                     out_dtype: torch.dtype, arrivals: torch.Tensor | None = None,
-                    quantize: bool = False, silu_mul: bool = False) -> tuple[Launch, torch.Tensor]:
+                    quantize: bool = False, silu_mul: bool = False, cc: int | None = None
+                    ) -> tuple[Launch, torch.Tensor]:
     """The launch of _fp8_gemm_kernel and its output y [M, N] in out_dtype (silu_mul: [M, N / 2], SwiGLU of the
     column pairs in the epilogue; with SPLIT_K > 1 also the fp32 partials and `arrivals`, the split-K counts:
     `common.gemm_output`).
 
     a [M, K] contiguous: e4m3 activations with a_scale from `quantize_activation_fp8` ([] static,
     [M, 1] per token, [M, K / bk] per group), or the fp16/bf16 activations themselves with a_scale
-    None (weight-only: the weight's bytes are decoded in the kernel). quantize: a is the fp16/bf16/fp32
+    None (weight-only: the weight's bytes are decoded in the kernel, by words where `fp8_word_decode` says so; cc:
+    the target of meta tensors, None: sm_80+). quantize: a is the fp16/bf16/fp32
     activations with a_scale None, quantized inside the GEMM (decode M; dynamically, or by w.input_scale), with
     the numbers of `quantize_activation_fp8`. The caller has checked config
     (with block scales BLOCK_K divides the K block). Over meta tensors this is what tune --aot compiles.
@@ -367,7 +381,8 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
         a_group, stride_asm, stride_asg = scale_bk if w.block_size is not None else K, 0, 0
     elif weight_only:
         a_scale, a_group, stride_asm, stride_asg = w_scale, K, 0, 0  # a_scale unused
-        weight = weight.view(torch.uint8)  # decoded with integer ops, no fp8 type needed
+        # decoded with integer ops, no fp8 type needed
+        weight = weight.view(torch.int32 if fp8_word_decode(a, weight, cc) else torch.uint8)
     else:
         a_group = scale_bk if w.block_size is not None else K
         # a static scale is shared by every row and group
@@ -379,7 +394,8 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
                 stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=y.stride(0), stride_asm=stride_asm,
                 stride_asg=stride_asg, stride_wsn=stride_wsn, stride_wsk=stride_wsk,
                 A_GROUP=a_group, W_SCALE_BN=scale_bn, W_SCALE_BK=scale_bk,
-                SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only, QUANTIZE_A=quantize,
+                SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only,
+                WORD_DECODE=weight.dtype == torch.int32, QUANTIZE_A=quantize,
                 STATIC_A=quantize and static, HAS_BIAS=w.bias is not None,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
                 SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul,
@@ -387,6 +403,14 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
                 # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
                 res_ptr=y, norm_w_ptr=y, h_ptr=y, sumsq_ptr=partials, row_arrivals_ptr=y, eps=0.0, ADD_NORM=False)
     return Launch(_fp8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
+
+
+def fp8_word_decode(x: torch.Tensor, weight: torch.Tensor, cc: int | None = None) -> bool:
+    """Whether the weight-only path decodes the e4m3 weight [N, K] 4 bytes a word (`common.e4m3_words_to_halves`,
+    inline PTX) for activations like x: where `common.half_bit_tricks` allows it (fp16 / bf16 from sm_80, fp16 under
+    the interpreter; sm_75 keeps the byte decode) and the bytes read as int32 words (K and the storage offset
+    multiples of 4)."""
+    return half_bit_tricks(x, cc) and weight.shape[1] % 4 == 0 and weight.storage_offset() % 4 == 0
 
 
 def tuned_config(M: int, N: int, K: int, weight_only: bool, block_k: int = 128, cc: int | None = 90,
@@ -547,4 +571,4 @@ def aot_launch(config: FP8GemmConfig, M: int, N: int, K: int, cc: int, dtype: to
     else:
         a = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=meta)
         a_scale = torch.empty(M, triton.cdiv(K, 128) if block else 1, dtype=torch.float32, device=meta)
-    return fp8_gemm_launch(a, a_scale, w, config, dtype, quantize=cc >= 89 and M <= QUANTIZE_IN_GEMM_MAX_M)[0]
+    return fp8_gemm_launch(a, a_scale, w, config, dtype, quantize=cc >= 89 and M <= QUANTIZE_IN_GEMM_MAX_M, cc=cc)[0]
