@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
-from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch,
+from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, INTERPRETED, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch,
     activation_scale, broadcast_rows, check_gemm_activations, check_gemm_weight, check_launch_config,
     compute_capability, config_rows, decode_split_k, e4m3_bits_to_fp16, e4m3_words_to_halves, gemm_grid, gemm_output,
     gemm_tile, half_bit_tricks, has_fp8_tensor_cores, ieee_dot, quant_rows, round_to_e4m3, next_pow2, rows_absmax, silu_mul_pairs,
@@ -99,11 +99,14 @@ def _fp8_scale(absmax):
 
 @triton.jit
 def _quantize_fp8(x, scale):
-    """fp32 x / scale (a scalar, or broadcasting against x) -> e4m3, rounded to nearest even. div_rn: IEEE division,
-    so the GPU rounds exactly like the torch reference (plain `/` is an approximate division on NVIDIA); the clamp
-    makes out-of-range values saturate."""
-    q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -_FP8_MAX, _FP8_MAX)
-    return round_to_e4m3(q).to(tl.float8e4nv)
+    """fp32 x / scale (a scalar, or broadcasting against x) -> e4m3, rounded to nearest even, out-of-range values
+    saturated at +-448. div_rn: IEEE division, so the GPU rounds exactly like the torch reference (plain `/` is an
+    approximate division on NVIDIA). The GPU's cast is one cvt.rn.satfinite per pair, which rounds and saturates
+    so; the interpreter's cast does neither right, so there the clamp and `round_to_e4m3` come first."""
+    q = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    if INTERPRETED:
+        q = round_to_e4m3(tl.clamp(q, -_FP8_MAX, _FP8_MAX))
+    return q.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -425,13 +428,14 @@ def tuned_config(M: int, N: int, K: int, weight_only: bool, block_k: int = 128, 
 
 def default_config(M: int, N: int, K: int, block_k: int = 128, cc: int | None = 90, block_scaled: bool = False,
                    weight_only: bool = False) -> FP8GemmConfig:
-    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight, fp8 x fp8 over 128 columns
-    (the activation rows, quantized once per K tile, serve twice the weights of 64; sm_90's dot upcasts them per
-    warp); prefill takes 128 x 128 tiles, but 128 x 64 before sm_90 for block-scaled weights (a per-tile scale) and
+    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight, over 128 columns (fp8 x fp8:
+    the activation rows, quantized once per K tile, serve twice the weights of 64, and sm_90's dot upcasts them per
+    warp; weight-only: the loop's addressing spread over twice the weights), 64 for sm_75's weight-only byte decode;
+    prefill takes 128 x 128 tiles, but 128 x 64 before sm_90 for block-scaled weights (a per-tile scale) and
     on the weight-only path (the in-kernel e4m3 decode), whose registers make 128 x 128 spill: 8 bytes on
     sm_89 block-scaled, 24-32 bytes weight-only on sm_80 (AOT, Triton 3.7.1 and 3.9); 128 x 64 none."""
     if M <= 16:
-        block_n = 64 if weight_only else 128
+        block_n = 64 if weight_only and cc is not None and cc < 80 else 128
         return FP8GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
                              SPLIT_K=decode_split_k(N, K, block_k, block_n), num_warps=4, num_stages=4)
     if M <= 64:

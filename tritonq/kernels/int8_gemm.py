@@ -52,8 +52,8 @@ from tritonq.quant.weights import W8A8Weight
 INT8_MIN, INT8_MAX = -128.0, 127.0
 DYNAMIC_DIVISOR = 127.5  # compressed-tensors' symmetric int8 scale: absmax / ((127 - (-128)) / 2)
 SCALE_EPS = 1e-10  # floor on absmax so all-zero rows get a finite scale (and quantize to 0)
-# Adding and removing 1.5 * 2^23 rounds an fp32 |v| < 2^22 to an integer, ties to even (torch.round's rule):
-# at that magnitude the fp32 ulp is 1.
+# Adding 1.5 * 2^23 rounds an fp32 |v| < 2^22 to an integer, ties to even (torch.round's rule): at that magnitude the
+# fp32 ulp is 1, and the sum's bits are 0x4B400000 + the integer (two's complement in the low bits).
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 _INT8_MIN, _INT8_MAX = tl.constexpr(INT8_MIN), tl.constexpr(INT8_MAX)
 _DYNAMIC_DIVISOR = tl.constexpr(DYNAMIC_DIVISOR)
@@ -87,9 +87,8 @@ def _quantize_int8(x, scale, zero_point_ptr, ASYMMETRIC: tl.constexpr):
     v = tl.math.div_rn(x, tl.zeros_like(x) + scale)
     if ASYMMETRIC:
         v += tl.load(zero_point_ptr).to(tl.float32)
-    v = tl.clamp(v, _INT8_MIN, _INT8_MAX)
-    v = (v + _ROUND_MAGIC) - _ROUND_MAGIC
-    return v.to(tl.int8)
+    # + 1.5 * 2^23 rounds to an integer (half to even) in the low mantissa bits: the low byte is the int8 code
+    return (tl.clamp(v, _INT8_MIN, _INT8_MAX) + _ROUND_MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
 
 
 @triton.jit
@@ -362,14 +361,16 @@ def tuned_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfig:
 
 
 def default_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfig:
-    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight; prefill takes
+    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight, 128 columns a program
+    (the activation rows, quantized once per K tile, serve twice the weights of 64); prefill takes
     128 x 128 int8 tiles. sm_75 (FMA dots, module docstring) takes 32-deep K tiles: 16 x 64 at decode,
     64 x 64 with 8 warps at prefill; 64- and 128-deep ones spill there (336-7600 bytes, AOT, Triton 3.9)."""
     fma = cc is not None and cc < 80
     block_k = 32 if fma else 128
     if M <= 16:  # the split counts 128-deep K tiles, also for sm_75's 32-deep ones
-        return Int8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=decode_split_k(N, K, 128),
-                              num_warps=4, num_stages=4)
+        block_n = 64 if fma else 128
+        return Int8GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
+                              SPLIT_K=decode_split_k(N, K, 128, block_n), num_warps=4, num_stages=4)
     if fma:
         return Int8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2)
     if M <= 64:
