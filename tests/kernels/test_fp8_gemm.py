@@ -100,7 +100,7 @@ def test_split_k_matches_reference(scheme, weight_only):
 
 def test_default_decode_config_splits_k():
     assert fp8.default_config(1, 4096, 4096).SPLIT_K == 8  # 32 N tiles of 128 x 8 splits = 256 programs
-    assert fp8.default_config(1, 4096, 4096, cc=75, weight_only=True).SPLIT_K == 4  # 64 N tiles of 64 x 4 splits
+    assert fp8.default_config(1, 4096, 4096, cc=75).SPLIT_K == 4  # 64 N tiles of 64 x 4 splits
     assert fp8.default_config(1, 2048, 7168).SPLIT_K == 14  # 56 K tiles: at least 4 a slice
     assert fp8.default_config(1, N, K).SPLIT_K == 1 and fp8.default_config(256, 4096, 4096).SPLIT_K == 1
 

@@ -430,12 +430,12 @@ def default_config(M: int, N: int, K: int, block_k: int = 128, cc: int | None = 
                    weight_only: bool = False) -> FP8GemmConfig:
     """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight, over 128 columns (fp8 x fp8:
     the activation rows, quantized once per K tile, serve twice the weights of 64, and sm_90's dot upcasts them per
-    warp; weight-only: the loop's addressing spread over twice the weights), 64 for sm_75's weight-only byte decode;
+    warp; weight-only: the loop's addressing spread over twice the weights), 64 on sm_75 (its byte decode spills);
     prefill takes 128 x 128 tiles, but 128 x 64 before sm_90 for block-scaled weights (a per-tile scale) and
     on the weight-only path (the in-kernel e4m3 decode), whose registers make 128 x 128 spill: 8 bytes on
     sm_89 block-scaled, 24-32 bytes weight-only on sm_80 (AOT, Triton 3.7.1 and 3.9); 128 x 64 none."""
     if M <= 16:
-        block_n = 64 if weight_only and cc is not None and cc < 80 else 128
+        block_n = 64 if cc is not None and cc < 80 else 128
         return FP8GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
                              SPLIT_K=decode_split_k(N, K, block_k, block_n), num_warps=4, num_stages=4)
     if M <= 64:
