@@ -14,6 +14,7 @@
                        packed FMAs; GPU from sm_80, `mxfp4_word_decode`; moe's mxfp4 experts in bf16)
   e4m3_bits_to_fp16    float8_e4m3fn bytes -> fp16 / 2^8 with integer ops, for GPUs without fp8
                        types (fp8_gemm's weight-only path, moe's fp8 experts, the fp8 KV cache)
+  e4m3_words_to_halves the same 4 bytes a word by inline PTX, fp16 / bf16 (fp8_gemm's weight-only path from sm_80)
   round_to_e4m3        fp32 -> the nearest e4m3 value, still fp32 (fp8_gemm's activations)
   e4m3_bits_from_fp32  fp32 -> e4m3 bytes with integer ops (the fp8 KV cache's write, any GPU)
   ieee_dot             tl.dot that multiplies fp32 operands in IEEE fp32, not tf32 (attention,
@@ -436,8 +437,8 @@ def e4m3_words_to_halves(words, DTYPE: tl.constexpr):
     """int32 words [R, C] of float8_e4m3fn bytes packed along K (byte i of word r is row 4 r + i) -> each weight's
     value / 2^8 in DTYPE (fp16 / bf16) [4 R, C], exactly, as `e4m3_bits_to_fp16` (multiply by E4M3_TO_FP16_BIAS on
     the dot's fp32 result). On a GPU one PTX block per word (E4M3_FP16_PTX / E4M3_BF16_PTX: per two codes one prmt,
-    one and, one shift, one lop3, and in bf16 one packed FMA); the interpreter decodes byte by byte in fp16 (it runs this
-    path in fp16 only, `fp8_word_decode`). Rows as `int8_words_to_halves` places them."""
+    one and, one shift, one lop3, and in bf16 one packed FMA); the interpreter decodes byte by byte in fp16 (it runs
+    this path in fp16 only, `fp8_gemm.fp8_word_decode`). Rows as `int8_words_to_halves` places them."""
     wt = tl.trans(words)
     if INTERPRETED:
         o0 = e4m3_bits_to_fp16(wt & 255)

@@ -7,7 +7,8 @@ Weight scales (FP8Weight.weight_scale, W = weight * scale):
 Activations are quantized to e4m3 dynamically per token (one scale per row of x), per 1 x bk group for block
 weights, or statically with FP8Weight.input_scale. Scale = absmax / 448, values clamped to +-448 before the cast.
 Up to QUANTIZE_IN_GEMM_MAX_M rows (decode) the GEMM kernel quantizes the tiles it reads itself (each program
-reads its rows' absmax over all of K, or over the tile's group: x is a few KB there), so a linear is one launch;
+reads its rows' absmax over all of K, or over the tile's group: x is a few KB there; only the M bucket's rows,
+`common.broadcast_rows`), so a linear is one launch;
 above, `quantize_activation_fp8` (a Triton kernel) writes the e4m3 activations first. Both give the same numbers.
 
 Two kernel paths, one @triton.jit kernel:
@@ -15,7 +16,8 @@ Two kernel paths, one @triton.jit kernel:
       a_scale * w_scale after every K tile (the tile never straddles a scale block), per-tensor
       and per-channel weights apply them once in the epilogue.
   weight-only (below sm_89, where Triton has no e4m3): x stays fp16/bf16/fp32 and the weight bytes
-      are turned into fp16 with integer ops (exact, see `common.e4m3_bits_to_fp16`), then tl.dot
+      are turned into fp16 with integer ops (exact, see `common.e4m3_bits_to_fp16`; from sm_80 in fp16 / bf16
+      4 bytes a word by inline PTX, `common.e4m3_words_to_halves`), then tl.dot
       in x.dtype (fp32 in IEEE fp32, `common.ieee_dot`).
 Decode-sized M splits K across programs (SPLIT_K) so that enough programs stream the weight; each
 K slice writes its fp32 partial into its own plane of a [SPLIT_K, M, N] buffer and the last slice
@@ -41,11 +43,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
-from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, INTERPRETED, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch,
-    activation_scale, broadcast_rows, check_gemm_activations, check_gemm_weight, check_launch_config,
-    compute_capability, config_rows, decode_split_k, e4m3_bits_to_fp16, e4m3_words_to_halves, gemm_grid, gemm_output,
-    gemm_tile, half_bit_tricks, has_fp8_tensor_cores, ieee_dot, quant_rows, round_to_e4m3, next_pow2, rows_absmax, silu_mul_pairs,
-    split_k_arrivals, store_gemm_tile, tuned_or_default)
+from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, INTERPRETED, QUANTIZE_IN_GEMM_MAX_M, GemmConfig,
+    GemmPlan, Launch, activation_scale, broadcast_rows, check_gemm_activations, check_gemm_weight,
+    check_launch_config, compute_capability, config_rows, decode_split_k, e4m3_bits_to_fp16, e4m3_words_to_halves,
+    gemm_grid, gemm_output, gemm_tile, half_bit_tricks, has_fp8_tensor_cores, ieee_dot, quant_rows, round_to_e4m3,
+    next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.quant.weights import FP8Weight
 
