@@ -53,12 +53,12 @@ GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": di
 # int8, nf4, MoE int4, fp8, w8a8) or ~10%. sm_80's fp8-block is the weight-only path (e4m3 words decoded by PTX:
 # 8.45 with the byte decode before), sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's fp8-block and both w8a8
 # quantize x inside the loop at decode (one launch, no quantization kernel first): 8.9 and 6.0 per weight while that
-# quantized the dot's 16 padded rows (in every warp's operand layout), 2.0 and 0.7-0.8 for the M bucket's rows.
+# quantized the dot's 16 padded rows (in every warp's operand layout), 2.1 and 0.7 for the M bucket's rows.
 ALU_PER_WEIGHT = {
     (80, "int4-awq"): 2.55, (80, "int4-gptq"): 2.45, (80, "int4-act-order"): 2.75, (80, "int8-gptq"): 3.55,
-    (80, "nf4"): 2.9, (80, "fp8-block"): 3.65, (80, "w8a8"): 0.89,
+    (80, "nf4"): 2.9, (80, "fp8-block"): 3.65, (80, "w8a8"): 0.78,
     (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 2.85, (90, "int8-gptq"): 3.55,
-    (90, "nf4"): 2.95, (90, "fp8-block"): 2.15, (90, "w8a8"): 0.77,
+    (90, "nf4"): 2.95, (90, "fp8-block"): 2.2, (90, "w8a8"): 0.73,
     # the MoE's gate/up tile loads: int4 3.8 before its group size became a constexpr (divisions by shifts); MXFP4 in
     # bf16 (common.mxfp4_words_to_bf16: prmt byte lookups, two packed bf16 multiplies per two codes) 12.0 before,
     # with integer decode and fp32 scaling

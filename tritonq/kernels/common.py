@@ -20,6 +20,7 @@
   ieee_dot             tl.dot that multiplies fp32 operands in IEEE fp32, not tf32 (attention,
                        fp8_gemm's weight-only path; int4_gemm and moe upcast via UPCAST_DOT)
   activation_scale     per-token / per-group activation scale (fp8_gemm's and int8_gemm's quantizers)
+  divide_by_scale      x / scale as IEEE division rounds it, by one reciprocal per scale (the same quantizers)
   rows_absmax          a row's (or group's) max |x| inside a GEMM that quantizes its activations itself
   broadcast_rows       such a GEMM's quantized rows (the M bucket's) copied up to the dot's BLOCK_M rows
   gemm_tile / store_gemm_tile
@@ -523,6 +524,25 @@ def activation_scale(x, static_scale_ptr, STATIC: tl.constexpr, Q_MAX: tl.conste
         absmax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS)
         scale = tl.math.div_rn(absmax, tl.zeros_like(absmax) + Q_MAX)
     return scale
+
+
+@triton.jit
+def divide_by_scale(x, scale):
+    """fp32 x / scale, rounded as IEEE division (div_rn) rounds it, for a positive scale shared by many x (a scalar, or
+    [R, 1] against x [R, C]): the activation quantizers' division. One IEEE reciprocal r = 1 / scale per scale, then per
+    x q = x r and two corrections q + (x - q scale) r by FMA (the remainder is exact), the second correctly rounded
+    (Markstein's theorem: r within half an ulp of 1 / scale, q within one ulp): five FMAs and a sign copy per x, where
+    div_rn repeats the reciprocal and adds a range check and a slow-path branch. Exact for finite x where x and the
+    quotient lie between 2^-100 and 2^126 in magnitude (the remainders stay normal); outside, the quantizers saturate
+    anyway, or both quotients are below 2^-40 (scales >= 2^-42): code 0 either way. tests/kernels/test_dequant_bits.py
+    compares it bit for bit with torch's division. The OR of x's sign bit keeps -0 / scale = -0 (the corrections add
+    +0)."""
+    r = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    q = x * r
+    q = tl.fma(tl.fma(-q, scale, x), r, q)
+    q = tl.fma(tl.fma(-q, scale, x), r, q)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -45,7 +45,7 @@ from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, INTERPRETED, QUANTIZE_IN_GEMM_MAX_M, GemmConfig,
     GemmPlan, Launch, activation_scale, broadcast_rows, check_gemm_activations, check_gemm_weight,
-    check_launch_config, compute_capability, config_rows, decode_split_k, e4m3_bits_to_fp16, e4m3_words_to_halves,
+    check_launch_config, compute_capability, config_rows, decode_split_k, divide_by_scale, e4m3_bits_to_fp16, e4m3_words_to_halves,
     gemm_grid, gemm_output, gemm_tile, half_bit_tricks, has_fp8_tensor_cores, ieee_dot, quant_rows, round_to_e4m3,
     next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
@@ -102,10 +102,10 @@ def _fp8_scale(absmax):
 @triton.jit
 def _quantize_fp8(x, scale):
     """fp32 x / scale (a scalar, or broadcasting against x) -> e4m3, rounded to nearest even, out-of-range values
-    saturated at +-448. div_rn: IEEE division, so the GPU rounds exactly like the torch reference (plain `/` is an
-    approximate division on NVIDIA). The GPU's cast is one cvt.rn.satfinite per pair, which rounds and saturates
-    so; the interpreter's cast does neither right, so there the clamp and `round_to_e4m3` come first."""
-    q = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    saturated at +-448. The division rounds as IEEE division does (`divide_by_scale`), like the torch reference (plain
+    `/` is an approximate division on NVIDIA). The GPU's cast is one cvt.rn.satfinite per pair, which rounds and
+    saturates so; the interpreter's cast does neither right, so there the clamp and `round_to_e4m3` come first."""
+    q = divide_by_scale(x, scale)
     if INTERPRETED:
         q = round_to_e4m3(tl.clamp(q, -_FP8_MAX, _FP8_MAX))
     return q.to(tl.float8e4nv)

@@ -44,7 +44,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.common import (WeightGemm, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch, activation_scale,
     broadcast_rows, check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, config_rows,
-    decode_split_k, gemm_grid, gemm_output, gemm_tile, next_pow2, quant_rows, rows_absmax, silu_mul_pairs,
+    decode_split_k, divide_by_scale, gemm_grid, gemm_output, gemm_tile, next_pow2, quant_rows, rows_absmax, silu_mul_pairs,
     split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.quant.weights import W8A8Weight
@@ -83,8 +83,9 @@ def _quantize_activation_int8_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, zero
 @triton.jit
 def _quantize_int8(x, scale, zero_point_ptr, ASYMMETRIC: tl.constexpr):
     """fp32 x / scale (a scalar, or broadcasting against x) (+ the zero point) -> clamp -> round half to even ->
-    int8. div_rn: IEEE division, so the GPU rounds exactly like torch (plain `/` is approximate on NVIDIA)."""
-    v = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    int8. The division rounds as IEEE division does (`common.divide_by_scale`), like torch (plain `/` is approximate
+    on NVIDIA)."""
+    v = divide_by_scale(x, scale)
     if ASYMMETRIC:
         v += tl.load(zero_point_ptr).to(tl.float32)
     # + 1.5 * 2^23 rounds to an integer (half to even) in the low mantissa bits: the low byte is the int8 code
