@@ -16,8 +16,9 @@ branch of the SASS, Triton's bundled cuobjdump) must show:
     per two codes one prmt, one lop3 and one half2 subtraction, the scale on the dot's result), act-order
     too (sorted by group once, x read through the permutation: int4_gemm.sort_act_order); 8-bit in fp16 is
     below it (one prmt per two codes), in bf16 above (through fp32: a prmt and an FADD per code); nf4 looks its
-    codes up by pairs (common.code_pairs_lookup); the fp8 / W8A8 decode loops do not reach it yet
-    (docs/gpu_kernels.md has the before / after mix and what is left).
+    codes up by pairs (common.code_pairs_lookup); fp8 x fp8 (sm_90) and W8A8 quantize only the M bucket's rows of x
+    per K tile (common.broadcast_rows) over 128 columns; fp8 weight-only (sm_80) decodes 4 e4m3 bytes a word
+    (common.e4m3_words_to_halves) (docs/gpu_kernels.md has the before / after mix and what is left).
 The prefill launches (M = 256) of int4, int8, fp8-block and W8A8 must issue their tensor-core instruction in the
 main loop (sm_90: wgmma, HGMMA / QGMMA / IGMMA; sm_80: HMMA / IMMA), load their weight tiles by 16-byte cp.async
 over >= 3 pipeline stages and not spill.
@@ -50,15 +51,15 @@ GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": di
               "gguf-q6_k": dict(bits=6, group=16, offsets=False),
               "gguf-iq4_xs": dict(bits=4, group=32, offsets=False, code=True)}
 # {(cc, weight type): ALU instructions per weight}: measured (Triton 3.9, bf16; fp16 is at or below) + ~5% (int4,
-# int8, nf4, MoE int4) or ~10%. sm_80's fp8-block is the weight-only path (e4m3 bytes decoded with integer ops),
-# sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's fp8-block and both w8a8 quantize their x tile inside the
-# loop at decode (one launch instead of a quantization kernel first: 16 padded rows x BLOCK_K values per BLOCK_K x
-# BLOCK_N weights): 2.2 -> 8.9 and 0.8 -> 6.0 per weight.
+# int8, nf4, MoE int4, fp8, w8a8) or ~10%. sm_80's fp8-block is the weight-only path (e4m3 words decoded by PTX:
+# 8.45 with the byte decode before), sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's fp8-block and both w8a8
+# quantize x inside the loop at decode (one launch, no quantization kernel first): 8.9 and 6.0 per weight while that
+# quantized the dot's 16 padded rows (in every warp's operand layout), 2.1 and 0.7 for the M bucket's rows.
 ALU_PER_WEIGHT = {
     (80, "int4-awq"): 2.55, (80, "int4-gptq"): 2.45, (80, "int4-act-order"): 2.75, (80, "int8-gptq"): 3.55,
-    (80, "nf4"): 2.9, (80, "fp8-block"): 9.4, (80, "w8a8"): 6.6,
+    (80, "nf4"): 2.9, (80, "fp8-block"): 3.65, (80, "w8a8"): 0.78,
     (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 2.85, (90, "int8-gptq"): 3.55,
-    (90, "nf4"): 2.95, (90, "fp8-block"): 9.8, (90, "w8a8"): 6.7,
+    (90, "nf4"): 2.95, (90, "fp8-block"): 2.2, (90, "w8a8"): 0.73,
     # the MoE's gate/up decode loops (moe.WORD_DECODE_CONFIG, 16 x 64 x 128: whole K tiles unmasked, expert bases
     # once, int4's scale row on the dot's result; MXFP4 by common.mxfp4_words_to_half: prmt byte lookups from
     # immediate tables, one packed multiply per two codes): int4 2.46 / 2.48 (sm_90 / sm_80; 3.47 at 16 x 64 x 64
@@ -74,7 +75,7 @@ ALU_PER_WEIGHT = {
 }
 CASES = [(cc, "bfloat16", kind) for cc in (80, 90)
          for kind in (*WEIGHT_TYPES, "moe-int4", "moe-mxfp4", *GGUF_KINDS)] + [
-    (cc, "float16", kind) for cc in (80, 90) for kind in ("int4-awq", "int8-gptq")]
+    (cc, "float16", kind) for cc in (80, 90) for kind in ("int4-awq", "int8-gptq", "fp8-block")]
 
 
 def _mix(case) -> dict:

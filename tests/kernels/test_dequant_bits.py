@@ -247,6 +247,53 @@ def test_code_pair_table_gives_both_codes_of_every_byte(dtype):
         assert torch.equal(got, code[[b & 15, b >> 4]].to(dtype)), b
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_e4m3_word_ptx_gives_each_byte_over_256(dtype):
+    """Output j of the fp8 weight-only path's PTX (common.e4m3_words_to_halves) is byte j of the word read as
+    float8_e4m3fn, divided by 2^8, in dtype: exactly, for every byte value but the two NaNs in every byte (normals,
+    subnormals, both zeros: the sign bits compared too), and random words."""
+    ptx = (common.E4M3_FP16_PTX if dtype == torch.float16 else common.E4M3_BF16_PTX).value
+    for word in byte_words():
+        got = halves(run_ptx(ptx, word, outputs=4), dtype)
+        codes = torch.tensor([(word >> (8 * j)) & 255 for j in range(4)], dtype=torch.uint8)
+        expected = (codes.view(torch.float8_e4m3fn).float() / 256).to(dtype)
+        finite = (codes & 0x7F) != 0x7F
+        assert torch.equal(got.view(torch.int16)[finite], expected.view(torch.int16)[finite]), hex(word)
+
+
+@triton.jit
+def _divide_kernel(x_ptr, s_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.arange(0, ROWS)[:, None]
+    offs = rows * COLS + tl.arange(0, COLS)[None, :]
+    tl.store(out_ptr + offs, common.divide_by_scale(tl.load(x_ptr + offs), tl.load(s_ptr + rows)))
+
+
+def test_divide_by_scale_rounds_like_ieee_division():
+    """The quantizers' division (common.divide_by_scale: one reciprocal per scale, two FMA corrections per x) equals
+    torch's fp32 division bit for bit, signed zeros included: every finite bf16 and fp16 value as x against 64
+    scales: absmax / 448 and absmax / 127.5 of random and of adversarial absmax (all-ones mantissas, powers of two,
+    the 1e-10 floor). Where x or the quotient is below 2^-100 the remainder can underflow and the last bits differ,
+    but both results are then below 2^-40 (x / a scale >= 2^-42), code 0 in e4m3 and int8 alike. The interpreter's
+    FMA rounds once, as the GPU's does."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = torch.cat([bits.view(torch.bfloat16).float(), bits.view(torch.float16).float()])
+    x = x[torch.isfinite(x)]
+    absmax = torch.cat([torch.tensor([1e-10, 1.0, 2.0, 448.0, 3.0e38, 1.9999999, 1.0 - 2**-24, 65504.0]),
+                        2.0 ** torch.empty(24).uniform_(-20, 20)])
+    scales = torch.cat([absmax / torch.full_like(absmax, 448.0), absmax / torch.full_like(absmax, 127.5)])
+    cols = 4096
+    x = torch.nn.functional.pad(x, (0, -x.numel() % cols)).reshape(-1, cols)
+    for s in scales:  # one scale for every row, all x at once
+        rows = x.shape[0]
+        out = torch.empty_like(x)
+        _divide_kernel[(1,)](x, s.expand(rows).contiguous(), out, rows, cols)
+        quotient = x / s
+        tiny = (x != 0) & ((x.abs() < 2.0**-100) | (quotient.abs() < 2.0**-100))
+        exact = ~tiny & (quotient.abs() < 2.0**126)  # the quantizers saturate far below
+        assert torch.equal(out[exact].view(torch.int32), quotient[exact].view(torch.int32)), f"scale {s.item()}"
+        assert (out[tiny].abs() < 2.0**-40).all() and (quotient[tiny].abs() < 2.0**-40).all()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # MXFP4 (common.mxfp4_words_to_half): the PTX, run by the emulator above, for every e2m1 code in every position
 # of a word against every E8M0 scale its path takes, with the scale factors the kernel computes for it.

@@ -74,6 +74,19 @@ def test_weight_only_matches_reference(scheme, M):
     assert_matches_reference(out, fp8_gemm_reference(x, w, weight_only=True))
 
 
+@pytest.mark.parametrize("k", [K, K - 2])
+def test_weight_only_decodes_words_or_bytes(k):
+    """The weight-only path reads the e4m3 weight 4 bytes a word (common.e4m3_words_to_halves) where K is a multiple
+    of 4, else byte by byte; both equal the reference, M = 3 over a split K with a ragged last tile."""
+    w = make_weight("block", k=k, bias=True)
+    x = torch.randn(3, k, dtype=torch.float16)
+    config = FP8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=2)
+    launch, out = fp8.fp8_gemm_launch(x, None, w, config, x.dtype)
+    assert launch.args["WORD_DECODE"] == (k % 4 == 0)
+    launch()
+    assert_matches_reference(out, fp8_gemm_reference(x, w, weight_only=True))
+
+
 @pytest.mark.parametrize("scheme", ["channel", "block"])
 @pytest.mark.parametrize("weight_only", [False, True])
 def test_split_k_matches_reference(scheme, weight_only):
@@ -86,8 +99,9 @@ def test_split_k_matches_reference(scheme, weight_only):
 
 
 def test_default_decode_config_splits_k():
-    assert fp8.default_config(1, 4096, 4096).SPLIT_K == 4  # 64 N tiles x 4 splits = 256 programs
-    assert fp8.default_config(1, 2048, 7168).SPLIT_K == 8
+    assert fp8.default_config(1, 4096, 4096).SPLIT_K == 8  # 32 N tiles of 128 x 8 splits = 256 programs
+    assert fp8.default_config(1, 4096, 4096, cc=75).SPLIT_K == 4  # 64 N tiles of 64 x 4 splits
+    assert fp8.default_config(1, 2048, 7168).SPLIT_K == 14  # 56 K tiles: at least 4 a slice
     assert fp8.default_config(1, N, K).SPLIT_K == 1 and fp8.default_config(256, 4096, 4096).SPLIT_K == 1
 
 

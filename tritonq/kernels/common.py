@@ -14,12 +14,15 @@
                        and packed FMAs; GPU from sm_80, `mxfp4_word_decode`; moe's mxfp4 experts)
   e4m3_bits_to_fp16    float8_e4m3fn bytes -> fp16 / 2^8 with integer ops, for GPUs without fp8
                        types (fp8_gemm's weight-only path, moe's fp8 experts, the fp8 KV cache)
+  e4m3_words_to_halves the same 4 bytes a word by inline PTX, fp16 / bf16 (fp8_gemm's weight-only path from sm_80)
   round_to_e4m3        fp32 -> the nearest e4m3 value, still fp32 (fp8_gemm's activations)
   e4m3_bits_from_fp32  fp32 -> e4m3 bytes with integer ops (the fp8 KV cache's write, any GPU)
   ieee_dot             tl.dot that multiplies fp32 operands in IEEE fp32, not tf32 (attention,
                        fp8_gemm's weight-only path; int4_gemm and moe upcast via UPCAST_DOT)
   activation_scale     per-token / per-group activation scale (fp8_gemm's and int8_gemm's quantizers)
+  divide_by_scale      x / scale as IEEE division rounds it, by one reciprocal per scale (the same quantizers)
   rows_absmax          a row's (or group's) max |x| inside a GEMM that quantizes its activations itself
+  broadcast_rows       such a GEMM's quantized rows (the M bucket's) copied up to the dot's BLOCK_M rows
   gemm_tile / store_gemm_tile
                        the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice and
                        epilogue (bias on the first slice, then y or the split-K sum, or
@@ -461,6 +464,57 @@ def mxfp4_scale_factors(s, DTYPE: tl.constexpr, STEPS: tl.constexpr):
     return f1, f2
 
 
+# PTX of `e4m3_words_to_halves` on word $4 (e4m3 bytes b0..b3, b0 lowest): each code's value / 2^8 in fp16 or bf16,
+# two consecutive rows a register, no conversion instruction. A prmt puts bytes 2i and 2i + 1 in the high bytes of the
+# two 16-bit halves (the low bytes 0), then one and, one shift and one lop3 keep the sign bit and OR in the 7
+# exponent and mantissa bits moved down into the half's format: by 1 for fp16 (e4m3's 4-bit exponent and 3-bit
+# mantissa become fp16's low exponent and top mantissa bits: the value x 2^-8, subnormals too, as
+# `e4m3_bits_to_fp16`), by 4 for bf16 (the value x 2^-120, e4m3's subnormals bf16 subnormals), then one packed bf16
+# FMA by 2^112 (0x7780; with -0, which keeps the sign of zero) gives the value x 2^-8, exactly (bf16 FMAs keep
+# subnormals). Marlin's fp8 trick, with the prmt in place of its interleaved repacking.
+_E4M3_WORD_PTX = """{
+.reg .b32 p0, p1, t, b, z;
+prmt.b32 p0, $4, 0, 0x1404;
+prmt.b32 p1, $4, 0, 0x3424;
+and.b32 t, p0, 0x7F007F00;
+shr.u32 t, t, SHIFT;
+lop3.b32 p0, p0, 0x80008000, t, 0xEA;
+and.b32 t, p1, 0x7F007F00;
+shr.u32 t, t, SHIFT;
+lop3.b32 p1, p1, 0x80008000, t, 0xEA;
+BIAS
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+}"""
+E4M3_FP16_PTX = tl.constexpr(_E4M3_WORD_PTX.replace("SHIFT", "1").replace("BIAS\n", ""))
+E4M3_BF16_PTX = tl.constexpr(_E4M3_WORD_PTX.replace("SHIFT", "4").replace("BIAS", """mov.b32 b, 0x77807780;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 p0, p0, b, z;
+fma.rn.bf16x2 p1, p1, b, z;"""))
+
+
+@triton.jit
+def e4m3_words_to_halves(words, DTYPE: tl.constexpr):
+    """int32 words [R, C] of float8_e4m3fn bytes packed along K (byte i of word r is row 4 r + i) -> each weight's
+    value / 2^8 in DTYPE (fp16 / bf16) [4 R, C], exactly, as `e4m3_bits_to_fp16` (multiply by E4M3_TO_FP16_BIAS on
+    the dot's fp32 result). On a GPU one PTX block per word (E4M3_FP16_PTX / E4M3_BF16_PTX: per two codes one prmt,
+    one and, one shift, one lop3, and in bf16 one packed FMA); the interpreter decodes byte by byte in fp16 (it runs
+    this path in fp16 only, `fp8_gemm.fp8_word_decode`). Rows as `int8_words_to_halves` places them."""
+    wt = tl.trans(words)
+    if INTERPRETED:
+        o0 = e4m3_bits_to_fp16(wt & 255)
+        o1 = e4m3_bits_to_fp16((wt >> 8) & 255)
+        o2 = e4m3_bits_to_fp16((wt >> 16) & 255)
+        o3 = e4m3_bits_to_fp16((wt >> 24) & 255)
+    elif DTYPE == tl.float16:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            E4M3_FP16_PTX, "=h,=h,=h,=h,r", [wt], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            E4M3_BF16_PTX, "=h,=h,=h,=h,r", [wt], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=1)
+    return tl.trans(tl.interleave(tl.interleave(o0, o2), tl.interleave(o1, o3)))
+
+
 @triton.jit
 def e4m3_bits_to_fp16(u):
     """uint8 e4m3 bit patterns -> fp16 value / 2^8, exactly (also for subnormals; multiply by
@@ -533,6 +587,25 @@ def activation_scale(x, static_scale_ptr, STATIC: tl.constexpr, Q_MAX: tl.conste
 
 
 @triton.jit
+def divide_by_scale(x, scale):
+    """fp32 x / scale, rounded as IEEE division (div_rn) rounds it, for a positive scale shared by many x (a scalar, or
+    [R, 1] against x [R, C]): the activation quantizers' division. One IEEE reciprocal r = 1 / scale per scale, then per
+    x q = x r and two corrections q + (x - q scale) r by FMA (the remainder is exact), the second correctly rounded
+    (Markstein's theorem: r within half an ulp of 1 / scale, q within one ulp): five FMAs and a sign copy per x, where
+    div_rn repeats the reciprocal and adds a range check and a slow-path branch. Exact for finite x where x and the
+    quotient lie between 2^-100 and 2^126 in magnitude (the remainders stay normal); outside, the quantizers saturate
+    anyway, or both quotients are below 2^-40 (scales >= 2^-42): code 0 either way. tests/kernels/test_dequant_bits.py
+    compares it bit for bit with torch's division. The OR of x's sign bit keeps -0 / scale = -0 (the corrections add
+    +0)."""
+    r = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    q = x * r
+    q = tl.fma(tl.fma(-q, scale, x), r, q)
+    q = tl.fma(tl.fma(-q, scale, x), r, q)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def rows_absmax(x_ptrs, mask_m, k_lo, k_hi, BLOCK_K: tl.constexpr):
     """max |x| over columns [k_lo, k_hi) of each row, fp32 [BLOCK_M]: x_ptrs [BLOCK_M, BLOCK_K] point at column 0
     of the rows (masked rows give 0). The GEMMs that quantize their activations in the kernel (fp8_gemm, int8_gemm
@@ -543,6 +616,22 @@ def rows_absmax(x_ptrs, mask_m, k_lo, k_hi, BLOCK_K: tl.constexpr):
         x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & (offs_k < k_hi - k0)[None, :], other=0.0)
         absmax = tl.maximum(absmax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
     return absmax
+
+
+@triton.jit
+def broadcast_rows(t, ROWS: tl.constexpr):
+    """t [R, C] -> [ROWS, C] (R divides ROWS), row i = t[i % R]. A decode GEMM that quantizes its activations
+    itself (fp8_gemm, int8_gemm) quantizes only the M bucket's R rows (`quant_rows`), not the dot's padding rows,
+    and copies them up to BLOCK_M here: with M <= R < BLOCK_M the copies meet masked output rows only. On a GPU the
+    rows pass an identity asm marked impure first: without it Triton computes the quantization in the dot operand's
+    layout, where each warp holds every row (32 quantizations a thread per K tile at M = 1, not one)."""
+    R: tl.constexpr = t.shape[0]
+    if R == ROWS:
+        return t
+    if not INTERPRETED:
+        t = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=t.dtype, is_pure=False,
+                                      pack=32 // t.dtype.primitive_bitwidth)
+    return tl.reshape(tl.broadcast_to(t[None, :, :], (ROWS // R, R, t.shape[1])), (ROWS, t.shape[1]))
 
 
 @triton.jit
@@ -857,10 +946,16 @@ def gemm_config_bucket(M: int, N: int, K: int) -> str:
 QUANTIZE_IN_GEMM_MAX_M = 16
 
 
-def decode_split_k(N: int, K: int, block_k: int) -> int:
-    """SPLIT_K of a decode-sized GEMM (BLOCK_N 64): about 256 programs (~2 waves) stream the weight, with at
+def quant_rows(M: int, block_m: int) -> int:
+    """QUANT_ROWS of a GEMM that quantizes its activations in the kernel: the rows it quantizes per K tile, the M
+    bucket (M rounded up to a power of two) up to the tile's block_m (`broadcast_rows`)."""
+    return min(next_pow2(M), block_m)
+
+
+def decode_split_k(N: int, K: int, block_k: int, block_n: int = 64) -> int:
+    """SPLIT_K of a decode-sized GEMM (BLOCK_N block_n): about 256 programs (~2 waves) stream the weight, with at
     least 4 K tiles of block_k per slice so that each slice still pipelines its loads."""
-    return max(1, min(triton.cdiv(K, block_k) // 4, 256 // triton.cdiv(N, 64)))
+    return max(1, min(triton.cdiv(K, block_k) // 4, 256 // triton.cdiv(N, block_n)))
 
 
 def check_gemm_weight(kernel: str, w, weight_type: type, dtype: torch.dtype, fix: str = "") -> None:
@@ -953,7 +1048,7 @@ class Launch:
 class WeightGemm:
     """Base of the per-weight GEMM objects (Int4Gemm, FP8Gemm, Int8Gemm): the weight held weakly, so the caches
     of bare calls (weight -> its GEMM object, weak keys) let the weight go; a Linear holds its weight itself.
-    A subclass sets N, K, device and silu_mul."""
+    A subclass sets N, K, device, silu_mul and plans (its GemmPlans by key)."""
 
     def __init__(self, w):
         self._weight = weakref.ref(w)
@@ -961,6 +1056,24 @@ class WeightGemm:
     @property
     def w(self):
         return self._weight()
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(y = x @ W^T + residual, RMSNorm(y) * norm_weight) [M, N] in one launch (`add_rms_norm_tile`, the
+        activations quantized in it as a decode call does): a decode step's o_proj with the residual addition and the
+        post-attention norm in its epilogue. None where that launch does not run (`fuses_add_norm`): the caller runs
+        the GEMM and norm_rope.add_rms_norm. FP8Gemm and Int8Gemm: the subclass's `_path(x)` (its kernel variant for
+        x's device) and `_plan(x, path, config, max_m, add_norm)` make the plan."""
+        if not self.fuses_add_norm(x, residual, norm_weight):
+            return None
+        M = x.shape[0]
+        x = x.contiguous()
+        path = self._path(x)
+        key = (next_pow2(M), x.dtype, path, "add_rms_norm")
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self._plan(x, path, None, key[0], add_norm=True)
+        return plan.run_add_norm(M, residual, norm_weight, eps, a_ptr=x, stride_am=x.stride(0))
 
     def fuses_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
         """Whether `add_rms_norm` runs x, residual and norm_weight in one launch (GemmPlan's add_norm): a decode

@@ -7,7 +7,8 @@ Weight scales (FP8Weight.weight_scale, W = weight * scale):
 Activations are quantized to e4m3 dynamically per token (one scale per row of x), per 1 x bk group for block
 weights, or statically with FP8Weight.input_scale. Scale = absmax / 448, values clamped to +-448 before the cast.
 Up to QUANTIZE_IN_GEMM_MAX_M rows (decode) the GEMM kernel quantizes the tiles it reads itself (each program
-reads its rows' absmax over all of K, or over the tile's group: x is a few KB there), so a linear is one launch;
+reads its rows' absmax over all of K, or over the tile's group: x is a few KB there; only the M bucket's rows,
+`common.broadcast_rows`), so a linear is one launch;
 above, `quantize_activation_fp8` (a Triton kernel) writes the e4m3 activations first. Both give the same numbers.
 
 Two kernel paths, one @triton.jit kernel:
@@ -15,7 +16,8 @@ Two kernel paths, one @triton.jit kernel:
       a_scale * w_scale after every K tile (the tile never straddles a scale block), per-tensor
       and per-channel weights apply them once in the epilogue.
   weight-only (below sm_89, where Triton has no e4m3): x stays fp16/bf16/fp32 and the weight bytes
-      are turned into fp16 with integer ops (exact, see `common.e4m3_bits_to_fp16`), then tl.dot
+      are turned into fp16 with integer ops (exact, see `common.e4m3_bits_to_fp16`; from sm_80 in fp16 / bf16
+      4 bytes a word by inline PTX, `common.e4m3_words_to_halves`), then tl.dot
       in x.dtype (fp32 in IEEE fp32, `common.ieee_dot`).
 Decode-sized M splits K across programs (SPLIT_K) so that enough programs stream the weight; each
 K slice writes its fp32 partial into its own plane of a [SPLIT_K, M, N] buffer and the last slice
@@ -41,10 +43,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
-from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch,
-    activation_scale, check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability,
-    config_rows, decode_split_k, e4m3_bits_to_fp16, gemm_grid, gemm_output, gemm_tile, has_fp8_tensor_cores, ieee_dot,
-    round_to_e4m3, next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile, tuned_or_default)
+from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, INTERPRETED, QUANTIZE_IN_GEMM_MAX_M, GemmConfig,
+    GemmPlan, Launch, activation_scale, broadcast_rows, check_gemm_activations, check_gemm_weight,
+    check_launch_config, compute_capability, config_rows, decode_split_k, divide_by_scale, e4m3_bits_to_fp16, e4m3_words_to_halves,
+    gemm_grid, gemm_output, gemm_tile, half_bit_tricks, has_fp8_tensor_cores, ieee_dot, quant_rows, round_to_e4m3,
+    next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.quant.weights import FP8Weight
 
@@ -98,64 +101,94 @@ def _fp8_scale(absmax):
 
 @triton.jit
 def _quantize_fp8(x, scale):
-    """fp32 x / scale (a scalar, or broadcasting against x) -> e4m3, rounded to nearest even. div_rn: IEEE division,
-    so the GPU rounds exactly like the torch reference (plain `/` is an approximate division on NVIDIA); the clamp
-    makes out-of-range values saturate."""
-    q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -_FP8_MAX, _FP8_MAX)
-    return round_to_e4m3(q).to(tl.float8e4nv)
+    """fp32 x / scale (a scalar, or broadcasting against x) -> e4m3, rounded to nearest even, out-of-range values
+    saturated at +-448. The division rounds as IEEE division does (`divide_by_scale`), like the torch reference (plain
+    `/` is an approximate division on NVIDIA). The GPU's cast is one cvt.rn.satfinite per pair, which rounds and
+    saturates so; the interpreter's cast does neither right, so there the clamp and `round_to_e4m3` come first."""
+    q = divide_by_scale(x, scale)
+    if INTERPRETED:
+        q = round_to_e4m3(tl.clamp(q, -_FP8_MAX, _FP8_MAX))
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _rows_scale(a_scale, STATIC_A: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The in-kernel activation scale against the dot's [BLOCK_M, BLOCK_N] result: the static scalar as it is, the
+    QUANT_ROWS rows' [QUANT_ROWS, 1] scales copied up to BLOCK_M rows as the activations were (`broadcast_rows`)."""
+    if STATIC_A:
+        return a_scale
+    return broadcast_rows(a_scale, BLOCK_M)
 
 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, partials_ptr, arrivals_ptr, M, N, K,
                      stride_am, stride_wn, stride_ym, stride_asm, stride_asg, stride_wsn, stride_wsk,
                      A_GROUP: tl.constexpr, W_SCALE_BN: tl.constexpr, W_SCALE_BK: tl.constexpr,
-                     SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, QUANTIZE_A: tl.constexpr,
+                     SCALE_PER_TILE: tl.constexpr, WEIGHT_ONLY: tl.constexpr, WORD_DECODE: tl.constexpr,
+                     QUANTIZE_A: tl.constexpr,
                      STATIC_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, QUANT_ROWS: tl.constexpr,
                      res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr):
     """y[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias); SILU_MUL: y [M, N / 2] = SwiGLU of the (gate, up) column
     pairs (`common.store_output`); ADD_NORM: y + residual and its RMSNorm h (`common.add_rms_norm_tile`).
 
     a: e4m3 [M, K] with a_scale [M, K/A_GROUP] fp32 (strides 0 where a scale is shared), or
     with WEIGHT_ONLY the fp16/bf16 activations themselves (a_scale unused). w: [N, K] e4m3, or
-    its uint8 bytes with WEIGHT_ONLY. w_scale[n // W_SCALE_BN, k // W_SCALE_BK].
+    its uint8 bytes with WEIGHT_ONLY, or with WORD_DECODE its int32 words [N, K / 4] (4 bytes along K each, decoded
+    by `common.e4m3_words_to_halves`). w_scale[n // W_SCALE_BN, k // W_SCALE_BK].
     QUANTIZE_A (decode M): a is the fp16/bf16/fp32 activations, quantized here tile by tile exactly as
     `quantize_activation_fp8` does (its scales from `rows_absmax` over the row or the A_GROUP group, or the static
-    one at a_scale_ptr with STATIC_A), so the GEMM is the linear's only launch.
+    one at a_scale_ptr with STATIC_A), so the GEMM is the linear's only launch. It quantizes QUANT_ROWS rows (the M
+    bucket, `common.quant_rows`), not the dot's padding rows: at M = 1 one row per K tile.
     SPLIT_K > 1 (decode): program_id(1) takes one K slice; the slices' scaled partial sums meet in
     `common.reduce_split_k`, in this launch.
     """
     rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                                      SPLIT_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :]
-    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N], K-major
+    if QUANTIZE_A and QUANT_ROWS < BLOCK_M:  # M <= QUANT_ROWS < BLOCK_M: one row block, its first QUANT_ROWS rows
+        a_rows = tl.arange(0, QUANT_ROWS).to(tl.int64)
+        mask_a = a_rows < M
+    else:
+        a_rows, mask_a = rows, mask_m
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :]
+    offs_kw = tl.arange(0, BLOCK_K // 4)  # WORD_DECODE: the tile's words along K
+    if WORD_DECODE:
+        k_words = tl.multiple_of(k_start // 4, BLOCK_K // 4)  # k_start: whole K tiles (16-byte loads)
+        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_words + offs_kw)[:, None]  # [BLOCK_K / 4, BLOCK_N]
+    else:
+        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N], K-major
     a_scale_ptrs = a_scale_ptr + rows * stride_asm
     w_scale_ptrs = w_scale_ptr + (offs_n // W_SCALE_BN) * stride_wsn
 
-    x_rows = a_ptr + rows[:, None] * stride_am + offs_k[None, :]  # QUANTIZE_A: column 0 of the rows
+    x_rows = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # QUANTIZE_A: column 0 of the rows
     if QUANTIZE_A:
         if STATIC_A:
             a_scale = tl.load(a_scale_ptr)
         elif not SCALE_PER_TILE:  # per token: each program reads its rows' absmax over all of K
-            a_scale = _fp8_scale(rows_absmax(x_rows, mask_m, 0, K, BLOCK_K))
+            a_scale = _fp8_scale(rows_absmax(x_rows, mask_a, 0, K, BLOCK_K))
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if QUANTIZE_A:
+        a = tl.load(a_ptrs, mask=mask_a[:, None] & mask_k[None, :], other=0.0)
+        if WORD_DECODE:
+            w = tl.load(w_ptrs, mask=(offs_kw < (k_end - k0) // 4)[:, None] & mask_n[None, :], other=0)
+        else:
+            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if QUANTIZE_A:  # the QUANT_ROWS rows, then copied up to the dot's BLOCK_M
             a = a.to(tl.float32)
             if SCALE_PER_TILE and not STATIC_A:  # the 1 x A_GROUP group holding this tile (BLOCK_K divides it)
                 if A_GROUP == BLOCK_K:
                     a_scale = _fp8_scale(tl.max(tl.abs(a), axis=1))
                 else:
                     group_start = k0 // A_GROUP * A_GROUP
-                    a_scale = _fp8_scale(rows_absmax(x_rows, mask_m, group_start, min(group_start + A_GROUP, K),
+                    a_scale = _fp8_scale(rows_absmax(x_rows, mask_a, group_start, min(group_start + A_GROUP, K),
                                                      BLOCK_K))
-            a = _quantize_fp8(a, a_scale)
-        if WEIGHT_ONLY:
+            a = broadcast_rows(_quantize_fp8(a, a_scale), BLOCK_M)
+        if WORD_DECODE:
+            w = e4m3_words_to_halves(w, a.dtype)
+        elif WEIGHT_ONLY:
             # via fp32: exact, and the interpreter's direct fp16 -> bf16 cast is wrong
             w = e4m3_bits_to_fp16(w).to(tl.float32).to(a.dtype)
         partial = ieee_dot(a, w, None)  # fp32 accumulator; fp32 x (weight-only) in IEEE fp32, not tf32
@@ -164,19 +197,19 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
             if WEIGHT_ONLY:
                 acc += partial * w_scale[None, :]
             elif QUANTIZE_A:
-                acc += partial * a_scale * w_scale[None, :]
+                acc += partial * _rows_scale(a_scale, STATIC_A, BLOCK_M) * w_scale[None, :]
             else:
                 a_scale = tl.load(a_scale_ptrs + (k0 // A_GROUP) * stride_asg, mask=mask_m, other=0.0)
                 acc += partial * a_scale[:, None] * w_scale[None, :]
         else:
             acc += partial
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 4 if WORD_DECODE else BLOCK_K
 
     if not SCALE_PER_TILE:  # per-tensor / per-channel: scales are constant along K
         acc *= tl.load(w_scale_ptrs, mask=mask_n, other=0.0)[None, :]
         if QUANTIZE_A:
-            acc *= a_scale
+            acc *= _rows_scale(a_scale, STATIC_A, BLOCK_M)
         elif not WEIGHT_ONLY:
             acc *= tl.load(a_scale_ptrs, mask=mask_m, other=0.0)[:, None]
     if WEIGHT_ONLY:
@@ -287,22 +320,10 @@ class FP8Gemm(WeightGemm):
                          stride_asm=stride_asm, stride_asg=stride_asg)
         return y.reshape(*lead, self.out_cols)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(y = x @ W^T + residual, RMSNorm(y) * norm_weight) [M, N] in one launch (`common.add_rms_norm_tile`, the
-        activations quantized in it as `__call__` does at decode): a decode step's o_proj with the residual addition
-        and the post-attention norm in its epilogue. None where that launch does not run
-        (`WeightGemm.fuses_add_norm`): the caller runs the GEMM and norm_rope.add_rms_norm."""
-        if not self.fuses_add_norm(x, residual, norm_weight):
-            return None
-        weight_only = self.w.weight_only or not has_fp8_tensor_cores(x.device)
-        M = x.shape[0]
-        x = x.contiguous()
-        key = (next_pow2(M), x.dtype, weight_only, "add_rms_norm")
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self.plans[key] = self._plan(x, weight_only, None, key[0], add_norm=True)
-        return plan.run_add_norm(M, residual, norm_weight, eps, a_ptr=x, stride_am=x.stride(0))
+    def _path(self, x: torch.Tensor) -> bool:
+        """Whether activations like x run weight-only (`WeightGemm.add_rms_norm`'s kernel variant), as `__call__`
+        decides it by default."""
+        return self.w.weight_only or not has_fp8_tensor_cores(x.device)
 
     def _pairs(self, y: torch.Tensor) -> torch.Tensor:
         """The torch paths' output: y, or with silu_mul SwiGLU of its column pairs (the kernel's epilogue)."""
@@ -340,14 +361,16 @@ _gemms: WeakIdKeyDictionary = WeakIdKeyDictionary()  # FP8Weight -> its FP8Gemm 
 
 def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight, config: FP8GemmConfig,
                     out_dtype: torch.dtype, arrivals: torch.Tensor | None = None,
-                    quantize: bool = False, silu_mul: bool = False) -> tuple[Launch, torch.Tensor]:
+                    quantize: bool = False, silu_mul: bool = False, cc: int | None = None
+                    ) -> tuple[Launch, torch.Tensor]:
     """The launch of _fp8_gemm_kernel and its output y [M, N] in out_dtype (silu_mul: [M, N / 2], SwiGLU of the
     column pairs in the epilogue; with SPLIT_K > 1 also the fp32 partials and `arrivals`, the split-K counts:
     `common.gemm_output`).
 
     a [M, K] contiguous: e4m3 activations with a_scale from `quantize_activation_fp8` ([] static,
     [M, 1] per token, [M, K / bk] per group), or the fp16/bf16 activations themselves with a_scale
-    None (weight-only: the weight's bytes are decoded in the kernel). quantize: a is the fp16/bf16/fp32
+    None (weight-only: the weight's bytes are decoded in the kernel, by words where `fp8_word_decode` says so; cc:
+    the target of meta tensors, None: sm_80+). quantize: a is the fp16/bf16/fp32
     activations with a_scale None, quantized inside the GEMM (decode M; dynamically, or by w.input_scale), with
     the numbers of `quantize_activation_fp8`. The caller has checked config
     (with block scales BLOCK_K divides the K block). Over meta tensors this is what tune --aot compiles.
@@ -363,7 +386,8 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
         a_group, stride_asm, stride_asg = scale_bk if w.block_size is not None else K, 0, 0
     elif weight_only:
         a_scale, a_group, stride_asm, stride_asg = w_scale, K, 0, 0  # a_scale unused
-        weight = weight.view(torch.uint8)  # decoded with integer ops, no fp8 type needed
+        # decoded with integer ops, no fp8 type needed
+        weight = weight.view(torch.int32 if fp8_word_decode(a, weight, cc) else torch.uint8)
     else:
         a_group = scale_bk if w.block_size is not None else K
         # a static scale is shared by every row and group
@@ -375,13 +399,23 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
                 stride_am=a.stride(0), stride_wn=weight.stride(0), stride_ym=y.stride(0), stride_asm=stride_asm,
                 stride_asg=stride_asg, stride_wsn=stride_wsn, stride_wsk=stride_wsk,
                 A_GROUP=a_group, W_SCALE_BN=scale_bn, W_SCALE_BK=scale_bk,
-                SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only, QUANTIZE_A=quantize,
+                SCALE_PER_TILE=w.block_size is not None, WEIGHT_ONLY=weight_only,
+                WORD_DECODE=weight.dtype == torch.int32, QUANTIZE_A=quantize,
                 STATIC_A=quantize and static, HAS_BIAS=w.bias is not None,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
                 SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul,
+                QUANT_ROWS=quant_rows(M, config.BLOCK_M) if quantize else config.BLOCK_M,
                 # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
                 res_ptr=y, norm_w_ptr=y, h_ptr=y, sumsq_ptr=partials, row_arrivals_ptr=y, eps=0.0, ADD_NORM=False)
     return Launch(_fp8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
+
+
+def fp8_word_decode(x: torch.Tensor, weight: torch.Tensor, cc: int | None = None) -> bool:
+    """Whether the weight-only path decodes the e4m3 weight [N, K] 4 bytes a word (`common.e4m3_words_to_halves`,
+    inline PTX) for activations like x: where `common.half_bit_tricks` allows it (fp16 / bf16 from sm_80, fp16 under
+    the interpreter; sm_75 keeps the byte decode) and the bytes read as int32 words (K and the storage offset
+    multiples of 4)."""
+    return half_bit_tricks(x, cc) and weight.shape[1] % 4 == 0 and weight.storage_offset() % 4 == 0
 
 
 def tuned_config(M: int, N: int, K: int, weight_only: bool, block_k: int = 128, cc: int | None = 90,
@@ -396,13 +430,16 @@ def tuned_config(M: int, N: int, K: int, weight_only: bool, block_k: int = 128, 
 
 def default_config(M: int, N: int, K: int, block_k: int = 128, cc: int | None = 90, block_scaled: bool = False,
                    weight_only: bool = False) -> FP8GemmConfig:
-    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight; prefill takes
-    128 x 128 tiles, but 128 x 64 before sm_90 for block-scaled weights (a per-tile scale) and on the
-    weight-only path (the in-kernel e4m3 decode), whose registers make 128 x 128 spill: 8 bytes on
+    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight, over 128 columns (fp8 x fp8:
+    the activation rows, quantized once per K tile, serve twice the weights of 64, and sm_90's dot upcasts them per
+    warp; weight-only: the loop's addressing spread over twice the weights), 64 on sm_75 (its byte decode spills);
+    prefill takes 128 x 128 tiles, but 128 x 64 before sm_90 for block-scaled weights (a per-tile scale) and
+    on the weight-only path (the in-kernel e4m3 decode), whose registers make 128 x 128 spill: 8 bytes on
     sm_89 block-scaled, 24-32 bytes weight-only on sm_80 (AOT, Triton 3.7.1 and 3.9); 128 x 64 none."""
     if M <= 16:
-        return FP8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=decode_split_k(N, K, block_k),
-                             num_warps=4, num_stages=4)
+        block_n = 64 if cc is not None and cc < 80 else 128
+        return FP8GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
+                             SPLIT_K=decode_split_k(N, K, block_k, block_n), num_warps=4, num_stages=4)
     if M <= 64:
         return FP8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4)
     narrow = cc is not None and cc < 90 and (block_scaled or weight_only)
@@ -540,4 +577,4 @@ def aot_launch(config: FP8GemmConfig, M: int, N: int, K: int, cc: int, dtype: to
     else:
         a = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=meta)
         a_scale = torch.empty(M, triton.cdiv(K, 128) if block else 1, dtype=torch.float32, device=meta)
-    return fp8_gemm_launch(a, a_scale, w, config, dtype, quantize=cc >= 89 and M <= QUANTIZE_IN_GEMM_MAX_M)[0]
+    return fp8_gemm_launch(a, a_scale, w, config, dtype, quantize=cc >= 89 and M <= QUANTIZE_IN_GEMM_MAX_M, cc=cc)[0]

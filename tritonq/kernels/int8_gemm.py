@@ -43,17 +43,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.common import (WeightGemm, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch, activation_scale,
-    check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, config_rows, decode_split_k, gemm_grid,
-    gemm_output, gemm_tile, next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile,
-    tuned_or_default)
+    broadcast_rows, check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, config_rows,
+    decode_split_k, divide_by_scale, gemm_grid, gemm_output, gemm_tile, next_pow2, quant_rows, rows_absmax, silu_mul_pairs,
+    split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.quant.weights import W8A8Weight
 
 INT8_MIN, INT8_MAX = -128.0, 127.0
 DYNAMIC_DIVISOR = 127.5  # compressed-tensors' symmetric int8 scale: absmax / ((127 - (-128)) / 2)
 SCALE_EPS = 1e-10  # floor on absmax so all-zero rows get a finite scale (and quantize to 0)
-# Adding and removing 1.5 * 2^23 rounds an fp32 |v| < 2^22 to an integer, ties to even (torch.round's rule):
-# at that magnitude the fp32 ulp is 1.
+# Adding 1.5 * 2^23 rounds an fp32 |v| < 2^22 to an integer, ties to even (torch.round's rule): at that magnitude the
+# fp32 ulp is 1, and the sum's bits are 0x4B400000 + the integer (two's complement in the low bits).
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 _INT8_MIN, _INT8_MAX = tl.constexpr(INT8_MIN), tl.constexpr(INT8_MAX)
 _DYNAMIC_DIVISOR = tl.constexpr(DYNAMIC_DIVISOR)
@@ -83,13 +83,13 @@ def _quantize_activation_int8_kernel(x_ptr, q_ptr, s_ptr, static_scale_ptr, zero
 @triton.jit
 def _quantize_int8(x, scale, zero_point_ptr, ASYMMETRIC: tl.constexpr):
     """fp32 x / scale (a scalar, or broadcasting against x) (+ the zero point) -> clamp -> round half to even ->
-    int8. div_rn: IEEE division, so the GPU rounds exactly like torch (plain `/` is approximate on NVIDIA)."""
-    v = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    int8. The division rounds as IEEE division does (`common.divide_by_scale`), like torch (plain `/` is approximate
+    on NVIDIA)."""
+    v = divide_by_scale(x, scale)
     if ASYMMETRIC:
         v += tl.load(zero_point_ptr).to(tl.float32)
-    v = tl.clamp(v, _INT8_MIN, _INT8_MAX)
-    v = (v + _ROUND_MAGIC) - _ROUND_MAGIC
-    return v.to(tl.int8)
+    # + 1.5 * 2^23 rounds to an integer (half to even) in the low mantissa bits: the low byte is the int8 code
+    return (tl.clamp(v, _INT8_MIN, _INT8_MAX) + _ROUND_MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
 
 
 @triton.jit
@@ -98,7 +98,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
                       ASYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, FP16_DOT: tl.constexpr,
                       QUANTIZE_A: tl.constexpr, STATIC_A: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, QUANT_ROWS: tl.constexpr,
                       res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr):
     """y[M, N] = ((a - a_zero) @ w^T) * a_scale[m] * w_scale[n] (+ bias); SILU_MUL: y [M, N / 2] = SwiGLU of the
     (gate, up) column pairs (`common.store_output`); ADD_NORM: y + residual and its RMSNorm h
@@ -109,11 +109,17 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
     one K slice; the slices' scaled partials meet in `common.reduce_split_k`, in this launch.
     QUANTIZE_A (decode M): a is the fp16/bf16/fp32 activations, quantized here tile by tile exactly as
     `quantize_activation_int8` does (per token from `rows_absmax` over all of K, or the static scale at
-    a_scale_ptr with STATIC_A), so the GEMM is the linear's only launch.
+    a_scale_ptr with STATIC_A), so the GEMM is the linear's only launch. It quantizes QUANT_ROWS rows (the M bucket,
+    `common.quant_rows`), not the dot's padding rows, and copies them up to BLOCK_M (`common.broadcast_rows`).
     """
     rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                                      SPLIT_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_start + offs_k)[None, :]
+    if QUANTIZE_A and QUANT_ROWS < BLOCK_M:  # M <= QUANT_ROWS < BLOCK_M: one row block, its first QUANT_ROWS rows
+        a_rows = tl.arange(0, QUANT_ROWS).to(tl.int64)
+        mask_a = a_rows < M
+    else:
+        a_rows, mask_a = rows, mask_m
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N]
 
     if FP16_DOT:
@@ -125,14 +131,14 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
         if STATIC_A:
             a_scale = tl.load(a_scale_ptr)
         else:  # per token: each program reads its rows' absmax over all of K
-            x_rows = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-            absmax = tl.maximum(rows_absmax(x_rows, mask_m, 0, K, BLOCK_K), _SCALE_EPS)
+            x_rows = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+            absmax = tl.maximum(rows_absmax(x_rows, mask_a, 0, K, BLOCK_K), _SCALE_EPS)
             a_scale = tl.math.div_rn(absmax, tl.zeros_like(absmax) + _DYNAMIC_DIVISOR)[:, None]
     for k0 in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0)
+        a = tl.load(a_ptrs, mask=mask_a[:, None] & mask_k[None, :], other=0)
         if QUANTIZE_A:  # padding columns meet zero weights, whatever their codes
-            a = _quantize_int8(a.to(tl.float32), a_scale, a_zero_ptr, ASYMMETRIC)
+            a = broadcast_rows(_quantize_int8(a.to(tl.float32), a_scale, a_zero_ptr, ASYMMETRIC), BLOCK_M)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
         if FP16_DOT:  # sm_75 (module docstring): int8 codes are exact in fp16, their products in fp32
             acc = tl.dot(a.to(tl.float16), w.to(tl.float16), acc)
@@ -151,7 +157,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
             acc -= correction[None, :]
     out = acc.to(tl.float32)
     if QUANTIZE_A:
-        out *= a_scale
+        out *= a_scale if STATIC_A else broadcast_rows(a_scale, BLOCK_M)
     else:
         out *= tl.load(a_scale_ptr + rows * stride_asm, mask=mask_m, other=0.0)[:, None]
     out *= tl.load(w_scale_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)[None, :]
@@ -270,11 +276,11 @@ class Int8Gemm(WeightGemm):
             y = silu_mul_pairs(y) if self.silu_mul else y
         else:
             M = x.shape[0]
-            fp16_dot = self.cc is not None and self.cc < 80 if fp16_dot is None else fp16_dot
+            fp16_dot = self._path(x) if fp16_dot is None else fp16_dot
             key = (next_pow2(M), x.dtype, fp16_dot, batch_invariant())
             plan = self.plans.get(key) if config is None else None
             if plan is None:
-                plan = self._plan(x, config or tuned_config(M, N, K, self.cc), fp16_dot, key[0])
+                plan = self._plan(x, fp16_dot, config, key[0])
                 if config is None:
                     self.plans[key] = plan
             if key[0] <= QUANTIZE_IN_GEMM_MAX_M:  # x itself, quantized in the GEMM
@@ -285,28 +291,16 @@ class Int8Gemm(WeightGemm):
                              stride_am=a.stride(0))
         return y.reshape(*lead, -1)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(y = x @ W^T + residual, RMSNorm(y) * norm_weight) [M, N] in one launch (`common.add_rms_norm_tile`, the
-        activations quantized in it as `__call__` does at decode): a decode step's o_proj with the residual addition
-        and the post-attention norm in its epilogue. None where that launch does not run
-        (`WeightGemm.fuses_add_norm`): the caller runs the GEMM and norm_rope.add_rms_norm."""
-        if not self.fuses_add_norm(x, residual, norm_weight):
-            return None
-        M = x.shape[0]
-        x = x.contiguous()
-        fp16_dot = self.cc is not None and self.cc < 80
-        key = (next_pow2(M), x.dtype, fp16_dot, "add_rms_norm")
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self.plans[key] = self._plan(x, tuned_config(M, self.N, self.K, self.cc), fp16_dot, key[0],
-                                                add_norm=True)
-        return plan.run_add_norm(M, residual, norm_weight, eps, a_ptr=x, stride_am=x.stride(0))
+    def _path(self, x: torch.Tensor) -> bool:
+        """Whether the GEMM dots the int8 codes in fp16 (below sm_80, module docstring): `WeightGemm.add_rms_norm`'s
+        kernel variant, as `__call__` decides it by default."""
+        return self.cc is not None and self.cc < 80
 
-    def _plan(self, x: torch.Tensor, config: Int8GemmConfig, fp16_dot: bool, max_m: int,
+    def _plan(self, x: torch.Tensor, fp16_dot: bool, config: Int8GemmConfig | None, max_m: int,
               add_norm: bool = False) -> GemmPlan:
-        """The GemmPlan for activations like x, at most max_m rows; add_norm (decode rows only): with the residual +
-        RMSNorm epilogue (`GemmPlan.run_add_norm`)."""
+        """The GemmPlan for activations like x, at most max_m rows (config None: `tuned_config`); add_norm (decode
+        rows only): with the residual + RMSNorm epilogue (`GemmPlan.run_add_norm`)."""
+        config = config or tuned_config(x.shape[0], self.N, self.K, self.cc)
         check_launch_config("int8_gemm", config, Int8GemmConfig)
         arrivals = split_k_arrivals(max_m, self.N, config, x.device)
         if max_m <= QUANTIZE_IN_GEMM_MAX_M:
@@ -353,6 +347,7 @@ def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: W8A8Weigh
                 QUANTIZE_A=quantize, STATIC_A=quantize and static,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
                 SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul,
+                QUANT_ROWS=quant_rows(M, config.BLOCK_M) if quantize else config.BLOCK_M,
                 # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
                 res_ptr=y, norm_w_ptr=y, h_ptr=y, sumsq_ptr=partials, row_arrivals_ptr=y, eps=0.0, ADD_NORM=False)
     return Launch(_int8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
@@ -367,14 +362,16 @@ def tuned_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfig:
 
 
 def default_config(M: int, N: int, K: int, cc: int | None = 90) -> Int8GemmConfig:
-    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight; prefill takes
+    """Untuned defaults: decode splits K so that ~2 waves of programs stream the weight, 128 columns a program
+    (the activation rows, quantized once per K tile, serve twice the weights of 64); prefill takes
     128 x 128 int8 tiles. sm_75 (FMA dots, module docstring) takes 32-deep K tiles: 16 x 64 at decode,
     64 x 64 with 8 warps at prefill; 64- and 128-deep ones spill there (336-7600 bytes, AOT, Triton 3.9)."""
     fma = cc is not None and cc < 80
     block_k = 32 if fma else 128
     if M <= 16:  # the split counts 128-deep K tiles, also for sm_75's 32-deep ones
-        return Int8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, SPLIT_K=decode_split_k(N, K, 128),
-                              num_warps=4, num_stages=4)
+        block_n = 64 if fma else 128
+        return Int8GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
+                              SPLIT_K=decode_split_k(N, K, 128, block_n), num_warps=4, num_stages=4)
     if fma:
         return Int8GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2)
     if M <= 64:
