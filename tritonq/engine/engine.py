@@ -46,7 +46,7 @@ from tritonq.config import EngineConfig, GenerationConfig
 from tritonq.engine.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner
-from tritonq.engine.sampler import Sampler, SamplingParams
+from tritonq.engine.sampler import Sampler, SamplingParams, read_rows
 from tritonq.engine.scheduler import ScheduledStep, Scheduler, StepKind
 from tritonq.engine.sequence import Sequence, check_fits
 from tritonq.engine.speculative import Proposer, SpeculativeStats, verify
@@ -354,11 +354,18 @@ class Engine:
             rows = step.logits_for()  # 1 + its proposals where a sequence samples, 0 for a chunk short of its end
             ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
                                       proposals=step.proposals, start=step.start)
-            logits = self.runner.run(ctx)
+            static = None
+            if ctx.num_seqs is not None and not ctx.is_prefill:  # a static decode step: sampling inside it
+                static = self.sampler.static_step(step, rows, self.eos_token_ids, self.runner.buckets[-1],
+                                                  ctx.context_lens.shape[0], self.runner.model.config.vocab_size,
+                                                  self.runner.device)
             tokens: list[int | None] = []
             logprobs: list[float | None] = []
             tops: list[dict[int, float] | None] = []
-            if logits is not None:  # None: only prompt chunks short of their end, nothing to score or sample
+            logits = None if static is not None else self.runner.run(ctx)
+            if static is not None:
+                tokens, logprobs, tops = read_rows(self.runner.run_sampled(ctx, static), static.params, static.top)
+            elif logits is not None:  # None: only prompt chunks short of their end, nothing to score or sample
                 if StepKind.SCORE in step.kind:  # the scoring sequences' rows are scored, the rest sampled
                     logits, rows = self._score_rows(step, rows, logits)
                 tokens, logprobs, tops = self.sampler.sample_step(logits, step, rows, self.eos_token_ids)

@@ -27,7 +27,9 @@ import torch
 
 from tritonq.engine.compiled import CompiledDecode
 from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_buckets
+from tritonq.engine.sampler import PARALLEL_WORK, StaticSample, sample_rows
 from tritonq.engine.state_cache import allocate_states
+from tritonq.kernels import threads_for
 from tritonq.models.common import StepContext
 
 log = logging.getLogger(__name__)
@@ -175,6 +177,25 @@ class ModelRunner:
                            num_context_tokens=int(context.sum()),
                            num_context_blocks=int((-(-context // bs)).sum()),
                            state_slots=None if state_slots is None else torch.tensor(state_slots).to(self.device))
+
+    def run_sampled(self, ctx: StepContext, sample: StaticSample) -> torch.Tensor:
+        """A static decode step with its sampling inside the step: `sample_rows`' output [B, 2 + 2 * top] for
+        its B real rows (still on the device), over the bucket's logits and the static sampling buffers
+        (Sampler.static_step). With CUDA graphs, the bucket's model graph then its sampler graph for sample.key
+        (DecodeGraphs.replay_sampler), no host work between; otherwise the same two functions eagerly."""
+        assert ctx.num_seqs is not None and not ctx.is_prefill, "run_sampled runs static decode steps"
+        bucket = ctx.context_lens.shape[0]
+
+        def sample_step(logits: torch.Tensor) -> torch.Tensor:
+            return sample_rows(logits.float(), sample.tensors, sample.top)
+        if self.graphs is not None and self.replay_graphs:
+            self.graphs.replay(bucket)
+            picked = self.graphs.replay_sampler(bucket, sample.key, sample_step)
+        else:
+            logits = self.compiled(ctx, self.cache) if self.compiled is not None else self.model(ctx, self.cache)
+            with threads_for(logits.numel(), PARALLEL_WORK):
+                picked = sample_step(logits)
+        return picked[:len(sample.params)]
 
     def _state_slots(self, seqs, first: np.ndarray) -> list[int]:
         """Each sequence's recurrent-state slot (its state_slot, or its row for a sequence driven by hand without
