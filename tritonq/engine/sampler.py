@@ -269,7 +269,13 @@ def sample_rows(logits: torch.Tensor, t: SamplingTensors, top: int, world: int =
     [R, V] float32 -> [R, 2 + 2 * top] float64: per row its token (-1: the row's logits are not all finite), the
     token's log-probability under the raw logits, and the ids and log-probabilities of the `top` most likely
     tokens. The noise of sampled rows is made here from t.seeds / t.steps. world > 1: rank 0's tokens are
-    broadcast (eager steps only: no collective is captured). No host read: a CUDA graph can hold it."""
+    broadcast (eager steps only: no collective is captured). No host read on CUDA: a CUDA graph can hold it. On
+    the CPU, rows that all take the argmax of their raw logits with no top-N run one C loop instead
+    (kernels/cpu/native.py), where built."""
+    if t.argmax_only and not top and world == 1 and logits.is_cpu:
+        greedy = cpu_native.greedy_rows(logits)
+        if greedy is not None:  # id -1: the row's logits are not all finite
+            return torch.tensor(greedy, dtype=torch.float64).T.reshape(-1, 2)
     if t.seeds is not None:
         assert t.steps is not None  # set with seeds
         t = dataclasses.replace(t, noise=sampling_noise(t.seeds, t.steps, logits.shape[1]))
@@ -386,8 +392,9 @@ class StaticSampling:
     """A static step's sampling inputs in buffers allocated once for max_rows rows (a decode bucket's capacity), so
     that `sample_rows` over them has fixed shapes and addresses and a CUDA graph can hold it (runner.run_sampled).
 
-    fill() writes a step's rows in two host-to-device copies (the float and the int settings; padding rows greedy,
-    unbiased, unpenalized) and, for a step with penalties, gathers its rows' seen / counts from SeenTokens into
+    fill() writes a step's rows in at most four host-to-device copies, only those its stages read (the float
+    settings, the int ones, the bias entries' values and their rows / ids; padding rows greedy, unbiased,
+    unpenalized) and, for a step with penalties, gathers its rows' seen / counts from SeenTokens into
     [max_rows, V] buffers on the device. A step's stages (`key`: bias entries, penalties, sampling, top-k / top-p,
     top N) are fixed per captured graph: a stage off for the step is skipped, as in the eager path, and a stage on
     runs over the padding rows' neutral values (bias 0, penalty 1, temperature 0 ...), which change nothing.
@@ -409,24 +416,21 @@ class StaticSampling:
         """The SamplingTensors over the first `rows` rows (len(params) real, the rest padding) and the step's key."""
         R, pad, n = self.max_rows, rows - len(params), self.max_bias
         configs = [p.config for p in params]
-        floats = torch.tensor([[c.temperature for c in configs] + [0.0] * pad, [c.top_p for c in configs] + [1.0] * pad,
-                               [c.min_p for c in configs] + [0.0] * pad,
-                               [c.repetition_penalty for c in configs] + [1.0] * pad,
-                               [c.frequency_penalty for c in configs] + [0.0] * pad,
-                               [c.presence_penalty for c in configs] + [0.0] * pad], dtype=torch.float32)
-        ints = torch.tensor([[p.seed_halves[0] for p in params] + [0] * pad, [p.seed_halves[1] for p in params] + [0] * pad,
-                             [len(ids) for ids in token_ids] + [0] * pad, [c.top_k or 0 for c in configs] + [0] * pad],
-                            dtype=torch.int64)
-        bias = s.bias + [(0, 0, 0.0)] * (n - len(s.bias))  # padding entries add 0 to logit (0, 0)
-        f = self.floats.view(-1)
-        f[:6 * R].view(6, R)[:, :rows].copy_(floats, non_blocking=True)
-        f[6 * R:].copy_(torch.tensor([b for _, _, b in bias], dtype=torch.float32), non_blocking=True)
-        i = self.ints
-        i[:4 * R].view(4, R)[:, :rows].copy_(ints, non_blocking=True)
-        i[4 * R:].view(2, n).copy_(torch.tensor([[r for r, _, _ in bias], [t for _, t, _ in bias]]), non_blocking=True)
+        f, i = self.floats, self.ints
         fv, iv = f[:6 * R].view(6, R)[:, :rows], i[:4 * R].view(4, R)[:, :rows]
         t = SamplingTensors()
-        if s.bias:
+        if s.sampled or s.penalized:
+            fv.copy_(torch.tensor([[c.temperature for c in configs] + [0.0] * pad,
+                                   [c.top_p for c in configs] + [1.0] * pad, [c.min_p for c in configs] + [0.0] * pad,
+                                   [c.repetition_penalty for c in configs] + [1.0] * pad,
+                                   [c.frequency_penalty for c in configs] + [0.0] * pad,
+                                   [c.presence_penalty for c in configs] + [0.0] * pad], dtype=torch.float32),
+                     non_blocking=True)
+        if s.bias:  # padding entries add 0 to logit (0, 0)
+            bias = s.bias + [(0, 0, 0.0)] * (n - len(s.bias))
+            f[6 * R:].copy_(torch.tensor([b for _, _, b in bias], dtype=torch.float32), non_blocking=True)
+            i[4 * R:].view(2, n).copy_(torch.tensor([[r for r, _, _ in bias], [t for _, t, _ in bias]]),
+                                       non_blocking=True)
             t.bias = (i[4 * R:4 * R + n], i[4 * R + n:], f[6 * R:])
         if s.penalized:
             assert seen is not None  # made by the step's sampler
@@ -438,6 +442,10 @@ class StaticSampling:
             t.repetition_penalty, t.seen = fv[3], self.seen[:rows]
             t.frequency_penalty, t.presence_penalty, t.counts = fv[4], fv[5], self.counts[:rows]
         if s.sampled:
+            iv.copy_(torch.tensor([[p.seed_halves[0] for p in params] + [0] * pad,
+                                   [p.seed_halves[1] for p in params] + [0] * pad,
+                                   [len(ids) for ids in token_ids] + [0] * pad,
+                                   [c.top_k or 0 for c in configs] + [0] * pad], dtype=torch.int64), non_blocking=True)
             t.temperature, t.top_p, t.min_p, t.seeds, t.steps, t.top_k = fv[0], fv[1], fv[2], iv[:2], iv[2], iv[3]
             t.filters = s.filters
         return t, (bool(s.bias), s.penalized, s.sampled, s.filters, s.top)
@@ -513,27 +521,19 @@ class Sampler:
         likely token ids -> log-probability (most likely first), else None. A row whose logits hold NaN or
         inf anywhere gets token, logprob and top None: its distribution is meaningless. Everything comes
         back to the host in one transfer. Call release() when a request finishes. A step below
-        PARALLEL_WORK (rows x vocabulary) samples on one intra-op thread. A CPU step whose rows all take the
-        argmax of their raw logits with no top logprobs runs one C loop instead (kernels/cpu/native.py)."""
+        PARALLEL_WORK (rows x vocabulary) samples on one intra-op thread."""
         with threads_for(logits.numel(), PARALLEL_WORK):
             return self._sample(logits, params, token_ids, mask_eos, eos_token_ids, token_bitmask)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
                 mask_eos: list[bool] | None, eos_token_ids: AbstractSet[int], token_bitmask: torch.Tensor | None
                 ) -> tuple[list[int | None], list[float | None], list[dict[int, float] | None]]:
-        R, V = logits.shape
+        V = logits.shape[1]
         settings = row_settings(params, mask_eos, eos_token_ids, V)
         tensors = self.sampling_tensors(params, token_ids, settings, V, logits.device)
         if token_bitmask is not None:
             tensors.allowed = token_bitmask.to(logits.device, non_blocking=True)
-        top = settings.top
-        if tensors.argmax_only and not top and self.world == 1:  # the C loop (kernels/cpu/native.py), where built
-            greedy = cpu_native.greedy_rows(logits)
-            if greedy is not None:
-                ids, logprobs = greedy  # id -1: the row's logits are not all finite
-                return ([t if t >= 0 else None for t in ids],
-                        [lp if t >= 0 else None for t, lp in zip(ids, logprobs)], [None] * R)
-        return read_rows(sample_rows(logits, tensors, top, self.world), params, top)
+        return read_rows(sample_rows(logits, tensors, settings.top, self.world), params, settings.top)
 
     def sampling_tensors(self, params: list[SamplingParams], token_ids: list[list[int]], s: RowSettings, V: int,
                          device: torch.device) -> SamplingTensors:
