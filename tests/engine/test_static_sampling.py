@@ -198,6 +198,46 @@ def test_engine_with_static_decode_gives_every_prompt_its_solo_run(folder, monke
         assert all(math.isfinite(lp) for _, lp, _ in want)
 
 
+def test_static_verification_steps_sample_inside_the_step_as_plain_decoding(monkeypatch):
+    """Speculative decoding (n-gram, 3 proposals) with static verification steps (k + 1 = 4 rows a sequence,
+    padded buckets) sampling inside the step: greedy, seeded top-k and top-N rows emit the tokens of plain decoding
+    without speculation (the verification draws each position's token as a plain step at that length does)."""
+    from engine.test_speculative import ENGINE, repetitive_prompts
+
+    from tritonq.demo import DEFAULT_MODEL
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    prompts = repetitive_prompts(3, seed=2)
+    configs = [GenerationConfig(max_new_tokens=16, ignore_eos=True),
+               GenerationConfig(max_new_tokens=16, temperature=0.8, top_k=20, seed=11, ignore_eos=True),
+               GenerationConfig(max_new_tokens=16, top_logprobs=2, logit_bias={13: 1.5}, ignore_eos=True)]
+    spec = tritonq.load(DEFAULT_MODEL, speculative={"method": "ngram", "num_tokens": 3}, **ENGINE)
+    runner = spec.engine.runner
+    runner.use_static_decode(4, verify_tokens=4)
+    verified = []
+    run_sampled = runner.run_sampled
+    monkeypatch.setattr(runner, "run_sampled", lambda ctx, s: verified.append(ctx.is_prefill) or run_sampled(ctx, s))
+    engine = spec.engine
+    got = {}
+    for prompt, config in zip(prompts, configs):  # alone: every verification step holds k proposals more often
+        got[prompt_id := engine.add_request(prompt, config)] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.error is None
+                if out.token_id is not None:
+                    got[prompt_id].append((out.token_id, out.top_logprobs))
+    ids = list(got)
+    assert verified.count(True) >= 3, verified.count(True)  # static verification steps sampled inside the step
+    assert spec.engine.speculation.accepted > 0
+    plain = tritonq.load(DEFAULT_MODEL, **ENGINE)
+    for rid, prompt, config in zip(ids, prompts, configs):
+        alone = plain.generate(prompt, config, return_dict=True)
+        tops = alone.top_logprobs[0] if config.top_logprobs else [None] * len(alone.token_ids[0])
+        assert [t for t, _ in got[rid]] == alone.token_ids[0], config
+        for (_, top), want in zip(got[rid], tops):  # the same alternatives, log-probabilities within fp32 rounding
+            assert (top is None) == (want is None) and (top is None or list(top) == list(want) and
+                                                        list(top.values()) == pytest.approx(list(want.values()), abs=1e-5))
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU: the sampler graph replays the eager static step
 # ---------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ graphs of its own beside the decode step's.
 A decode step's sampling runs inside the step too (`DecodeGraphs.replay_sampler`): one more graph per bucket and
 sampling stages (tritonq.engine.sampler.StaticSampling), captured at its first use over the bucket's static logits
 and the sampler's static buffers, and replayed right after the model's graph: a step is two graph launches and one
-read of the sampled rows. Verification steps sample eagerly over their logits.
+read of the sampled rows; a verification step's sampling the same way, with graphs of its own.
 """
 from __future__ import annotations
 

@@ -355,9 +355,10 @@ class Engine:
             ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
                                       proposals=step.proposals, start=step.start)
             static = None
-            if ctx.num_seqs is not None and not ctx.is_prefill:  # a static decode step: sampling inside it
-                static = self.sampler.static_step(step, rows, self.eos_token_ids, self.runner.buckets[-1],
-                                                  ctx.context_lens.shape[0], self.runner.model.config.vocab_size,
+            if ctx.num_seqs is not None:  # a static decode / verification step: sampling inside it
+                per_seq = ctx.input_ids.shape[0] // ctx.context_lens.shape[0]  # k + 1 rows a sequence to verify
+                static = self.sampler.static_step(step, rows, self.eos_token_ids, self.runner.buckets[-1] * per_seq,
+                                                  ctx.input_ids.shape[0], self.runner.model.config.vocab_size,
                                                   self.runner.device)
             tokens: list[int | None] = []
             logprobs: list[float | None] = []

@@ -179,20 +179,23 @@ class ModelRunner:
                            state_slots=None if state_slots is None else torch.tensor(state_slots).to(self.device))
 
     def run_sampled(self, ctx: StepContext, sample: StaticSample) -> torch.Tensor:
-        """A static decode step with its sampling inside the step: `sample_rows`' output [B, 2 + 2 * top] for
-        its B real rows (still on the device), over the bucket's logits and the static sampling buffers
-        (Sampler.static_step). With CUDA graphs, the bucket's model graph then its sampler graph for sample.key
-        (DecodeGraphs.replay_sampler), no host work between; otherwise the same two functions eagerly."""
-        assert ctx.num_seqs is not None and not ctx.is_prefill, "run_sampled runs static decode steps"
-        bucket = ctx.context_lens.shape[0]
+        """A static step (decode or verification) with its sampling inside the step: `sample_rows`' output
+        [rows, 2 + 2 * top] for its real rows (still on the device), over the bucket's logits and the static
+        sampling buffers (Sampler.static_step). With CUDA graphs, the bucket's model graph then its sampler graph
+        for sample.key (DecodeGraphs.replay_sampler), no host work between; otherwise the same two functions
+        eagerly."""
+        assert ctx.num_seqs is not None, "run_sampled runs static steps"
+        bucket, verify = ctx.context_lens.shape[0], ctx.is_prefill
+        graphs = self.verify_graphs if verify else self.graphs
 
         def sample_step(logits: torch.Tensor) -> torch.Tensor:
             return sample_rows(logits.float(), sample.tensors, sample.top)
-        if self.graphs is not None and self.replay_graphs:
-            self.graphs.replay(bucket)
-            picked = self.graphs.replay_sampler(bucket, sample.key, sample_step)
+        if graphs is not None and self.replay_graphs:
+            graphs.replay(bucket)
+            picked = graphs.replay_sampler(bucket, sample.key, sample_step)
         else:
-            logits = self.compiled(ctx, self.cache) if self.compiled is not None else self.model(ctx, self.cache)
+            compiled = self.compiled is not None and not verify
+            logits = self.compiled(ctx, self.cache) if compiled else self.model(ctx, self.cache)
             with threads_for(logits.numel(), PARALLEL_WORK):
                 picked = sample_step(logits)
         return picked[:len(sample.params)]

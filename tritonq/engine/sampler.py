@@ -471,7 +471,7 @@ class Sampler:
     def __init__(self, world: int = 1):
         self.world = world
         self.seen: SeenTokens | None = None  # made at the first step with a penalty
-        self.static: StaticSampling | None = None  # made at the first static step
+        self.static: dict[int, StaticSampling] = {}  # capacity (rows) -> buffers: decode, verification steps
 
     def sample_step(self, logits: torch.Tensor, step: ScheduledStep, rows: list[int], eos_token_ids: set[int]
                     ) -> tuple[list[int | None], list[float | None], list[dict[int, float] | None]]:
@@ -486,8 +486,9 @@ class Sampler:
 
     def static_step(self, step: ScheduledStep, rows: list[int], eos_token_ids: set[int], capacity: int,
                     bucket: int, vocab: int, device: torch.device) -> StaticSample | None:
-        """A static decode step's sampling over its bucket's rows (capacity: the largest bucket), to run inside the
-        step; None when the step falls back to `sample_step` over its logits (see StaticSampling for when)."""
+        """A static step's sampling over its bucket's `bucket` rows (capacity: the largest bucket's rows; a
+        verification step's k + 1 a sequence), to run inside the step; None when the step falls back to
+        `sample_step` over its logits (see StaticSampling for when)."""
         sampling = step_rows(step, rows)
         params = sampling.params
         if self.world > 1 or not params or any(_state(seq).grammar is not None for seq in sampling.seqs):
@@ -496,12 +497,13 @@ class Sampler:
         max_bias = self.MAX_BIAS_PER_ROW * capacity
         if len(settings.bias) > max_bias:
             return None
-        if self.static is None or (self.static.max_rows, self.static.vocab) != (capacity, vocab):
-            self.static = StaticSampling(capacity, vocab, device, max_bias)
+        static = self.static.get(capacity)
+        if static is None or static.vocab != vocab:
+            static = self.static[capacity] = StaticSampling(capacity, vocab, device, max_bias)
         if settings.penalized and (self.seen is None or self.seen.mask.shape[1] != vocab):
             self.seen = SeenTokens(vocab, device)
         with threads_for(bucket * vocab, PARALLEL_WORK):
-            tensors, key = self.static.fill(bucket, params, sampling.token_ids, settings, self.seen)
+            tensors, key = static.fill(bucket, params, sampling.token_ids, settings, self.seen)
         return StaticSample(params, tensors, key, settings.top)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
