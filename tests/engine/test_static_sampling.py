@@ -238,6 +238,46 @@ def test_static_verification_steps_sample_inside_the_step_as_plain_decoding(monk
                                                         list(top.values()) == pytest.approx(list(want.values()), abs=1e-5))
 
 
+def test_sampler_graphs_are_captured_once_per_bucket_and_key_and_replayed(monkeypatch):
+    """DecodeGraphs.replay_sampler with torch.cuda's graph calls faked (CPU): the first use of (bucket, key) runs the
+    sampling twice (a warm-up, then the capture over the bucket's static logits, in the model graphs' pool) and
+    replays it; a later use only replays and returns the same static output; another key or bucket captures its
+    own graph."""
+    import contextlib
+
+    from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs
+    events = []
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    pools = []
+    for name, value in dict(graph_pool_handle=lambda: "pool", Stream=lambda device: stream,
+                            current_stream=lambda device=None: stream, stream=lambda s: contextlib.nullcontext(),
+                            CUDAGraph=Graph, synchronize=lambda device=None: None,
+                            graph=lambda g, pool=None, stream=None: pools.append(pool) or contextlib.nullcontext(),
+                            empty_cache=lambda: None).items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    graphs = DecodeGraphs(lambda ctx: torch.full((ctx.input_ids.shape[0], 5), 1.0), StaticDecodeInputs(4, 32, 16,
+                          torch.device("cpu")), [1, 2, 4])
+    graphs.capture()
+    events.clear()
+
+    def sample(logits):
+        events.append(f"sample {logits.shape[0]}")
+        return logits.sum(-1)
+    out = graphs.replay_sampler(2, ("k",), sample)
+    assert events == ["sample 2", "sample 2", "replay"] and out.tolist() == [5.0, 5.0] and pools[-1] == "pool"
+    events.clear()
+    assert graphs.replay_sampler(2, ("k",), sample) is out and events == ["replay"]
+    events.clear()
+    graphs.replay_sampler(2, ("other",), sample)
+    graphs.replay_sampler(4, ("k",), sample)
+    assert events == ["sample 2", "sample 2", "replay", "sample 4", "sample 4", "replay"]
+    assert sorted(graphs.samplers) == [(2, ("k",)), (2, ("other",)), (4, ("k",))]
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU: the sampler graph replays the eager static step
 # ---------------------------------------------------------------------------------------------------

@@ -27,10 +27,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from tritonq.models.common import StepContext
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +143,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.samplers: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (bucket, key) -> graph, output
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None  # the graphs' memory pool (made by capture)
         self.capture_s = 0.0
 
     def capture(self) -> None:

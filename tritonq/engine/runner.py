@@ -194,8 +194,8 @@ class ModelRunner:
             graphs.replay(bucket)
             picked = graphs.replay_sampler(bucket, sample.key, sample_step)
         else:
-            compiled = self.compiled is not None and not verify
-            logits = self.compiled(ctx, self.cache) if compiled else self.model(ctx, self.cache)
+            compiled = None if verify else self.compiled
+            logits = compiled(ctx, self.cache) if compiled is not None else self.model(ctx, self.cache)
             with threads_for(logits.numel(), PARALLEL_WORK):
                 picked = sample_step(logits)
         return picked[:len(sample.params)]
