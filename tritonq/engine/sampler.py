@@ -395,7 +395,7 @@ class StaticSampling:
     fill() writes a step's rows in at most four host-to-device copies, only those its stages read (the float
     settings, the int ones, the bias entries' values and their rows / ids; padding rows greedy, unbiased,
     unpenalized) and, for a step with penalties, gathers its rows' seen / counts from SeenTokens into
-    [max_rows, V] buffers on the device. A step's stages (`key`: bias entries, penalties, sampling, top-k / top-p,
+    [max_rows, V] buffers on the device (made at the first such step). A step's stages (`key`: bias entries, penalties, sampling, top-k / top-p,
     top N) are fixed per captured graph: a stage off for the step is skipped, as in the eager path, and a stage on
     runs over the padding rows' neutral values (bias 0, penalty 1, temperature 0 ...), which change nothing.
     Steps that fall back to the eager sampler over the step's logits (`Sampler.static_step` returns None): a row
@@ -408,8 +408,9 @@ class StaticSampling:
         self.floats = torch.zeros(6 * max_rows + max_bias, dtype=torch.float32, device=device)
         # seed low, seed high, steps, top_k [max_rows]; bias rows, bias ids [max_bias]
         self.ints = torch.zeros(4 * max_rows + 2 * max_bias, dtype=torch.int64, device=device)
-        self.seen = torch.zeros(max_rows, vocab, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(max_rows, vocab, dtype=torch.int32, device=device)
+        self.device = device
+        self.seen: torch.Tensor | None = None  # [max_rows, V] bool and int32, made at the first penalized step
+        self.counts: torch.Tensor | None = None
 
     def fill(self, rows: int, params: list[SamplingParams], token_ids: list[list[int]], s: RowSettings,
              seen: SeenTokens | None) -> tuple[SamplingTensors, tuple]:
@@ -437,6 +438,9 @@ class StaticSampling:
             index = seen.row_index(params, token_ids)
             if pad:
                 index = torch.cat([index, index.new_zeros(pad)])
+            if self.seen is None or self.counts is None:
+                self.seen = torch.zeros(R, self.vocab, dtype=torch.bool, device=self.device)
+                self.counts = torch.zeros(R, self.vocab, dtype=torch.int32, device=self.device)
             torch.index_select(seen.mask, 0, index, out=self.seen[:rows])
             torch.index_select(seen.counts, 0, index, out=self.counts[:rows])
             t.repetition_penalty, t.seen = fv[3], self.seen[:rows]
