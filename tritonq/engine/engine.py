@@ -10,7 +10,8 @@ Each step is a pipeline: the scheduler picks the sequences and says what the ste
 running decode, then chunked prefills of new prompts in what is left of the token budget, preempting when
 blocks run out), the proposer fills a VERIFY step's lookahead, the runner computes the step over the paged KV
 cache (logits, or None when no row needs them), a SCORE step's rows are scored, the sampler lays out and
-samples the other rows (`Sampler.sample_step`), a verification keeps the accepted proposals
+samples the other rows (`Sampler.sample_step`; a static decode or verification step samples inside the step
+instead, `Sampler.static_step` + `ModelRunner.run_sampled`), a verification keeps the accepted proposals
 (`speculative.verify`), and the engine finishes a request on EOS (unless
 ignore_eos, or before min_tokens), a stop token (stop_token_ids, not before min_tokens), a stop string or
 max_new_tokens, freeing its blocks.
@@ -363,10 +364,9 @@ class Engine:
             tokens: list[int | None] = []
             logprobs: list[float | None] = []
             tops: list[dict[int, float] | None] = []
-            logits = None if static is not None else self.runner.run(ctx)
             if static is not None:
                 tokens, logprobs, tops = read_rows(self.runner.run_sampled(ctx, static), static.params, static.top)
-            elif logits is not None:  # None: only prompt chunks short of their end, nothing to score or sample
+            elif (logits := self.runner.run(ctx)) is not None:  # None: only prompt chunks short of their end
                 if StepKind.SCORE in step.kind:  # the scoring sequences' rows are scored, the rest sampled
                     logits, rows = self._score_rows(step, rows, logits)
                 tokens, logprobs, tops = self.sampler.sample_step(logits, step, rows, self.eos_token_ids)

@@ -13,7 +13,8 @@ A hybrid model's cache also holds its recurrent-state pool (tritonq.engine.state
 sequence's slot (its `state_slot`; a sequence driven by hand without one uses its row in the step), and a
 sequence computing from position 0 has its slot zeroed first.
 
-Sampling is tritonq.engine.sampler's, KV cache sizing tritonq.engine.kv_sizing's.
+Sampling is tritonq.engine.sampler's (a static step's runs inside the step: run_sampled), KV cache sizing
+tritonq.engine.kv_sizing's.
 """
 from __future__ import annotations
 
