@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tritonq.engine.sampler import (SamplingParams, SamplingTensors, argmax_rows, finite_rows, open_unit_uniform,
-                                   process_logits, sample_logits, sampling_noise)
+                                   process_logits, row_settings, sample_logits, sampling_noise)
 from tritonq.api.model import GenerationConfig
 
 N = 4000  # draws per distribution: frequencies within 0.03 of the probabilities
@@ -116,7 +116,7 @@ def test_processed_logits_tokens_and_top_logprobs_match_the_reference(model):
             mask_eos = [len(ids) - len(p) < c.min_tokens for ids, p, c in zip(token_ids, PROMPTS, MIXED)]
             want = [reference_logits(row, p, ids[len(p):], c, m)
                     for row, p, ids, c, m in zip(logits.tolist(), PROMPTS, token_ids, MIXED, mask_eos)]
-            tensors = sampler.sampling_tensors(params, token_ids, mask_eos, EOS, V, logits.device)
+            tensors = sampler.sampling_tensors(params, token_ids, row_settings(params, mask_eos, EOS, V), V, logits.device)
             got = process_logits(logits, tensors)
             torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-5)
             tokens, logprobs, tops = sampler.sample(logits, params, token_ids, mask_eos, EOS)

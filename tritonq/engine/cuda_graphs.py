@@ -17,15 +17,24 @@ A speculative verification step repeats the same way: every sequence scores its 
 k + 1 query rows each (`StaticDecodeInputs(queries=k + 1)`: fixed cu_seqlens, the varlen prefill attention,
 padding sequences of k + 1 rows with context 0, which attend to nothing and write nothing), so it has buckets and
 graphs of its own beside the decode step's.
+
+A decode step's sampling runs inside the step too (`DecodeGraphs.replay_sampler`): one more graph per bucket and
+sampling stages (tritonq.engine.sampler.StaticSampling), captured at its first use over the bucket's static logits
+and the sampler's static buffers, and replayed right after the model's graph: a step is two graph launches and one
+read of the sampled rows; a verification step's sampling the same way, with graphs of its own.
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from tritonq.models.common import StepContext
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +142,8 @@ class DecodeGraphs:
         self.forward, self.inputs, self.buckets = forward, inputs, sorted(buckets)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.samplers: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (bucket, key) -> graph, output
+        self.pool: _POOL_HANDLE | None = None  # the graphs' memory pool (made by capture)
         self.capture_s = 0.0
 
     def capture(self) -> None:
@@ -140,7 +151,7 @@ class DecodeGraphs:
         hold padding meanwhile (context 0, slot -1), so the warm-up and captured steps write no KV."""
         device = self.inputs.device
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         torch.cuda.synchronize(device)
         for bucket in sorted(self.buckets, reverse=True):
@@ -158,6 +169,26 @@ class DecodeGraphs:
         # The side stream's warm-up blocks stay cached for that stream, which never runs again: give them back.
         torch.cuda.empty_cache()
         self.capture_s = time.perf_counter() - start
+
+    def replay_sampler(self, bucket: int, key: tuple, sample) -> torch.Tensor:
+        """Replay the sampling graph of (bucket, key) over the bucket's static logits, capturing it first if this is
+        its first use (a warm-up run on a side stream, then the capture, in the graphs' pool); sample(logits) is
+        the step's sampling over the sampler's static buffers (Sampler.static_step), the same for every step of
+        that key. Returns its static output (overwritten by the next replay)."""
+        entry = self.samplers.get((bucket, key))
+        if entry is None:
+            device = self.inputs.device
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                sample(self.logits[bucket])
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                out = sample(self.logits[bucket])
+            entry = self.samplers[(bucket, key)] = (graph, out)
+        entry[0].replay()
+        return entry[1]
 
     def _padding_context(self, bucket: int) -> StepContext:
         buf = self.inputs

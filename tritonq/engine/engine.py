@@ -10,7 +10,8 @@ Each step is a pipeline: the scheduler picks the sequences and says what the ste
 running decode, then chunked prefills of new prompts in what is left of the token budget, preempting when
 blocks run out), the proposer fills a VERIFY step's lookahead, the runner computes the step over the paged KV
 cache (logits, or None when no row needs them), a SCORE step's rows are scored, the sampler lays out and
-samples the other rows (`Sampler.sample_step`), a verification keeps the accepted proposals
+samples the other rows (`Sampler.sample_step`; a static decode or verification step samples inside the step
+instead, `Sampler.static_step` + `ModelRunner.run_sampled`), a verification keeps the accepted proposals
 (`speculative.verify`), and the engine finishes a request on EOS (unless
 ignore_eos, or before min_tokens), a stop token (stop_token_ids, not before min_tokens), a stop string or
 max_new_tokens, freeing its blocks.
@@ -46,7 +47,7 @@ from tritonq.config import EngineConfig, GenerationConfig
 from tritonq.engine.detokenize import Detokenizer
 from tritonq.engine.block_manager import BlockManager
 from tritonq.engine.runner import ModelRunner
-from tritonq.engine.sampler import Sampler, SamplingParams
+from tritonq.engine.sampler import Sampler, SamplingParams, read_rows
 from tritonq.engine.scheduler import ScheduledStep, Scheduler, StepKind
 from tritonq.engine.sequence import Sequence, check_fits
 from tritonq.engine.speculative import Proposer, SpeculativeStats, verify
@@ -354,11 +355,18 @@ class Engine:
             rows = step.logits_for()  # 1 + its proposals where a sequence samples, 0 for a chunk short of its end
             ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
                                       proposals=step.proposals, start=step.start)
-            logits = self.runner.run(ctx)
+            static = None
+            if ctx.num_seqs is not None:  # a static decode / verification step: sampling inside it
+                per_seq = ctx.input_ids.shape[0] // ctx.context_lens.shape[0]  # k + 1 rows a sequence to verify
+                static = self.sampler.static_step(step, rows, self.eos_token_ids, self.runner.buckets[-1] * per_seq,
+                                                  ctx.input_ids.shape[0], self.runner.model.config.vocab_size,
+                                                  self.runner.device)
             tokens: list[int | None] = []
             logprobs: list[float | None] = []
             tops: list[dict[int, float] | None] = []
-            if logits is not None:  # None: only prompt chunks short of their end, nothing to score or sample
+            if static is not None:
+                tokens, logprobs, tops = read_rows(self.runner.run_sampled(ctx, static), static.params, static.top)
+            elif (logits := self.runner.run(ctx)) is not None:  # None: only prompt chunks short of their end
                 if StepKind.SCORE in step.kind:  # the scoring sequences' rows are scored, the rest sampled
                     logits, rows = self._score_rows(step, rows, logits)
                 tokens, logprobs, tops = self.sampler.sample_step(logits, step, rows, self.eos_token_ids)

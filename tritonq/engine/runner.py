@@ -13,7 +13,8 @@ A hybrid model's cache also holds its recurrent-state pool (tritonq.engine.state
 sequence's slot (its `state_slot`; a sequence driven by hand without one uses its row in the step), and a
 sequence computing from position 0 has its slot zeroed first.
 
-Sampling is tritonq.engine.sampler's, KV cache sizing tritonq.engine.kv_sizing's.
+Sampling is tritonq.engine.sampler's (a static step's runs inside the step: run_sampled), KV cache sizing
+tritonq.engine.kv_sizing's.
 """
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ import torch
 
 from tritonq.engine.compiled import CompiledDecode
 from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_buckets
+from tritonq.engine.sampler import PARALLEL_WORK, StaticSample, sample_rows
 from tritonq.engine.state_cache import allocate_states
+from tritonq.kernels import threads_for
 from tritonq.models.common import StepContext
 
 log = logging.getLogger(__name__)
@@ -175,6 +178,28 @@ class ModelRunner:
                            num_context_tokens=int(context.sum()),
                            num_context_blocks=int((-(-context // bs)).sum()),
                            state_slots=None if state_slots is None else torch.tensor(state_slots).to(self.device))
+
+    def run_sampled(self, ctx: StepContext, sample: StaticSample) -> torch.Tensor:
+        """A static step (decode or verification) with its sampling inside the step: `sample_rows`' output
+        [rows, 2 + 2 * top] for its real rows (still on the device), over the bucket's logits and the static
+        sampling buffers (Sampler.static_step). With CUDA graphs, the bucket's model graph then its sampler graph
+        for sample.key (DecodeGraphs.replay_sampler), no host work between; otherwise the same two functions
+        eagerly."""
+        assert ctx.num_seqs is not None, "run_sampled runs static steps"
+        bucket, verify = ctx.context_lens.shape[0], ctx.is_prefill
+        graphs = self.verify_graphs if verify else self.graphs
+
+        def sample_step(logits: torch.Tensor) -> torch.Tensor:
+            return sample_rows(logits.float(), sample.tensors, sample.top)
+        if graphs is not None and self.replay_graphs:
+            graphs.replay(bucket)
+            picked = graphs.replay_sampler(bucket, sample.key, sample_step)
+        else:
+            compiled = None if verify else self.compiled
+            logits = compiled(ctx, self.cache) if compiled is not None else self.model(ctx, self.cache)
+            with threads_for(logits.numel(), PARALLEL_WORK):
+                picked = sample_step(logits)
+        return picked[:len(sample.params)]
 
     def _state_slots(self, seqs, first: np.ndarray) -> list[int]:
         """Each sequence's recurrent-state slot (its state_slot, or its row for a sequence driven by hand without

@@ -15,6 +15,7 @@ even where their sampling would differ.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -87,9 +88,9 @@ class SeenTokens:
         self.rows: dict[int, list[int]] = {}  # SamplingParams.key -> [its row, tokens recorded in it]
         self.free: list[int] = []
 
-    def gather(self, params: list[SamplingParams], token_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seen [R, V] bool, counts [R, V] int32) for rows of these requests with these tokens (rows
-        without a penalty empty)."""
+    def row_index(self, params: list[SamplingParams], token_ids: list[list[int]]) -> torch.Tensor:
+        """The rows [R] int64 (device) of `mask` / `counts` holding these requests with these tokens (row 0, empty,
+        for rows without a penalty), their tokens recorded first."""
         index, new_rows, new_tokens, counted_rows, counted_tokens = [], [], [], [], []
         for p, ids in zip(params, token_ids):
             if not p.penalized:
@@ -112,8 +113,7 @@ class SeenTokens:
         if counted_rows:
             self.counts.index_put_((torch.tensor(counted_rows).to(device), torch.tensor(counted_tokens).to(device)),
                                    torch.ones(len(counted_rows), dtype=torch.int32, device=device), accumulate=True)
-        rows = torch.tensor(index).to(device)
-        return self.mask[rows], self.counts[rows]
+        return torch.tensor(index).to(device)
 
     def release(self, params: SamplingParams) -> None:
         """Forget a finished request (a no-op for one that never sampled with a penalty)."""
@@ -166,17 +166,17 @@ class SamplingTensors:
     """One step's per-row sampling settings as tensors over its R rows; a field is None when no row of
     the step uses it (that stage is skipped). Sparse per-row entries are (rows [B], ids [B]) int64 pairs.
 
-    banned: (rows, ids) set to -inf (EOS and stop_token_ids of rows below min_tokens).
-    bias: (rows, ids, values [B] float32) added to the logits (logit_bias).
+    bias: (rows, ids, values [B] float32) added to the logits: logit_bias, and -inf for EOS and
+        stop_token_ids of rows below min_tokens (an added -inf bans a token whatever else is added to it).
     repetition_penalty [R] float32 (1: off) with seen [R, V] bool (prompt + generated tokens).
     frequency_penalty, presence_penalty [R] float32 (0: off) with counts [R, V] int32 (generated tokens).
     temperature [R] float32 (0: greedy), top_k [R] int64 (0: off), top_p [R] float32 (1: off),
-    min_p [R] float32 (0: off), noise [R, V] float32 from `sampling_noise`: all None when every row is
-    greedy. filters: some row uses top-k or top-p.
+    min_p [R] float32 (0: off), seeds [2, R] int64 and steps [R] int64 (`sampling_noise`'s inputs; `sample_rows`
+    turns them into noise [R, V] float32): all None when every row is greedy. filters: some row uses top-k or
+    top-p.
     allowed: int32 [R, ceil(V / 32)] bitmask of the tokens each row's grammar allows (structured outputs,
     tritonq.engine.structured; unconstrained rows all ones).
     """
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     repetition_penalty: torch.Tensor | None = None
     seen: torch.Tensor | None = None
@@ -187,6 +187,8 @@ class SamplingTensors:
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
+    seeds: torch.Tensor | None = None
+    steps: torch.Tensor | None = None
     noise: torch.Tensor | None = None
     filters: bool = False
     allowed: torch.Tensor | None = None
@@ -194,18 +196,16 @@ class SamplingTensors:
     @property
     def argmax_only(self) -> bool:
         """No row masks, biases, penalises, constrains or samples: every row takes its argmax of the raw logits."""
-        return (self.banned is None and self.bias is None and self.repetition_penalty is None and self.counts is None
-                and self.noise is None and self.allowed is None)
+        return (self.bias is None and self.repetition_penalty is None and self.counts is None
+                and self.seeds is None and self.noise is None and self.allowed is None)
 
 
 def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """The logits [R, V] float32 every row samples from, before temperature: its masks, logit bias and
     penalties applied, each one tensor op over the batch (a new per-row mask or bias goes here).
-    Order, as vLLM: the min_tokens mask, logit_bias, then the repetition, frequency and presence penalties,
+    Order, as vLLM: the min_tokens mask and logit_bias, then the repetition, frequency and presence penalties,
     then the grammar bitmask."""
-    if t.banned is not None:
-        logits = logits.index_put(t.banned, torch.tensor(float("-inf"), device=logits.device))
-    if t.bias is not None:  # OpenAI logit_bias: added to the logit of each named token
+    if t.bias is not None:  # OpenAI logit_bias (and -inf: min_tokens) added to the logit of each named token
         logits = logits.index_put(t.bias[:2], t.bias[2], accumulate=True)
     if t.repetition_penalty is not None:  # CTRL-style penalty, as transformers applies it
         assert t.seen is not None  # set with repetition_penalty
@@ -264,6 +264,48 @@ def sample_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(temperature > 0, argmax_rows(x + noise), greedy)
 
 
+def sample_rows(logits: torch.Tensor, t: SamplingTensors, top: int, world: int = 1) -> torch.Tensor:
+    """The device part of a step's sampling, one function for the eager and the static (graphed) step: logits
+    [R, V] float32 -> [R, 2 + 2 * top] float64: per row its token (-1: the row's logits are not all finite), the
+    token's log-probability under the raw logits, and the ids and log-probabilities of the `top` most likely
+    tokens. The noise of sampled rows is made here from t.seeds / t.steps. world > 1: rank 0's tokens are
+    broadcast (eager steps only: no collective is captured). No host read on CUDA: a CUDA graph can hold it. On
+    the CPU, rows that all take the argmax of their raw logits with no top-N run one C loop instead
+    (kernels/cpu/native.py), where built."""
+    if t.argmax_only and not top and world == 1 and logits.is_cpu:
+        greedy = cpu_native.greedy_rows(logits)
+        if greedy is not None:  # id -1: the row's logits are not all finite
+            return torch.tensor(greedy, dtype=torch.float64).T.reshape(-1, 2)
+    if t.seeds is not None:
+        assert t.steps is not None  # set with seeds
+        t = dataclasses.replace(t, noise=sampling_noise(t.seeds, t.steps, logits.shape[1]))
+    tokens = sample_logits(logits, t)
+    # -1 marks a row with non-finite logits; set before the broadcast so every rank agrees on it
+    tokens = torch.where(finite_rows(logits), tokens, -1)
+    if world > 1:
+        tokens = broadcast_from_rank0(tokens)
+    log_normalizer = logits.logsumexp(-1, keepdim=True)  # [R, 1]: no [R, V] log_softmax unless top-N is asked
+    columns = [tokens.double()[:, None], (logits.gather(1, tokens.clamp(min=0)[:, None]) - log_normalizer).double()]
+    if top:
+        top_values, top_ids = logits.topk(top, dim=-1)
+        columns += [top_ids.double(), (top_values - log_normalizer).double()]
+    return torch.cat(columns, 1)
+
+
+def read_rows(picked: torch.Tensor, params: list[SamplingParams], top: int
+              ) -> tuple[list[int | None], list[float | None], list[dict[int, float] | None]]:
+    """`sample_rows`' output for these rows (its first len(params)) as host lists, in the step's one device read:
+    tokens, log-probabilities and top-N dicts (a row's own top_logprobs of them); None for a non-finite row."""
+    out_tokens, out_logprobs, out_top = [], [], []
+    for p, row in zip(params, picked[:len(params)].tolist()):
+        ok = row[0] >= 0
+        out_tokens.append(int(row[0]) if ok else None)
+        out_logprobs.append(row[1] if ok else None)
+        n = min(p.top_logprobs, top)
+        out_top.append(dict(zip(map(int, row[2:2 + n]), row[2 + top:2 + top + n])) if ok and n else None)
+    return out_tokens, out_logprobs, out_top
+
+
 class SamplingState(Protocol):
     """What the sampler reads of a sequence's request (`Sequence.extra`: the engine's Request)."""
     sampling: SamplingParams
@@ -320,13 +362,120 @@ def step_rows(step: ScheduledStep, rows: list[int]) -> StepRows:
     return StepRows(seqs, params, token_ids, mask_eos)
 
 
+@dataclass
+class RowSettings:
+    """The host values of a step's sampling rows, made once for the eager tensors and the static buffers alike:
+    bias (rows, ids, values) entries (logit_bias; -inf for the EOS / stop ids of rows below min_tokens), whether
+    any row is penalized / sampled / filtered / uses min_p, and top (the largest top_logprobs, at most V)."""
+    bias: list[tuple[int, int, float]]
+    penalized: bool
+    sampled: bool
+    filters: bool
+    min_p: bool
+    top: int
+
+
+def row_settings(params: list[SamplingParams], mask_eos: list[bool] | None, eos_token_ids: AbstractSet[int],
+                 V: int) -> RowSettings:
+    bias = []
+    if mask_eos is not None and any(mask_eos):
+        eos = sorted(i for i in eos_token_ids if 0 <= i < V)
+        bias = [(r, i, float("-inf")) for r, (m, p) in enumerate(zip(mask_eos, params)) if m
+                for i in eos + list(p.stop_token_ids)]
+    bias += [(r, i, b) for r, p in enumerate(params) for i, b in p.logit_bias]
+    return RowSettings(bias, any(p.penalized for p in params), any(p.sampled for p in params),
+                       any(p.filtered for p in params), any(p.uses_min_p for p in params),
+                       min(max(p.top_logprobs for p in params), V) if params else 0)
+
+
+class StaticSampling:
+    """A static step's sampling inputs in buffers allocated once for max_rows rows (a decode bucket's capacity), so
+    that `sample_rows` over them has fixed shapes and addresses and a CUDA graph can hold it (runner.run_sampled).
+
+    fill() writes a step's rows in at most four host-to-device copies, only those its stages read (the float
+    settings, the int ones, the bias entries' values and their rows / ids; padding rows greedy, unbiased,
+    unpenalized) and, for a step with penalties, gathers its rows' seen / counts from SeenTokens into
+    [max_rows, V] buffers on the device (made at the first such step). A step's stages (`key`: bias entries, penalties, sampling, top-k / top-p,
+    top N) are fixed per captured graph: a stage off for the step is skipped, as in the eager path, and a stage on
+    runs over the padding rows' neutral values (bias 0, penalty 1, temperature 0 ...), which change nothing.
+    Steps that fall back to the eager sampler over the step's logits (`Sampler.static_step` returns None): a row
+    with a structured-output grammar (its bitmask is filled on the host by xgrammar after the previous step's
+    token), more bias entries than max_bias, tensor parallel (the token broadcast is a collective)."""
+
+    def __init__(self, max_rows: int, vocab: int, device: torch.device, max_bias: int):
+        self.max_rows, self.vocab, self.max_bias = max_rows, vocab, max_bias
+        # temperature, top_p, min_p, repetition, frequency, presence [max_rows]; bias values [max_bias]
+        self.floats = torch.zeros(6 * max_rows + max_bias, dtype=torch.float32, device=device)
+        # seed low, seed high, steps, top_k [max_rows]; bias rows, bias ids [max_bias]
+        self.ints = torch.zeros(4 * max_rows + 2 * max_bias, dtype=torch.int64, device=device)
+        self.device = device
+        self.seen: torch.Tensor | None = None  # [max_rows, V] bool and int32, made at the first penalized step
+        self.counts: torch.Tensor | None = None
+
+    def fill(self, rows: int, params: list[SamplingParams], token_ids: list[list[int]], s: RowSettings,
+             seen: SeenTokens | None) -> tuple[SamplingTensors, tuple]:
+        """The SamplingTensors over the first `rows` rows (len(params) real, the rest padding) and the step's key."""
+        R, pad, n = self.max_rows, rows - len(params), self.max_bias
+        configs = [p.config for p in params]
+        f, i = self.floats, self.ints
+        fv, iv = f[:6 * R].view(6, R)[:, :rows], i[:4 * R].view(4, R)[:, :rows]
+        t = SamplingTensors()
+        if s.sampled or s.penalized:
+            fv.copy_(torch.tensor([[c.temperature for c in configs] + [0.0] * pad,
+                                   [c.top_p for c in configs] + [1.0] * pad, [c.min_p for c in configs] + [0.0] * pad,
+                                   [c.repetition_penalty for c in configs] + [1.0] * pad,
+                                   [c.frequency_penalty for c in configs] + [0.0] * pad,
+                                   [c.presence_penalty for c in configs] + [0.0] * pad], dtype=torch.float32),
+                     non_blocking=True)
+        if s.bias:  # padding entries add 0 to logit (0, 0)
+            bias = s.bias + [(0, 0, 0.0)] * (n - len(s.bias))
+            f[6 * R:].copy_(torch.tensor([b for _, _, b in bias], dtype=torch.float32), non_blocking=True)
+            i[4 * R:].view(2, n).copy_(torch.tensor([[r for r, _, _ in bias], [t for _, t, _ in bias]]),
+                                       non_blocking=True)
+            t.bias = (i[4 * R:4 * R + n], i[4 * R + n:], f[6 * R:])
+        if s.penalized:
+            assert seen is not None  # made by the step's sampler
+            index = seen.row_index(params, token_ids)
+            if pad:
+                index = torch.cat([index, index.new_zeros(pad)])
+            if self.seen is None or self.counts is None:
+                self.seen = torch.zeros(R, self.vocab, dtype=torch.bool, device=self.device)
+                self.counts = torch.zeros(R, self.vocab, dtype=torch.int32, device=self.device)
+            torch.index_select(seen.mask, 0, index, out=self.seen[:rows])
+            torch.index_select(seen.counts, 0, index, out=self.counts[:rows])
+            t.repetition_penalty, t.seen = fv[3], self.seen[:rows]
+            t.frequency_penalty, t.presence_penalty, t.counts = fv[4], fv[5], self.counts[:rows]
+        if s.sampled:
+            iv.copy_(torch.tensor([[p.seed_halves[0] for p in params] + [0] * pad,
+                                   [p.seed_halves[1] for p in params] + [0] * pad,
+                                   [len(ids) for ids in token_ids] + [0] * pad,
+                                   [c.top_k or 0 for c in configs] + [0] * pad], dtype=torch.int64), non_blocking=True)
+            t.temperature, t.top_p, t.min_p, t.seeds, t.steps, t.top_k = fv[0], fv[1], fv[2], iv[:2], iv[2], iv[3]
+            t.filters = s.filters
+        return t, (bool(s.bias), s.penalized, s.sampled, s.filters, s.top)
+
+
+@dataclass
+class StaticSample:
+    """A static step's sampling, ready to run inside the step (runner.run_sampled): its rows' params, the tensors
+    over the bucket's rows, the stages' key (one captured graph per bucket and key) and top."""
+    params: list[SamplingParams]
+    tensors: SamplingTensors
+    key: tuple
+    top: int
+
+
 class Sampler:
-    """Samples the engine's steps; keeps the penalties' seen-token rows (`SeenTokens`) across steps.
-    world: tensor-parallel ranks (rank 0's tokens are broadcast to the others)."""
+    """Samples the engine's steps; keeps the penalties' seen-token rows (`SeenTokens`) across steps and a static
+    step's buffers (`StaticSampling`). world: tensor-parallel ranks (rank 0's tokens are broadcast to the others).
+    max_bias: the bias entries (logit_bias + min_tokens bans) a static step holds per row of its capacity."""
+
+    MAX_BIAS_PER_ROW = 32
 
     def __init__(self, world: int = 1):
         self.world = world
         self.seen: SeenTokens | None = None  # made at the first step with a penalty
+        self.static: dict[int, StaticSampling] = {}  # capacity (rows) -> buffers: decode, verification steps
 
     def sample_step(self, logits: torch.Tensor, step: ScheduledStep, rows: list[int], eos_token_ids: set[int]
                     ) -> tuple[list[int | None], list[float | None], list[dict[int, float] | None]]:
@@ -338,6 +487,28 @@ class Sampler:
             return [], [], []
         return self.sample(logits, sampling.params, sampling.token_ids, mask_eos=sampling.mask_eos,
                            eos_token_ids=eos_token_ids, token_bitmask=sampling.bitmask(logits.shape[1]))
+
+    def static_step(self, step: ScheduledStep, rows: list[int], eos_token_ids: set[int], capacity: int,
+                    bucket: int, vocab: int, device: torch.device) -> StaticSample | None:
+        """A static step's sampling over its bucket's `bucket` rows (capacity: the largest bucket's rows; a
+        verification step's k + 1 a sequence), to run inside the step; None when the step falls back to
+        `sample_step` over its logits (see StaticSampling for when)."""
+        sampling = step_rows(step, rows)
+        params = sampling.params
+        if self.world > 1 or not params or any(_state(seq).grammar is not None for seq in sampling.seqs):
+            return None
+        settings = row_settings(params, sampling.mask_eos, eos_token_ids, vocab)
+        max_bias = self.MAX_BIAS_PER_ROW * capacity
+        if len(settings.bias) > max_bias:
+            return None
+        static = self.static.get(capacity)
+        if static is None or static.vocab != vocab:
+            static = self.static[capacity] = StaticSampling(capacity, vocab, device, max_bias)
+        if settings.penalized and (self.seen is None or self.seen.mask.shape[1] != vocab):
+            self.seen = SeenTokens(vocab, device)
+        with threads_for(bucket * vocab, PARALLEL_WORK):
+            tensors, key = static.fill(bucket, params, sampling.token_ids, settings, self.seen)
+        return StaticSample(params, tensors, key, settings.top)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
                mask_eos: list[bool] | None = None, eos_token_ids: AbstractSet[int] = frozenset(),
@@ -351,90 +522,57 @@ class Sampler:
         random draws); mask_eos[r]: row r may not sample an EOS id (eos_token_ids) nor one of its
         stop_token_ids this step (min_tokens not reached); token_bitmask: int32 [R, ceil(V / 32)] on the CPU,
         the tokens each row's grammar allows (structured outputs; None: no row is constrained). All rows are
-        sampled at once (`sample_logits`).
+        sampled at once (`sample_rows`, the device part a static step runs inside the step).
         The third list holds, for rows whose request asks for top_logprobs = N > 0, a dict of the N most
         likely token ids -> log-probability (most likely first), else None. A row whose logits hold NaN or
         inf anywhere gets token, logprob and top None: its distribution is meaningless. Everything comes
         back to the host in one transfer. Call release() when a request finishes. A step below
-        PARALLEL_WORK (rows x vocabulary) samples on one intra-op thread. A CPU step whose rows all take the
-        argmax of their raw logits with no top logprobs runs one C loop instead (kernels/cpu/native.py)."""
+        PARALLEL_WORK (rows x vocabulary) samples on one intra-op thread."""
         with threads_for(logits.numel(), PARALLEL_WORK):
             return self._sample(logits, params, token_ids, mask_eos, eos_token_ids, token_bitmask)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
                 mask_eos: list[bool] | None, eos_token_ids: AbstractSet[int], token_bitmask: torch.Tensor | None
                 ) -> tuple[list[int | None], list[float | None], list[dict[int, float] | None]]:
-        R, V = logits.shape
-        tensors = self.sampling_tensors(params, token_ids, mask_eos, eos_token_ids, V, logits.device)
+        V = logits.shape[1]
+        settings = row_settings(params, mask_eos, eos_token_ids, V)
+        tensors = self.sampling_tensors(params, token_ids, settings, V, logits.device)
         if token_bitmask is not None:
             tensors.allowed = token_bitmask.to(logits.device, non_blocking=True)
-        top = min(max(p.top_logprobs for p in params), V) if params else 0
-        if tensors.argmax_only and not top and self.world == 1:  # the C loop (kernels/cpu/native.py), where built
-            greedy = cpu_native.greedy_rows(logits)
-            if greedy is not None:
-                ids, logprobs = greedy  # id -1: the row's logits are not all finite
-                return ([t if t >= 0 else None for t in ids],
-                        [lp if t >= 0 else None for t, lp in zip(ids, logprobs)], [None] * R)
-        tokens = sample_logits(logits, tensors)
-        # -1 marks a row with non-finite logits; set before the broadcast so every rank agrees on it
-        tokens = torch.where(finite_rows(logits), tokens, -1)
-        if self.world > 1:
-            tokens = broadcast_from_rank0(tokens)
-        log_normalizer = logits.logsumexp(-1, keepdim=True)  # [R, 1]: no [R, V] log_softmax unless top-N is asked
-        columns = [tokens.double()[:, None], (logits.gather(1, tokens.clamp(min=0)[:, None]) - log_normalizer).double()]
-        if top:
-            top_values, top_ids = logits.topk(top, dim=-1)
-            columns += [top_ids.double(), (top_values - log_normalizer).double()]
-        picked = torch.cat(columns, 1).tolist()  # the step's one device read: [R, 2 + 2 * top]
-        out_tokens, out_logprobs, out_top = [], [], []
-        for p, row in zip(params, picked):
-            ok = row[0] >= 0
-            out_tokens.append(int(row[0]) if ok else None)
-            out_logprobs.append(row[1] if ok else None)
-            n = min(p.top_logprobs, top)
-            out_top.append(dict(zip(map(int, row[2:2 + n]), row[2 + top:2 + top + n])) if ok and n else None)
-        return out_tokens, out_logprobs, out_top
+        return read_rows(sample_rows(logits, tensors, settings.top, self.world), params, settings.top)
 
-    def sampling_tensors(self, params: list[SamplingParams], token_ids: list[list[int]], mask_eos: list[bool] | None,
-                          eos_token_ids: AbstractSet[int], V: int, device: torch.device) -> SamplingTensors:
-        """The SamplingTensors of these rows; a stage no row uses stays None (greedy steps without
-        penalties or biases build nothing but the argmax)."""
+    def sampling_tensors(self, params: list[SamplingParams], token_ids: list[list[int]], s: RowSettings, V: int,
+                         device: torch.device) -> SamplingTensors:
+        """The SamplingTensors of these rows for an eager step; a stage no row uses stays None (greedy steps
+        without penalties or biases build nothing but the argmax)."""
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
         t = SamplingTensors()
-        if mask_eos is not None and any(mask_eos):
-            eos = sorted(i for i in eos_token_ids if 0 <= i < V)
-            pairs = [(r, i) for r, (m, p) in enumerate(zip(mask_eos, params)) if m
-                     for i in eos + list(p.stop_token_ids)]
-            if pairs:
-                rows, ids = zip(*pairs)
-                t.banned = (tensor(rows, torch.int64), tensor(ids, torch.int64))
-        if any(p.logit_bias for p in params):
-            entries = [(r, i, b) for r, p in enumerate(params) for i, b in p.logit_bias]
-            rows, ids, values = zip(*entries)
+        if s.bias:
+            rows, ids, values = zip(*s.bias)
             t.bias = (tensor(rows, torch.int64), tensor(ids, torch.int64), tensor(values, torch.float32))
-        if any(p.penalized for p in params):
+        if s.penalized:
             if self.seen is None or self.seen.mask.shape[1] != V:
                 self.seen = SeenTokens(V, device)
-            seen, counts = self.seen.gather(params, token_ids)
+            index = self.seen.row_index(params, token_ids)
             configs = [p.config for p in params]
             if any(p.repetition for p in params):
                 t.repetition_penalty = tensor([c.repetition_penalty for c in configs], torch.float32)
-                t.seen = seen
+                t.seen = self.seen.mask[index]
             if any(p.counted for p in params):
                 t.frequency_penalty = tensor([c.frequency_penalty for c in configs], torch.float32)
                 t.presence_penalty = tensor([c.presence_penalty for c in configs], torch.float32)
-                t.counts = counts
-        if any(p.sampled for p in params):  # all-greedy steps need none of this: argmax
+                t.counts = self.seen.counts[index]
+        if s.sampled:  # all-greedy steps need none of this: argmax
             configs = [p.config for p in params]
-            t.noise = sampling_noise(tensor(list(zip(*(p.seed_halves for p in params))), torch.int64),
-                                     tensor([len(ids) for ids in token_ids], torch.int64), V)
+            t.seeds = tensor(list(zip(*(p.seed_halves for p in params))), torch.int64)
+            t.steps = tensor([len(ids) for ids in token_ids], torch.int64)
             t.temperature = tensor([c.temperature for c in configs], torch.float32)
             t.top_k = tensor([c.top_k or 0 for c in configs], torch.int64)
             t.top_p = tensor([c.top_p for c in configs], torch.float32)
-            if any(p.uses_min_p for p in params):
+            if s.min_p:
                 t.min_p = tensor([c.min_p for c in configs], torch.float32)
-            t.filters = any(p.filtered for p in params)
+            t.filters = s.filters
         return t
 
     def release(self, params: SamplingParams) -> None:
