@@ -411,7 +411,8 @@ def mxfp4_words_to_half(words, scale_bits, DTYPE: tl.constexpr, STEPS: tl.conste
     in DTYPE (bf16 / fp16) [32 G, C], exactly: the fp32 product rounded once. STEPS: 1 where every s of the weight is
     at most MXFP4_ONE_FACTOR_MAX_SCALE, else 2 (`mxfp4_scale_factors`, per group, then broadcast to its words). On a
     GPU one PTX block per word (MXFP4_*_PTX: byte lookups by prmt, STEPS packed FMAs per two codes; sm_80+, no
-    int-to-float); the interpreter decodes code by code in fp32 (`e2m1_bits_to_fp16`)."""
+    int-to-float), the exponents first through OPAQUE_COPY_PTX (see there); the interpreter decodes code by code in
+    fp32 (`e2m1_bits_to_fp16`)."""
     wt = tl.trans(words)
     if INTERPRETED:
         scale = tl.trans(_per_word(((scale_bits + 14) << 23).to(tl.float32, bitcast=True)))  # 2^(s - 113)
