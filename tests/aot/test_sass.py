@@ -19,8 +19,8 @@ branch of the SASS, Triton's bundled cuobjdump) must show:
     codes up by pairs (common.code_pairs_lookup); the fp8 / W8A8 decode loops do not reach it yet
     (docs/gpu_kernels.md has the before / after mix and what is left).
 The prefill launches (M = 256) of int4, int8, fp8-block and W8A8, and the MoE MXFP4 gate/up GEMM at 64 tokens per
-expert, must issue their tensor-core instruction in the main loop (sm_90: wgmma, HGMMA / QGMMA / IGMMA; sm_80: HMMA / IMMA), load their weight tiles by 16-byte cp.async
-over >= 3 pipeline stages and not spill.
+expert, must issue their tensor-core instruction in the main loop (sm_90: wgmma, HGMMA / QGMMA / IGMMA; sm_80:
+HMMA / IMMA), load their weight tiles by 16-byte cp.async over >= 3 pipeline stages and not spill.
 The compiles run in one child process (conftest's TRITON_INTERPRET=1 makes @triton.jit functions
 uncompilable), over a process pool; `python tests/aot/test_sass.py` prints the JSON report.
 """
@@ -50,8 +50,8 @@ GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": di
               "gguf-q6_k": dict(bits=6, group=16, offsets=False),
               "gguf-iq4_xs": dict(bits=4, group=32, offsets=False, code=True)}
 # {(cc, weight type): ALU instructions per weight}: measured (Triton 3.9, bf16; fp16 is at or below, or has its own
-# (cc, "float16", weight type) entry) + ~5% (int4, int8, nf4, the MoE's) or ~10%. sm_80's fp8-block is the weight-only path (e4m3 bytes decoded with integer ops),
-# sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's fp8-block and both w8a8 quantize their x tile inside the
+# (cc, "float16", weight type) entry) + ~5% (int4, int8, nf4, the MoE's) or ~10%. sm_80's fp8-block is the
+# weight-only path (e4m3 bytes decoded with integer ops), sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's fp8-block and both w8a8 quantize their x tile inside the
 # loop at decode (one launch instead of a quantization kernel first: 16 padded rows x BLOCK_K values per BLOCK_K x
 # BLOCK_N weights): 2.2 -> 8.9 and 0.8 -> 6.0 per weight.
 ALU_PER_WEIGHT = {
