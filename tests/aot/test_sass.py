@@ -51,9 +51,9 @@ GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": di
               "gguf-iq4_xs": dict(bits=4, group=32, offsets=False, code=True)}
 # {(cc, weight type): ALU instructions per weight}: measured (Triton 3.9, bf16; fp16 is at or below, or has its own
 # (cc, "float16", weight type) entry) + ~5% (int4, int8, nf4, the MoE's) or ~10%. sm_80's fp8-block is the
-# weight-only path (e4m3 bytes decoded with integer ops), sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's fp8-block and both w8a8 quantize their x tile inside the
-# loop at decode (one launch instead of a quantization kernel first: 16 padded rows x BLOCK_K values per BLOCK_K x
-# BLOCK_N weights): 2.2 -> 8.9 and 0.8 -> 6.0 per weight.
+# weight-only path (e4m3 bytes decoded with integer ops), sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's
+# fp8-block and both w8a8 quantize their x tile inside the loop at decode (one launch instead of a quantization
+# kernel first: 16 padded rows x BLOCK_K values per BLOCK_K x BLOCK_N weights): 2.2 -> 8.9 and 0.8 -> 6.0 per weight.
 ALU_PER_WEIGHT = {
     (80, "int4-awq"): 2.55, (80, "int4-gptq"): 2.45, (80, "int4-act-order"): 2.75, (80, "int8-gptq"): 3.55,
     (80, "nf4"): 2.9, (80, "fp8-block"): 9.4, (80, "w8a8"): 6.6,
