@@ -384,6 +384,14 @@ MXFP4_ONE_FACTOR_MAX_SCALE = 128
 MXFP4_FP16_MAX_SCALE = 143
 
 
+# A copy Triton's passes cannot see through (not pure): the E8M0 bytes pass it before their factors reach the PTX
+# block. Without it Triton's operand analysis (AccelerateMatmul's computeOrigBitWidth) follows the dot's weights back
+# through the pure PTX block to the 8-bit scale load, takes the weights for an upcast of 8-bit data and keeps them in
+# registers in an 8-wide K order, which costs register moves of the activations' fragments for every mma; behind
+# the barrier it sees the 32-bit words and the tile goes through shared memory (STS, LDSM) as int4's does.
+OPAQUE_COPY_PTX = tl.constexpr("mov.b32 $0, $1;")
+
+
 @triton.jit
 def _mxfp4_code(words, scale, SHIFT: tl.constexpr, DTYPE: tl.constexpr):
     """The code at SHIFT of each word (its value / 2^14) times the fp32 scale x 2^14, in DTYPE (the interpreter's
@@ -406,7 +414,8 @@ def mxfp4_words_to_half(words, scale_bits, DTYPE: tl.constexpr, STEPS: tl.conste
     in DTYPE (bf16 / fp16) [32 G, C], exactly: the fp32 product rounded once. STEPS: 1 where every s of the weight is
     at most MXFP4_ONE_FACTOR_MAX_SCALE, else 2 (`mxfp4_scale_factors`, per group, then broadcast to its words). On a
     GPU one PTX block per word (MXFP4_*_PTX: byte lookups by prmt, STEPS packed FMAs per two codes; sm_80+, no
-    int-to-float); the interpreter decodes code by code in fp32 (`e2m1_bits_to_fp16`)."""
+    int-to-float), the exponents first through OPAQUE_COPY_PTX (see there); the interpreter decodes code by code in
+    fp32 (`e2m1_bits_to_fp16`)."""
     wt = tl.trans(words)
     if INTERPRETED:
         scale = tl.trans(_per_word(((scale_bits + 14) << 23).to(tl.float32, bitcast=True)))  # 2^(s - 113)
@@ -419,7 +428,8 @@ def mxfp4_words_to_half(words, scale_bits, DTYPE: tl.constexpr, STEPS: tl.conste
         o6 = _mxfp4_code(wt, scale, 24, DTYPE)
         o7 = _mxfp4_code(wt, scale, 28, DTYPE)
     else:
-        f1, f2 = mxfp4_scale_factors(scale_bits, DTYPE, STEPS)
+        s = tl.inline_asm_elementwise(OPAQUE_COPY_PTX, "=r,r", [scale_bits], dtype=tl.int32, is_pure=False, pack=1)
+        f1, f2 = mxfp4_scale_factors(s, DTYPE, STEPS)
         f1 = tl.trans(_per_word(f1))
         if STEPS == 1:
             if DTYPE == tl.float16:
