@@ -334,8 +334,9 @@ def gguf_moe_launch(a: torch.Tensor, out: torch.Tensor, w: GGUFWeight, routing: 
     """The launch of _gguf_moe_kernel for one of fused_moe's two GEMMs over stacked GGUF experts w (checked by
     `GGUFWeight.stacked_shape`): gate_up a = x [T, D], w [E, 2I, D] (gate rows, then up), out = hidden [T*k, I];
     else a = hidden [T*k, I], w [E, D, I], out [T*k, D]. alignment, config (a kernels.moe MoEConfig), block_m and
-    slot_sum (down: the sum over each token's slots) as kernels/moe's `moe_gemm_launch`; BLOCK_K is taken to at least 32 (a word of Q5's fifth bits), and to 32 for
-    IQ4 (CODE_BLOCK_K). SiLU-and-mul only: GGUF experts (qwen3moe) have no biases and no other activation."""
+    slot_sum (down: the sum over each token's slots) as kernels/moe's `moe_gemm_launch`; BLOCK_K is taken to at
+    least 32 (a word of Q5's fifth bits), and to 32 for IQ4 (CODE_BLOCK_K). SiLU-and-mul only: GGUF experts
+    (qwen3moe) have no biases and no other activation."""
     if w.bias is not None or activation is not None:
         _fail("(bias, activation)", (w.bias is not None, activation), "no bias and SiLU-and-mul (None)",
               "GGUF experts run Qwen3-MoE's plain SwiGLU experts")
