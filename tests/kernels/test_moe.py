@@ -812,3 +812,70 @@ def test_mxfp4_fp16_refuses_scales_past_its_range():
     with pytest.raises(ValueError, match=r"scale of 2\^17 \(E8M0 exponent 144\) in fp16.*run the model in bfloat16"):
         fused_moe(x.half(), gate_up, down, weights, ids)
     assert fused_moe(x.bfloat16(), gate_up, down, weights, ids).shape == (2, 64)
+
+
+# ------------------------------------------------------------------ the down GEMM's sum over the k slots
+
+E_SUM = 12  # room for top-k 8 besides the two experts _routing never picks
+
+
+def _sum_case(kind, T, top_k):
+    """(layer, x, weights, ids, reference(x, weights, ids) -> [T, D] fp32, dtype tolerance) for one kind of experts:
+    dense fp32, int4 fp16 (asymmetric, groups of 16), MXFP4 bf16, fp8 block-scaled W8A8 fp32; the reference is the
+    per-token loop over the dense fp32 weights (W8A8: with the kernel's activation rounding, `_w8a8_reference`)."""
+    if kind == "mxfp4":
+        gate_up, down = _mxfp4(E_SUM, 64, 96, 0.5), _mxfp4(E_SUM, 96, 32, 0.5)  # K: multiples of 32; I = 32
+        dense = [torch.stack([w.expert(e).dequantize(torch.float32) for e in range(E_SUM)]) for w in (gate_up, down)]
+        d, dtype = 96, torch.bfloat16
+    else:
+        (gate_up, gu_dense), (down, dn_dense) = (_stacked(kind, E_SUM, 2 * INTER, D),
+                                                 _stacked(kind, E_SUM, D, INTER))
+        dense, d = [gu_dense, dn_dense], D
+        dtype = torch.float16 if kind == "int4" else torch.float32
+    if kind == "int4":
+        gate_up, down = (Int4Weight(w.qweight, w.scales, w.zeros, None, w.group_size, w.bits) for w in (gate_up, down))
+    x = (torch.randn(T, d) * (3 if kind == "fp8_block" else 1)).to(dtype)
+    weights, ids = _routing(T, E_SUM, top_k)
+
+    def reference(x, weights, ids):
+        if kind == "fp8_block":
+            return _w8a8_reference(x, *dense, weights, ids, 32)
+        return _per_token_moe(x.float(), *(w.to(dtype).float() for w in dense), weights, ids)
+    return moe.MoEExperts(gate_up, down), x, weights, ids, reference, TOL[dtype]
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "mxfp4", "fp8_block"])
+@pytest.mark.parametrize("T,top_k", [(1, 8), (3, 6), (17, 2), (64, 1), (3, 1), (17, 8)])
+@pytest.mark.parametrize("held", ["all", "half"])
+def test_down_gemm_sums_the_slots(kind, T, top_k, held):
+    """The down GEMM writes [T, D] itself, each token's k weighted slot rows added in slot order by the last row
+    block of each column tile (`common.sum_expert_slots`), against the per-token loop: top-k 1 to 8, tokens 1 to 64,
+    D = 40 (MXFP4: 96) off the column tiles. held "half": expert parallelism, a rank holding experts 0..5 (the
+    others' slots -1, weight 0 in the reference) and token 0 none of its experts (a zero row; at T = 1 no row block
+    runs at all and the first one still writes it). Run again on the same inputs: bit for bit the same."""
+    layer, x, weights, ids, reference, tol = _sum_case(kind, T, top_k)
+    if held == "half":
+        dropped = ids >= E_SUM // 2
+        dropped[0] = True
+        weights, ids = weights.masked_fill(dropped, 0.0), ids.masked_fill(dropped, -1)
+    out = layer(x, weights, ids)
+    (_, _, _), (down, _, _) = layer.plans[(common.next_pow2(T), top_k, x.dtype, False)].gemms
+    assert down.args["SUM_SLOTS"] and out.shape == (T, x.shape[1]) and out.dtype == x.dtype
+    expected = reference(x, weights, ids)
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * max(1.0, expected.abs().max().item()))
+    if held == "half":
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(layer(x, weights, ids), out)
+    assert not down.args["arrivals_ptr"].any()  # the counts back at zero for the next launch
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4"])
+def test_slot_sum_of_a_token_does_not_depend_on_the_batch(kind):
+    """Batch-invariant mode (one config for every T): each token's output alone equals its row among 17 tokens bit
+    for bit, its slots summed in slot order whatever blocks they landed in."""
+    from tritonq.kernels import batch_invariant_mode
+    layer, x, weights, ids, _, _ = _sum_case(kind, 17, 6)
+    with batch_invariant_mode():
+        batch = layer(x, weights, ids)
+        for t in (0, 5, 16):
+            assert torch.equal(layer(x[t:t + 1], weights[t:t + 1], ids[t:t + 1])[0], batch[t])

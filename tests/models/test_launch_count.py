@@ -81,12 +81,13 @@ def decode_launches(folder, config, monkeypatch, batch: int = 3, **options) -> c
 # arch, checkpoint (None: dense bf16, else the format written by tritonq.quantize), model options, launches per
 # layer. Llama / Qwen3: add + RMSNorm, qkv, (qk-norm +) rope + KV write, decode attention, o + residual + RMSNorm,
 # gate_up + SiLU-mul, down = 7 (before the fused kernels: 17 and 20; then 9, with the SiLU-mul kernel and the
-# separate add + RMSNorm). DeepSeek-V2 (MLA, MoE) and gpt-oss (MoE): 28 and 11, from 69 and 57 (34 and 19 before
+# separate add + RMSNorm). DeepSeek-V2 (MLA, MoE) and gpt-oss (MoE): 26 and 9, from 69 and 57 (34 and 19 before
 # the epilogues: DeepSeek's shared-expert SwiGLU and o_proj, gpt-oss's o_proj; 32 and 18 before routing and alignment
-# became one launch, `_route_kernel`, in place of softmax, sort, gather, (renormalization,) scaling and the alignment).
+# became one launch, `_route_kernel`, in place of softmax, sort, gather, (renormalization,) scaling and the alignment;
+# 28 and 11 before the down expert GEMM summed each token's k slots itself, in place of a zero fill and a sum).
 CASES = [("llama", None, {}, 7), ("qwen3", None, {}, 7), ("llama", "gptq", {}, 7), ("qwen3", "gptq", {}, 7),
          ("llama", "fp8", {}, 7), ("llama", "fp8-channel", {}, 7), ("llama", "w8a8", {}, 7),
-         ("deepseek_v2", None, {"attention_mode": "latent"}, 28), ("gpt_oss", None, {}, 11)]
+         ("deepseek_v2", None, {"attention_mode": "latent"}, 26), ("gpt_oss", None, {}, 9)]
 
 
 @pytest.mark.parametrize("arch, checkpoint, options, expected", CASES,
@@ -115,10 +116,13 @@ def test_launches_per_decoder_layer(tmp_path, monkeypatch, arch, checkpoint, opt
     assert not {"_decode_merge_kernel", "silu"} & set(layer), dict(layer)
     if arch in ("llama", "qwen3"):  # SwiGLU in gate_up's epilogue, the residual + post-attention norm in o's
         assert not {"_silu_mul_kernel", "zeros"} & set(layer) and layer["_rms_norm_kernel"] == 1, dict(layer)
-    if arch in ("deepseek_v2", "gpt_oss"):  # MoE routing and token alignment: one launch, not ~8 + ~20 torch ops
+    if arch in ("deepseek_v2", "gpt_oss"):  # MoE routing and token alignment: one launch, not ~8 + ~20 torch ops;
+        # the experts: two GEMM launches, the down one summing the k slots (no zero fill, sum or cast around them)
         assert layer["_route_kernel"] == 1 and not {"_moe_align_kernel", "softmax", "sigmoid", "sort", "topk",
                                                     "gather", "div", "scatter_add_", "searchsorted",
                                                     "cumsum"} & set(layer), dict(layer)
+        assert layer["_moe_gemm_kernel"] == 2 and not {"zeros", "zero_", "fill_", "sum", "_to_copy"} & set(layer), \
+            dict(layer)
     if arch != "deepseek_v2":  # MLA rotates its rope dims itself (models/deepseek_v2.py)
         assert not {"neg", "cat", "addcmul"} & set(layer), dict(layer)
     assert expected is None or sum(layer.values()) == expected, dict(layer)

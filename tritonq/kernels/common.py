@@ -29,6 +29,8 @@
                        the residual + RMSNorm epilogue)
   reduce_split_k       the split-K sum in the GEMM's own launch: the last K slice to arrive adds the
                        slices' fp32 partials in slice order and stores y (int4_gemm, store_gemm_tile)
+  sum_expert_slots     the sum over a token's k expert slots in the MoE down GEMM's own launch: the last row
+                       block of a column tile to arrive adds each token's slot rows in slot order (moe, gguf_gemm)
   store_output         a GEMM's output tile to y, or with SILU_MUL SwiGLU's silu(gate) * up of its
                        interleaved (gate, up) column pairs: the gate_up linear's epilogue
   add_rms_norm_tile    y = a GEMM's tile + the residual, and the RMSNorm of y's whole rows by the row
@@ -755,6 +757,47 @@ def reduce_split_k(acc, partials_ptr, arrivals_ptr, tile, k_slice, rows, offs_n,
             ptrs += M * N
         tl.atomic_xchg(arrivals_ptr + tile, 0)
     return total, last
+
+
+@triton.jit
+def sum_expert_slots(rows_ptr, out_ptr, ids_ptr, arrivals_ptr, tile_n, offs_n, N, T, top_k, arriving,
+                     BLOCK_T: tl.constexpr):
+    """The MoE down GEMM's epilogue after it stored its tile of (token, slot) rows (weighted, in out's dtype) in
+    rows [T * top_k, N]: out [T, N] = each token's top_k rows summed in fp32 in slot order, in the same launch (no
+    zero fill, sum and cast launches after it).
+
+    A token's slots lie in different row blocks (different experts), so the row blocks of column tile tile_n count
+    themselves in arrivals[tile_n] (int32, 0 between launches, as `reduce_split_k`'s); the one that arrives last
+    (the arriving-th) sums every token of the column tile, BLOCK_T tokens at a time, reading the rows past L1 (.cg),
+    and sets the count back to 0. The order is fixed whatever order the blocks ran in (deterministic, unlike fp32
+    atomics into out) and a token's sum does not depend on the other tokens (batch-invariant). Slots whose id is
+    -1 (another rank's expert: no block computed them) add nothing; a token with none gets a zero row, so every
+    row of out is written."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + tile_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == arriving - 1:
+        n_in = offs_n < N
+        for t0 in range(0, T, BLOCK_T):
+            tokens = t0 + tl.arange(0, BLOCK_T)
+            t_in = tokens < T
+            total = tl.zeros((BLOCK_T, offs_n.shape[0]), tl.float32)
+            for j in range(top_k):
+                slots = tokens.to(tl.int64) * top_k + j
+                held = tl.load(ids_ptr + slots, mask=t_in, other=-1) >= 0
+                total += tl.load(rows_ptr + slots[:, None] * N + offs_n[None, :], mask=held[:, None] & n_in[None, :],
+                                 other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(out_ptr + tokens.to(tl.int64)[:, None] * N + offs_n[None, :],
+                     total.to(out_ptr.dtype.element_ty), mask=t_in[:, None] & n_in[None, :])
+        tl.atomic_xchg(arrivals_ptr + tile_n, 0)
+
+
+def slot_sum_args(slot_sum: tuple | None, top_k: int) -> dict:
+    """The arguments of an expert GEMM kernel's slot sum (`sum_expert_slots`) from slot_sum = (sum [T, N], topk_ids
+    [T, top_k], arrivals: one int32 zero per column tile, `arrival_counts`); None (gate_up): none."""
+    if slot_sum is None:
+        return {}
+    out, topk_ids, arrivals = slot_sum
+    return dict(sum_ptr=out, topk_ids_ptr=topk_ids, arrivals_ptr=arrivals, top_k=top_k, SUM_SLOTS=True)
 
 
 @triton.jit

@@ -46,8 +46,10 @@ from tritonq.kernels.common import (
     gemm_output,
     next_pow2,
     reduce_split_k,
+    slot_sum_args,
     split_k_arrivals,
     store_output,
+    sum_expert_slots,
     tuned_or_default,
     unpack_int_tile,
     upcast_dot,
@@ -274,20 +276,26 @@ def _gguf_moe_kernel(a_ptr, out_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, co
                      a_scale_ptr, stride_asm, stride_asg,
                      BITS: tl.constexpr, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                      HAS_CODE: tl.constexpr, GATE_UP: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, sum_ptr=None,
+                     topk_ids_ptr=None, arrivals_ptr=None, top_k=1, SUM_SLOTS: tl.constexpr = False):
     """One program: BLOCK_M rows of the expert-sorted (token, slot) pairs (one expert: kernels/moe/routing.py's
     alignment) x BLOCK_N output columns, the expert's GGUF planes dequantized by `_weight_tile`. As
     kernels/moe/jit.py's expert GEMM: GATE_UP out[:, n] = silu(A @ W[n]) * (A @ W[n + up_offset]) with A the
-    tokens; else out = routing weight * (A @ W^T) with A the (token, slot) rows. W_N: the planes' row length.
+    tokens; else out = routing weight * (A @ W^T) with A the (token, slot) rows, and with SUM_SLOTS sum [T, N] =
+    each token's rows added over its slots (`common.sum_expert_slots`, as there). W_N: the planes' row length.
     a_scale_ptr, stride_asm, stride_asg: unused (no W8A8 here); fused_moe's plan binds them to every expert GEMM."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
-        return  # past the last padded expert run
+    post_padded = tl.load(num_tokens_post_padded_ptr)
+    stop = pid_m * BLOCK_M >= post_padded  # past the last padded expert run
+    if SUM_SLOTS:  # the first row block arrives at the slot sum in any case
+        stop = stop & (pid_m > 0)
+    if stop:
+        return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = rows < num_valid  # padding slots hold the sentinel num_valid
+    row_ok = (rows < num_valid) & (offs_m < post_padded)  # padding slots hold the sentinel num_valid
     a_rows = (rows // a_row_divisor).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -315,15 +323,20 @@ def _gguf_moe_kernel(a_ptr, out_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, co
         acc = acc * tl.load(routing_weight_ptr + rows, mask=row_ok, other=0.0)[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_n[None, :])
+    if SUM_SLOTS:
+        sum_expert_slots(out_ptr, sum_ptr, topk_ids_ptr, arrivals_ptr, pid_n, offs_n, N, num_valid // top_k, top_k,
+                         tl.maximum(post_padded // BLOCK_M, 1), BLOCK_M)
 
 
 def gguf_moe_launch(a: torch.Tensor, out: torch.Tensor, w: GGUFWeight, routing: torch.Tensor, alignment: tuple,
-                    top_k: int, config, block_m: int, gate_up: bool, activation=None) -> Launch:
+                    top_k: int, config, block_m: int, gate_up: bool, activation=None,
+                    slot_sum: tuple | None = None) -> Launch:
     """The launch of _gguf_moe_kernel for one of fused_moe's two GEMMs over stacked GGUF experts w (checked by
     `GGUFWeight.stacked_shape`): gate_up a = x [T, D], w [E, 2I, D] (gate rows, then up), out = hidden [T*k, I];
-    else a = hidden [T*k, I], w [E, D, I], out [T*k, D]. alignment, config (a kernels.moe MoEConfig) and block_m
-    as kernels/moe's `moe_gemm_launch`; BLOCK_K is taken to at least 32 (a word of Q5's fifth bits), and to 32 for
-    IQ4 (CODE_BLOCK_K). SiLU-and-mul only: GGUF experts (qwen3moe) have no biases and no other activation."""
+    else a = hidden [T*k, I], w [E, D, I], out [T*k, D]. alignment, config (a kernels.moe MoEConfig), block_m and
+    slot_sum (down: the sum over each token's slots) as kernels/moe's `moe_gemm_launch`; BLOCK_K is taken to at
+    least 32 (a word of Q5's fifth bits), and to 32 for IQ4 (CODE_BLOCK_K). SiLU-and-mul only: GGUF experts
+    (qwen3moe) have no biases and no other activation."""
     if w.bias is not None or activation is not None:
         _fail("(bias, activation)", (w.bias is not None, activation), "no bias and SiLU-and-mul (None)",
               "GGUF experts run Qwen3-MoE's plain SwiGLU experts")
@@ -339,7 +352,8 @@ def gguf_moe_launch(a: torch.Tensor, out: torch.Tensor, w: GGUFWeight, routing: 
                 a_scale_ptr=routing, stride_asm=0, stride_asg=0, stride_le=w.lo.stride(0), stride_he=w.hi.stride(0) if w.hi is not None else 0,
                 stride_se=w.scales.stride(0), BITS=w.bits, ZERO=w.zero, GROUP=w.group_size,
                 HAS_OFFSETS=w.offsets is not None, HAS_CODE=w.code is not None, GATE_UP=gate_up,
-                UPCAST_DOT=upcast_dot(a), BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k)
+                UPCAST_DOT=upcast_dot(a), BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k,
+                **slot_sum_args(slot_sum, top_k))
     grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
     return Launch(_gguf_moe_kernel, grid, args, config.num_warps, config.num_stages)
 
@@ -385,7 +399,10 @@ def aot_moe_launch(config, problem: tuple[int, int, int, int, int], gate_up: boo
     alignment = (torch.empty(max_blocks * config.BLOCK_M, dtype=torch.int32, device=meta),
                  torch.empty(max_blocks, dtype=torch.int32, device=meta), torch.empty(1, dtype=torch.int32, device=meta))
     a = torch.empty(T if gate_up else numel, K, dtype=dtype, device=meta)
+    slot_sum = None if gate_up else (torch.empty(T, N, dtype=dtype, device=meta),
+                                     torch.empty(T, top_k, dtype=torch.int32, device=meta),
+                                     torch.empty(triton.cdiv(N, config.BLOCK_N), dtype=torch.int32, device=meta))
     return gguf_moe_launch(a, torch.empty(numel, N, dtype=dtype, device=meta),
                            _meta_weight(w_rows, K, bits, group, offsets, code, E),
                            torch.empty(numel, dtype=torch.float32, device=meta), alignment, top_k, config,
-                           config.BLOCK_M, gate_up)
+                           config.BLOCK_M, gate_up, slot_sum=slot_sum)

@@ -30,8 +30,9 @@ kernels/cpu/lowbit.py; `fused_moe_reference` (TRITONQ_BACKEND=torch) is the orac
 Pipeline: `moe_align_block_size` sorts the T*k (token, slot) pairs by expert and pads each
 expert's run to BLOCK_M, so each M block of rows belongs to one expert; `_moe_gemm_kernel`
 then runs once for gate/up (two accumulators, SiLU-and-mul fused in the epilogue) and once
-for down (routing weight multiplied in), each launch covering all experts; a sum over the
-k slots puts the result back in token order.
+for down (routing weight multiplied in), each launch covering all experts; the down launch also sums
+each token's k slots back into token order (slot order, its last row block per column tile:
+`common.sum_expert_slots`).
 
 Files, one job each: `routing.py` (grouped top-k, the token alignment, and both in one launch), `jit.py` (the @triton.jit expert
 GEMM), `configs.py` (MoEConfig, defaults, how one is chosen and checked), `experts.py` (stacked-weight checks

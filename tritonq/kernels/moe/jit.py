@@ -24,6 +24,7 @@ from tritonq.kernels.common import (
     e4m3_bits_to_fp16,
     int4_words_minus_zero,
     mxfp4_words_to_half,
+    sum_expert_slots,
     unpack_int_tile,
 )
 
@@ -241,7 +242,8 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      A_GROUP: tl.constexpr = 1, A_FP8: tl.constexpr = False, SCALE_PER_TILE: tl.constexpr = False,
                      ONE_W_SCALE: tl.constexpr = False, WORD_DEQUANT: tl.constexpr = False,
                      MASK_K: tl.constexpr = True, MASK_N: tl.constexpr = True, SCALE_AFTER_DOT: tl.constexpr = False,
-                     MXFP4_STEPS: tl.constexpr = 2):
+                     MXFP4_STEPS: tl.constexpr = 2, sum_ptr=None, topk_ids_ptr=None, arrivals_ptr=None, top_k=1,
+                     SUM_SLOTS: tl.constexpr = False):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
 
     A row of sorted row r is sorted_ids[r] // a_row_divisor (the token for gate/up, the
@@ -258,15 +260,23 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
     scale row multiplies each K tile's dot result; MXFP4_STEPS: `common.mxfp4_words_to_half`'s.
     MASK_K / MASK_N: K / N are not multiples of BLOCK_K / BLOCK_N. The loop runs the whole K tiles unmasked and
     the ragged last one after it, masked; N is masked only where it is ragged. Expert base pointers: once.
+    SUM_SLOTS (down): out holds the weighted (token, slot) rows [T * top_k, N] and sum [T, N] their sum over each
+    token's slots, by the last row block of each column tile (`common.sum_expert_slots`; topk_ids [T, top_k] for
+    the slots computed here, arrivals one int32 zero per column tile). The first row block arrives even when no
+    block runs (every slot is another rank's), so that sum's rows are always written.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
-        return  # past the last padded expert run: max_blocks is only an upper bound
+    post_padded = tl.load(num_tokens_post_padded_ptr)
+    stop = pid_m * BLOCK_M >= post_padded  # past the last padded expert run: max_blocks is only an upper bound
+    if SUM_SLOTS:  # the first row block arrives at the slot sum in any case
+        stop = stop & (pid_m > 0)
+    if stop:
+        return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = rows < num_valid  # padding slots hold the sentinel num_valid
+    row_ok = (rows < num_valid) & (offs_m < post_padded)  # padding slots hold the sentinel num_valid
     a_rows = (rows // a_row_divisor).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_base = w_ptr + expert * stride_we
@@ -314,3 +324,6 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
     out_mask = row_ok[:, None] & (offs_n[None, :] < N)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if SUM_SLOTS:
+        sum_expert_slots(out_ptr, sum_ptr, topk_ids_ptr, arrivals_ptr, pid_n, offs_n, N, num_valid // top_k, top_k,
+                         tl.maximum(post_padded // BLOCK_M, 1), BLOCK_M)

@@ -1,6 +1,6 @@
 """Launchers: `MoEExperts`, one MoE layer's experts (checked once; `route`: routing + token alignment in one launch;
-per call the input checks, the backend choice, the token alignment unless route's is given, the two GEMM launches
-resolved once per T bucket, and the sum over the k slots), `fused_moe`
+per call the input checks, the backend choice, the token alignment unless route's is given, and the two GEMM launches
+resolved once per T bucket, the down GEMM summing each token's k slots itself), `fused_moe`
 (one call of a fresh MoEExperts), and `moe_gemm_launch`, one GEMM's `Launch` over all experts (over meta tensors:
 the launch tune --aot compiles).
 
@@ -26,11 +26,13 @@ from tritonq.kernels.common import (
     MXFP4_ONE_FACTOR_MAX_SCALE,
     ClampedSwiGLU,
     Launch,
+    arrival_counts,
     has_fp8_tensor_cores,
     int4_word_dequant,
     mxfp4_word_decode,
     next_pow2,
     on_gpu,
+    slot_sum_args,
     upcast_dot,
 )
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
@@ -134,7 +136,9 @@ class MoEExperts:
     arguments are resolved once (`_MoEPlan`; the default config is the bucket's largest T's). `route` routes the
     router logits and aligns the tokens for that plan (one launch); a call checks x and the routing, takes route's
     alignment or aligns the tokens itself (no host read either way) and launches the two GEMMs (plus, for W8A8,
-    each GEMM's activation quantization). Routed slots of -1 (experts another rank holds) leave their rows zero."""
+    each GEMM's activation quantization); the down GEMM writes the output itself, each token's k slots summed in
+    slot order in its epilogue (`common.sum_expert_slots`): no zero fill, sum or cast around it. Routed slots of -1
+    (experts another rank holds) add nothing; a token with no slot here gets a zero row."""
 
     def __init__(self, gate_up: Weight, down: Weight, activation: ClampedSwiGLU | None = None):
         self.E, self.inter, self.D, self.device = check_experts(gate_up, down)
@@ -194,13 +198,14 @@ class MoEExperts:
         sorted_ids, expert_ids, post_padded = alignment
         routing = topk_weights.float().contiguous().flatten()
         hidden = torch.empty(numel, self.inter, dtype=x.dtype, device=x.device)
-        out = torch.zeros(numel, D, dtype=x.dtype, device=x.device)  # zeros: the rows of dropped slots stay 0
+        slot_rows = torch.empty(numel, D, dtype=x.dtype, device=x.device)  # (token, slot) rows x routing weight
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # every row written by the down GEMM's slot sum
         bound = dict(routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
                      num_tokens_post_padded_ptr=post_padded, num_valid=numel)
         # W8A8: each GEMM's input quantized once, row by row (x per token; hidden per (token, slot) row)
         plan.run(0, x, hidden, expert_ids, bound)
-        plan.run(1, hidden, out, expert_ids, bound)
-        return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(x.dtype)
+        plan.run(1, hidden, slot_rows, expert_ids, bound | dict(sum_ptr=out, topk_ids_ptr=topk_ids.contiguous()))
+        return out
 
     def _plan_for(self, x: torch.Tensor, T: int, top_k: int, weight_only: bool | None,
                   explicit: tuple[MoEConfig, MoEConfig] | None) -> _MoEPlan:
@@ -239,10 +244,13 @@ class MoEExperts:
                 a_scale = stand_in(*(() if static is not None else (1, -(K // -(group or K)))), dtype=torch.float32)
             else:
                 a, a_scale = stand_in(1, K), None
+            # down: the slot sum's output and ids per call, its arrival counts the plan's (made once, here)
+            slot_sum = None if gate else (stand_in(1, D), stand_in(1, top_k, dtype=torch.int32),
+                                          arrival_counts(-(N // -cfg.BLOCK_N), x.device))
             launch = moe_gemm_launch(a, stand_in(1, N), weight, stand_in(1, dtype=torch.float32), alignment, top_k,
                                      cfg, block_m, gate, native_fp8, self.activation if gate else None, a_scale,
-                                     mxfp4_max_scale=max_scale)
-            for name in _PER_CALL:
+                                     mxfp4_max_scale=max_scale, slot_sum=slot_sum)
+            for name in _PER_CALL + (() if gate else _PER_CALL_SUM):
                 del launch.args[name]
             gemms.append((launch, scheme, -(N // -cfg.BLOCK_N)))
         return _MoEPlan(block_m, gemms)
@@ -252,6 +260,7 @@ class MoEExperts:
 _PER_CALL = ("a_ptr", "out_ptr", "routing_weight_ptr", "sorted_ids_ptr", "expert_ids_ptr",
              "num_tokens_post_padded_ptr", "num_valid", "stride_am", "stride_om", "a_scale_ptr", "stride_asm",
              "stride_asg")
+_PER_CALL_SUM = ("sum_ptr", "topk_ids_ptr")  # and what a call binds to the down GEMM's slot sum
 
 
 class _MoEPlan:
@@ -276,11 +285,14 @@ class _MoEPlan:
 def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing: torch.Tensor, alignment: tuple,
                     top_k: int, config: MoEConfig, block_m: int, gate_up: bool, native_fp8: bool,
                     activation: ClampedSwiGLU | None = None, a_scale: torch.Tensor | None = None,
-                    cc: int | None = None, mxfp4_max_scale: int | None = None) -> Launch:
+                    cc: int | None = None, mxfp4_max_scale: int | None = None,
+                    slot_sum: tuple | None = None) -> Launch:
     """The launch of _moe_gemm_kernel for one of the two GEMMs, over all experts.
 
     gate_up: a = x [T, D], weight [E, 2I, D], out = hidden [T*k, I] (SiLU-and-mul fused); else
-    a = hidden [T*k, I], weight [E, D, I], out [T*k, D] times the routing weights [T*k] fp32.
+    a = hidden [T*k, I], weight [E, D, I], out [T*k, D] times the routing weights [T*k] fp32, and slot_sum
+    (sum [T, D] in out's dtype, topk_ids [T, k], arrivals: one int32 zero per column tile, `common.arrival_counts`):
+    the launch also writes sum, each token's k rows of out added in slot order (`common.sum_expert_slots`).
     alignment: (sorted_ids, expert_ids, num_tokens_post_padded) of `moe_align_block_size(.., block_m)`.
     native_fp8: load fp8 weights as float8e4nv (`has_fp8_tensor_cores`), else decode their bytes.
     weight.bias [E, N_w] (if any) is added to the GEMM output; activation (gate_up only): ClampedSwiGLU or
@@ -293,8 +305,12 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
     path's scale factors (`_mxfp4_steps`); None: read here (a host sync), or for meta experts taken as at most
     MXFP4_ONE_FACTOR_MAX_SCALE.
     """
+    if gate_up == (slot_sum is not None):
+        raise ValueError(f"fused_moe: slot_sum (the down GEMM's sum over the k slots) goes with the down GEMM only; "
+                         f"got gate_up={gate_up} and slot_sum {'given' if slot_sum is not None else 'None'}")
     if isinstance(weight, GGUFWeight):  # GGUF block formats: their own expert kernel, in the GGUF kernel family
-        return gguf_moe_launch(a, out, weight, routing, alignment, top_k, config, block_m, gate_up, activation)
+        return gguf_moe_launch(a, out, weight, routing, alignment, top_k, config, block_m, gate_up, activation,
+                               slot_sum)
     sorted_ids, expert_ids, post_padded = alignment
     N, K = out.shape[1], a.shape[1]
     if isinstance(weight, MXFP4Weight) and config.BLOCK_K % 32:
@@ -329,7 +345,8 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
                 and (not gate_up or N % weight.block_size[0] == 0),
                 MASK_K=K % config.BLOCK_K != 0, MASK_N=N % config.BLOCK_N != 0,
                 SCALE_AFTER_DOT=bool(words) and isinstance(weight, Int4Weight) and tile_scale_row
-                and block_m < config.BLOCK_K, MXFP4_STEPS=mxfp4_steps)
+                and block_m < config.BLOCK_K, MXFP4_STEPS=mxfp4_steps,
+                **slot_sum_args(slot_sum, top_k))
     grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
     return Launch(_moe_gemm_kernel, grid, args, config.num_warps, config.num_stages)
 

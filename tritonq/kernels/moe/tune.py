@@ -107,5 +107,8 @@ def aot_launch(config: MoEConfig, problem, kind: str = "int4", native_fp8: bool 
         a_scale = torch.empty(rows, triton.cdiv(K, group), dtype=torch.float32, device=meta)
     out = torch.empty(numel, N, dtype=dtype, device=meta)
     routing = torch.empty(numel, dtype=torch.float32, device=meta)
+    slot_sum = None if gate else (torch.empty(T, N, dtype=dtype, device=meta),
+                                  torch.empty(T, top_k, dtype=torch.int32, device=meta),
+                                  torch.empty(triton.cdiv(N, config.BLOCK_N), dtype=torch.int32, device=meta))
     return moe_gemm_launch(a, out, weight, routing, alignment, top_k, config, config.BLOCK_M, gate, native_fp8,
-                           ClampedSwiGLU() if gpt_oss and gate else None, a_scale, cc, mxfp4_max_scale)
+                           ClampedSwiGLU() if gpt_oss and gate else None, a_scale, cc, mxfp4_max_scale, slot_sum)
