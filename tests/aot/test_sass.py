@@ -97,8 +97,7 @@ def _mix(case) -> dict:
                                 cc=cc)
         per_thread = 2 * weights_per_iteration(launch) / (32 * launch.num_warps)
     elif kind in GGUF_KINDS:
-        launch = gguf_gemm.aot_launch(gguf_gemm.default_config(1, N, K), 1, N, K, dtype=getattr(torch, dtype),
-                                      **GGUF_KINDS[kind])
+        launch = gguf_gemm.aot_launch(None, 1, N, K, dtype=getattr(torch, dtype), cc=cc, **GGUF_KINDS[kind])
         per_thread = weights_per_iteration(launch) / (32 * launch.num_warps)
     else:
         launch = weight_launch(kind, 1, N, K, cc, getattr(torch, dtype))

@@ -42,8 +42,11 @@ from tritonq.kernels.common import (
     Launch,
     WeightGemm,
     check_launch_config,
+    compute_capability,
     config_rows,
     gemm_output,
+    half_bit_tricks,
+    int4_words_to_magic,
     next_pow2,
     reduce_split_k,
     split_k_arrivals,
@@ -112,16 +115,52 @@ def _dot(x, w, acc, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
+def _group_dot(acc, x_ptr, rows, mask_m, stride_xm, stride_xk, lo_ptr, scales_ptr, offsets_ptr, kg, offs_n, mask_n, N,
+               K, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc + the group of W^T rows kg .. kg + GROUP (one scale and offset row): the decode word path. The 4-bit codes
+    become magic + q halves straight from the packed words (`common.int4_words_to_magic`), x meets them in one dot
+    (fp32 accumulation; every product exact) and the format's affine meets the dot's fp32 result. With an offset,
+    magic + zero goes into the offset term: acc + s * dot(x, magic + q) + (o - s * (magic + zero)) * sum(x), a
+    cancellation of the magic's share in fp32 (not the fp32 weight of `_weight_tile`, within the half tolerance);
+    without one, one packed subtraction leaves q - zero exactly: acc + s * dot(x, q - zero). EVEN_K: no group
+    past K, no K masks."""
+    offs_k = kg + tl.arange(0, GROUP)
+    offs_w = kg // 8 + tl.arange(0, GROUP // 8)
+    g = kg // GROUP
+    if EVEN_K:
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
+        words = tl.load(lo_ptr + offs_w[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        mask_g = mask_n
+    else:
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        words = tl.load(lo_ptr + offs_w[:, None] * N + offs_n[None, :],
+                        mask=(offs_w < K // 8)[:, None] & mask_n[None, :], other=0)
+        mask_g = mask_n & (kg + tl.zeros_like(offs_n) < K)  # a tensor compare (the interpreter's & of a scalar)
+    s = tl.load(scales_ptr + g * N + offs_n, mask=mask_g, other=0.0)
+    if x.dtype == tl.float16:
+        magic: tl.constexpr = 1024.0
+    else:
+        magic: tl.constexpr = 128.0
+    h = int4_words_to_magic(words, x.dtype)
+    if HAS_OFFSETS:
+        c = tl.load(offsets_ptr + g * N + offs_n, mask=mask_g, other=0.0) - s * (magic + ZERO)
+        return acc + tl.dot(x, h) * s[None, :] + tl.sum(x.to(tl.float32), axis=1)[:, None] * c[None, :]
+    return acc + tl.dot(x, h - (magic + ZERO)) * s[None, :]
+
+
+@triton.jit
 def _gguf_gemm_kernel(
     x_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_xk,
     BITS: tl.constexpr, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_CODE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, WORD_DEQUANT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     partials_ptr, arrivals_ptr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K); with SPLIT_K > 1 the
-    slices meet in `common.reduce_split_k`."""
+    slices meet in `common.reduce_split_k`. WORD_DEQUANT: each K tile as BLOCK_K / GROUP group dots (`_group_dot`);
+    else the tile's fp32 weights (`_weight_tile`) in one dot."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -134,12 +173,17 @@ def _gguf_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-        w = _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n, mask_n, N, K,
-                         BITS, ZERO, GROUP, HAS_OFFSETS, HAS_CODE, BLOCK_K)
-        acc = _dot(x, w, acc, UPCAST_DOT)
+        if WORD_DEQUANT:
+            for j in tl.static_range(BLOCK_K // GROUP):
+                acc = _group_dot(acc, x_ptr, rows, mask_m, stride_xm, stride_xk, lo_ptr, scales_ptr, offsets_ptr,
+                                 k0 + j * GROUP, offs_n, mask_n, N, K, ZERO, GROUP, HAS_OFFSETS, EVEN_K)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+            w = _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n, mask_n, N, K,
+                             BITS, ZERO, GROUP, HAS_OFFSETS, HAS_CODE, BLOCK_K)
+            acc = _dot(x, w, acc, UPCAST_DOT)
 
     if HAS_BIAS:  # added once: by the first K slice only
         if pid_k == 0:
@@ -153,15 +197,27 @@ def _gguf_gemm_kernel(
         store_output(out_ptr, acc, rows, offs_n, mask_m, N, N, False)
 
 
-def default_config(M: int, N: int, K: int) -> GGUFGemmConfig:
-    """Defaults in code, used when no tuned JSON entry exists for this GPU and shape."""
+def default_config(M: int, N: int, K: int, word: bool = False, cc: int | None = None) -> GGUFGemmConfig:
+    """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. word (`word_dequant`): the
+    decode word path's tile, int4_gemm's (16 x 128 x 128 over 2 warps, 4 on sm_86 / sm_89; cc None: sm_80+)."""
     if M <= SPLIT_K_MAX_M:
-        block_n, block_k = 64, 128
+        block_n, block_k = (128 if word else 64), 128
         split_k = max(1, min(16, next_pow2(triton.cdiv(264, triton.cdiv(N, block_n))), triton.cdiv(K, block_k) // 2))
+        if word:
+            return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=4 if cc in (86, 89) else 2, num_stages=3)
         return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
     if M <= 64:
         return GGUFGemmConfig(max(16, next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
     return GGUFGemmConfig(128, 128, 64, 1, num_warps=8, num_stages=3)
+
+
+def word_dequant(x: torch.Tensor, w: GGUFWeight, rows: int, cc: int | None = None) -> bool:
+    """The WORD_DEQUANT flag, decided once per plan: the decode rows (rows: the M the config is chosen for,
+    `config_rows`) of a 4-bit format without a level table, scales per 32 (Q4_K, Q4_1), with fp16 / bf16 activations
+    on a GPU from sm_80 (`common.half_bit_tricks`: fp16 only under the interpreter; cc the target of meta tensors,
+    None: sm_80+). Everything else forms the fp32 weights (`_weight_tile`)."""
+    return (rows <= SPLIT_K_MAX_M and w.bits == 4 and w.code is None and w.group_size == 32
+            and half_bit_tricks(x, cc))
 
 
 def config_bucket(M: int, N: int, K: int, w: GGUFWeight) -> str:
@@ -226,30 +282,31 @@ class GGUFGemm(WeightGemm):
             return gguf_gemm_reference(x, self.w)
         M = x.shape[0]
         if config is not None:
-            plan = _plan(x, self.w, config, M)
+            plan = _plan(x, self.w, config, M, word_dequant(x, self.w, config_rows(M)))
         else:
             key = (next_pow2(M), x.dtype, batch_invariant())
             plan = self.plans.get(key)
             if plan is None:
-                rows = config_rows(M)
+                rows = config_rows(M)  # M, or one row count for every M in the batch-invariant mode
+                word = word_dequant(x, self.w, rows)
                 config = tuned_or_default("gguf_gemm", config_bucket(rows, self.N, self.K, self.w),
-                                          default_config(rows, self.N, self.K))
-                plan = self.plans[key] = _plan(x, self.w, config, key[0])
+                                          default_config(rows, self.N, self.K, word, compute_capability(self.device)))
+                plan = self.plans[key] = _plan(x, self.w, config, key[0], word)
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
 
 
-def _plan(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, max_m: int) -> GemmPlan:
+def _plan(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, max_m: int, word: bool) -> GemmPlan:
     check_launch_config("gguf_gemm", config, GGUFGemmConfig)
-    launch = gguf_gemm_launch(x, w, config, arrivals=split_k_arrivals(max_m, w.shape[0], config, x.device))[0]
+    launch = gguf_gemm_launch(x, w, config, split_k_arrivals(max_m, w.shape[0], config, x.device), word)[0]
     return GemmPlan(launch, "out_ptr", ("x_ptr", "stride_xm", "stride_xk"), w.shape[0], config.BLOCK_M,
                     triton.cdiv(w.shape[0], config.BLOCK_N), config.SPLIT_K, flat=False)
 
 
-def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig,
-                     arrivals: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
+def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, arrivals: torch.Tensor | None = None,
+                     word: bool = False) -> tuple[Launch, torch.Tensor]:
     """The launch of _gguf_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and its
     output y [M, N]; over meta tensors what the AOT tests compile. BLOCK_K is at least 32 (a word of Q5's
-    fifth bits) and at most K rounded up to a power of two."""
+    fifth bits) and at most K rounded up to a power of two. word: the decode word path (`word_dequant`)."""
     (M, K), N = x.shape, w.shape[0]
     block_k = max(32, min(config.BLOCK_K, next_pow2(K)))
     out, partials, arrivals = gemm_output(M, N, config, x.dtype, x.device, arrivals)
@@ -260,7 +317,7 @@ def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig,
         bias_ptr=w.bias if w.bias is not None else w.scales, out_ptr=out, M=M, N=N, K=K,
         stride_xm=x.stride(0), stride_xk=x.stride(1), BITS=w.bits, ZERO=w.zero, GROUP=w.group_size,
         HAS_OFFSETS=w.offsets is not None, HAS_CODE=w.code is not None, HAS_BIAS=w.bias is not None,
-        UPCAST_DOT=upcast_dot(x),
+        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=word, EVEN_K=K % block_k == 0,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=config.SPLIT_K,
         partials_ptr=partials, arrivals_ptr=arrivals)
     grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
@@ -365,12 +422,15 @@ def _meta_weight(N: int, K: int, bits: int, group: int, offsets: bool, code: boo
                       code=torch.empty(*experts, 16, device=meta) if code else None)
 
 
-def aot_launch(config: GGUFGemmConfig, M: int, N: int, K: int, bits: int, group: int, offsets: bool,
-               dtype: torch.dtype = torch.bfloat16, code: bool = False) -> Launch:
+def aot_launch(config: GGUFGemmConfig | None, M: int, N: int, K: int, bits: int, group: int, offsets: bool,
+               dtype: torch.dtype = torch.bfloat16, code: bool = False, cc: int | None = None) -> Launch:
     """`gguf_gemm_launch` over meta tensors for an N x K weight of `bits`-bit codes, scales per `group`, with
-    offsets or not (Q4_K: 4, 32, True; Q5_K: 5, 32, True; Q6_K: 6, 16, False), a code table (IQ4) or not, no bias."""
+    offsets or not (Q4_K: 4, 32, True; Q5_K: 5, 32, True; Q6_K: 6, 16, False), a code table (IQ4) or not, no bias,
+    as the runtime builds it for sm_`cc` (None: sm_80+); config None: the default config."""
     w = _meta_weight(N, K, bits, group, offsets, code)
-    return gguf_gemm_launch(torch.empty(M, K, dtype=dtype, device="meta"), w, config)[0]
+    x = torch.empty(M, K, dtype=dtype, device="meta")
+    word = word_dequant(x, w, M, cc)
+    return gguf_gemm_launch(x, w, config or default_config(M, N, K, word, cc), word=word)[0]
 
 
 def aot_moe_launch(config, problem: tuple[int, int, int, int, int], gate_up: bool, bits: int, group: int,
