@@ -28,7 +28,7 @@ the oracle.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import torch
@@ -42,7 +42,6 @@ from tritonq.kernels.common import (
     Launch,
     WeightGemm,
     check_launch_config,
-    compute_capability,
     config_rows,
     gemm_output,
     half_bit_tricks,
@@ -115,38 +114,46 @@ def _dot(x, w, acc, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _group_dot(acc, x_ptr, rows, mask_m, stride_xm, stride_xk, lo_ptr, scales_ptr, offsets_ptr, kg, offs_n, mask_n, N,
-               K, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc + the group of W^T rows kg .. kg + GROUP (one scale and offset row): the decode word path. The 4-bit codes
-    become magic + q halves straight from the packed words (`common.int4_words_to_magic`), x meets them in one dot
-    (fp32 accumulation; every product exact) and the format's affine meets the dot's fp32 result. With an offset,
-    magic + zero goes into the offset term: acc + s * dot(x, magic + q) + (o - s * (magic + zero)) * sum(x), a
-    cancellation of the magic's share in fp32 (not the fp32 weight of `_weight_tile`, within the half tolerance);
-    without one, one packed subtraction leaves q - zero exactly: acc + s * dot(x, q - zero). EVEN_K: no group
-    past K, no K masks."""
-    offs_k = kg + tl.arange(0, GROUP)
-    offs_w = kg // 8 + tl.arange(0, GROUP // 8)
-    g = kg // GROUP
+def _diagonal_dot(acc, x_ptr, rows, mask_m, dot_rows, diag, stride_xm, stride_xk, lo_ptr, scales_ptr, offsets_ptr, k0, offs_n,
+                  mask_n, N, K, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                  EVEN_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [GROUPS * ROWS, BLOCK_N] + the K tile k0 .. k0 + BLOCK_K of the decode word path for ROWS rows of x
+    (rows, mask_m). The tile's GROUPS groups go into one dot whose rows are group-major (row j * ROWS + m, dot_rows:
+    x row m over group j, the other groups' columns zero: `diag`), so each dot row meets one group's scale and offset row on the dot's fp32 result. The 4-bit
+    codes become magic + q halves straight from the packed words (`common.int4_words_to_magic`); every product of
+    the dot is exact. With an offset, magic + zero goes into the offset term, s * dot(x, magic + q) +
+    (o - s * (magic + zero)) * sum(x): a cancellation of the magic's share in fp32 (no longer the fp32 weight of
+    `_weight_tile`); without one, a packed subtraction leaves q - zero exactly. EVEN_K: no column past K."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    cols = tl.arange(0, BLOCK_K)
+    offs_k = k0 + cols
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    rows_g = k0 // GROUP + tl.arange(0, GROUPS * ROWS) // ROWS  # the group of each dot row
+    x_ptrs = x_ptr + dot_rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
     if EVEN_K:
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
+        x = tl.load(x_ptrs, mask=diag, other=0.0)
         words = tl.load(lo_ptr + offs_w[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-        mask_g = mask_n
+        mask_s = mask_n[None, :]
     else:
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=diag & (offs_k < K)[None, :], other=0.0)
         words = tl.load(lo_ptr + offs_w[:, None] * N + offs_n[None, :],
                         mask=(offs_w < K // 8)[:, None] & mask_n[None, :], other=0)
-        mask_g = mask_n & (kg + tl.zeros_like(offs_n) < K)  # a tensor compare (the interpreter's & of a scalar)
-    s = tl.load(scales_ptr + g * N + offs_n, mask=mask_g, other=0.0)
+        mask_s = (rows_g < K // GROUP)[:, None] & mask_n[None, :]
+    s = tl.load(scales_ptr + rows_g[:, None] * N + offs_n[None, :], mask=mask_s, other=0.0)
     if x.dtype == tl.float16:
         magic: tl.constexpr = 1024.0
     else:
         magic: tl.constexpr = 128.0
     h = int4_words_to_magic(words, x.dtype)
     if HAS_OFFSETS:
-        c = tl.load(offsets_ptr + g * N + offs_n, mask=mask_g, other=0.0) - s * (magic + ZERO)
-        return acc + tl.dot(x, h) * s[None, :] + tl.sum(x.to(tl.float32), axis=1)[:, None] * c[None, :]
-    return acc + tl.dot(x, h - (magic + ZERO)) * s[None, :]
+        c = tl.load(offsets_ptr + rows_g[:, None] * N + offs_n[None, :], mask=mask_s, other=0.0) - s * (magic + ZERO)
+        # sum(x) per (group, row) from the plain [ROWS, BLOCK_K] rows, put in the dot's group-major row order
+        xm = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                     mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        xs = tl.reshape(tl.trans(tl.sum(tl.reshape(xm.to(tl.float32), (ROWS, GROUPS, GROUP)), axis=2)),
+                        (GROUPS * ROWS,))
+        return acc + tl.dot(x, h) * s + xs[:, None] * c
+    return acc + tl.dot(x, h - (magic + ZERO)) * s
 
 
 @triton.jit
@@ -158,26 +165,33 @@ def _gguf_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     partials_ptr, arrivals_ptr,
 ):
-    """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K); with SPLIT_K > 1 the
-    slices meet in `common.reduce_split_k`. WORD_DEQUANT: each K tile as BLOCK_K / GROUP group dots (`_group_dot`);
-    else the tile's fp32 weights (`_weight_tile`) in one dot."""
+    """One program: a [ROWS, BLOCK_N] output tile over K slice pid_k (of SPLIT_K); with SPLIT_K > 1 the slices meet
+    in `common.reduce_split_k`. ROWS = BLOCK_M, the dot's rows, except on the decode word path (WORD_DEQUANT,
+    `_diagonal_dot`), whose dot rows hold the K tile's BLOCK_K / GROUP groups of ROWS = BLOCK_M * GROUP / BLOCK_K
+    rows of x each (1 at BLOCK_K 512); else each K tile's fp32 weights (`_weight_tile`) meet x in one dot."""
+    ROWS: tl.constexpr = BLOCK_M * GROUP // BLOCK_K if WORD_DEQUANT else BLOCK_M
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m * ROWS + tl.arange(0, ROWS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        if WORD_DEQUANT:
-            for j in tl.static_range(BLOCK_K // GROUP):
-                acc = _group_dot(acc, x_ptr, rows, mask_m, stride_xm, stride_xk, lo_ptr, scales_ptr, offsets_ptr,
-                                 k0 + j * GROUP, offs_n, mask_n, N, K, ZERO, GROUP, HAS_OFFSETS, EVEN_K)
-        else:
+    if WORD_DEQUANT:  # dot row j * ROWS + m: x row m over group j of the K tile
+        r = tl.arange(0, BLOCK_M)
+        dot_rows = (pid_m * ROWS + r % ROWS).to(tl.int64)
+        diag = ((dot_rows < M)[:, None] & ((tl.arange(0, BLOCK_K) // GROUP)[None, :] == (r // ROWS)[:, None]))
+        acc_dot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+            acc_dot = _diagonal_dot(acc_dot, x_ptr, rows, mask_m, dot_rows, diag, stride_xm, stride_xk, lo_ptr,
+                                    scales_ptr, offsets_ptr, k0, offs_n, mask_n, N, K, ZERO, GROUP, HAS_OFFSETS,
+                                    EVEN_K, ROWS, BLOCK_K)
+        acc = tl.sum(tl.reshape(acc_dot, (BLOCK_K // GROUP, ROWS, BLOCK_N)), axis=0)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                         mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
@@ -197,14 +211,17 @@ def _gguf_gemm_kernel(
         store_output(out_ptr, acc, rows, offs_n, mask_m, N, N, False)
 
 
-def default_config(M: int, N: int, K: int, word: bool = False, cc: int | None = None) -> GGUFGemmConfig:
+def default_config(M: int, N: int, K: int, word: bool = False) -> GGUFGemmConfig:
     """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. word (`word_dequant`): the
-    decode word path's tile, int4_gemm's (16 x 128 x 128 over 2 warps, 4 on sm_86 / sm_89; cc None: sm_80+)."""
+    decode word path's tile, 16 dot rows by 128 columns over 8 warps, its K tile 512 / M rounded up to a power of
+    two (`_diagonal_dot`: 16 groups of one row at M = 1, one group of 16 rows at M = 16); 2 stages (3 take more
+    registers and instructions)."""
     if M <= SPLIT_K_MAX_M:
-        block_n, block_k = (128 if word else 64), 128
+        rows = next_pow2(M)
+        block_n, block_k = (128, 16 * 32 // rows) if word else (64, 128)
         split_k = max(1, min(16, next_pow2(triton.cdiv(264, triton.cdiv(N, block_n))), triton.cdiv(K, block_k) // 2))
         if word:
-            return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=4 if cc in (86, 89) else 2, num_stages=3)
+            return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=8, num_stages=2)
         return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
     if M <= 64:
         return GGUFGemmConfig(max(16, next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
@@ -290,26 +307,39 @@ class GGUFGemm(WeightGemm):
                 rows = config_rows(M)  # M, or one row count for every M in the batch-invariant mode
                 word = word_dequant(x, self.w, rows)
                 config = tuned_or_default("gguf_gemm", config_bucket(rows, self.N, self.K, self.w),
-                                          default_config(rows, self.N, self.K, word, compute_capability(self.device)))
+                                          default_config(rows, self.N, self.K, word))
                 plan = self.plans[key] = _plan(x, self.w, config, key[0], word)
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
 
 
 def _plan(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, max_m: int, word: bool) -> GemmPlan:
     check_launch_config("gguf_gemm", config, GGUFGemmConfig)
-    launch = gguf_gemm_launch(x, w, config, split_k_arrivals(max_m, w.shape[0], config, x.device), word)[0]
-    return GemmPlan(launch, "out_ptr", ("x_ptr", "stride_xm", "stride_xk"), w.shape[0], config.BLOCK_M,
+    tile = replace(config, BLOCK_M=program_rows(config, w, word))  # the output tile: rows of y per program
+    launch = gguf_gemm_launch(x, w, config, split_k_arrivals(max_m, w.shape[0], tile, x.device), word)[0]
+    return GemmPlan(launch, "out_ptr", ("x_ptr", "stride_xm", "stride_xk"), w.shape[0], tile.BLOCK_M,
                     triton.cdiv(w.shape[0], config.BLOCK_N), config.SPLIT_K, flat=False)
+
+
+def program_rows(config: GGUFGemmConfig, w: GGUFWeight, word: bool) -> int:
+    """Rows of x (and y) one program covers: BLOCK_M, or on the decode word path BLOCK_M * group / BLOCK_K (its dot
+    rows hold one group of that many rows each; `_diagonal_dot`)."""
+    return config.BLOCK_M * w.group_size // config.BLOCK_K if word else config.BLOCK_M
 
 
 def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, arrivals: torch.Tensor | None = None,
                      word: bool = False) -> tuple[Launch, torch.Tensor]:
     """The launch of _gguf_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and its
     output y [M, N]; over meta tensors what the AOT tests compile. BLOCK_K is at least 32 (a word of Q5's
-    fifth bits) and at most K rounded up to a power of two. word: the decode word path (`word_dequant`)."""
+    fifth bits) and at most K rounded up to a power of two; word: the decode word path (`word_dequant`), whose
+    BLOCK_K (as configured) holds BLOCK_K / group groups of BLOCK_M rows in its dot's 16 or more rows."""
     (M, K), N = x.shape, w.shape[0]
-    block_k = max(32, min(config.BLOCK_K, next_pow2(K)))
-    out, partials, arrivals = gemm_output(M, N, config, x.dtype, x.device, arrivals)
+    block_k = config.BLOCK_K if word else max(32, min(config.BLOCK_K, next_pow2(K)))
+    if word and not w.group_size <= block_k <= config.BLOCK_M * w.group_size:
+        _fail("BLOCK_K of the decode word path", block_k,
+              f"{w.group_size} to BLOCK_M * {w.group_size} = {config.BLOCK_M * w.group_size} (one to BLOCK_M groups "
+              "in the dot's rows)", "take default_config's decode tile")
+    out, partials, arrivals = gemm_output(M, N, replace(config, BLOCK_M=program_rows(config, w, word)), x.dtype,
+                                          x.device, arrivals)
     args = dict(
         x_ptr=x, lo_ptr=w.lo, hi_ptr=w.hi if w.hi is not None else w.lo, scales_ptr=w.scales,
         offsets_ptr=w.offsets if w.offsets is not None else w.scales,
@@ -320,7 +350,7 @@ def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, arr
         UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=word, EVEN_K=K % block_k == 0,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=config.SPLIT_K,
         partials_ptr=partials, arrivals_ptr=arrivals)
-    grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
+    grid = (triton.cdiv(M, program_rows(config, w, word)), triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
     return Launch(_gguf_gemm_kernel, grid, args, config.num_warps, config.num_stages), out
 
 
@@ -430,7 +460,7 @@ def aot_launch(config: GGUFGemmConfig | None, M: int, N: int, K: int, bits: int,
     w = _meta_weight(N, K, bits, group, offsets, code)
     x = torch.empty(M, K, dtype=dtype, device="meta")
     word = word_dequant(x, w, M, cc)
-    return gguf_gemm_launch(x, w, config or default_config(M, N, K, word, cc), word=word)[0]
+    return gguf_gemm_launch(x, w, config or default_config(M, N, K, word), word=word)[0]
 
 
 def aot_moe_launch(config, problem: tuple[int, int, int, int, int], gate_up: bool, bits: int, group: int,
