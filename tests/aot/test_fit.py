@@ -176,8 +176,8 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
                                              ("Q2_K", 4, 16, True, (1, 256)), ("Q3_K", 4, 16, False, (1,)),
                                              ("IQ4_XS", 4, 32, False, (1, 256))):
         for M in rows:
-            out[f"gguf {name} M{M}"] = gguf_gemm.aot_launch(gguf_gemm.default_config(M, N, K), M, N, K, bits, group,
-                                                            offsets, dtype, code=name == "IQ4_XS")
+            out[f"gguf {name} M{M}"] = gguf_gemm.aot_launch(None, M, N, K, bits, group, offsets, dtype,
+                                                            code=name == "IQ4_XS", cc=cc)
     # GGUF experts (fused_moe's GGUF kernel) on Qwen3-30B-A3B's shapes: Q4_K gate/up at the smallest and largest
     # tile and Q6_K down (a Q4_K_M file's experts), Q6_K and IQ4_XS gate/up at the largest (two accumulators)
     for name, bits, group, offsets, gate_up, config in (

@@ -16,9 +16,11 @@ branch of the SASS, Triton's bundled cuobjdump) must show:
     per two codes one prmt, one lop3 and one half2 subtraction, the scale on the dot's result), act-order
     too (sorted by group once, x read through the permutation: int4_gemm.sort_act_order); 8-bit in fp16 is
     below it (one prmt per two codes), in bf16 above (through fp32: a prmt and an FADD per code); nf4 looks its
-    codes up by pairs (common.code_pairs_lookup); fp8 x fp8 (sm_90) and W8A8 quantize only the M bucket's rows of x
-    per K tile (common.broadcast_rows) over 128 columns; fp8 weight-only (sm_80) decodes 4 e4m3 bytes a word
-    (common.e4m3_words_to_halves) (docs/gpu_kernels.md has the before / after mix and what is left).
+    codes up by pairs (common.code_pairs_lookup); GGUF's Q4_K takes int4's PTX, its groups of 32 side by side in
+    the rows of one dot (kernels/gguf_gemm.py's decode word path); fp8 x fp8 (sm_90) and W8A8 quantize only the
+    M bucket's rows of x per K tile (common.broadcast_rows) over 128 columns; fp8 weight-only (sm_80) decodes 4
+    e4m3 bytes a word (common.e4m3_words_to_halves) (docs/gpu_kernels.md has the before / after mix and what is
+    left).
 The prefill launches (M = 256) of int4, int8, fp8-block and W8A8 must issue their tensor-core instruction in the
 main loop (sm_90: wgmma, HGMMA / QGMMA / IGMMA; sm_80: HMMA / IMMA), load their weight tiles by 16-byte cp.async
 over >= 3 pipeline stages and not spill.
@@ -68,9 +70,11 @@ ALU_PER_WEIGHT = {
     # ~0.75 a weight of register moves of the activations' mma fragments (its weights reach the dot in registers,
     # K-major, so the A operand is regrouped per instruction; docs/gpu_kernels.md)
     (80, "moe-int4"): 2.6, (90, "moe-int4"): 2.6, (80, "moe-mxfp4"): 3.65, (90, "moe-mxfp4"): 3.75,
-    # GGUF block formats (kernels/gguf_gemm.py): each weight formed in fp32 (the file's exact values), a scale and an
+    # GGUF block formats (kernels/gguf_gemm.py). Q4_K: the decode word path (int4_words_to_magic's PTX, a dot whose
+    # 16 rows hold the K tile's 16 groups, scale and offset on its fp32 result: 2.11 / 2.19; 6.84 / 6.30 with each
+    # weight formed in fp32). Q5_K, Q6_K, IQ4_XS: each weight formed in fp32 (the file's exact values), a scale and an
     # offset per weight, the 5th / 6th bits from a second plane
-    (80, "gguf-q4_k"): 7.7, (90, "gguf-q4_k"): 6.9, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,
+    (80, "gguf-q4_k"): 2.2, (90, "gguf-q4_k"): 2.3, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,
     (80, "gguf-q6_k"): 11.1, (90, "gguf-q6_k"): 11.2, (80, "gguf-iq4_xs"): 6.8, (90, "gguf-iq4_xs"): 6.8,
 }
 CASES = [(cc, "bfloat16", kind) for cc in (80, 90)

@@ -9,18 +9,25 @@ Shapes and dtypes:
     y       [M, N] in x.dtype; accumulation in fp32.
 
 The load-time repack (formats/gguf.py) keeps the file's values exactly: the super-block's fp16 d times its
-6- or 8-bit sub-block scale is exact in fp32, and so is every (q - zero) * scale product, so the kernel forms
-each weight in fp32 with the gguf package's own one rounding (the offset's add) and only then casts it to x's
-dtype for the dot. The code becomes a float without an int-to-float conversion (2^23 | q, as
-common.dequantize_int_tile does in fp32). Planes are K-packed and N-contiguous like Int4Weight's, so every
-weight load is a row of BLOCK_N words (16-byte vectors); a K tile holds BLOCK_K / group scale rows, broadcast
-over their group by a reshape.
+6- or 8-bit sub-block scale is exact in fp32, and so is every (q - zero) * scale product. Two ways into the dot:
+  * fp32 weights (`_weight_tile`): each weight formed in fp32 with the gguf package's own one rounding (the
+    offset's add), then cast to x's dtype for the dot; the code becomes a float without an int-to-float conversion
+    (2^23 | q, as common.dequantize_int_tile does in fp32); a K tile holds BLOCK_K / group scale rows, broadcast
+    over their group by a reshape.
+  * the decode word path (WORD_DEQUANT, `word_dequant`: Q4_K / Q4_1 at M <= 16 in fp16 / bf16 from sm_80, fp16
+    under the interpreter; `_diagonal_dot`): the codes become magic + q halves straight from the packed words
+    (common.int4_words_to_magic, int4_gemm's PTX), x meets them in a dot whose 16 rows hold the K tile's groups
+    (block-diagonal x), and each group's scale and offset meet the dot's fp32 result: no weight is formed, so the
+    weights are no longer the file's fp32 values rounded to x's dtype; the products are exact and the affine is
+    applied in fp32 (docs/gguf.md).
+Planes are K-packed and N-contiguous like Int4Weight's, so every weight load is a row of BLOCK_N words (16-byte
+vectors).
 
 MoE experts: `_gguf_moe_kernel`, fused_moe's expert GEMM over stacked GGUFWeight experts (kernels/moe's token
 alignment and plan, its launcher dispatching here by the weight's type: `gguf_moe_launch`), each tile
 dequantized by the same `_weight_tile`.
 
-Paths by M as int4_gemm's: M <= 16 (decode) BLOCK_M 16 with split-K reduced in the launch
+Paths by M as int4_gemm's: M <= 16 (decode) 16 dot rows with split-K reduced in the launch
 (`common.reduce_split_k`), else a tiled GEMM. `GGUFGemm` resolves config, grid and arguments once per M
 bucket (`common.GemmPlan`): one launch per call. CPU backend: the weight's CPU form (kernels/cpu/lowbit.py:
 the planes as they are, run by the C library's GGUF linear); `gguf_gemm_reference` (TRITONQ_BACKEND=torch) is
@@ -114,14 +121,15 @@ def _dot(x, w, acc, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_dot(acc, x_ptr, rows, mask_m, dot_rows, diag, stride_xm, stride_xk, lo_ptr, scales_ptr, offsets_ptr, k0, offs_n,
-                  mask_n, N, K, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+def _diagonal_dot(acc, x_ptr, rows, mask_m, dot_rows, diag, stride_xm, stride_xk, lo_ptr, scales_ptr, offsets_ptr, k0,
+                  offs_n, mask_n, N, K, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                   EVEN_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [GROUPS * ROWS, BLOCK_N] + the K tile k0 .. k0 + BLOCK_K of the decode word path for ROWS rows of x
-    (rows, mask_m). The tile's GROUPS groups go into one dot whose rows are group-major (row j * ROWS + m, dot_rows:
-    x row m over group j, the other groups' columns zero: `diag`), so each dot row meets one group's scale and offset row on the dot's fp32 result. The 4-bit
-    codes become magic + q halves straight from the packed words (`common.int4_words_to_magic`); every product of
-    the dot is exact. With an offset, magic + zero goes into the offset term, s * dot(x, magic + q) +
+    (rows, mask_m). The tile's GROUPS groups share one dot whose rows are group-major (row j * ROWS + m, dot_rows:
+    x row m over group j, the other groups' columns zero: `diag`), so each dot row meets one group's scale and
+    offset row on the dot's fp32 result: one multiply-add per dot row and column for the tile, not per group.
+    The 4-bit codes become magic + q halves straight from the packed words (`common.int4_words_to_magic`); every
+    product of the dot is exact. With an offset, magic + zero goes into the offset term, s * dot(x, magic + q) +
     (o - s * (magic + zero)) * sum(x): a cancellation of the magic's share in fp32 (no longer the fp32 weight of
     `_weight_tile`); without one, a packed subtraction leaves q - zero exactly. EVEN_K: no column past K."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP
