@@ -71,10 +71,10 @@ ALU_PER_WEIGHT = {
     # K-major, so the A operand is regrouped per instruction; docs/gpu_kernels.md)
     (80, "moe-int4"): 2.6, (90, "moe-int4"): 2.6, (80, "moe-mxfp4"): 3.65, (90, "moe-mxfp4"): 3.75,
     # GGUF block formats (kernels/gguf_gemm.py). Q4_K: the decode word path (int4_words_to_magic's PTX, a dot whose
-    # 16 rows hold the K tile's 16 groups, scale and offset on its fp32 result: 2.11 / 2.19; 6.84 / 6.30 with each
+    # 16 rows hold the K tile's 16 groups, scale and offset on its fp32 result: 2.20 / 2.56; 6.84 / 6.30 with each
     # weight formed in fp32). Q5_K, Q6_K, IQ4_XS: each weight formed in fp32 (the file's exact values), a scale and an
     # offset per weight, the 5th / 6th bits from a second plane
-    (80, "gguf-q4_k"): 2.2, (90, "gguf-q4_k"): 2.3, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,
+    (80, "gguf-q4_k"): 2.3, (90, "gguf-q4_k"): 2.7, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,
     (80, "gguf-q6_k"): 11.1, (90, "gguf-q6_k"): 11.2, (80, "gguf-iq4_xs"): 6.8, (90, "gguf-iq4_xs"): 6.8,
 }
 CASES = [(cc, "bfloat16", kind) for cc in (80, 90)

@@ -221,12 +221,13 @@ def _gguf_gemm_kernel(
 
 def default_config(M: int, N: int, K: int, word: bool = False) -> GGUFGemmConfig:
     """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. word (`word_dequant`): the
-    decode word path's tile, 16 dot rows by 128 columns over 8 warps, its K tile 512 / M rounded up to a power of
-    two (`_diagonal_dot`: 16 groups of one row at M = 1, one group of 16 rows at M = 16); 2 stages (3 take more
-    registers and instructions)."""
+    decode word path's tile, 16 dot rows by 64 columns over 8 warps, its K tile 512 / M rounded up to a power of two
+    (`_diagonal_dot`: 16 groups of one row at M = 1, one group of 16 rows at M = 16), 2 stages (3 take more
+    registers and instructions). Not 128 columns: the dot's B tile goes through shared memory, 180 KB at M = 1,
+    over sm_80's and sm_86 / 89's limits, and sm_90 spills 8 B under Triton 3.6."""
     if M <= SPLIT_K_MAX_M:
         rows = next_pow2(M)
-        block_n, block_k = (128, 16 * 32 // rows) if word else (64, 128)
+        block_n, block_k = (64, 16 * 32 // rows) if word else (64, 128)
         split_k = max(1, min(16, next_pow2(triton.cdiv(264, triton.cdiv(N, block_n))), triton.cdiv(K, block_k) // 2))
         if word:
             return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=8, num_stages=2)
