@@ -77,7 +77,7 @@ def test_decode_word_path_is_the_one_tested(type_name, device):
         assert not gemm.plans[(1, torch.float16, True)].launch.args["WORD_DEQUANT"]
     with pytest.raises(ValueError, match=r"gguf_gemm: BLOCK_K of the decode word path is 1024, expected 32 to "
                                          r"BLOCK_M \* 32 = 512"):
-        gemm(torch.zeros(1, gemm.K, dtype=torch.float16, device=device), GGUFGemmConfig(16, 64, 1024, 1))
+        gemm(torch.zeros(1, gemm.K, dtype=torch.float16, device=device), GGUFGemmConfig(16, 64, 1024, 2))
 
 
 def test_bias_split_k_and_the_reference(device):

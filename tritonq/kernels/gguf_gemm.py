@@ -331,8 +331,14 @@ def _plan(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, max_m: int, wo
 
 def program_rows(config: GGUFGemmConfig, w: GGUFWeight, word: bool) -> int:
     """Rows of x (and y) one program covers: BLOCK_M, or on the decode word path BLOCK_M * group / BLOCK_K (its dot
-    rows hold one group of that many rows each; `_diagonal_dot`)."""
-    return config.BLOCK_M * w.group_size // config.BLOCK_K if word else config.BLOCK_M
+    rows hold one group of that many rows each; `_diagonal_dot`), which needs 1 to BLOCK_M groups in a K tile."""
+    if not word:
+        return config.BLOCK_M
+    if not w.group_size <= config.BLOCK_K <= config.BLOCK_M * w.group_size:
+        _fail("BLOCK_K of the decode word path", config.BLOCK_K,
+              f"{w.group_size} to BLOCK_M * {w.group_size} = {config.BLOCK_M * w.group_size} (one to BLOCK_M groups "
+              "in the dot's rows)", "take default_config's decode tile")
+    return config.BLOCK_M * w.group_size // config.BLOCK_K
 
 
 def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, arrivals: torch.Tensor | None = None,
@@ -340,15 +346,11 @@ def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, arr
     """The launch of _gguf_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and its
     output y [M, N]; over meta tensors what the AOT tests compile. BLOCK_K is at least 32 (a word of Q5's
     fifth bits) and at most K rounded up to a power of two; word: the decode word path (`word_dequant`), whose
-    BLOCK_K (as configured) holds BLOCK_K / group groups of BLOCK_M rows in its dot's 16 or more rows."""
+    BLOCK_K (as configured) holds BLOCK_K / group groups of `program_rows` rows of x in its BLOCK_M dot rows."""
     (M, K), N = x.shape, w.shape[0]
+    rows = program_rows(config, w, word)
     block_k = config.BLOCK_K if word else max(32, min(config.BLOCK_K, next_pow2(K)))
-    if word and not w.group_size <= block_k <= config.BLOCK_M * w.group_size:
-        _fail("BLOCK_K of the decode word path", block_k,
-              f"{w.group_size} to BLOCK_M * {w.group_size} = {config.BLOCK_M * w.group_size} (one to BLOCK_M groups "
-              "in the dot's rows)", "take default_config's decode tile")
-    out, partials, arrivals = gemm_output(M, N, replace(config, BLOCK_M=program_rows(config, w, word)), x.dtype,
-                                          x.device, arrivals)
+    out, partials, arrivals = gemm_output(M, N, replace(config, BLOCK_M=rows), x.dtype, x.device, arrivals)
     args = dict(
         x_ptr=x, lo_ptr=w.lo, hi_ptr=w.hi if w.hi is not None else w.lo, scales_ptr=w.scales,
         offsets_ptr=w.offsets if w.offsets is not None else w.scales,
@@ -359,7 +361,7 @@ def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, arr
         UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=word, EVEN_K=K % block_k == 0,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=config.SPLIT_K,
         partials_ptr=partials, arrivals_ptr=arrivals)
-    grid = (triton.cdiv(M, program_rows(config, w, word)), triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
+    grid = (triton.cdiv(M, rows), triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
     return Launch(_gguf_gemm_kernel, grid, args, config.num_warps, config.num_stages), out
 
 
