@@ -6,7 +6,7 @@ tile, K a whole number of the format's blocks but off the 128-deep tile where th
 Tolerances (tests/tolerances.py's int4_gemm entry, relative to max |reference|): the kernel forms each weight in
 fp32 with the file's exact values (the repack's exactness is checked bit for bit below), then, as int4_gemm,
 meets x in x's dtype with fp32 accumulation: fp32 differs by summation order, fp16 / bf16 by the weight's
-rounding to that dtype and one rounding of y. The decode word path (Q4_K / Q4_1 at M <= 16 in fp16 / bf16 from
+rounding to that dtype and one rounding of y. The decode word path (Q4_K / Q4_1 at M <= 8 in fp16 / bf16 from
 sm_80; fp16 under the interpreter) rounds no weight: x meets magic + q exactly and the affine meets the dot's fp32
 result, whose cancellation of the magic's share (2^10 at most in fp16) costs ~2^-14 of max |y|, under the same
 bounds.
@@ -42,7 +42,7 @@ def test_gguf_gemm_matches_float32_reference(type_name, dtype, device):
             w, W = random_weight(type_name, N, K)
         w, W = w.to(device), W.to(device)
         gemm = GGUFGemm(w)
-        for M in ((1, 3, 17, 64) if dtype == torch.float32 else (1, 3, 16, 17)):
+        for M in ((1, 3, 17, 64) if dtype == torch.float32 else (1, 3, 8, 16)):
             x = torch.randn(M, K, generator=torch.Generator().manual_seed(M), device="cpu")
             x = x.to(device=device, dtype=dtype)
             ref = x.float() @ W.t()
@@ -54,8 +54,8 @@ def test_gguf_gemm_matches_float32_reference(type_name, dtype, device):
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q4_1"])
 def test_decode_word_path_is_the_one_tested(type_name, device):
-    """The reference test above runs the word path (gguf_gemm.word_dequant) where the runtime takes it: the decode
-    rows in fp16 (and bf16 on a GPU), not fp32, not above 16 rows, not in the batch-invariant mode (one config for
+    """The reference test above runs the word path (gguf_gemm.word_dequant) where the runtime takes it: up to 8
+    rows in fp16 (and bf16 on a GPU), not fp32, not above 8 rows, not in the batch-invariant mode (one config for
     every M); Q6_K and IQ4 keep the fp32 weights."""
     from tritonq.kernels import batch_invariant_mode
     from tritonq.kernels.common import half_bit_tricks
@@ -68,8 +68,8 @@ def test_decode_word_path_is_the_one_tested(type_name, device):
     def word(M, dtype, g=gemm):
         g(torch.zeros(M, g.K, dtype=dtype, device=device))
         return g.plans[(1 << (M - 1).bit_length(), dtype, False)].launch.args["WORD_DEQUANT"]
-    assert word(1, torch.float16) and word(16, torch.float16)
-    assert not word(17, torch.float16) and not word(1, torch.float32)
+    assert word(1, torch.float16) and word(8, torch.float16)
+    assert not word(16, torch.float16) and not word(1, torch.float32)
     assert word(1, torch.bfloat16) == half_bit_tricks(torch.zeros(1, dtype=torch.bfloat16, device=device))
     assert not word(1, torch.float16, GGUFGemm(q6k))
     with batch_invariant_mode():

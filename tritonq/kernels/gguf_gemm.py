@@ -14,7 +14,7 @@ The load-time repack (formats/gguf.py) keeps the file's values exactly: the supe
     offset's add), then cast to x's dtype for the dot; the code becomes a float without an int-to-float conversion
     (2^23 | q, as common.dequantize_int_tile does in fp32); a K tile holds BLOCK_K / group scale rows, broadcast
     over their group by a reshape.
-  * the decode word path (WORD_DEQUANT, `word_dequant`: Q4_K / Q4_1 at M <= 16 in fp16 / bf16 from sm_80, fp16
+  * the decode word path (WORD_DEQUANT, `word_dequant`: Q4_K / Q4_1 at M <= 8 in fp16 / bf16 from sm_80, fp16
     under the interpreter; `_diagonal_dot`): the codes become magic + q halves straight from the packed words
     (common.int4_words_to_magic, int4_gemm's PTX), x meets them in a dot whose 16 rows hold the K tile's groups
     (block-diagonal x), and each group's scale and offset meet the dot's fp32 result: no weight is formed, so the
@@ -27,7 +27,7 @@ MoE experts: `_gguf_moe_kernel`, fused_moe's expert GEMM over stacked GGUFWeight
 alignment and plan, its launcher dispatching here by the weight's type: `gguf_moe_launch`), each tile
 dequantized by the same `_weight_tile`.
 
-Paths by M as int4_gemm's: M <= 16 (decode) 16 dot rows with split-K reduced in the launch
+Paths by M as int4_gemm's: M <= 16 (decode) split-K reduced in the launch
 (`common.reduce_split_k`), else a tiled GEMM. `GGUFGemm` resolves config, grid and arguments once per M
 bucket (`common.GemmPlan`): one launch per call. CPU backend: the weight's CPU form (kernels/cpu/lowbit.py:
 the planes as they are, run by the C library's GGUF linear); `gguf_gemm_reference` (TRITONQ_BACKEND=torch) is
@@ -67,6 +67,9 @@ SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
 # BLOCK_K of the IQ4 expert GEMM: the level gather's address tile of two [64, 64] weight tiles spills on sm_80 / 89
 # (Triton 3.6, 8 warps); 32 rows do not (tests/aot/test_fit.py)
 CODE_BLOCK_K = 32
+# M at or below which Q4_K / Q4_1 take the decode word path: its scale and offset cost 2 R / 32 multiply-adds a weight
+# on the dot's result (R rows), and at 16 rows its loop (8.0 ALU a weight on sm_90) loses to the fp32 weights' (6.3)
+WORD_MAX_M = 8
 
 
 @dataclass(frozen=True)
@@ -221,16 +224,16 @@ def _gguf_gemm_kernel(
 
 def default_config(M: int, N: int, K: int, word: bool = False) -> GGUFGemmConfig:
     """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. word (`word_dequant`): the
-    decode word path's tile, 16 dot rows by 64 columns over 8 warps, its K tile 512 / M rounded up to a power of two
-    (`_diagonal_dot`: 16 groups of one row at M = 1, one group of 16 rows at M = 16), 2 stages (3 take more
-    registers and instructions). Not 128 columns: the dot's B tile goes through shared memory, 180 KB at M = 1,
-    over sm_80's and sm_86 / 89's limits, and sm_90 spills 8 B under Triton 3.6."""
+    decode word path's tile (`_diagonal_dot`), M rounded up to a power of two (R) rows of x over a K tile of 512 / R
+    (at least 128), so that its groups fill 16 dot rows (32 at R = 8); 64 columns over 8 warps, 2 stages (3 take
+    more registers and instructions). Not 128 columns: the dot's B tile goes through shared memory, 180 KB at
+    M = 1, over sm_80's and sm_86 / 89's limits, and sm_90 spills 8 B under Triton 3.6."""
     if M <= SPLIT_K_MAX_M:
         rows = next_pow2(M)
-        block_n, block_k = (64, 16 * 32 // rows) if word else (64, 128)
+        block_n, block_k = (64, max(128, 16 * 32 // rows)) if word else (64, 128)
         split_k = max(1, min(16, next_pow2(triton.cdiv(264, triton.cdiv(N, block_n))), triton.cdiv(K, block_k) // 2))
         if word:
-            return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=8, num_stages=2)
+            return GGUFGemmConfig(rows * block_k // 32, block_n, block_k, split_k, num_warps=8, num_stages=2)
         return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
     if M <= 64:
         return GGUFGemmConfig(max(16, next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
@@ -238,11 +241,11 @@ def default_config(M: int, N: int, K: int, word: bool = False) -> GGUFGemmConfig
 
 
 def word_dequant(x: torch.Tensor, w: GGUFWeight, rows: int, cc: int | None = None) -> bool:
-    """The WORD_DEQUANT flag, decided once per plan: the decode rows (rows: the M the config is chosen for,
+    """The WORD_DEQUANT flag, decided once per plan: up to WORD_MAX_M rows (rows: the M the config is chosen for,
     `config_rows`) of a 4-bit format without a level table, scales per 32 (Q4_K, Q4_1), with fp16 / bf16 activations
     on a GPU from sm_80 (`common.half_bit_tricks`: fp16 only under the interpreter; cc the target of meta tensors,
     None: sm_80+). Everything else forms the fp32 weights (`_weight_tile`)."""
-    return (rows <= SPLIT_K_MAX_M and w.bits == 4 and w.code is None and w.group_size == 32
+    return (rows <= WORD_MAX_M and w.bits == 4 and w.code is None and w.group_size == 32
             and half_bit_tricks(x, cc))
 
 
