@@ -2,7 +2,8 @@
 
 The launches are the launchers' own (each kernel file's builder over meta tensors: signature, strides,
 divisibility hints and default config as at run time), at representative shapes: int4 / fp8 GEMMs at
-M = 1, 16, 256 (a 4096 x 4096 layer), the GGUF block-format GEMM (Q4_K, Q5_K, Q6_K at the same M; Q2_K at 1 and 256;
+M = 1, 16, 256 (a 4096 x 4096 layer), the GGUF block-format GEMM (Q4_K, Q5_K, Q6_K at the same M, Q4_K at 8 too: the
+largest of its decode word path; Q2_K at 1 and 256;
 Q5_0, Q3_K at 1) and its
 expert GEMM (Q4_K, Q6_K, IQ4_XS on Qwen3-30B-A3B's experts), the
 batch-invariant mode's dense GEMM, paged prefill and split-KV decode
@@ -171,13 +172,13 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
     # GGUF block formats (GGUFWeight): 4-bit codes + offsets per 32 (Q4_K, as Q4_1), 5-bit (Q5_K as Q5_1; Q5_0 without
     # offsets), 6-bit with scales per 16 (Q6_K); 2- / 3-bit codes in the 4-bit plane, scales per 16 (Q2_K with offsets,
     # Q3_K without); IQ4_XS (as IQ4_NL): a 16-level code table gathered per weight
-    for name, bits, group, offsets, rows in (("Q4_K", 4, 32, True, (1, 16, 256)), ("Q5_K", 5, 32, True, (1, 16, 256)),
+    for name, bits, group, offsets, rows in (("Q4_K", 4, 32, True, (1, 8, 16, 256)), ("Q5_K", 5, 32, True, (1, 16, 256)),
                                              ("Q6_K", 6, 16, False, (1, 16, 256)), ("Q5_0", 5, 32, False, (1,)),
                                              ("Q2_K", 4, 16, True, (1, 256)), ("Q3_K", 4, 16, False, (1,)),
                                              ("IQ4_XS", 4, 32, False, (1, 256))):
         for M in rows:
-            out[f"gguf {name} M{M}"] = gguf_gemm.aot_launch(gguf_gemm.default_config(M, N, K), M, N, K, bits, group,
-                                                            offsets, dtype, code=name == "IQ4_XS")
+            out[f"gguf {name} M{M}"] = gguf_gemm.aot_launch(None, M, N, K, bits, group, offsets, dtype,
+                                                            code=name == "IQ4_XS", cc=cc)
     # GGUF experts (fused_moe's GGUF kernel) on Qwen3-30B-A3B's shapes: Q4_K gate/up at the smallest and largest
     # tile and Q6_K down (a Q4_K_M file's experts), Q6_K and IQ4_XS gate/up at the largest (two accumulators)
     for name, bits, group, offsets, gate_up, config in (

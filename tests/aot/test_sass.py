@@ -16,9 +16,11 @@ branch of the SASS, Triton's bundled cuobjdump) must show:
     per two codes one prmt, one lop3 and one half2 subtraction, the scale on the dot's result), act-order
     too (sorted by group once, x read through the permutation: int4_gemm.sort_act_order); 8-bit in fp16 is
     below it (one prmt per two codes), in bf16 above (through fp32: a prmt and an FADD per code); nf4 looks its
-    codes up by pairs (common.code_pairs_lookup); fp8 x fp8 (sm_90) and W8A8 quantize only the M bucket's rows of x
-    per K tile (common.broadcast_rows) over 128 columns; fp8 weight-only (sm_80) decodes 4 e4m3 bytes a word
-    (common.e4m3_words_to_halves) (docs/gpu_kernels.md has the before / after mix and what is left).
+    codes up by pairs (common.code_pairs_lookup); GGUF's Q4_K takes int4's PTX, its groups of 32 side by side in
+    the rows of one dot (kernels/gguf_gemm.py's decode word path); fp8 x fp8 (sm_90) and W8A8 quantize only the
+    M bucket's rows of x per K tile (common.broadcast_rows) over 128 columns; fp8 weight-only (sm_80) decodes 4
+    e4m3 bytes a word (common.e4m3_words_to_halves) (docs/gpu_kernels.md has the before / after mix and what is
+    left).
 The prefill launches (M = 256) of int4, int8, fp8-block and W8A8, and the MoE MXFP4 gate/up GEMM at 64 tokens per
 expert, must issue their tensor-core instruction in the main loop (sm_90: wgmma, HGMMA / QGMMA / IGMMA; sm_80:
 HMMA / IMMA), load their weight tiles by 16-byte cp.async over >= 3 pipeline stages and not spill.
@@ -70,9 +72,11 @@ ALU_PER_WEIGHT = {
     # 12.0 with integer decode and fp32 scaling); fp16 2.93 / 2.90 (one more lop3 per four codes; 3.9-4.1 before)
     (80, "moe-int4"): 2.6, (90, "moe-int4"): 2.6, (80, "moe-mxfp4"): 2.75, (90, "moe-mxfp4"): 2.8,
     (80, "float16", "moe-mxfp4"): 3.05, (90, "float16", "moe-mxfp4"): 3.1,
-    # GGUF block formats (kernels/gguf_gemm.py): each weight formed in fp32 (the file's exact values), a scale and an
+    # GGUF block formats (kernels/gguf_gemm.py). Q4_K: the decode word path (int4_words_to_magic's PTX, a dot whose
+    # 16 rows hold the K tile's 16 groups, scale and offset on its fp32 result: 2.20 / 2.56; 6.84 / 6.30 with each
+    # weight formed in fp32). Q5_K, Q6_K, IQ4_XS: each weight formed in fp32 (the file's exact values), a scale and an
     # offset per weight, the 5th / 6th bits from a second plane
-    (80, "gguf-q4_k"): 7.7, (90, "gguf-q4_k"): 6.9, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,
+    (80, "gguf-q4_k"): 2.3, (90, "gguf-q4_k"): 2.7, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,
     (80, "gguf-q6_k"): 11.1, (90, "gguf-q6_k"): 11.2, (80, "gguf-iq4_xs"): 6.8, (90, "gguf-iq4_xs"): 6.8,
 }
 CASES = [(cc, "bfloat16", kind) for cc in (80, 90)
@@ -99,8 +103,7 @@ def _mix(case) -> dict:
                                 cc=cc)
         per_thread = 2 * weights_per_iteration(launch) / (32 * launch.num_warps)
     elif kind in GGUF_KINDS:
-        launch = gguf_gemm.aot_launch(gguf_gemm.default_config(1, N, K), 1, N, K, dtype=getattr(torch, dtype),
-                                      **GGUF_KINDS[kind])
+        launch = gguf_gemm.aot_launch(None, 1, N, K, dtype=getattr(torch, dtype), cc=cc, **GGUF_KINDS[kind])
         per_thread = weights_per_iteration(launch) / (32 * launch.num_warps)
     else:
         launch = weight_launch(kind, 1, N, K, cc, getattr(torch, dtype))

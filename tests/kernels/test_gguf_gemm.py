@@ -6,7 +6,10 @@ tile, K a whole number of the format's blocks but off the 128-deep tile where th
 Tolerances (tests/tolerances.py's int4_gemm entry, relative to max |reference|): the kernel forms each weight in
 fp32 with the file's exact values (the repack's exactness is checked bit for bit below), then, as int4_gemm,
 meets x in x's dtype with fp32 accumulation: fp32 differs by summation order, fp16 / bf16 by the weight's
-rounding to that dtype and one rounding of y.
+rounding to that dtype and one rounding of y. The decode word path (Q4_K / Q4_1 at M <= 8 in fp16 / bf16 from
+sm_80; fp16 under the interpreter) rounds no weight: x meets magic + q exactly and the affine meets the dot's fp32
+result, whose cancellation of the magic's share (2^10 at most in fp16) costs ~2^-14 of max |y|, under the same
+bounds.
 """
 import pytest
 import tolerances
@@ -39,7 +42,7 @@ def test_gguf_gemm_matches_float32_reference(type_name, dtype, device):
             w, W = random_weight(type_name, N, K)
         w, W = w.to(device), W.to(device)
         gemm = GGUFGemm(w)
-        for M in ((1, 3, 17, 64) if dtype == torch.float32 else (1, 17)):
+        for M in ((1, 3, 17, 64) if dtype == torch.float32 else (1, 3, 8, 16)):
             x = torch.randn(M, K, generator=torch.Generator().manual_seed(M), device="cpu")
             x = x.to(device=device, dtype=dtype)
             ref = x.float() @ W.t()
@@ -47,6 +50,34 @@ def test_gguf_gemm_matches_float32_reference(type_name, dtype, device):
             assert y.dtype == dtype and y.shape == (M, N)
             tol = TOL[dtype]
             torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_1"])
+def test_decode_word_path_is_the_one_tested(type_name, device):
+    """The reference test above runs the word path (gguf_gemm.word_dequant) where the runtime takes it: up to 8
+    rows in fp16 (and bf16 on a GPU), not fp32, not above 8 rows, not in the batch-invariant mode (one config for
+    every M); Q6_K and IQ4 keep the fp32 weights."""
+    from tritonq.kernels import batch_invariant_mode
+    from tritonq.kernels.common import half_bit_tricks
+    with torch.device("cpu"):
+        w, _ = random_weight(type_name, *shapes(type_name)[0])
+        q6k, _ = random_weight("Q6_K", 80, 512)
+    w, q6k = w.to(device), q6k.to(device)  # held: a GGUFGemm holds its weight weakly
+    gemm = GGUFGemm(w)
+
+    def word(M, dtype, g=gemm):
+        g(torch.zeros(M, g.K, dtype=dtype, device=device))
+        return g.plans[(1 << (M - 1).bit_length(), dtype, False)].launch.args["WORD_DEQUANT"]
+    assert word(1, torch.float16) and word(8, torch.float16)
+    assert not word(16, torch.float16) and not word(1, torch.float32)
+    assert word(1, torch.bfloat16) == half_bit_tricks(torch.zeros(1, dtype=torch.bfloat16, device=device))
+    assert not word(1, torch.float16, GGUFGemm(q6k))
+    with batch_invariant_mode():
+        gemm(torch.zeros(1, gemm.K, dtype=torch.float16, device=device))
+        assert not gemm.plans[(1, torch.float16, True)].launch.args["WORD_DEQUANT"]
+    with pytest.raises(ValueError, match=r"gguf_gemm: BLOCK_K of the decode word path is 1024, expected 32 to "
+                                         r"BLOCK_M \* 32 = 512"):
+        gemm(torch.zeros(1, gemm.K, dtype=torch.float16, device=device), GGUFGemmConfig(16, 64, 1024, 2))
 
 
 def test_bias_split_k_and_the_reference(device):

@@ -9,18 +9,25 @@ Shapes and dtypes:
     y       [M, N] in x.dtype; accumulation in fp32.
 
 The load-time repack (formats/gguf.py) keeps the file's values exactly: the super-block's fp16 d times its
-6- or 8-bit sub-block scale is exact in fp32, and so is every (q - zero) * scale product, so the kernel forms
-each weight in fp32 with the gguf package's own one rounding (the offset's add) and only then casts it to x's
-dtype for the dot. The code becomes a float without an int-to-float conversion (2^23 | q, as
-common.dequantize_int_tile does in fp32). Planes are K-packed and N-contiguous like Int4Weight's, so every
-weight load is a row of BLOCK_N words (16-byte vectors); a K tile holds BLOCK_K / group scale rows, broadcast
-over their group by a reshape.
+6- or 8-bit sub-block scale is exact in fp32, and so is every (q - zero) * scale product. Two ways into the dot:
+  * fp32 weights (`_weight_tile`): each weight formed in fp32 with the gguf package's own one rounding (the
+    offset's add), then cast to x's dtype for the dot; the code becomes a float without an int-to-float conversion
+    (2^23 | q, as common.dequantize_int_tile does in fp32); a K tile holds BLOCK_K / group scale rows, broadcast
+    over their group by a reshape.
+  * the decode word path (WORD_DEQUANT, `word_dequant`: Q4_K / Q4_1 at M <= 8 in fp16 / bf16 from sm_80, fp16
+    under the interpreter; `_diagonal_dot`): the codes become magic + q halves straight from the packed words
+    (common.int4_words_to_magic, int4_gemm's PTX), x meets them in a dot whose 16 rows hold the K tile's groups
+    (block-diagonal x), and each group's scale and offset meet the dot's fp32 result: no weight is formed, so the
+    weights are no longer the file's fp32 values rounded to x's dtype; the products are exact and the affine is
+    applied in fp32 (docs/gguf.md).
+Planes are K-packed and N-contiguous like Int4Weight's, so every weight load is a row of BLOCK_N words (16-byte
+vectors).
 
 MoE experts: `_gguf_moe_kernel`, fused_moe's expert GEMM over stacked GGUFWeight experts (kernels/moe's token
 alignment and plan, its launcher dispatching here by the weight's type: `gguf_moe_launch`), each tile
 dequantized by the same `_weight_tile`.
 
-Paths by M as int4_gemm's: M <= 16 (decode) BLOCK_M 16 with split-K reduced in the launch
+Paths by M as int4_gemm's: M <= 16 (decode) split-K reduced in the launch
 (`common.reduce_split_k`), else a tiled GEMM. `GGUFGemm` resolves config, grid and arguments once per M
 bucket (`common.GemmPlan`): one launch per call. CPU backend: the weight's CPU form (kernels/cpu/lowbit.py:
 the planes as they are, run by the C library's GGUF linear); `gguf_gemm_reference` (TRITONQ_BACKEND=torch) is
@@ -28,7 +35,7 @@ the oracle.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import torch
@@ -44,6 +51,8 @@ from tritonq.kernels.common import (
     check_launch_config,
     config_rows,
     gemm_output,
+    half_bit_tricks,
+    int4_words_to_magic,
     next_pow2,
     reduce_split_k,
     slot_sum_args,
@@ -60,6 +69,9 @@ SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
 # BLOCK_K of the IQ4 expert GEMM: the level gather's address tile of two [64, 64] weight tiles spills on sm_80 / 89
 # (Triton 3.6, 8 warps); 32 rows do not (tests/aot/test_fit.py)
 CODE_BLOCK_K = 32
+# M at or below which Q4_K / Q4_1 take the decode word path: its scale and offset cost 2 R / 32 multiply-adds a weight
+# on the dot's result (R rows), and at 16 rows its loop (8.0 ALU a weight on sm_90) loses to the fp32 weights' (6.3)
+WORD_MAX_M = 8
 
 
 @dataclass(frozen=True)
@@ -114,34 +126,91 @@ def _dot(x, w, acc, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
+def _diagonal_dot(acc, x_ptr, rows, mask_m, dot_rows, diag, stride_xm, stride_xk, lo_ptr, scales_ptr, offsets_ptr, k0,
+                  offs_n, mask_n, N, K, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                  EVEN_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [GROUPS * ROWS, BLOCK_N] + the K tile k0 .. k0 + BLOCK_K of the decode word path for ROWS rows of x
+    (rows, mask_m). The tile's GROUPS groups share one dot whose rows are group-major (row j * ROWS + m, dot_rows:
+    x row m over group j, the other groups' columns zero: `diag`), so each dot row meets one group's scale and
+    offset row on the dot's fp32 result: one multiply-add per dot row and column for the tile, not per group.
+    The 4-bit codes become magic + q halves straight from the packed words (`common.int4_words_to_magic`); every
+    product of the dot is exact. With an offset, magic + zero goes into the offset term, s * dot(x, magic + q) +
+    (o - s * (magic + zero)) * sum(x): a cancellation of the magic's share in fp32 (no longer the fp32 weight of
+    `_weight_tile`); without one, a packed subtraction leaves q - zero exactly. EVEN_K: no column past K."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    cols = tl.arange(0, BLOCK_K)
+    offs_k = k0 + cols
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    rows_g = k0 // GROUP + tl.arange(0, GROUPS * ROWS) // ROWS  # the group of each dot row
+    x_ptrs = x_ptr + dot_rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    if EVEN_K:
+        x = tl.load(x_ptrs, mask=diag, other=0.0)
+        words = tl.load(lo_ptr + offs_w[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        mask_s = mask_n[None, :]
+    else:
+        x = tl.load(x_ptrs, mask=diag & (offs_k < K)[None, :], other=0.0)
+        words = tl.load(lo_ptr + offs_w[:, None] * N + offs_n[None, :],
+                        mask=(offs_w < K // 8)[:, None] & mask_n[None, :], other=0)
+        mask_s = (rows_g < K // GROUP)[:, None] & mask_n[None, :]
+    s = tl.load(scales_ptr + rows_g[:, None] * N + offs_n[None, :], mask=mask_s, other=0.0)
+    if x.dtype == tl.float16:
+        magic: tl.constexpr = 1024.0
+    else:
+        magic: tl.constexpr = 128.0
+    h = int4_words_to_magic(words, x.dtype)
+    if HAS_OFFSETS:
+        c = tl.load(offsets_ptr + rows_g[:, None] * N + offs_n[None, :], mask=mask_s, other=0.0) - s * (magic + ZERO)
+        # sum(x) per (group, row) from the plain [ROWS, BLOCK_K] rows, put in the dot's group-major row order
+        xm = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                     mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        xs = tl.reshape(tl.trans(tl.sum(tl.reshape(xm.to(tl.float32), (ROWS, GROUPS, GROUP)), axis=2)),
+                        (GROUPS * ROWS,))
+        return acc + tl.dot(x, h) * s + xs[:, None] * c
+    return acc + tl.dot(x, h - (magic + ZERO)) * s
+
+
+@triton.jit
 def _gguf_gemm_kernel(
     x_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_xk,
     BITS: tl.constexpr, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_CODE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, WORD_DEQUANT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     partials_ptr, arrivals_ptr,
 ):
-    """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K); with SPLIT_K > 1 the
-    slices meet in `common.reduce_split_k`."""
+    """One program: a [ROWS, BLOCK_N] output tile over K slice pid_k (of SPLIT_K); with SPLIT_K > 1 the slices meet
+    in `common.reduce_split_k`. ROWS = BLOCK_M, the dot's rows, except on the decode word path (WORD_DEQUANT,
+    `_diagonal_dot`), whose dot rows hold the K tile's BLOCK_K / GROUP groups of ROWS = BLOCK_M * GROUP / BLOCK_K
+    rows of x each (1 at BLOCK_K 512); else each K tile's fp32 weights (`_weight_tile`) meet x in one dot."""
+    ROWS: tl.constexpr = BLOCK_M * GROUP // BLOCK_K if WORD_DEQUANT else BLOCK_M
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m * ROWS + tl.arange(0, ROWS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-        w = _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n, mask_n, N, K,
-                         BITS, ZERO, GROUP, HAS_OFFSETS, HAS_CODE, BLOCK_K)
-        acc = _dot(x, w, acc, UPCAST_DOT)
+    if WORD_DEQUANT:  # dot row j * ROWS + m: x row m over group j of the K tile
+        r = tl.arange(0, BLOCK_M)
+        dot_rows = (pid_m * ROWS + r % ROWS).to(tl.int64)
+        diag = ((dot_rows < M)[:, None] & ((tl.arange(0, BLOCK_K) // GROUP)[None, :] == (r // ROWS)[:, None]))
+        acc_dot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+            acc_dot = _diagonal_dot(acc_dot, x_ptr, rows, mask_m, dot_rows, diag, stride_xm, stride_xk, lo_ptr,
+                                    scales_ptr, offsets_ptr, k0, offs_n, mask_n, N, K, ZERO, GROUP, HAS_OFFSETS,
+                                    EVEN_K, ROWS, BLOCK_K)
+        acc = tl.sum(tl.reshape(acc_dot, (BLOCK_K // GROUP, ROWS, BLOCK_N)), axis=0)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+            w = _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n, mask_n, N, K,
+                             BITS, ZERO, GROUP, HAS_OFFSETS, HAS_CODE, BLOCK_K)
+            acc = _dot(x, w, acc, UPCAST_DOT)
 
     if HAS_BIAS:  # added once: by the first K slice only
         if pid_k == 0:
@@ -155,15 +224,31 @@ def _gguf_gemm_kernel(
         store_output(out_ptr, acc, rows, offs_n, mask_m, N, N, False)
 
 
-def default_config(M: int, N: int, K: int) -> GGUFGemmConfig:
-    """Defaults in code, used when no tuned JSON entry exists for this GPU and shape."""
+def default_config(M: int, N: int, K: int, word: bool = False) -> GGUFGemmConfig:
+    """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. word (`word_dequant`): the
+    decode word path's tile (`_diagonal_dot`), M rounded up to a power of two (R) rows of x over a K tile of 512 / R
+    (at least 128), so that its groups fill 16 dot rows (32 at R = 8); 64 columns over 8 warps, 2 stages (3 take
+    more registers and instructions). Not 128 columns: the dot's B tile goes through shared memory, 180 KB at
+    M = 1, over sm_80's and sm_86 / 89's limits, and sm_90 spills 8 B under Triton 3.6."""
     if M <= SPLIT_K_MAX_M:
-        block_n, block_k = 64, 128
+        rows = next_pow2(M)
+        block_n, block_k = (64, max(128, 16 * 32 // rows)) if word else (64, 128)
         split_k = max(1, min(16, next_pow2(triton.cdiv(264, triton.cdiv(N, block_n))), triton.cdiv(K, block_k) // 2))
+        if word:
+            return GGUFGemmConfig(rows * block_k // 32, block_n, block_k, split_k, num_warps=8, num_stages=2)
         return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
     if M <= 64:
         return GGUFGemmConfig(max(16, next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
     return GGUFGemmConfig(128, 128, 64, 1, num_warps=8, num_stages=3)
+
+
+def word_dequant(x: torch.Tensor, w: GGUFWeight, rows: int, cc: int | None = None) -> bool:
+    """The WORD_DEQUANT flag, decided once per plan: up to WORD_MAX_M rows (rows: the M the config is chosen for,
+    `config_rows`) of a 4-bit format without a level table, scales per 32 (Q4_K, Q4_1), with fp16 / bf16 activations
+    on a GPU from sm_80 (`common.half_bit_tricks`: fp16 only under the interpreter; cc the target of meta tensors,
+    None: sm_80+). Everything else forms the fp32 weights (`_weight_tile`)."""
+    return (rows <= WORD_MAX_M and w.bits == 4 and w.code is None and w.group_size == 32
+            and half_bit_tricks(x, cc))
 
 
 def config_bucket(M: int, N: int, K: int, w: GGUFWeight) -> str:
@@ -228,33 +313,49 @@ class GGUFGemm(WeightGemm):
             return gguf_gemm_reference(x, self.w)
         M = x.shape[0]
         if config is not None:
-            plan = _plan(x, self.w, config, M)
+            plan = _plan(x, self.w, config, M, word_dequant(x, self.w, config_rows(M)))
         else:
             key = (next_pow2(M), x.dtype, batch_invariant())
             plan = self.plans.get(key)
             if plan is None:
-                rows = config_rows(M)
+                rows = config_rows(M)  # M, or one row count for every M in the batch-invariant mode
+                word = word_dequant(x, self.w, rows)
                 config = tuned_or_default("gguf_gemm", config_bucket(rows, self.N, self.K, self.w),
-                                          default_config(rows, self.N, self.K))
-                plan = self.plans[key] = _plan(x, self.w, config, key[0])
+                                          default_config(rows, self.N, self.K, word))
+                plan = self.plans[key] = _plan(x, self.w, config, key[0], word)
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
 
 
-def _plan(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, max_m: int) -> GemmPlan:
+def _plan(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, max_m: int, word: bool) -> GemmPlan:
     check_launch_config("gguf_gemm", config, GGUFGemmConfig)
-    launch = gguf_gemm_launch(x, w, config, arrivals=split_k_arrivals(max_m, w.shape[0], config, x.device))[0]
-    return GemmPlan(launch, "out_ptr", ("x_ptr", "stride_xm", "stride_xk"), w.shape[0], config.BLOCK_M,
+    tile = replace(config, BLOCK_M=program_rows(config, w, word))  # the output tile: rows of y per program
+    launch = gguf_gemm_launch(x, w, config, split_k_arrivals(max_m, w.shape[0], tile, x.device), word)[0]
+    return GemmPlan(launch, "out_ptr", ("x_ptr", "stride_xm", "stride_xk"), w.shape[0], tile.BLOCK_M,
                     triton.cdiv(w.shape[0], config.BLOCK_N), config.SPLIT_K, flat=False)
 
 
-def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig,
-                     arrivals: torch.Tensor | None = None) -> tuple[Launch, torch.Tensor]:
+def program_rows(config: GGUFGemmConfig, w: GGUFWeight, word: bool) -> int:
+    """Rows of x (and y) one program covers: BLOCK_M, or on the decode word path BLOCK_M * group / BLOCK_K (its dot
+    rows hold one group of that many rows each; `_diagonal_dot`), which needs 1 to BLOCK_M groups in a K tile."""
+    if not word:
+        return config.BLOCK_M
+    if not w.group_size <= config.BLOCK_K <= config.BLOCK_M * w.group_size:
+        _fail("BLOCK_K of the decode word path", config.BLOCK_K,
+              f"{w.group_size} to BLOCK_M * {w.group_size} = {config.BLOCK_M * w.group_size} (one to BLOCK_M groups "
+              "in the dot's rows)", "take default_config's decode tile")
+    return config.BLOCK_M * w.group_size // config.BLOCK_K
+
+
+def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, arrivals: torch.Tensor | None = None,
+                     word: bool = False) -> tuple[Launch, torch.Tensor]:
     """The launch of _gguf_gemm_kernel for x [M, K] @ w (both checked by the caller) with `config`, and its
     output y [M, N]; over meta tensors what the AOT tests compile. BLOCK_K is at least 32 (a word of Q5's
-    fifth bits) and at most K rounded up to a power of two."""
+    fifth bits) and at most K rounded up to a power of two; word: the decode word path (`word_dequant`), whose
+    BLOCK_K (as configured) holds BLOCK_K / group groups of `program_rows` rows of x in its BLOCK_M dot rows."""
     (M, K), N = x.shape, w.shape[0]
-    block_k = max(32, min(config.BLOCK_K, next_pow2(K)))
-    out, partials, arrivals = gemm_output(M, N, config, x.dtype, x.device, arrivals)
+    rows = program_rows(config, w, word)
+    block_k = config.BLOCK_K if word else max(32, min(config.BLOCK_K, next_pow2(K)))
+    out, partials, arrivals = gemm_output(M, N, replace(config, BLOCK_M=rows), x.dtype, x.device, arrivals)
     args = dict(
         x_ptr=x, lo_ptr=w.lo, hi_ptr=w.hi if w.hi is not None else w.lo, scales_ptr=w.scales,
         offsets_ptr=w.offsets if w.offsets is not None else w.scales,
@@ -262,10 +363,10 @@ def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig,
         bias_ptr=w.bias if w.bias is not None else w.scales, out_ptr=out, M=M, N=N, K=K,
         stride_xm=x.stride(0), stride_xk=x.stride(1), BITS=w.bits, ZERO=w.zero, GROUP=w.group_size,
         HAS_OFFSETS=w.offsets is not None, HAS_CODE=w.code is not None, HAS_BIAS=w.bias is not None,
-        UPCAST_DOT=upcast_dot(x),
+        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=word, EVEN_K=K % block_k == 0,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=config.SPLIT_K,
         partials_ptr=partials, arrivals_ptr=arrivals)
-    grid = (triton.cdiv(M, config.BLOCK_M), triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
+    grid = (triton.cdiv(M, rows), triton.cdiv(N, config.BLOCK_N), config.SPLIT_K)
     return Launch(_gguf_gemm_kernel, grid, args, config.num_warps, config.num_stages), out
 
 
@@ -379,12 +480,15 @@ def _meta_weight(N: int, K: int, bits: int, group: int, offsets: bool, code: boo
                       code=torch.empty(*experts, 16, device=meta) if code else None)
 
 
-def aot_launch(config: GGUFGemmConfig, M: int, N: int, K: int, bits: int, group: int, offsets: bool,
-               dtype: torch.dtype = torch.bfloat16, code: bool = False) -> Launch:
+def aot_launch(config: GGUFGemmConfig | None, M: int, N: int, K: int, bits: int, group: int, offsets: bool,
+               dtype: torch.dtype = torch.bfloat16, code: bool = False, cc: int | None = None) -> Launch:
     """`gguf_gemm_launch` over meta tensors for an N x K weight of `bits`-bit codes, scales per `group`, with
-    offsets or not (Q4_K: 4, 32, True; Q5_K: 5, 32, True; Q6_K: 6, 16, False), a code table (IQ4) or not, no bias."""
+    offsets or not (Q4_K: 4, 32, True; Q5_K: 5, 32, True; Q6_K: 6, 16, False), a code table (IQ4) or not, no bias,
+    as the runtime builds it for sm_`cc` (None: sm_80+); config None: the default config."""
     w = _meta_weight(N, K, bits, group, offsets, code)
-    return gguf_gemm_launch(torch.empty(M, K, dtype=dtype, device="meta"), w, config)[0]
+    x = torch.empty(M, K, dtype=dtype, device="meta")
+    word = word_dequant(x, w, M, cc)
+    return gguf_gemm_launch(x, w, config or default_config(M, N, K, word), word=word)[0]
 
 
 def aot_moe_launch(config, problem: tuple[int, int, int, int, int], gate_up: bool, bits: int, group: int,
