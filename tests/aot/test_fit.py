@@ -122,6 +122,9 @@ SPILL_ALLOWED: dict[tuple[int, str], int] = {
     # no spill); 4 bytes, measured under 3.9 (3.6: none). (MLA's latent decode over them spilled 4 B under 3.6
     # until its V tiles came as byte pairs: none since.)
     (89, "prefill 128/128 kv int8"): 4,
+    # gpt-oss's MXFP4 down GEMM at decode on sm_89: the slot-sum epilogue beside the word decode's registers (each
+    # alone: none); 16 bytes under 3.9, none under 3.6
+    (89, "moe mxfp4 gpt-oss down M16"): 16,
     # Gated DeltaNet's chunk kernel holds a whole chunk (32 tokens, Dk = 128) and its state tile in one program's
     # registers (255 used from sm_80): a few bytes; at 64 tokens 2.7 KB (docs/kernels.md#gated-deltanet). sm_75 as
     # the GEMMs there (FMA dots).
