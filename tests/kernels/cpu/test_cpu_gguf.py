@@ -25,15 +25,6 @@ MS = [1, 3, 17, 64]
 N = 200
 
 
-@pytest.fixture
-def fresh_library(monkeypatch, tmp_path):
-    """An empty cache folder and no library loaded yet; the process's own library comes back afterwards."""
-    monkeypatch.setenv("TRITONQ_CACHE_DIR", str(tmp_path))
-    cpu_native.library.cache_clear()
-    yield tmp_path
-    cpu_native.library.cache_clear()
-
-
 def case(type_name: str, K: int | None = None, seed: int = 0):
     """(GGUFWeight with a bias, the gguf package's fp32 W [N, K]) for K off the super-blocks where allowed."""
     K = K or (352 if type_name in SMALL_BLOCKS else 512)

@@ -42,15 +42,6 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def fresh_library(monkeypatch, tmp_path):
-    """An empty cache folder and no library loaded yet; the process's own library comes back afterwards."""
-    monkeypatch.setenv("TRITONQ_CACHE_DIR", str(tmp_path))
-    cpu_native.library.cache_clear()
-    yield tmp_path
-    cpu_native.library.cache_clear()
-
-
 def case(lens, d, h, h_kv, page, dtype, window, seed=0):
     """q, poisoned pages and table, lengths, and the reference over the clean pages."""
     g = torch.Generator().manual_seed(seed)
