@@ -294,6 +294,9 @@ class GGUFGemm(WeightGemm):
     """gguf_gemm over one weight, checked once here. Per (M bucket, x dtype) the config, grid and launch
     arguments are resolved once (`GemmPlan`); a call checks x, picks the backend and runs one launch."""
 
+    # no residual + RMSNorm epilogue: formats.layers runs the GEMM, then norm_rope.add_rms_norm
+    add_rms_norm = None
+
     def __init__(self, w: GGUFWeight):
         self.N, self.K = _check_weight(w)
         super().__init__(w)
