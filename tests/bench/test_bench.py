@@ -100,6 +100,16 @@ def test_generate_bench_formats_side_by_side_on_cpu(tmp_path, monkeypatch):
         assert r["decode_speedup"] == pytest.approx(r["decode_tok_s"] / r["before_decode_tok_s"], nan_ok=True)
 
 
+@pytest.mark.parametrize("tokens", ["1", "-2"])
+def test_generate_bench_refuses_a_reference_run_without_decode(tokens, capsys):
+    """--reference-new-tokens 1 (or below 0) has no decode step to time: refused before any model is built, saying
+    what to give instead (it divided by a zero decode rate at the end of the run before)."""
+    from tritonq.bench import generate as bench_generate
+    with pytest.raises(SystemExit):
+        bench_generate.main(["--formats", "dense,awq", "--reference-new-tokens", tokens])
+    assert "a decode rate needs at least 2 new tokens" in capsys.readouterr().err
+
+
 def test_quality_bench_dense_perplexity_equals_transformers(tmp_path, monkeypatch):
     """The quality bench's dense row (tritonq forward) equals transformers' perplexity with the same windows."""
     import json

@@ -57,12 +57,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--formats", default=None,
                         help=f"comma-separated subset of {','.join(FORMATS)}: time tritonq per checkpoint format")
     parser.add_argument("--reference-new-tokens", type=int, default=4,
-                        help="new tokens for the torch-reference ('before') timings of --formats on CPU")
+                        help="new tokens for the torch-reference ('before') timings of --formats on CPU "
+                             "(at least 2: a decode rate needs two; 0 skips them)")
     parser.add_argument("--out", default=None, help="JSON path (default: print only)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda: the graphs-vs-eager benchmark on a random AWQ Llama-2-7B-shaped model")
     parser.add_argument("--batches", default="1,8,32", help="--device cuda: decode batch sizes")
     args = parser.parse_args(argv)
+    if args.reference_new_tokens == 1 or args.reference_new_tokens < 0:
+        parser.error(f"--reference-new-tokens {args.reference_new_tokens}: a decode rate needs at least 2 new "
+                     "tokens (the first is the prefill's); give 2 or more, or 0 to skip the reference timings")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.formats:
@@ -345,7 +349,7 @@ def _formats(args, argv: list[str]) -> None:
         for name in names:
             rows[name]["prefill_tok_s"], rows[name]["decode_tok_s"] = _rates(*times[name], ids, args.new_tokens)
         models.clear()
-        if device == "cpu":  # before: the torch references, which dequantize the weight on every call
+        if device == "cpu" and args.reference_new_tokens:  # before: the torch references, which dequantize the weight on every call
             os.environ["TRITONQ_BACKEND"] = "torch"
             try:
                 for name in names:
