@@ -19,6 +19,7 @@ from tritonq.kernels.attention import (
     KV_FP8_MAX,
     KV_INT8_MAX,
     DecodeConfig,
+    PrefillConfig,
     QuantizedPages,
     decode_attention,
     dequantize_pages,
@@ -158,17 +159,20 @@ def test_decode_in_one_split_over_quantized_pages_matches_sdpa(kind, d_qk, d_v, 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("d_qk,d_v,h,h_kv,latent", HEADS)
 @pytest.mark.parametrize("page_size,window,dtype", LAYOUTS)
+@pytest.mark.parametrize("v_pairs", [False, True])
 def test_prefill_over_quantized_pages_matches_sdpa_over_their_values(kind, d_qk, d_v, h, h_kv, latent, page_size,
-                                                                    window, dtype):
-    """Sequences of 5 new tokens after 0, 15 and 36 cached ones (context 5, 20, 41), causal over the cache."""
+                                                                    window, dtype, v_pairs):
+    """Sequences of 5 new tokens after 0, 15 and 36 cached ones (context 5, 20, 41), causal over the cache; V tiles
+    as bytes (sm_90's prefill) and as byte pairs (PrefillConfig.v_pairs, before sm_90)."""
     g = torch.Generator().manual_seed(3)
     lens, new = [5, 20, 41], 5
     k_pages, v_pages, table, rows = filled_cache(kind, d_qk, d_v, h_kv, latent, lens, page_size, g)
     q = randn(new * len(lens), h, d_qk, generator=g).to(dtype)
     cu = torch.arange(0, new * len(lens) + 1, new, dtype=torch.int32).to(q.device)
     scale = 0.8 / d_qk ** 0.5
+    config = PrefillConfig(16, 16, 1, 1, v_pairs=v_pairs)  # the interpreter's default tiles
     out = paged_prefill_attention(q, k_pages, v_pages, cu, torch.tensor(lens, dtype=torch.int32).to(q.device),
-                                  table, scale, window=window)
+                                  table, scale, window=window, config=config)
     k_seq, v_seq = sequence_values(k_pages, rows), sequence_values(v_pages, rows)
     for b, n in enumerate(lens):
         p, j = torch.arange(n - new, n, device="cpu")[:, None], torch.arange(n, device="cpu")[None, :]

@@ -13,11 +13,14 @@ from tritonq.kernels.common import check_launch_config, compute_capability, tune
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch config of _paged_prefill_kernel; tuned JSON (attention_prefill) stores the same fields."""
+    """Launch config of _paged_prefill_kernel; tuned JSON (attention_prefill) stores the same fields.
+    v_pairs: 8-bit V pages read as byte pairs in 16-byte loads (jit._attend_tile), as decode always does;
+    the default before sm_90, where the byte tiles came in 8-byte loads (sm_90's 128-row tiles spill with it)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    v_pairs: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def paged_prefill_config(block_d: int, block_dr: int, block_dv: int, cc: int | N
     else:
         block_n = 64 if cc >= 90 or block_d + block_dr <= 64 else 32
         narrow_heads = block_d + block_dr <= 192 and block_dv <= 128
-        default = PrefillConfig(128 if narrow_heads else 64, block_n, 8, 3 if narrow_heads else 2)
+        default = PrefillConfig(128 if narrow_heads else 64, block_n, 8, 3 if narrow_heads else 2, v_pairs=cc < 90)
     return tuned_or_default("attention_prefill", config_bucket(block_d, block_dr, block_dv), default)
 
 
@@ -119,6 +122,8 @@ def fit_decode_config(cfg: DecodeConfig, batch: int, kv_heads: int, max_len: int
 def check_prefill_config(config: PrefillConfig) -> None:
     """TypeError/ValueError unless `config` is a launchable PrefillConfig."""
     check_launch_config("paged_prefill_attention", config, PrefillConfig)
+    if not isinstance(config.v_pairs, bool):
+        raise TypeError(f"paged_prefill_attention: config.v_pairs = {config.v_pairs!r}, expected True or False")
 
 
 def check_decode_config(config: DecodeConfig, page_size: int) -> None:

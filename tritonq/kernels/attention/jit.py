@@ -25,9 +25,9 @@ def _attend_tile(q, q_tail, k_rows, v_rows, key_ok, visible, m_i, l_i, acc, offs
     gains nothing: its max is taken as 0 for the exponentials, so exp2(-inf) = 0 and no NaN appears.
     Quantized pages (module docstring): KV_FP8 tiles are e4m3 bytes (decoded to value / 256; the caller
     folds scale x 256 into qk_scale and the output), KV_INT8 tiles int8 codes whose per-key scales
-    [BLOCK_N] are read at k_scale_ptr / v_scale_ptr + scale_rows. V_PAIRS (decode): 8-bit values are read as byte
-    pairs (an even Dv, checked by the launcher); not in prefill, whose 128-row tiles spill with them on sm_90
-    (docs/decode_step.md).
+    [BLOCK_N] are read at k_scale_ptr / v_scale_ptr + scale_rows. V_PAIRS: 8-bit values are read as byte pairs
+    (an even Dv, checked by the launcher); decode always, prefill before sm_90 (PrefillConfig.v_pairs: its 128-row
+    tiles spill with them on sm_90, docs/decode_step.md).
     """
     k = tl.load(k_rows[None, :] + offs_d[:, None], mask=key_ok[None, :] & (offs_d[:, None] < D_QK), other=0.0)
     s = ieee_dot(q, _kv_tile(k, q.dtype, KV_FP8), None)
@@ -106,7 +106,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
                           BLOCK_DV: tl.constexpr, PAGE_SIZE: tl.constexpr, sinks_ptr=None,
                           HAS_SINKS: tl.constexpr = False, k_scale_ptr=None, v_scale_ptr=None,
                           KV_FP8: tl.constexpr = False, KV_INT8: tl.constexpr = False, alibi_ptr=None,
-                          HAS_ALIBI: tl.constexpr = False):
+                          HAS_ALIBI: tl.constexpr = False, V_PAIRS: tl.constexpr = False):
     """One program: BLOCK_M consecutive new tokens of one sequence, one query head, over paged keys.
 
     work [2, NUM_WORK] int32 (built by the launcher on the device, no host sync): the sequence of
@@ -116,7 +116,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
     key tiles may be longer than a page: 16-token pages still get 64-key tiles.
     HAS_SINKS: sinks_ptr [H] fp32; each row's softmax starts from the sink (max = its logit, sum = 1,
     nothing accumulated), a key whose value row is zero.
-    KV_FP8 / KV_INT8: quantized pages with their scales (module docstring).
+    KV_FP8 / KV_INT8: quantized pages with their scales (module docstring); V_PAIRS: their V tiles as byte pairs.
     HAS_ALIBI: score of key n for the query at position p gains alibi[h] * (n - p) (alibi: slopes * log2 e).
     """
     seq = tl.load(work_ptr + tl.program_id(0))
@@ -167,7 +167,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_seqlens_ptr, context_le
                                      v_ptr + page * stride_vp + kv_h * stride_vh + page_rows * stride_vs,
                                      key_ok, visible, m_i, l_i, acc, offs_d, offs_dr, offs_dv, D_QK, D_V,
                                      qk_scale, BLOCK_DR, k_scale_ptr, v_scale_ptr,
-                                     (page * PAGE_SIZE + page_rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8, bias)
+                                     (page * PAGE_SIZE + page_rows) * (H // GROUP) + kv_h, KV_FP8, KV_INT8, bias,
+                                     V_PAIRS)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_FP8:

@@ -492,5 +492,6 @@ def paged_prefill_launch(q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages
                 HAS_WINDOW=window > 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d,
                 BLOCK_DR=block_dr, BLOCK_DV=block_dv, PAGE_SIZE=k_pages.shape[1],
                 sinks_ptr=q if sinks is None else sinks, HAS_SINKS=sinks is not None, **kv_args,
-                alibi_ptr=q if alibi_slopes is None else alibi_slopes * LOG2E, HAS_ALIBI=alibi_slopes is not None)
+                alibi_ptr=q if alibi_slopes is None else alibi_slopes * LOG2E, HAS_ALIBI=alibi_slopes is not None,
+                V_PAIRS=cfg.v_pairs and bool(kv_args))
     return Launch(_paged_prefill_kernel, (num_work, H), args, cfg.num_warps, cfg.num_stages), out
