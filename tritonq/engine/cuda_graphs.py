@@ -245,8 +245,9 @@ class DecodeGraphs:
 
     capture() runs each bucket's step eagerly on a side stream (Triton compiles and autotunes, the
     allocator settles), then records it; replay(bucket) re-runs the recorded kernels on whatever the
-    buffers hold now and returns that bucket's static logits [bucket, V] (overwritten by the next
-    replay of any bucket: read them before)."""
+    buffers hold now and returns that bucket's static logits [rows, V] (a decode bucket's sequences, a verification
+    bucket's queries, a mixed bucket's sequence slots; overwritten by the next replay of any bucket: read them
+    before)."""
 
     def __init__(self, forward, inputs: StaticDecodeInputs | StaticMixedInputs, buckets: list[int]):
         self.forward, self.inputs, self.buckets = forward, inputs, sorted(buckets)
