@@ -19,7 +19,7 @@ from transformers import DeepseekV2Config
 from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 
 import tritonq
-from tritonq.engine.cuda_graphs import decode_buckets
+from tritonq.engine.cuda_graphs import decode_buckets, mixed_buckets
 from tritonq.engine.runner import ModelRunner
 from tritonq.engine.sampler import SamplingTensors, sample_logits, sampling_noise
 from tritonq.formats.registry import get_loader
@@ -348,14 +348,17 @@ def test_graph_replay_equals_eager_bit_for_bit_without_host_sync(kind, tmp_path_
 @pytest.mark.gpu
 @needs_cuda
 def test_load_captures_graphs_by_default_and_generate_matches_eager(llama_folder, caplog):
-    """load() on CUDA captures one graph per bucket (logged with the time) and generate() through them gives
-    the tokens and log-probabilities of the same model run eagerly."""
+    """load() on CUDA captures one graph per bucket, decode and mixed (logged with the time), and generate() through
+    them (the prompts' prefill is a mixed step) gives the tokens and log-probabilities of the same model run
+    eagerly."""
     with caplog.at_level("INFO", logger="tritonq"):
         model = tritonq.load(llama_folder, device="cuda", dtype=torch.float16, max_seq_len=128, max_num_seqs=12,
                              kv_cache_gb=0.05)
     runner = model.engine.runner
     assert runner.buckets == [1, 2, 4, 8, 12] and sorted(runner.graphs.graphs) == runner.buckets
     assert "CUDA graphs: captured 5 decode steps" in caplog.text
+    assert sorted(runner.mixed_graphs.graphs) == runner.mixed_buckets == [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert "CUDA graphs: captured 9 mixed steps" in caplog.text
     prompts = [[5, 17, 3], [12, 7, 33, 2, 9], [4], [8, 8, 8, 8, 8, 8, 8]]
     graphed = model.generate(prompts, max_new_tokens=40, return_dict=True)
     runner.replay_graphs = False
@@ -481,7 +484,240 @@ def test_verification_step_reads_no_device_value_on_the_host(llama_folder, monke
     assert logits.device.type == "meta" and logits.shape == (12, 258) and launched
 
 
-def test_models_whose_prefill_reads_host_counts_refuse_static_verification(tmp_path_factory):
+def test_models_whose_prefill_reads_host_counts_refuse_static_verification_and_mixed_steps(tmp_path_factory):
     runner = ModelRunner(deepseek(tmp_path_factory, "latent"), num_blocks=8, block_size=BLOCK, max_seq_len=MAX_SEQ_LEN)
-    with pytest.raises(ValueError, match="runs no fixed-shape verification step"):
+    with pytest.raises(ValueError, match="runs no fixed-shape prefill-attention step .* leave verify_tokens unset"):
         runner.use_static_decode(4, verify_tokens=3)
+    with pytest.raises(ValueError, match="runs no fixed-shape prefill-attention step .* leave mixed_tokens unset"):
+        runner.use_static_decode(4, mixed_tokens=64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# mixed steps at fixed shapes: prompt chunks beside decodes, padded to a token bucket (runner.use_static_decode's
+# mixed_tokens; engine/cuda_graphs.py StaticMixedInputs)
+# ---------------------------------------------------------------------------------------------------
+
+LONG = list(range(100, 140))  # a prompt prefilled in chunks: its first 5 tokens before the mixed step
+
+
+def test_mixed_buckets():
+    assert mixed_buckets(5) == [5]
+    assert mixed_buckets(64) == [8, 16, 32, 64]
+    assert mixed_buckets(100) == [8, 16, 32, 64, 100]
+    assert mixed_buckets(2048) == [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert mixed_buckets(3000) == [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3000]
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        mixed_buckets(0)
+
+
+def mixed_runner(model, static: bool) -> ModelRunner:
+    runner = ModelRunner(model, num_blocks=(len(PROMPTS) + 2) * MAX_SEQ_LEN // BLOCK, block_size=BLOCK,
+                         max_seq_len=MAX_SEQ_LEN)
+    if static:
+        runner.use_static_decode(max_num_seqs=8, mixed_tokens=64)
+    return runner
+
+
+def mixed_step(runner: ModelRunner, decodes: int, chunk: int):
+    """(decoding sequences, StepContext of the step) for `decodes` of PROMPTS decoding one token each, then LONG's
+    next `chunk` tokens after its first 5 (logits only where that chunk ends the prompt) and a new 3-token prompt
+    computed whole: the decodes are prefilled first, and LONG's first 5 tokens in a step of their own."""
+    seqs = sequences(runner, PROMPTS[:decodes])
+    for seq, t in zip(seqs, [11, 12, 13, 14, 15]):
+        seq.token_ids.append(t)
+    per_seq, first = MAX_SEQ_LEN // BLOCK, len(PROMPTS) * MAX_SEQ_LEN // BLOCK
+    long = SimpleNamespace(token_ids=LONG[:5 + chunk] if chunk == 1 else LONG, num_computed_tokens=0,
+                           block_table=list(range(first, first + per_seq)))
+    assert runner.run(runner.prepare([long], [5], True, logits_for=[False])) is None  # a chunk short of its end
+    long.num_computed_tokens = 5
+    new = SimpleNamespace(token_ids=[30, 31, 32], num_computed_tokens=0, block_table=[first + per_seq])
+    step = seqs + [long, new]
+    wanted = [True] * decodes + [long.num_computed_tokens + chunk == len(long.token_ids), True]
+    return seqs, runner.prepare(step, [1] * decodes + [chunk, 3], True, logits_for=wanted)
+
+
+@pytest.mark.parametrize("decodes, chunk", [(1, 1), (3, 3), (5, 17)])
+def test_padded_mixed_step_equals_the_eager_one(llama_folder, decodes, chunk):
+    """A mixed step of `decodes` decodes, a chunk of `chunk` tokens in the middle of a prompt and a whole new prompt,
+    padded to a token bucket (5 -> 8, 9 -> 16, 25 -> 32 tokens: the padding a sequence of its own with context 0),
+    gives the eager step's logits, and so does the decode step after it (the padding wrote no KV); Triton kernels
+    through the interpreter, fp32."""
+    model, runs = llama(llama_folder), []
+    for static in (True, False):
+        runner = mixed_runner(model, static)
+        seqs, ctx = mixed_step(runner, decodes, chunk)
+        tokens = decodes + chunk + 3
+        if static:
+            bucket = next(b for b in (8, 16, 32) if b > tokens)
+            assert ctx.num_logits == decodes + 1 + (chunk == 1) and ctx.input_ids.shape == (bucket,)
+        else:
+            assert ctx.num_logits is None and ctx.input_ids.shape == (tokens,)
+        logits = runner.run(ctx)
+        assert logits.shape == (decodes + 1 + (chunk == 1), 258)
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+        runs.append((logits, decode_step(runner, seqs, logits[:decodes].argmax(-1).tolist())))
+    (static_mixed, static_next), (eager_mixed, eager_next) = runs
+    assert torch.isfinite(static_mixed).all() and torch.isfinite(static_next).all()
+    torch.testing.assert_close(static_mixed, eager_mixed, atol=1e-5, rtol=0)  # fp32: only the GEMMs' M differs
+    torch.testing.assert_close(static_next, eager_next, atol=1e-5, rtol=0)
+
+
+def test_only_mixed_steps_that_fit_run_at_fixed_shapes(llama_folder):
+    """Rows of logits past one a sequence (scoring), or more tokens than the largest bucket, run eagerly; a step of
+    only chunks short of their end runs at a bucket and gives no logits."""
+    runner = mixed_runner(llama(llama_folder), static=True)
+    runner.mixed_buckets = [8, 16]
+    seq = SimpleNamespace(token_ids=LONG, num_computed_tokens=0, block_table=list(range(3)))
+    assert runner.prepare([seq], [16], True, logits_for=[1]).num_logits == 1
+    assert runner.prepare([seq], [17], True, logits_for=[1]).num_logits is None
+    assert runner.prepare([seq], [4], True, logits_for=[2]).num_logits is None
+    assert runner.prepare([seq], [4], True, logits_for=None).num_logits is None
+    ctx = runner.prepare([seq], [4], True, logits_for=[0])
+    assert ctx.num_logits == 0 and runner.run(ctx) is None
+
+
+def test_models_with_recurrent_state_refuse_mixed_steps(tmp_path):
+    """A hybrid model's prefill chunks update each sequence's recurrent state: its mixed steps stay eager."""
+    from models.test_qwen3_5 import write_checkpoint as write_hybrid
+    write_hybrid(tmp_path, "qwen3_5_text")
+    runner = ModelRunner(tritonq.load(tmp_path, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4).model, num_blocks=8,
+                         block_size=BLOCK, max_seq_len=MAX_SEQ_LEN)
+    with pytest.raises(ValueError, match="keeps recurrent state.* leave mixed_tokens unset"):
+        runner.use_static_decode(4, mixed_tokens=64)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_mixed_step_reads_no_device_value_on_the_host(llama_folder, tmp_path_factory, monkeypatch, family):
+    """A padded mixed step (3 decodes, a 17-token chunk, a new prompt) of Llama, Qwen3 (qk-norm) and Qwen3-MoE (the
+    Triton routing and expert GEMMs) on the meta device, through the Triton launchers with the launches stubbed: it
+    completes, so it reads no device value on the host and can be captured."""
+    from triton.runtime.interpreter import InterpretedFunction
+    if family == "llama":
+        model = llama(llama_folder)
+    else:
+        from models.test_llama_family import write_checkpoint as write_dense
+        from models.test_moe_models import write_checkpoint as write_moe
+        folder = tmp_path_factory.mktemp(family)
+        write_moe(folder, "qwen3_moe") if family == "qwen3_moe" else write_dense(folder, "qwen3_tied")
+        model = tritonq.load(folder, max_seq_len=MAX_SEQ_LEN, max_num_seqs=8).model
+    runner = mixed_runner(model, static=True)
+    _, ctx = mixed_step(runner, 3, 17)
+    assert ctx.input_ids.shape == (32,) and ctx.num_logits == 4
+    launched = []
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, grid, warmup, **kw: launched.append(self))
+    memo = {}
+    logits = to_meta(model, memo)(to_meta(ctx, memo), to_meta(runner.cache, memo))
+    assert logits.device.type == "meta" and logits.shape == (9, model.config.vocab_size) and launched  # 9 slots
+    if family == "qwen3_moe":  # a step of 4096 tokens routes over a grid and aligns by torch's scans: no host read
+        from tritonq.models.moe import SparseMoE
+        x = torch.empty(4096, model.config.hidden_size, dtype=model.dtype, device="meta")
+        assert isinstance(model.layers[0].mlp, SparseMoE) and model.layers[0].mlp(x).shape == x.shape
+
+
+def test_mixed_path_gives_the_solo_greedy_runs_under_preemption(llama_folder, monkeypatch):
+    """The engine with mixed steps at fixed shapes (torch references, fp32): prompts arrive one per step into a cache
+    too small for them all, so steps mix decodes with prefill chunks and sequences are preempted and recomputed;
+    every prompt still gives its solo greedy run."""
+    from tolerances import assert_greedy_equal, solo_runs
+    from tritonq.api.model import GenerationConfig
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    per_token = 2 * 2 * 2 * 16 * 4
+    options = dict(max_seq_len=256, max_num_seqs=4, max_num_batched_tokens=32)
+    model = tritonq.load(llama_folder, kv_cache_gb=8 * 16 * per_token / 2 ** 30, **options)
+    engine = model.engine
+    engine.runner.use_static_decode(4, mixed_tokens=32)
+    mixed, prepare = [], engine.runner.prepare
+
+    def recording_prepare(*args, **kwargs):
+        ctx = prepare(*args, **kwargs)
+        if ctx.num_logits is not None:
+            mixed.append(ctx.input_ids.shape[0])
+        return ctx
+    monkeypatch.setattr(engine.runner, "prepare", recording_prepare)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 256, (32,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, 256, (16 if i % 4 else 7,), generator=g).tolist() for i in range(8)]
+    config, pending, outputs = GenerationConfig(max_new_tokens=12), list(prompts), {}
+    ids = [engine.add_request(pending.pop(0), config) for _ in range(2)]
+    while engine.has_unfinished() or pending:
+        if pending:
+            ids.append(engine.add_request(pending.pop(0), config))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert engine.scheduler.num_preemptions > 0 and len(mixed) > 5 and set(mixed) <= {8, 16, 32}
+    got = SimpleNamespace(token_ids=[[o.token_id for o in outputs[rid]] for rid in ids],
+                          logprobs=[[o.logprob for o in outputs[rid]] for rid in ids],
+                          finish_reasons=[outputs[rid][-1].finish_reason for rid in ids])
+    plain = tritonq.load(llama_folder, enable_prefix_caching=False, **options)
+    assert_greedy_equal(plain, prompts, got, solo_runs(plain, prompts, max_new_tokens=12))
+
+
+def test_mixed_steps_sample_inside_the_step_as_eager_steps(llama_folder, monkeypatch):
+    """Seeded sampling (temperature, top-p, a repetition penalty, top-2 log-probabilities) with mixed steps at fixed
+    shapes, their rows sampled inside the step (runner.run_sampled over the bucket's logits), gives the tokens and
+    log-probabilities of the same engine with every mixed step eager (torch references, fp32)."""
+    from tritonq.api.model import GenerationConfig
+    monkeypatch.setenv("TRITONQ_BACKEND", "torch")
+    prompts = [list(range(40 + 7 * i, 60 + 9 * i)) for i in range(5)]  # 20..56 tokens: chunks of a 32-token budget
+    config = GenerationConfig(max_new_tokens=8, temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=11,
+                              top_logprobs=2)
+    runs, sampled = [], []
+    for mixed in (True, False):
+        model = tritonq.load(llama_folder, max_seq_len=MAX_SEQ_LEN * 2, max_num_seqs=4, max_num_batched_tokens=32)
+        runner = model.engine.runner
+        if mixed:
+            runner.use_static_decode(4, mixed_tokens=32)
+            run_sampled = runner.run_sampled
+            monkeypatch.setattr(runner, "run_sampled", lambda ctx, sample: sampled.append(ctx.num_logits) or
+                                run_sampled(ctx, sample))
+        runs.append(model.generate(prompts, config=config, return_dict=True))
+    assert sum(n is not None for n in sampled) >= 3  # mixed steps sampled inside the step
+    assert runs[0].token_ids == runs[1].token_ids
+    assert [[list(top) for top in row] for row in runs[0].top_logprobs] == \
+        [[list(top) for top in row] for row in runs[1].top_logprobs]
+    torch.testing.assert_close(torch.tensor(runs[0].logprobs), torch.tensor(runs[1].logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", ["llama_dense", "llama_awq"])
+def test_mixed_graph_replay_equals_eager_bit_for_bit_without_host_sync(kind, tmp_path_factory):
+    """Mixed steps (3 decodes beside chunks of 1, 3, 17, ... tokens of a 100-token prompt, then the chunk ending it)
+    replayed through their token buckets' graphs equal the same steps run eagerly, bit for bit, with no host sync
+    inside a replayed step."""
+    model = gpu_model(kind, tmp_path_factory)
+    runner = ModelRunner(model, num_blocks=(len(GPU_PROMPTS) + 1) * 128 // BLOCK, block_size=BLOCK, max_seq_len=128)
+    runner.use_static_decode(max_num_seqs=4, cuda_graphs=True, mixed_tokens=64)
+    assert sorted(runner.mixed_graphs.graphs) == [8, 16, 32, 64]
+    per_seq = 128 // BLOCK
+    seqs = [SimpleNamespace(token_ids=list(p), num_computed_tokens=0, block_table=list(range(b * per_seq, (b + 1) *
+                                                                                              per_seq)))
+            for b, p in enumerate(GPU_PROMPTS)]
+    runner.run(runner.prepare(seqs, [len(p) for p in GPU_PROMPTS], True, logits_for=[True] * len(seqs)))
+    for seq in seqs:
+        seq.num_computed_tokens = len(seq.token_ids)
+    long = SimpleNamespace(token_ids=list(range(100)), num_computed_tokens=0,
+                           block_table=list(range(3 * per_seq, 4 * per_seq)))
+    tokens, chunks = [1, 2, 3], [1, 3, 17, 33, 5, 41]  # 100 tokens: the last chunk ends the prompt
+    for step, chunk in enumerate(chunks):
+        for seq, t in zip(seqs, tokens):
+            seq.token_ids.append(t)
+        ends = long.num_computed_tokens + chunk == len(long.token_ids)
+        ctx = runner.prepare(seqs + [long], [1, 1, 1, chunk], True, logits_for=[True, True, True, ends])
+        assert ctx.num_logits == 3 + ends
+        runner.replay_graphs = False
+        eager = runner.run(ctx).clone()  # rewrites the step's K/V with the same values: idempotent
+        runner.replay_graphs = True
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            replayed = runner.run(ctx)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(eager).all() and torch.isfinite(replayed).all(), f"{kind}: step {step} not finite"
+        assert torch.equal(replayed, eager), f"{kind}: step {step} differs"
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+        long.num_computed_tokens += chunk
+        tokens = eager[:3].argmax(-1).tolist()

@@ -86,7 +86,8 @@ def test_warmup_runs_the_largest_steps_and_the_budget_subtracts_them(tiny_llama_
                                                                      cuda_graphs):
     """A real tiny model (on CPU) through the warm-up: a step of 100 tokens in prompts of at most 32 tokens,
     a decode step of 8 sequences (a static bucket of 8); free = 0.9 x 80 - 20 GiB - the largest peak
-    - the graph pool (decode peak + every bucket's logits)."""
+    - the graph pools (decode peak + every bucket's logits; the mixed steps': prefill peak + their buckets' logits,
+    a row per sequence slot: min(tokens, 8 + 1) for the token buckets 8, 16, ... 64, 100)."""
     model = tiny_llama_model.model
     free = kv_sizing._free_gpu_bytes(model, 16, 32, 8, 100, 0.9, cuda_graphs)
     prefill, decode = fake_cuda_memory.steps
@@ -95,7 +96,8 @@ def test_warmup_runs_the_largest_steps_and_the_budget_subtracts_them(tiny_llama_
     logits = lambda rows: rows * model.config.vocab_size * 4  # noqa: E731  float32 logits while sampling
     peaks = {"prefill": 100 * 1024, "prefill sampling": 2 ** 20 + logits(4), "decode": 8 * 1024,
              "decode sampling": 8 * 2 ** 20 + logits(8)}
-    graph_pool = 8 * 1024 + sum(decode_buckets(8)) * model.config.vocab_size * model.dtype.itemsize
+    row = model.config.vocab_size * model.dtype.itemsize
+    graph_pool = 8 * 1024 + sum(decode_buckets(8)) * row + 100 * 1024 + (8 + 9 * 4) * row
     assert free == 0.9 * 80 * GiB - 20 * GiB - max(peaks.values()) - (graph_pool if cuda_graphs else 0)
     assert fake_cuda_memory.empty_cache >= 2  # before (weights' loading leftovers) and after the warm-up
 

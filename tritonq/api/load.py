@@ -614,10 +614,12 @@ def _load(name_or_path: str | Path, options: EngineConfig, *, dtype, device, rev
                                           f" (draft {speculative.model})" if draft is not None else
                                           f" (n = {speculative.max_n} .. {speculative.min_n})")
     if device.type == "cuda":  # fixed-shape decode buckets; graphs captured after the process group exists
-        # with speculation, the verification steps (k + 1 queries a sequence) get buckets and graphs too
-        verify = (speculative.num_tokens + 1 if speculative is not None and getattr(cls, "static_verification", False)
-                  else None)
-        engine.runner.use_static_decode(max_num_seqs, cuda_graphs=capture, verify_tokens=verify)
+        # with speculation, the verification steps (k + 1 queries a sequence) get buckets and graphs too; mixed
+        # steps (prompt chunks beside decodes) token buckets, where the model runs them at fixed shapes
+        static_prefill = getattr(cls, "static_prefill", False)
+        verify = speculative.num_tokens + 1 if speculative is not None and static_prefill else None
+        mixed = max_num_batched_tokens if static_prefill and engine.runner.states is None else None
+        engine.runner.use_static_decode(max_num_seqs, cuda_graphs=capture, verify_tokens=verify, mixed_tokens=mixed)
     elif compile or (compile is None and CPU_COMPILE and world == 1 and not o.batch_invariant
                      and getattr(cls, "supports_compile", False)):
         engine.runner.use_static_decode(max_num_seqs, compile=True)

@@ -10,8 +10,8 @@ Each step is a pipeline: the scheduler picks the sequences and says what the ste
 running decode, then chunked prefills of new prompts in what is left of the token budget, preempting when
 blocks run out), the proposer fills a VERIFY step's lookahead, the runner computes the step over the paged KV
 cache (logits, or None when no row needs them), a SCORE step's rows are scored, the sampler lays out and
-samples the other rows (`Sampler.sample_step`; a static decode or verification step samples inside the step
-instead, `Sampler.static_step` + `ModelRunner.run_sampled`), a verification keeps the accepted proposals
+samples the other rows (`Sampler.sample_step`; a static decode, verification or mixed step samples inside the
+step instead, `Sampler.static_step` + `ModelRunner.run_sampled`), a verification keeps the accepted proposals
 (`speculative.verify`), and the engine finishes a request on EOS (unless
 ignore_eos, or before min_tokens), a stop token (stop_token_ids, not before min_tokens), a stop string or
 max_new_tokens, freeing its blocks.
@@ -356,11 +356,16 @@ class Engine:
             ctx = self.runner.prepare(step.seqs, step.num_new_tokens, step.is_prefill, logits_for=rows,
                                       proposals=step.proposals, start=step.start)
             static = None
-            if ctx.num_seqs is not None:  # a static decode / verification step: sampling inside it
-                per_seq = ctx.input_ids.shape[0] // ctx.context_lens.shape[0]  # k + 1 rows a sequence to verify
-                static = self.sampler.static_step(step, rows, self.eos_token_ids, self.runner.buckets[-1] * per_seq,
-                                                  ctx.input_ids.shape[0], self.runner.model.config.vocab_size,
-                                                  self.runner.device)
+            if ctx.num_seqs is not None or ctx.num_logits is not None:  # a static step: sampling inside it
+                if ctx.num_logits is not None:  # a mixed step: a logits row per sequence slot
+                    mixed = self.runner.mixed
+                    assert mixed is not None  # it made the step
+                    capacity, bucket_rows = mixed.capacity(mixed.max_tokens), ctx.context_lens.shape[0]
+                else:
+                    per_seq = ctx.input_ids.shape[0] // ctx.context_lens.shape[0]  # k + 1 rows a sequence to verify
+                    capacity, bucket_rows = self.runner.buckets[-1] * per_seq, ctx.input_ids.shape[0]
+                static = self.sampler.static_step(step, rows, self.eos_token_ids, capacity, bucket_rows,
+                                                  self.runner.model.config.vocab_size, self.runner.device)
             tokens: list[int | None] = []
             logprobs: list[float | None] = []
             tops: list[dict[int, float] | None] = []

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import torch
 
-from tritonq.engine.cuda_graphs import decode_buckets
+from tritonq.engine.cuda_graphs import decode_buckets, mixed_buckets
 from tritonq.engine.runner import ModelRunner
 from tritonq.config import MAX_TOP_LOGPROBS, EngineConfig, GenerationConfig
 from tritonq.engine.sampler import Sampler, SamplingParams
-from tritonq.engine.state_cache import state_pool_bytes
+from tritonq.engine.state_cache import is_hybrid, state_pool_bytes
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_GB = 4.0  # the CPU default budget (capped by what max_num_seqs sequences of max_seq_len use)
@@ -138,8 +138,9 @@ def _free_gpu_bytes(model, block_size: int, max_seq_len: int, max_num_seqs: int,
                     utilization: float, cuda_graphs: bool) -> float:
     """Bytes for the KV cache: utilization x total memory, less what is used now, the peak of the largest
     step (prefill, or decode with its sampling; measured by `_warmup_peaks`, not guessed) and, with
-    cuda_graphs, what the captured graphs keep: their pool holds the largest decode step's intermediates
-    and each bucket's logits."""
+    cuda_graphs, what the captured graphs keep: their pools hold the largest decode step's intermediates and, where
+    mixed steps are captured too (a model with static_prefill and no recurrent state, as tritonq.load decides),
+    the largest prefill step's, and each bucket's logits (a mixed bucket's: one row per sequence slot)."""
     device = model.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -149,6 +150,9 @@ def _free_gpu_bytes(model, block_size: int, max_seq_len: int, max_num_seqs: int,
     if cuda_graphs:
         logits_bytes = model.config.vocab_size * torch.empty((), dtype=model.dtype).element_size()
         graph_pool = peaks["decode"] + sum(decode_buckets(max_num_seqs)) * logits_bytes
+        if getattr(model, "static_prefill", False) and not is_hybrid(model):  # the mixed steps' graphs
+            slots = [min(b, max_num_seqs + 1) for b in mixed_buckets(max_num_batched_tokens)]
+            graph_pool += peaks["prefill"] + sum(slots) * logits_bytes
     free, total = torch.cuda.mem_get_info(device)
     largest = max(peaks.values())
     log.info("KV sizing: the largest step peaks at %.2f GiB (%s); CUDA-graph pool ~%.2f GiB", largest / 2 ** 30,

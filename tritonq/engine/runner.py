@@ -7,7 +7,10 @@ block table, and attends over c_i + n_i tokens. With static decode on (`use_stat
 CUDA at load), a decode step of B sequences fills the first rows of buffers allocated once and
 runs as the smallest batch bucket holding B (tritonq.engine.cuda_graphs): fixed shapes, no device
 value read on the host, and, with CUDA graphs captured, a replay instead of ~10 launches per layer.
-Prefill, and decode batches above the largest bucket, run eagerly on tensors built per step.
+With mixed steps on (`use_static_decode(mixed_tokens=...)`), a prefill-attention step (prompt chunks, beside decodes
+or alone) runs the same way at a token bucket (StaticMixedInputs). Scoring steps, uneven verification steps,
+decode batches above the largest bucket, and prefill steps of models that cannot run them at fixed shapes run
+eagerly on tensors built per step.
 
 A hybrid model's cache also holds its recurrent-state pool (tritonq.engine.state_cache): the step names each
 sequence's slot (its `state_slot`; a sequence driven by hand without one uses its row in the step), and a
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 
 from tritonq.engine.compiled import CompiledDecode
-from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, decode_buckets
+from tritonq.engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, StaticMixedInputs, decode_buckets, mixed_buckets
 from tritonq.engine.sampler import PARALLEL_WORK, StaticSample, sample_rows
 from tritonq.engine.state_cache import allocate_states
 from tritonq.kernels import threads_for
@@ -57,17 +60,22 @@ class ModelRunner:
         self.buckets: list[int] = []
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None
+        self.mixed: StaticMixedInputs | None = None  # mixed steps at token buckets (use_static_decode's mixed_tokens)
+        self.mixed_buckets: list[int] = []
+        self.mixed_graphs: DecodeGraphs | None = None
         self.compiled: CompiledDecode | None = None
         self.replay_graphs = True  # False: run captured buckets eagerly (benchmarks, checks)
 
     def use_static_decode(self, max_num_seqs: int, cuda_graphs: bool = False, compile: bool = False,
-                          verify_tokens: int | None = None) -> None:
+                          verify_tokens: int | None = None, mixed_tokens: int | None = None) -> None:
         """Run decode steps of up to max_num_seqs sequences as fixed-shape batch buckets (see
         tritonq.engine.cuda_graphs) and, with cuda_graphs (CUDA only), capture one graph per bucket now;
         with compile (CPU only), torch.compile each bucket's step on its first use (tritonq.engine.compiled).
         verify_tokens: k + 1 for speculative decoding with k proposals: verification steps in which every
         sequence scores its last token and k proposals get buckets (and graphs) of their own; other ones run
-        eagerly. The model must allow it (`static_verification`)."""
+        eagerly. mixed_tokens: max_num_batched_tokens, for mixed steps (prompt chunks with or without decodes) of up
+        to that many tokens at token buckets (and graphs). Both need a model that allows it (`static_prefill`);
+        mixed steps also one without recurrent state."""
         if self.max_seq_len is None:
             raise ValueError("static decode needs the runner's max_seq_len (its buffers are sized by it).")
         if cuda_graphs and self.device.type != "cuda":
@@ -76,15 +84,23 @@ class ModelRunner:
         if compile and self.device.type != "cpu":
             raise ValueError(f"compile=True compiles the CPU decode step; the model is on {self.device} "
                              "(CUDA decode runs as CUDA graphs: cuda_graphs=True).")
-        if verify_tokens is not None and not getattr(self.model, "static_verification", False):
-            raise ValueError(f"{type(self.model).__name__} runs no fixed-shape verification step (its prefill step "
-                             "reads host counts of the context); leave verify_tokens unset.")
+        for name, value in (("verify_tokens", verify_tokens), ("mixed_tokens", mixed_tokens)):
+            if value is not None and not getattr(self.model, "static_prefill", False):
+                raise ValueError(f"{type(self.model).__name__} runs no fixed-shape prefill-attention step (its prefill "
+                                 f"step reads host counts of the context); leave {name} unset.")
+        if mixed_tokens is not None and self.states is not None:
+            raise ValueError(f"{type(self.model).__name__} keeps recurrent state, which its prefill chunks update per "
+                             "sequence: it runs no fixed-shape mixed step; leave mixed_tokens unset.")
         self.buckets = decode_buckets(max_num_seqs)
         scratch = None if self.states is None else self.states.num_slots - 1  # padding rows' state slot
         self.static = StaticDecodeInputs(self.buckets[-1], self.max_seq_len, self.block_size, self.device, scratch)
         if verify_tokens is not None:
             self.verify = StaticDecodeInputs(self.buckets[-1], self.max_seq_len, self.block_size, self.device,
                                              scratch, queries=verify_tokens)
+        if mixed_tokens is not None:
+            self.mixed_buckets = mixed_buckets(mixed_tokens)
+            self.mixed = StaticMixedInputs(self.mixed_buckets[-1], max_num_seqs, self.max_seq_len, self.block_size,
+                                           self.device)
         if cuda_graphs:
             self.graphs = DecodeGraphs(lambda ctx: self.model(ctx, self.cache), self.static, self.buckets)
             self.graphs.capture()
@@ -95,6 +111,11 @@ class ModelRunner:
                 self.verify_graphs.capture()
                 log.info("CUDA graphs: captured %d verification steps of %d queries in %.1f s", len(self.buckets),
                          verify_tokens, self.verify_graphs.capture_s)
+            if self.mixed is not None:
+                self.mixed_graphs = DecodeGraphs(lambda ctx: self.model(ctx, self.cache), self.mixed, self.mixed_buckets)
+                self.mixed_graphs.capture()
+                log.info("CUDA graphs: captured %d mixed steps (token buckets %s) in %.1f s", len(self.mixed_buckets),
+                         ",".join(map(str, self.mixed_buckets)), self.mixed_graphs.capture_s)
         if compile:
             self.compiled = CompiledDecode(lambda ctx, cache: self.model(ctx, cache), self.buckets)
             log.info("torch.compile: the decode step compiles once per batch bucket (%s) on its first use",
@@ -162,6 +183,14 @@ class ModelRunner:
             bucket = next(b for b in self.buckets if b >= B)
             return self.verify.fill(bucket, ids, positions.tolist(), slots.tolist(), context.tolist(), tables,
                                     state_slots)
+        T = int(cu[-1])
+        if (self.mixed is not None and is_prefill and proposals is None and start is None and logits_for is not None
+                and all(m in (0, 1) for m in logits_for) and T <= self.mixed_buckets[-1] and B <= self.mixed.max_seqs):
+            # a mixed step: prompt chunks (and decodes), at most one logits row a sequence, its last
+            bucket = next(b for b in self.mixed_buckets if b >= T)
+            wanted = (cu[1:] - 1)[np.flatnonzero(np.array(logits_for, dtype=bool))]
+            return self.mixed.fill(bucket, ids, positions.tolist(), slots.tolist(), cu.tolist(), context.tolist(),
+                                   tables, wanted.tolist())
         rows = None
         if logits_for is not None:  # the last m_i rows of sequence i, in order
             m = np.array(logits_for, dtype=np.int64)
@@ -180,26 +209,40 @@ class ModelRunner:
                            state_slots=None if state_slots is None else torch.tensor(state_slots).to(self.device))
 
     def run_sampled(self, ctx: StepContext, sample: StaticSample) -> torch.Tensor:
-        """A static step (decode or verification) with its sampling inside the step: `sample_rows`' output
+        """A static step (decode, verification or mixed) with its sampling inside the step: `sample_rows`' output
         [rows, 2 + 2 * top] for its real rows (still on the device), over the bucket's logits and the static
         sampling buffers (Sampler.static_step). With CUDA graphs, the bucket's model graph then its sampler graph
         for sample.key (DecodeGraphs.replay_sampler), no host work between; otherwise the same two functions
         eagerly."""
-        assert ctx.num_seqs is not None, "run_sampled runs static steps"
-        bucket, verify = ctx.context_lens.shape[0], ctx.is_prefill
-        graphs = self.verify_graphs if verify else self.graphs
+        graphs, bucket = self._static_graphs(ctx)
+        logits = self._static_logits(ctx)
 
         def sample_step(logits: torch.Tensor) -> torch.Tensor:
             return sample_rows(logits.float(), sample.tensors, sample.top)
         if graphs is not None and self.replay_graphs:
-            graphs.replay(bucket)
             picked = graphs.replay_sampler(bucket, sample.key, sample_step)
         else:
-            compiled = None if verify else self.compiled
-            logits = compiled(ctx, self.cache) if compiled is not None else self.model(ctx, self.cache)
             with threads_for(logits.numel(), PARALLEL_WORK):
                 picked = sample_step(logits)
         return picked[:len(sample.params)]
+
+    def _static_graphs(self, ctx: StepContext) -> tuple[DecodeGraphs | None, int]:
+        """A static step's graphs (None: not captured) and its bucket in them: a mixed step's token count, else the
+        batch."""
+        if ctx.num_logits is not None:
+            return self.mixed_graphs, ctx.input_ids.shape[0]
+        assert ctx.num_seqs is not None, "a static step: decode, verification (is_prefill) or mixed (num_logits)"
+        return self.verify_graphs if ctx.is_prefill else self.graphs, ctx.context_lens.shape[0]
+
+    def _static_logits(self, ctx: StepContext) -> torch.Tensor:
+        """A static step's logits over its whole bucket (padding rows included): its graph replayed, or the step run
+        eagerly (compiled, for a CPU decode step with compile on)."""
+        graphs, bucket = self._static_graphs(ctx)
+        if graphs is not None and self.replay_graphs:
+            return graphs.replay(bucket)
+        if self.compiled is not None and not ctx.is_prefill:
+            return self.compiled(ctx, self.cache)
+        return self.model(ctx, self.cache)
 
     def _state_slots(self, seqs, first: np.ndarray) -> list[int]:
         """Each sequence's recurrent-state slot (its state_slot, or its row for a sequence driven by hand without
@@ -218,18 +261,12 @@ class ModelRunner:
     def run(self, ctx: StepContext) -> torch.Tensor | None:
         """Logits [R, V] float32 at ctx.logit_rows (every row when None; a padded decode step's real rows), or
         None when ctx.logit_rows is empty (only prompt chunks short of their end: their KV is written)."""
-        if ctx.num_seqs is not None:  # a static step: replay its bucket's graph, or run it eagerly
-            bucket = ctx.context_lens.shape[0]
-            verify = ctx.is_prefill  # a verification step (self.verify); else decode (self.static)
-            graphs = self.verify_graphs if verify else self.graphs
-            if graphs is not None and self.replay_graphs:
-                logits = graphs.replay(bucket)
-            elif self.compiled is not None and not verify:
-                logits = self.compiled(ctx, self.cache)
-            else:
-                logits = self.model(ctx, self.cache)
-            rows_per_seq = self.verify.queries if verify and self.verify is not None else 1
-            return logits[:ctx.num_seqs * rows_per_seq].float()
+        if ctx.num_logits is not None:  # a padded mixed step: its wanted rows come first
+            logits = self._static_logits(ctx)
+            return logits[:ctx.num_logits].float() if ctx.num_logits else None
+        if ctx.num_seqs is not None:  # a padded decode or verification step: its real sequences come first
+            rows_per_seq = self.verify.queries if ctx.is_prefill and self.verify is not None else 1
+            return self._static_logits(ctx)[:ctx.num_seqs * rows_per_seq].float()
         if ctx.logit_rows is not None and ctx.logit_rows.numel() == 0:  # only unfinished prompt chunks
             last = torch.full((1,), ctx.input_ids.shape[0] - 1, dtype=torch.int64, device=self.device)
             self.model(StepContext(**{**ctx.__dict__, "logit_rows": last}), self.cache)  # models take >= 1 row

@@ -26,6 +26,9 @@ A step (built by tritonq.engine.runner) packs the new tokens of B sequences into
       state_slots  [B] int64 or None  a hybrid model's step: each sequence's slot in the recurrent-state
                                pool (PagedKVCache.state; a padded decode step's padding rows name the pool's
                                scratch slot). None for models without recurrent state.
+      num_logits   int or None a prefill-attention step padded to a token bucket (a mixed step,
+                               tritonq.engine.cuda_graphs.StaticMixedInputs): logit_rows has a row per
+                               sequence slot, and only the first num_logits logits are wanted. None: no padding.
 
 A model's forward(ctx, cache) writes each layer's new K/V into its pages, attends, and returns
 logits [R, V] (or [T, V]) in the compute dtype.
@@ -69,6 +72,7 @@ class StepContext:
     num_context_blocks: int  # sum of ceil(context_lens / block_size) (host int: ... into that many pages)
     num_seqs: int | None = None  # padded decode step: its real rows (the rest are padding); None: all real
     state_slots: torch.Tensor | None = None  # hybrid models: each sequence's recurrent-state slot
+    num_logits: int | None = None  # padded mixed step: its first num_logits logits rows are wanted; None: all
 
 
 @dataclass(frozen=True)
@@ -387,9 +391,10 @@ class CausalLM(nn.Module):
     its KV cache holds only its KV heads (kv_layout is per rank).
     """
     supports_tensor_parallel = True
-    # A speculative verification step (k + 1 queries a sequence) can run at fixed shapes (engine/cuda_graphs.py):
-    # the step reads no host count of the context (MLA's prefill does: DeepSeek-V2 turns this off).
-    static_verification = True
+    # A prefill-attention step (a speculative verification of k + 1 queries a sequence, a mixed prefill + decode step)
+    # can run at fixed shapes (engine/cuda_graphs.py): it reads no host count of the context (MLA's prefill does:
+    # DeepSeek-V2 turns this off).
+    static_prefill = True
     embedding = "model.embed_tokens"
     tie_word_embeddings = False
 

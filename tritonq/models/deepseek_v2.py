@@ -241,7 +241,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     forward(ctx: StepContext, cache: PagedKVCache) -> logits [R, V] (compute dtype), as in
     tritonq.models.common.CausalLM; kv_layout says what its cache pages hold per token (on this rank).
     """
-    static_verification = False  # the latent prefill expands ctx.num_context_tokens rows (a host int)
+    static_prefill = False  # the latent prefill expands ctx.num_context_tokens rows (a host int)
     supports_expert_parallel = True
 
     routing = staticmethod(deepseek_v2_routing)
