@@ -23,8 +23,9 @@
   divide_by_scale      x / scale as IEEE division rounds it, by one reciprocal per scale (the same quantizers)
   rows_absmax          a row's (or group's) max |x| inside a GEMM that quantizes its activations itself
   broadcast_rows       such a GEMM's quantized rows (the M bucket's) copied up to the dot's BLOCK_M rows
-  gemm_tile / store_gemm_tile
-                       the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice and
+  gemm_tile / activation_rows / store_gemm_tile
+                       the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice, the rows
+                       of x it reads (the M bucket's where it quantizes x itself) and
                        epilogue (bias on the first slice, then y or the split-K sum, or
                        the residual + RMSNorm epilogue)
   reduce_split_k       the split-K sum in the GEMM's own launch: the last K slice to arrive adds the
@@ -666,6 +667,19 @@ def gemm_tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
         k_start = tl.program_id(1) * k_per_split
         k_end = min(k_start + k_per_split, K)
     return offs_m.to(tl.int64), offs_n, tl.arange(0, BLOCK_K), offs_m < M, offs_n < N, k_start, k_end
+
+
+@triton.jit
+def activation_rows(rows, mask_m, M, QUANTIZE_A: tl.constexpr, QUANT_ROWS: tl.constexpr):
+    """The rows of x (int64) a `gemm_tile` program reads, and their mask. A GEMM that quantizes its activations itself
+    (QUANTIZE_A) for fewer rows than BLOCK_M (M <= QUANT_ROWS < BLOCK_M: one row block) reads the first QUANT_ROWS
+    (`quant_rows`), which `broadcast_rows` copies up to BLOCK_M after quantizing; otherwise the tile's own rows."""
+    if QUANTIZE_A and QUANT_ROWS < rows.shape[0]:
+        a_rows = tl.arange(0, QUANT_ROWS).to(tl.int64)
+        mask_a = a_rows < M
+    else:
+        a_rows, mask_a = rows, mask_m
+    return a_rows, mask_a
 
 
 @triton.jit

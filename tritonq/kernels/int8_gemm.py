@@ -42,7 +42,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import backend, batch_invariant
-from tritonq.kernels.common import (WeightGemm, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch, activation_scale,
+from tritonq.kernels.common import (WeightGemm, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch, activation_rows, activation_scale,
     broadcast_rows, check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, config_rows,
     decode_split_k, divide_by_scale, gemm_grid, gemm_output, gemm_tile, next_pow2, quant_rows, rows_absmax, silu_mul_pairs,
     split_k_arrivals, store_gemm_tile, tuned_or_default)
@@ -114,11 +114,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
     """
     rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                                      SPLIT_K)
-    if QUANTIZE_A and QUANT_ROWS < BLOCK_M:  # M <= QUANT_ROWS < BLOCK_M: one row block, its first QUANT_ROWS rows
-        a_rows = tl.arange(0, QUANT_ROWS).to(tl.int64)
-        mask_a = a_rows < M
-    else:
-        a_rows, mask_a = rows, mask_m
+    a_rows, mask_a = activation_rows(rows, mask_m, M, QUANTIZE_A, QUANT_ROWS)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N]
 
