@@ -23,9 +23,9 @@
   divide_by_scale      x / scale as IEEE division rounds it, by one reciprocal per scale (the same quantizers)
   rows_absmax          a row's (or group's) max |x| inside a GEMM that quantizes its activations itself
   broadcast_rows       such a GEMM's quantized rows (the M bucket's) copied up to the dot's BLOCK_M rows
-  gemm_tile / activation_rows / store_gemm_tile
-                       the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice, the rows
-                       of x it reads (the M bucket's where it quantizes x itself) and
+  gemm_tile / k_tile_mask / activation_rows / store_gemm_tile
+                       the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice, a K tile's
+                       mask, the rows of x it reads (the M bucket's where it quantizes x itself) and
                        epilogue (bias on the first slice, then y or the split-K sum, or
                        the residual + RMSNorm epilogue)
   reduce_split_k       the split-K sum in the GEMM's own launch: the last K slice to arrive adds the
@@ -667,6 +667,18 @@ def gemm_tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
         k_start = tl.program_id(1) * k_per_split
         k_end = min(k_start + k_per_split, K)
     return offs_m.to(tl.int64), offs_n, tl.arange(0, BLOCK_K), offs_m < M, offs_n < N, k_start, k_end
+
+
+@triton.jit
+def k_tile_mask(offs, k_left, EVEN_K: tl.constexpr):
+    """offs < k_left: the mask of a K tile's first k_left elements (offs = tl.arange over the tile). With EVEN_K (K a
+    multiple of BLOCK_K, so no tile of any K slice is partial) every element, as a constant: the loads' predicates
+    are then loop-invariant, not recomputed per K tile."""
+    if EVEN_K:
+        mask = offs < offs.shape[0]
+    else:
+        mask = offs < k_left
+    return mask
 
 
 @triton.jit
