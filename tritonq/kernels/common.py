@@ -8,7 +8,7 @@
                        prmt and one lop3 per two codes; GPU from sm_80, `int4_word_dequant`)
   int4_words_minus_zero  its q - zero, exactly (int4_gemm, moe)
   int8_words_minus_zero  the same for 8-bit codes (`int8_words_to_halves`: one prmt per two codes into fp16
-                       pairs; bf16 by way of fp32; int4_gemm, `int8_word_dequant`)
+                       pairs; bf16 from two exact pieces a code; int4_gemm, `int8_word_dequant`)
   e2m1_bits_to_fp16    MXFP4 (e2m1) codes -> fp16 / 2^14 with integer ops (moe's mxfp4 experts)
   mxfp4_words_to_half  8 e2m1 codes a word times their E8M0 scale, in bf16 / fp16, by inline PTX (byte lookups
                        and packed FMAs; GPU from sm_80, `mxfp4_word_decode`; moe's mxfp4 experts)
