@@ -87,21 +87,6 @@ def test_weight_only_decodes_words_or_bytes(k):
     assert_matches_reference(out, fp8_gemm_reference(x, w, weight_only=True))
 
 
-@pytest.mark.parametrize("weight_only", [False, True])
-def test_whole_k_tiles_match_reference(weight_only):
-    """K = 384, a multiple of BLOCK_K = 64: every K tile is whole and the loads are not masked along K (EVEN_K), over
-    4 slices of two tiles (the last one empty), M = 3; decode-sized x quantized in the GEMM, or the weight decoded by
-    words (weight-only)."""
-    k = 384
-    w = make_weight("block", k=k, bias=True)
-    x = torch.randn(3, k, dtype=torch.float16)
-    config = FP8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SPLIT_K=4)
-    launch, out = fp8.fp8_gemm_launch(x, None, w, config, x.dtype, quantize=not weight_only)
-    assert launch.args["EVEN_K"] and launch.args["WORD_DECODE"] == weight_only
-    launch()
-    assert_matches_reference(out, fp8_gemm_reference(x, w, weight_only=weight_only))
-
-
 @pytest.mark.parametrize("scheme", ["channel", "block"])
 @pytest.mark.parametrize("weight_only", [False, True])
 def test_split_k_matches_reference(scheme, weight_only):

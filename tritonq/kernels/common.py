@@ -25,7 +25,7 @@
   broadcast_rows       such a GEMM's quantized rows (the M bucket's) copied up to the dot's BLOCK_M rows
   gemm_tile / k_tile_mask / activation_rows / store_gemm_tile
                        the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice, a K tile's
-                       mask, the rows of x it reads (the M bucket's where it quantizes x itself) and
+                       mask (int8_gemm's), the rows of x it reads (the M bucket's where it quantizes x itself) and
                        epilogue (bias on the first slice, then y or the split-K sum, or
                        the residual + RMSNorm epilogue)
   reduce_split_k       the split-K sum in the GEMM's own launch: the last K slice to arrive adds the

@@ -46,8 +46,8 @@ from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, INTERPRETED, QUANTIZE_IN_GEMM_MAX_M, GemmConfig,
     GemmPlan, Launch, activation_rows, activation_scale, broadcast_rows, check_gemm_activations, check_gemm_weight,
     check_launch_config, compute_capability, config_rows, decode_split_k, divide_by_scale, e4m3_bits_to_fp16, e4m3_words_to_halves,
-    gemm_grid, gemm_output, gemm_tile, half_bit_tricks, has_fp8_tensor_cores, ieee_dot, k_tile_mask, quant_rows,
-    round_to_e4m3, next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile, tuned_or_default)
+    gemm_grid, gemm_output, gemm_tile, half_bit_tricks, has_fp8_tensor_cores, ieee_dot, quant_rows, round_to_e4m3,
+    next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.quant.weights import FP8Weight
 
@@ -128,7 +128,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
                      QUANTIZE_A: tl.constexpr,
                      STATIC_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, QUANT_ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, QUANT_ROWS: tl.constexpr,
                      res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr):
     """y[M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias); SILU_MUL: y [M, N / 2] = SwiGLU of the (gate, up) column
     pairs (`common.store_output`); ADD_NORM: y + residual and its RMSNorm h (`common.add_rms_norm_tile`).
@@ -142,8 +142,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
     one at a_scale_ptr with STATIC_A), so the GEMM is the linear's only launch. It quantizes QUANT_ROWS rows (the M
     bucket, `common.quant_rows`), not the dot's padding rows: at M = 1 one row per K tile.
     SPLIT_K > 1 (decode): program_id(1) takes one K slice; the slices' scaled partial sums meet in
-    `common.reduce_split_k`, in this launch. EVEN_K: K is a multiple of BLOCK_K, no K tile is partial
-    (`common.k_tile_mask`).
+    `common.reduce_split_k`, in this launch.
     """
     rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                                      SPLIT_K)
@@ -167,11 +166,10 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        mask_k = k_tile_mask(offs_k, k_end - k0, EVEN_K)
+        mask_k = offs_k < k_end - k0
         a = tl.load(a_ptrs, mask=mask_a[:, None] & mask_k[None, :], other=0.0)
         if WORD_DECODE:
-            w = tl.load(w_ptrs, mask=k_tile_mask(offs_kw, (k_end - k0) // 4, EVEN_K)[:, None] & mask_n[None, :],
-                        other=0)
+            w = tl.load(w_ptrs, mask=(offs_kw < (k_end - k0) // 4)[:, None] & mask_n[None, :], other=0)
         else:
             w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if QUANTIZE_A:  # the QUANT_ROWS rows, then copied up to the dot's BLOCK_M
@@ -403,7 +401,6 @@ def fp8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: FP8Weight,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
                 SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul,
                 QUANT_ROWS=quant_rows(M, config.BLOCK_M) if quantize else config.BLOCK_M,
-                EVEN_K=K % config.BLOCK_K == 0,
                 # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
                 res_ptr=y, norm_w_ptr=y, h_ptr=y, sumsq_ptr=partials, row_arrivals_ptr=y, eps=0.0, ADD_NORM=False)
     return Launch(_fp8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
