@@ -15,12 +15,14 @@ branch of the SASS, Triton's bundled cuobjdump) must show:
     fails). Issue 50's target is ~2.5: the int4 AWQ / GPTQ loops reach it (common.int4_words_to_magic's PTX:
     per two codes one prmt, one lop3 and one half2 subtraction, the scale on the dot's result), act-order
     too (sorted by group once, x read through the permutation: int4_gemm.sort_act_order); 8-bit in fp16 is
-    below it (one prmt per two codes), in bf16 above (through fp32: a prmt and an FADD per code); nf4 looks its
+    below it (one prmt per two codes), in bf16 above (per two codes a prmt, two lop3 and a packed add: the low 7
+    bits and the top bit as exact bf16 pieces); nf4 looks its
     codes up by pairs (common.code_pairs_lookup); GGUF's Q4_K takes int4's PTX, its groups of 32 side by side in
     the rows of one dot (kernels/gguf_gemm.py's decode word path); fp8 x fp8 (sm_90) and W8A8 quantize only the
     M bucket's rows of x per K tile (common.broadcast_rows) over 128 columns; fp8 weight-only (sm_80) decodes 4
-    e4m3 bytes a word (common.e4m3_words_to_halves) (docs/gpu_kernels.md has the before / after mix and what is
-    left).
+    e4m3 bytes a word (common.e4m3_words_to_halves: per two codes a sign-replicating prmt, a shift and an and, in
+    bf16 a packed FMA); W8A8 loads whole K tiles unmasked along K (common.k_tile_mask) (docs/gpu_kernels.md has
+    the before / after mix and what is left).
 The prefill launches (M = 256) of int4, int8, fp8-block and W8A8, and the MoE MXFP4 gate/up GEMM at 64 tokens per
 expert, must issue their tensor-core instruction in the main loop (sm_90: wgmma, HGMMA / QGMMA / IGMMA; sm_80:
 HMMA / IMMA), load their weight tiles by 16-byte cp.async over >= 3 pipeline stages and not spill.
@@ -54,15 +56,16 @@ GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": di
               "gguf-iq4_xs": dict(bits=4, group=32, offsets=False, code=True)}
 # {(cc, weight type): ALU instructions per weight}: measured (Triton 3.9, bf16; fp16 is at or below, or has its own
 # (cc, "float16", weight type) entry) + ~5% (int4, int8, nf4, the MoE's, fp8, w8a8) or ~10%. sm_80's fp8-block is the
-# weight-only path (e4m3 words decoded by PTX: 8.45 with the byte decode before), sm_90's an e4m3 x e4m3 dot; w8a8 an
-# int8 dot. sm_90's fp8-block and both w8a8 quantize x inside the loop at decode (one launch, no quantization kernel
-# first): 8.9 and 6.0 per weight while that quantized the dot's 16 padded rows (in every warp's operand layout), 2.1
-# and 0.7 for the M bucket's rows.
+# weight-only path (e4m3 words decoded by PTX: 8.45 with the byte decode before, 3.49 with an and, a shr and a lop3 per
+# two codes), sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's fp8-block and both w8a8
+# quantize x inside the loop at decode (one launch, no quantization kernel first): 8.9 and 6.0 per weight while that
+# quantized the dot's 16 padded rows (in every warp's operand layout), 2.1 and 0.7 for the M bucket's rows (W8A8 0.6
+# without masks along K). int8-gptq in bf16: 3.35-3.37 through fp32 (a prmt and an FADD per code).
 ALU_PER_WEIGHT = {
-    (80, "int4-awq"): 2.55, (80, "int4-gptq"): 2.45, (80, "int4-act-order"): 2.75, (80, "int8-gptq"): 3.55,
-    (80, "nf4"): 2.9, (80, "fp8-block"): 3.65, (80, "w8a8"): 0.78,
-    (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 2.85, (90, "int8-gptq"): 3.55,
-    (90, "nf4"): 2.95, (90, "fp8-block"): 2.2, (90, "w8a8"): 0.73,
+    (80, "int4-awq"): 2.55, (80, "int4-gptq"): 2.45, (80, "int4-act-order"): 2.75, (80, "int8-gptq"): 3.0,
+    (80, "nf4"): 2.9, (80, "fp8-block"): 3.15, (80, "w8a8"): 0.59,
+    (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 2.85, (90, "int8-gptq"): 3.0,
+    (90, "nf4"): 2.95, (90, "fp8-block"): 2.2, (90, "w8a8"): 0.62,
     # the MoE's gate/up decode loops (moe.WORD_DECODE_CONFIG, 16 x 64 x 128: whole K tiles unmasked, expert bases
     # once, int4's scale row on the dot's result; MXFP4 by common.mxfp4_words_to_half: prmt byte lookups from
     # immediate tables, one packed multiply per two codes, the dequantized tile through shared memory as int4's):

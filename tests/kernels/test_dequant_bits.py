@@ -84,14 +84,6 @@ def test_bf16_magic_number_arithmetic_is_exact(has_zeros):
 MASK32 = (1 << 32) - 1
 
 
-def f32(bits: int) -> float:
-    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
-
-
-def f32_bits(value: torch.Tensor) -> int:
-    return int(value.reshape(1).view(torch.int32).item()) & MASK32
-
-
 def _fma_half(a: int, b: int, c: int, dtype: torch.dtype) -> int:
     """One half of fma.rn.bf16x2 / fma.rn.f16x2: a * b + c rounded once to nearest-even dtype (subnormals kept, as
     the PTX ISA says for these FMAs without .ftz), bits in and out. The operands here make a * b + c exact in fp32
@@ -108,14 +100,12 @@ def _fma_half(a: int, b: int, c: int, dtype: torch.dtype) -> int:
 
 def run_ptx(ptx: str, *inputs: int, outputs: int = 8) -> list[int]:
     """The 16-bit outputs $0..$(outputs - 1) of a PTX block over the 32-bit inputs $outputs, $outputs + 1, ...
-    (mov.b32, and.b32, or.b32, shr.u32, prmt.b32 default mode, lop3.b32, sub.f32 round-to-nearest,
-    cvt.rn.bf16x2.f32, fma.rn.bf16x2, fma.rn.f16x2, mov.b32 {lo, hi}); anything else fails the test, so an edited
-    block cannot pass unread."""
+    (mov.b32, and.b32, or.b32, shr.u32, shl.b32, prmt.b32 in default mode with its sign replication, lop3.b32,
+    fma.rn.bf16x2, fma.rn.f16x2, mov.b32 {lo, hi}); anything else fails the test, so an edited block cannot pass
+    unread."""
     regs, out = {f"${outputs + i}": v & MASK32 for i, v in enumerate(inputs)}, {}
 
     def value(operand):
-        if operand.startswith("0f"):  # PTX's fp32 immediate: its bits in hex
-            return int(operand[2:], 16)
         return int(operand, 0) & MASK32 if operand[0].isdigit() else regs[operand]
 
     for line in ptx.strip().strip("{}").strip().splitlines():
@@ -141,21 +131,19 @@ def run_ptx(ptx: str, *inputs: int, outputs: int = 8) -> list[int]:
                           for h in (0, 16))
         elif op == "shr.u32":
             regs[d] = value(args[0]) >> value(args[1])
-        elif op == "prmt.b32":  # byte i of d = byte (selector nibble i & 7) of {b, a}; bit 3 (sign) unused here
-            pool, selector = value(args[0]) | value(args[1]) << 32, value(args[2])
-            assert all(not (selector >> (4 * i + 3)) & 1 for i in range(4)), "sign-replicating prmt: emulate it"
-            regs[d] = sum(((pool >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "shl.b32":
+            regs[d] = (value(args[0]) << value(args[1])) & MASK32
+        elif op == "prmt.b32":  # byte i of d = byte (selector nibble i & 7) of {b, a}, or with nibble bit 3 set that
+            pool, selector = value(args[0]) | value(args[1]) << 32, value(args[2])  # byte's top bit in all 8 bits
+            regs[d] = 0
+            for i in range(4):
+                nibble = (selector >> (4 * i)) & 15
+                byte = (pool >> (8 * (nibble & 7))) & 0xFF
+                regs[d] |= ((0xFF if byte >> 7 else 0) if nibble & 8 else byte) << (8 * i)
         elif op == "lop3.b32":  # bit of d = bit (4a + 2b + c) of the truth table
             a, b, c, lut = (value(v) for v in args)
             regs[d] = sum(((lut >> (4 * ((a >> i) & 1) + 2 * ((b >> i) & 1) + ((c >> i) & 1))) & 1) << i
                           for i in range(32))
-        elif op == "sub.f32":  # IEEE fp32 subtraction, rounded to nearest even (torch's fp32 on the CPU)
-            a, b = (torch.tensor([f32(value(v))], dtype=torch.float32) for v in args)
-            regs[d] = f32_bits(a - b)
-        elif op == "cvt.rn.bf16x2.f32":  # d = {hi: a, lo: b}, each rounded to nearest even
-            a, b = (torch.tensor([f32(value(v))]).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
-                    for v in args)
-            regs[d] = a << 16 | b
         else:
             raise AssertionError(f"PTX op {op} has no emulation here")
     return [out[f"${i}"] for i in range(outputs)]
@@ -204,8 +192,9 @@ def test_int4_word_dequantization_is_exact(dtype, has_zeros):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_int8_word_ptx_gives_each_byte(dtype):
-    """Output j of the 8-bit PTX is byte j of the word as 1024 + q (fp16) or q - 128 (bf16, by way of fp32), for
-    every byte value in every byte: the values `int8_words_to_halves` places at row 4 r + j."""
+    """Output j of the 8-bit PTX is byte j of the word as 1024 + q (fp16) or q - 128 (bf16: 128 + its low 7 bits plus
+    -256 + 128 x its top bit, one packed add), for every byte value in every byte: the values `int8_words_to_halves`
+    places at row 4 r + j."""
     ptx, offset = ((common.INT8_FP16_PTX, 1024.0) if dtype == torch.float16 else (common.INT8_BF16_PTX, -128.0))
     for word in byte_words():
         got = halves(run_ptx(ptx.value, word, outputs=4), dtype)

@@ -105,6 +105,20 @@ def test_int8_gemm_configs_match_reference(config, fp16_dot):
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_whole_k_tiles_match_reference(scheme):
+    """K = 384, a multiple of BLOCK_K = 64: every K tile is whole and the loads are not masked along K (EVEN_K), over
+    4 slices of two tiles (the last one empty), M = 3 quantized in the GEMM, with a bias."""
+    k = 384
+    w = make_weight(k=k, per_channel=scheme != "static", bias=True, **SCHEMES[scheme])
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3), device="cpu").to(torch.get_default_device())
+    config = Int8GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SPLIT_K=4)
+    launch, y = int8_gemm_launch(x, None, w, config, x.dtype)
+    assert launch.args["EVEN_K"]
+    launch()
+    assert_matches_reference(y, int8_gemm_reference(x, w))
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("M", [1, 3, 16])
 def test_decode_quantizes_in_the_gemm_like_the_quantizer(scheme, M):
     """Up to 16 rows the GEMM quantizes x itself (one launch), to the quantizer's codes: the same config fed

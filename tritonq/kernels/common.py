@@ -8,7 +8,7 @@
                        prmt and one lop3 per two codes; GPU from sm_80, `int4_word_dequant`)
   int4_words_minus_zero  its q - zero, exactly (int4_gemm, moe)
   int8_words_minus_zero  the same for 8-bit codes (`int8_words_to_halves`: one prmt per two codes into fp16
-                       pairs; bf16 by way of fp32; int4_gemm, `int8_word_dequant`)
+                       pairs; bf16 from two exact pieces a code; int4_gemm, `int8_word_dequant`)
   e2m1_bits_to_fp16    MXFP4 (e2m1) codes -> fp16 / 2^14 with integer ops (moe's mxfp4 experts)
   mxfp4_words_to_half  8 e2m1 codes a word times their E8M0 scale, in bf16 / fp16, by inline PTX (byte lookups
                        and packed FMAs; GPU from sm_80, `mxfp4_word_decode`; moe's mxfp4 experts)
@@ -23,8 +23,9 @@
   divide_by_scale      x / scale as IEEE division rounds it, by one reciprocal per scale (the same quantizers)
   rows_absmax          a row's (or group's) max |x| inside a GEMM that quantizes its activations itself
   broadcast_rows       such a GEMM's quantized rows (the M bucket's) copied up to the dot's BLOCK_M rows
-  gemm_tile / store_gemm_tile
-                       the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice and
+  gemm_tile / k_tile_mask / activation_rows / store_gemm_tile
+                       the GemmConfig kernels' (fp8_gemm, int8_gemm) tile in grouped order, K slice, a K tile's
+                       mask (int8_gemm's), the rows of x it reads (the M bucket's where it quantizes x itself) and
                        epilogue (bias on the first slice, then y or the split-K sum, or
                        the residual + RMSNorm epilogue)
   reduce_split_k       the split-K sum in the GEMM's own launch: the last K slice to arrive adds the
@@ -215,9 +216,10 @@ def int4_words_minus_zero(words, zero, HAS_ZEROS: tl.constexpr, DTYPE: tl.conste
 
 # PTX of `int8_words_to_halves` on word $4 (bytes b0..b3, b0 lowest), two consecutive rows per register. fp16: a
 # prmt of the word with 0x64646464 per two codes gives {0x6400 | b(2i), 0x6400 | b(2i+1)} = {1024 + b(2i),
-# 1024 + b(2i+1)}. bf16's 7 mantissa bits cannot hold a byte: one prmt per code gives the fp32 0x4B0000 | bi =
-# 2^23 + bi (byte i, then 0, 0 and 0x4B from the constant), one sub.f32 of 2^23 + 128 (0x4B000080) leaves bi - 128
-# exactly, and one cvt per two codes packs them into bf16 (exact: an integer in [-128, 127]).
+# 1024 + b(2i+1)}. bf16's 7 mantissa bits cannot hold a byte, so each code b = l + 128 h (l: its low 7 bits, h: its
+# top bit) is made from two exact bf16 pieces and one packed add: a prmt puts b(2i), b(2i+1) in the low bytes of the
+# two halves, one lop3 keeps l and ORs in 0x4300 (128 + l), another ORs the inverted h into 0xC300 (0xC380 = -256
+# for h = 0, 0xC300 = -128 for h = 1: -256 + 128 h), and one fma by 1 adds them: q - 128 in [-128, 127], exact.
 INT8_FP16_PTX = tl.constexpr("""{
 .reg .b32 p0, p1;
 prmt.b32 p0, $4, 0x64646464, 0x4140;
@@ -225,19 +227,16 @@ prmt.b32 p1, $4, 0x64646464, 0x4342;
 mov.b32 {$0, $1}, p0;
 mov.b32 {$2, $3}, p1;
 }""")
+_INT8_BF16_PAIR = """prmt.b32 p, $4, 0, SELECTOR;
+lop3.b32 l, p, 0x007F007F, 0x43004300, 0xEA;
+lop3.b32 h, p, 0x00800080, 0xC300C300, 0xAE;
+fma.rn.bf16x2 pI, l, one, h;
+"""
 INT8_BF16_PTX = tl.constexpr("""{
-.reg .b32 f0, f1, f2, f3, p0, p1;
-prmt.b32 f0, $4, 0x4B000000, 0x7440;
-prmt.b32 f1, $4, 0x4B000000, 0x7441;
-prmt.b32 f2, $4, 0x4B000000, 0x7442;
-prmt.b32 f3, $4, 0x4B000000, 0x7443;
-sub.f32 f0, f0, 0f4B000080;
-sub.f32 f1, f1, 0f4B000080;
-sub.f32 f2, f2, 0f4B000080;
-sub.f32 f3, f3, 0f4B000080;
-cvt.rn.bf16x2.f32 p0, f1, f0;
-cvt.rn.bf16x2.f32 p1, f3, f2;
-mov.b32 {$0, $1}, p0;
+.reg .b32 p, l, h, one, p0, p1;
+mov.b32 one, 0x3F803F80;
+""" + _INT8_BF16_PAIR.replace("SELECTOR", "0x4140").replace("pI", "p0")
+    + _INT8_BF16_PAIR.replace("SELECTOR", "0x4342").replace("pI", "p1") + """mov.b32 {$0, $1}, p0;
 mov.b32 {$2, $3}, p1;
 }""")
 
@@ -252,8 +251,8 @@ def _magic_byte(words, SHIFT: tl.constexpr):
 @triton.jit
 def int8_words_to_halves(words, DTYPE: tl.constexpr):
     """int32 words [R, C], packed along K (byte i of word r is row 4 r + i) -> [4 R, C] in DTYPE: 1024 + q in
-    fp16 (the magic number), q - 128 in bf16 (made in fp32: a byte does not fit bf16's mantissa). On a GPU one PTX
-    block per word (INT8_FP16_PTX / INT8_BF16_PTX), no shifts or masks; the interpreter builds the fp16 values
+    fp16 (the magic number), q - 128 in bf16 (two exact pieces added: a byte does not fit bf16's mantissa). On a GPU
+    one PTX block per word (INT8_FP16_PTX / INT8_BF16_PTX), no shifts; the interpreter builds the fp16 values
     field by field (it runs fp16 only, `int8_word_dequant`). The interleaves put output j of word r at row
     4 r + j, as in `int4_words_to_magic`."""
     wt = tl.trans(words)
@@ -477,29 +476,26 @@ def mxfp4_scale_factors(s, DTYPE: tl.constexpr, STEPS: tl.constexpr):
 
 
 # PTX of `e4m3_words_to_halves` on word $4 (e4m3 bytes b0..b3, b0 lowest): each code's value / 2^8 in fp16 or bf16,
-# two consecutive rows a register, no conversion instruction. A prmt puts bytes 2i and 2i + 1 in the high bytes of the
-# two 16-bit halves (the low bytes 0), then one and, one shift and one lop3 keep the sign bit and OR in the 7
-# exponent and mantissa bits moved down into the half's format: by 1 for fp16 (e4m3's 4-bit exponent and 3-bit
-# mantissa become fp16's low exponent and top mantissa bits: the value x 2^-8, subnormals too, as
-# `e4m3_bits_to_fp16`), by 4 for bf16 (the value x 2^-120, e4m3's subnormals bf16 subnormals), then one packed bf16
-# FMA by 2^112 (0x7780; with -0, which keeps the sign of zero) gives the value x 2^-8, exactly (bf16 FMAs keep
-# subnormals). Marlin's fp8 trick, with the prmt in place of its interleaved repacking.
+# two consecutive rows a register, no conversion instruction. Per two codes one prmt puts b(2i) and b(2i + 1) in the
+# low bytes of the two halves and their sign bits, replicated (the prmt's sign mode: selector bit 3), in the high
+# bytes; one shift left moves each code's 4 exponent and 3 mantissa bits to the low exponent and top mantissa bits of
+# the half and a replicated sign bit to bit 15, and one and keeps just those. fp16 (shift by 7): e4m3's value x 2^-8,
+# subnormals too, as `e4m3_bits_to_fp16`. bf16 (shift by 4): the value x 2^-120, e4m3's subnormals bf16 subnormals,
+# then one packed bf16 FMA by 2^112 (0x7780; with -0, which keeps the sign of zero) gives the value x 2^-8, exactly
+# (bf16 FMAs keep subnormals).
+_E4M3_PAIR_PTX = """prmt.b32 p, $4, 0, SELECTOR;
+shl.b32 p, p, SHIFT;
+and.b32 pI, p, MASK;
+"""
 _E4M3_WORD_PTX = """{
-.reg .b32 p0, p1, t, b, z;
-prmt.b32 p0, $4, 0, 0x1404;
-prmt.b32 p1, $4, 0, 0x3424;
-and.b32 t, p0, 0x7F007F00;
-shr.u32 t, t, SHIFT;
-lop3.b32 p0, p0, 0x80008000, t, 0xEA;
-and.b32 t, p1, 0x7F007F00;
-shr.u32 t, t, SHIFT;
-lop3.b32 p1, p1, 0x80008000, t, 0xEA;
-BIAS
+.reg .b32 p, p0, p1, b, z;
+""" + _E4M3_PAIR_PTX.replace("SELECTOR", "0x9180").replace("pI", "p0") + _E4M3_PAIR_PTX.replace(
+    "SELECTOR", "0xB3A2").replace("pI", "p1") + """BIAS
 mov.b32 {$0, $1}, p0;
 mov.b32 {$2, $3}, p1;
 }"""
-E4M3_FP16_PTX = tl.constexpr(_E4M3_WORD_PTX.replace("SHIFT", "1").replace("BIAS\n", ""))
-E4M3_BF16_PTX = tl.constexpr(_E4M3_WORD_PTX.replace("SHIFT", "4").replace("BIAS", """mov.b32 b, 0x77807780;
+E4M3_FP16_PTX = tl.constexpr(_E4M3_WORD_PTX.replace("SHIFT", "7").replace("MASK", "0xBF80BF80").replace("BIAS\n", ""))
+E4M3_BF16_PTX = tl.constexpr(_E4M3_WORD_PTX.replace("SHIFT", "4").replace("MASK", "0x87F087F0").replace("BIAS", """mov.b32 b, 0x77807780;
 mov.b32 z, 0x80008000;
 fma.rn.bf16x2 p0, p0, b, z;
 fma.rn.bf16x2 p1, p1, b, z;"""))
@@ -510,7 +506,7 @@ def e4m3_words_to_halves(words, DTYPE: tl.constexpr):
     """int32 words [R, C] of float8_e4m3fn bytes packed along K (byte i of word r is row 4 r + i) -> each weight's
     value / 2^8 in DTYPE (fp16 / bf16) [4 R, C], exactly, as `e4m3_bits_to_fp16` (multiply by E4M3_TO_FP16_BIAS on
     the dot's fp32 result). On a GPU one PTX block per word (E4M3_FP16_PTX / E4M3_BF16_PTX: per two codes one prmt,
-    one and, one shift, one lop3, and in bf16 one packed FMA); the interpreter decodes byte by byte in fp16 (it runs
+    one shift and one and, in bf16 one packed FMA); the interpreter decodes byte by byte in fp16 (it runs
     this path in fp16 only, `fp8_gemm.fp8_word_decode`). Rows as `int8_words_to_halves` places them."""
     wt = tl.trans(words)
     if INTERPRETED:
@@ -671,6 +667,31 @@ def gemm_tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
         k_start = tl.program_id(1) * k_per_split
         k_end = min(k_start + k_per_split, K)
     return offs_m.to(tl.int64), offs_n, tl.arange(0, BLOCK_K), offs_m < M, offs_n < N, k_start, k_end
+
+
+@triton.jit
+def k_tile_mask(offs, k_left, EVEN_K: tl.constexpr):
+    """offs < k_left: the mask of a K tile's first k_left elements (offs = tl.arange over the tile). With EVEN_K (K a
+    multiple of BLOCK_K, so no tile of any K slice is partial) every element, as a constant: the loads' predicates
+    are then loop-invariant, not recomputed per K tile."""
+    if EVEN_K:
+        mask = offs < offs.shape[0]
+    else:
+        mask = offs < k_left
+    return mask
+
+
+@triton.jit
+def activation_rows(rows, mask_m, M, QUANTIZE_A: tl.constexpr, QUANT_ROWS: tl.constexpr):
+    """The rows of x (int64) a `gemm_tile` program reads, and their mask. A GEMM that quantizes its activations itself
+    (QUANTIZE_A) for fewer rows than BLOCK_M (M <= QUANT_ROWS < BLOCK_M: one row block) reads the first QUANT_ROWS
+    (`quant_rows`), which `broadcast_rows` copies up to BLOCK_M after quantizing; otherwise the tile's own rows."""
+    if QUANTIZE_A and QUANT_ROWS < rows.shape[0]:
+        a_rows = tl.arange(0, QUANT_ROWS).to(tl.int64)
+        mask_a = a_rows < M
+    else:
+        a_rows, mask_a = rows, mask_m
+    return a_rows, mask_a
 
 
 @triton.jit

@@ -44,7 +44,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.common import (WeightGemm, E4M3_TO_FP16_BIAS, INTERPRETED, QUANTIZE_IN_GEMM_MAX_M, GemmConfig,
-    GemmPlan, Launch, activation_scale, broadcast_rows, check_gemm_activations, check_gemm_weight,
+    GemmPlan, Launch, activation_rows, activation_scale, broadcast_rows, check_gemm_activations, check_gemm_weight,
     check_launch_config, compute_capability, config_rows, decode_split_k, divide_by_scale, e4m3_bits_to_fp16, e4m3_words_to_halves,
     gemm_grid, gemm_output, gemm_tile, half_bit_tricks, has_fp8_tensor_cores, ieee_dot, quant_rows, round_to_e4m3,
     next_pow2, rows_absmax, silu_mul_pairs, split_k_arrivals, store_gemm_tile, tuned_or_default)
@@ -146,11 +146,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, pa
     """
     rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                                      SPLIT_K)
-    if QUANTIZE_A and QUANT_ROWS < BLOCK_M:  # M <= QUANT_ROWS < BLOCK_M: one row block, its first QUANT_ROWS rows
-        a_rows = tl.arange(0, QUANT_ROWS).to(tl.int64)
-        mask_a = a_rows < M
-    else:
-        a_rows, mask_a = rows, mask_m
+    a_rows, mask_a = activation_rows(rows, mask_m, M, QUANTIZE_A, QUANT_ROWS)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :]
     offs_kw = tl.arange(0, BLOCK_K // 4)  # WORD_DECODE: the tile's words along K
     if WORD_DECODE:

@@ -42,10 +42,10 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tritonq.kernels import backend, batch_invariant
-from tritonq.kernels.common import (WeightGemm, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch, activation_scale,
+from tritonq.kernels.common import (WeightGemm, QUANTIZE_IN_GEMM_MAX_M, GemmConfig, GemmPlan, Launch, activation_rows, activation_scale,
     broadcast_rows, check_gemm_activations, check_gemm_weight, check_launch_config, compute_capability, config_rows,
-    decode_split_k, divide_by_scale, gemm_grid, gemm_output, gemm_tile, next_pow2, quant_rows, rows_absmax, silu_mul_pairs,
-    split_k_arrivals, store_gemm_tile, tuned_or_default)
+    decode_split_k, divide_by_scale, gemm_grid, gemm_output, gemm_tile, k_tile_mask, next_pow2, quant_rows, rows_absmax,
+    silu_mul_pairs, split_k_arrivals, store_gemm_tile, tuned_or_default)
 from tritonq.kernels.common import gemm_config_bucket as config_bucket
 from tritonq.quant.weights import W8A8Weight
 
@@ -99,6 +99,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
                       QUANTIZE_A: tl.constexpr, STATIC_A: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, QUANT_ROWS: tl.constexpr,
+                      EVEN_K: tl.constexpr,
                       res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr):
     """y[M, N] = ((a - a_zero) @ w^T) * a_scale[m] * w_scale[n] (+ bias); SILU_MUL: y [M, N / 2] = SwiGLU of the
     (gate, up) column pairs (`common.store_output`); ADD_NORM: y + residual and its RMSNorm h
@@ -106,7 +107,8 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
 
     a int8 [M, K], a_scale fp32 [M] (stride_asm 0: one static scale), a_zero int32 [] (ASYMMETRIC),
     w int8 [N, K], w_scale fp32 [N] (stride_wsn 0: per tensor). SPLIT_K > 1 (decode): program_id(1) takes
-    one K slice; the slices' scaled partials meet in `common.reduce_split_k`, in this launch.
+    one K slice; the slices' scaled partials meet in `common.reduce_split_k`, in this launch. EVEN_K: K is a multiple
+    of BLOCK_K, no K tile is partial (`common.k_tile_mask`).
     QUANTIZE_A (decode M): a is the fp16/bf16/fp32 activations, quantized here tile by tile exactly as
     `quantize_activation_int8` does (per token from `rows_absmax` over all of K, or the static scale at
     a_scale_ptr with STATIC_A), so the GEMM is the linear's only launch. It quantizes QUANT_ROWS rows (the M bucket,
@@ -114,11 +116,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
     """
     rows, offs_n, offs_k, mask_m, mask_n, k_start, k_end = gemm_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                                      SPLIT_K)
-    if QUANTIZE_A and QUANT_ROWS < BLOCK_M:  # M <= QUANT_ROWS < BLOCK_M: one row block, its first QUANT_ROWS rows
-        a_rows = tl.arange(0, QUANT_ROWS).to(tl.int64)
-        mask_a = a_rows < M
-    else:
-        a_rows, mask_a = rows, mask_m
+    a_rows, mask_a = activation_rows(rows, mask_m, M, QUANTIZE_A, QUANT_ROWS)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_start + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N]
 
@@ -135,7 +133,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, a_zero_ptr, w_ptr, w_scale_ptr, bias_p
             absmax = tl.maximum(rows_absmax(x_rows, mask_a, 0, K, BLOCK_K), _SCALE_EPS)
             a_scale = tl.math.div_rn(absmax, tl.zeros_like(absmax) + _DYNAMIC_DIVISOR)[:, None]
     for k0 in range(k_start, k_end, BLOCK_K):
-        mask_k = offs_k < k_end - k0
+        mask_k = k_tile_mask(offs_k, k_end - k0, EVEN_K)
         a = tl.load(a_ptrs, mask=mask_a[:, None] & mask_k[None, :], other=0)
         if QUANTIZE_A:  # padding columns meet zero weights, whatever their codes
             a = broadcast_rows(_quantize_int8(a.to(tl.float32), a_scale, a_zero_ptr, ASYMMETRIC), BLOCK_M)
@@ -348,6 +346,7 @@ def int8_gemm_launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: W8A8Weigh
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
                 SPLIT_K=config.SPLIT_K, SILU_MUL=silu_mul,
                 QUANT_ROWS=quant_rows(M, config.BLOCK_M) if quantize else config.BLOCK_M,
+                EVEN_K=K % config.BLOCK_K == 0,
                 # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
                 res_ptr=y, norm_w_ptr=y, h_ptr=y, sumsq_ptr=partials, row_arrivals_ptr=y, eps=0.0, ADD_NORM=False)
     return Launch(_int8_gemm_kernel, gemm_grid(M, N, config), args, config.num_warps, config.num_stages), y
