@@ -2,6 +2,7 @@
 replaces with interpreted ones, so compile tests run their script in a child process without it."""
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,17 @@ def run_without_interpreter(args: list[str], timeout: int = 600, first_on_path: 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first_on_path, str(ROOT), str(ROOT / "tests"),
                                                       env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    # its own process group: on a timeout the child's compile pool goes with it (it kept compiling, orphaned)
+    child = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        raise
+    assert child.returncode == 0, stderr[-3000:]
+    return stdout
 
 
 def json_from_child(args: list[str], timeout: int = 600, first_on_path: tuple[str, ...] = ()):

@@ -450,7 +450,7 @@ def reports_under(triton_install: str) -> dict:
                     pytest.fail(message)
                 pytest.skip(message)
             first = (str(TRITON_36),)
-        result = json_from_child([__file__], timeout=900, first_on_path=first)
+        result = json_from_child([__file__], timeout=1800, first_on_path=first)
         if triton_install == "3.6":
             assert result["triton"] == "3.6.0", f"{TRITON_36} holds Triton {result['triton']}, expected 3.6.0"
         _REPORTS[triton_install] = {"triton": result["triton"],
