@@ -13,7 +13,9 @@ Weights are stacked typed weights (tritonq/quant/weights.py, with a leading expe
   [E, N, 1] (per channel) or [E, ceil(N/bn), ceil(K/bk)] (block_size (bn, bk));
   MXFP4Weight blocks [E, N, K/32, 16] uint8 (two e2m1 codes a byte), scales [E, N, K/32] E8M0 (decoded
   in the kernel's tile load, `jit.py`); GGUFWeight planes [E, ...] (GGUF K-quants / IQ4: their own expert
-  GEMM in kernels/gguf_gemm.py, launched through the same plan).
+  GEMM in kernels/gguf_gemm.py, launched through the same plan; Q4_K / Q4_1 up to 8 tokens on its decode word path,
+  row blocks of the token count: `configs.gguf_word_config`). A gate_up PartsWeight (a gate and an up of different
+  types, as some GGUF files hold them) runs one GEMM per part into [gate | up], then SiLU-and-mul.
 A model's MoE layer builds a `MoEExperts(gate_up, down, activation)` once (the weights checked then, each T
 bucket's launches resolved on its first call), routes with its `route(x, router_logits, top_k, ...)` (routing and
 the token alignment for the layer's plan: one launch on the Triton backend, `route_tokens`) and calls it with
