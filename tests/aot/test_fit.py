@@ -197,7 +197,7 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
         for name, bits, group, offsets, gate_up in (("Q4_K", 4, 32, True, True), ("Q4_K", 4, 32, True, False),
                                                     ("Q6_K", 6, 16, False, False)):
             out[f"moe gguf {name} {'gate_up' if gate_up else 'down'} M1"] = gguf_gemm.aot_moe_launch(
-                config if bits == 4 else dataclasses.replace(moe.DEFAULT_CONFIGS[0][1], BLOCK_M=1),
+                config if bits == 4 else moe.GGUF_FEW_ROWS_CONFIG,
                 (1, *GGUF_MOE_PROBLEM[1:]), gate_up, bits, group, offsets, dtype, cc=cc)
     # fp8: e4m3 x e4m3 dots from sm_89 (block-scaled and per-channel weights), the weight-only path (weights
     # decoded in the kernel) below sm_89 and for weight-only checkpoints everywhere.

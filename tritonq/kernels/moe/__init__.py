@@ -42,8 +42,8 @@ and the W8A8 activation scheme, shared by launcher and reference), `launch.py` (
 launch), `reference.py` (torch reference), `tune.py` (tuning declarations, meta experts, AOT launch). This
 module re-exports their names.
 """
-from tritonq.kernels.moe.configs import (DEFAULT_CONFIGS, WORD_DECODE_CONFIG, MoEConfig, _config, check_config, config_bucket,
-                                        default_config)
+from tritonq.kernels.moe.configs import (DEFAULT_CONFIGS, GGUF_FEW_ROWS_CONFIG, WORD_DECODE_CONFIG, MoEConfig, _config,
+                                        check_config, config_bucket, default_config)
 from tritonq.kernels.moe.experts import fp8_activation_scheme
 from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
 from tritonq.kernels.moe.launch import FP8_DOT_MIN_K, MoEExperts, fp8_w8a8, fused_moe, moe_gemm_launch

@@ -49,6 +49,12 @@ def gguf_word_config(tokens: int) -> MoEConfig:
     return MoEConfig(BLOCK_M=rows, BLOCK_N=64, BLOCK_K=max(128, 512 // rows), num_warps=8, num_stages=2)
 
 
+# GGUF experts forming fp32 weights at the word path's row blocks (the GEMMs share one alignment: a Q4_K_M file's Q6_K
+# down beside its Q4_K gate/up): a K tile of 128 over 4 warps (one row's 16 x 64 x 64 default spills 4 B on sm_80 under
+# Triton 3.6; Q6_K down's ALU a weight 10.9 / 12.0 on sm_80 / 90 against 12.0 / 13.7); BLOCK_M: the shared row block.
+GGUF_FEW_ROWS_CONFIG = MoEConfig(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+
+
 def default_config(tokens: int, top_k: int, num_experts: int, words: bool = False,
                    diagonal: bool = False) -> MoEConfig:
     """The default in code for this many tokens per expert; words: the experts decode from 32-bit words; diagonal:

@@ -39,7 +39,7 @@ from tritonq.kernels.common import (
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.fp8_gemm import quantize_activation_fp8
 from tritonq.kernels.gguf_gemm import gguf_moe_launch, word_dequant
-from tritonq.kernels.moe.configs import MoEConfig, _config, check_config
+from tritonq.kernels.moe.configs import GGUF_FEW_ROWS_CONFIG, MoEConfig, _config, check_config
 from tritonq.kernels.moe.experts import check_experts, check_moe_inputs, fp8_activation_scheme
 from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
 from tritonq.kernels.moe.reference import fused_moe_reference
@@ -259,8 +259,13 @@ class MoEExperts:
         configs = [explicit[w is self.down] if explicit else _fit_block_k(
             _config(tokens, top_k, E, N, K, word_path(x, w), diagonal_path(x, w, tokens)), w, quantized)
             for w, (K, N), quantized in zip(self.weights, shapes, w8a8)]
-        # All GEMMs share one alignment, so they use the smallest BLOCK_M of the configs.
+        # All GEMMs share one alignment, so they use the smallest BLOCK_M of the configs; a GGUF GEMM whose default
+        # has more rows (fp32 weights beside the decode word path) takes the few-rows tile
         block_m = min(cfg.BLOCK_M for cfg in configs)
+        if not explicit:
+            configs = [replace(GGUF_FEW_ROWS_CONFIG, BLOCK_M=block_m)
+                       if isinstance(w, GGUFWeight) and cfg.BLOCK_M > block_m else cfg
+                       for w, cfg in zip(self.weights, configs)]
         native_fp8 = has_fp8_tensor_cores(x.device)
 
         def stand_in(*shape, dtype=x.dtype):  # the dtypes of what each call binds (shapes and strides: per call)
