@@ -5,7 +5,7 @@ divisibility hints and default config as at run time), at representative shapes:
 M = 1, 16, 256 (a 4096 x 4096 layer), the GGUF block-format GEMM (Q4_K, Q5_K, Q6_K at the same M, Q4_K at 8 too: the
 largest of its decode word path; Q2_K at 1 and 256;
 Q5_0, Q3_K at 1) and its
-expert GEMM (Q4_K, Q6_K, IQ4_XS on Qwen3-30B-A3B's experts), the
+expert GEMM (Q4_K, Q6_K, IQ4_XS on Qwen3-30B-A3B's experts; one token's Q4_K word path and Q6_K down from sm_80), the
 batch-invariant mode's dense GEMM, paged prefill and split-KV decode
 attention for head dims 64, 128, 192 / 128 and MLA's latent 576 / 512 (GQA 32 / 8, MLA 16 / 1; 16- and 64-token
 pages, a sliding window), gpt-oss's attention with sinks (64 / 64 heads, 128-token window: prefill, decode split
@@ -191,6 +191,14 @@ def launches(cc: int, dtype: torch.dtype) -> dict[str, Launch]:
             ("IQ4_XS", 4, 32, False, True, moe.DEFAULT_CONFIGS[-1][1])):
         out[f"moe gguf {name} {'gate_up' if gate_up else 'down'} M{config.BLOCK_M}"] = gguf_gemm.aot_moe_launch(
             config, GGUF_MOE_PROBLEM, gate_up, bits, group, offsets, dtype, code=name == "IQ4_XS")
+    if cc >= 80:  # one token from sm_80 (16-bit): Q4_K on the decode word path, a row block per routed expert, which
+        # the Q6_K down shares (kernels/moe/launch.py's diagonal_path; its tile moe.configs.gguf_word_config)
+        config = moe.default_config(1, GGUF_MOE_PROBLEM[2], GGUF_MOE_PROBLEM[1], diagonal=True)
+        for name, bits, group, offsets, gate_up in (("Q4_K", 4, 32, True, True), ("Q4_K", 4, 32, True, False),
+                                                    ("Q6_K", 6, 16, False, False)):
+            out[f"moe gguf {name} {'gate_up' if gate_up else 'down'} M1"] = gguf_gemm.aot_moe_launch(
+                config if bits == 4 else moe.GGUF_FEW_ROWS_CONFIG,
+                (1, *GGUF_MOE_PROBLEM[1:]), gate_up, bits, group, offsets, dtype, cc=cc)
     # fp8: e4m3 x e4m3 dots from sm_89 (block-scaled and per-channel weights), the weight-only path (weights
     # decoded in the kernel) below sm_89 and for weight-only checkpoints everywhere.
     paths = [("fp8", False), ("fp8 weight-only", True)] if cc >= 89 else [("fp8 weight-only", True)]

@@ -2,8 +2,8 @@
 
 Each weight type's M = 1 launch (the launcher's own builder over meta tensors, default config; a 4096 x 4096
 layer), GGUF's Q4_K / Q5_K / Q6_K / IQ4_XS GEMM's, and the fused MoE's int4 gate/up GEMM at the decode tile the runtime
-picks for one token (the same dequantization helper; DeepSeek-V2-Lite's experts) and its MXFP4 one (gpt-oss-20b's
-experts), is compiled
+picks for one token (the same dequantization helper; DeepSeek-V2-Lite's experts), its MXFP4 one (gpt-oss-20b's
+experts) and its GGUF Q4_K one (Qwen3-30B-A3B's experts, kernels/gguf_gemm.py's expert kernel), is compiled
 ahead of time for sm_80 and sm_90 (kernels/aot.py, Triton's bundled ptxas) and its main loop (the longest backward
 branch of the SASS, Triton's bundled cuobjdump) must show:
   * no int-to-float conversion (I2F*): the codes become floats by magic numbers (common.dequantize_int_tile).
@@ -48,7 +48,8 @@ except ImportError:  # run as a script by the child itself
 N = K = 4096
 MOE_PROBLEM = (512, 64, 6, 2048, 1408, 0)  # tokens, experts, top-k, D, I, gate/up (tests/aot/test_fit.py's)
 GPT_OSS_MOE_PROBLEM = (512, 32, 4, 2880, 2880, 0)  # gpt-oss-20b's MXFP4 experts (biases, clamped SwiGLU)
-CODE_BYTES = {"moe-int4": 0.5, "moe-mxfp4": 0.5,
+GGUF_MOE_PROBLEM = (1, 128, 8, 2048, 768)  # one token over Qwen3-30B-A3B's experts (a Q4_K_M file's Q4_K gate/up)
+CODE_BYTES = {"moe-int4": 0.5, "moe-mxfp4": 0.5, "moe-gguf-q4_k": 0.5,
               "int4-awq": 0.5, "int4-gptq": 0.5, "int4-act-order": 0.5, "nf4": 0.5, "int8-gptq": 1,
               "fp8-block": 1, "w8a8": 1, "gguf-q4_k": 0.5, "gguf-q5_k": 0.625, "gguf-q6_k": 0.75, "gguf-iq4_xs": 0.5}
 GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": dict(bits=5, group=32, offsets=True),
@@ -75,6 +76,10 @@ ALU_PER_WEIGHT = {
     # 12.0 with integer decode and fp32 scaling); fp16 2.93 / 2.90 (one more lop3 per four codes; 3.9-4.1 before)
     (80, "moe-int4"): 2.6, (90, "moe-int4"): 2.6, (80, "moe-mxfp4"): 2.75, (90, "moe-mxfp4"): 2.8,
     (80, "float16", "moe-mxfp4"): 3.05, (90, "float16", "moe-mxfp4"): 3.1,
+    # GGUF Q4_K experts' gate/up at one token (gguf_gemm's decode word path over experts: a row block per routed
+    # expert, the K tile's 16 groups in the dot's 16 rows, 32 gate and their 32 up columns in one dot, scale and offset
+    # on its fp32 result): 2.20 / 2.57 (sm_80 / sm_90); 7.19 / 6.64 with each weight formed in fp32 (16-row blocks)
+    (80, "moe-gguf-q4_k"): 2.3, (90, "moe-gguf-q4_k"): 2.7,
     # GGUF block formats (kernels/gguf_gemm.py). Q4_K: the decode word path (int4_words_to_magic's PTX, a dot whose
     # 16 rows hold the K tile's 16 groups, scale and offset on its fp32 result: 2.20 / 2.56; 6.84 / 6.30 with each
     # weight formed in fp32). Q5_K, Q6_K, IQ4_XS: each weight formed in fp32 (the file's exact values), a scale and an
@@ -83,7 +88,7 @@ ALU_PER_WEIGHT = {
     (80, "gguf-q6_k"): 11.1, (90, "gguf-q6_k"): 11.2, (80, "gguf-iq4_xs"): 6.8, (90, "gguf-iq4_xs"): 6.8,
 }
 CASES = [(cc, "bfloat16", kind) for cc in (80, 90)
-         for kind in (*WEIGHT_TYPES, "moe-int4", "moe-mxfp4", *GGUF_KINDS)] + [
+         for kind in (*WEIGHT_TYPES, "moe-int4", "moe-mxfp4", "moe-gguf-q4_k", *GGUF_KINDS)] + [
     (cc, "float16", kind) for cc in (80, 90) for kind in ("int4-awq", "int8-gptq", "fp8-block", "moe-mxfp4")]
 
 
@@ -105,6 +110,10 @@ def _mix(case) -> dict:
         launch = moe.aot_launch(config, GPT_OSS_MOE_PROBLEM, "mxfp4", dtype=getattr(torch, dtype), gpt_oss=True,
                                 cc=cc)
         per_thread = 2 * weights_per_iteration(launch) / (32 * launch.num_warps)
+    elif kind == "moe-gguf-q4_k":  # gate and up columns in one dot: BLOCK_N counts both
+        config = moe.default_config(1, GGUF_MOE_PROBLEM[2], GGUF_MOE_PROBLEM[1], diagonal=True)
+        launch = gguf_gemm.aot_moe_launch(config, GGUF_MOE_PROBLEM, True, 4, 32, True, getattr(torch, dtype), cc=cc)
+        per_thread = weights_per_iteration(launch) / (32 * launch.num_warps)
     elif kind in GGUF_KINDS:
         launch = gguf_gemm.aot_launch(None, 1, N, K, dtype=getattr(torch, dtype), cc=cc, **GGUF_KINDS[kind])
         per_thread = weights_per_iteration(launch) / (32 * launch.num_warps)

@@ -96,9 +96,12 @@ def gguf_name(hf: str) -> str:
 
 def type_for(name: str, scheme: str) -> str:
     """The tensor type of GGUF tensor `name` in a file of `scheme` (F32, a block type, or "Q4_K_M": Q4_K with
-    Q6_K for attn_v / ffn_down / the output head, as llama-quantize's Q4_K_M mixes them)."""
+    Q6_K for attn_v / ffn_down / the output head, as llama-quantize's Q4_K_M mixes them; "Q4_K_M up Q6_K": with the
+    ffn_up (experts') tensors in Q6_K too, so that gate and up differ in type)."""
     if name.endswith("norm.weight") or name.endswith(".bias") or "ffn_gate_inp" in name:
         return "F32"
+    if scheme == "Q4_K_M up Q6_K":
+        return "Q6_K" if "ffn_up" in name else type_for(name, "Q4_K_M")
     if scheme == "Q4_K_M":
         return "Q6_K" if any(p in name for p in ("attn_v", "ffn_down", "output.weight")) else "Q4_K"
     return scheme

@@ -125,17 +125,26 @@ def test_llama_gguf_equals_transformers(llama, tmp_path, scheme):
 
 
 @pytest.mark.parametrize("scheme, expert_types", [("Q8_0", ("Int4Weight", "Int4Weight")),
-                                                   ("Q4_K_M", ("GGUFWeight", "GGUFWeight"))])
+                                                   ("Q4_K_M", ("GGUFWeight", "GGUFWeight")),
+                                                   ("Q4_K_M up Q6_K", ("PartsWeight", "GGUFWeight"))])
 def test_qwen3_moe_gguf_equals_transformers(qwen3_moe, tmp_path, scheme, expert_types):
-    """The experts keep their block formats (Q4_K_M: Q4_K gate/up, Q6_K down as GGUFWeight) through fused_moe."""
+    """The experts keep their block formats through fused_moe (Q4_K_M: Q4_K gate/up, Q6_K down as GGUFWeight); a
+    Q4_K gate beside a Q6_K up stays so too (a PartsWeight of the two stacked GGUFWeights, no dense copy): its
+    experts hold the formats' resident bytes, 0.75 + 1.0 a gate + up weight pair where dense fp32 held 8."""
     from tritonq.formats.layers import RoutedExperts
-    ours = check_against_transformers(qwen3_moe, tmp_path / f"qwen3moe-{scheme}.gguf", scheme)
+    ours = check_against_transformers(qwen3_moe, tmp_path / f"qwen3moe-{scheme.replace(' ', '-')}.gguf", scheme)
     experts = [m for m in ours.model.modules() if isinstance(m, RoutedExperts)]
     assert len(experts) == 2
     for m in experts:
         assert (type(m.gate_up).__name__, type(m.down).__name__) == expert_types
         if scheme == "Q4_K_M":
             assert (m.gate_up.type_name, m.down.type_name) == ("Q4_K", "Q6_K")
+        if scheme == "Q4_K_M up Q6_K":
+            assert [p.type_name for p in m.gate_up.parts] == ["Q4_K", "Q6_K"]
+            config = qwen3_moe.config
+            gate_weights = config.num_experts * config.moe_intermediate_size * config.hidden_size
+            held = sum(t.numel() * t.element_size() for t in m.gate_up.tensors().values())
+            assert held == gate_weights * (RESIDENT_BYTES["Q4_K"] + RESIDENT_BYTES["Q6_K"])
 
 
 def test_test_quantizers_round_trip_through_gguf_dequantizer():

@@ -105,18 +105,22 @@ def test_bad_weights_and_activations_are_refused():
             GGUFGemm(w)(torch.zeros(2, 128))
 
 
-MOE_SHAPES = {"Q4_K": (256, 256), "Q5_K": (256, 256), "Q6_K": (256, 256), "Q5_0": (96, 160), "IQ4_NL": (96, 160)}
+MOE_SHAPES = {"Q4_K": (256, 256), "Q5_K": (256, 256), "Q6_K": (256, 256), "Q5_0": (96, 160), "IQ4_NL": (96, 160),
+              "Q4_1": (96, 160)}
 MOE_E, MOE_TOP_K = 5, 2  # 5 experts: a count off every tile
 
 
 @pytest.mark.parametrize("type_name, dtype, tokens", [
     ("Q4_K", torch.float32, (1, 3, 17, 64)), ("Q6_K", torch.float32, (3, 17)), ("Q5_K", torch.bfloat16, (17,)),
-    ("Q5_0", torch.float32, (1, 17)), ("IQ4_NL", torch.float16, (3,))])
+    ("Q5_0", torch.float32, (1, 17)), ("IQ4_NL", torch.float16, (3,)), ("Q4_K", torch.float16, (1, 3, 8, 17)),
+    ("Q4_1", torch.float16, (1, 5))])
 def test_gguf_experts_through_fused_moe_match_float32_reference(type_name, dtype, tokens, device):
     """Stacked GGUF experts run fused_moe's GGUF expert kernel (gguf_gemm._gguf_moe_kernel over kernels/moe's
     token alignment) and equal the routed experts on the gguf package's values: 5 experts, top-2, tokens 1 .. 64,
-    D and I off the 64-wide tiles where the block allows (32-blocks). Tolerance: tolerances.py's moe entry, relative
-    to max |reference| (both GEMMs exact fp32 dots; fp16 / bf16: the weight and the hidden rounded once each)."""
+    D and I off the 64-wide tiles where the block allows (32-blocks); Q4_K / Q4_1 in fp16 up to 8 tokens take the
+    decode word path (K tiles of 128 / 256 / 512 over 1, 4, 8 rows; ragged K tiles at D 96, I 160). Tolerance:
+    tolerances.py's moe entry, relative to max |reference| (both GEMMs exact fp32 dots; fp16 / bf16: the weight
+    and the hidden rounded once each; the word path rounds no weight, its affine on the dot's fp32 result)."""
     from tritonq.kernels.moe import MoEExperts, grouped_topk
     D, inter = MOE_SHAPES[type_name]
     gate_up, down, gate_up_ref, down_ref = random_experts(type_name, MOE_E, D, inter)
@@ -124,7 +128,8 @@ def test_gguf_experts_through_fused_moe_match_float32_reference(type_name, dtype
     tol = tolerances.table("moe")[dtype]
     for T in tokens:
         gen = torch.Generator().manual_seed(T)
-        x = torch.randn(T, D, generator=gen, device="cpu").to(dtype)
+        # fp16: x / 16, so that y (quadratic in x; the random K-quant weights reach ~60) stays inside fp16's range
+        x = (torch.randn(T, D, generator=gen, device="cpu") / (16 if dtype == torch.float16 else 1)).to(dtype)
         topk_weights, topk_ids = grouped_topk(torch.randn(T, MOE_E, generator=gen, device="cpu"), top_k=MOE_TOP_K,
                                               renormalize=True)
         ref = routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
@@ -134,12 +139,61 @@ def test_gguf_experts_through_fused_moe_match_float32_reference(type_name, dtype
 
 
 
+@pytest.mark.parametrize("dtype, tokens", [(torch.float32, (3, 17)), (torch.float16, (1, 3))])
+def test_gguf_experts_whose_gate_and_up_differ_in_type_match_float32_reference(dtype, tokens, device):
+    """Q4_K gate and Q6_K up experts, kept as they are (a PartsWeight of the two stacked GGUFWeights: one expert GEMM
+    each into [gate | up], then SiLU-and-mul), with Q4_K down, equal the routed experts on the gguf package's values;
+    fp16 at 1 and 3 tokens runs the Q4_K GEMMs' decode word path beside the Q6_K's fp32 weights. Tolerance as above
+    (the hidden's halves rounded to x's dtype once more, before the activation, as transformers' experts do)."""
+    from tritonq.kernels.moe import MoEExperts, grouped_topk
+    from tritonq.quant.weights import PartsWeight, stack_experts
+    D, inter = MOE_SHAPES["Q4_K"]
+
+    def experts(type_name, N, K, seed):
+        with torch.device("cpu"):
+            weights = [random_weight(type_name, N, K, seed=seed + e) for e in range(MOE_E)]
+        return stack_experts([w for w, _ in weights]), [W for _, W in weights]
+    (gate, gate_ref), (up, up_ref) = experts("Q4_K", inter, D, 10), experts("Q6_K", inter, D, 20)
+    down, down_ref = experts("Q4_K", D, inter, 30)
+    gate_up_ref = [torch.cat([g, u]) for g, u in zip(gate_ref, up_ref)]
+    layer = MoEExperts(PartsWeight((gate.to(device), up.to(device))), down.to(device))
+    tol = tolerances.table("moe")[dtype]
+    for T in tokens:
+        gen = torch.Generator().manual_seed(T)
+        x = (torch.randn(T, D, generator=gen, device="cpu") / (16 if dtype == torch.float16 else 1)).to(dtype)
+        topk_weights, topk_ids = grouped_topk(torch.randn(T, MOE_E, generator=gen, device="cpu"), top_k=MOE_TOP_K,
+                                              renormalize=True)
+        ref = routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
+        y = layer(x.to(device), topk_weights.to(device), topk_ids.to(device))
+        assert y.dtype == dtype and y.shape == (T, D)
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_gguf_experts_decode_word_path_is_the_one_tested(device):
+    """The reference test above runs the experts' decode word path where the runtime takes it (kernels/moe's
+    `diagonal_path`): Q4_K up to 8 tokens in fp16 (and bf16 on a GPU), one row block per routed expert at one token;
+    not fp32, not above 8 tokens; Q6_K experts keep the fp32 weights (at the shared row block)."""
+    from tritonq.kernels.common import half_bit_tricks
+    from tritonq.kernels.moe import MoEExperts
+    gate_up, down, _, _ = random_experts("Q4_K", 2, 256, 256)
+    q6k_down = random_experts("Q6_K", 2, 256, 256)[1]
+    layers = MoEExperts(gate_up.to(device), down.to(device)), MoEExperts(gate_up.to(device), q6k_down.to(device))
+
+    def words(T, dtype, layer=layers[0]):
+        plan = layer._plan_for(torch.zeros(T, 256, dtype=dtype, device=device), T, 2, None, None)
+        return plan.block_m, [launch.args["WORD_DEQUANT"] for launch, _, _ in plan.gemms]
+    assert words(1, torch.float16) == (1, [True, True]) and words(8, torch.float16) == (8, [True, True])
+    assert words(16, torch.float16)[1] == [False, False] and words(1, torch.float32)[1] == [False, False]
+    assert words(1, torch.bfloat16)[1] == [half_bit_tricks(torch.zeros(1, dtype=torch.bfloat16, device=device))] * 2
+    assert words(1, torch.float16, layers[1]) == (1, [True, False])
+
+
 def test_bad_gguf_experts_are_refused():
     """Experts of different block types cannot share the expert kernel; a 2-D weight is no stacked one; GGUF experts
-    take no clamped SwiGLU (gpt-oss's)."""
+    take no clamped SwiGLU (gpt-oss's); a gate_up of typed parts is a gate and an up of I rows each."""
     from tritonq.kernels.common import ClampedSwiGLU
     from tritonq.kernels.moe import MoEExperts
-    from tritonq.quant.weights import stack_experts
+    from tritonq.quant.weights import PartsWeight, stack_experts
     with torch.device("cpu"):
         q4k, _ = random_weight("Q4_K", 32, 256)
         q6k, _ = random_weight("Q6_K", 32, 256)
@@ -153,3 +207,9 @@ def test_bad_gguf_experts_are_refused():
         with pytest.raises(ValueError, match=r"gguf_gemm: \(bias, activation\) is .* expected no bias and "
                                              r"SiLU-and-mul"):
             layer(torch.zeros(1, 256), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32))
+        q6k_96, _ = random_weight("Q6_K", 96, 256)
+        q41, _ = random_weight("Q4_1", 256, 64)
+        uneven = PartsWeight((stack_experts([q4k, q4k]), stack_experts([q6k_96, q6k_96])))  # 32 + 96 rows: I = 64
+        with pytest.raises(ValueError, match=r"fused_moe: gate_up of typed parts must be a gate and an up part of "
+                                             r"I=64 rows each run by SiLU-and-mul, got parts of \[32, 96\] rows"):
+            MoEExperts(uneven, stack_experts([q41, q41]))

@@ -9,9 +9,9 @@ one tensor per expert) with their logical [N, K] shapes, as float tensors: readi
 converter interleaves them for llama.cpp's rope). `GGUFLoader` repacks Q4_0 and Q8_0 (d * (q - 8), d * x per
 32 weights: the symmetric form of the int layout) into Int4Weight and Q4_1 / Q5_0 / Q5_1 / Q2_K / Q3_K / Q4_K /
 Q5_K / Q6_K / IQ4_NL / IQ4_XS into GGUFWeight (codes with exact fp32 scales and offsets or a 16-level table, `PLANAR`; MoE experts
-too, stacked for the fused MoE); a fused group of mixed types into a PartsWeight of its typed runs; the rest is
-dequantized once to the compute dtype at load (docs/gguf.md: which, and the memory cost). Every
-tensor's type, size and place in its file is checked when the files are opened, before any weight is read.
+too, stacked for the fused MoE); a fused group of mixed types (experts' gate / up too) into a PartsWeight of its
+typed runs; the rest is dequantized once to the compute dtype at load (docs/gguf.md: which, and the memory cost).
+Every tensor's type, size and place in its file is checked when the files are opened, before any weight is read.
 """
 from __future__ import annotations
 
@@ -524,7 +524,8 @@ class GGUFLoader(WeightsLoader):
     """Typed weights of a GGUF checkpoint: Q4_0 and Q8_0 linears and experts repacked to Int4Weight (4 / 8 bits,
     group 32, scale d, symmetric zero 8 / 128: the same values); the PLANAR types' to GGUFWeight (their codes and
     exact fp32 scales / offsets, run by kernels/gguf_gemm.py); fused groups (q/k/v, gate/up) whose parts differ in
-    type as a PartsWeight (get_fused_linear); every other tensor dequantized to the compute dtype (`GGUFWeights`)."""
+    type as a PartsWeight (get_fused_linear; experts' gate / up too); every other tensor dequantized to the compute dtype
+    (`GGUFWeights`)."""
     marker = "weight"
     REPACKED = {"Q4_0": 4, "Q8_0": 8}  # block type -> Int4Weight bits
 
@@ -534,11 +535,10 @@ class GGUFLoader(WeightsLoader):
             raise ValueError(f"quantize={quantize!r} needs a dense checkpoint, but {weights.folder} is a GGUF file "
                              "(already quantized); load it without quantize")
         super().__init__(weights, config, dtype, device, rank=rank, world=world)
-        self._read_dense = False  # set while a fused group of mixed types is read (get_fused_linear)
 
     def is_quantized(self, prefix: str) -> bool:
         name = f"{prefix}.weight"
-        if self._read_dense or always_dense(prefix) or not self.weights.has_tensor(name) or len(
+        if always_dense(prefix) or not self.weights.has_tensor(name) or len(
                 self.weights.get_shape(name)) != 2:
             return False
         type_name = self.weights.type_name(name)
@@ -547,18 +547,12 @@ class GGUFLoader(WeightsLoader):
     def get_fused_linear(self, prefixes: list[str], bias: bool = False, parallel: str | None = None,
                          parts: list | None = None, shapes: list | None = None, segments: list | None = None) -> Weight:
         """As WeightsLoader's where the parts share a block type. Parts of different types (Q4_K_M's Q4_K q / k
-        with a Q6_K v) cannot share one kernel: each run of equal types is fused, and the runs kept side by side
-        in a PartsWeight (one GEMM each, every part in its own format); experts' gate / up (stacked for one fused
-        MoE kernel) are read dense instead."""
+        with a Q6_K v; an expert's gate and up) cannot share one kernel: each run of equal types is fused, and the
+        runs kept side by side in a PartsWeight (one GEMM each, every part in its own format; experts: stacked, one
+        expert GEMM each, kernels/moe)."""
         kinds = [self.weights.type_name(f"{p}.weight") if self.is_quantized(p) else None for p in prefixes]
         if len(set(kinds)) == 1:
             return super().get_fused_linear(prefixes, bias, parallel, parts, shapes, segments)
-        if ".experts." in prefixes[0]:
-            self._read_dense = True
-            try:
-                return super().get_fused_linear(prefixes, bias, parallel, parts, shapes, segments)
-            finally:
-                self._read_dense = False
         n = len(prefixes)
         parts, shapes, segments = parts or [None] * n, shapes or [None] * n, segments or [1] * n
         runs, start = [], 0

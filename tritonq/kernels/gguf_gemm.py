@@ -24,8 +24,8 @@ Planes are K-packed and N-contiguous like Int4Weight's, so every weight load is 
 vectors).
 
 MoE experts: `_gguf_moe_kernel`, fused_moe's expert GEMM over stacked GGUFWeight experts (kernels/moe's token
-alignment and plan, its launcher dispatching here by the weight's type: `gguf_moe_launch`), each tile
-dequantized by the same `_weight_tile`.
+alignment and plan, its launcher dispatching here by the weight's type: `gguf_moe_launch`), each tile through the
+same `_weight_tile`, or `_diagonal_dot` for Q4_K / Q4_1 at decode (row blocks of up to WORD_MAX_M rows).
 
 Paths by M as int4_gemm's: M <= 16 (decode) split-K reduced in the launch
 (`common.reduce_split_k`), else a tiled GEMM. `GGUFGemm` resolves config, grid and arguments once per M
@@ -381,13 +381,20 @@ def _gguf_moe_kernel(a_ptr, out_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, co
                      BITS: tl.constexpr, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                      HAS_CODE: tl.constexpr, GATE_UP: tl.constexpr, UPCAST_DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, sum_ptr=None,
-                     topk_ids_ptr=None, arrivals_ptr=None, top_k=1, SUM_SLOTS: tl.constexpr = False):
+                     topk_ids_ptr=None, arrivals_ptr=None, top_k=1, SUM_SLOTS: tl.constexpr = False,
+                     WORD_DEQUANT: tl.constexpr = False, EVEN_K: tl.constexpr = False, PART: tl.constexpr = False):
     """One program: BLOCK_M rows of the expert-sorted (token, slot) pairs (one expert: kernels/moe/routing.py's
-    alignment) x BLOCK_N output columns, the expert's GGUF planes dequantized by `_weight_tile`. As
-    kernels/moe/jit.py's expert GEMM: GATE_UP out[:, n] = silu(A @ W[n]) * (A @ W[n + up_offset]) with A the
-    tokens; else out = routing weight * (A @ W^T) with A the (token, slot) rows, and with SUM_SLOTS sum [T, N] =
-    each token's rows added over its slots (`common.sum_expert_slots`, as there). W_N: the planes' row length.
+    alignment) x OUT_N output columns of the expert's GGUF planes. As kernels/moe/jit.py's expert GEMM: GATE_UP
+    out[:, n] = silu(A @ W[n]) * (A @ W[n + up_offset]) with A the tokens; PART (the gate or the up of experts whose
+    gate and up differ in type) out = A @ W^T, A the tokens; else out = routing weight * (A @ W^T) with A the
+    (token, slot) rows, and with SUM_SLOTS sum [T, N] = each token's rows added over its slots
+    (`common.sum_expert_slots`, as there). W_N: the planes' row length.
+    The weights: the fp32 tiles of `_weight_tile` (OUT_N = BLOCK_N; gate/up: one tile each), or the decode word
+    path (WORD_DEQUANT, `_diagonal_dot`, as _gguf_gemm_kernel's): the dot's rows hold the K tile's BLOCK_K / GROUP
+    groups of the BLOCK_M rows, and its BLOCK_N columns are the output's, or with GATE_UP the BLOCK_N / 2 gate
+    columns and their up columns (OUT_N = BLOCK_N / 2: one dot, one x tile for both). EVEN_K: no tile past K.
     a_scale_ptr, stride_asm, stride_asg: unused (no W8A8 here); fused_moe's plan binds them to every expert GEMM."""
+    OUT_N: tl.constexpr = BLOCK_N // 2 if WORD_DEQUANT and GATE_UP else BLOCK_N
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     post_padded = tl.load(num_tokens_post_padded_ptr)
@@ -401,29 +408,51 @@ def _gguf_moe_kernel(a_ptr, out_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, co
     rows = tl.load(sorted_ids_ptr + offs_m)
     row_ok = (rows < num_valid) & (offs_m < post_padded)  # padding slots hold the sentinel num_valid
     a_rows = (rows // a_row_divisor).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * OUT_N + tl.arange(0, OUT_N)
     mask_n = offs_n < N
     lo_ptr += expert * stride_le
     hi_ptr += expert * stride_he
     scales_ptr += expert * stride_se
     offsets_ptr += expert * stride_se
     code_ptr += expert * 16
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
-                    mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        w = _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n, mask_n, W_N, K,
-                         BITS, ZERO, GROUP, HAS_OFFSETS, HAS_CODE, BLOCK_K)
-        acc = _dot(a, w, acc, UPCAST_DOT)
+    if WORD_DEQUANT:
+        GROUPS: tl.constexpr = BLOCK_K // GROUP
+        # dot row j * BLOCK_M + m: sorted row m over group j of the K tile
+        r = tl.arange(0, GROUPS * BLOCK_M) % BLOCK_M
+        dot_ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + r)
+        dot_ok = (dot_ids < num_valid) & (pid_m * BLOCK_M + r < post_padded)
+        dot_rows = (dot_ids // a_row_divisor).to(tl.int64)
+        diag = dot_ok[:, None] & ((tl.arange(0, BLOCK_K) // GROUP)[None, :]
+                                  == (tl.arange(0, GROUPS * BLOCK_M) // BLOCK_M)[:, None])
+        # the dot's columns: the output's, then (GATE_UP) the same columns of the up rows
+        c = tl.arange(0, BLOCK_N)
+        cols = pid_n * OUT_N + c % OUT_N
+        word_n = cols + c // OUT_N * up_offset
+        acc_dot = tl.zeros((GROUPS * BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc_dot = _diagonal_dot(acc_dot, a_ptr, a_rows, row_ok, dot_rows, diag, stride_am, 1, lo_ptr, scales_ptr,
+                                    offsets_ptr, k0, word_n, cols < N, W_N, K, ZERO, GROUP, HAS_OFFSETS, EVEN_K,
+                                    BLOCK_M, BLOCK_K)
+        acc = tl.sum(tl.reshape(acc_dot, (GROUPS, BLOCK_M, BLOCK_N)), axis=0)
         if GATE_UP:
-            w_up = _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n + up_offset, mask_n,
-                                W_N, K, BITS, ZERO, GROUP, HAS_OFFSETS, HAS_CODE, BLOCK_K)
-            acc_up = _dot(a, w_up, acc_up, UPCAST_DOT)
+            acc, acc_up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, OUT_N)), (0, 2, 1)))
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+                        mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            w = _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n, mask_n, W_N, K,
+                             BITS, ZERO, GROUP, HAS_OFFSETS, HAS_CODE, BLOCK_K)
+            acc = _dot(a, w, acc, UPCAST_DOT)
+            if GATE_UP:
+                w_up = _weight_tile(lo_ptr, hi_ptr, scales_ptr, offsets_ptr, code_ptr, k0, offs_n + up_offset,
+                                    mask_n, W_N, K, BITS, ZERO, GROUP, HAS_OFFSETS, HAS_CODE, BLOCK_K)
+                acc_up = _dot(a, w_up, acc_up, UPCAST_DOT)
     if GATE_UP:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
-    else:
+    elif not PART:
         acc = acc * tl.load(routing_weight_ptr + rows, mask=row_ok, other=0.0)[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_n[None, :])
@@ -434,31 +463,40 @@ def _gguf_moe_kernel(a_ptr, out_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, co
 
 def gguf_moe_launch(a: torch.Tensor, out: torch.Tensor, w: GGUFWeight, routing: torch.Tensor, alignment: tuple,
                     top_k: int, config, block_m: int, gate_up: bool, activation=None,
-                    slot_sum: tuple | None = None) -> Launch:
+                    slot_sum: tuple | None = None, cc: int | None = None, part: bool = False) -> Launch:
     """The launch of _gguf_moe_kernel for one of fused_moe's two GEMMs over stacked GGUF experts w (checked by
     `GGUFWeight.stacked_shape`): gate_up a = x [T, D], w [E, 2I, D] (gate rows, then up), out = hidden [T*k, I];
     else a = hidden [T*k, I], w [E, D, I], out [T*k, D]. alignment, config (a kernels.moe MoEConfig), block_m and
-    slot_sum (down: the sum over each token's slots) as kernels/moe's `moe_gemm_launch`; BLOCK_K is taken to at
-    least 32 (a word of Q5's fifth bits), and to 32 for IQ4 (CODE_BLOCK_K). SiLU-and-mul only: GGUF experts
+    slot_sum (down: the sum over each token's slots) and part (one of a gate and an up of different types: a = x, no
+    activation or routing weight) as kernels/moe's `moe_gemm_launch`. Up to WORD_MAX_M rows
+    a block (block_m) of Q4_K / Q4_1 experts take the decode word path (`word_dequant`'s rule; cc as there) over
+    config's BLOCK_K (taken down to K rounded up to a power of two, not below the group); else BLOCK_K is taken to
+    at least 32 (a word of Q5's fifth bits), and to 32 for IQ4 (CODE_BLOCK_K). SiLU-and-mul only: GGUF experts
     (qwen3moe) have no biases and no other activation."""
     if w.bias is not None or activation is not None:
         _fail("(bias, activation)", (w.bias is not None, activation), "no bias and SiLU-and-mul (None)",
               "GGUF experts run Qwen3-MoE's plain SwiGLU experts")
     sorted_ids, expert_ids, post_padded = alignment
     (N, K), W_N = (out.shape[1], a.shape[1]), w.shape[0]
-    block_k = max(32, min(config.BLOCK_K, next_pow2(K), CODE_BLOCK_K if w.code is not None else config.BLOCK_K))
+    word = word_dequant(a, w, block_m, cc)
+    if word:
+        block_k = max(w.group_size, min(config.BLOCK_K, next_pow2(K)))
+    else:
+        block_k = max(32, min(config.BLOCK_K, next_pow2(K), CODE_BLOCK_K if w.code is not None else config.BLOCK_K))
+    out_n = config.BLOCK_N // 2 if word and gate_up else config.BLOCK_N  # the kernel's OUT_N
     args = dict(a_ptr=a, out_ptr=out, lo_ptr=w.lo, hi_ptr=w.hi if w.hi is not None else w.lo, scales_ptr=w.scales,
                 offsets_ptr=w.offsets if w.offsets is not None else w.scales,
                 code_ptr=w.code if w.code is not None else w.scales, routing_weight_ptr=routing,
                 sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids, num_tokens_post_padded_ptr=post_padded,
                 num_valid=routing.numel(), N=N, K=K, W_N=W_N, up_offset=N if gate_up else 0,
-                a_row_divisor=top_k if gate_up else 1, stride_am=a.stride(0), stride_om=out.stride(0),
-                a_scale_ptr=routing, stride_asm=0, stride_asg=0, stride_le=w.lo.stride(0), stride_he=w.hi.stride(0) if w.hi is not None else 0,
+                a_row_divisor=top_k if gate_up or part else 1, stride_am=a.stride(0), stride_om=out.stride(0),
+                a_scale_ptr=routing, stride_asm=0, stride_asg=0, stride_le=w.lo.stride(0),
+                stride_he=w.hi.stride(0) if w.hi is not None else 0,
                 stride_se=w.scales.stride(0), BITS=w.bits, ZERO=w.zero, GROUP=w.group_size,
                 HAS_OFFSETS=w.offsets is not None, HAS_CODE=w.code is not None, GATE_UP=gate_up,
                 UPCAST_DOT=upcast_dot(a), BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k,
-                **slot_sum_args(slot_sum, top_k))
-    grid = (expert_ids.numel(), triton.cdiv(N, config.BLOCK_N))
+                WORD_DEQUANT=word, EVEN_K=K % block_k == 0, PART=part, **slot_sum_args(slot_sum, top_k))
+    grid = (expert_ids.numel(), triton.cdiv(N, out_n))
     return Launch(_gguf_moe_kernel, grid, args, config.num_warps, config.num_stages)
 
 
@@ -495,9 +533,11 @@ def aot_launch(config: GGUFGemmConfig | None, M: int, N: int, K: int, bits: int,
 
 
 def aot_moe_launch(config, problem: tuple[int, int, int, int, int], gate_up: bool, bits: int, group: int,
-                   offsets: bool, dtype: torch.dtype = torch.bfloat16, code: bool = False) -> Launch:
+                   offsets: bool, dtype: torch.dtype = torch.bfloat16, code: bool = False,
+                   cc: int | None = None) -> Launch:
     """`gguf_moe_launch` over meta tensors for one GEMM of fused_moe over stacked GGUF experts (format as
-    `aot_launch`'s); problem (tokens, experts, top-k, D, I), config a kernels.moe MoEConfig."""
+    `aot_launch`'s) for sm_`cc` (None: sm_80+); problem (tokens, experts, top-k, D, I), config a kernels.moe MoEConfig
+    (its BLOCK_M the row block)."""
     T, E, top_k, D, inter = problem
     N, K, w_rows = (inter, D, 2 * inter) if gate_up else (D, inter, D)
     meta = torch.device("meta")
@@ -512,4 +552,4 @@ def aot_moe_launch(config, problem: tuple[int, int, int, int, int], gate_up: boo
     return gguf_moe_launch(a, torch.empty(numel, N, dtype=dtype, device=meta),
                            _meta_weight(w_rows, K, bits, group, offsets, code, E),
                            torch.empty(numel, dtype=torch.float32, device=meta), alignment, top_k, config,
-                           config.BLOCK_M, gate_up, slot_sum=slot_sum)
+                           config.BLOCK_M, gate_up, slot_sum=slot_sum, cc=cc)

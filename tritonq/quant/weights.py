@@ -548,7 +548,8 @@ class GGUFWeight(_TypedWeight):
 class PartsWeight(_TypedWeight):
     """A fused linear (q/k/v, gate/up) whose parts keep different types: GGUF's Q4_K_M mixes a Q6_K attn_v with
     Q4_K q / k in some layers, which no one kernel runs. parts: 2-D typed weights [N_i, K] (each with its own bias,
-    if any), each run by its own GEMM; W [sum N_i, K] is their concatenation along N. Linears only (no experts)."""
+    if any), each run by its own GEMM; W [sum N_i, K] is their concatenation along N. Stacked (MoE experts whose
+    gate and up differ in type): each part stacked [E, N_i, K], run by its own expert GEMM (kernels/moe)."""
     parts: tuple
     bias: None = None
 
@@ -573,9 +574,15 @@ class PartsWeight(_TypedWeight):
     def scales_constant_over(self, block_k: int) -> bool:
         return False
 
+    def expert(self, e: int) -> PartsWeight:
+        return replace(self, parts=tuple(p.expert(e) for p in self.parts))
+
     def stacked_shape(self, what: str) -> tuple[int, int, int]:
-        raise ValueError(f"{what}: a fused weight of parts of different types is not stacked for the fused MoE; "
-                         "its loader reads such experts dense")
+        """(E, sum N_i, K) of stacked parts (each checked as its type checks itself)."""
+        shapes = [p.stacked_shape(f"{what} part {i}") for i, p in enumerate(self.parts)]
+        if len({(E, K) for E, _, K in shapes}) != 1:
+            raise ValueError(f"{what}: its parts are stacked as {[list(s) for s in shapes]}, expected one E and K")
+        return shapes[0][0], sum(N for _, N, _ in shapes), shapes[0][2]
 
     @classmethod
     def _concat_outputs(cls, parts: list[PartsWeight], bias: torch.Tensor | None) -> PartsWeight:
@@ -583,7 +590,10 @@ class PartsWeight(_TypedWeight):
 
     @classmethod
     def _stack_experts(cls, parts: list[PartsWeight]) -> PartsWeight:
-        raise ValueError("a fused weight of parts of different types is not stacked for the fused MoE")
+        kinds = sorted({tuple(type(q).__name__ for q in p.parts) for p in parts})
+        if len(kinds) != 1:
+            raise ValueError(f"experts of one MoE layer must split into the same typed parts; found {kinds}")
+        return cls(tuple(stack_experts([p.parts[i] for p in parts]) for i in range(len(parts[0].parts))))
 
 
 Weight = DenseWeight | Int4Weight | FP8Weight | MXFP4Weight | W8A8Weight | GGUFWeight | PartsWeight

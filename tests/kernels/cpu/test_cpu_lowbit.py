@@ -30,7 +30,7 @@ from tritonq.kernels.moe import fused_moe, fused_moe_reference
 from tritonq.formats.layers import Linear
 from tritonq.quant.packing import unpack_int32
 from tritonq.quant.rtn import quantize_fp8, quantize_int4
-from tritonq.quant.weights import FP8Weight, GGUFWeight, Int4Weight, stack_experts
+from tritonq.quant.weights import FP8Weight, GGUFWeight, Int4Weight, PartsWeight, stack_experts
 
 MS = [1, 3, 17, 64, 130]
 N = 72  # not a multiple of 64: the packed weight gets padded columns
@@ -330,19 +330,21 @@ def stacked(kind: str, n: int, k: int):
         return stack_experts([quantize_int4(torch.randn(n, k), group_size=32, bits=8) for _ in range(E)])
     if kind == "fp8_block":
         return stack_experts([quantize_fp8(torch.randn(n, k), "block", block_size=(32, 32)) for _ in range(E)])
+    if kind == "parts":  # a gate and an up of different types (GGUF's can differ): each runs as it is
+        return PartsWeight((stacked("int8", n // 2, k), stacked("fp8_channel", n // 2, k)))
     return stack_experts([quantize_fp8(torch.randn(n, k), "channel") for _ in range(E)])
 
 
 @pytest.mark.parametrize("T", [1, 3, 17])
-@pytest.mark.parametrize("kind", ["int4_asym", "int4_act_order", "int8", "fp8_block", "fp8_channel"])
+@pytest.mark.parametrize("kind", ["int4_asym", "int4_act_order", "int8", "fp8_block", "fp8_channel", "parts"])
 def test_moe_experts_match_reference(kind, T):
-    gate_up, down = stacked(kind, 2 * INTER, D), stacked(kind, D, INTER)
+    gate_up, down = stacked(kind, 2 * INTER, D), stacked("int8" if kind == "parts" else kind, D, INTER)
     x = torch.randn(T, D)
     topk_weights = torch.rand(T, 2)
     topk_ids = torch.stack([torch.randperm(E)[:2] for _ in range(T)]).to(torch.int32)
     y, ref = fused_moe(x, gate_up, down, topk_weights, topk_ids), fused_moe_reference(x, gate_up, down,
                                                                                      topk_weights, topk_ids)
-    assert len(cpu_lowbit.prepare_experts(gate_up)) == E
+    assert len(cpu_lowbit.prepare_experts(down)) == E
     if kind.startswith("int4"):
         assert isinstance(cpu_lowbit.prepare_experts(down)[0], cpu_lowbit.CPUInt4Weight)
         assert ((y - ref).norm() / ref.norm()).item() < 2**-6

@@ -36,7 +36,7 @@ from tritonq.kernels import batch_invariant
 from tritonq.kernels.cpu import dense as cpu_dense, native as cpu_native
 from tritonq.kernels.common import ClampedSwiGLU
 from tritonq.quant.packing import unpack_int32
-from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, MXFP4Weight, Weight
+from tritonq.quant.weights import DenseWeight, GGUFWeight, Int4Weight, MXFP4Weight, PartsWeight, Weight
 
 log = logging.getLogger(__name__)
 
@@ -230,13 +230,15 @@ def fused_moe(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torc
     """kernels.moe.fused_moe on CPU: each routed expert runs its MLP on its tokens through `linear`.
 
     x [T, D]; gate_up / down stacked typed weights [E, 2I, D] / [E, D, I] (stacked biases [E, N] are added
-    by `linear`); topk_* [T, k] -> [T, D] in x.dtype. activation None: SiLU-and-mul.
+    by `linear`; gate_up a PartsWeight: its gate and up, each its own type); topk_* [T, k] -> [T, D] in x.dtype.
+    activation None: SiLU-and-mul.
     """
-    gate_up_e, down_e = prepare_experts(gate_up), prepare_experts(down)
+    parts = [prepare_experts(p) for p in (gate_up.parts if isinstance(gate_up, PartsWeight) else (gate_up,))]
+    down_e = prepare_experts(down)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():  # -1: another rank's expert (kernels.moe)
         token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        gate, up = linear(x[token], gate_up_e[e], compiled=False).float().chunk(2, dim=1)
+        gate, up = torch.cat([linear(x[token], p[e], compiled=False) for p in parts], dim=1).float().chunk(2, dim=1)
         hidden = F.silu(gate) * up if activation is None else activation.apply(gate, up)
         y = linear(hidden.to(x.dtype), down_e[e], compiled=False).float()
         out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])

@@ -13,7 +13,9 @@ Weights are stacked typed weights (tritonq/quant/weights.py, with a leading expe
   [E, N, 1] (per channel) or [E, ceil(N/bn), ceil(K/bk)] (block_size (bn, bk));
   MXFP4Weight blocks [E, N, K/32, 16] uint8 (two e2m1 codes a byte), scales [E, N, K/32] E8M0 (decoded
   in the kernel's tile load, `jit.py`); GGUFWeight planes [E, ...] (GGUF K-quants / IQ4: their own expert
-  GEMM in kernels/gguf_gemm.py, launched through the same plan).
+  GEMM in kernels/gguf_gemm.py, launched through the same plan; Q4_K / Q4_1 up to 8 tokens on its decode word path,
+  row blocks of the token count: `configs.gguf_word_config`). A gate_up PartsWeight (a gate and an up of different
+  types, as some GGUF files hold them) runs one GEMM per part into [gate | up], then SiLU-and-mul.
 A model's MoE layer builds a `MoEExperts(gate_up, down, activation)` once (the weights checked then, each T
 bucket's launches resolved on its first call), routes with its `route(x, router_logits, top_k, ...)` (routing and
 the token alignment for the layer's plan: one launch on the Triton backend, `route_tokens`) and calls it with
@@ -40,8 +42,8 @@ and the W8A8 activation scheme, shared by launcher and reference), `launch.py` (
 launch), `reference.py` (torch reference), `tune.py` (tuning declarations, meta experts, AOT launch). This
 module re-exports their names.
 """
-from tritonq.kernels.moe.configs import (DEFAULT_CONFIGS, WORD_DECODE_CONFIG, MoEConfig, _config, check_config, config_bucket,
-                                        default_config)
+from tritonq.kernels.moe.configs import (DEFAULT_CONFIGS, GGUF_FEW_ROWS_CONFIG, WORD_DECODE_CONFIG, MoEConfig, _config,
+                                        check_config, config_bucket, default_config)
 from tritonq.kernels.moe.experts import fp8_activation_scheme
 from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
 from tritonq.kernels.moe.launch import FP8_DOT_MIN_K, MoEExperts, fp8_w8a8, fused_moe, moe_gemm_launch

@@ -243,12 +243,13 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
                      ONE_W_SCALE: tl.constexpr = False, WORD_DEQUANT: tl.constexpr = False,
                      MASK_K: tl.constexpr = True, MASK_N: tl.constexpr = True, SCALE_AFTER_DOT: tl.constexpr = False,
                      MXFP4_STEPS: tl.constexpr = 2, sum_ptr=None, topk_ids_ptr=None, arrivals_ptr=None, top_k=1,
-                     SUM_SLOTS: tl.constexpr = False):
+                     SUM_SLOTS: tl.constexpr = False, PART: tl.constexpr = False):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
 
     A row of sorted row r is sorted_ids[r] // a_row_divisor (the token for gate/up, the
     (token, slot) row itself for down); the output row is sorted_ids[r].
-    GATE_UP: out[:, n] = silu(A @ W[n]) * (A @ W[n + up_offset]); else out = w_route * (A @ W^T).
+    GATE_UP: out[:, n] = silu(A @ W[n]) * (A @ W[n + up_offset]); PART (the gate or the up of experts whose gate and
+    up differ in type): out = A @ W^T; else out = w_route * (A @ W^T).
     HAS_BIAS: bias [E, N (+ up_offset)] (stride_be per expert) added to each GEMM output first;
     CLAMPED_SWIGLU: gpt-oss's activation (`ClampedSwiGLU`) in place of SiLU-and-mul.
     A_FP8 (W8A8, fp8 experts on sm_89+): A is e4m3 with fp32 scales a_scale[row, k // A_GROUP] (strides 0 for a
@@ -319,7 +320,7 @@ def _moe_gemm_kernel(a_ptr, out_ptr, w_ptr, scale_ptr, zero_ptr, g_idx_ptr, rout
             acc = gate / (1.0 + tl.exp(-swiglu_alpha * gate)) * (up + 1.0)
         else:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up, in fp32
-    else:
+    elif not PART:
         acc = acc * tl.load(routing_weight_ptr + rows, mask=row_ok, other=0.0)[:, None]
     out_mask = row_ok[:, None] & (offs_n[None, :] < N)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :],

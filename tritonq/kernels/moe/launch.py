@@ -27,6 +27,7 @@ from tritonq.kernels.common import (
     ClampedSwiGLU,
     Launch,
     arrival_counts,
+    config_rows,
     has_fp8_tensor_cores,
     int4_word_dequant,
     mxfp4_word_decode,
@@ -37,13 +38,14 @@ from tritonq.kernels.common import (
 )
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.fp8_gemm import quantize_activation_fp8
-from tritonq.kernels.gguf_gemm import gguf_moe_launch
-from tritonq.kernels.moe.configs import MoEConfig, _config, check_config
+from tritonq.kernels.gguf_gemm import gguf_moe_launch, word_dequant
+from tritonq.kernels.moe.configs import GGUF_FEW_ROWS_CONFIG, MoEConfig, _config, check_config
 from tritonq.kernels.moe.experts import check_experts, check_moe_inputs, fp8_activation_scheme
 from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
 from tritonq.kernels.moe.reference import fused_moe_reference
 from tritonq.kernels.moe.routing import align_blocks, moe_align_block_size, route_tokens
-from tritonq.quant.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight, MXFP4Weight, Weight
+from tritonq.kernels.norm_rope import silu_mul
+from tritonq.quant.weights import DenseWeight, FP8Weight, GGUFWeight, Int4Weight, MXFP4Weight, PartsWeight, Weight
 
 FP8_DOT_MIN_K = 32  # tl.dot's smallest K for e4m3 operands (Triton's min_dot_size for 8-bit types)
 
@@ -84,11 +86,30 @@ def _weight_args(w: Weight, native_fp8: bool, words: bool = False) -> dict:
                 SCALE_BN=scale_bn, SCALE_BK=scale_bk, FP8_AS_BITS=not native_fp8)
 
 
+def _gate_up_parts(gate_up: Weight, inter: int, activation: ClampedSwiGLU | None) -> tuple[Weight, ...]:
+    """The weights of the gate/up GEMMs: gate_up itself, or a PartsWeight's gate and up experts [E, I, D] (of
+    different types: GGUF files that quantize ffn_gate_exps and ffn_up_exps differently), run by SiLU-and-mul."""
+    if not isinstance(gate_up, PartsWeight):
+        return (gate_up,)
+    shapes = [p.stacked_shape(f"fused_moe: gate_up part {i}")[1] for i, p in enumerate(gate_up.parts)]
+    if shapes != [inter, inter] or activation is not None:
+        raise ValueError(f"fused_moe: gate_up of typed parts must be a gate and an up part of I={inter} rows each run "
+                         f"by SiLU-and-mul, got parts of {shapes} rows and activation {activation!r}; load the "
+                         "experts through the format's loader (get_experts)")
+    return gate_up.parts
+
+
 def word_path(x: torch.Tensor, w: Weight, cc: int | None = None) -> bool:
     """Whether the GEMM over the stacked experts w for activations like x decodes its codes from 32-bit words (the
     kernel's WORD_DEQUANT: `common.int4_word_dequant` for int4, `common.mxfp4_word_decode` for MXFP4)."""
     return bool((isinstance(w, Int4Weight) and int4_word_dequant(x, w, cc))
                 or (isinstance(w, MXFP4Weight) and mxfp4_word_decode(x, cc)))
+
+
+def diagonal_path(x: torch.Tensor, w: Weight, tokens: int, cc: int | None = None) -> bool:
+    """Whether GGUF experts w run gguf_gemm's decode word path for `tokens` tokens like x (`word_dequant`'s rule,
+    with `config_rows(tokens)` for the rows: no expert gets more; their tile: `configs.gguf_word_config`)."""
+    return isinstance(w, GGUFWeight) and word_dequant(x, w, config_rows(tokens), cc)
 
 
 def fp8_w8a8(w: Weight, x: torch.Tensor) -> bool:
@@ -146,9 +167,12 @@ class MoEExperts:
             raise ValueError(f"fused_moe: activation must be None (SiLU-and-mul) or a ClampedSwiGLU, "
                              f"got {activation!r}")
         self.gate_up, self.down, self.activation, self.plans = gate_up, down, activation, {}
+        # the GEMMs' weights: gate/up (one fused GEMM), or its gate and up of different types (one GEMM each into the
+        # two halves of one output, then SiLU-and-mul), and down
+        self.weights = (*_gate_up_parts(gate_up, self.inter, activation), down)
         # MXFP4: the largest E8M0 exponent of each GEMM's experts, read once (it picks the word path's multiplies)
         self.max_scales = tuple(int(w.scales.max()) if isinstance(w, MXFP4Weight) and not w.scales.is_meta else None
-                                for w in (gate_up, down))
+                                for w in self.weights)
 
     def route(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, first_expert: int = 0,
               **routing) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
@@ -197,14 +221,21 @@ class MoEExperts:
             _check_alignment(alignment, numel, block_m, E, x.device)
         sorted_ids, expert_ids, post_padded = alignment
         routing = topk_weights.float().contiguous().flatten()
-        hidden = torch.empty(numel, self.inter, dtype=x.dtype, device=x.device)
         slot_rows = torch.empty(numel, D, dtype=x.dtype, device=x.device)  # (token, slot) rows x routing weight
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # every row written by the down GEMM's slot sum
         bound = dict(routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
                      num_tokens_post_padded_ptr=post_padded, num_valid=numel)
         # W8A8: each GEMM's input quantized once, row by row (x per token; hidden per (token, slot) row)
-        plan.run(0, x, hidden, expert_ids, bound)
-        plan.run(1, hidden, slot_rows, expert_ids, bound | dict(sum_ptr=out, topk_ids_ptr=topk_ids.contiguous()))
+        if len(self.weights) == 3:  # gate and up of different types: their GEMMs into one [gate | up], then the SwiGLU
+            both = torch.empty(numel, 2 * self.inter, dtype=x.dtype, device=x.device)
+            plan.run(0, x, both[:, :self.inter], expert_ids, bound)
+            plan.run(1, x, both[:, self.inter:], expert_ids, bound)
+            hidden = silu_mul(both)
+        else:
+            hidden = torch.empty(numel, self.inter, dtype=x.dtype, device=x.device)
+            plan.run(0, x, hidden, expert_ids, bound)
+        plan.run(len(self.weights) - 1, hidden, slot_rows, expert_ids,
+                 bound | dict(sum_ptr=out, topk_ids_ptr=topk_ids.contiguous()))
         return out
 
     def _plan_for(self, x: torch.Tensor, T: int, top_k: int, weight_only: bool | None,
@@ -220,23 +251,29 @@ class MoEExperts:
 
     def _plan(self, x: torch.Tensor, tokens: int, top_k: int, weight_only: bool | None,
               explicit: tuple[MoEConfig, MoEConfig] | None) -> _MoEPlan:
-        """Both GEMMs' launches for up to `tokens` tokens of x's dtype, routed to top_k experts each."""
-        gate_up, down, E, inter, D = self.gate_up, self.down, self.E, self.inter, self.D
-        w8a8 = (False, False) if weight_only else (fp8_w8a8(gate_up, x), fp8_w8a8(down, x))
-        cfg1, cfg2 = explicit or (
-            _fit_block_k(_config(tokens, top_k, E, inter, D, word_path(x, gate_up)), gate_up, w8a8[0]),
-            _fit_block_k(_config(tokens, top_k, E, D, inter, word_path(x, down)), down, w8a8[1]))
-        # Both GEMMs share one alignment, so they use the smaller BLOCK_M of the two configs.
-        block_m = min(cfg1.BLOCK_M, cfg2.BLOCK_M)
+        """The GEMMs' launches (gate/up or its parts, then down) for up to `tokens` tokens of x's dtype, routed to
+        top_k experts each; an explicit (gate_up, down) config pair gives the parts the first."""
+        E, inter, D, parts = self.E, self.inter, self.D, len(self.weights) > 2
+        shapes = [(D, inter)] * (len(self.weights) - 1) + [(inter, D)]  # each GEMM's (K, N)
+        w8a8 = [not weight_only and fp8_w8a8(w, x) for w in self.weights]
+        configs = [explicit[w is self.down] if explicit else _fit_block_k(
+            _config(tokens, top_k, E, N, K, word_path(x, w), diagonal_path(x, w, tokens)), w, quantized)
+            for w, (K, N), quantized in zip(self.weights, shapes, w8a8)]
+        # All GEMMs share one alignment, so they use the smallest BLOCK_M of the configs; a GGUF GEMM whose default
+        # has more rows (fp32 weights beside the decode word path) takes the few-rows tile
+        block_m = min(cfg.BLOCK_M for cfg in configs)
+        if not explicit:
+            configs = [replace(GGUF_FEW_ROWS_CONFIG, BLOCK_M=block_m)
+                       if isinstance(w, GGUFWeight) and cfg.BLOCK_M > block_m else cfg
+                       for w, cfg in zip(self.weights, configs)]
         native_fp8 = has_fp8_tensor_cores(x.device)
 
         def stand_in(*shape, dtype=x.dtype):  # the dtypes of what each call binds (shapes and strides: per call)
             return torch.empty(shape, dtype=dtype, device=x.device)
         alignment = (stand_in(1, dtype=torch.int32),) * 3
         gemms = []
-        for weight, cfg, gate, quantized, (K, N), max_scale in (
-                (gate_up, cfg1, True, w8a8[0], (D, inter), self.max_scales[0]),
-                (down, cfg2, False, w8a8[1], (inter, D), self.max_scales[1])):
+        for weight, cfg, quantized, (K, N), max_scale in zip(self.weights, configs, w8a8, shapes, self.max_scales):
+            gate, part = weight is self.gate_up, parts and weight is not self.down
             scheme = fp8_activation_scheme(weight) if quantized else None
             if quantized:
                 group, static = scheme
@@ -245,14 +282,14 @@ class MoEExperts:
             else:
                 a, a_scale = stand_in(1, K), None
             # down: the slot sum's output and ids per call, its arrival counts the plan's (made once, here)
-            slot_sum = None if gate else (stand_in(1, D), stand_in(1, top_k, dtype=torch.int32),
-                                          arrival_counts(-(N // -cfg.BLOCK_N), x.device))
+            slot_sum = None if weight is not self.down else (stand_in(1, D), stand_in(1, top_k, dtype=torch.int32),
+                                                             arrival_counts(-(N // -cfg.BLOCK_N), x.device))
             launch = moe_gemm_launch(a, stand_in(1, N), weight, stand_in(1, dtype=torch.float32), alignment, top_k,
                                      cfg, block_m, gate, native_fp8, self.activation if gate else None, a_scale,
-                                     mxfp4_max_scale=max_scale, slot_sum=slot_sum)
-            for name in _PER_CALL + (() if gate else _PER_CALL_SUM):
+                                     mxfp4_max_scale=max_scale, slot_sum=slot_sum, part=part)
+            for name in _PER_CALL + (() if slot_sum is None else _PER_CALL_SUM):
                 del launch.args[name]
-            gemms.append((launch, scheme, -(N // -cfg.BLOCK_N)))
+            gemms.append((launch, scheme, launch.grid[1]))
         return _MoEPlan(block_m, gemms)
 
 
@@ -264,14 +301,15 @@ _PER_CALL_SUM = ("sum_ptr", "topk_ids_ptr")  # and what a call binds to the down
 
 
 class _MoEPlan:
-    """The two GEMM launches of a MoEExperts bucket, their shared BLOCK_M, and each GEMM's W8A8 activation
-    scheme (`fp8_activation_scheme`, None: unquantized input) and column tiles."""
+    """The GEMM launches of a MoEExperts bucket (gate/up, or its gate and up parts, then down), their shared BLOCK_M,
+    and each GEMM's W8A8 activation scheme (`fp8_activation_scheme`, None: unquantized input) and column tiles."""
 
     def __init__(self, block_m: int, gemms: list):
         self.block_m, self.gemms = block_m, gemms
 
     def run(self, i: int, a: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor, bound: dict) -> None:
-        """Launch GEMM i (0: gate_up, 1: down) over a into out with the call's routing and alignment `bound`."""
+        """Launch GEMM i (`MoEExperts.weights`' order) over a into out with the call's routing and alignment
+        `bound`."""
         launch, scheme, tiles_n = self.gemms[i]
         if scheme is None:
             a_scale, strides = bound["routing_weight_ptr"], (0, 0)  # unused
@@ -286,13 +324,15 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
                     top_k: int, config: MoEConfig, block_m: int, gate_up: bool, native_fp8: bool,
                     activation: ClampedSwiGLU | None = None, a_scale: torch.Tensor | None = None,
                     cc: int | None = None, mxfp4_max_scale: int | None = None,
-                    slot_sum: tuple | None = None) -> Launch:
+                    slot_sum: tuple | None = None, part: bool = False) -> Launch:
     """The launch of _moe_gemm_kernel for one of the two GEMMs, over all experts.
 
     gate_up: a = x [T, D], weight [E, 2I, D], out = hidden [T*k, I] (SiLU-and-mul fused); else
     a = hidden [T*k, I], weight [E, D, I], out [T*k, D] times the routing weights [T*k] fp32, and slot_sum
     (sum [T, D] in out's dtype, topk_ids [T, k], arrivals: one int32 zero per column tile, `common.arrival_counts`):
     the launch also writes sum, each token's k rows of out added in slot order (`common.sum_expert_slots`).
+    part (the gate or the up GEMM of experts whose gate and up differ in type, `MoEExperts`): a = x [T, D], weight
+    [E, I, D], out [T*k, I] (a view: one half of [gate | up]) = the tokens' rows @ W^T, no activation or routing weight.
     alignment: (sorted_ids, expert_ids, num_tokens_post_padded) of `moe_align_block_size(.., block_m)`.
     native_fp8: load fp8 weights as float8e4nv (`has_fp8_tensor_cores`), else decode their bytes.
     weight.bias [E, N_w] (if any) is added to the GEMM output; activation (gate_up only): ClampedSwiGLU or
@@ -305,12 +345,13 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
     path's scale factors (`_mxfp4_steps`); None: read here (a host sync), or for meta experts taken as at most
     MXFP4_ONE_FACTOR_MAX_SCALE.
     """
-    if gate_up == (slot_sum is not None):
-        raise ValueError(f"fused_moe: slot_sum (the down GEMM's sum over the k slots) goes with the down GEMM only; "
-                         f"got gate_up={gate_up} and slot_sum {'given' if slot_sum is not None else 'None'}")
+    if (gate_up or part) == (slot_sum is not None) or (gate_up and part):
+        raise ValueError(f"fused_moe: slot_sum (the down GEMM's sum over the k slots) goes with the down GEMM only, "
+                         f"part with a GEMM that is neither; got gate_up={gate_up}, part={part} and slot_sum "
+                         f"{'given' if slot_sum is not None else 'None'}")
     if isinstance(weight, GGUFWeight):  # GGUF block formats: their own expert kernel, in the GGUF kernel family
         return gguf_moe_launch(a, out, weight, routing, alignment, top_k, config, block_m, gate_up, activation,
-                               slot_sum)
+                               slot_sum, cc, part)
     sorted_ids, expert_ids, post_padded = alignment
     N, K = out.shape[1], a.shape[1]
     if isinstance(weight, MXFP4Weight) and config.BLOCK_K % 32:
@@ -331,8 +372,8 @@ def moe_gemm_launch(a: torch.Tensor, out: torch.Tensor, weight: Weight, routing:
     args = dict(a_ptr=a, out_ptr=out, routing_weight_ptr=routing, sorted_ids_ptr=sorted_ids,
                 expert_ids_ptr=expert_ids, num_tokens_post_padded_ptr=post_padded,
                 num_valid=routing.numel(), N=N, K=K, up_offset=N if gate_up else K,  # the I of gate_up
-                a_row_divisor=top_k if gate_up else 1, stride_am=a.stride(0), stride_om=out.stride(0),
-                GATE_UP=gate_up, TILE_SCALE_ROW=tile_scale_row, UPCAST_DOT=upcast_dot(a),
+                a_row_divisor=top_k if gate_up or part else 1, stride_am=a.stride(0), stride_om=out.stride(0),
+                GATE_UP=gate_up, PART=part, TILE_SCALE_ROW=tile_scale_row, UPCAST_DOT=upcast_dot(a),
                 BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
                 **_weight_args(weight, native_fp8, words), WORD_DEQUANT=words,
                 bias_ptr=routing if weight.bias is None else weight.bias,
