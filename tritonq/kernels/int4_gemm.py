@@ -146,6 +146,8 @@ def _int4_gemm_kernel(
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)  # row x stride reaches 2^31 elements for M * K or M * N >= 2^31 (long prefills)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if CODE_PAIRS:  # the 256-entry pair table, loaded once: the loop's lookups gather from it (code_pairs_lookup)
+        pairs = tl.load(code_ptr + tl.arange(0, 256))
 
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -178,7 +180,7 @@ def _int4_gemm_kernel(
             if HAS_ZEROS:
                 z = tl.load(zeros_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
         if CODE_PAIRS:  # code table values by pairs of codes, the block absmax on the dot's fp32 result
-            acc += tl.dot(x, code_pairs_lookup(q, code_ptr, x.dtype)) * s
+            acc += tl.dot(x, code_pairs_lookup(q, pairs, x.dtype)) * s
         elif WORD_DEQUANT:  # codes from the packed words by bit tricks (common.int4_words_to_magic, int8_...)
             if BITS == 4:
                 t = int4_words_minus_zero(q, z, HAS_ZEROS, x.dtype)
