@@ -124,7 +124,7 @@ def _int4_gemm_kernel(
     HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, WORD_DEQUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     code_ptr, HAS_CODE: tl.constexpr, partials_ptr, arrivals_ptr, SILU_MUL: tl.constexpr,
-    x_perm_ptr, PERMUTE_X: tl.constexpr, CODE_PAIRS: tl.constexpr,
+    x_perm_ptr, PERMUTE_X: tl.constexpr, CODE_PAIRS: tl.constexpr, EVEN_K: tl.constexpr,
     res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K).
@@ -133,7 +133,8 @@ def _int4_gemm_kernel(
     `common.store_output`; ADD_NORM: out = y + residual and h its RMSNorm, `common.add_rms_norm_tile`). With
     SPLIT_K > 1 the slices meet in `common.reduce_split_k` (fp32 partials [SPLIT_K, M, N], an int32 arrival count
     per output tile), in this launch. PERMUTE_X: the weight's K rows are sorted by group (`sort_act_order`) and
-    x's columns are read through the same permutation, x_perm [K].
+    x's columns are read through the same permutation, x_perm [K]. EVEN_K: K is whole BLOCK_K tiles (the loop's
+    loads need no K mask).
     """
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m = tl.program_id(0)
@@ -151,7 +152,7 @@ def _int4_gemm_kernel(
 
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        mask_k = (offs_k < K) | EVEN_K  # EVEN_K: whole K tiles, the loads' K masks fold away
         x_cols = offs_k
         if PERMUTE_X:
             x_cols = tl.load(x_perm_ptr + offs_k, mask=mask_k, other=0)
@@ -159,7 +160,7 @@ def _int4_gemm_kernel(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         offs_word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
         words = tl.load(qweight_ptr + offs_word[:, None] * N + offs_n[None, :],
-                        mask=(offs_word < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
+                        mask=((offs_word < K // PER_WORD) | EVEN_K)[:, None] & mask_n[None, :], other=0)
         q = words  # the word path reads the words themselves; else unpacked right after the load (unpack_int_tile)
         if not (WORD_DEQUANT or CODE_PAIRS):
             q = unpack_int_tile(words, BITS)
@@ -416,7 +417,7 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arr
         UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=int4_word_dequant(x, w, cc) or int8_word_dequant(x, w, cc),
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
         code_ptr=code_pair_table(w.code, x.dtype) if code_pairs else w.code if w.code is not None else w.scales,
-        HAS_CODE=w.code is not None, CODE_PAIRS=code_pairs,
+        HAS_CODE=w.code is not None, CODE_PAIRS=code_pairs, EVEN_K=K % block_k == 0,
         partials_ptr=partials, arrivals_ptr=arrivals, SILU_MUL=silu_mul,
         x_perm_ptr=w.perm if w.perm is not None else w.qweight, PERMUTE_X=w.perm is not None,
         # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
