@@ -134,7 +134,7 @@ def _int4_gemm_kernel(
     SPLIT_K > 1 the slices meet in `common.reduce_split_k` (fp32 partials [SPLIT_K, M, N], an int32 arrival count
     per output tile), in this launch. PERMUTE_X: the weight's K rows are sorted by group (`sort_act_order`) and
     x's columns are read through the same permutation, x_perm [K]. EVEN_K: K is whole BLOCK_K tiles (the loop's
-    loads need no K mask).
+    loads need no K mask; the launcher sets it for the packed-word paths).
     """
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m = tl.program_id(0)
@@ -408,16 +408,20 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arr
     tile_groups = w.g_idx is None and w.group_size % block_k == 0
     # a code table by pairs where the tile has one absmax row and fewer rows than BLOCK_K (decode)
     code_pairs = w.code is not None and tile_groups and config.BLOCK_M < block_k and half_bit_tricks(x, cc)
+    word_dequant = int4_word_dequant(x, w, cc) or int8_word_dequant(x, w, cc)
+    # the packed-word loops drop their K masks where K is whole tiles; the per-element loops keep them (without, sm_75's
+    # and sm_80's nf4 prefill tiles, already at 255 registers, spill more)
+    even_k = K % block_k == 0 and (word_dequant or code_pairs)
     args = dict(
         x_ptr=x, qweight_ptr=w.qweight, scales_ptr=w.scales, zeros_ptr=w.zeros if w.zeros is not None else w.scales,
         g_idx_ptr=w.g_idx if w.g_idx is not None else w.qweight, bias_ptr=w.bias if w.bias is not None else w.scales,
         out_ptr=out, M=M, N=N, K=K, group_size=w.group_size, stride_xm=x.stride(0), stride_xk=x.stride(1),
         BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
         TILE_GROUPS=tile_groups, HAS_BIAS=w.bias is not None,
-        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=int4_word_dequant(x, w, cc) or int8_word_dequant(x, w, cc),
+        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=word_dequant,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
         code_ptr=code_pair_table(w.code, x.dtype) if code_pairs else w.code if w.code is not None else w.scales,
-        HAS_CODE=w.code is not None, CODE_PAIRS=code_pairs, EVEN_K=K % block_k == 0,
+        HAS_CODE=w.code is not None, CODE_PAIRS=code_pairs, EVEN_K=even_k,
         partials_ptr=partials, arrivals_ptr=arrivals, SILU_MUL=silu_mul,
         x_perm_ptr=w.perm if w.perm is not None else w.qweight, PERMUTE_X=w.perm is not None,
         # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
