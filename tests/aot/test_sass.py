@@ -16,8 +16,9 @@ branch of the SASS, Triton's bundled cuobjdump) must show:
     per two codes one prmt, one lop3 and one half2 subtraction, the scale on the dot's result), act-order
     too (sorted by group once, x read through the permutation: int4_gemm.sort_act_order); 8-bit in fp16 is
     below it (one prmt per two codes), in bf16 above (per two codes a prmt, two lop3 and a packed add: the low 7
-    bits and the top bit as exact bf16 pieces); nf4 looks its
-    codes up by pairs (common.code_pairs_lookup); GGUF's Q4_K takes int4's PTX, its groups of 32 side by side in
+    bits and the top bit as exact bf16 pieces); nf4 looks its codes up by pairs (common.code_pairs_lookup: a
+    tl.gather from the table in shared memory, a prmt a byte for the index); GGUF's Q4_K takes int4's PTX, its
+    groups of 32 side by side in
     the rows of one dot (kernels/gguf_gemm.py's decode word path); fp8 x fp8 (sm_90) and W8A8 quantize only the
     M bucket's rows of x per K tile (common.broadcast_rows) over 128 columns; fp8 weight-only (sm_80) decodes 4
     e4m3 bytes a word (common.e4m3_words_to_halves: per two codes a sign-replicating prmt, a shift and an and, in
@@ -61,12 +62,13 @@ GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": di
 # two codes), sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's fp8-block and both w8a8
 # quantize x inside the loop at decode (one launch, no quantization kernel first): 8.9 and 6.0 per weight while that
 # quantized the dot's 16 padded rows (in every warp's operand layout), 2.1 and 0.7 for the M bucket's rows (W8A8 0.6
-# without masks along K). int8-gptq in bf16: 3.35-3.37 through fp32 (a prmt and an FADD per code).
+X
+# (int4, int8, nf4) load without K masks where K is whole tiles (EVEN_K: 0.1-0.2 fewer per weight).
 ALU_PER_WEIGHT = {
-    (80, "int4-awq"): 2.55, (80, "int4-gptq"): 2.45, (80, "int4-act-order"): 2.75, (80, "int8-gptq"): 3.0,
-    (80, "nf4"): 2.9, (80, "fp8-block"): 3.15, (80, "w8a8"): 0.59,
-    (90, "int4-awq"): 2.55, (90, "int4-gptq"): 2.45, (90, "int4-act-order"): 2.85, (90, "int8-gptq"): 3.0,
-    (90, "nf4"): 2.95, (90, "fp8-block"): 2.2, (90, "w8a8"): 0.62,
+    (80, "int4-awq"): 2.45, (80, "int4-gptq"): 2.35, (80, "int4-act-order"): 2.65, (80, "int8-gptq"): 2.85,
+    (80, "nf4"): 1.85, (80, "fp8-block"): 3.15, (80, "w8a8"): 0.59,
+    (90, "int4-awq"): 2.45, (90, "int4-gptq"): 2.35, (90, "int4-act-order"): 2.85, (90, "int8-gptq"): 2.85,
+    (90, "nf4"): 2.3, (90, "fp8-block"): 2.2, (90, "w8a8"): 0.62,
     # the MoE's gate/up decode loops (moe.WORD_DECODE_CONFIG, 16 x 64 x 128: whole K tiles unmasked, expert bases
     # once, int4's scale row on the dot's result; MXFP4 by common.mxfp4_words_to_half: prmt byte lookups from
     # immediate tables, one packed multiply per two codes, the dequantized tile through shared memory as int4's):

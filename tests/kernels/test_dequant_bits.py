@@ -99,10 +99,10 @@ def _fma_half(a: int, b: int, c: int, dtype: torch.dtype) -> int:
 
 
 def run_ptx(ptx: str, *inputs: int, outputs: int = 8) -> list[int]:
-    """The 16-bit outputs $0..$(outputs - 1) of a PTX block over the 32-bit inputs $outputs, $outputs + 1, ...
-    (mov.b32, and.b32, or.b32, shr.u32, shl.b32, prmt.b32 in default mode with its sign replication, lop3.b32,
-    fma.rn.bf16x2, fma.rn.f16x2, mov.b32 {lo, hi}); anything else fails the test, so an edited block cannot pass
-    unread."""
+    """The outputs $0..$(outputs - 1) of a PTX block over the 32-bit inputs $outputs, $outputs + 1, ...: 16-bit
+    halves where the block splits a register into them, else whole 32-bit registers. It emulates mov.b32, and.b32,
+    or.b32, shr.u32, shl.b32, prmt.b32 in default mode with its sign replication, lop3.b32, fma.rn.bf16x2,
+    fma.rn.f16x2 and mov.b32 {lo, hi}; anything else fails the test, so an edited block cannot pass unread."""
     regs, out = {f"${outputs + i}": v & MASK32 for i, v in enumerate(inputs)}, {}
 
     def value(operand):
@@ -146,7 +146,7 @@ def run_ptx(ptx: str, *inputs: int, outputs: int = 8) -> list[int]:
                           for i in range(32))
         else:
             raise AssertionError(f"PTX op {op} has no emulation here")
-    return [out[f"${i}"] for i in range(outputs)]
+    return [out[f"${i}"] if f"${i}" in out else regs[f"${i}"] for i in range(outputs)]
 
 
 def halves(bits: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -234,6 +234,13 @@ def test_code_pair_table_gives_both_codes_of_every_byte(dtype):
     for b in range(256):
         got = halves(run_ptx(common.PAIR_SPLIT_PTX.value, int(table[b]), outputs=2), dtype)
         assert torch.equal(got, code[[b & 15, b >> 4]].to(dtype)), b
+
+
+def test_word_bytes_ptx_gives_each_byte_zero_extended():
+    """Output i of the code-table path's index PTX (common.WORD_BYTES_PTX, `code_pairs_lookup`) is byte i of the word,
+    zero-extended: the pair table's index, for every byte value in each byte of a word and random words."""
+    for word in byte_words():
+        assert run_ptx(common.WORD_BYTES_PTX.value, word, outputs=4) == [(word >> (8 * i)) & 255 for i in range(4)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

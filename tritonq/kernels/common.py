@@ -303,25 +303,36 @@ def _split_pair(p, DTYPE: tl.constexpr):
                                          is_pure=True, pack=1)
 
 
+# PTX of `code_pairs_lookup` on word $4: output i is byte i of the word, zero-extended, by one prmt: the pair table's
+# index. Written as a shift and a mask, the compiler folds the gather's x4 into them (two instructions a byte); from
+# the prmt, sm_80's shared load scales the index itself (`LDS [R.X4]`).
+WORD_BYTES_PTX = tl.constexpr("""{
+prmt.b32 $0, $4, 0, 0x4440;
+prmt.b32 $1, $4, 0, 0x4441;
+prmt.b32 $2, $4, 0, 0x4442;
+prmt.b32 $3, $4, 0, 0x4443;
+}""")
+
+
 @triton.jit
-def code_pairs_lookup(words, pairs_ptr, DTYPE: tl.constexpr):
+def code_pairs_lookup(words, pairs, DTYPE: tl.constexpr):
     """int32 words [R, C] of 4-bit codes packed along K (field i of word r is row 8 r + i) -> code[q] in DTYPE
-    [8 R, C], through a 256-entry table of pairs (`code_pair_table`): byte i of a word indexes entry {code[low
-    nibble], code[high nibble]}, one 4-byte load (an L1 hit) per two weights, no per-code unpack. On a GPU the entry
-    splits into its halves by a register view (PAIR_SPLIT_PTX); the interpreter (fp16 only) by shifts. Rows as
-    `int4_words_to_magic` places them."""
+    [8 R, C], through the 256-entry table of pairs `pairs` (int32 [256], `code_pair_table`, loaded once by the
+    caller): byte i of a word indexes entry {code[low nibble], code[high nibble]}. The lookup is one tl.gather, which
+    stores the table in shared memory (1 KB) and reads one entry a byte there: no per-code unpack, no 64-bit address.
+    The bytes come by WORD_BYTES_PTX, the entries split into halves by a register view (PAIR_SPLIT_PTX); the
+    interpreter (fp16 only) takes shifts for both. Rows as `int4_words_to_magic` places them."""
     wt = tl.trans(words)
-    p0 = tl.load(pairs_ptr + (wt & 255))
-    p1 = tl.load(pairs_ptr + ((wt >> 8) & 255))
-    p2 = tl.load(pairs_ptr + ((wt >> 16) & 255))
-    p3 = tl.load(pairs_ptr + ((wt >> 24) & 255))
-    o0, o1 = _split_pair(p0, DTYPE)
-    o2, o3 = _split_pair(p1, DTYPE)
-    o4, o5 = _split_pair(p2, DTYPE)
-    o6, o7 = _split_pair(p3, DTYPE)
-    even = tl.interleave(tl.interleave(o0, o4), tl.interleave(o2, o6))
-    odd = tl.interleave(tl.interleave(o1, o5), tl.interleave(o3, o7))
-    return tl.trans(tl.interleave(even, odd))
+    C: tl.constexpr = wt.shape[0]
+    R: tl.constexpr = wt.shape[1]
+    if INTERPRETED:
+        b0, b1, b2, b3 = wt & 255, (wt >> 8) & 255, (wt >> 16) & 255, (wt >> 24) & 255
+    else:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(WORD_BYTES_PTX, "=r,=r,=r,=r,r", [wt], dtype=(tl.int32,) * 4,
+                                                   is_pure=True, pack=1)
+    idx = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [C, R, 2, 2]: byte i of word (c, r) at [c, r, i // 2, i % 2]
+    lo, hi = _split_pair(tl.gather(pairs, tl.reshape(idx, (C * R * 4,)), 0), DTYPE)
+    return tl.trans(tl.reshape(tl.join(lo, hi), (C, 8 * R)))  # [c, 8 r + 2 i + h]: half h of byte i's entry
 
 
 # PTX of `mxfp4_words_to_half` on word $8 (e2m1 codes c0..c7, c0 lowest; code = sign, 2 exponent bits, 1 mantissa

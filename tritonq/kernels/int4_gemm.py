@@ -124,7 +124,7 @@ def _int4_gemm_kernel(
     HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, WORD_DEQUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     code_ptr, HAS_CODE: tl.constexpr, partials_ptr, arrivals_ptr, SILU_MUL: tl.constexpr,
-    x_perm_ptr, PERMUTE_X: tl.constexpr, CODE_PAIRS: tl.constexpr,
+    x_perm_ptr, PERMUTE_X: tl.constexpr, CODE_PAIRS: tl.constexpr, EVEN_K: tl.constexpr,
     res_ptr, norm_w_ptr, h_ptr, sumsq_ptr, row_arrivals_ptr, eps, ADD_NORM: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k (of SPLIT_K).
@@ -133,7 +133,8 @@ def _int4_gemm_kernel(
     `common.store_output`; ADD_NORM: out = y + residual and h its RMSNorm, `common.add_rms_norm_tile`). With
     SPLIT_K > 1 the slices meet in `common.reduce_split_k` (fp32 partials [SPLIT_K, M, N], an int32 arrival count
     per output tile), in this launch. PERMUTE_X: the weight's K rows are sorted by group (`sort_act_order`) and
-    x's columns are read through the same permutation, x_perm [K].
+    x's columns are read through the same permutation, x_perm [K]. EVEN_K: K is whole BLOCK_K tiles (the loop's
+    loads need no K mask; the launcher sets it for the packed-word paths).
     """
     PER_WORD: tl.constexpr = 32 // BITS
     pid_m = tl.program_id(0)
@@ -146,10 +147,12 @@ def _int4_gemm_kernel(
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)  # row x stride reaches 2^31 elements for M * K or M * N >= 2^31 (long prefills)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if CODE_PAIRS:  # the 256-entry pair table, loaded once: the loop's lookups gather from it (code_pairs_lookup)
+        pairs = tl.load(code_ptr + tl.arange(0, 256))
 
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        mask_k = (offs_k < K) | EVEN_K  # EVEN_K: whole K tiles, the loads' K masks fold away
         x_cols = offs_k
         if PERMUTE_X:
             x_cols = tl.load(x_perm_ptr + offs_k, mask=mask_k, other=0)
@@ -157,7 +160,7 @@ def _int4_gemm_kernel(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         offs_word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
         words = tl.load(qweight_ptr + offs_word[:, None] * N + offs_n[None, :],
-                        mask=(offs_word < K // PER_WORD)[:, None] & mask_n[None, :], other=0)
+                        mask=((offs_word < K // PER_WORD) | EVEN_K)[:, None] & mask_n[None, :], other=0)
         q = words  # the word path reads the words themselves; else unpacked right after the load (unpack_int_tile)
         if not (WORD_DEQUANT or CODE_PAIRS):
             q = unpack_int_tile(words, BITS)
@@ -178,7 +181,7 @@ def _int4_gemm_kernel(
             if HAS_ZEROS:
                 z = tl.load(zeros_ptr + g[:, None] * N + offs_n[None, :], mask=mask_kn, other=0.0)
         if CODE_PAIRS:  # code table values by pairs of codes, the block absmax on the dot's fp32 result
-            acc += tl.dot(x, code_pairs_lookup(q, code_ptr, x.dtype)) * s
+            acc += tl.dot(x, code_pairs_lookup(q, pairs, x.dtype)) * s
         elif WORD_DEQUANT:  # codes from the packed words by bit tricks (common.int4_words_to_magic, int8_...)
             if BITS == 4:
                 t = int4_words_minus_zero(q, z, HAS_ZEROS, x.dtype)
@@ -405,16 +408,20 @@ def int4_gemm_launch(x: torch.Tensor, w: Int4Weight, config: Int4GemmConfig, arr
     tile_groups = w.g_idx is None and w.group_size % block_k == 0
     # a code table by pairs where the tile has one absmax row and fewer rows than BLOCK_K (decode)
     code_pairs = w.code is not None and tile_groups and config.BLOCK_M < block_k and half_bit_tricks(x, cc)
+    word_dequant = int4_word_dequant(x, w, cc) or int8_word_dequant(x, w, cc)
+    # the packed-word loops drop their K masks where K is whole tiles; the per-element loops keep them (without, sm_75's
+    # and sm_80's nf4 prefill tiles, already at 255 registers, spill more)
+    even_k = K % block_k == 0 and (word_dequant or code_pairs)
     args = dict(
         x_ptr=x, qweight_ptr=w.qweight, scales_ptr=w.scales, zeros_ptr=w.zeros if w.zeros is not None else w.scales,
         g_idx_ptr=w.g_idx if w.g_idx is not None else w.qweight, bias_ptr=w.bias if w.bias is not None else w.scales,
         out_ptr=out, M=M, N=N, K=K, group_size=w.group_size, stride_xm=x.stride(0), stride_xk=x.stride(1),
         BITS=w.bits, HAS_ZEROS=w.zeros is not None, HAS_G_IDX=w.g_idx is not None,
         TILE_GROUPS=tile_groups, HAS_BIAS=w.bias is not None,
-        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=int4_word_dequant(x, w, cc) or int8_word_dequant(x, w, cc),
+        UPCAST_DOT=upcast_dot(x), WORD_DEQUANT=word_dequant,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=block_k, SPLIT_K=split_k,
         code_ptr=code_pair_table(w.code, x.dtype) if code_pairs else w.code if w.code is not None else w.scales,
-        HAS_CODE=w.code is not None, CODE_PAIRS=code_pairs,
+        HAS_CODE=w.code is not None, CODE_PAIRS=code_pairs, EVEN_K=even_k,
         partials_ptr=partials, arrivals_ptr=arrivals, SILU_MUL=silu_mul,
         x_perm_ptr=w.perm if w.perm is not None else w.qweight, PERMUTE_X=w.perm is not None,
         # the residual + RMSNorm epilogue's tensors (GemmPlan's add_norm binds them); unused without ADD_NORM
