@@ -62,8 +62,8 @@ GGUF_KINDS = {"gguf-q4_k": dict(bits=4, group=32, offsets=True), "gguf-q5_k": di
 # two codes), sm_90's an e4m3 x e4m3 dot; w8a8 an int8 dot. sm_90's fp8-block and both w8a8
 # quantize x inside the loop at decode (one launch, no quantization kernel first): 8.9 and 6.0 per weight while that
 # quantized the dot's 16 padded rows (in every warp's operand layout), 2.1 and 0.7 for the M bucket's rows (W8A8 0.6
-X
-# (int4, int8, nf4) load without K masks where K is whole tiles (EVEN_K: 0.1-0.2 fewer per weight).
+# without masks along K). int8-gptq in bf16: 3.35-3.37 through fp32 (a prmt and an FADD per code), 2.71 in two
+# exact bf16 pieces. int4_gemm's loops (int4, int8, nf4) load without K masks where K is whole tiles (EVEN_K: 0.1-0.2 fewer per weight).
 ALU_PER_WEIGHT = {
     (80, "int4-awq"): 2.45, (80, "int4-gptq"): 2.35, (80, "int4-act-order"): 2.65, (80, "int8-gptq"): 2.85,
     (80, "nf4"): 1.85, (80, "fp8-block"): 3.15, (80, "w8a8"): 0.59,
