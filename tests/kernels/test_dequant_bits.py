@@ -108,8 +108,9 @@ def _fma_half(a: int, b: int, c: int, dtype: torch.dtype) -> int:
 
 def run_ptx(ptx: str, *inputs: int, outputs: int = 8) -> list[int]:
     """The 16-bit outputs $0..$(outputs - 1) of a PTX block over the 32-bit inputs $outputs, $outputs + 1, ...
-    (mov.b32, and.b32, or.b32, shr.u32, prmt.b32 default mode, lop3.b32, sub.f32 round-to-nearest,
-    cvt.rn.bf16x2.f32, fma.rn.bf16x2, fma.rn.f16x2, mov.b32 {lo, hi}); anything else fails the test, so an edited
+    (mov.b32, and.b32, or.b32, shr.u32, shl.b32, mul.lo.u32, prmt.b32 default mode, lop3.b32, sub.f32
+    round-to-nearest, cvt.rn.bf16x2.f32, fma.rn.bf16x2, fma.rn.f16x2, mov.b32 {lo, hi}); anything else fails the
+    test, so an edited
     block cannot pass unread."""
     regs, out = {f"${outputs + i}": v & MASK32 for i, v in enumerate(inputs)}, {}
 
@@ -141,6 +142,10 @@ def run_ptx(ptx: str, *inputs: int, outputs: int = 8) -> list[int]:
                           for h in (0, 16))
         elif op == "shr.u32":
             regs[d] = value(args[0]) >> value(args[1])
+        elif op == "shl.b32":
+            regs[d] = (value(args[0]) << value(args[1])) & MASK32
+        elif op == "mul.lo.u32":
+            regs[d] = (value(args[0]) * value(args[1])) & MASK32
         elif op == "prmt.b32":  # byte i of d = byte (selector nibble i & 7) of {b, a}; bit 3 (sign) unused here
             pool, selector = value(args[0]) | value(args[1]) << 32, value(args[2])
             assert all(not (selector >> (4 * i + 3)) & 1 for i in range(4)), "sign-replicating prmt: emulate it"
@@ -181,6 +186,27 @@ def test_int4_word_ptx_gives_magic_plus_each_field(dtype, magic):
         got = halves(run_ptx(ptx, word), dtype)
         fields = torch.tensor([(word >> (4 * j)) & 15 for j in range(8)], dtype=torch.float32)
         assert torch.equal(got.float(), fields + magic), hex(word)
+
+
+@pytest.mark.parametrize("high", [1, 2])
+@pytest.mark.parametrize("dtype, magic", [(torch.float16, 1024.0), (torch.bfloat16, 128.0)])
+def test_high_word_ptx_gives_magic_plus_each_code(dtype, magic, high):
+    """GGUF's 5- / 6-bit codes (common.high_words_to_magic): output j of the PTX is magic + (field j of the 4-bit
+    word | its high bits << 4), the high bits the word's part (byte, or half) of the high word, for every byte value
+    in each byte of both words, in each part, and random words."""
+    ptx = getattr(common, f"HIGH{high}_{'FP16' if dtype == torch.float16 else 'BF16'}_MAGIC_PTX").value
+    words = byte_words()
+    for word, hb in zip(words + words[::-1], words[::-1] + words):
+        for part in range(4 // high):
+            if high == 1:
+                inputs = (word, hb, part * 8)
+            else:  # h << 4, h << 2, h >> 2 (arithmetic, as Triton's int32 shift) and the half's prmt selector
+                signed = hb - (hb >> 31 << 32)
+                inputs = (word, hb, hb << 4, hb << 2, signed >> 2, 0x1504 + part * 0x2222)
+            got = halves(run_ptx(ptx, *inputs), dtype)
+            codes = [(word >> (4 * j)) & 15 | ((hb >> (8 * high * part + high * j)) & ((1 << high) - 1)) << 4
+                     for j in range(8)]
+            assert torch.equal(got.float(), torch.tensor(codes, dtype=torch.float32) + magic), (hex(word), hex(hb))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
