@@ -75,12 +75,12 @@ ALU_PER_WEIGHT = {
     (80, "float16", "moe-mxfp4"): 3.05, (90, "float16", "moe-mxfp4"): 3.1,
     # GGUF block formats (kernels/gguf_gemm.py), the decode word path: a dot whose 16 rows hold the K tile's groups,
     # scale, zero and offset on its fp32 result (sm_80 / sm_90). Q4_K: int4_words_to_magic's PTX, 2.20 / 2.56; Q5_K
-    # and Q6_K: the high plane's bits merged into the nibbles' bytes (common.high_words_to_magic), 3.13 / 3.45 and
-    # 3.52 / 3.77 (groups of 16: twice the affine); IQ4_XS: the levels by pairs (common.code_pairs_lookup), 2.39 /
-    # 2.63. With each weight formed in fp32 before: Q4_K 6.84 / 6.30, Q5_K 9.86 / 9.95, Q6_K 10.09 / 10.20, IQ4_XS
-    # 6.14 / 6.12
-    (80, "gguf-q4_k"): 2.3, (90, "gguf-q4_k"): 2.7, (80, "gguf-q5_k"): 3.3, (90, "gguf-q5_k"): 3.6,
-    (80, "gguf-q6_k"): 3.7, (90, "gguf-q6_k"): 3.95, (80, "gguf-iq4_xs"): 2.5, (90, "gguf-iq4_xs"): 2.75,
+    # and Q6_K: the high plane's bits merged into the nibbles' bytes (common.high_words_to_magic), 3.16 / 3.59 (one
+    # stage) and 3.52 / 3.77 (groups of 16: twice the affine); IQ4_XS: the levels by pairs (common.code_pairs_lookup,
+    # one stage), 2.38 / 2.85. With each weight formed in fp32 before: Q4_K 6.84 / 6.30, Q5_K 9.86 / 9.95, Q6_K
+    # 10.09 / 10.20, IQ4_XS 6.14 / 6.12
+    (80, "gguf-q4_k"): 2.3, (90, "gguf-q4_k"): 2.7, (80, "gguf-q5_k"): 3.3, (90, "gguf-q5_k"): 3.75,
+    (80, "gguf-q6_k"): 3.7, (90, "gguf-q6_k"): 3.95, (80, "gguf-iq4_xs"): 2.5, (90, "gguf-iq4_xs"): 3.0,
 }
 CASES = [(cc, "bfloat16", kind) for cc in (80, 90)
          for kind in (*WEIGHT_TYPES, "moe-int4", "moe-mxfp4", *GGUF_KINDS)] + [

@@ -240,19 +240,22 @@ def _gguf_gemm_kernel(
         store_output(out_ptr, acc, rows, offs_n, mask_m, N, N, False)
 
 
-def default_config(M: int, N: int, K: int, word: bool = False, group: int = 32) -> GGUFGemmConfig:
+def default_config(M: int, N: int, K: int, word: bool = False, group: int = 32, one_stage: bool = False
+                   ) -> GGUFGemmConfig:
     """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. word (`word_dequant`): the
     decode word path's tile (`_diagonal_dot`), M rounded up to a power of two (R) rows of x over a K tile of
     16 group / R (at least 128), so that its groups fill 16 dot rows (32 at R = 8 for groups of 32, 64 for 16); 64
-    columns over 8 warps, 2 stages (3 take
-    more registers and instructions). Not 128 columns: the dot's B tile goes through shared memory, 180 KB at
-    M = 1, over sm_80's and sm_86 / 89's limits, and sm_90 spills 8 B under Triton 3.6."""
+    columns over 8 warps, 2 stages (3 take more registers and instructions). Not 128 columns: the dot's B tile goes through shared memory, 180 KB at
+    M = 1, over sm_80's and sm_86 / 89's limits, and sm_90 spills 8 B under Triton 3.6. one_stage (Q5's 1-bit plane,
+    IQ4's pair gather): with two stages Q5's loop spills 8 B on sm_80 and IQ4's gather takes 144 KB of shared memory
+    (over sm_89's) under Triton 3.6; Q6_K keeps two (one spills 4 B on sm_90 under Triton 3.9)."""
     if M <= SPLIT_K_MAX_M:
         rows = next_pow2(M)
         block_n, block_k = (64, max(128, 16 * group // rows)) if word else (64, 128)
         split_k = max(1, min(16, next_pow2(triton.cdiv(264, triton.cdiv(N, block_n))), triton.cdiv(K, block_k) // 2))
         if word:
-            return GGUFGemmConfig(rows * block_k // group, block_n, block_k, split_k, num_warps=8, num_stages=2)
+            return GGUFGemmConfig(rows * block_k // group, block_n, block_k, split_k, num_warps=8,
+                                  num_stages=1 if one_stage else 2)
         return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
     if M <= 64:
         return GGUFGemmConfig(max(16, next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
@@ -339,7 +342,8 @@ class GGUFGemm(WeightGemm):
                 rows = config_rows(M)  # M, or one row count for every M in the batch-invariant mode
                 word = word_dequant(x, self.w, rows)
                 config = tuned_or_default("gguf_gemm", config_bucket(rows, self.N, self.K, self.w),
-                                          default_config(rows, self.N, self.K, word, self.w.group_size))
+                                          default_config(rows, self.N, self.K, word, self.w.group_size,
+                                                         self.w.bits == 5 or self.w.code is not None))
                 plan = self.plans[key] = _plan(x, self.w, config, key[0], word)
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
 
@@ -506,7 +510,8 @@ def aot_launch(config: GGUFGemmConfig | None, M: int, N: int, K: int, bits: int,
     w = _meta_weight(N, K, bits, group, offsets, code)
     x = torch.empty(M, K, dtype=dtype, device="meta")
     word = word_dequant(x, w, M, cc)
-    return gguf_gemm_launch(x, w, config or default_config(M, N, K, word, group), word=word)[0]
+    return gguf_gemm_launch(x, w, config or default_config(M, N, K, word, group, bits == 5 or code),
+                            word=word)[0]
 
 
 def aot_moe_launch(config, problem: tuple[int, int, int, int, int], gate_up: bool, bits: int, group: int,
