@@ -17,9 +17,9 @@ branch of the SASS, Triton's bundled cuobjdump) must show:
     too (sorted by group once, x read through the permutation: int4_gemm.sort_act_order); 8-bit in fp16 is
     below it (one prmt per two codes), in bf16 above (per two codes a prmt, two lop3 and a packed add: the low 7
     bits and the top bit as exact bf16 pieces); nf4 looks its codes up by pairs (common.code_pairs_lookup: a
-    tl.gather from the table in shared memory, a prmt a byte for the index); GGUF's Q4_K takes int4's PTX, its
-    groups of 32 side by side in
-    the rows of one dot (kernels/gguf_gemm.py's decode word path); fp8 x fp8 (sm_90) and W8A8 quantize only the
+    tl.gather from the table in shared memory, a prmt a byte for the index); GGUF's formats put their groups side by
+    side in the rows of one dot (kernels/gguf_gemm.py's decode word path: int4's PTX, with Q5 / Q6_K's high bits
+    merged per word, IQ4 by pairs); fp8 x fp8 (sm_90) and W8A8 quantize only the
     M bucket's rows of x per K tile (common.broadcast_rows) over 128 columns; fp8 weight-only (sm_80) decodes 4
     e4m3 bytes a word (common.e4m3_words_to_halves: per two codes a sign-replicating prmt, a shift and an and, in
     bf16 a packed FMA); W8A8 loads whole K tiles unmasked along K (common.k_tile_mask) (docs/gpu_kernels.md has
@@ -82,12 +82,14 @@ ALU_PER_WEIGHT = {
     # expert, the K tile's 16 groups in the dot's 16 rows, 32 gate and their 32 up columns in one dot, scale and offset
     # on its fp32 result): 2.20 / 2.57 (sm_80 / sm_90); 7.19 / 6.64 with each weight formed in fp32 (16-row blocks)
     (80, "moe-gguf-q4_k"): 2.3, (90, "moe-gguf-q4_k"): 2.7,
-    # GGUF block formats (kernels/gguf_gemm.py). Q4_K: the decode word path (int4_words_to_magic's PTX, a dot whose
-    # 16 rows hold the K tile's 16 groups, scale and offset on its fp32 result: 2.20 / 2.56; 6.84 / 6.30 with each
-    # weight formed in fp32). Q5_K, Q6_K, IQ4_XS: each weight formed in fp32 (the file's exact values), a scale and an
-    # offset per weight, the 5th / 6th bits from a second plane
-    (80, "gguf-q4_k"): 2.3, (90, "gguf-q4_k"): 2.7, (80, "gguf-q5_k"): 10.8, (90, "gguf-q5_k"): 10.9,
-    (80, "gguf-q6_k"): 11.1, (90, "gguf-q6_k"): 11.2, (80, "gguf-iq4_xs"): 6.8, (90, "gguf-iq4_xs"): 6.8,
+    # GGUF block formats (kernels/gguf_gemm.py), the decode word path: a dot whose 16 rows hold the K tile's groups,
+    # scale, zero and offset on its fp32 result (sm_80 / sm_90). Q4_K: int4_words_to_magic's PTX, 2.20 / 2.56; Q5_K
+    # and Q6_K: the high plane's bits merged into the nibbles' bytes (common.high_words_to_magic), 3.16 / 3.59 (one
+    # stage) and 3.52 / 3.77 (groups of 16: twice the affine); IQ4_XS: the levels by pairs (common.code_pairs_lookup,
+    # one stage), 2.38 / 2.85. With each weight formed in fp32 before: Q4_K 6.84 / 6.30, Q5_K 9.86 / 9.95, Q6_K
+    # 10.09 / 10.20, IQ4_XS 6.14 / 6.12
+    (80, "gguf-q4_k"): 2.3, (90, "gguf-q4_k"): 2.7, (80, "gguf-q5_k"): 3.3, (90, "gguf-q5_k"): 3.75,
+    (80, "gguf-q6_k"): 3.7, (90, "gguf-q6_k"): 3.95, (80, "gguf-iq4_xs"): 2.5, (90, "gguf-iq4_xs"): 3.0,
 }
 CASES = [(cc, "bfloat16", kind) for cc in (80, 90)
          for kind in (*WEIGHT_TYPES, "moe-int4", "moe-mxfp4", "moe-gguf-q4_k", *GGUF_KINDS)] + [

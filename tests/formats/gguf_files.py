@@ -206,16 +206,19 @@ SCALE_BYTES = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_1": [0, 2], "Q5_0": [0], "Q5
                "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
-def random_weight(type_name: str, N: int, K: int, seed: int = 0):
+def random_weight(type_name: str, N: int, K: int, seed: int = 0, exponents: list[int] | None = None):
     """For the kernel tests: an N x K weight of random blocks (every code and sub-block scale; fp16 d / dmin / m
-    of both signs, ~1 / K^0.5 of a code step so y stays O(1)) as (GGUFWeight on the CPU, tritonq.formats.gguf's
-    repack; the gguf package's fp32 dequantization [N, K])."""
+    of both signs, ~1 / K^0.5 of a code step so y stays O(1), or with exponents (N of them) +-2^exponents[n] in
+    every block of row n) as (GGUFWeight on the CPU, tritonq.formats.gguf's repack; the gguf package's fp32
+    dequantization [N, K])."""
     block, size, _ = BLOCK_FORMATS[type_name]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(N * K // block, size), dtype=np.uint8)
     for start in SCALE_BYTES[type_name]:
         step = 4 if type_name in ("Q4_1", "Q5_0", "Q5_1") else 0.3  # a code's level times d: K-quant / IQ4 ~ 1e2
         d = (rng.standard_normal(len(blocks)) * step / K ** 0.5).astype(np.float16)
+        if exponents is not None:
+            d = (np.sign(d) * np.exp2(np.repeat(np.asarray(exponents, float), K // block))).astype(np.float16)
         blocks[:, start:start + 2] = d.view(np.uint8).reshape(-1, 2)
     raw = blocks.reshape(N, K // block * size)
     reference = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]))

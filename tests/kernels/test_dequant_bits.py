@@ -101,8 +101,9 @@ def _fma_half(a: int, b: int, c: int, dtype: torch.dtype) -> int:
 def run_ptx(ptx: str, *inputs: int, outputs: int = 8) -> list[int]:
     """The outputs $0..$(outputs - 1) of a PTX block over the 32-bit inputs $outputs, $outputs + 1, ...: 16-bit
     halves where the block splits a register into them, else whole 32-bit registers. It emulates mov.b32, and.b32,
-    or.b32, shr.u32, shl.b32, prmt.b32 in default mode with its sign replication, lop3.b32, fma.rn.bf16x2,
-    fma.rn.f16x2 and mov.b32 {lo, hi}; anything else fails the test, so an edited block cannot pass unread."""
+    or.b32, shr.u32, shl.b32, mul.lo.u32, prmt.b32 in default mode with its sign replication, lop3.b32,
+    fma.rn.bf16x2, fma.rn.f16x2 and mov.b32 {lo, hi}; anything else fails the test, so an edited block cannot pass
+    unread."""
     regs, out = {f"${outputs + i}": v & MASK32 for i, v in enumerate(inputs)}, {}
 
     def value(operand):
@@ -133,6 +134,8 @@ def run_ptx(ptx: str, *inputs: int, outputs: int = 8) -> list[int]:
             regs[d] = value(args[0]) >> value(args[1])
         elif op == "shl.b32":
             regs[d] = (value(args[0]) << value(args[1])) & MASK32
+        elif op == "mul.lo.u32":
+            regs[d] = (value(args[0]) * value(args[1])) & MASK32
         elif op == "prmt.b32":  # byte i of d = byte (selector nibble i & 7) of {b, a}, or with nibble bit 3 set that
             pool, selector = value(args[0]) | value(args[1]) << 32, value(args[2])  # byte's top bit in all 8 bits
             regs[d] = 0
@@ -169,6 +172,27 @@ def test_int4_word_ptx_gives_magic_plus_each_field(dtype, magic):
         got = halves(run_ptx(ptx, word), dtype)
         fields = torch.tensor([(word >> (4 * j)) & 15 for j in range(8)], dtype=torch.float32)
         assert torch.equal(got.float(), fields + magic), hex(word)
+
+
+@pytest.mark.parametrize("high", [1, 2])
+@pytest.mark.parametrize("dtype, magic", [(torch.float16, 1024.0), (torch.bfloat16, 128.0)])
+def test_high_word_ptx_gives_magic_plus_each_code(dtype, magic, high):
+    """GGUF's 5- / 6-bit codes (common.high_words_to_magic): output j of the PTX is magic + (field j of the 4-bit
+    word | its high bits << 4), the high bits the word's part (byte, or half) of the high word, for every byte value
+    in each byte of both words, in each part, and random words."""
+    ptx = getattr(common, f"HIGH{high}_{'FP16' if dtype == torch.float16 else 'BF16'}_MAGIC_PTX").value
+    words = byte_words()
+    for word, hb in zip(words + words[::-1], words[::-1] + words):
+        for part in range(4 // high):
+            if high == 1:
+                inputs = (word, hb, part * 8)
+            else:  # h << 4, h << 2, h >> 2 (arithmetic, as Triton's int32 shift) and the half's prmt selector
+                signed = hb - (hb >> 31 << 32)
+                inputs = (word, hb, hb << 4, hb << 2, signed >> 2, 0x1504 + part * 0x2222)
+            got = halves(run_ptx(ptx, *inputs), dtype)
+            codes = [(word >> (4 * j)) & 15 | ((hb >> (8 * high * part + high * j)) & ((1 << high) - 1)) << 4
+                     for j in range(8)]
+            assert torch.equal(got.float(), torch.tensor(codes, dtype=torch.float32) + magic), (hex(word), hex(hb))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

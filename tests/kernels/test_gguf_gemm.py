@@ -1,15 +1,16 @@
 """gguf_gemm (Triton, in the interpreter off a GPU) against a float32 matmul on the weights the gguf package
 dequantizes from the same random blocks (gguf.quants.dequantize: independent of tritonq), for every block
-format kept as GGUFWeight, at odd shapes: M = 1, 3, 17, 64 (decode split-K and tiled paths), N off the 64-wide
-tile, K a whole number of the format's blocks but off the 128-deep tile where the format allows (32-blocks).
+format kept as GGUFWeight, at odd shapes: M = 1, 3, 8 (the decode word path in fp16 / bf16), 17, 64 (split-K and
+tiled paths with fp32 weights), N off the 64-wide tile, K a whole number of the format's blocks but off the K tile
+where the format allows (32-blocks).
 
-Tolerances (tests/tolerances.py's int4_gemm entry, relative to max |reference|): the kernel forms each weight in
-fp32 with the file's exact values (the repack's exactness is checked bit for bit below), then, as int4_gemm,
-meets x in x's dtype with fp32 accumulation: fp32 differs by summation order, fp16 / bf16 by the weight's
-rounding to that dtype and one rounding of y. The decode word path (Q4_K / Q4_1 at M <= 8 in fp16 / bf16 from
-sm_80; fp16 under the interpreter) rounds no weight: x meets magic + q exactly and the affine meets the dot's fp32
-result, whose cancellation of the magic's share (2^10 at most in fp16) costs ~2^-14 of max |y|, under the same
-bounds.
+Tolerances (tests/tolerances.py's int4_gemm entry, relative to max |reference|): the fp32-weight paths form each
+weight in fp32 with the file's exact values (the repack's exactness is checked bit for bit below), then, as
+int4_gemm, meet x in x's dtype with fp32 accumulation: fp32 differs by summation order, fp16 / bf16 by the weight's
+rounding to that dtype and one rounding of y. The decode word path (every format up to 8 rows in fp16 / bf16 from
+sm_80; fp16 under the interpreter) rounds no weight: x meets magic + q (IQ4: the integer level) exactly and the
+affine meets the dot's fp32 result, whose cancellation of the magic's share (2^10 at most in fp16) costs ~2^-14 of
+max |y|, under the same bounds.
 """
 import pytest
 import tolerances
@@ -42,7 +43,7 @@ def test_gguf_gemm_matches_float32_reference(type_name, dtype, device):
             w, W = random_weight(type_name, N, K)
         w, W = w.to(device), W.to(device)
         gemm = GGUFGemm(w)
-        for M in ((1, 3, 17, 64) if dtype == torch.float32 else (1, 3, 8, 16)):
+        for M in (1, 3, 8, 17, 64):
             x = torch.randn(M, K, generator=torch.Generator().manual_seed(M), device="cpu")
             x = x.to(device=device, dtype=dtype)
             ref = x.float() @ W.t()
@@ -52,32 +53,54 @@ def test_gguf_gemm_matches_float32_reference(type_name, dtype, device):
             torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_decode_word_path_is_the_one_tested(type_name, device):
-    """The reference test above runs the word path (gguf_gemm.word_dequant) where the runtime takes it: up to 8
-    rows in fp16 (and bf16 on a GPU), not fp32, not above 8 rows, not in the batch-invariant mode (one config for
-    every M); Q6_K and IQ4 keep the fp32 weights."""
+    """The reference tests run the word path (gguf_gemm.word_dequant) where the runtime takes it: up to 8 rows in
+    fp16 (and bf16 on a GPU), not fp32, not above 8 rows, not in the batch-invariant mode (one config for every M);
+    a configured K tile outside one group to the dot's rows of groups is refused."""
     from tritonq.kernels import batch_invariant_mode
     from tritonq.kernels.common import half_bit_tricks
     with torch.device("cpu"):
         w, _ = random_weight(type_name, *shapes(type_name)[0])
-        q6k, _ = random_weight("Q6_K", 80, 512)
-    w, q6k = w.to(device), q6k.to(device)  # held: a GGUFGemm holds its weight weakly
+    w = w.to(device)  # held: a GGUFGemm holds its weight weakly
     gemm = GGUFGemm(w)
 
-    def word(M, dtype, g=gemm):
-        g(torch.zeros(M, g.K, dtype=dtype, device=device))
-        return g.plans[(1 << (M - 1).bit_length(), dtype, False)].launch.args["WORD_DEQUANT"]
+    def word(M, dtype):
+        gemm(torch.zeros(M, gemm.K, dtype=dtype, device=device))
+        return gemm.plans[(1 << (M - 1).bit_length(), dtype, False)].launch.args["WORD_DEQUANT"]
     assert word(1, torch.float16) and word(8, torch.float16)
     assert not word(16, torch.float16) and not word(1, torch.float32)
     assert word(1, torch.bfloat16) == half_bit_tricks(torch.zeros(1, dtype=torch.bfloat16, device=device))
-    assert not word(1, torch.float16, GGUFGemm(q6k))
     with batch_invariant_mode():
         gemm(torch.zeros(1, gemm.K, dtype=torch.float16, device=device))
         assert not gemm.plans[(1, torch.float16, True)].launch.args["WORD_DEQUANT"]
-    with pytest.raises(ValueError, match=r"gguf_gemm: BLOCK_K of the decode word path is 1024, expected 32 to "
-                                         r"BLOCK_M \* 32 = 512"):
+    g = w.group_size
+    with pytest.raises(ValueError, match=rf"gguf_gemm: BLOCK_K of the decode word path is 1024, expected {g} to "
+                                         rf"BLOCK_M \* {g} = {16 * g}"):
         gemm(torch.zeros(1, gemm.K, dtype=torch.float16, device=device), GGUFGemmConfig(16, 64, 1024, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q5_0", "Q5_1", "Q6_K", "IQ4_NL", "IQ4_XS"])
+def test_decode_word_path_at_extreme_scales_and_every_code(type_name, dtype, device):
+    """Each weight row n has block scales (d, dmin / m) +-2^e_n, e_n across the file's fp16 range (-24 .. 15; in
+    fp16 -14 .. -4, so that y is a normal fp16 number), and its blocks hold every code: each output column matches
+    the float32 reference to the dtype's tolerance of its own largest value, so no scale hides behind a larger one.
+    The magic's cancellation scales with each column's scale; the integer products stay exact at any scale."""
+    exponents = list(range(-24, 16)) if dtype == torch.bfloat16 else list(range(-14, -3))
+    K = 768 if BLOCK_FORMATS[type_name][0] == 256 else 288
+    with torch.device("cpu"):
+        w, W = random_weight(type_name, len(exponents), K, seed=3, exponents=exponents)
+    assert torch.unique(w.codes()).numel() == 2 ** w.bits  # every code
+    w, W = w.to(device), W.to(device)
+    gemm = GGUFGemm(w)
+    tol = TOL[dtype]
+    for M in (1, 8):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M), device="cpu").to(device=device, dtype=dtype)
+        ref = x.float() @ W.t()
+        y = gemm(x).float()
+        for n in range(len(exponents)):
+            torch.testing.assert_close(y[:, n], ref[:, n], rtol=tol, atol=tol * ref[:, n].abs().max().item())
 
 
 def test_bias_split_k_and_the_reference(device):

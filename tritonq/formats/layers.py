@@ -41,8 +41,9 @@ class Linear(nn.Module):
         """norm.add_norm(residual, self(x)) for x [T, K]: (residual + x @ W^T, its RMSNorm), in the GEMM's launch
         where its kernel has that epilogue (a decode step's o_proj: `add_rms_norm` of Int4Gemm, FP8Gemm, Int8Gemm,
         DenseGemm), else the GEMM, then the norm's launch."""
-        fused = getattr(self.prepared.gemm, "add_rms_norm", None)
-        out = fused(x, residual, norm.weight, norm.eps) if fused is not None else None
+        gemm = self.prepared.gemm  # a GEMM object, or a PartsWeight's list of parts
+        fused = getattr(gemm, "HAS_ADD_NORM_EPILOGUE", False)
+        out = gemm.add_rms_norm(x, residual, norm.weight, norm.eps) if fused else None
         return out if out is not None else norm.add_norm(residual, self(x))
 
 

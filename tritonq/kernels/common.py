@@ -7,6 +7,8 @@
   int4_words_to_magic  4-bit codes straight from the packed words to magic + q half pairs by inline PTX (one
                        prmt and one lop3 per two codes; GPU from sm_80, `int4_word_dequant`)
   int4_words_minus_zero  its q - zero, exactly (int4_gemm, moe)
+  high_words_to_magic  the same for 5- / 6-bit codes split into a 4-bit plane and a plane of the bits above
+                       (gguf_gemm's Q5 / Q6_K decode path)
   int8_words_minus_zero  the same for 8-bit codes (`int8_words_to_halves`: one prmt per two codes into fp16
                        pairs; bf16 from two exact pieces a code; int4_gemm, `int8_word_dequant`)
   e2m1_bits_to_fp16    MXFP4 (e2m1) codes -> fp16 / 2^14 with integer ops (moe's mxfp4 experts)
@@ -196,6 +198,120 @@ def _word_rows(o0, o1, o2, o3, o4, o5, o6, o7):
     even = tl.interleave(tl.interleave(o0, o4), tl.interleave(o2, o6))  # rows 8 r + 0, 2, 4, 6
     odd = tl.interleave(tl.interleave(o1, o5), tl.interleave(o3, o7))
     return tl.trans(tl.interleave(even, odd))
+
+
+# PTX of `high_words_to_magic` on word $8 of the 4-bit plane (fields n0..n7) and $9, the word of the high plane that
+# holds the same 8 codes' high bits (1 bit a code: bits $10 + i, $10 the shift to the word's byte; 2 bits a code: the
+# fields of the half that prmt selector $13 picks, $10..$12 = $9 << 4, << 2, >> 2). Two words are formed whose byte
+# i holds code 2i (a: $8's low nibbles) and code 2i + 1 (b: t = $8 >> 4), the high bits placed at bit 4 of each
+# byte by a select (lop3 0xD8: (b & c) | (a & ~c)); then int4's prmt and lop3 per pair, with a 5- or 6-bit mask.
+# 1 bit: the even (odd) bits of the code's byte go to bit 8i + 4 by one multiply (0x410410: shifts 4, 10, 16, 22;
+# 0x208208: 3, 9, 15, 21), whose overlapping copies carry only into odd bits, never into a bit 8i + 4. 2 bits: byte
+# k's fields at bits 0, 2, 4, 6 reach bits 4-5 of a byte of h << 4, h << 2, h and h >> 2; one prmt per word picks
+# the bytes.
+_HIGH_SPREAD = {1: """shr.u32 h, $9, $10;
+and.b32 e, h, 0x55;
+and.b32 o, h, 0xAA;
+mul.lo.u32 e, e, 0x410410;
+mul.lo.u32 o, o, 0x208208;
+""", 2: """prmt.b32 e, $9, $10, $13;
+prmt.b32 o, $12, $11, $13;
+"""}
+_HIGH_MAGIC_PTX = """{
+.reg .b32 t, h, e, o, a, b, p0, p1, p2, p3;
+shr.u32 t, $8, 4;
+SPREAD
+lop3.b32 a, $8, e, HIGH_BITS, 0xD8;
+lop3.b32 b, t, o, HIGH_BITS, 0xD8;
+prmt.b32 p0, a, b, 0x0400;
+prmt.b32 p1, a, b, 0x0501;
+prmt.b32 p2, a, b, 0x0602;
+prmt.b32 p3, a, b, 0x0703;
+lop3.b32 p0, p0, CODE_BITS, MAGIC, 0xEA;
+lop3.b32 p1, p1, CODE_BITS, MAGIC, 0xEA;
+lop3.b32 p2, p2, CODE_BITS, MAGIC, 0xEA;
+lop3.b32 p3, p3, CODE_BITS, MAGIC, 0xEA;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+mov.b32 {$4, $5}, p2;
+mov.b32 {$6, $7}, p3;
+}"""
+
+
+def _high_magic_ptx(high: int, magic: str) -> str:
+    """The PTX block of `high_words_to_magic` for `high` bits above the nibble and one dtype's magic pair."""
+    return (_HIGH_MAGIC_PTX.replace("SPREAD\n", _HIGH_SPREAD[high]).replace("MAGIC", magic)
+            .replace("HIGH_BITS", ("0x10101010", "0x30303030")[high - 1])
+            .replace("CODE_BITS", ("0x001F001F", "0x003F003F")[high - 1]))
+
+
+HIGH1_FP16_MAGIC_PTX = tl.constexpr(_high_magic_ptx(1, "0x64006400"))
+HIGH1_BF16_MAGIC_PTX = tl.constexpr(_high_magic_ptx(1, "0x43004300"))
+HIGH2_FP16_MAGIC_PTX = tl.constexpr(_high_magic_ptx(2, "0x64006400"))
+HIGH2_BF16_MAGIC_PTX = tl.constexpr(_high_magic_ptx(2, "0x43004300"))
+
+
+@triton.jit
+def _magic_high_code(words, high, shift, J: tl.constexpr, HIGH: tl.constexpr, DTYPE: tl.constexpr):
+    """Code J of each word (its nibble, and its HIGH bits at bit shift + J * HIGH of `high`) ORed into fp16's magic
+    number (the interpreter's path of `high_words_to_magic`; fp16 only, as `_magic_code`)."""
+    q = ((words >> (4 * J)) & 15) | (((high >> (shift + J * HIGH)) & ((1 << HIGH) - 1)) << 4)
+    return (q | 0x6400).to(tl.int16).to(DTYPE, bitcast=True)
+
+
+@triton.jit
+def _per_high_word(high, F: tl.constexpr):
+    """high [G, C] -> [C, F G]: each word of the high plane for the F words of the 4-bit plane it serves, transposed as
+    `high_words_to_magic` takes the words (broadcast in registers)."""
+    G: tl.constexpr = high.shape[0]
+    C: tl.constexpr = high.shape[1]
+    return tl.trans(tl.reshape(tl.broadcast_to(high[:, None, :], (G, F, C)), (G * F, C)))
+
+
+@triton.jit
+def high_words_to_magic(words, high, HIGH: tl.constexpr, DTYPE: tl.constexpr):
+    """5- or 6-bit codes from a 4-bit plane and a plane of their HIGH (1 or 2) bits above it (GGUF's Q5 / Q6_K
+    planes): words [R, C] as `int4_words_to_magic` takes them, high [R * HIGH / 4, C] packed along K (field i of word
+    r is row 32 r / HIGH + i) -> magic + q in DTYPE [8 R, C] (q < 64: exact under both magics), rows as
+    `int4_words_to_magic` places them. On a GPU one PTX block per word (HIGH*_*_MAGIC_PTX: int4's prmt and lop3
+    per two codes, and per word the high bits set into the nibbles' bytes); the interpreter builds the values field
+    by field. Each high word serves 4 / HIGH words, broadcast in registers."""
+    F: tl.constexpr = 4 // HIGH  # words of the 4-bit plane per word of the high plane
+    R: tl.constexpr = words.shape[0]
+    part = (tl.arange(0, R) % F)[None, :]  # the byte (HIGH 1) or half (HIGH 2) of its high word a word takes
+    wt = tl.trans(words)
+    ht = _per_high_word(high, F)
+    if INTERPRETED:
+        shift = part * (8 * HIGH)
+        o0 = _magic_high_code(wt, ht, shift, 0, HIGH, DTYPE)
+        o1 = _magic_high_code(wt, ht, shift, 1, HIGH, DTYPE)
+        o2 = _magic_high_code(wt, ht, shift, 2, HIGH, DTYPE)
+        o3 = _magic_high_code(wt, ht, shift, 3, HIGH, DTYPE)
+        o4 = _magic_high_code(wt, ht, shift, 4, HIGH, DTYPE)
+        o5 = _magic_high_code(wt, ht, shift, 5, HIGH, DTYPE)
+        o6 = _magic_high_code(wt, ht, shift, 6, HIGH, DTYPE)
+        o7 = _magic_high_code(wt, ht, shift, 7, HIGH, DTYPE)
+    elif HIGH == 1:  # with the shift to the word's byte
+        if DTYPE == tl.float16:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                HIGH1_FP16_MAGIC_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wt, ht, part * 8], dtype=(tl.float16,) * 8,
+                is_pure=True, pack=1)
+        else:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                HIGH1_BF16_MAGIC_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wt, ht, part * 8], dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=1)
+    else:  # h << 4, h << 2, h >> 2 once per high word (shared by its two words), and the selector of the word's half
+        spread = [wt, ht, _per_high_word(high << 4, F), _per_high_word(high << 2, F), _per_high_word(high >> 2, F),
+                  0x1504 + part * 0x2222]
+        if DTYPE == tl.float16:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                HIGH2_FP16_MAGIC_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r", spread, dtype=(tl.float16,) * 8,
+                is_pure=True, pack=1)
+        else:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                HIGH2_BF16_MAGIC_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r", spread, dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=1)
+    return _word_rows(o0, o1, o2, o3, o4, o5, o6, o7)
 
 
 @triton.jit
@@ -1134,6 +1250,8 @@ class WeightGemm:
     """Base of the per-weight GEMM objects (Int4Gemm, FP8Gemm, Int8Gemm): the weight held weakly, so the caches
     of bare calls (weight -> its GEMM object, weak keys) let the weight go; a Linear holds its weight itself.
     A subclass sets N, K, device, silu_mul and plans (its GemmPlans by key)."""
+
+    HAS_ADD_NORM_EPILOGUE = True  # whether `add_rms_norm` exists: the kernel has the residual + RMSNorm epilogue
 
     def __init__(self, w):
         self._weight = weakref.ref(w)

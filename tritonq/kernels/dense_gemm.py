@@ -93,6 +93,8 @@ class DenseGemm:
     returns silu(gate) * up [..., I]: the kernel with the SwiGLU epilogue up to DECODE_MAX_M rows and for every M in
     the mode (its one config), else F.linear then silu_mul. `add_rms_norm`: the residual + RMSNorm epilogue."""
 
+    HAS_ADD_NORM_EPILOGUE = True  # as WeightGemm's: `add_rms_norm` below
+
     def __init__(self, w: DenseWeight, silu_mul: bool = False):
         N, K = w.weight.shape
         if silu_mul and N % 2:

@@ -14,11 +14,12 @@ The load-time repack (formats/gguf.py) keeps the file's values exactly: the supe
     offset's add), then cast to x's dtype for the dot; the code becomes a float without an int-to-float conversion
     (2^23 | q, as common.dequantize_int_tile does in fp32); a K tile holds BLOCK_K / group scale rows, broadcast
     over their group by a reshape.
-  * the decode word path (WORD_DEQUANT, `word_dequant`: Q4_K / Q4_1 at M <= 8 in fp16 / bf16 from sm_80, fp16
+  * the decode word path (WORD_DEQUANT, `word_dequant`: every format at M <= 8 in fp16 / bf16 from sm_80, fp16
     under the interpreter; `_diagonal_dot`): the codes become magic + q halves straight from the packed words
-    (common.int4_words_to_magic, int4_gemm's PTX), x meets them in a dot whose 16 rows hold the K tile's groups
-    (block-diagonal x), and each group's scale and offset meet the dot's fp32 result: no weight is formed, so the
-    weights are no longer the file's fp32 values rounded to x's dtype; the products are exact and the affine is
+    (common.int4_words_to_magic, int4_gemm's PTX; Q5 / Q6_K's high bits merged by common.high_words_to_magic;
+    IQ4's levels by common.code_pairs_lookup), x meets them in a dot whose 16 rows hold the K tile's groups
+    (block-diagonal x), and each group's scale, zero and offset meet the dot's fp32 result: no weight is formed, so
+    the weights are no longer the file's fp32 values rounded to x's dtype; the products are exact and the affine is
     applied in fp32 (docs/gguf.md).
 Planes are K-packed and N-contiguous like Int4Weight's, so every weight load is a row of BLOCK_N words (16-byte
 vectors).
@@ -44,14 +45,17 @@ import triton.language as tl
 
 from tritonq.kernels import backend, batch_invariant
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
+from tritonq.kernels.int4_gemm import code_pair_table
 from tritonq.kernels.common import (
     GemmPlan,
     Launch,
     WeightGemm,
     check_launch_config,
+    code_pairs_lookup,
     config_rows,
     gemm_output,
     half_bit_tricks,
+    high_words_to_magic,
     int4_words_to_magic,
     next_pow2,
     reduce_split_k,
@@ -69,8 +73,8 @@ SPLIT_K_MAX_M = 16  # M at or below which the split-K (decode) path runs
 # BLOCK_K of the IQ4 expert GEMM: the level gather's address tile of two [64, 64] weight tiles spills on sm_80 / 89
 # (Triton 3.6, 8 warps); 32 rows do not (tests/aot/test_fit.py)
 CODE_BLOCK_K = 32
-# M at or below which Q4_K / Q4_1 take the decode word path: its scale and offset cost 2 R / 32 multiply-adds a weight
-# on the dot's result (R rows), and at 16 rows its loop (8.0 ALU a weight on sm_90) loses to the fp32 weights' (6.3)
+# M at or below which the decode word path runs: its scale and offset cost 2 R / group multiply-adds a weight on the
+# dot's result (R rows), and at 16 rows Q4_K's loop (8.0 ALU a weight on sm_90) loses to the fp32 weights' (6.3)
 WORD_MAX_M = 8
 
 
@@ -126,18 +130,24 @@ def _dot(x, w, acc, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_dot(acc, x_ptr, rows, mask_m, dot_rows, diag, stride_xm, stride_xk, lo_ptr, scales_ptr, offsets_ptr, k0,
-                  offs_n, mask_n, N, K, ZERO: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                  EVEN_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _diagonal_dot(acc, x_ptr, rows, mask_m, dot_rows, diag, stride_xm, stride_xk, lo_ptr, hi_ptr, scales_ptr,
+                  offsets_ptr, pairs, k0, offs_n, mask_n, N, K, BITS: tl.constexpr, ZERO: tl.constexpr,
+                  GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_CODE: tl.constexpr, EVEN_K: tl.constexpr,
+                  ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [GROUPS * ROWS, BLOCK_N] + the K tile k0 .. k0 + BLOCK_K of the decode word path for ROWS rows of x
     (rows, mask_m). The tile's GROUPS groups share one dot whose rows are group-major (row j * ROWS + m, dot_rows:
     x row m over group j, the other groups' columns zero: `diag`), so each dot row meets one group's scale and
     offset row on the dot's fp32 result: one multiply-add per dot row and column for the tile, not per group.
-    The 4-bit codes become magic + q halves straight from the packed words (`common.int4_words_to_magic`); every
-    product of the dot is exact. With an offset, magic + zero goes into the offset term, s * dot(x, magic + q) +
-    (o - s * (magic + zero)) * sum(x): a cancellation of the magic's share in fp32 (no longer the fp32 weight of
-    `_weight_tile`); without one, a packed subtraction leaves q - zero exactly. EVEN_K: no column past K."""
+    The codes become magic + q halves straight from the packed words (`common.int4_words_to_magic`, with the 5th /
+    6th bits `common.high_words_to_magic`); every product of the dot is exact. The magic and the zero go into the
+    offset term, s * dot(x, magic + q) + (o - s * (magic + zero)) * sum(x) (o = 0 without offsets): a cancellation
+    of the magic's share in fp32 (no longer the fp32 weight of `_weight_tile`). IQ4 (HAS_CODE): the levels
+    themselves as halves, two a 4-byte lookup (`common.code_pairs_lookup` in `pairs`, the int32 [256] table of
+    int4_gemm.code_pair_table the caller loaded once; IQ4's integer levels are exact in fp16 and bf16),
+    s * dot(x, level). EVEN_K: no
+    column past K."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP
+    HIGH: tl.constexpr = BITS - 4
     cols = tl.arange(0, BLOCK_K)
     offs_k = k0 + cols
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -157,16 +167,23 @@ def _diagonal_dot(acc, x_ptr, rows, mask_m, dot_rows, diag, stride_xm, stride_xk
         magic: tl.constexpr = 1024.0
     else:
         magic: tl.constexpr = 128.0
-    h = int4_words_to_magic(words, x.dtype)
+    if HAS_CODE:
+        return acc + tl.dot(x, code_pairs_lookup(words, pairs, x.dtype)) * s
+    if HIGH > 0:  # the words of the high plane: 32 / HIGH codes each (K is whole blocks of them)
+        offs_h = k0 * HIGH // 32 + tl.arange(0, BLOCK_K * HIGH // 32)
+        mask_h = mask_n[None, :] if EVEN_K else (offs_h < K * HIGH // 32)[:, None] & mask_n[None, :]
+        high = tl.load(hi_ptr + offs_h[:, None] * N + offs_n[None, :], mask=mask_h, other=0)
+        h = high_words_to_magic(words, high, HIGH, x.dtype)
+    else:
+        h = int4_words_to_magic(words, x.dtype)
+    c = -s * (magic + ZERO)
     if HAS_OFFSETS:
-        c = tl.load(offsets_ptr + rows_g[:, None] * N + offs_n[None, :], mask=mask_s, other=0.0) - s * (magic + ZERO)
-        # sum(x) per (group, row) from the plain [ROWS, BLOCK_K] rows, put in the dot's group-major row order
-        xm = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                     mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-        xs = tl.reshape(tl.trans(tl.sum(tl.reshape(xm.to(tl.float32), (ROWS, GROUPS, GROUP)), axis=2)),
-                        (GROUPS * ROWS,))
-        return acc + tl.dot(x, h) * s + xs[:, None] * c
-    return acc + tl.dot(x, h - (magic + ZERO)) * s
+        c += tl.load(offsets_ptr + rows_g[:, None] * N + offs_n[None, :], mask=mask_s, other=0.0)
+    # sum(x) per (group, row) from the plain [ROWS, BLOCK_K] rows, put in the dot's group-major row order
+    xm = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                 mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+    xs = tl.reshape(tl.trans(tl.sum(tl.reshape(xm.to(tl.float32), (ROWS, GROUPS, GROUP)), axis=2)), (GROUPS * ROWS,))
+    return acc + tl.dot(x, h) * s + xs[:, None] * c
 
 
 @triton.jit
@@ -197,10 +214,13 @@ def _gguf_gemm_kernel(
         dot_rows = (pid_m * ROWS + r % ROWS).to(tl.int64)
         diag = ((dot_rows < M)[:, None] & ((tl.arange(0, BLOCK_K) // GROUP)[None, :] == (r // ROWS)[:, None]))
         acc_dot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        pairs = code_ptr
+        if HAS_CODE:  # IQ4's 256-entry pair table, loaded once: the loop's lookups gather from it
+            pairs = tl.load(code_ptr + tl.arange(0, 256))
         for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
             acc_dot = _diagonal_dot(acc_dot, x_ptr, rows, mask_m, dot_rows, diag, stride_xm, stride_xk, lo_ptr,
-                                    scales_ptr, offsets_ptr, k0, offs_n, mask_n, N, K, ZERO, GROUP, HAS_OFFSETS,
-                                    EVEN_K, ROWS, BLOCK_K)
+                                    hi_ptr, scales_ptr, offsets_ptr, pairs, k0, offs_n, mask_n, N, K, BITS, ZERO,
+                                    GROUP, HAS_OFFSETS, HAS_CODE, EVEN_K, ROWS, BLOCK_K)
         acc = tl.sum(tl.reshape(acc_dot, (BLOCK_K // GROUP, ROWS, BLOCK_N)), axis=0)
     else:
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
@@ -224,18 +244,22 @@ def _gguf_gemm_kernel(
         store_output(out_ptr, acc, rows, offs_n, mask_m, N, N, False)
 
 
-def default_config(M: int, N: int, K: int, word: bool = False) -> GGUFGemmConfig:
+def default_config(M: int, N: int, K: int, word: bool = False, group: int = 32, one_stage: bool = False
+                   ) -> GGUFGemmConfig:
     """Defaults in code, used when no tuned JSON entry exists for this GPU and shape. word (`word_dequant`): the
-    decode word path's tile (`_diagonal_dot`), M rounded up to a power of two (R) rows of x over a K tile of 512 / R
-    (at least 128), so that its groups fill 16 dot rows (32 at R = 8); 64 columns over 8 warps, 2 stages (3 take
-    more registers and instructions). Not 128 columns: the dot's B tile goes through shared memory, 180 KB at
-    M = 1, over sm_80's and sm_86 / 89's limits, and sm_90 spills 8 B under Triton 3.6."""
+    decode word path's tile (`_diagonal_dot`), M rounded up to a power of two (R) rows of x over a K tile of
+    16 group / R (at least 128), so that its groups fill 16 dot rows (32 at R = 8 for groups of 32, 64 for 16); 64
+    columns over 8 warps, 2 stages (3 take more registers and instructions). Not 128 columns: the dot's B tile goes through shared memory, 180 KB at
+    M = 1, over sm_80's and sm_86 / 89's limits, and sm_90 spills 8 B under Triton 3.6. one_stage (Q5's 1-bit plane,
+    IQ4's pair gather): with two stages Q5's loop spills 8 B on sm_80 and IQ4's gather takes 144 KB of shared memory
+    (over sm_89's) under Triton 3.6; Q6_K keeps two (one spills 4 B on sm_90 under Triton 3.9)."""
     if M <= SPLIT_K_MAX_M:
         rows = next_pow2(M)
-        block_n, block_k = (64, max(128, 16 * 32 // rows)) if word else (64, 128)
+        block_n, block_k = (64, max(128, 16 * group // rows)) if word else (64, 128)
         split_k = max(1, min(16, next_pow2(triton.cdiv(264, triton.cdiv(N, block_n))), triton.cdiv(K, block_k) // 2))
         if word:
-            return GGUFGemmConfig(rows * block_k // 32, block_n, block_k, split_k, num_warps=8, num_stages=2)
+            return GGUFGemmConfig(rows * block_k // group, block_n, block_k, split_k, num_warps=8,
+                                  num_stages=1 if one_stage else 2)
         return GGUFGemmConfig(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
     if M <= 64:
         return GGUFGemmConfig(max(16, next_pow2(M)), 64, 64, 1, num_warps=4, num_stages=4)
@@ -244,11 +268,10 @@ def default_config(M: int, N: int, K: int, word: bool = False) -> GGUFGemmConfig
 
 def word_dequant(x: torch.Tensor, w: GGUFWeight, rows: int, cc: int | None = None) -> bool:
     """The WORD_DEQUANT flag, decided once per plan: up to WORD_MAX_M rows (rows: the M the config is chosen for,
-    `config_rows`) of a 4-bit format without a level table, scales per 32 (Q4_K, Q4_1), with fp16 / bf16 activations
-    on a GPU from sm_80 (`common.half_bit_tricks`: fp16 only under the interpreter; cc the target of meta tensors,
-    None: sm_80+). Everything else forms the fp32 weights (`_weight_tile`)."""
-    return (rows <= WORD_MAX_M and w.bits == 4 and w.code is None and w.group_size == 32
-            and half_bit_tricks(x, cc))
+    `config_rows`) of any format, with fp16 / bf16 activations on a GPU from sm_80 (`common.half_bit_tricks`: fp16
+    only under the interpreter; cc the target of meta tensors, None: sm_80+). Everything else (more rows, fp32, sm_75,
+    the batch-invariant mode's one config) forms the fp32 weights (`_weight_tile`)."""
+    return rows <= WORD_MAX_M and half_bit_tricks(x, cc)
 
 
 def config_bucket(M: int, N: int, K: int, w: GGUFWeight) -> str:
@@ -294,8 +317,7 @@ class GGUFGemm(WeightGemm):
     """gguf_gemm over one weight, checked once here. Per (M bucket, x dtype) the config, grid and launch
     arguments are resolved once (`GemmPlan`); a call checks x, picks the backend and runs one launch."""
 
-    # no residual + RMSNorm epilogue: formats.layers runs the GEMM, then norm_rope.add_rms_norm
-    add_rms_norm = None
+    HAS_ADD_NORM_EPILOGUE = False  # formats.layers runs the GEMM, then norm_rope.add_rms_norm
 
     def __init__(self, w: GGUFWeight):
         self.N, self.K = _check_weight(w)
@@ -324,7 +346,8 @@ class GGUFGemm(WeightGemm):
                 rows = config_rows(M)  # M, or one row count for every M in the batch-invariant mode
                 word = word_dequant(x, self.w, rows)
                 config = tuned_or_default("gguf_gemm", config_bucket(rows, self.N, self.K, self.w),
-                                          default_config(rows, self.N, self.K, word))
+                                          default_config(rows, self.N, self.K, word, self.w.group_size,
+                                                         self.w.bits == 5 or self.w.code is not None))
                 plan = self.plans[key] = _plan(x, self.w, config, key[0], word)
         return plan.run(M, x.dtype, self.device, x_ptr=x, stride_xm=x.stride(0), stride_xk=x.stride(1))
 
@@ -362,7 +385,7 @@ def gguf_gemm_launch(x: torch.Tensor, w: GGUFWeight, config: GGUFGemmConfig, arr
     args = dict(
         x_ptr=x, lo_ptr=w.lo, hi_ptr=w.hi if w.hi is not None else w.lo, scales_ptr=w.scales,
         offsets_ptr=w.offsets if w.offsets is not None else w.scales,
-        code_ptr=w.code if w.code is not None else w.scales,
+        code_ptr=w.scales if w.code is None else code_pair_table(w.code, x.dtype) if word else w.code,
         bias_ptr=w.bias if w.bias is not None else w.scales, out_ptr=out, M=M, N=N, K=K,
         stride_xm=x.stride(0), stride_xk=x.stride(1), BITS=w.bits, ZERO=w.zero, GROUP=w.group_size,
         HAS_OFFSETS=w.offsets is not None, HAS_CODE=w.code is not None, HAS_BIAS=w.bias is not None,
@@ -430,9 +453,9 @@ def _gguf_moe_kernel(a_ptr, out_ptr, lo_ptr, hi_ptr, scales_ptr, offsets_ptr, co
         word_n = cols + c // OUT_N * up_offset
         acc_dot = tl.zeros((GROUPS * BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            acc_dot = _diagonal_dot(acc_dot, a_ptr, a_rows, row_ok, dot_rows, diag, stride_am, 1, lo_ptr, scales_ptr,
-                                    offsets_ptr, k0, word_n, cols < N, W_N, K, ZERO, GROUP, HAS_OFFSETS, EVEN_K,
-                                    BLOCK_M, BLOCK_K)
+            acc_dot = _diagonal_dot(acc_dot, a_ptr, a_rows, row_ok, dot_rows, diag, stride_am, 1, lo_ptr, hi_ptr,
+                                    scales_ptr, offsets_ptr, code_ptr, k0, word_n, cols < N, W_N, K, BITS, ZERO,
+                                    GROUP, HAS_OFFSETS, HAS_CODE, EVEN_K, BLOCK_M, BLOCK_K)
         acc = tl.sum(tl.reshape(acc_dot, (GROUPS, BLOCK_M, BLOCK_N)), axis=0)
         if GATE_UP:
             acc, acc_up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, OUT_N)), (0, 2, 1)))
@@ -529,7 +552,8 @@ def aot_launch(config: GGUFGemmConfig | None, M: int, N: int, K: int, bits: int,
     w = _meta_weight(N, K, bits, group, offsets, code)
     x = torch.empty(M, K, dtype=dtype, device="meta")
     word = word_dequant(x, w, M, cc)
-    return gguf_gemm_launch(x, w, config or default_config(M, N, K, word), word=word)[0]
+    return gguf_gemm_launch(x, w, config or default_config(M, N, K, word, group, bits == 5 or code),
+                            word=word)[0]
 
 
 def aot_moe_launch(config, problem: tuple[int, int, int, int, int], gate_up: bool, bits: int, group: int,

@@ -108,8 +108,10 @@ def word_path(x: torch.Tensor, w: Weight, cc: int | None = None) -> bool:
 
 def diagonal_path(x: torch.Tensor, w: Weight, tokens: int, cc: int | None = None) -> bool:
     """Whether GGUF experts w run gguf_gemm's decode word path for `tokens` tokens like x (`word_dequant`'s rule,
-    with `config_rows(tokens)` for the rows: no expert gets more; their tile: `configs.gguf_word_config`)."""
-    return isinstance(w, GGUFWeight) and word_dequant(x, w, config_rows(tokens), cc)
+    with `config_rows(tokens)` for the rows: no expert gets more; their tile: `configs.gguf_word_config`). 4-bit
+    codes without a level table (Q4_K, Q4_1) only: the expert tile is measured for those (docs/gguf.md)."""
+    return (isinstance(w, GGUFWeight) and w.bits == 4 and w.code is None
+            and word_dequant(x, w, config_rows(tokens), cc))
 
 
 def fp8_w8a8(w: Weight, x: torch.Tensor) -> bool:
