@@ -274,6 +274,12 @@ def word_dequant(x: torch.Tensor, w: GGUFWeight, rows: int, cc: int | None = Non
     return rows <= WORD_MAX_M and half_bit_tricks(x, cc)
 
 
+def expert_word_dequant(x: torch.Tensor, w: GGUFWeight, rows: int, cc: int | None = None) -> bool:
+    """The expert kernel's WORD_DEQUANT: `word_dequant`'s rule for 4-bit codes without a level table (Q4_K, Q4_1),
+    the experts its tile (kernels/moe's `gguf_word_config`) was measured for; the others form fp32 weights."""
+    return w.bits == 4 and w.code is None and word_dequant(x, w, rows, cc)
+
+
 def config_bucket(M: int, N: int, K: int, w: GGUFWeight) -> str:
     """Key of the tuned-config JSON: M rounded up to a power of two; exact N, K and the block type."""
     return f"M{next_pow2(M)}_N{N}_K{K}_{w.type_name}"
@@ -492,7 +498,7 @@ def gguf_moe_launch(a: torch.Tensor, out: torch.Tensor, w: GGUFWeight, routing: 
     else a = hidden [T*k, I], w [E, D, I], out [T*k, D]. alignment, config (a kernels.moe MoEConfig), block_m and
     slot_sum (down: the sum over each token's slots) and part (one of a gate and an up of different types: a = x, no
     activation or routing weight) as kernels/moe's `moe_gemm_launch`. Up to WORD_MAX_M rows
-    a block (block_m) of Q4_K / Q4_1 experts take the decode word path (`word_dequant`'s rule; cc as there) over
+    a block (block_m) of Q4_K / Q4_1 experts take the decode word path (`expert_word_dequant`; cc as there) over
     config's BLOCK_K (taken down to K rounded up to a power of two, not below the group); else BLOCK_K is taken to
     at least 32 (a word of Q5's fifth bits), and to 32 for IQ4 (CODE_BLOCK_K). SiLU-and-mul only: GGUF experts
     (qwen3moe) have no biases and no other activation."""
@@ -501,7 +507,7 @@ def gguf_moe_launch(a: torch.Tensor, out: torch.Tensor, w: GGUFWeight, routing: 
               "GGUF experts run Qwen3-MoE's plain SwiGLU experts")
     sorted_ids, expert_ids, post_padded = alignment
     (N, K), W_N = (out.shape[1], a.shape[1]), w.shape[0]
-    word = word_dequant(a, w, block_m, cc)
+    word = expert_word_dequant(a, w, block_m, cc)
     if word:
         block_k = max(w.group_size, min(config.BLOCK_K, next_pow2(K)))
     else:

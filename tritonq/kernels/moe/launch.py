@@ -38,7 +38,7 @@ from tritonq.kernels.common import (
 )
 from tritonq.kernels.cpu import lowbit as cpu_lowbit
 from tritonq.kernels.fp8_gemm import quantize_activation_fp8
-from tritonq.kernels.gguf_gemm import gguf_moe_launch, word_dequant
+from tritonq.kernels.gguf_gemm import expert_word_dequant, gguf_moe_launch
 from tritonq.kernels.moe.configs import GGUF_FEW_ROWS_CONFIG, MoEConfig, _config, check_config
 from tritonq.kernels.moe.experts import check_experts, check_moe_inputs, fp8_activation_scheme
 from tritonq.kernels.moe.jit import DENSE, FP8, INT4, MXFP4, _moe_gemm_kernel
@@ -107,11 +107,9 @@ def word_path(x: torch.Tensor, w: Weight, cc: int | None = None) -> bool:
 
 
 def diagonal_path(x: torch.Tensor, w: Weight, tokens: int, cc: int | None = None) -> bool:
-    """Whether GGUF experts w run gguf_gemm's decode word path for `tokens` tokens like x (`word_dequant`'s rule,
-    with `config_rows(tokens)` for the rows: no expert gets more; their tile: `configs.gguf_word_config`). 4-bit
-    codes without a level table (Q4_K, Q4_1) only: the expert tile is measured for those (docs/gguf.md)."""
-    return (isinstance(w, GGUFWeight) and w.bits == 4 and w.code is None
-            and word_dequant(x, w, config_rows(tokens), cc))
+    """Whether GGUF experts w run gguf_gemm's decode word path for `tokens` tokens like x (`expert_word_dequant`,
+    with `config_rows(tokens)` for the rows: no expert gets more; their tile: `configs.gguf_word_config`)."""
+    return isinstance(w, GGUFWeight) and expert_word_dequant(x, w, config_rows(tokens), cc)
 
 
 def fp8_w8a8(w: Weight, x: torch.Tensor) -> bool:
