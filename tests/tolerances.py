@@ -115,3 +115,19 @@ def solo_runs(model, prompts: list[list[int]], **options):
     runs = [model.generate(p, return_dict=True, **options) for p in prompts]
     return SimpleNamespace(**{name: [getattr(r, name)[0] for r in runs]
                               for name in ("text", "token_ids", "logprobs", "finish_reasons")})
+
+
+def staggered_run(engine, prompts: list[list[int]], config):
+    """The prompts through engine.step() with staggered arrivals: two at first, then one more before each step
+    (so steps mix decodes with prefill chunks), each with GenerationConfig config; their outputs, in prompt order,
+    as a GenerationOutput-like record for assert_greedy_equal."""
+    pending, outputs = list(prompts), {}
+    ids = [engine.add_request(pending.pop(0), config) for _ in range(min(2, len(pending)))]
+    while engine.has_unfinished() or pending:
+        if pending:
+            ids.append(engine.add_request(pending.pop(0), config))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return SimpleNamespace(token_ids=[[o.token_id for o in outputs[rid]] for rid in ids],
+                           logprobs=[[o.logprob for o in outputs[rid]] for rid in ids],
+                           finish_reasons=[outputs[rid][-1].finish_reason for rid in ids])

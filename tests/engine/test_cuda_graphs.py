@@ -47,6 +47,24 @@ def llama(folder, **options):
     return tritonq.load(folder, max_seq_len=MAX_SEQ_LEN, max_num_seqs=8, **options).model
 
 
+def replayed_equals_eager(runner: ModelRunner, ctx, what: str) -> torch.Tensor:
+    """(CUDA) The step ctx run eagerly, then replayed from its graph with any host sync an error: both finite (NaN !=
+    NaN: a non-finite logit, e.g. an fp16 overflow of the random model, shows as what it is) and equal bit for bit.
+    Returns the eager logits (the eager run rewrites the step's K/V with the same values: idempotent)."""
+    runner.replay_graphs = False
+    eager = runner.run(ctx).clone()
+    runner.replay_graphs = True
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        replayed = runner.run(ctx)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(eager).all() and torch.isfinite(replayed).all(), f"{what} not finite"
+    assert torch.equal(replayed, eager), f"{what} differs"
+    return eager
+
+
 def sequences(runner: ModelRunner, prompts: list[list[int]]) -> list[SimpleNamespace]:
     """Sequences over interleaved blocks (never contiguous), prefilled through the runner."""
     per_seq, n = MAX_SEQ_LEN // BLOCK, len(prompts)
@@ -328,18 +346,7 @@ def test_graph_replay_equals_eager_bit_for_bit_without_host_sync(kind, tmp_path_
         for seq, t in zip(seqs, tokens):
             seq.token_ids.append(t)
         ctx = runner.prepare(seqs, [1] * 3, False, logits_for=[True] * 3)  # bucket 4: one padding row
-        runner.replay_graphs = False
-        eager = runner.run(ctx).clone()  # rewrites the step's K/V with the same values: idempotent
-        runner.replay_graphs = True
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            replayed = runner.run(ctx)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        # NaN != NaN: a non-finite logit (fp16 overflow of the random model) must show as what it is
-        assert torch.isfinite(eager).all() and torch.isfinite(replayed).all(), f"{kind}: step {step} not finite"
-        assert torch.equal(replayed, eager), f"{kind}: step {step} differs"
+        eager = replayed_equals_eager(runner, ctx, f"{kind}: step {step}")
         for seq in seqs:
             seq.num_computed_tokens += 1
         tokens = eager.argmax(-1).tolist()
@@ -619,7 +626,7 @@ def test_mixed_path_gives_the_solo_greedy_runs_under_preemption(llama_folder, mo
     """The engine with mixed steps at fixed shapes (torch references, fp32): prompts arrive one per step into a cache
     too small for them all, so steps mix decodes with prefill chunks and sequences are preempted and recomputed;
     every prompt still gives its solo greedy run."""
-    from tolerances import assert_greedy_equal, solo_runs
+    from tolerances import assert_greedy_equal, solo_runs, staggered_run
     from tritonq.api.model import GenerationConfig
     monkeypatch.setenv("TRITONQ_BACKEND", "torch")
     per_token = 2 * 2 * 2 * 16 * 4
@@ -638,17 +645,8 @@ def test_mixed_path_gives_the_solo_greedy_runs_under_preemption(llama_folder, mo
     g = torch.Generator().manual_seed(5)
     prefix = torch.randint(0, 256, (32,), generator=g).tolist()
     prompts = [prefix + torch.randint(0, 256, (16 if i % 4 else 7,), generator=g).tolist() for i in range(8)]
-    config, pending, outputs = GenerationConfig(max_new_tokens=12), list(prompts), {}
-    ids = [engine.add_request(pending.pop(0), config) for _ in range(2)]
-    while engine.has_unfinished() or pending:
-        if pending:
-            ids.append(engine.add_request(pending.pop(0), config))
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
+    got = staggered_run(engine, prompts, GenerationConfig(max_new_tokens=12))
     assert engine.scheduler.num_preemptions > 0 and len(mixed) > 5 and set(mixed) <= {8, 16, 32}
-    got = SimpleNamespace(token_ids=[[o.token_id for o in outputs[rid]] for rid in ids],
-                          logprobs=[[o.logprob for o in outputs[rid]] for rid in ids],
-                          finish_reasons=[outputs[rid][-1].finish_reason for rid in ids])
     plain = tritonq.load(llama_folder, enable_prefix_caching=False, **options)
     assert_greedy_equal(plain, prompts, got, solo_runs(plain, prompts, max_new_tokens=12))
 
@@ -706,17 +704,7 @@ def test_mixed_graph_replay_equals_eager_bit_for_bit_without_host_sync(kind, tmp
         ends = long.num_computed_tokens + chunk == len(long.token_ids)
         ctx = runner.prepare(seqs + [long], [1, 1, 1, chunk], True, logits_for=[True, True, True, ends])
         assert ctx.num_logits == 3 + ends
-        runner.replay_graphs = False
-        eager = runner.run(ctx).clone()  # rewrites the step's K/V with the same values: idempotent
-        runner.replay_graphs = True
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            replayed = runner.run(ctx)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert torch.isfinite(eager).all() and torch.isfinite(replayed).all(), f"{kind}: step {step} not finite"
-        assert torch.equal(replayed, eager), f"{kind}: step {step} differs"
+        eager = replayed_equals_eager(runner, ctx, f"{kind}: step {step}")
         for seq in seqs:
             seq.num_computed_tokens += 1
         long.num_computed_tokens += chunk

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from models.test_llama import write_checkpoint
-from tolerances import assert_greedy_equal, solo_runs
+from tolerances import assert_greedy_equal, solo_runs, staggered_run
 
 import tritonq
 from tritonq.engine.engine import EngineDeadError
@@ -174,16 +174,7 @@ def test_mixed_steps_under_preemption_and_shared_prefixes_give_the_solo_greedy_r
             steps.append((decodes, len(step.seqs) - decodes))
         return step
     engine.scheduler.schedule = recording_schedule
-    config = GenerationConfig(max_new_tokens=12)
-    pending, outputs = list(prompts), {}
-    ids = [engine.add_request(pending.pop(0), config) for _ in range(2)]
-    while engine.has_unfinished() or pending:
-        if pending:
-            ids.append(engine.add_request(pending.pop(0), config))
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    got = SimpleNamespace(**{name: [getattr(as_output(outputs[rid]), name)[0] for rid in ids]
-                             for name in ("token_ids", "logprobs", "finish_reasons")})
+    got = staggered_run(engine, prompts, GenerationConfig(max_new_tokens=12))
     assert any(decodes and chunks for decodes, chunks in steps), "no step mixed decodes with prefill chunks"
     assert engine.scheduler.num_preemptions > 0 and engine.block_manager.prefix_hits > 0
     plain = load(folder, enable_prefix_caching=False)

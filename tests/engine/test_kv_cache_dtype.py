@@ -8,13 +8,12 @@ layer's fixed scale), never on what else is batched, which is what makes those e
 order. Also: the sizing counts 1-byte values (+ int8 scales) and logs what fits, fp8 takes the checkpoint's
 k_scale / v_scale, and bad values are refused before anything is read.
 """
-from types import SimpleNamespace
 
 import pytest
 import safetensors.torch
 import torch
 from models.test_llama import write_checkpoint
-from tolerances import assert_greedy_equal, solo_runs
+from tolerances import assert_greedy_equal, solo_runs, staggered_run
 
 import tritonq
 from tritonq.api.model import GenerationConfig
@@ -73,17 +72,7 @@ def test_prompts_under_preemption_and_shared_prefixes_give_their_solo_runs(folde
     g = torch.Generator().manual_seed(5)
     prefix = torch.randint(0, 256, (32,), generator=g).tolist()
     prompts = [prefix + torch.randint(0, 256, (16 if i % 4 else 7,), generator=g).tolist() for i in range(8)]
-    config = GenerationConfig(max_new_tokens=12)
-    pending, outputs = list(prompts), {}
-    ids = [engine.add_request(pending.pop(0), config) for _ in range(2)]
-    while engine.has_unfinished() or pending:
-        if pending:
-            ids.append(engine.add_request(pending.pop(0), config))
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    got = SimpleNamespace(token_ids=[[o.token_id for o in outputs[rid]] for rid in ids],
-                          logprobs=[[o.logprob for o in outputs[rid]] for rid in ids],
-                          finish_reasons=[outputs[rid][-1].finish_reason for rid in ids])
+    got = staggered_run(engine, prompts, GenerationConfig(max_new_tokens=12))
     assert engine.scheduler.num_preemptions > 0 and engine.block_manager.prefix_hits > 0
     plain = load(folder, kv_cache_dtype=kind, enable_prefix_caching=False)
     assert_greedy_equal(plain, prompts, got, solo_runs(plain, prompts, max_new_tokens=12))

@@ -133,6 +133,23 @@ MOE_SHAPES = {"Q4_K": (256, 256), "Q5_K": (256, 256), "Q6_K": (256, 256), "Q5_0"
 MOE_E, MOE_TOP_K = 5, 2  # 5 experts: a count off every tile
 
 
+def assert_experts_match(layer, gate_up_ref, down_ref, D: int, dtype: torch.dtype, tokens, device) -> None:
+    """layer (MoEExperts over GGUF experts) at each token count in tokens equals the routed float32 reference on the
+    experts' gguf values (routed_reference), within tolerances.py's moe entry relative to max |reference|. fp16: x / 16,
+    so that y (quadratic in x; the random K-quant weights reach ~60) stays inside fp16's range."""
+    from tritonq.kernels.moe import grouped_topk
+    tol = tolerances.table("moe")[dtype]
+    for T in tokens:
+        gen = torch.Generator().manual_seed(T)
+        x = (torch.randn(T, D, generator=gen, device="cpu") / (16 if dtype == torch.float16 else 1)).to(dtype)
+        topk_weights, topk_ids = grouped_topk(torch.randn(T, MOE_E, generator=gen, device="cpu"), top_k=MOE_TOP_K,
+                                              renormalize=True)
+        ref = routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
+        y = layer(x.to(device), topk_weights.to(device), topk_ids.to(device))
+        assert y.dtype == dtype and y.shape == (T, D)
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("type_name, dtype, tokens", [
     ("Q4_K", torch.float32, (1, 3, 17, 64)), ("Q6_K", torch.float32, (3, 17)), ("Q5_K", torch.bfloat16, (17,)),
     ("Q5_0", torch.float32, (1, 17)), ("IQ4_NL", torch.float16, (3,)), ("Q4_K", torch.float16, (1, 3, 8, 17)),
@@ -144,21 +161,11 @@ def test_gguf_experts_through_fused_moe_match_float32_reference(type_name, dtype
     decode word path (K tiles of 128 / 256 / 512 over 1, 4, 8 rows; ragged K tiles at D 96, I 160). Tolerance:
     tolerances.py's moe entry, relative to max |reference| (both GEMMs exact fp32 dots; fp16 / bf16: the weight
     and the hidden rounded once each; the word path rounds no weight, its affine on the dot's fp32 result)."""
-    from tritonq.kernels.moe import MoEExperts, grouped_topk
+    from tritonq.kernels.moe import MoEExperts
     D, inter = MOE_SHAPES[type_name]
     gate_up, down, gate_up_ref, down_ref = random_experts(type_name, MOE_E, D, inter)
     layer = MoEExperts(gate_up.to(device), down.to(device))
-    tol = tolerances.table("moe")[dtype]
-    for T in tokens:
-        gen = torch.Generator().manual_seed(T)
-        # fp16: x / 16, so that y (quadratic in x; the random K-quant weights reach ~60) stays inside fp16's range
-        x = (torch.randn(T, D, generator=gen, device="cpu") / (16 if dtype == torch.float16 else 1)).to(dtype)
-        topk_weights, topk_ids = grouped_topk(torch.randn(T, MOE_E, generator=gen, device="cpu"), top_k=MOE_TOP_K,
-                                              renormalize=True)
-        ref = routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
-        y = layer(x.to(device), topk_weights.to(device), topk_ids.to(device))
-        assert y.dtype == dtype and y.shape == (T, D)
-        torch.testing.assert_close(y.float().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert_experts_match(layer, gate_up_ref, down_ref, D, dtype, tokens, device)
 
 
 
@@ -168,7 +175,7 @@ def test_gguf_experts_whose_gate_and_up_differ_in_type_match_float32_reference(d
     each into [gate | up], then SiLU-and-mul), with Q4_K down, equal the routed experts on the gguf package's values;
     fp16 at 1 and 3 tokens runs the Q4_K GEMMs' decode word path beside the Q6_K's fp32 weights. Tolerance as above
     (the hidden's halves rounded to x's dtype once more, before the activation, as transformers' experts do)."""
-    from tritonq.kernels.moe import MoEExperts, grouped_topk
+    from tritonq.kernels.moe import MoEExperts
     from tritonq.quant.weights import PartsWeight, stack_experts
     D, inter = MOE_SHAPES["Q4_K"]
 
@@ -180,16 +187,7 @@ def test_gguf_experts_whose_gate_and_up_differ_in_type_match_float32_reference(d
     down, down_ref = experts("Q4_K", D, inter, 30)
     gate_up_ref = [torch.cat([g, u]) for g, u in zip(gate_ref, up_ref)]
     layer = MoEExperts(PartsWeight((gate.to(device), up.to(device))), down.to(device))
-    tol = tolerances.table("moe")[dtype]
-    for T in tokens:
-        gen = torch.Generator().manual_seed(T)
-        x = (torch.randn(T, D, generator=gen, device="cpu") / (16 if dtype == torch.float16 else 1)).to(dtype)
-        topk_weights, topk_ids = grouped_topk(torch.randn(T, MOE_E, generator=gen, device="cpu"), top_k=MOE_TOP_K,
-                                              renormalize=True)
-        ref = routed_reference(x, gate_up_ref, down_ref, topk_weights, topk_ids)
-        y = layer(x.to(device), topk_weights.to(device), topk_ids.to(device))
-        assert y.dtype == dtype and y.shape == (T, D)
-        torch.testing.assert_close(y.float().cpu(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert_experts_match(layer, gate_up_ref, down_ref, D, dtype, tokens, device)
 
 
 def test_gguf_experts_decode_word_path_is_the_one_tested(device):
